@@ -1,0 +1,238 @@
+"""The run config: one YAML file, validated by pydantic, one section per stage.
+
+Unknown keys are an error that names the key (a typo such as ``max_token`` must never be silently
+ignored for a twelve-hour run). Relative paths resolve against the folder of the config file.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from eaglekit.errors import UsageError
+
+STAGES = ("generate", "prepare", "vocab", "extract", "train", "evaluate", "export")
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TargetConfig(Section):
+    model: str = Field(description="Hugging Face folder or hub id of the target model")
+    chat_template: str | None = Field(None, description="Jinja template or path to one, overriding the tokenizer's")
+    trust_remote_code: bool = False
+    aux_layers: list[int] | None = Field(None, description="HF hidden_states indices; default [2, N//2, N-3]")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device_map: str | None = Field(None, description="e.g. 'auto' to shard a large target over the GPUs")
+
+
+class DataConfig(Section):
+    prompts: str = Field(description="JSONL (ShareGPT/OpenAI messages), Parquet, or a datasets saved folder")
+    max_samples: int | None = Field(None, ge=1)
+    on_bad_row: Literal["fail", "skip"] = "fail"
+    eval_fraction: float = Field(0.05, ge=0.0, lt=1.0, description="share of samples held out for evaluation")
+
+
+class GenerateConfig(Section):
+    backend: Literal["local", "openai"] = "local"
+    max_tokens: int = Field(512, ge=1)
+    temperature: float = Field(0.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    reasoning: Literal["required", "optional", "off"] | None = Field(
+        None, description="default: required when the target's chat template has think tags, else optional")
+    gate_samples: int = Field(20, ge=1, description="completions checked by the reasoning gate")
+    gate_max_empty_share: float = Field(0.1, ge=0.0, le=1.0)
+    batch_size: int = Field(8, ge=1, description="local backend: prompts per generate() call")
+    seed: int = 0
+    # openai backend
+    servers: list[str] = Field(default_factory=list, description="base URLs ending in /v1")
+    model: str | None = Field(None, description="served model id")
+    api_key_env: str | None = Field(None, description="name of the env variable holding the API key")
+    concurrency: int = Field(16, ge=1, description="in-flight requests per server")
+    timeout: float = Field(600.0, gt=0, description="seconds per request")
+    max_retries: int = Field(5, ge=0)
+    extra_body: dict[str, Any] = Field(default_factory=dict)
+    return_token_ids: bool = True
+
+
+class PrepareConfig(Section):
+    max_length: int = Field(2048, ge=8)
+    overlong: Literal["drop", "truncate"] = "drop"
+
+
+class VocabConfig(Section):
+    draft_vocab_size: int = Field(32000, ge=1)
+
+
+class ExtractConfig(Section):
+    mode: Literal["online", "offline"] = "online"
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    shard_tokens: int = Field(1_000_000, ge=1, description="tokens per feature shard")
+    batch_tokens: int = Field(8192, ge=1)
+
+
+class DraftModelConfig(Section):
+    """Overrides of the draft config derived from the target's (all optional)."""
+
+    hidden_size: int | None = None
+    intermediate_size: int | None = None
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+
+
+class TrainConfig(Section):
+    init_from: str | None = Field(None, description="published drafter to finetune (legacy or speculators form)")
+    remap_vocab: bool = False
+    draft: DraftModelConfig = Field(default_factory=DraftModelConfig)
+    ttt_steps: int = Field(7, ge=1)
+    ttt_decay: float = Field(0.8, gt=0.0)
+    lr: float = Field(1e-4, gt=0.0)
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
+    warmup_steps: int = Field(50, ge=0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    grad_clip: float = Field(0.5, gt=0.0)
+    batch_size: int = Field(4, ge=1, description="sequences per micro-batch per process")
+    grad_accum: int = Field(1, ge=1)
+    max_steps: int | None = Field(None, ge=1)
+    epochs: float = Field(1.0, gt=0.0)
+    eval_every: int = Field(100, ge=1)
+    save_every: int = Field(500, ge=1)
+    keep_last: int = Field(2, ge=1)
+    packing: bool = False
+    seed: int = 0
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    distributed: Literal["ddp", "fsdp"] = "ddp"
+    init_lm_head_from_target: bool = True
+
+
+class EvaluateConfig(Section):
+    prompts: str | None = Field(None, description="default: the held-out split of this run's data")
+    num_samples: int = Field(16, ge=1)
+    num_speculative_tokens: list[int] = Field(default_factory=lambda: [1, 3, 5, 7])
+    temperatures: list[float] = Field(default_factory=lambda: [0.0, 1.0])
+    max_new_tokens: int = Field(128, ge=1)
+    ngram_min: int = Field(1, ge=1)
+    ngram_max: int = Field(4, ge=1)
+    seed: int = 0
+    checkpoint: str | None = Field(None, description="drafter to evaluate; default: this run's best")
+
+
+class ExportConfig(Section):
+    formats: list[Literal["eagle3", "speculators"]] = Field(default_factory=lambda: ["eagle3", "speculators"])
+    verifier: str | None = Field(None, description="hub id of the target, required by vLLM's speculators form")
+    num_speculative_tokens: int = Field(3, ge=1)
+    include_embeddings: bool = True
+
+
+class RunConfig(Section):
+    run_dir: str
+    target: TargetConfig
+    data: DataConfig
+    generate: GenerateConfig = Field(default_factory=GenerateConfig)
+    prepare: PrepareConfig = Field(default_factory=PrepareConfig)
+    vocab: VocabConfig = Field(default_factory=VocabConfig)
+    extract: ExtractConfig = Field(default_factory=ExtractConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
+    export: ExportConfig = Field(default_factory=ExportConfig)
+
+    # Where the config was read from; not a key of the file.
+    source: Path | None = Field(None, exclude=True)
+
+    @property
+    def run_path(self) -> Path:
+        return Path(self.run_dir)
+
+    def stages(self) -> list[str]:
+        """The stages this config runs, in order (extract only in offline mode)."""
+        return [s for s in STAGES if s != "extract" or self.extract.mode == "offline"]
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json", exclude={"source"}), sort_keys=False)
+
+
+def _looks_like_hub_id(value: str) -> bool:
+    parts = value.split("/")
+    return len(parts) == 2 and all(parts) and not value.startswith((".", "/", "~"))
+
+
+def _resolve(base: Path, value: str | None, *, hub_ok: bool = False) -> str | None:
+    """Resolve a path against the config's folder. A hub id (``org/name``) that is not a local folder stays as is."""
+    if value is None:
+        return None
+    p = Path(value).expanduser()
+    if p.is_absolute():
+        return str(p)
+    candidate = (base / p).resolve()
+    if hub_ok and _looks_like_hub_id(value) and not candidate.exists():
+        return value
+    return str(candidate)
+
+
+def _format_validation_error(err: ValidationError, source: str) -> str:
+    lines = [f"{source}: invalid config"]
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"])
+        if e["type"] == "extra_forbidden":
+            lines.append(f"  - unknown key '{key}' (check the spelling; see the README's config reference)")
+        elif e["type"] == "missing":
+            lines.append(f"  - missing required key '{key}'")
+        else:
+            lines.append(f"  - '{key}': {e['msg']} (got {e.get('input')!r})")
+    return "\n".join(lines)
+
+
+def parse_config(data: Any, source: str = "<config>", base_dir: Path | None = None) -> RunConfig:
+    if not isinstance(data, dict):
+        raise UsageError(f"{source}: the config must be a YAML mapping of sections, got {type(data).__name__}",
+                         "start from the config that `eaglekit demo` writes into its run directory")
+    try:
+        cfg = RunConfig.model_validate(data)
+    except ValidationError as err:
+        raise UsageError(_format_validation_error(err, source), "fix the named keys") from None
+    base = base_dir or Path.cwd()
+    cfg.run_dir = _resolve(base, cfg.run_dir)
+    cfg.target.model = _resolve(base, cfg.target.model, hub_ok=True)
+    cfg.data.prompts = _resolve(base, cfg.data.prompts)
+    if cfg.target.chat_template and not cfg.target.chat_template.lstrip().startswith("{"):
+        cfg.target.chat_template = _resolve(base, cfg.target.chat_template)
+    if cfg.train.init_from:
+        cfg.train.init_from = _resolve(base, cfg.train.init_from)
+    if cfg.evaluate.prompts:
+        cfg.evaluate.prompts = _resolve(base, cfg.evaluate.prompts)
+    if cfg.evaluate.checkpoint:
+        cfg.evaluate.checkpoint = _resolve(base, cfg.evaluate.checkpoint)
+    if cfg.generate.backend == "openai":
+        if not cfg.generate.servers:
+            raise UsageError(f"{source}: generate.backend is 'openai' but generate.servers is empty",
+                             "list the servers' base URLs, e.g. servers: [http://host:8000/v1]")
+        if not cfg.generate.model:
+            raise UsageError(f"{source}: generate.backend is 'openai' but generate.model is not set",
+                             "set generate.model to the id the server lists under /v1/models")
+    return cfg
+
+
+def load_config(path: str | os.PathLike) -> RunConfig:
+    """Read and validate a run config; every problem is a UsageError naming the file and key."""
+    path = Path(path)
+    if not path.exists():
+        raise UsageError(f"config file not found: {path}", "pass the path of a YAML run config (eaglekit demo writes one)")
+    if path.is_dir():
+        raise UsageError(f"config path is a directory: {path}", "pass the YAML file, e.g. RUN_DIR/config.yaml")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        raise UsageError(f"{where}: not valid YAML ({getattr(err, 'problem', err)})", "fix the YAML syntax at that line") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"{path}: not a UTF-8 text file", "pass the YAML run config") from None
+    cfg = parse_config(data, source=str(path), base_dir=path.resolve().parent)
+    cfg.source = path.resolve()
+    return cfg
