@@ -1,0 +1,84 @@
+"""Pre-flight: establish a stage's ground truth before it starts a long run.
+
+A check is a small function ``check(ctx) -> CheckResult`` (or a list of them). Each stage declares the
+checks it needs; the runner times them, turns an unexpected exception into a ``fail`` that says so,
+and the stage refuses to start on any ``fail`` — printing a table that says what to do. Results go
+into the ledger with the stage run. ``eaglekit preflight CONFIG`` runs them alone.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Iterable
+
+from rich.table import Table
+
+STATUSES = ("ok", "warn", "fail", "skip")
+
+
+@dataclass
+class CheckResult:
+    name: str
+    status: str  # ok | warn | fail | skip
+    detail: str = ""
+    remedy: str = ""
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def ok(name: str, detail: str = "") -> CheckResult:
+    return CheckResult(name, "ok", detail)
+
+
+def warn(name: str, detail: str, remedy: str = "") -> CheckResult:
+    return CheckResult(name, "warn", detail, remedy)
+
+
+def fail(name: str, detail: str, remedy: str) -> CheckResult:
+    return CheckResult(name, "fail", detail, remedy)
+
+
+def skip(name: str, detail: str) -> CheckResult:
+    return CheckResult(name, "skip", detail)
+
+
+Check = Callable[[Any], "CheckResult | list[CheckResult]"]
+
+
+def run_checks(ctx: Any, checks: Iterable[Check]) -> list[CheckResult]:
+    results: list[CheckResult] = []
+    for check in checks:
+        t0 = time.monotonic()
+        try:
+            out = check(ctx)
+        except Exception as err:  # a check that crashes must not crash the pre-flight silently
+            name = getattr(check, "__name__", "check")
+            out = fail(name, f"the check itself raised {type(err).__name__}: {err}",
+                       "this is a bug in eaglekit or an unexpected input; the traceback is in the ledger")
+            out.detail += "\n" + traceback.format_exc(limit=3)
+        outs = out if isinstance(out, list) else [out]
+        elapsed = (time.monotonic() - t0) / max(len(outs), 1)
+        for r in outs:
+            r.seconds = round(elapsed, 3)
+        results.extend(outs)
+    return results
+
+
+def failed(results: Iterable[CheckResult]) -> list[CheckResult]:
+    return [r for r in results if r.status == "fail"]
+
+
+_STYLE = {"ok": "green", "warn": "yellow", "fail": "bold red", "skip": "dim"}
+
+
+def results_table(results: list[CheckResult], title: str = "pre-flight") -> Table:
+    table = Table(title=title, show_lines=False)
+    for col in ("check", "status", "detail", "what to do"):
+        table.add_column(col, overflow="fold")
+    for r in results:
+        table.add_row(r.name, f"[{_STYLE[r.status]}]{r.status}[/]", r.detail, r.remedy)
+    return table

@@ -1,0 +1,162 @@
+"""Pre-flight checks shared by the stages. Each returns a CheckResult with its own message and remedy.
+
+Stage-specific checks (a server's model id, a drafter's shapes) live with their stage; these are the
+ones every stage, or several, need.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from eaglekit.errors import EaglekitError
+from eaglekit.preflight import CheckResult, fail, ok, skip, warn
+from eaglekit.rundir import MARKER
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def run_lock(ctx) -> CheckResult:
+    lock = ctx.run.lock
+    if lock.fd is not None:
+        return ok("run lock", "held by this process")
+    if lock.is_held_elsewhere():
+        h = lock.holder() or {}
+        return fail("run lock", f"held by pid {h.get('pid', '?')} on {h.get('host', '?')} since {h.get('started', '?')}: "
+                                f"{h.get('command', '?')}", f"wait for it or stop it (kill {h.get('pid', 'PID')})")
+    return ok("run lock", "free")
+
+
+def upstream_done(ctx) -> CheckResult:
+    from eaglekit.pipeline import fingerprint, upstream_of
+
+    up = upstream_of(ctx.cfg, ctx.stage)
+    if up is None:
+        return skip("upstream", "first stage")
+    done = ctx.run.done_fingerprint(up)
+    if done is None:
+        return fail("upstream", f"stage '{up}' has not finished in {ctx.run.path}", f"run `eaglekit {up} CONFIG` first")
+    if done != fingerprint(ctx.cfg, up):
+        return fail("upstream", f"stage '{up}' finished with other inputs or parameters than this config's (stale)",
+                    f"rerun `eaglekit {up} CONFIG` (or `eaglekit run CONFIG --from {up}`)")
+    return ok("upstream", f"'{up}' done with this config's fingerprint")
+
+
+def output_path(ctx) -> CheckResult:
+    """Classify the stage's output folder: each case gets its own message, never one generic fallback."""
+    d: Path = ctx.dir
+    name = "output folder"
+    if d.is_symlink() and not d.exists():
+        return fail(name, f"{d} is a broken symlink (points to {os.readlink(d)})",
+                    "recreate its target (e.g. mount the volume) or remove the link")
+    if not d.exists():
+        parent = d.parent if d.parent.exists() else next((p for p in d.parents if p.exists()), Path("/"))
+        if not os.access(parent, os.W_OK):
+            return fail(name, f"{d} does not exist and {parent} is not writable", "choose a run_dir you can write to")
+        return ok(name, f"{d} will be created")
+    if not d.is_dir():
+        return fail(name, f"{d} exists and is not a folder", "move that file away or choose another run_dir")
+    if not os.access(d, os.W_OK):
+        return fail(name, f"{d} is not writable", f"fix its permissions (chmod u+w {d}) or choose another run_dir")
+    entries = [p for p in d.iterdir()]
+    if not entries:
+        return ok(name, f"{d} is empty")
+    marker = ctx.run.read_marker(ctx.stage)
+    if marker is None:
+        return fail(name, f"{d} holds {len(entries)} files that no eaglekit stage run wrote (no {MARKER})",
+                    "move them away, or rerun with --force to delete them")
+    if marker.get("fingerprint") == ctx.fingerprint:
+        if ctx.force:
+            return warn(name, f"{d} holds this config's data; --force deletes it and starts over")
+        done = ctx.run.done_fingerprint(ctx.stage) == ctx.fingerprint
+        return ok(name, f"{d} holds this config's {'finished' if done else 'partial'} data"
+                        f"{'' if done else ' (will resume)'}")
+    if ctx.force:
+        return warn(name, f"{d} holds data of other parameters (written {marker.get('created', '?')}); --force deletes it")
+    return fail(name, f"{d} holds data of other inputs or parameters (fingerprint {marker.get('fingerprint')}, "
+                      f"written {marker.get('created', '?')}; this config's is {ctx.fingerprint})",
+                f"rerun with --force to replace it, or set another run_dir to keep it")
+
+
+def disk_space(ctx) -> CheckResult:
+    """Free space (statvfs f_bavail, what an unprivileged writer gets) vs the stage's own estimate."""
+    from eaglekit.pipeline import stage_module
+
+    estimate = getattr(stage_module(ctx.stage), "estimate_bytes", None)
+    need = estimate(ctx) if estimate else None
+    probe = next((p for p in (ctx.dir, *ctx.dir.parents) if p.exists()), Path("/"))
+    st = os.statvfs(probe)
+    free = st.f_bavail * st.f_frsize
+    if need is None:
+        return ok("disk space", f"{human_bytes(free)} free on {probe}")
+    if need > free:
+        return fail("disk space", f"the stage writes about {human_bytes(need)} but {probe} has {human_bytes(free)} free",
+                    "free space, point run_dir at a larger volume, or reduce data.max_samples")
+    if need > 0.8 * free:
+        return warn("disk space", f"about {human_bytes(need)} of {human_bytes(free)} free will be used", "leave margin")
+    return ok("disk space", f"about {human_bytes(need)} needed, {human_bytes(free)} free")
+
+
+def prompts_file(ctx) -> CheckResult:
+    from eaglekit.data.prompts import peek_prompts
+
+    path = ctx.cfg.data.prompts
+    try:
+        rows = peek_prompts(path, n=5)
+    except EaglekitError as err:
+        return fail("prompts", err.message, err.remedy or "fix the prompts file")
+    if not rows:
+        return fail("prompts", f"{path} holds no prompts", "point data.prompts at a non-empty dataset")
+    return ok("prompts", f"{path}: first {len(rows)} rows parse")
+
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def target_folder(ctx) -> CheckResult:
+    """The target has its config, tokenizer and (complete) weights — the same files from_pretrained reads."""
+    model = ctx.cfg.target.model
+    path = Path(model)
+    if not path.exists():
+        if "/" in model and not model.startswith((".", "/")):
+            hub = Path(os.environ.get("HF_HOME", Path.home() / ".cache/huggingface")) / "hub" / ("models--" + model.replace("/", "--"))
+            if hub.exists():
+                return ok("target folder", f"{model} is in the local Hugging Face cache")
+            return warn("target folder", f"{model} is a hub id not in the local cache; it will be downloaded",
+                        "download it ahead of a long run (huggingface-cli download) and point target.model at the folder")
+        return fail("target folder", f"{model} does not exist", "set target.model to a Hugging Face model folder")
+    missing = []
+    if not (path / "config.json").is_file():
+        missing.append("config.json")
+    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+        missing.append("tokenizer files (tokenizer.json / tokenizer_config.json)")
+    weights = [f for f in WEIGHT_FILES if (path / f).is_file()]
+    if not weights:
+        missing.append("weights (model.safetensors or a sharded index)")
+    if missing:
+        return fail("target folder", f"{path} lacks {', '.join(missing)}",
+                    "point target.model at a complete Hugging Face model folder")
+    index = next((path / f for f in weights if f.endswith(".index.json")), None)
+    if index is not None:
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (OSError, ValueError, KeyError) as err:
+            return fail("target folder", f"{index} is unreadable ({err})", "re-download the model")
+        absent = sorted(s for s in shards if not (path / s).is_file())
+        if absent:
+            return fail("target folder", f"{path} misses {len(absent)} of {len(shards)} weight shards, e.g. {absent[0]}",
+                        "finish the download of the model")
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except ValueError as err:
+        return fail("target folder", f"{path / 'config.json'} is not valid JSON ({err})", "re-download the model")
+    layers = cfg.get("num_hidden_layers") or (cfg.get("text_config") or {}).get("num_hidden_layers")
+    return ok("target folder", f"{path}: config, tokenizer, weights present ({layers} layers)")
+
