@@ -16,6 +16,7 @@ outputs are committed; a rerun of a *done* stage with the same fingerprint is sk
 from __future__ import annotations
 
 import importlib
+import os
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -135,6 +136,14 @@ def run_stage(cfg: RunConfig, stage: str, *, force: bool = False, skip_preflight
                           "counts": counts, "seconds": seconds, **ctx.ledger_extra})
     console.print(f"[bold green]{stage}[/]: done in {seconds:.1f}s {counts}")
     return {"stage": stage, "state": "done", "counts": counts, "seconds": seconds}
+
+
+def run_stage_as_worker(cfg: RunConfig, stage: str, **options: Any) -> dict[str, Any]:
+    """A torchrun rank other than 0: compute only. Rank 0 holds the lock, runs the pre-flight and writes
+    the ledger; the stage itself makes sure only rank 0 writes files."""
+    ctx = make_context(cfg, stage, **options)
+    counts = stage_module(stage).run(ctx) or {}
+    return {"stage": stage, "state": "done", "counts": counts, "rank": int(os.environ.get("RANK", "0"))}
 
 
 def select_stages(cfg: RunConfig, start: str | None = None, until: str | None = None) -> list[str]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 from pathlib import Path
 
 from eaglekit.errors import EaglekitError
@@ -25,10 +26,10 @@ def human_bytes(n: float) -> str:
 
 def run_lock(ctx) -> CheckResult:
     lock = ctx.run.lock
-    if lock.fd is not None:
+    h = lock.holder() or {}
+    if lock.fd is not None or (h.get("pid") == os.getpid() and h.get("host") == socket.gethostname()):
         return ok("run lock", "held by this process")
     if lock.is_held_elsewhere():
-        h = lock.holder() or {}
         return fail("run lock", f"held by pid {h.get('pid', '?')} on {h.get('host', '?')} since {h.get('started', '?')}: "
                                 f"{h.get('command', '?')}", f"wait for it or stop it (kill {h.get('pid', 'PID')})")
     return ok("run lock", "free")
@@ -70,6 +71,8 @@ def output_path(ctx) -> CheckResult:
         return ok(name, f"{d} is empty")
     marker = ctx.run.read_marker(ctx.stage)
     if marker is None:
+        if ctx.force:
+            return warn(name, f"{d} holds {len(entries)} files that no eaglekit stage run wrote; --force deletes them")
         return fail(name, f"{d} holds {len(entries)} files that no eaglekit stage run wrote (no {MARKER})",
                     "move them away, or rerun with --force to delete them")
     if marker.get("fingerprint") == ctx.fingerprint:

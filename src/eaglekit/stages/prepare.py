@@ -1,0 +1,105 @@
+"""prepare: render each regenerated conversation with the target's chat template, tokenize, mask the loss.
+
+Reads ``generate/responses.jsonl``; writes ``prepare/tokens.safetensors`` (flat token ids, loss mask,
+offsets) and ``prepare/stats.json``. The loss mask covers exactly the assistant reply — reasoning inside
+the template's think tags, content, and its end-of-turn token — because those are the tokens the target
+generated and the drafter must learn to predict.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from eaglekit import atomic
+from eaglekit.config import RunConfig
+from eaglekit.data.chat import load_tokenizer, render_sample
+from eaglekit.data.responses import read_responses
+from eaglekit.data.tokens import write_token_store
+from eaglekit.preflight import checks as common
+from eaglekit.progress import Meter, console
+from eaglekit.rundir import file_identity
+
+NAME = "prepare"
+UPSTREAM = "generate"
+TOKENS = "tokens.safetensors"
+
+
+def params(cfg: RunConfig) -> dict:
+    p = cfg.prepare.model_dump()
+    p["chat_template"] = cfg.target.chat_template
+    # The tokenizer files decide the token ids; the weights don't matter here.
+    tok_files = [f for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja") if (Path(cfg.target.model) / f).exists()]
+    p["tokenizer"] = [file_identity(Path(cfg.target.model) / f) for f in tok_files] or cfg.target.model
+    return p
+
+
+def checks(cfg: RunConfig) -> list:
+    return [common.target_folder]
+
+
+def estimate_bytes(ctx) -> int | None:
+    responses = ctx.run.stage_dir("generate") / "responses.jsonl"
+    # Token ids (4 B) + mask (1 B) per token, about one token per 4 bytes of JSON text.
+    return int(responses.stat().st_size / 4 * 5) if responses.exists() else None
+
+
+def run(ctx) -> dict:
+    cfg = ctx.cfg
+    tokenizer = load_tokenizer(cfg.target.model, cfg.target.chat_template, cfg.target.trust_remote_code)
+    responses_path = ctx.run.stage_dir("generate") / "responses.jsonl"
+    rows = list(read_responses(responses_path))
+    max_len = cfg.prepare.max_length
+    dropped = {"length_stopped": 0, "overlong": 0, "empty": 0}
+    truncated = 0
+    samples = []
+    with Meter("prepare", total=len(rows), unit="samples") as meter:
+        for row in rows:
+            meter.update(1)
+            if row.get("finish_reason") == "length" and not cfg.prepare.keep_length_stopped:
+                dropped["length_stopped"] += 1
+                continue
+            if not (row.get("content") or row.get("reasoning")):
+                dropped["empty"] += 1
+                continue
+            sample = render_sample(tokenizer, row["messages"], row.get("reasoning") or "", row.get("content") or "")
+            ids, mask = sample.input_ids, sample.loss_mask
+            if len(ids) > max_len:
+                if cfg.prepare.overlong == "drop":
+                    dropped["overlong"] += 1
+                    continue
+                ids, mask = ids[:max_len], mask[:max_len]
+                truncated += 1
+            if not any(mask):
+                dropped["empty"] += 1
+                continue
+            samples.append((row["id"], ids, mask))
+
+    if not samples:
+        from eaglekit.errors import EaglekitError
+
+        raise EaglekitError(f"prepare: none of {len(rows)} responses in {responses_path} made a training sample "
+                            f"(dropped: {dropped})", "check generate's outputs and prepare.max_length")
+    write_token_store(ctx.dir / TOKENS, samples)
+    lengths = sorted(len(ids) for _, ids, _ in samples)
+    assistant = sum(sum(m) for _, _, m in samples)
+    stats = {
+        "samples": len(samples),
+        "responses": len(rows),
+        "dropped": dropped,
+        "truncated": truncated,
+        "tokens": sum(lengths),
+        "assistant_tokens": assistant,
+        "mean_length": round(sum(lengths) / len(lengths), 1),
+        "p95_length": lengths[min(len(lengths) - 1, int(0.95 * len(lengths)))],
+        "max_length": lengths[-1],
+    }
+    atomic.write_json(ctx.dir / "stats.json", stats)
+    console.print(f"prepare: {stats['samples']} samples, {stats['tokens']} tokens ({assistant} assistant), "
+                  f"mean length {stats['mean_length']}, p95 {stats['p95_length']}; dropped {dropped}, truncated {truncated}")
+    return {k: stats[k] for k in ("samples", "tokens", "assistant_tokens", "mean_length", "p95_length")} | {
+        "dropped": sum(dropped.values())}
+
+
+def read_stats(run_dir: Path) -> dict:
+    return json.loads((Path(run_dir) / NAME / "stats.json").read_text())

@@ -1,0 +1,111 @@
+"""vocab: pick the draft vocabulary — the most frequent target tokens among the assistant tokens.
+
+Reads ``prepare/tokens.safetensors``; writes ``vocab/vocab.safetensors`` with ``d2t`` (int64 [Vd],
+``target_id = draft_id + d2t[draft_id]``) and ``t2d`` (bool [V]), the two buffers every EAGLE-3
+checkpoint carries, and ``vocab/stats.json`` with the coverage: the share of assistant tokens the
+drafter can propose at all (an upper bound on its acceptance).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from eaglekit import atomic
+from eaglekit.config import RunConfig
+from eaglekit.data.tokens import TokenStore
+from eaglekit.errors import EaglekitError
+from eaglekit.model.drafter import build_d2t_t2d
+from eaglekit.preflight import fail, ok
+from eaglekit.progress import console
+
+NAME = "vocab"
+UPSTREAM = "prepare"
+VOCAB = "vocab.safetensors"
+
+
+def params(cfg: RunConfig) -> dict:
+    return cfg.vocab.model_dump()
+
+
+def target_vocab_size(model_path: str) -> int:
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    if not size:
+        raise EaglekitError(f"{model_path}/config.json has no vocab_size", "point target.model at a causal LM folder")
+    return int(size)
+
+
+def draft_vocab_fits(ctx):
+    try:
+        v = target_vocab_size(ctx.cfg.target.model)
+    except (OSError, ValueError, EaglekitError) as err:
+        return fail("draft vocab size", f"cannot read the target's vocab size: {err}", "check target.model")
+    vd = ctx.cfg.vocab.draft_vocab_size
+    if vd > v:
+        return fail("draft vocab size", f"vocab.draft_vocab_size {vd} exceeds the target's vocab size {v}",
+                    f"set vocab.draft_vocab_size ≤ {v}")
+    return ok("draft vocab size", f"{vd} of {v} target tokens")
+
+
+def checks(cfg: RunConfig) -> list:
+    return [draft_vocab_fits]
+
+
+def estimate_bytes(ctx) -> int:
+    return ctx.cfg.vocab.draft_vocab_size * 8 + 4 * 1024 * 1024
+
+
+def select_draft_vocab(counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, int]:
+    """The ``draft_vocab_size`` most frequent ids, sorted by id; fills with the lowest unused ids when
+    fewer distinct tokens occur. Returns (selected ids, number of fill ids)."""
+    seen = int((counts > 0).sum())
+    top = torch.argsort(counts, descending=True, stable=True)[: min(seen, draft_vocab_size)]
+    fill = draft_vocab_size - top.numel()
+    if fill:
+        unused = torch.ones_like(counts, dtype=torch.bool)
+        unused[top] = False
+        top = torch.cat([top, unused.nonzero().flatten()[:fill]])
+    return torch.sort(top).values, fill
+
+
+def run(ctx) -> dict:
+    cfg = ctx.cfg
+    store = TokenStore(ctx.run.stage_dir("prepare") / "tokens.safetensors")
+    vocab_size = target_vocab_size(cfg.target.model)
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for i in range(len(store)):
+        _, ids, mask = store[i]
+        ids = ids[mask.bool()]
+        if ids.numel() and int(ids.max()) >= vocab_size:
+            raise EaglekitError(f"prepare's tokens hold id {int(ids.max())} ≥ the target's vocab size {vocab_size}",
+                                "the tokenizer does not match target.model; rerun prepare with the right tokenizer")
+        counts += torch.bincount(ids, minlength=vocab_size)
+    selected, fill = select_draft_vocab(counts, cfg.vocab.draft_vocab_size)
+    d2t, t2d = build_d2t_t2d(selected, vocab_size)
+    total = int(counts.sum())
+    covered = int(counts[t2d].sum())
+    coverage = covered / total if total else 0.0
+    with atomic.atomic_path(ctx.dir / VOCAB) as tmp:
+        save_file({"d2t": d2t, "t2d": t2d}, str(tmp), metadata={"draft_vocab_size": str(len(selected)),
+                                                                 "vocab_size": str(vocab_size)})
+    stats = {"draft_vocab_size": len(selected), "target_vocab_size": vocab_size, "distinct_assistant_tokens": int((counts > 0).sum()),
+             "assistant_tokens": total, "coverage": round(coverage, 6), "filled_with_unused_ids": fill}
+    atomic.write_json(ctx.dir / "stats.json", stats)
+    console.print(f"vocab: {len(selected)} draft tokens cover {coverage:.2%} of {total} assistant tokens")
+    if fill:
+        console.print(f"[yellow]vocab: only {stats['distinct_assistant_tokens']} distinct tokens occur; "
+                      f"filled {fill} slots with the lowest unused ids[/]")
+    return {"draft_vocab_size": len(selected), "coverage": round(coverage, 4), "filled": fill}
+
+
+def load_vocab(run_dir: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t, t2d) as the vocab stage wrote them."""
+    path = Path(run_dir) / NAME / VOCAB
+    if not path.exists():
+        raise EaglekitError(f"{path} does not exist", "run `eaglekit vocab CONFIG` first")
+    t = load_file(str(path))
+    return t["d2t"], t["t2d"]

@@ -1,0 +1,56 @@
+"""The run config: unknown keys, wrong types and missing files are usage errors (exit 2) naming the key or path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from conftest import write_config
+from eaglekit.config import load_config
+from eaglekit.errors import UsageError
+
+BASE = {"run_dir": "run", "target": {"model": "model"}, "data": {"prompts": "prompts.jsonl"}}
+
+
+def test_relative_paths_resolve_against_the_config_folder(tmp_path):
+    cfg = load_config(write_config(tmp_path / "sub" / "c.yaml", BASE))
+    assert Path(cfg.run_dir) == tmp_path / "sub" / "run"
+    assert Path(cfg.data.prompts) == tmp_path / "sub" / "prompts.jsonl"
+    assert Path(cfg.target.model) == tmp_path / "sub" / "model"
+
+
+def test_a_hub_id_stays_a_hub_id(tmp_path):
+    cfg = load_config(write_config(tmp_path / "c.yaml", {**BASE, "target": {"model": "moonshotai/Kimi-K2"}}))
+    assert cfg.target.model == "moonshotai/Kimi-K2"
+
+
+def test_defaults_follow_the_interface(tmp_path):
+    cfg = load_config(write_config(tmp_path / "c.yaml", BASE))
+    assert cfg.generate.backend == "local"
+    assert cfg.target.trust_remote_code is False
+    assert cfg.train.ttt_steps == 7 and cfg.train.ttt_decay == 0.8
+    assert cfg.stages() == ["generate", "prepare", "vocab", "train", "evaluate", "export"]
+    cfg.extract.mode = "offline"
+    assert "extract" in cfg.stages()
+
+
+@pytest.mark.parametrize("data, key", [
+    ({**BASE, "generate": {"max_token": 5}}, "generate.max_token"),
+    ({**BASE, "colour": "blue"}, "colour"),
+    ({**BASE, "generate": {"max_tokens": "lots"}}, "generate.max_tokens"),
+    ({"run_dir": "r", "data": {"prompts": "p"}}, "target"),
+])
+def test_bad_keys_are_named(tmp_path, data, key):
+    with pytest.raises(UsageError) as e:
+        load_config(write_config(tmp_path / "c.yaml", data))
+    assert f"'{key}'" in e.value.message
+    assert str(tmp_path / "c.yaml") in e.value.message
+
+
+def test_cli_config_errors_exit_2_naming_key_or_path(tmp_path, cli):
+    r = cli("prepare", tmp_path / "missing.yaml")
+    assert r.code == 2 and "missing.yaml" in r.err
+    bad = write_config(tmp_path / "c.yaml", {**BASE, "prepare": {"max_lenght": 9}})
+    r = cli("prepare", bad)
+    assert r.code == 2 and "prepare.max_lenght" in r.err and "Traceback" not in r.err
