@@ -8,7 +8,6 @@ generated and the drafter must learn to predict.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from eaglekit import atomic
@@ -16,6 +15,7 @@ from eaglekit.config import RunConfig
 from eaglekit.data.chat import load_tokenizer, render_sample
 from eaglekit.data.responses import read_responses
 from eaglekit.data.tokens import write_token_store
+from eaglekit.errors import EaglekitError
 from eaglekit.preflight import checks as common
 from eaglekit.progress import Meter, console
 from eaglekit.rundir import file_identity
@@ -28,6 +28,7 @@ TOKENS = "tokens.safetensors"
 def params(cfg: RunConfig) -> dict:
     p = cfg.prepare.model_dump()
     p["chat_template"] = cfg.target.chat_template
+    p["chat_template_kwargs"] = cfg.generate.extra_body.get("chat_template_kwargs")
     # The tokenizer files decide the token ids; the weights don't matter here.
     tok_files = [f for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja") if (Path(cfg.target.model) / f).exists()]
     p["tokenizer"] = [file_identity(Path(cfg.target.model) / f) for f in tok_files] or cfg.target.model
@@ -50,6 +51,8 @@ def run(ctx) -> dict:
     responses_path = ctx.run.stage_dir("generate") / "responses.jsonl"
     rows = list(read_responses(responses_path))
     max_len = cfg.prepare.max_length
+    # The template must render exactly as it did for the server (e.g. enable_thinking), or the masks drift.
+    template_kwargs = cfg.generate.extra_body.get("chat_template_kwargs") or None
     dropped = {"length_stopped": 0, "overlong": 0, "empty": 0}
     truncated = 0
     samples = []
@@ -62,7 +65,11 @@ def run(ctx) -> dict:
             if not (row.get("content") or row.get("reasoning")):
                 dropped["empty"] += 1
                 continue
-            sample = render_sample(tokenizer, row["messages"], row.get("reasoning") or "", row.get("content") or "")
+            try:
+                sample = render_sample(tokenizer, row["messages"], row.get("reasoning") or "", row.get("content") or "",
+                                       template_kwargs=template_kwargs)
+            except EaglekitError as err:
+                raise EaglekitError(f"{responses_path}: sample {row['id']}: {err.message}", err.remedy) from None
             ids, mask = sample.input_ids, sample.loss_mask
             if len(ids) > max_len:
                 if cfg.prepare.overlong == "drop":
@@ -76,8 +83,6 @@ def run(ctx) -> dict:
             samples.append((row["id"], ids, mask))
 
     if not samples:
-        from eaglekit.errors import EaglekitError
-
         raise EaglekitError(f"prepare: none of {len(rows)} responses in {responses_path} made a training sample "
                             f"(dropped: {dropped})", "check generate's outputs and prepare.max_length")
     write_token_store(ctx.dir / TOKENS, samples)
@@ -100,6 +105,3 @@ def run(ctx) -> dict:
     return {k: stats[k] for k in ("samples", "tokens", "assistant_tokens", "mean_length", "p95_length")} | {
         "dropped": sum(dropped.values())}
 
-
-def read_stats(run_dir: Path) -> dict:
-    return json.loads((Path(run_dir) / NAME / "stats.json").read_text())

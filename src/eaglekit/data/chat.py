@@ -1,0 +1,188 @@
+"""Rendering a prompt plus the target's reply with the target's chat template, into token ids and a loss mask.
+
+The drafter learns to predict what the target generates, so the loss mask covers exactly the tokens the
+target emitted after the generation prompt: the reasoning block, the answer and the end-of-turn token,
+and not what the template writes after it (ChatML's trailing newline belongs to the next prompt).
+
+Token ids are what the target saw and produced at inference: servers render the prompt to text and
+tokenize it with ``add_special_tokens=False`` (the template writes any BOS itself), then the model emits
+the reply token by token. So the prompt, the reply and the template's tail are tokenized separately and
+concatenated; tokenizing the whole text at once can merge tokens across the prompt/reply boundary
+(e.g. a prompt ending in a space), which the target never saw.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from eaglekit.errors import EaglekitError, UsageError
+
+# Message fields through which chat templates take an assistant turn's reasoning, in order of preference.
+REASONING_FIELDS = ("reasoning_content", "reasoning", "thinking")
+# Tokens that end an assistant turn in the common template families (only those in the vocab count).
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "<|return|>",
+                      "<|endoftext|>", "<|end_of_text|>", "</s>", "<｜end▁of▁sentence｜>")
+_SENTINEL = "eaglekit-reasoning-probe-7f3a"
+_THINK_TAG = re.compile(r"</?[\w:-]*think>")
+
+
+@dataclass
+class RenderedSample:
+    input_ids: list[int]
+    loss_mask: list[int]  # 1 on the assistant reply's tokens (end-of-turn included), 0 elsewhere
+    prompt_tokens: int  # input_ids[:prompt_tokens] is the generation prompt exactly as the target saw it
+
+
+def load_tokenizer(model_path: str, chat_template_override: str | None = None, trust_remote_code: bool = False):
+    """The target's tokenizer, with ``chat_template_override`` (a Jinja string or a file holding one) applied."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise UsageError(f"cannot load the tokenizer of {model_path}: {err}",
+                         "set target.model to a local model folder (or a hub id already in the cache)") from None
+    if chat_template_override:
+        tokenizer.chat_template = _read_template(chat_template_override)
+    if not tokenizer.chat_template:
+        raise UsageError(f"the tokenizer of {model_path} has no chat template",
+                         "set target.chat_template to the Jinja template the target is served with (a string or a file)")
+    return tokenizer
+
+
+def _read_template(value: str) -> str:
+    if "{{" in value or "{%" in value:
+        return value
+    path = Path(value).expanduser()
+    if not path.is_file():
+        raise UsageError(f"target.chat_template: {value!r} is neither a Jinja template nor an existing file",
+                         "give the template text itself or the path of a .jinja file")
+    return path.read_text(encoding="utf-8")
+
+
+def template_text(tokenizer) -> str:
+    try:
+        return tokenizer.get_chat_template()
+    except ValueError as err:  # no template, or several with no default
+        raise UsageError(f"cannot pick the tokenizer's chat template: {err}",
+                         "set target.chat_template to the Jinja template the target is served with") from None
+
+
+def template_has_think_tags(tokenizer) -> bool:
+    """Whether the chat template writes think tags (``<think>``, ``</think>``, ``<seed:think>``…): a reasoning model."""
+    return bool(_THINK_TAG.search(template_text(tokenizer)))
+
+
+_field_cache: dict[str, str | None] = {}
+
+
+def reasoning_field(tokenizer) -> str | None:
+    """The assistant-message field the template renders reasoning from, or None (reasoning then goes inline).
+
+    Found by rendering one reply whose reasoning is a sentinel string; cached per template text.
+    """
+    from jinja2 import TemplateError
+
+    template = template_text(tokenizer)
+    if template not in _field_cache:
+        _field_cache[template] = None
+        for name in REASONING_FIELDS:
+            probe = [{"role": "user", "content": "ping"}, {"role": "assistant", "content": "pong", name: _SENTINEL}]
+            try:
+                text = tokenizer.apply_chat_template(probe, tokenize=False)
+            except TemplateError:
+                continue  # the render below will report a broken template with its context
+            if _SENTINEL in text:
+                _field_cache[template] = name
+                break
+    return _field_cache[template]
+
+
+def end_of_turn_token_ids(tokenizer) -> set[int]:
+    """Ids of the tokens that end an assistant turn: the EOS plus the known end-of-turn tokens in the vocab."""
+    return {tokenizer.convert_tokens_to_ids(t) for t in _end_of_turn_strings(tokenizer)}
+
+
+def _end_of_turn_strings(tokenizer) -> list[str]:
+    # End-of-turn markers are added tokens (a SentencePiece '</s>' that is not is the EOS, caught below);
+    # get_vocab() would rebuild a 150k-entry dict on every call.
+    added = tokenizer.added_tokens_encoder
+    names = [t for t in END_OF_TURN_TOKENS if t in added]
+    if tokenizer.eos_token and tokenizer.eos_token not in names:
+        names.append(tokenizer.eos_token)
+    return names
+
+
+def _render(tokenizer, messages: list[dict], add_generation_prompt: bool, template_kwargs: dict) -> str:
+    from jinja2 import TemplateError
+
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             **template_kwargs)
+    except TemplateError as err:
+        raise EaglekitError(f"the chat template failed to render a conversation ({len(messages)} messages): {err}",
+                            "check target.chat_template, or fix the roles/order of the prompt's turns") from None
+
+
+def _tokenize(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+
+
+def render_sample(tokenizer, prompt_messages: list[dict], reasoning: str | None, content: str,
+                  template_kwargs: dict[str, Any] | None = None) -> RenderedSample:
+    """Token ids of prompt + reply and the mask of the reply's tokens.
+
+    ``reasoning`` goes in the message field the template renders (see ``reasoning_field``), otherwise
+    inline as ``<think>\\n…\\n</think>\\n\\n`` before ``content``. ``template_kwargs`` (e.g.
+    ``enable_thinking``) must be the ones the target was served with.
+    """
+    template_kwargs = template_kwargs or {}
+    reasoning = reasoning or ""
+    reply: dict[str, Any] = {"role": "assistant", "content": content}
+    field = reasoning_field(tokenizer)
+    if field:
+        reply[field] = reasoning
+    elif reasoning.strip():
+        reply["content"] = f"<think>\n{reasoning}\n</think>\n\n{content}"
+
+    prompt = _render(tokenizer, prompt_messages, True, template_kwargs)
+    full = _render(tokenizer, [*prompt_messages, reply], False, template_kwargs)
+    if not full.startswith(prompt):
+        at = next((i for i, (a, b) in enumerate(zip(prompt, full)) if a != b), min(len(prompt), len(full)))
+        raise EaglekitError(
+            "the chat template is not prefix-consistent: the generation prompt is not the start of the rendered "
+            f"conversation (they differ at character {at}: prompt has {prompt[at:at + 40]!r}, conversation has "
+            f"{full[at:at + 40]!r}), so the reply's tokens cannot be located",
+            "set target.chat_template to a template whose add_generation_prompt output begins the assistant turn "
+            "exactly as the full rendering does (e.g. one that keeps the final turn's reasoning)")
+    suffix = full[len(prompt):]
+
+    # The reply ends at the first end-of-turn token after the answer; templates may trim the text, so
+    # anchor on the stripped answer and check the template kept what the target wrote.
+    anchor = 0
+    for label, text in (("reasoning", reasoning.strip()), ("answer", content.strip())):
+        if not text:
+            continue
+        pos = suffix.find(text, anchor)
+        if pos < 0:
+            raise EaglekitError(f"the chat template drops the final assistant turn's {label}: {text[:60]!r} is not in "
+                                f"the rendered reply {suffix[:120]!r}",
+                                "set target.chat_template to a template that renders the final turn's reasoning "
+                                "(or inline <think> text) and answer unchanged")
+        anchor = pos + len(text)
+    ends = [p + len(t) for t in _end_of_turn_strings(tokenizer) if (p := suffix.find(t, anchor)) >= 0]
+    reply_end = min(ends) if ends else len(suffix.rstrip())
+
+    prompt_ids = _tokenize(tokenizer, prompt)
+    reply_ids = _tokenize(tokenizer, suffix[:reply_end])
+    tail_ids = _tokenize(tokenizer, suffix[reply_end:])
+    bos = tokenizer.bos_token_id
+    if bos is not None and prompt_ids[:2] == [bos, bos]:
+        raise EaglekitError("the rendered prompt starts with two BOS tokens",
+                            "use a chat template that writes the BOS once (the tokenizer adds none here)")
+    return RenderedSample(input_ids=prompt_ids + reply_ids + tail_ids,
+                          loss_mask=[0] * len(prompt_ids) + [1] * len(reply_ids) + [0] * len(tail_ids),
+                          prompt_tokens=len(prompt_ids))

@@ -1,0 +1,268 @@
+"""Loading prompt datasets: JSONL / JSON / Parquet / a `datasets` saved folder, in ShareGPT or OpenAI shape.
+
+Every row becomes a PromptRecord whose messages end with the LAST user turn: the assistant turns after it
+are dropped because generation writes a fresh reply; earlier assistant turns stay as multi-turn context.
+A bad row either stops the load with a UsageError naming ``file:line`` (``on_bad_row="fail"``) or is
+counted in ``bad_rows`` (``"skip"``). Problems with the file as a whole (missing, empty, unreadable, no
+conversation column) always raise. Sources are ``file:N`` for JSONL lines (1-based, as an editor counts)
+and ``file:row N`` for JSON lists, Parquet and datasets folders (0-based, as ``ds[N]`` indexes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Literal
+
+from eaglekit.errors import UsageError
+
+ROLES = {
+    "system": "system",
+    "user": "user", "human": "user",
+    "assistant": "assistant", "gpt": "assistant", "chatgpt": "assistant", "model": "assistant",
+    "bard": "assistant", "bing": "assistant",
+}
+CONVERSATION_KEYS = ("conversations", "messages")
+SKIP_REMEDY = ("fix or remove that row, or set `data.on_bad_row: skip` in the config "
+               "to skip bad rows (they are counted and reported)")
+
+
+@dataclass
+class PromptRecord:
+    id: str
+    messages: list[dict]  # [{"role": "system"|"user"|"assistant", "content": str}], ends with a user turn
+    source: str  # "file:line" or "file:row N"
+
+
+@dataclass
+class BadRow:
+    source: str
+    reason: str
+
+
+@dataclass
+class PromptSet:
+    records: list[PromptRecord]
+    bad_rows: list[BadRow] = field(default_factory=list)
+    total_rows: int = 0  # rows read, bad and duplicate ones included
+    duplicates: int = 0  # rows skipped because their id or their prompt was seen before
+    split: str | None = None  # the split taken from a DatasetDict folder
+
+    def summary(self) -> str:
+        parts = [f"{self.total_rows} rows read", f"{len(self.records)} prompts"]
+        if self.bad_rows:
+            parts.append(f"{len(self.bad_rows)} bad rows skipped")
+        if self.duplicates:
+            parts.append(f"{self.duplicates} duplicates skipped")
+        if self.split:
+            parts.append(f"split '{self.split}'")
+        return ", ".join(parts)
+
+
+class _BadRow(Exception):
+    """A problem with one row; becomes a UsageError or a BadRow depending on on_bad_row."""
+
+
+def load_prompts(path: str | Path, max_samples: int | None = None,
+                 on_bad_row: Literal["fail", "skip"] = "fail") -> PromptSet:
+    """Read, normalise and de-duplicate the prompts of ``path``; stops after ``max_samples`` good ones."""
+    if on_bad_row not in ("fail", "skip"):
+        raise UsageError(f"on_bad_row must be 'fail' or 'skip', got {on_bad_row!r}", "set data.on_bad_row to fail or skip")
+    out = PromptSet(records=[])
+    seen_ids: set[str] = set()
+    seen_prompts: set[str] = set()
+    for source, row in _iter_rows(Path(path), out):
+        out.total_rows += 1
+        try:
+            if isinstance(row, _BadRow):
+                raise row
+            record = _parse_row(row, source)
+        except _BadRow as err:
+            if on_bad_row == "fail":
+                raise UsageError(f"{source}: {err}", SKIP_REMEDY) from None
+            out.bad_rows.append(BadRow(source, str(err)))
+            continue
+        prompt_key = _messages_hash(record.messages)
+        if record.id in seen_ids or prompt_key in seen_prompts:
+            out.duplicates += 1
+            continue
+        seen_ids.add(record.id)
+        seen_prompts.add(prompt_key)
+        out.records.append(record)
+        if max_samples is not None and len(out.records) >= max_samples:
+            break
+    if out.total_rows == 0:
+        raise UsageError(f"{path}: no rows", "pass a prompt file with at least one conversation")
+    return out
+
+
+def peek_prompts(path: str | Path, n: int = 5, on_bad_row: Literal["fail", "skip"] = "fail") -> list[PromptRecord]:
+    """The first ``n`` prompts, for the pre-flight check; reads only as far as it needs."""
+    return load_prompts(path, max_samples=n, on_bad_row=on_bad_row).records
+
+
+# --- rows -------------------------------------------------------------------------------------------
+
+def _parse_row(row: Any, source: str) -> PromptRecord:
+    if not isinstance(row, dict):
+        raise _BadRow(f"expected a JSON object, got {_kind(row)}")
+    key = next((k for k in CONVERSATION_KEYS if row.get(k) is not None), None)
+    if key is None:
+        raise _BadRow(f"no 'conversations' or 'messages' field (fields: {', '.join(map(str, row)) or 'none'})")
+    turns = row[key]
+    if not isinstance(turns, list) or not turns:
+        raise _BadRow(f"'{key}' must be a non-empty list of turns, got {_kind(turns)}")
+
+    messages = []
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            raise _BadRow(f"{key}[{i}] must be an object with a role and a content, got {_kind(turn)}")
+        raw_role = _either(turn, "role", "from")
+        if not isinstance(raw_role, str) or raw_role.strip().lower() not in ROLES:
+            raise _BadRow(f"{key}[{i}] has unknown role {raw_role!r} (known: {', '.join(ROLES)})")
+        messages.append({"role": ROLES[raw_role.strip().lower()], "content": _either(turn, "content", "value")})
+
+    last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=None)
+    if last_user is None:
+        raise _BadRow(f"'{key}' has no user turn, so there is no prompt to answer")
+    # Only the kept turns must have text: a dataset may leave the (dropped) final reply empty.
+    messages = messages[: last_user + 1]
+    for i, m in enumerate(messages):
+        m["content"] = _text(m["content"], f"{key}[{i}]")
+
+    raw_id = row.get("id")
+    if raw_id is None or raw_id == "":
+        sample_id = _messages_hash(messages)[:16]
+    elif isinstance(raw_id, (str, int)) and not isinstance(raw_id, bool):
+        sample_id = str(raw_id)
+    else:
+        raise _BadRow(f"'id' must be a string or an integer, got {_kind(raw_id)}")
+    return PromptRecord(id=sample_id, messages=messages, source=source)
+
+
+def _either(turn: dict, key: str, alt: str) -> Any:
+    # Parquet/Arrow structs carry every key of the column, the unused ones as None.
+    return turn[key] if turn.get(key) is not None else turn.get(alt)
+
+
+def _text(content: Any, where: str) -> str:
+    """A turn's text; OpenAI content-part lists are accepted when every part is text."""
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        content = "".join(str(p.get("text", "")) for p in content)
+    if not isinstance(content, str):
+        raise _BadRow(f"{where} content must be a string, got {_kind(content)}")
+    if not content.strip():
+        raise _BadRow(f"{where} has empty content")
+    return content
+
+
+def _messages_hash(messages: list[dict]) -> str:
+    blob = json.dumps(messages, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode("utf-8")).hexdigest()
+
+
+def _kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean"}.get(type(value), type(value).__name__)
+
+
+# --- files ------------------------------------------------------------------------------------------
+
+def _iter_rows(path: Path, out: PromptSet) -> Iterator[tuple[str, Any]]:
+    """Yield (source, row); a row that cannot even be parsed is yielded as a _BadRow."""
+    if not path.exists():
+        raise UsageError(f"prompt data not found: {path}", "set data.prompts to a JSONL/JSON/Parquet file or a datasets folder")
+    if path.is_dir():
+        yield from _iter_datasets_folder(path, out)
+        return
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        yield from _iter_parquet(path)
+    elif suffix in (".jsonl", ".ndjson", ".json"):
+        yield from _iter_json(path)
+    else:
+        raise UsageError(f"{path}: unknown prompt file type '{suffix or '(none)'}'",
+                         "use .jsonl (one conversation per line), .json (a list), .parquet, or a datasets saved folder")
+
+
+def _iter_json(path: Path) -> Iterator[tuple[str, Any]]:
+    with open(path, "rb") as f:
+        head = f.read(4096).lstrip()
+    if head.startswith(b"\xef\xbb\xbf"):
+        head = head[3:].lstrip()
+    if head.startswith(b"["):  # a JSON list of rows: must be parsed whole
+        try:
+            rows = json.loads(path.read_text(encoding="utf-8-sig"))
+        except UnicodeDecodeError:
+            raise UsageError(f"{path}: not UTF-8 text", "re-encode the file as UTF-8") from None
+        except json.JSONDecodeError as err:
+            raise UsageError(f"{path}:{err.lineno}:{err.colno}: not valid JSON ({err.msg})",
+                             "fix the JSON syntax there, or write one conversation per line (JSONL)") from None
+        for i, row in enumerate(rows):
+            yield f"{path}:row {i}", row
+        return
+    with open(path, "rb") as f:  # JSONL, line by line so a huge file is never held whole
+        for lineno, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            source = f"{path}:{lineno}"
+            try:
+                yield source, json.loads(raw.decode("utf-8-sig" if lineno == 1 else "utf-8"))
+            except UnicodeDecodeError:
+                yield source, _BadRow("line is not UTF-8 text")
+            except json.JSONDecodeError as err:
+                yield source, _BadRow(f"not valid JSON ({err.msg} at column {err.colno})")
+
+
+def _iter_parquet(path: Path) -> Iterator[tuple[str, Any]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as err:
+        raise UsageError(f"{path}: not a readable Parquet file ({err})", "re-export the dataset as Parquet or JSONL") from None
+    columns = _columns(path, pf.schema_arrow.names)
+    row = 0
+    try:
+        for batch in pf.iter_batches(batch_size=1024, columns=columns):
+            for item in batch.to_pylist():
+                yield f"{path}:row {row}", item
+                row += 1
+    except (pa.ArrowException, OSError) as err:
+        raise UsageError(f"{path}: Parquet data unreadable at row {row} ({err})", "re-export the dataset") from None
+
+
+def _iter_datasets_folder(path: Path, out: PromptSet) -> Iterator[tuple[str, Any]]:
+    if not ((path / "dataset_dict.json").exists() or (path / "state.json").exists()):
+        raise UsageError(f"{path}: a directory that is not a datasets saved folder (no dataset_dict.json or state.json)",
+                         "pass a JSONL/JSON/Parquet file, or a folder written by Dataset.save_to_disk")
+    import datasets
+
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except Exception as err:  # datasets raises many kinds here; all mean the same to the user
+        raise UsageError(f"{path}: cannot load the datasets folder ({type(err).__name__}: {err})",
+                         "re-save it with Dataset.save_to_disk, or export it as JSONL") from None
+    if isinstance(ds, datasets.DatasetDict):
+        splits = list(ds)
+        split = "train" if "train" in ds else splits[0] if len(splits) == 1 else None
+        if split is None:
+            raise UsageError(f"{path}: a DatasetDict with splits {splits} and no 'train' split",
+                             "save the split you want on its own: ds['NAME'].save_to_disk(PATH)")
+        out.split, ds = split, ds[split]
+    ds = ds.select_columns(_columns(path, ds.column_names))
+    for i, row in enumerate(ds):  # Arrow-backed and memory-mapped: rows are read as we go
+        yield f"{path}:row {i}", row
+
+
+def _columns(path: Path, names: list[str]) -> list[str]:
+    """The columns to read: the conversation column (required) and the id (optional)."""
+    conv = [k for k in CONVERSATION_KEYS if k in names]
+    if not conv:
+        raise UsageError(f"{path}: no 'conversations' or 'messages' column (columns: {', '.join(names) or 'none'})",
+                         "rename the conversation column to 'conversations' (ShareGPT) or 'messages' (OpenAI)")
+    return conv + (["id"] if "id" in names else [])
