@@ -1,0 +1,382 @@
+"""The drafter's two checkpoint forms, written and read with a strict key/shape contract.
+
+Legacy / SGLang form: a flat Llama ``config.json`` ("LlamaForCausalLMEagle3") + weights with
+``midlayer.`` keys. Served by SGLang (``--speculative-draft-model-path``) and vLLM (``method:
+eagle3``). Published drafters (EAGLE reference, SpecForge, AQ-MedAI Kimi-K2) come in this form,
+sometimes without ``embed_tokens``, as ``pytorch_model.bin``, or beside a ``training_state.pt``.
+
+speculators form: ``speculators_model_type: eagle3`` with the layer config nested in
+``transformer_layer_config`` + weights with ``layers.0.`` keys; ``vllm serve DIR`` runs it.
+
+What the loaders read (vLLM ``model_executor/models/llama_eagle3.py``, ``transformers_utils/configs/
+speculators/algos.py``, ``v1/worker/gpu_model_runner.py``; SGLang ``srt/models/llama_eagle3.py``,
+``srt/model_executor/model_runner.py``; speculators ``models/eagle3/config.py``):
+  - fc input width is 3 * ``target_hidden_size`` if the key exists, else 3 * hidden_size (both).
+  - vLLM takes ``norm_before_residual`` from the speculators config and assumes true when absent.
+  - Aux layers: vLLM reads top-level ``eagle_aux_hidden_state_layer_ids`` as HF hidden_states
+    indices; SGLang reads only ``eagle_config.eagle_aux_hidden_state_layer_ids`` and adds 1 to each.
+    The legacy form therefore writes both, the second one less (FORMATS.md §3).
+  - SGLang ties lm_head to embed_tokens when ``tie_word_embeddings`` is true: always write false.
+  - Neither loader complains about a missing or unknown key, hence ``validate_state_dict``.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from eaglekit.atomic import atomic_dir
+from eaglekit.errors import EaglekitError, UsageError
+from eaglekit.model.drafter import DrafterConfig, Eagle3Drafter, rope_from_config, text_config
+
+LEGACY, SPECULATORS = "legacy", "speculators"
+LEGACY_ARCHITECTURE = "LlamaForCausalLMEagle3"
+SPECULATORS_ARCHITECTURE = "Eagle3Speculator"
+OPTIONAL_KEYS = ("embed_tokens.weight",)
+
+
+# ------------------------------------------------------------------------------------------ the contract
+
+def expected_state(cfg: DrafterConfig, form: str = LEGACY) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
+    """Key -> (shape, dtype) of a drafter checkpoint; dtype None means any floating type."""
+    h, i, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    layer = {
+        "hidden_norm.weight": (h,), "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+        "self_attn.q_proj.weight": (q, 2 * h), "self_attn.k_proj.weight": (kv, 2 * h),
+        "self_attn.v_proj.weight": (kv, 2 * h), "self_attn.o_proj.weight": (h, q),
+        "mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h), "mlp.down_proj.weight": (h, i),
+    }
+    prefix = "layers.0." if form == SPECULATORS else "midlayer."
+    out: dict[str, tuple[tuple[int, ...], torch.dtype | None]] = {
+        "fc.weight": ((h, 3 * cfg.target_hidden_size), None),
+        **{prefix + k: (shape, None) for k, shape in layer.items()},
+        "norm.weight": ((h,), None),
+        "lm_head.weight": ((cfg.draft_vocab_size, h), None),
+        "d2t": ((cfg.draft_vocab_size,), torch.int64),
+        "t2d": ((cfg.vocab_size,), torch.bool),
+        "embed_tokens.weight": ((cfg.vocab_size, h), None),
+    }
+    return out
+
+
+def validate_state_dict(state: dict[str, torch.Tensor], cfg: DrafterConfig, form: str = LEGACY,
+                        where: str = "drafter state") -> None:
+    """Refuse a state dict whose key set, shapes, dtypes or vocab mapping differ from the contract.
+
+    ``embed_tokens.weight`` is optional (SGLang and vLLM take the target's); d2t/t2d may be absent only
+    when the draft vocab is the whole target vocab (the loaders then use the identity).
+    """
+    if form not in (LEGACY, SPECULATORS):
+        raise ValueError(f"unknown checkpoint form {form!r}")
+    expected = expected_state(cfg, form)
+    optional = set(OPTIONAL_KEYS) | ({"d2t", "t2d"} if cfg.draft_vocab_size == cfg.vocab_size else set())
+    missing = sorted(set(expected) - set(state) - optional)
+    extra = sorted(set(state) - set(expected))
+    problems = [f"missing key {k}" for k in missing] + [f"unexpected key {k}" for k in extra]
+    for key, (shape, dtype) in expected.items():
+        if key not in state:
+            continue
+        t = state[key]
+        if tuple(t.shape) != shape:
+            problems.append(f"{key} has shape {list(t.shape)}, expected {list(shape)}")
+        elif dtype is not None and t.dtype != dtype:
+            problems.append(f"{key} has dtype {t.dtype}, expected {dtype}")
+        elif dtype is None and not t.is_floating_point():
+            problems.append(f"{key} has dtype {t.dtype}, expected a floating type")
+    if not problems and "d2t" in state and "t2d" in state:
+        target_ids = torch.arange(cfg.draft_vocab_size) + state["d2t"].cpu()
+        if target_ids.min() < 0 or target_ids.max() >= cfg.vocab_size:
+            problems.append(f"d2t maps draft ids outside the target vocab 0..{cfg.vocab_size - 1}")
+        elif not bool(state["t2d"].cpu()[target_ids].all()) or int(state["t2d"].sum()) != cfg.draft_vocab_size:
+            problems.append("t2d does not mark exactly the target ids that d2t maps to")
+    if problems:
+        raise EaglekitError(f"{where} ({form} form) does not match the drafter config: " + "; ".join(problems),
+                            "the checkpoint and its config.json disagree; re-export it or fix config.json")
+
+
+# ------------------------------------------------------------------------------------------ writing
+
+def _layer_config(cfg: DrafterConfig) -> dict[str, Any]:
+    """The Llama config of the one decoder layer, shared by both forms."""
+    return {
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": cfg.hidden_act,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": cfg.rope_scaling,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "vocab_size": cfg.vocab_size,
+    }
+
+
+def legacy_config(cfg: DrafterConfig) -> dict[str, Any]:
+    out = {"architectures": [LEGACY_ARCHITECTURE], **_layer_config(cfg), "draft_vocab_size": cfg.draft_vocab_size}
+    if cfg.target_hidden_size != cfg.hidden_size:
+        out["target_hidden_size"] = cfg.target_hidden_size
+    if cfg.aux_layer_ids is not None:
+        out["eagle_aux_hidden_state_layer_ids"] = list(cfg.aux_layer_ids)  # vLLM: HF hidden_states indices
+        out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in cfg.aux_layer_ids],  # SGLang adds 1
+                               "use_aux_hidden_state": True}
+    return out
+
+
+def speculators_config(cfg: DrafterConfig, verifier_name_or_path: str | None, verifier_architectures: list[str] | None,
+                       num_speculative_tokens: int) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "architectures": [SPECULATORS_ARCHITECTURE],
+        "speculators_model_type": "eagle3",
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(num_speculative_tokens),
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier_name_or_path, "architectures": list(verifier_architectures or [])},
+        },
+        "transformer_layer_config": _layer_config(cfg),
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": cfg.target_hidden_size,
+        "norm_before_residual": False,  # vLLM assumes true when the key is absent
+    }
+    if cfg.aux_layer_ids is not None:
+        out["eagle_aux_hidden_state_layer_ids"] = list(cfg.aux_layer_ids)
+    return out
+
+
+def _export_state(drafter: Eagle3Drafter, form: str, include_embeddings: bool) -> dict[str, torch.Tensor]:
+    state = {k: v.detach().cpu().contiguous() for k, v in drafter.state_dict().items()}
+    if not include_embeddings:
+        state.pop("embed_tokens.weight")
+    if form == SPECULATORS:
+        state = {k.replace("midlayer.", "layers.0.", 1): v for k, v in state.items()}
+    validate_state_dict(state, drafter.config, form)
+    return state
+
+
+def _write(out_dir: str | Path, config: dict, state: dict[str, torch.Tensor]) -> None:
+    with atomic_dir(out_dir) as tmp:
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+
+
+def save_legacy(drafter: Eagle3Drafter, out_dir: str | Path, include_embeddings: bool = True) -> None:
+    """Write the legacy / SGLang form (served by SGLang and by vLLM's ``method: eagle3``)."""
+    _write(out_dir, legacy_config(drafter.config), _export_state(drafter, LEGACY, include_embeddings))
+
+
+def save_speculators(drafter: Eagle3Drafter, out_dir: str | Path, verifier_name_or_path: str | None,
+                     verifier_architectures: list[str] | None, num_speculative_tokens: int,
+                     include_embeddings: bool = True) -> str | None:
+    """Write the speculators form (``vllm serve DIR``). Returns a warning when the verifier is unknown."""
+    config = speculators_config(drafter.config, verifier_name_or_path, verifier_architectures, num_speculative_tokens)
+    _write(out_dir, config, _export_state(drafter, SPECULATORS, include_embeddings))
+    if verifier_name_or_path is None:
+        return (f"{out_dir}/config.json has no verifier: `vllm serve {out_dir}` needs "
+                "speculators_config.verifier.name_or_path (set export.verifier to the target's hub id)")
+    return None
+
+
+# ------------------------------------------------------------------------------------------ reading
+
+@dataclass
+class CheckpointInfo:
+    form: str  # "legacy" or "speculators"
+    path: Path
+    missing_embeddings: bool  # embed_tokens absent: load the target's embedding before use
+    aux_layer_ids: list[int] | None  # HF hidden_states indices; None = not pinned (servers use [2, N//2, N-3])
+    verifier: str | None = None
+    weight_files: list[str] = field(default_factory=list)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise UsageError(f"{path}: cannot read JSON ({err})",
+                         "restore the file from the published checkpoint") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"{path}: expected a JSON object", "restore the file from the published checkpoint")
+    return data
+
+
+def _config_from_layer(layer: dict, top: dict, source: Path, aux_layer_ids: list[int] | None) -> DrafterConfig:
+    def need(key: str) -> Any:
+        if layer.get(key) is None:
+            raise UsageError(f"{source}: missing '{key}'", "the drafter's config.json is incomplete")
+        return layer[key]
+
+    if int(layer.get("num_hidden_layers", 1)) != 1:
+        raise UsageError(f"{source}: num_hidden_layers is {layer['num_hidden_layers']}; eaglekit drafters have one "
+                         "decoder layer", "use a one-layer EAGLE-3 drafter")
+    hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
+    theta, scaling = rope_from_config(text_config(layer))
+    vocab = int(need("vocab_size"))
+    try:
+        return DrafterConfig(
+            hidden_size=hidden,
+            intermediate_size=int(need("intermediate_size")),
+            num_attention_heads=heads,
+            num_key_value_heads=int(layer.get("num_key_value_heads") or heads),
+            head_dim=int(layer.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(need("max_position_embeddings")),
+            vocab_size=vocab,
+            draft_vocab_size=int(top.get("draft_vocab_size") or vocab),
+            target_hidden_size=int(top.get("target_hidden_size") or hidden),
+            aux_layer_ids=aux_layer_ids,
+            hidden_act=layer.get("hidden_act", "silu"),
+        )
+    except UsageError as err:
+        raise UsageError(f"{source}: {err.message}", err.remedy) from None
+
+
+def read_config(path: Path) -> tuple[str, DrafterConfig, str | None]:
+    """(form, drafter config, verifier) from a checkpoint folder's config.json."""
+    source = path / "config.json"
+    if not source.exists():
+        raise UsageError(f"{source} not found", "point at the drafter's folder (the one holding config.json)")
+    raw = _read_json(source)
+    if "speculators_model_type" in raw:
+        if raw["speculators_model_type"] != "eagle3":
+            raise UsageError(f"{source}: speculators_model_type is '{raw['speculators_model_type']}', not eagle3",
+                             "eaglekit finetunes and exports EAGLE-3 drafters only")
+        if raw.get("norm_before_residual", True):  # vLLM's default when absent
+            raise UsageError(f"{source}: norm_before_residual is {raw.get('norm_before_residual', 'absent (true)')}; "
+                             "eaglekit's drafter keeps the un-normed feature as residual (false)",
+                             "use a drafter trained with norm_before_residual=false")
+        layer = raw.get("transformer_layer_config")
+        if not isinstance(layer, dict):
+            raise UsageError(f"{source}: transformer_layer_config is missing", "the speculators config is incomplete")
+        verifier = ((raw.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+        aux = raw.get("eagle_aux_hidden_state_layer_ids")
+        return SPECULATORS, _config_from_layer(layer, raw, source, aux), verifier
+    architectures = raw.get("architectures") or []
+    if not any("eagle3" in a.lower() for a in architectures) and "draft_vocab_size" not in raw:
+        raise UsageError(f"{source}: not an EAGLE-3 drafter config "
+                         f"(architectures {architectures}, no draft_vocab_size)",
+                         "point at a drafter checkpoint, not at the target model")
+    aux = raw.get("eagle_aux_hidden_state_layer_ids")  # vLLM's key, HF indices
+    eagle_config = raw.get("eagle_config")
+    sglang_aux = eagle_config.get("eagle_aux_hidden_state_layer_ids") if isinstance(eagle_config, dict) else None
+    if not aux and sglang_aux:
+        aux = [int(i) + 1 for i in sglang_aux]  # SGLang's key: output-of-layer ids, one less
+    return LEGACY, _config_from_layer(raw, raw, source, aux or None), None
+
+
+def _load_weight_file(path: Path) -> dict[str, torch.Tensor]:
+    if not path.exists():
+        raise EaglekitError(f"{path} not found", "the checkpoint is incomplete; download it again")
+    try:
+        if path.suffix == ".safetensors":
+            return load_file(str(path))
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except (SafetensorError, RuntimeError, OSError, EOFError, ValueError, pickle.UnpicklingError) as err:
+        raise EaglekitError(f"{path}: cannot read weights ({err})", "the file is damaged; download it again") from None
+    if not isinstance(state, dict):
+        raise EaglekitError(f"{path}: expected a dict of tensors", "use the checkpoint's weight file")
+    return state
+
+
+def read_weights(path: Path) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """All tensors of a checkpoint folder: (sharded) model.safetensors, else (sharded) pytorch_model.bin."""
+    for index_name, single in (("model.safetensors.index.json", "model.safetensors"),
+                               ("pytorch_model.bin.index.json", "pytorch_model.bin")):
+        index = path / index_name
+        if index.exists():
+            weight_map = _read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise UsageError(f"{index}: no weight_map", "restore the index file from the published checkpoint")
+            files = sorted(set(weight_map.values()))
+        elif (path / single).exists():
+            files = [single]
+        else:
+            continue
+        state: dict[str, torch.Tensor] = {}
+        for name in files:
+            state.update(_load_weight_file(path / name))
+        return state, files
+    raise UsageError(f"{path}: no model.safetensors or pytorch_model.bin (sharded or not)",
+                     "point at the drafter's folder; training_state.pt alone holds no drafter weights")
+
+
+def load_drafter(path: str | Path, dtype: torch.dtype | None = None) -> tuple[Eagle3Drafter, CheckpointInfo]:
+    """Load a drafter in either form; ``dtype`` None keeps the checkpoint's floating dtype.
+
+    A ``training_state.pt`` beside the weights (optimizer state of published drafters) is ignored.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise UsageError(f"drafter checkpoint folder not found: {path}",
+                         "download the drafter first (e.g. `hf download ORG/NAME --local-dir DIR`) and pass DIR")
+    form, cfg, verifier = read_config(path)
+    state, files = read_weights(path)
+    validate_state_dict(state, cfg, form, where=str(path))
+    if form == SPECULATORS:
+        state = {k.replace("layers.0.", "midlayer.", 1): v for k, v in state.items()}
+    drafter = Eagle3Drafter(cfg)
+    missing = set(drafter.load_state_dict(state, strict=False).missing_keys)  # strictness: validate_state_dict
+    drafter = drafter.to(dtype or state["fc.weight"].dtype)
+    info = CheckpointInfo(form=form, path=path, missing_embeddings="embed_tokens.weight" in missing,
+                          aux_layer_ids=cfg.aux_layer_ids, verifier=verifier, weight_files=files)
+    return drafter, info
+
+
+# ------------------------------------------------------------------------------------------ compatibility
+
+def check_compatible(drafter_cfg: DrafterConfig, target_hf_config: Any, aux_layer_ids: list[int] | None,
+                     tokenizer_vocab_size: int | None = None) -> list[str]:
+    """What keeps a drafter from serving (or finetuning) with this target; empty when it fits.
+
+    ``aux_layer_ids`` are the HF hidden_states indices the run captures (None = the default). The
+    drafter's own head shapes may differ from the target's (train.draft overrides them; SpecForge's
+    Qwen3-4B drafter config has head_dim 80 for a head_dim-128 target); validate_state_dict checks
+    that its weights match them.
+    """
+    tc = text_config(target_hf_config)
+    problems = []
+    n_layers, hidden = int(tc.num_hidden_layers), int(tc.hidden_size)
+    if drafter_cfg.target_hidden_size != hidden:
+        problems.append(f"target_hidden_size: the drafter's fc takes 3 x {drafter_cfg.target_hidden_size}, "
+                        f"the target's hidden_size is {hidden}")
+    if drafter_cfg.hidden_size != hidden:
+        problems.append(f"hidden_size: the drafter's is {drafter_cfg.hidden_size}, the target's embedding is "
+                        f"{hidden} wide (the drafter takes the target's token embedding)")
+    if drafter_cfg.vocab_size != int(tc.vocab_size):
+        problems.append(f"vocab_size: the drafter's is {drafter_cfg.vocab_size}, the target's is {tc.vocab_size}")
+    if tokenizer_vocab_size is not None and tokenizer_vocab_size > drafter_cfg.vocab_size:
+        problems.append(f"vocab_size: the tokenizer has {tokenizer_vocab_size} tokens, more than the drafter's "
+                        f"vocab_size {drafter_cfg.vocab_size}")
+    if drafter_cfg.max_position_embeddings != int(tc.max_position_embeddings):
+        problems.append(f"max_position_embeddings: the drafter's is {drafter_cfg.max_position_embeddings}, the "
+                        f"target's {tc.max_position_embeddings}")
+    theta, _ = rope_from_config(tc)
+    if drafter_cfg.rope_theta != theta:
+        problems.append(f"rope_theta: the drafter's is {drafter_cfg.rope_theta}, the target's {theta}")
+    wanted = list(aux_layer_ids) if aux_layer_ids is not None else [2, n_layers // 2, n_layers - 3]
+    have = drafter_cfg.aux_layer_ids if drafter_cfg.aux_layer_ids is not None else [2, n_layers // 2, n_layers - 3]
+    if len(wanted) != 3:
+        problems.append(f"aux layers: EAGLE-3 fuses 3 aux hidden states, the run captures {len(wanted)} ({wanted})")
+    elif have != wanted:
+        problems.append(f"aux layers: the drafter was trained on hidden_states {have}, the run captures {wanted}")
+    bad = [i for i in wanted if not 0 <= i <= n_layers]
+    if bad:
+        problems.append(f"aux layers: {bad} are outside 0..{n_layers} for a target with {n_layers} layers")
+    return problems

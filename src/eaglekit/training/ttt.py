@@ -1,0 +1,251 @@
+"""Training-time test (TTT): the EAGLE-3 loss that trains the drafter on its own multi-step outputs.
+
+Step 0 runs the drafter on the target's fused features; each further step k feeds the drafter's
+own pre-norm outputs of step k-1 back in as features, with the ground-truth tokens shifted by k,
+exactly as it will run when drafting k tokens ahead (FORMATS.md §5).
+
+Attention at step k >= 1 for the chain that starts at position t covers the step-0 keys 0..t plus
+the keys of steps 1..k at that same chain (one key per step, not an L x L matrix per step). The
+step-0 part is a causal attention over a fixed set of keys; it runs through ``_PrefixAttention``,
+which returns output and log-sum-exp and recomputes the scores block by block in backward, so no
+L x L matrix is kept for backward. Its result is merged with the per-chain dot products by
+log-sum-exp, which is exact.
+
+Chains are independent after step 0 (they only share the step-0 keys), so steps >= 1 compute only
+the chains that still have a counted position ahead, packed into one row dimension: prompt
+positions and the sequence tail drop out after step 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from eaglekit.errors import UsageError
+from eaglekit.model.drafter import Eagle3Drafter, repeat_kv
+
+# Blocks of _PrefixAttention: at most this many score elements (rows x keys x heads), bounding the transient
+# memory, and at most BLOCK_ROWS rows, so a block's key range stops near its last row (causal work is ~halved).
+BLOCK_ELEMENTS = 1 << 24
+BLOCK_ROWS = 256
+
+
+@dataclass
+class TTTOutput:
+    loss: torch.Tensor  # scalar, sum_k decay^k * loss_k
+    loss_k: list[float]  # per step: mean soft cross-entropy over counted positions (0.0 where none)
+    acc_k: list[float]  # per step: share of counted positions where draft argmax == target argmax
+    count_k: list[int]  # per step: counted positions
+
+
+class _PrefixAttention(torch.autograd.Function):
+    """Attention of packed query rows over a contiguous range of keys each, returning output and log-sum-exp.
+
+    q [N, nH, hd]; k, v [S, nKV, hd]; row i attends keys lo[i]..hi[i] (inclusive). Rows must be sorted
+    so lo and hi are non-decreasing. Only q, k, v, the output and the log-sum-exp are kept for backward.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, lo, hi, scale):
+        n, n_heads, hd = q.shape
+        n_kv = k.shape[1]
+        groups = n_heads // n_kv
+        dtype = torch.promote_types(q.dtype, torch.float32)
+        qp = q.to(dtype).view(n, n_kv, groups, hd).permute(1, 2, 0, 3).contiguous()  # [nKV, g, N, hd]
+        kp = k.to(dtype).permute(1, 0, 2).contiguous()  # [nKV, S, hd]
+        vp = v.to(dtype).permute(1, 0, 2).contiguous()
+        out = qp.new_empty(qp.shape)
+        lse = qp.new_empty(qp.shape[:-1])
+        blocks = _blocks(lo, hi, n_heads)
+        for r0, r1, s0, s1 in blocks:
+            p, lse_block = _scores(qp, kp, lo, hi, scale, r0, r1, s0, s1)
+            lse[:, :, r0:r1] = lse_block
+            out[:, :, r0:r1] = p @ vp[:, None, s0:s1]
+        ctx.save_for_backward(qp, kp, vp, out, lse, lo, hi)
+        ctx.blocks, ctx.scale, ctx.dtypes = blocks, scale, (q.dtype, k.dtype, v.dtype)
+        return (out.permute(2, 0, 1, 3).reshape(n, n_heads, hd).to(q.dtype),
+                lse.permute(2, 0, 1).reshape(n, n_heads))
+
+    @staticmethod
+    def backward(ctx, d_out, d_lse):
+        qp, kp, vp, out, lse, lo, hi = ctx.saved_tensors
+        n_kv, groups, n, hd = qp.shape
+        scale = ctx.scale
+        do = d_out.to(qp.dtype).view(n, n_kv, groups, hd).permute(1, 2, 0, 3)
+        dl = torch.zeros_like(lse) if d_lse is None else d_lse.to(qp.dtype).view(n, n_kv, groups).permute(1, 2, 0)
+        # dS = P * (dP - rowsum(dO * O) + dLSE): the softmax backward with the log-sum-exp output folded in.
+        delta = (do * out).sum(-1) - dl
+        dq, dk, dv = torch.zeros_like(qp), torch.zeros_like(kp), torch.zeros_like(vp)
+        for r0, r1, s0, s1 in ctx.blocks:
+            p, _ = _scores(qp, kp, lo, hi, scale, r0, r1, s0, s1, lse=lse[:, :, r0:r1])
+            do_b = do[:, :, r0:r1]
+            dv[:, s0:s1] += (p.transpose(-1, -2) @ do_b).sum(1)
+            ds = (do_b @ vp[:, None, s0:s1].transpose(-1, -2)).sub_(delta[:, :, r0:r1, None]).mul_(p)
+            dq[:, :, r0:r1] = (ds @ kp[:, None, s0:s1]) * scale
+            dk[:, s0:s1] += (ds.transpose(-1, -2) @ qp[:, :, r0:r1]).sum(1) * scale
+        q_dtype, k_dtype, v_dtype = ctx.dtypes
+        return (dq.permute(2, 0, 1, 3).reshape(n, n_kv * groups, hd).to(q_dtype),
+                dk.permute(1, 0, 2).to(k_dtype), dv.permute(1, 0, 2).to(v_dtype), None, None, None)
+
+
+def _blocks(lo: torch.Tensor, hi: torch.Tensor, n_heads: int) -> list[tuple[int, int, int, int]]:
+    """Row blocks (r0, r1) and the key range (s0, s1) they need, sized to about BLOCK_ELEMENTS scores."""
+    n = lo.numel()
+    span = int((hi - lo).max().item()) + 1 if n else 1
+    rows = max(1, min(BLOCK_ROWS, BLOCK_ELEMENTS // (n_heads * span)))
+    starts = list(range(0, n, rows))
+    ends = [min(r + rows, n) for r in starts]
+    lo_b = lo[torch.tensor(starts, device=lo.device)].tolist() if n else []
+    hi_b = hi[torch.tensor([e - 1 for e in ends], device=hi.device)].tolist() if n else []
+    return [(r0, r1, s0, s1 + 1) for r0, r1, s0, s1 in zip(starts, ends, lo_b, hi_b)]
+
+
+def _scores(qp, kp, lo, hi, scale, r0, r1, s0, s1, lse=None):
+    """Softmax probabilities [nKV, g, rows, keys] of one block (and its log-sum-exp when not given)."""
+    s = (qp[:, :, r0:r1] @ kp[:, None, s0:s1].transpose(-1, -2)).mul_(scale)
+    keys = torch.arange(s0, s1, device=s.device)
+    blocked = (keys[None, :] < lo[r0:r1, None]) | (keys[None, :] > hi[r0:r1, None])
+    s.masked_fill_(blocked, float("-inf"))
+    if lse is None:
+        lse = torch.logsumexp(s, dim=-1)
+    return s.sub_(lse[..., None]).exp_(), lse
+
+
+def _check_inputs(drafter, aux_hidden, input_ids, target_logits, loss_mask, attention_mask, target_in_draft, steps):
+    cfg = drafter.config
+    b, length = input_ids.shape
+    expect = {"aux_hidden": (aux_hidden, (b, length, 3 * cfg.target_hidden_size)),
+              "target_logits": (target_logits, (b, length, cfg.draft_vocab_size)),
+              "loss_mask": (loss_mask, (b, length))}
+    if attention_mask is not None:
+        expect["attention_mask"] = (attention_mask, (b, length))
+    if target_in_draft is not None:
+        expect["target_in_draft"] = (target_in_draft, (b, length))
+    for name, (tensor, shape) in expect.items():
+        if tuple(tensor.shape) != shape:
+            raise UsageError(f"ttt_loss: {name} has shape {list(tensor.shape)}, expected {list(shape)}",
+                             "the feature batch does not match the drafter (rerun extract for this drafter config)")
+    if steps < 1:
+        raise UsageError(f"ttt_loss: steps must be >= 1, got {steps}", "set train.ttt_steps to 1 or more")
+    if attention_mask is not None and bool((attention_mask[:, 1:] > attention_mask[:, :-1]).any()):
+        raise UsageError("ttt_loss: attention_mask is not right-padded (a real token follows a pad)",
+                         "pad sequences on the right")
+
+
+def ttt_loss(drafter: Eagle3Drafter, aux_hidden: torch.Tensor, input_ids: torch.Tensor, target_logits: torch.Tensor,
+             loss_mask: torch.Tensor, attention_mask: torch.Tensor | None = None, steps: int = 7,
+             decay: float = 0.8, target_in_draft: torch.Tensor | None = None) -> TTTOutput:
+    """The TTT loss of one right-padded batch.
+
+    Conventions (t indexes positions 0..L-1 of a sequence):
+      - ``target_logits[b, t]`` are the target's logits at position t (predicting token t+1), already
+        restricted to the draft vocabulary (``logits[..., t2d]``).
+      - ``target_in_draft[b, t]`` (optional) says the target's argmax over the FULL vocabulary at
+        position t lies inside the draft vocabulary; positions where it does not are not counted.
+      - Step 0: the feature fc(aux_hidden[t]) with the embedding of token t+1, at RoPE position t,
+        predicts softmax(target_logits[t+1]), i.e. token t+2.
+      - Step k: the drafter's pre-norm output of step k-1 at chain t replaces the feature, the
+        embedding of token t+1+k goes in, RoPE position t+k, target softmax(target_logits[t+1+k]).
+      - (t, k) is counted where token t+2+k exists, is not padding, has loss_mask 1, and (if given)
+        target_in_draft[t+1+k]. Padding must be on the right.
+    Loss_k = mean soft cross-entropy over counted (t, k); loss = sum_k decay^k * loss_k.
+    """
+    _check_inputs(drafter, aux_hidden, input_ids, target_logits, loss_mask, attention_mask, target_in_draft, steps)
+    cfg, layer = drafter.config, drafter.midlayer
+    b, length = input_ids.shape
+    device = input_ids.device
+    n_heads, n_kv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    groups, scale = n_heads // n_kv, drafter.attention_scale
+
+    # usable[b, j]: token j may be a prediction target.
+    usable = loss_mask.bool()
+    if attention_mask is not None:
+        usable = usable & attention_mask.bool()
+    if target_in_draft is not None:
+        usable = usable & F.pad(target_in_draft.bool()[:, :-1], (1, 0), value=False)
+    # counted[k, b, t] = usable[b, t+2+k]; needed[k] = chain t is counted at step k or later.
+    counted = torch.zeros(steps, b, length, dtype=torch.bool, device=device)
+    for k in range(min(steps, length - 2)):
+        counted[k, :, : length - 2 - k] = usable[:, 2 + k:]
+    needed = counted.flip(0).cumsum(0).flip(0) > 0
+
+    # Every step's targets are target_logits[j] for positions j with usable[j+1]: softmax those once.
+    compute = torch.promote_types(drafter.lm_head.weight.dtype, torch.float32)
+    target_pos = F.pad(usable[:, 1:], (0, 1), value=False).reshape(-1).nonzero().squeeze(1)
+    slot = torch.full((b * length,), -1, dtype=torch.long, device=device)
+    slot[target_pos] = torch.arange(target_pos.numel(), device=device)
+    with torch.no_grad():
+        target_rows = target_logits.reshape(b * length, -1)[target_pos]
+        target_p, target_argmax = torch.softmax(target_rows.to(compute), dim=-1), target_rows.argmax(-1)
+    ids_flat = input_ids.reshape(-1)
+    losses, correct = [], []
+
+    def step_loss(h: torch.Tensor, rows: torch.Tensor, k: int) -> None:
+        """Loss and accuracy of step k on chain rows ``rows`` (flat b*L+t indices) with outputs h."""
+        if rows.numel() == 0:
+            losses.append(drafter.lm_head.weight.sum() * 0.0)
+            correct.append(torch.zeros((), device=device))
+            return
+        logits = drafter.lm_head(drafter.norm(h))
+        s = slot[rows + 1 + k]
+        with torch.no_grad():
+            correct.append((logits.argmax(-1) == target_argmax[s]).sum())
+        losses.append(F.cross_entropy(logits.to(compute), target_p[s]))
+
+    # Step 0: every position is a key for later steps, so it runs on the whole [B, L].
+    feature = drafter.fuse(aux_hidden)
+    with torch.no_grad():
+        embeds = drafter.embed_tokens(F.pad(input_ids[:, 1:], (0, 1)))
+    cos, sin = drafter.rotary(torch.arange(length, device=device), feature.dtype)
+    q, k0, v0 = layer.qkv(embeds, feature, cos, sin)  # [B, L, heads, hd]
+    attn = F.scaled_dot_product_attention(q.transpose(1, 2), repeat_kv(k0.transpose(1, 2), groups),
+                                          repeat_kv(v0.transpose(1, 2), groups), is_causal=True)
+    h = layer.finish(attn.transpose(1, 2), feature).reshape(b * length, -1)
+    rows0 = counted[0].reshape(-1).nonzero().squeeze(1)
+    step_loss(h[rows0], rows0, 0)
+
+    # Steps >= 1 on the packed chains that still count; chain f = b*L + t sees step-0 keys b*L .. f.
+    k0, v0 = k0.reshape(b * length, n_kv, hd), v0.reshape(b * length, n_kv, hd)
+    rows = torch.arange(b * length, device=device)
+    diag_k = diag_v = None  # [steps so far, N, nKV, hd]: the keys of steps 1..k of each chain
+    for k in range(1, steps):
+        keep = needed[k].reshape(-1)[rows]
+        rows, h = rows[keep], h[keep]
+        if diag_k is not None:
+            diag_k, diag_v = diag_k[:, keep], diag_v[:, keep]
+        t = rows % length
+        with torch.no_grad():
+            embeds = drafter.embed_tokens(ids_flat[rows + 1 + k])
+        cos, sin = drafter.rotary(t + k, h.dtype)
+        q, kk, vk = layer.qkv(embeds, h, cos, sin)  # q [N, nH, hd], kk/vk [N, nKV, hd]
+        diag_k = kk[None] if diag_k is None else torch.cat([diag_k, kk[None]])
+        diag_v = vk[None] if diag_v is None else torch.cat([diag_v, vk[None]])
+
+        out_prefix, lse_prefix = _PrefixAttention.apply(q, k0, v0, rows - t, rows, scale)
+        n = rows.numel()
+        lse_prefix = lse_prefix.view(n, n_kv, groups)  # float32 or wider, like the merge below
+        diag_scores = torch.einsum("nkgd,snkd->snkg", q.view(n, n_kv, groups, hd), diag_k).to(lse_prefix.dtype) * scale
+        lse_all = torch.logsumexp(torch.cat([lse_prefix[None], diag_scores]), dim=0)  # [N, nKV, g]
+        attn = (torch.exp(lse_prefix - lse_all)[..., None] * out_prefix.view(n, n_kv, groups, hd)
+                + torch.einsum("snkg,snkd->nkgd", torch.exp(diag_scores - lse_all), diag_v.to(lse_all.dtype)))
+        h = layer.finish(attn.reshape(n, n_heads, hd).to(h.dtype), h)
+        sel = counted[k].reshape(-1)[rows]
+        step_loss(h[sel], rows[sel], k)
+
+    total = sum((decay ** k) * loss for k, loss in enumerate(losses))
+    count_k = counted.reshape(steps, -1).sum(-1).tolist()
+    loss_k = torch.stack([loss.detach().double() for loss in losses]).tolist()
+    correct_k = torch.stack([c.float() for c in correct]).tolist()
+    acc_k = [c / n if n else 0.0 for c, n in zip(correct_k, count_k)]
+    return TTTOutput(loss=total, loss_k=loss_k, acc_k=acc_k, count_k=count_k)
+
+
+def simulated_acceptance_length(acc_k: list[float]) -> float:
+    """Tokens per verification pass if draft k is accepted with probability acc_k[k]: 1 + sum_k prod_{j<=k} acc_j."""
+    total, run = 1.0, 1.0
+    for acc in acc_k:
+        run *= acc
+        total += run
+    return total

@@ -1,0 +1,271 @@
+"""The two checkpoint forms: round trips, the config fields the servers read, and the key/shape contract."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import LlamaConfig
+
+from eaglekit.errors import EaglekitError, UsageError
+from eaglekit.model import checkpoints as ck
+from eaglekit.model.drafter import DrafterConfig, Eagle3Drafter, build_d2t_t2d
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matmuls on 2 shared cores run far faster on one thread (no waiting on a descheduled peer)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def make_drafter(target_hidden_size=48, aux=(2, 4, 5), rope_scaling=None, seed=0) -> Eagle3Drafter:
+    cfg = DrafterConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                        rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=rope_scaling, max_position_embeddings=256,
+                        vocab_size=50, draft_vocab_size=20, target_hidden_size=target_hidden_size,
+                        aux_layer_ids=list(aux) if aux is not None else None)
+    torch.manual_seed(seed)
+    drafter = Eagle3Drafter(cfg)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+        selected = torch.randperm(50, generator=torch.Generator().manual_seed(seed))[:20].sort().values
+        d2t, t2d = build_d2t_t2d(selected, 50)
+        drafter.d2t.copy_(d2t)
+        drafter.t2d.copy_(t2d)
+    return drafter
+
+
+def logits_of(drafter: Eagle3Drafter, seed=1) -> torch.Tensor:
+    cfg = drafter.config
+    g = torch.Generator().manual_seed(seed)
+    aux = torch.randn(2, 7, 3 * cfg.target_hidden_size, generator=g)
+    ids = torch.randint(0, cfg.vocab_size, (2, 7), generator=g)
+    with torch.no_grad():
+        logits, _ = drafter(ids, drafter.fuse(aux.to(drafter.fc.weight.dtype)), torch.arange(7).expand(2, 7))
+    return logits
+
+
+def test_legacy_round_trip(tmp_path):
+    drafter = make_drafter()
+    ck.save_legacy(drafter, tmp_path / "d")
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["config.json", "model.safetensors"]
+    loaded, info = ck.load_drafter(tmp_path / "d")
+    assert (info.form, info.missing_embeddings, info.aux_layer_ids) == ("legacy", False, [2, 4, 5])
+    assert loaded.config == drafter.config
+    torch.testing.assert_close(logits_of(loaded), logits_of(drafter), rtol=0, atol=0)
+    assert torch.equal(loaded.d2t, drafter.d2t) and torch.equal(loaded.t2d, drafter.t2d)
+
+
+def test_speculators_round_trip(tmp_path):
+    drafter = make_drafter(rope_scaling={"rope_type": "linear", "factor": 2.0})
+    warning = ck.save_speculators(drafter, tmp_path / "s", "org/target", ["LlamaForCausalLM"], 3)
+    assert warning is None
+    keys = set(load_file(str(tmp_path / "s" / "model.safetensors")))
+    assert "layers.0.self_attn.q_proj.weight" in keys and not any(k.startswith("midlayer.") for k in keys)
+    loaded, info = ck.load_drafter(tmp_path / "s")
+    assert (info.form, info.verifier, info.aux_layer_ids) == ("speculators", "org/target", [2, 4, 5])
+    assert loaded.config == drafter.config
+    torch.testing.assert_close(logits_of(loaded), logits_of(drafter), rtol=0, atol=0)
+
+
+def test_legacy_config_is_what_vllm_and_sglang_read(tmp_path):
+    drafter = make_drafter(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 128})
+    ck.save_legacy(drafter, tmp_path / "d", include_embeddings=False)
+    raw = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert raw["architectures"] == ["LlamaForCausalLMEagle3"] and raw["model_type"] == "llama"
+    assert raw["num_hidden_layers"] == 1 and raw["tie_word_embeddings"] is False  # SGLang ties lm_head to embed if true
+    assert (raw["vocab_size"], raw["draft_vocab_size"], raw["hidden_size"], raw["head_dim"]) == (50, 20, 32, 8)
+    assert (raw["max_position_embeddings"], raw["rms_norm_eps"], raw["hidden_act"]) == (256, 1e-5, "silu")
+    assert raw["rope_theta"] == 500000.0 and raw["rope_scaling"]["rope_type"] == "llama3"
+    assert raw["target_hidden_size"] == 48
+    # vLLM (gpu_model_runner._get_eagle3_aux_layers_from_config) reads the top-level ids as hidden_states indices;
+    # SGLang (model_runner + set_eagle3_layers_to_capture) reads eagle_config's and adds 1.
+    assert raw["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    assert [i + 1 for i in raw["eagle_config"]["eagle_aux_hidden_state_layer_ids"]] == [2, 4, 5]
+    assert "embed_tokens.weight" not in load_file(str(tmp_path / "d" / "model.safetensors"))
+
+    # Both servers build the draft config with transformers; the fields they use survive that.
+    hf = LlamaConfig.from_pretrained(tmp_path / "d")
+    assert hf.draft_vocab_size == 20 and hf.target_hidden_size == 48 and hf.head_dim == 8
+    assert hf.rope_parameters["rope_type"] == "llama3" and hf.rope_parameters["rope_theta"] == 500000.0
+
+    # target_hidden_size only when it differs: the loaders test hasattr(config, "target_hidden_size").
+    ck.save_legacy(make_drafter(target_hidden_size=32), tmp_path / "same")
+    assert not hasattr(LlamaConfig.from_pretrained(tmp_path / "same"), "target_hidden_size")
+    # No pinned aux ids: neither key, so both servers use their (equal) default [2, N//2, N-3].
+    ck.save_legacy(make_drafter(aux=None), tmp_path / "default")
+    raw = json.loads((tmp_path / "default" / "config.json").read_text())
+    assert "eagle_aux_hidden_state_layer_ids" not in raw and "eagle_config" not in raw
+
+
+def vllm_speculators_to_draft_config(config_dict: dict) -> dict:
+    """vLLM's reading of a speculators config: base.py validation + algos.update_eagle3, restated."""
+    spec = config_dict["speculators_config"]
+    _ = spec["proposal_methods"][0]["speculative_tokens"], spec["verifier"]["name_or_path"]
+    assert isinstance(config_dict["transformer_layer_config"], dict)
+    out = dict(config_dict["transformer_layer_config"])
+    out["draft_vocab_size"] = config_dict.get("draft_vocab_size")
+    if config_dict.get("target_hidden_size") is not None:
+        out["target_hidden_size"] = config_dict["target_hidden_size"]
+    out["norm_before_residual"] = config_dict.get("norm_before_residual", True)
+    if config_dict.get("eagle_aux_hidden_state_layer_ids"):
+        out["eagle_aux_hidden_state_layer_ids"] = config_dict["eagle_aux_hidden_state_layer_ids"]
+    return out
+
+
+def test_speculators_config_is_what_vllm_reads(tmp_path):
+    ck.save_speculators(make_drafter(), tmp_path / "s", "org/target", ["LlamaForCausalLM"], 5)
+    raw = json.loads((tmp_path / "s" / "config.json").read_text())
+    assert raw["speculators_model_type"] == "eagle3" and raw["architectures"] == ["Eagle3Speculator"]
+    spec = raw["speculators_config"]
+    assert spec["algorithm"] == "eagle3" and spec["default_proposal_method"] == "greedy"
+    assert spec["proposal_methods"] == [{"proposal_type": "greedy", "speculative_tokens": 5, "verifier_accept_k": 1,
+                                         "accept_tolerance": 0.0}]
+    assert spec["verifier"] == {"name_or_path": "org/target", "architectures": ["LlamaForCausalLM"]}
+    layer = raw["transformer_layer_config"]
+    assert (layer["model_type"], layer["vocab_size"], layer["num_hidden_layers"]) == ("llama", 50, 1)
+    draft = vllm_speculators_to_draft_config(raw)
+    assert draft["norm_before_residual"] is False  # written explicitly: vLLM's default is true
+    assert (draft["draft_vocab_size"], draft["target_hidden_size"]) == (20, 48)
+    assert draft["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    assert LlamaConfig(**draft).head_dim == 8
+
+
+def test_speculators_without_verifier_warns(tmp_path):
+    warning = ck.save_speculators(make_drafter(), tmp_path / "s", None, None, 3)
+    assert warning and "vllm" in warning.lower() and "verifier" in warning
+    raw = json.loads((tmp_path / "s" / "config.json").read_text())
+    assert raw["speculators_config"]["verifier"]["name_or_path"] is None
+    assert ck.load_drafter(tmp_path / "s")[1].verifier is None
+
+
+def test_contract_names_missing_extra_and_misshaped_keys(tmp_path):
+    drafter = make_drafter()
+    cfg = drafter.config
+    good = drafter.state_dict()
+    ck.validate_state_dict(good, cfg)
+
+    missing = {k: v for k, v in good.items() if k != "midlayer.mlp.up_proj.weight"}
+    with pytest.raises(EaglekitError, match="missing key midlayer.mlp.up_proj.weight"):
+        ck.validate_state_dict(missing, cfg)
+    extra = {**good, "midlayer.self_attn.rotary_emb.inv_freq": torch.zeros(4)}
+    with pytest.raises(EaglekitError, match="unexpected key midlayer.self_attn.rotary_emb.inv_freq"):
+        ck.validate_state_dict(extra, cfg)
+    misshaped = {**good, "midlayer.self_attn.q_proj.weight": torch.zeros(32, 32)}
+    with pytest.raises(EaglekitError, match=re.escape("midlayer.self_attn.q_proj.weight has shape [32, 32], "
+                                                      "expected [32, 64]")):
+        ck.validate_state_dict(misshaped, cfg)
+    with pytest.raises(EaglekitError, match="d2t has dtype torch.int32"):
+        ck.validate_state_dict({**good, "d2t": good["d2t"].int()}, cfg)
+    with pytest.raises(EaglekitError, match="t2d does not mark"):
+        ck.validate_state_dict({**good, "t2d": torch.ones(50, dtype=torch.bool)}, cfg)
+    with pytest.raises(EaglekitError, match="missing key layers.0.norm|missing key layers.0.hidden_norm.weight"):
+        ck.validate_state_dict(good, cfg, form="speculators")
+
+    # A checkpoint on disk with a bad key is refused when read, naming the key and the folder.
+    ck.save_legacy(drafter, tmp_path / "d")
+    save_file({k: v.contiguous() for k, v in misshaped.items()}, str(tmp_path / "d" / "model.safetensors"))
+    with pytest.raises(EaglekitError, match=r"q_proj.weight has shape \[32, 32\]") as err:
+        ck.load_drafter(tmp_path / "d")
+    assert str(tmp_path / "d") in str(err.value)
+
+
+def test_refused_save_leaves_the_old_checkpoint(tmp_path):
+    ck.save_legacy(make_drafter(seed=0), tmp_path / "d")
+    before = (tmp_path / "d" / "model.safetensors").read_bytes()
+    broken = make_drafter(seed=1)
+    broken.lm_head = torch.nn.Linear(32, 21, bias=False)
+    with pytest.raises(EaglekitError, match=r"lm_head.weight has shape \[21, 32\]"):
+        ck.save_legacy(broken, tmp_path / "d")
+    assert (tmp_path / "d" / "model.safetensors").read_bytes() == before
+
+
+def kimi_style_config(cfg: DrafterConfig) -> dict:
+    """Shaped like SpecForge's configs/kimi-k2-eagle3.json: model_type of the target, SGLang aux ids, no head_dim."""
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 4], "use_aux_hidden_state": True},
+        "attention_bias": False, "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
+        "hidden_size": cfg.hidden_size, "initializer_range": 0.02, "intermediate_size": cfg.intermediate_size,
+        "max_position_embeddings": cfg.max_position_embeddings, "max_window_layers": 48, "model_type": "kimi_k2",
+        "num_attention_heads": cfg.num_attention_heads, "num_hidden_layers": 1,
+        "num_key_value_heads": cfg.num_key_value_heads, "rms_norm_eps": cfg.rms_norm_eps, "rope_scaling": None,
+        "rope_theta": cfg.rope_theta, "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "use_cache": True, "vocab_size": cfg.vocab_size, "draft_vocab_size": cfg.draft_vocab_size,
+    }
+
+
+@pytest.mark.parametrize("layout", ["safetensors", "bin", "sharded"])
+def test_kimi_style_legacy_checkpoint_loads(tmp_path, layout):
+    drafter = make_drafter(target_hidden_size=32).to(torch.bfloat16)  # head_dim 8 = 32 / 4, as the config implies
+    state = {k: v.contiguous() for k, v in drafter.state_dict().items() if k != "embed_tokens.weight"}
+    folder = tmp_path / "kimi"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(kimi_style_config(drafter.config)))
+    torch.save({"optimizer": {"not": "weights"}}, folder / "training_state.pt")
+    if layout == "safetensors":
+        save_file(state, str(folder / "model.safetensors"))
+    elif layout == "bin":
+        torch.save(state, folder / "pytorch_model.bin")
+    else:
+        names = sorted(state)
+        shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+        for file, keys in shards.items():
+            save_file({k: state[k] for k in keys}, str(folder / file))
+        weight_map = {k: file for file, keys in shards.items() for k in keys}
+        (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+    loaded, info = ck.load_drafter(folder)
+    assert info.form == "legacy" and info.missing_embeddings
+    assert info.aux_layer_ids == [2, 4, 5]  # SGLang's output-of-layer ids + 1
+    assert loaded.fc.weight.dtype == torch.bfloat16
+    with torch.no_grad():
+        loaded.embed_tokens.weight.copy_(drafter.embed_tokens.weight)  # what train does: the target's embedding
+    torch.testing.assert_close(logits_of(loaded), logits_of(drafter), rtol=0, atol=0)
+
+
+def test_load_refusals(tmp_path):
+    with pytest.raises(UsageError, match="not found"):
+        ck.load_drafter(tmp_path / "nope")
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
+    with pytest.raises(UsageError, match="not an EAGLE-3 drafter"):
+        ck.load_drafter(target)
+    ck.save_speculators(make_drafter(), tmp_path / "s", "org/t", [], 3)
+    raw = json.loads((tmp_path / "s" / "config.json").read_text())
+    del raw["norm_before_residual"]
+    (tmp_path / "s" / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(UsageError, match="norm_before_residual"):
+        ck.load_drafter(tmp_path / "s")
+    (tmp_path / "s" / "model.safetensors").unlink()
+    raw["norm_before_residual"] = False
+    (tmp_path / "s" / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(UsageError, match="no model.safetensors"):
+        ck.load_drafter(tmp_path / "s")
+
+
+def test_check_compatible():
+    drafter = make_drafter(target_hidden_size=32)
+    cfg = drafter.config
+    target = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=8, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=50, max_position_embeddings=256, rope_theta=500000.0)
+    assert ck.check_compatible(cfg, target, [2, 4, 5]) == []
+    wider = LlamaConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=8, num_attention_heads=8,
+                        num_key_value_heads=2, vocab_size=50, max_position_embeddings=256, rope_theta=500000.0)
+    problems = ck.check_compatible(cfg, wider, [2, 4, 5])
+    assert any(p.startswith("hidden_size") for p in problems)
+    assert any(p.startswith("target_hidden_size") and "64" in p for p in problems)
+    # None = the servers' default [2, N//2, N-3], here [2, 4, 5]: the drafter's own ids.
+    assert ck.check_compatible(cfg, target, None) == []
+    problems = ck.check_compatible(cfg, target, [1, 4, 5], tokenizer_vocab_size=51)
+    assert problems == [p for p in problems if p.startswith(("aux layers", "vocab_size"))] and len(problems) == 2
+    assert "[1, 4, 5]" in problems[-1] and "tokenizer has 51" in problems[0]

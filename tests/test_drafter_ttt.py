@@ -1,0 +1,307 @@
+"""The drafter and the TTT loss against a slow, obvious reference written here."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, Qwen3Config
+
+from eaglekit.errors import UsageError
+from eaglekit.model.drafter import DraftKVCache, DrafterConfig, Eagle3Drafter, apply_rope, build_d2t_t2d
+from eaglekit.training.ttt import simulated_acceptance_length, ttt_loss
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matmuls on 2 shared cores run far faster on one thread (no waiting on a descheduled peer)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def tiny_config(**kw) -> DrafterConfig:
+    base = dict(hidden_size=32, intermediate_size=36, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None, max_position_embeddings=128,
+                vocab_size=39, draft_vocab_size=11, target_hidden_size=24, aux_layer_ids=[2, 3, 5])
+    base.update(kw)
+    return DrafterConfig(**base)
+
+
+def make_batch(cfg: DrafterConfig, b=2, length=13, dtype=torch.float64, seed=0, pad=True):
+    g = torch.Generator().manual_seed(seed)
+    aux = torch.randn(b, length, 3 * cfg.target_hidden_size, generator=g, dtype=dtype)
+    ids = torch.randint(0, cfg.vocab_size, (b, length), generator=g)
+    target_logits = 3 * torch.randn(b, length, cfg.draft_vocab_size, generator=g, dtype=dtype)
+    loss_mask = (torch.rand(b, length, generator=g) < 0.75).long()
+    attention_mask = torch.ones(b, length, dtype=torch.long)
+    if pad:
+        attention_mask[1, length - 4:] = 0  # right padding
+    in_draft = torch.rand(b, length, generator=g) < 0.8
+    return aux, ids, target_logits, loss_mask, attention_mask, in_draft
+
+
+def make_drafter(cfg: DrafterConfig, dtype=torch.float64, seed=0) -> Eagle3Drafter:
+    torch.manual_seed(seed)
+    drafter = Eagle3Drafter(cfg).to(dtype)
+    with torch.no_grad():  # norms away from 1 so a wrong norm placement shows
+        for name, p in drafter.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                p.uniform_(0.5, 1.5)
+    return drafter
+
+
+def reference_ttt(drafter, aux, ids, target_logits, loss_mask, attention_mask, steps, decay, in_draft):
+    """Each step: full attention over [step-0 keys, step-1 keys, ...] with an explicit boolean mask."""
+    cfg, layer = drafter.config, drafter.midlayer
+    b, length = ids.shape
+    n_heads, n_kv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    feature = drafter.fc(aux)
+    keys, values = [], []
+    total, loss_k, acc_k, count_k = 0.0, [], [], []
+    for k in range(steps):
+        tokens = torch.zeros_like(ids)
+        tokens[:, : length - 1 - k] = ids[:, 1 + k:]  # token t+1+k
+        x = torch.cat([layer.input_layernorm(drafter.embed_tokens(tokens)), layer.hidden_norm(feature)], -1)
+        q = layer.self_attn.q_proj(x).view(b, length, n_heads, hd)
+        kk = layer.self_attn.k_proj(x).view(b, length, n_kv, hd)
+        vv = layer.self_attn.v_proj(x).view(b, length, n_kv, hd)
+        cos, sin = drafter.rotary(torch.arange(length) + k, x.dtype)
+        q, kk = apply_rope(q, cos, sin), apply_rope(kk, cos, sin)
+        keys.append(kk)
+        values.append(vv)
+        mask = torch.zeros(length, (k + 1) * length, dtype=torch.bool)
+        for t in range(length):
+            mask[t, : t + 1] = True
+            for j in range(1, k + 1):
+                mask[t, j * length + t] = True
+        big_k = torch.cat(keys, 1).repeat_interleave(n_heads // n_kv, dim=2)
+        big_v = torch.cat(values, 1).repeat_interleave(n_heads // n_kv, dim=2)
+        scores = torch.einsum("bthd,bshd->bhts", q, big_k) / math.sqrt(hd)
+        probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+        attn = torch.einsum("bhts,bshd->bthd", probs, big_v).reshape(b, length, -1)
+        h = feature + layer.self_attn.o_proj(attn)
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        logits = drafter.lm_head(drafter.norm(h))
+        ces, hits = [], []
+        for bi in range(b):
+            for t in range(length):
+                j = t + 2 + k
+                if j >= length or not loss_mask[bi, j] or (attention_mask is not None and not attention_mask[bi, j]):
+                    continue
+                if in_draft is not None and not in_draft[bi, j - 1]:
+                    continue
+                target = target_logits[bi, t + 1 + k]
+                ces.append(-(target.softmax(-1) * logits[bi, t].log_softmax(-1)).sum())
+                hits.append(float(logits[bi, t].argmax() == target.argmax()))
+        step = torch.stack(ces).mean() if ces else logits.sum() * 0
+        total = total + decay ** k * step
+        loss_k.append(step.item())
+        acc_k.append(sum(hits) / len(hits) if hits else 0.0)
+        count_k.append(len(ces))
+        feature = h
+    return total, loss_k, acc_k, count_k
+
+
+def grads(drafter, loss):
+    drafter.zero_grad()
+    loss.backward()
+    return {n: p.grad.clone() for n, p in drafter.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("steps, with_masks", [(1, False), (2, True), (5, True)])
+def test_ttt_matches_reference_float64(steps, with_masks):
+    cfg = tiny_config()
+    drafter = make_drafter(cfg)
+    aux, ids, tl, lm, am, ind = make_batch(cfg, pad=with_masks)
+    am, ind = (am, ind) if with_masks else (None, None)
+
+    out = ttt_loss(drafter, aux, ids, tl, lm, am, steps=steps, decay=0.8, target_in_draft=ind)
+    got = grads(drafter, out.loss)
+    ref_loss, ref_lk, ref_acc, ref_count = reference_ttt(drafter, aux, ids, tl, lm, am, steps, 0.8, ind)
+    want = grads(drafter, ref_loss)
+
+    assert out.count_k == ref_count and all(c > 0 for c in ref_count)
+    assert out.loss.item() == pytest.approx(ref_loss.item(), rel=1e-10)
+    assert out.loss_k == pytest.approx(ref_lk, rel=1e-10)
+    assert out.acc_k == pytest.approx(ref_acc)
+    assert set(got) == set(want) and "embed_tokens.weight" not in got
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-8, atol=1e-10, msg=name)
+
+
+def test_ttt_float32_matches_reference_and_keeps_no_square_matrix_for_backward():
+    # L larger than every width (2H, 3Ht, I, V), so an L x L tensor is recognisable by its shape.
+    cfg = tiny_config(hidden_size=16, head_dim=4, target_hidden_size=12, intermediate_size=24)
+    length = 40
+    drafter = make_drafter(cfg, dtype=torch.float32)
+    aux, ids, tl, lm, am, ind = make_batch(cfg, length=length, dtype=torch.float32)
+
+    saved_shapes = []
+
+    def pack(t):
+        saved_shapes.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = ttt_loss(drafter, aux, ids, tl, lm, am, steps=4, target_in_draft=ind)
+    square = [s for s in saved_shapes if sum(d >= length for d in s) >= 2]
+    assert not square, f"tensors of shape {square} kept for backward"
+
+    got = grads(drafter, out.loss)
+    ref_loss, ref_lk, ref_acc, _ = reference_ttt(drafter, aux, ids, tl, lm, am, 4, 0.8, ind)
+    want = grads(drafter, ref_loss)
+    assert out.loss.item() == pytest.approx(ref_loss.item(), rel=1e-4)
+    assert out.acc_k == pytest.approx(ref_acc)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_ttt_prefix_attention_in_small_blocks(monkeypatch):
+    """The blockwise step-0 attention gives the same result when every block is a few rows."""
+    import eaglekit.training.ttt as ttt
+    cfg = tiny_config()
+    drafter = make_drafter(cfg)
+    batch = make_batch(cfg, length=17)
+    whole = ttt_loss(drafter, *batch[:5], steps=3, target_in_draft=batch[5])
+    g_whole = grads(drafter, whole.loss)
+    monkeypatch.setattr(ttt, "BLOCK_ELEMENTS", 3 * cfg.num_attention_heads * 17)
+    blocked = ttt_loss(drafter, *batch[:5], steps=3, target_in_draft=batch[5])
+    g_blocked = grads(drafter, blocked.loss)
+    assert blocked.loss.item() == pytest.approx(whole.loss.item(), rel=1e-12)
+    for name in g_whole:
+        torch.testing.assert_close(g_blocked[name], g_whole[name], rtol=1e-10, atol=1e-12)
+
+
+def test_ttt_rejects_left_padding_and_bad_shapes():
+    cfg = tiny_config()
+    drafter = make_drafter(cfg)
+    aux, ids, tl, lm, am, _ = make_batch(cfg)
+    left = am.flip(1)
+    with pytest.raises(UsageError, match="right-padded"):
+        ttt_loss(drafter, aux, ids, tl, lm, left)
+    with pytest.raises(UsageError, match="target_logits"):
+        ttt_loss(drafter, aux, ids, tl[..., :-1], lm, am)
+
+
+def test_forward_is_step_zero_and_cache_matches_full_forward():
+    cfg = tiny_config()
+    drafter = make_drafter(cfg)
+    aux, ids, tl, lm, _, _ = make_batch(cfg, b=2, length=10, pad=False)
+    feature = drafter.fuse(aux)
+    tokens = F.pad(ids[:, 1:], (0, 1))
+    pos = torch.arange(10).expand(2, 10)
+    full_logits, full_hidden = drafter(tokens, feature, pos)
+
+    # Step-0 TTT with one step is the plain forward: same loss from the forward's logits.
+    with torch.no_grad():
+        out = ttt_loss(drafter, aux, ids, tl, lm, None, steps=1)
+        counted = lm[:, 2:].bool()
+        ce = -(tl[:, 1:-1].softmax(-1) * full_logits[:, :-2].log_softmax(-1)).sum(-1)
+        assert out.loss.item() == pytest.approx(ce[counted].mean().item(), rel=1e-10)
+
+    # One position at a time through the cache.
+    cache = DraftKVCache()
+    step_logits = []
+    for t in range(10):
+        logits, _ = drafter(tokens[:, t:t + 1], feature[:, t:t + 1], pos[:, t:t + 1], cache)
+        step_logits.append(logits)
+    assert cache.length == 10
+    torch.testing.assert_close(torch.cat(step_logits, 1), full_logits, rtol=1e-10, atol=1e-10)
+
+    # Reject the last 4, then feed other tokens and the drafter's own hidden: same as a full forward of that sequence.
+    cache.crop(6)
+    assert cache.length == 6
+    new_tokens = torch.randint(0, cfg.vocab_size, (2, 3), generator=torch.Generator().manual_seed(1))
+    new_hidden = full_hidden[:, 3:6]
+    logits, _ = drafter(new_tokens, new_hidden, pos[:, 6:9], cache)
+    ref_logits, _ = drafter(torch.cat([tokens[:, :6], new_tokens], 1), torch.cat([feature[:, :6], new_hidden], 1),
+                            pos[:, :9])
+    torch.testing.assert_close(logits, ref_logits[:, 6:9], rtol=1e-10, atol=1e-10)
+
+
+def test_d2t_t2d_round_trip():
+    selected = torch.tensor([0, 3, 4, 9, 17, 38])
+    d2t, t2d = build_d2t_t2d(selected, 39)
+    assert d2t.dtype == torch.int64 and t2d.dtype == torch.bool and t2d.shape == (39,)
+    assert torch.equal(t2d.nonzero().squeeze(1), selected)
+    cfg = tiny_config(draft_vocab_size=6)
+    drafter = Eagle3Drafter(cfg)
+    drafter.d2t.copy_(d2t)
+    drafter.t2d.copy_(t2d)
+    assert torch.equal(drafter.draft_to_target(torch.arange(6)), selected)
+    assert torch.equal(drafter.draft_to_target(torch.tensor([[5, 1]])), torch.tensor([[38, 3]]))
+    with pytest.raises(UsageError, match="sorted"):
+        build_d2t_t2d(torch.tensor([3, 1]), 39)
+    with pytest.raises(UsageError, match="0..38"):
+        build_d2t_t2d(torch.tensor([1, 39]), 39)
+
+
+def test_state_dict_is_the_checkpoint_key_set():
+    drafter = Eagle3Drafter(tiny_config())
+    state = drafter.state_dict()
+    mid = "midlayer."
+    assert set(state) == {
+        "embed_tokens.weight", "fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
+        mid + "hidden_norm.weight", mid + "input_layernorm.weight", mid + "post_attention_layernorm.weight",
+        *(f"{mid}self_attn.{p}_proj.weight" for p in "qkvo"),
+        *(f"{mid}mlp.{p}_proj.weight" for p in ("gate", "up", "down")),
+    }
+    assert state["fc.weight"].shape == (32, 3 * 24)
+    assert state["midlayer.self_attn.q_proj.weight"].shape == (4 * 8, 2 * 32)
+    assert not drafter.embed_tokens.weight.requires_grad
+
+
+def test_from_target_config_llama():
+    target = LlamaConfig(hidden_size=48, intermediate_size=96, num_hidden_layers=10, num_attention_heads=6,
+                         num_key_value_heads=2, vocab_size=101, max_position_embeddings=4096, rms_norm_eps=1e-5,
+                         rope_theta=500000.0,
+                         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 1024})
+    cfg = DrafterConfig.from_target_config(target, draft_vocab_size=40)
+    assert cfg.aux_layer_ids == [2, 5, 7]
+    assert (cfg.hidden_size, cfg.target_hidden_size, cfg.head_dim, cfg.num_key_value_heads) == (48, 48, 8, 2)
+    assert (cfg.vocab_size, cfg.draft_vocab_size, cfg.max_position_embeddings) == (101, 40, 4096)
+    assert cfg.rope_theta == 500000.0 and cfg.rope_scaling["rope_type"] == "llama3"
+    assert cfg.rms_norm_eps == 1e-5
+    assert DrafterConfig.from_dict(cfg.to_dict()) == cfg
+
+    # The drafter's RoPE is the target's (llama3 scaling included).
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    rotary = LlamaRotaryEmbedding(target)
+    pos = torch.arange(0, 3000, 7)[None]
+    want_cos, want_sin = rotary(torch.zeros(1, dtype=torch.float32), pos)
+    cos, sin = Eagle3Drafter(cfg).rotary(pos, torch.float32)
+    torch.testing.assert_close(cos, want_cos, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sin, want_sin, rtol=1e-5, atol=1e-5)
+
+    small = DrafterConfig.from_target_config(target, 40, aux_layer_ids=[1, 4, 9], hidden_size=24,
+                                             intermediate_size=None)
+    assert (small.hidden_size, small.head_dim, small.target_hidden_size, small.intermediate_size) == (24, 4, 48, 96)
+    assert small.aux_layer_ids == [1, 4, 9]
+    with pytest.raises(UsageError, match="hiden_size"):
+        DrafterConfig.from_target_config(target, 40, hiden_size=24)
+    with pytest.raises(UsageError, match="outside 0..10"):
+        DrafterConfig.from_target_config(target, 40, aux_layer_ids=[1, 4, 11])
+
+
+def test_from_target_config_qwen3():
+    target = Qwen3Config(hidden_size=64, intermediate_size=80, num_hidden_layers=8, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=32, vocab_size=120, max_position_embeddings=2048,
+                         rope_theta=1000000.0)
+    cfg = DrafterConfig.from_target_config(target, draft_vocab_size=50)
+    assert cfg.head_dim == 32  # explicit in the config, not hidden/heads
+    assert cfg.aux_layer_ids == [2, 4, 5]
+    assert cfg.rope_theta == 1000000.0 and cfg.rope_scaling is None
+    assert cfg.max_position_embeddings == 2048
+    drafter = Eagle3Drafter(cfg)
+    assert drafter.midlayer.self_attn.q_proj.weight.shape == (4 * 32, 128)
+
+
+def test_simulated_acceptance_length():
+    acc = [0.8, 0.5, 0.25]
+    assert simulated_acceptance_length(acc) == pytest.approx(1 + 0.8 + 0.8 * 0.5 + 0.8 * 0.5 * 0.25)
+    assert simulated_acceptance_length([]) == 1.0
