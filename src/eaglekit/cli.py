@@ -205,7 +205,12 @@ def demo_cmd(run_dir: Path = typer.Option(Path("runs/demo"), "--run-dir", help="
 
 def main(argv: list[str] | None = None) -> None:
     try:
-        app(args=argv, standalone_mode=False)
+        # Without standalone mode click returns (rather than raises) the code of typer.Exit and of Ctrl-C.
+        rc = app(args=argv, standalone_mode=False)
+        if isinstance(rc, int) and rc:
+            if rc == 130:
+                console.print("interrupted: everything completed so far is on disk; rerun the same command to resume")
+            sys.exit(rc)
     except EaglekitError as err:
         console.print(f"[bold red]error:[/] {err.message}")
         if err.remedy:

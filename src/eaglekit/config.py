@@ -56,6 +56,9 @@ class GenerateConfig(Section):
     concurrency: int = Field(16, ge=1, description="in-flight requests per server")
     timeout: float = Field(600.0, gt=0, description="seconds per request")
     max_retries: int = Field(5, ge=0)
+    retry_backoff: float = Field(1.0, ge=0.0, description="seconds before the first retry; doubles per attempt, jittered")
+    probe_interval: float = Field(30.0, gt=0, description="seconds before a server taken out of rotation is tried again")
+    outage_timeout: float = Field(600.0, gt=0, description="seconds the run waits while every server is out of rotation")
     extra_body: dict[str, Any] = Field(default_factory=dict)
     return_token_ids: bool = True
 
@@ -104,6 +107,8 @@ class TrainConfig(Section):
     max_steps: int | None = Field(None, ge=1)
     epochs: float = Field(1.0, gt=0.0)
     eval_every: int = Field(100, ge=1)
+    eval_samples: int | None = Field(512, ge=1, description="held-out samples per evaluation (None: all of them)")
+    log_every: int = Field(10, ge=1, description="optimizer steps per line in train/metrics.jsonl")
     save_every: int = Field(500, ge=1)
     keep_last: int = Field(2, ge=1)
     packing: bool = False
@@ -115,7 +120,7 @@ class TrainConfig(Section):
 
 class EvaluateConfig(Section):
     prompts: str | None = Field(None, description="default: the held-out split of this run's data")
-    num_samples: int = Field(16, ge=1)
+    num_samples: int = Field(8, ge=1, description="prompts decoded per method, K and temperature")
     num_speculative_tokens: list[int] = Field(default_factory=lambda: [1, 3, 5, 7])
     temperatures: list[float] = Field(default_factory=lambda: [0.0, 1.0])
     max_new_tokens: int = Field(128, ge=1)

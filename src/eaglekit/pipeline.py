@@ -95,7 +95,8 @@ def run_stage(cfg: RunConfig, stage: str, *, force: bool = False, skip_preflight
     """Run one stage (the caller holds the run lock). Returns a summary row."""
     ctx = make_context(cfg, stage, force=force, **options)
     module = stage_module(stage)
-    if not force and ctx.run.done_fingerprint(stage) == ctx.fingerprint:
+    # --retry-failed asks a finished generate to retry its failed samples, so it must not be skipped.
+    if not force and not options.get("retry_failed") and ctx.run.done_fingerprint(stage) == ctx.fingerprint:
         console.print(f"[dim]{stage}: done with the same inputs and parameters, skipped (--force reruns it)[/]")
         return {"stage": stage, "state": "done", "skipped": True}
 
@@ -127,7 +128,9 @@ def run_stage(cfg: RunConfig, stage: str, *, force: bool = False, skip_preflight
     try:
         counts = module.run(ctx) or {}
     except BaseException as err:
-        ctx.run.append_event({"stage": stage, "event": "end", "state": "failed", "fingerprint": ctx.fingerprint,
+        # An interrupt leaves resumable partial outputs (incomplete); anything else is a failure.
+        interrupted = isinstance(err, (KeyboardInterrupt, SystemExit))
+        ctx.run.append_event({"stage": stage, "event": "end", "state": "incomplete" if interrupted else "failed", "fingerprint": ctx.fingerprint,
                               "error": f"{type(err).__name__}: {err}", "seconds": round(time.monotonic() - t0, 2),
                               **ctx.ledger_extra})
         raise
@@ -183,16 +186,20 @@ def status_rows(cfg: RunConfig) -> list[dict[str, Any]]:
             state = "pending"
         elif end is None:
             state = "running" if held else "incomplete"
-        elif end.get("state") == "failed":
-            state = "failed"
+        elif end.get("state") in ("failed", "incomplete"):
+            state = end["state"]
         elif end.get("fingerprint") != current:
             state = "stale"
         else:
             state = "done"
+        counts = (end or {}).get("counts", {})
+        live = getattr(stage_module(stage), "live_counts", None)
+        if live is not None and state in ("running", "incomplete"):
+            counts = live(run.stage_dir(stage))
         rows.append({
             "stage": stage,
             "state": state,
-            "counts": (end or {}).get("counts", {}),
+            "counts": counts,
             "started": (start or {}).get("ts"),
             "ended": (end or {}).get("ts"),
             "seconds": (end or {}).get("seconds"),

@@ -3,13 +3,19 @@
 Servers disagree (FORMATS.md §2): vLLM ≥ 0.16 sends ``message.reasoning``, older vLLM and SGLang send
 ``message.reasoning_content``, servers without a reasoning parser leave ``<think>…</think>`` inline in
 ``content`` (and templates that open ``<think>`` in the prompt leave only ``</think>``). Reading the
-wrong field silently collects empty reasoning, so every reader goes through this module.
+wrong field silently collects empty reasoning, so every reader goes through this module, and when no
+reasoning is found ``explain_missing_reasoning`` says which fields the server did send.
 """
 
 from __future__ import annotations
 
+from collections import Counter
+
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
+# Message fields that may carry reasoning, in order of precedence.
+REASONING_FIELDS = ("reasoning", "reasoning_content")
+SOURCES = ("reasoning", "reasoning_content", "inline_think", "none")
 
 
 def split_inline_think(text: str) -> tuple[str, str, bool]:
@@ -27,3 +33,51 @@ def split_inline_think(text: str) -> tuple[str, str, bool]:
         reasoning = reasoning[open_at + len(THINK_OPEN):]
     content = text[close + len(THINK_CLOSE):]
     return reasoning.strip(), content.strip(), True
+
+
+def has_think_tags(text: str) -> bool:
+    return THINK_OPEN in text or THINK_CLOSE in text
+
+
+def fields_seen(message: dict) -> list[str]:
+    """The message's non-empty fields (``role`` aside): what the server actually sent."""
+    return sorted(k for k, v in message.items() if k != "role" and v not in (None, "", [], {}))
+
+
+def extract_reasoning(message: dict) -> tuple[str, str, str, list[str]]:
+    """(reasoning, content, reasoning_source, fields_seen) of a chat completion's ``choices[0].message``.
+
+    Precedence: ``reasoning``, then ``reasoning_content``, then think tags inline in ``content``.
+    """
+    content = message.get("content") or ""
+    seen = fields_seen(message)
+    for field in REASONING_FIELDS:
+        value = message.get(field)
+        if isinstance(value, str) and value.strip():
+            return value.strip(), content.strip(), field, seen
+    reasoning, rest, found = split_inline_think(content)
+    if found:
+        return reasoning, rest, "inline_think", seen
+    return "", content.strip(), "none", seen
+
+
+def explain_missing_reasoning(seen: Counter, n: int, length_stopped: int = 0) -> str:
+    """Why ``n`` responses had no reasoning, from the Counter of the fields they carried.
+
+    Names the fields the server sent, so "reads the wrong field" and "no reasoning parser" read differently.
+    """
+    sent = ", ".join(f"`{f}` ({c}/{n})" for f, c in seen.most_common()) or "nothing"
+    readable = ", ".join(f"`{f}`" for f in REASONING_FIELDS)
+    unknown = [f for f in seen if f not in (*REASONING_FIELDS, "content", "tool_calls", "refusal", "annotations",
+                                            "audio", "function_call")]
+    if unknown:
+        why = (f"the server sends {', '.join(f'`{f}`' for f in unknown)}, a field eaglekit does not read as reasoning "
+               f"(it reads {readable} and inline {THINK_OPEN}…{THINK_CLOSE})")
+    elif length_stopped and length_stopped >= n // 2:
+        why = (f"{length_stopped} of {n} stopped at max_tokens (finish_reason=length) before closing the reasoning; "
+               "raise generate.max_tokens")
+    else:
+        why = (f"no reasoning in any field: none of {n} responses had {readable} or inline {THINK_CLOSE}; "
+               "is `--reasoning-parser` set on the server (vLLM/SGLang), or does the chat template need "
+               "`chat_template_kwargs: {enable_thinking: true}` in generate.extra_body?")
+    return f"{why} (fields the server sent: {sent})"

@@ -1,0 +1,318 @@
+"""generate: collect the target's own replies — reasoning included — to the run's prompts.
+
+Writes ``generate/responses.jsonl`` (one line per complete sample, FORMATS.md §1) and
+``generate/errors.jsonl`` (samples whose requests failed for good). Two backends: ``local`` generates
+in this process with transformers, ``openai`` asks OpenAI-compatible servers (vLLM, SGLang, …).
+
+Resume: a rerun skips the ids already in responses.jsonl and those in errors.jsonl; ``--retry-failed``
+clears errors.jsonl and tries those samples again. Sample ids are the prompt records' ids.
+
+The reasoning gate: when reasoning is required (by default, when the target's chat template has think
+tags), the first ``gate_samples`` completions of every run are held back until they are checked; if
+more than ``gate_max_empty_share`` of them have no reasoning the stage stops — naming the fields the
+server sent — and none of them reaches the file. This is what stops a twelve-hour run that reads the
+wrong field (or a server started without its reasoning parser) after its first few samples.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from eaglekit.config import RunConfig
+from eaglekit.data.prompts import PromptRecord, PromptSet, load_prompts
+from eaglekit.data.responses import ResponseStore, make_record, quick_counts, summarize
+from eaglekit.errors import EaglekitError, UsageError
+from eaglekit.preflight import checks as common
+from eaglekit.progress import Meter, console
+from eaglekit.rundir import file_identity
+from eaglekit.serving.reasoning import explain_missing_reasoning
+
+NAME = "generate"
+UPSTREAM = None
+
+
+def live_counts(stage_dir) -> dict:
+    """What `status` shows while a long generate is running or was killed."""
+    return quick_counts(stage_dir)
+
+
+def params(cfg: RunConfig) -> dict:
+    """What the responses depend on. Not the server URLs, concurrency or batch size: adding a server or
+    changing the batching must not invalidate a run."""
+    g, t = cfg.generate, cfg.target
+    template = t.chat_template
+    if template and not template.lstrip().startswith("{") and Path(template).exists():
+        template = file_identity(template)
+    return {
+        "prompts": file_identity(cfg.data.prompts), "max_samples": cfg.data.max_samples,
+        "on_bad_row": cfg.data.on_bad_row, "backend": g.backend,
+        "model": file_identity(t.model) if g.backend == "local" and Path(t.model).exists() else
+        (t.model if g.backend == "local" else g.model),
+        "temperature": g.temperature, "top_p": g.top_p, "max_tokens": g.max_tokens, "seed": g.seed,
+        "extra_body": g.extra_body, "return_token_ids": g.return_token_ids,
+        "reasoning": g.reasoning, "chat_template": template,
+    }
+
+
+def checks(cfg: RunConfig) -> list:
+    from eaglekit.serving import checks as serving
+
+    if cfg.generate.backend == "local":
+        return [common.prompts_file, serving.prompts_loaded, common.target_folder, serving.reasoning_mode]
+    return [common.prompts_file, serving.prompts_loaded, serving.reasoning_mode, serving.api_key, serving.servers,
+            serving.context_length, serving.smoke]
+
+
+@functools.lru_cache(maxsize=4)
+def _load_prompts(path: str, max_samples: int | None, on_bad_row: str, stamp: tuple) -> PromptSet:
+    return load_prompts(path, max_samples, on_bad_row)
+
+
+def prompts(cfg: RunConfig) -> PromptSet:
+    """The run's prompts (cached per file state: the pre-flight, the disk estimate and the run share one load)."""
+    d = cfg.data
+    st = os.stat(d.prompts) if os.path.exists(d.prompts) else None
+    return _load_prompts(d.prompts, d.max_samples, d.on_bad_row, (st.st_mtime_ns, st.st_size) if st else ())
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer(model: str, template: str | None, trust_remote_code: bool):
+    from eaglekit.data.chat import load_tokenizer
+
+    return load_tokenizer(model, template, trust_remote_code)
+
+
+def target_tokenizer(cfg: RunConfig):
+    """The target's tokenizer when it is available locally (a folder), else None: never a download."""
+    t = cfg.target
+    return _tokenizer(t.model, t.chat_template, t.trust_remote_code) if Path(t.model).is_dir() else None
+
+
+def reasoning_mode(cfg: RunConfig) -> tuple[str, str]:
+    """(required | optional | off, why)."""
+    if cfg.generate.reasoning:
+        return cfg.generate.reasoning, "set by generate.reasoning"
+    tokenizer = target_tokenizer(cfg)
+    if tokenizer is None:
+        return "optional", f"the target tokenizer is not a local folder ({cfg.target.model}), so its template is unknown"
+    from eaglekit.data.chat import template_has_think_tags
+
+    if template_has_think_tags(tokenizer):
+        return "required", "the target's chat template has think tags"
+    return "optional", "the target's chat template has no think tags"
+
+
+def api_key(cfg: RunConfig) -> str | None:
+    name = cfg.generate.api_key_env
+    if not name:
+        return None
+    key = os.environ.get(name)
+    if not key:
+        raise UsageError(f"generate.api_key_env names {name}, which is not set in the environment",
+                         f"export {name}=... before running (the key itself never goes in the config)")
+    return key
+
+
+def estimate_bytes(ctx) -> int | None:
+    cfg, g = ctx.cfg, ctx.cfg.generate
+    try:
+        records = prompts(cfg).records
+    except EaglekitError:
+        return None  # the prompts check says what is wrong
+    prompt_bytes = sum(len(str(r.messages)) for r in records)
+    ids = g.return_token_ids or g.backend == "local"
+    # ~4 bytes of JSON text per output token, ~7 more per token id written as JSON
+    return prompt_bytes + len(records) * g.max_tokens * (4 + (7 if ids else 0))
+
+
+def estimate_seconds(ctx) -> tuple[float, str] | None:
+    """From the rate the last generate run of this run directory measured, if any."""
+    end = (ctx.run.last_events().get(NAME) or {}).get("end") or {}
+    rate = (end.get("rates") or {}).get("req_per_s")
+    if not rate:
+        return None
+    try:
+        n = len(prompts(ctx.cfg).records)
+    except EaglekitError:
+        return None
+    return n / rate, f"{rate} req/s, as the last generate run measured"
+
+
+# --- collecting finished samples ---------------------------------------------------------------------
+
+class Collector:
+    """Takes each finished sample: quality figures, the reasoning gate, the store, the progress meter."""
+
+    def __init__(self, store: ResponseStore, meter: Meter, mode: str, gate_samples: int, max_empty_share: float,
+                 max_failures_in_a_row: int):
+        self.store, self.meter, self.mode = store, meter, mode
+        self.gate_samples, self.max_empty_share = gate_samples, max_empty_share
+        self.max_failures_in_a_row = max_failures_in_a_row
+        self.held: list[tuple[dict, list[str]]] = []  # completions waiting for the gate
+        self.gate: dict[str, Any] | None = None if mode == "required" else {"mode": mode, "checked": False}
+        self.counts: Counter = Counter()
+        self.output_tokens = 0
+        self.failures_in_a_row = 0
+        self.t0 = time.monotonic()
+
+    def add(self, record: dict, seen: list[str]) -> None:
+        self.failures_in_a_row = 0
+        self.counts["new"] += 1
+        self.counts["empty_reasoning"] += not record["reasoning"]
+        self.output_tokens += record["completion_tokens"] or 0
+        if self.gate is None:
+            self.held.append((record, seen))
+            if len(self.held) >= self.gate_samples:
+                self.check_gate()
+        else:
+            self.store.add(record)
+        elapsed = max(time.monotonic() - self.t0, 1e-9)
+        self.meter.update(1, **{"tok/s": round(self.output_tokens / elapsed, 1), "failed": self.counts["failed"],
+                                "no_reasoning": self.counts["empty_reasoning"]})
+
+    def fail(self, rid: str, reason: str, attempts: int) -> None:
+        self.store.add_error(rid, reason, attempts)
+        self.counts["failed"] += 1
+        self.failures_in_a_row += 1
+        self.meter.update(0, failed=self.counts["failed"])
+        if self.failures_in_a_row >= self.max_failures_in_a_row:
+            raise EaglekitError(f"generate: the last {self.failures_in_a_row} requests all failed; the last one: {reason}",
+                                "fix what the error says (see generate/errors.jsonl), then rerun with --retry-failed")
+
+    def check_gate(self) -> None:
+        """Judge the held completions; write them if enough have reasoning, else stop the run."""
+        n = len(self.held)
+        records = [r for r, _ in self.held]
+        empty = sum(not r["reasoning"] for r in records)
+        seen = Counter(f for _, fields in self.held for f in fields)
+        length = sum(r["finish_reason"] == "length" for r in records)
+        self.gate = {"mode": self.mode, "checked": True, "samples": n, "empty_reasoning": empty,
+                     "empty_share": round(empty / n, 4), "max_empty_share": self.max_empty_share,
+                     "length_stopped": length, "fields_seen": dict(seen),
+                     "sources": dict(Counter(r["reasoning_source"] for r in records)),
+                     "passed": empty / n <= self.max_empty_share}
+        if not self.gate["passed"]:
+            self.held = []
+            raise EaglekitError(
+                f"generate: reasoning gate failed: {empty} of the first {n} responses have no reasoning "
+                f"(more than {self.max_empty_share:.0%}); {explain_missing_reasoning(seen, n, length)}. "
+                "Nothing of this run was written.",
+                "fix the server or the config as said, then rerun; or set generate.reasoning: optional if this target "
+                "really answers without reasoning")
+        for record, _ in self.held:
+            self.store.add(record)
+        self.held = []
+        console.print(f"generate: reasoning gate passed ({n - empty}/{n} responses have reasoning; sources "
+                      f"{dict(self.gate['sources'])})")
+
+    def finish(self) -> None:
+        """The run is out of work: a gate that never filled judges what it holds."""
+        if self.held:
+            self.check_gate()
+
+    def rates(self) -> dict[str, float]:
+        elapsed = max(time.monotonic() - self.t0, 1e-9)
+        n = self.counts["new"]
+        return {"seconds": round(elapsed, 2), "req_per_s": round(n / elapsed, 3),
+                "output_tok_per_s": round(self.output_tokens / elapsed, 1),
+                "mean_output_tokens": round(self.output_tokens / n, 1) if n else 0.0}
+
+
+# --- the backends' loops -----------------------------------------------------------------------------
+
+async def generate_openai(cfg: RunConfig, pending: list[PromptRecord], collector: Collector, notes: list[str]) -> None:
+    """Send every pending prompt; ``notes`` gets a line per server that was taken out of rotation."""
+    from eaglekit.serving.client import ChatClient, RequestFailed
+
+    queue = list(reversed(pending))
+
+    async with ChatClient(cfg.generate, api_key(cfg)) as client:
+        async def worker() -> None:
+            while queue:
+                prompt = queue.pop()
+                try:
+                    reply = await client.chat(prompt.messages)
+                except RequestFailed as failure:
+                    collector.fail(prompt.id, failure.reason, failure.attempts)
+                    continue
+                choice = reply.data["choices"][0]
+                usage = reply.data.get("usage") or {}
+                collector.add(*make_record(prompt.id, prompt.messages, choice["message"], choice.get("finish_reason"),
+                                           usage.get("prompt_tokens"), usage.get("completion_tokens"),
+                                           reply.data.get("model") or cfg.generate.model, reply.server,
+                                           choice.get("token_ids")))
+
+        capacity = sum(s.capacity for s in client.servers)
+        tasks = [asyncio.create_task(worker()) for _ in range(min(capacity, len(pending)))]
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for task in done:
+                if task.exception() is not None:
+                    raise task.exception()
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            notes.extend(client.rotation_report())
+
+
+def run(ctx) -> dict:
+    cfg, g = ctx.cfg, ctx.cfg.generate
+    prompt_set = prompts(cfg)
+    mode, why = reasoning_mode(cfg)
+    with ResponseStore(ctx.dir) as store:
+        retried = store.forget_errors() if ctx.options.get("retry_failed") else 0
+        existing = sum(p.id in store.done_ids for p in prompt_set.records)
+        skipped_failed = {p.id for p in prompt_set.records if p.id in store.errors}
+        pending = [p for p in prompt_set.records if p.id not in store.done_ids and p.id not in skipped_failed]
+        console.print(f"generate: {prompt_set.summary()}; {existing} already done, {len(pending)} to generate"
+                      + (f", {len(skipped_failed)} failed before (skipped; --retry-failed retries them)" if skipped_failed else "")
+                      + (f", retrying {retried} failed" if retried else "")
+                      + f"; reasoning {mode} ({why})")
+        capacity = g.concurrency * max(1, len(g.servers))
+        notes: list[str] = []
+        with Meter("generate", total=len(prompt_set.records), unit="req", initial=existing) as meter:
+            collector = Collector(store, meter, mode, g.gate_samples, g.gate_max_empty_share,
+                                  max_failures_in_a_row=max(g.gate_samples, 2 * capacity))
+            try:
+                if pending and g.backend == "local":
+                    from eaglekit.serving.local import generate_local
+
+                    generate_local(cfg, pending, collector.add)
+                elif pending:
+                    asyncio.run(generate_openai(cfg, pending, collector, notes))
+                collector.finish()
+            except KeyboardInterrupt:
+                held = len(collector.held)
+                console.print(f"[yellow]generate: interrupted; {len(store.done_ids)} samples are on disk"
+                              + (f" ({held} completions still held for the reasoning gate were dropped)" if held else "")
+                              + "; rerun the same command to resume[/]")
+                raise
+            finally:
+                if collector.gate is not None:
+                    ctx.ledger_extra["gate"] = collector.gate
+                ctx.ledger_extra["rates"] = collector.rates()
+                if notes:
+                    ctx.ledger_extra["servers"] = notes
+
+    summary = summarize(ctx.dir)
+    rates = ctx.ledger_extra["rates"]
+    for note in notes:
+        console.print(f"[yellow]generate: {note}[/]")
+    console.print(f"generate: {summary['done']} samples ({collector.counts['new']} new, {rates['req_per_s']} req/s, "
+                  f"{rates['output_tok_per_s']} output tok/s, mean {summary['mean_output_tokens']} tokens); "
+                  f"reasoning sources {summary['reasoning_sources']}; no reasoning {summary['empty_reasoning']}, "
+                  f"empty content {summary['empty_content']}, think tags left in content {summary['leftover_think']}, "
+                  f"stopped at max_tokens {summary['length_share']:.1%}, identical replies {summary['duplicate_replies']}")
+    if summary["failed"]:
+        console.print(f"[yellow]generate: {summary['failed']} samples failed (reasons in {store.errors_path}); "
+                      f"retry them with `eaglekit generate CONFIG --retry-failed`[/]")
+    return {**summary, "new": collector.counts["new"], "skipped_existing": existing,
+            "skipped_failed": len(skipped_failed), "prompt_duplicates": prompt_set.duplicates,
+            "bad_rows": len(prompt_set.bad_rows)}
