@@ -14,6 +14,18 @@ from pathlib import Path
 from typing import Any, Iterator
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _default_mode(directory: bool) -> int:
+    """mkstemp/mkdtemp create 0600/0700; the final file gets the mode a plain open() would give it, so an
+    exported drafter or a cached model stays readable by the serving user."""
+    return (0o777 if directory else 0o666) & ~_umask()
+
+
 def fsync_dir(path: Path) -> None:
     """Make a rename inside ``path`` durable."""
     fd = os.open(path, os.O_RDONLY)
@@ -35,6 +47,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         yield tmp_path
         with open(tmp_path, "rb") as f:
             os.fsync(f.fileno())
+        os.chmod(tmp_path, _default_mode(directory=False))
         os.replace(tmp_path, path)
         fsync_dir(path.parent)
     finally:
@@ -70,6 +83,10 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
             if f.is_file():
                 with open(f, "rb") as fh:
                     os.fsync(fh.fileno())
+                os.chmod(f, _default_mode(directory=False))
+            elif f.is_dir():
+                os.chmod(f, _default_mode(directory=True))
+        os.chmod(tmp, _default_mode(directory=True))
         fsync_dir(tmp)
         old = None
         if path.exists():
