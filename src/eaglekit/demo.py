@@ -16,7 +16,7 @@ from eaglekit.config import load_config
 from eaglekit.progress import console
 
 # Sized so the whole demo stays well under 10 minutes on 2 CPU cores (measured: see README).
-DEMO_SAMPLES = 320
+DEMO_SAMPLES = 240
 
 
 def demo_config(target: Path) -> dict[str, Any]:
@@ -24,11 +24,11 @@ def demo_config(target: Path) -> dict[str, Any]:
         "run_dir": ".",
         "target": {"model": str(target)},
         "data": {"prompts": "prompts.jsonl", "eval_fraction": 0.1},
-        "generate": {"backend": "local", "max_tokens": 160, "temperature": 0.0, "batch_size": 32},
+        "generate": {"backend": "local", "max_tokens": 200, "temperature": 0.0, "batch_size": 48},
         "prepare": {"max_length": 384},
-        "vocab": {"draft_vocab_size": 64},
-        "train": {"max_steps": 300, "batch_size": 16, "lr": 3e-3, "warmup_steps": 20, "eval_every": 100,
-                  "save_every": 100, "ttt_steps": 4, "draft": {"intermediate_size": 256}},
+        "vocab": {"draft_vocab_size": 128},
+        "train": {"max_steps": 120, "batch_size": 16, "lr": 3e-3, "warmup_steps": 10, "eval_every": 40,
+                  "save_every": 40, "ttt_steps": 4, "draft": {"intermediate_size": 256}},
         "evaluate": {"num_samples": 8, "num_speculative_tokens": [1, 3, 5], "temperatures": [0.0, 1.0],
                      "max_new_tokens": 96},
         "export": {"verifier": None},

@@ -1,0 +1,22 @@
+"""Golden loss mask on the built-in tiny target's own tokenizer and chat template: exactly the reply —
+think block, answer and <|im_end|> — is masked, and nothing of the prompt or the trailing newline."""
+
+from __future__ import annotations
+
+from eaglekit.data.chat import load_tokenizer, render_sample, template_has_think_tags
+
+
+def test_tiny_target_mask_covers_exactly_the_reply(tiny_target):
+    tok = load_tokenizer(str(tiny_target))
+    assert template_has_think_tags(tok)
+    prompt = [{"role": "system", "content": "You are careful."}, {"role": "user", "content": "What is 12 + 30?"}]
+    sample = render_sample(tok, prompt, "2 + 0 = 2. 1 + 3 = 4.", "42")
+    ids, mask = sample.input_ids, sample.loss_mask
+    masked = [i for i, m in zip(ids, mask) if m]
+    assert tok.decode(masked) == "<think>\n2 + 0 = 2. 1 + 3 = 4.\n</think>\n\n42<|im_end|>"
+    # The mask is one contiguous span that ends at <|im_end|>; the prompt (with the generation prompt) is unmasked.
+    first, last = mask.index(1), len(mask) - 1 - mask[::-1].index(1)
+    assert all(mask[first:last + 1]) and not any(mask[:first]) and not any(mask[last + 1:])
+    assert tok.decode(ids[:first]).endswith("<|im_start|>assistant\n")
+    assert ids[last] == tok.convert_tokens_to_ids("<|im_end|>")
+    assert tok.decode(ids[last + 1:]) == "\n"
