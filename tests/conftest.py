@@ -10,7 +10,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+import torch
+
 REPO = Path(__file__).resolve().parents[1]
+# Tests use tiny models: intra-op threads only add overhead there (and contention on a 2-core runner).
+torch.set_num_threads(1)
 sys.path.insert(0, str(Path(__file__).parent))  # test fixtures such as fake_vllm import by name
 
 

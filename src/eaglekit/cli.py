@@ -87,6 +87,7 @@ def export_cmd(config: Path = typer.Argument(..., help="the run config (YAML)"),
     if fmt and fmt not in ("eagle3", "speculators", "all"):
         raise UsageError(f"--format {fmt}: unknown format", "use eagle3, speculators or all")
     formats = list(cfg.export.formats) if not fmt else (["eagle3", "speculators"] if fmt == "all" else [fmt])
+    cfg.export.formats = formats  # part of the fingerprint: another --format is another export
     rows = run_stages(cfg, ["export"], force, skip_preflight, formats=formats)
     if as_json:
         emit_json(rows[0])

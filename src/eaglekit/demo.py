@@ -39,6 +39,11 @@ def run_demo(run_dir: Path, force: bool = False) -> dict[str, Any]:
     from eaglekit.cli import run_stages
     from eaglekit.tiny import ensure_tiny_target, write_prompts
 
+    import torch
+
+    # The tiny target's matmuls are too small to gain from intra-op threads; on a shared 2-core machine
+    # a second thread made decoding many times slower (measured), so the demo computes on one.
+    torch.set_num_threads(1)
     run_dir = Path(run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     console.print("[bold]demo[/]: building (or reusing) the built-in tiny target")

@@ -1,0 +1,257 @@
+"""Draft → verify decoding with a Hugging Face target, KV-cached on both sides, one sequence at a time.
+
+This measures acceptance the way a serving engine would, without a server. Each round the proposer
+drafts up to K tokens in a chain, the target scores the last emitted token plus the drafts in one
+KV-cached pass, the longest acceptable prefix is kept and one more token comes from the target (the
+bonus, or the resampled token at the first rejection); both KV caches are then cropped to the kept
+tokens. With no proposer the same loop is plain decoding, which is the baseline for speed and, at
+temperature 0, for losslessness (speculative output must equal it token for token).
+
+Acceptance (Leviathan et al. 2023): greedy accepts a draft while it equals the target's argmax; sampling
+accepts draft d with probability min(1, p(d)/q(d)) and on rejection samples norm(max(0, p − q)). A
+proposer that returns no q (n-gram, and EAGLE drafting greedily as vLLM and SGLang do) is a point mass:
+accept with probability p(d), resample from p without d.
+
+The EAGLE-3 proposer follows vLLM's proposer: position t of the drafter takes the fused target feature
+at t with the token at t+1 (RoPE position t); the first draft comes from the last such position, and
+each further draft feeds the drafter's own pre-norm hidden output and the previous draft at position+1.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from transformers import DynamicCache
+
+from eaglekit.model.drafter import DraftKVCache
+
+
+class Proposer(Protocol):
+    """What the loop needs from a drafting method.
+
+    ``aux_layer_ids``: HF hidden_states indices the proposer consumes (their concatenation is the
+    ``aux`` argument below), or None when it needs no target states.
+    """
+
+    aux_layer_ids: list[int] | None
+
+    def reset(self, ids: list[int], aux: torch.Tensor | None) -> None:
+        """Start a sequence: ``ids`` = prompt + first token; ``aux`` [len(ids)-1, 3Ht] = target states of ids[:-1]."""
+
+    def propose(self, k: int, temperature: float, generator: torch.Generator | None
+                ) -> tuple[list[int], torch.Tensor | None]:
+        """Up to ``k`` draft ids (target vocab) and their distributions q [n, V], or None for point masses."""
+
+    def update(self, new_ids: list[int], aux: torch.Tensor | None) -> None:
+        """The round emitted ``new_ids``; ``aux`` [len(new_ids), 3Ht] = target states of the token before each."""
+
+
+@dataclass
+class DecodeStats:
+    rounds: int = 0        # target passes after the prefill (each emits >= 1 token)
+    emitted: int = 0       # tokens those passes emitted, bonus tokens included
+    new_tokens: int = 0    # all generated tokens (the prefill's first token included)
+    seconds: float = 0.0
+    drafted: list[int] = field(default_factory=list)   # per draft position: rounds that drafted a token there
+    accepted: list[int] = field(default_factory=list)  # per draft position: rounds whose draft there was accepted
+
+    @property
+    def tau(self) -> float:
+        """Tokens per target verify pass (τ ≥ 1, ≤ K+1)."""
+        return self.emitted / self.rounds if self.rounds else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def acceptance_by_position(self) -> list[float]:
+        """Share of drafts accepted at each chain position (vLLM's per-position rate: unconditional)."""
+        return [a / d if d else 0.0 for a, d in zip(self.accepted, self.drafted)]
+
+    def __add__(self, other: "DecodeStats") -> "DecodeStats":
+        width = max(len(self.drafted), len(other.drafted))
+        pad = lambda xs: xs + [0] * (width - len(xs))  # noqa: E731
+        return DecodeStats(self.rounds + other.rounds, self.emitted + other.emitted,
+                           self.new_tokens + other.new_tokens, self.seconds + other.seconds,
+                           [a + b for a, b in zip(pad(self.drafted), pad(other.drafted))],
+                           [a + b for a, b in zip(pad(self.accepted), pad(other.accepted))])
+
+
+@dataclass
+class Generation:
+    tokens: list[int]
+    stats: DecodeStats
+
+
+# ------------------------------------------------------------------------------------------ sampling
+
+def pick(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
+    """Argmax at temperature 0, else a sample of softmax(logits / T)."""
+    if temperature <= 0:
+        return int(logits.argmax())
+    return int(torch.multinomial(torch.softmax(logits.float().cpu() / temperature, -1), 1, generator=generator))
+
+
+def accept_draft(p: torch.Tensor, draft: int, q: torch.Tensor | None,
+                 generator: torch.Generator | None) -> tuple[bool, int | None]:
+    """Speculative sampling for one draft: (accepted, None) or (rejected, the token resampled from the residual).
+
+    ``p``, ``q``: probabilities over the target vocab; ``q`` None means a point mass on ``draft``.
+    """
+    q_d = 1.0 if q is None else float(q[draft])
+    u = float(torch.rand((), generator=generator))
+    if u * q_d < float(p[draft]):  # u < p/q without dividing by a q that may underflow
+        return True, None
+    if q is None:
+        residual = p.clone()
+        residual[draft] = 0
+    else:
+        residual = (p - q).clamp_min(0)
+    if float(residual.sum()) <= 0:  # p == q up to rounding: any draw from p is exact
+        residual = p
+    return False, int(torch.multinomial(residual, 1, generator=generator))
+
+
+# ------------------------------------------------------------------------------------------- target
+
+@torch.no_grad()
+def target_pass(model, ids: list[int], cache: DynamicCache, aux_layer_ids: list[int] | None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logits [T, V] (fp32) of ``ids`` appended to ``cache``, and the concatenated aux states [T, 3Ht] if asked."""
+    device = model.get_input_embeddings().weight.device
+    # transformers 5 renamed past_key_values to cache (the old name warns, and goes in 5.40)
+    cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    out = model(input_ids=torch.tensor([ids], device=device), use_cache=True, output_hidden_states=aux_layer_ids is not None,
+                **{cache_kwarg: cache})
+    # a target sharded over GPUs (device_map) has its layers' states on different devices
+    aux = None if aux_layer_ids is None else torch.cat([out.hidden_states[i][0].to(out.logits.device)
+                                                        for i in aux_layer_ids], -1)
+    return out.logits[0].float(), aux
+
+
+@torch.no_grad()
+def generate(model, prompt_ids: list[int], max_new_tokens: int, *, proposer: Proposer | None = None, k: int = 0,
+             temperature: float = 0.0, generator: torch.Generator | None = None,
+             stop_ids: set[int] | frozenset[int] = frozenset()) -> Generation:
+    """Decode up to ``max_new_tokens`` after ``prompt_ids``; speculative with ``proposer`` and ``k`` drafts per round.
+
+    Stops after a token in ``stop_ids`` (kept in the output). Drafts never run past ``max_new_tokens``.
+    """
+    if max_new_tokens < 1:
+        raise ValueError("max_new_tokens must be >= 1")
+    aux_ids = proposer.aux_layer_ids if proposer is not None else None
+    stats = DecodeStats(drafted=[0] * k, accepted=[0] * k)
+    t0 = time.perf_counter()
+    cache = DynamicCache()
+    logits, aux = target_pass(model, list(prompt_ids), cache, aux_ids)
+    out = [pick(logits[-1], temperature, generator)]
+    if proposer is not None:
+        proposer.reset(list(prompt_ids) + out, aux)
+    while len(out) < max_new_tokens and out[-1] not in stop_ids:
+        budget = max_new_tokens - len(out)  # a round emits up to drafts + 1 tokens
+        drafts, q = ([], None)
+        if proposer is not None and k > 0 and budget > 1:
+            drafts, q = proposer.propose(min(k, budget - 1), temperature, generator)
+        logits, aux = target_pass(model, [out[-1]] + drafts, cache, aux_ids)
+
+        if temperature <= 0:
+            target_ids = logits.argmax(-1).tolist()
+            n_acc = next((i for i, d in enumerate(drafts) if d != target_ids[i]), len(drafts))
+            new = drafts[:n_acc] + [target_ids[n_acc]]
+        else:
+            probs = torch.softmax(logits.cpu() / temperature, -1)  # sampled on the CPU, where the generator lives
+            new = []
+            for i, d in enumerate(drafts):
+                ok, resampled = accept_draft(probs[i], d, None if q is None else q[i], generator)
+                new.append(d if ok else resampled)
+                if not ok:
+                    break
+            else:
+                new.append(pick(logits[len(drafts)], temperature, generator))
+            n_acc = len(new) - 1
+        stop = next((i for i, t in enumerate(new) if t in stop_ids), None)
+        if stop is not None:
+            new = new[: stop + 1]
+
+        rejected = len(drafts) - n_acc
+        if rejected:  # negative: tokens to remove (an absolute length is refused by transformers 5)
+            cache.crop(-rejected)
+        stats.rounds += 1
+        stats.emitted += len(new)
+        for i in range(len(drafts)):
+            stats.drafted[i] += 1
+            stats.accepted[i] += i < min(n_acc, len(new))
+        out.extend(new)
+        if proposer is not None and len(out) < max_new_tokens and out[-1] not in stop_ids:
+            proposer.update(new, None if aux is None else aux[: len(new)])
+    stats.new_tokens = len(out)
+    stats.seconds = time.perf_counter() - t0
+    return Generation(out, stats)
+
+
+# ------------------------------------------------------------------------------------------ EAGLE-3
+
+class EagleProposer:
+    """Chain drafting with an ``Eagle3Drafter`` and its own KV cache.
+
+    ``sample_drafts=False`` drafts the argmax and verifies it as a point mass, as vLLM and SGLang do;
+    True samples drafts from the drafter's distribution (mapped to the target vocab via d2t) and
+    verifies with min(1, p/q), as the EAGLE reference does.
+    """
+
+    def __init__(self, drafter, aux_layer_ids: list[int] | None = None, sample_drafts: bool = False):
+        self.drafter = drafter.eval()
+        aux_layer_ids = aux_layer_ids or drafter.config.aux_layer_ids
+        if not aux_layer_ids:
+            raise ValueError("the drafter's config has no aux_layer_ids: pass the target's ([2, N//2, N-3] by default)")
+        self.aux_layer_ids = list(aux_layer_ids)
+        self.sample_drafts = sample_drafts
+        param = next(drafter.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.target_vocab = drafter.t2d.shape[0]
+        self.to_target = drafter.draft_to_target(torch.arange(drafter.d2t.shape[0], device=self.device)).cpu()
+
+    def reset(self, ids: list[int], aux: torch.Tensor | None) -> None:
+        self.cache = DraftKVCache()
+        self.real_length = 0  # cache entries made from target states; the rest are self-fed drafts
+        self.pending_ids, self.pending_aux = list(ids[1:]), [aux]  # (state at t, token t+1) pairs not yet drafted from
+
+    def update(self, new_ids: list[int], aux: torch.Tensor | None) -> None:
+        # The target's states replace the self-fed draft positions. Pairs a round did not consume (it
+        # drafted nothing) stay pending.
+        self.cache.crop(self.real_length)
+        self.pending_ids += list(new_ids)
+        self.pending_aux.append(aux)
+
+    @torch.no_grad()
+    def propose(self, k: int, temperature: float, generator: torch.Generator | None
+                ) -> tuple[list[int], torch.Tensor | None]:
+        start, n = self.real_length, len(self.pending_ids)
+        ids = torch.tensor([self.pending_ids], device=self.device)
+        hidden = self.drafter.fuse(torch.cat(self.pending_aux)[None].to(self.device, self.dtype))
+        positions = torch.arange(start, start + n, device=self.device)[None]
+        logits, hidden = self.drafter(ids, hidden, positions, self.cache)
+        self.real_length = start + n
+        self.pending_ids, self.pending_aux = [], []
+
+        drafts, qs = [], []
+        for step in range(k):
+            token, q = self._draft(logits[0, -1], temperature, generator)
+            drafts.append(token)
+            qs.append(q)
+            if step + 1 < k:
+                logits, hidden = self.drafter(torch.tensor([[token]], device=self.device), hidden[:, -1:],
+                                              torch.tensor([[start + n + step]], device=self.device), self.cache)
+        return drafts, (torch.stack(qs) if qs and qs[0] is not None else None)
+
+    def _draft(self, logits: torch.Tensor, temperature: float, generator) -> tuple[int, torch.Tensor | None]:
+        if not self.sample_drafts or temperature <= 0:
+            return int(self.to_target[int(logits.argmax())]), None
+        q_draft = torch.softmax(logits.float().cpu() / temperature, -1)
+        draft = int(torch.multinomial(q_draft, 1, generator=generator))
+        q = torch.zeros(self.target_vocab).index_put_((self.to_target,), q_draft)
+        return int(self.to_target[draft]), q

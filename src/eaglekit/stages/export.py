@@ -1,0 +1,216 @@
+"""export: write the evaluated drafter in the forms vLLM and SGLang load, verify them, print how to serve them.
+
+Writes under ``export/``: ``eagle3/`` (the legacy flat form: SGLang's ``--speculative-draft-model-path``
+and vLLM's ``--speculative-config`` with ``method: eagle3``) and ``speculators/`` (``vllm serve DIR``),
+each with ``model.safetensors``, ``config.json`` and the target's tokenizer files, and ``README.md``
+(a model card with the serve commands and the evaluation's τ table).
+
+Neither server complains about a missing, extra or mis-shaped weight, and a drafter whose RoPE or
+``max_position_embeddings`` differ from the target's serves with poor acceptance without an error; so
+every key and shape is validated before writing, the serving settings are checked against the target's
+config, and each written folder is loaded back and must give the source checkpoint's logits exactly.
+Each folder is written atomically. The flag names of the commands were read from vLLM's
+``--speculative-config`` keys and SGLang's ``server_args.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+import torch
+
+from eaglekit import atomic
+from eaglekit.config import RunConfig
+from eaglekit.errors import EaglekitError
+from eaglekit.preflight import checks as common
+from eaglekit.preflight import ok, warn
+from eaglekit.progress import console
+from eaglekit.stages.evaluate import checkpoint_path, drafter_checkpoint, load_checked_drafter, report_markdown
+
+NAME = "export"
+UPSTREAM = "evaluate"
+
+
+def params(cfg: RunConfig) -> dict:
+    return {**cfg.export.model_dump(), "checkpoint": str(checkpoint_path(cfg))}
+
+
+def verifier_id(cfg: RunConfig) -> str | None:
+    """The hub id vLLM's speculators form names as verifier: export.verifier, else target.model when it is one."""
+    if cfg.export.verifier:
+        return cfg.export.verifier
+    return None if Path(cfg.target.model).exists() else cfg.target.model
+
+
+def verifier_known(ctx):
+    if "speculators" not in (ctx.options.get("formats") or ctx.cfg.export.formats):
+        return ok("verifier", "speculators form not requested")
+    vid = verifier_id(ctx.cfg)
+    if vid:
+        return ok("verifier", f"speculators config names {vid}")
+    return warn("verifier", f"target.model {ctx.cfg.target.model} is a local folder and export.verifier is not set: "
+                            "`vllm serve SPECULATORS_DIR` needs the target's hub id",
+                "set export.verifier to the target's hub id (the rest is written either way)")
+
+
+def checks(cfg: RunConfig) -> list:
+    return [common.target_folder, drafter_checkpoint, verifier_known]
+
+
+def estimate_bytes(ctx) -> int:
+    path = checkpoint_path(ctx.cfg)
+    weights = sum(f.stat().st_size for f in path.glob("*.safetensors")) if path.is_dir() else 0
+    return 2 * weights + (64 << 20)  # two forms plus tokenizer files
+
+
+def serving_problems(drafter_cfg, hf) -> list[str]:
+    """RoPE scaling must be the target's (check_compatible compares max_position_embeddings and rope_theta)."""
+    from eaglekit.model.drafter import rope_from_config
+
+    _, scaling = rope_from_config(hf)
+    if (drafter_cfg.rope_scaling or None) != (scaling or None):
+        return [f"rope_scaling: the drafter's is {drafter_cfg.rope_scaling}, the target's {scaling}"]
+    return []
+
+
+@torch.no_grad()
+def same_logits(source, written_dir: Path) -> None:
+    """Load ``written_dir`` back and require the source drafter's logits, bit for bit, on random inputs."""
+    from eaglekit.model.checkpoints import load_drafter
+
+    loaded, info = load_drafter(written_dir)
+    if info.missing_embeddings:  # written without embed_tokens: servers take the target's, so must we
+        loaded.embed_tokens.weight.copy_(source.embed_tokens.weight.to(loaded.embed_tokens.weight.dtype))
+    g = torch.Generator().manual_seed(0)
+    c = source.config
+    ids = torch.randint(0, c.vocab_size, (1, 12), generator=g)
+    aux = torch.randn(1, 12, 3 * c.target_hidden_size, generator=g).to(source.fc.weight.dtype)
+    positions = torch.arange(12)[None]
+    want, _ = source(ids, source.fuse(aux), positions)
+    got, _ = loaded(ids, loaded.fuse(aux.to(loaded.fc.weight.dtype)), positions)
+    if got.dtype != want.dtype or not torch.equal(got, want):
+        diff = (got.float() - want.float()).abs().max().item()
+        raise EaglekitError(f"{written_dir}: loaded back, the drafter's logits differ from the source checkpoint's "
+                            f"(max abs difference {diff:g}, dtypes {got.dtype} vs {want.dtype})",
+                            "this is a bug in the exporter; keep the source checkpoint and report it")
+
+
+def serve_commands(cfg: RunConfig, dirs: dict[str, Path]) -> list[tuple[str, str]]:
+    """(what, command) pairs for the written forms."""
+    k = cfg.export.num_speculative_tokens
+    target = shlex.quote(verifier_id(cfg) or cfg.target.model)
+    out = []
+    if "eagle3" in dirs:
+        d = str(dirs["eagle3"].resolve())
+        spec = json.dumps({"method": "eagle3", "model": d, "num_speculative_tokens": k}, separators=(",", ":"))
+        out.append(("vLLM, legacy form", f"vllm serve {target} --speculative-config {shlex.quote(spec)}"))
+        out.append(("SGLang, legacy form (chain of K drafts: topk 1, K+1 draft tokens)",
+                    f"python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE3 "
+                    f"--speculative-draft-model-path {shlex.quote(d)} --speculative-num-steps {k} "
+                    f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}"))
+    if "speculators" in dirs:
+        d = shlex.quote(str(dirs["speculators"].resolve()))
+        if verifier_id(cfg):
+            out.append(("vLLM, speculators form (the target comes from its config)", f"vllm serve {d}"))
+        else:
+            spec = json.dumps({"method": "eagle3", "model": str(dirs["speculators"].resolve()),
+                               "num_speculative_tokens": k}, separators=(",", ":"))
+            out.append(("vLLM, speculators form: its config names no verifier (set export.verifier to the target's "
+                        "hub id for `vllm serve DIR`); meanwhile pass the target explicitly",
+                        f"vllm serve {target} --speculative-config {shlex.quote(spec)}"))
+    return out
+
+
+def run(ctx) -> dict:
+    from eaglekit.data.chat import load_tokenizer
+    from eaglekit.model.checkpoints import save_legacy, save_speculators
+    from eaglekit.model.target import embedding_and_head
+
+    cfg, xc = ctx.cfg, ctx.cfg.export
+    formats = list(dict.fromkeys(ctx.options.get("formats") or xc.formats))
+    drafter, info, hf, _ = load_checked_drafter(cfg)
+    problems = serving_problems(drafter.config, hf)
+    if problems:
+        raise EaglekitError(f"drafter {info.path} does not serve like the target {cfg.target.model}: " + "; ".join(problems),
+                            "retrain the drafter with this target's config (its RoPE settings are copied at train time)")
+    if info.missing_embeddings and xc.include_embeddings:
+        embed, _ = embedding_and_head(cfg.target.model, cfg.target.trust_remote_code)
+        drafter.embed_tokens.weight.data.copy_(embed.to(drafter.embed_tokens.weight.dtype))
+    drafter.eval()
+    tokenizer = load_tokenizer(cfg.target.model, cfg.target.chat_template, cfg.target.trust_remote_code)
+    verifier = verifier_id(cfg)
+
+    dirs: dict[str, Path] = {}
+    warnings: list[str] = []
+    for form in formats:
+        dest = ctx.dir / form
+        with atomic.atomic_dir(dest) as tmp:
+            # save_* write atomically themselves: into our (empty) temp folder, which is swapped in whole below
+            if form == "eagle3":
+                save_legacy(drafter, tmp, include_embeddings=xc.include_embeddings)
+            else:
+                warning = save_speculators(drafter, tmp, verifier, getattr(hf, "architectures", None),
+                                           xc.num_speculative_tokens, include_embeddings=xc.include_embeddings)
+                if warning:
+                    warnings.append(warning.replace(str(tmp), str(dest)))
+            tokenizer.save_pretrained(tmp)
+            same_logits(drafter, tmp)
+        dirs[form] = dest
+        console.print(f"export: {form} form written to {dest} (keys, shapes and logits checked)")
+
+    commands = serve_commands(cfg, dirs)
+    atomic.write_text(ctx.dir / "README.md", model_card(ctx, drafter, info, list(dirs), commands, warnings))
+    for what, command in commands:
+        console.print(f"[bold]{what}[/]:")
+        console.print(command, markup=False, soft_wrap=True)
+    for w in warnings:
+        console.print(f"[yellow]export: {w}[/]")
+    return {"formats": list(dirs), **{form: str(d) for form, d in dirs.items()}, "warnings": len(warnings)}
+
+
+def model_card(ctx, drafter, info, formats: list[str], commands: list[tuple[str, str]], warnings: list[str]) -> str:
+    cfg, c = ctx.cfg, drafter.config
+    events = ctx.run.last_events()
+
+    def stage_counts(stage: str) -> str:
+        counts = (events.get(stage, {}).get("end") or {}).get("counts") or {}
+        return ", ".join(f"{k} {v}" for k, v in counts.items() if not isinstance(v, (dict, list))) or "not recorded"
+
+    summary_path = cfg.run_path / "train" / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    report_path = cfg.run_path / "evaluate" / "report.json"
+    report = json.loads(report_path.read_text()) if report_path.exists() else None
+    hub = verifier_id(cfg)
+    trained = (f"{summary.get('steps')} steps, {summary.get('tokens')} tokens" if summary else "not recorded") + (
+        f", held-out simulated τ {summary['tau']:.3f}" if isinstance(summary.get("tau"), (int, float)) else "")
+    lines = [
+        "# EAGLE-3 drafter", "",
+        f"Target: `{cfg.target.model}`" + (f" (hub id `{hub}`)" if hub and hub != cfg.target.model else ""),
+        f"Drafter: one decoder layer, hidden {c.hidden_size}, draft vocab {c.draft_vocab_size} of {c.vocab_size}, "
+        f"aux hidden states {c.aux_layer_ids or 'default [2, N//2, N-3]'} (HF hidden_states indices), "
+        f"max_position_embeddings {c.max_position_embeddings}, rope_theta {c.rope_theta:g}"
+        + (f", rope_scaling {c.rope_scaling}" if c.rope_scaling else "") + ".",
+        f"Source checkpoint: `{info.path}`.", "",
+        "## Data and training", "",
+        f"- generate: {stage_counts('generate')}",
+        f"- prepare: {stage_counts('prepare')}",
+        f"- train: {trained}", "",
+        "## Acceptance (eaglekit evaluate, KV-cached draft → verify with the HF target)", "",
+        "τ is what vLLM and SGLang should report at equal K (chain drafting, topk 1, up to numerics); the "
+        "speedups are those of eaglekit's Hugging Face loop on the evaluation machine, not a serving engine's.", "",
+    ]
+    lines += [report_markdown(report, tables_only=True)] if report else ["No evaluation report found."]
+    lines += ["", "## Serve", ""]
+    for what, command in commands:
+        lines += [f"{what}:", "", "```bash", command, "```", ""]
+    if cfg.target.chat_template:
+        lines += ["The run used a chat template override (target.chat_template): pass the same template to the "
+                  "server (`--chat-template`), or the served prompts differ from the ones the drafter learned.", ""]
+    described = {"eagle3": "legacy flat Llama config (`LlamaForCausalLMEagle3`), `midlayer.` keys",
+                 "speculators": "speculators config (`speculators_model_type: eagle3`), `layers.0.` keys"}
+    lines += [f"- `{f}/`: {described[f]}" for f in formats]
+    if warnings:
+        lines += ["", "Warnings:", ""] + [f"- {w}" for w in warnings]
+    return "\n".join(lines) + "\n"
