@@ -59,4 +59,5 @@ def write_config(path: Path, data: dict) -> Path:
 def subprocess_env() -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO / "src") + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")
     return env

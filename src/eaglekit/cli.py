@@ -41,7 +41,7 @@ def is_worker_rank() -> bool:
 def run_stages(cfg: RunConfig, stages: list[str], force: bool, skip_preflight: bool, **options: Any) -> list[dict]:
     run = RunDir(cfg.run_dir)
     if is_worker_rank():
-        return [pipeline.run_stage_as_worker(cfg, s, **options) for s in stages]
+        return [pipeline.run_stage_as_worker(cfg, s, force=force, **options) for s in stages]
     with run.lock.acquire(command=" ".join(["eaglekit", *sys.argv[1:]])):
         if not run.config_path.exists() or cfg.source != run.config_path.resolve():
             from eaglekit import atomic

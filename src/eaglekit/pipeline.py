@@ -141,10 +141,12 @@ def run_stage(cfg: RunConfig, stage: str, *, force: bool = False, skip_preflight
     return {"stage": stage, "state": "done", "counts": counts, "seconds": seconds}
 
 
-def run_stage_as_worker(cfg: RunConfig, stage: str, **options: Any) -> dict[str, Any]:
+def run_stage_as_worker(cfg: RunConfig, stage: str, force: bool = False, **options: Any) -> dict[str, Any]:
     """A torchrun rank other than 0: compute only. Rank 0 holds the lock, runs the pre-flight and writes
     the ledger; the stage itself makes sure only rank 0 writes files."""
-    ctx = make_context(cfg, stage, **options)
+    ctx = make_context(cfg, stage, force=force, **options)
+    if not ctx.force and ctx.run.done_fingerprint(stage) == ctx.fingerprint:
+        return {"stage": stage, "state": "done", "skipped": True}  # rank 0 skips it too: no collective to wait in
     counts = stage_module(stage).run(ctx) or {}
     return {"stage": stage, "state": "done", "counts": counts, "rank": int(os.environ.get("RANK", "0"))}
 

@@ -1,0 +1,247 @@
+"""The frozen target as a feature source: aux hidden states, the final normed hidden state, and the
+target distribution over the draft vocab.
+
+Aux taps are Hugging Face ``output_hidden_states`` indices (FORMATS.md §3): index i is the *input* of
+decoder layer i (index 0 the embeddings), captured with forward pre-hooks so that only the three tapped
+states are ever kept, never all N+1. The target distribution comes from the final hidden state after the
+target's final norm through ``lm_head``; the full-vocab logits exist only a chunk of tokens at a time.
+
+Offline mode stores the final normed hidden state instead of logits (Ht numbers per token instead of Vd),
+and the train stage turns it into logits with ``TargetHead`` — the target's ``lm_head`` alone.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from eaglekit.config import TargetConfig
+from eaglekit.errors import EaglekitError, UsageError
+
+# Full-vocab logits of at most this many elements exist at once (64 Mi floats = 256 MiB in fp32).
+LOGIT_CHUNK_ELEMENTS = 1 << 26
+
+
+def text_config(hf_config):
+    """The language model's config (multimodal configs nest it under text_config)."""
+    return hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+
+
+def default_aux_layers(num_layers: int) -> list[int]:
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def aux_layer_ids(target_cfg: TargetConfig, num_layers: int) -> list[int]:
+    """The configured aux taps, validated against the target's depth (each names the input of a decoder layer)."""
+    ids = list(target_cfg.aux_layers) if target_cfg.aux_layers is not None else default_aux_layers(num_layers)
+    bad = [i for i in ids if not 0 <= i < num_layers]
+    if len(ids) != 3 or bad:
+        raise UsageError(f"target.aux_layers {ids}: need three hidden_states indices in [0, {num_layers - 1}] "
+                         f"for a target with {num_layers} decoder layers",
+                         f"remove target.aux_layers to use the default {default_aux_layers(num_layers)}")
+    return ids
+
+
+def target_identity(target_cfg: TargetConfig) -> dict:
+    """What the features depend on: the target's config and weights (cheaply hashed), its dtype and taps."""
+    from eaglekit.rundir import file_identity
+
+    folder = Path(target_cfg.model)
+    files = [f for f in ("config.json", "model.safetensors.index.json", "model.safetensors") if (folder / f).is_file()]
+    return {"model": [file_identity(folder / f) for f in files] if files else target_cfg.model,
+            "dtype": target_cfg.dtype, "aux_layers": target_cfg.aux_layers}
+
+
+def target_hf_config(target_cfg: TargetConfig):
+    """The target's (text) config, read without loading weights."""
+    from transformers import AutoConfig
+
+    try:
+        return text_config(AutoConfig.from_pretrained(target_cfg.model, trust_remote_code=target_cfg.trust_remote_code))
+    except (OSError, ValueError) as err:
+        raise EaglekitError(f"cannot read the config of the target {target_cfg.model}: {err}",
+                            "point target.model at a Hugging Face model folder") from None
+
+
+def torch_dtype(name: str):
+    return "auto" if name == "auto" else getattr(torch, name)
+
+
+def load_target(target_cfg: TargetConfig, device: torch.device | str | None = None):
+    """The target as an eval-mode, frozen AutoModelForCausalLM.
+
+    ``target.device_map`` (e.g. "auto") shards it over the visible GPUs; otherwise it goes to ``device``.
+    """
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {"dtype": torch_dtype(target_cfg.dtype), "trust_remote_code": target_cfg.trust_remote_code}
+    if target_cfg.device_map:
+        kwargs["device_map"] = target_cfg.device_map
+    try:
+        model = AutoModelForCausalLM.from_pretrained(target_cfg.model, **kwargs)
+    except (OSError, ValueError) as err:
+        raise EaglekitError(f"cannot load the target {target_cfg.model}: {err}",
+                            "point target.model at a Hugging Face causal-LM folder (set target.trust_remote_code "
+                            "for custom architectures)") from None
+    if not target_cfg.device_map and device is not None:
+        model.to(device)
+    model.eval().requires_grad_(False)
+    return model
+
+
+def decoder_parts(model) -> tuple[nn.Module, nn.ModuleList, nn.Module, nn.Module]:
+    """(inner model, decoder layers, final norm, lm_head) of a Llama/Qwen-style HF causal LM."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    norm = getattr(inner, "norm", None)
+    head = getattr(model, "lm_head", None)
+    if not isinstance(layers, nn.ModuleList) or norm is None or head is None:
+        raise EaglekitError(f"cannot find the decoder layers of {type(model).__name__}: eaglekit expects "
+                            "model.model.layers, model.model.norm and model.lm_head (Llama/Qwen/Mistral layout)",
+                            "use a target with that layout, or add its layout to eaglekit.model.target.decoder_parts")
+    return inner, layers, norm, head
+
+
+def draft_logits(hidden: torch.Tensor, lm_head_weight: torch.Tensor, t2d: torch.Tensor,
+                 chunk_elements: int = LOGIT_CHUNK_ELEMENTS) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target logits over the draft vocab, and whether the full-vocab argmax lies in the draft vocab.
+
+    hidden [..., Ht] (after the final norm), lm_head_weight [V, Ht], t2d bool [V]. Returns fp32 logits
+    [..., Vd] and a bool [...]; full-vocab logits exist only ``chunk_elements`` at a time.
+    """
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    t2d = t2d.to(flat.device)
+    rows = max(1, chunk_elements // lm_head_weight.shape[0])
+    logits, in_draft = [], []
+    for part in flat.split(rows):
+        full = part @ lm_head_weight.T
+        logits.append(full[:, t2d].float())
+        in_draft.append(t2d[full.argmax(-1)])
+    lead = hidden.shape[:-1]
+    return torch.cat(logits).reshape(*lead, -1), torch.cat(in_draft).reshape(lead)
+
+
+@dataclass
+class Features:
+    aux: torch.Tensor          # [B, L, 3*Ht] in the target's dtype
+    last_hidden: torch.Tensor  # [B, L, Ht] after the final norm
+    target_logits: torch.Tensor | None = None     # [B, L, Vd] fp32: position t predicts token t+1
+    target_in_draft: torch.Tensor | None = None   # [B, L] bool
+
+
+class TargetFeatures:
+    """Runs the frozen target on a batch and returns its aux states, final hidden state and draft-vocab logits."""
+
+    def __init__(self, model, aux_layer_ids: list[int], t2d: torch.Tensor | None = None):
+        self.model = model
+        self.inner, self.layers, self.norm, self.lm_head = decoder_parts(model)
+        n = len(self.layers)
+        if len(aux_layer_ids) != 3 or not all(0 <= i < n for i in aux_layer_ids):
+            raise UsageError(f"aux layer ids {aux_layer_ids} do not fit a target with {n} decoder layers",
+                             f"use three indices in [0, {n - 1}], e.g. the default {default_aux_layers(n)}")
+        self.aux_layer_ids = list(aux_layer_ids)
+        self.t2d = t2d
+
+    @property
+    def hidden_size(self) -> int:
+        return self.norm.weight.shape[0]
+
+    @torch.no_grad()
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                 with_logits: bool = True) -> Features:
+        captured: dict[int, torch.Tensor] = {}
+
+        def tap(i):
+            def hook(module, args, kwargs):
+                captured[i] = args[0] if args else kwargs["hidden_states"]
+            return hook
+
+        handles = [self.layers[i].register_forward_pre_hook(tap(i), with_kwargs=True) for i in set(self.aux_layer_ids)]
+        try:
+            device = self.inner.embed_tokens.weight.device
+            out = self.inner(input_ids=input_ids.to(device),
+                             attention_mask=None if attention_mask is None else attention_mask.to(device), use_cache=False)
+        finally:
+            for h in handles:
+                h.remove()
+        last = out.last_hidden_state
+        aux = torch.cat([captured[i].to(last.device) for i in self.aux_layer_ids], dim=-1)
+        feats = Features(aux=aux, last_hidden=last)
+        if with_logits:
+            if self.t2d is None:
+                raise EaglekitError("TargetFeatures needs t2d to compute draft-vocab logits", "pass the vocab stage's t2d")
+            feats.target_logits, feats.target_in_draft = draft_logits(last, self.lm_head.weight.to(last.device), self.t2d)
+        return feats
+
+
+class TargetHead:
+    """The target's lm_head alone, for offline features: final hidden [.., Ht] -> draft-vocab logits, in-draft flags."""
+
+    def __init__(self, weight: torch.Tensor, t2d: torch.Tensor):
+        self.weight, self.t2d = weight, t2d.to(weight.device)
+
+    def to(self, device) -> "TargetHead":
+        return TargetHead(self.weight.to(device), self.t2d.to(device))
+
+    @torch.no_grad()
+    def __call__(self, last_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return draft_logits(last_hidden.to(self.weight.dtype), self.weight, self.t2d)
+
+
+# ------------------------------------------------------------------------------- weights without the model
+
+def _local_folder(model: str) -> Path:
+    path = Path(model)
+    if path.is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors"]))
+
+
+def read_target_tensors(model: str, names: list[str]) -> dict[str, torch.Tensor]:
+    """Read a few named tensors from a target's safetensors files without loading the model."""
+    from safetensors import safe_open
+
+    folder = _local_folder(model)
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+    elif (folder / "model.safetensors").exists():
+        with safe_open(str(folder / "model.safetensors"), "pt") as f:
+            weight_map = {k: "model.safetensors" for k in f.keys()}
+    else:
+        raise EaglekitError(f"{folder} has no safetensors weights (model.safetensors or its index)",
+                            "convert the target to safetensors (save_pretrained(..., safe_serialization=True))")
+    out = {}
+    for name in names:
+        if name not in weight_map:
+            continue
+        with safe_open(str(folder / weight_map[name]), "pt") as f:
+            out[name] = f.get_tensor(name)
+    return out
+
+
+def embedding_and_head(source: nn.Module | str, trust_remote_code: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(embed_tokens.weight [V, Ht], lm_head.weight [V, Ht]) of a loaded target, or read from its folder / hub id."""
+    if isinstance(source, nn.Module):
+        inner, _, _, head = decoder_parts(source)
+        return inner.embed_tokens.weight.detach(), head.weight.detach()
+    tensors = read_target_tensors(source, ["model.embed_tokens.weight", "lm_head.weight"])
+    if "model.embed_tokens.weight" not in tensors:
+        raise EaglekitError(f"{source}: no tensor model.embed_tokens.weight in its safetensors files",
+                            "eaglekit reads Llama/Qwen-style checkpoints (model.embed_tokens, lm_head)")
+    embed = tensors["model.embed_tokens.weight"]
+    head = tensors.get("lm_head.weight")
+    if head is None:
+        tied = getattr(target_hf_config(TargetConfig(model=source, trust_remote_code=trust_remote_code)),
+                       "tie_word_embeddings", False)
+        if not tied:
+            raise EaglekitError(f"{source}: no lm_head.weight and the embeddings are not tied",
+                                "check that the target's weights are complete")
+        head = embed
+    return embed, head

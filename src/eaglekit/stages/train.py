@@ -1,0 +1,106 @@
+"""train: fit the EAGLE-3 drafter with training-time test on the target's features.
+
+Reads ``prepare/tokens.safetensors``, ``vocab/vocab.safetensors`` and, in offline mode, ``extract/``;
+writes ``train/checkpoints/{step-N,best,latest}``, ``train/metrics.jsonl``, ``train/summary.json`` and
+``train/curves.png``. The loop itself is ``eaglekit.training.loop``; this module is the stage's contract:
+what the outputs depend on, the checks before a long run, and the disk it needs.
+
+Under torchrun every rank runs ``run``; only rank 0 holds the run lock and writes (see
+``eaglekit.training.distributed``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from eaglekit.config import RunConfig
+from eaglekit.errors import EaglekitError
+from eaglekit.model.drafter import DrafterConfig
+from eaglekit.model.target import aux_layer_ids, target_hf_config, target_identity
+from eaglekit.preflight import checks as common
+from eaglekit.preflight import fail, ok, skip
+from eaglekit.rundir import file_identity
+
+NAME = "train"
+UPSTREAM = "extract"  # the pipeline maps it to "vocab" in online mode
+
+
+def params(cfg: RunConfig) -> dict:
+    p = cfg.train.model_dump()
+    p["target"] = target_identity(cfg.target)
+    p["eval_fraction"] = cfg.data.eval_fraction
+    p["features"] = cfg.extract.mode
+    if cfg.train.init_from:
+        p["init_from"] = file_identity(cfg.train.init_from)
+    return p
+
+
+def packing(ctx):
+    if ctx.cfg.train.packing:
+        return fail("packing", "train.packing is not supported: the TTT attention of the draft's own steps has no "
+                               "per-document masks", "set train.packing: false (batches are length-bucketed instead)")
+    return ok("packing", "off: length-bucketed, right-padded batches")
+
+
+def init_from_compatible(ctx):
+    """A drafter to finetune must fit the target: hidden sizes, vocab, aux layers, heads, positions, tokenizer."""
+    from eaglekit.model import checkpoints
+
+    path = ctx.cfg.train.init_from
+    if not path:
+        return skip("init_from", "training a new drafter")
+    if not Path(path).exists():
+        return fail("init_from", f"train.init_from {path} does not exist", "point it at a drafter folder (legacy or speculators form)")
+    try:
+        drafter, _info = checkpoints.load_drafter(path)
+        hf = target_hf_config(ctx.cfg.target)
+        aux = aux_layer_ids(ctx.cfg.target, hf.num_hidden_layers)
+        problems = checkpoints.check_compatible(drafter.config, hf, aux, tokenizer_vocab_size=_tokenizer_size(ctx.cfg))
+    except EaglekitError as err:
+        return fail("init_from", f"{path}: {err.message}", err.remedy or "check the drafter folder")
+    if problems:
+        return fail("init_from", f"{path} does not fit the target {ctx.cfg.target.model}: " + "; ".join(problems),
+                    "finetune a drafter made for this target, or train a new one (remove train.init_from)")
+    vocab = "remapped onto this run's draft vocab" if ctx.cfg.train.remap_vocab else "its own draft vocab kept"
+    return ok("init_from", f"{path} fits the target ({drafter.config.draft_vocab_size} draft tokens, {vocab})")
+
+
+def _tokenizer_size(cfg: RunConfig) -> int | None:
+    try:
+        from transformers import AutoTokenizer
+
+        return len(AutoTokenizer.from_pretrained(cfg.target.model, trust_remote_code=cfg.target.trust_remote_code))
+    except (OSError, ValueError):
+        return None
+
+
+def checks(cfg: RunConfig) -> list:
+    from eaglekit.stages.extract import target_placement
+
+    online = [target_placement] if cfg.extract.mode != "offline" else []
+    return [common.target_folder, *online, packing, init_from_compatible]
+
+
+def parameter_counts(dc: DrafterConfig) -> tuple[int, int]:
+    """(all parameters, trainable ones) of a drafter: everything but the frozen [V, H] embedding trains."""
+    h, q, kv = dc.hidden_size, dc.num_attention_heads * dc.head_dim, dc.num_key_value_heads * dc.head_dim
+    layer = 2 * h * q + 2 * (2 * h * kv) + q * h + 3 * h * dc.intermediate_size + 3 * h
+    trainable = 3 * dc.target_hidden_size * h + layer + h + dc.draft_vocab_size * h
+    return trainable + dc.vocab_size * h, trainable
+
+
+def estimate_bytes(ctx) -> int:
+    """Checkpoints: each holds the drafter (fp32) and training_state (weights + two Adam moments, fp32)."""
+    cfg = ctx.cfg
+    hf = target_hf_config(cfg.target)
+    dc = DrafterConfig.from_target_config(hf, cfg.vocab.draft_vocab_size, aux_layer_ids(cfg.target, hf.num_hidden_layers),
+                                          **cfg.train.draft.model_dump())
+    total, trainable = parameter_counts(dc)
+    per_checkpoint = 4 * (total + 3 * trainable)
+    return per_checkpoint * (cfg.train.keep_last + 1) + 4 * total + (16 << 20)  # + best/ + metrics and plots
+
+
+def run(ctx) -> dict:
+    from eaglekit.training.loop import train
+
+    return train(ctx)
