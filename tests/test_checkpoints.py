@@ -15,13 +15,6 @@ from eaglekit.model import checkpoints as ck
 from eaglekit.model.drafter import DrafterConfig, Eagle3Drafter, build_d2t_t2d
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls on 2 shared cores run far faster on one thread (no waiting on a descheduled peer)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def make_drafter(target_hidden_size=48, aux=(2, 4, 5), rope_scaling=None, seed=0) -> Eagle3Drafter:

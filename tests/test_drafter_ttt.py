@@ -14,13 +14,6 @@ from eaglekit.model.drafter import DraftKVCache, DrafterConfig, Eagle3Drafter, a
 from eaglekit.training.ttt import simulated_acceptance_length, ttt_loss
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls on 2 shared cores run far faster on one thread (no waiting on a descheduled peer)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def tiny_config(**kw) -> DrafterConfig:

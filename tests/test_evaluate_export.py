@@ -19,12 +19,6 @@ from eaglekit.errors import EaglekitError
 from eaglekit.model.checkpoints import load_drafter, save_legacy
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the tiny models only lose from intra-op threads on a shared machine
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

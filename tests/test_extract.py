@@ -20,13 +20,6 @@ from eaglekit.stages import extract
 from eaglekit.tiny.corpus import sample_tasks
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run faster on one thread, and far faster than two on a CPU shared with other jobs."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def prepared_run(tmp_path: Path, target: Path, n: int = 48, seed: int = 1, **sections) -> RunConfig:

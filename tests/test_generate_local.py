@@ -20,15 +20,6 @@ from eaglekit.errors import EaglekitError
 from eaglekit.rundir import RunDir
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny models on a shared 2-core machine: one thread is ~30x faster than two fighting over the cores."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def config_dict(tmp_path: Path, target: Path, n: int, **generate) -> dict:

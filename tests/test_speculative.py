@@ -13,13 +13,6 @@ from eaglekit.speculative.ngram import NgramProposer, ngram_propose
 VOCAB = 96
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # models this small only lose from intra-op threads, badly so on a shared machine
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

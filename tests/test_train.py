@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import subprocess_env
 from safetensors.torch import load_file
-from test_extract import one_thread, prepared_run  # noqa: F401 (an autouse fixture)
+from test_extract import prepared_run
 
 from eaglekit.config import TargetConfig
 from eaglekit.errors import EaglekitError

@@ -1,0 +1,172 @@
+"""The built-in tiny target: loads like any HF model, speaks the thinking chat template, and answers held-out prompts."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import eaglekit.tiny.build as tiny_build
+from eaglekit.atomic import atomic_dir, write_json
+from eaglekit.errors import UsageError
+from eaglekit.tiny import build_tiny_target, ensure_tiny_target, parse_completion, sample_tasks, split_of, write_prompts
+
+# Measured on the default build: 0.97 well formed, 0.80 answered right over 60 held-out prompts (see the manifest).
+MIN_WELL_FORMED = 0.75
+MIN_ACCURACY = 0.5
+
+
+@pytest.fixture(scope="session")
+def tiny_target():
+    return ensure_tiny_target()
+
+
+@pytest.fixture(scope="session")
+def loaded(tiny_target):
+    return AutoModelForCausalLM.from_pretrained(tiny_target), AutoTokenizer.from_pretrained(tiny_target)
+
+
+def test_loads_like_any_hf_model(tiny_target, loaded):
+    model, tok = loaded
+    cfg = model.config
+    n = cfg.num_hidden_layers
+    assert n >= 8 and len({2, n // 2, n - 3}) == 3
+    assert cfg.tie_word_embeddings is False
+    assert cfg.eos_token_id == tok.convert_tokens_to_ids("<|im_end|>") == model.generation_config.eos_token_id
+    assert cfg.pad_token_id == tok.pad_token_id == tok.convert_tokens_to_ids("<|endoftext|>")
+    for special in ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<think>", "</think>"]:
+        assert len(tok(special, add_special_tokens=False)["input_ids"]) == 1, special
+    assert {"config.json", "model.safetensors", "generation_config.json", "eaglekit_tiny.json"} <= {
+        p.name for p in tiny_target.iterdir()}
+    assert json.loads((tiny_target / "tokenizer_config.json").read_text())["chat_template"] == tok.chat_template
+    # the lm_head is its own tensor, not the embedding
+    weights = load_file(tiny_target / "model.safetensors")
+    assert not torch.equal(weights["lm_head.weight"], weights["model.embed_tokens.weight"])
+
+
+def test_chat_template_renders_reasoning_in_think_tags(loaded):
+    _, tok = loaded
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 2 + 2?"},
+        {"role": "assistant", "content": "4", "reasoning_content": "2 + 2 = 4"},
+    ]
+    assert tok.apply_chat_template(messages, tokenize=False) == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n"
+        "<|im_start|>assistant\n<think>\n2 + 2 = 4\n</think>\n\n4<|im_end|>\n")
+    prompt = tok.apply_chat_template(messages[:2], tokenize=False, add_generation_prompt=True)
+    assert prompt.endswith("<|im_end|>\n<|im_start|>assistant\n")
+    plain = tok.apply_chat_template([messages[1], {"role": "assistant", "content": "4"}], tokenize=False)
+    assert plain.endswith("<|im_start|>assistant\n4<|im_end|>\n") and "<think>" not in plain
+
+
+def test_greedy_generation_thinks_then_answers(loaded):
+    model, tok = loaded
+    tasks = sample_tasks(18, seed=123, split="heldout")
+    tok.padding_side = "left"
+    enc = tok.apply_chat_template([[{"role": "user", "content": t.prompt}] for t in tasks], add_generation_prompt=True,
+                                  padding=True, return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        out = model.generate(**enc, max_new_tokens=256, do_sample=False)
+    texts = tok.batch_decode(out[:, enc["input_ids"].shape[1]:])
+    parsed = [parse_completion(t) for t in texts]
+    well_formed = sum(p is not None for p in parsed) / len(tasks)
+    accuracy = sum(p is not None and p[1] == t.answer for p, t in zip(parsed, tasks)) / len(tasks)
+    assert well_formed >= MIN_WELL_FORMED, texts
+    assert accuracy >= MIN_ACCURACY, [(t.answer, p) for t, p in zip(tasks, parsed)]
+
+
+def test_parse_completion_shape():
+    assert parse_completion("<think>\nstep 1\nstep 2\n</think>\n\n42<|im_end|>") == ("step 1\nstep 2", "42")
+    assert parse_completion("<think>\nstep\n</think>\n\n42<|im_end|><|endoftext|><|endoftext|>") == ("step", "42")
+    assert parse_completion("42<|im_end|>") is None
+    assert parse_completion("<think>\nstep\n</think>\n\n42") is None  # never finished
+
+
+def test_corpus_is_deterministic_correct_and_split():
+    assert sample_tasks(30, seed=5) == sample_tasks(30, seed=5)
+    assert sample_tasks(30, seed=5) != sample_tasks(30, seed=6)
+    train = sample_tasks(600, seed=0)
+    heldout = sample_tasks(600, seed=0, split="heldout")
+    assert not {t.prompt for t in train} & {t.prompt for t in heldout}
+    assert all(split_of(t.prompt) == "heldout" for t in heldout)
+    for t in train:  # the answers are right, checked independently of the generators
+        nums = [int(x) for x in re.findall(r"\d+", t.prompt)]
+        if t.kind == "add":
+            assert t.answer.endswith(f"= {nums[0] + nums[1]}")
+        elif t.kind == "subtract":
+            a, b = (nums[1], nums[0]) if t.prompt.startswith("Subtract") else nums
+            assert t.answer.endswith(f"= {a - b}")
+        elif t.kind == "sort":
+            assert t.answer == ", ".join(map(str, sorted(nums)))
+        elif t.kind == "count":
+            letter, word = re.search(r"letter (\w) .* (\w+)[?.]$", t.prompt).groups()
+            assert re.search(rf"appears {word.count(letter)} times?", t.answer)
+        elif t.kind == "compare":
+            pick = max(nums) if "larger" in t.prompt else min(nums)
+            assert t.answer.startswith(f"{pick} is")
+    assert {t.kind for t in train} == {"add", "subtract", "sort", "convert", "count", "compare"}
+
+
+@pytest.mark.parametrize("shape", ["sharegpt", "messages"])
+def test_write_prompts(tmp_path, shape):
+    path = write_prompts(tmp_path / "prompts.jsonl", n=20, seed=7, shape=shape)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(rows) == 20 and len({r["id"] for r in rows}) == 20
+    turns = [r["conversations"] if shape == "sharegpt" else r["messages"] for r in rows]
+    role, text = ("from", "value") if shape == "sharegpt" else ("role", "content")
+    users = [t[-1] for t in turns]
+    assert {u[role] for u in users} == {"human" if shape == "sharegpt" else "user"}
+    assert all(split_of(u[text]) == "heldout" for u in users)  # never a training prompt
+    assert any(t[0][role] == "system" for t in turns)
+    assert write_prompts(tmp_path / "again.jsonl", n=20, seed=7, shape=shape).read_text() == path.read_text()
+
+
+def test_write_prompts_rejects_unknown_shape(tmp_path):
+    with pytest.raises(UsageError, match="shape"):
+        write_prompts(tmp_path / "p.jsonl", n=3, seed=0, shape="alpaca")
+
+
+def test_build_is_deterministic(tmp_path):
+    a = build_tiny_target(tmp_path / "a", seed=3, steps=3, heldout=0)
+    b = build_tiny_target(tmp_path / "b", seed=3, steps=3, heldout=0)
+    c = build_tiny_target(tmp_path / "c", seed=4, steps=3, heldout=0)
+    wa, wb, wc = (load_file(d / "model.safetensors") for d in (a, b, c))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert not all(torch.equal(wa[k], wc[k]) for k in wa)
+    assert (a / "tokenizer.json").read_bytes() == (b / "tokenizer.json").read_bytes()
+    manifest = json.loads((a / "eaglekit_tiny.json").read_text())
+    assert manifest["seed"] == 3 and manifest["steps"] == 3
+    assert not list(tmp_path.glob(".*"))  # no temp folder left behind
+    with pytest.raises(UsageError, match="steps"):
+        build_tiny_target(tmp_path / "d", steps=0)
+
+
+def test_ensure_builds_once_under_concurrency(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_build(out_dir, seed=0, steps=None):
+        calls.append(out_dir)
+        time.sleep(0.3)  # long enough for the other caller to reach the lock
+        with atomic_dir(out_dir) as tmp:
+            write_json(tmp / tiny_build.MANIFEST, {"recipe_version": tiny_build.RECIPE_VERSION, "seed": 0,
+                                                    "steps": tiny_build.DEFAULT_STEPS})
+        return out_dir
+
+    monkeypatch.setattr(tiny_build, "build_tiny_target", fake_build)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(ensure_tiny_target(tmp_path))) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1
+    assert results == [tmp_path / f"tiny-target-{tiny_build.RECIPE_VERSION}"] * 3
+    monkeypatch.setenv("EAGLEKIT_CACHE", str(tmp_path))
+    assert ensure_tiny_target() == results[0] and len(calls) == 1  # cached: no second build
