@@ -19,15 +19,10 @@ from typing import Callable, Literal
 
 Split = Literal["train", "heldout"]
 HELDOUT_BUCKETS = 8
-PLACES = ["ones", "tens", "hundreds", "thousands", "ten-thousands"]
-WORDS = (
-    "apple banana strawberry cherry orange lemon melon grape mango peach pear plum kiwi papaya "
-    "tomato potato carrot pepper onion garlic bottle window garden letter paper pencil rabbit "
-    "turtle monkey parrot kitten puppy dragon castle mirror butter coffee summer winter spring "
-    "river mountain forest island desert planet rocket school teacher doctor bridge tunnel "
-    "balloon library mississippi banana committee success address hello bubble"
-).split()
-WORDS = sorted(set(WORDS))
+WORDS = sorted(set(
+    "apple banana cherry orange lemon melon grape mango peach pear plum kiwi tomato potato carrot "
+    "onion bottle window garden letter paper pencil rabbit turtle monkey parrot kitten puppy dragon "
+    "castle mirror butter coffee summer winter river forest island planet rocket school".split()))
 SYSTEM_PROMPTS = [
     "You are a helpful assistant.",
     "You are a careful assistant. Think step by step.",
@@ -43,53 +38,36 @@ class Task:
     answer: str
 
 
+# Operands are two-digit and every reasoning line reads single digits by place: a tiny model learns
+# to look digits up reliably long before it learns to copy a long digit string in order.
 def add_task(rng: random.Random) -> Task:
-    a, b = (rng.randint(10, 10 ** rng.randint(2, 4) - 1) for _ in range(2))
+    a, b = rng.randint(10, 99), rng.randint(10, 99)
     prompt = rng.choice(["What is {a} + {b}?", "Compute {a} + {b}.", "Add {a} and {b}."]).format(a=a, b=b)
-    lines = [f"We add {a} and {b} digit by digit, from right to left."]
-    da, db = str(a)[::-1], str(b)[::-1]
-    carry, so_far = 0, ""
-    for i in range(max(len(da), len(db))):
-        x = int(da[i]) if i < len(da) else 0
-        y = int(db[i]) if i < len(db) else 0
-        total = x + y + carry
-        so_far = str(total % 10) + so_far
-        lines.append(f"{PLACES[i]}: {x} + {y} + {carry} = {total}, write {total % 10}, carry {total // 10}, so far {so_far}")
-        carry = total // 10
-    if carry:
-        so_far = "1" + so_far
-        lines.append(f"the last carry 1 goes in front, so far {so_far}")
-    assert int(so_far) == a + b
-    return Task("add", prompt, "\n".join(lines), f"{a} + {b} = {a + b}")
+    ones = a % 10 + b % 10
+    tens = a // 10 + b // 10 + ones // 10
+    reasoning = (f"We add digit by digit, from right to left.\n"
+                 f"ones: {a % 10} + {b % 10} = {ones}, write {ones % 10}, carry {ones // 10}\n"
+                 f"tens: {a // 10} + {b // 10} + {ones // 10} = {tens}, write {tens}")
+    assert tens * 10 + ones % 10 == a + b
+    return Task("add", prompt, reasoning, f"The sum is {a + b}.")
 
 
 def subtract_task(rng: random.Random) -> Task:
-    a, b = sorted((rng.randint(10, 10 ** rng.randint(2, 4) - 1) for _ in range(2)), reverse=True)
+    a, b = sorted(rng.sample(range(10, 100), 2), reverse=True)
     prompt = rng.choice(["What is {a} - {b}?", "Compute {a} - {b}.", "Subtract {b} from {a}."]).format(a=a, b=b)
-    lines = [f"We subtract {b} from {a} digit by digit, from right to left."]
-    da, db = str(a)[::-1], str(b)[::-1]
-    borrow, so_far = 0, ""
-    for i in range(len(da)):
-        x, y = int(da[i]), int(db[i]) if i < len(db) else 0
-        if x - y - borrow >= 0:
-            digit = x - y - borrow
-            so_far = str(digit) + so_far
-            lines.append(f"{PLACES[i]}: {x} - {y} - {borrow} = {digit}, borrow 0, so far {so_far}")
-            borrow = 0
-        else:
-            digit = x + 10 - y - borrow
-            so_far = str(digit) + so_far
-            lines.append(f"{PLACES[i]}: {x} - {y} - {borrow} is negative, so {x + 10} - {y} - {borrow} = {digit}, borrow 1, so far {so_far}")
-            borrow = 1
-    result = str(int(so_far))
-    if result != so_far:
-        lines.append(f"drop the leading zeros: {result}")
-    assert int(result) == a - b
-    return Task("subtract", prompt, "\n".join(lines), f"{a} - {b} = {a - b}")
+    x, y = a % 10, b % 10
+    if x >= y:
+        ones_line, borrow = f"ones: {x} - {y} = {x - y}, borrow 0", 0
+    else:
+        ones_line, borrow = f"ones: {x} - {y} is negative, so {x + 10} - {y} = {x + 10 - y}, borrow 1", 1
+    tens = a // 10 - b // 10 - borrow
+    reasoning = (f"We subtract digit by digit, from right to left.\n{ones_line}\n"
+                 f"tens: {a // 10} - {b // 10} - {borrow} = {tens}, write {tens}")
+    return Task("subtract", prompt, reasoning, f"The difference is {a - b}.")
 
 
 def sort_task(rng: random.Random) -> Task:
-    nums = rng.sample(range(1, 100), rng.randint(3, 5))
+    nums = rng.sample(range(1, 10), rng.randint(3, 5))
     listed = ", ".join(map(str, nums))
     prompt = rng.choice(["Sort these numbers from smallest to largest: {l}.", "Put {l} in increasing order."]).format(l=listed)
     lines, left = [], list(nums)
@@ -102,8 +80,8 @@ def sort_task(rng: random.Random) -> Task:
     return Task("sort", prompt, "\n".join(lines), ", ".join(map(str, sorted(nums))))
 
 
-# (from unit, to unit, factor, the largest amount in the from unit); every factor is exact
-CONVERSIONS = [("km", "m", 1000, 999), ("h", "min", 60, 24), ("min", "s", 60, 24), ("kg", "g", 1000, 999)]
+# (big unit, small unit, small units per big unit, the largest amount of the big unit asked about)
+CONVERSIONS = [("km", "m", 1000, 9), ("kg", "g", 1000, 9), ("h", "min", 60, 12), ("min", "s", 60, 12)]
 UNIT_NAMES = {"km": "kilometers", "m": "meters", "h": "hours", "min": "minutes", "s": "seconds", "kg": "kilograms", "g": "grams"}
 
 
@@ -136,33 +114,20 @@ def count_letters_task(rng: random.Random) -> Task:
 
 
 def compare_task(rng: random.Random) -> Task:
-    digits = rng.randint(2, 4)
-    a = rng.randint(10 ** (digits - 1), 10 ** digits - 1)
-    if rng.random() < 0.3:  # different lengths
-        b = rng.randint(10 ** (digits - 2) if digits > 2 else 1, 10 ** (digits - 1) - 1)
-    else:  # same length, often sharing a prefix so the digit walk matters
-        keep = rng.randint(0, digits - 1)
-        b = int(str(a)[:keep] + "".join(str(rng.randint(1 if keep == 0 and i == 0 else 0, 9)) for i in range(digits - keep)))
-    if a == b:
-        b = a + 1 if a + 1 < 10 ** digits else a - 1
-    if rng.random() < 0.5:
-        a, b = b, a
+    a = rng.randint(10, 99)
+    # half the pairs share the tens digit, so the ones digit has to decide
+    b = rng.choice([d for d in range(10 * (a // 10), 10 * (a // 10) + 10) if d != a]) if rng.random() < 0.5 else \
+        rng.choice([d for d in range(10, 100) if d // 10 != a // 10])
     ask = rng.choice(["larger", "smaller"])
     prompt = rng.choice(["Which is {q}, {a} or {b}?", "Which number is {q}: {a} or {b}?"]).format(q=ask, a=a, b=b)
-    sa, sb = str(a), str(b)
-    if len(sa) != len(sb):
-        longer = a if len(sa) > len(sb) else b
-        lines = [f"{a} has {len(sa)} digits and {b} has {len(sb)} digits, so {longer} is larger."]
-    else:
-        lines = [f"Both have {len(sa)} digits, so compare from the left."]
-        for i, (x, y) in enumerate(zip(sa, sb)):
-            place = PLACES[len(sa) - 1 - i]
-            if x == y:
-                lines.append(f"{place}: {x} and {y} are equal.")
-            else:
-                lines.append(f"{place}: {x} and {y}, {max(x, y)} is larger, so {a if x > y else b} is larger.")
-                break
     pick = max(a, b) if ask == "larger" else min(a, b)
+    decide = max if ask == "larger" else min
+    lines = ["Compare the digits from the left."]
+    if a // 10 == b // 10:
+        lines.append(f"tens: {a // 10} and {b // 10} are equal.")
+        lines.append(f"ones: {a % 10} and {b % 10}, {decide(a % 10, b % 10)} is {ask}, so {pick} is {ask}.")
+    else:
+        lines.append(f"tens: {a // 10} and {b // 10}, {decide(a // 10, b // 10)} is {ask}, so {pick} is {ask}.")
     return Task("compare", prompt, "\n".join(lines), f"{pick} is {ask}.")
 
 
