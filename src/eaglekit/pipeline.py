@@ -25,7 +25,7 @@ from typing import Any
 
 from eaglekit import preflight
 from eaglekit.config import STAGES, RunConfig
-from eaglekit.errors import EaglekitError
+from eaglekit.errors import EaglekitError, UsageError
 from eaglekit.progress import console
 from eaglekit.rundir import RunDir, digest, tool_versions
 
@@ -155,7 +155,7 @@ def select_stages(cfg: RunConfig, start: str | None = None, until: str | None = 
     order = cfg.stages()
     for name, flag in ((start, "--from"), (until, "--until")):
         if name is not None and name not in order:
-            raise EaglekitError(f"{flag} {name}: not a stage of this run", f"use one of: {', '.join(order)}")
+            raise UsageError(f"{flag} {name}: not a stage of this run", f"use one of: {', '.join(order)}")
     lo = order.index(start) if start else 0
     hi = order.index(until) + 1 if until else len(order)
     return order[lo:hi]

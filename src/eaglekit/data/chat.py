@@ -42,8 +42,8 @@ def load_tokenizer(model_path: str, chat_template_override: str | None = None, t
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as err:
-        raise UsageError(f"cannot load the tokenizer of {model_path}: {err}",
+    except Exception as err:  # transformers raises OSError, ValueError, KeyError, JSON errors… for a broken folder
+        raise UsageError(f"cannot load the tokenizer of {model_path}: {type(err).__name__}: {err}",
                          "set target.model to a local model folder (or a hub id already in the cache)") from None
     if chat_template_override:
         tokenizer.chat_template = _read_template(chat_template_override)
