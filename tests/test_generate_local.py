@@ -13,7 +13,7 @@ from conftest import subprocess_env, write_config
 
 from eaglekit import pipeline
 from eaglekit.config import parse_config
-from eaglekit.data.chat import load_tokenizer, render_sample
+from eaglekit.data.chat import load_tokenizer, render_sample, use_generated_tokens
 from eaglekit.data.prompts import load_prompts
 from eaglekit.data.responses import read_responses
 from eaglekit.errors import EaglekitError
@@ -55,9 +55,10 @@ def test_local_backend_generates_and_splits_the_reasoning(tmp_path, tiny_target)
         assert ids[-1] == end_of_turn and r["completion_tokens"] == len(ids)
         # the record is exactly what the model said: its tokens decode to the tiny template's reply layout
         assert tokenizer.decode(ids) == f"<think>\n{r['reasoning']}\n</think>\n\n{r['content']}<|im_end|>"
-        # and rendered for training, the reply's tokens are exactly the ones the model generated
+        # and rendered for training (as prepare does), the reply's tokens are exactly the ones the model generated
         sample = render_sample(tokenizer, r["messages"], r["reasoning"], r["content"])
-        assert [t for t, m in zip(sample.input_ids, sample.loss_mask) if m] == ids
+        train_ids, train_mask, _ = use_generated_tokens(tokenizer, sample.input_ids, sample.loss_mask, ids)
+        assert [t for t, m in zip(train_ids, train_mask) if m] == ids
     end = [e for e in RunDir(cfg.run_dir).events() if e.get("event") == "end"][-1]
     assert end["gate"]["passed"] and end["gate"]["samples"] == 6  # required: the tiny template has think tags
     assert out["counts"]["empty_reasoning"] == 0 and end["rates"]["output_tok_per_s"] > 0

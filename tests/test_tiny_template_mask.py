@@ -3,7 +3,7 @@ think block, answer and <|im_end|> — is masked, and nothing of the prompt or t
 
 from __future__ import annotations
 
-from eaglekit.data.chat import load_tokenizer, render_sample, template_has_think_tags
+from eaglekit.data.chat import load_tokenizer, render_sample, template_has_think_tags, use_generated_tokens
 
 
 def test_tiny_target_mask_covers_exactly_the_reply(tiny_target):
@@ -20,3 +20,21 @@ def test_tiny_target_mask_covers_exactly_the_reply(tiny_target):
     assert tok.decode(ids[:first]).endswith("<|im_start|>assistant\n")
     assert ids[last] == tok.convert_tokens_to_ids("<|im_end|>")
     assert tok.decode(ids[last + 1:]) == "\n"
+
+
+def test_generated_ids_replace_a_different_retokenization(tiny_target):
+    tok = load_tokenizer(str(tiny_target))
+    prompt = [{"role": "user", "content": "What is 12 + 30?"}]
+    sample = render_sample(tok, prompt, "the apple and the banana", "done")
+    first = sample.loss_mask.index(1)
+    reply = [t for t, m in zip(sample.input_ids, sample.loss_mask) if m]
+    # The same text spelled with one token per character: what a model may emit, never what re-tokenizing gives.
+    merged = next(i for i, t in enumerate(reply) if len(tok.decode([t])) > 1)
+    spelled = reply[:merged] + [tok.convert_tokens_to_ids(c) for c in tok.convert_ids_to_tokens(reply[merged])] + reply[merged + 1:]
+    assert tok.decode(spelled) == tok.decode(reply) and spelled != reply
+    ids, mask, replaced = use_generated_tokens(tok, sample.input_ids, sample.loss_mask, spelled)
+    assert replaced and ids[:first] == sample.input_ids[:first]
+    assert [t for t, m in zip(ids, mask) if m] == spelled
+    assert tok.decode(ids) == tok.decode(sample.input_ids)
+    # Ids that do not spell the same text are never spliced in.
+    assert use_generated_tokens(tok, sample.input_ids, sample.loss_mask, spelled[:-2])[2] is False

@@ -186,3 +186,24 @@ def render_sample(tokenizer, prompt_messages: list[dict], reasoning: str | None,
     return RenderedSample(input_ids=prompt_ids + reply_ids + tail_ids,
                           loss_mask=[0] * len(prompt_ids) + [1] * len(reply_ids) + [0] * len(tail_ids),
                           prompt_tokens=len(prompt_ids))
+
+
+def use_generated_tokens(tokenizer, input_ids: list[int], loss_mask: list[int],
+                         generated: list[int] | None) -> tuple[list[int], list[int], bool]:
+    """Put the tokens the target actually generated in place of the re-tokenized reply.
+
+    A model can emit a non-canonical tokenization of its own text (e.g. "5" + "5" where the tokenizer
+    would merge "55"); re-tokenizing the decoded text then trains the drafter on ids the target never
+    produces. When the server returned the ids (``completion_token_ids``) and they decode to exactly the
+    masked reply, they replace it. Returns (ids, mask, replaced).
+    """
+    if not generated or 1 not in loss_mask:
+        return input_ids, loss_mask, False
+    first = loss_mask.index(1)
+    end = len(loss_mask) - loss_mask[::-1].index(1)
+    reply = input_ids[first:end]
+    if reply == list(generated) or tokenizer.decode(reply) != tokenizer.decode(list(generated)):
+        return input_ids, loss_mask, False
+    ids = input_ids[:first] + list(generated) + input_ids[end:]
+    mask = loss_mask[:first] + [1] * len(generated) + loss_mask[end:]
+    return ids, mask, True

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from eaglekit import atomic
 from eaglekit.config import RunConfig
-from eaglekit.data.chat import load_tokenizer, render_sample
+from eaglekit.data.chat import load_tokenizer, render_sample, use_generated_tokens
 from eaglekit.data.responses import read_responses
 from eaglekit.data.tokens import write_token_store
 from eaglekit.errors import EaglekitError
@@ -55,6 +55,7 @@ def run(ctx) -> dict:
     template_kwargs = cfg.generate.extra_body.get("chat_template_kwargs") or None
     dropped = {"length_stopped": 0, "overlong": 0, "empty": 0}
     truncated = 0
+    exact_ids = 0  # replies whose generated token ids differ from a re-tokenization of their text
     samples = []
     with Meter("prepare", total=len(rows), unit="samples") as meter:
         for row in rows:
@@ -70,7 +71,9 @@ def run(ctx) -> dict:
                                        template_kwargs=template_kwargs)
             except EaglekitError as err:
                 raise EaglekitError(f"{responses_path}: sample {row['id']}: {err.message}", err.remedy) from None
-            ids, mask = sample.input_ids, sample.loss_mask
+            ids, mask, replaced = use_generated_tokens(tokenizer, sample.input_ids, sample.loss_mask,
+                                                       row.get("completion_token_ids"))
+            exact_ids += replaced
             if len(ids) > max_len:
                 if cfg.prepare.overlong == "drop":
                     dropped["overlong"] += 1
@@ -93,6 +96,7 @@ def run(ctx) -> dict:
         "responses": len(rows),
         "dropped": dropped,
         "truncated": truncated,
+        "generated_ids_used": exact_ids,
         "tokens": sum(lengths),
         "assistant_tokens": assistant,
         "mean_length": round(sum(lengths) / len(lengths), 1),
