@@ -1,9 +1,13 @@
 """The tiny target's training corpus: small programmatic tasks solved step by step.
 
 Each task is a user prompt, a reasoning trace and a short answer. The reasoning follows a fixed,
-line-by-line procedure (digit-by-digit arithmetic with carries, selection sort, running letter counts)
-so that a tiny model can learn it in a minute and a drafter trained on its outputs sees text that is
-predictable but not constant: the numbers and words change, the shape does not.
+line-by-line procedure (digit-by-digit arithmetic with carries, a counting sort, running vowel counts)
+so that a tiny model can learn it in a few CPU minutes and a drafter trained on its outputs sees text
+that is predictable but not constant: the numbers and words change, the shape does not.
+
+The procedures are chosen for what an 8-layer, 128-wide model learns from ~16k samples: looking a
+single token up (a digit by its place, a letter, "is 5 in the list?") and small memorised tables.
+Copying a multi-digit string in order is what it learns last, so no step asks for it.
 
 Train and held-out prompts are disjoint by construction: a prompt belongs to the held-out split when
 a stable hash of its text falls in one bucket out of ``HELDOUT_BUCKETS``, so no seed can ever put a
@@ -17,8 +21,11 @@ import random
 from dataclasses import dataclass
 from typing import Callable, Literal
 
+from eaglekit.errors import UsageError
+
 Split = Literal["train", "heldout"]
 HELDOUT_BUCKETS = 8
+VOWELS = "aeiou"
 WORDS = sorted(set(
     "apple banana cherry orange lemon melon grape mango peach pear plum kiwi tomato potato carrot "
     "onion bottle window garden letter paper pencil rabbit turtle monkey parrot kitten puppy dragon "
@@ -38,46 +45,43 @@ class Task:
     answer: str
 
 
-# Operands are two-digit and every reasoning line reads single digits by place: a tiny model learns
-# to look digits up reliably long before it learns to copy a long digit string in order.
+# Operands are two-digit and every line reads single digits by place. Both places use the same one-digit
+# table (the carry or borrow is a separate +1/-1 step), so every sample rehearses that table twice.
 def add_task(rng: random.Random) -> Task:
     a, b = rng.randint(10, 99), rng.randint(10, 99)
     prompt = rng.choice(["What is {a} + {b}?", "Compute {a} + {b}.", "Add {a} and {b}."]).format(a=a, b=b)
     ones = a % 10 + b % 10
-    tens = a // 10 + b // 10 + ones // 10
+    carry = ones // 10
+    tens = a // 10 + b // 10
     reasoning = (f"We add digit by digit, from right to left.\n"
-                 f"ones: {a % 10} + {b % 10} = {ones}, write {ones % 10}, carry {ones // 10}\n"
-                 f"tens: {a // 10} + {b // 10} + {ones // 10} = {tens}, write {tens}")
-    assert tens * 10 + ones % 10 == a + b
+                 f"ones: {a % 10}+{b % 10}={ones}, write {ones % 10}, carry {carry}\n"
+                 f"tens: {a // 10}+{b // 10}={tens}, {tens}+{carry}={tens + carry}, write {tens + carry}")
     return Task("add", prompt, reasoning, f"The sum is {a + b}.")
 
 
 def subtract_task(rng: random.Random) -> Task:
     a, b = sorted(rng.sample(range(10, 100), 2), reverse=True)
-    prompt = rng.choice(["What is {a} - {b}?", "Compute {a} - {b}.", "Subtract {b} from {a}."]).format(a=a, b=b)
+    # always "a - b" in this order: the reasoning then reads the digits in the order they were given
+    prompt = rng.choice(["What is {a} - {b}?", "Compute {a} - {b}.", "Find {a} - {b}."]).format(a=a, b=b)
     x, y = a % 10, b % 10
-    if x >= y:
-        ones_line, borrow = f"ones: {x} - {y} = {x - y}, borrow 0", 0
-    else:
-        ones_line, borrow = f"ones: {x} - {y} is negative, so {x + 10} - {y} = {x + 10 - y}, borrow 1", 1
-    tens = a // 10 - b // 10 - borrow
+    borrow = int(x < y)
+    ones_line = (f"ones: {x} is less than {y}, so borrow: {x + 10}-{y}={x + 10 - y}, write {x + 10 - y}, borrow 1"
+                 if borrow else f"ones: {x}-{y}={x - y}, write {x - y}, borrow 0")
+    tens = a // 10 - b // 10
     reasoning = (f"We subtract digit by digit, from right to left.\n{ones_line}\n"
-                 f"tens: {a // 10} - {b // 10} - {borrow} = {tens}, write {tens}")
+                 f"tens: {a // 10}-{b // 10}={tens}, {tens}-{borrow}={tens - borrow}, write {tens - borrow}")
     return Task("subtract", prompt, reasoning, f"The difference is {a - b}.")
 
 
 def sort_task(rng: random.Random) -> Task:
+    # A counting sort: "is 5 in the list?" for 1..9 is a lookup, where selection sort would need the
+    # remaining list copied in order on every line.
     nums = rng.sample(range(1, 10), rng.randint(3, 5))
     listed = ", ".join(map(str, nums))
     prompt = rng.choice(["Sort these numbers from smallest to largest: {l}.", "Put {l} in increasing order."]).format(l=listed)
-    lines, left = [], list(nums)
-    while len(left) > 1:
-        smallest = min(left)
-        before = ", ".join(map(str, left))
-        left.remove(smallest)
-        lines.append(f"The smallest of {before} is {smallest}, leaving {', '.join(map(str, left))}.")
-    lines.append(f"Only {left[0]} is left.")
-    return Task("sort", prompt, "\n".join(lines), ", ".join(map(str, sorted(nums))))
+    checks = ", ".join(f"{d} {'yes' if d in nums else 'no'}" for d in range(1, 10))
+    reasoning = f"Check each number from one to nine against the list:\n{checks}."
+    return Task("sort", prompt, reasoning, ", ".join(map(str, sorted(nums))))
 
 
 # (big unit, small unit, small units per big unit, the largest amount of the big unit asked about)
@@ -90,27 +94,28 @@ def convert_task(rng: random.Random) -> Task:
     n = rng.randint(1, largest)
     if rng.random() < 0.5:  # big -> small: multiply
         prompt = rng.choice(["Convert {n} {u} to {v}.", "How many {v} are in {n} {u}?"]).format(n=n, u=big, v=UNIT_NAMES[small])
-        reasoning = f"1 {big} = {factor} {small}, so we multiply by {factor}.\n{n} × {factor} = {n * factor}"
+        reasoning = f"1 {big} = {factor} {small}, so we multiply by {factor}.\n{n}×{factor}={n * factor}"
         answer = f"{n} {big} = {n * factor} {small}"
-    else:  # small -> big: divide
+    else:  # small -> big: divide, shown by multiplying back (the same table as the other direction)
         m = n * factor
         prompt = rng.choice(["Convert {m} {v} to {u}.", "How many {u} are in {m} {v}?"]).format(m=m, v=small, u=UNIT_NAMES[big])
-        reasoning = f"1 {big} = {factor} {small}, so we divide by {factor}.\n{m} / {factor} = {n}"
-        answer = f"{m} {small} = {n} {big}"
+        reasoning = f"1 {big} = {factor} {small}, so we divide by {factor}.\n{n}×{factor}={m}, so it is {n} {big}."
+        answer = f"That is {n} {big}."
     return Task("convert", prompt, reasoning, answer)
 
 
-def count_letters_task(rng: random.Random) -> Task:
+def count_vowels_task(rng: random.Random) -> Task:
+    # Vowels rather than a letter named in the prompt: whether a letter counts is then a property of the
+    # letter itself, which a tiny model learns long before it can compare against a letter named far back.
     word = rng.choice(WORDS)
-    letter = rng.choice(word) if rng.random() < 0.8 else rng.choice([c for c in "abcdefghijklmnopqrstuvwxyz" if c not in word])
-    prompt = rng.choice(["How many times does the letter {c} appear in {w}?", "Count the letter {c} in the word {w}."]).format(c=letter, w=word)
+    prompt = rng.choice(["How many vowels are in the word {w}?", "Count the vowels in {w}.",
+                         "How many vowels does {w} have?"]).format(w=word)
     running, count = [], 0
     for c in word:
-        count += c == letter
+        count += c in VOWELS
         running.append(f"{c} {count}")
-    reasoning = (f"Spell {word}: {', '.join(word)}.\nGo through the letters and count each {letter}:\n"
-                 f"{', '.join(running)}.")
-    return Task("count", prompt, reasoning, f"The letter {letter} appears {count} {'time' if count == 1 else 'times'} in {word}.")
+    reasoning = f"Spell {word}: {', '.join(word)}.\nCount the vowels one by one:\n{', '.join(running)}."
+    return Task("count", prompt, reasoning, f"{word} has {count} {'vowel' if count == 1 else 'vowels'}.")
 
 
 def compare_task(rng: random.Random) -> Task:
@@ -121,18 +126,18 @@ def compare_task(rng: random.Random) -> Task:
     ask = rng.choice(["larger", "smaller"])
     prompt = rng.choice(["Which is {q}, {a} or {b}?", "Which number is {q}: {a} or {b}?"]).format(q=ask, a=a, b=b)
     pick = max(a, b) if ask == "larger" else min(a, b)
-    decide = max if ask == "larger" else min
-    lines = ["Compare the digits from the left."]
-    if a // 10 == b // 10:
-        lines.append(f"tens: {a // 10} and {b // 10} are equal.")
-        lines.append(f"ones: {a % 10} and {b % 10}, {decide(a % 10, b % 10)} is {ask}, so {pick} is {ask}.")
-    else:
-        lines.append(f"tens: {a // 10} and {b // 10}, {decide(a // 10, b // 10)} is {ask}, so {pick} is {ask}.")
-    return Task("compare", prompt, "\n".join(lines), f"{pick} is {ask}.")
+    # digits are read by place, as in addition; the winner is then put together from the digits just written
+    same_tens = a // 10 == b // 10
+    winner, loser = sorted((a % 10, b % 10) if same_tens else (a // 10, b // 10), reverse=ask == "larger")
+    reasoning = (f"Compare digit by digit, from left to right.\ntens: {a // 10} and {b // 10}\nones: {a % 10} and {b % 10}\n"
+                 f"The tens {'are equal' if same_tens else 'differ'}: {winner} is {ask} than {loser}.\n"
+                 f"So the {'first' if pick == a else 'second'} number, {pick}, is {ask}.")
+    return Task("compare", prompt, reasoning, f"{pick} is {ask}.")
 
 
+# addition and subtraction twice: their digit tables are the most to learn
 TASK_MAKERS: list[Callable[[random.Random], Task]] = [
-    add_task, subtract_task, sort_task, convert_task, count_letters_task, compare_task,
+    add_task, subtract_task, sort_task, add_task, convert_task, subtract_task, count_vowels_task, compare_task,
 ]
 
 
@@ -143,7 +148,9 @@ def split_of(prompt: str) -> Split:
 
 
 def sample_tasks(n: int, seed: int, split: Split = "train") -> list[Task]:
-    """``n`` tasks of every kind in turn, deterministic in ``seed``, all from ``split``."""
+    """``n`` tasks, the kinds in a fixed rotation, deterministic in ``seed``, all from ``split``."""
+    if split not in ("train", "heldout"):
+        raise UsageError(f"sample_tasks: unknown split {split!r}", "use split='train' or split='heldout'")
     rng = random.Random(f"eaglekit-tiny/{split}/{seed}")
     tasks: list[Task] = []
     while len(tasks) < n:
