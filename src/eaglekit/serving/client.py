@@ -161,7 +161,9 @@ class ChatClient:
 
     def _release(self, server: Server, probe: bool, ok: bool, error: _AttemptFailed | None = None) -> None:
         server.inflight -= 1
-        if ok:
+        if ok and server.out_since is not None and not probe:
+            server.completed += 1  # sent before it was taken out: only its probe request brings it back
+        elif ok:
             if server.out_since is not None:
                 console.print(f"[green]{server.url} answers again; back in rotation[/]")
             server.failures, server.out_since, server.completed = 0, None, server.completed + 1
@@ -179,6 +181,23 @@ class ChatClient:
                 console.print(f"[yellow]{server.url} taken out of rotation after {server.failures} failures in a row "
                               f"({self.scrub(error.reason)}); probing it again in {server.probe_interval:g}s[/]")
         self._changed.set()  # wake every waiter; each re-checks the servers
+        self._changed.clear()
+
+    def take_out(self, url: str, reason: str) -> None:
+        """Take a server out of rotation now, though its HTTP answer was fine: what it produced is unusable
+        (e.g. a hidden-states file that never arrived whole). It gets a probe request after probe_interval."""
+        server = next(s for s in self.servers if s.url == url.rstrip("/"))
+        now = time.monotonic()
+        server.last_error = reason
+        if server.out_since is None:
+            server.out_since, server.retry_at = now, now + server.probe_interval
+            server.times_out += 1
+            console.print(f"[yellow]{server.url} taken out of rotation ({self.scrub(reason)}); probing it again in "
+                          f"{server.probe_interval:g}s[/]")
+        else:
+            server.probe_interval = min(server.probe_interval * 2, MAX_PROBE_INTERVAL)
+            server.retry_at = now + server.probe_interval
+        self._changed.set()
         self._changed.clear()
 
     # --- one request ------------------------------------------------------------------------------

@@ -176,6 +176,7 @@ class FeatureClient:
             try:
                 return await asyncio.to_thread(self._read, Path(remote), token_ids, reply, tries)
             except _Retry as why:
+                self.client.take_out(reply.server, str(why))  # a server that died while writing, or its storage
                 if tries > self.vcfg.max_retries:
                     raise RequestFailed(f"{reply.server}: {why}", tries) from None
                 await asyncio.sleep(min(30.0, self.vcfg.retry_backoff * 2 ** (tries - 1)))
