@@ -33,8 +33,7 @@ from eaglekit.data import shards as sh
 from eaglekit.data.shard_sink import ShardSink
 from eaglekit.data.tokens import TokenStore
 from eaglekit.errors import EaglekitError
-from eaglekit.model.target import (TargetFeatures, aux_layer_ids, load_target, target_hf_config, target_identity,
-                                   text_config)
+from eaglekit.model.target import TargetFeatures, aux_layer_ids, load_target, target_hf_config, target_identity
 from eaglekit.preflight import checks as common
 from eaglekit.preflight import CheckResult, fail, ok, skip
 from eaglekit.preflight.checks import human_bytes
@@ -145,13 +144,15 @@ def run(ctx) -> dict:
     if done:
         console.print(f"extract: rank {rank}: {len(done)} of {len(mine)} shards already complete, resuming after them")
     writes = {n: ([store.ids[i] for i in plan[n]], [lengths[i] for i in plan[n]]) for n in todo}
+    target = TargetFeatures(load_target(cfg.target, distributed.device()), aux_ids) \
+        if backend == "hf" and todo else None
     label = f"extract (rank {rank})" if world > 1 else "extract"
     with Meter(label, total=sum(shard_tokens.values()), unit="tok", initial=sum(shard_tokens[n] for n in done)) as meter:
         with ShardSink(ctx.dir, writes, hidden, dtype, meta, depth=cfg.extract.writer_queue) as sink:
             if backend == "vllm":
                 _extract_vllm(ctx, store, plan, todo, sink, meter, aux_ids, n_layers, hidden)
-            else:
-                _extract_hf(cfg, store, lengths, plan, todo, sink, meter, aux_ids)
+            elif todo:
+                _extract_hf(cfg, target, store, lengths, plan, todo, sink, meter)
         rates = sink.report(sum(shard_tokens[n] for n in todo))
     source = "the servers" if backend == "vllm" else "the target"
     if todo:
@@ -183,12 +184,8 @@ def run(ctx) -> dict:
     return counts
 
 
-def _extract_hf(cfg, store, lengths, plan, todo, sink, meter, aux_ids) -> None:
+def _extract_hf(cfg, target: TargetFeatures, store, lengths, plan, todo, sink, meter) -> None:
     """The target in this process: length-sorted batches of each shard; rows are encoded on the device."""
-    model = load_target(cfg.target, distributed.device())
-    target = TargetFeatures(model, aux_ids)
-    if text_config(model.config).num_hidden_layers != len(target.layers):
-        raise EaglekitError("the target's config and its loaded layers disagree", "check target.model")
     for n in todo:
         slot = {i: j for j, i in enumerate(plan[n])}
         for batch in sh.plan_batches(plan[n], lengths, cfg.extract.batch_tokens):
