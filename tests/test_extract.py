@@ -183,6 +183,9 @@ def test_kill_9_extract_resumes_at_the_first_uncommitted_shard(tmp_path, tiny_ta
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     committed = sorted(p.name for p in out.glob("shard-*.json"))
     assert len(committed) == 2 and not (out / sh.INDEX).exists()
+    from eaglekit.pipeline import status_rows
+    row = next(r for r in status_rows(killed) if r["stage"] == "extract")
+    assert row["state"] == "incomplete" and row["counts"]["shards_committed"] == 2
     kept = {p.with_suffix(".safetensors"): p.with_suffix(".safetensors").stat().st_mtime_ns
             for p in out.glob("shard-*.json")}
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import email.utils
 import json
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from typing import Any
 import httpx
 
 from eaglekit.config import GenerateConfig
-from eaglekit.errors import EaglekitError
+from eaglekit.errors import EaglekitError, UsageError
 from eaglekit.progress import console
 
 DOWN_AFTER = 3  # consecutive failures that take a server out of rotation
@@ -274,6 +275,17 @@ class ChatClient:
 def _has_message(data: dict) -> None:
     if not isinstance(data["choices"][0]["message"], dict):
         raise TypeError("message is not an object")
+
+
+def api_key_from_env(name: str | None, key: str) -> str | None:
+    """The API key held by the environment variable ``name`` (config key ``key`` names it); None when unset."""
+    if not name:
+        return None
+    value = os.environ.get(name)
+    if not value:
+        raise UsageError(f"{key} names {name}, which is not set in the environment",
+                         f"export {name}=... before running (the key itself never goes in the config)")
+    return value
 
 
 # --- plain GETs for the pre-flight ----------------------------------------------------------------

@@ -56,6 +56,14 @@ def params(cfg: RunConfig) -> dict:
     return p
 
 
+def live_counts(stage_dir) -> dict:
+    """What `status` shows while extract runs or after it was killed: the shards committed so far."""
+    entries = [sh.complete_shard(side.with_suffix(".safetensors")) for side in stage_dir.glob("shard-*.json")]
+    entries = [e for e in entries if e]
+    return {"shards_committed": len(entries), "samples": sum(e["samples"] for e in entries),
+            "tokens": sum(e["tokens"] for e in entries), "bytes": sum(e["bytes"] for e in entries)}
+
+
 def _plan(ctx):
     store = TokenStore(ctx.run.stage_dir("prepare") / "tokens.safetensors")
     lengths = store.lengths.tolist()
@@ -268,14 +276,9 @@ def served_model(cfg: RunConfig) -> str:
 
 
 def feature_api_key(cfg: RunConfig) -> str | None:
-    name = cfg.extract.vllm.api_key_env
-    if not name:
-        return None
-    key = os.environ.get(name)
-    if not key:
-        raise EaglekitError(f"extract.vllm.api_key_env names {name}, which is not set in the environment",
-                            f"export {name}=... before running (the key itself never goes in the config)")
-    return key
+    from eaglekit.serving.client import api_key_from_env
+
+    return api_key_from_env(cfg.extract.vllm.api_key_env, "extract.vllm.api_key_env")
 
 
 def vllm_serve_command(cfg: RunConfig) -> str:
