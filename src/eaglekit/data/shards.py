@@ -80,7 +80,10 @@ class Rows:
     scale_exp: torch.Tensor | None = None
 
     def to(self, device) -> "Rows":
-        move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+        # Asynchronous only towards an accelerator: a non-blocking copy to the CPU may still be running when
+        # the writer thread reads it.
+        async_ok = torch.device(device).type != "cpu"
+        move = lambda t: None if t is None else t.to(device, non_blocking=async_ok)  # noqa: E731
         return Rows(move(self.aux), move(self.last_hidden), move(self.scale_exp))
 
     @property
