@@ -91,5 +91,5 @@ def test_demo_offline_extracts_then_trains_from_the_shards(demo_run):
     assert set(ran) == {"extract", "train", "evaluate", "export"}  # generate, prepare, vocab were reused
     assert ran["extract"]["counts"]["dtype"] == "bfloat16" and ran["extract"]["counts"]["shards"] >= 1
     tau_online = {r["stage"]: r for r in online["stages"]}["train"]["counts"]["tau"]
-    # measured: the held-out simulated τ of the two trainings differs by < 1 % (bf16 vs fp32 features)
+    # measured (benchmarks/features.py): held-out simulated τ 3.620 online, 3.625 from bf16 shards
     assert ran["train"]["counts"]["tau"] == pytest.approx(tau_online, rel=0.05)
