@@ -8,9 +8,12 @@ cannot write on a CPU build: it copies through pinned memory), in float32 so the
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import shutil
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -184,14 +187,29 @@ def client_for(storage: Path, hidden: int = 4) -> FeatureClient:
 
 
 def test_the_file_is_read_after_its_lock_checked_converted_and_deleted(tmp_path):
-    """Layers come back in vLLM's ascending order whatever order they were asked in; the last is normed."""
+    """The reader sleeps while the server's writer holds LOCK_EX on the .lock (vLLM's protocol); layers come back
+    in vLLM's ascending order whatever order they were asked in; the final state is normed."""
     client = client_for(tmp_path)
     client.layer_ids, client.positions = [5, 2, 4, 8], stacked_positions([5, 2, 4, 8])
     states = torch.arange(3 * 4 * 4, dtype=torch.float32).reshape(3, 4, 4) + 1  # stacked as layers 2, 4, 5, 8
     path = tmp_path / "cmpl-ektest-0-1-0-ab.safetensors"
-    save_file({"hidden_states": states, "token_ids": torch.tensor([7, 8, 9])}, str(path))
-    Path(str(path) + ".lock").touch()
-    cap = client._read(path, [7, 8, 9], _Reply(), 1)
+    lock = os.open(str(path) + ".lock", os.O_CREAT | os.O_WRONLY, 0o644)
+    fcntl.flock(lock, fcntl.LOCK_EX)  # what the connector does before the response returns
+
+    def write_then_release():
+        time.sleep(0.3)
+        save_file({"hidden_states": states, "token_ids": torch.tensor([7, 8, 9])}, str(path))
+        os.close(lock)  # releases LOCK_EX, as the connector's writer thread does
+
+    writer = threading.Thread(target=write_then_release)
+    t0 = time.monotonic()
+    writer.start()
+    client._wait_written(client._local(path, "server"))
+    assert time.monotonic() - t0 >= 0.25 and path.exists()
+    writer.join()
+    seen = []
+    cap = client._read(path, [7, 8, 9], _Reply(), 1, consume=seen.append)
+    assert seen == [cap]
     assert torch.equal(cap.aux, torch.cat([states[:, 2], states[:, 0], states[:, 1]], dim=-1))
     final = states[:, 3]
     torch.testing.assert_close(cap.last_hidden, final / final.pow(2).mean(-1, keepdim=True).sqrt())
@@ -208,7 +226,7 @@ def test_other_tokens_and_other_layers_are_named_errors(tmp_path):
     with pytest.raises(ServerSetupError, match=r"shape \(3, 3, 4\); this config needs \[3, 4, 4\]"):
         client._read(path, [7, 8, 9], _Reply(), 1)
     with pytest.raises(EaglekitError, match="not in .* here"):
-        client._read(tmp_path / "elsewhere.safetensors", [1], _Reply(), 1)
+        client._local(Path("/server/side/elsewhere.safetensors"), "server")
 
 
 def test_serve_command_names_the_layers_connector_and_storage():

@@ -230,9 +230,8 @@ def _extract_vllm(ctx, store, plan, todo, sink, meter, aux_ids, n_layers, hidden
             async def one(n: int, j: int, i: int) -> None:
                 try:
                     ids = store[i][1]
-                    cap = await client.capture(i, ids.tolist())
-                    await asyncio.to_thread(
-                        lambda: sink.put(n, [(j, sh.encode(cap.aux, cap.last_hidden, cfg.extract.dtype))]))
+                    await client.capture(i, ids.tolist(), lambda cap: sink.put(
+                        n, [(j, sh.encode(cap.aux, cap.last_hidden, cfg.extract.dtype))]))
                     meter.update(len(ids), shard=f"{n + 1}/{len(plan)}")
                 except RequestFailed as err:
                     failures.append(EaglekitError(
