@@ -362,10 +362,13 @@ def feature_smoke(ctx) -> list:
         return [skip("feature smoke request", "no prepared samples")]
     i = int(store.lengths.argmin())
     ids = store[i][1].tolist()
-    hf = target_hf_config(cfg.target)
-    layer_ids = server_layer_ids(aux_layer_ids(cfg.target, hf.num_hidden_layers), hf.num_hidden_layers)
-    norm = read_final_norm(cfg.target)
-    _, head = embedding_and_head(cfg.target.model, cfg.target.trust_remote_code)
+    try:
+        hf = target_hf_config(cfg.target)
+        layer_ids = server_layer_ids(aux_layer_ids(cfg.target, hf.num_hidden_layers), hf.num_hidden_layers)
+        norm = read_final_norm(cfg.target)
+        _, head = embedding_and_head(cfg.target.model, cfg.target.trust_remote_code)
+    except EaglekitError as err:  # the target's norm or lm_head cannot be read by name
+        return [fail("feature smoke request", err.message, err.remedy or "check target.model")]
     results = []
     for url in v.servers:
         name = f"feature smoke request {url}"
