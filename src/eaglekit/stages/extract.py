@@ -33,7 +33,8 @@ from eaglekit.data import shards as sh
 from eaglekit.data.shard_sink import ShardSink
 from eaglekit.data.tokens import TokenStore
 from eaglekit.errors import EaglekitError
-from eaglekit.model.target import TargetFeatures, aux_layer_ids, load_target, target_hf_config, target_identity
+from eaglekit.model.target import (TargetFeatures, aux_layer_ids, load_target, read_final_norm, target_hf_config,
+                                   target_identity)
 from eaglekit.preflight import checks as common
 from eaglekit.preflight import CheckResult, fail, ok, skip
 from eaglekit.preflight.checks import human_bytes
@@ -152,13 +153,15 @@ def run(ctx) -> dict:
     if done:
         console.print(f"extract: rank {rank}: {len(done)} of {len(mine)} shards already complete, resuming after them")
     writes = {n: ([store.ids[i] for i in plan[n]], [lengths[i] for i in plan[n]]) for n in todo}
+    # the feature source is ready before the clock starts: the target loaded, or the final norm read
     target = TargetFeatures(load_target(cfg.target, distributed.device()), aux_ids) \
         if backend == "hf" and todo else None
+    norm = read_final_norm(cfg.target) if backend == "vllm" and todo else None
     label = f"extract (rank {rank})" if world > 1 else "extract"
     with Meter(label, total=sum(shard_tokens.values()), unit="tok", initial=sum(shard_tokens[n] for n in done)) as meter:
         with ShardSink(ctx.dir, writes, hidden, dtype, meta, depth=cfg.extract.writer_queue) as sink:
-            if backend == "vllm":
-                _extract_vllm(ctx, store, plan, todo, sink, meter, aux_ids, n_layers, hidden)
+            if backend == "vllm" and todo:
+                _extract_vllm(ctx, norm, store, plan, todo, sink, meter, aux_ids, n_layers, hidden)
             elif todo:
                 _extract_hf(cfg, target, store, lengths, plan, todo, sink, meter)
         rates = sink.report(sum(shard_tokens[n] for n in todo))
@@ -206,15 +209,13 @@ def _extract_hf(cfg, target: TargetFeatures, store, lengths, plan, todo, sink, m
             meter.update(sum(lengths[i] for i in batch), shard=f"{n + 1}/{len(plan)}")
 
 
-def _extract_vllm(ctx, store, plan, todo, sink, meter, aux_ids, n_layers, hidden) -> None:
+def _extract_vllm(ctx, norm, store, plan, todo, sink, meter, aux_ids, n_layers, hidden) -> None:
     """vLLM servers: every sample of the pending shards in flight (bounded), rows written as they arrive."""
-    from eaglekit.model.target import read_final_norm
     from eaglekit.serving.client import RequestFailed
     from eaglekit.serving.vllm_features import FeatureClient, server_layer_ids
 
     cfg, v = ctx.cfg, ctx.cfg.extract.vllm
     layer_ids = server_layer_ids(aux_ids, n_layers)
-    norm = read_final_norm(cfg.target)
     prefix = f"ek{ctx.fingerprint[:10]}-r{distributed.rank()}"
     in_flight = 2 * v.concurrency * len(v.servers)
 
@@ -349,7 +350,7 @@ def feature_smoke(ctx) -> list:
     """One real request per server through the run's own code path, then the server's own next token is
     checked against the captured final state through the target's norm and lm_head — which proves the layer
     ids, the pre-norm final state and the token alignment in one go."""
-    from eaglekit.model.target import embedding_and_head, read_final_norm
+    from eaglekit.model.target import embedding_and_head
     from eaglekit.serving.client import RequestFailed
     from eaglekit.serving.vllm_features import FeatureClient, server_layer_ids
 
