@@ -76,3 +76,23 @@ def tau_vs_k(results: list[dict], path: Path) -> None:
     ax.set(xlabel="K (drafts per round)", ylabel="τ (tokens per target pass)", xticks=ks, title="acceptance length")
     ax.legend()
     _save(fig, path)
+
+
+def served_vs_offline(runs: list[dict], path: Path) -> None:
+    """Acceptance rate by draft position, served by the engine (dashed) against eaglekit offline (solid), one
+    colour per exported form and K (rows of verify/report.json's runs)."""
+    fig = Figure(figsize=(6, 4))
+    ax = fig.subplots()
+    kmax = 1
+    for i, r in enumerate(runs):
+        positions = r["positions"]
+        if not positions:
+            continue
+        x = [p["position"] for p in positions]
+        kmax = max(kmax, len(x))
+        ax.plot(x, [p["offline"] for p in positions], "-o", color=f"C{i}", label=f"{r['form']} K={r['k']} offline")
+        ax.plot(x, [p["served"] for p in positions], "--x", color=f"C{i}", label=f"{r['form']} K={r['k']} served")
+    ax.set(xlabel="draft position", ylabel="acceptance rate", ylim=(0, 1.02), xticks=range(1, kmax + 1),
+           title="served vs offline acceptance")
+    ax.legend(fontsize="small")
+    _save(fig, path)
