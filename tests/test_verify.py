@@ -146,7 +146,7 @@ def test_verify_reads_sglang_meta_info_and_names_sglangs_aux_convention(demo_run
     with FakeSglang(target, draft, k=3) as fake:
         assert fake.aux == [3, 5, 6]
         _set_verify(config, {"server": fake.url})
-        bad = cli("verify", config)
+        bad = cli("verify", config, "--force")  # the served config changed: a new measurement replaces the report
     assert bad.code == 1 and "Likely cause: aux-layer ids" in " ".join(bad.err.split())
     report = json.loads((tmp_path / "run" / "verify" / "report.json").read_text())
     row = next(row for row in report["diagnosis"]["served"] if row["cause"] == "aux-layer ids")

@@ -435,7 +435,8 @@ def run(ctx) -> dict:
     if not passed:
         ctx.ledger_extra["counts"] = counts  # status shows the verdict of a failed verify too
         raise EaglekitError(failure_message(report), f"read {out / 'report.md'}; fix the exported config (or "
-                                                     "re-export), then rerun `eaglekit verify CONFIG`")
+                                                     "re-export), then `eaglekit verify CONFIG --force` (a new "
+                                                     "measurement replaces this report)")
     return counts
 
 
