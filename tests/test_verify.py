@@ -58,13 +58,13 @@ def _exported_run(tmp_path: Path, run_dir: Path, form: str, verify: dict) -> Pat
     from eaglekit.tiny import write_prompts
 
     demo = load_config(run_dir / "config.yaml")
-    prompts = write_prompts(tmp_path / "heldout.jsonl", 4, seed=77)
+    prompts = write_prompts(tmp_path / "heldout.jsonl", 8, seed=77)
     config = write_config(tmp_path / "config.yaml", {
         "run_dir": str(tmp_path / "run"),
         "target": {"model": demo.target.model},
         "data": {"prompts": str(prompts)},
         "evaluate": {"checkpoint": str(run_dir / "train" / "checkpoints" / "best"), "prompts": str(prompts),
-                     "num_samples": 4, "max_new_tokens": 64},
+                     "num_samples": 8, "max_new_tokens": 96},
         "export": {"formats": [form]},
         "verify": verify,
     })
@@ -108,8 +108,11 @@ def test_verify_fails_on_a_wrong_config_and_names_the_cause(vllm_python, demo_ru
     assert report["verdict"] == "FAIL"
     (r,) = report["runs"]
     assert r["form"] == form and not r["passed"]
-    # the collapse is far outside the tolerances: the served drafter accepts much less than the trained one
-    assert r["tau"]["served"] < r["tau"]["offline"] * (1 - 5 * report["tolerance"]["tau_relative"])
+    # the served drafter accepts less than the trained one, by more than the tolerance (measured on these prompts:
+    # aux ids shifted by one, τ 2.935 served vs 3.018 offline at K=3, the tiny target's adjacent layers being
+    # alike; norm_before_residual flipped, 1.791 vs 3.018)
+    assert r["tau"]["served"] < r["tau"]["offline"]
+    assert r["tau"]["relative_difference"] > report["tolerance"]["tau_relative"]
     suspects = [row["cause"] for row in report["diagnosis"][form] if row["status"] == "suspect"]
     assert suspects == [cause]
     md = (out / "report.md").read_text()

@@ -413,6 +413,7 @@ class ServedSettings:
     form: str
     aux_layer_ids: list[list[int]]  # HF hidden_states indices the engine captures; SGLang: one per version rule
     norm_before_residual: bool
+    norm_before_residual_defaulted: bool  # the key is absent: the engine's default applies
     max_position_embeddings: int | None
     rope_theta: float | None
     rope_scaling: dict | None
@@ -455,4 +456,5 @@ def served_settings(path: str | Path, engine: str, target_layers: int) -> Served
     if layer:
         theta, scaling = rope_from_config(text_config(layer))
     return ServedSettings(engine, SPECULATORS if speculators else LEGACY, aux, norm,
+                          engine == "vllm" and "norm_before_residual" not in raw,
                           layer.get("max_position_embeddings"), theta, scaling)

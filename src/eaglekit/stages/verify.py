@@ -338,7 +338,7 @@ def diagnose(cfg: RunConfig, folder: Path, engine: str, aux: list[int]) -> list[
                                 f"(from {folder.name}/config.json); the drafter was trained on {list(aux)}")
     row(CAUSES[1], found.norm_before_residual,
         f"{engine} reads norm_before_residual = {str(found.norm_before_residual).lower()}"
-        + (" (the speculators form's default when the key is absent)" if found.form == "speculators" and found.norm_before_residual else "")
+        + (" (the key is absent: vLLM's default for this form)" if found.norm_before_residual_defaulted else "")
         + "; eaglekit drafters keep the un-normed feature as residual (false)")
     theta, scaling = rope_from_config(hf)
     mismatch = []
@@ -395,6 +395,10 @@ def run(ctx) -> dict:
         if not ks[0]:
             raise EaglekitError(f"the vLLM server at {vc.server} registers no speculative-decoding counters: it does "
                                 "not speculate", "start it with the command `eaglekit export` printed")
+        if vc.num_speculative_tokens and ks[0] not in vc.num_speculative_tokens:
+            raise UsageError(f"the server at {vc.server} drafts K={ks[0]}, verify.num_speculative_tokens asks for "
+                             f"{vc.num_speculative_tokens}", "restart the server with that K, or drop the key "
+                                                             "(a running server's K is the one verified)")
     else:
         from eaglekit.serving.engine import find_vllm_python, version as engine_version
 
