@@ -63,7 +63,7 @@ def _stage_command(stage: str):
     return command
 
 
-for _stage in ("prepare", "vocab", "extract", "train", "evaluate"):
+for _stage in ("prepare", "vocab", "extract", "train", "evaluate", "verify"):
     app.command(_stage)(_stage_command(_stage))
 
 
@@ -98,7 +98,8 @@ def run_cmd(config: Path = typer.Argument(..., help="the run config (YAML)"),
             until: Optional[str] = typer.Option(None, "--until", help="last stage to run"),
             start: Optional[str] = typer.Option(None, "--from", help="first stage to run"),
             force: bool = ForceOpt, skip_preflight: bool = SkipOpt, as_json: bool = JsonOpt) -> None:
-    """Run the stages in order: generate, prepare, vocab, extract (offline mode only), train, evaluate, export."""
+    """Run the stages in order: generate, prepare, vocab, extract (offline mode only), train, evaluate, export, verify
+    (when verify.engine or verify.server is set)."""
     cfg = load_config(config)
     rows = run_stages(cfg, pipeline.select_stages(cfg, start, until), force, skip_preflight)
     if as_json:
