@@ -137,6 +137,12 @@ class ExportConfig(Section):
     include_embeddings: bool = True
 
 
+class PreflightConfig(Section):
+    disk_probe_mb: float = Field(64, ge=0, description="MB written (incompressible, fsync'd) to measure the run "
+                                 "directory's write rate; 0 skips the probe")
+    disk_probe_seconds: float = Field(2.0, gt=0, description="the write probe stops after this many seconds of writing")
+
+
 class RunConfig(Section):
     run_dir: str
     target: TargetConfig
@@ -148,6 +154,7 @@ class RunConfig(Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
     export: ExportConfig = Field(default_factory=ExportConfig)
+    preflight: PreflightConfig = Field(default_factory=PreflightConfig)
 
     # Where the config was read from; not a key of the file.
     source: Path | None = Field(None, exclude=True)
