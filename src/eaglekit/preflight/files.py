@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from eaglekit.preflight import CheckResult, fail, ok, skip, warn, will_be_produced
 from eaglekit.preflight.checks import human_bytes
@@ -40,8 +42,7 @@ class HeaderError(Exception):
     """What is wrong with one safetensors file, in words that name it."""
 
 
-@dataclass(frozen=True)
-class Tensor:
+class Tensor(NamedTuple):  # a tuple: a checkpoint has ~10^5 of them
     dtype: str
     shape: tuple[int, ...]
     start: int
@@ -101,25 +102,34 @@ def _read_header(path_str: str, size: int, _mtime_ns: int) -> Header:
 
 
 def _tensor(path: Path, name: str, info) -> Tensor:
+    try:  # the common case, fast: a checkpoint has ~10^5 tensors
+        dtype, shape, (start, end) = info["dtype"], info["shape"], info["data_offsets"]
+        numel = math.prod(shape)
+        sound = (type(numel) is int and (not shape or min(shape) >= 0) and type(start) is int and type(end) is int
+                 and 0 <= start <= end and (numel * DTYPE_BITS[dtype]) == 8 * (end - start))
+    except (KeyError, TypeError, ValueError):
+        sound = False
+    if sound:
+        return Tensor(dtype, tuple(shape), start, end)
+    raise HeaderError(_tensor_problem(path, name, info))
+
+
+def _tensor_problem(path: Path, name: str, info) -> str:
+    """What exactly is wrong with a tensor entry the fast path refused."""
     if not isinstance(info, dict):
-        raise HeaderError(f"{path}: tensor {name!r} has no dtype/shape/data_offsets entry")
+        return f"{path}: tensor {name!r} has no dtype/shape/data_offsets entry"
     dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
     if dtype not in DTYPE_BITS:
-        raise HeaderError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}")
+        return f"{path}: tensor {name!r} has unknown dtype {dtype!r}"
     if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-        raise HeaderError(f"{path}: tensor {name!r} has an invalid shape {shape!r}")
+        return f"{path}: tensor {name!r} has an invalid shape {shape!r}"
     if (not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(o, int) for o in offsets)
             or not 0 <= offsets[0] <= offsets[1]):
-        raise HeaderError(f"{path}: tensor {name!r} has invalid data_offsets {offsets!r}")
-    numel = 1
-    for d in shape:
-        numel *= d
-    bits = numel * DTYPE_BITS[dtype]
+        return f"{path}: tensor {name!r} has invalid data_offsets {offsets!r}"
+    bits = math.prod(shape) * DTYPE_BITS[dtype]
     span = offsets[1] - offsets[0]
-    if bits % 8 or bits // 8 != span:
-        raise HeaderError(f"{path}: tensor {name!r} is {dtype} {shape} = {bits / 8:,.0f} bytes but its span "
-                          f"[{offsets[0]:,}, {offsets[1]:,}) holds {span:,}")
-    return Tensor(dtype, tuple(shape), offsets[0], offsets[1])
+    return (f"{path}: tensor {name!r} is {dtype} {shape} = {bits / 8:,.0f} bytes but its span "
+            f"[{offsets[0]:,}, {offsets[1]:,}) holds {span:,}")
 
 
 def _check_layout(path: Path, tensors: dict[str, Tensor], data_bytes: int) -> None:
@@ -147,7 +157,7 @@ class Weights:
 
     folder: Path
     files: list[Path]
-    headers: dict[Path, Header]
+    headers: dict[str, Header]  # by file name
     problems: list[str]
     kind: str  # "sharded" | "single" | "pickle" | "none"
 
@@ -178,7 +188,7 @@ def read_weights(folder: str | Path) -> Weights:
         headers = _headers([f for f in files if f.is_file()], problems)
         missing: dict[str, list[str]] = {}
         for name, shard in weight_map.items():
-            h = headers.get(folder / shard)
+            h = headers.get(shard)
             if h is not None and name not in h.tensors:
                 missing.setdefault(shard, []).append(name)
         for shard, names in missing.items():
@@ -192,11 +202,11 @@ def read_weights(folder: str | Path) -> Weights:
     return Weights(folder, [], {}, [], "none")
 
 
-def _headers(files: list[Path], problems: list[str]) -> dict[Path, Header]:
+def _headers(files: list[Path], problems: list[str]) -> dict[str, Header]:
     headers = {}
     for f in files:
         try:
-            headers[f] = read_header(f)
+            headers[f.name] = read_header(f)
         except HeaderError as err:
             problems.append(str(err))
     return headers
@@ -267,7 +277,8 @@ def dense_tensors(folder: Path, weights: Weights) -> CheckResult:
         config = {}
     quant = quantization_note(config)
     tensors = weights.tensors()
-    embed_key = min((k for k in tensors if re.search(r"(^|\.)embed_tokens\.", k)), key=len, default=None)
+    embed_key = min((k for k in tensors if "embed_tokens." in k and re.search(r"(^|\.)embed_tokens\.", k)),
+                    key=len, default=None)
     if embed_key is None:
         return skip(name, "no `embed_tokens` tensor by that name (another architecture's naming): not checked"
                           + (f"; quantization: {quant}" if quant else ""))
