@@ -78,7 +78,10 @@ def test_one_of_eight_gpus_nearly_empty_is_a_warning_naming_it(tmp_path, tiny_ta
 
 def test_a_foreign_process_on_the_stages_gpus_is_listed_with_its_pid(tmp_path, tiny_target, nvml):
     nvml([gpu(i, used=0.5, processes=[(4_000_123, 30 * GB)] if i == 2 else []) for i in range(8)])
-    procs = by_name(G.gpus(make_ctx(tmp_path, tiny_target)))["GPU processes"]
+    results = by_name(G.gpus(make_ctx(tmp_path, tiny_target)))
+    assert "GPU 2 NVIDIA H200 GPU-00000002-fake: 500.0 MB of 141.0 GB used, 90% busy, 0 uncorrected ECC, pids 4000123 " \
+           "(other namespace)" in results["GPUs"].detail
+    procs = results["GPU processes"]
     assert procs.status == "warn"
     assert "GPU 2: pid 4000123 (not in this PID namespace" in procs.detail and "30.0 GB" in procs.detail
 

@@ -429,6 +429,7 @@ def plan(cfg: RunConfig, **overrides: Any) -> dict[str, Any]:
 def render(doc: dict[str, Any]):
     """The plan for a terminal: the inputs and their sources, a table per stage, the alternatives."""
     from rich.console import Group
+    from rich.markup import escape
     from rich.table import Table
     from rich.text import Text
 
@@ -438,7 +439,7 @@ def render(doc: dict[str, Any]):
     fmt = {"free_bytes": human_bytes, "write_bytes_per_s": lambda v: f"{human_bytes(v)}/s"}
     for name, fig in doc["inputs"].items():
         value = "?" if fig["value"] is None else fmt.get(name, lambda v: f"{v:,.0f}" if v >= 100 else f"{v:g}")(fig["value"])
-        inputs.add_row(name, value, fig["source"])
+        inputs.add_row(name, value, escape(fig["source"]))
 
     stages = Table(title=f"plan: {doc['run_dir']}", show_lines=True)
     for col in ("stage", "writes", "peak disk", "time", "write rate need / probed", "verdict", "arithmetic"):
@@ -451,7 +452,7 @@ def render(doc: dict[str, Any]):
         stages.add_row(s["stage"], "-" if s["done"] else (human_bytes(s["bytes"]) if s["bytes"] is not None else "?"),
                        human_bytes(s["peak_bytes"]) if s["peak_bytes"] is not None else "?",
                        "-" if s["done"] else (format_duration(s["seconds"]) if s["seconds"] is not None else "?"),
-                       rate, f"[{style[s['verdict']]}]{s['verdict']}[/]", "\n".join(s["how"]))
+                       rate, f"[{style[s['verdict']]}]{s['verdict']}[/]", escape("\n".join(s["how"])))
     lines = [inputs, stages]
     peak = doc["peak_bytes"]
     summary = (f"verdict: {doc['verdict']} — peak {human_bytes(peak) if peak is not None else '?'} "
@@ -466,6 +467,6 @@ def render(doc: dict[str, Any]):
         for col in ("option", "how", "result"):
             alt.add_column(col, overflow="fold")
         for a in doc["alternatives"]:
-            alt.add_row(a["option"], a["how"], a["detail"])
+            alt.add_row(a["option"], escape(a["how"]), escape(a["detail"]))
         lines.append(alt)
     return Group(*lines)

@@ -28,6 +28,7 @@ import traceback
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterable
 
+from rich.markup import escape
 from rich.table import Table
 
 STATUSES = ("ok", "warn", "fail", "skip")
@@ -103,5 +104,5 @@ def results_table(results: list[CheckResult], title: str = "pre-flight") -> Tabl
     for col in ("check", "status", "detail", "what to do"):
         table.add_column(col, overflow="fold")
     for r in results:
-        table.add_row(r.name, f"[{_STYLE[r.status]}]{r.status}[/]", r.detail, r.remedy)
+        table.add_row(escape(r.name), f"[{_STYLE[r.status]}]{r.status}[/]", escape(r.detail), escape(r.remedy))
     return table

@@ -90,6 +90,6 @@ def prompts(ctx) -> CheckResult:
     if not head.records:
         return fail(name, f"{summary}: no usable prompt", "point data.prompts at a dataset with user turns")
     if head.duplicates / max(read, 1) >= DUPLICATE_WARN_SHARE:
-        return warn(name, summary, "the dataset may have been concatenated twice; duplicates are skipped, so the run "
-                                   "has fewer samples than rows")
+        return warn(name, summary, "repeated prompts (same id or same turns) are skipped, so the run has fewer samples "
+                                   "than rows; deduplicate the file or add rows if you need that many")
     return ok(name, summary)

@@ -44,10 +44,15 @@ class GPU:
         return self.total - self.used
 
     def line(self) -> str:
+        import psutil
+
         util = f", {self.utilization}% busy" if self.utilization is not None else ""
-        procs = f", {len(self.processes)} compute process{'es' if len(self.processes) != 1 else ''}" if self.processes else ""
+        ecc = f", {self.ecc_uncorrected} uncorrected ECC" if self.ecc_uncorrected is not None else ""
+        pids = [f"{pid}{'' if psutil.pid_exists(pid) else ' (other namespace)'}" for pid, _ in self.processes[:4]]
+        more = f" +{len(self.processes) - 4}" if len(self.processes) > 4 else ""
+        procs = f", pids {', '.join(pids)}{more}" if pids else ""
         return (f"GPU {self.index} {self.name} {self.uuid}: {human_bytes(self.used)} of {human_bytes(self.total)} "
-                f"used{util}{procs}")
+                f"used{util}{ecc}{procs}")
 
 
 def _text(value) -> str:
