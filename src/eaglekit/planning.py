@@ -94,6 +94,15 @@ def _target_shape(cfg: RunConfig) -> dict[str, Figure]:
     return {k: Figure(text.get(k) or config.get(k), f"config: {path}") for k in ("hidden_size", "num_hidden_layers")}
 
 
+def _pick(flag_value: float | None, flag: str, measured: tuple[float | None, str], otherwise: Figure) -> Figure:
+    """A figure from its flag, else from this run's measurement, else ``otherwise`` (assumed or unknown)."""
+    if flag_value is not None:
+        return Figure(flag_value, f"flag {flag}")
+    if measured[0]:
+        return Figure(measured[0], f"measured: {measured[1]}")
+    return otherwise
+
+
 def gather_inputs(cfg: RunConfig, samples: int | None = None, mean_tokens: float | None = None,
                   gen_tok_per_s: float | None = None, extract_tok_per_s: float | None = None,
                   train_tok_per_s: float | None = None, free_bytes: int | None = None,
@@ -125,46 +134,31 @@ def gather_inputs(cfg: RunConfig, samples: int | None = None, mean_tokens: float
 
     # tokens per sample (prompt + reply, as trained)
     counts = prep.get("counts") or {}
-    if mean_tokens is not None:
-        inputs["mean_tokens"] = Figure(mean_tokens, "flag --mean-tokens")
-    elif counts.get("mean_length"):
-        inputs["mean_tokens"] = Figure(counts["mean_length"], f"measured: prepare of this run, {counts.get('samples', '?')} "
-                                                              f"samples ({_when(prep)})")
-    else:
-        inputs["mean_tokens"] = Figure(cfg.prepare.max_length, "assumed: every sample as long as prepare.max_length "
-                                                               "(an upper bound; pass --mean-tokens)")
-
+    inputs["mean_tokens"] = _pick(
+        mean_tokens, "--mean-tokens",
+        (counts.get("mean_length"), f"prepare of this run, {counts.get('samples', '?')} samples ({_when(prep)})"),
+        Figure(cfg.prepare.max_length, "assumed: every sample as long as prepare.max_length (an upper bound; "
+                                       "pass --mean-tokens)"))
     rates = gen.get("rates") or {}
-    if rates.get("mean_output_tokens"):
-        inputs["output_tokens"] = Figure(rates["mean_output_tokens"], f"measured: generate of this run ({_when(gen)})")
-    else:
-        inputs["output_tokens"] = Figure(min(cfg.generate.max_tokens, inputs["mean_tokens"].value),
-                                         "assumed: min(generate.max_tokens, tokens per sample)")
-    if gen_tok_per_s is not None:
-        inputs["gen_tok_per_s"] = Figure(gen_tok_per_s, "flag --gen-tok-per-s")
-    elif rates.get("output_tok_per_s"):
-        n = (gen.get("counts") or {}).get("new", "?")
-        inputs["gen_tok_per_s"] = Figure(rates["output_tok_per_s"], f"measured: generate of this run, {n} samples ({_when(gen)})")
-    else:
-        inputs["gen_tok_per_s"] = Figure(None, "unknown: run a pilot generate or pass --gen-tok-per-s")
-
+    inputs["output_tokens"] = _pick(
+        None, "", (rates.get("mean_output_tokens"), f"generate of this run ({_when(gen)})"),
+        Figure(min(cfg.generate.max_tokens, inputs["mean_tokens"].value), "assumed: min(generate.max_tokens, tokens per sample)"))
+    inputs["gen_tok_per_s"] = _pick(
+        gen_tok_per_s, "--gen-tok-per-s",
+        (rates.get("output_tok_per_s"), f"generate of this run, {(gen.get('counts') or {}).get('new', '?')} samples "
+                                        f"({_when(gen)})"),
+        Figure(None, "unknown: run a pilot generate or pass --gen-tok-per-s"))
     ext_counts = ext.get("counts") or {}
-    if extract_tok_per_s is not None:
-        inputs["extract_tok_per_s"] = Figure(extract_tok_per_s, "flag --extract-tok-per-s")
-    elif ext_counts.get("tokens_per_s"):
-        inputs["extract_tok_per_s"] = Figure(ext_counts["tokens_per_s"], f"measured: extract of this run, "
-                                                                         f"{ext_counts.get('tokens', '?')} tokens ({_when(ext)})")
-    else:
-        inputs["extract_tok_per_s"] = Figure(None, "unknown: run a pilot extract or pass --extract-tok-per-s")
-
+    inputs["extract_tok_per_s"] = _pick(
+        extract_tok_per_s, "--extract-tok-per-s",
+        (ext_counts.get("tokens_per_s"), f"extract of this run, {ext_counts.get('tokens', '?')} tokens ({_when(ext)})"),
+        Figure(None, "unknown: run a pilot extract or pass --extract-tok-per-s"))
     trn_counts = trn.get("counts") or {}
-    if train_tok_per_s is not None:
-        inputs["train_tok_per_s"] = Figure(train_tok_per_s, "flag --train-tok-per-s")
-    elif trn_counts.get("tokens") and trn_counts.get("seconds"):
-        inputs["train_tok_per_s"] = Figure(trn_counts["tokens"] / trn_counts["seconds"],
-                                           f"measured: train of this run, {trn_counts.get('steps', '?')} steps ({_when(trn)})")
-    else:
-        inputs["train_tok_per_s"] = Figure(None, "unknown: run a pilot train or pass --train-tok-per-s")
+    trained = trn_counts["tokens"] / trn_counts["seconds"] if trn_counts.get("tokens") and trn_counts.get("seconds") else None
+    inputs["train_tok_per_s"] = _pick(
+        train_tok_per_s, "--train-tok-per-s",
+        (trained, f"train of this run, {trn_counts.get('steps', '?')} steps ({_when(trn)})"),
+        Figure(None, "unknown: run a pilot train or pass --train-tok-per-s"))
 
     from eaglekit.preflight.disk import existing_ancestor, probe_write_rate
 
