@@ -7,6 +7,8 @@ Each stage is a module in ``eaglekit.stages`` with:
     params(cfg) -> dict              what its outputs depend on (fingerprinted)
     checks(cfg) -> list[Check]       its own pre-flight checks (the generic ones are added here)
     estimate_bytes(ctx) -> int|None  optional: what it will write, for the disk check
+    estimate_files(ctx) -> int|None  optional: how many files it creates, for the inode check
+    estimate_write_rate(ctx) -> (bytes/s, why)|None   optional: the rate it writes at, for the write probe
     run(ctx) -> dict                 does the work; returns counts for the ledger and `status`
 
 A stage is *incomplete* from its ``start`` event until its ``end`` event, which is written only after its
