@@ -44,6 +44,20 @@ def vllm_python() -> Path:
                     "(or set EAGLEKIT_SKIP_VLLM=1 to skip them on purpose)", pytrace=False)
 
 
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory, tiny_target):
+    """`eaglekit demo` run once per session: (run dir, its --json document, its stderr). With the vLLM venv
+    present the demo ends with `verify` in the real engine. Shared by the demo and verify tests."""
+    import json
+    import subprocess
+
+    run_dir = tmp_path_factory.mktemp("demo") / "run"
+    proc = subprocess.run([sys.executable, "-m", "eaglekit.cli", "demo", "--run-dir", str(run_dir), "--json"],
+                          capture_output=True, text=True, timeout=2400, env=subprocess_env())
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    return run_dir, json.loads(proc.stdout), proc.stderr
+
+
 @dataclass
 class CliResult:
     code: int

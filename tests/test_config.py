@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from conftest import write_config
-from eaglekit.config import load_config
+from eaglekit.config import load_config, parse_config
 from eaglekit.errors import UsageError
 
 BASE = {"run_dir": "run", "target": {"model": "model"}, "data": {"prompts": "prompts.jsonl"}}
@@ -54,3 +54,14 @@ def test_cli_config_errors_exit_2_naming_key_or_path(tmp_path, cli):
     bad = write_config(tmp_path / "c.yaml", {**BASE, "prepare": {"max_lenght": 9}})
     r = cli("prepare", bad)
     assert r.code == 2 and "prepare.max_lenght" in r.err and "Traceback" not in r.err
+
+
+def test_verify_runs_only_when_an_engine_or_a_server_is_set(tmp_path):
+    base = {"run_dir": "run", "target": {"model": "org/m"}, "data": {"prompts": "p.jsonl"}}
+    assert "verify" not in parse_config(base, base_dir=tmp_path).stages()
+    assert parse_config({**base, "verify": {"engine": "vllm"}}, base_dir=tmp_path).stages()[-2:] == ["export", "verify"]
+    assert parse_config({**base, "verify": {"server": "http://h:8000/v1"}}, base_dir=tmp_path).stages()[-1] == "verify"
+    with pytest.raises(UsageError, match="verify.engine and verify.server"):
+        parse_config({**base, "verify": {"engine": "vllm", "server": "http://h:8000"}}, base_dir=tmp_path)
+    with pytest.raises(UsageError, match="verify.engine"):
+        parse_config({**base, "verify": {"engine": "sglang"}}, base_dir=tmp_path)

@@ -14,19 +14,14 @@ from conftest import subprocess_env
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def demo_run(tmp_path_factory, tiny_target):
-    run_dir = tmp_path_factory.mktemp("demo") / "run"
-    proc = subprocess.run([sys.executable, "-m", "eaglekit.cli", "demo", "--run-dir", str(run_dir), "--json"],
-                          capture_output=True, text=True, timeout=1500, env=subprocess_env())
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    return run_dir, json.loads(proc.stdout), proc.stderr
+# demo_run (conftest): the demo, run once per session and shared with tests/test_verify.py
 
 
 def test_demo_runs_every_stage_to_done(demo_run):
     run_dir, doc, _ = demo_run
     states = {row["stage"]: row["state"] for row in doc["status"]}
-    assert states == {s: "done" for s in ("generate", "prepare", "vocab", "train", "evaluate", "export")}
+    stages = ("generate", "prepare", "vocab", "train", "evaluate", "export") + (("verify",) if "verify" in states else ())
+    assert states == {s: "done" for s in stages}
     assert (run_dir / "config.yaml").exists(), "the demo leaves an editable config behind"
 
 
@@ -76,11 +71,21 @@ def test_rerunning_the_demo_skips_finished_stages(demo_run):
     assert proc.stderr.count("skipped") >= 6
 
 
-def test_demo_offline_extracts_then_trains_from_the_shards(demo_run):
-    """`eaglekit demo --offline` on the same run: extract writes the shards, train reruns from them (the same
-    samples in the same order, bf16 features instead of the live fp32 target), evaluate and export follow.
-    Last in this module: it turns the shared demo run offline."""
-    run_dir, online, _ = demo_run
+def test_demo_offline_extracts_then_trains_from_the_shards(demo_run, tmp_path):
+    """`eaglekit demo --offline` on a copy of the demo run: extract writes the shards, train reruns from them
+    (the same samples in the same order, bf16 features instead of the live fp32 target), evaluate and export
+    follow; generate, prepare and vocab are reused. (The copy leaves the shared run to the verify tests, and
+    drops verify: the engine check of the drafter is the verify tests' business.)"""
+    import shutil
+
+    import yaml
+
+    shared, online, _ = demo_run
+    run_dir = tmp_path / "run"
+    shutil.copytree(shared, run_dir, ignore=shutil.ignore_patterns(".lock", "verify"))
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    config.pop("verify", None)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     proc = subprocess.run([sys.executable, "-m", "eaglekit.cli", "demo", "--run-dir", str(run_dir), "--offline", "--json"],
                           capture_output=True, text=True, timeout=1500, env=subprocess_env())
     assert proc.returncode == 0, proc.stderr[-5000:]

@@ -7,6 +7,8 @@ Each stage is a module in ``eaglekit.stages`` with:
     params(cfg) -> dict              what its outputs depend on (fingerprinted)
     checks(cfg) -> list[Check]       its own pre-flight checks (the generic ones are added here)
     estimate_bytes(ctx) -> int|None  optional: what it will write, for the disk check
+    estimate_files(ctx) -> int|None  optional: how many files it creates, for the inode check
+    estimate_write_rate(ctx) -> (bytes/s, why)|None   optional: the rate it writes at, for the write probe
     run(ctx) -> dict                 does the work; returns counts for the ledger and `status`
 
 A stage is *incomplete* from its ``start`` event until its ``end`` event, which is written only after its
@@ -63,6 +65,13 @@ class StageContext:
     options: dict[str, Any] = field(default_factory=dict)
     # Figures a stage wants in its ledger `end` event besides its counts (e.g. generate's gate figures).
     ledger_extra: dict[str, Any] = field(default_factory=dict)
+    # What the pre-flight checks need from the registry, handed over so that they never import the pipeline.
+    module: ModuleType | None = None
+    upstream: str | None = None
+    upstream_fingerprint: str | None = None
+    # Stages that will run before this one: set only when the whole pipeline is pre-flighted ahead of a run,
+    # so a check that needs their outputs says "will be produced by ..." instead of failing.
+    pending: tuple[str, ...] = ()
 
     @property
     def dir(self):
@@ -75,19 +84,37 @@ class StageContext:
 
 
 def make_context(cfg: RunConfig, stage: str, force: bool = False, **options: Any) -> StageContext:
-    return StageContext(cfg=cfg, run=RunDir(cfg.run_dir), stage=stage, fingerprint=fingerprint(cfg, stage),
-                        force=force, options=options)
+    memo: dict[str, str] = {}
+    up = upstream_of(cfg, stage)
+    return StageContext(cfg=cfg, run=RunDir(cfg.run_dir), stage=stage, fingerprint=fingerprint(cfg, stage, memo),
+                        force=force, options=options, module=stage_module(stage), upstream=up,
+                        upstream_fingerprint=fingerprint(cfg, up, memo) if up else None)
 
 
 def stage_checks(ctx: StageContext) -> list:
+    """The generic checks around the stage's own: the run directory first, the disk last."""
     from eaglekit.preflight import checks as generic
+    from eaglekit.preflight import disk, processes
 
-    module = stage_module(ctx.stage)
-    return [generic.run_lock, generic.upstream_done, generic.output_path, *module.checks(ctx.cfg), generic.disk_space]
+    return [generic.run_lock, processes.other_processes, generic.upstream_done, generic.output_path,
+            *ctx.module.checks(ctx.cfg), disk.disk_space, disk.filesystem]
 
 
 def run_preflight(ctx: StageContext) -> list[preflight.CheckResult]:
     return preflight.run_checks(ctx, stage_checks(ctx))
+
+
+def preflight_pipeline(cfg: RunConfig) -> dict[str, list[preflight.CheckResult]]:
+    """Pre-flight of the whole pipeline ahead of running it: each stage checked in order, as if the stages before
+    it that have not finished (with this config's fingerprint) had run — their outputs "will be produced"."""
+    report, pending = {}, []
+    for stage in cfg.stages():
+        ctx = make_context(cfg, stage)
+        ctx.pending = tuple(pending)
+        report[stage] = run_preflight(ctx)
+        if ctx.run.done_fingerprint(stage) != ctx.fingerprint:
+            pending.append(stage)
+    return report
 
 
 def run_stage(cfg: RunConfig, stage: str, *, force: bool = False, skip_preflight: bool = False,

@@ -37,6 +37,7 @@ from eaglekit.model.target import (TargetFeatures, aux_layer_ids, load_target, r
                                    target_identity)
 from eaglekit.preflight import checks as common
 from eaglekit.preflight import CheckResult, fail, ok, skip
+from eaglekit.preflight import disk, environment, files, gpus
 from eaglekit.preflight.checks import human_bytes
 from eaglekit.progress import Meter, console
 from eaglekit.training import distributed
@@ -123,9 +124,30 @@ def target_placement(ctx):
 
 
 def checks(cfg: RunConfig) -> list:
-    if cfg.extract.backend == "vllm":
-        return [common.target_folder, feature_servers, feature_storage, existing_shards, feature_smoke]
-    return [common.target_folder, target_placement, existing_shards]
+    if cfg.extract.backend == "vllm":  # the servers compute: no local devices to check, the servers instead
+        return [common.target_folder, files.target_weights, environment.software, feature_servers, feature_storage,
+                existing_shards, feature_smoke, disk.write_rate]
+    return [common.target_folder, files.target_weights, environment.software, environment.devices, gpus.gpus,
+            target_placement, existing_shards, disk.write_rate]
+
+
+def estimate_files(ctx) -> int | None:
+    """Inodes: a shard and its sidecar per ``extract.shard_tokens`` tokens, and the index."""
+    if not (ctx.run.stage_dir("prepare") / "tokens.safetensors").exists():
+        return None
+    return 2 * len(_plan(ctx)[2]) + 2
+
+
+def estimate_write_rate(ctx) -> tuple[float, str] | None:
+    """Bytes per second the features arrive at: the target's forward speed that an earlier extract of this run
+    measured (a pilot), times the bytes stored per token."""
+    end = (ctx.run.last_events().get(NAME) or {}).get("end") or {}
+    rate = (end.get("counts") or {}).get("tokens_per_s")
+    if not rate:
+        return None
+    hidden = target_hf_config(ctx.cfg.target).hidden_size
+    per_token = sh.bytes_per_token(hidden, ctx.cfg.extract.dtype)
+    return rate * per_token, f"{rate:,.0f} tok/s measured by the last extract × {per_token:,} B/token"
 
 
 # ------------------------------------------------------------------------------------------------- run
