@@ -9,25 +9,39 @@ Each stage is a module in ``eaglekit.stages`` with:
     estimate_bytes(ctx) -> int|None  optional: what it will write, for the disk check
     run(ctx) -> dict                 does the work; returns counts for the ledger and `status`
 
+    kept(ctx) -> str|None            optional: what of a stopped run is safely on disk (for the error message)
+    live_counts(stage_dir) -> dict   optional: counts `status` shows while it runs
+
 A stage is *incomplete* from its ``start`` event until its ``end`` event, which is written only after its
-outputs are committed; a rerun of a *done* stage with the same fingerprint is skipped.
+outputs are committed; a rerun of a *done* stage with the same fingerprint is skipped, always (--force
+only lets a stage replace outputs of other parameters). A stage that sees the run is degenerate says so
+with ``ctx.warn``: the warning is printed, kept in the ledger and shown by `eaglekit status`.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import importlib
+import json
 import os
 import shutil
+import socket
+import sys
+import tempfile
 import time
+import traceback
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from eaglekit import preflight
+from eaglekit import atomic, preflight, rundir
 from eaglekit.config import STAGES, RunConfig
-from eaglekit.errors import EaglekitError, UsageError
+from eaglekit.errors import DISK_ERRNOS, EaglekitError, UsageError, io_failure
+from eaglekit.interrupt import Terminated
 from eaglekit.progress import console
-from eaglekit.rundir import RunDir, digest, tool_versions
+from eaglekit.rundir import RunDir, digest, now_iso, tool_versions
 
 
 def stage_module(name: str) -> ModuleType:
@@ -63,6 +77,8 @@ class StageContext:
     options: dict[str, Any] = field(default_factory=dict)
     # Figures a stage wants in its ledger `end` event besides its counts (e.g. generate's gate figures).
     ledger_extra: dict[str, Any] = field(default_factory=dict)
+    # Signs of a degenerate run (see warn); kept in the ledger's `end` event and shown by `eaglekit status`.
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def dir(self):
@@ -70,8 +86,16 @@ class StageContext:
 
     @property
     def resuming(self) -> bool:
+        """The folder holds this fingerprint's partial outputs: continue them (never discarded, --force or not)."""
         marker = self.run.read_marker(self.stage)
-        return bool(marker and marker.get("fingerprint") == self.fingerprint and not self.force)
+        return bool(marker and marker.get("fingerprint") == self.fingerprint)
+
+    def warn(self, message: str) -> None:
+        """Say that the run is degenerate in a way the user must hear about (too few samples, a drafter no better
+        than n-gram, ...): printed now, recorded in the ledger, repeated by `eaglekit status` and the export."""
+        self.warnings.append(message)
+        if not is_worker_rank():
+            console.print(f"[yellow]{self.stage}: warning: {message}[/]")
 
 
 def make_context(cfg: RunConfig, stage: str, force: bool = False, **options: Any) -> StageContext:
@@ -90,14 +114,67 @@ def run_preflight(ctx: StageContext) -> list[preflight.CheckResult]:
     return preflight.run_checks(ctx, stage_checks(ctx))
 
 
+def is_worker_rank() -> bool:
+    """Under torchrun only rank 0 owns the run directory (lock, ledger); the other ranks just compute."""
+    return int(os.environ.get("RANK", "0")) != 0
+
+
+def config_identity(cfg: RunConfig) -> dict[str, Any]:
+    """Which file drove a run, and its content's hash: `eaglekit status RUN_DIR` compares against that file."""
+    source = cfg.source
+    if source is None or not Path(source).is_file():
+        return {"source": None, "sha256": None}
+    return {"source": str(source), "sha256": hashlib.sha256(Path(source).read_bytes()).hexdigest()[:16]}
+
+
+# ------------------------------------------------------------------------------------------ running
+
+def run_stages(cfg: RunConfig, stages: list[str], *, force: bool = False, skip_preflight: bool = False,
+               **options: Any) -> list[dict]:
+    """Run ``stages`` in order under the run lock (rank 0), recording the invocation first; what `eaglekit run`,
+    each stage command and the demo call."""
+    run = RunDir(cfg.run_dir)
+    if is_worker_rank():
+        return [run_stage_as_worker(cfg, s, **options) for s in stages]
+    command = " ".join(["eaglekit", *sys.argv[1:]])
+    with run.lock.acquire(command=command):
+        if not run.config_path.exists() or cfg.source != run.config_path.resolve():
+            atomic.write_text(run.config_path, cfg.to_yaml())
+        run.append_event({"event": "invocation", "command": command, "stages": stages, "force": force,
+                          "config": config_identity(cfg), "pid": os.getpid(), "host": socket.gethostname()})
+        return [run_stage(cfg, s, force=force, skip_preflight=skip_preflight, **options) for s in stages]
+
+
+def refusal(ctx: StageContext, state: str) -> tuple[str, str] | None:
+    """(what the folder holds, what to do) when replacing it needs --force; None when the stage may write there.
+
+    --force replaces only what needs it: finished or partial outputs of other parameters, or files eaglekit
+    did not write. It never reruns a stage that is done with the same fingerprint, and what a *failed* attempt
+    left behind is replaced without it.
+    """
+    if ctx.force or state in (rundir.EMPTY, rundir.OWN, rundir.FAILED_LEFTOVERS):
+        return None
+    marker = ctx.run.read_marker(ctx.stage) or {}
+    again = (f"add --force to replace them (`eaglekit run CONFIG --from {ctx.stage} --force` reruns {ctx.stage} and "
+             f"the stages after it; finished stages before it are kept), or set another run_dir to keep them")
+    if state == rundir.FOREIGN:
+        return (f"{ctx.dir} holds files that no eaglekit stage run wrote (no {rundir.MARKER})",
+                f"move them away, or {again}")
+    changes = changed_parameters(ctx.run, ctx.stage, ctx.cfg)
+    what = "the finished outputs" if state == rundir.OTHER_DONE else "the partial outputs of an interrupted run"
+    return (f"{ctx.dir} holds {what} of other inputs or parameters (written {marker.get('created', '?')}"
+            f"{'; changed since: ' + '; '.join(changes) if changes else ''})", again)
+
+
 def run_stage(cfg: RunConfig, stage: str, *, force: bool = False, skip_preflight: bool = False,
               **options: Any) -> dict[str, Any]:
     """Run one stage (the caller holds the run lock). Returns a summary row."""
     ctx = make_context(cfg, stage, force=force, **options)
     module = stage_module(stage)
     # --retry-failed asks a finished generate to retry its failed samples, so it must not be skipped.
-    if not force and not options.get("retry_failed") and ctx.run.done_fingerprint(stage) == ctx.fingerprint:
-        console.print(f"[dim]{stage}: done with the same inputs and parameters, skipped (--force reruns it)[/]")
+    if not options.get("retry_failed") and ctx.run.is_done(stage, ctx.fingerprint):
+        console.print(f"[dim]{stage}: done with the same inputs and parameters, skipped "
+                      f"(to redo it anyway, remove {ctx.dir} first)[/]")
         return {"stage": stage, "state": "done", "skipped": True}
 
     if skip_preflight:
@@ -115,37 +192,144 @@ def run_stage(cfg: RunConfig, stage: str, *, force: bool = False, skip_preflight
         if warnings:
             console.print(preflight.results_table(warnings, title=f"pre-flight of {stage}: warnings"))
 
-    if ctx.force and ctx.dir.exists():
+    folder = ctx.run.folder_state(stage, ctx.fingerprint)
+    refused = refusal(ctx, folder)
+    if refused:  # pre-flight says so too; this holds when it was skipped
+        raise EaglekitError(f"{stage}: {refused[0]}", refused[1])
+    if folder not in (rundir.EMPTY, rundir.OWN):
+        console.print(f"{stage}: replacing {ctx.dir} ({'what a failed attempt left' if folder == rundir.FAILED_LEFTOVERS else folder})")
         shutil.rmtree(ctx.dir)
     ctx.dir.mkdir(parents=True, exist_ok=True)
     resuming = ctx.resuming
     ctx.run.write_marker(stage, ctx.fingerprint)
     ctx.run.append_event({"stage": stage, "event": "start", "state": "incomplete", "fingerprint": ctx.fingerprint,
-                          "resume": resuming, "skip_preflight": skip_preflight, "versions": tool_versions(),
+                          "resume": resuming, "force": force, "skip_preflight": skip_preflight,
+                          "params": module.params(cfg), "config": config_identity(cfg), "versions": tool_versions(),
                           "preflight": [r.to_dict() for r in results]})
     t0 = time.monotonic()
     console.print(f"[bold]{stage}[/]: started{' (resuming)' if resuming else ''}")
     try:
         counts = module.run(ctx) or {}
     except BaseException as err:
-        # An interrupt leaves resumable partial outputs (incomplete); anything else is a failure.
-        interrupted = isinstance(err, (KeyboardInterrupt, SystemExit))
-        ctx.run.append_event({"stage": stage, "event": "end", "state": "incomplete" if interrupted else "failed", "fingerprint": ctx.fingerprint,
-                              "error": f"{type(err).__name__}: {err}", "seconds": round(time.monotonic() - t0, 2),
-                              **ctx.ledger_extra})
-        raise
+        raise _record_failure(ctx, err, round(time.monotonic() - t0, 2)) from None
     seconds = round(time.monotonic() - t0, 2)
     ctx.run.append_event({"stage": stage, "event": "end", "state": "done", "fingerprint": ctx.fingerprint,
-                          "counts": counts, "seconds": seconds, **ctx.ledger_extra})
-    console.print(f"[bold green]{stage}[/]: done in {seconds:.1f}s {counts}")
-    return {"stage": stage, "state": "done", "counts": counts, "seconds": seconds}
+                          "counts": counts, "seconds": seconds, "warnings": ctx.warnings, **ctx.ledger_extra})
+    note = f" with {len(ctx.warnings)} warning{'s' * (len(ctx.warnings) > 1)}" if ctx.warnings else ""
+    console.print(f"[bold green]{stage}[/]: done in {seconds:.1f}s{note} {counts}")
+    return {"stage": stage, "state": "done", "counts": counts, "seconds": seconds, "warnings": ctx.warnings}
 
 
-def run_stage_as_worker(cfg: RunConfig, stage: str, force: bool = False, **options: Any) -> dict[str, Any]:
+def kept_outputs(ctx: StageContext) -> str:
+    """What of the stopped stage is safely on disk, in words (the stage's own ``kept(ctx)`` when it has one)."""
+    hook = getattr(stage_module(ctx.stage), "kept", None)
+    try:
+        what = hook(ctx) if hook else None
+    except Exception:  # describing what is kept must never hide the error being reported
+        what = None
+    what = what or f"nothing partial of {ctx.stage} is kept (it writes its outputs whole, at the end)"
+    return f"{what}; every finished stage is untouched"
+
+
+def _disk_situation(ctx: StageContext, path: str | None) -> str:
+    """Free space where the write failed, against what the stage's own estimate says it needs."""
+    from eaglekit.preflight.checks import human_bytes
+
+    try:
+        free = atomic.free_bytes(path or ctx.dir)
+    except OSError:
+        return ""
+    estimate = getattr(stage_module(ctx.stage), "estimate_bytes", None)
+    try:
+        need = estimate(ctx) if estimate else None
+    except Exception:
+        need = None
+    plan = f"; the plan needs about {human_bytes(need)} for {ctx.stage}" if need else ""
+    return f"{human_bytes(free)} free there{plan}"
+
+
+def _record_failure(ctx: StageContext, err: BaseException, seconds: float) -> BaseException:
+    """Write the stage's `end` event for a stop that was not success, and return what the caller should raise:
+    the interrupt itself, the stage's own EaglekitError, or an EaglekitError that explains a disk fault or an
+    unexpected exception in a few lines (the traceback goes to a log file under the run directory)."""
+    stage = ctx.stage
+    event: dict[str, Any] = {"stage": stage, "event": "end", "fingerprint": ctx.fingerprint, "seconds": seconds,
+                             "warnings": ctx.warnings, **ctx.ledger_extra}
+    kept = kept_outputs(ctx)
+    disk = io_failure(err)
+    if isinstance(err, KeyboardInterrupt):
+        event |= {"state": "incomplete", "error": f"interrupted ({'SIGTERM' if isinstance(err, Terminated) else 'SIGINT'})"}
+        err.eaglekit_note = f"{stage} interrupted: {kept}; rerun the same command to resume"
+        out: BaseException = err
+    elif isinstance(err, SystemExit):
+        event |= {"state": "incomplete", "error": f"exit {err.code}"}
+        out = err
+    elif disk is not None:
+        what, fix = DISK_ERRNOS[disk.errno]
+        space = _disk_situation(ctx, disk.filename) if disk.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+        message = (f"{stage}: {what} writing {disk.filename or ctx.dir} ({disk.strerror}); {kept}"
+                   + (f"; {space}" if space else ""))
+        event |= {"state": "failed", "error": message, "reason": what}
+        out = EaglekitError(message, f"{fix}, then rerun the same command to resume")
+    elif isinstance(err, EaglekitError):
+        event |= {"state": "failed", "error": err.message}
+        out = err
+    else:
+        log = write_traceback(ctx.run, stage, err)
+        message = f"{stage} stopped on an unexpected error: {type(err).__name__}: {first_line(err)}"
+        event |= {"state": "failed", "error": message, "log": str(log) if log else None}
+        out = StageCrashed(message, f"{kept}. The full traceback is in {log or 'no log file (it could not be written)'}"
+                                    " (`eaglekit --debug ...` prints it here); rerun the same command once the cause "
+                                    "is fixed, and report it if it is a bug in eaglekit", original=err, log=log)
+    try:
+        ctx.run.append_event(event)
+    except OSError as ledger_err:
+        note = (f"the ledger {ctx.run.ledger_path} could not be written either ({ledger_err.strerror}), so "
+                f"`eaglekit status` shows {stage} as incomplete until the rerun")
+        if isinstance(out, EaglekitError):
+            out.message = f"{out.message}; {note}"
+        else:
+            out.eaglekit_note = f"{getattr(out, 'eaglekit_note', stage + ' stopped')}; {note}"
+    return out
+
+
+class StageCrashed(EaglekitError):
+    """An exception no check foresaw, reported in a few lines; ``original`` keeps it for ``--debug``."""
+
+    def __init__(self, message: str, remedy: str, original: BaseException, log: Path | None):
+        super().__init__(message, remedy)
+        self.original, self.log = original, log
+
+
+def first_line(err: BaseException, limit: int = 200) -> str:
+    text = (str(err).strip().splitlines() or [""])[0]
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def write_traceback(run: RunDir | None, stage: str | None, err: BaseException) -> Path | None:
+    """The full traceback, with the command and versions, in RUN_DIR/logs (or the temp folder without one)."""
+    text = "\n".join([f"command: {' '.join(sys.argv)}", f"stage: {stage}", f"time: {now_iso()}",
+                       f"versions: {json.dumps(tool_versions())}", "",
+                       "".join(traceback.format_exception(type(err), err, err.__traceback__))])
+    name = f"{stage or 'eaglekit'}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+    try:
+        if run is None:
+            raise OSError("no run directory")
+        return run.write_log(name, text)
+    except OSError:
+        try:
+            fallback = Path(tempfile.gettempdir()) / f"eaglekit-{name}"
+            fallback.write_text(text, encoding="utf-8")
+            return fallback
+        except OSError:
+            return None
+
+
+def run_stage_as_worker(cfg: RunConfig, stage: str, **options: Any) -> dict[str, Any]:
     """A torchrun rank other than 0: compute only. Rank 0 holds the lock, runs the pre-flight and writes
     the ledger; the stage itself makes sure only rank 0 writes files."""
-    ctx = make_context(cfg, stage, force=force, **options)
-    if not ctx.force and ctx.run.done_fingerprint(stage) == ctx.fingerprint:
+    ctx = make_context(cfg, stage, **options)
+    if ctx.run.is_done(stage, ctx.fingerprint):
         return {"stage": stage, "state": "done", "skipped": True}  # rank 0 skips it too: no collective to wait in
     counts = stage_module(stage).run(ctx) or {}
     return {"stage": stage, "state": "done", "counts": counts, "rank": int(os.environ.get("RANK", "0"))}
@@ -158,54 +342,39 @@ def select_stages(cfg: RunConfig, start: str | None = None, until: str | None = 
             raise UsageError(f"{flag} {name}: not a stage of this run", f"use one of: {', '.join(order)}")
     lo = order.index(start) if start else 0
     hi = order.index(until) + 1 if until else len(order)
+    if lo >= hi:
+        raise UsageError(f"--from {start} comes after --until {until}: that selects no stage",
+                         f"stages run in this order: {', '.join(order)}")
     return order[lo:hi]
 
 
-# ------------------------------------------------------------------------------------------- status
+def changed_parameters(run: RunDir, stage: str, cfg: RunConfig) -> list[str]:
+    """What differs between the parameters the stage last finished with (its ledger entry) and ``cfg``'s,
+    as "key: old → new" lines; empty when only an upstream stage changed (or the ledger predates parameters)."""
+    done = [start for start, end in run.attempts(stage) if end and end.get("state") == "done"]
+    if not done or "params" not in done[-1]:
+        return []
+    old = _flatten(done[-1]["params"])
+    new = _flatten(json.loads(json.dumps(stage_module(stage).params(cfg), default=str)))
+    return [f"{stage}.{k}: {_short(old.get(k))} → {_short(new.get(k))}"
+            for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
 
-NEXT_STEP = {
-    "pending": "eaglekit {stage} CONFIG",
-    "running": "wait; it is running (see its progress, or `eaglekit status` again)",
-    "done": "",
-    "failed": "read the error in the ledger, fix it, then: eaglekit {stage} CONFIG",
-    "incomplete": "killed mid-run: eaglekit {stage} CONFIG resumes it",
-    "stale": "its inputs or parameters changed: eaglekit {stage} CONFIG reruns it",
-}
 
-
-def status_rows(cfg: RunConfig) -> list[dict[str, Any]]:
-    """One row per stage: state, counts, when, and what to do next."""
-    run = RunDir(cfg.run_dir)
-    events = run.last_events()
-    held = run.lock.is_held_elsewhere()
-    memo: dict[str, str] = {}
-    rows = []
-    for stage in cfg.stages():
-        ev = events.get(stage, {})
-        start, end = ev.get("start"), ev.get("end")
-        current = fingerprint(cfg, stage, memo)
-        if start is None:
-            state = "pending"
-        elif end is None:
-            state = "running" if held else "incomplete"
-        elif end.get("state") in ("failed", "incomplete"):
-            state = end["state"]
-        elif end.get("fingerprint") != current:
-            state = "stale"
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(d, dict):
+        return {prefix: d}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if isinstance(v, dict) and not ({"sha", "bytes"} & set(v)):  # a file identity stays one value
+            out |= _flatten(v, key)
         else:
-            state = "done"
-        counts = (end or {}).get("counts", {})
-        live = getattr(stage_module(stage), "live_counts", None)
-        if live is not None and state in ("running", "incomplete"):
-            counts = live(run.stage_dir(stage))
-        rows.append({
-            "stage": stage,
-            "state": state,
-            "counts": counts,
-            "started": (start or {}).get("ts"),
-            "ended": (end or {}).get("ts"),
-            "seconds": (end or {}).get("seconds"),
-            "error": (end or {}).get("error"),
-            "next": NEXT_STEP[state].format(stage=stage),
-        })
-    return rows
+            out[key] = v
+    return out
+
+
+def _short(v: Any) -> str:
+    if isinstance(v, dict) and "path" in v:
+        return f"{v['path']} ({'missing' if v.get('missing') else v.get('sha', '?')})"
+    text = json.dumps(v, default=str) if not isinstance(v, str) else v
+    return text if len(text) <= 60 else text[:59] + "…"
