@@ -53,6 +53,7 @@ def fake_stage(name, upstream, calls, fail=False):
         calls.append(name)
         failure = fail(ctx.cfg) if callable(fail) else fail
         if failure:
+            (ctx.dir / "partial.txt").write_text(name)  # what a failed attempt leaves behind
             raise failure if isinstance(failure, BaseException) else EaglekitError(f"{name} broke", "fix it")
         (ctx.dir / "out.txt").write_text(name)
         return {"items": 3}
@@ -143,7 +144,7 @@ def test_killed_stage_shows_incomplete_and_lock_is_free(tmp_path, fake_pipeline)
     proc.wait()
     rows = status.stage_rows(cfg)
     assert rows[0]["state"] == "incomplete"
-    assert "resumes" in " ".join(status.next_steps(cfg, rows, "c.yaml"))
+    assert status.next_steps(cfg, rows, "c.yaml") == ["generate was stopped mid-run; to resume it:", "  eaglekit run c.yaml"]
 
 
 def test_ledger_survives_a_torn_last_line(tmp_path):

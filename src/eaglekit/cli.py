@@ -94,7 +94,7 @@ def _version(value: bool) -> None:
     if value:
         import importlib.metadata as md
 
-        console.print(f"eaglekit {md.version('eaglekit')}", markup=False)
+        typer.echo(f"eaglekit {md.version('eaglekit')}")
         raise typer.Exit()
 
 

@@ -31,7 +31,7 @@ def _series(ax, xs: list, ys: list, style: str = "-", **kw) -> None:
     ax.plot(xs, ys, style + ("o" if len(xs) < 20 and "o" not in style else ""), **kw)
 
 
-def training_curves(rows: list[dict], path: Path) -> None:
+def training_curves(rows: list[dict], path: Path) -> Figure:
     """Train and held-out TTT loss (log scale: the first steps' loss is many times the rest), and accuracy per TTT
     step, against the optimizer step (rows of train/metrics.jsonl)."""
     train = [r for r in rows if r.get("kind") == "train"]
@@ -53,6 +53,7 @@ def training_curves(rows: list[dict], path: Path) -> None:
     if source:
         ax_acc.legend(fontsize="small", ncol=2)
     _save(fig, path)
+    return fig
 
 
 def acceptance_by_position(results: list[dict], path: Path) -> None:

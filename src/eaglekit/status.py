@@ -202,7 +202,7 @@ def command_to_reach(cfg: RunConfig, stage: str, config: str = "CONFIG") -> str:
 
 
 def next_steps(cfg: RunConfig, rows: list[dict], config: str) -> list[str]:
-    """What to do now, in a line or two, with the exact command."""
+    """What to do now: a line or two, then the exact command on a line of its own (indented, never wrapped)."""
     run = RunDir(cfg.run_dir)
     running = [r for r in rows if r["state"] == "running"]
     queued = [r["stage"] for r in rows if r["state"] == "queued"]
@@ -210,26 +210,26 @@ def next_steps(cfg: RunConfig, rows: list[dict], config: str) -> list[str]:
         holder = run.lock.holder() or {}
         what = f"{running[0]['stage']} is running" if running else "a command holds the run"
         then = f"; then {', '.join(queued)}" if queued else ""
-        return [f"{what} (pid {holder.get('pid', '?')} on {holder.get('host', '?')}: {holder.get('command', '?')}){then}",
-                "`eaglekit status` again to follow it"]
+        return [f"{what} (pid {holder.get('pid', '?')} on {holder.get('host', '?')}: {holder.get('command', '?')}){then}.",
+                "`eaglekit status` again follows it."]
     todo = next((r for r in rows if r["state"] != "done"), None)
     if todo is None:
         export = run.stage_dir("export")
         return [f"nothing to run: every stage is done; the drafter is in {export}" if export.exists()
                 else "nothing to run: every stage is done"]
     stage, state = todo["stage"], todo["state"]
-    command = run_command(cfg, stage, config=config)
+    command = "  " + run_command(cfg, stage, config=config)
     if state == "failed":
         return [f"{stage} failed: {todo['reason'] or 'see the ledger'}"
                 + (f" (traceback in {todo['log']})" if todo.get("log") else ""),
-                f"fix that, then: {command}   (what the failed attempt left is replaced)"]
+                "Fix that, then (what the failed attempt left is replaced):", command]
     if state == "incomplete":
-        return [f"{stage} was stopped mid-run; {command}   resumes it"]
+        return [f"{stage} was stopped mid-run; to resume it:", command]
     if state == "stale":
         after = [r["stage"] for r in rows[rows.index(todo) + 1:]]
-        return [f"{stage} is stale: {todo['reason']}" + (f"; {', '.join(after)} follow it" if after else ""),
-                f"{command}   reruns {stage}" + (" and what follows" if after else "") + ", keeping the stages before it"]
-    return [f"next: {command}"]
+        return [f"{stage} is stale: {todo['reason']}" + (f"; {', '.join(after)} follow it" if after else "") + ".",
+                f"To rerun {stage}{' and what follows' if after else ''}, keeping the stages before it:", command]
+    return ["next:", command]
 
 
 # ----------------------------------------------------------------------------------------- display
@@ -284,7 +284,7 @@ def notes(rows: list[dict], config: str) -> list[str]:
         for f in r["flags"]:
             out.append(f"{stage}: {f.replace('CONFIG', config)}")
         pf = r["preflight"]
-        if pf and (pf["warn"] or pf["fail"]) and r["state"] != "done":
+        if pf and (pf["warn"] or pf["fail"]):
             out.append(f"{stage}: last pre-flight ({when(pf['ts'])}): {pf['fail']} fail, {pf['warn']} warn — "
                        + "; ".join(pf["problems"][:2]))
     return out
@@ -323,4 +323,5 @@ def render(console, compared: Compared, rows: list[dict], wide: bool = False) ->
     for line in notes(rows, config):
         console.print(line, markup=False)
     for line in next_steps(cfg, rows, config):
-        console.print(line, markup=False)
+        # a command stays whole on its line, to copy and paste; prose wraps
+        console.print(line, markup=False, soft_wrap=line.startswith("  eaglekit"))
