@@ -10,6 +10,7 @@ Each stage is a module in ``eaglekit.stages`` with:
     run(ctx) -> dict                 does the work; returns counts for the ledger and `status`
 
     kept(ctx) -> str|None            optional: what of a stopped run is safely on disk (for the error message)
+    damaged(ctx) -> str|None         optional: what is missing from a finished run's outputs (then it reruns to repair)
     live_counts(stage_dir) -> dict   optional: counts `status` shows while it runs
 
 A stage is *incomplete* from its ``start`` event until its ``end`` event, which is written only after its
@@ -173,9 +174,12 @@ def run_stage(cfg: RunConfig, stage: str, *, force: bool = False, skip_preflight
     module = stage_module(stage)
     # --retry-failed asks a finished generate to retry its failed samples, so it must not be skipped.
     if not options.get("retry_failed") and ctx.run.is_done(stage, ctx.fingerprint):
-        console.print(f"[dim]{stage}: done with the same inputs and parameters, skipped "
-                      f"(to redo it anyway, remove {ctx.dir} first)[/]")
-        return {"stage": stage, "state": "done", "skipped": True}
+        problem = damage_of(ctx, module)
+        if problem is None:
+            console.print(f"[dim]{stage}: done with the same inputs and parameters, skipped "
+                          f"(to redo it anyway, remove {ctx.dir} first)[/]")
+            return {"stage": stage, "state": "done", "skipped": True}
+        console.print(f"[yellow]{stage}: done, but {problem}: running it again to repair that (it resumes)[/]")
 
     if skip_preflight:
         results = [preflight.skip("preflight", "skipped by --skip-preflight")]
@@ -218,6 +222,12 @@ def run_stage(cfg: RunConfig, stage: str, *, force: bool = False, skip_preflight
     note = f" with {len(ctx.warnings)} warning{'s' * (len(ctx.warnings) > 1)}" if ctx.warnings else ""
     console.print(f"[bold green]{stage}[/]: done in {seconds:.1f}s{note} {counts}")
     return {"stage": stage, "state": "done", "counts": counts, "seconds": seconds, "warnings": ctx.warnings}
+
+
+def damage_of(ctx: StageContext, module: ModuleType) -> str | None:
+    """What is missing from a finished stage's outputs, by the stage's own ``damaged(ctx)`` (None: intact)."""
+    hook = getattr(module, "damaged", None)
+    return hook(ctx) if hook else None
 
 
 def kept_outputs(ctx: StageContext) -> str:
@@ -329,9 +339,10 @@ def run_stage_as_worker(cfg: RunConfig, stage: str, **options: Any) -> dict[str,
     """A torchrun rank other than 0: compute only. Rank 0 holds the lock, runs the pre-flight and writes
     the ledger; the stage itself makes sure only rank 0 writes files."""
     ctx = make_context(cfg, stage, **options)
-    if ctx.run.is_done(stage, ctx.fingerprint):
+    module = stage_module(stage)
+    if ctx.run.is_done(stage, ctx.fingerprint) and damage_of(ctx, module) is None:
         return {"stage": stage, "state": "done", "skipped": True}  # rank 0 skips it too: no collective to wait in
-    counts = stage_module(stage).run(ctx) or {}
+    counts = module.run(ctx) or {}
     return {"stage": stage, "state": "done", "counts": counts, "rank": int(os.environ.get("RANK", "0"))}
 
 
