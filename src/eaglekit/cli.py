@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 import typer
 
-from eaglekit import interrupt, pipeline
+from eaglekit import failures, interrupt, pipeline
 from eaglekit.config import STAGES, RunConfig, load_config
 from eaglekit.errors import EaglekitError, UsageError
 from eaglekit.progress import console
@@ -302,8 +302,8 @@ def report_crash(err: BaseException) -> int:
     """An exception nothing foresaw outside a stage: a short message, the traceback in a log file."""
     from eaglekit.rundir import RunDir
 
-    log = pipeline.write_traceback(RunDir(_State.run_dir) if _State.run_dir else None, None, err)
-    console.print(f"[bold red]error:[/] unexpected {type(err).__name__}: {pipeline.first_line(err)}", highlight=False)
+    log = failures.write_traceback(RunDir(_State.run_dir) if _State.run_dir else None, None, err)
+    console.print(f"[bold red]error:[/] unexpected {type(err).__name__}: {failures.first_line(err)}", highlight=False)
     console.print(f"the full traceback is in {log or '(no log file: it could not be written)'}; "
                   "`eaglekit --debug ...` prints it here. If it is a bug in eaglekit, please report it with that file.")
     if _State.debug:
