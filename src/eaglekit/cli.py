@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import typer
+from rich.markup import escape
 
 from eaglekit import failures, interrupt, pipeline
 from eaglekit.config import STAGES, RunConfig, load_config
@@ -294,7 +295,7 @@ def app_command_names() -> list[str]:
 
 def report_interrupt(err: KeyboardInterrupt) -> int:
     note = getattr(err, "eaglekit_note", None) or "interrupted: finished stages are kept; rerun the same command to resume"
-    console.print(f"[yellow]{note}[/]")
+    console.print(f"[yellow]{escape(note)}[/]")
     return interrupt.exit_code(err)
 
 
@@ -303,7 +304,8 @@ def report_crash(err: BaseException) -> int:
     from eaglekit.rundir import RunDir
 
     log = failures.write_traceback(RunDir(_State.run_dir) if _State.run_dir else None, None, err)
-    console.print(f"[bold red]error:[/] unexpected {type(err).__name__}: {failures.first_line(err)}", highlight=False)
+    console.print(f"[bold red]error:[/] unexpected {type(err).__name__}: {escape(failures.first_line(err))}",
+                  highlight=False)
     console.print(f"the full traceback is in {log or '(no log file: it could not be written)'}; "
                   "`eaglekit --debug ...` prints it here. If it is a bug in eaglekit, please report it with that file.")
     if _State.debug:
@@ -314,6 +316,7 @@ def report_crash(err: BaseException) -> int:
 def main(argv: list[str] | None = None) -> None:
     interrupt.raise_on_sigterm()
     _State.config = _State.run_dir = None
+    _State.debug = bool(os.environ.get("EAGLEKIT_DEBUG"))
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         # Without standalone mode click returns (rather than raises) the code of typer.Exit.
@@ -325,9 +328,9 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt as err:
         sys.exit(report_interrupt(err))
     except EaglekitError as err:
-        console.print(f"[bold red]error:[/] {exact(err.message)}", highlight=False)
+        console.print(f"[bold red]error:[/] {escape(exact(err.message))}", highlight=False)
         if err.remedy:
-            console.print(f"[bold]what to do:[/] {exact(err.remedy)}", highlight=False)
+            console.print(f"[bold]what to do:[/] {escape(exact(err.remedy))}", highlight=False)
         original = getattr(err, "original", None)
         if _State.debug and original is not None:
             traceback.print_exception(type(original), original, original.__traceback__)

@@ -132,8 +132,8 @@ def stage_rows(cfg: RunConfig) -> list[dict[str, Any]]:
         reason = None
         if start is None:
             state = "pending"
-        elif end is None:
-            state = "running" if held else "incomplete"
+        elif end is None:  # running, unless a killed earlier command left it so (then it can resume)
+            state = "running" if held and (live is None or index > live[0]) else "incomplete"
         elif end.get("state") in ("failed", "incomplete"):
             state, reason = end["state"], end.get("error")
         elif end.get("fingerprint") != current:
