@@ -249,12 +249,12 @@ def select_stages(cfg: RunConfig, start: str | None = None, until: str | None = 
     return order[lo:hi]
 
 
-def changed_parameters(run: RunDir, stage: str, cfg: RunConfig) -> list[str]:
-    """What differs between the parameters the stage last finished with (its ledger entry) and ``cfg``'s,
-    as "key: old → new" lines; empty when only an upstream stage changed (or the ledger predates parameters)."""
+def changed_parameters(run: RunDir, stage: str, cfg: RunConfig) -> list[str] | None:
+    """What differs between the parameters the stage last finished with (its ledger entry) and ``cfg``'s, as
+    "key: old → new" lines; empty when only an upstream stage changed; None when the ledger does not say."""
     done = [start for start, end in run.attempts(stage) if end and end.get("state") == "done"]
     if not done or "params" not in done[-1]:
-        return []
+        return None
     old = _flatten(done[-1]["params"])
     new = _flatten(json.loads(json.dumps(stage_module(stage).params(cfg), default=str)))
     return [f"{stage}.{k}: {_short(old.get(k))} → {_short(new.get(k))}"

@@ -140,7 +140,8 @@ def stage_rows(cfg: RunConfig) -> list[dict[str, Any]]:
             state = "stale"
             changes = pipeline.changed_parameters(run, stage, cfg)
             up = pipeline.upstream_of(cfg, stage)
-            reason = "; ".join(changes) if changes else (f"its input, {up}, changed" if up else "its inputs changed")
+            reason = ("its parameters or inputs changed" if changes is None else "; ".join(changes) if changes
+                      else f"its input, {up}, changed" if up else "its inputs changed")
         elif not run.is_done(stage, current):
             state, reason = "pending", f"its folder {run.stage_dir(stage)} was removed or replaced"
         else:
