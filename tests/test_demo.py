@@ -15,19 +15,14 @@ from conftest import REPO, subprocess_env
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def demo_run(tmp_path_factory, tiny_target):
-    run_dir = tmp_path_factory.mktemp("demo") / "run"
-    proc = subprocess.run([sys.executable, "-m", "eaglekit.cli", "demo", "--run-dir", str(run_dir), "--json"],
-                          capture_output=True, text=True, timeout=1500, env=subprocess_env())
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    return run_dir, json.loads(proc.stdout), proc.stderr
+# demo_run (conftest): the demo, run once per session and shared with tests/test_verify.py
 
 
 def test_demo_runs_every_stage_to_done(demo_run):
     run_dir, doc, _ = demo_run
     states = {row["stage"]: row["state"] for row in doc["status"]}
-    assert states == {s: "done" for s in ("generate", "prepare", "vocab", "train", "evaluate", "export")}
+    stages = ("generate", "prepare", "vocab", "train", "evaluate", "export") + (("verify",) if "verify" in states else ())
+    assert states == {s: "done" for s in stages}
     assert (run_dir / "config.yaml").exists(), "the demo leaves an editable config behind"
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file, save_file
 
 from conftest import write_config
@@ -223,14 +224,37 @@ def test_export_round_trip_gives_identical_logits(tmp_path, tiny_target, drafter
         assert f"vllm serve {out.resolve()}" in readme
 
 
-def test_export_without_verifier_writes_the_rest_and_says_so(tmp_path, tiny_target, drafter_dir, prompts_file):
+def test_export_without_verifier_names_the_local_target_and_warns(tmp_path, tiny_target, drafter_dir, prompts_file):
+    # a null verifier breaks `vllm serve DIR` ("model: Input should be a valid string"): the target's own folder
+    # serves on this machine, and the warning says it does not travel
     cfg = load_config(make_config(tmp_path, tiny_target, drafter_dir, prompts_file))
+    results = {r.name: r for r in pipeline.run_preflight(pipeline.make_context(cfg, "export", formats=["speculators"]))}
+    assert results["verifier"].status == "warn" and "not for anyone you publish" in results["verifier"].detail
     row = pipeline.run_stage(cfg, "export", skip_preflight=True, formats=["speculators"])
     assert row["counts"]["warnings"] == 1
-    config = json.loads((cfg.run_path / "export" / "speculators" / "config.json").read_text())
-    assert config["speculators_config"]["verifier"]["name_or_path"] is None
+    out = cfg.run_path / "export" / "speculators"
+    config = json.loads((out / "config.json").read_text())
+    assert config["speculators_config"]["verifier"]["name_or_path"] == str(tiny_target)
     readme = (cfg.run_path / "export" / "README.md").read_text()
-    assert "export.verifier" in readme and "--speculative-config" in readme
+    assert f"vllm serve {out.resolve()}" in readme and "export.verifier" in readme and "publish" in readme
+
+
+def test_export_refuses_aux_layers_sglang_reads_differently_across_versions(tmp_path, tiny_target, drafter_dir,
+                                                                            prompts_file):
+    path = make_config(tmp_path, tiny_target, drafter_dir, prompts_file)
+    raw = yaml.safe_load(path.read_text())
+    raw["target"]["aux_layers"] = [3, 4, 5]
+    path.write_text(yaml.safe_dump(raw))
+    cfg = load_config(path)
+    results = {r.name: r for r in pipeline.run_preflight(pipeline.make_context(cfg, "export"))}
+    check = results["SGLang aux layers"]
+    assert check.status == "fail" and "sglang#25454" in check.detail and "[3, 4, 5]" in check.detail
+    assert "--format speculators" in check.remedy
+    with pytest.raises(EaglekitError, match="sglang#25454"):
+        pipeline.run_stage(cfg, "export", skip_preflight=True, formats=["eagle3"])
+    assert not (cfg.run_path / "export" / "eagle3").exists()
+    ctx = pipeline.make_context(cfg, "export", formats=["speculators"])
+    assert {r.name: r for r in pipeline.run_preflight(ctx)}["SGLang aux layers"].status == "ok"
 
 
 def _edit_weights(src: Path, dst: Path, edit) -> Path:

@@ -156,6 +156,26 @@ def test_max_new_tokens_is_never_exceeded(target, drafter):
         assert spec.tokens == plain.tokens and len(spec.tokens) == n
 
 
+def test_engine_accounting_counts_like_vllms_scheduler(target):
+    """Always K drafts, accepted counted before the length limit or the stop token cut the output
+    (vLLM: num_accepted = len(sampled) - 1 per verify pass); the tokens emitted are unchanged."""
+    prompt = prompts(1)[0]
+    plain = generate(target, prompt, 40)
+    # passes of 4 right drafts emit tokens 1-5, 6-10, ...: end both runs inside a pass, not on its bonus token
+    stop = next(t for i, t in enumerate(plain.tokens) if i % 5 and plain.tokens.index(t) == i)
+    for limit, stop_ids in ((13, set()), (40, {stop})):
+        reference = generate(target, prompt, limit, stop_ids=stop_ids)
+        mine = generate(target, prompt, limit, proposer=Oracle(plain.tokens, correct=4), k=4, stop_ids=stop_ids)
+        engine = generate(target, prompt, limit, proposer=Oracle(plain.tokens, correct=4), k=4, stop_ids=stop_ids,
+                          engine_accounting=True)
+        assert engine.tokens == mine.tokens == reference.tokens
+        # every pass drafted 4 (rounds = 1 + 4 accepted + bonus per pass until the end) and accepted all 4
+        assert engine.stats.drafted == [engine.stats.rounds] * 4
+        assert engine.accepted_per_round == [4] * engine.stats.rounds
+        assert sum(engine.stats.accepted) > sum(mine.stats.accepted)  # the last pass ran past the end
+        assert mine.accepted_per_round[-1] < 4
+
+
 @pytest.mark.parametrize("point_mass", [False, True])
 def test_speculative_sampling_is_unbiased(point_mass):
     """The emitted token (the draft if accepted, else the residual sample) is distributed as p, whatever q is."""

@@ -50,6 +50,8 @@ READS_WRITES = {
                  "evaluate/report.json, evaluate/report.md, evaluate/*.png"),
     "export": ("the evaluated drafter and evaluate/report.json",
                "export/eagle3/, export/speculators/, export/README.md"),
+    "verify": ("export/ and the evaluation prompts; serves them in vLLM (verify.engine) or asks verify.server",
+               "verify/report.json, verify/report.md, verify/acceptance.png, verify/logs/"),
 }
 
 
@@ -114,8 +116,8 @@ def run_cmd(config: Path = ConfigArg,
             start: Optional[str] = typer.Option(None, "--from", metavar="STAGE", help=f"first stage to run: {STAGE_NAMES}"),
             until: Optional[str] = typer.Option(None, "--until", metavar="STAGE", help=f"last stage to run: {STAGE_NAMES}"),
             force: bool = ForceOpt, skip_preflight: bool = SkipOpt, as_json: bool = JsonOpt) -> None:
-    """Run the stages in order — generate, prepare, vocab, extract (offline mode only), train, evaluate, export —
-    skipping those done with the same inputs and parameters."""
+    """Run the stages in order — generate, prepare, vocab, extract (offline mode only), train, evaluate, export,
+    verify (when verify.engine or verify.server is set) — skipping those done with the same inputs and parameters."""
     cfg = load(config)
     rows = pipeline.run_stages(cfg, pipeline.select_stages(cfg, start, until), force=force, skip_preflight=skip_preflight)
     if as_json:
@@ -162,6 +164,9 @@ def export_cmd(config: Path = ConfigArg, force: bool = ForceOpt, skip_preflight:
     rows = pipeline.run_stages(cfg, ["export"], force=force, skip_preflight=skip_preflight, formats=formats)
     if as_json:
         emit_json(rows[0])
+
+
+command("verify")(_stage_command("verify"))
 
 
 # --------------------------------------------------------------------------------------- reporting

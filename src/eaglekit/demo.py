@@ -36,7 +36,20 @@ def demo_config(target: Path) -> dict[str, Any]:
         "evaluate": {"num_samples": 8, "num_speculative_tokens": [1, 3, 5], "temperatures": [0.0],
                      "max_new_tokens": 96},
         "export": {"verifier": None},
+        **({"verify": {"engine": "vllm"}} if vllm_installed() else {}),
     }
+
+
+def vllm_installed() -> bool:
+    """With a vLLM environment at hand (scripts/setup.sh --vllm), the demo ends by serving its drafter in it."""
+    from eaglekit.errors import UsageError
+    from eaglekit.serving.engine import find_vllm_python
+
+    try:
+        find_vllm_python()
+        return True
+    except UsageError:
+        return False
 
 
 def run_demo(run_dir: Path, force: bool = False) -> dict[str, Any]:

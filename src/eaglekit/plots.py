@@ -85,3 +85,23 @@ def tau_vs_k(results: list[dict], path: Path) -> None:
     ax.set(xlabel="K (drafts per round)", ylabel="τ (tokens per target pass)", xticks=ks, title="acceptance length")
     ax.legend()
     _save(fig, path)
+
+
+def served_vs_offline(runs: list[dict], path: Path) -> None:
+    """Acceptance rate by draft position, served by the engine (crosses, dashed) against eaglekit offline
+    (dots, solid): one panel per exported form, one colour per K (rows of verify/report.json's runs)."""
+    groups = list(dict.fromkeys(r["form"] for r in runs if r["positions"])) or ["served"]
+    fig = Figure(figsize=(5 * len(groups), 4))
+    axes = fig.subplots(1, len(groups), squeeze=False)[0]
+    ks = sorted({r["k"] for r in runs})
+    for ax, form in zip(axes, groups):
+        for r in (r for r in runs if r["form"] == form and r["positions"]):
+            x = [p["position"] for p in r["positions"]]
+            colour = f"C{ks.index(r['k'])}"
+            ax.plot(x, [p["offline"] for p in r["positions"]], "-o", color=colour, label=f"K={r['k']} offline")
+            ax.plot(x, [p["served"] for p in r["positions"]], "--x", color=colour, markersize=10,
+                    label=f"K={r['k']} served")
+        ax.set(xlabel="draft position", ylabel="acceptance rate", ylim=(0, 1.02), xticks=range(1, max(ks) + 1),
+               title=f"{form}: served vs offline")
+        ax.legend(fontsize="small", loc="lower left")
+    _save(fig, path)

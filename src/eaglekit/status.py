@@ -33,6 +33,7 @@ HEADLINE = {
     "train": ("steps", "tau", "checkpoint"),
     "evaluate": ("eagle_tau_k1", "eagle_tau_k3", "eagle_tau_k5", "eagle_tau_k7", "prompts"),
     "export": ("formats",),
+    "verify": ("verdict", "engine", "prompts"),
 }
 
 

@@ -15,6 +15,7 @@ writes ``evaluate/report.json``, ``report.md`` and PNG plots (the training curve
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -79,9 +80,10 @@ def drafter_checkpoint(ctx):
                                     f"{c.draft_vocab_size}/{c.vocab_size}, aux layers {aux}; fits the target")
 
 
-def eval_prompts(cfg: RunConfig) -> list[tuple[str, list[dict]]]:
-    """(id, messages) of up to ``evaluate.num_samples`` prompts: ``evaluate.prompts`` or the run's held-out split."""
-    n = cfg.evaluate.num_samples
+def eval_prompts(cfg: RunConfig, n: int | None = None) -> list[tuple[str, list[dict]]]:
+    """(id, messages) of up to ``n`` (default ``evaluate.num_samples``) prompts: ``evaluate.prompts`` or the
+    run's held-out split."""
+    n = n or cfg.evaluate.num_samples
     if cfg.evaluate.prompts:
         from eaglekit.data.prompts import load_prompts
 
@@ -176,30 +178,55 @@ def run(ctx) -> dict:
         return evaluate(ctx, target, device)
 
 
-def evaluate(ctx, target, device: torch.device) -> dict:
+@dataclass
+class DecodingInputs:
+    """What a decode loop against the target needs: the checked drafter (on the target's device and dtype),
+    its aux layers, the stop ids, and the prompts' token ids."""
+
+    drafter: object
+    info: object
+    aux: list[int]
+    stop_ids: set[int]
+    prompts: list[tuple[str, list[int]]]  # (id, prompt token ids)
+    skipped_too_long: int
+    dtype: torch.dtype
+
+
+def decoding_inputs(cfg: RunConfig, target, device: torch.device, max_new_tokens: int, num_samples: int | None = None,
+                    stage: str = NAME) -> DecodingInputs:
+    """The drafter and the evaluation prompts, tokenized exactly as prepare did and as an engine is sent them.
+
+    Shared by evaluate and verify, so that both decode the same prompts with the same drafter.
+    """
     from eaglekit.data.chat import end_of_turn_token_ids, load_tokenizer
     from eaglekit.model.target import decoder_parts
 
-    cfg, ec = ctx.cfg, ctx.cfg.evaluate
     drafter, info, hf, aux = load_checked_drafter(cfg)
     dtype = next(target.parameters()).dtype
     drafter = drafter.to(device, dtype)  # the drafter runs in the target's dtype, as in vLLM and SGLang
     if info.missing_embeddings:
         drafter.embed_tokens.weight.data.copy_(decoder_parts(target)[0].embed_tokens.weight.to(device, dtype))
     tokenizer = load_tokenizer(cfg.target.model, cfg.target.chat_template, cfg.target.trust_remote_code)
-    stop_ids = end_of_turn_token_ids(tokenizer)
 
     template_kwargs = cfg.generate.extra_body.get("chat_template_kwargs") or None  # as the target was served
-    room = int(hf.max_position_embeddings) - ec.max_new_tokens
+    room = int(hf.max_position_embeddings) - max_new_tokens
     prompts, too_long = [], []
-    for pid, messages in eval_prompts(cfg):
+    for pid, messages in eval_prompts(cfg, num_samples):
         ids = prompt_ids(tokenizer, messages, template_kwargs)
         (prompts if len(ids) <= room else too_long).append((pid, ids))
     if too_long:
-        console.print(f"[yellow]evaluate: {len(too_long)} prompts skipped: longer than max_position_embeddings "
-                      f"{hf.max_position_embeddings} - evaluate.max_new_tokens {ec.max_new_tokens}[/]")
+        console.print(f"[yellow]{stage}: {len(too_long)} prompts skipped: longer than max_position_embeddings "
+                      f"{hf.max_position_embeddings} - max_new_tokens {max_new_tokens}[/]")
     if not prompts:
-        raise UsageError(f"no evaluation prompt fits in {room} tokens", "lower evaluate.max_new_tokens or use shorter prompts")
+        raise UsageError(f"no evaluation prompt fits in {room} tokens", f"lower {stage}.max_new_tokens or use shorter prompts")
+    return DecodingInputs(drafter, info, aux, end_of_turn_token_ids(tokenizer), prompts, len(too_long), dtype)
+
+
+def evaluate(ctx, target, device: torch.device) -> dict:
+    cfg, ec = ctx.cfg, ctx.cfg.evaluate
+    inputs = decoding_inputs(cfg, target, device, ec.max_new_tokens)
+    drafter, info, aux, stop_ids, prompts, dtype = (inputs.drafter, inputs.info, inputs.aux, inputs.stop_ids,
+                                                    inputs.prompts, inputs.dtype)
 
     ks = sorted(set(ec.num_speculative_tokens))
     temperatures = list(dict.fromkeys(ec.temperatures))
@@ -247,7 +274,7 @@ def evaluate(ctx, target, device: torch.device) -> dict:
         "checkpoint": str(info.path), "checkpoint_form": info.form, "target": cfg.target.model,
         "device": str(device), "dtype": str(dtype).replace("torch.", ""),
         "prompts_source": ec.prompts or "generate/responses.jsonl (held-out split)",
-        "prompts": len(prompts), "prompts_skipped_too_long": len(too_long), "max_new_tokens": ec.max_new_tokens,
+        "prompts": len(prompts), "prompts_skipped_too_long": inputs.skipped_too_long, "max_new_tokens": ec.max_new_tokens,
         "num_speculative_tokens": ks, "temperatures": temperatures,
         "ngram": {"min": ec.ngram_min, "max": ec.ngram_max},
         "draft_selection": "argmax, verified as a point mass (as vLLM and SGLang)",
