@@ -436,3 +436,20 @@ def test_the_cache_follows_eaglekit_cache_then_xdg_cache_home(tmp_path, monkeypa
     monkeypatch.delenv("EAGLEKIT_CACHE")
     monkeypatch.delenv("XDG_CACHE_HOME")
     assert cache_root() == Path.home() / ".cache" / "eaglekit"
+
+
+def test_a_moved_run_with_its_data_is_still_done(tmp_path, cli, fakes):
+    """Fingerprints hash the content of input files, not their paths: moving the project keeps finished work."""
+    from eaglekit.rundir import file_identity
+
+    mods, _ = fakes
+    mods["generate"].params = lambda cfg: {"prompts": file_identity(cfg.data.prompts)}
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "prompts.jsonl").write_text('{"id": "1", "messages": [{"role": "user", "content": "hi"}]}\n')
+    assert cli("run", config(tmp_path / "a")).code == 0
+    (tmp_path / "a").rename(tmp_path / "b")
+    rows = status.stage_rows(load_config(tmp_path / "b" / "c.yaml"))
+    assert {r["state"] for r in rows} == {"done"}
+    (tmp_path / "b" / "prompts.jsonl").write_text('{"id": "1", "messages": [{"role": "user", "content": "ho"}]}\n')
+    rows = status.stage_rows(load_config(tmp_path / "b" / "c.yaml"))
+    assert rows[0]["state"] == "stale" and rows[0]["reason"].startswith("generate.prompts: ")

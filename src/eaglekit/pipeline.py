@@ -37,7 +37,7 @@ from eaglekit import atomic, failures, preflight, rundir
 from eaglekit.config import STAGES, RunConfig
 from eaglekit.errors import EaglekitError, UsageError
 from eaglekit.progress import console
-from eaglekit.rundir import RunDir, digest, tool_versions
+from eaglekit.rundir import RunDir, content_identity, digest, tool_versions
 
 
 def stage_module(name: str) -> ModuleType:
@@ -58,7 +58,7 @@ def fingerprint(cfg: RunConfig, stage: str, _memo: dict[str, str] | None = None)
     memo = {} if _memo is None else _memo
     if stage not in memo:
         up = upstream_of(cfg, stage)
-        memo[stage] = digest({"stage": stage, "params": stage_module(stage).params(cfg),
+        memo[stage] = digest({"stage": stage, "params": content_identity(stage_module(stage).params(cfg)),
                               "upstream": fingerprint(cfg, up, memo) if up else None})
     return memo[stage]
 
@@ -258,7 +258,7 @@ def changed_parameters(run: RunDir, stage: str, cfg: RunConfig) -> list[str] | N
     old = _flatten(done[-1]["params"])
     new = _flatten(json.loads(json.dumps(stage_module(stage).params(cfg), default=str)))
     return [f"{stage}.{k}: {_short(old.get(k))} → {_short(new.get(k))}"
-            for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+            for k in sorted(set(old) | set(new)) if content_identity(old.get(k)) != content_identity(new.get(k))]
 
 
 def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:

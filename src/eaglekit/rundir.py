@@ -76,7 +76,8 @@ def digest(obj: Any) -> str:
 def file_identity(path: str | os.PathLike) -> dict[str, Any]:
     """A cheap identity for an input file or folder: size plus a hash of its first and last MiB per file.
 
-    Cheap enough for multi-GB datasets, and unlike mtime it survives a copy of the same data.
+    Cheap enough for multi-GB datasets, and unlike mtime it survives a copy of the same data (the path is
+    kept for messages; fingerprints hash ``content_identity``, without it).
     """
     path = Path(path)
     if not path.exists():
@@ -94,6 +95,18 @@ def file_identity(path: str | os.PathLike) -> dict[str, Any]:
                 fh.seek(-(1 << 20), os.SEEK_END)
                 h.update(fh.read())
     return {"path": str(path), "bytes": total, "sha": h.hexdigest()[:16]}
+
+
+def content_identity(obj: Any) -> Any:
+    """``obj`` with the paths of its file identities left out — what a fingerprint hashes, so the same data
+    elsewhere (a run directory copied or moved, a dataset on another mount) is the same input."""
+    if isinstance(obj, dict):
+        if "sha" in obj and "bytes" in obj:
+            return {k: v for k, v in obj.items() if k != "path"}
+        return {k: content_identity(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [content_identity(v) for v in obj]
+    return obj
 
 
 def append_line(path: Path, line: str) -> None:
