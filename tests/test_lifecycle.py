@@ -453,3 +453,25 @@ def test_a_moved_run_with_its_data_is_still_done(tmp_path, cli, fakes):
     (tmp_path / "b" / "prompts.jsonl").write_text('{"id": "1", "messages": [{"role": "user", "content": "ho"}]}\n')
     rows = status.stage_rows(load_config(tmp_path / "b" / "c.yaml"))
     assert rows[0]["state"] == "stale" and rows[0]["reason"].startswith("generate.prompts: ")
+
+
+@pytest.mark.parametrize("errno_name, says, fix", [
+    ("EACCES", "permission denied", "make the folder writable"),
+    ("EIO", "I/O error", "check the disk or network volume"),
+    ("EROFS", "read-only file system", "remount it read-write"),
+])
+def test_other_disk_faults_name_the_file_and_the_fix(tmp_path, cli, fakes, errno_name, says, fix):
+    """As root these cannot be provoked for real (root writes through permissions; EIO needs a failing device):
+    the stage raises the OSError a failing write would."""
+    import errno as errnos
+
+    mods, calls = fakes
+    target = tmp_path / "run" / "prepare" / "tokens.safetensors"
+    code = getattr(errnos, errno_name)
+    mods["prepare"] = fake_stage("prepare", "generate", calls, fail=OSError(code, os.strerror(code), str(target)))
+    r = cli("run", config(tmp_path))
+    assert r.code == 1 and "Traceback" not in r.err
+    text = " ".join(r.err.split())
+    assert f"prepare: {says} writing {target}" in text and fix in text and "rerun the same command to resume" in text
+    end = [e for e in ledger(tmp_path / "run") if e.get("stage") == "prepare" and e["event"] == "end"][-1]
+    assert end["state"] == "failed" and end["reason"] == says
