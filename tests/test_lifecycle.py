@@ -475,3 +475,18 @@ def test_other_disk_faults_name_the_file_and_the_fix(tmp_path, cli, fakes, errno
     assert f"prepare: {says} writing {target}" in text and fix in text and "rerun the same command to resume" in text
     end = [e for e in ledger(tmp_path / "run") if e.get("stage") == "prepare" and e["event"] == "end"][-1]
     assert end["state"] == "failed" and end["reason"] == says
+
+
+def test_a_check_that_raises_a_foreseen_error_is_a_plain_fail(tmp_path, cli, fakes):
+    from eaglekit.errors import UsageError
+
+    def estimate(ctx):
+        raise UsageError("drafter config: draft_vocab_size (32000) exceeds vocab_size (514)",
+                         "set vocab.draft_vocab_size to at most the target's vocabulary")
+
+    mods, _ = fakes
+    mods["generate"].checks = lambda cfg: [estimate]
+    r = cli("run", config(tmp_path))
+    assert r.code == 1 and "Traceback" not in r.err
+    assert "estimate: drafter config: draft_vocab_size (32000) exceeds vocab_size (514)" in " ".join(r.err.split())
+    assert "set vocab.draft_vocab_size to at most" in r.err

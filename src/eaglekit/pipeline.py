@@ -185,7 +185,8 @@ def run_stage(cfg: RunConfig, stage: str, *, force: bool = False, skip_preflight
             console.print(preflight.results_table(results, title=f"pre-flight of {stage}"))
             ctx.run.append_event({"stage": stage, "event": "preflight", "fingerprint": ctx.fingerprint,
                                   "preflight": [r.to_dict() for r in results]})
-            raise EaglekitError(f"{stage}: pre-flight failed: " + "; ".join(f"{r.name}: {r.detail}" for r in bad),
+            raise EaglekitError(f"{stage}: pre-flight failed: " + "; ".join(f"{r.name}: {r.detail.splitlines()[0]}"
+                                                                    for r in bad),
                                 " / ".join(r.remedy for r in bad if r.remedy) or None)
         warnings = [r for r in results if r.status == "warn"]
         if warnings:
