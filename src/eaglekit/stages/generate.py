@@ -168,6 +168,8 @@ class Collector:
         self.t0 = time.monotonic()
 
     def add(self, record: dict, seen: list[str]) -> None:
+        if self.gate is not None and self.gate.get("passed") is False:
+            return  # the gate stopped this run; a request still in flight then must not reach the file
         self.failures_in_a_row = 0
         self.counts["new"] += 1
         self.counts["empty_reasoning"] += not record["reasoning"]
