@@ -197,46 +197,78 @@ def status_cmd(run_dir: Path = typer.Argument(..., metavar="RUN_DIR", show_defau
 
 @command("preflight")
 def preflight_cmd(config: Path = ConfigArg,
-                  stage: Optional[str] = typer.Option(None, "--stage", metavar="STAGE", help=f"only this stage's checks: {STAGE_NAMES}"),
+                  stage: Optional[str] = typer.Option(None, "--stage", metavar="STAGE", help=f"only this stage's checks, "
+                                                      f"exactly as `eaglekit STAGE` runs them (its upstream must have "
+                                                      f"finished): {STAGE_NAMES}"),
                   as_json: bool = JsonOpt) -> None:
-    """Run the pre-flight checks alone (exit 1 on any fail)."""
+    """Run the pre-flight checks alone (exit 1 on any fail).
+
+    Without --stage, the whole pipeline is checked in order ahead of running it: a stage whose upstream has not
+    run yet is not a failure, and the checks that need outputs still to be made say which stage produces them.
+    """
+    import time
+
     from eaglekit import preflight
 
     cfg = load(config)
-    stages = [stage] if stage else cfg.stages()
     if stage and stage not in STAGES:
         raise UsageError(f"--stage {stage}: unknown stage", f"use one of: {', '.join(STAGES)}")
-    report, any_fail = {}, False
-    for s in stages:
-        results = pipeline.run_preflight(pipeline.make_context(cfg, s))
-        report[s] = [r.to_dict() for r in results]
-        any_fail |= bool(preflight.failed(results))
-        if not as_json:
-            console.print(preflight.results_table(results, title=f"pre-flight of {s}"))
+    t0 = time.monotonic()
+    if stage:
+        report = {stage: pipeline.run_preflight(pipeline.make_context(cfg, stage))}
+    else:
+        report = pipeline.preflight_pipeline(cfg)
+    seconds = round(time.monotonic() - t0, 2)
+    any_fail = any(preflight.failed(results) for results in report.values())
     if as_json:
-        emit_json({"ok": not any_fail, "stages": report})
+        emit_json({"ok": not any_fail, "seconds": seconds,
+                   "stages": {s: [r.to_dict() for r in results] for s, results in report.items()}})
+    else:
+        for s, results in report.items():
+            console.print(preflight.results_table(results, title=f"pre-flight of {s}"))
+        counts = {k: sum(r.status == k for rs in report.values() for r in rs) for k in preflight.STATUSES}
+        console.print(f"pre-flight: {counts['ok']} ok, {counts['warn']} warn, {counts['fail']} fail, "
+                      f"{counts['skip']} skip in {seconds:.1f} s")
     if any_fail:
         raise typer.Exit(1)
 
 
 @command("plan")
-def plan_cmd(config: Path = ConfigArg, as_json: bool = JsonOpt) -> None:
-    """Estimate what each stage will write (and how long, where rates were measured) before committing."""
-    from eaglekit.planning import plan
+def plan_cmd(config: Path = ConfigArg,
+             samples: Optional[int] = typer.Option(None, "--samples", min=1, help="plan for this many samples"),
+             mean_tokens: Optional[float] = typer.Option(None, "--mean-tokens", min=1, help="tokens per sample (prompt + reply)"),
+             gen_tok_per_s: Optional[float] = typer.Option(None, "--gen-tok-per-s", min=0.001,
+                                                           help="reply tokens per second over all servers"),
+             extract_tok_per_s: Optional[float] = typer.Option(None, "--extract-tok-per-s", min=0.001,
+                                                               help="tokens per second of the target's forward (extract)"),
+             train_tok_per_s: Optional[float] = typer.Option(None, "--train-tok-per-s", min=0.001,
+                                                             help="tokens per second of training"),
+             free: Optional[str] = typer.Option(None, "--free-bytes", help="plan for this much free space (e.g. 2.8TB) "
+                                                "instead of what the run directory's disk has"),
+             write_mb_per_s: Optional[float] = typer.Option(None, "--write-mb-per-s", min=0.001,
+                                                            help="the disk's write rate instead of probing it"),
+             as_json: bool = JsonOpt) -> None:
+    """Time, bytes, peak disk and write rate per stage, and whether the run fits (exit 1 when it does not).
+
+    Figures measured in this run directory (a pilot with a small data.max_samples) are used unless a flag
+    gives them; each figure says where it comes from.
+    """
+    from eaglekit.planning import parse_bytes, plan, render
 
     cfg = load(config)
-    rows = plan(cfg)
+    try:
+        free_bytes = parse_bytes(free) if free is not None else None
+    except ValueError as err:
+        raise UsageError(f"--free-bytes: {err}", "e.g. --free-bytes 2.8TB") from None
+    doc = plan(cfg, samples=samples, mean_tokens=mean_tokens, gen_tok_per_s=gen_tok_per_s,
+               extract_tok_per_s=extract_tok_per_s, train_tok_per_s=train_tok_per_s, free_bytes=free_bytes,
+               write_bytes_per_s=write_mb_per_s * 1e6 if write_mb_per_s else None)
     if as_json:
-        emit_json({"run_dir": cfg.run_dir, "stages": rows})
-        return
-    from rich.table import Table
-
-    table = Table(title="plan")
-    for col in ("stage", "writes", "time", "basis"):
-        table.add_column(col, overflow="fold")
-    for r in rows:
-        table.add_row(r["stage"], r["writes_human"], r["time_human"], r["basis"])
-    console.print(table)
+        emit_json(doc)
+    else:
+        console.print(render(doc))
+    if doc["verdict"] == "does not fit":
+        raise typer.Exit(1)
 
 
 # ---------------------------------------------------------------------------------------- tiny demo

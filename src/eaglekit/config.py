@@ -178,6 +178,12 @@ class VerifyConfig(Section):
     timeout: float = Field(600.0, gt=0, description="seconds per request")
 
 
+class PreflightConfig(Section):
+    disk_probe_mb: float = Field(64, ge=0, description="MB written (incompressible, fsync'd) to measure the run "
+                                 "directory's write rate; 0 skips the probe")
+    disk_probe_seconds: float = Field(2.0, gt=0, description="the write probe stops after this many seconds of writing")
+
+
 class RunConfig(Section):
     run_dir: str
     target: TargetConfig
@@ -190,6 +196,7 @@ class RunConfig(Section):
     evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
     export: ExportConfig = Field(default_factory=ExportConfig)
     verify: VerifyConfig = Field(default_factory=VerifyConfig)
+    preflight: PreflightConfig = Field(default_factory=PreflightConfig)
 
     # Where the config was read from; not a key of the file.
     source: Path | None = Field(None, exclude=True)

@@ -7,6 +7,8 @@ Each stage is a module in ``eaglekit.stages`` with:
     params(cfg) -> dict              what its outputs depend on (fingerprinted)
     checks(cfg) -> list[Check]       its own pre-flight checks (the generic ones are added here)
     estimate_bytes(ctx) -> int|None  optional: what it will write, for the disk check
+    estimate_files(ctx) -> int|None  optional: how many files it creates, for the inode check
+    estimate_write_rate(ctx) -> (bytes/s, why)|None   optional: the rate it writes at, for the write probe
     run(ctx) -> dict                 does the work; returns counts for the ledger and `status`
     kept(ctx) -> str|None            optional: what of a stopped run is safely on disk (for the error message)
     damaged(ctx) -> str|None         optional: what is missing from a finished run's outputs (then it reruns to repair)
@@ -75,6 +77,13 @@ class StageContext:
     ledger_extra: dict[str, Any] = field(default_factory=dict)
     # Signs of a degenerate run (see warn); kept in the ledger's `end` event and shown by `eaglekit status`.
     warnings: list[str] = field(default_factory=list)
+    # What the pre-flight checks need from the registry, handed over so that they never import the pipeline.
+    module: ModuleType | None = None
+    upstream: str | None = None
+    upstream_fingerprint: str | None = None
+    # Stages that will run before this one: set only when the whole pipeline is pre-flighted ahead of a run,
+    # so a check that needs their outputs says "will be produced by ..." instead of failing.
+    pending: tuple[str, ...] = ()
 
     @property
     def dir(self):
@@ -86,6 +95,30 @@ class StageContext:
         marker = self.run.read_marker(self.stage)
         return bool(marker and marker.get("fingerprint") == self.fingerprint)
 
+    def refusal(self, state: str) -> tuple[str, str] | None:
+        """(what the folder holds, what to do) when replacing it needs --force; None when the stage may write there.
+
+        --force replaces only what needs it: finished or partial outputs of other parameters, or files eaglekit
+        did not write. It never reruns a stage that is done with the same fingerprint, and what a *failed* attempt
+        left behind is replaced without it.
+        """
+        if self.force or state in (rundir.EMPTY, rundir.OWN, rundir.FAILED_LEFTOVERS):
+            return None
+        marker = self.run.read_marker(self.stage) or {}
+        again = (f"add --force to replace them (`eaglekit run CONFIG --from {self.stage} --force` reruns {self.stage} and "
+                 f"the stages after it; finished stages before it are kept), or set another run_dir to keep them")
+        if state == rundir.FOREIGN:
+            return (f"{self.dir} holds files that no eaglekit stage run wrote (no {rundir.MARKER})",
+                    f"move them away, or {again}")
+        changes = changed_parameters(self.run, self.stage, self.cfg)
+        what = "the finished outputs" if state == rundir.OTHER_DONE else "the partial outputs of an interrupted run"
+        return (f"{self.dir} holds {what} of other inputs or parameters (written {marker.get('created', '?')}"
+                f"{'; changed since: ' + '; '.join(changes) if changes else ''})", again)
+
+    def command_to_reach(self, stage: str) -> str:
+        """The one command that finishes every stage up to ``stage`` (for the remedies of the checks)."""
+        return command_to_reach(self.cfg, stage)
+
     def warn(self, message: str) -> None:
         """Say that the run is degenerate in a way the user must hear about (too few samples, a drafter no better
         than n-gram, ...): printed now, recorded in the ledger, repeated by `eaglekit status` and the export."""
@@ -95,19 +128,37 @@ class StageContext:
 
 
 def make_context(cfg: RunConfig, stage: str, force: bool = False, **options: Any) -> StageContext:
-    return StageContext(cfg=cfg, run=RunDir(cfg.run_dir), stage=stage, fingerprint=fingerprint(cfg, stage),
-                        force=force, options=options)
+    memo: dict[str, str] = {}
+    up = upstream_of(cfg, stage)
+    return StageContext(cfg=cfg, run=RunDir(cfg.run_dir), stage=stage, fingerprint=fingerprint(cfg, stage, memo),
+                        force=force, options=options, module=stage_module(stage), upstream=up,
+                        upstream_fingerprint=fingerprint(cfg, up, memo) if up else None)
 
 
 def stage_checks(ctx: StageContext) -> list:
+    """The generic checks around the stage's own: the run directory first, the disk last."""
     from eaglekit.preflight import checks as generic
+    from eaglekit.preflight import disk, processes
 
-    module = stage_module(ctx.stage)
-    return [generic.run_lock, generic.upstream_done, generic.output_path, *module.checks(ctx.cfg), generic.disk_space]
+    return [generic.run_lock, processes.other_processes, generic.upstream_done, generic.output_path,
+            *ctx.module.checks(ctx.cfg), disk.disk_space, disk.filesystem]
 
 
 def run_preflight(ctx: StageContext) -> list[preflight.CheckResult]:
     return preflight.run_checks(ctx, stage_checks(ctx))
+
+
+def preflight_pipeline(cfg: RunConfig) -> dict[str, list[preflight.CheckResult]]:
+    """Pre-flight of the whole pipeline ahead of running it: each stage checked in order, as if the stages before
+    it that have not finished (with this config's fingerprint) had run — their outputs "will be produced"."""
+    report, pending = {}, []
+    for stage in cfg.stages():
+        ctx = make_context(cfg, stage)
+        ctx.pending = tuple(pending)
+        report[stage] = run_preflight(ctx)
+        if not ctx.run.is_done(stage, ctx.fingerprint):
+            pending.append(stage)
+    return report
 
 
 def is_worker_rank() -> bool:
@@ -141,27 +192,6 @@ def run_stages(cfg: RunConfig, stages: list[str], *, force: bool = False, skip_p
         return [run_stage(cfg, s, force=force, skip_preflight=skip_preflight, **options) for s in stages]
 
 
-def refusal(ctx: StageContext, state: str) -> tuple[str, str] | None:
-    """(what the folder holds, what to do) when replacing it needs --force; None when the stage may write there.
-
-    --force replaces only what needs it: finished or partial outputs of other parameters, or files eaglekit
-    did not write. It never reruns a stage that is done with the same fingerprint, and what a *failed* attempt
-    left behind is replaced without it.
-    """
-    if ctx.force or state in (rundir.EMPTY, rundir.OWN, rundir.FAILED_LEFTOVERS):
-        return None
-    marker = ctx.run.read_marker(ctx.stage) or {}
-    again = (f"add --force to replace them (`eaglekit run CONFIG --from {ctx.stage} --force` reruns {ctx.stage} and "
-             f"the stages after it; finished stages before it are kept), or set another run_dir to keep them")
-    if state == rundir.FOREIGN:
-        return (f"{ctx.dir} holds files that no eaglekit stage run wrote (no {rundir.MARKER})",
-                f"move them away, or {again}")
-    changes = changed_parameters(ctx.run, ctx.stage, ctx.cfg)
-    what = "the finished outputs" if state == rundir.OTHER_DONE else "the partial outputs of an interrupted run"
-    return (f"{ctx.dir} holds {what} of other inputs or parameters (written {marker.get('created', '?')}"
-            f"{'; changed since: ' + '; '.join(changes) if changes else ''})", again)
-
-
 def run_stage(cfg: RunConfig, stage: str, *, force: bool = False, skip_preflight: bool = False,
               **options: Any) -> dict[str, Any]:
     """Run one stage (the caller holds the run lock). Returns a summary row."""
@@ -193,7 +223,7 @@ def run_stage(cfg: RunConfig, stage: str, *, force: bool = False, skip_preflight
             console.print(preflight.results_table(warnings, title=f"pre-flight of {stage}: warnings"))
 
     folder = ctx.run.folder_state(stage, ctx.fingerprint)
-    refused = refusal(ctx, folder)
+    refused = ctx.refusal(folder)
     if refused:  # pre-flight says so too; this holds when it was skipped
         raise EaglekitError(f"{stage}: {refused[0]}", refused[1])
     if folder not in (rundir.EMPTY, rundir.OWN):
@@ -248,6 +278,38 @@ def select_stages(cfg: RunConfig, start: str | None = None, until: str | None = 
         raise UsageError(f"--from {start} comes after --until {until}: that selects no stage",
                          f"stages run in this order: {', '.join(order)}")
     return order[lo:hi]
+
+
+NEEDS_FORCE = (rundir.OTHER_DONE, rundir.OTHER_PARTIAL, rundir.FOREIGN)
+
+
+def _needs_force(cfg: RunConfig, run: RunDir, stages: list[str]) -> bool:
+    memo: dict[str, str] = {}
+    return any(run.folder_state(s, fingerprint(cfg, s, memo)) in NEEDS_FORCE for s in stages)
+
+
+def run_command(cfg: RunConfig, first: str, until: str | None = None, config: str = "CONFIG") -> str:
+    """The one command that runs ``first`` .. ``until`` (done stages in between are skipped): with --force only
+    when a stage in that range holds outputs of other parameters."""
+    order = cfg.stages()
+    span = order[order.index(first): order.index(until) + 1 if until else len(order)]
+    parts = ["eaglekit run", config]
+    if first != order[0]:
+        parts.append(f"--from {first}")
+    if until and until != order[-1]:
+        parts.append(f"--until {until}")
+    if _needs_force(cfg, RunDir(cfg.run_dir), span):
+        parts.append("--force")
+    return " ".join(parts)
+
+
+def command_to_reach(cfg: RunConfig, stage: str, config: str = "CONFIG") -> str:
+    """The whole way to a finished ``stage``, from the first stage before it that is not done."""
+    run = RunDir(cfg.run_dir)
+    memo: dict[str, str] = {}
+    order = cfg.stages()
+    first = next((s for s in order[: order.index(stage) + 1] if not run.is_done(s, fingerprint(cfg, s, memo))), stage)
+    return run_command(cfg, first, stage, config)
 
 
 def changed_parameters(run: RunDir, stage: str, cfg: RunConfig) -> list[str] | None:

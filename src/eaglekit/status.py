@@ -18,12 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eaglekit import pipeline, rundir
+from eaglekit import pipeline
 from eaglekit.config import RunConfig, load_config
 from eaglekit.errors import UsageError
 from eaglekit.rundir import RunDir
 
-NEEDS_FORCE = (rundir.OTHER_DONE, rundir.OTHER_PARTIAL, rundir.FOREIGN)
 # The figures worth a glance, per stage (the rest are in --wide and --json).
 HEADLINE = {
     "generate": ("done", "failed", "mean_output_tokens"),
@@ -174,35 +173,6 @@ def stage_rows(cfg: RunConfig) -> list[dict[str, Any]]:
 
 # ---------------------------------------------------------------------------------------- commands
 
-def _needs_force(cfg: RunConfig, run: RunDir, stages: list[str]) -> bool:
-    memo: dict[str, str] = {}
-    return any(run.folder_state(s, pipeline.fingerprint(cfg, s, memo)) in NEEDS_FORCE for s in stages)
-
-
-def run_command(cfg: RunConfig, first: str, until: str | None = None, config: str = "CONFIG") -> str:
-    """The one command that runs ``first`` .. ``until`` (done stages in between are skipped): with --force only
-    when a stage in that range holds outputs of other parameters."""
-    order = cfg.stages()
-    span = order[order.index(first): order.index(until) + 1 if until else len(order)]
-    parts = ["eaglekit run", config]
-    if first != order[0]:
-        parts.append(f"--from {first}")
-    if until and until != order[-1]:
-        parts.append(f"--until {until}")
-    if _needs_force(cfg, RunDir(cfg.run_dir), span):
-        parts.append("--force")
-    return " ".join(parts)
-
-
-def command_to_reach(cfg: RunConfig, stage: str, config: str = "CONFIG") -> str:
-    """The whole way to a finished ``stage``, from the first stage before it that is not done."""
-    run = RunDir(cfg.run_dir)
-    memo: dict[str, str] = {}
-    order = cfg.stages()
-    first = next((s for s in order[: order.index(stage) + 1] if not run.is_done(s, pipeline.fingerprint(cfg, s, memo))), stage)
-    return run_command(cfg, first, stage, config)
-
-
 def next_steps(cfg: RunConfig, rows: list[dict], config: str) -> list[str]:
     """What to do now: a line or two, then the exact command on a line of its own (indented, never wrapped)."""
     run = RunDir(cfg.run_dir)
@@ -220,7 +190,7 @@ def next_steps(cfg: RunConfig, rows: list[dict], config: str) -> list[str]:
         return [f"nothing to run: every stage is done; the drafter is in {export}" if export.exists()
                 else "nothing to run: every stage is done"]
     stage, state = todo["stage"], todo["state"]
-    command = "  " + run_command(cfg, stage, config=config)
+    command = "  " + pipeline.run_command(cfg, stage, config=config)
     if state == "failed":
         return [f"{stage} failed: {todo['reason'] or 'see the ledger'}"
                 + (f" (traceback in {todo['log']})" if todo.get("log") else ""),

@@ -34,6 +34,14 @@ _ST_DTYPE = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32",
 REMEDY = "delete the named shard and its .json sidecar, then rerun `eaglekit extract CONFIG`: it re-extracts missing shards"
 
 
+def bytes_per_token(hidden_size: int, dtype: str) -> int:
+    """Feature bytes stored per token: aux [3H] + final hidden [H]. ``fp8``: one byte each plus a float32 scale
+    per token for each of the four hidden states (three aux layers, the final one)."""
+    if dtype == "fp8":
+        return 4 * hidden_size + 4 * 4
+    return 4 * hidden_size * DTYPE_BYTES[dtype]
+
+
 def shard_name(n: int) -> str:
     return f"shard-{n:05d}.safetensors"
 

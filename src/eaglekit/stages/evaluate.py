@@ -24,7 +24,7 @@ from eaglekit import atomic, plots
 from eaglekit.config import RunConfig
 from eaglekit.errors import EaglekitError, UsageError
 from eaglekit.preflight import checks as common
-from eaglekit.preflight import fail, ok
+from eaglekit.preflight import environment, fail, files, gpus, ok, will_be_produced
 from eaglekit.progress import Meter, console
 from eaglekit.rundir import file_identity
 from eaglekit.speculative.decode import DecodeStats, EagleProposer, generate
@@ -71,6 +71,9 @@ def load_checked_drafter(cfg: RunConfig):
 
 
 def drafter_checkpoint(ctx):
+    pending = None if ctx.cfg.evaluate.checkpoint else will_be_produced(ctx, "drafter checkpoint", "train")
+    if pending:
+        return pending
     try:
         drafter, info, _, aux = load_checked_drafter(ctx.cfg)
     except EaglekitError as err:
@@ -106,6 +109,9 @@ def eval_prompts(cfg: RunConfig, n: int | None = None) -> list[tuple[str, list[d
 
 
 def prompts_available(ctx):
+    pending = None if ctx.cfg.evaluate.prompts else will_be_produced(ctx, "evaluation prompts", "generate")
+    if pending:
+        return pending
     try:
         prompts = eval_prompts(ctx.cfg)
     except EaglekitError as err:
@@ -117,7 +123,8 @@ def prompts_available(ctx):
 
 
 def checks(cfg: RunConfig) -> list:
-    return [common.target_folder, drafter_checkpoint, prompts_available]
+    return [common.target_folder, files.target_weights, environment.software, environment.devices, gpus.gpus,
+            files.evaluate_checkpoint_files, drafter_checkpoint, prompts_available]
 
 
 def estimate_bytes(ctx) -> int:

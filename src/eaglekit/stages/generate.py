@@ -29,6 +29,7 @@ from eaglekit.data.prompts import PromptRecord, PromptSet, load_prompts
 from eaglekit.data.responses import RESPONSES, ResponseStore, make_record, quick_counts, summarize
 from eaglekit.errors import EaglekitError, UsageError
 from eaglekit.preflight import checks as common
+from eaglekit.preflight import dataset, environment, files, gpus
 from eaglekit.progress import Meter, console
 from eaglekit.rundir import file_identity
 from eaglekit.serving.reasoning import explain_missing_reasoning
@@ -70,9 +71,10 @@ def checks(cfg: RunConfig) -> list:
     from eaglekit.serving import checks as serving
 
     if cfg.generate.backend == "local":
-        return [common.prompts_file, serving.prompts_loaded, common.target_folder, serving.reasoning_mode]
-    return [common.prompts_file, serving.prompts_loaded, serving.reasoning_mode, serving.api_key, serving.servers,
-            serving.context_length, serving.smoke]
+        return [dataset.prompts, serving.prompts_loaded, common.target_folder, files.target_weights,
+                environment.software, environment.devices, gpus.gpus, serving.reasoning_mode]
+    return [dataset.prompts, serving.prompts_loaded, serving.reasoning_mode, serving.api_key, serving.servers,
+            serving.health, serving.context_length, serving.smoke, gpus.gpus]
 
 
 @functools.lru_cache(maxsize=4)

@@ -18,6 +18,7 @@ from eaglekit.errors import EaglekitError
 from eaglekit.model.drafter import DrafterConfig
 from eaglekit.model.target import aux_layer_ids, target_hf_config, target_identity
 from eaglekit.preflight import checks as common
+from eaglekit.preflight import disk, environment, files, gpus
 from eaglekit.preflight import fail, ok, skip
 from eaglekit.rundir import file_identity
 
@@ -81,8 +82,9 @@ def _tokenizer_size(cfg: RunConfig) -> int | None:
 def checks(cfg: RunConfig) -> list:
     from eaglekit.stages.extract import target_placement
 
-    online = [target_placement] if cfg.extract.mode != "offline" else []
-    return [common.target_folder, *online, packing, init_from_compatible]
+    online = [target_placement] if cfg.extract.mode != "offline" else [files.feature_shards]
+    return [common.target_folder, files.target_weights, environment.software, environment.devices, gpus.gpus,
+            *online, packing, files.init_from_files, init_from_compatible, disk.write_rate]
 
 
 def parameter_counts(dc: DrafterConfig) -> tuple[int, int]:

@@ -37,7 +37,7 @@ from eaglekit import atomic
 from eaglekit.config import RunConfig
 from eaglekit.errors import EaglekitError, UsageError
 from eaglekit.preflight import checks as common
-from eaglekit.preflight import fail, ok
+from eaglekit.preflight import fail, ok, will_be_produced
 from eaglekit.progress import Meter, console
 from eaglekit.rundir import file_identity
 from eaglekit.serving.speculation import Counters, Served
@@ -109,6 +109,9 @@ def engine_available(ctx):
 def exported_forms(ctx):
     if not ctx.cfg.verify.engine:
         return ok("exported forms", "served by your server")
+    pending = will_be_produced(ctx, "exported forms", "export")
+    if pending:
+        return pending
     missing = [f for f in forms(ctx.cfg) if not (ctx.cfg.run_path / "export" / f / "config.json").exists()]
     if missing:
         return fail("exported forms", f"{', '.join(missing)} not found under {ctx.cfg.run_path / 'export'}",
