@@ -223,7 +223,7 @@ class FeatureStore:
                                 "run `eaglekit extract CONFIG` (extract.mode: offline) to write the features") from None
         if self.index.get("format") != FORMAT or self.index.get("version") != VERSION:
             raise EaglekitError(f"{index_path}: not an eaglekit feature index of version {VERSION}",
-                                "rerun `eaglekit extract CONFIG --force`")
+                                "rerun extraction: `eaglekit run CONFIG --from extract --force`")
         self.hidden_size = int(self.index["hidden_size"])
         self.files = [self.folder / s["file"] for s in self.index["shards"]]
         self._open: dict[int, object] = {}
@@ -252,6 +252,6 @@ class FeatureStore:
         w = self.where.get(sample_id)
         if w is None:
             raise EaglekitError(f"sample {sample_id!r} has no features in {self.folder}",
-                                "the features are from other prepared tokens: rerun `eaglekit extract CONFIG --force`")
+                                "the features are from other prepared tokens: rerun extraction: `eaglekit run CONFIG --from extract --force`")
         f = self._file(w.shard)
         return f.get_slice("aux")[w.start:w.end], f.get_slice("last_hidden")[w.start:w.end]

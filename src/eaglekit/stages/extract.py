@@ -80,6 +80,18 @@ def existing_shards(ctx):
     return ok("existing shards", f"{len(good)} complete shards ({human_bytes(total)}) verified by {how}; resuming after them")
 
 
+def damaged(ctx) -> str | None:
+    """A finished extract whose shard was deleted or cut short (say, to repair it) is rerun: it re-extracts only that."""
+    try:
+        shards = json.loads((ctx.dir / sh.INDEX).read_text())["shards"]
+    except (OSError, ValueError, KeyError):
+        return f"{ctx.dir / sh.INDEX} is missing or unreadable"
+    for entry in shards:
+        if sh.complete_shard(ctx.dir / entry["file"]) is None:
+            return f"shard {entry['file']} is missing or not the size its sidecar records"
+    return None
+
+
 def target_placement(ctx):
     """Under torchrun every rank loads its own copy of the target onto its own GPU; device_map would spread
     each rank's copy over all GPUs."""
