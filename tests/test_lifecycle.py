@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, subprocess_env, write_config
+from conftest import REPO, mounted_tmpfs, subprocess_env, write_config
 from eaglekit import pipeline, status
 from eaglekit.config import load_config
 from eaglekit.preflight import warn
@@ -175,17 +175,8 @@ def test_upstream_remedy_names_the_whole_way(tmp_path, cli, fakes):
 
 @pytest.fixture
 def small_tmpfs(tmp_path):
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs to fill needs root (CI runs as root)")
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "small", "64k") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_disk_full_mid_generate_names_the_file_keeps_every_line_and_resumes(tmp_path, tiny_target, small_tmpfs, cli):
