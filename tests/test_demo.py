@@ -4,12 +4,13 @@ drafter beats the training-free n-gram baseline. Runs once in CI (it is the slow
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
 import pytest
 
-from conftest import subprocess_env
+from conftest import REPO, subprocess_env
 
 pytestmark = pytest.mark.slow
 
@@ -35,6 +36,10 @@ def test_status_shows_counts_and_final_accuracies(demo_run):
     assert rows["prepare"]["counts"]["samples"] > 0
     train = rows["train"]["counts"]
     assert "acc_k" in train and len(train["acc_k"]) >= 1
+    text = subprocess.run([sys.executable, "-m", "eaglekit.cli", "status", str(run_dir)], capture_output=True,
+                          text=True, timeout=120, env=subprocess_env())
+    assert text.returncode == 0 and "nothing to run: every stage is done" in text.stdout
+    assert all(len(line) <= 80 for line in text.stdout.splitlines() if not line.startswith("  eaglekit")), text.stdout
 
 
 def test_drafter_beats_ngram_and_tau_is_bounded(demo_run):
@@ -98,3 +103,37 @@ def test_demo_offline_extracts_then_trains_from_the_shards(demo_run, tmp_path, t
     tau_online = {r["stage"]: r for r in online["stages"]}["train"]["counts"]["tau"]
     # measured (benchmarks/features.py): held-out simulated τ 3.620 online, 3.625 from bf16 shards
     assert tau == pytest.approx(tau_online, rel=0.05)
+
+
+# The README's τ table names methods in words; each header cell names its temperature.
+README_METHODS = {"eaglekit drafter": "eagle", "n-gram (vLLM `ngram`)": "ngram"}
+
+
+def readme_tau_table() -> dict[tuple[str, int, float], float]:
+    """{(method, K, temperature): τ} from the README's demo table (a header row starting `| method | K |`)."""
+    table, header = {}, None
+    for line in (REPO / "README.md").read_text().splitlines():
+        if not line.startswith("|"):
+            header = None
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if cells[:2] == ["method", "K"]:
+            header = cells
+        elif header and cells[0] in README_METHODS:
+            for name, value in zip(header[2:], cells[2:]):
+                temperature = float(re.search(r"T=([\d.]+)", name).group(1))
+                table[(README_METHODS[cells[0]], int(cells[1]), temperature)] = float(value)
+    return table
+
+
+def test_readme_tau_table_is_what_this_code_measures(demo_run):
+    """The figures the README shows come from a run of the current code: the demo's own report, within noise."""
+    run_dir, _, _ = demo_run
+    report = json.loads((run_dir / "evaluate" / "report.json").read_text())
+    measured = {(r["method"], r["k"], r["temperature"]): r["tau"] for r in report["results"]}
+    table = readme_tau_table()
+    assert table, "the README has a τ table"
+    for key, claimed in table.items():
+        assert key in measured, f"the README shows {key}, which the demo does not measure"
+        assert abs(claimed - measured[key]) <= 0.1 + 0.03 * measured[key], (
+            f"README says τ {claimed} for {key}; the demo measures {measured[key]}: refresh the README's table")

@@ -91,6 +91,18 @@ def test_extract_writes_the_targets_features(tmp_path, tiny_target):
         torch.testing.assert_close(aux, live.aux[0].bfloat16().float(), rtol=0.02, atol=0.02)
         torch.testing.assert_close(last, live.last_hidden[0].bfloat16().float(), rtol=0.02, atol=0.02)
 
+    # A finished extract with a shard removed (the remedy for a damaged one) is not skipped: it re-extracts that one.
+    kept = out / index["shards"][0]["file"]
+    kept_mtime = kept.stat().st_mtime_ns
+    gone = out / index["shards"][1]["file"]
+    gone.unlink()
+    sh.sidecar_path(gone).unlink()
+    with RunDir(cfg.run_dir).lock:
+        again = run_stage(cfg, "extract")
+    assert not again.get("skipped") and gone.exists() and kept.stat().st_mtime_ns == kept_mtime
+    with RunDir(cfg.run_dir).lock:
+        assert run_stage(cfg, "extract").get("skipped") is True
+
 
 def test_fp8_features_are_half_the_bytes_and_close(tmp_path, tiny_target):
     """fp8 shards: 4·H + 4 bytes per token (vs 8·H in bf16), and every state of every token within e4m3's
@@ -183,8 +195,8 @@ def test_kill_9_extract_resumes_at_the_first_uncommitted_shard(tmp_path, tiny_ta
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     committed = sorted(p.name for p in out.glob("shard-*.json"))
     assert len(committed) == 2 and not (out / sh.INDEX).exists()
-    from eaglekit.pipeline import status_rows
-    row = next(r for r in status_rows(killed) if r["stage"] == "extract")
+    from eaglekit.status import stage_rows
+    row = next(r for r in stage_rows(killed) if r["stage"] == "extract")
     assert row["state"] == "incomplete" and row["counts"]["shards_committed"] == 2
     kept = {p.with_suffix(".safetensors"): p.with_suffix(".safetensors").stat().st_mtime_ns
             for p in out.glob("shard-*.json")}

@@ -3,34 +3,16 @@ with network-backed volumes recognised from mountinfo lines and sysfs."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import subprocess
 import types
 
-import pytest
+from conftest import mounted_tmpfs as tmpfs
 
 from eaglekit import pipeline
 from eaglekit.config import parse_config
 from eaglekit.preflight import disk
 from eaglekit.preflight.checks import human_bytes
-
-
-@contextlib.contextmanager
-def tmpfs(path, size: str, inodes: int = 10_000):
-    """A tmpfs of ``size`` mounted at ``path`` for the test; skips, saying why, where it cannot be mounted."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs to fill a disk for real needs root (CI runs as root)")
-    path.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},nr_inodes={inodes}", "tmpfs", str(path)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 def ctx_on(root, tmp_path, stage="vocab", **sections):

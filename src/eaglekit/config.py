@@ -44,7 +44,8 @@ class GenerateConfig(Section):
     temperature: float = Field(0.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     reasoning: Literal["required", "optional", "off"] | None = Field(
-        None, description="default: required when the target's chat template has think tags, else optional")
+        None, description="default: required when the target's chat template has think tags, else optional; "
+                          "YAML's on/yes/true mean required, off/no/false mean off")
     gate_samples: int = Field(20, ge=1, description="completions checked by the reasoning gate")
     gate_max_empty_share: float = Field(0.1, ge=0.0, le=1.0)
     batch_size: int = Field(8, ge=1, description="local backend: prompts per generate() call")
@@ -61,6 +62,14 @@ class GenerateConfig(Section):
     outage_timeout: float = Field(600.0, gt=0, description="seconds the run waits while every server is out of rotation")
     extra_body: dict[str, Any] = Field(default_factory=dict)
     return_token_ids: bool = True
+
+    @field_validator("reasoning", mode="before")
+    @classmethod
+    def _yaml_boolean(cls, value: Any) -> Any:
+        # YAML 1.1 reads an unquoted `off` / `on` as a boolean: take it as the choice it spells
+        if isinstance(value, bool):
+            return "required" if value else "off"
+        return value
 
 
 class PrepareConfig(Section):
@@ -135,6 +144,8 @@ class TrainConfig(Section):
     eval_samples: int | None = Field(512, ge=1, description="held-out samples per evaluation (None: all of them)")
     log_every: int = Field(10, ge=1, description="optimizer steps per line in train/metrics.jsonl")
     save_every: int = Field(500, ge=1)
+    save_every_minutes: float | None = Field(
+        30.0, gt=0, description="also checkpoint when this much time has passed since the last one (None: steps only)")
     keep_last: int = Field(2, ge=1)
     packing: bool = False
     seed: int = 0
@@ -256,6 +267,9 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
             lines.append(f"  - unknown key '{key}' (check the spelling; see the README's config reference)")
         elif e["type"] == "missing":
             lines.append(f"  - missing required key '{key}'")
+        elif isinstance(e.get("input"), bool):
+            lines.append(f"  - '{key}': {e['msg']} (got {e['input']!r}: YAML reads unquoted yes/no/on/off/true/false "
+                         f"as a boolean; quote the value, e.g. \"off\")")
         else:
             lines.append(f"  - '{key}': {e['msg']} (got {e.get('input')!r})")
     return "\n".join(lines)

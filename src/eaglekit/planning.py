@@ -196,7 +196,9 @@ def stage_plans(cfg: RunConfig, inputs: dict[str, Figure], extract_dtype: str | 
     n, t = inputs["samples"].value, inputs["mean_tokens"].value
     out_tokens = inputs["output_tokens"].value
     hidden = inputs["hidden_size"].value
-    stages = [s for s in pipeline.STAGES if s != "extract" or mode == "offline"]
+    # this config's stages (verify only when configured), with extract as the alternative's mode says
+    stages = [s for s in pipeline.STAGES if s in cfg.stages() or s == "extract"]
+    stages = [s for s in stages if s != "extract" or mode == "offline"]
     plans = []
     for stage in stages:
         p = StagePlan(stage, done=run.done_fingerprint(stage) == pipeline.fingerprint(cfg, stage))

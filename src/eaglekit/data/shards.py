@@ -52,7 +52,8 @@ FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 PLAN_SEED = "eaglekit.features.shards"
 _ST_DTYPE = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int64: "I64",
              torch.int8: "I8", torch.float8_e4m3fn: "F8_E4M3"}
-REMEDY = "delete the named shard and its .json sidecar, then rerun `eaglekit extract CONFIG`: it re-extracts missing shards"
+REMEDY = ("delete the named shard and its .json sidecar, then `eaglekit run CONFIG --from extract`: extract "
+          "re-extracts only the missing shards (the others are kept) and the stages after it go on")
 
 
 def bytes_per_token(hidden_size: int, dtype: str) -> int:
@@ -342,7 +343,8 @@ def write_index(folder: Path, shards: list[dict], meta: dict) -> None:
         for sid in s["ids"]:
             if sid in seen:
                 raise EaglekitError(f"sample {sid!r} is stored in both {seen[sid]} and {s['file']}",
-                                    f"delete {folder}/shard-*.json and rerun `eaglekit extract CONFIG --force`")
+                                    f"a bug in eaglekit's shard plan: remove {folder} and rerun extraction "
+                                    "(`eaglekit run CONFIG --from extract`), and please report it")
             seen[sid] = s["file"]
     atomic.write_json(Path(folder) / INDEX, {"format": FORMAT, "version": VERSION, **meta,
                                              "samples": sum(s["samples"] for s in shards),
@@ -373,11 +375,11 @@ class FeatureStore:
             self.index = json.loads(index_path.read_text())
         except (OSError, ValueError) as err:
             raise EaglekitError(f"{index_path} is missing or unreadable ({err})",
-                                "run `eaglekit extract CONFIG` (extract.mode: offline) to write the features") from None
+                                "run extraction (extract.mode: offline): `eaglekit run CONFIG --from extract`") from None
         if self.index.get("format") != FORMAT or self.index.get("version") != VERSION:
             raise EaglekitError(f"{index_path}: not an eaglekit feature index of version {VERSION} "
                                 f"(found {self.index.get('format')!r} version {self.index.get('version')!r})",
-                                "rerun `eaglekit extract CONFIG --force`")
+                                "rerun extraction: `eaglekit run CONFIG --from extract --force`")
         self.hidden_size = int(self.index["hidden_size"])
         self.dtype = self.index.get("dtype", "bfloat16")
         self.shards = self.index["shards"]
@@ -428,7 +430,7 @@ class FeatureStore:
         w = self.where.get(sample_id)
         if w is None:
             raise EaglekitError(f"sample {sample_id!r} has no features in {self.folder}",
-                                "the features are from other prepared tokens: rerun `eaglekit extract CONFIG --force`")
+                                "the features are from other prepared tokens: rerun extraction: `eaglekit run CONFIG --from extract --force`")
         f = self._file(w.shard)
         exp = f.get_slice("scale_exp")[w.start:w.end] if self.dtype == "fp8" else None
         return Rows(f.get_slice("aux")[w.start:w.end], f.get_slice("last_hidden")[w.start:w.end], exp)

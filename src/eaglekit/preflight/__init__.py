@@ -31,6 +31,8 @@ from typing import Any, Callable, Iterable
 from rich.markup import escape
 from rich.table import Table
 
+from eaglekit.errors import EaglekitError
+
 STATUSES = ("ok", "warn", "fail", "skip")
 
 
@@ -79,6 +81,8 @@ def run_checks(ctx: Any, checks: Iterable[Check]) -> list[CheckResult]:
         t0 = time.monotonic()
         try:
             out = check(ctx)
+        except EaglekitError as err:  # a problem the code foresaw and explains: a plain fail, no traceback
+            out = fail(getattr(check, "__name__", "check"), err.message, err.remedy or "")
         except Exception as err:  # a check that crashes must not crash the pre-flight silently
             name = getattr(check, "__name__", "check")
             out = fail(name, f"the check itself raised {type(err).__name__}: {err}",

@@ -12,8 +12,8 @@ import os
 import socket
 from pathlib import Path
 
+from eaglekit import rundir
 from eaglekit.preflight import CheckResult, fail, ok, skip, warn, will_be_produced
-from eaglekit.rundir import MARKER
 
 
 def human_bytes(n: float) -> str:
@@ -45,11 +45,12 @@ def upstream_done(ctx) -> CheckResult:
     if pending:
         return pending
     done = ctx.run.done_fingerprint(up)
-    if done is None:
-        return fail("upstream", f"stage '{up}' has not finished in {ctx.run.path}", f"run `eaglekit {up} CONFIG` first")
+    if done is None or not ctx.run.is_done(up, done):
+        return fail("upstream", f"stage '{up}' has not finished in {ctx.run.path}",
+                    f"run the stages up to it: `{ctx.command_to_reach(up)}`")
     if done != ctx.upstream_fingerprint:
         return fail("upstream", f"stage '{up}' finished with other inputs or parameters than this config's (stale)",
-                    f"rerun `eaglekit {up} CONFIG` (or `eaglekit run CONFIG --from {up}`)")
+                    f"rerun the stages up to it: `{ctx.command_to_reach(up)}`")
     return ok("upstream", f"'{up}' done with this config's fingerprint")
 
 
@@ -69,26 +70,21 @@ def output_path(ctx) -> CheckResult:
         return fail(name, f"{d} exists and is not a folder", "move that file away or choose another run_dir")
     if not os.access(d, os.W_OK):
         return fail(name, f"{d} is not writable", f"fix its permissions (chmod u+w {d}) or choose another run_dir")
-    entries = [p for p in d.iterdir()]
-    if not entries:
+    state = ctx.run.folder_state(ctx.stage, ctx.fingerprint)
+    if state == rundir.EMPTY:
         return ok(name, f"{d} is empty")
-    marker = ctx.run.read_marker(ctx.stage)
-    if marker is None:
-        if ctx.force:
-            return warn(name, f"{d} holds {len(entries)} files that no eaglekit stage run wrote; --force deletes them")
-        return fail(name, f"{d} holds {len(entries)} files that no eaglekit stage run wrote (no {MARKER})",
-                    "move them away, or rerun with --force to delete them")
-    if marker.get("fingerprint") == ctx.fingerprint:
-        if ctx.force:
-            return warn(name, f"{d} holds this config's data; --force deletes it and starts over")
+    if state == rundir.OWN:
         done = ctx.run.done_fingerprint(ctx.stage) == ctx.fingerprint
         return ok(name, f"{d} holds this config's {'finished' if done else 'partial'} data"
                         f"{'' if done else ' (will resume)'}")
-    if ctx.force:
-        return warn(name, f"{d} holds data of other parameters (written {marker.get('created', '?')}); --force deletes it")
-    return fail(name, f"{d} holds data of other inputs or parameters (fingerprint {marker.get('fingerprint')}, "
-                      f"written {marker.get('created', '?')}; this config's is {ctx.fingerprint})",
-                f"rerun with --force to replace it, or set another run_dir to keep it")
+    if state == rundir.FAILED_LEFTOVERS:
+        return ok(name, f"{d} holds what a failed attempt with other parameters left: it will be replaced")
+    refused = ctx.refusal(state)
+    if refused:
+        return fail(name, *refused)
+    what = {rundir.OTHER_DONE: "the finished outputs of other parameters", rundir.FOREIGN: "files no eaglekit stage wrote",
+            rundir.OTHER_PARTIAL: "the partial outputs of other parameters"}[state]
+    return warn(name, f"{d} holds {what}; --force replaces them")
 
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")

@@ -211,7 +211,7 @@ def judge_record(record: dict, seen: list[str], mode: str) -> tuple[list[str], l
     if mode == "required" and not record["reasoning"]:
         fails.append("no reasoning: " + explain_missing_reasoning(Counter(seen), 1, int(length)))
     if length:
-        warns.append(f"the reply stopped at max_tokens (finish_reason=length): raise generate.max_tokens "
+        warns.append("the reply stopped at max_tokens (finish_reason=length): raise generate.max_tokens "
                      "unless the target's replies are meant to be cut")
     elif record["finish_reason"] != "stop":
         warns.append(f"finish_reason is {record['finish_reason']!r}")

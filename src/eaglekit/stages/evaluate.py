@@ -9,13 +9,12 @@ greedy output token for token).
 
 Reads the drafter (``evaluate.checkpoint``, default ``train/checkpoints/best``), the prompts
 (``evaluate.prompts``, default the held-out split of ``generate/responses.jsonl``) and
-``train/metrics.jsonl``; writes ``evaluate/report.json``, ``report.md`` and PNG plots.
+writes ``evaluate/report.json``, ``report.md`` and PNG plots (the training curves are ``train/curves.png``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,7 +58,7 @@ def load_checked_drafter(cfg: RunConfig):
     path = checkpoint_path(cfg)
     if not path.exists():
         remedy = ("set evaluate.checkpoint to a drafter folder" if cfg.evaluate.checkpoint
-                  else "run `eaglekit train CONFIG` first (it writes train/checkpoints/best)")
+                  else "train it: `eaglekit run CONFIG --until train` (it writes train/checkpoints/best)")
         raise EaglekitError(f"drafter checkpoint {path} does not exist", remedy)
     drafter, info = load_drafter(path)
     hf = target_hf_config(cfg.target)
@@ -294,22 +293,35 @@ def evaluate(ctx, target, device: torch.device) -> dict:
         "results": results,
         "comparison": comparison(results),
     }
+    report["warnings"] = degenerate(report, ec.num_samples, cfg.data.eval_fraction)
+    for warning in report["warnings"]:
+        ctx.warn(warning)
     out = ctx.dir
     atomic.write_json(out / "report.json", report)
     atomic.write_text(out / "report.md", report_markdown(report))
     plots.acceptance_by_position(results, out / "acceptance_by_position.png")
     plots.tau_vs_k(results, out / "tau_vs_k.png")
-    metrics = cfg.run_path / "train" / "metrics.jsonl"
-    if metrics.exists():
-        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-        if rows:
-            plots.training_curves(rows, out / "training_curves.png")
     if lossless is False:
         bad = [pid for pid, c in checks.items() if c]
         console.print(f"[bold red]evaluate: speculative greedy output differs from plain greedy output on {len(bad)} "
                       f"prompts (e.g. {bad[0]}); see report.json lossless_checks[/]")
     console.print(report_markdown(report, tables_only=True))
     return counts(report)
+
+
+def degenerate(report: dict, asked: int, eval_fraction: float) -> list[str]:
+    """What makes these figures unfit to trust or to ship: too few prompts, a drafter no better than n-gram."""
+    out = []
+    if report["prompts"] < asked:
+        out.append(f"decoded {report['prompts']} prompts, fewer than evaluate.num_samples ({asked}): the figures are "
+                   f"noisy; raise data.eval_fraction ({eval_fraction}) or set evaluate.prompts to a prompts file")
+    losing = [r for r in report["comparison"] if r["eagle_tau"] <= r["ngram_tau"]]
+    if losing:
+        where = ", ".join(f"K={r['k']} T={r['temperature']:g}: τ {r['eagle_tau']:.3f} vs {r['ngram_tau']:.3f}"
+                          for r in losing)
+        out.append(f"the drafter does not beat the training-free n-gram baseline ({where}): it would slow serving "
+                   "down; train on more data or longer, and check that the target's features and vocab are right")
+    return out
 
 
 def comparison(results: list[dict]) -> list[dict]:

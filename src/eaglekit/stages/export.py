@@ -191,7 +191,11 @@ def run(ctx) -> dict:
         console.print(f"export: {form} form written to {dest} (keys, shapes and logits checked)")
 
     commands = serve_commands(cfg, dirs)
-    atomic.write_text(ctx.dir / "README.md", model_card(ctx, drafter, info, list(dirs), commands, warnings))
+    inherited = run_warnings(ctx)
+    if inherited:
+        ctx.warn(f"exported a drafter from a run with {len(inherited)} warning{'s' * (len(inherited) > 1)} (written "
+                 "anyway; export/README.md states them): " + " | ".join(inherited))
+    atomic.write_text(ctx.dir / "README.md", model_card(ctx, drafter, info, list(dirs), commands, warnings, inherited))
     for what, command in commands:
         console.print(f"[bold]{what}[/]:")
         console.print(command, markup=False, soft_wrap=True)
@@ -200,7 +204,19 @@ def run(ctx) -> dict:
     return {"formats": list(dirs), **{form: str(d) for form, d in dirs.items()}, "warnings": len(warnings)}
 
 
-def model_card(ctx, drafter, info, formats: list[str], commands: list[tuple[str, str]], warnings: list[str]) -> str:
+def run_warnings(ctx) -> list[str]:
+    """The warnings the stages before export recorded in their last finished run ("stage: text")."""
+    events = ctx.run.last_events()
+    out = []
+    for stage in ctx.cfg.stages()[: ctx.cfg.stages().index(NAME)]:
+        end = (events.get(stage) or {}).get("end") or {}
+        if end.get("state") == "done":
+            out += [f"{stage}: {w}" for w in end.get("warnings") or []]
+    return out
+
+
+def model_card(ctx, drafter, info, formats: list[str], commands: list[tuple[str, str]], warnings: list[str],
+               inherited: list[str] = ()) -> str:
     cfg, c = ctx.cfg, drafter.config
     events = ctx.run.last_events()
 
@@ -223,6 +239,12 @@ def model_card(ctx, drafter, info, formats: list[str], commands: list[tuple[str,
         f"max_position_embeddings {c.max_position_embeddings}, rope_theta {c.rope_theta:g}"
         + (f", rope_scaling {c.rope_scaling}" if c.rope_scaling else "") + ".",
         f"Source checkpoint: `{info.path}`.", "",
+    ]
+    if inherited:
+        lines += ["## Warnings: read before serving", "",
+                  "The run that made this drafter recorded these warnings; it was exported anyway:", ""]
+        lines += [f"- {w}" for w in inherited] + [""]
+    lines += [
         "## Data and training", "",
         f"- generate: {stage_counts('generate')}",
         f"- prepare: {stage_counts('prepare')}",

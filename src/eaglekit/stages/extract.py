@@ -36,7 +36,7 @@ from eaglekit.errors import EaglekitError
 from eaglekit.model.target import (TargetFeatures, aux_layer_ids, load_target, read_final_norm, target_hf_config,
                                    target_identity)
 from eaglekit.preflight import checks as common
-from eaglekit.preflight import CheckResult, fail, ok, skip
+from eaglekit.preflight import CheckResult, fail, ok, skip, will_be_produced
 from eaglekit.preflight import disk, environment, files, gpus
 from eaglekit.preflight.checks import human_bytes
 from eaglekit.progress import Meter, console
@@ -52,7 +52,8 @@ def params(cfg: RunConfig) -> dict:
     """What the shards depend on: not the servers, concurrency or writer queue (adding a server must not
     invalidate finished shards)."""
     e = cfg.extract
-    p = {"backend": e.backend, "dtype": e.dtype, "shard_tokens": e.shard_tokens, "target": target_identity(cfg.target)}
+    p = {"backend": e.backend, "dtype": e.dtype, "shard_tokens": e.shard_tokens, "target": target_identity(cfg.target),
+         "format": sh.VERSION}  # shards of another storage format are another stage's outputs (--force replaces them)
     if e.backend == "hf":
         p["batch_tokens"] = e.batch_tokens  # padding changes the numerics a little
     return p
@@ -108,6 +109,32 @@ def existing_shards(ctx):
         return fail("existing shards", f"{len(problems)} damaged: " + "; ".join(problems[:5]), sh.REMEDY)
     how = "size and sha256" if full else f"size only (sha256 skipped above {human_bytes(FULL_SHA_LIMIT)})"
     return ok("existing shards", f"{len(good)} complete shards ({human_bytes(total)}) verified by {how}; resuming after them")
+
+
+def damaged(ctx) -> str | None:
+    """A finished extract whose shard was deleted or cut short (say, to repair it) is rerun: it re-extracts only
+    that. Checked without hashing (sizes, and the sidecar's sha256 against the index's): a shard counts as
+    present once its sidecar does, so a shard the index lists but whose sidecar is gone is redone too."""
+    try:
+        shards = json.loads((ctx.dir / sh.INDEX).read_text())["shards"]
+    except (OSError, ValueError, KeyError):
+        return f"{ctx.dir / sh.INDEX} is missing or unreadable"
+    for entry in shards:
+        found = sh.complete_shard(ctx.dir / entry["file"])
+        if found is None:
+            return f"shard {entry['file']} or its sidecar is missing, or the shard is not the size its sidecar records"
+        if found.get("sha256") != entry.get("sha256"):
+            return f"shard {entry['file']}'s sidecar is not the one {sh.INDEX} lists (another extraction's shard)"
+    return None
+
+
+def kept(ctx) -> str:
+    """What a stopped extract leaves: committed shards (an open one is a temp file, dropped on resume)."""
+    counts = live_counts(ctx.dir)
+    if not counts["shards_committed"]:
+        return "no shard committed yet (a rerun starts over)"
+    return (f"{counts['shards_committed']} committed shards ({counts['samples']} samples, {counts['tokens']} tokens) "
+            f"in {ctx.dir} (a rerun resumes after them)")
 
 
 def target_placement(ctx):
@@ -202,7 +229,7 @@ def run(ctx) -> dict:
         missing = [sh.shard_name(n) for n, e in enumerate(entries) if e is None]
         if missing:
             raise EaglekitError(f"extract: {len(missing)} shards are missing or damaged after the run, e.g. {missing[0]}",
-                                "rerun `eaglekit extract CONFIG`; it re-extracts only those")
+                                "rerun the same command: it re-extracts only those")
         sh.write_index(ctx.dir, entries, {"hidden_size": hidden, "aux_layer_ids": aux_ids, "dtype": dtype,
                                           "backend": backend, "target": cfg.target.model,
                                           "bytes_per_token": sh.bytes_per_token(hidden, dtype)})
@@ -378,8 +405,9 @@ def feature_smoke(ctx) -> list:
 
     cfg, v = ctx.cfg, ctx.cfg.extract.vllm
     path = ctx.run.stage_dir("prepare") / "tokens.safetensors"
-    if not path.exists():
-        return [skip("feature smoke request", "no prepared tokens yet")]
+    pending = will_be_produced(ctx, "feature smoke request", "prepare")
+    if pending or not path.exists():  # (not pending and missing: the upstream check fails and says why)
+        return [pending or skip("feature smoke request", "no prepared tokens yet")]
     store = TokenStore(path)
     if len(store) == 0:
         return [skip("feature smoke request", "no prepared samples")]

@@ -37,7 +37,7 @@ from eaglekit import atomic
 from eaglekit.config import RunConfig
 from eaglekit.errors import EaglekitError, UsageError
 from eaglekit.preflight import checks as common
-from eaglekit.preflight import fail, ok
+from eaglekit.preflight import fail, ok, will_be_produced
 from eaglekit.progress import Meter, console
 from eaglekit.rundir import file_identity
 from eaglekit.serving.speculation import Counters, Served
@@ -109,10 +109,13 @@ def engine_available(ctx):
 def exported_forms(ctx):
     if not ctx.cfg.verify.engine:
         return ok("exported forms", "served by your server")
+    pending = will_be_produced(ctx, "exported forms", "export")
+    if pending:
+        return pending
     missing = [f for f in forms(ctx.cfg) if not (ctx.cfg.run_path / "export" / f / "config.json").exists()]
     if missing:
         return fail("exported forms", f"{', '.join(missing)} not found under {ctx.cfg.run_path / 'export'}",
-                    "run `eaglekit export CONFIG` (or set verify.formats to the forms it wrote)")
+                    "export them: `eaglekit run CONFIG --until export` (or set verify.formats to the forms it wrote)")
     return ok("exported forms", ", ".join(forms(ctx.cfg)))
 
 
@@ -439,7 +442,7 @@ def run(ctx) -> dict:
     if not passed:
         ctx.ledger_extra["counts"] = counts  # status shows the verdict of a failed verify too
         raise EaglekitError(failure_message(report), f"read {out / 'report.md'}; fix the exported config (or "
-                                                     "re-export), then `eaglekit verify CONFIG --force` (a new "
+                                                     "re-export), then rerun `eaglekit verify CONFIG` (a new "
                                                      "measurement replaces this report)")
     return counts
 
