@@ -102,6 +102,12 @@ def test_extract_writes_the_targets_features(tmp_path, tiny_target):
     assert not again.get("skipped") and gone.exists() and kept.stat().st_mtime_ns == kept_mtime
     with RunDir(cfg.run_dir).lock:
         assert run_stage(cfg, "extract").get("skipped") is True
+    # the hook compares each listed shard's sidecar with the index without hashing: a shard that is not the one
+    # the index lists (its sidecar's sha256 differs) is named too
+    assert extract.damaged(make_context(cfg, "extract")) is None
+    side = sh.sidecar_path(kept)
+    side.write_text(json.dumps({**json.loads(side.read_text()), "sha256": "0" * 64}))
+    assert kept.name in extract.damaged(make_context(cfg, "extract"))
 
 
 def test_fp8_features_are_half_the_bytes_and_close(tmp_path, tiny_target):
@@ -232,11 +238,13 @@ def test_a_damaged_shard_is_named_and_the_remedy_reextracts_only_it(tmp_path, ti
 
     sh.ShardWriter.commit = die_after_two
     try:
-        with RunDir(cfg.run_dir).lock, pytest.raises(KeyboardInterrupt):
+        with RunDir(cfg.run_dir).lock, pytest.raises(KeyboardInterrupt) as stopped:
             run_stage(cfg, "extract")
     finally:
         sh.ShardWriter.commit = commit
     assert len(list(out.glob("shard-*.json"))) == 2 and not (out / sh.INDEX).exists()
+    # what the interrupted command prints says what is kept (the stage's kept() hook)
+    assert "2 committed shards" in stopped.value.eaglekit_note and "rerun the same command" in stopped.value.eaglekit_note
 
     # damage one complete shard: the resumed run's pre-flight names it
     first = out / calls[0]["file"]
