@@ -179,9 +179,9 @@ def write_features(folder: Path, n_shards: int = 2, hidden: int = 8) -> None:
     entries = []
     for n in range(n_shards):
         ids, lengths = [f"s{n}a", f"s{n}b"], [3, 5]
-        with sh.ShardWriter(folder / sh.shard_name(n), ids, lengths, hidden, torch.bfloat16) as w:
+        with sh.ShardWriter(folder / sh.shard_name(n), ids, lengths, hidden, "bfloat16") as w:
             for j, L in enumerate(lengths):
-                w.write(j, torch.zeros(L, 3 * hidden), torch.zeros(L, hidden))
+                w.write(j, sh.encode(torch.zeros(L, 3 * hidden), torch.zeros(L, hidden), "bfloat16"))
         entries.append(w.entry())
     sh.write_index(folder, entries, {"hidden_size": hidden})
 

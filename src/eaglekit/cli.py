@@ -271,16 +271,29 @@ def plan_cmd(config: Path = ConfigArg,
         raise typer.Exit(1)
 
 
+@command("serve-command")
+def serve_command_cmd(config: Path = ConfigArg, as_json: bool = JsonOpt) -> None:
+    """Print the command that starts a vLLM feature server for this config (extract.backend: vllm)."""
+    from eaglekit.stages.extract import vllm_serve_command
+
+    command = vllm_serve_command(load(config))
+    if as_json:
+        emit_json({"command": command})
+    else:
+        sys.stdout.write(command + "\n")
+
+
 # ---------------------------------------------------------------------------------------- tiny demo
 
 @command("demo")
 def demo_cmd(run_dir: Path = typer.Option(Path("runs/demo"), "--run-dir", help="where the demo run lives"),
-             force: bool = ForceOpt, as_json: bool = JsonOpt) -> None:
+             force: bool = ForceOpt, as_json: bool = JsonOpt,
+             offline: bool = typer.Option(False, "--offline", help="extract the features to disk, then train from them")) -> None:
     """The whole pipeline on the built-in tiny target, on CPU: writes RUN_DIR/config.yaml, runs every stage."""
     from eaglekit.demo import run_demo
 
     _State.run_dir = str(run_dir)
-    summary = run_demo(run_dir, force=force)
+    summary = run_demo(run_dir, force=force, offline=offline)
     if as_json:
         emit_json(summary)
 

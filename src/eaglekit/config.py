@@ -83,11 +83,36 @@ class VocabConfig(Section):
     draft_vocab_size: int = Field(32000, ge=1)
 
 
+class VllmFeaturesConfig(Section):
+    """extract.backend vllm: running vLLM servers started with the extract_hidden_states method
+    (`eaglekit serve-command CONFIG` prints the command)."""
+
+    servers: list[str] = Field(default_factory=list, description="base URLs ending in /v1")
+    model: str | None = Field(None, description="served model id (default: the target path, vLLM's default id)")
+    api_key_env: str | None = Field(None, description="name of the env variable holding the API key")
+    storage_path: str = Field(description="the servers' shared_storage_path, as this machine sees it (a shared "
+                                          "folder: the servers write each request's hidden states there)")
+    connector: Literal["stock", "cpu"] = Field(
+        "stock", description="stock: vLLM's ExampleHiddenStatesConnector (GPUs); cpu: eaglekit's CPU-capable "
+                             "subclass (vLLM's CPU build), loaded from eaglekit's vllm_plugin folder")
+    concurrency: int = Field(8, ge=1, description="in-flight requests per server")
+    timeout: float = Field(600.0, gt=0, description="seconds per request, and per wait for its file")
+    max_retries: int = Field(5, ge=0)
+    retry_backoff: float = Field(1.0, ge=0.0)
+    probe_interval: float = Field(30.0, gt=0)
+    outage_timeout: float = Field(600.0, gt=0)
+
+
 class ExtractConfig(Section):
     mode: Literal["online", "offline"] = "online"
-    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    backend: Literal["hf", "vllm"] = Field(
+        "hf", description="hf: the target in this process (transformers); vllm: hidden states from vLLM servers")
+    dtype: Literal["bfloat16", "fp8", "float16", "float32"] = Field(
+        "bfloat16", description="feature storage: fp8 is e4m3 with a power-of-two scale per token and state (half of bf16)")
     shard_tokens: int = Field(1_000_000, ge=1, description="tokens per feature shard")
     batch_tokens: int = Field(8192, ge=1)
+    writer_queue: int = Field(4, ge=1, description="batches waiting for the background shard writer at most")
+    vllm: VllmFeaturesConfig | None = None
 
 
 class DraftModelConfig(Section):
@@ -270,6 +295,14 @@ def parse_config(data: Any, source: str = "<config>", base_dir: Path | None = No
         cfg.evaluate.prompts = _resolve(base, cfg.evaluate.prompts)
     if cfg.evaluate.checkpoint:
         cfg.evaluate.checkpoint = _resolve(base, cfg.evaluate.checkpoint)
+    if cfg.extract.backend == "vllm":
+        if cfg.extract.mode != "offline":
+            raise UsageError(f"{source}: extract.backend is 'vllm' but extract.mode is '{cfg.extract.mode}'",
+                             "set extract.mode: offline (vLLM writes features to disk; online training runs the target here)")
+        if cfg.extract.vllm is None or not cfg.extract.vllm.servers:
+            raise UsageError(f"{source}: extract.backend is 'vllm' but extract.vllm.servers is empty",
+                             "add extract.vllm: {servers: [http://host:8000/v1], storage_path: /shared/hidden-states}")
+        cfg.extract.vllm.storage_path = _resolve(base, cfg.extract.vllm.storage_path)
     if cfg.verify.engine and cfg.verify.server:
         raise UsageError(f"{source}: verify.engine and verify.server are both set",
                          "set verify.engine to let eaglekit start the engine, or verify.server for one you started")

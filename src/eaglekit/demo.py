@@ -17,9 +17,10 @@ from eaglekit.progress import console
 
 # Sized so the whole demo takes a few minutes on 2 CPU cores (measured: see README).
 DEMO_SAMPLES = 400
+HEADER = "# Written by `eaglekit demo`; edit it and continue with `eaglekit run` on this file.\n"
 
 
-def demo_config(target: Path) -> dict[str, Any]:
+def demo_config(target: Path, offline: bool = False) -> dict[str, Any]:
     return {
         "run_dir": ".",
         "target": {"model": str(target)},
@@ -27,6 +28,7 @@ def demo_config(target: Path) -> dict[str, Any]:
         "generate": {"backend": "local", "max_tokens": 200, "temperature": 0.0, "batch_size": 48},
         "prepare": {"max_length": 384},
         "vocab": {"draft_vocab_size": 80},
+        "extract": {"mode": "offline" if offline else "online"},
         "train": {"max_steps": 240, "batch_size": 16, "lr": 3e-3, "warmup_steps": 10, "eval_every": 60,
                   "save_every": 60, "ttt_steps": 4, "draft": {"intermediate_size": 256}},
         # Greedy only: the tiny target is all but deterministic on its own replies (measured on these 8 prompts:
@@ -52,7 +54,7 @@ def vllm_installed() -> bool:
         return False
 
 
-def run_demo(run_dir: Path, force: bool = False) -> dict[str, Any]:
+def run_demo(run_dir: Path, force: bool = False, offline: bool = False) -> dict[str, Any]:
     from eaglekit.tiny import ensure_tiny_target, write_prompts
 
     import torch
@@ -71,9 +73,21 @@ def run_demo(run_dir: Path, force: bool = False) -> dict[str, Any]:
     if not config_path.exists():
         from eaglekit import atomic
 
-        atomic.write_text(config_path, "# Written by `eaglekit demo`; edit it and continue with `eaglekit run` on this file.\n"
-                          + yaml.safe_dump(demo_config(target), sort_keys=False))
+        atomic.write_text(config_path, HEADER + yaml.safe_dump(demo_config(target, offline), sort_keys=False))
     cfg = load_config(config_path)
-    rows = pipeline.run_stages(cfg, cfg.stages(), force=force)
+    redo = []
+    if offline and cfg.extract.mode != "offline":  # --offline on an online demo: extract, then train from disk
+        from eaglekit import atomic
+
+        data = yaml.safe_load(config_path.read_text())
+        data.setdefault("extract", {})["mode"] = "offline"
+        atomic.write_text(config_path, HEADER + yaml.safe_dump(data, sort_keys=False))
+        cfg = load_config(config_path)
+        redo = cfg.stages()[cfg.stages().index("extract"):]
+        console.print(f"demo: {config_path} now has extract.mode: offline; {', '.join(redo)} replace the online "
+                      "run's outputs")
+    rows = pipeline.run_stages(cfg, [s for s in cfg.stages() if s not in redo], force=force)
+    if redo:  # their folders hold the online run's outputs: other parameters, which only --force replaces
+        rows += pipeline.run_stages(cfg, redo, force=True)
     console.print(f"\n[bold]demo done[/]: run directory {run_dir}; `eaglekit status {run_dir}` shows it again")
     return {"run_dir": str(run_dir), "config": str(config_path), "stages": rows, "status": status.stage_rows(cfg)}

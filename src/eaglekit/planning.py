@@ -257,7 +257,7 @@ def _estimate(cfg: RunConfig, p: StagePlan, inputs: dict[str, Figure], n, t, out
             p.per_sample_bytes = t * per_token
             shards = math.ceil(tokens / cfg.extract.shard_tokens)
             p.bytes = n * p.per_sample_bytes + shards * (1 << 16)
-            what = "4 × H + 4 float32 scales" if dtype == "fp8" else f"(3 × H aux + H final) × {per_token // (4 * int(hidden))} B"
+            what = "4 × H + 4 one-byte power-of-two scales" if dtype == "fp8" else f"(3 × H aux + H final) × {per_token // (4 * int(hidden))} B"
             p.how.append(f"{_n(n)} samples × {_n(t)} tok × {per_token:,} B/tok [{dtype}: {what}, H = {int(hidden):,}]")
         rate = inputs["extract_tok_per_s"].value
         if known and rate and hidden:

@@ -203,20 +203,27 @@ def _local_folder(model: str) -> Path:
     return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors"]))
 
 
-def read_target_tensors(model: str, names: list[str]) -> dict[str, torch.Tensor]:
-    """Read a few named tensors from a target's safetensors files without loading the model."""
+def target_tensor_names(model: str) -> dict[str, str]:
+    """Every tensor name of a target's safetensors checkpoint -> the file holding it (from the index alone)."""
     from safetensors import safe_open
 
     folder = _local_folder(model)
     index = folder / "model.safetensors.index.json"
     if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-    elif (folder / "model.safetensors").exists():
+        return json.loads(index.read_text())["weight_map"]
+    if (folder / "model.safetensors").exists():
         with safe_open(str(folder / "model.safetensors"), "pt") as f:
-            weight_map = {k: "model.safetensors" for k in f.keys()}
-    else:
-        raise EaglekitError(f"{folder} has no safetensors weights (model.safetensors or its index)",
-                            "convert the target to safetensors (save_pretrained(..., safe_serialization=True))")
+            return {k: "model.safetensors" for k in f.keys()}
+    raise EaglekitError(f"{folder} has no safetensors weights (model.safetensors or its index)",
+                        "convert the target to safetensors (save_pretrained(..., safe_serialization=True))")
+
+
+def read_target_tensors(model: str, names: list[str]) -> dict[str, torch.Tensor]:
+    """Read a few named tensors from a target's safetensors files without loading the model."""
+    from safetensors import safe_open
+
+    folder = _local_folder(model)
+    weight_map = target_tensor_names(model)
     out = {}
     for name in names:
         if name not in weight_map:
@@ -226,12 +233,66 @@ def read_target_tensors(model: str, names: list[str]) -> dict[str, torch.Tensor]
     return out
 
 
+def _quantized_head_error(model: str, names: list[str]) -> EaglekitError | None:
+    """A named error when the checkpoint's lm_head is quantized (packed INT4 etc.) rather than a dense tensor.
+
+    Quantized targets (an INT4 MoE) usually keep lm_head dense — compressed-tensors lists it under
+    ``quantization_config.ignore``, AWQ/GPTQ under ``modules_to_not_convert`` — and then it is read like any
+    other tensor; offline training needs it dense.
+    """
+    packed = [n for n in names if n.startswith("lm_head.") and n != "lm_head.weight"]
+    if "lm_head.weight" in names or not packed:
+        return None
+    try:
+        qcfg = json.loads((_local_folder(model) / "config.json").read_text()).get("quantization_config") or {}
+    except (OSError, ValueError):
+        qcfg = {}
+    ignored = qcfg.get("ignore") or qcfg.get("modules_to_not_convert") or []
+    return EaglekitError(f"{model}: lm_head is quantized in this checkpoint ({', '.join(sorted(packed)[:3])}; "
+                         f"quantization_config {qcfg.get('quant_method', '?')} does not list it under ignore: "
+                         f"{ignored or 'nothing is ignored'}), and offline training needs the dense lm_head",
+                         "use a checkpoint whose lm_head is kept dense (INT4 releases usually list it under "
+                         "quantization_config.ignore), or train with extract.mode: online")
+
+
+def read_final_norm(target_cfg: TargetConfig) -> "FinalNorm":
+    """The target's final norm, read by name (``model.norm.weight``) from its safetensors — never the model."""
+    hf = target_hf_config(target_cfg)
+    name = "model.norm.weight"
+    tensors = read_target_tensors(target_cfg.model, [name])
+    if name not in tensors:
+        raise EaglekitError(f"{target_cfg.model}: no tensor {name} in its safetensors files",
+                            "eaglekit reads Llama/Qwen/DeepSeek-style checkpoints (model.norm, lm_head)")
+    eps = getattr(hf, "rms_norm_eps", None) or getattr(hf, "layer_norm_eps", None) or 1e-6
+    return FinalNorm(tensors[name], float(eps), offset=getattr(hf, "model_type", "").startswith("gemma"))
+
+
+class FinalNorm:
+    """RMSNorm as the target's last layer applies it: ``w * x / rms(x)`` (Llama, Qwen, Mistral, DeepSeek, Kimi),
+    or ``(1 + w) * ...`` (Gemma). Computed in fp32, returned in the input's dtype — as Hugging Face does."""
+
+    def __init__(self, weight: torch.Tensor, eps: float, offset: bool = False):
+        self.weight, self.eps, self.offset = weight, eps, offset
+
+    @torch.no_grad()
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        w = self.weight.to(x.device)
+        if self.offset:
+            return (h * (1.0 + w.float())).to(x.dtype)
+        return w * h.to(x.dtype) if w.dtype == x.dtype else (w.float() * h).to(x.dtype)
+
+
 def embedding_and_head(source: nn.Module | str, trust_remote_code: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(embed_tokens.weight [V, Ht], lm_head.weight [V, Ht]) of a loaded target, or read from its folder / hub id."""
     if isinstance(source, nn.Module):
         inner, _, _, head = decoder_parts(source)
         return inner.embed_tokens.weight.detach(), head.weight.detach()
     tensors = read_target_tensors(source, ["model.embed_tokens.weight", "lm_head.weight"])
+    quantized = _quantized_head_error(source, list(target_tensor_names(source)))
+    if quantized is not None:
+        raise quantized
     if "model.embed_tokens.weight" not in tensors:
         raise EaglekitError(f"{source}: no tensor model.embed_tokens.weight in its safetensors files",
                             "eaglekit reads Llama/Qwen-style checkpoints (model.embed_tokens, lm_head)")

@@ -354,7 +354,8 @@ def feature_shards(ctx) -> CheckResult:
         index = json.loads((folder / sh.INDEX).read_text())
         entries = index["shards"]
     except (OSError, ValueError, KeyError) as err:
-        return fail(name, f"{folder / sh.INDEX} is missing or unreadable ({err})", "run `eaglekit extract CONFIG`")
+        return fail(name, f"{folder / sh.INDEX} is missing or unreadable ({err})",
+                    f"run extraction: `{ctx.command_to_reach('extract')}`")
     problems = []
     for entry in entries:
         path = folder / entry["file"]

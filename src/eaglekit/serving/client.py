@@ -9,6 +9,11 @@ naming each server's last error. Other 4xx answers are the request's own fault: 
 
 The API key is read from the environment by name and sent as a Bearer header; it is scrubbed from every
 error text, so it cannot reach a log, the ledger or errors.jsonl.
+
+``chat`` is the generate stage's request; ``post`` sends any JSON body to any endpoint with the same
+scheduling and retries (the extract stage's vLLM backend uses it for ``/completions``). The settings are
+read by attribute (``servers``, ``concurrency``, ``timeout``, ``max_retries``, ``retry_backoff``,
+``probe_interval``, ``outage_timeout``): a GenerateConfig, or any section with those fields.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import email.utils
 import json
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -24,7 +30,7 @@ from typing import Any
 import httpx
 
 from eaglekit.config import GenerateConfig
-from eaglekit.errors import EaglekitError
+from eaglekit.errors import EaglekitError, UsageError
 from eaglekit.progress import console
 
 DOWN_AFTER = 3  # consecutive failures that take a server out of rotation
@@ -97,7 +103,7 @@ class ChatClient:
     def __init__(self, cfg: GenerateConfig, api_key: str | None = None):
         self.cfg, self.api_key = cfg, api_key
         self.servers = [Server(u.rstrip("/"), cfg.concurrency, cfg.probe_interval) for u in cfg.servers]
-        self.send_token_ids = cfg.return_token_ids
+        self.send_token_ids = getattr(cfg, "return_token_ids", False)
         self._http: httpx.AsyncClient | None = None
         self._changed: asyncio.Event | None = None
 
@@ -156,7 +162,9 @@ class ChatClient:
 
     def _release(self, server: Server, probe: bool, ok: bool, error: _AttemptFailed | None = None) -> None:
         server.inflight -= 1
-        if ok:
+        if ok and server.out_since is not None and not probe:
+            server.completed += 1  # sent before it was taken out: only its probe request brings it back
+        elif ok:
             if server.out_since is not None:
                 console.print(f"[green]{server.url} answers again; back in rotation[/]")
             server.failures, server.out_since, server.completed = 0, None, server.completed + 1
@@ -176,11 +184,28 @@ class ChatClient:
         self._changed.set()  # wake every waiter; each re-checks the servers
         self._changed.clear()
 
+    def take_out(self, url: str, reason: str) -> None:
+        """Take a server out of rotation now, though its HTTP answer was fine: what it produced is unusable
+        (e.g. a hidden-states file that never arrived whole). It gets a probe request after probe_interval."""
+        server = next(s for s in self.servers if s.url == url.rstrip("/"))
+        now = time.monotonic()
+        server.last_error = reason
+        if server.out_since is None:
+            server.out_since, server.retry_at = now, now + server.probe_interval
+            server.times_out += 1
+            console.print(f"[yellow]{server.url} taken out of rotation ({self.scrub(reason)}); probing it again in "
+                          f"{server.probe_interval:g}s[/]")
+        else:
+            server.probe_interval = min(server.probe_interval * 2, MAX_PROBE_INTERVAL)
+            server.retry_at = now + server.probe_interval
+        self._changed.set()
+        self._changed.clear()
+
     # --- one request ------------------------------------------------------------------------------
 
-    async def _attempt(self, server: Server, body: dict) -> dict[str, Any]:
+    async def _attempt(self, server: Server, path: str, body: dict, check) -> dict[str, Any]:
         try:
-            resp = await self._http.post(server.url + "/chat/completions", json=body)
+            resp = await self._http.post(server.url + path, json=body)
         except httpx.TimeoutException:
             raise _AttemptFailed(f"timed out after {self.cfg.timeout:g}s", retry=True, server_fault=True) from None
         except httpx.HTTPError as err:  # connection refused/reset, protocol errors: the server's side
@@ -197,9 +222,7 @@ class ChatClient:
             raise _AttemptFailed(f"HTTP {code}: {text}", retry=False, server_fault=False)
         try:
             data = resp.json()
-            message = data["choices"][0]["message"]
-            if not isinstance(message, dict):
-                raise TypeError("message is not an object")
+            check(data)
         except (ValueError, KeyError, IndexError, TypeError) as err:
             raise _AttemptFailed(f"malformed response ({type(err).__name__}: {err}): {resp.text[:200]!r}",
                                  retry=True, server_fault=True) from None
@@ -211,13 +234,18 @@ class ChatClient:
 
     async def chat(self, messages: list[dict]) -> Reply:
         """One chat completion, retried as the module says; raises RequestFailed when it fails for good."""
+        return await self.post("/chat/completions", lambda: self.body(messages), _has_message)
+
+    async def post(self, path: str, make_body, check=lambda data: None) -> Reply:
+        """POST ``make_body()`` to ``path`` of a server (retried and rotated as the module says). ``check(data)``
+        raises ValueError/KeyError/TypeError on a malformed answer, which counts as the server's fault."""
         attempt = 0
         while True:
             attempt += 1
-            body = self.body(messages)
+            body = make_body()
             server, probe = await self._acquire()
             try:
-                data = await self._attempt(server, body)
+                data = await self._attempt(server, path, body, check)
             except _AttemptFailed as failure:
                 self._release(server, probe, ok=False, error=failure)
                 if "return_token_ids" in failure.reason and body.get("return_token_ids") and not failure.retry:
@@ -242,6 +270,22 @@ class ChatClient:
         """One line per server that was taken out of rotation during the run."""
         return [f"{s.url}: taken out of rotation {s.times_out}x, last error: {self.scrub(s.last_error)}; "
                 f"{s.completed} requests completed there" for s in self.servers if s.times_out]
+
+
+def _has_message(data: dict) -> None:
+    if not isinstance(data["choices"][0]["message"], dict):
+        raise TypeError("message is not an object")
+
+
+def api_key_from_env(name: str | None, key: str) -> str | None:
+    """The API key held by the environment variable ``name`` (config key ``key`` names it); None when unset."""
+    if not name:
+        return None
+    value = os.environ.get(name)
+    if not value:
+        raise UsageError(f"{key} names {name}, which is not set in the environment",
+                         f"export {name}=... before running (the key itself never goes in the config)")
+    return value
 
 
 # --- plain GETs for the pre-flight ----------------------------------------------------------------

@@ -1,17 +1,28 @@
-"""extract (offline mode only): run the frozen target once over the prepared tokens and store its features.
+"""extract (offline mode only): the target's hidden states for every prepared sample, to disk.
 
-Reads ``prepare/tokens.safetensors``; writes ``extract/shard-NNNNN.safetensors`` (aux hidden states
-[T, 3Ht] and the final normed hidden state [T, Ht] per token, see ``eaglekit.data.shards``) with a sidecar
-each, and ``extract/index.json`` at the end. The final hidden state is stored instead of logits (Ht numbers
-per token rather than Vd): the train stage applies the target's lm_head itself.
+Reads ``prepare/tokens.safetensors``; writes ``extract/shard-NNNNN.safetensors`` (per token: three aux
+hidden states and the final normed hidden state, in ``extract.dtype``: bfloat16, or fp8 at half the
+bytes — see ``eaglekit.data.shards``), a ``.json`` sidecar per shard, and ``extract/index.json`` at the
+end. The final hidden state is stored instead of logits (Ht numbers per token rather than Vd): the train
+stage applies the target's lm_head itself.
+
+Two feature sources (``extract.backend``):
+  hf    the target in this process (transformers), batch by batch;
+  vllm  running vLLM servers started with the ``extract_hidden_states`` method (``eaglekit serve-command
+        CONFIG`` prints the command): each sample is sent as token ids with max_tokens 1, many in flight
+        over all servers (``eaglekit.serving.vllm_features``).
+Either way the rows go to a background writer (``eaglekit.data.shard_sink``) so computing and writing
+overlap; the stage reports both rates and which one limited it.
 
 Resumable shard by shard: the shard plan is a function of the token store and ``extract.shard_tokens``,
-so a killed run skips the shards that have a sidecar and a file of the recorded size. Under torchrun,
-rank r extracts shards r, r+world, ...; rank 0 writes the index once all ranks are done.
+so a killed run redoes only the shards without a sidecar (a shard is committed — temp file, fsync,
+rename, then its sidecar with sha256 — or absent). Under torchrun, rank r extracts shards r, r+world,
+...; rank 0 writes the index once all ranks are done.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 
@@ -19,13 +30,14 @@ import torch
 
 from eaglekit.config import RunConfig
 from eaglekit.data import shards as sh
+from eaglekit.data.shard_sink import ShardSink
 from eaglekit.data.tokens import TokenStore
 from eaglekit.errors import EaglekitError
-from eaglekit.model.target import (TargetFeatures, aux_layer_ids, load_target, target_hf_config, target_identity,
-                                   text_config)
+from eaglekit.model.target import (TargetFeatures, aux_layer_ids, load_target, read_final_norm, target_hf_config,
+                                   target_identity)
 from eaglekit.preflight import checks as common
+from eaglekit.preflight import CheckResult, fail, ok, skip, will_be_produced
 from eaglekit.preflight import disk, environment, files, gpus
-from eaglekit.preflight import fail, ok, skip
 from eaglekit.preflight.checks import human_bytes
 from eaglekit.progress import Meter, console
 from eaglekit.training import distributed
@@ -37,7 +49,22 @@ FULL_SHA_LIMIT = 64 << 30  # pre-flight re-hashes existing shards up to this man
 
 
 def params(cfg: RunConfig) -> dict:
-    return {**cfg.extract.model_dump(exclude={"mode"}), "target": target_identity(cfg.target)}
+    """What the shards depend on: not the servers, concurrency or writer queue (adding a server must not
+    invalidate finished shards)."""
+    e = cfg.extract
+    p = {"backend": e.backend, "dtype": e.dtype, "shard_tokens": e.shard_tokens, "target": target_identity(cfg.target),
+         "format": sh.VERSION}  # shards of another storage format are another stage's outputs (--force replaces them)
+    if e.backend == "hf":
+        p["batch_tokens"] = e.batch_tokens  # padding changes the numerics a little
+    return p
+
+
+def live_counts(stage_dir) -> dict:
+    """What `status` shows while extract runs or after it was killed: the shards committed so far."""
+    entries = [sh.complete_shard(side.with_suffix(".safetensors")) for side in stage_dir.glob("shard-*.json")]
+    entries = [e for e in entries if e]
+    return {"shards_committed": len(entries), "samples": sum(e["samples"] for e in entries),
+            "tokens": sum(e["tokens"] for e in entries), "bytes": sum(e["bytes"] for e in entries)}
 
 
 def _plan(ctx):
@@ -46,8 +73,9 @@ def _plan(ctx):
     return store, lengths, sh.plan_shards(lengths, ctx.cfg.extract.shard_tokens)
 
 
-def _shard_meta(hidden: int, aux_ids: list[int], dtype: str) -> dict:
-    return {"hidden_size": hidden, "aux_layer_ids": json.dumps(aux_ids), "dtype": dtype}
+def _shard_meta(hidden: int, aux_ids: list[int], backend: str) -> dict:
+    return {"hidden_size": hidden, "aux_layer_ids": json.dumps(aux_ids), "backend": backend,
+            "last_hidden": "after the target's final norm"}
 
 
 def estimate_bytes(ctx) -> int | None:
@@ -56,16 +84,19 @@ def estimate_bytes(ctx) -> int | None:
         return None
     store, lengths, plan = _plan(ctx)
     hf = target_hf_config(ctx.cfg.target)
-    meta = _shard_meta(hf.hidden_size, aux_layer_ids(ctx.cfg.target, hf.num_hidden_layers), ctx.cfg.extract.dtype)
-    dtype = getattr(torch, ctx.cfg.extract.dtype)
+    meta = _shard_meta(hf.hidden_size, aux_layer_ids(ctx.cfg.target, hf.num_hidden_layers), ctx.cfg.extract.backend)
     total = 0
     for n, samples in enumerate(plan):
         if ctx.resuming and sh.complete_shard(ctx.dir / sh.shard_name(n)):
             continue
-        total += sh.shard_bytes([store.ids[i] for i in samples], sum(lengths[i] for i in samples), hf.hidden_size,
-                                dtype, meta) + 512
-    return total + 4096 + 256 * len(plan)
+        ids = [store.ids[i] for i in samples]
+        sidecar = 512 + sum(len(json.dumps(s)) + 12 for s in ids)  # the sidecar (and its copy in the index)
+        total += sh.shard_bytes(ids, sum(lengths[i] for i in samples), hf.hidden_size, ctx.cfg.extract.dtype,
+                                meta) + 2 * sidecar
+    return total + 4096
 
+
+# ------------------------------------------------------------------------------------------- pre-flight
 
 def existing_shards(ctx):
     """When resuming, the shards already written must match their sidecars (size always, sha256 when affordable)."""
@@ -81,15 +112,29 @@ def existing_shards(ctx):
 
 
 def damaged(ctx) -> str | None:
-    """A finished extract whose shard was deleted or cut short (say, to repair it) is rerun: it re-extracts only that."""
+    """A finished extract whose shard was deleted or cut short (say, to repair it) is rerun: it re-extracts only
+    that. Checked without hashing (sizes, and the sidecar's sha256 against the index's): a shard counts as
+    present once its sidecar does, so a shard the index lists but whose sidecar is gone is redone too."""
     try:
         shards = json.loads((ctx.dir / sh.INDEX).read_text())["shards"]
     except (OSError, ValueError, KeyError):
         return f"{ctx.dir / sh.INDEX} is missing or unreadable"
     for entry in shards:
-        if sh.complete_shard(ctx.dir / entry["file"]) is None:
-            return f"shard {entry['file']} is missing or not the size its sidecar records"
+        found = sh.complete_shard(ctx.dir / entry["file"])
+        if found is None:
+            return f"shard {entry['file']} or its sidecar is missing, or the shard is not the size its sidecar records"
+        if found.get("sha256") != entry.get("sha256"):
+            return f"shard {entry['file']}'s sidecar is not the one {sh.INDEX} lists (another extraction's shard)"
     return None
+
+
+def kept(ctx) -> str:
+    """What a stopped extract leaves: committed shards (an open one is a temp file, dropped on resume)."""
+    counts = live_counts(ctx.dir)
+    if not counts["shards_committed"]:
+        return "no shard committed yet (a rerun starts over)"
+    return (f"{counts['shards_committed']} committed shards ({counts['samples']} samples, {counts['tokens']} tokens) "
+            f"in {ctx.dir} (a rerun resumes after them)")
 
 
 def target_placement(ctx):
@@ -106,6 +151,9 @@ def target_placement(ctx):
 
 
 def checks(cfg: RunConfig) -> list:
+    if cfg.extract.backend == "vllm":  # the servers compute: no local devices to check, the servers instead
+        return [common.target_folder, files.target_weights, environment.software, feature_servers, feature_storage,
+                existing_shards, feature_smoke, disk.write_rate]
     return [common.target_folder, files.target_weights, environment.software, environment.devices, gpus.gpus,
             target_placement, existing_shards, disk.write_rate]
 
@@ -129,6 +177,8 @@ def estimate_write_rate(ctx) -> tuple[float, str] | None:
     return rate * per_token, f"{rate:,.0f} tok/s measured by the last extract × {per_token:,} B/token"
 
 
+# ------------------------------------------------------------------------------------------------- run
+
 @torch.no_grad()
 def run(ctx) -> dict:
     cfg = ctx.cfg
@@ -136,36 +186,41 @@ def run(ctx) -> dict:
     distributed.barrier()  # rank 0 has passed its pre-flight (and --force's cleanup) before any rank looks at shards
     rank, world = distributed.rank(), distributed.world_size()
     store, lengths, plan = _plan(ctx)
-    model = load_target(cfg.target, distributed.device())
-    n_layers = text_config(model.config).num_hidden_layers
+    hf = target_hf_config(cfg.target)
+    n_layers, hidden = hf.num_hidden_layers, hf.hidden_size
     aux_ids = aux_layer_ids(cfg.target, n_layers)
-    target = TargetFeatures(model, aux_ids)
-    hidden, dtype = target.hidden_size, getattr(torch, cfg.extract.dtype)
-    meta = _shard_meta(hidden, aux_ids, cfg.extract.dtype)
+    dtype, backend = cfg.extract.dtype, cfg.extract.backend
+    meta = _shard_meta(hidden, aux_ids, backend)
 
     mine = list(range(rank, len(plan), world))
     done = {n for n in mine if sh.complete_shard(ctx.dir / sh.shard_name(n))}
+    todo = [n for n in mine if n not in done]
+    for n in todo:  # what a killed run left of its open shards: temp files, never a visible shard
+        for tmp in ctx.dir.glob(f".{sh.shard_name(n).removesuffix('.safetensors')}.*.tmp"):
+            tmp.unlink(missing_ok=True)
     shard_tokens = {n: sum(lengths[i] for i in plan[n]) for n in mine}
     if done:
         console.print(f"extract: rank {rank}: {len(done)} of {len(mine)} shards already complete, resuming after them")
-    with Meter(f"extract (rank {rank})" if world > 1 else "extract", total=sum(shard_tokens.values()), unit="tok",
-               initial=sum(shard_tokens[n] for n in done)) as meter:
-        for n in mine:
-            if n in done:
-                continue
-            samples = plan[n]
-            slot = {i: j for j, i in enumerate(samples)}
-            with sh.ShardWriter(ctx.dir / sh.shard_name(n), [store.ids[i] for i in samples],
-                                [lengths[i] for i in samples], hidden, dtype, meta) as writer:
-                for batch in sh.plan_batches(samples, lengths, cfg.extract.batch_tokens):
-                    ids = [store[i][1] for i in batch]
-                    input_ids = pad(ids)
-                    mask = pad([torch.ones_like(t) for t in ids])
-                    feats = target(input_ids, mask, with_logits=False)
-                    aux, last = feats.aux.cpu(), feats.last_hidden.cpu()
-                    for b, i in enumerate(batch):
-                        writer.write(slot[i], aux[b, : lengths[i]], last[b, : lengths[i]])
-                    meter.update(sum(lengths[i] for i in batch), shard=f"{n + 1}/{len(plan)}")
+    writes = {n: ([store.ids[i] for i in plan[n]], [lengths[i] for i in plan[n]]) for n in todo}
+    # the feature source is ready before the clock starts: the target loaded, or the final norm read
+    target = TargetFeatures(load_target(cfg.target, distributed.device()), aux_ids) \
+        if backend == "hf" and todo else None
+    norm = read_final_norm(cfg.target) if backend == "vllm" and todo else None
+    label = f"extract (rank {rank})" if world > 1 else "extract"
+    with Meter(label, total=sum(shard_tokens.values()), unit="tok", initial=sum(shard_tokens[n] for n in done)) as meter:
+        with ShardSink(ctx.dir, writes, hidden, dtype, meta, depth=cfg.extract.writer_queue) as sink:
+            if backend == "vllm" and todo:
+                _extract_vllm(ctx, norm, store, plan, todo, sink, meter, aux_ids, n_layers, hidden)
+            elif todo:
+                _extract_hf(cfg, target, store, lengths, plan, todo, sink, meter)
+        rates = sink.report(sum(shard_tokens[n] for n in todo))
+    source = "the servers" if backend == "vllm" else "the target"
+    if todo:
+        console.print(f"extract{f' (rank {rank})' if world > 1 else ''}: {source} {rates['compute_tokens_per_s']:.0f} "
+                      f"tok/s, disk {rates['disk_mb_per_s']:.0f} MB/s; bottleneck: "
+                      + (f"the disk ({source} waited on it {rates['compute_waited_on_disk']:.0%} of the time)"
+                         if rates["bottleneck"] == "disk" else
+                         f"{source} (the writer was idle {rates['disk_idle']:.0%} of the time)"))
 
     distributed.barrier()
     counts = {}
@@ -174,12 +229,228 @@ def run(ctx) -> dict:
         missing = [sh.shard_name(n) for n, e in enumerate(entries) if e is None]
         if missing:
             raise EaglekitError(f"extract: {len(missing)} shards are missing or damaged after the run, e.g. {missing[0]}",
-                                "rerun `eaglekit extract CONFIG`; it re-extracts only those")
-        sh.write_index(ctx.dir, entries, {"hidden_size": hidden, "aux_layer_ids": aux_ids, "dtype": cfg.extract.dtype,
-                                          "target": cfg.target.model})
+                                "rerun the same command: it re-extracts only those")
+        sh.write_index(ctx.dir, entries, {"hidden_size": hidden, "aux_layer_ids": aux_ids, "dtype": dtype,
+                                          "backend": backend, "target": cfg.target.model,
+                                          "bytes_per_token": sh.bytes_per_token(hidden, dtype)})
         index = json.loads((ctx.dir / sh.INDEX).read_text())
         counts = {"shards": len(entries), "samples": index["samples"], "tokens": index["tokens"],
-                  "bytes": index["bytes"], "tokens_per_s": round(meter.rate, 1)}
-        console.print(f"extract: {counts['shards']} shards, {counts['tokens']} tokens, {human_bytes(counts['bytes'])}")
+                  "bytes": index["bytes"], "dtype": dtype, "backend": backend, "tokens_per_s": round(meter.rate, 1)}
+        if todo:
+            counts |= {k: rates[k] for k in ("compute_tokens_per_s", "disk_mb_per_s", "bottleneck")}
+        console.print(f"extract: {counts['shards']} shards, {counts['tokens']} tokens, {human_bytes(counts['bytes'])} "
+                      f"({dtype}, {index['bytes'] / max(index['tokens'], 1):.0f} bytes per token)")
     distributed.barrier()
     return counts
+
+
+def _extract_hf(cfg, target: TargetFeatures, store, lengths, plan, todo, sink, meter) -> None:
+    """The target in this process: length-sorted batches of each shard; rows are encoded on the device."""
+    for n in todo:
+        slot = {i: j for j, i in enumerate(plan[n])}
+        for batch in sh.plan_batches(plan[n], lengths, cfg.extract.batch_tokens):
+            ids = [store[i][1] for i in batch]
+            feats = target(pad(ids), pad([torch.ones_like(t) for t in ids]), with_logits=False)
+            rows = sh.encode(feats.aux, feats.last_hidden, cfg.extract.dtype).to("cpu")
+            sink.put(n, [(slot[i], sh.Rows(rows.aux[b, :lengths[i]], rows.last_hidden[b, :lengths[i]],
+                                           None if rows.scale_exp is None else rows.scale_exp[b, :lengths[i]]))
+                         for b, i in enumerate(batch)])
+            meter.update(sum(lengths[i] for i in batch), shard=f"{n + 1}/{len(plan)}")
+
+
+def _extract_vllm(ctx, norm, store, plan, todo, sink, meter, aux_ids, n_layers, hidden) -> None:
+    """vLLM servers: every sample of the pending shards in flight (bounded), rows written as they arrive."""
+    from eaglekit.serving.client import RequestFailed
+    from eaglekit.serving.vllm_features import FeatureClient, server_layer_ids
+
+    cfg, v = ctx.cfg, ctx.cfg.extract.vllm
+    layer_ids = server_layer_ids(aux_ids, n_layers)
+    prefix = f"ek{ctx.fingerprint[:10]}-r{distributed.rank()}"
+    in_flight = 2 * v.concurrency * len(v.servers)
+
+    async def extract_all() -> None:
+        async with FeatureClient(v, feature_api_key(cfg), served_model(cfg), layer_ids, hidden, norm, prefix) as client:
+            left = client.remove_leftovers()
+            if left:
+                console.print(f"extract: removed {left} files of an earlier, interrupted run from {v.storage_path}")
+            slots = asyncio.Semaphore(in_flight)
+            failures: list[BaseException] = []
+            tasks: set[asyncio.Task] = set()
+
+            async def one(n: int, j: int, i: int) -> None:
+                try:
+                    ids = store[i][1]
+                    await client.capture(i, ids.tolist(), lambda cap: sink.put(
+                        n, [(j, sh.encode(cap.aux, cap.last_hidden, cfg.extract.dtype))]))
+                    meter.update(len(ids), shard=f"{n + 1}/{len(plan)}")
+                except RequestFailed as err:
+                    failures.append(EaglekitError(
+                        f"extract: sample {store.ids[i]!r} failed after {err.attempts} attempts: {err.reason}",
+                        "check the servers (`eaglekit preflight CONFIG --stage extract`), then rerun the same command: "
+                        "committed shards are kept"))
+                except Exception as err:  # the first failure stops the run (a cancellation just ends the task)
+                    failures.append(err)
+                finally:
+                    slots.release()
+
+            try:
+                for n in todo:
+                    for j, i in enumerate(plan[n]):
+                        await slots.acquire()
+                        if failures:
+                            break
+                        task = asyncio.create_task(one(n, j, i))
+                        tasks.add(task)
+                        task.add_done_callback(tasks.discard)
+                    if failures:
+                        break
+                while tasks and not failures:
+                    await asyncio.wait(set(tasks), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for task in tasks:
+                    task.cancel()
+                if tasks:
+                    await asyncio.gather(*tasks, return_exceptions=True)
+                client.remove_leftovers()
+            if failures:
+                raise failures[0]
+
+    asyncio.run(extract_all())
+
+
+# ---------------------------------------------------------------------------------------- vLLM helpers
+
+def served_model(cfg: RunConfig) -> str:
+    return cfg.extract.vllm.model or cfg.target.model
+
+
+def feature_api_key(cfg: RunConfig) -> str | None:
+    from eaglekit.serving.client import api_key_from_env
+
+    return api_key_from_env(cfg.extract.vllm.api_key_env, "extract.vllm.api_key_env")
+
+
+def vllm_serve_command(cfg: RunConfig) -> str:
+    """The command that starts one feature server for this config (the same for every server)."""
+    from eaglekit.serving.vllm_features import serve_command, server_layer_ids
+
+    if cfg.extract.vllm is None:
+        raise EaglekitError("extract.vllm is not set", "add extract: {mode: offline, backend: vllm, vllm: "
+                                                       "{servers: [...], storage_path: ...}} to the config")
+    hf = target_hf_config(cfg.target)
+    ids = server_layer_ids(aux_layer_ids(cfg.target, hf.num_hidden_layers), hf.num_hidden_layers)
+    tokens = os.path.join(cfg.run_dir, "prepare", "tokens.safetensors")
+    longest = int(TokenStore(tokens).lengths.max()) + 1 if os.path.exists(tokens) else None
+    v = cfg.extract.vllm
+    return serve_command(cfg.target.model, ids, v.storage_path, v.connector, served_model(cfg), longest)
+
+
+def _longest_sample(ctx) -> int | None:
+    path = ctx.run.stage_dir("prepare") / "tokens.safetensors"
+    return int(TokenStore(path).lengths.max()) if path.exists() else None
+
+
+def feature_servers(ctx) -> list:
+    """Every feature server answers, serves the model, and has a context for the longest sample plus one token."""
+    from eaglekit.serving.checks import server_info
+
+    cfg, v = ctx.cfg, ctx.cfg.extract.vllm
+    try:
+        key = feature_api_key(cfg)
+    except EaglekitError as err:
+        return [fail("feature servers", err.message, err.remedy)]
+    model, longest = served_model(cfg), _longest_sample(ctx)
+    results = []
+    for url in v.servers:
+        info = server_info(url, key, model)
+        name = f"feature server {info['url']}"
+        if info["error"]:
+            results.append(fail(name, info["error"], info["remedy"] + "; the command to start it: "
+                                "`eaglekit serve-command CONFIG`"))
+            continue
+        if not any(m.get("id") == model for m in info["models"]):
+            served = ", ".join(str(m.get("id")) for m in info["models"]) or "nothing"
+            results.append(fail(name, f"does not serve '{model}'; it serves: {served}",
+                                "set extract.vllm.model to the served id, or start the server for this target"))
+            continue
+        limit = info["max_model_len"]
+        if limit and longest and longest + 1 > limit:
+            results.append(fail(name, f"max_model_len {limit} < the longest prepared sample ({longest} tokens) + 1",
+                                f"restart it with --max-model-len {longest + 1} (or more)"))
+            continue
+        results.append(ok(name, f"serves {model} (max_model_len {limit or '?'}); {info['version'] or 'version unknown'}"))
+    return results
+
+
+def feature_storage(ctx):
+    """The servers' shared_storage_path is a folder here that eaglekit can read and clean up."""
+    path = ctx.cfg.extract.vllm.storage_path
+    if not os.path.isdir(path):
+        return fail("feature storage", f"extract.vllm.storage_path {path} is not a folder here",
+                    "create it on storage both this machine and the servers reach (the same folder the servers' "
+                    "shared_storage_path names), and set it to this machine's path of it")
+    if not os.access(path, os.R_OK | os.W_OK | os.X_OK):
+        return fail("feature storage", f"{path} is not readable and writable here",
+                    "eaglekit reads each request's file there and deletes it: fix the permissions")
+    return ok("feature storage", f"{path} (each request's file is deleted once its rows are in a shard)")
+
+
+def feature_smoke(ctx) -> list:
+    """One real request per server through the run's own code path, then the server's own next token is
+    checked against the captured final state through the target's norm and lm_head — which proves the layer
+    ids, the pre-norm final state and the token alignment in one go."""
+    from eaglekit.model.target import embedding_and_head
+    from eaglekit.serving.client import RequestFailed
+    from eaglekit.serving.vllm_features import FeatureClient, server_layer_ids
+
+    cfg, v = ctx.cfg, ctx.cfg.extract.vllm
+    path = ctx.run.stage_dir("prepare") / "tokens.safetensors"
+    pending = will_be_produced(ctx, "feature smoke request", "prepare")
+    if pending or not path.exists():  # (not pending and missing: the upstream check fails and says why)
+        return [pending or skip("feature smoke request", "no prepared tokens yet")]
+    store = TokenStore(path)
+    if len(store) == 0:
+        return [skip("feature smoke request", "no prepared samples")]
+    i = int(store.lengths.argmin())
+    ids = store[i][1].tolist()
+    try:
+        hf = target_hf_config(cfg.target)
+        layer_ids = server_layer_ids(aux_layer_ids(cfg.target, hf.num_hidden_layers), hf.num_hidden_layers)
+        norm = read_final_norm(cfg.target)
+        _, head = embedding_and_head(cfg.target.model, cfg.target.trust_remote_code)
+    except EaglekitError as err:  # the target's norm or lm_head cannot be read by name
+        return [fail("feature smoke request", err.message, err.remedy or "check target.model")]
+    results = []
+    for url in v.servers:
+        name = f"feature smoke request {url}"
+        one = v.model_copy(update={"servers": [url], "concurrency": 1, "max_retries": min(v.max_retries, 1)})
+
+        async def ask():
+            async with FeatureClient(one, feature_api_key(cfg), served_model(cfg), layer_ids, hf.hidden_size, norm,
+                                     f"eksmoke{os.getpid()}") as client:
+                return await client.capture(i, ids)
+        try:
+            cap = asyncio.run(ask())
+        except RequestFailed as err:
+            results.append(fail(name, f"sample {store.ids[i]!r} failed after {err.attempts} attempts: {err.reason}",
+                                "fix what the server says; `eaglekit preflight CONFIG --stage extract` tries again"))
+            continue
+        except EaglekitError as err:
+            results.append(fail(name, err.message, err.remedy or "see the message"))
+            continue
+        logits = cap.last_hidden[-1].float() @ head.float().T
+        top = logits.topk(min(5, logits.numel())).indices.tolist()
+        detail = (f"{len(ids)} tokens, states {list(cap.aux.shape)} + {list(cap.last_hidden.shape)} "
+                  f"({cap.aux.dtype}); the server's next token {cap.generated}, ours {top[0]}")
+        if cap.generated is None:
+            results.append(ok(name, detail + " (the server returned no token ids; next-token check skipped)"))
+        elif cap.generated == top[0]:
+            results.append(ok(name, detail))
+        elif cap.generated in top:
+            results.append(CheckResult(name, "warn", detail + ": within our top 5 (a near-tie, bf16 numerics)",
+                                       "fine for training when it happens rarely"))
+        else:
+            results.append(fail(name, detail + ": the captured final state does not predict the server's token",
+                                "the server's layer ids or model differ from this config, or the target's final norm "
+                                "is not a plain RMSNorm: restart it with `eaglekit serve-command CONFIG`"))
+    return results

@@ -27,7 +27,7 @@ from typing import Any
 from eaglekit.config import RunConfig
 from eaglekit.data.prompts import PromptRecord, PromptSet, load_prompts
 from eaglekit.data.responses import RESPONSES, ResponseStore, make_record, quick_counts, summarize
-from eaglekit.errors import EaglekitError, UsageError
+from eaglekit.errors import EaglekitError
 from eaglekit.preflight import checks as common
 from eaglekit.preflight import dataset, environment, files, gpus
 from eaglekit.progress import Meter, console
@@ -117,14 +117,9 @@ def reasoning_mode(cfg: RunConfig) -> tuple[str, str]:
 
 
 def api_key(cfg: RunConfig) -> str | None:
-    name = cfg.generate.api_key_env
-    if not name:
-        return None
-    key = os.environ.get(name)
-    if not key:
-        raise UsageError(f"generate.api_key_env names {name}, which is not set in the environment",
-                         f"export {name}=... before running (the key itself never goes in the config)")
-    return key
+    from eaglekit.serving.client import api_key_from_env
+
+    return api_key_from_env(cfg.generate.api_key_env, "generate.api_key_env")
 
 
 def estimate_bytes(ctx) -> int | None:

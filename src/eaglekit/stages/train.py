@@ -35,6 +35,8 @@ def params(cfg: RunConfig) -> dict:
     p["target"] = target_identity(cfg.target)
     p["eval_fraction"] = cfg.data.eval_fraction
     p["features"] = cfg.extract.mode
+    if cfg.extract.mode != "offline":  # the data order's blocks (offline: the shards, in extract's fingerprint)
+        p["data_blocks"] = cfg.extract.shard_tokens
     if cfg.train.init_from:
         p["init_from"] = file_identity(cfg.train.init_from)
     return p

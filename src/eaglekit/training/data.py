@@ -1,9 +1,14 @@
 """Training batches: the train / held-out split, length-bucketed batches in a deterministic order, padding.
 
-The order of every epoch is a function of (seed, epoch) alone, and micro-batch ``u`` of the whole run is
-batch ``u % per_epoch`` of epoch ``u // per_epoch`` — so a resumed run finds its data position from the
-step it restores, with nothing to replay. Under torchrun each global batch holds ``batch_size × world``
-samples and rank r takes every world-th of them.
+The order of every epoch is a function of (seed, epoch) and the data's blocks alone, and micro-batch ``u``
+of the whole run is batch ``u % per_epoch`` of epoch ``u // per_epoch`` — so a resumed run finds its data
+position from the step it restores, with nothing to replay. Under torchrun each global batch holds
+``batch_size × world`` samples and rank r takes every world-th of them.
+
+Blocks are the feature shards (offline) or the same plan of the token store (online, so both modes see
+one order): an epoch visits the blocks in a shuffled order, each block's samples shuffled, and shuffles
+within windows of ``BUCKET_BATCHES`` batches — so offline training reads a few memory-mapped shards at a
+time instead of every shard at random. ``Loader`` collates the next micro-batches in a background thread.
 
 Sequences are right-padded and masked (``attention_mask``); packing several documents into one row is not
 supported: the TTT attention would need per-document masks for the draft's own steps too.
@@ -11,8 +16,12 @@ supported: the TTT attention would need per-document masks for the draft's own s
 
 from __future__ import annotations
 
+import copy
+import queue
 import random
+import threading
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -31,17 +40,28 @@ def split_indices(store: TokenStore, eval_fraction: float) -> tuple[list[int], l
     return train, held
 
 
-def epoch_batches(indices: list[int], lengths: list[int], global_batch: int, seed: int, epoch: int) -> list[list[int]]:
-    """Global batches of one epoch: shuffle, sort by length within buckets, shuffle the batches."""
+def epoch_batches(indices: list[int], lengths: list[int], global_batch: int, seed: int, epoch: int,
+                  blocks: list[list[int]] | None = None) -> list[list[int]]:
+    """Global batches of one epoch: blocks in a shuffled order, each shuffled; then windows of BUCKET_BATCHES
+    batches, sorted by length inside (little padding) and their batches shuffled. ``blocks=None``: one block."""
     rng = random.Random(f"{seed}:{epoch}")
-    order = list(indices)
-    rng.shuffle(order)
+    wanted = set(indices)
+    groups = [list(indices)] if blocks is None else [[i for i in b if i in wanted] for b in blocks]
+    if blocks is not None:
+        covered = {i for g in groups for i in g}
+        groups.append(sorted(wanted - covered))  # samples no block holds (none, when blocks are the shards)
+    rng.shuffle(groups)
+    order = []
+    for group in groups:
+        rng.shuffle(group)
+        order.extend(group)
     bucket = global_batch * BUCKET_BATCHES
     batches = []
     for start in range(0, len(order), bucket):
         chunk = sorted(order[start:start + bucket], key=lambda i: lengths[i])
-        batches.extend(chunk[j:j + global_batch] for j in range(0, len(chunk), global_batch))
-    rng.shuffle(batches)
+        window = [chunk[j:j + global_batch] for j in range(0, len(chunk), global_batch)]
+        rng.shuffle(window)
+        batches.extend(window)
     return batches
 
 
@@ -59,8 +79,9 @@ class Batch:
     input_ids: torch.Tensor        # [B, L] int64, right-padded with 0
     attention_mask: torch.Tensor   # [B, L] int64
     loss_mask: torch.Tensor        # [B, L] int64
-    aux: torch.Tensor | None = None          # offline: [B, L, 3Ht]
+    aux: torch.Tensor | None = None          # offline: [B, L, 3Ht] in the storage dtype
     last_hidden: torch.Tensor | None = None  # offline: [B, L, Ht]
+    scale_exp: torch.Tensor | None = None    # offline fp8: [B, L, 4] int8 (see eaglekit.data.shards)
 
     @property
     def tokens(self) -> int:
@@ -68,7 +89,8 @@ class Batch:
 
     def to(self, device) -> "Batch":
         move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
-        return Batch(*(move(t) for t in (self.input_ids, self.attention_mask, self.loss_mask, self.aux, self.last_hidden)))
+        return Batch(*(move(t) for t in (self.input_ids, self.attention_mask, self.loss_mask, self.aux, self.last_hidden,
+                                         self.scale_exp)))
 
 
 def pad(rows: list[torch.Tensor], value=0) -> torch.Tensor:
@@ -86,6 +108,65 @@ def collate(store: TokenStore, indices: list[int], features: FeatureStore | None
     batch = Batch(input_ids=pad(ids), attention_mask=pad([torch.ones_like(t) for t in ids]),
                   loss_mask=pad([s[2].long() for s in samples]))
     if features is not None:
-        feats = [features[s[0]] for s in samples]
-        batch.aux, batch.last_hidden = pad([f[0] for f in feats]), pad([f[1] for f in feats])
+        rows = [features[s[0]] for s in samples]
+        batch.aux, batch.last_hidden = pad([r.aux for r in rows]), pad([r.last_hidden for r in rows])
+        if rows[0].scale_exp is not None:
+            batch.scale_exp = pad([r.scale_exp for r in rows])
     return batch
+
+
+class Loader:
+    """Micro-batch ``u`` of the run, collated ahead of time in a background thread.
+
+    ``make(u, store, features)`` collates micro-batch u with the stores it is given: the thread works on its
+    own copies of the token and feature stores (their open files are not shared between threads). Asking
+    for any u other than the next one restarts the read-ahead there.
+    """
+
+    def __init__(self, make: Callable, store: TokenStore, features: FeatureStore | None, ahead: int = 2):
+        self.make, self.ahead = make, ahead
+        self.store, self.features = copy.copy(store), copy.copy(features)
+        self._queue: queue.Queue | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._next = None
+
+    def get(self, u: int) -> Batch:
+        if self._queue is None or u != self._next:
+            self._start(u)
+        item = self._queue.get()
+        self._next = u + 1
+        if isinstance(item, BaseException):
+            self.close()
+            raise item
+        return item
+
+    def _start(self, u: int) -> None:
+        self.close()
+        self._stop = threading.Event()
+        self._queue = queue.Queue(maxsize=self.ahead)
+        self._thread = threading.Thread(target=self._run, args=(u, self._queue, self._stop), daemon=True,
+                                        name="eaglekit-loader")
+        self._thread.start()
+
+    def _run(self, u: int, out: queue.Queue, stop: threading.Event) -> None:
+        while not stop.is_set():
+            try:
+                item = self.make(u, self.store, self.features)
+            except BaseException as err:  # raised in the training thread by get()
+                item = err
+            while not stop.is_set():
+                try:
+                    out.put(item, timeout=0.2)
+                    break
+                except queue.Full:
+                    continue
+            if isinstance(item, BaseException):
+                return
+            u += 1
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+        self._thread = self._queue = None

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from eaglekit import atomic
-from eaglekit.data.shards import FeatureStore
+from eaglekit.data.shards import FeatureStore, Rows, decode, plan_shards
 from eaglekit.data.tokens import TokenStore
 from eaglekit.errors import EaglekitError
 from eaglekit.interrupt import StopRequest
@@ -43,7 +43,7 @@ from eaglekit.plots import training_curves
 from eaglekit.progress import Meter, console
 from eaglekit.stages.vocab import load_vocab
 from eaglekit.training import distributed as dist
-from eaglekit.training.data import Batch, collate, epoch_batches, eval_batches, rank_share, split_indices
+from eaglekit.training.data import Batch, Loader, collate, epoch_batches, eval_batches, rank_share, split_indices
 from eaglekit.training.ttt import TTTOutput, simulated_acceptance_length, ttt_loss
 
 STATE = "training_state.pt"
@@ -186,10 +186,22 @@ class Features:
         if self.store is None:
             f = self.target(b.input_ids, b.attention_mask)
             aux, logits, in_draft = f.aux.to(self.device), f.target_logits.to(self.device), f.target_in_draft.to(self.device)
-        else:
-            aux = b.aux
-            logits, in_draft = self.head(b.last_hidden)
+        else:  # stored rows (bf16, or fp8 with its scales) are decoded on the device: half the bytes travel
+            aux, last = decode(Rows(b.aux, b.last_hidden, b.scale_exp), self.head.weight.dtype)
+            logits, in_draft = self.head(last)
         return aux.to(self.aux_dtype), b.input_ids, logits, b.loss_mask, b.attention_mask, in_draft
+
+    def blocks(self, store: TokenStore, lengths: list[int], shard_tokens: int) -> list[list[int]]:
+        """Token-store indices per data block: the feature shards offline, the same plan online (one data order)."""
+        if self.store is None:
+            return plan_shards(lengths, shard_tokens)
+        position = {sid: i for i, sid in enumerate(store.ids)}
+        missing = [sid for sid in store.ids if sid not in self.store]
+        if missing:
+            raise EaglekitError(f"{len(missing)} prepared samples have no offline features (e.g. {missing[0]!r})",
+                                "the features are from other prepared tokens: rerun extraction: "
+                                "`eaglekit run CONFIG --from extract --force`")
+        return [[position[sid] for sid in ids if sid in position] for ids in self.store.shard_members()]
 
 
 # ------------------------------------------------------------------------------------------- bookkeeping
@@ -467,8 +479,10 @@ def train(ctx) -> dict[str, Any]:
                             f"{cfg.data.eval_fraction})", "lower data.eval_fraction or add data")
     global_batch = tc.batch_size * world
 
+    blocks = features.blocks(store, lengths, cfg.extract.shard_tokens)
+
     def plan(epoch: int) -> list[list[int]]:
-        return [b for b in epoch_batches(train_idx, lengths, global_batch, tc.seed, epoch) if len(b) >= world]
+        return [b for b in epoch_batches(train_idx, lengths, global_batch, tc.seed, epoch, blocks) if len(b) >= world]
 
     per_epoch = len(plan(0))
     if per_epoch == 0:
@@ -518,20 +532,27 @@ def train(ctx) -> dict[str, Any]:
     last_eval = run_eval(0) if start_step == 0 else None
     window = Window(tc.ttt_steps, window_state)
     epoch_cache: dict[int, list[list[int]]] = {}
+
+    def micro_batch(u: int, tokens: TokenStore, feature_store: FeatureStore | None) -> Batch:
+        """Micro-batch u of the run for this rank (read ahead by the Loader's thread)."""
+        nonlocal epoch_cache
+        epoch, pos = divmod(u, per_epoch)
+        if epoch not in epoch_cache:
+            epoch_cache = {epoch: plan(epoch)}
+        return collate(tokens, rank_share(epoch_cache[epoch][pos], rank, world), feature_store)
+
     t0, local_tokens = time.monotonic(), 0
     model.train()
     # Ctrl-C / SIGTERM finish the step in progress and write a checkpoint before stopping (a second one stops at once)
     stop = StopRequest(lambda name: say(f"[yellow]train: {name}: finishing this step and writing a checkpoint "
                                         "(send it again to stop at once)[/]"))
     last_save = time.monotonic()
-    with stop, Meter("train" if dist.is_main() else f"train (rank {rank})", total=total_steps, unit="step",
-                     initial=start_step) as meter:
+    with stop, contextlib.closing(Loader(micro_batch, store, features.store)) as loader, \
+            Meter("train" if dist.is_main() else f"train (rank {rank})", total=total_steps, unit="step",
+                  initial=start_step) as meter:
         for step in range(start_step, total_steps):
             for a in range(tc.grad_accum):
-                epoch, pos = divmod(step * tc.grad_accum + a, per_epoch)
-                if epoch not in epoch_cache:
-                    epoch_cache = {epoch: plan(epoch)}
-                batch = collate(store, rank_share(epoch_cache[epoch][pos], rank, world), features.store)
+                batch = loader.get(step * tc.grad_accum + a)
                 inputs = features(batch)
                 last_micro = a == tc.grad_accum - 1 or not hasattr(model, "no_sync")
                 with (contextlib.nullcontext() if last_micro else model.no_sync()):

