@@ -237,11 +237,8 @@ def test_load_refusals(tmp_path):
     raw = json.loads((tmp_path / "s" / "config.json").read_text())
     del raw["norm_before_residual"]
     (tmp_path / "s" / "config.json").write_text(json.dumps(raw))
-    with pytest.raises(UsageError, match="norm_before_residual"):
-        ck.load_drafter(tmp_path / "s")
+    assert ck.load_drafter(tmp_path / "s")[0].config.norm_before_residual is True  # vLLM's reading when absent
     (tmp_path / "s" / "model.safetensors").unlink()
-    raw["norm_before_residual"] = False
-    (tmp_path / "s" / "config.json").write_text(json.dumps(raw))
     with pytest.raises(UsageError, match="no model.safetensors"):
         ck.load_drafter(tmp_path / "s")
 
