@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import DeepseekV3Config, LlamaConfig
@@ -28,9 +30,11 @@ def deepseek_target(**kw) -> DeepseekV3Config:
 def test_mla_layer_matches_transformers_deepseek_v3_attention(q_lora_rank, rope_scaling):
     """q/k/v, interleaved RoPE, YaRN tables and softmax scale give the attention of transformers' DeepSeek-V3."""
     target = deepseek_target(q_lora_rank=q_lora_rank, rope_scaling=rope_scaling)
-    cfg = DrafterConfig.from_target_config(target, draft_vocab_size=20, architecture="mla")
+    cfg = DrafterConfig.from_target_config(target, draft_vocab_size=20, architecture="mla", q_lora_rank=q_lora_rank)
     assert (cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim) == (
-        q_lora_rank, 16, 8, 4, 6)
+        q_lora_rank or 96, 16, 8, 4, 6)
+    if q_lora_rank is None:  # published drafters may have one q_proj: the layer supports it
+        cfg = dataclasses.replace(cfg, q_lora_rank=None)
     torch.manual_seed(0)
     drafter = Eagle3Drafter(cfg).double()
     layer = drafter.midlayer
@@ -74,11 +78,12 @@ def test_mla_config_from_targets():
     assert cfg.rope_scaling["rope_type"] == "yarn" and cfg.max_position_embeddings == 512
     assert cfg.intermediate_size == 48  # the target's dense MLP, not its experts'
     assert DrafterConfig.from_dict(cfg.to_dict()) == cfg
-    # train.draft overrides: q_lora_rank 0 = no q compression, flags, a narrower latent.
-    small = DrafterConfig.from_target_config(deepseek_target(), 20, architecture="mla", q_lora_rank=0,
-                                             kv_lora_rank=8, fc_norm=True, norm_output=True)
-    assert (small.q_lora_rank, small.kv_lora_rank, small.fc_norm, small.norm_output) == (None, 8, True, True)
-    assert "q_proj" in dict(Eagle3Drafter(small).midlayer.self_attn.named_children())
+    # train.draft overrides: flags, a narrower latent.
+    small = DrafterConfig.from_target_config(deepseek_target(), 20, architecture="mla", kv_lora_rank=8, fc_norm=True,
+                                             norm_output=True)
+    assert (small.q_lora_rank, small.kv_lora_rank, small.fc_norm, small.norm_output) == (24, 8, True, True)
+    # A target without q compression (DeepSeek-V2-Lite): the drafter still gets one, the only layout the engines load.
+    assert DrafterConfig.from_target_config(deepseek_target(q_lora_rank=None), 20, architecture="mla").q_lora_rank == 96
 
     # A Llama target: DeepSeek-V3's proportions of its head width (d = 64 / 4 = 16).
     llama = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=8, num_attention_heads=4,

@@ -29,6 +29,7 @@ What the loaders read (vLLM ``model_executor/models/llama_eagle3.py``, ``deepsee
     indices; SGLang reads only ``eagle_config.eagle_aux_hidden_state_layer_ids`` and adds 1 to each.
     The plain form therefore writes both, the second one less (FORMATS.md §3).
   - SGLang ties lm_head to embed_tokens when ``tie_word_embeddings`` is true: always write false.
+  - A draft vocab equal to the target's is written without d2t/t2d: vLLM has no parameter to load them into.
   - Neither loader complains about a missing or unknown key, hence ``validate_state_dict``.
 """
 
@@ -145,7 +146,7 @@ def validate_state_dict(state: dict[str, torch.Tensor], cfg: DrafterConfig, form
 def _layer_config(cfg: DrafterConfig) -> dict[str, Any]:
     """The config of the one decoder layer (Llama or DeepSeek-V3 shaped), shared by both forms."""
     if cfg.architecture == "mla":
-        shape = {"model_type": "deepseek_v3", "num_key_value_heads": cfg.num_attention_heads,
+        shape = {"model_type": "deepseek_v2", "num_key_value_heads": cfg.num_attention_heads,
                  **{name: getattr(cfg, name) for name in
                     ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")},
                  "rope_interleave": True}
@@ -211,17 +212,27 @@ def speculators_config(cfg: DrafterConfig, verifier_name_or_path: str | None, ve
 
 
 def sglang_ignores(cfg: DrafterConfig) -> list[str]:
-    """What SGLang's drafter classes do not read, so that it would serve this drafter wrong (or not at all)."""
-    out = [name for name in ("norm_before_residual", "norm_before_fc") if getattr(cfg, name)]
+    """The flags SGLang's drafter classes do not read: it would serve this drafter as if they were off."""
+    return [name for name in ("norm_before_residual", "norm_before_fc") if getattr(cfg, name)]
+
+
+def serving_problems(cfg: DrafterConfig) -> list[str]:
+    """What keeps both engines from loading this drafter at all."""
     if cfg.architecture == "mla" and not cfg.q_lora_rank:
-        out.append("q_lora_rank null (kimi_k25_eagle3.py requires q_a_proj/q_b_proj)")
-    return out
+        return ["q_lora_rank is null (one q_proj): vLLM's deepseek_eagle3.py maps kv_a_proj_with_mqa onto "
+                "fused_qkv_a_proj, which exists only with q_lora_rank, and SGLang's kimi_k25_eagle3.py raises "
+                "'Eagle3 MLA layer requires q_lora_rank in the draft config'"]
+    return []
 
 
 def _export_state(drafter: Eagle3Drafter, form: str, include_embeddings: bool) -> dict[str, torch.Tensor]:
     state = {k: v.detach().cpu().contiguous() for k, v in drafter.state_dict().items()}
     if not include_embeddings:
         state.pop("embed_tokens.weight")
+    if drafter.config.draft_vocab_size == drafter.config.vocab_size:
+        # The draft vocab is the target's: vLLM then has no draft_id_to_target_id parameter and refuses a d2t
+        # ("There is no module or parameter named 'draft_id_to_target_id'"); SGLang needs no mapping either.
+        state.pop("d2t"), state.pop("t2d")
     prefix = layer_prefix(drafter.config, form)
     state = {prefix + k.removeprefix("midlayer.") if k.startswith("midlayer.") else k: v for k, v in state.items()}
     validate_state_dict(state, drafter.config, form)

@@ -88,7 +88,7 @@ class DrafterConfig:
     hidden_act: str = "silu"
     architecture: str = "llama"  # "llama" | "mla"
     # multi-head latent attention (architecture "mla"), as DeepSeek-V2/V3 and Kimi-K2 name them
-    q_lora_rank: int | None = None  # None: q comes from one projection (q_proj) instead of q_a_proj/q_b_proj
+    q_lora_rank: int | None = None  # None (published checkpoints only): one q_proj instead of q_a_proj/q_b_proj
     kv_lora_rank: int | None = None
     qk_nope_head_dim: int | None = None
     qk_rope_head_dim: int | None = None
@@ -178,7 +178,8 @@ class DrafterConfig:
         hidden_size or the head count without head_dim recomputes head_dim = hidden_size // num_attention_heads.
         For ``architecture: mla`` the latent-attention shapes are the target's when it has them (DeepSeek-V3,
         Kimi-K2), else DeepSeek-V3's proportions of the target's head width d: nope d, rope d/2, v d,
-        kv_lora_rank 4d, q_lora_rank 12d. ``q_lora_rank: 0`` means no q compression (q_proj).
+        kv_lora_rank 4d, q_lora_rank 12d. q_lora_rank is always set (a target without q compression, such as
+        DeepSeek-V2-Lite, gets 12 x qk_nope_head_dim): vLLM's and SGLang's MLA drafters load only that layout.
         """
         tc = text_config(hf_config)
 
@@ -224,13 +225,12 @@ class DrafterConfig:
                                  "by qk_nope_head_dim, qk_rope_head_dim and v_head_dim", f"remove {stray}")
             if getattr(tc, "kv_lora_rank", None):
                 fields.update({name: getattr(tc, name, None) for name in MLA_FIELDS})
+                fields["q_lora_rank"] = fields["q_lora_rank"] or 12 * fields["qk_nope_head_dim"]
             else:
                 d = int(getattr(tc, "v_head_dim", None) or head_width)
                 fields.update(q_lora_rank=12 * d, kv_lora_rank=4 * d, qk_nope_head_dim=d,
                               qk_rope_head_dim=max(2, d // 4 * 2), v_head_dim=d)
             fields.update(num_key_value_heads=None, head_dim=None)
-            if overrides.get("q_lora_rank") == 0:
-                overrides["q_lora_rank"] = None
         else:
             fields.update(num_key_value_heads=int(getattr(tc, "num_key_value_heads", None) or heads),
                           head_dim=head_width)
