@@ -15,10 +15,10 @@ from pathlib import Path
 
 from eaglekit.config import RunConfig
 from eaglekit.errors import EaglekitError
-from eaglekit.model.drafter import DrafterConfig
+from eaglekit.model.drafter import FLAGS, DrafterConfig, text_config
 from eaglekit.model.target import aux_layer_ids, target_hf_config, target_identity
 from eaglekit.preflight import checks as common
-from eaglekit.preflight import fail, ok, skip
+from eaglekit.preflight import fail, ok, skip, warn
 from eaglekit.rundir import file_identity
 
 NAME = "train"
@@ -74,19 +74,62 @@ def _tokenizer_size(cfg: RunConfig) -> int | None:
         return None
 
 
+def drafter_shape(ctx):
+    """The drafter this run trains, derived from the target and train.draft: refused now rather than at step 0,
+    and the MLA drafter suggested for DeepSeek-V3/Kimi targets."""
+    from eaglekit.model.checkpoints import serving_problems, sglang_ignores
+
+    cfg = ctx.cfg
+    explicit = {k: v for k, v in cfg.train.draft.model_dump().items() if v is not None}
+    if cfg.train.init_from:
+        if explicit:
+            return warn("drafter", f"train.init_from is set: the drafter keeps its own shape and flags, train.draft "
+                                   f"{explicit} is not used", "remove train.draft, or train a new drafter")
+        return skip("drafter", "finetuning train.init_from (its own shape)")
+    try:
+        hf = target_hf_config(cfg.target)
+        dc = DrafterConfig.from_target_config(hf, cfg.vocab.draft_vocab_size,
+                                              aux_layer_ids(cfg.target, hf.num_hidden_layers), **explicit)
+    except EaglekitError as err:
+        return fail("drafter", err.message, err.remedy or "fix train.draft")
+    _, trainable = parameter_counts(dc)
+    shape = (f"mla: q_lora_rank {dc.q_lora_rank}, kv_lora_rank {dc.kv_lora_rank}, heads {dc.num_attention_heads} x "
+             f"(nope {dc.qk_nope_head_dim} + rope {dc.qk_rope_head_dim}, v {dc.v_head_dim})"
+             if dc.architecture == "mla" else
+             f"llama: heads {dc.num_attention_heads} / kv {dc.num_key_value_heads} x {dc.head_dim}")
+    flags = [name for name in FLAGS if getattr(dc, name)]
+    detail = f"{shape}, hidden {dc.hidden_size}, {trainable / 1e6:.2f}M trainable" + (f", {', '.join(flags)}" if flags else "")
+    problems = serving_problems(dc)
+    if problems:
+        return fail("drafter", detail + ": " + "; ".join(problems), "set train.draft.q_lora_rank")
+    if getattr(text_config(hf), "kv_lora_rank", None) and dc.architecture != "mla" and "architecture" not in explicit:
+        return warn("drafter", detail + f"; the target {cfg.target.model} uses multi-head latent attention "
+                                        "(DeepSeek-V3/Kimi)",
+                    "consider train.draft.architecture: mla, the drafter shape published for Kimi-K2.5/K2.6 (its KV "
+                    "cache is the target's small latent); set architecture: llama to keep this one")
+    ignored = sglang_ignores(dc)
+    if ignored:
+        return warn("drafter", detail + f"; SGLang does not read {', '.join(ignored)} (vLLM does)",
+                    "serve this drafter with vLLM, or drop those flags to serve it with SGLang too")
+    return ok("drafter", detail)
+
+
 def checks(cfg: RunConfig) -> list:
     from eaglekit.stages.extract import target_placement
 
     online = [target_placement] if cfg.extract.mode != "offline" else []
-    return [common.target_folder, *online, packing, init_from_compatible]
+    return [common.target_folder, *online, packing, drafter_shape, init_from_compatible]
 
 
 def parameter_counts(dc: DrafterConfig) -> tuple[int, int]:
     """(all parameters, trainable ones) of a drafter: everything but the frozen [V, H] embedding trains."""
-    h, q, kv = dc.hidden_size, dc.num_attention_heads * dc.head_dim, dc.num_key_value_heads * dc.head_dim
-    layer = 2 * h * q + 2 * (2 * h * kv) + q * h + 3 * h * dc.intermediate_size + 3 * h
-    trainable = 3 * dc.target_hidden_size * h + layer + h + dc.draft_vocab_size * h
-    return trainable + dc.vocab_size * h, trainable
+    from math import prod
+
+    from eaglekit.model.checkpoints import expected_state
+
+    weights = {k: prod(shape) for k, (shape, dtype) in expected_state(dc).items() if dtype is None}  # not d2t/t2d
+    total = sum(weights.values())
+    return total, total - weights["embed_tokens.weight"]
 
 
 def estimate_bytes(ctx) -> int:
