@@ -105,7 +105,8 @@ class DraftModelConfig(Section):
 
 
 class TrainConfig(Section):
-    init_from: str | None = Field(None, description="published drafter to finetune (legacy or speculators form)")
+    init_from: str | None = Field(None, description="published drafter to finetune (legacy or speculators form): a "
+                                                   "folder, or a hub id (org/name[@revision]) that pre-flight downloads")
     remap_vocab: bool = False
     draft: DraftModelConfig = Field(default_factory=DraftModelConfig)
     ttt_steps: int = Field(7, ge=1)
@@ -223,7 +224,7 @@ def parse_config(data: Any, source: str = "<config>", base_dir: Path | None = No
     if cfg.target.chat_template and not cfg.target.chat_template.lstrip().startswith("{"):
         cfg.target.chat_template = _resolve(base, cfg.target.chat_template)
     if cfg.train.init_from:
-        cfg.train.init_from = _resolve(base, cfg.train.init_from)
+        cfg.train.init_from = _resolve(base, cfg.train.init_from, hub_ok=True)
     if cfg.evaluate.prompts:
         cfg.evaluate.prompts = _resolve(base, cfg.evaluate.prompts)
     if cfg.evaluate.checkpoint:

@@ -16,6 +16,7 @@ from pathlib import Path
 from eaglekit.config import RunConfig
 from eaglekit.errors import EaglekitError
 from eaglekit.model.drafter import FLAGS, DrafterConfig, text_config
+from eaglekit.model.hub import cached_drafter, download_drafter, is_hub_id
 from eaglekit.model.target import aux_layer_ids, target_hf_config, target_identity
 from eaglekit.preflight import checks as common
 from eaglekit.preflight import fail, ok, skip, warn
@@ -31,7 +32,8 @@ def params(cfg: RunConfig) -> dict:
     p["eval_fraction"] = cfg.data.eval_fraction
     p["features"] = cfg.extract.mode
     if cfg.train.init_from:
-        p["init_from"] = file_identity(cfg.train.init_from)
+        local = Path(cfg.train.init_from).exists() or not is_hub_id(cfg.train.init_from)
+        p["init_from"] = file_identity(cfg.train.init_from) if local else {"hub": cfg.train.init_from}
     return p
 
 
@@ -49,10 +51,17 @@ def init_from_compatible(ctx):
     path = ctx.cfg.train.init_from
     if not path:
         return skip("init_from", "training a new drafter")
-    if not Path(path).exists():
-        return fail("init_from", f"train.init_from {path} does not exist", "point it at a drafter folder (legacy or speculators form)")
+    folder = Path(path)
+    if not folder.exists():
+        if not is_hub_id(path):
+            return fail("init_from", f"train.init_from {path} does not exist",
+                        "point it at a drafter folder (legacy or speculators form), or a hub id org/name")
+        try:  # fetched now, before the stage starts: nothing else runs while it downloads
+            folder = cached_drafter(path) or download_drafter(path)
+        except EaglekitError as err:
+            return fail("init_from", err.message, err.remedy or "check train.init_from")
     try:
-        drafter, _info = checkpoints.load_drafter(path)
+        drafter, _info = checkpoints.load_drafter(folder)
         hf = target_hf_config(ctx.cfg.target)
         aux = aux_layer_ids(ctx.cfg.target, hf.num_hidden_layers)
         problems = checkpoints.check_compatible(drafter.config, hf, aux, tokenizer_vocab_size=_tokenizer_size(ctx.cfg))
@@ -62,7 +71,9 @@ def init_from_compatible(ctx):
         return fail("init_from", f"{path} does not fit the target {ctx.cfg.target.model}: " + "; ".join(problems),
                     "finetune a drafter made for this target, or train a new one (remove train.init_from)")
     vocab = "remapped onto this run's draft vocab" if ctx.cfg.train.remap_vocab else "its own draft vocab kept"
-    return ok("init_from", f"{path} fits the target ({drafter.config.draft_vocab_size} draft tokens, {vocab})")
+    where = f" (cached in {folder})" if str(folder) != path else ""
+    return ok("init_from", f"{path}{where} fits the target ({drafter.config.architecture} drafter, "
+                           f"{drafter.config.draft_vocab_size} draft tokens, {vocab})")
 
 
 def _tokenizer_size(cfg: RunConfig) -> int | None:
