@@ -156,7 +156,7 @@ def ttt_loss(drafter: Eagle3Drafter, aux_hidden: torch.Tensor, input_ids: torch.
     Loss_k = mean soft cross-entropy over counted (t, k); loss = sum_k decay^k * loss_k.
     """
     _check_inputs(drafter, aux_hidden, input_ids, target_logits, loss_mask, attention_mask, target_in_draft, steps)
-    cfg, layer = drafter.config, drafter.midlayer
+    layer = drafter.midlayer
     b, length = input_ids.shape
     device = input_ids.device
     n_heads, n_kv, hd, dv = layer.n_heads, layer.n_kv, layer.head_dim, layer.v_dim  # dv != hd for MLA
