@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -77,3 +78,27 @@ def test_preflight_suggests_mla_for_an_mla_target(tmp_path, tiny_deepseek_target
     cfg.train.draft.norm_before_fc = True  # no MLA drafter of either engine has input_norm
     check = preflight(cfg, "train")["drafter"]
     assert check.status == "fail" and "norm_before_fc" in check.detail
+
+
+def test_an_exported_mla_drafter_is_finetuned_on_a_new_vocab(tmp_path, tiny_deepseek_target):
+    """The export of one run is the init_from of the next: shape and flags kept, lm_head remapped, train.draft ignored."""
+    first = prepared_run(tmp_path / "first", tiny_deepseek_target, n=48, train={
+        **TRAIN, "max_steps": 4, "eval_every": 4, "save_every": 4,
+        "draft": {"architecture": "mla", "fc_norm": True, "norm_before_residual": True}})
+    with RunDir(first.run_dir).lock:
+        pipeline.run_stage(first, "train", skip_preflight=True)
+    published = Path(first.run_dir) / "train" / "checkpoints" / "best"
+    second = prepared_run(tmp_path / "second", tiny_deepseek_target, n=48, seed=2, vocab={"draft_vocab_size": 150},
+                          train={**TRAIN, "max_steps": 2, "eval_every": 2, "save_every": 2, "init_from": str(published),
+                                 "remap_vocab": True, "draft": {"norm_output": True}})
+    checks = preflight(second, "train")
+    assert checks["init_from"].status == "ok" and "mla drafter" in checks["init_from"].detail
+    assert checks["drafter"].status == "warn" and "norm_output" in checks["drafter"].detail
+    with RunDir(second.run_dir).lock:
+        row = pipeline.run_stage(second, "train", skip_preflight=True)
+    assert row["counts"]["draft_vocab"] == "vocab stage (remapped)"
+    tuned, _ = load_drafter(Path(second.run_dir) / "train" / "checkpoints" / "best")
+    source, _ = load_drafter(published)
+    assert tuned.config.draft_vocab_size == 150 and source.config.draft_vocab_size == 200
+    assert tuned.config == dataclasses.replace(source.config, draft_vocab_size=150)  # flags and shapes kept
+    assert not tuned.config.norm_output
