@@ -1,7 +1,8 @@
 """The MLA drafter against the Llama drafter on a DeepSeek-V3-shaped target: same data, same step budget.
 
-One run: the built-in DeepSeek-V3-shaped tiny target (``eaglekit.tiny``, ``arch="deepseek_v3"``, built once and
-cached) answers the demo's kind of prompts (generate), the answers are prepared, a draft vocab is chosen and the
+One run: the DeepSeek-V3-shaped tiny target (``eaglekit.tiny``, ``arch="deepseek_v3"``: MLA + routed experts,
+trained on the tiny corpus for ``--target-steps``, built once into ``OUT/target``) answers the demo's kind of
+prompts (generate), the answers are prepared, a draft vocab is chosen and the
 target's features are extracted once (offline), shared by both drafters. Then each drafter trains the same number
 of steps on the same batches and is evaluated by real draft -> verify decoding with the target. Reported:
 
@@ -9,7 +10,7 @@ of steps on the same batches and is evaluated by real draft -> verify decoding w
   - held-out simulated τ at the end of training, and τ measured by decoding at each K (T = 0);
   - the time of one training step, both drafters timed interleaved (A B B A ...) on the same batch, median.
 
-    .venv/bin/python benchmarks/mla_vs_llama.py --out runs/bench-mla          # ~15-25 min on 2 shared cores
+    .venv/bin/python benchmarks/mla_vs_llama.py --out runs/bench-mla          # ~20-30 min on 2 shared cores
 
 Nothing here asserts anything; figures go to benchmarks/RESULTS.md with the command.
 """
@@ -119,7 +120,8 @@ def step_times(runs: dict[str, Path], repeats: int) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "bench-mla")
-    parser.add_argument("--target", type=Path, default=None, help="a DeepSeek-V3-shaped target folder (default: built-in)")
+    parser.add_argument("--target", type=Path, default=None, help="a DeepSeek-V3-shaped target folder (default: build one)")
+    parser.add_argument("--target-steps", type=int, default=2000, help="training steps of the built tiny target")
     parser.add_argument("--prompts", type=int, default=400)
     parser.add_argument("--steps", type=int, default=240)
     parser.add_argument("--eval-prompts", type=int, default=8)
@@ -128,10 +130,12 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    from eaglekit.tiny import ensure_tiny_target, write_prompts
+    from eaglekit.tiny import build_tiny_target, write_prompts
 
     t0 = time.monotonic()
-    target = args.target or ensure_tiny_target(arch="deepseek_v3")
+    target = args.target or args.out / "target"
+    if not (target / "config.json").exists():
+        build_tiny_target(target, steps=args.target_steps, heldout=48, arch="deepseek_v3")
     shared = args.out / "shared"
     write_prompts(shared / "prompts.jsonl", n=args.prompts, seed=1234) if not (shared / "prompts.jsonl").exists() else None
     config = base_config(target, args)
@@ -166,7 +170,9 @@ def main() -> None:
     results["mla/llama"] = {"step_time": round(seconds["mla"] / seconds["llama"], 3),
                             "trainable_parameters": round(results["mla"]["trainable_parameters"]
                                                           / results["llama"]["trainable_parameters"], 3)}
-    results["setup"] = {"target": str(target), "prompts": args.prompts, "steps": args.steps,
+    manifest = target / "eaglekit_tiny.json"
+    results["setup"] = {"target": str(target), "target_build": json.loads(manifest.read_text()) if manifest.exists() else None,
+                        "prompts": args.prompts, "steps": args.steps,
                         "threads": args.threads, "minutes": round((time.monotonic() - t0) / 60, 1)}
     (args.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     print(json.dumps(results, indent=2))
