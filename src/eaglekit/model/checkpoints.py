@@ -56,7 +56,7 @@ SPECULATORS_ARCHITECTURE = "Eagle3Speculator"
 OPTIONAL_KEYS = ("embed_tokens.weight",)
 NO_MLA_SPECULATORS = ("an MLA drafter has no speculators form: vLLM's speculators reader (vllm/transformers_utils/"
                       "configs/speculators/algos.py, update_eagle3) accepts transformer_layer_config.model_type "
-                      "llama and qwen3 only and raises 'Unsupported model_type deepseek_v3 for Eagle3 speculator'")
+                      "llama and qwen3 only and raises 'Unsupported model_type deepseek_v2 for Eagle3 speculator'")
 
 
 # ------------------------------------------------------------------------------------------ the contract
