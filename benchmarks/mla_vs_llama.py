@@ -43,7 +43,7 @@ def base_config(target: Path, args) -> dict:
     return {
         "run_dir": ".",
         "target": {"model": str(target), "dtype": "float32"},
-        "data": {"prompts": "prompts.jsonl", "eval_fraction": 0.1},
+        "data": {"prompts": str(args.out / "prompts.jsonl"), "eval_fraction": 0.1},  # one file: same fingerprints
         "generate": {"backend": "local", "max_tokens": 200, "temperature": 0.0, "batch_size": 48},
         "prepare": {"max_length": 384},
         "vocab": {"draft_vocab_size": 80},
@@ -128,6 +128,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10, help="timed steps per drafter")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
+    args.out = args.out.resolve()
     torch.set_num_threads(args.threads)
 
     from eaglekit.tiny import build_tiny_target, write_prompts
@@ -137,7 +138,8 @@ def main() -> None:
     if not (target / "config.json").exists():
         build_tiny_target(target, steps=args.target_steps, heldout=48, arch="deepseek_v3")
     shared = args.out / "shared"
-    write_prompts(shared / "prompts.jsonl", n=args.prompts, seed=1234) if not (shared / "prompts.jsonl").exists() else None
+    if not (args.out / "prompts.jsonl").exists():
+        write_prompts(args.out / "prompts.jsonl", n=args.prompts, seed=1234)
     config = base_config(target, args)
     run(load_config(write_config(shared, config)), SHARED_STAGES)
 
