@@ -151,11 +151,17 @@ def httpx_errors() -> tuple[type[Exception], ...]:
     return tuple(out)
 
 
-def drafter_folder(value: str) -> Path:
-    """The local folder of ``train.init_from``: the path itself, or the cached snapshot of a hub id."""
+def local_folder(value: str) -> Path | None:
+    """The folder ``train.init_from`` names: the path itself, the cached snapshot of a hub id, or None for a hub id
+    that is not (completely) in the cache yet. Never downloads."""
     if Path(value).exists() or not is_hub_id(value):
         return Path(value)
-    path = cached_drafter(value)
+    return cached_drafter(value)
+
+
+def drafter_folder(value: str) -> Path:
+    """The local folder of ``train.init_from``, refusing a hub id that pre-flight has not downloaded."""
+    path = local_folder(value)
     if path is None:
         raise UsageError(f"train.init_from {value} is a hub id that is not in the Hugging Face cache",
                          "run the train stage with its pre-flight (it downloads the drafter first), or `eaglekit "

@@ -9,13 +9,13 @@ greedy output token for token).
 
 Reads the drafter (``evaluate.checkpoint``, default ``train/checkpoints/best``), the prompts
 (``evaluate.prompts``, default the held-out split of ``generate/responses.jsonl``) and
-``train/metrics.jsonl``; writes ``evaluate/report.json``, ``report.md`` and PNG plots.
+writes ``evaluate/report.json``, ``report.md`` and PNG plots (the training curves are ``train/curves.png``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,7 +24,7 @@ from eaglekit import atomic, plots
 from eaglekit.config import RunConfig
 from eaglekit.errors import EaglekitError, UsageError
 from eaglekit.preflight import checks as common
-from eaglekit.preflight import fail, ok
+from eaglekit.preflight import environment, fail, files, gpus, ok, will_be_produced
 from eaglekit.progress import Meter, console
 from eaglekit.rundir import file_identity
 from eaglekit.speculative.decode import DecodeStats, EagleProposer, generate
@@ -58,7 +58,7 @@ def load_checked_drafter(cfg: RunConfig):
     path = checkpoint_path(cfg)
     if not path.exists():
         remedy = ("set evaluate.checkpoint to a drafter folder" if cfg.evaluate.checkpoint
-                  else "run `eaglekit train CONFIG` first (it writes train/checkpoints/best)")
+                  else "train it: `eaglekit run CONFIG --until train` (it writes train/checkpoints/best)")
         raise EaglekitError(f"drafter checkpoint {path} does not exist", remedy)
     drafter, info = load_drafter(path)
     hf = target_hf_config(cfg.target)
@@ -71,6 +71,9 @@ def load_checked_drafter(cfg: RunConfig):
 
 
 def drafter_checkpoint(ctx):
+    pending = None if ctx.cfg.evaluate.checkpoint else will_be_produced(ctx, "drafter checkpoint", "train")
+    if pending:
+        return pending
     try:
         drafter, info, _, aux = load_checked_drafter(ctx.cfg)
     except EaglekitError as err:
@@ -80,9 +83,10 @@ def drafter_checkpoint(ctx):
                                     f"{c.draft_vocab_size}/{c.vocab_size}, aux layers {aux}; fits the target")
 
 
-def eval_prompts(cfg: RunConfig) -> list[tuple[str, list[dict]]]:
-    """(id, messages) of up to ``evaluate.num_samples`` prompts: ``evaluate.prompts`` or the run's held-out split."""
-    n = cfg.evaluate.num_samples
+def eval_prompts(cfg: RunConfig, n: int | None = None) -> list[tuple[str, list[dict]]]:
+    """(id, messages) of up to ``n`` (default ``evaluate.num_samples``) prompts: ``evaluate.prompts`` or the
+    run's held-out split."""
+    n = n or cfg.evaluate.num_samples
     if cfg.evaluate.prompts:
         from eaglekit.data.prompts import load_prompts
 
@@ -105,6 +109,9 @@ def eval_prompts(cfg: RunConfig) -> list[tuple[str, list[dict]]]:
 
 
 def prompts_available(ctx):
+    pending = None if ctx.cfg.evaluate.prompts else will_be_produced(ctx, "evaluation prompts", "generate")
+    if pending:
+        return pending
     try:
         prompts = eval_prompts(ctx.cfg)
     except EaglekitError as err:
@@ -116,7 +123,8 @@ def prompts_available(ctx):
 
 
 def checks(cfg: RunConfig) -> list:
-    return [common.target_folder, drafter_checkpoint, prompts_available]
+    return [common.target_folder, files.target_weights, environment.software, environment.devices, gpus.gpus,
+            files.evaluate_checkpoint_files, drafter_checkpoint, prompts_available]
 
 
 def estimate_bytes(ctx) -> int:
@@ -177,30 +185,55 @@ def run(ctx) -> dict:
         return evaluate(ctx, target, device)
 
 
-def evaluate(ctx, target, device: torch.device) -> dict:
+@dataclass
+class DecodingInputs:
+    """What a decode loop against the target needs: the checked drafter (on the target's device and dtype),
+    its aux layers, the stop ids, and the prompts' token ids."""
+
+    drafter: object
+    info: object
+    aux: list[int]
+    stop_ids: set[int]
+    prompts: list[tuple[str, list[int]]]  # (id, prompt token ids)
+    skipped_too_long: int
+    dtype: torch.dtype
+
+
+def decoding_inputs(cfg: RunConfig, target, device: torch.device, max_new_tokens: int, num_samples: int | None = None,
+                    stage: str = NAME) -> DecodingInputs:
+    """The drafter and the evaluation prompts, tokenized exactly as prepare did and as an engine is sent them.
+
+    Shared by evaluate and verify, so that both decode the same prompts with the same drafter.
+    """
     from eaglekit.data.chat import end_of_turn_token_ids, load_tokenizer
     from eaglekit.model.target import decoder_parts
 
-    cfg, ec = ctx.cfg, ctx.cfg.evaluate
     drafter, info, hf, aux = load_checked_drafter(cfg)
     dtype = next(target.parameters()).dtype
     drafter = drafter.to(device, dtype)  # the drafter runs in the target's dtype, as in vLLM and SGLang
     if info.missing_embeddings:
         drafter.embed_tokens.weight.data.copy_(decoder_parts(target)[0].embed_tokens.weight.to(device, dtype))
     tokenizer = load_tokenizer(cfg.target.model, cfg.target.chat_template, cfg.target.trust_remote_code)
-    stop_ids = end_of_turn_token_ids(tokenizer)
 
     template_kwargs = cfg.generate.extra_body.get("chat_template_kwargs") or None  # as the target was served
-    room = int(hf.max_position_embeddings) - ec.max_new_tokens
+    room = int(hf.max_position_embeddings) - max_new_tokens
     prompts, too_long = [], []
-    for pid, messages in eval_prompts(cfg):
+    for pid, messages in eval_prompts(cfg, num_samples):
         ids = prompt_ids(tokenizer, messages, template_kwargs)
         (prompts if len(ids) <= room else too_long).append((pid, ids))
     if too_long:
-        console.print(f"[yellow]evaluate: {len(too_long)} prompts skipped: longer than max_position_embeddings "
-                      f"{hf.max_position_embeddings} - evaluate.max_new_tokens {ec.max_new_tokens}[/]")
+        console.print(f"[yellow]{stage}: {len(too_long)} prompts skipped: longer than max_position_embeddings "
+                      f"{hf.max_position_embeddings} - max_new_tokens {max_new_tokens}[/]")
     if not prompts:
-        raise UsageError(f"no evaluation prompt fits in {room} tokens", "lower evaluate.max_new_tokens or use shorter prompts")
+        raise UsageError(f"no evaluation prompt fits in {room} tokens", f"lower {stage}.max_new_tokens or use shorter prompts")
+    return DecodingInputs(drafter, info, aux, end_of_turn_token_ids(tokenizer), prompts, len(too_long), dtype)
+
+
+def evaluate(ctx, target, device: torch.device) -> dict:
+    cfg, ec = ctx.cfg, ctx.cfg.evaluate
+    inputs = decoding_inputs(cfg, target, device, ec.max_new_tokens)
+    drafter, info, aux, stop_ids, prompts, dtype = (inputs.drafter, inputs.info, inputs.aux, inputs.stop_ids,
+                                                    inputs.prompts, inputs.dtype)
 
     ks = sorted(set(ec.num_speculative_tokens))
     temperatures = list(dict.fromkeys(ec.temperatures))
@@ -248,7 +281,7 @@ def evaluate(ctx, target, device: torch.device) -> dict:
         "checkpoint": str(info.path), "checkpoint_form": info.form, "target": cfg.target.model,
         "device": str(device), "dtype": str(dtype).replace("torch.", ""),
         "prompts_source": ec.prompts or "generate/responses.jsonl (held-out split)",
-        "prompts": len(prompts), "prompts_skipped_too_long": len(too_long), "max_new_tokens": ec.max_new_tokens,
+        "prompts": len(prompts), "prompts_skipped_too_long": inputs.skipped_too_long, "max_new_tokens": ec.max_new_tokens,
         "num_speculative_tokens": ks, "temperatures": temperatures,
         "ngram": {"min": ec.ngram_min, "max": ec.ngram_max},
         "draft_selection": "argmax, verified as a point mass (as vLLM and SGLang)",
@@ -260,22 +293,35 @@ def evaluate(ctx, target, device: torch.device) -> dict:
         "results": results,
         "comparison": comparison(results),
     }
+    report["warnings"] = degenerate(report, ec.num_samples, cfg.data.eval_fraction)
+    for warning in report["warnings"]:
+        ctx.warn(warning)
     out = ctx.dir
     atomic.write_json(out / "report.json", report)
     atomic.write_text(out / "report.md", report_markdown(report))
     plots.acceptance_by_position(results, out / "acceptance_by_position.png")
     plots.tau_vs_k(results, out / "tau_vs_k.png")
-    metrics = cfg.run_path / "train" / "metrics.jsonl"
-    if metrics.exists():
-        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-        if rows:
-            plots.training_curves(rows, out / "training_curves.png")
     if lossless is False:
         bad = [pid for pid, c in checks.items() if c]
         console.print(f"[bold red]evaluate: speculative greedy output differs from plain greedy output on {len(bad)} "
                       f"prompts (e.g. {bad[0]}); see report.json lossless_checks[/]")
     console.print(report_markdown(report, tables_only=True))
     return counts(report)
+
+
+def degenerate(report: dict, asked: int, eval_fraction: float) -> list[str]:
+    """What makes these figures unfit to trust or to ship: too few prompts, a drafter no better than n-gram."""
+    out = []
+    if report["prompts"] < asked:
+        out.append(f"decoded {report['prompts']} prompts, fewer than evaluate.num_samples ({asked}): the figures are "
+                   f"noisy; raise data.eval_fraction ({eval_fraction}) or set evaluate.prompts to a prompts file")
+    losing = [r for r in report["comparison"] if r["eagle_tau"] <= r["ngram_tau"]]
+    if losing:
+        where = ", ".join(f"K={r['k']} T={r['temperature']:g}: τ {r['eagle_tau']:.3f} vs {r['ngram_tau']:.3f}"
+                          for r in losing)
+        out.append(f"the drafter does not beat the training-free n-gram baseline ({where}): it would slow serving "
+                   "down; train on more data or longer, and check that the target's features and vocab are right")
+    return out
 
 
 def comparison(results: list[dict]) -> list[dict]:

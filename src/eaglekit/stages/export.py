@@ -25,8 +25,9 @@ from eaglekit import atomic
 from eaglekit.config import RunConfig
 from eaglekit.errors import EaglekitError
 from eaglekit.preflight import checks as common
-from eaglekit.preflight import ok, warn
+from eaglekit.preflight import fail, ok, warn
 from eaglekit.progress import console
+from eaglekit.rundir import file_identity
 from eaglekit.stages.evaluate import checkpoint_path, drafter_checkpoint, load_checked_drafter, report_markdown
 
 NAME = "export"
@@ -34,36 +35,106 @@ UPSTREAM = "evaluate"
 
 
 def params(cfg: RunConfig) -> dict:
-    return {**cfg.export.model_dump(), "checkpoint": str(checkpoint_path(cfg))}
+    # the checkpoint's identity, not its path: a run directory copied elsewhere keeps its export done
+    return {**cfg.export.model_dump(), "checkpoint": file_identity(checkpoint_path(cfg))}
 
 
-def verifier_id(cfg: RunConfig) -> str | None:
-    """The hub id vLLM's speculators form names as verifier: export.verifier, else target.model when it is one."""
-    if cfg.export.verifier:
-        return cfg.export.verifier
-    return None if Path(cfg.target.model).exists() else cfg.target.model
+def verifier_id(cfg: RunConfig) -> str:
+    """What the speculators form names as verifier (``vllm serve DIR`` serves it): export.verifier, else the
+    target itself (its hub id, or its local folder, which is only valid on this machine)."""
+    return cfg.export.verifier or cfg.target.model
+
+
+def local_verifier_warning(cfg: RunConfig) -> str | None:
+    vid = verifier_id(cfg)
+    if cfg.export.verifier or not Path(vid).exists():
+        return None
+    return (f"the speculators config names the local folder {vid} as verifier: `vllm serve DIR` works on this "
+            "machine, but not for anyone you publish the drafter to; set export.verifier to the target's hub id "
+            "before publishing")
 
 
 def verifier_known(ctx):
     if "speculators" not in (ctx.options.get("formats") or ctx.cfg.export.formats):
         return ok("verifier", "speculators form not requested")
-    try:
-        from eaglekit.model.checkpoints import read_config
+    if drafter_architecture(ctx.cfg) == "mla":
+        return ok("verifier", "MLA drafter: only the plain form is written (no speculators form for MLA)")
+    warning = local_verifier_warning(ctx.cfg)
+    if warning:
+        return warn("verifier", warning, "set export.verifier to the target's hub id (the rest is written either way)")
+    return ok("verifier", f"speculators config names {verifier_id(ctx.cfg)}")
 
-        if read_config(checkpoint_path(ctx.cfg))[1].architecture == "mla":
-            return ok("verifier", "MLA drafter: only the plain form is written (no speculators form for MLA)")
-    except EaglekitError:
-        pass  # the drafter check says what is wrong with the checkpoint
-    vid = verifier_id(ctx.cfg)
-    if vid:
-        return ok("verifier", f"speculators config names {vid}")
-    return warn("verifier", f"target.model {ctx.cfg.target.model} is a local folder and export.verifier is not set: "
-                            "`vllm serve SPECULATORS_DIR` needs the target's hub id",
-                "set export.verifier to the target's hub id (the rest is written either way)")
+
+def drafter_architecture(cfg: RunConfig) -> str:
+    """llama or mla: the trained checkpoint's when it exists, else train.init_from's (a folder, or a hub id already
+    in the cache), else train.draft.architecture. Decides the forms export writes before the drafter is loaded."""
+    from eaglekit.model.checkpoints import read_config
+    from eaglekit.model.hub import cached_drafter, is_hub_id
+
+    folders = [checkpoint_path(cfg)]
+    init_from = cfg.train.init_from
+    if init_from:
+        folders.append(cached_drafter(init_from) if is_hub_id(init_from) else Path(init_from))
+    for folder in folders:
+        if folder is not None and (folder / "config.json").exists():
+            try:
+                return read_config(folder)[1].architecture
+            except EaglekitError:
+                pass  # the drafter checks say what is wrong with it
+    return cfg.train.draft.architecture or "llama"
+
+
+def forms_to_write(architecture: str, requested: list[str]) -> tuple[list[str], list[str]]:
+    """(forms, warnings): an MLA drafter has only the plain form (checkpoints.NO_MLA_SPECULATORS)."""
+    from eaglekit.model.checkpoints import NO_MLA_SPECULATORS
+
+    if architecture != "mla" or "speculators" not in requested:
+        return requested, []
+    if requested == ["speculators"]:
+        raise EaglekitError(f"export.formats is [speculators], but {NO_MLA_SPECULATORS}",
+                            "set export.formats: [eagle3] (the plain form, which vLLM and SGLang load)")
+    return [f for f in requested if f != "speculators"], [f"speculators form not written: {NO_MLA_SPECULATORS}"]
+
+
+def written_forms(cfg: RunConfig) -> list[str]:
+    """The forms export writes with this config (verify serves these by default)."""
+    requested = list(dict.fromkeys(cfg.export.formats))
+    if drafter_architecture(cfg) == "mla":
+        return [f for f in requested if f != "speculators"] or requested
+    return requested
+
+
+def sglang_aux_problem(cfg: RunConfig, formats: list[str]) -> str | None:
+    """Why the legacy (SGLang) form cannot carry this run's aux layers, or None."""
+    from eaglekit.model.checkpoints import SGLANG_AUX_RULE, sglang_aux_layer_ids
+
+    aux = cfg.target.aux_layers
+    if "eagle3" not in formats or aux is None or sglang_aux_layer_ids(aux) is not None:
+        return None
+    return (f"target.aux_layers {list(aux)} cannot be written for SGLang: {SGLANG_AUX_RULE}; only aux layers "
+            f"starting at hidden_states[2] (written [1, ...]) mean the same layers in every SGLang version")
+
+
+def sglang_aux_layers(ctx):
+    formats = ctx.options.get("formats") or ctx.cfg.export.formats
+    problem = sglang_aux_problem(ctx.cfg, formats)
+    if problem and drafter_architecture(ctx.cfg) == "mla":
+        return warn("SGLang aux layers", f"{problem}; the MLA drafter's only form is written for vLLM alone (it reads "
+                                         "the top-level hidden_states indices verbatim), without an SGLang command",
+                    MLA_SGLANG_AUX_REMEDY)
+    if problem:
+        return fail("SGLang aux layers", problem, SGLANG_AUX_REMEDY)
+    return ok("SGLang aux layers", "legacy form not requested" if "eagle3" not in formats
+              else "eagle_config ids mean the trained layers in every SGLang version")
+
+
+SGLANG_AUX_REMEDY = ("for vLLM export the speculators form alone (`eaglekit export CONFIG --format speculators`: vLLM "
+                     "reads hidden_states indices verbatim); for SGLang train with target.aux_layers starting at 2")
+MLA_SGLANG_AUX_REMEDY = "serve it with vLLM; for SGLang train with target.aux_layers starting at 2"
 
 
 def checks(cfg: RunConfig) -> list:
-    return [common.target_folder, drafter_checkpoint, verifier_known]
+    return [common.target_folder, drafter_checkpoint, verifier_known, sglang_aux_layers]
 
 
 def estimate_bytes(ctx) -> int:
@@ -83,18 +154,6 @@ def serving_problems(drafter_cfg, hf) -> list[str]:
     if (drafter_cfg.rope_scaling or None) != (scaling or None):
         problems.append(f"rope_scaling: the drafter's is {drafter_cfg.rope_scaling}, the target's {scaling}")
     return problems
-
-
-def forms_to_write(drafter_cfg, requested: list[str]) -> tuple[list[str], list[str]]:
-    """(forms, warnings): an MLA drafter has only the plain form (checkpoints.NO_MLA_SPECULATORS)."""
-    from eaglekit.model.checkpoints import NO_MLA_SPECULATORS
-
-    if drafter_cfg.architecture != "mla" or "speculators" not in requested:
-        return requested, []
-    if requested == ["speculators"]:
-        raise EaglekitError(f"export.formats is [speculators], but {NO_MLA_SPECULATORS}",
-                            "set export.formats: [eagle3] (the plain form, which vLLM and SGLang load)")
-    return [f for f in requested if f != "speculators"], [f"speculators form not written: {NO_MLA_SPECULATORS}"]
 
 
 @torch.no_grad()
@@ -122,7 +181,7 @@ def same_logits(source, written_dir: Path) -> None:
 def serve_commands(cfg: RunConfig, dirs: dict[str, Path], sglang: bool = True) -> list[tuple[str, str]]:
     """(what, command) pairs for the written forms; ``sglang`` False when SGLang would serve the drafter wrong."""
     k = cfg.export.num_speculative_tokens
-    target = shlex.quote(verifier_id(cfg) or cfg.target.model)
+    target = shlex.quote(verifier_id(cfg))
     out = []
     if "eagle3" in dirs:
         d = str(dirs["eagle3"].resolve())
@@ -135,35 +194,34 @@ def serve_commands(cfg: RunConfig, dirs: dict[str, Path], sglang: bool = True) -
                     f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}"))
     if "speculators" in dirs:
         d = shlex.quote(str(dirs["speculators"].resolve()))
-        if verifier_id(cfg):
-            out.append(("vLLM, speculators form (the target comes from its config)", f"vllm serve {d}"))
-        else:
-            spec = json.dumps({"method": "eagle3", "model": str(dirs["speculators"].resolve()),
-                               "num_speculative_tokens": k}, separators=(",", ":"))
-            out.append(("vLLM, speculators form: its config names no verifier (set export.verifier to the target's "
-                        "hub id for `vllm serve DIR`); meanwhile pass the target explicitly",
-                        f"vllm serve {target} --speculative-config {shlex.quote(spec)}"))
+        out.append(("vLLM, speculators form (the target comes from its config)", f"vllm serve {d}"))
     return out
 
 
 def run(ctx) -> dict:
     from eaglekit.data.chat import load_tokenizer
-    from eaglekit.model.checkpoints import save_legacy, save_speculators
+    from eaglekit.model.checkpoints import save_legacy, save_speculators, sglang_ignores
     from eaglekit.model.target import embedding_and_head
 
-    from eaglekit.model.checkpoints import sglang_ignores
-
     cfg, xc = ctx.cfg, ctx.cfg.export
+    requested = list(dict.fromkeys(ctx.options.get("formats") or xc.formats))
+    sglang_aux = sglang_aux_problem(cfg, requested)
+    if sglang_aux and drafter_architecture(cfg) != "mla":  # a Llama drafter has the speculators form for vLLM
+        raise EaglekitError(f"export: {sglang_aux}", SGLANG_AUX_REMEDY)
     drafter, info, hf, _ = load_checked_drafter(cfg)
     problems = serving_problems(drafter.config, hf)
     if problems:
         raise EaglekitError(f"drafter {info.path} does not serve like the target {cfg.target.model}: " + "; ".join(problems),
                             "retrain the drafter with this target's config (its RoPE settings are copied at train time)")
-    formats, warnings = forms_to_write(drafter.config, list(dict.fromkeys(ctx.options.get("formats") or xc.formats)))
+    formats, warnings = forms_to_write(drafter.config.architecture, requested)
     ignored = sglang_ignores(drafter.config)
     if ignored:
         warnings.append(f"no SGLang command: SGLang's llama_eagle3.py / kimi_k25_eagle3.py do not read "
                         f"{', '.join(ignored)} and would serve this drafter as if they were off; serve it with vLLM")
+    if sglang_aux:  # an MLA drafter: its plain form goes without eagle_config, for vLLM alone
+        warnings.append(f"no SGLang command: {sglang_aux}; vLLM reads the top-level hidden_states indices verbatim")
+    if "speculators" in formats and local_verifier_warning(cfg):
+        warnings.append(local_verifier_warning(cfg))
     if info.missing_embeddings and xc.include_embeddings:
         embed, _ = embedding_and_head(cfg.target.model, cfg.target.trust_remote_code)
         drafter.embed_tokens.weight.data.copy_(embed.to(drafter.embed_tokens.weight.dtype))
@@ -188,8 +246,12 @@ def run(ctx) -> dict:
         dirs[form] = dest
         console.print(f"export: {form} form written to {dest} (keys, shapes and logits checked)")
 
-    commands = serve_commands(cfg, dirs, sglang=not ignored)
-    atomic.write_text(ctx.dir / "README.md", model_card(ctx, drafter, info, list(dirs), commands, warnings))
+    commands = serve_commands(cfg, dirs, sglang=not (ignored or sglang_aux))
+    inherited = run_warnings(ctx)
+    if inherited:
+        ctx.warn(f"exported a drafter from a run with {len(inherited)} warning{'s' * (len(inherited) > 1)} (written "
+                 "anyway; export/README.md states them): " + " | ".join(inherited))
+    atomic.write_text(ctx.dir / "README.md", model_card(ctx, drafter, info, list(dirs), commands, warnings, inherited))
     for what, command in commands:
         console.print(f"[bold]{what}[/]:")
         console.print(command, markup=False, soft_wrap=True)
@@ -198,7 +260,19 @@ def run(ctx) -> dict:
     return {"formats": list(dirs), **{form: str(d) for form, d in dirs.items()}, "warnings": len(warnings)}
 
 
-def model_card(ctx, drafter, info, formats: list[str], commands: list[tuple[str, str]], warnings: list[str]) -> str:
+def run_warnings(ctx) -> list[str]:
+    """The warnings the stages before export recorded in their last finished run ("stage: text")."""
+    events = ctx.run.last_events()
+    out = []
+    for stage in ctx.cfg.stages()[: ctx.cfg.stages().index(NAME)]:
+        end = (events.get(stage) or {}).get("end") or {}
+        if end.get("state") == "done":
+            out += [f"{stage}: {w}" for w in end.get("warnings") or []]
+    return out
+
+
+def model_card(ctx, drafter, info, formats: list[str], commands: list[tuple[str, str]], warnings: list[str],
+               inherited: list[str] = ()) -> str:
     cfg, c = ctx.cfg, drafter.config
     events = ctx.run.last_events()
 
@@ -222,6 +296,12 @@ def model_card(ctx, drafter, info, formats: list[str], commands: list[tuple[str,
         f"max_position_embeddings {c.max_position_embeddings}, rope_theta {c.rope_theta:g}"
         + (f", rope_scaling {c.rope_scaling}" if c.rope_scaling else "") + ".",
         f"Source checkpoint: `{info.path}`.", "",
+    ]
+    if inherited:
+        lines += ["## Warnings: read before serving", "",
+                  "The run that made this drafter recorded these warnings; it was exported anyway:", ""]
+        lines += [f"- {w}" for w in inherited] + [""]
+    lines += [
         "## Data and training", "",
         f"- generate: {stage_counts('generate')}",
         f"- prepare: {stage_counts('prepare')}",

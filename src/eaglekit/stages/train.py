@@ -16,9 +16,10 @@ from pathlib import Path
 from eaglekit.config import RunConfig
 from eaglekit.errors import EaglekitError
 from eaglekit.model.drafter import FLAGS, DrafterConfig, text_config
-from eaglekit.model.hub import cached_drafter, download_drafter, is_hub_id
+from eaglekit.model.hub import cached_drafter, download_drafter, is_hub_id, local_folder
 from eaglekit.model.target import aux_layer_ids, target_hf_config, target_identity
 from eaglekit.preflight import checks as common
+from eaglekit.preflight import disk, environment, files, gpus
 from eaglekit.preflight import fail, ok, skip, warn
 from eaglekit.rundir import file_identity
 
@@ -26,8 +27,12 @@ NAME = "train"
 UPSTREAM = "extract"  # the pipeline maps it to "vocab" in online mode
 
 
+MIN_SAMPLES = 100  # fewer training samples than this make a drafter that cannot generalise
+
+
 def params(cfg: RunConfig) -> dict:
-    p = cfg.train.model_dump()
+    # when checkpoints are written does not change the drafter: editing it must not make a run stale
+    p = cfg.train.model_dump(exclude={"save_every_minutes"})
     p["target"] = target_identity(cfg.target)
     p["eval_fraction"] = cfg.data.eval_fraction
     p["features"] = cfg.extract.mode
@@ -44,6 +49,22 @@ def packing(ctx):
     return ok("packing", "off: length-bucketed, right-padded batches")
 
 
+def init_from_download(ctx):
+    """A hub id in train.init_from is fetched now, before the stage starts, so nothing else runs while it downloads
+    (resumed where an earlier attempt stopped: ``model/hub.py``)."""
+    name, path = "init_from download", ctx.cfg.train.init_from
+    if not path or not is_hub_id(path):
+        return skip(name, "train.init_from is a local folder" if path else "training a new drafter")
+    try:
+        cached = cached_drafter(path)
+        if cached is not None:
+            return ok(name, f"{path} is in the Hugging Face cache ({cached})")
+        folder = download_drafter(path)
+    except EaglekitError as err:
+        return fail(name, err.message, err.remedy or "check train.init_from")
+    return ok(name, f"{path} downloaded into {folder}")
+
+
 def init_from_compatible(ctx):
     """A drafter to finetune must fit the target: hidden sizes, vocab, aux layers, heads, positions, tokenizer."""
     from eaglekit.model import checkpoints
@@ -51,15 +72,12 @@ def init_from_compatible(ctx):
     path = ctx.cfg.train.init_from
     if not path:
         return skip("init_from", "training a new drafter")
-    folder = Path(path)
+    folder = local_folder(path)
+    if folder is None:
+        return skip("init_from", f"{path} is not downloaded (the init_from download check says why)")
     if not folder.exists():
-        if not is_hub_id(path):
-            return fail("init_from", f"train.init_from {path} does not exist",
-                        "point it at a drafter folder (legacy or speculators form), or a hub id org/name")
-        try:  # fetched now, before the stage starts: nothing else runs while it downloads
-            folder = cached_drafter(path) or download_drafter(path)
-        except EaglekitError as err:
-            return fail("init_from", err.message, err.remedy or "check train.init_from")
+        return fail("init_from", f"train.init_from {path} does not exist",
+                    "point it at a drafter folder (legacy or speculators form), or a hub id org/name")
     try:
         drafter, _info = checkpoints.load_drafter(folder)
         hf = target_hf_config(ctx.cfg.target)
@@ -128,8 +146,10 @@ def drafter_shape(ctx):
 def checks(cfg: RunConfig) -> list:
     from eaglekit.stages.extract import target_placement
 
-    online = [target_placement] if cfg.extract.mode != "offline" else []
-    return [common.target_folder, *online, packing, drafter_shape, init_from_compatible]
+    online = [target_placement] if cfg.extract.mode != "offline" else [files.feature_shards]
+    return [common.target_folder, files.target_weights, environment.software, environment.devices, gpus.gpus,
+            *online, packing, drafter_shape, init_from_download, files.init_from_files, init_from_compatible,
+            disk.write_rate]
 
 
 def parameter_counts(dc: DrafterConfig) -> tuple[int, int]:
@@ -154,7 +174,47 @@ def estimate_bytes(ctx) -> int:
     return per_checkpoint * (cfg.train.keep_last + 1) + 4 * total + (16 << 20)  # + best/ + metrics and plots
 
 
+def kept(ctx) -> str:
+    """What an interrupted or failed run leaves to resume from."""
+    from eaglekit.training.loop import Checkpoints
+
+    try:
+        latest = Checkpoints(ctx.dir / "checkpoints", ctx.cfg.train.keep_last).latest()
+    except EaglekitError:
+        latest = None
+    return f"checkpoint {latest} (a rerun resumes from it)" if latest else "no checkpoint yet (a rerun starts over)"
+
+
+def live_counts(stage_dir) -> dict:
+    """What `status` shows while training runs or after it was stopped: the last logged step and checkpoint."""
+    import json
+
+    counts: dict = {}
+    pointer = Path(stage_dir) / "checkpoints" / "latest"
+    if pointer.exists():
+        counts["checkpoint"] = pointer.read_text().strip()
+    metrics = Path(stage_dir) / "metrics.jsonl"
+    if metrics.exists():
+        lines = [line for line in metrics.read_text().splitlines() if line.strip()]
+        for line in reversed(lines):
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue  # a line torn by a kill
+            counts["steps"] = row["step"]
+            break
+    return counts
+
+
 def run(ctx) -> dict:
     from eaglekit.training.loop import train
 
-    return train(ctx)
+    counts = train(ctx)
+    tc = ctx.cfg.train
+    if counts["steps"] < tc.warmup_steps:
+        ctx.warn(f"trained {counts['steps']} steps, fewer than train.warmup_steps ({tc.warmup_steps}): the learning "
+                 "rate never reached train.lr; lower warmup_steps or train longer")
+    if counts.get("train_samples", MIN_SAMPLES) < MIN_SAMPLES:
+        ctx.warn(f"trained on {counts['train_samples']} samples (fewer than {MIN_SAMPLES}): the drafter learns those "
+                 "by heart and will not generalise; generate more (data.max_samples)")
+    return counts
