@@ -547,3 +547,32 @@ def test_served_settings_read_the_config_as_each_engine_does(tmp_path):
     (tmp_path / "legacy" / "config.json").write_text(json.dumps(raw))
     assert ck.served_settings(tmp_path / "legacy", "vllm", 8).aux_layer_ids == [[2, 4, 5]]  # vLLM: verbatim
     assert ck.served_settings(tmp_path / "legacy", "sglang", 8).aux_layer_ids == [[3, 5, 6], [2, 4, 5]]
+
+
+def test_served_settings_read_the_flags_as_each_engine_does(tmp_path):
+    """vLLM reads fc_norm, norm_output and norm_before_residual from the top level (llama_eagle3.py, deepseek_eagle3.py)
+    and norm_before_fc in its Llama drafter only, eagle_config's first; SGLang reads fc_norm (or use_aux_norm) and
+    norm_output, nothing else."""
+    ck.save_legacy(make_drafter(fc_norm=True, norm_output=True, norm_before_residual=True), tmp_path / "l")
+    assert ck.served_settings(tmp_path / "l", "vllm", 8).flags == {
+        "fc_norm": True, "norm_output": True, "norm_before_fc": False, "norm_before_residual": True}
+    assert ck.served_settings(tmp_path / "l", "sglang", 8).flags == {
+        "fc_norm": True, "norm_output": True, "norm_before_fc": False, "norm_before_residual": False}
+
+    ck.save_legacy(make_drafter(norm_before_fc=True), tmp_path / "n")
+    assert ck.served_settings(tmp_path / "n", "vllm", 8).flags["norm_before_fc"] is True
+    assert ck.served_settings(tmp_path / "n", "sglang", 8).flags["norm_before_fc"] is False
+    raw = json.loads((tmp_path / "n" / "config.json").read_text())
+    raw["eagle_config"]["norm_before_fc"] = False  # vLLM's Llama drafter asks eagle_config first
+    raw["use_aux_norm"] = True  # SGLang's older name of fc_norm; vLLM does not know it
+    (tmp_path / "n" / "config.json").write_text(json.dumps(raw))
+    vllm, sglang = (ck.served_settings(tmp_path / "n", e, 8).flags for e in ("vllm", "sglang"))
+    assert (vllm["norm_before_fc"], vllm["fc_norm"], sglang["fc_norm"]) == (False, False, True)
+
+    ck.save_legacy(make_drafter(architecture="mla", fc_norm=True), tmp_path / "m")
+    raw = json.loads((tmp_path / "m" / "config.json").read_text())
+    raw["norm_before_fc"] = True  # deepseek_eagle3.py has no input_norm: never read for an MLA drafter
+    (tmp_path / "m" / "config.json").write_text(json.dumps(raw))
+    mla = ck.served_settings(tmp_path / "m", "vllm", 8)
+    assert mla.flags["norm_before_fc"] is False and mla.flags["fc_norm"] is True
+    assert mla.max_position_embeddings == 256 and mla.rope_theta == 500000.0

@@ -68,21 +68,29 @@ def test_hub_drafter_is_fetched_by_preflight_resumed_and_trained_from(tmp_path, 
     with LocalHub({REPO: published}, cut={"model.safetensors": 3 * CHUNK + 1000}, refuse_ranges=True) as hub:
         monkeypatch.setenv("HF_ENDPOINT", hub.url)
         # The hub fails half-way through the weights: pre-flight fails, naming the remedy, and keeps the bytes.
-        check = preflight(cfg)["init_from"]
+        checks = preflight(cfg)
+        check = checks["init_from download"]
         assert check.status == "fail" and "download failed" in check.detail and "rerun" in check.remedy
+        assert checks["init_from files"].status == checks["init_from"].status == "skip"  # nothing to read yet
         partial = list((tmp_path / "hf" / "hub").rglob("*.part"))
         assert [p.stat().st_size for p in partial] == [3 * CHUNK]
         assert hub.gets("model.safetensors") == [None, f"bytes={3 * CHUNK}-"]  # the client's own retry was refused
 
         # Back up: the rerun asks only for the rest, then checks the drafter like a local one.
         hub.refuse_ranges = False
-        check = preflight(cfg)["init_from"]
+        checks = preflight(cfg)
+        assert checks["init_from download"].status == "ok" and "downloaded into" in checks["init_from download"].detail
+        assert checks["init_from files"].status == "ok", checks["init_from files"]  # headers read from the cache
+        check = checks["init_from"]
         assert check.status == "ok", check
         assert "cached in" in check.detail and "fits the target" in check.detail
         rerun = hub.gets("model.safetensors")[2:]  # each response is cut short again: the client keeps resuming
         assert rerun[0] == f"bytes={3 * CHUNK}-" and len(rerun) >= 2
         assert [int(r[6:-1]) for r in rerun] == sorted({int(r[6:-1]) for r in rerun})  # never from the start
         assert not hub.gets("training_state.pt") and not hub.gets("README.md")
+        asked = len(hub.requests)  # once cached, a later pre-flight does not ask the hub again
+        assert "is in the Hugging Face cache" in preflight(cfg)["init_from download"].detail
+        assert len(hub.requests) == asked
     snapshot = next((tmp_path / "hf" / "hub").glob("models--AQ-MedAI--tiny-eagle3/snapshots/*"))
     assert hashlib.sha256((snapshot / "model.safetensors").read_bytes()).digest() == hashlib.sha256(
         weights.read_bytes()).digest()
@@ -103,7 +111,7 @@ def test_an_unknown_hub_id_fails_preflight_by_name(tmp_path, tiny_target, publis
     cfg = prepared_run(tmp_path, tiny_target, n=24, train={"init_from": "AQ-MedAI/no-such-drafter"})
     with LocalHub({REPO: published}) as hub:
         monkeypatch.setenv("HF_ENDPOINT", hub.url)
-        check = preflight(cfg)["init_from"]
+        check = preflight(cfg)["init_from download"]
     assert check.status == "fail" and "no repository AQ-MedAI/no-such-drafter" in check.detail
     assert "HF_TOKEN" in check.remedy
     with pytest.raises(UsageError, match="not in the Hugging Face cache"):  # what training says without pre-flight

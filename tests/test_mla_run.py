@@ -13,6 +13,7 @@ from test_extract import prepared_run
 from eaglekit import pipeline
 from eaglekit.model.checkpoints import load_drafter
 from eaglekit.rundir import RunDir
+from eaglekit.stages import verify
 
 TRAIN = {"ttt_steps": 3, "batch_size": 8, "lr": 6e-3, "warmup_steps": 5, "max_steps": 30, "eval_every": 30,
          "save_every": 30, "log_every": 10, "eval_samples": 16}
@@ -65,6 +66,41 @@ def test_mla_drafter_trains_evaluates_and_exports(tmp_path, tiny_deepseek_target
     assert exported_drafter.config == c
     for name, tensor in best.state_dict().items():
         assert torch.equal(exported_drafter.state_dict()[name], tensor), name
+
+    # verify serves what export wrote (the plain form only), and reads the MLA export as each engine does
+    assert verify.forms(cfg) == ["eagle3"]
+    aux = c.aux_layer_ids
+    for engine in ("vllm", "sglang"):  # fc_norm and norm_output: both engines read them
+        rows = {row["cause"]: row for row in verify.diagnose(cfg, out, engine, aux)}
+        assert all(row["status"] == "ok" for row in rows.values()), (engine, rows)
+        assert "fc_norm true, norm_output true" in rows["EAGLE 3.1 flags"]["detail"]
+    config["norm_output"] = False  # a config edited by hand: the engine would feed steps 2.. the pre-norm output
+    (out / "config.json").write_text(json.dumps(config))
+    rows = {row["cause"]: row for row in verify.diagnose(cfg, out, "vllm", aux)}
+    assert [cause for cause, row in rows.items() if row["status"] == "suspect"] == ["EAGLE 3.1 flags"]
+    assert "norm_output false (trained true)" in rows["EAGLE 3.1 flags"]["detail"]
+
+
+def test_mla_export_for_vllm_alone_when_sglang_cannot_read_its_aux_ids(tmp_path, tiny_deepseek_target):
+    """Aux layers not starting at 2 mean other layers in SGLang's versions: a Llama drafter's plain form is refused
+    (its speculators form serves vLLM), an MLA drafter's only form is written without eagle_config, for vLLM."""
+    cfg = prepared_run(tmp_path, tiny_deepseek_target, n=24, export={"formats": ["eagle3"]},
+                       train={**TRAIN, "max_steps": 2, "eval_every": 2, "save_every": 2, "draft": {"architecture": "mla"}})
+    cfg.target.aux_layers = [3, 4, 5]  # features are captured during training (online mode)
+    with RunDir(cfg.run_dir).lock:
+        pipeline.run_stage(cfg, "train", skip_preflight=True)
+    check = preflight(cfg, "export")["SGLang aux layers"]
+    assert check.status == "warn" and "vLLM alone" in check.detail and "vLLM" in check.remedy
+    with RunDir(cfg.run_dir).lock:
+        exported = pipeline.run_stage(cfg, "export", skip_preflight=True)
+    assert exported["counts"]["formats"] == ["eagle3"]
+    out = Path(cfg.run_dir) / "export" / "eagle3"
+    config = json.loads((out / "config.json").read_text())
+    assert config["eagle_aux_hidden_state_layer_ids"] == [3, 4, 5] and "eagle_config" not in config
+    card = (Path(cfg.run_dir) / "export" / "README.md").read_text()
+    assert "sglang.launch_server" not in card and "no SGLang command" in card
+    assert verify.diagnose(cfg, out, "vllm", [3, 4, 5])[0]["status"] == "ok"  # vLLM captures the trained layers
+    assert verify.diagnose(cfg, out, "sglang", [3, 4, 5])[0]["status"] == "suspect"  # SGLang its defaults
 
 
 def test_preflight_suggests_mla_for_an_mla_target(tmp_path, tiny_deepseek_target):

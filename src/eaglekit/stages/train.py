@@ -117,8 +117,10 @@ def drafter_shape(ctx):
         return skip("drafter", "finetuning train.init_from (its own shape)")
     try:
         hf = target_hf_config(cfg.target)
-        dc = DrafterConfig.from_target_config(hf, cfg.vocab.draft_vocab_size,
-                                              aux_layer_ids(cfg.target, hf.num_hidden_layers), **explicit)
+        # a draft vocab larger than the target's is the vocab stage's failure: not named twice
+        draft_vocab = min(cfg.vocab.draft_vocab_size, int(getattr(text_config(hf), "vocab_size", None) or 1 << 62))
+        dc = DrafterConfig.from_target_config(hf, draft_vocab, aux_layer_ids(cfg.target, hf.num_hidden_layers),
+                                              **explicit)
     except EaglekitError as err:
         return fail("drafter", err.message, err.remedy or "fix train.draft")
     _, trainable = parameter_counts(dc)
