@@ -28,6 +28,15 @@ def tiny_target() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_deepseek_target(tmp_path_factory) -> Path:
+    """A DeepSeek-V3-shaped tiny target (MLA + 4 routed experts) on the tiny target's tokenizer and corpus, trained
+    for 300 steps from seed 0 (~30 s): its replies are mostly well formed, which is all a drafter needs to learn."""
+    from eaglekit.tiny import build_tiny_target
+
+    return build_tiny_target(tmp_path_factory.mktemp("deepseek") / "target", steps=300, heldout=0, arch="deepseek_v3")
+
+
+@pytest.fixture(scope="session")
 def vllm_python() -> Path:
     """The python of the real vLLM environment (scripts/setup_vllm.sh makes .venv-vllm).
 

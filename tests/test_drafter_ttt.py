@@ -37,33 +37,91 @@ def make_batch(cfg: DrafterConfig, b=2, length=13, dtype=torch.float64, seed=0, 
     return aux, ids, target_logits, loss_mask, attention_mask, in_draft
 
 
+MLA = dict(architecture="mla", num_key_value_heads=None, head_dim=None, q_lora_rank=12, kv_lora_rank=10,
+           qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5)  # v narrower than q/k (10), as in DeepSeek-V3
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "beta_fast": 32, "beta_slow": 1,
+        "mscale": 1.0, "mscale_all_dim": 0.8}
+EAGLE31 = dict(fc_norm=True, norm_output=True, norm_before_residual=True)
+VARIANTS = {
+    "llama": {},
+    "llama-eagle3.1": EAGLE31,
+    "llama-norm_before_fc": dict(norm_before_fc=True),
+    "mla-yarn": dict(MLA, rope_scaling=YARN),
+    "mla-no-q-lora-eagle3.1": dict(MLA, q_lora_rank=None, **EAGLE31),
+}
+
+
 def make_drafter(cfg: DrafterConfig, dtype=torch.float64, seed=0) -> Eagle3Drafter:
     torch.manual_seed(seed)
     drafter = Eagle3Drafter(cfg).to(dtype)
     with torch.no_grad():  # norms away from 1 so a wrong norm placement shows
         for name, p in drafter.named_parameters():
-            if name.endswith("norm.weight") or "layernorm" in name:
+            if "norm" in name:
                 p.uniform_(0.5, 1.5)
     return drafter
+
+
+def rms(x, weight, eps):
+    return weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def reference_qkv(drafter, emb, feature, positions):
+    """q, k, v [b, L, nH, d] of the drafter's layer written out: Llama GQA, or MLA expanded from its latent."""
+    cfg, layer = drafter.config, drafter.midlayer
+    a, eps = layer.self_attn, cfg.rms_norm_eps
+    x = torch.cat([rms(emb, layer.input_layernorm.weight, eps), rms(feature, layer.hidden_norm.weight, eps)], -1)
+    b, length = x.shape[:2]
+    n_heads = cfg.num_attention_heads
+    angles = positions[:, None].to(x.dtype) * drafter.rotary.inv_freq.to(x.dtype)  # [L, rope/2]
+    if cfg.architecture == "llama":
+        n_kv, hd = cfg.num_key_value_heads, cfg.head_dim
+        q = (x @ a.q_proj.weight.T).view(b, length, n_heads, hd)
+        k = (x @ a.k_proj.weight.T).view(b, length, n_kv, hd)
+        v = (x @ a.v_proj.weight.T).view(b, length, n_kv, hd)
+        cos, sin = angles.cos()[:, None], angles.sin()[:, None]
+
+        def rotate_halves(t):
+            t1, t2 = t.chunk(2, -1)
+            return torch.cat([t1 * cos - t2 * sin, t2 * cos + t1 * sin], -1)
+
+        groups = n_heads // n_kv
+        return (rotate_halves(q), rotate_halves(k).repeat_interleave(groups, dim=2),
+                v.repeat_interleave(groups, dim=2))
+    nope, rope, dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    if cfg.q_lora_rank:
+        q = rms(x @ a.q_a_proj.weight.T, a.q_a_layernorm.weight, eps) @ a.q_b_proj.weight.T
+    else:
+        q = x @ a.q_proj.weight.T
+    q_nope, q_rope = q.view(b, length, n_heads, nope + rope).split([nope, rope], -1)
+    latent, k_rope = (x @ a.kv_a_proj_with_mqa.weight.T).split([cfg.kv_lora_rank, rope], -1)
+    kv = (rms(latent, a.kv_a_layernorm.weight, eps) @ a.kv_b_proj.weight.T).view(b, length, n_heads, nope + dv)
+    k_nope, v = kv.split([nope, dv], -1)
+    turn = torch.polar(torch.full_like(angles, drafter.rotary.scale), angles)[:, None]  # [L, 1, rope/2]
+
+    def rotate_pairs(t):  # DeepSeek's reference: consecutive pairs as complex numbers, times e^(i angle)
+        z = torch.view_as_complex(t.reshape(*t.shape[:-1], -1, 2).contiguous())
+        return torch.view_as_real(z * turn).flatten(-2)
+
+    k_rope = rotate_pairs(k_rope[:, :, None]).expand(b, length, n_heads, rope)
+    return torch.cat([q_nope, rotate_pairs(q_rope)], -1), torch.cat([k_nope, k_rope], -1), v
 
 
 def reference_ttt(drafter, aux, ids, target_logits, loss_mask, attention_mask, steps, decay, in_draft):
     """Each step: full attention over [step-0 keys, step-1 keys, ...] with an explicit boolean mask."""
     cfg, layer = drafter.config, drafter.midlayer
+    eps = cfg.rms_norm_eps
     b, length = ids.shape
-    n_heads, n_kv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    feature = drafter.fc(aux)
+    if cfg.norm_before_fc:
+        aux = rms(aux, drafter.input_norm.weight, eps)
+    if cfg.fc_norm:
+        aux = torch.cat([rms(x, n.weight, eps) for x, n in zip(aux.chunk(3, -1), drafter.fc_norm)], -1)
+    feature = aux @ drafter.fc.weight.T
     keys, values = [], []
     total, loss_k, acc_k, count_k = 0.0, [], [], []
     for k in range(steps):
         tokens = torch.zeros_like(ids)
         tokens[:, : length - 1 - k] = ids[:, 1 + k:]  # token t+1+k
-        x = torch.cat([layer.input_layernorm(drafter.embed_tokens(tokens)), layer.hidden_norm(feature)], -1)
-        q = layer.self_attn.q_proj(x).view(b, length, n_heads, hd)
-        kk = layer.self_attn.k_proj(x).view(b, length, n_kv, hd)
-        vv = layer.self_attn.v_proj(x).view(b, length, n_kv, hd)
-        cos, sin = drafter.rotary(torch.arange(length) + k, x.dtype)
-        q, kk = apply_rope(q, cos, sin), apply_rope(kk, cos, sin)
+        q, kk, vv = reference_qkv(drafter, drafter.embed_tokens(tokens), feature, torch.arange(length) + k)
         keys.append(kk)
         values.append(vv)
         mask = torch.zeros(length, (k + 1) * length, dtype=torch.bool)
@@ -71,14 +129,13 @@ def reference_ttt(drafter, aux, ids, target_logits, loss_mask, attention_mask, s
             mask[t, : t + 1] = True
             for j in range(1, k + 1):
                 mask[t, j * length + t] = True
-        big_k = torch.cat(keys, 1).repeat_interleave(n_heads // n_kv, dim=2)
-        big_v = torch.cat(values, 1).repeat_interleave(n_heads // n_kv, dim=2)
-        scores = torch.einsum("bthd,bshd->bhts", q, big_k) / math.sqrt(hd)
+        scores = torch.einsum("bthd,bshd->bhts", q, torch.cat(keys, 1)) * drafter.attention_scale
         probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
-        attn = torch.einsum("bhts,bshd->bthd", probs, big_v).reshape(b, length, -1)
-        h = feature + layer.self_attn.o_proj(attn)
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
-        logits = drafter.lm_head(drafter.norm(h))
+        attn = torch.einsum("bhts,bshd->bthd", probs, torch.cat(values, 1)).reshape(b, length, -1)
+        residual = rms(feature, layer.hidden_norm.weight, eps) if cfg.norm_before_residual else feature
+        h = residual + attn @ layer.self_attn.o_proj.weight.T
+        h = h + layer.mlp(rms(h, layer.post_attention_layernorm.weight, eps))
+        logits = drafter.lm_head(rms(h, drafter.norm.weight, eps))
         ces, hits = [], []
         for bi in range(b):
             for t in range(length):
@@ -95,7 +152,7 @@ def reference_ttt(drafter, aux, ids, target_logits, loss_mask, attention_mask, s
         loss_k.append(step.item())
         acc_k.append(sum(hits) / len(hits) if hits else 0.0)
         count_k.append(len(ces))
-        feature = h
+        feature = rms(h, drafter.norm.weight, eps) if cfg.norm_output else h
     return total, loss_k, acc_k, count_k
 
 
@@ -105,9 +162,10 @@ def grads(drafter, loss):
     return {n: p.grad.clone() for n, p in drafter.named_parameters() if p.requires_grad}
 
 
-@pytest.mark.parametrize("steps, with_masks", [(1, False), (2, True), (5, True)])
-def test_ttt_matches_reference_float64(steps, with_masks):
-    cfg = tiny_config()
+@pytest.mark.parametrize("variant, steps, with_masks", [("llama", 1, False), ("llama", 2, True), ("llama", 5, True)]
+                         + [(v, 4, True) for v in VARIANTS if v != "llama"] + [("mla-yarn", 1, False)])
+def test_ttt_matches_reference_float64(variant, steps, with_masks):
+    cfg = tiny_config(**VARIANTS[variant])
     drafter = make_drafter(cfg)
     aux, ids, tl, lm, am, ind = make_batch(cfg, pad=with_masks)
     am, ind = (am, ind) if with_masks else (None, None)
@@ -126,9 +184,11 @@ def test_ttt_matches_reference_float64(steps, with_masks):
         torch.testing.assert_close(got[name], want[name], rtol=1e-8, atol=1e-10, msg=name)
 
 
-def test_ttt_float32_matches_reference_and_keeps_no_square_matrix_for_backward():
+@pytest.mark.parametrize("variant", ["llama", "mla-yarn"])
+def test_ttt_float32_matches_reference_and_keeps_no_square_matrix_for_backward(variant):
     # L larger than every width (2H, 3Ht, I, V), so an L x L tensor is recognisable by its shape.
-    cfg = tiny_config(hidden_size=16, head_dim=4, target_hidden_size=12, intermediate_size=24)
+    shape = dict(hidden_size=16, target_hidden_size=12, intermediate_size=24)
+    cfg = tiny_config(**shape, head_dim=4) if variant == "llama" else tiny_config(**shape, **VARIANTS[variant])
     length = 40
     drafter = make_drafter(cfg, dtype=torch.float32)
     aux, ids, tl, lm, am, ind = make_batch(cfg, length=length, dtype=torch.float32)
@@ -180,8 +240,9 @@ def test_ttt_rejects_left_padding_and_bad_shapes():
         ttt_loss(drafter, aux, ids, tl[..., :-1], lm, am)
 
 
-def test_forward_is_step_zero_and_cache_matches_full_forward():
-    cfg = tiny_config()
+@pytest.mark.parametrize("variant", ["llama", "mla-yarn", "mla-no-q-lora-eagle3.1"])
+def test_forward_is_step_zero_and_cache_matches_full_forward(variant):
+    cfg = tiny_config(**VARIANTS[variant])
     drafter = make_drafter(cfg)
     aux, ids, tl, lm, _, _ = make_batch(cfg, b=2, length=10, pad=False)
     feature = drafter.fuse(aux)

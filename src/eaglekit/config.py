@@ -116,17 +116,31 @@ class ExtractConfig(Section):
 
 
 class DraftModelConfig(Section):
-    """Overrides of the draft config derived from the target's (all optional)."""
+    """The drafter's layer and flags; every shape defaults to the target's (README: "The drafter")."""
 
+    architecture: Literal["llama", "mla"] | None = Field(
+        None, description="decoder layer: llama (MHA/GQA, the default) or mla (DeepSeek-V3/Kimi latent attention)")
     hidden_size: int | None = None
     intermediate_size: int | None = None
     num_attention_heads: int | None = None
     num_key_value_heads: int | None = None
     head_dim: int | None = None
+    # architecture mla (default: the target's when it is DeepSeek-V3/Kimi-shaped, else DeepSeek-V3's proportions)
+    q_lora_rank: int | None = Field(None, ge=1, description="mla: rank of the compressed query")
+    kv_lora_rank: int | None = Field(None, ge=1, description="mla: rank of the latent that keys and values expand from")
+    qk_nope_head_dim: int | None = Field(None, ge=1, description="mla: per-head query/key width without RoPE")
+    qk_rope_head_dim: int | None = Field(None, ge=1, description="mla: per-head query/key width with RoPE")
+    v_head_dim: int | None = Field(None, ge=1, description="mla: per-head value width")
+    # EAGLE 3.1 and related flags (default false), named as vLLM, SGLang and speculators name them
+    fc_norm: bool | None = Field(None, description="an RMSNorm per aux hidden state before fc (EAGLE 3.1)")
+    norm_output: bool | None = Field(None, description="next draft steps take the normed output (EAGLE 3.1)")
+    norm_before_fc: bool | None = Field(None, description="one RMSNorm over the concatenated aux states (llama only)")
+    norm_before_residual: bool | None = Field(None, description="the layer's residual is the normed feature")
 
 
 class TrainConfig(Section):
-    init_from: str | None = Field(None, description="published drafter to finetune (legacy or speculators form)")
+    init_from: str | None = Field(None, description="published drafter to finetune (legacy or speculators form): a "
+                                                   "folder, or a hub id (org/name[@revision]) that pre-flight downloads")
     remap_vocab: bool = False
     draft: DraftModelConfig = Field(default_factory=DraftModelConfig)
     ttt_steps: int = Field(7, ge=1)
@@ -290,7 +304,7 @@ def parse_config(data: Any, source: str = "<config>", base_dir: Path | None = No
     if cfg.target.chat_template and not cfg.target.chat_template.lstrip().startswith("{"):
         cfg.target.chat_template = _resolve(base, cfg.target.chat_template)
     if cfg.train.init_from:
-        cfg.train.init_from = _resolve(base, cfg.train.init_from)
+        cfg.train.init_from = _resolve(base, cfg.train.init_from, hub_ok=True)
     if cfg.evaluate.prompts:
         cfg.evaluate.prompts = _resolve(base, cfg.evaluate.prompts)
     if cfg.evaluate.checkpoint:

@@ -1,25 +1,40 @@
-"""The drafter's two checkpoint forms, written and read with a strict key/shape contract.
+"""The drafter's checkpoint forms, written and read with a strict key/shape contract.
 
-Legacy / SGLang form: a flat Llama ``config.json`` ("LlamaForCausalLMEagle3") + weights with
-``midlayer.`` keys. Served by SGLang (``--speculative-draft-model-path``) and vLLM (``method:
-eagle3``). Published drafters (EAGLE reference, SpecForge, AQ-MedAI Kimi-K2) come in this form,
-sometimes without ``embed_tokens``, as ``pytorch_model.bin``, or beside a ``training_state.pt``.
+Plain form ("legacy", the one SGLang and ``--speculative-config`` load): a flat ``config.json`` + weights.
+  - Llama drafter: "LlamaForCausalLMEagle3", a Llama config, ``midlayer.`` keys. Published drafters
+    (EAGLE reference, SpecForge, AQ-MedAI Kimi-K2) come in this form, sometimes without ``embed_tokens``, as
+    ``pytorch_model.bin``, or beside a ``training_state.pt``.
+  - MLA drafter: "Eagle3DeepseekV2ForCausalLM", a DeepSeek-V2/V3 layer config written as
+    ``model_type: deepseek_v2`` (vLLM turns a ``deepseek_v3`` draft config into its MTP drafter), ``layers.0.``
+    keys with the attention unfused (``q_a_proj`` and ``kv_a_proj_with_mqa``: vLLM's ``hf_to_vllm_mapper`` and
+    SGLang's ``load_weights`` stack them into their own fused parameter, named differently in each engine).
+    The drafters of Kimi-K2.5/K2.6 (``kimi-k2.5-eagle3-mla``, ``eagle3.1-mla``) come in this form.
 
-speculators form: ``speculators_model_type: eagle3`` with the layer config nested in
-``transformer_layer_config`` + weights with ``layers.0.`` keys; ``vllm serve DIR`` runs it.
+speculators form (Llama drafter only): ``speculators_model_type: eagle3`` with the layer config nested in
+``transformer_layer_config`` + weights with ``layers.0.`` keys; ``vllm serve DIR`` runs it. There is no MLA
+speculators form: vLLM's reader (``transformers_utils/configs/speculators/algos.py``, ``update_eagle3``) maps only
+``model_type`` llama and qwen3 to an Eagle3 architecture and raises "Unsupported model_type ... for Eagle3
+speculator" for any other.
 
-What the loaders read (vLLM ``model_executor/models/llama_eagle3.py``, ``transformers_utils/configs/
-speculators/algos.py``, ``v1/worker/gpu_model_runner.py``; SGLang ``srt/models/llama_eagle3.py``,
-``srt/model_executor/model_runner.py``; speculators ``models/eagle3/config.py``):
+What the loaders read (vLLM ``model_executor/models/llama_eagle3.py``, ``deepseek_eagle3.py``,
+``transformers_utils/configs/speculators/algos.py``, ``v1/worker/gpu_model_runner.py``; SGLang
+``srt/models/llama_eagle3.py``, ``kimi_k25_eagle3.py``, ``srt/model_executor/model_runner.py``; speculators
+``models/eagle3/config.py``):
   - fc input width is 3 * ``target_hidden_size`` if the key exists, else 3 * hidden_size (both).
-  - vLLM takes ``norm_before_residual`` from the speculators config and assumes true when absent.
+  - Flags: ``fc_norm`` (SGLang also reads its older name ``use_aux_norm``; weights ``fc_norm.{i}.weight``, older
+    ``aux_norm_{low,mid,high}``), ``norm_output``, ``norm_before_residual``, ``norm_before_fc`` (vLLM also reads it
+    from ``eagle_config``; weight ``input_norm.weight``). vLLM reads all four, from the top level of the plain
+    config or of the speculators config; its speculators reader assumes ``norm_before_residual`` true when absent,
+    the plain-form layers false. SGLang reads ``fc_norm`` and ``norm_output`` only (``sglang_ignores``).
   - Aux layers: vLLM reads top-level ``eagle_aux_hidden_state_layer_ids`` as HF hidden_states
     indices (and, only when that is absent, ``eagle_config``'s, verbatim); SGLang reads only
     ``eagle_config.eagle_aux_hidden_state_layer_ids`` and maps them in the target model's
     ``set_eagle3_layers_to_capture``: +1 to each (output-of-layer ids) — unconditionally before
     sglang#25454 (merged 2026-05-16) and still in ``llama.py``; since then DeepSeek-family targets add 1
-    only when the first id is 1 and take other lists verbatim. See ``sglang_aux_layer_ids``.
+    only when the first id is 1 and take other lists verbatim. See ``sglang_aux_layer_ids``. The rule belongs
+    to the target's model class, so an MLA drafter (DeepSeek-V3/Kimi targets) follows it like a Llama one.
   - SGLang ties lm_head to embed_tokens when ``tie_word_embeddings`` is true: always write false.
+  - A draft vocab equal to the target's is written without d2t/t2d: vLLM has no parameter to load them into.
   - Neither loader complains about a missing or unknown key, hence ``validate_state_dict``.
 """
 
@@ -37,29 +52,49 @@ from safetensors.torch import load_file, save_file
 
 from eaglekit.atomic import atomic_dir
 from eaglekit.errors import EaglekitError, UsageError
-from eaglekit.model.drafter import DrafterConfig, Eagle3Drafter, rope_from_config, text_config
+from eaglekit.model.drafter import FLAGS, DrafterConfig, Eagle3Drafter, rope_from_config, text_config
 
 LEGACY, SPECULATORS = "legacy", "speculators"
 LEGACY_ARCHITECTURE = "LlamaForCausalLMEagle3"
+MLA_ARCHITECTURE = "Eagle3DeepseekV2ForCausalLM"
 SPECULATORS_ARCHITECTURE = "Eagle3Speculator"
 OPTIONAL_KEYS = ("embed_tokens.weight",)
+NO_MLA_SPECULATORS = ("an MLA drafter has no speculators form: vLLM's speculators reader (vllm/transformers_utils/"
+                      "configs/speculators/algos.py, update_eagle3) accepts transformer_layer_config.model_type "
+                      "llama and qwen3 only and raises 'Unsupported model_type deepseek_v2 for Eagle3 speculator'")
 
 
 # ------------------------------------------------------------------------------------------ the contract
 
+def layer_prefix(cfg: DrafterConfig, form: str) -> str:
+    """The decoder layer's key prefix on disk: ``midlayer.`` for the plain Llama form, else ``layers.0.``."""
+    return "midlayer." if form == LEGACY and cfg.architecture == "llama" else "layers.0."
+
+
+def _attention_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
+    h2, n = 2 * cfg.hidden_size, cfg.num_attention_heads
+    if cfg.architecture == "llama":
+        q, kv = n * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        return {"q_proj": (q, h2), "k_proj": (kv, h2), "v_proj": (kv, h2), "o_proj": (cfg.hidden_size, q)}
+    qk, rope = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.qk_rope_head_dim
+    q = ({"q_a_proj": (cfg.q_lora_rank, h2), "q_a_layernorm": (cfg.q_lora_rank,), "q_b_proj": (n * qk, cfg.q_lora_rank)}
+         if cfg.q_lora_rank else {"q_proj": (n * qk, h2)})
+    return {**q, "kv_a_proj_with_mqa": (cfg.kv_lora_rank + rope, h2), "kv_a_layernorm": (cfg.kv_lora_rank,),
+            "kv_b_proj": (n * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
+            "o_proj": (cfg.hidden_size, n * cfg.v_head_dim)}
+
+
 def expected_state(cfg: DrafterConfig, form: str = LEGACY) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
-    """Key -> (shape, dtype) of a drafter checkpoint; dtype None means any floating type."""
-    h, i, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    """Key -> (shape, dtype) of a drafter checkpoint on disk; dtype None means any floating type."""
+    h, i, ht = cfg.hidden_size, cfg.intermediate_size, cfg.target_hidden_size
     layer = {
         "hidden_norm.weight": (h,), "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
-        "self_attn.q_proj.weight": (q, 2 * h), "self_attn.k_proj.weight": (kv, 2 * h),
-        "self_attn.v_proj.weight": (kv, 2 * h), "self_attn.o_proj.weight": (h, q),
+        **{f"self_attn.{name}.weight": shape for name, shape in _attention_shapes(cfg).items()},
         "mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h), "mlp.down_proj.weight": (h, i),
     }
-    prefix = "layers.0." if form == SPECULATORS else "midlayer."
+    prefix = layer_prefix(cfg, form)
     out: dict[str, tuple[tuple[int, ...], torch.dtype | None]] = {
-        "fc.weight": ((h, 3 * cfg.target_hidden_size), None),
+        "fc.weight": ((h, 3 * ht), None),
         **{prefix + k: (shape, None) for k, shape in layer.items()},
         "norm.weight": ((h,), None),
         "lm_head.weight": ((cfg.draft_vocab_size, h), None),
@@ -67,6 +102,10 @@ def expected_state(cfg: DrafterConfig, form: str = LEGACY) -> dict[str, tuple[tu
         "t2d": ((cfg.vocab_size,), torch.bool),
         "embed_tokens.weight": ((cfg.vocab_size, h), None),
     }
+    if cfg.fc_norm:
+        out.update({f"fc_norm.{j}.weight": ((ht,), None) for j in range(3)})
+    if cfg.norm_before_fc:
+        out["input_norm.weight"] = ((3 * ht,), None)
     return out
 
 
@@ -79,6 +118,8 @@ def validate_state_dict(state: dict[str, torch.Tensor], cfg: DrafterConfig, form
     """
     if form not in (LEGACY, SPECULATORS):
         raise ValueError(f"unknown checkpoint form {form!r}")
+    if form == SPECULATORS and cfg.architecture == "mla":
+        raise EaglekitError(f"{where}: {NO_MLA_SPECULATORS}", "use the plain form (export.formats: [eagle3])")
     expected = expected_state(cfg, form)
     optional = set(OPTIONAL_KEYS) | ({"d2t", "t2d"} if cfg.draft_vocab_size == cfg.vocab_size else set())
     missing = sorted(set(expected) - set(state) - optional)
@@ -108,25 +149,34 @@ def validate_state_dict(state: dict[str, torch.Tensor], cfg: DrafterConfig, form
 # ------------------------------------------------------------------------------------------ writing
 
 def _layer_config(cfg: DrafterConfig) -> dict[str, Any]:
-    """The Llama config of the one decoder layer, shared by both forms."""
+    """The config of the one decoder layer (Llama or DeepSeek-V3 shaped), shared by both forms."""
+    if cfg.architecture == "mla":
+        shape = {"model_type": "deepseek_v2", "num_key_value_heads": cfg.num_attention_heads,
+                 **{name: getattr(cfg, name) for name in
+                    ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")},
+                 "rope_interleave": True}
+    else:
+        shape = {"model_type": "llama", "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
+                 "mlp_bias": False}
     return {
-        "model_type": "llama",
+        **shape,
         "num_hidden_layers": 1,
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
         "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_key_value_heads,
-        "head_dim": cfg.head_dim,
         "hidden_act": cfg.hidden_act,
         "max_position_embeddings": cfg.max_position_embeddings,
         "rms_norm_eps": cfg.rms_norm_eps,
         "rope_theta": cfg.rope_theta,
         "rope_scaling": cfg.rope_scaling,
         "attention_bias": False,
-        "mlp_bias": False,
         "tie_word_embeddings": False,
         "vocab_size": cfg.vocab_size,
     }
+
+
+def _flags(cfg: DrafterConfig) -> dict[str, bool]:
+    return {name: getattr(cfg, name) for name in FLAGS}
 
 
 SGLANG_AUX_RULE = ("SGLang adds 1 to eagle_config.eagle_aux_hidden_state_layer_ids: unconditionally before "
@@ -147,7 +197,9 @@ def sglang_aux_layer_ids(aux_layer_ids: list[int]) -> list[int] | None:
 
 
 def legacy_config(cfg: DrafterConfig) -> dict[str, Any]:
-    out = {"architectures": [LEGACY_ARCHITECTURE], **_layer_config(cfg), "draft_vocab_size": cfg.draft_vocab_size}
+    architecture = MLA_ARCHITECTURE if cfg.architecture == "mla" else LEGACY_ARCHITECTURE
+    out = {"architectures": [architecture], **_layer_config(cfg), "draft_vocab_size": cfg.draft_vocab_size,
+           **_flags(cfg)}
     if cfg.target_hidden_size != cfg.hidden_size:
         out["target_hidden_size"] = cfg.target_hidden_size
     if cfg.aux_layer_ids is not None:
@@ -160,6 +212,8 @@ def legacy_config(cfg: DrafterConfig) -> dict[str, Any]:
 
 def speculators_config(cfg: DrafterConfig, verifier_name_or_path: str | None, verifier_architectures: list[str] | None,
                        num_speculative_tokens: int) -> dict[str, Any]:
+    if cfg.architecture == "mla":
+        raise EaglekitError(NO_MLA_SPECULATORS, "write the plain form (export.formats: [eagle3])")
     out: dict[str, Any] = {
         "architectures": [SPECULATORS_ARCHITECTURE],
         "speculators_model_type": "eagle3",
@@ -173,19 +227,37 @@ def speculators_config(cfg: DrafterConfig, verifier_name_or_path: str | None, ve
         "transformer_layer_config": _layer_config(cfg),
         "draft_vocab_size": cfg.draft_vocab_size,
         "target_hidden_size": cfg.target_hidden_size,
-        "norm_before_residual": False,  # vLLM assumes true when the key is absent
+        **_flags(cfg),  # norm_before_residual always written: vLLM assumes true when the key is absent
     }
     if cfg.aux_layer_ids is not None:
         out["eagle_aux_hidden_state_layer_ids"] = list(cfg.aux_layer_ids)
     return out
 
 
+def sglang_ignores(cfg: DrafterConfig) -> list[str]:
+    """The flags SGLang's drafter classes do not read: it would serve this drafter as if they were off."""
+    return [name for name in ("norm_before_residual", "norm_before_fc") if getattr(cfg, name)]
+
+
+def serving_problems(cfg: DrafterConfig) -> list[str]:
+    """What keeps both engines from loading this drafter at all."""
+    if cfg.architecture == "mla" and not cfg.q_lora_rank:
+        return ["q_lora_rank is null (one q_proj): vLLM's deepseek_eagle3.py maps kv_a_proj_with_mqa onto "
+                "fused_qkv_a_proj, which exists only with q_lora_rank, and SGLang's kimi_k25_eagle3.py raises "
+                "'Eagle3 MLA layer requires q_lora_rank in the draft config'"]
+    return []
+
+
 def _export_state(drafter: Eagle3Drafter, form: str, include_embeddings: bool) -> dict[str, torch.Tensor]:
     state = {k: v.detach().cpu().contiguous() for k, v in drafter.state_dict().items()}
     if not include_embeddings:
         state.pop("embed_tokens.weight")
-    if form == SPECULATORS:
-        state = {k.replace("midlayer.", "layers.0.", 1): v for k, v in state.items()}
+    if drafter.config.draft_vocab_size == drafter.config.vocab_size:
+        # The draft vocab is the target's: vLLM then has no draft_id_to_target_id parameter and refuses a d2t
+        # ("There is no module or parameter named 'draft_id_to_target_id'"); SGLang needs no mapping either.
+        state.pop("d2t"), state.pop("t2d")
+    prefix = layer_prefix(drafter.config, form)
+    state = {prefix + k.removeprefix("midlayer.") if k.startswith("midlayer.") else k: v for k, v in state.items()}
     validate_state_dict(state, drafter.config, form)
     return state
 
@@ -197,7 +269,7 @@ def _write(out_dir: str | Path, config: dict, state: dict[str, torch.Tensor]) ->
 
 
 def save_legacy(drafter: Eagle3Drafter, out_dir: str | Path, include_embeddings: bool = True) -> None:
-    """Write the legacy / SGLang form (served by SGLang and by vLLM's ``method: eagle3``)."""
+    """Write the plain form (served by SGLang and by vLLM's ``method: eagle3``), Llama or MLA."""
     _write(out_dir, legacy_config(drafter.config), _export_state(drafter, LEGACY, include_embeddings))
 
 
@@ -236,7 +308,8 @@ def _read_json(path: Path) -> dict:
     return data
 
 
-def _config_from_layer(layer: dict, top: dict, source: Path, aux_layer_ids: list[int] | None) -> DrafterConfig:
+def _config_from_layer(layer: dict, top: dict, source: Path, aux_layer_ids: list[int] | None,
+                       flags: dict[str, bool]) -> DrafterConfig:
     def need(key: str) -> Any:
         if layer.get(key) is None:
             raise UsageError(f"{source}: missing '{key}'", "the drafter's config.json is incomplete")
@@ -248,13 +321,19 @@ def _config_from_layer(layer: dict, top: dict, source: Path, aux_layer_ids: list
     hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
     theta, scaling = rope_from_config(text_config(layer))
     vocab = int(need("vocab_size"))
+    if layer.get("kv_lora_rank"):  # DeepSeek-V2/V3-shaped: multi-head latent attention
+        q_lora = layer.get("q_lora_rank")
+        shape = dict(architecture="mla", num_key_value_heads=None, head_dim=None,
+                     q_lora_rank=int(q_lora) if q_lora else None, kv_lora_rank=int(need("kv_lora_rank")),
+                     **{k: int(need(k)) for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")})
+    else:
+        shape = dict(num_key_value_heads=int(layer.get("num_key_value_heads") or heads),
+                     head_dim=int(layer.get("head_dim") or hidden // heads))
     try:
         return DrafterConfig(
             hidden_size=hidden,
             intermediate_size=int(need("intermediate_size")),
             num_attention_heads=heads,
-            num_key_value_heads=int(layer.get("num_key_value_heads") or heads),
-            head_dim=int(layer.get("head_dim") or hidden // heads),
             rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
             rope_scaling=scaling,
@@ -264,6 +343,8 @@ def _config_from_layer(layer: dict, top: dict, source: Path, aux_layer_ids: list
             target_hidden_size=int(top.get("target_hidden_size") or hidden),
             aux_layer_ids=aux_layer_ids,
             hidden_act=layer.get("hidden_act", "silu"),
+            **shape,
+            **flags,
         )
     except UsageError as err:
         raise UsageError(f"{source}: {err.message}", err.remedy) from None
@@ -279,27 +360,31 @@ def read_config(path: Path) -> tuple[str, DrafterConfig, str | None]:
         if raw["speculators_model_type"] != "eagle3":
             raise UsageError(f"{source}: speculators_model_type is '{raw['speculators_model_type']}', not eagle3",
                              "eaglekit finetunes and exports EAGLE-3 drafters only")
-        if raw.get("norm_before_residual", True):  # vLLM's default when absent
-            raise UsageError(f"{source}: norm_before_residual is {raw.get('norm_before_residual', 'absent (true)')}; "
-                             "eaglekit's drafter keeps the un-normed feature as residual (false)",
-                             "use a drafter trained with norm_before_residual=false")
         layer = raw.get("transformer_layer_config")
         if not isinstance(layer, dict):
             raise UsageError(f"{source}: transformer_layer_config is missing", "the speculators config is incomplete")
         verifier = ((raw.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
         aux = raw.get("eagle_aux_hidden_state_layer_ids")
-        return SPECULATORS, _config_from_layer(layer, raw, source, aux), verifier
+        flags = {name: bool(raw.get(name, False)) for name in FLAGS}
+        flags["norm_before_residual"] = bool(raw.get("norm_before_residual", True))  # vLLM's default when absent
+        return SPECULATORS, _config_from_layer(layer, raw, source, aux, flags), verifier
     architectures = raw.get("architectures") or []
     if not any("eagle3" in a.lower() for a in architectures) and "draft_vocab_size" not in raw:
         raise UsageError(f"{source}: not an EAGLE-3 drafter config "
                          f"(architectures {architectures}, no draft_vocab_size)",
                          "point at a drafter checkpoint, not at the target model")
     aux = raw.get("eagle_aux_hidden_state_layer_ids")  # vLLM's key, HF indices
-    eagle_config = raw.get("eagle_config")
-    sglang_aux = eagle_config.get("eagle_aux_hidden_state_layer_ids") if isinstance(eagle_config, dict) else None
+    eagle_config = raw.get("eagle_config") if isinstance(raw.get("eagle_config"), dict) else {}
+    sglang_aux = eagle_config.get("eagle_aux_hidden_state_layer_ids")
     if not aux and sglang_aux:
         aux = [int(i) + 1 for i in sglang_aux]  # SGLang's key: output-of-layer ids, one less
-    return LEGACY, _config_from_layer(raw, raw, source, aux or None), None
+    flags = {
+        "fc_norm": bool(raw.get("fc_norm") or raw.get("use_aux_norm")),  # SGLang still reads the older name
+        "norm_before_fc": bool(eagle_config.get("norm_before_fc", raw.get("norm_before_fc", False))),  # vLLM's order
+        "norm_output": bool(raw.get("norm_output", False)),
+        "norm_before_residual": bool(raw.get("norm_before_residual", False)),
+    }
+    return LEGACY, _config_from_layer(raw, raw, source, aux or None, flags), None
 
 
 def _load_weight_file(path: Path) -> dict[str, torch.Tensor]:
@@ -338,6 +423,35 @@ def read_weights(path: Path) -> tuple[dict[str, torch.Tensor], list[str]]:
                      "point at the drafter's folder; training_state.pt alone holds no drafter weights")
 
 
+# Other names of the same weights in published checkpoints: SGLang's older per-aux norms, and the fused
+# q_a_proj + kv_a_proj_with_mqa of vLLM (fused_qkv_a_proj) and SGLang (fused_qkv_a_proj_with_mqa).
+OLDER_NAMES = {"aux_norm_low.": "fc_norm.0.", "aux_norm_mid.": "fc_norm.1.", "aux_norm_high.": "fc_norm.2."}
+FUSED_A = ("self_attn.fused_qkv_a_proj.weight", "self_attn.fused_qkv_a_proj_with_mqa.weight")
+
+
+def canonical_keys(state: dict[str, torch.Tensor], cfg: DrafterConfig, form: str) -> dict[str, torch.Tensor]:
+    """The state under the key names of ``expected_state(cfg, form)``: either layer prefix (``midlayer.`` or
+    ``layers.0.``; both engines accept both), the older fc_norm names, a fused MLA down-projection split."""
+    prefix = layer_prefix(cfg, form)
+    out = {}
+    for key, value in state.items():
+        for layer in ("midlayer.", "layers.0."):
+            if key.startswith(layer):
+                key = prefix + key.removeprefix(layer)
+        for old, new in OLDER_NAMES.items():
+            if key.startswith(old):
+                key = new + key.removeprefix(old)
+        fused = next((f for f in FUSED_A if key.endswith(f)), None)
+        if fused and cfg.architecture == "mla" and cfg.q_lora_rank and value.shape[0] == (
+                cfg.q_lora_rank + cfg.kv_lora_rank + cfg.qk_rope_head_dim):
+            base = key.removesuffix(fused)
+            out[base + "self_attn.q_a_proj.weight"], out[base + "self_attn.kv_a_proj_with_mqa.weight"] = (
+                value.split([cfg.q_lora_rank, cfg.kv_lora_rank + cfg.qk_rope_head_dim]))
+            continue
+        out[key] = value
+    return out
+
+
 def load_drafter(path: str | Path, dtype: torch.dtype | None = None) -> tuple[Eagle3Drafter, CheckpointInfo]:
     """Load a drafter in either form; ``dtype`` None keeps the checkpoint's floating dtype.
 
@@ -349,9 +463,10 @@ def load_drafter(path: str | Path, dtype: torch.dtype | None = None) -> tuple[Ea
                          "download the drafter first (e.g. `hf download ORG/NAME --local-dir DIR`) and pass DIR")
     form, cfg, verifier = read_config(path)
     state, files = read_weights(path)
+    state = canonical_keys(state, cfg, form)
     validate_state_dict(state, cfg, form, where=str(path))
-    if form == SPECULATORS:
-        state = {k.replace("layers.0.", "midlayer.", 1): v for k, v in state.items()}
+    prefix = layer_prefix(cfg, form)
+    state = {"midlayer." + k.removeprefix(prefix) if k.startswith(prefix) else k: v for k, v in state.items()}
     drafter = Eagle3Drafter(cfg)
     missing = set(drafter.load_state_dict(state, strict=False).missing_keys)  # strictness: validate_state_dict
     drafter = drafter.to(dtype or state["fc.weight"].dtype)
@@ -417,6 +532,7 @@ class ServedSettings:
     max_position_embeddings: int | None
     rope_theta: float | None
     rope_scaling: dict | None
+    flags: dict[str, bool] = field(default_factory=dict)  # FLAGS as the engine reads them (norm_before_residual too)
 
 
 def served_settings(path: str | Path, engine: str, target_layers: int) -> ServedSettings:
@@ -429,6 +545,10 @@ def served_settings(path: str | Path, engine: str, target_layers: int) -> Served
       when absent (``transformers_utils/configs/speculators/algos.py``).
     * SGLang (legacy form only): ``eagle_config`` ids through both version rules (``SGLANG_AUX_RULE``), the
       default when absent; its ``llama_eagle3.py`` has no ``norm_before_residual`` (the residual is the feature).
+    * The other flags (``flags``): vLLM reads ``fc_norm`` and ``norm_output`` from the top level in both forms,
+      and ``norm_before_fc`` in its Llama drafter only (``eagle_config``'s first; ``deepseek_eagle3.py`` has no
+      ``input_norm``); SGLang reads ``fc_norm`` (or ``use_aux_norm``) and ``norm_output``, nothing else
+      (``sglang_ignores``).
     """
     raw = _read_json(Path(path) / "config.json")
     speculators = "speculators_model_type" in raw
@@ -452,9 +572,16 @@ def served_settings(path: str | Path, engine: str, target_layers: int) -> Served
         norm = False
     else:
         raise ValueError(f"unknown engine {engine!r}")
+    eagle_config = raw.get("eagle_config") if isinstance(raw.get("eagle_config"), dict) else {}
+    mla = bool(layer.get("kv_lora_rank"))
+    flags = {"fc_norm": bool(raw.get("fc_norm") or (engine == "sglang" and raw.get("use_aux_norm"))),
+             "norm_output": bool(raw.get("norm_output", False)),
+             "norm_before_fc": engine == "vllm" and not mla and bool(
+                 eagle_config.get("norm_before_fc", raw.get("norm_before_fc", False))),
+             "norm_before_residual": norm}
     theta, scaling = (None, None)
     if layer:
         theta, scaling = rope_from_config(text_config(layer))
     return ServedSettings(engine, SPECULATORS if speculators else LEGACY, aux, norm,
                           engine == "vllm" and "norm_before_residual" not in raw,
-                          layer.get("max_position_embeddings"), theta, scaling)
+                          layer.get("max_position_embeddings"), theta, scaling, flags)

@@ -1,16 +1,25 @@
-"""The EAGLE-3 draft model: one Llama decoder layer fed by the target's fused hidden states.
+"""The EAGLE-3 draft model: one decoder layer fed by the target's fused hidden states.
 
 Parameter names are the checkpoint keys of FORMATS.md §4, so ``state_dict()`` is the export:
 
+    fc_norm.{0,1,2}    [Ht]       (fc_norm) an RMSNorm per aux hidden state before fc (EAGLE 3.1)
+    input_norm         [3*Ht]     (norm_before_fc) one RMSNorm over the concatenated aux states before fc
     fc                 [H, 3*Ht]  fuses the three aux hidden states of the target into one feature
-    midlayer           one decoder layer whose q/k/v read cat(input_layernorm(embed), hidden_norm(feature))
+    midlayer           one decoder layer whose attention reads cat(input_layernorm(embed), hidden_norm(feature))
     norm, lm_head      the head over the draft vocabulary [Vd, H]
     d2t, t2d           draft id -> target id offsets, and the target ids that the draft vocab covers
     embed_tokens       the target's token embedding, frozen
 
-The residual stream of the layer is the (un-normed) feature, as in vLLM's and SGLang's
-``llama_eagle3.py`` with ``norm_before_residual = false``. The layer's pre-norm output is what a
-next draft step takes as its feature; ``norm`` + ``lm_head`` of it give the draft logits.
+The layer is a Llama decoder layer (``architecture: llama``, below) or one with DeepSeek's multi-head
+latent attention (``architecture: mla``, ``mla.py``); both share the skeleton of ``layers.py``. The flags,
+named as vLLM's ``llama_eagle3.py`` / ``deepseek_eagle3.py`` and SGLang's configs name them:
+
+    norm_before_residual  the layer's residual is hidden_norm(feature) instead of the raw feature
+    norm_output           a next draft step takes norm(out) as its feature instead of the pre-norm out
+    fc_norm, norm_before_fc   the norms before fc above (mutually exclusive, as in speculators' config)
+
+With all flags off this is the EAGLE-3 drafter of the reference code, vLLM and SGLang: the residual is the
+un-normed feature, a next step takes the pre-norm output, and ``norm`` + ``lm_head`` give the logits.
 """
 
 from __future__ import annotations
@@ -22,10 +31,16 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from eaglekit.errors import UsageError
+from eaglekit.model.layers import Eagle3Block, RMSNorm, Rotary, apply_rope, repeat_kv, sdpa
+from eaglekit.model.mla import MLALayer, check_rope, deepseek_rope
+
+ARCHITECTURES = ("llama", "mla")
+MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+FLAGS = ("fc_norm", "norm_before_fc", "norm_output", "norm_before_residual")
+__all__ = ["DrafterConfig", "Eagle3Drafter", "DraftKVCache", "build_d2t_t2d", "apply_rope", "repeat_kv"]
 
 
 def text_config(hf_config: Any) -> Any:
@@ -60,8 +75,8 @@ class DrafterConfig:
     hidden_size: int
     intermediate_size: int
     num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
+    num_key_value_heads: int | None  # llama: K/V heads (GQA); None for mla (keys and values come from one latent)
+    head_dim: int | None  # llama: width of a head; None for mla (qk_nope_head_dim + qk_rope_head_dim, v_head_dim)
     rms_norm_eps: float
     rope_theta: float
     rope_scaling: dict | None
@@ -71,21 +86,44 @@ class DrafterConfig:
     target_hidden_size: int  # Ht
     aux_layer_ids: list[int] | None  # HF hidden_states indices; None = the servers' default [2, N//2, N-3]
     hidden_act: str = "silu"
+    architecture: str = "llama"  # "llama" | "mla"
+    # multi-head latent attention (architecture "mla"), as DeepSeek-V2/V3 and Kimi-K2 name them
+    q_lora_rank: int | None = None  # None (published checkpoints only): one q_proj instead of q_a_proj/q_b_proj
+    kv_lora_rank: int | None = None
+    qk_nope_head_dim: int | None = None
+    qk_rope_head_dim: int | None = None
+    v_head_dim: int | None = None
+    # EAGLE 3.1 and related flags (module docstring)
+    fc_norm: bool = False
+    norm_before_fc: bool = False
+    norm_output: bool = False
+    norm_before_residual: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-                     "max_position_embeddings", "vocab_size", "draft_vocab_size", "target_hidden_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise UsageError(f"drafter config: '{name}' must be a positive integer, got {value!r}",
-                                 "fix the value in the drafter config or the train.draft overrides")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise UsageError(f"drafter config: num_attention_heads ({self.num_attention_heads}) is not a multiple of "
-                             f"num_key_value_heads ({self.num_key_value_heads})",
-                             "pick a divisor of num_attention_heads for num_key_value_heads")
-        if self.head_dim % 2:
-            raise UsageError(f"drafter config: head_dim must be even for RoPE, got {self.head_dim}",
-                             "use an even head_dim")
+        def positive(*names: str) -> None:
+            for name in names:
+                value = getattr(self, name)
+                if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                    raise UsageError(f"drafter config: '{name}' must be a positive integer, got {value!r}",
+                                     "fix the value in the drafter config or the train.draft overrides")
+
+        positive("hidden_size", "intermediate_size", "num_attention_heads", "max_position_embeddings", "vocab_size",
+                 "draft_vocab_size", "target_hidden_size")
+        if self.architecture not in ARCHITECTURES:
+            raise UsageError(f"drafter config: architecture '{self.architecture}' is not one of {list(ARCHITECTURES)}",
+                             "set train.draft.architecture to llama or mla")
+        if self.architecture == "llama":
+            self._check_llama(positive)
+        else:
+            self._check_mla(positive)
+        for name in FLAGS:
+            if not isinstance(getattr(self, name), bool):
+                raise UsageError(f"drafter config: '{name}' must be true or false, got {getattr(self, name)!r}",
+                                 f"set train.draft.{name} to true or false")
+        if self.fc_norm and self.norm_before_fc:
+            raise UsageError("drafter config: fc_norm and norm_before_fc are mutually exclusive (one norm per aux "
+                             "state, or one over their concatenation; speculators' config refuses both)",
+                             "set only one of train.draft.fc_norm and train.draft.norm_before_fc")
         if self.draft_vocab_size > self.vocab_size:
             raise UsageError(f"drafter config: draft_vocab_size ({self.draft_vocab_size}) exceeds vocab_size "
                              f"({self.vocab_size})", "set vocab.draft_vocab_size to at most the target's vocabulary")
@@ -97,25 +135,66 @@ class DrafterConfig:
         if self.hidden_act != "silu":
             raise UsageError(f"drafter config: hidden_act '{self.hidden_act}' is not supported", "use 'silu'")
 
+    def _check_llama(self, positive) -> None:
+        positive("num_key_value_heads", "head_dim")
+        stray = [n for n in MLA_FIELDS if getattr(self, n) is not None]
+        if stray:
+            raise UsageError(f"drafter config: {stray} apply to architecture mla, this drafter is llama",
+                             "remove them, or set train.draft.architecture: mla")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise UsageError(f"drafter config: num_attention_heads ({self.num_attention_heads}) is not a multiple of "
+                             f"num_key_value_heads ({self.num_key_value_heads})",
+                             "pick a divisor of num_attention_heads for num_key_value_heads")
+        if self.head_dim % 2:
+            raise UsageError(f"drafter config: head_dim must be even for RoPE, got {self.head_dim}",
+                             "use an even head_dim")
+
+    def _check_mla(self, positive) -> None:
+        positive("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        if self.q_lora_rank is not None:
+            positive("q_lora_rank")
+        stray = [n for n in ("num_key_value_heads", "head_dim") if getattr(self, n) is not None]
+        if stray:
+            raise UsageError(f"drafter config: {stray} apply to architecture llama; an MLA drafter's heads are "
+                             "shaped by qk_nope_head_dim, qk_rope_head_dim and v_head_dim",
+                             "remove them, or set train.draft.architecture: llama")
+        if self.qk_rope_head_dim % 2:
+            raise UsageError(f"drafter config: qk_rope_head_dim must be even for RoPE, got {self.qk_rope_head_dim}",
+                             "use an even qk_rope_head_dim")
+        if self.norm_before_fc:
+            raise UsageError("drafter config: norm_before_fc (input_norm) does not exist in the MLA drafters of vLLM "
+                             "(deepseek_eagle3.py) and SGLang (kimi_k25_eagle3.py)",
+                             "use fc_norm (one norm per aux hidden state) instead")
+        check_rope(self.rope_scaling)
+
     @classmethod
     def from_target_config(cls, hf_config: Any, draft_vocab_size: int, aux_layer_ids: list[int] | None = None,
                            **overrides: Any) -> "DrafterConfig":
-        """Derive a drafter config from a HF Llama/Qwen-style target config.
+        """Derive a drafter config from a HF Llama/Qwen/DeepSeek-style target config.
 
         The drafter copies the target's layer shapes, RoPE and max_position_embeddings (a drafter
         served with another max_position_embeddings than it was trained with loses acceptance).
-        ``overrides`` replace fields (None values are ignored); overriding hidden_size or the head
-        count without head_dim recomputes head_dim = hidden_size // num_attention_heads.
+        ``overrides`` replace fields (None values are ignored). For ``architecture: llama``, overriding
+        hidden_size or the head count without head_dim recomputes head_dim = hidden_size // num_attention_heads.
+        For ``architecture: mla`` the latent-attention shapes are the target's when it has them (DeepSeek-V3,
+        Kimi-K2), else DeepSeek-V3's proportions of the target's head width d: nope d, rope d/2, v d,
+        kv_lora_rank 4d, q_lora_rank 12d. q_lora_rank is always set (a target without q compression, such as
+        DeepSeek-V2-Lite, gets 12 x qk_nope_head_dim): vLLM's and SGLang's MLA drafters load only that layout.
         """
         tc = text_config(hf_config)
 
         def need(name: str) -> int:
             if getattr(tc, name, None) is None:
                 raise UsageError(f"the target's config has no '{name}'",
-                                 "eaglekit derives the drafter from a Llama/Qwen-style decoder config; "
+                                 "eaglekit derives the drafter from a Llama/Qwen/DeepSeek-style decoder config; "
                                  "for a drafter shape (e.g. intermediate_size) set it under train.draft")
             return int(getattr(tc, name))
 
+        overrides = {k: v for k, v in overrides.items() if v is not None}
+        unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise UsageError(f"unknown drafter config override(s): {unknown}",
+                             f"use only fields of DrafterConfig: {sorted(f.name for f in dataclasses.fields(cls))}")
         n_layers = need("num_hidden_layers")
         if aux_layer_ids is None:
             aux_layer_ids = [2, n_layers // 2, n_layers - 3]
@@ -125,12 +204,10 @@ class DrafterConfig:
                              "ids are HF hidden_states indices, 0 = embeddings)", "fix target.aux_layers")
         heads, hidden = need("num_attention_heads"), need("hidden_size")
         theta, scaling = rope_from_config(tc)
-        fields = dict(
+        fields: dict[str, Any] = dict(
             hidden_size=hidden,
             intermediate_size=overrides.get("intermediate_size") or need("intermediate_size"),
             num_attention_heads=heads,
-            num_key_value_heads=int(getattr(tc, "num_key_value_heads", None) or heads),
-            head_dim=int(getattr(tc, "head_dim", None) or hidden // heads),
             rms_norm_eps=float(getattr(tc, "rms_norm_eps", None) or 1e-6),
             rope_theta=theta,
             rope_scaling=scaling,
@@ -140,14 +217,25 @@ class DrafterConfig:
             target_hidden_size=hidden,
             aux_layer_ids=[int(i) for i in aux_layer_ids],
         )
-        overrides = {k: v for k, v in overrides.items() if v is not None}
-        unknown = sorted(set(overrides) - set(fields) - {"hidden_act"})
-        if unknown:
-            raise UsageError(f"unknown drafter config override(s): {unknown}",
-                             f"use only fields of DrafterConfig: {sorted(fields)}")
-        if ("hidden_size" in overrides or "num_attention_heads" in overrides) and "head_dim" not in overrides:
-            overrides["head_dim"] = overrides.get("hidden_size", fields["hidden_size"]) // overrides.get(
-                "num_attention_heads", heads)
+        head_width = int(getattr(tc, "head_dim", None) or hidden // heads)
+        if overrides.get("architecture", "llama") == "mla":
+            stray = sorted({"num_key_value_heads", "head_dim"} & set(overrides))
+            if stray:
+                raise UsageError(f"train.draft: {stray} apply to architecture llama; an MLA drafter's heads are shaped "
+                                 "by qk_nope_head_dim, qk_rope_head_dim and v_head_dim", f"remove {stray}")
+            if getattr(tc, "kv_lora_rank", None):
+                fields.update({name: getattr(tc, name, None) for name in MLA_FIELDS})
+                fields["q_lora_rank"] = fields["q_lora_rank"] or 12 * fields["qk_nope_head_dim"]
+            else:
+                d = int(getattr(tc, "v_head_dim", None) or head_width)
+                fields.update(q_lora_rank=12 * d, kv_lora_rank=4 * d, qk_nope_head_dim=d,
+                              qk_rope_head_dim=max(2, d // 4 * 2), v_head_dim=d)
+            fields.update(num_key_value_heads=None, head_dim=None)
+        else:
+            fields.update(num_key_value_heads=int(getattr(tc, "num_key_value_heads", None) or heads),
+                          head_dim=head_width)
+            if ("hidden_size" in overrides or "num_attention_heads" in overrides) and "head_dim" not in overrides:
+                overrides["head_dim"] = overrides.get("hidden_size", hidden) // overrides.get("num_attention_heads", heads)
         fields.update(overrides)
         return cls(**fields)
 
@@ -157,7 +245,9 @@ class DrafterConfig:
     @classmethod
     def from_dict(cls, d: dict) -> "DrafterConfig":
         names = {f.name for f in dataclasses.fields(cls)}
-        unknown, missing = sorted(set(d) - names), sorted(n for n in names - set(d) if n != "hidden_act")
+        required = {f.name for f in dataclasses.fields(cls)
+                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+        unknown, missing = sorted(set(d) - names), sorted(required - set(d))
         if unknown or missing:
             raise UsageError(f"drafter config: unknown keys {unknown}, missing keys {missing}",
                              "the drafter config was written by another version; re-export it")
@@ -186,11 +276,11 @@ def build_d2t_t2d(selected_target_ids: torch.Tensor, vocab_size: int) -> tuple[t
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# RoPE
+# The Llama layer
 
 
 def rope_inv_freq(cfg: DrafterConfig) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies (float64) and the cos/sin scale of the drafter's RoPE, as the target computes them."""
+    """Inverse frequencies (float64) and the cos/sin scale of the Llama layer's RoPE, as the target computes them."""
     scaling = cfg.rope_scaling or {}
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type == "default":
@@ -208,46 +298,6 @@ def rope_inv_freq(cfg: DrafterConfig) -> tuple[torch.Tensor, float]:
     return inv_freq.to(torch.float64), float(attention_scaling)
 
 
-class Rotary:
-    """cos/sin tables for given positions. Not a module: inv_freq must stay full precision when the model is cast."""
-
-    def __init__(self, cfg: DrafterConfig):
-        self.inv_freq, self.scale = rope_inv_freq(cfg)
-        self._on_device: dict[tuple, torch.Tensor] = {}
-
-    def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        compute = torch.float64 if dtype == torch.float64 else torch.float32
-        key = (positions.device, compute)
-        if key not in self._on_device:
-            self._on_device[key] = self.inv_freq.to(positions.device, compute)
-        freqs = positions.to(compute)[..., None] * self._on_device[key]
-        angles = torch.cat([freqs, freqs], dim=-1)
-        return (angles.cos() * self.scale).to(dtype), (angles.sin() * self.scale).to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [..., T, heads, hd]; cos/sin [..., T, hd] (neox-style rotate-half, as Llama)."""
-    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The model
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.to(torch.promote_types(x.dtype, torch.float32))
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
-
-
 class Attention(nn.Module):
     """Holds the projections; the attention itself is done by the caller (inference cache or TTT)."""
 
@@ -260,54 +310,32 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.num_attention_heads * hd, h, bias=False)
 
 
-class MLP(nn.Module):
-    def __init__(self, cfg: DrafterConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class Eagle3Layer(nn.Module):
-    """The EAGLE-3 decoder layer, split around the attention so TTT can attend its own way."""
+class Eagle3Layer(Eagle3Block):
+    """The EAGLE-3 decoder layer with Llama (MHA/GQA) attention, split around the attention (``layers.py``)."""
 
     def __init__(self, cfg: DrafterConfig):
-        super().__init__()
-        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        super().__init__(cfg)
         self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.v_dim = self.head_dim
+        self.scale = 1.0 / math.sqrt(self.head_dim)
 
     def qkv(self, embeds: torch.Tensor, feature: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """[..., T, H] inputs -> q [..., T, nH, hd], k and v [..., T, nKV, hd], RoPE applied to q and k."""
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(feature)], dim=-1)
+        x = self.attention_input(embeds, feature)
         a = self.self_attn
         q = a.q_proj(x).unflatten(-1, (self.n_heads, self.head_dim))
         k = a.k_proj(x).unflatten(-1, (self.n_kv, self.head_dim))
         v = a.v_proj(x).unflatten(-1, (self.n_kv, self.head_dim))
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def finish(self, attn: torch.Tensor, feature: torch.Tensor) -> torch.Tensor:
-        """attn [..., T, nH, hd] -> the layer's pre-norm output [..., T, H]; the residual is the feature."""
-        h = feature + self.self_attn.o_proj(attn.flatten(-2))
-        return h + self.mlp(self.post_attention_layernorm(h))
 
-
-def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """[B, nKV, S, hd] -> [B, nKV*groups, S, hd] for grouped-query attention."""
-    if groups == 1:
-        return x
-    b, n_kv, s, hd = x.shape
-    return x[:, :, None].expand(b, n_kv, groups, s, hd).reshape(b, n_kv * groups, s, hd)
+# ---------------------------------------------------------------------------------------------------------------
+# The model
 
 
 class DraftKVCache:
-    """Keys and values of positions the drafter has seen, [B, nKV, S, hd] each; all rows share one length."""
+    """Keys and values of positions the drafter has seen, [B, nKV, S, d] each; all rows share one length."""
 
     def __init__(self) -> None:
         self.k: torch.Tensor | None = None
@@ -334,16 +362,23 @@ class Eagle3Drafter(nn.Module):
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
         self.config = cfg
+        ht, eps = cfg.target_hidden_size, cfg.rms_norm_eps
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
-        self.fc = nn.Linear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=False)
-        self.midlayer = Eagle3Layer(cfg)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_norm = RMSNorm(3 * ht, eps) if cfg.norm_before_fc else None
+        self.fc_norm = nn.ModuleList([RMSNorm(ht, eps) for _ in range(3)]) if cfg.fc_norm else None
+        self.fc = nn.Linear(3 * ht, cfg.hidden_size, bias=False)
+        if cfg.architecture == "mla":
+            self.midlayer = MLALayer(cfg)
+            self.rotary = Rotary(*deepseek_rope(cfg)[:2])
+        else:
+            self.midlayer = Eagle3Layer(cfg)
+            self.rotary = Rotary(*rope_inv_freq(cfg))
+        self.norm = RMSNorm(cfg.hidden_size, eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
         d2t, t2d = build_d2t_t2d(torch.arange(cfg.draft_vocab_size), cfg.vocab_size)
         self.register_buffer("d2t", d2t)
         self.register_buffer("t2d", t2d)
-        self.rotary = Rotary(cfg)
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, std=0.02)
@@ -354,37 +389,46 @@ class Eagle3Drafter(nn.Module):
             raise UsageError(f"aux hidden states have width {aux_hidden.shape[-1]}, the drafter's fc expects "
                              f"{self.fc.in_features} (3 x target hidden size {self.config.target_hidden_size})",
                              "capture exactly three aux layers of the target this drafter was built for")
+        if self.input_norm is not None:
+            aux_hidden = self.input_norm(aux_hidden)
+        if self.fc_norm is not None:
+            aux_hidden = torch.cat([norm(x) for norm, x in zip(self.fc_norm, aux_hidden.chunk(3, dim=-1))], dim=-1)
         return self.fc(aux_hidden)
+
+    def next_feature(self, hidden_out: torch.Tensor) -> torch.Tensor:
+        """What a next draft step takes as its feature: the layer's pre-norm output, or its norm (norm_output)."""
+        return self.norm(hidden_out) if self.config.norm_output else hidden_out
 
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
                 cache: DraftKVCache | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """One drafter pass: (logits [B, T, Vd], hidden_out [B, T, H]).
+        """One drafter pass: (logits [B, T, Vd], the next steps' feature [B, T, H]).
 
         ``hidden`` is the fused target feature at each position (or the drafter's own previous
-        ``hidden_out``) and ``input_ids`` the token that follows that position. With a cache, the new
+        feature output) and ``input_ids`` the token that follows that position. With a cache, the new
         keys/values are appended and attention is causal over cache + new positions.
         """
+        layer = self.midlayer
         cos, sin = self.rotary(position_ids, hidden.dtype)
-        q, k, v = self.midlayer.qkv(self.embed_tokens(input_ids), hidden, cos, sin)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, hd]
+        q, k, v = layer.qkv(self.embed_tokens(input_ids), hidden, cos, sin)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, d]
         past = 0
         if cache is not None:
             past = cache.length
             k, v = cache.append(k, v)
-        groups = self.config.num_attention_heads // self.config.num_key_value_heads
+        groups = layer.n_heads // layer.n_kv
         k, v = repeat_kv(k, groups), repeat_kv(v, groups)
         if past == 0:
-            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            attn = sdpa(q, k, v, layer.scale, is_causal=True)
         else:
             t_new, s = q.shape[2], k.shape[2]
             mask = torch.arange(s, device=q.device)[None, :] <= past + torch.arange(t_new, device=q.device)[:, None]
-            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        hidden_out = self.midlayer.finish(attn.transpose(1, 2), hidden)
-        return self.lm_head(self.norm(hidden_out)), hidden_out
+            attn = sdpa(q, k, v, layer.scale, attn_mask=mask)
+        hidden_out = layer.finish(attn.transpose(1, 2), hidden)
+        return self.lm_head(self.norm(hidden_out)), self.next_feature(hidden_out)
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
 
     @property
     def attention_scale(self) -> float:
-        return 1.0 / math.sqrt(self.config.head_dim)
+        return self.midlayer.scale

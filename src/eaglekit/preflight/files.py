@@ -323,9 +323,14 @@ def drafter_folder_result(name: str, path: str | Path) -> CheckResult:
 
 def init_from_files(ctx) -> CheckResult:
     """``train.init_from``: the published drafter to finetune is whole."""
+    from eaglekit.model.hub import local_folder
+
     if not ctx.cfg.train.init_from:
         return skip("init_from files", "training a new drafter")
-    return drafter_folder_result("init_from files", ctx.cfg.train.init_from)
+    folder = local_folder(ctx.cfg.train.init_from)  # a hub id: its cached snapshot
+    if folder is None:
+        return skip("init_from files", f"{ctx.cfg.train.init_from} is not downloaded (see init_from download)")
+    return drafter_folder_result("init_from files", folder)
 
 
 def evaluate_checkpoint_files(ctx) -> CheckResult:

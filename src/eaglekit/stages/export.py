@@ -57,10 +57,51 @@ def local_verifier_warning(cfg: RunConfig) -> str | None:
 def verifier_known(ctx):
     if "speculators" not in (ctx.options.get("formats") or ctx.cfg.export.formats):
         return ok("verifier", "speculators form not requested")
+    if drafter_architecture(ctx.cfg) == "mla":
+        return ok("verifier", "MLA drafter: only the plain form is written (no speculators form for MLA)")
     warning = local_verifier_warning(ctx.cfg)
     if warning:
         return warn("verifier", warning, "set export.verifier to the target's hub id (the rest is written either way)")
     return ok("verifier", f"speculators config names {verifier_id(ctx.cfg)}")
+
+
+def drafter_architecture(cfg: RunConfig) -> str:
+    """llama or mla: the trained checkpoint's when it exists, else train.init_from's (a folder, or a hub id already
+    in the cache), else train.draft.architecture. Decides the forms export writes before the drafter is loaded."""
+    from eaglekit.model.checkpoints import read_config
+    from eaglekit.model.hub import cached_drafter, is_hub_id
+
+    folders = [checkpoint_path(cfg)]
+    init_from = cfg.train.init_from
+    if init_from:
+        folders.append(cached_drafter(init_from) if is_hub_id(init_from) else Path(init_from))
+    for folder in folders:
+        if folder is not None and (folder / "config.json").exists():
+            try:
+                return read_config(folder)[1].architecture
+            except EaglekitError:
+                pass  # the drafter checks say what is wrong with it
+    return cfg.train.draft.architecture or "llama"
+
+
+def forms_to_write(architecture: str, requested: list[str]) -> tuple[list[str], list[str]]:
+    """(forms, warnings): an MLA drafter has only the plain form (checkpoints.NO_MLA_SPECULATORS)."""
+    from eaglekit.model.checkpoints import NO_MLA_SPECULATORS
+
+    if architecture != "mla" or "speculators" not in requested:
+        return requested, []
+    if requested == ["speculators"]:
+        raise EaglekitError(f"export.formats is [speculators], but {NO_MLA_SPECULATORS}",
+                            "set export.formats: [eagle3] (the plain form, which vLLM and SGLang load)")
+    return [f for f in requested if f != "speculators"], [f"speculators form not written: {NO_MLA_SPECULATORS}"]
+
+
+def written_forms(cfg: RunConfig) -> list[str]:
+    """The forms export writes with this config (verify serves these by default)."""
+    requested = list(dict.fromkeys(cfg.export.formats))
+    if drafter_architecture(cfg) == "mla":
+        return [f for f in requested if f != "speculators"] or requested
+    return requested
 
 
 def sglang_aux_problem(cfg: RunConfig, formats: list[str]) -> str | None:
@@ -77,6 +118,10 @@ def sglang_aux_problem(cfg: RunConfig, formats: list[str]) -> str | None:
 def sglang_aux_layers(ctx):
     formats = ctx.options.get("formats") or ctx.cfg.export.formats
     problem = sglang_aux_problem(ctx.cfg, formats)
+    if problem and drafter_architecture(ctx.cfg) == "mla":
+        return warn("SGLang aux layers", f"{problem}; the MLA drafter's only form is written for vLLM alone (it reads "
+                                         "the top-level hidden_states indices verbatim), without an SGLang command",
+                    MLA_SGLANG_AUX_REMEDY)
     if problem:
         return fail("SGLang aux layers", problem, SGLANG_AUX_REMEDY)
     return ok("SGLang aux layers", "legacy form not requested" if "eagle3" not in formats
@@ -85,6 +130,7 @@ def sglang_aux_layers(ctx):
 
 SGLANG_AUX_REMEDY = ("for vLLM export the speculators form alone (`eaglekit export CONFIG --format speculators`: vLLM "
                      "reads hidden_states indices verbatim); for SGLang train with target.aux_layers starting at 2")
+MLA_SGLANG_AUX_REMEDY = "serve it with vLLM; for SGLang train with target.aux_layers starting at 2"
 
 
 def checks(cfg: RunConfig) -> list:
@@ -98,13 +144,16 @@ def estimate_bytes(ctx) -> int:
 
 
 def serving_problems(drafter_cfg, hf) -> list[str]:
-    """RoPE scaling must be the target's (check_compatible compares max_position_embeddings and rope_theta)."""
+    """RoPE scaling must be the target's (check_compatible compares max_position_embeddings and rope_theta), and the
+    engines must be able to load the drafter's layout at all."""
+    from eaglekit.model import checkpoints
     from eaglekit.model.drafter import rope_from_config
 
+    problems = checkpoints.serving_problems(drafter_cfg)
     _, scaling = rope_from_config(hf)
     if (drafter_cfg.rope_scaling or None) != (scaling or None):
-        return [f"rope_scaling: the drafter's is {drafter_cfg.rope_scaling}, the target's {scaling}"]
-    return []
+        problems.append(f"rope_scaling: the drafter's is {drafter_cfg.rope_scaling}, the target's {scaling}")
+    return problems
 
 
 @torch.no_grad()
@@ -129,8 +178,8 @@ def same_logits(source, written_dir: Path) -> None:
                             "this is a bug in the exporter; keep the source checkpoint and report it")
 
 
-def serve_commands(cfg: RunConfig, dirs: dict[str, Path]) -> list[tuple[str, str]]:
-    """(what, command) pairs for the written forms."""
+def serve_commands(cfg: RunConfig, dirs: dict[str, Path], sglang: bool = True) -> list[tuple[str, str]]:
+    """(what, command) pairs for the written forms; ``sglang`` False when SGLang would serve the drafter wrong."""
     k = cfg.export.num_speculative_tokens
     target = shlex.quote(verifier_id(cfg))
     out = []
@@ -138,6 +187,7 @@ def serve_commands(cfg: RunConfig, dirs: dict[str, Path]) -> list[tuple[str, str
         d = str(dirs["eagle3"].resolve())
         spec = json.dumps({"method": "eagle3", "model": d, "num_speculative_tokens": k}, separators=(",", ":"))
         out.append(("vLLM, legacy form", f"vllm serve {target} --speculative-config {shlex.quote(spec)}"))
+    if "eagle3" in dirs and sglang:
         out.append(("SGLang, legacy form (chain of K drafts: topk 1, K+1 draft tokens)",
                     f"python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE3 "
                     f"--speculative-draft-model-path {shlex.quote(d)} --speculative-num-steps {k} "
@@ -150,19 +200,28 @@ def serve_commands(cfg: RunConfig, dirs: dict[str, Path]) -> list[tuple[str, str
 
 def run(ctx) -> dict:
     from eaglekit.data.chat import load_tokenizer
-    from eaglekit.model.checkpoints import save_legacy, save_speculators
+    from eaglekit.model.checkpoints import save_legacy, save_speculators, sglang_ignores
     from eaglekit.model.target import embedding_and_head
 
     cfg, xc = ctx.cfg, ctx.cfg.export
-    formats = list(dict.fromkeys(ctx.options.get("formats") or xc.formats))
-    problem = sglang_aux_problem(cfg, formats)
-    if problem:
-        raise EaglekitError(f"export: {problem}", SGLANG_AUX_REMEDY)
+    requested = list(dict.fromkeys(ctx.options.get("formats") or xc.formats))
+    sglang_aux = sglang_aux_problem(cfg, requested)
+    if sglang_aux and drafter_architecture(cfg) != "mla":  # a Llama drafter has the speculators form for vLLM
+        raise EaglekitError(f"export: {sglang_aux}", SGLANG_AUX_REMEDY)
     drafter, info, hf, _ = load_checked_drafter(cfg)
     problems = serving_problems(drafter.config, hf)
     if problems:
         raise EaglekitError(f"drafter {info.path} does not serve like the target {cfg.target.model}: " + "; ".join(problems),
                             "retrain the drafter with this target's config (its RoPE settings are copied at train time)")
+    formats, warnings = forms_to_write(drafter.config.architecture, requested)
+    ignored = sglang_ignores(drafter.config)
+    if ignored:
+        warnings.append(f"no SGLang command: SGLang's llama_eagle3.py / kimi_k25_eagle3.py do not read "
+                        f"{', '.join(ignored)} and would serve this drafter as if they were off; serve it with vLLM")
+    if sglang_aux:  # an MLA drafter: its plain form goes without eagle_config, for vLLM alone
+        warnings.append(f"no SGLang command: {sglang_aux}; vLLM reads the top-level hidden_states indices verbatim")
+    if "speculators" in formats and local_verifier_warning(cfg):
+        warnings.append(local_verifier_warning(cfg))
     if info.missing_embeddings and xc.include_embeddings:
         embed, _ = embedding_and_head(cfg.target.model, cfg.target.trust_remote_code)
         drafter.embed_tokens.weight.data.copy_(embed.to(drafter.embed_tokens.weight.dtype))
@@ -171,9 +230,6 @@ def run(ctx) -> dict:
     verifier = verifier_id(cfg)
 
     dirs: dict[str, Path] = {}
-    warnings: list[str] = []
-    if "speculators" in formats and local_verifier_warning(cfg):
-        warnings.append(local_verifier_warning(cfg))
     for form in formats:
         dest = ctx.dir / form
         with atomic.atomic_dir(dest) as tmp:
@@ -190,7 +246,7 @@ def run(ctx) -> dict:
         dirs[form] = dest
         console.print(f"export: {form} form written to {dest} (keys, shapes and logits checked)")
 
-    commands = serve_commands(cfg, dirs)
+    commands = serve_commands(cfg, dirs, sglang=not (ignored or sglang_aux))
     inherited = run_warnings(ctx)
     if inherited:
         ctx.warn(f"exported a drafter from a run with {len(inherited)} warning{'s' * (len(inherited) > 1)} (written "
@@ -234,7 +290,8 @@ def model_card(ctx, drafter, info, formats: list[str], commands: list[tuple[str,
     lines = [
         "# EAGLE-3 drafter", "",
         f"Target: `{cfg.target.model}`" + (f" (hub id `{hub}`)" if hub and hub != cfg.target.model else ""),
-        f"Drafter: one decoder layer, hidden {c.hidden_size}, draft vocab {c.draft_vocab_size} of {c.vocab_size}, "
+        f"Drafter: one decoder layer ({describe_layer(c)}), hidden {c.hidden_size}, draft vocab {c.draft_vocab_size} "
+        f"of {c.vocab_size}, "
         f"aux hidden states {c.aux_layer_ids or 'default [2, N//2, N-3]'} (HF hidden_states indices), "
         f"max_position_embeddings {c.max_position_embeddings}, rope_theta {c.rope_theta:g}"
         + (f", rope_scaling {c.rope_scaling}" if c.rope_scaling else "") + ".",
@@ -260,9 +317,23 @@ def model_card(ctx, drafter, info, formats: list[str], commands: list[tuple[str,
     if cfg.target.chat_template:
         lines += ["The run used a chat template override (target.chat_template): pass the same template to the "
                   "server (`--chat-template`), or the served prompts differ from the ones the drafter learned.", ""]
-    described = {"eagle3": "legacy flat Llama config (`LlamaForCausalLMEagle3`), `midlayer.` keys",
+    described = {"eagle3": ("plain DeepSeek-V2 config (`Eagle3DeepseekV2ForCausalLM`), `layers.0.` keys"
+                            if c.architecture == "mla" else "legacy flat Llama config (`LlamaForCausalLMEagle3`), "
+                            "`midlayer.` keys"),
                  "speculators": "speculators config (`speculators_model_type: eagle3`), `layers.0.` keys"}
     lines += [f"- `{f}/`: {described[f]}" for f in formats]
     if warnings:
         lines += ["", "Warnings:", ""] + [f"- {w}" for w in warnings]
     return "\n".join(lines) + "\n"
+
+
+def describe_layer(c) -> str:
+    from eaglekit.model.drafter import FLAGS
+
+    if c.architecture == "mla":
+        layer = (f"multi-head latent attention: {c.num_attention_heads} heads, q_lora_rank {c.q_lora_rank}, "
+                 f"kv_lora_rank {c.kv_lora_rank}, qk {c.qk_nope_head_dim}+{c.qk_rope_head_dim}, v {c.v_head_dim}")
+    else:
+        layer = f"Llama attention: {c.num_attention_heads} heads, {c.num_key_value_heads} KV heads of {c.head_dim}"
+    flags = [name for name in FLAGS if getattr(c, name)]
+    return layer + (f"; {', '.join(flags)}" if flags else "")

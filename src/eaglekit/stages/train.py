@@ -15,11 +15,12 @@ from pathlib import Path
 
 from eaglekit.config import RunConfig
 from eaglekit.errors import EaglekitError
-from eaglekit.model.drafter import DrafterConfig
+from eaglekit.model.drafter import FLAGS, DrafterConfig, text_config
+from eaglekit.model.hub import cached_drafter, download_drafter, is_hub_id, local_folder
 from eaglekit.model.target import aux_layer_ids, target_hf_config, target_identity
 from eaglekit.preflight import checks as common
 from eaglekit.preflight import disk, environment, files, gpus
-from eaglekit.preflight import fail, ok, skip
+from eaglekit.preflight import fail, ok, skip, warn
 from eaglekit.rundir import file_identity
 
 NAME = "train"
@@ -38,7 +39,8 @@ def params(cfg: RunConfig) -> dict:
     if cfg.extract.mode != "offline":  # the data order's blocks (offline: the shards, in extract's fingerprint)
         p["data_blocks"] = cfg.extract.shard_tokens
     if cfg.train.init_from:
-        p["init_from"] = file_identity(cfg.train.init_from)
+        local = Path(cfg.train.init_from).exists() or not is_hub_id(cfg.train.init_from)
+        p["init_from"] = file_identity(cfg.train.init_from) if local else {"hub": cfg.train.init_from}
     return p
 
 
@@ -49,6 +51,22 @@ def packing(ctx):
     return ok("packing", "off: length-bucketed, right-padded batches")
 
 
+def init_from_download(ctx):
+    """A hub id in train.init_from is fetched now, before the stage starts, so nothing else runs while it downloads
+    (resumed where an earlier attempt stopped: ``model/hub.py``)."""
+    name, path = "init_from download", ctx.cfg.train.init_from
+    if not path or not is_hub_id(path):
+        return skip(name, "train.init_from is a local folder" if path else "training a new drafter")
+    try:
+        cached = cached_drafter(path)
+        if cached is not None:
+            return ok(name, f"{path} is in the Hugging Face cache ({cached})")
+        folder = download_drafter(path)
+    except EaglekitError as err:
+        return fail(name, err.message, err.remedy or "check train.init_from")
+    return ok(name, f"{path} downloaded into {folder}")
+
+
 def init_from_compatible(ctx):
     """A drafter to finetune must fit the target: hidden sizes, vocab, aux layers, heads, positions, tokenizer."""
     from eaglekit.model import checkpoints
@@ -56,10 +74,14 @@ def init_from_compatible(ctx):
     path = ctx.cfg.train.init_from
     if not path:
         return skip("init_from", "training a new drafter")
-    if not Path(path).exists():
-        return fail("init_from", f"train.init_from {path} does not exist", "point it at a drafter folder (legacy or speculators form)")
+    folder = local_folder(path)
+    if folder is None:
+        return skip("init_from", f"{path} is not downloaded (the init_from download check says why)")
+    if not folder.exists():
+        return fail("init_from", f"train.init_from {path} does not exist",
+                    "point it at a drafter folder (legacy or speculators form), or a hub id org/name")
     try:
-        drafter, _info = checkpoints.load_drafter(path)
+        drafter, _info = checkpoints.load_drafter(folder)
         hf = target_hf_config(ctx.cfg.target)
         aux = aux_layer_ids(ctx.cfg.target, hf.num_hidden_layers)
         problems = checkpoints.check_compatible(drafter.config, hf, aux, tokenizer_vocab_size=_tokenizer_size(ctx.cfg))
@@ -69,7 +91,9 @@ def init_from_compatible(ctx):
         return fail("init_from", f"{path} does not fit the target {ctx.cfg.target.model}: " + "; ".join(problems),
                     "finetune a drafter made for this target, or train a new one (remove train.init_from)")
     vocab = "remapped onto this run's draft vocab" if ctx.cfg.train.remap_vocab else "its own draft vocab kept"
-    return ok("init_from", f"{path} fits the target ({drafter.config.draft_vocab_size} draft tokens, {vocab})")
+    where = f" (cached in {folder})" if str(folder) != path else ""
+    return ok("init_from", f"{path}{where} fits the target ({drafter.config.architecture} drafter, "
+                           f"{drafter.config.draft_vocab_size} draft tokens, {vocab})")
 
 
 def _tokenizer_size(cfg: RunConfig) -> int | None:
@@ -81,20 +105,66 @@ def _tokenizer_size(cfg: RunConfig) -> int | None:
         return None
 
 
+def drafter_shape(ctx):
+    """The drafter this run trains, derived from the target and train.draft: refused now rather than at step 0,
+    and the MLA drafter suggested for DeepSeek-V3/Kimi targets."""
+    from eaglekit.model.checkpoints import serving_problems, sglang_ignores
+
+    cfg = ctx.cfg
+    explicit = {k: v for k, v in cfg.train.draft.model_dump().items() if v is not None}
+    if cfg.train.init_from:
+        if explicit:
+            return warn("drafter", f"train.init_from is set: the drafter keeps its own shape and flags, train.draft "
+                                   f"{explicit} is not used", "remove train.draft, or train a new drafter")
+        return skip("drafter", "finetuning train.init_from (its own shape)")
+    try:
+        hf = target_hf_config(cfg.target)
+        # a draft vocab larger than the target's is the vocab stage's failure: not named twice
+        draft_vocab = min(cfg.vocab.draft_vocab_size, int(getattr(text_config(hf), "vocab_size", None) or 1 << 62))
+        dc = DrafterConfig.from_target_config(hf, draft_vocab, aux_layer_ids(cfg.target, hf.num_hidden_layers),
+                                              **explicit)
+    except EaglekitError as err:
+        return fail("drafter", err.message, err.remedy or "fix train.draft")
+    _, trainable = parameter_counts(dc)
+    shape = (f"mla: q_lora_rank {dc.q_lora_rank}, kv_lora_rank {dc.kv_lora_rank}, heads {dc.num_attention_heads} x "
+             f"(nope {dc.qk_nope_head_dim} + rope {dc.qk_rope_head_dim}, v {dc.v_head_dim})"
+             if dc.architecture == "mla" else
+             f"llama: heads {dc.num_attention_heads} / kv {dc.num_key_value_heads} x {dc.head_dim}")
+    flags = [name for name in FLAGS if getattr(dc, name)]
+    detail = f"{shape}, hidden {dc.hidden_size}, {trainable / 1e6:.2f}M trainable" + (f", {', '.join(flags)}" if flags else "")
+    problems = serving_problems(dc)
+    if problems:
+        return fail("drafter", detail + ": " + "; ".join(problems), "set train.draft.q_lora_rank")
+    if getattr(text_config(hf), "kv_lora_rank", None) and dc.architecture != "mla" and "architecture" not in explicit:
+        return warn("drafter", detail + f"; the target {cfg.target.model} uses multi-head latent attention "
+                                        "(DeepSeek-V3/Kimi)",
+                    "consider train.draft.architecture: mla, the drafter shape published for Kimi-K2.5/K2.6 (its KV "
+                    "cache is the target's small latent); set architecture: llama to keep this one")
+    ignored = sglang_ignores(dc)
+    if ignored:
+        return warn("drafter", detail + f"; SGLang does not read {', '.join(ignored)} (vLLM does)",
+                    "serve this drafter with vLLM, or drop those flags to serve it with SGLang too")
+    return ok("drafter", detail)
+
+
 def checks(cfg: RunConfig) -> list:
     from eaglekit.stages.extract import target_placement
 
     online = [target_placement] if cfg.extract.mode != "offline" else [files.feature_shards]
     return [common.target_folder, files.target_weights, environment.software, environment.devices, gpus.gpus,
-            *online, packing, files.init_from_files, init_from_compatible, disk.write_rate]
+            *online, packing, drafter_shape, init_from_download, files.init_from_files, init_from_compatible,
+            disk.write_rate]
 
 
 def parameter_counts(dc: DrafterConfig) -> tuple[int, int]:
     """(all parameters, trainable ones) of a drafter: everything but the frozen [V, H] embedding trains."""
-    h, q, kv = dc.hidden_size, dc.num_attention_heads * dc.head_dim, dc.num_key_value_heads * dc.head_dim
-    layer = 2 * h * q + 2 * (2 * h * kv) + q * h + 3 * h * dc.intermediate_size + 3 * h
-    trainable = 3 * dc.target_hidden_size * h + layer + h + dc.draft_vocab_size * h
-    return trainable + dc.vocab_size * h, trainable
+    from math import prod
+
+    from eaglekit.model.checkpoints import expected_state
+
+    weights = {k: prod(shape) for k, (shape, dtype) in expected_state(dc).items() if dtype is None}  # not d2t/t2d
+    total = sum(weights.values())
+    return total, total - weights["embed_tokens.weight"]
 
 
 def estimate_bytes(ctx) -> int:

@@ -47,12 +47,14 @@ NAME = "verify"
 UPSTREAM = "export"
 # In order of how often each has made a served drafter collapse (sglang#25454, #32334; vllm#43671, ...).
 CAUSES = ("aux-layer ids", "norm_before_residual", "rope / max_position_embeddings", "d2t offsets",
-          "embedding sharing")
+          "embedding sharing", "EAGLE 3.1 flags")
 DETAILED_METRICS_FLAG = "--per-request-spec-decode-metrics"
 
 
 def forms(cfg: RunConfig) -> list[str]:
-    return list(dict.fromkeys(cfg.verify.formats or cfg.export.formats))
+    from eaglekit.stages.export import written_forms  # an MLA drafter's export has the plain form only
+
+    return list(dict.fromkeys(cfg.verify.formats or written_forms(cfg)))
 
 
 def speculative_tokens(cfg: RunConfig) -> list[int]:
@@ -320,7 +322,7 @@ def compare(run: ServedRun, offline: Offline, cfg: RunConfig) -> dict:
 
 
 def diagnose(cfg: RunConfig, folder: Path, engine: str, aux: list[int]) -> list[dict]:
-    """The five usual causes, in order, each checked against what ``engine`` reads from ``folder``."""
+    """The usual causes, most frequent first, each checked against what ``engine`` reads from ``folder``."""
     from safetensors import safe_open
 
     from eaglekit.model.checkpoints import served_settings
@@ -331,6 +333,7 @@ def diagnose(cfg: RunConfig, folder: Path, engine: str, aux: list[int]) -> list[
     hf = text_config(target_hf_config(cfg.target))
     layers = int(hf.num_hidden_layers)
     found = served_settings(folder, engine, layers)
+    trained = trained_flags(checkpoint_path(cfg))
     rows = []
 
     def row(cause: str, suspect: bool, detail: str) -> None:
@@ -339,10 +342,10 @@ def diagnose(cfg: RunConfig, folder: Path, engine: str, aux: list[int]) -> list[
     wrong = [ids for ids in found.aux_layer_ids if ids != list(aux)]
     row(CAUSES[0], bool(wrong), f"{engine} captures hidden_states {' or '.join(map(str, found.aux_layer_ids))} "
                                 f"(from {folder.name}/config.json); the drafter was trained on {list(aux)}")
-    row(CAUSES[1], found.norm_before_residual,
+    row(CAUSES[1], found.norm_before_residual != trained["norm_before_residual"],
         f"{engine} reads norm_before_residual = {str(found.norm_before_residual).lower()}"
         + (" (the key is absent: vLLM's default for this form)" if found.norm_before_residual_defaulted else "")
-        + "; eaglekit drafters keep the un-normed feature as residual (false)")
+        + f"; the drafter was trained with {str(trained['norm_before_residual']).lower()}")
     theta, scaling = rope_from_config(hf)
     mismatch = []
     if found.max_position_embeddings != int(hf.max_position_embeddings):
@@ -378,7 +381,24 @@ def diagnose(cfg: RunConfig, folder: Path, engine: str, aux: list[int]) -> list[
         same = embed.shape == target_embed.shape and torch.equal(embed.to(target_embed.dtype), target_embed)
         row(CAUSES[4], not same, "embed_tokens equals the target's (vLLM shares the target's)" if same else
             "embed_tokens differs from the target's: the engine embeds draft inputs with the drafter's own copy")
+    others = ("fc_norm", "norm_output", "norm_before_fc")
+    differ = [f"{name} {str(found.flags[name]).lower()} (trained {str(trained[name]).lower()})"
+              for name in others if found.flags[name] != trained[name]]
+    row(CAUSES[5], bool(differ), f"{engine} reads " + ("; ".join(differ) if differ else ", ".join(
+        f"{name} {str(found.flags[name]).lower()}" for name in others) + " — as trained"))
     return rows
+
+
+def trained_flags(checkpoint: Path) -> dict[str, bool]:
+    """The drafter flags of the trained checkpoint (all false when it cannot be read: the drafter check says why)."""
+    from eaglekit.model.checkpoints import read_config
+    from eaglekit.model.drafter import FLAGS
+
+    try:
+        drafter = read_config(checkpoint)[1]
+    except EaglekitError:
+        return dict.fromkeys(FLAGS, False)
+    return {name: getattr(drafter, name) for name in FLAGS}
 
 
 # ---------------------------------------------------------------------------------------------- run

@@ -5,6 +5,10 @@ chat template and produces reasoning regular enough for a drafter to learn. Noth
 so we train one: a byte-level BPE tokenizer and an 8-layer Llama fitted to the programmatic corpus in
 ``corpus.py``. The build is deterministic from its seed and is cached once per machine (and per recipe
 version) by ``ensure_tiny_target``.
+
+``arch="deepseek_v3"`` builds the same target DeepSeek-V3-shaped instead: multi-head latent attention and a
+mixture of experts (the MLA drafter's natural target). Its latent is 512 + 64 wide because that is the only
+shape vLLM's CPU MLA kernel runs (``v1/attention/backends/mla/cpu_mla.py``, ``get_supported_head_sizes``).
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ from typing import Literal
 import jinja2
 import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, GenerationConfig, LlamaConfig, LlamaForCausalLM,
+                          PreTrainedConfig, PreTrainedTokenizerFast)
 
 from eaglekit.atomic import atomic_dir, write_json, write_text
 from eaglekit.errors import UsageError
@@ -63,8 +68,25 @@ CHAT_TEMPLATE = (
 COMPLETION = re.compile(r"<think>\n(.+?)\n</think>\n\n(.+?)<\|im_end\|>(?:<\|endoftext\|>)*\n?", re.DOTALL)
 
 
-def model_config(tokenizer: PreTrainedTokenizerFast) -> LlamaConfig:
+ARCHITECTURES = ("llama", "deepseek_v3")
+
+
+def model_config(tokenizer: PreTrainedTokenizerFast, arch: str = "llama") -> PreTrainedConfig:
     # 8 layers so that the default aux taps [2, N//2, N-3] = [2, 4, 5] are distinct layers
+    if arch == "deepseek_v3":
+        # MLA + routed experts (4, two per token, one shared), the first layer dense as in DeepSeek-V3; the router
+        # fields vLLM reads (noaux_tc: the gate has an e_score_correction_bias) are DeepSeek-V3's.
+        return DeepseekV3Config(
+            vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+            num_hidden_layers=8, num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4, num_experts_per_tok=2,
+            n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=512,
+            qk_nope_head_dim=16, qk_rope_head_dim=64, v_head_dim=16, max_position_embeddings=1024, rms_norm_eps=1e-6,
+            rope_theta=10000.0, tie_word_embeddings=False, topk_method="noaux_tc", scoring_func="sigmoid",
+            norm_topk_prob=True, routed_scaling_factor=2.5,
+            bos_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        )
+    if arch != "llama":
+        raise UsageError(f"unknown tiny target architecture {arch!r}", f"use one of {list(ARCHITECTURES)}")
     return LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=HIDDEN_SIZE, intermediate_size=INTERMEDIATE_SIZE, num_hidden_layers=8,
         num_attention_heads=4, num_key_value_heads=2, head_dim=HIDDEN_SIZE // 4, max_position_embeddings=1024,
@@ -134,7 +156,7 @@ def batches(rows: list[tuple[list[int], int]], rng: random.Random) -> list[list[
     return out
 
 
-def train(model: LlamaForCausalLM, batches: list[list[tuple[list[int], int]]], pad_id: int) -> float:
+def train(model, batches: list[list[tuple[list[int], int]]], pad_id: int) -> float:
     """AdamW with warmup and cosine decay, one step per batch; returns the mean loss of the last tenth of the steps."""
     steps = len(batches)
     opt = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, betas=(0.9, 0.95), weight_decay=0.01, fused=True)
@@ -201,10 +223,12 @@ def build_threads() -> int:
     return max(1, min(2, round(idle)))
 
 
-def build_tiny_target(out_dir: Path, seed: int = 0, steps: int | None = None, heldout: int = 96) -> Path:
+def build_tiny_target(out_dir: Path, seed: int = 0, steps: int | None = None, heldout: int = 96,
+                      arch: str = "llama") -> Path:
     """Train the tiny target from ``seed`` and write it to ``out_dir`` atomically; returns ``out_dir``.
 
     ``heldout`` prompts are answered greedily after training to record accuracy in the manifest (0 skips that).
+    ``arch``: "llama", or "deepseek_v3" for the DeepSeek-V3-shaped variant (module docstring).
     """
     steps = DEFAULT_STEPS if steps is None else steps
     if steps < 1:
@@ -223,7 +247,7 @@ def build_tiny_target(out_dir: Path, seed: int = 0, steps: int | None = None, he
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            model = LlamaForCausalLM(model_config(tokenizer))
+            model = (DeepseekV3ForCausalLM if arch == "deepseek_v3" else LlamaForCausalLM)(model_config(tokenizer, arch))
             model.generation_config = GenerationConfig(bos_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                                                        pad_token_id=tokenizer.pad_token_id, do_sample=False)
             final_loss = train(model, batches(rows, rng), tokenizer.pad_token_id)
@@ -241,7 +265,7 @@ def build_tiny_target(out_dir: Path, seed: int = 0, steps: int | None = None, he
         tok_config["chat_template"] = CHAT_TEMPLATE
         write_json(config_path, tok_config)
         write_json(tmp / MANIFEST, {
-            "recipe_version": RECIPE_VERSION, "seed": seed, "steps": steps, "batch_size": BATCH_SIZE,
+            "recipe_version": RECIPE_VERSION, "arch": arch, "seed": seed, "steps": steps, "batch_size": BATCH_SIZE,
             "final_loss": round(final_loss, 4), "build_seconds": round(build_seconds, 1),
             "torch_threads": threads_used, **scores,
         })
@@ -257,35 +281,38 @@ def cache_root(cache_dir: Path | None = None) -> Path:
     return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "eaglekit"
 
 
-def is_built(model_dir: Path) -> bool:
+def is_built(model_dir: Path, arch: str = "llama") -> bool:
     """True when ``model_dir`` holds a finished build of the current recipe (atomic_dir only ever renames in whole builds)."""
     try:
         manifest = json.loads((model_dir / MANIFEST).read_text())
     except (OSError, ValueError):
         return False
-    return manifest.get("recipe_version") == RECIPE_VERSION and manifest.get("steps") == DEFAULT_STEPS and manifest.get("seed") == 0
+    return (manifest.get("recipe_version") == RECIPE_VERSION and manifest.get("steps") == DEFAULT_STEPS
+            and manifest.get("seed") == 0 and manifest.get("arch", "llama") == arch)
 
 
-def ensure_tiny_target(cache_dir: Path | None = None) -> Path:
-    """The cached tiny target (``cache_root()/tiny-target-<version>``), built on first use.
+def ensure_tiny_target(cache_dir: Path | None = None, arch: str = "llama") -> Path:
+    """The cached tiny target (``cache_root()/tiny-target-<version>``, or ``tiny-deepseek-v3-<version>``),
+    built on first use.
 
     Concurrent callers (parallel test processes) serialise on a lock file: one builds, the others wait
     and then find the finished folder.
     """
     root = cache_root(cache_dir)
-    model_dir = root / f"tiny-target-{RECIPE_VERSION}"
-    if is_built(model_dir):
+    name = f"tiny-target-{RECIPE_VERSION}" if arch == "llama" else f"tiny-{arch.replace('_', '-')}-{RECIPE_VERSION}"
+    model_dir = root / name
+    if is_built(model_dir, arch):
         return model_dir
     try:
         root.mkdir(parents=True, exist_ok=True)
-        lock = open(root / f".tiny-target-{RECIPE_VERSION}.lock", "a")
+        lock = open(root / f".{name}.lock", "a")
     except OSError as e:
         raise UsageError(f"cannot write the eaglekit cache at {root}: {e.strerror}",
                          "set EAGLEKIT_CACHE to a writable folder") from e
     with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not is_built(model_dir):
-            build_tiny_target(model_dir)
+        if not is_built(model_dir, arch):
+            build_tiny_target(model_dir, arch=arch)
     return model_dir
 
 

@@ -37,6 +37,7 @@ from eaglekit.errors import EaglekitError
 from eaglekit.interrupt import StopRequest
 from eaglekit.model import checkpoints
 from eaglekit.model.drafter import DrafterConfig, Eagle3Drafter
+from eaglekit.model.hub import drafter_folder
 from eaglekit.model.target import (TargetFeatures, TargetHead, aux_layer_ids, embedding_and_head, load_target,
                                    target_hf_config)
 from eaglekit.plots import training_curves
@@ -116,7 +117,7 @@ def build_drafter(cfg, hf_config, d2t, t2d, embed, head, aux_ids) -> tuple[Eagle
     """Fresh, or ``train.init_from`` (its own d2t/t2d unless ``train.remap_vocab``); also says where the vocab came from."""
     if not cfg.train.init_from:
         return new_drafter(cfg, hf_config, d2t, t2d, embed, head, aux_ids), {"draft_vocab": "vocab stage"}
-    drafter, _info = checkpoints.load_drafter(cfg.train.init_from)
+    drafter, _info = checkpoints.load_drafter(drafter_folder(cfg.train.init_from))  # a hub id: pre-flight fetched it
     drafter = drafter.float()
     if cfg.train.remap_vocab:
         drafter, new_rows = remap_vocab(drafter, d2t, t2d, head if cfg.train.init_lm_head_from_target else None)

@@ -1,8 +1,9 @@
 """Training-time test (TTT): the EAGLE-3 loss that trains the drafter on its own multi-step outputs.
 
 Step 0 runs the drafter on the target's fused features; each further step k feeds the drafter's
-own pre-norm outputs of step k-1 back in as features, with the ground-truth tokens shifted by k,
-exactly as it will run when drafting k tokens ahead (FORMATS.md §5).
+own outputs of step k-1 back in as features (``drafter.next_feature``: pre-norm, or normed with
+``norm_output``), with the ground-truth tokens shifted by k, exactly as it will run when drafting k
+tokens ahead (FORMATS.md §5).
 
 Attention at step k >= 1 for the chain that starts at position t covers the step-0 keys 0..t plus
 the keys of steps 1..k at that same chain (one key per step, not an L x L matrix per step). The
@@ -24,7 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from eaglekit.errors import UsageError
-from eaglekit.model.drafter import Eagle3Drafter, repeat_kv
+from eaglekit.model.drafter import Eagle3Drafter
+from eaglekit.model.layers import repeat_kv, sdpa
 
 # Blocks of _PrefixAttention: at most this many score elements (rows x keys x heads), bounding the transient
 # memory, and at most BLOCK_ROWS rows, so a block's key range stops near its last row (causal work is ~halved).
@@ -43,8 +45,9 @@ class TTTOutput:
 class _PrefixAttention(torch.autograd.Function):
     """Attention of packed query rows over a contiguous range of keys each, returning output and log-sum-exp.
 
-    q [N, nH, hd]; k, v [S, nKV, hd]; row i attends keys lo[i]..hi[i] (inclusive). Rows must be sorted
-    so lo and hi are non-decreasing. Only q, k, v, the output and the log-sum-exp are kept for backward.
+    q [N, nH, hd]; k [S, nKV, hd]; v [S, nKV, dv] (dv may differ from hd: MLA); row i attends keys lo[i]..hi[i]
+    (inclusive). Rows must be sorted so lo and hi are non-decreasing. Only q, k, v, the output and the
+    log-sum-exp are kept for backward.
     """
 
     @staticmethod
@@ -56,7 +59,7 @@ class _PrefixAttention(torch.autograd.Function):
         qp = q.to(dtype).view(n, n_kv, groups, hd).permute(1, 2, 0, 3).contiguous()  # [nKV, g, N, hd]
         kp = k.to(dtype).permute(1, 0, 2).contiguous()  # [nKV, S, hd]
         vp = v.to(dtype).permute(1, 0, 2).contiguous()
-        out = qp.new_empty(qp.shape)
+        out = qp.new_empty((*qp.shape[:-1], v.shape[-1]))
         lse = qp.new_empty(qp.shape[:-1])
         blocks = _blocks(lo, hi, n_heads)
         for r0, r1, s0, s1 in blocks:
@@ -65,7 +68,7 @@ class _PrefixAttention(torch.autograd.Function):
             out[:, :, r0:r1] = p @ vp[:, None, s0:s1]
         ctx.save_for_backward(qp, kp, vp, out, lse, lo, hi)
         ctx.blocks, ctx.scale, ctx.dtypes = blocks, scale, (q.dtype, k.dtype, v.dtype)
-        return (out.permute(2, 0, 1, 3).reshape(n, n_heads, hd).to(q.dtype),
+        return (out.permute(2, 0, 1, 3).reshape(n, n_heads, -1).to(q.dtype),
                 lse.permute(2, 0, 1).reshape(n, n_heads))
 
     @staticmethod
@@ -73,7 +76,7 @@ class _PrefixAttention(torch.autograd.Function):
         qp, kp, vp, out, lse, lo, hi = ctx.saved_tensors
         n_kv, groups, n, hd = qp.shape
         scale = ctx.scale
-        do = d_out.to(qp.dtype).view(n, n_kv, groups, hd).permute(1, 2, 0, 3)
+        do = d_out.to(qp.dtype).view(n, n_kv, groups, -1).permute(1, 2, 0, 3)
         dl = torch.zeros_like(lse) if d_lse is None else d_lse.to(qp.dtype).view(n, n_kv, groups).permute(1, 2, 0)
         # dS = P * (dP - rowsum(dO * O) + dLSE): the softmax backward with the log-sum-exp output folded in.
         delta = (do * out).sum(-1) - dl
@@ -153,10 +156,10 @@ def ttt_loss(drafter: Eagle3Drafter, aux_hidden: torch.Tensor, input_ids: torch.
     Loss_k = mean soft cross-entropy over counted (t, k); loss = sum_k decay^k * loss_k.
     """
     _check_inputs(drafter, aux_hidden, input_ids, target_logits, loss_mask, attention_mask, target_in_draft, steps)
-    cfg, layer = drafter.config, drafter.midlayer
+    layer = drafter.midlayer
     b, length = input_ids.shape
     device = input_ids.device
-    n_heads, n_kv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    n_heads, n_kv, hd, dv = layer.n_heads, layer.n_kv, layer.head_dim, layer.v_dim  # dv != hd for MLA
     groups, scale = n_heads // n_kv, drafter.attention_scale
 
     # usable[b, j]: token j may be a prediction target.
@@ -200,19 +203,19 @@ def ttt_loss(drafter: Eagle3Drafter, aux_hidden: torch.Tensor, input_ids: torch.
         embeds = drafter.embed_tokens(F.pad(input_ids[:, 1:], (0, 1)))
     cos, sin = drafter.rotary(torch.arange(length, device=device), feature.dtype)
     q, k0, v0 = layer.qkv(embeds, feature, cos, sin)  # [B, L, heads, hd]
-    attn = F.scaled_dot_product_attention(q.transpose(1, 2), repeat_kv(k0.transpose(1, 2), groups),
-                                          repeat_kv(v0.transpose(1, 2), groups), is_causal=True)
+    attn = sdpa(q.transpose(1, 2), repeat_kv(k0.transpose(1, 2), groups), repeat_kv(v0.transpose(1, 2), groups),
+                scale, is_causal=True)
     h = layer.finish(attn.transpose(1, 2), feature).reshape(b * length, -1)
     rows0 = counted[0].reshape(-1).nonzero().squeeze(1)
     step_loss(h[rows0], rows0, 0)
 
     # Steps >= 1 on the packed chains that still count; chain f = b*L + t sees step-0 keys b*L .. f.
-    k0, v0 = k0.reshape(b * length, n_kv, hd), v0.reshape(b * length, n_kv, hd)
+    k0, v0 = k0.reshape(b * length, n_kv, hd), v0.reshape(b * length, n_kv, dv)
     rows = torch.arange(b * length, device=device)
     diag_k = diag_v = None  # [steps so far, N, nKV, hd]: the keys of steps 1..k of each chain
     for k in range(1, steps):
         keep = needed[k].reshape(-1)[rows]
-        rows, h = rows[keep], h[keep]
+        rows, h = rows[keep], drafter.next_feature(h[keep])
         if diag_k is not None:
             diag_k, diag_v = diag_k[:, keep], diag_v[:, keep]
         t = rows % length
@@ -228,9 +231,9 @@ def ttt_loss(drafter: Eagle3Drafter, aux_hidden: torch.Tensor, input_ids: torch.
         lse_prefix = lse_prefix.view(n, n_kv, groups)  # float32 or wider, like the merge below
         diag_scores = torch.einsum("nkgd,snkd->snkg", q.view(n, n_kv, groups, hd), diag_k).to(lse_prefix.dtype) * scale
         lse_all = torch.logsumexp(torch.cat([lse_prefix[None], diag_scores]), dim=0)  # [N, nKV, g]
-        attn = (torch.exp(lse_prefix - lse_all)[..., None] * out_prefix.view(n, n_kv, groups, hd)
+        attn = (torch.exp(lse_prefix - lse_all)[..., None] * out_prefix.view(n, n_kv, groups, dv)
                 + torch.einsum("snkg,snkd->nkgd", torch.exp(diag_scores - lse_all), diag_v.to(lse_all.dtype)))
-        h = layer.finish(attn.reshape(n, n_heads, hd).to(h.dtype), h)
+        h = layer.finish(attn.reshape(n, n_heads, dv).to(h.dtype), h)
         sel = counted[k].reshape(-1)[rows]
         step_loss(h[sel], rows[sel], k)
 

@@ -1,0 +1,169 @@
+"""Published drafters by hub id (``train.init_from: AQ-MedAI/Kimi-K2-Instruct-eagle3``): fetched into the Hugging
+Face cache by the train stage's pre-flight, before any long work starts, and read from the cache afterwards.
+
+Only the files a drafter is made of are fetched: ``config.json``, the weights and their index, not the optimizer
+state some publishers put beside them (``training_state.pt`` of the AQ-MedAI drafter is twice the weights).
+Each file goes to the cache's usual place (``blobs/<etag>``, linked from ``snapshots/<commit>/``, the branch in
+``refs/``), so every Hugging Face tool finds it. It is written first to ``blobs/<etag>.part``, which survives an
+interrupted run: the next run asks only for the missing bytes (an HTTP Range request). ``snapshot_download``
+itself would start such a file over (it downloads to a new temporary name each time), which for a multi-GB
+drafter on a flaky link is the difference between finishing and not. Sizes, and the sha256 of LFS files, are
+checked before a file is put in place. ``HF_ENDPOINT``, ``HF_HOME`` / ``HF_HUB_CACHE`` and ``HF_TOKEN`` are read
+when called, as the hub client reads them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import time
+from fnmatch import fnmatch
+from pathlib import Path
+
+from eaglekit.errors import EaglekitError, UsageError
+from eaglekit.progress import console
+
+DRAFTER_FILES = ["config.json", "*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin",
+                 "pytorch_model.bin.index.json"]
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
+
+
+def is_hub_id(value: str) -> bool:
+    """``org/name`` or ``org/name@revision`` that is not a local path."""
+    return bool(HUB_ID.match(value)) and not Path(value).exists()
+
+
+def split_id(value: str) -> tuple[str, str | None]:
+    repo, _, revision = value.partition("@")
+    return repo, revision or None
+
+
+def _hub_kwargs() -> dict:
+    """Endpoint and cache as the environment says now (huggingface_hub reads them once, at import)."""
+    cache = os.environ.get("HF_HUB_CACHE") or (Path(os.environ["HF_HOME"]) / "hub" if os.environ.get("HF_HOME") else None)
+    return {"endpoint": os.environ.get("HF_ENDPOINT") or None, "cache_dir": str(cache) if cache else None}
+
+
+def cached_drafter(value: str) -> Path | None:
+    """The cached snapshot of hub id ``value``, or None when it has not been downloaded completely."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    repo, revision = split_id(value)
+    try:
+        return Path(snapshot_download(repo, revision=revision, allow_patterns=DRAFTER_FILES, local_files_only=True,
+                                      **_hub_kwargs()))
+    except (LocalEntryNotFoundError, OSError, ValueError):
+        return None
+
+
+def download_drafter(value: str) -> Path:
+    """Fetch hub id ``value`` into the cache (resuming any partial file) and return its snapshot folder."""
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, OfflineModeIsEnabled, RepositoryNotFoundError,
+                                        RevisionNotFoundError)
+
+    repo, revision = split_id(value)
+    kwargs = _hub_kwargs()
+    t0 = time.monotonic()
+    console.print(f"init_from: downloading {value} into the Hugging Face cache (drafter files only; an interrupted "
+                  "download resumes where it stopped)")
+    try:
+        api = HfApi(endpoint=kwargs["endpoint"])
+        commit = api.repo_info(repo, revision=revision).sha
+        files = [f for f in api.list_repo_tree(repo, revision=commit, recursive=True)
+                 if hasattr(f, "size") and any(fnmatch(f.path.rsplit("/", 1)[-1], p) for p in DRAFTER_FILES)]
+        if not files:
+            raise UsageError(f"train.init_from {value}: the repository holds no drafter files ({DRAFTER_FILES})",
+                             "point init_from at an EAGLE-3 drafter repository")
+        storage = Path(kwargs["cache_dir"] or constants.HF_HUB_CACHE) / f"models--{repo.replace('/', '--')}"
+        for f in files:
+            fetch_file(repo, commit, f, storage, kwargs["endpoint"])
+        if revision is None or revision != commit:  # a branch or tag: the cache maps it to the commit
+            ref = storage / "refs" / (revision or "main")
+            ref.parent.mkdir(parents=True, exist_ok=True)
+            ref.write_text(commit)
+    except (RepositoryNotFoundError, GatedRepoError) as err:
+        raise UsageError(f"train.init_from {value}: the hub has no repository {repo} you can read "
+                         f"({type(err).__name__})", "check the id, or set HF_TOKEN for a gated or private "
+                         "drafter") from None
+    except RevisionNotFoundError:
+        raise UsageError(f"train.init_from {value}: {repo} has no revision {revision}",
+                         "fix the part after @, or drop it for the main branch") from None
+    except OfflineModeIsEnabled:
+        raise UsageError(f"train.init_from {value} is not in the Hugging Face cache and HF_HUB_OFFLINE is set",
+                         "unset HF_HUB_OFFLINE for the download, or download it elsewhere and point init_from at "
+                         "the folder") from None
+    except (HfHubHTTPError, OSError, *httpx_errors()) as err:  # network down, disk full, hub error
+        raise EaglekitError(f"train.init_from {value}: download failed: {err}",
+                            "rerun the same command: complete files are kept and a partial one continues where it "
+                            "stopped") from None
+    path = storage / "snapshots" / commit
+    size = sum(f.size for f in files)
+    console.print(f"init_from: {value} is in {path} ({size / 2**20:.1f} MiB, {time.monotonic() - t0:.1f} s)")
+    return path
+
+
+def fetch_file(repo: str, commit: str, entry, storage: Path, endpoint: str | None) -> None:
+    """One file of the snapshot: appended to ``blobs/<etag>.part`` from where it stopped, checked, put in place."""
+    from huggingface_hub import hf_hub_url
+    from huggingface_hub.file_download import http_get
+    from huggingface_hub.utils import build_hf_headers
+
+    etag = entry.lfs.sha256 if entry.lfs else entry.blob_id  # the cache's blob names
+    blob, link = storage / "blobs" / etag, storage / "snapshots" / commit / entry.path
+    if not blob.exists():
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        part = blob.with_name(etag + ".part")
+        with open(part, "ab") as out:
+            done = out.tell()
+            if done < entry.size:
+                http_get(hf_hub_url(repo, entry.path, revision=commit, endpoint=endpoint), out, resume_size=done,
+                         headers=build_hf_headers(), expected_size=entry.size, displayed_filename=entry.path)
+        if part.stat().st_size != entry.size:
+            raise OSError(f"{entry.path}: got {part.stat().st_size} bytes, the hub lists {entry.size}")
+        if entry.lfs and sha256_of(part) != entry.lfs.sha256:
+            part.unlink()  # corrupt: start this file over next time
+            raise OSError(f"{entry.path}: sha256 differs from the hub's")
+        os.replace(part, blob)
+    if not link.exists():
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def httpx_errors() -> tuple[type[Exception], ...]:
+    """The transport errors of the hub client's HTTP library (httpx, or the httpx2 fork recent versions use)."""
+    out: list[type[Exception]] = []
+    for name in ("httpx2", "httpx"):
+        try:
+            out.append(__import__(name).HTTPError)
+        except (ImportError, AttributeError):
+            pass
+    return tuple(out)
+
+
+def local_folder(value: str) -> Path | None:
+    """The folder ``train.init_from`` names: the path itself, the cached snapshot of a hub id, or None for a hub id
+    that is not (completely) in the cache yet. Never downloads."""
+    if Path(value).exists() or not is_hub_id(value):
+        return Path(value)
+    return cached_drafter(value)
+
+
+def drafter_folder(value: str) -> Path:
+    """The local folder of ``train.init_from``, refusing a hub id that pre-flight has not downloaded."""
+    path = local_folder(value)
+    if path is None:
+        raise UsageError(f"train.init_from {value} is a hub id that is not in the Hugging Face cache",
+                         "run the train stage with its pre-flight (it downloads the drafter first), or `eaglekit "
+                         "preflight CONFIG`")
+    return path

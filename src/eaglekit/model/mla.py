@@ -1,0 +1,124 @@
+"""The MLA drafter layer: the EAGLE-3 layer with DeepSeek-V2/V3 multi-head latent attention.
+
+The drafters published for Kimi-K2.5/K2.6 (``kimi-k2.5-eagle3-mla``, ``eagle3.1-mla``) and SpecForge's
+DeepSeek drafter pair the EAGLE-3 layout with the attention of their targets. vLLM serves them as
+``Eagle3DeepseekV2ForCausalLM`` (``model_executor/models/deepseek_eagle3.py``, attention from
+``deepseek_v2.DeepseekV2MLAAttention``), SGLang as ``Eagle3DeepseekV2ForCausalLM`` (``kimi_k25_eagle3.py``).
+Parameter names are the checkpoint keys those loaders read::
+
+    self_attn.q_a_proj            [q_lora_rank, 2H]           (q_lora_rank set; else self_attn.q_proj [nH*(nope+rope), 2H])
+    self_attn.q_a_layernorm       [q_lora_rank]
+    self_attn.q_b_proj            [nH*(nope+rope), q_lora_rank]
+    self_attn.kv_a_proj_with_mqa  [kv_lora_rank + rope, 2H]   the latent c_kv and one shared rotary key
+    self_attn.kv_a_layernorm      [kv_lora_rank]
+    self_attn.kv_b_proj           [nH*(nope+v), kv_lora_rank] per-head non-rotary keys and values from c_kv
+    self_attn.o_proj              [H, nH*v]
+
+Per head, q = [q_nope | q_rope] and k = [k_nope | k_rope] (k_rope shared by all heads); RoPE rotates only the
+rope part, in DeepSeek's interleaved-pair layout. Values are ``v_head_dim`` wide, so the attention output is
+narrower than q/k. Softmax scale: 1/sqrt(nope+rope), times mscale(factor, mscale_all_dim)^2 under YaRN.
+
+RoPE: vLLM turns any rope scaling of such a layer into ``deepseek_yarn`` (``DeepseekScalingRotaryEmbedding``),
+whose tables are computed here the way vLLM computes them (``rotary_embedding/deepseek_scaling_rope.py``).
+Other scalings (llama3, linear, ...) would be served as something else, so they are refused.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from eaglekit.errors import UsageError
+from eaglekit.model.layers import Eagle3Block, RMSNorm, apply_rope_interleaved
+
+
+def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_kind(scaling: dict | None) -> str:
+    return "default" if not scaling else scaling.get("rope_type", scaling.get("type", "default"))
+
+
+def check_rope(scaling: dict | None) -> None:
+    kind = rope_kind(scaling)
+    if kind not in ("default", "yarn"):
+        raise UsageError(f"drafter config: an MLA drafter takes no rope_scaling of type '{kind}' (vLLM's and SGLang's "
+                         "MLA drafters serve any rope scaling as DeepSeek YaRN)",
+                         "use train.draft.architecture: llama for this target, or a target with YaRN or no scaling")
+    if kind == "yarn":
+        missing = [k for k in ("factor", "original_max_position_embeddings") if scaling.get(k) is None]
+        if missing:
+            raise UsageError(f"drafter config: rope_scaling of type yarn lacks {missing}",
+                             "copy the target's rope_scaling (DeepSeek-V3: factor 40, original_max_position_embeddings "
+                             "4096, mscale 1, mscale_all_dim 1)")
+
+
+def deepseek_rope(cfg) -> tuple[torch.Tensor, float, float]:
+    """(inv_freq float64 [rope/2], cos/sin scale, softmax scale multiplier) of the MLA layer's RoPE."""
+    dim, base, scaling = cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling
+    check_rope(scaling)
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    if rope_kind(scaling) == "default":
+        return 1.0 / pos_freqs, 1.0, 1.0
+    factor = float(scaling["factor"])
+    beta_fast, beta_slow = float(scaling.get("beta_fast", 32)), float(scaling.get("beta_slow", 1))
+    original = float(scaling["original_max_position_embeddings"])
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(beta_fast)), 0)
+    high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / ((high - low) or 0.001)).clamp(0, 1)
+    extrapolated = 1 - ramp  # share of each frequency kept as trained (the fast ones)
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolated) + (1.0 / pos_freqs) * extrapolated
+    mscale, mscale_all_dim = float(scaling.get("mscale", 1) or 0), float(scaling.get("mscale_all_dim", 0) or 0)
+    cos_sin_scale = yarn_get_mscale(factor, mscale) / yarn_get_mscale(factor, mscale_all_dim)
+    return inv_freq, cos_sin_scale, yarn_get_mscale(factor, mscale_all_dim) ** 2
+
+
+class MLAAttention(nn.Module):
+    """The projections of multi-head latent attention over the 2H-wide EAGLE-3 input."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        h2, n = 2 * cfg.hidden_size, cfg.num_attention_heads
+        qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        if cfg.q_lora_rank:
+            self.q_a_proj = nn.Linear(h2, cfg.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, n * qk, bias=False)
+        else:
+            self.q_proj = nn.Linear(h2, n * qk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(h2, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, n * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(n * cfg.v_head_dim, cfg.hidden_size, bias=False)
+
+
+class MLALayer(Eagle3Block):
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.self_attn = MLAAttention(cfg)
+        self.nope, self.rope, self.kv_lora_rank = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+        # every head gets its own keys and values, expanded from the shared latent
+        self.n_heads = self.n_kv = cfg.num_attention_heads
+        self.head_dim, self.v_dim = self.nope + self.rope, cfg.v_head_dim
+        _, _, softmax_factor = deepseek_rope(cfg)
+        self.scale = softmax_factor / math.sqrt(self.head_dim)
+
+    def qkv(self, embeds: torch.Tensor, feature: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """[..., T, H] inputs -> q, k [..., T, nH, nope+rope] and v [..., T, nH, v], RoPE applied to q and k."""
+        x = self.attention_input(embeds, feature)
+        a = self.self_attn
+        q = a.q_b_proj(a.q_a_layernorm(a.q_a_proj(x))) if hasattr(a, "q_a_proj") else a.q_proj(x)
+        q_nope, q_rope = q.unflatten(-1, (self.n_heads, self.head_dim)).split([self.nope, self.rope], dim=-1)
+        latent, k_rope = a.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
+        kv = a.kv_b_proj(a.kv_a_layernorm(latent)).unflatten(-1, (self.n_heads, self.nope + self.v_dim))
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        q_rope = apply_rope_interleaved(q_rope, cos, sin)
+        k_rope = apply_rope_interleaved(k_rope.unsqueeze(-2), cos, sin).expand_as(q_rope)
+        return torch.cat([q_nope, q_rope], dim=-1), torch.cat([k_nope, k_rope], dim=-1), v

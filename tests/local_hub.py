@@ -1,0 +1,117 @@
+"""A stand-in for the Hugging Face hub on 127.0.0.1: a real HTTP server speaking the few endpoints that
+``huggingface_hub.snapshot_download`` uses (point ``HF_ENDPOINT`` at it):
+
+    GET        /api/models/{repo}[/revision/{revision}]    repo info: the commit sha and the file list
+    GET        /api/models/{repo}/tree/{sha}?recursive=... the files with sizes and ids
+    HEAD, GET  /{repo}/resolve/{revision}/{path}           metadata headers, then the bytes (Range honoured)
+
+It serves folders as repositories, records every request, and can cut a file's downloads short (``cut``:
+path -> bytes per response) to make the client resume, and refuse resumed requests (``refuse_ranges``) to make
+a download fail half-way.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import threading
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+
+@dataclass
+class LocalHub:
+    repos: dict[str, Path]  # repo id -> folder
+    cut: dict[str, int] = field(default_factory=dict)  # file path -> at most this many body bytes per response
+    refuse_ranges: bool = False  # answer a resumed (Range) request with 503, as a hub that went down would
+    requests: list[tuple[str, str, str | None]] = field(default_factory=list)  # (method, path, Range header)
+
+    def sha(self, repo: str) -> str:
+        return hashlib.sha1(repo.encode()).hexdigest()  # a 40-hex commit id, stable per repo
+
+    def files(self, repo: str) -> dict[str, Path]:
+        root = self.repos[repo]
+        return {p.relative_to(root).as_posix(): p for p in sorted(root.rglob("*")) if p.is_file()}
+
+    def __enter__(self) -> "LocalHub":
+        hub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):  # quiet
+                pass
+
+            def send_json(self, data, status=200):
+                body = json.dumps(data).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def not_found(self, what: str):
+                self.send_response(404)
+                self.send_header("X-Error-Code", "RepoNotFound")
+                self.send_header("X-Error-Message", f"{what} not found")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def route(self):
+                path = unquote(urlparse(self.path).path)
+                hub.requests.append((self.command, path, self.headers.get("Range")))
+                m = re.fullmatch(r"/api/models/([^/]+/[^/]+)(?:/(revision|tree)/([^/]+))?", path)
+                if m:
+                    repo, kind, _ = m.groups()
+                    if repo not in hub.repos:
+                        return self.not_found(repo)
+                    files = hub.files(repo)
+                    if kind != "tree":
+                        return self.send_json({"id": repo, "modelId": repo, "sha": hub.sha(repo), "private": False,
+                                               "siblings": [{"rfilename": name} for name in files]})
+                    return self.send_json([{"type": "file", "path": name, "size": p.stat().st_size,
+                                            "oid": hashlib.sha1(p.read_bytes()).hexdigest()}
+                                           for name, p in files.items()])
+                m = re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", path)
+                if not m or m.group(1) not in hub.repos or m.group(3) not in hub.files(m.group(1)):
+                    return self.not_found(path)
+                repo, _, name = m.groups()
+                data = hub.files(repo)[name].read_bytes()
+                start = 0
+                if self.headers.get("Range"):
+                    if hub.refuse_ranges:
+                        self.send_response(503)
+                        self.send_header("Content-Length", "0")
+                        self.end_headers()
+                        return
+                    start = int(re.match(r"bytes=(\d+)-", self.headers["Range"]).group(1))
+                body = data[start:]
+                self.send_response(206 if start else 200)
+                self.send_header("X-Repo-Commit", hub.sha(repo))
+                self.send_header("ETag", '"' + hashlib.sha256(data).hexdigest() + '"')
+                self.send_header("Content-Length", str(len(body)))
+                if start:
+                    self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
+                self.end_headers()
+                if self.command == "GET":
+                    limit = hub.cut.get(name)
+                    self.wfile.write(body if limit is None else body[:limit])
+                    if limit is not None and limit < len(body):
+                        self.close_connection = True  # the client sees the body end early
+
+            do_GET = do_HEAD = route
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def gets(self, name: str) -> list[str | None]:
+        """The Range headers of the GET requests for file ``name`` (None: from the start)."""
+        return [rng for method, path, rng in self.requests if method == "GET" and path.endswith("/" + name)]
