@@ -18,7 +18,7 @@ from eaglekit.errors import EaglekitError
 from eaglekit.model.drafter import DrafterConfig
 from eaglekit.model.target import aux_layer_ids, target_hf_config, target_identity
 from eaglekit.preflight import checks as common
-from eaglekit.preflight import fail, ok, skip
+from eaglekit.preflight import fail, ok, skip, warn
 from eaglekit.rundir import file_identity
 
 NAME = "train"
@@ -36,10 +36,25 @@ def params(cfg: RunConfig) -> dict:
 
 
 def packing(ctx):
-    if ctx.cfg.train.packing:
-        return fail("packing", "train.packing is not supported: the TTT attention of the draft's own steps has no "
-                               "per-document masks", "set train.packing: false (batches are length-bucketed instead)")
-    return ok("packing", "off: length-bucketed, right-padded batches")
+    from eaglekit.training.data import pack_length
+
+    tc = ctx.cfg.train
+    if not tc.packing:
+        return ok("packing", "off: length-bucketed, right-padded batches (train.packing: true packs samples into rows)")
+    features = ("offline features: each document extracted alone" if ctx.cfg.extract.mode == "offline" else
+                "online features: the target keeps documents apart by position_ids (checked on the first packed batch)")
+    return ok("packing", f"on: {tc.batch_size} rows of up to {pack_length(ctx.cfg)} tokens per micro-batch, attention "
+                         f"and positions per document; {features}")
+
+
+def anchor(ctx):
+    tc = ctx.cfg.train
+    if not tc.anchor_weight:
+        return skip("anchor", "train.anchor_weight is 0: no pull toward the starting weights")
+    if not tc.init_from:
+        return warn("anchor", f"train.anchor_weight {tc.anchor_weight} without train.init_from pulls toward the random "
+                              "initialisation", "set train.init_from to the drafter to finetune, or anchor_weight: 0")
+    return ok("anchor", f"L2-SP pull toward {tc.init_from}: anchor_weight {tc.anchor_weight}")
 
 
 def init_from_compatible(ctx):
@@ -78,7 +93,7 @@ def checks(cfg: RunConfig) -> list:
     from eaglekit.stages.extract import target_placement
 
     online = [target_placement] if cfg.extract.mode != "offline" else []
-    return [common.target_folder, *online, packing, init_from_compatible]
+    return [common.target_folder, *online, packing, init_from_compatible, anchor]
 
 
 def parameter_counts(dc: DrafterConfig) -> tuple[int, int]:

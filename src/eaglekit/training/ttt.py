@@ -48,6 +48,7 @@ class TTTOutput:
     loss_k: list[float]  # per step: mean soft cross-entropy over this batch's counted positions (0.0 where none)
     acc_k: list[float]  # per step: share of counted positions where draft argmax == target argmax
     count_k: list[int]  # per step: counted positions
+    anchor: float = 0.0  # ||θ - θ0||² when the training loop pulls toward starting weights (train.anchor_weight)
 
 
 class _PrefixAttention(torch.autograd.Function):
