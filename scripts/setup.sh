@@ -2,8 +2,19 @@
 # Creates .venv and installs eaglekit with its test extras. Idempotent: a second run only checks.
 # torch comes first and pinned: 2.13.0 is the CPU build these machines keep on disk; an unpinned torch
 # would pull a multi-GB CUDA build. On a GPU machine, install the torch build you want before this.
+#
+#   bash scripts/setup.sh          eaglekit in .venv
+#   bash scripts/setup.sh --vllm   and a real vLLM (CPU build) in .venv-vllm, for the engine tests and
+#                                  `eaglekit verify` (scripts/setup_vllm.sh; ~3 minutes the first time)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+WITH_VLLM=0
+for arg in "$@"; do
+  case "$arg" in
+    --vllm) WITH_VLLM=1 ;;
+    *) echo "usage: bash scripts/setup.sh [--vllm]" >&2; exit 2 ;;
+  esac
+done
 PYTHON=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
@@ -15,3 +26,7 @@ if ! python -c "import torch" >/dev/null 2>&1; then
 fi
 python -m pip install -q -e ".[test]"
 echo "eaglekit installed in .venv ($(python -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'))"
+if [ "$WITH_VLLM" = 1 ]; then
+  deactivate
+  bash scripts/setup_vllm.sh
+fi

@@ -25,6 +25,25 @@ def tiny_target() -> Path:
     return ensure_tiny_target()
 
 
+@pytest.fixture(scope="session")
+def vllm_python() -> Path:
+    """The python of the real vLLM environment (scripts/setup_vllm.sh makes .venv-vllm).
+
+    Missing, the test fails: CI must run the real-engine tests, never pass by skipping them. A developer
+    without the venv can set EAGLEKIT_SKIP_VLLM=1 to skip them knowingly.
+    """
+    from eaglekit.errors import UsageError
+    from eaglekit.serving.engine import find_vllm_python
+
+    try:
+        return find_vllm_python()
+    except UsageError as err:
+        if os.environ.get("EAGLEKIT_SKIP_VLLM") == "1":
+            pytest.skip(f"real vLLM not installed and EAGLEKIT_SKIP_VLLM=1: {err.message}")
+        pytest.fail(f"the real-engine tests need vLLM: {err.message}; {err.remedy} "
+                    "(or set EAGLEKIT_SKIP_VLLM=1 to skip them on purpose)", pytrace=False)
+
+
 @dataclass
 class CliResult:
     code: int

