@@ -87,6 +87,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=7, help="TTT steps K")
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--draft-vocab", type=int, default=8192)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--gqa", type=int, default=2, help="query heads per KV head")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None, help="float32 on CPU, bfloat16 on CUDA unless given")
@@ -100,8 +102,9 @@ def main() -> None:
 
     lengths = skewed_lengths(args.samples, args.median, args.sigma, args.longest, args.seed)
     total = sum(lengths)
-    s = Shape(args.hidden, max(lengths), steps=args.steps, vocab=args.vocab, draft_vocab=args.draft_vocab)
-    flat = make_batch(Shape(args.hidden, total, vocab=args.vocab, draft_vocab=args.draft_vocab), args.seed)
+    shape = dict(vocab=args.vocab, draft_vocab=args.draft_vocab, head_dim=args.head_dim, gqa=args.gqa)
+    s = Shape(args.hidden, max(lengths), steps=args.steps, **shape)
+    flat = make_batch(Shape(args.hidden, total, **shape), args.seed)
     data = {"aux": flat["aux"][0], "input_ids": flat["input_ids"][0], "last_hidden": flat["last_hidden"][0],
             "offsets": [sum(lengths[:i]) for i in range(len(lengths))]}
     drafter = make_drafter(s, flat).to(device, dtype)

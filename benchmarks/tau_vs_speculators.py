@@ -16,6 +16,10 @@ Both drafters are then measured by eaglekit's evaluate stage on the same held-ou
                its step profiler off (it synchronizes an accelerator), eager attention and the eager loss (flex
                attention and the fused losses have no CPU backward), float32 features.
   evaluate     eaglekit's evaluate stage on each final drafter (not "best": the same step budget), same prompts.
+  vLLM         where a vLLM environment exists (.venv-vllm, scripts/setup_vllm.sh): each drafter exported in the
+               legacy EAGLE-3 form and served by the real vLLM beside the tiny target, one server per K
+               (--speculative-config method eagle3), the same prompts at temperature 0; τ = 1 + accepted / drafts
+               from its /metrics counters.
 
 What is the same: draft vocabulary (eaglekit's vocab stage, passed to speculators as t2d/d2t), drafter shape
 (the target's layer shape, intermediate --intermediate), norm_before_residual false, TTT steps and decay, lr,
@@ -24,8 +28,9 @@ trainer's own: optimizer settings (eaglekit AdamW betas 0.9/0.95, no weight deca
 betas 0.9/0.999, weight decay 0.01, clip 1.0), loss masking (eaglekit counts only positions whose target argmax
 is in the draft vocab), and lm_head (eaglekit trains it from the target's rows; speculators keeps it frozen).
 
-    .venv/bin/python benchmarks/tau_vs_speculators.py                 # ~15 min on 2 CPU cores
+    .venv/bin/python benchmarks/tau_vs_speculators.py                 # ~25 min on 2 CPU cores
     .venv/bin/python benchmarks/tau_vs_speculators.py --lr 1e-3       # another learning rate, same data (reused)
+    .venv/bin/python benchmarks/tau_vs_speculators.py --reuse         # evaluate drafters already trained in --out
 
 It needs benchmarks/.venv-speculators (bash benchmarks/setup_speculators.sh); without it, it says so and stops.
 """
@@ -88,7 +93,10 @@ def make_data(out: Path, args):
     return cfg
 
 
-def train_eaglekit(cfg) -> tuple[Path, float]:
+def train_eaglekit(cfg, reuse: bool = False) -> tuple[Path, float]:
+    final = Path(cfg.run_dir) / "train" / "checkpoints" / f"step-{cfg.train.max_steps}"
+    if reuse and final.exists():
+        return final, float("nan")
     t0 = time.monotonic()
     run_stage(cfg, "train", force=True)
     return Path(cfg.run_dir) / "train" / "checkpoints" / f"step-{cfg.train.max_steps}", time.monotonic() - t0
@@ -96,6 +104,8 @@ def train_eaglekit(cfg) -> tuple[Path, float]:
 
 def train_speculators(cfg, out: Path, args) -> tuple[Path, float]:
     folder = out / f"speculators-lr{args.lr:g}"
+    if args.reuse and (folder / "final").exists():
+        return folder / "final", float("nan")
     shutil.rmtree(folder, ignore_errors=True)
     job = {"run_dir": cfg.run_dir, "target": cfg.target.model, "eval_fraction": cfg.data.eval_fraction,
            "out": str(folder), "steps": args.steps, "seq": args.seq, "lr": args.lr, "warmup": args.warmup,
@@ -113,6 +123,41 @@ def evaluate(cfg, checkpoint: Path, name: str, out: Path) -> dict:
     report = json.loads((Path(cfg.run_dir) / "evaluate" / "report.json").read_text())
     (out / f"report-{name}.json").write_text(json.dumps(report, indent=1))
     return report
+
+
+def vllm_taus(cfg, checkpoint: Path, name: str, out: Path, ks: list[int], max_tokens: int, python: Path) -> dict[int, float]:
+    """τ per K of ``checkpoint`` served by the real vLLM beside the tiny target (greedy, the held-out prompts)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from eaglekit.model.checkpoints import load_drafter, save_legacy
+    from eaglekit.serving.engine import VllmServer, metric_sum
+    from eaglekit.stages.evaluate import eval_prompts
+
+    exported = out / f"vllm-{name}" / "eagle3"
+    if not exported.exists():
+        drafter, _ = load_drafter(checkpoint)
+        save_legacy(drafter, exported)
+    prompts = [messages for _, messages in eval_prompts(cfg)]
+    taus = {}
+    for k in ks:
+        spec = json.dumps({"method": "eagle3", "model": str(exported), "num_speculative_tokens": k})
+        server = VllmServer(python, cfg.target.model, ["--speculative-config", spec, "--max-model-len", "1024"],
+                            out / f"vllm-{name}" / f"k{k}.log")
+        with server:
+            def ask(messages):
+                r = httpx.post(f"{server.url}/chat/completions", timeout=600, json={
+                    "model": cfg.target.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0})
+                r.raise_for_status()
+            with ThreadPoolExecutor(8) as pool:
+                list(pool.map(ask, prompts))
+            m = server.metrics()
+        drafts = metric_sum(m, "vllm:spec_decode_num_drafts_total")
+        accepted = metric_sum(m, "vllm:spec_decode_num_accepted_tokens_total")
+        taus[k] = 1 + accepted / drafts if drafts else float("nan")
+        print(f"vLLM {name} K={k}: {int(drafts)} drafts, {int(accepted)} accepted, τ {taus[k]:.3f}", flush=True)
+    return taus
 
 
 # ----------------------------------------------------------------------------------- the speculators child
@@ -233,6 +278,9 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--speculators-python", type=Path, default=SPECULATORS_PYTHON)
+    p.add_argument("--vllm-python", type=Path, default=ROOT / ".venv-vllm" / "bin" / "python",
+                   help="python of a vLLM environment; where it does not exist the vLLM part is left out")
+    p.add_argument("--reuse", action="store_true", help="keep drafters already trained in --out with these settings")
     p.add_argument("--speculators-child", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.speculators_child:
@@ -245,11 +293,22 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
     cfg = make_data(args.out, args)
-    eaglekit_ckpt, eaglekit_s = train_eaglekit(cfg)
+    eaglekit_ckpt, eaglekit_s = train_eaglekit(cfg, args.reuse)
     speculators_ckpt, speculators_s = train_speculators(cfg, args.out, args)
     reports = {"eaglekit": evaluate(cfg, eaglekit_ckpt, f"eaglekit-lr{args.lr:g}", args.out),
                "speculators": evaluate(cfg, speculators_ckpt, f"speculators-lr{args.lr:g}", args.out)}
     text, rows = table(reports, args.ks, args.temperatures)
+    vllm = {}
+    if args.vllm_python.exists():
+        vllm = {side: vllm_taus(cfg, ckpt, f"{side}-lr{args.lr:g}", args.out, args.ks, args.max_new_tokens,
+                                args.vllm_python)
+                for side, ckpt in (("eaglekit", eaglekit_ckpt), ("speculators", speculators_ckpt))}
+        text += "\n\nThe same drafters served by the real vLLM (temperature 0, τ = 1 + accepted / drafts):\n\n"
+        text += "| K | τ eaglekit | τ speculators | ratio |\n|---|---|---|---|\n"
+        text += "\n".join(f"| {k} | {vllm['eaglekit'][k]:.3f} | {vllm['speculators'][k]:.3f} | "
+                          f"**x{vllm['eaglekit'][k] / vllm['speculators'][k]:.3f}** |" for k in args.ks)
+    else:
+        text += f"\n\n(no vLLM at {args.vllm_python}: the real-engine part is left out; scripts/setup_vllm.sh makes one)"
     store_tokens = json.loads((Path(cfg.run_dir) / "prepare" / "stats.json").read_text())
     print(f"\nτ race on the tiny target: {args.steps} steps x {args.seq} packed tokens, lr {args.lr:g} "
           f"(warmup {args.warmup}, cosine to 0), K_train {args.ttt_steps}, decay {args.decay}; "
@@ -258,6 +317,7 @@ def main() -> None:
     print(text)
     (args.out / f"race-lr{args.lr:g}.json").write_text(json.dumps(
         {"argv": sys.argv, "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows, "prepare": store_tokens,
+         "vllm": {side: {str(k): t for k, t in taus.items()} for side, taus in vllm.items()},
          "train_seconds": {"eaglekit": eaglekit_s, "speculators": speculators_s}}, indent=1))
 
 

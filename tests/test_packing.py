@@ -138,12 +138,20 @@ def test_train_stage_packs_and_refuses_a_target_that_mixes_documents(tmp_path, t
 
     settings = {"ttt_steps": 2, "batch_size": 2, "lr": 1e-3, "warmup_steps": 1, "max_steps": 3, "eval_every": 3,
                 "save_every": 3, "log_every": 1, "eval_samples": 4, "packing": True, "pack_length": 256}
-    cfg = prepared_run(tmp_path / "ok", tiny_target, n=24, train=settings)
+    cfg = prepared_run(tmp_path / "ok", tiny_target, n=48, train=settings)
     row = train(cfg)
     assert row["counts"]["steps"] == 3
     rows = [r for r in metrics(cfg) if r["kind"] == "train"]
     tokens = rows[0]["tokens"]
     assert tokens > 2 * 128, "a packed micro-batch of 2 rows holds several samples"  # tiny samples are ~100 tokens
+    # the whole path (packed plan, collate, the target's packed features, TTT) evaluates the untrained drafter
+    # on the held-out samples exactly as the unpacked path does
+    plain = prepared_run(tmp_path / "plain", tiny_target, n=48, train={**settings, "packing": False})
+    train(plain)
+    first = [next(r for r in metrics(c) if r["kind"] == "eval") for c in (cfg, plain)]
+    assert first[0]["step"] == first[1]["step"] == 0
+    assert first[0]["loss_k"] == pytest.approx(first[1]["loss_k"], rel=1e-4)
+    assert first[0]["acc_k"] == pytest.approx(first[1]["acc_k"], abs=1e-6)
     ledger = [json.loads(line) for line in (Path(cfg.run_dir) / "ledger.jsonl").read_text().splitlines()]
     checks = {c["name"]: c for e in ledger if e.get("event") == "start" for c in e.get("preflight", [])}
     assert checks["packing"]["status"] == "ok" and "2 rows of up to 256 tokens" in checks["packing"]["detail"]

@@ -446,12 +446,12 @@ class Checkpoints:
 # ------------------------------------------------------------------------------------------------ the run
 
 @torch.no_grad()
-def evaluate(model: nn.Module, features: Features, store: TokenStore, batches: list[list[int]], steps: int,
-             decay: float, autocast) -> dict:
+def evaluate(model: nn.Module, features: Features, make_batch, batches: list[list], steps: int, decay: float,
+             autocast) -> dict:
     window = Window(steps)
     model.eval()
     for batch in batches:
-        inputs = features(collate(store, rank_share(batch, dist.rank(), dist.world_size()), features.store))
+        inputs = features(make_batch(rank_share(batch, dist.rank(), dist.world_size())))
         with autocast():
             loss, out = model(*inputs)
         window.add(out, float(loss.detach()), 0)
@@ -526,7 +526,8 @@ def train(ctx) -> dict[str, Any]:
     total_steps = tc.max_steps or max(1, math.ceil(tc.epochs * per_epoch / tc.grad_accum))
     if tc.eval_samples and len(held_idx) > tc.eval_samples:
         held_idx = sorted(random.Random(tc.seed).sample(held_idx, tc.eval_samples))
-    held_batches = [b for b in eval_batches(held_idx, lengths, global_batch) if len(b) >= world]
+    held_batches = [b for b in (packed_batches(held_idx, lengths, global_batch, row_tokens, 0, 0) if tc.packing
+                                else eval_batches(held_idx, lengths, global_batch)) if len(b) >= world]
     if not held_batches:
         say("[yellow]train: no held-out samples (data.eval_fraction is 0 or too small): "
             "no evaluation; best/ is the final drafter[/]")
@@ -556,7 +557,7 @@ def train(ctx) -> dict[str, Any]:
         nonlocal best_tau
         if not held_batches:
             return None
-        figures = evaluate(model, features, store, held_batches, tc.ttt_steps, tc.ttt_decay, autocast)
+        figures = evaluate(model, features, make_batch, held_batches, tc.ttt_steps, tc.ttt_decay, autocast)
         metrics.write({"kind": "eval", "step": step, **{k: figures[k] for k in ("loss", "loss_k", "acc_k", "tau")}})
         if figures["tau"] > best_tau:
             best_tau = figures["tau"]
