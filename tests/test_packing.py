@@ -164,3 +164,12 @@ def test_train_stage_packs_and_refuses_a_target_that_mixes_documents(tmp_path, t
     with pytest.raises(EaglekitError, match="packed document differ"):
         train(bad)
     assert not (Path(bad.run_dir) / "train" / "checkpoints" / "latest").exists()
+
+
+def test_packed_rows_are_random_mixtures_not_length_bands():
+    """Two kinds of samples, one twice as long as the other: rows mix them (sorting by length first would make
+    every row one kind, and every optimizer step see one kind of data)."""
+    lengths = [100 if i % 2 else 200 for i in range(400)]
+    rows = [row for batch in packed_batches(list(range(400)), lengths, 1, 1000, seed=0, epoch=0) for row in batch]
+    mixed = sum(len({lengths[i] for i in row}) == 2 for row in rows)
+    assert mixed > 0.8 * len(rows)

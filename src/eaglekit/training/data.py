@@ -22,7 +22,7 @@ from eaglekit.data.split import is_held_out
 from eaglekit.data.tokens import TokenStore
 
 BUCKET_BATCHES = 64  # batches per length bucket: sorted inside, shuffled between
-PACK_WINDOW = 4096  # samples packed together (first-fit decreasing): dense rows, the order random between windows
+PACK_WINDOW = 4096  # samples packed together (first-fit in random order): rows close when their window ends
 
 
 def split_indices(store: TokenStore, eval_fraction: float) -> tuple[list[int], list[int]]:
@@ -62,7 +62,10 @@ def packed_batches(indices: list[int], lengths: list[int], global_rows: int, row
     """Global batches of one epoch as rows of samples: each row holds samples whose lengths sum to at most
     ``row_tokens`` (a longer sample has a row to itself); ``global_rows`` rows per batch.
 
-    Shuffle, then first-fit decreasing within windows of PACK_WINDOW samples, then shuffle the batches.
+    Shuffle, then first-fit in that order within windows of PACK_WINDOW samples: each sample goes into the first
+    row with room, so every row is a random mixture of the data. Sorting by length first (first-fit decreasing)
+    packs a little denser but makes each row one length band — on the tiny target, where the task kind sets the
+    length, that cost 9 % of τ at K=5 (benchmarks/RESULTS.md, the τ race).
     """
     rng = random.Random(f"{seed}:{epoch}:packed")
     order = list(indices)
@@ -71,7 +74,7 @@ def packed_batches(indices: list[int], lengths: list[int], global_rows: int, row
     for start in range(0, len(order), PACK_WINDOW):
         window_rows: list[list[int]] = []
         room: list[int] = []
-        for i in sorted(order[start:start + PACK_WINDOW], key=lambda i: -lengths[i]):
+        for i in order[start:start + PACK_WINDOW]:
             row = next((r for r, free in enumerate(room) if lengths[i] <= free), None)
             if row is None:
                 window_rows.append([i])
@@ -79,10 +82,9 @@ def packed_batches(indices: list[int], lengths: list[int], global_rows: int, row
             else:
                 window_rows[row].append(i)
                 room[row] -= lengths[i]
-        rng.shuffle(window_rows)
         rows.extend(window_rows)
+    rng.shuffle(rows)
     batches = [rows[j:j + global_rows] for j in range(0, len(rows), global_rows)]
-    rng.shuffle(batches)
     return batches
 
 
