@@ -30,7 +30,7 @@ is in the draft vocab), and lm_head (eaglekit trains it from the target's rows; 
 
     .venv/bin/python benchmarks/tau_vs_speculators.py                 # ~25 min on 2 CPU cores
     .venv/bin/python benchmarks/tau_vs_speculators.py --lr 1e-3       # another learning rate, same data (reused)
-    .venv/bin/python benchmarks/tau_vs_speculators.py --reuse         # evaluate drafters already trained in --out
+    .venv/bin/python benchmarks/tau_vs_speculators.py --reuse-speculators   # retrain eaglekit's side only
 
 It needs benchmarks/.venv-speculators (bash benchmarks/setup_speculators.sh); without it, it says so and stops.
 """
@@ -93,10 +93,7 @@ def make_data(out: Path, args):
     return cfg
 
 
-def train_eaglekit(cfg, reuse: bool = False) -> tuple[Path, float]:
-    final = Path(cfg.run_dir) / "train" / "checkpoints" / f"step-{cfg.train.max_steps}"
-    if reuse and final.exists():
-        return final, float("nan")
+def train_eaglekit(cfg) -> tuple[Path, float]:
     t0 = time.monotonic()
     run_stage(cfg, "train", force=True)
     return Path(cfg.run_dir) / "train" / "checkpoints" / f"step-{cfg.train.max_steps}", time.monotonic() - t0
@@ -104,7 +101,7 @@ def train_eaglekit(cfg, reuse: bool = False) -> tuple[Path, float]:
 
 def train_speculators(cfg, out: Path, args) -> tuple[Path, float]:
     folder = out / f"speculators-lr{args.lr:g}"
-    if args.reuse and (folder / "final").exists():
+    if args.reuse_speculators and (folder / "final").exists():
         return folder / "final", float("nan")
     shutil.rmtree(folder, ignore_errors=True)
     job = {"run_dir": cfg.run_dir, "target": cfg.target.model, "eval_fraction": cfg.data.eval_fraction,
@@ -280,7 +277,8 @@ def main() -> None:
     p.add_argument("--speculators-python", type=Path, default=SPECULATORS_PYTHON)
     p.add_argument("--vllm-python", type=Path, default=ROOT / ".venv-vllm" / "bin" / "python",
                    help="python of a vLLM environment; where it does not exist the vLLM part is left out")
-    p.add_argument("--reuse", action="store_true", help="keep drafters already trained in --out with these settings")
+    p.add_argument("--reuse-speculators", action="store_true",
+                   help="keep the speculators drafter already trained in --out at this lr (its side takes ~20 min)")
     p.add_argument("--speculators-child", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.speculators_child:
@@ -293,7 +291,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
     cfg = make_data(args.out, args)
-    eaglekit_ckpt, eaglekit_s = train_eaglekit(cfg, args.reuse)
+    eaglekit_ckpt, eaglekit_s = train_eaglekit(cfg)
     speculators_ckpt, speculators_s = train_speculators(cfg, args.out, args)
     reports = {"eaglekit": evaluate(cfg, eaglekit_ckpt, f"eaglekit-lr{args.lr:g}", args.out),
                "speculators": evaluate(cfg, speculators_ckpt, f"speculators-lr{args.lr:g}", args.out)}
