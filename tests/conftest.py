@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +46,20 @@ def vllm_python() -> Path:
                     "(or set EAGLEKIT_SKIP_VLLM=1 to skip them on purpose)", pytrace=False)
 
 
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory, tiny_target):
+    """`eaglekit demo` run once per session: (run dir, its --json document, its stderr). With the vLLM venv
+    present the demo ends with `verify` in the real engine. Shared by the demo and verify tests."""
+    import json
+    import subprocess
+
+    run_dir = tmp_path_factory.mktemp("demo") / "run"
+    proc = subprocess.run([sys.executable, "-m", "eaglekit.cli", "demo", "--run-dir", str(run_dir), "--json"],
+                          capture_output=True, text=True, timeout=2400, env=subprocess_env())
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    return run_dir, json.loads(proc.stdout), proc.stderr
+
+
 @dataclass
 class CliResult:
     code: int
@@ -80,3 +96,20 @@ def subprocess_env() -> dict:
     env["PYTHONPATH"] = str(REPO / "src") + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("OMP_NUM_THREADS", "1")
     return env
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(path: Path, size: str, inodes: int = 10_000):
+    """A real tmpfs of ``size`` mounted at ``path`` to fill a disk for real; skips, saying why, where it cannot be
+    mounted (it needs root: CI runs as root)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs to fill a disk for real needs root (CI runs as root)")
+    path.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},nr_inodes={inodes}", "tmpfs", str(path)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)

@@ -51,12 +51,13 @@ class FakeVLLM:
     def __init__(self, model: str = "fake/reasoner", shape: str = "reasoning", max_model_len: int = 4096,
                  version: str = "0.17.0", faults: dict[int, str] | None = None, fault_all: str | None = None,
                  retry_after: float = 1, slow_seconds: float = 2.0, delay: float = 0.0, api_key: str | None = None,
-                 strict: bool = False):
+                 strict: bool = False, health_status: int = 200):
         assert shape in SHAPES, shape
         self.model, self.shape, self.max_model_len, self.version = model, shape, max_model_len, version
         self.faults, self.fault_all = dict(faults or {}), fault_all
         self.retry_after, self.slow_seconds, self.delay, self.api_key = retry_after, slow_seconds, delay, api_key
         self.strict = strict  # refuse fields vLLM alone knows, as transformers serve does (422)
+        self.health_status = health_status  # vLLM answers 503 on /health once its engine died
         self.requests: list[dict[str, Any]] = []  # chat requests: n, t, headers, body, fault
         self._lock = threading.Lock()
         self._httpd: ThreadingHTTPServer | None = None
@@ -176,7 +177,7 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         fake = self.server_state
         if self.path == "/health":
-            self.send_json(200, {})
+            self.send_json(fake.health_status, {})
         elif self.path == "/version":
             self.send_json(200, {"version": fake.version})
         elif self.path == "/v1/models":

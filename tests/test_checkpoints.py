@@ -80,9 +80,9 @@ def test_legacy_config_is_what_vllm_and_sglang_read(tmp_path):
     assert raw["rope_theta"] == 500000.0 and raw["rope_scaling"]["rope_type"] == "llama3"
     assert raw["target_hidden_size"] == 48
     # vLLM (gpu_model_runner._get_eagle3_aux_layers_from_config) reads the top-level ids as hidden_states indices;
-    # SGLang (model_runner + set_eagle3_layers_to_capture) reads eagle_config's and adds 1.
+    # SGLang (model_runner + set_eagle3_layers_to_capture) reads eagle_config's, and both of its rules land on them.
     assert raw["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
-    assert [i + 1 for i in raw["eagle_config"]["eagle_aux_hidden_state_layer_ids"]] == [2, 4, 5]
+    assert {tuple(rule(raw["eagle_config"]["eagle_aux_hidden_state_layer_ids"])) for rule in SGLANG_RULES} == {(2, 4, 5)}
     assert "embed_tokens.weight" not in load_file(str(tmp_path / "d" / "model.safetensors"))
 
     # Both servers build the draft config with transformers; the fields they use survive that.
@@ -262,3 +262,49 @@ def test_check_compatible():
     problems = ck.check_compatible(cfg, target, [1, 4, 5], tokenizer_vocab_size=51)
     assert problems == [p for p in problems if p.startswith(("aux layers", "vocab_size"))] and len(problems) == 2
     assert "[1, 4, 5]" in problems[-1] and "tokenizer has 51" in problems[0]
+
+
+# SGLang's set_eagle3_layers_to_capture (the target model's side), as read in its source: before sglang#25454 every
+# target, and llama.py still, adds 1 to each eagle_config id; since #25454 DeepSeek-family targets add 1 only when
+# the first id is 1 and take other lists verbatim. layers_to_capture[i] = HF hidden_states[i] (captured before layer i).
+SGLANG_RULES = (lambda ids: [i + 1 for i in ids],
+                lambda ids: [i + 1 for i in ids] if ids[0] == 1 else list(ids))
+
+
+@pytest.mark.parametrize("aux,portable", [([2, 4, 5], True), ([2, 3, 6], True), ([3, 5, 6], False), ([1, 4, 6], False)])
+def test_sglang_aux_ids_are_written_only_where_every_sglang_reads_them_alike(tmp_path, aux, portable):
+    ids = ck.sglang_aux_layer_ids(aux)
+    if portable:
+        assert all(rule(ids) == aux for rule in SGLANG_RULES)
+    else:
+        assert ids is None
+        # no list means `aux` under both rules: the ids one less are wrong since #25454, the ids as-is before it
+        assert SGLANG_RULES[1]([i - 1 for i in aux]) != aux and SGLANG_RULES[0](list(aux)) != aux
+    ck.save_legacy(make_drafter(aux=aux), tmp_path / "d")
+    raw = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert raw["eagle_aux_hidden_state_layer_ids"] == aux  # vLLM's key, always
+    assert ("eagle_config" in raw) == portable
+    assert ck.load_drafter(tmp_path / "d")[1].aux_layer_ids == aux
+
+
+def test_served_settings_read_the_config_as_each_engine_does(tmp_path):
+    ck.save_legacy(make_drafter(aux=[2, 4, 5]), tmp_path / "legacy")
+    ck.save_speculators(make_drafter(aux=[2, 4, 5]), tmp_path / "spec", "org/t", ["LlamaForCausalLM"], 3)
+    legacy = ck.served_settings(tmp_path / "legacy", "vllm", 8)
+    assert (legacy.aux_layer_ids, legacy.norm_before_residual, legacy.max_position_embeddings) == ([[2, 4, 5]], False, 256)
+    assert ck.served_settings(tmp_path / "legacy", "sglang", 8).aux_layer_ids == [[2, 4, 5]]
+    assert ck.served_settings(tmp_path / "spec", "vllm", 8).norm_before_residual is False
+
+    raw = json.loads((tmp_path / "spec" / "config.json").read_text())
+    del raw["norm_before_residual"], raw["eagle_aux_hidden_state_layer_ids"]
+    (tmp_path / "spec" / "config.json").write_text(json.dumps(raw))
+    bare = ck.served_settings(tmp_path / "spec", "vllm", 8)
+    assert bare.norm_before_residual is True  # vLLM's speculators default when the key is absent
+    assert bare.aux_layer_ids == [[2, 4, 5]]  # the default [2, N//2, N-3] for N=8
+
+    raw = json.loads((tmp_path / "legacy" / "config.json").read_text())
+    del raw["eagle_aux_hidden_state_layer_ids"]
+    raw["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [2, 4, 5]  # a "capture-before" list, no vLLM key
+    (tmp_path / "legacy" / "config.json").write_text(json.dumps(raw))
+    assert ck.served_settings(tmp_path / "legacy", "vllm", 8).aux_layer_ids == [[2, 4, 5]]  # vLLM: verbatim
+    assert ck.served_settings(tmp_path / "legacy", "sglang", 8).aux_layer_ids == [[3, 5, 6], [2, 4, 5]]

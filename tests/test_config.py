@@ -5,9 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
 from conftest import write_config
-from eaglekit.config import load_config
+from eaglekit.config import load_config, parse_config
 from eaglekit.errors import UsageError
 
 BASE = {"run_dir": "run", "target": {"model": "model"}, "data": {"prompts": "prompts.jsonl"}}
@@ -54,3 +55,23 @@ def test_cli_config_errors_exit_2_naming_key_or_path(tmp_path, cli):
     bad = write_config(tmp_path / "c.yaml", {**BASE, "prepare": {"max_lenght": 9}})
     r = cli("prepare", bad)
     assert r.code == 2 and "prepare.max_lenght" in r.err and "Traceback" not in r.err
+
+
+def test_yaml_booleans_of_an_on_off_choice_are_accepted_and_elsewhere_explained():
+    base = "run_dir: r\ntarget: {model: m}\ndata: {prompts: p}\n"
+    assert parse_config(yaml.safe_load(base + "generate: {reasoning: off}\n")).generate.reasoning == "off"
+    assert parse_config(yaml.safe_load(base + "generate: {reasoning: on}\n")).generate.reasoning == "required"
+    with pytest.raises(UsageError) as err:
+        parse_config(yaml.safe_load(base + "extract: {mode: no}\n"))
+    assert "'extract.mode'" in err.value.message and 'quote the value, e.g. "off"' in err.value.message
+
+
+def test_verify_runs_only_when_an_engine_or_a_server_is_set(tmp_path):
+    base = {"run_dir": "run", "target": {"model": "org/m"}, "data": {"prompts": "p.jsonl"}}
+    assert "verify" not in parse_config(base, base_dir=tmp_path).stages()
+    assert parse_config({**base, "verify": {"engine": "vllm"}}, base_dir=tmp_path).stages()[-2:] == ["export", "verify"]
+    assert parse_config({**base, "verify": {"server": "http://h:8000/v1"}}, base_dir=tmp_path).stages()[-1] == "verify"
+    with pytest.raises(UsageError, match="verify.engine and verify.server"):
+        parse_config({**base, "verify": {"engine": "vllm", "server": "http://h:8000"}}, base_dir=tmp_path)
+    with pytest.raises(UsageError, match="verify.engine"):
+        parse_config({**base, "verify": {"engine": "sglang"}}, base_dir=tmp_path)

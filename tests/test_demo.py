@@ -4,29 +4,25 @@ drafter beats the training-free n-gram baseline. Runs once in CI (it is the slow
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
 import pytest
 
-from conftest import subprocess_env
+from conftest import REPO, subprocess_env
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def demo_run(tmp_path_factory, tiny_target):
-    run_dir = tmp_path_factory.mktemp("demo") / "run"
-    proc = subprocess.run([sys.executable, "-m", "eaglekit.cli", "demo", "--run-dir", str(run_dir), "--json"],
-                          capture_output=True, text=True, timeout=1500, env=subprocess_env())
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    return run_dir, json.loads(proc.stdout), proc.stderr
+# demo_run (conftest): the demo, run once per session and shared with tests/test_verify.py
 
 
 def test_demo_runs_every_stage_to_done(demo_run):
     run_dir, doc, _ = demo_run
     states = {row["stage"]: row["state"] for row in doc["status"]}
-    assert states == {s: "done" for s in ("generate", "prepare", "vocab", "train", "evaluate", "export")}
+    stages = ("generate", "prepare", "vocab", "train", "evaluate", "export") + (("verify",) if "verify" in states else ())
+    assert states == {s: "done" for s in stages}
     assert (run_dir / "config.yaml").exists(), "the demo leaves an editable config behind"
 
 
@@ -40,6 +36,10 @@ def test_status_shows_counts_and_final_accuracies(demo_run):
     assert rows["prepare"]["counts"]["samples"] > 0
     train = rows["train"]["counts"]
     assert "acc_k" in train and len(train["acc_k"]) >= 1
+    text = subprocess.run([sys.executable, "-m", "eaglekit.cli", "status", str(run_dir)], capture_output=True,
+                          text=True, timeout=120, env=subprocess_env())
+    assert text.returncode == 0 and "nothing to run: every stage is done" in text.stdout
+    assert all(len(line) <= 80 for line in text.stdout.splitlines() if not line.startswith("  eaglekit")), text.stdout
 
 
 def test_drafter_beats_ngram_and_tau_is_bounded(demo_run):
@@ -74,3 +74,37 @@ def test_rerunning_the_demo_skips_finished_stages(demo_run):
                           capture_output=True, text=True, timeout=600, env=subprocess_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stderr.count("skipped") >= 6
+
+
+# The README's τ table names methods in words; each header cell names its temperature.
+README_METHODS = {"eaglekit drafter": "eagle", "n-gram (vLLM `ngram`)": "ngram"}
+
+
+def readme_tau_table() -> dict[tuple[str, int, float], float]:
+    """{(method, K, temperature): τ} from the README's demo table (a header row starting `| method | K |`)."""
+    table, header = {}, None
+    for line in (REPO / "README.md").read_text().splitlines():
+        if not line.startswith("|"):
+            header = None
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if cells[:2] == ["method", "K"]:
+            header = cells
+        elif header and cells[0] in README_METHODS:
+            for name, value in zip(header[2:], cells[2:]):
+                temperature = float(re.search(r"T=([\d.]+)", name).group(1))
+                table[(README_METHODS[cells[0]], int(cells[1]), temperature)] = float(value)
+    return table
+
+
+def test_readme_tau_table_is_what_this_code_measures(demo_run):
+    """The figures the README shows come from a run of the current code: the demo's own report, within noise."""
+    run_dir, _, _ = demo_run
+    report = json.loads((run_dir / "evaluate" / "report.json").read_text())
+    measured = {(r["method"], r["k"], r["temperature"]): r["tau"] for r in report["results"]}
+    table = readme_tau_table()
+    assert table, "the README has a τ table"
+    for key, claimed in table.items():
+        assert key in measured, f"the README shows {key}, which the demo does not measure"
+        assert abs(claimed - measured[key]) <= 0.1 + 0.03 * measured[key], (
+            f"README says τ {claimed} for {key}; the demo measures {measured[key]}: refresh the README's table")

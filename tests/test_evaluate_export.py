@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file, save_file
 
 from conftest import write_config
@@ -121,8 +122,10 @@ def test_evaluate_writes_report_plots_and_is_lossless(tmp_path, tiny_target, dra
         assert len(r["acceptance_by_position"]) == r["k"]
         assert all(0.0 <= a <= 1.0 for a in r["acceptance_by_position"])
     assert {(c["k"], c["temperature"]) for c in report["comparison"]} == {(k, t) for k in (1, 3) for t in (0.0, 1.0)}
-    for name in ("acceptance_by_position.png", "tau_vs_k.png", "training_curves.png"):
+    for name in ("acceptance_by_position.png", "tau_vs_k.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (out / "training_curves.png").exists(), "the training curves are train/curves.png, drawn once"
+    assert report["warnings"] == [] and row["warnings"] == [], "a drafter that beats n-gram on every prompt asked: no warning"
     md = (out / "report.md").read_text()
     assert "| eagle | 3 |" in md and "| ngram | 1 |" in md and "Lossless: **yes**" in md
     counts = row["counts"]
@@ -132,6 +135,45 @@ def test_evaluate_writes_report_plots_and_is_lossless(tmp_path, tiny_target, dra
     # the model card carries the evaluation's τ table
     pipeline.run_stage(cfg, "export", skip_preflight=True, formats=["eagle3"])
     assert "| eagle | 3 |" in (cfg.run_path / "export" / "README.md").read_text()
+
+
+def test_a_degenerate_drafter_is_exported_with_its_warnings(tmp_path, tiny_target, prompts_file):
+    """An untrained drafter (τ ≈ 1, below n-gram) evaluated on fewer prompts than asked: evaluate warns twice, the
+    ledger and `status` keep the warnings, and export still writes the drafter but says so in export/README.md."""
+    from eaglekit import status
+    from eaglekit.model.drafter import DrafterConfig, Eagle3Drafter, build_d2t_t2d
+    from eaglekit.model.target import default_aux_layers, embedding_and_head, target_hf_config
+    from eaglekit.config import TargetConfig
+
+    hf = target_hf_config(TargetConfig(model=str(tiny_target)))
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter(DrafterConfig.from_target_config(hf, hf.vocab_size, default_aux_layers(hf.num_hidden_layers)))
+    d2t, t2d = build_d2t_t2d(torch.arange(hf.vocab_size), hf.vocab_size)
+    drafter.d2t.copy_(d2t)
+    drafter.t2d.copy_(t2d)
+    drafter.embed_tokens.weight.data.copy_(embedding_and_head(str(tiny_target))[0])
+    save_legacy(drafter, tmp_path / "untrained")
+    config = make_config(tmp_path, tiny_target, tmp_path / "untrained", prompts_file)
+    cfg = load_config(config)
+    cfg.evaluate.num_samples, cfg.evaluate.num_speculative_tokens, cfg.evaluate.temperatures = 5, [3], [0.0]
+    config.write_text(cfg.to_yaml())
+    cfg = load_config(config)
+
+    row = pipeline.run_stage(cfg, "evaluate", skip_preflight=True)
+    assert len(row["warnings"]) == 2, row["warnings"]
+    assert "decoded 3 prompts, fewer than evaluate.num_samples (5)" in row["warnings"][0]
+    assert "does not beat the training-free n-gram baseline (K=3" in row["warnings"][1]
+    report = json.loads((cfg.run_path / "evaluate" / "report.json").read_text())
+    assert report["warnings"] == row["warnings"]
+
+    exported = pipeline.run_stage(cfg, "export", skip_preflight=True, formats=["eagle3"])
+    assert (cfg.run_path / "export" / "eagle3" / "model.safetensors").exists(), "written anyway"
+    assert "exported a drafter from a run with 2 warnings" in exported["warnings"][0]
+    card = (cfg.run_path / "export" / "README.md").read_text()
+    assert "## Warnings: read before serving" in card and "evaluate: the drafter does not beat" in card
+
+    rows = {r["stage"]: r for r in status.stage_rows(cfg)}
+    assert rows["evaluate"]["warnings"] == row["warnings"] and rows["export"]["warnings"] == exported["warnings"]
 
 
 def test_evaluate_preflight_refuses_a_drafter_for_other_aux_layers(tmp_path, tiny_target, drafter_dir, prompts_file):
@@ -182,14 +224,37 @@ def test_export_round_trip_gives_identical_logits(tmp_path, tiny_target, drafter
         assert f"vllm serve {out.resolve()}" in readme
 
 
-def test_export_without_verifier_writes_the_rest_and_says_so(tmp_path, tiny_target, drafter_dir, prompts_file):
+def test_export_without_verifier_names_the_local_target_and_warns(tmp_path, tiny_target, drafter_dir, prompts_file):
+    # a null verifier breaks `vllm serve DIR` ("model: Input should be a valid string"): the target's own folder
+    # serves on this machine, and the warning says it does not travel
     cfg = load_config(make_config(tmp_path, tiny_target, drafter_dir, prompts_file))
+    results = {r.name: r for r in pipeline.run_preflight(pipeline.make_context(cfg, "export", formats=["speculators"]))}
+    assert results["verifier"].status == "warn" and "not for anyone you publish" in results["verifier"].detail
     row = pipeline.run_stage(cfg, "export", skip_preflight=True, formats=["speculators"])
     assert row["counts"]["warnings"] == 1
-    config = json.loads((cfg.run_path / "export" / "speculators" / "config.json").read_text())
-    assert config["speculators_config"]["verifier"]["name_or_path"] is None
+    out = cfg.run_path / "export" / "speculators"
+    config = json.loads((out / "config.json").read_text())
+    assert config["speculators_config"]["verifier"]["name_or_path"] == str(tiny_target)
     readme = (cfg.run_path / "export" / "README.md").read_text()
-    assert "export.verifier" in readme and "--speculative-config" in readme
+    assert f"vllm serve {out.resolve()}" in readme and "export.verifier" in readme and "publish" in readme
+
+
+def test_export_refuses_aux_layers_sglang_reads_differently_across_versions(tmp_path, tiny_target, drafter_dir,
+                                                                            prompts_file):
+    path = make_config(tmp_path, tiny_target, drafter_dir, prompts_file)
+    raw = yaml.safe_load(path.read_text())
+    raw["target"]["aux_layers"] = [3, 4, 5]
+    path.write_text(yaml.safe_dump(raw))
+    cfg = load_config(path)
+    results = {r.name: r for r in pipeline.run_preflight(pipeline.make_context(cfg, "export"))}
+    check = results["SGLang aux layers"]
+    assert check.status == "fail" and "sglang#25454" in check.detail and "[3, 4, 5]" in check.detail
+    assert "--format speculators" in check.remedy
+    with pytest.raises(EaglekitError, match="sglang#25454"):
+        pipeline.run_stage(cfg, "export", skip_preflight=True, formats=["eagle3"])
+    assert not (cfg.run_path / "export" / "eagle3").exists()
+    ctx = pipeline.make_context(cfg, "export", formats=["speculators"])
+    assert {r.name: r for r in pipeline.run_preflight(ctx)}["SGLang aux layers"].status == "ok"
 
 
 def _edit_weights(src: Path, dst: Path, edit) -> Path:

@@ -79,6 +79,18 @@ def test_extract_writes_the_targets_features(tmp_path, tiny_target):
         torch.testing.assert_close(aux.float(), live.aux[0].bfloat16().float(), rtol=0.02, atol=0.02)
         torch.testing.assert_close(last.float(), live.last_hidden[0].bfloat16().float(), rtol=0.02, atol=0.02)
 
+    # A finished extract with a shard removed (the remedy for a damaged one) is not skipped: it re-extracts that one.
+    kept = out / index["shards"][0]["file"]
+    kept_mtime = kept.stat().st_mtime_ns
+    gone = out / index["shards"][1]["file"]
+    gone.unlink()
+    sh.sidecar_path(gone).unlink()
+    with RunDir(cfg.run_dir).lock:
+        again = run_stage(cfg, "extract")
+    assert not again.get("skipped") and gone.exists() and kept.stat().st_mtime_ns == kept_mtime
+    with RunDir(cfg.run_dir).lock:
+        assert run_stage(cfg, "extract").get("skipped") is True
+
 
 def test_killed_extract_resumes_and_a_damaged_shard_is_named(tmp_path, tiny_target, monkeypatch):
     cfg = offline(tmp_path, tiny_target)

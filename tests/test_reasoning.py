@@ -53,3 +53,13 @@ def test_explanations_name_the_cause():
     assert "--reasoning-parser" in parser and "`content` (20/20)" in parser
     cut = explain_missing_reasoning(Counter({"content": 5}), 20, length_stopped=15)
     assert "max_tokens" in cut and "15 of 20" in cut
+
+
+def test_the_gate_explanation_counts_consistently_and_fits_the_backend():
+    # 3 of 20 without reasoning, the other 17 with it (inline, as the local backend sees them)
+    some = explain_missing_reasoning(Counter({"content": 20}), 20, empty=3, backend="local")
+    assert "the other 17 did reason" in some and "none of" not in some and "--reasoning-parser" not in some
+    local = explain_missing_reasoning(Counter({"content": 20}), 20, backend="local")
+    assert "--reasoning-parser" not in local and "enable_thinking" in local and "generate.reasoning: optional" in local
+    server = explain_missing_reasoning(Counter({"content": 20}), 20, backend="openai")
+    assert "--reasoning-parser" in server

@@ -7,13 +7,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import types
 
 import pytest
 
 from conftest import subprocess_env, write_config
-from eaglekit import pipeline
+from eaglekit import pipeline, status
 from eaglekit.config import load_config
 from eaglekit.errors import EaglekitError
 from eaglekit.rundir import RunDir
@@ -47,10 +46,14 @@ def test_second_process_fails_at_once_naming_the_holder(tmp_path, cli):
 
 
 def fake_stage(name, upstream, calls, fail=False):
+    """A stage that writes one file; ``fail`` is an exception to raise (True: an EaglekitError), or a callable
+    of the config saying whether to fail."""
     def run(ctx):
         calls.append(name)
-        if fail:
-            raise EaglekitError(f"{name} broke", "fix it")
+        failure = fail(ctx.cfg) if callable(fail) else fail
+        if failure:
+            (ctx.dir / "partial.txt").write_text(name)  # what a failed attempt leaves behind
+            raise failure if isinstance(failure, BaseException) else EaglekitError(f"{name} broke", "fix it")
         (ctx.dir / "out.txt").write_text(name)
         return {"items": 3}
 
@@ -70,7 +73,7 @@ def fake_pipeline(monkeypatch):
 
 
 def states(cfg):
-    return {r["stage"]: r["state"] for r in pipeline.status_rows(cfg)}
+    return {r["stage"]: r["state"] for r in status.stage_rows(cfg)}
 
 
 def test_ledger_states_skip_and_staleness(tmp_path, fake_pipeline):
@@ -95,9 +98,15 @@ def test_ledger_states_skip_and_staleness(tmp_path, fake_pipeline):
     with run.lock, pytest.raises(EaglekitError, match="pre-flight failed"):
         pipeline.run_stage(cfg2, "vocab")
 
-    # --force reruns a done stage.
+    # --force never reruns a stage done with the same fingerprint; removing its folder undoes it.
     with run.lock:
-        pipeline.run_stage(cfg, "generate", force=True)
+        assert pipeline.run_stage(cfg, "generate", force=True).get("skipped") is True
+    assert calls.count("generate") == 1
+    import shutil
+    shutil.rmtree(tmp_path / "run" / "generate")
+    assert states(cfg)["generate"] == "pending"
+    with run.lock:
+        pipeline.run_stage(cfg, "generate")
     assert calls.count("generate") == 2
 
 
@@ -107,7 +116,7 @@ def test_failed_stage_is_recorded_and_reported(tmp_path, fake_pipeline):
     cfg = load_config(write_config(tmp_path / "c.yaml", BASE))
     with RunDir(cfg.run_dir).lock, pytest.raises(EaglekitError):
         pipeline.run_stage(cfg, "generate")
-    row = pipeline.status_rows(cfg)[0]
+    row = status.stage_rows(cfg)[0]
     assert row["state"] == "failed" and "generate broke" in row["error"]
 
 
@@ -132,9 +141,9 @@ def test_killed_stage_shows_incomplete_and_lock_is_free(tmp_path, fake_pipeline)
     assert states(cfg)["generate"] == "running"
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    assert states(cfg)["generate"] == "incomplete"
-    row = pipeline.status_rows(cfg)[0]
-    assert "resumes" in row["next"]
+    rows = status.stage_rows(cfg)
+    assert rows[0]["state"] == "incomplete"
+    assert status.next_steps(cfg, rows, "c.yaml") == ["generate was stopped mid-run; to resume it:", "  eaglekit run c.yaml"]
 
 
 def test_ledger_survives_a_torn_last_line(tmp_path):

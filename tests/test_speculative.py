@@ -156,6 +156,26 @@ def test_max_new_tokens_is_never_exceeded(target, drafter):
         assert spec.tokens == plain.tokens and len(spec.tokens) == n
 
 
+def test_engine_accounting_counts_like_vllms_scheduler(target):
+    """Always K drafts, accepted counted before the length limit or the stop token cut the output
+    (vLLM: num_accepted = len(sampled) - 1 per verify pass); the tokens emitted are unchanged."""
+    prompt = prompts(1)[0]
+    plain = generate(target, prompt, 40)
+    # passes of 4 right drafts emit tokens 1-5, 6-10, ...: end both runs inside a pass, not on its bonus token
+    stop = next(t for i, t in enumerate(plain.tokens) if i % 5 and plain.tokens.index(t) == i)
+    for limit, stop_ids in ((13, set()), (40, {stop})):
+        reference = generate(target, prompt, limit, stop_ids=stop_ids)
+        mine = generate(target, prompt, limit, proposer=Oracle(plain.tokens, correct=4), k=4, stop_ids=stop_ids)
+        engine = generate(target, prompt, limit, proposer=Oracle(plain.tokens, correct=4), k=4, stop_ids=stop_ids,
+                          engine_accounting=True)
+        assert engine.tokens == mine.tokens == reference.tokens
+        # every pass drafted 4 (rounds = 1 + 4 accepted + bonus per pass until the end) and accepted all 4
+        assert engine.stats.drafted == [engine.stats.rounds] * 4
+        assert engine.accepted_per_round == [4] * engine.stats.rounds
+        assert sum(engine.stats.accepted) > sum(mine.stats.accepted)  # the last pass ran past the end
+        assert mine.accepted_per_round[-1] < 4
+
+
 @pytest.mark.parametrize("point_mass", [False, True])
 def test_speculative_sampling_is_unbiased(point_mass):
     """The emitted token (the draft if accepted, else the residual sample) is distributed as p, whatever q is."""
@@ -202,3 +222,76 @@ def test_ngram_matches_vllm_rule():
     assert ngram_propose([1, 2, 3], k=3, n_min=1, n_max=3) == []  # no earlier occurrence
     assert ngram_propose([4, 4, 4, 4], k=3, n_min=1, n_max=2) == [4, 4]  # overlapping matches count
     assert ngram_propose([9], k=3, n_min=1, n_max=4) == []
+
+
+class SelfDrafter:
+    """Drafts from the target itself — its argmax (a point mass), or a sample from a flatter copy of its
+    distribution (returned as q) — and records for each round's first draft the acceptance probability the theory
+    gives: p(d) for a point mass, Σ_x min(p(x), q(x)) = E_{d~q}[min(1, p(d)/q(d))] for a sampled draft."""
+
+    aux_layer_ids = None
+
+    def __init__(self, model, sample: bool):
+        self.model, self.sample = model, sample
+        self.expected: list[float] = []
+
+    def reset(self, ids, aux):
+        self.ids = list(ids)
+
+    @torch.no_grad()
+    def propose(self, k, temperature, generator):
+        ids, drafts, qs = list(self.ids), [], []
+        for i in range(k):
+            logits = self.model(torch.tensor([ids])).logits[0, -1].float()
+            p = torch.softmax(logits / temperature, -1) if temperature > 0 else None
+            if self.sample and temperature > 0:
+                q = torch.softmax(logits / (2 * temperature), -1)
+                draft = int(torch.multinomial(q, 1, generator=generator))
+            else:
+                q, draft = None, int(logits.argmax())
+            if i == 0 and p is not None:
+                self.expected.append(float(torch.minimum(p, q).sum()) if q is not None else float(p[draft]))
+            drafts.append(draft)
+            qs.append(q)
+            ids.append(draft)
+        return drafts, (torch.stack(qs) if qs[0] is not None else None)
+
+    def update(self, new_ids, aux):
+        self.ids += list(new_ids)
+
+
+@pytest.fixture(scope="module")
+def entropic_target(target):
+    """The random target with its output layer scaled so that its next-token distributions have real entropy:
+    neither uniform (the raw random model) nor one-hot (the tiny target, on its own replies, is almost greedy)."""
+    torch.manual_seed(0)
+    sharper = LlamaForCausalLM(target.config).eval()
+    sharper.load_state_dict(target.state_dict())
+    with torch.no_grad():
+        sharper.lm_head.weight.mul_(30.0)
+    return sharper
+
+
+@pytest.mark.parametrize("sample", [False, True], ids=["point-mass drafts", "sampled drafts"])
+def test_sampling_acceptance_differs_from_greedy_and_matches_theory(entropic_target, sample):
+    k, rounds_by_t = 3, {}
+    for temperature in (0.0, 1.0):
+        total, proposer = None, SelfDrafter(entropic_target, sample)
+        for i, prompt in enumerate(prompts(16)):
+            g = torch.Generator().manual_seed(i)
+            out = generate(entropic_target, prompt, 40, proposer=proposer, k=k, temperature=temperature, generator=g)
+            total = out.stats if total is None else total + out.stats
+        rounds_by_t[temperature] = (total, proposer.expected)
+
+    greedy, _ = rounds_by_t[0.0]
+    sampled, expected = rounds_by_t[1.0]
+    top = sum(expected) / len(expected)
+    assert 0.2 < top < 0.9, f"the target must have real entropy (mean acceptance probability {top:.2f})"
+    # At T=0 the target's own argmax is always accepted; at T=1 it is accepted with probability p(d) (or min(1, p/q)).
+    assert greedy.acceptance_by_position() == [1.0] * k
+    measured = sampled.accepted[0] / sampled.drafted[0]
+    assert len(expected) == sampled.drafted[0]
+    sigma = (sum(e * (1 - e) for e in expected) ** 0.5) / len(expected)
+    print(f"T=1 first-draft acceptance: measured {measured:.3f}, theory {top:.3f} ± {sigma:.3f}; tau T=0 {greedy.tau:.2f}, T=1 {sampled.tau:.2f}")
+    assert abs(measured - top) < 4 * sigma + 0.01, (measured, top, sigma)
+    assert sampled.tau < greedy.tau - 0.5

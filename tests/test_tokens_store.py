@@ -64,7 +64,7 @@ def test_truncated_file_is_a_clear_error(tmp_path, keep):
     path.write_bytes(data[: int(len(data) * keep)])
     with pytest.raises(EaglekitError, match="truncated or corrupt") as err:
         TokenStore(path)
-    assert str(path) in err.value.message and "--force" in err.value.remedy
+    assert str(path) in err.value.message and "eaglekit run CONFIG --from prepare" in err.value.remedy
 
 
 def test_foreign_or_inconsistent_file_is_a_clear_error(tmp_path):

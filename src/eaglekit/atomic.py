@@ -6,6 +6,7 @@ A reader (or a resumed run) therefore sees either the old file or the whole new 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -26,6 +27,45 @@ def _default_mode(directory: bool) -> int:
     return (0o777 if directory else 0o666) & ~_umask()
 
 
+def free_bytes(path: str | os.PathLike) -> int:
+    """Bytes an unprivileged writer may still write on the filesystem of ``path`` (or of its nearest existing parent)."""
+    p = Path(path)
+    probe = next((q for q in (p, *p.parents) if q.exists()), Path("/"))
+    st = os.statvfs(probe)
+    return st.f_bavail * st.f_frsize
+
+
+def _is_wrapped_disk_full(err: BaseException, path: Path) -> bool:
+    """torch.save and safetensors report a full disk as their own RuntimeError; recognise it by its text, or by
+    a filesystem with next to no space left."""
+    text = str(err)
+    if "No space left" in text or "os error 28" in text:
+        return True
+    try:
+        return "write" in text.lower() and free_bytes(path) < (1 << 20)
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def naming_file(path: str | os.PathLike, tmp: str | os.PathLike | None = None) -> Iterator[None]:
+    """Inside, an OSError always names ``path`` (a failed write() on an open file names no file; one inside the
+    temp file or folder ``tmp`` is named by where it was going), and a library's wrapped "no space left" becomes
+    the OSError(ENOSPC) it stands for — so the message can say which file."""
+    try:
+        yield
+    except OSError as err:
+        if err.filename is None:
+            err.filename = str(path)
+        elif tmp is not None and str(err.filename).startswith(str(tmp)):
+            err.filename = str(path) + str(err.filename)[len(str(tmp)):]
+        raise
+    except Exception as err:
+        if _is_wrapped_disk_full(err, Path(path)):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path)) from err
+        raise
+
+
 def fsync_dir(path: Path) -> None:
     """Make a rename inside ``path`` durable."""
     fd = os.open(path, os.O_RDONLY)
@@ -44,12 +84,13 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     os.close(fd)
     tmp_path = Path(tmp)
     try:
-        yield tmp_path
-        with open(tmp_path, "rb") as f:
-            os.fsync(f.fileno())
-        os.chmod(tmp_path, _default_mode(directory=False))
-        os.replace(tmp_path, path)
-        fsync_dir(path.parent)
+        with naming_file(path, tmp_path):
+            yield tmp_path
+            with open(tmp_path, "rb") as f:
+                os.fsync(f.fileno())
+            os.chmod(tmp_path, _default_mode(directory=False))
+            os.replace(tmp_path, path)
+            fsync_dir(path.parent)
     finally:
         tmp_path.unlink(missing_ok=True)
 
@@ -78,24 +119,30 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     try:
-        yield tmp
-        for f in tmp.rglob("*"):
-            if f.is_file():
-                with open(f, "rb") as fh:
-                    os.fsync(fh.fileno())
-                os.chmod(f, _default_mode(directory=False))
-            elif f.is_dir():
-                os.chmod(f, _default_mode(directory=True))
-        os.chmod(tmp, _default_mode(directory=True))
-        fsync_dir(tmp)
-        old = None
-        if path.exists():
-            old = path.with_name(f".{path.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(path, old)
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        with naming_file(path, tmp):
+            yield tmp
+            _commit_dir(tmp, path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _commit_dir(tmp: Path, path: Path) -> None:
+    """fsync the finished temp folder, then swap it in for ``path`` (the old one moved aside first)."""
+    for f in tmp.rglob("*"):
+        if f.is_file():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+            os.chmod(f, _default_mode(directory=False))
+        elif f.is_dir():
+            os.chmod(f, _default_mode(directory=True))
+    os.chmod(tmp, _default_mode(directory=True))
+    fsync_dir(tmp)
+    old = None
+    if path.exists():
+        old = path.with_name(f".{path.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(path, old)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

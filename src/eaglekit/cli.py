@@ -1,31 +1,70 @@
-"""The `eaglekit` command: one subcommand per stage, plus demo / run / status / preflight / plan / tiny-target.
+"""The `eaglekit` command: `run` and one command per stage, plus status / preflight / plan / demo / tiny-target.
 
-Exit codes: 0 success, 1 a check or stage failed, 2 usage / config / input error. Every command that
-reports takes ``--json`` and then prints exactly one JSON document on stdout (human output goes to stderr).
+Exit codes: 0 success, 1 a check or stage failed, 2 usage / config / input error, 130 Ctrl-C, 143 SIGTERM.
+Every command that reports takes ``--json`` and then prints exactly one JSON document on stdout (progress
+goes to stderr). Errors are a short message and what to do — never a traceback, unless ``--debug``.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import re
+import shlex
 import sys
+import traceback
 from pathlib import Path
 from typing import Any, Optional
 
 import typer
+from rich.markup import escape
 
-from eaglekit import pipeline
+from eaglekit import failures, interrupt, pipeline
 from eaglekit.config import STAGES, RunConfig, load_config
 from eaglekit.errors import EaglekitError, UsageError
 from eaglekit.progress import console
-from eaglekit.rundir import RunDir
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+app = typer.Typer(add_completion=False, no_args_is_help=False, pretty_exceptions_enable=False,
                   help="Train EAGLE-3 draft models end to end, checking ground truth before every long phase.")
 
+STAGE_NAMES = " | ".join(STAGES)
 JsonOpt = typer.Option(False, "--json", help="print one JSON document on stdout")
-ForceOpt = typer.Option(False, "--force", help="rerun even if done; replace outputs of other parameters")
+ForceOpt = typer.Option(False, "--force", help="let a stage replace outputs of other parameters (a stage done with "
+                                               "the same ones is never rerun)")
 SkipOpt = typer.Option(False, "--skip-preflight", help="start without pre-flight checks (recorded in the ledger)")
+ConfigArg = typer.Argument(..., metavar="CONFIG", help="the run config (YAML)", show_default=False)
+
+# What each stage command reads and writes (under the run directory), for its --help.
+READS_WRITES = {
+    "generate": ("data.prompts, and the target (in process) or its OpenAI-compatible servers",
+                 "generate/responses.jsonl, generate/errors.jsonl"),
+    "prepare": ("generate/responses.jsonl and the target's tokenizer and chat template",
+                "prepare/tokens.safetensors, prepare/stats.json"),
+    "vocab": ("prepare/tokens.safetensors", "vocab/vocab.safetensors (d2t, t2d), vocab/stats.json"),
+    "extract": ("prepare/tokens.safetensors and the target (offline mode only)",
+                "extract/shard-*.safetensors, extract/index.json"),
+    "train": ("prepare/, vocab/, and extract/ (offline) or the live target (online)",
+              "train/checkpoints/, train/metrics.jsonl, train/summary.json, train/curves.png"),
+    "evaluate": ("train/checkpoints/best (or evaluate.checkpoint), the target, the held-out prompts",
+                 "evaluate/report.json, evaluate/report.md, evaluate/*.png"),
+    "export": ("the evaluated drafter and evaluate/report.json",
+               "export/eagle3/, export/speculators/, export/README.md"),
+    "verify": ("export/ and the evaluation prompts; serves them in vLLM (verify.engine) or asks verify.server",
+               "verify/report.json, verify/report.md, verify/acceptance.png, verify/logs/"),
+}
+
+
+class _State:
+    debug = bool(os.environ.get("EAGLEKIT_DEBUG"))
+    config: str | None = None   # the config path as the user typed it, for exact remedies
+    run_dir: str | None = None  # where a traceback log goes
+
+
+def load(config: Path) -> RunConfig:
+    cfg = load_config(config)
+    _State.config, _State.run_dir = str(config), cfg.run_dir
+    return cfg
 
 
 def emit_json(doc: Any) -> None:
@@ -33,155 +72,222 @@ def emit_json(doc: Any) -> None:
     sys.stdout.flush()
 
 
-def is_worker_rank() -> bool:
-    """Under torchrun only rank 0 owns the run directory (lock, ledger); the other ranks just compute."""
-    return int(os.environ.get("RANK", "0")) != 0
+class _Interrupted(Exception):
+    """Carries a Ctrl-C / SIGTERM past click, which would reduce it to a bare exit code."""
+
+    def __init__(self, original: KeyboardInterrupt):
+        super().__init__("interrupted")
+        self.original = original
 
 
-def run_stages(cfg: RunConfig, stages: list[str], force: bool, skip_preflight: bool, **options: Any) -> list[dict]:
-    run = RunDir(cfg.run_dir)
-    if is_worker_rank():
-        return [pipeline.run_stage_as_worker(cfg, s, force=force, **options) for s in stages]
-    with run.lock.acquire(command=" ".join(["eaglekit", *sys.argv[1:]])):
-        if not run.config_path.exists() or cfg.source != run.config_path.resolve():
-            from eaglekit import atomic
+def command(name: str, **kwargs):
+    """``app.command`` whose Ctrl-C reaches ``main`` intact (to say what was kept, and exit 130 or 143)."""
+    def register(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kw):
+            try:
+                return fn(*args, **kw)
+            except KeyboardInterrupt as err:
+                raise _Interrupted(err) from err
+        return app.command(name, **kwargs)(wrapper)
+    return register
 
-            atomic.write_text(run.config_path, cfg.to_yaml())
-        return [pipeline.run_stage(cfg, s, force=force, skip_preflight=skip_preflight, **options) for s in stages]
+
+def _version(value: bool) -> None:
+    if value:
+        import importlib.metadata as md
+
+        typer.echo(f"eaglekit {md.version('eaglekit')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def options(version: bool = typer.Option(False, "--version", is_eager=True, callback=_version,
+                                         help="print the version and exit"),
+            debug: bool = typer.Option(False, "--debug", help="print the full traceback of an unexpected error "
+                                                              "(it always goes to a log file under the run directory)")) -> None:
+    _State.debug = _State.debug or debug
+
+
+# ------------------------------------------------------------------------------------------ stages
+
+@command("run")
+def run_cmd(config: Path = ConfigArg,
+            start: Optional[str] = typer.Option(None, "--from", metavar="STAGE", help=f"first stage to run: {STAGE_NAMES}"),
+            until: Optional[str] = typer.Option(None, "--until", metavar="STAGE", help=f"last stage to run: {STAGE_NAMES}"),
+            force: bool = ForceOpt, skip_preflight: bool = SkipOpt, as_json: bool = JsonOpt) -> None:
+    """Run the stages in order — generate, prepare, vocab, extract (offline mode only), train, evaluate, export,
+    verify (when verify.engine or verify.server is set) — skipping those done with the same inputs and parameters."""
+    cfg = load(config)
+    rows = pipeline.run_stages(cfg, pipeline.select_stages(cfg, start, until), force=force, skip_preflight=skip_preflight)
+    if as_json:
+        emit_json({"run_dir": cfg.run_dir, "stages": rows})
 
 
 def _stage_command(stage: str):
-    def command(config: Path = typer.Argument(..., help="the run config (YAML)"), force: bool = ForceOpt,
-                skip_preflight: bool = SkipOpt, as_json: bool = JsonOpt) -> None:
-        cfg = load_config(config)
-        rows = run_stages(cfg, [stage], force, skip_preflight)
+    def stage_cmd(config: Path = ConfigArg, force: bool = ForceOpt, skip_preflight: bool = SkipOpt,
+                  as_json: bool = JsonOpt) -> None:
+        cfg = load(config)
+        rows = pipeline.run_stages(cfg, [stage], force=force, skip_preflight=skip_preflight)
         if as_json:
             emit_json(rows[0])
 
-    command.__name__ = stage
-    command.__doc__ = f"Run the {stage} stage (after its pre-flight checks)."
-    return command
+    reads, writes = READS_WRITES[stage]
+    stage_cmd.__name__ = f"{stage}_cmd"
+    stage_cmd.__doc__ = f"Run the {stage} stage after its pre-flight checks. Reads {reads}; writes {writes}."
+    return stage_cmd
 
 
-for _stage in ("prepare", "vocab", "extract", "train", "evaluate"):
-    app.command(_stage)(_stage_command(_stage))
-
-
-@app.command("generate")
-def generate_cmd(config: Path = typer.Argument(..., help="the run config (YAML)"), force: bool = ForceOpt,
-                 skip_preflight: bool = SkipOpt, as_json: bool = JsonOpt,
+@command("generate", help=f"Collect the target's own responses, reasoning included. Reads {READS_WRITES['generate'][0]}; "
+                          f"writes {READS_WRITES['generate'][1]}.")
+def generate_cmd(config: Path = ConfigArg, force: bool = ForceOpt, skip_preflight: bool = SkipOpt, as_json: bool = JsonOpt,
                  retry_failed: bool = typer.Option(False, "--retry-failed", help="retry the samples in errors.jsonl")) -> None:
-    """Run the generate stage: collect the target's own responses, reasoning included."""
-    cfg = load_config(config)
-    rows = run_stages(cfg, ["generate"], force, skip_preflight, retry_failed=retry_failed)
+    cfg = load(config)
+    rows = pipeline.run_stages(cfg, ["generate"], force=force, skip_preflight=skip_preflight, retry_failed=retry_failed)
     if as_json:
         emit_json(rows[0])
 
 
-@app.command("export")
-def export_cmd(config: Path = typer.Argument(..., help="the run config (YAML)"), force: bool = ForceOpt,
-               skip_preflight: bool = SkipOpt, as_json: bool = JsonOpt,
+for _stage in ("prepare", "vocab", "extract", "train", "evaluate"):
+    command(_stage)(_stage_command(_stage))
+
+
+@command("export", help=f"Write the drafter in the forms vLLM and SGLang load, and print the serve commands. Reads "
+                        f"{READS_WRITES['export'][0]}; writes {READS_WRITES['export'][1]}.")
+def export_cmd(config: Path = ConfigArg, force: bool = ForceOpt, skip_preflight: bool = SkipOpt, as_json: bool = JsonOpt,
                fmt: str = typer.Option("", "--format", help="eagle3 | speculators | all (default: export.formats)")) -> None:
-    """Write the drafter in the forms vLLM and SGLang load, and print the serve commands."""
-    cfg = load_config(config)
+    cfg = load(config)
     if fmt and fmt not in ("eagle3", "speculators", "all"):
         raise UsageError(f"--format {fmt}: unknown format", "use eagle3, speculators or all")
     formats = list(cfg.export.formats) if not fmt else (["eagle3", "speculators"] if fmt == "all" else [fmt])
     cfg.export.formats = formats  # part of the fingerprint: another --format is another export
-    rows = run_stages(cfg, ["export"], force, skip_preflight, formats=formats)
+    rows = pipeline.run_stages(cfg, ["export"], force=force, skip_preflight=skip_preflight, formats=formats)
     if as_json:
         emit_json(rows[0])
 
 
-@app.command("run")
-def run_cmd(config: Path = typer.Argument(..., help="the run config (YAML)"),
-            until: Optional[str] = typer.Option(None, "--until", help="last stage to run"),
-            start: Optional[str] = typer.Option(None, "--from", help="first stage to run"),
-            force: bool = ForceOpt, skip_preflight: bool = SkipOpt, as_json: bool = JsonOpt) -> None:
-    """Run the stages in order: generate, prepare, vocab, extract (offline mode only), train, evaluate, export."""
-    cfg = load_config(config)
-    rows = run_stages(cfg, pipeline.select_stages(cfg, start, until), force, skip_preflight)
+command("verify")(_stage_command("verify"))
+
+
+# --------------------------------------------------------------------------------------- reporting
+
+@command("status")
+def status_cmd(run_dir: Path = typer.Argument(..., metavar="RUN_DIR", show_default=False,
+                                              help="the run directory (or a config file to compare it with)"),
+               wide: bool = typer.Option(False, "--wide", help="every figure, start times, durations, pre-flight"),
+               as_json: bool = JsonOpt) -> None:
+    """Where the run stands: per stage its state, figures, last pre-flight and warnings; then what to do next.
+    A run directory is compared with the config file that last drove it."""
+    from rich.console import Console
+
+    from eaglekit import status
+
+    compared = status.config_for(run_dir)
+    cfg = compared.cfg
+    _State.run_dir = cfg.run_dir
+    rows = status.stage_rows(cfg)
+    config = status.relative(cfg.source) if cfg.source else "CONFIG"
     if as_json:
-        emit_json({"run_dir": cfg.run_dir, "stages": rows})
-
-
-def _load_run_config(run_dir: Path) -> RunConfig:
-    if not run_dir.exists():
-        raise UsageError(f"run directory not found: {run_dir}", "pass the run_dir of a run (eaglekit demo makes runs/demo)")
-    path = run_dir / "config.yaml" if run_dir.is_dir() else run_dir
-    if not path.exists():
-        raise UsageError(f"{run_dir} has no config.yaml, so it is not an eaglekit run directory",
-                         "pass the folder that `eaglekit run` or `eaglekit demo` wrote")
-    return load_config(path)
-
-
-@app.command("status")
-def status_cmd(run_dir: Path = typer.Argument(..., help="the run directory (or its config.yaml)"), as_json: bool = JsonOpt) -> None:
-    """Where the run stands: one row per stage — state, counts, when, and what to do next."""
-    cfg = _load_run_config(run_dir)
-    rows = pipeline.status_rows(cfg)
-    if as_json:
-        emit_json({"run_dir": cfg.run_dir, "stages": rows})
+        emit_json({"run_dir": cfg.run_dir, "config": str(cfg.source), "compared": compared.note, "stages": rows,
+                   "next": status.next_steps(cfg, rows, config)})
         return
-    from rich.table import Table
-
-    table = Table(title=f"eaglekit run {cfg.run_dir}")
-    for col in ("stage", "state", "counts", "ended", "next"):
-        table.add_column(col, overflow="fold")
-    styles = {"done": "green", "running": "cyan", "failed": "red", "incomplete": "yellow", "stale": "magenta", "pending": "dim"}
-    for r in rows:
-        counts = ", ".join(f"{k}={v}" for k, v in r["counts"].items())
-        table.add_row(r["stage"], f"[{styles[r['state']]}]{r['state']}[/]", counts, r["ended"] or "",
-                      r["next"].replace("CONFIG", str(cfg.source or "CONFIG")))
-    console.print(table)
+    out = Console(highlight=False, width=None if sys.stdout.isatty() else (200 if wide else 80))
+    status.render(out, compared, rows, wide=wide)
 
 
-@app.command("preflight")
-def preflight_cmd(config: Path = typer.Argument(..., help="the run config (YAML)"),
-                  stage: Optional[str] = typer.Option(None, "--stage", help="only this stage's checks"),
+@command("preflight")
+def preflight_cmd(config: Path = ConfigArg,
+                  stage: Optional[str] = typer.Option(None, "--stage", metavar="STAGE", help=f"only this stage's checks, "
+                                                      f"exactly as `eaglekit STAGE` runs them (its upstream must have "
+                                                      f"finished): {STAGE_NAMES}"),
                   as_json: bool = JsonOpt) -> None:
-    """Run the pre-flight checks alone (exit 1 on any fail)."""
+    """Run the pre-flight checks alone (exit 1 on any fail).
+
+    Without --stage, the whole pipeline is checked in order ahead of running it: a stage whose upstream has not
+    run yet is not a failure, and the checks that need outputs still to be made say which stage produces them.
+    """
+    import time
+
     from eaglekit import preflight
 
-    cfg = load_config(config)
-    stages = [stage] if stage else cfg.stages()
+    cfg = load(config)
     if stage and stage not in STAGES:
         raise UsageError(f"--stage {stage}: unknown stage", f"use one of: {', '.join(STAGES)}")
-    report, any_fail = {}, False
-    for s in stages:
-        results = pipeline.run_preflight(pipeline.make_context(cfg, s))
-        report[s] = [r.to_dict() for r in results]
-        any_fail |= bool(preflight.failed(results))
-        if not as_json:
-            console.print(preflight.results_table(results, title=f"pre-flight of {s}"))
+    t0 = time.monotonic()
+    if stage:
+        report = {stage: pipeline.run_preflight(pipeline.make_context(cfg, stage))}
+    else:
+        report = pipeline.preflight_pipeline(cfg)
+    seconds = round(time.monotonic() - t0, 2)
+    any_fail = any(preflight.failed(results) for results in report.values())
     if as_json:
-        emit_json({"ok": not any_fail, "stages": report})
+        emit_json({"ok": not any_fail, "seconds": seconds,
+                   "stages": {s: [r.to_dict() for r in results] for s, results in report.items()}})
+    else:
+        for s, results in report.items():
+            console.print(preflight.results_table(results, title=f"pre-flight of {s}"))
+        counts = {k: sum(r.status == k for rs in report.values() for r in rs) for k in preflight.STATUSES}
+        console.print(f"pre-flight: {counts['ok']} ok, {counts['warn']} warn, {counts['fail']} fail, "
+                      f"{counts['skip']} skip in {seconds:.1f} s")
     if any_fail:
         raise typer.Exit(1)
 
 
-@app.command("plan")
-def plan_cmd(config: Path = typer.Argument(..., help="the run config (YAML)"), as_json: bool = JsonOpt) -> None:
-    """Estimate what each stage will write (and how long, where rates were measured) before committing."""
-    from eaglekit.planning import plan
+@command("plan")
+def plan_cmd(config: Path = ConfigArg,
+             samples: Optional[int] = typer.Option(None, "--samples", min=1, help="plan for this many samples"),
+             mean_tokens: Optional[float] = typer.Option(None, "--mean-tokens", min=1, help="tokens per sample (prompt + reply)"),
+             gen_tok_per_s: Optional[float] = typer.Option(None, "--gen-tok-per-s", min=0.001,
+                                                           help="reply tokens per second over all servers"),
+             extract_tok_per_s: Optional[float] = typer.Option(None, "--extract-tok-per-s", min=0.001,
+                                                               help="tokens per second of the target's forward (extract)"),
+             train_tok_per_s: Optional[float] = typer.Option(None, "--train-tok-per-s", min=0.001,
+                                                             help="tokens per second of training"),
+             free: Optional[str] = typer.Option(None, "--free-bytes", help="plan for this much free space (e.g. 2.8TB) "
+                                                "instead of what the run directory's disk has"),
+             write_mb_per_s: Optional[float] = typer.Option(None, "--write-mb-per-s", min=0.001,
+                                                            help="the disk's write rate instead of probing it"),
+             as_json: bool = JsonOpt) -> None:
+    """Time, bytes, peak disk and write rate per stage, and whether the run fits (exit 1 when it does not).
 
-    cfg = load_config(config)
-    rows = plan(cfg)
+    Figures measured in this run directory (a pilot with a small data.max_samples) are used unless a flag
+    gives them; each figure says where it comes from.
+    """
+    from eaglekit.planning import parse_bytes, plan, render
+
+    cfg = load(config)
+    try:
+        free_bytes = parse_bytes(free) if free is not None else None
+    except ValueError as err:
+        raise UsageError(f"--free-bytes: {err}", "e.g. --free-bytes 2.8TB") from None
+    doc = plan(cfg, samples=samples, mean_tokens=mean_tokens, gen_tok_per_s=gen_tok_per_s,
+               extract_tok_per_s=extract_tok_per_s, train_tok_per_s=train_tok_per_s, free_bytes=free_bytes,
+               write_bytes_per_s=write_mb_per_s * 1e6 if write_mb_per_s else None)
     if as_json:
-        emit_json({"run_dir": cfg.run_dir, "stages": rows})
-        return
-    from rich.table import Table
-
-    table = Table(title="plan")
-    for col in ("stage", "writes", "time", "basis"):
-        table.add_column(col, overflow="fold")
-    for r in rows:
-        table.add_row(r["stage"], r["writes_human"], r["time_human"], r["basis"])
-    console.print(table)
+        emit_json(doc)
+    else:
+        console.print(render(doc))
+    if doc["verdict"] == "does not fit":
+        raise typer.Exit(1)
 
 
-@app.command("tiny-target")
-def tiny_target_cmd(out_dir: Path = typer.Argument(..., help="folder to write the model into"),
+# ---------------------------------------------------------------------------------------- tiny demo
+
+@command("demo")
+def demo_cmd(run_dir: Path = typer.Option(Path("runs/demo"), "--run-dir", help="where the demo run lives"),
+             force: bool = ForceOpt, as_json: bool = JsonOpt) -> None:
+    """The whole pipeline on the built-in tiny target, on CPU: writes RUN_DIR/config.yaml, runs every stage."""
+    from eaglekit.demo import run_demo
+
+    _State.run_dir = str(run_dir)
+    summary = run_demo(run_dir, force=force)
+    if as_json:
+        emit_json(summary)
+
+
+@command("tiny-target")
+def tiny_target_cmd(out_dir: Path = typer.Argument(..., metavar="OUT_DIR", help="folder to write the model into",
+                                                   show_default=False),
                     seed: int = typer.Option(0, help="training seed"), as_json: bool = JsonOpt) -> None:
     """Write the built-in tiny target (a trained reasoning-style Llama) in Hugging Face format."""
     from eaglekit.tiny import build_tiny_target
@@ -193,45 +299,91 @@ def tiny_target_cmd(out_dir: Path = typer.Argument(..., help="folder to write th
         console.print(f"tiny target written to {path}")
 
 
-@app.command("demo")
-def demo_cmd(run_dir: Path = typer.Option(Path("runs/demo"), "--run-dir", help="where the demo run lives"),
-             force: bool = ForceOpt, as_json: bool = JsonOpt) -> None:
-    """The whole pipeline on the built-in tiny target, on CPU: writes RUN_DIR/config.yaml, runs every stage."""
-    from eaglekit.demo import run_demo
+# ------------------------------------------------------------------------------------------- errors
 
-    summary = run_demo(run_dir, force=force)
-    if as_json:
-        emit_json(summary)
+# typer ships its own copy of click in recent versions: take the classes from typer's own exceptions.
+ClickException = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+
+
+def exact(text: str) -> str:
+    """A remedy with the config the user passed in place of the CONFIG placeholder."""
+    return re.sub(r"\bCONFIG\b", lambda _: shlex.quote(_State.config), text) if _State.config else text
+
+
+def usage_line(err: Exception, argv: list[str]) -> str:
+    """A click usage error in one line: what is wrong, the usage, and where the help is."""
+    ctx = getattr(err, "ctx", None)
+    message = err.format_message().rstrip(".")
+    if message == "Missing command":
+        message = "no command given"
+    if ctx is None:  # the option parser's errors carry no context: name the command from the arguments
+        name = next((a for a in argv if a in app_command_names()), None)
+        return f"error: {message} (`eaglekit {name + ' ' if name else ''}--help` for the usage)"
+    usage = re.sub(r"[{}]", "", ctx.get_usage().replace("Usage: ", "").strip())  # typer braces required arguments
+    hint = f"usage: {usage}"
+    if ctx.parent is None:
+        hint += f"; commands: {', '.join(app_command_names())}"
+    return f"error: {message} ({hint}; `{ctx.command_path} --help` for more)"
+
+
+def app_command_names() -> list[str]:
+    return [c.name for c in app.registered_commands]
+
+
+def report_interrupt(err: KeyboardInterrupt) -> int:
+    note = getattr(err, "eaglekit_note", None) or "interrupted: finished stages are kept; rerun the same command to resume"
+    console.print(f"[yellow]{escape(note)}[/]")
+    return interrupt.exit_code(err)
+
+
+def report_crash(err: BaseException) -> int:
+    """An exception nothing foresaw outside a stage: a short message, the traceback in a log file."""
+    from eaglekit.rundir import RunDir
+
+    log = failures.write_traceback(RunDir(_State.run_dir) if _State.run_dir else None, None, err)
+    console.print(f"[bold red]error:[/] unexpected {type(err).__name__}: {escape(failures.first_line(err))}",
+                  highlight=False)
+    console.print(f"the full traceback is in {log or '(no log file: it could not be written)'}; "
+                  "`eaglekit --debug ...` prints it here. If it is a bug in eaglekit, please report it with that file.")
+    if _State.debug:
+        traceback.print_exception(type(err), err, err.__traceback__)
+    return 1
 
 
 def main(argv: list[str] | None = None) -> None:
+    interrupt.raise_on_sigterm()
+    _State.config = _State.run_dir = None
+    _State.debug = bool(os.environ.get("EAGLEKIT_DEBUG"))
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        # Without standalone mode click returns (rather than raises) the code of typer.Exit and of Ctrl-C.
-        rc = app(args=argv, standalone_mode=False)
+        # Without standalone mode click returns (rather than raises) the code of typer.Exit.
+        rc = app(args=argv, standalone_mode=False, prog_name="eaglekit")
         if isinstance(rc, int) and rc:
-            if rc == 130:
-                console.print("interrupted: everything completed so far is on disk; rerun the same command to resume")
             sys.exit(rc)
+    except _Interrupted as wrapped:
+        sys.exit(report_interrupt(wrapped.original))
+    except KeyboardInterrupt as err:
+        sys.exit(report_interrupt(err))
     except EaglekitError as err:
-        console.print(f"[bold red]error:[/] {err.message}")
+        console.print(f"[bold red]error:[/] {escape(exact(err.message))}", highlight=False)
         if err.remedy:
-            console.print(f"[bold]what to do:[/] {err.remedy}")
+            console.print(f"[bold]what to do:[/] {escape(exact(err.remedy))}", highlight=False)
+        original = getattr(err, "original", None)
+        if _State.debug and original is not None:
+            traceback.print_exception(type(original), original, original.__traceback__)
         sys.exit(err.exit_code)
     except typer.Exit as e:
         sys.exit(e.exit_code)
     except typer.Abort:
         console.print("aborted")
         sys.exit(130)
-    except KeyboardInterrupt:
-        console.print("interrupted: everything completed so far is on disk; rerun the same command to resume")
-        sys.exit(130)
-    except Exception as err:  # click usage errors arrive here in non-standalone mode
-        import click
-
-        if isinstance(err, click.ClickException):
-            err.show()
-            sys.exit(err.exit_code)
+    except ClickException as err:
+        console.print(usage_line(err, argv), markup=False, highlight=False)
+        sys.exit(2 if err.exit_code in (1, 2) else err.exit_code)
+    except SystemExit:
         raise
+    except Exception as err:
+        sys.exit(report_crash(err))
 
 
 if __name__ == "__main__":

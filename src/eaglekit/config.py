@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from eaglekit.errors import UsageError
 
-STAGES = ("generate", "prepare", "vocab", "extract", "train", "evaluate", "export")
+STAGES = ("generate", "prepare", "vocab", "extract", "train", "evaluate", "export", "verify")
 
 
 class Section(BaseModel):
@@ -44,7 +44,8 @@ class GenerateConfig(Section):
     temperature: float = Field(0.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     reasoning: Literal["required", "optional", "off"] | None = Field(
-        None, description="default: required when the target's chat template has think tags, else optional")
+        None, description="default: required when the target's chat template has think tags, else optional; "
+                          "YAML's on/yes/true mean required, off/no/false mean off")
     gate_samples: int = Field(20, ge=1, description="completions checked by the reasoning gate")
     gate_max_empty_share: float = Field(0.1, ge=0.0, le=1.0)
     batch_size: int = Field(8, ge=1, description="local backend: prompts per generate() call")
@@ -61,6 +62,14 @@ class GenerateConfig(Section):
     outage_timeout: float = Field(600.0, gt=0, description="seconds the run waits while every server is out of rotation")
     extra_body: dict[str, Any] = Field(default_factory=dict)
     return_token_ids: bool = True
+
+    @field_validator("reasoning", mode="before")
+    @classmethod
+    def _yaml_boolean(cls, value: Any) -> Any:
+        # YAML 1.1 reads an unquoted `off` / `on` as a boolean: take it as the choice it spells
+        if isinstance(value, bool):
+            return "required" if value else "off"
+        return value
 
 
 class PrepareConfig(Section):
@@ -110,6 +119,8 @@ class TrainConfig(Section):
     eval_samples: int | None = Field(512, ge=1, description="held-out samples per evaluation (None: all of them)")
     log_every: int = Field(10, ge=1, description="optimizer steps per line in train/metrics.jsonl")
     save_every: int = Field(500, ge=1)
+    save_every_minutes: float | None = Field(
+        30.0, gt=0, description="also checkpoint when this much time has passed since the last one (None: steps only)")
     keep_last: int = Field(2, ge=1)
     packing: bool = Field(False, description="several samples per row (per-document attention masks): fewer, fuller "
                                              "rows when sample lengths vary")
@@ -142,6 +153,42 @@ class ExportConfig(Section):
     include_embeddings: bool = True
 
 
+class VerifyConfig(Section):
+    """The exported drafter measured in the serving engine (run only when ``engine`` or ``server`` is set)."""
+
+    engine: Literal["vllm"] | None = Field(
+        None, description="start this engine with the target and each exported form, on a free loopback port")
+    server: str | None = Field(
+        None, description="or: base URL of a vLLM or SGLang server you started with the command export printed")
+    python: str | None = Field(None, description="python of the environment with vLLM (default: $EAGLEKIT_VLLM_PYTHON, "
+                                                 "then .venv-vllm)")
+    engine_args: list[str] = Field(default_factory=list,
+                                   description="extra flags for the engine eaglekit starts, e.g. [--tensor-parallel-size, '8']")
+    formats: list[Literal["eagle3", "speculators"]] | None = Field(
+        None, description="exported forms to serve (engine: vllm); default: those export wrote")
+    num_speculative_tokens: list[int] | None = Field(
+        None, description="K values to serve (engine: vllm); default: [export.num_speculative_tokens]")
+    num_samples: int | None = Field(None, ge=1, description="prompts sent; default evaluate.num_samples")
+    max_new_tokens: int | None = Field(None, ge=1, description="default evaluate.max_new_tokens")
+    tau_tolerance: float = Field(
+        0.01, ge=0.0, description="largest |served τ - offline τ| / offline τ that passes (README, 'Verify in your "
+                                  "engine': 0 measured in float32 and bfloat16; aux ids shifted by one: 2.7% at K=3)")
+    position_tolerance: float = Field(
+        0.02, ge=0.0, description="largest |served - offline| acceptance rate at any draft position that passes "
+                                  "(aux ids shifted by one: 0.045 at K=3)")
+    greedy_tolerance: float = Field(
+        0.0, ge=0.0, le=1.0, description="share of prompts whose served greedy output may differ from plain decoding "
+                                         "(0 in float32; bfloat16 kernels may flip near-ties on long outputs)")
+    startup_timeout: float = Field(900.0, gt=0, description="seconds to wait for an engine eaglekit starts")
+    timeout: float = Field(600.0, gt=0, description="seconds per request")
+
+
+class PreflightConfig(Section):
+    disk_probe_mb: float = Field(64, ge=0, description="MB written (incompressible, fsync'd) to measure the run "
+                                 "directory's write rate; 0 skips the probe")
+    disk_probe_seconds: float = Field(2.0, gt=0, description="the write probe stops after this many seconds of writing")
+
+
 class RunConfig(Section):
     run_dir: str
     target: TargetConfig
@@ -153,6 +200,8 @@ class RunConfig(Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
     export: ExportConfig = Field(default_factory=ExportConfig)
+    verify: VerifyConfig = Field(default_factory=VerifyConfig)
+    preflight: PreflightConfig = Field(default_factory=PreflightConfig)
 
     # Where the config was read from; not a key of the file.
     source: Path | None = Field(None, exclude=True)
@@ -162,8 +211,11 @@ class RunConfig(Section):
         return Path(self.run_dir)
 
     def stages(self) -> list[str]:
-        """The stages this config runs, in order (extract only in offline mode)."""
-        return [s for s in STAGES if s != "extract" or self.extract.mode == "offline"]
+        """The stages this config runs, in order (extract only in offline mode, verify only when configured)."""
+        skip = {"extract"} if self.extract.mode != "offline" else set()
+        if not (self.verify.engine or self.verify.server):
+            skip.add("verify")
+        return [s for s in STAGES if s not in skip]
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json", exclude={"source"}), sort_keys=False)
@@ -195,6 +247,9 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
             lines.append(f"  - unknown key '{key}' (check the spelling; see the README's config reference)")
         elif e["type"] == "missing":
             lines.append(f"  - missing required key '{key}'")
+        elif isinstance(e.get("input"), bool):
+            lines.append(f"  - '{key}': {e['msg']} (got {e['input']!r}: YAML reads unquoted yes/no/on/off/true/false "
+                         f"as a boolean; quote the value, e.g. \"off\")")
         else:
             lines.append(f"  - '{key}': {e['msg']} (got {e.get('input')!r})")
     return "\n".join(lines)
@@ -220,6 +275,11 @@ def parse_config(data: Any, source: str = "<config>", base_dir: Path | None = No
         cfg.evaluate.prompts = _resolve(base, cfg.evaluate.prompts)
     if cfg.evaluate.checkpoint:
         cfg.evaluate.checkpoint = _resolve(base, cfg.evaluate.checkpoint)
+    if cfg.verify.engine and cfg.verify.server:
+        raise UsageError(f"{source}: verify.engine and verify.server are both set",
+                         "set verify.engine to let eaglekit start the engine, or verify.server for one you started")
+    if cfg.verify.python:
+        cfg.verify.python = _resolve(base, cfg.verify.python)
     if cfg.generate.backend == "openai":
         if not cfg.generate.servers:
             raise UsageError(f"{source}: generate.backend is 'openai' but generate.servers is empty",

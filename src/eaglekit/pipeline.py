@@ -7,27 +7,39 @@ Each stage is a module in ``eaglekit.stages`` with:
     params(cfg) -> dict              what its outputs depend on (fingerprinted)
     checks(cfg) -> list[Check]       its own pre-flight checks (the generic ones are added here)
     estimate_bytes(ctx) -> int|None  optional: what it will write, for the disk check
+    estimate_files(ctx) -> int|None  optional: how many files it creates, for the inode check
+    estimate_write_rate(ctx) -> (bytes/s, why)|None   optional: the rate it writes at, for the write probe
     run(ctx) -> dict                 does the work; returns counts for the ledger and `status`
+    kept(ctx) -> str|None            optional: what of a stopped run is safely on disk (for the error message)
+    damaged(ctx) -> str|None         optional: what is missing from a finished run's outputs (then it reruns to repair)
+    live_counts(stage_dir) -> dict   optional: counts `status` shows while it runs
 
 A stage is *incomplete* from its ``start`` event until its ``end`` event, which is written only after its
-outputs are committed; a rerun of a *done* stage with the same fingerprint is skipped.
+outputs are committed; a rerun of a *done* stage with the same fingerprint is skipped, always (--force
+only lets a stage replace outputs of other parameters). A stage that sees the run is degenerate says so
+with ``ctx.warn``: the warning is printed, kept in the ledger and shown by `eaglekit status`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib
+import json
 import os
 import shutil
+import socket
+import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from eaglekit import preflight
+from eaglekit import atomic, failures, preflight, rundir
 from eaglekit.config import STAGES, RunConfig
 from eaglekit.errors import EaglekitError, UsageError
 from eaglekit.progress import console
-from eaglekit.rundir import RunDir, digest, tool_versions
+from eaglekit.rundir import RunDir, content_identity, digest, tool_versions
 
 
 def stage_module(name: str) -> ModuleType:
@@ -48,7 +60,7 @@ def fingerprint(cfg: RunConfig, stage: str, _memo: dict[str, str] | None = None)
     memo = {} if _memo is None else _memo
     if stage not in memo:
         up = upstream_of(cfg, stage)
-        memo[stage] = digest({"stage": stage, "params": stage_module(stage).params(cfg),
+        memo[stage] = digest({"stage": stage, "params": content_identity(stage_module(stage).params(cfg)),
                               "upstream": fingerprint(cfg, up, memo) if up else None})
     return memo[stage]
 
@@ -63,6 +75,15 @@ class StageContext:
     options: dict[str, Any] = field(default_factory=dict)
     # Figures a stage wants in its ledger `end` event besides its counts (e.g. generate's gate figures).
     ledger_extra: dict[str, Any] = field(default_factory=dict)
+    # Signs of a degenerate run (see warn); kept in the ledger's `end` event and shown by `eaglekit status`.
+    warnings: list[str] = field(default_factory=list)
+    # What the pre-flight checks need from the registry, handed over so that they never import the pipeline.
+    module: ModuleType | None = None
+    upstream: str | None = None
+    upstream_fingerprint: str | None = None
+    # Stages that will run before this one: set only when the whole pipeline is pre-flighted ahead of a run,
+    # so a check that needs their outputs says "will be produced by ..." instead of failing.
+    pending: tuple[str, ...] = ()
 
     @property
     def dir(self):
@@ -70,24 +91,105 @@ class StageContext:
 
     @property
     def resuming(self) -> bool:
+        """The folder holds this fingerprint's partial outputs: continue them (never discarded, --force or not)."""
         marker = self.run.read_marker(self.stage)
-        return bool(marker and marker.get("fingerprint") == self.fingerprint and not self.force)
+        return bool(marker and marker.get("fingerprint") == self.fingerprint)
+
+    def refusal(self, state: str) -> tuple[str, str] | None:
+        """(what the folder holds, what to do) when replacing it needs --force; None when the stage may write there.
+
+        --force replaces only what needs it: finished or partial outputs of other parameters, or files eaglekit
+        did not write. It never reruns a stage that is done with the same fingerprint, and what a *failed* attempt
+        left behind is replaced without it.
+        """
+        if self.force or state in (rundir.EMPTY, rundir.OWN, rundir.FAILED_LEFTOVERS):
+            return None
+        marker = self.run.read_marker(self.stage) or {}
+        again = (f"add --force to replace them (`eaglekit run CONFIG --from {self.stage} --force` reruns {self.stage} and "
+                 f"the stages after it; finished stages before it are kept), or set another run_dir to keep them")
+        if state == rundir.FOREIGN:
+            return (f"{self.dir} holds files that no eaglekit stage run wrote (no {rundir.MARKER})",
+                    f"move them away, or {again}")
+        changes = changed_parameters(self.run, self.stage, self.cfg)
+        what = "the finished outputs" if state == rundir.OTHER_DONE else "the partial outputs of an interrupted run"
+        return (f"{self.dir} holds {what} of other inputs or parameters (written {marker.get('created', '?')}"
+                f"{'; changed since: ' + '; '.join(changes) if changes else ''})", again)
+
+    def command_to_reach(self, stage: str) -> str:
+        """The one command that finishes every stage up to ``stage`` (for the remedies of the checks)."""
+        return command_to_reach(self.cfg, stage)
+
+    def warn(self, message: str) -> None:
+        """Say that the run is degenerate in a way the user must hear about (too few samples, a drafter no better
+        than n-gram, ...): printed now, recorded in the ledger, repeated by `eaglekit status` and the export."""
+        self.warnings.append(message)
+        if not is_worker_rank():
+            console.print(f"[yellow]{self.stage}: warning: {message}[/]")
 
 
 def make_context(cfg: RunConfig, stage: str, force: bool = False, **options: Any) -> StageContext:
-    return StageContext(cfg=cfg, run=RunDir(cfg.run_dir), stage=stage, fingerprint=fingerprint(cfg, stage),
-                        force=force, options=options)
+    memo: dict[str, str] = {}
+    up = upstream_of(cfg, stage)
+    return StageContext(cfg=cfg, run=RunDir(cfg.run_dir), stage=stage, fingerprint=fingerprint(cfg, stage, memo),
+                        force=force, options=options, module=stage_module(stage), upstream=up,
+                        upstream_fingerprint=fingerprint(cfg, up, memo) if up else None)
 
 
 def stage_checks(ctx: StageContext) -> list:
+    """The generic checks around the stage's own: the run directory first, the disk last."""
     from eaglekit.preflight import checks as generic
+    from eaglekit.preflight import disk, processes
 
-    module = stage_module(ctx.stage)
-    return [generic.run_lock, generic.upstream_done, generic.output_path, *module.checks(ctx.cfg), generic.disk_space]
+    return [generic.run_lock, processes.other_processes, generic.upstream_done, generic.output_path,
+            *ctx.module.checks(ctx.cfg), disk.disk_space, disk.filesystem]
 
 
 def run_preflight(ctx: StageContext) -> list[preflight.CheckResult]:
     return preflight.run_checks(ctx, stage_checks(ctx))
+
+
+def preflight_pipeline(cfg: RunConfig) -> dict[str, list[preflight.CheckResult]]:
+    """Pre-flight of the whole pipeline ahead of running it: each stage checked in order, as if the stages before
+    it that have not finished (with this config's fingerprint) had run — their outputs "will be produced"."""
+    report, pending = {}, []
+    for stage in cfg.stages():
+        ctx = make_context(cfg, stage)
+        ctx.pending = tuple(pending)
+        report[stage] = run_preflight(ctx)
+        if not ctx.run.is_done(stage, ctx.fingerprint):
+            pending.append(stage)
+    return report
+
+
+def is_worker_rank() -> bool:
+    """Under torchrun only rank 0 owns the run directory (lock, ledger); the other ranks just compute."""
+    return int(os.environ.get("RANK", "0")) != 0
+
+
+def config_identity(cfg: RunConfig) -> dict[str, Any]:
+    """Which file drove a run, and its content's hash: `eaglekit status RUN_DIR` compares against that file."""
+    source = cfg.source
+    if source is None or not Path(source).is_file():
+        return {"source": None, "sha256": None}
+    return {"source": str(source), "sha256": hashlib.sha256(Path(source).read_bytes()).hexdigest()[:16]}
+
+
+# ------------------------------------------------------------------------------------------ running
+
+def run_stages(cfg: RunConfig, stages: list[str], *, force: bool = False, skip_preflight: bool = False,
+               **options: Any) -> list[dict]:
+    """Run ``stages`` in order under the run lock (rank 0), recording the invocation first; what `eaglekit run`,
+    each stage command and the demo call."""
+    run = RunDir(cfg.run_dir)
+    if is_worker_rank():
+        return [run_stage_as_worker(cfg, s, **options) for s in stages]
+    command = " ".join(["eaglekit", *sys.argv[1:]])
+    with run.lock.acquire(command=command):
+        if not run.config_path.exists() or cfg.source != run.config_path.resolve():
+            atomic.write_text(run.config_path, cfg.to_yaml())
+        run.append_event({"event": "invocation", "command": command, "stages": stages, "force": force,
+                          "config": config_identity(cfg), "pid": os.getpid(), "host": socket.gethostname()})
+        return [run_stage(cfg, s, force=force, skip_preflight=skip_preflight, **options) for s in stages]
 
 
 def run_stage(cfg: RunConfig, stage: str, *, force: bool = False, skip_preflight: bool = False,
@@ -96,9 +198,13 @@ def run_stage(cfg: RunConfig, stage: str, *, force: bool = False, skip_preflight
     ctx = make_context(cfg, stage, force=force, **options)
     module = stage_module(stage)
     # --retry-failed asks a finished generate to retry its failed samples, so it must not be skipped.
-    if not force and not options.get("retry_failed") and ctx.run.done_fingerprint(stage) == ctx.fingerprint:
-        console.print(f"[dim]{stage}: done with the same inputs and parameters, skipped (--force reruns it)[/]")
-        return {"stage": stage, "state": "done", "skipped": True}
+    if not options.get("retry_failed") and ctx.run.is_done(stage, ctx.fingerprint):
+        problem = damage_of(ctx, module)
+        if problem is None:
+            console.print(f"[dim]{stage}: done with the same inputs and parameters, skipped "
+                          f"(to redo it anyway, remove {ctx.dir} first)[/]")
+            return {"stage": stage, "state": "done", "skipped": True}
+        console.print(f"[yellow]{stage}: done, but {problem}: running it again to repair that (it resumes)[/]")
 
     if skip_preflight:
         results = [preflight.skip("preflight", "skipped by --skip-preflight")]
@@ -109,45 +215,55 @@ def run_stage(cfg: RunConfig, stage: str, *, force: bool = False, skip_preflight
             console.print(preflight.results_table(results, title=f"pre-flight of {stage}"))
             ctx.run.append_event({"stage": stage, "event": "preflight", "fingerprint": ctx.fingerprint,
                                   "preflight": [r.to_dict() for r in results]})
-            raise EaglekitError(f"{stage}: pre-flight failed: " + "; ".join(f"{r.name}: {r.detail}" for r in bad),
+            raise EaglekitError(f"{stage}: pre-flight failed: " + "; ".join(f"{r.name}: {r.detail.splitlines()[0]}"
+                                                                    for r in bad),
                                 " / ".join(r.remedy for r in bad if r.remedy) or None)
         warnings = [r for r in results if r.status == "warn"]
         if warnings:
             console.print(preflight.results_table(warnings, title=f"pre-flight of {stage}: warnings"))
 
-    if ctx.force and ctx.dir.exists():
+    folder = ctx.run.folder_state(stage, ctx.fingerprint)
+    refused = ctx.refusal(folder)
+    if refused:  # pre-flight says so too; this holds when it was skipped
+        raise EaglekitError(f"{stage}: {refused[0]}", refused[1])
+    if folder not in (rundir.EMPTY, rundir.OWN):
+        console.print(f"{stage}: replacing {ctx.dir} ({'what a failed attempt left' if folder == rundir.FAILED_LEFTOVERS else folder})")
         shutil.rmtree(ctx.dir)
     ctx.dir.mkdir(parents=True, exist_ok=True)
     resuming = ctx.resuming
     ctx.run.write_marker(stage, ctx.fingerprint)
     ctx.run.append_event({"stage": stage, "event": "start", "state": "incomplete", "fingerprint": ctx.fingerprint,
-                          "resume": resuming, "skip_preflight": skip_preflight, "versions": tool_versions(),
+                          "resume": resuming, "force": force, "skip_preflight": skip_preflight,
+                          "params": module.params(cfg), "config": config_identity(cfg), "versions": tool_versions(),
                           "preflight": [r.to_dict() for r in results]})
     t0 = time.monotonic()
     console.print(f"[bold]{stage}[/]: started{' (resuming)' if resuming else ''}")
     try:
         counts = module.run(ctx) or {}
     except BaseException as err:
-        # An interrupt leaves resumable partial outputs (incomplete); anything else is a failure.
-        interrupted = isinstance(err, (KeyboardInterrupt, SystemExit))
-        ctx.run.append_event({"stage": stage, "event": "end", "state": "incomplete" if interrupted else "failed", "fingerprint": ctx.fingerprint,
-                              "error": f"{type(err).__name__}: {err}", "seconds": round(time.monotonic() - t0, 2),
-                              **ctx.ledger_extra})
-        raise
+        raise failures.record(ctx, module, err, round(time.monotonic() - t0, 2)) from None
     seconds = round(time.monotonic() - t0, 2)
     ctx.run.append_event({"stage": stage, "event": "end", "state": "done", "fingerprint": ctx.fingerprint,
-                          "counts": counts, "seconds": seconds, **ctx.ledger_extra})
-    console.print(f"[bold green]{stage}[/]: done in {seconds:.1f}s {counts}")
-    return {"stage": stage, "state": "done", "counts": counts, "seconds": seconds}
+                          "counts": counts, "seconds": seconds, "warnings": ctx.warnings, **ctx.ledger_extra})
+    note = f" with {len(ctx.warnings)} warning{'s' * (len(ctx.warnings) > 1)}" if ctx.warnings else ""
+    console.print(f"[bold green]{stage}[/]: done in {seconds:.1f}s{note} {counts}")
+    return {"stage": stage, "state": "done", "counts": counts, "seconds": seconds, "warnings": ctx.warnings}
 
 
-def run_stage_as_worker(cfg: RunConfig, stage: str, force: bool = False, **options: Any) -> dict[str, Any]:
+def damage_of(ctx: StageContext, module: ModuleType) -> str | None:
+    """What is missing from a finished stage's outputs, by the stage's own ``damaged(ctx)`` (None: intact)."""
+    hook = getattr(module, "damaged", None)
+    return hook(ctx) if hook else None
+
+
+def run_stage_as_worker(cfg: RunConfig, stage: str, **options: Any) -> dict[str, Any]:
     """A torchrun rank other than 0: compute only. Rank 0 holds the lock, runs the pre-flight and writes
     the ledger; the stage itself makes sure only rank 0 writes files."""
-    ctx = make_context(cfg, stage, force=force, **options)
-    if not ctx.force and ctx.run.done_fingerprint(stage) == ctx.fingerprint:
+    ctx = make_context(cfg, stage, **options)
+    module = stage_module(stage)
+    if ctx.run.is_done(stage, ctx.fingerprint) and damage_of(ctx, module) is None:
         return {"stage": stage, "state": "done", "skipped": True}  # rank 0 skips it too: no collective to wait in
-    counts = stage_module(stage).run(ctx) or {}
+    counts = module.run(ctx) or {}
     return {"stage": stage, "state": "done", "counts": counts, "rank": int(os.environ.get("RANK", "0"))}
 
 
@@ -158,54 +274,71 @@ def select_stages(cfg: RunConfig, start: str | None = None, until: str | None = 
             raise UsageError(f"{flag} {name}: not a stage of this run", f"use one of: {', '.join(order)}")
     lo = order.index(start) if start else 0
     hi = order.index(until) + 1 if until else len(order)
+    if lo >= hi:
+        raise UsageError(f"--from {start} comes after --until {until}: that selects no stage",
+                         f"stages run in this order: {', '.join(order)}")
     return order[lo:hi]
 
 
-# ------------------------------------------------------------------------------------------- status
-
-NEXT_STEP = {
-    "pending": "eaglekit {stage} CONFIG",
-    "running": "wait; it is running (see its progress, or `eaglekit status` again)",
-    "done": "",
-    "failed": "read the error in the ledger, fix it, then: eaglekit {stage} CONFIG",
-    "incomplete": "killed mid-run: eaglekit {stage} CONFIG resumes it",
-    "stale": "its inputs or parameters changed: eaglekit {stage} CONFIG reruns it",
-}
+NEEDS_FORCE = (rundir.OTHER_DONE, rundir.OTHER_PARTIAL, rundir.FOREIGN)
 
 
-def status_rows(cfg: RunConfig) -> list[dict[str, Any]]:
-    """One row per stage: state, counts, when, and what to do next."""
-    run = RunDir(cfg.run_dir)
-    events = run.last_events()
-    held = run.lock.is_held_elsewhere()
+def _needs_force(cfg: RunConfig, run: RunDir, stages: list[str]) -> bool:
     memo: dict[str, str] = {}
-    rows = []
-    for stage in cfg.stages():
-        ev = events.get(stage, {})
-        start, end = ev.get("start"), ev.get("end")
-        current = fingerprint(cfg, stage, memo)
-        if start is None:
-            state = "pending"
-        elif end is None:
-            state = "running" if held else "incomplete"
-        elif end.get("state") in ("failed", "incomplete"):
-            state = end["state"]
-        elif end.get("fingerprint") != current:
-            state = "stale"
+    return any(run.folder_state(s, fingerprint(cfg, s, memo)) in NEEDS_FORCE for s in stages)
+
+
+def run_command(cfg: RunConfig, first: str, until: str | None = None, config: str = "CONFIG") -> str:
+    """The one command that runs ``first`` .. ``until`` (done stages in between are skipped): with --force only
+    when a stage in that range holds outputs of other parameters."""
+    order = cfg.stages()
+    span = order[order.index(first): order.index(until) + 1 if until else len(order)]
+    parts = ["eaglekit run", config]
+    if first != order[0]:
+        parts.append(f"--from {first}")
+    if until and until != order[-1]:
+        parts.append(f"--until {until}")
+    if _needs_force(cfg, RunDir(cfg.run_dir), span):
+        parts.append("--force")
+    return " ".join(parts)
+
+
+def command_to_reach(cfg: RunConfig, stage: str, config: str = "CONFIG") -> str:
+    """The whole way to a finished ``stage``, from the first stage before it that is not done."""
+    run = RunDir(cfg.run_dir)
+    memo: dict[str, str] = {}
+    order = cfg.stages()
+    first = next((s for s in order[: order.index(stage) + 1] if not run.is_done(s, fingerprint(cfg, s, memo))), stage)
+    return run_command(cfg, first, stage, config)
+
+
+def changed_parameters(run: RunDir, stage: str, cfg: RunConfig) -> list[str] | None:
+    """What differs between the parameters the stage last finished with (its ledger entry) and ``cfg``'s, as
+    "key: old → new" lines; empty when only an upstream stage changed; None when the ledger does not say."""
+    done = [start for start, end in run.attempts(stage) if end and end.get("state") == "done"]
+    if not done or "params" not in done[-1]:
+        return None
+    old = _flatten(done[-1]["params"])
+    new = _flatten(json.loads(json.dumps(stage_module(stage).params(cfg), default=str)))
+    return [f"{stage}.{k}: {_short(old.get(k))} → {_short(new.get(k))}"
+            for k in sorted(set(old) | set(new)) if content_identity(old.get(k)) != content_identity(new.get(k))]
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(d, dict):
+        return {prefix: d}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if isinstance(v, dict) and not ({"sha", "bytes"} & set(v)):  # a file identity stays one value
+            out |= _flatten(v, key)
         else:
-            state = "done"
-        counts = (end or {}).get("counts", {})
-        live = getattr(stage_module(stage), "live_counts", None)
-        if live is not None and state in ("running", "incomplete"):
-            counts = live(run.stage_dir(stage))
-        rows.append({
-            "stage": stage,
-            "state": state,
-            "counts": counts,
-            "started": (start or {}).get("ts"),
-            "ended": (end or {}).get("ts"),
-            "seconds": (end or {}).get("seconds"),
-            "error": (end or {}).get("error"),
-            "next": NEXT_STEP[state].format(stage=stage),
-        })
-    return rows
+            out[key] = v
+    return out
+
+
+def _short(v: Any) -> str:
+    if isinstance(v, dict) and "path" in v:
+        return f"{v['path']} ({'missing' if v.get('missing') else v.get('sha', '?')})"
+    text = json.dumps(v, default=str) if not isinstance(v, str) else v
+    return text if len(text) <= 60 else text[:59] + "…"

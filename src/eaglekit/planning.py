@@ -1,46 +1,468 @@
-"""`eaglekit plan`: what each stage will write, and how long it will take where a rate is known.
+"""`eaglekit plan`: before committing days of GPU time, what each stage will take and whether it fits.
 
-Estimates come from the stages themselves (``estimate_bytes(ctx)``, ``estimate_seconds(ctx)``) and from the
-ledger: a stage that already ran reports what it measured, so a rerun at a larger scale is planned from
-this machine's own rates rather than guesses.
+Per stage: the time, the bytes it writes, the peak disk use of the run directory once it has written them
+(everything the run keeps), the write rate it needs against the rate the disk was probed at, and a verdict —
+fits / does not fit / unknown — with the arithmetic shown. Every figure says where it comes from:
+
+    measured   this run directory's ledger and outputs: a pilot (the same config with data.max_samples at
+               10 or 1,000) measures the generation rate, the reply and sample lengths, the extract and
+               training rates — then `plan --samples 25000` scales them to the real run
+    flag       given on the command line (--samples, --mean-tokens, --gen-tok-per-s, ...)
+    config     read from the run config or the target's config.json
+    counted    counted in the files (the prompts' rows), or probed (free space, write rate)
+    assumed    a stand-in, said as such (e.g. every sample as long as prepare.max_length)
+
+When the run does not fit, the alternatives are computed: online features (nothing stored), 8-bit features,
+and how many samples would fit.
 """
 
 from __future__ import annotations
 
+import json
+import math
+import os
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from eaglekit import pipeline
 from eaglekit.config import RunConfig
+from eaglekit.data.shards import bytes_per_token
 from eaglekit.preflight.checks import human_bytes
 from eaglekit.progress import format_duration
 
+GENERATE_TEXT_BYTES = 4  # bytes of JSON text per token of prompt and reply (English averages ~4 characters)
+GENERATE_ID_BYTES = 7  # bytes per token id written as JSON (`123456, `)
+PREPARE_BYTES = 5  # int32 token id + uint8 loss mask per token
+VERDICTS = ("fits", "does not fit", "unknown")
 
-def plan(cfg: RunConfig) -> list[dict[str, Any]]:
-    rows = []
-    run_events = pipeline.RunDir(cfg.run_dir).last_events()
-    for stage in cfg.stages():
-        ctx = pipeline.make_context(cfg, stage)
-        module = pipeline.stage_module(stage)
-        writes = seconds = None
-        basis = []
+
+@dataclass
+class Figure:
+    value: float | None
+    source: str  # "measured: …", "flag …", "config …", "counted: …", "assumed: …", or why it is unknown
+
+    @property
+    def known(self) -> bool:
+        return self.value is not None
+
+
+@dataclass
+class StagePlan:
+    stage: str
+    done: bool  # finished with this config's fingerprint: nothing left to write or wait for
+    bytes: float | None = None
+    per_sample_bytes: float | None = None  # the part of `bytes` that scales with the number of samples
+    fixed_bytes: float | None = None  # the rest
+    seconds: float | None = None
+    peak_bytes: float | None = None
+    need_write_rate: float | None = None
+    verdict: str = "unknown"
+    how: list[str] = field(default_factory=list)
+
+
+def parse_bytes(text: str) -> int:
+    """'2.8TB', '2.8 T', '2.5TiB', '2800000000000' -> bytes (decimal units unless the unit says 'i')."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmgtp]?)(i?)b?\s*", text.lower())
+    if not m:
+        raise ValueError(f"not a size: {text!r} (e.g. 2.8TB, 500GB, 2.5TiB or a number of bytes)")
+    power = "_kmgtp".index(m.group(2) or "_")
+    return int(float(m.group(1)) * (1024 if m.group(3) else 1000) ** power)
+
+
+# ----------------------------------------------------------------------------------------------- inputs
+
+def _ledger_end(run: pipeline.RunDir, stage: str) -> dict:
+    end = (run.last_events().get(stage) or {}).get("end") or {}
+    return end if end.get("state") == "done" else {}
+
+
+def _when(end: dict) -> str:
+    return f"{end.get('ts', '?')[:16]}"
+
+
+def _target_shape(cfg: RunConfig) -> dict[str, Figure]:
+    """hidden size and layers from the target's config.json (no weights needed, never a download)."""
+    path = Path(cfg.target.model) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        why = f"unknown: {cfg.target.model} has no readable config.json here"
+        return {"hidden_size": Figure(None, why), "num_hidden_layers": Figure(None, why)}
+    text = config.get("text_config") or config
+    return {k: Figure(text.get(k) or config.get(k), f"config: {path}") for k in ("hidden_size", "num_hidden_layers")}
+
+
+def _pick(flag_value: float | None, flag: str, measured: tuple[float | None, str], otherwise: Figure) -> Figure:
+    """A figure from its flag, else from this run's measurement, else ``otherwise`` (assumed or unknown)."""
+    if flag_value is not None:
+        return Figure(flag_value, f"flag {flag}")
+    if measured[0]:
+        return Figure(measured[0], f"measured: {measured[1]}")
+    return otherwise
+
+
+def gather_inputs(cfg: RunConfig, samples: int | None = None, mean_tokens: float | None = None,
+                  gen_tok_per_s: float | None = None, extract_tok_per_s: float | None = None,
+                  train_tok_per_s: float | None = None, free_bytes: int | None = None,
+                  write_bytes_per_s: float | None = None) -> dict[str, Figure]:
+    run = pipeline.RunDir(cfg.run_dir)
+    gen, prep = _ledger_end(run, "generate"), _ledger_end(run, "prepare")
+    ext, trn = _ledger_end(run, "extract"), _ledger_end(run, "train")
+    inputs: dict[str, Figure] = {}
+
+    # samples: the flag, else the config's cap on what the prompts file holds
+    if samples is not None:
+        inputs["samples"] = Figure(samples, "flag --samples")
+    else:
+        from eaglekit.preflight.dataset import count_rows
+
         try:
-            if hasattr(module, "estimate_bytes"):
-                writes = module.estimate_bytes(ctx)
-            if hasattr(module, "estimate_seconds"):
-                est = module.estimate_seconds(ctx)
-                if est is not None:
-                    seconds, why = est
-                    basis.append(why)
-        except Exception as err:  # an estimate that needs upstream outputs cannot be made yet
-            basis.append(f"no estimate yet ({type(err).__name__}: {err})")
-        end = (run_events.get(stage) or {}).get("end")
-        if seconds is None and end and end.get("state") == "done":
-            seconds = end.get("seconds")
-            basis.append("measured in this run")
-        if writes is None and not basis:
-            basis.append("needs the outputs of earlier stages")
-        rows.append({"stage": stage, "writes_bytes": writes, "seconds": seconds,
-                     "writes_human": human_bytes(writes) if writes is not None else "?",
-                     "time_human": format_duration(seconds) if seconds is not None else "?",
-                     "basis": "; ".join(basis)})
-    return rows
+            rows, how = count_rows(Path(cfg.data.prompts))
+        except OSError:
+            rows, how = None, "unreadable"
+        cap = cfg.data.max_samples
+        if rows is not None:
+            n = min(rows, cap) if cap else rows
+            inputs["samples"] = Figure(n, f"counted: {rows:,} rows in {cfg.data.prompts} ({how})"
+                                          + (f", capped by data.max_samples {cap:,}" if cap and cap < rows else ""))
+        elif cap:
+            inputs["samples"] = Figure(cap, "config: data.max_samples (the prompts' rows could not be counted)")
+        else:
+            inputs["samples"] = Figure(None, f"unknown: pass --samples ({cfg.data.prompts}: {how})")
+
+    # tokens per sample (prompt + reply, as trained)
+    counts = prep.get("counts") or {}
+    inputs["mean_tokens"] = _pick(
+        mean_tokens, "--mean-tokens",
+        (counts.get("mean_length"), f"prepare of this run, {counts.get('samples', '?')} samples ({_when(prep)})"),
+        Figure(cfg.prepare.max_length, "assumed: every sample as long as prepare.max_length (an upper bound; "
+                                       "pass --mean-tokens)"))
+    rates = gen.get("rates") or {}
+    inputs["output_tokens"] = _pick(
+        None, "", (rates.get("mean_output_tokens"), f"generate of this run ({_when(gen)})"),
+        Figure(min(cfg.generate.max_tokens, inputs["mean_tokens"].value), "assumed: min(generate.max_tokens, tokens per sample)"))
+    inputs["gen_tok_per_s"] = _pick(
+        gen_tok_per_s, "--gen-tok-per-s",
+        (rates.get("output_tok_per_s"), f"generate of this run, {(gen.get('counts') or {}).get('new', '?')} samples "
+                                        f"({_when(gen)})"),
+        Figure(None, "unknown: run a pilot generate or pass --gen-tok-per-s"))
+    ext_counts = ext.get("counts") or {}
+    inputs["extract_tok_per_s"] = _pick(
+        extract_tok_per_s, "--extract-tok-per-s",
+        (ext_counts.get("tokens_per_s"), f"extract of this run, {ext_counts.get('tokens', '?')} tokens ({_when(ext)})"),
+        Figure(None, "unknown: run a pilot extract or pass --extract-tok-per-s"))
+    trn_counts = trn.get("counts") or {}
+    trained = trn_counts["tokens"] / trn_counts["seconds"] if trn_counts.get("tokens") and trn_counts.get("seconds") else None
+    inputs["train_tok_per_s"] = _pick(
+        train_tok_per_s, "--train-tok-per-s",
+        (trained, f"train of this run, {trn_counts.get('steps', '?')} steps ({_when(trn)})"),
+        Figure(None, "unknown: run a pilot train or pass --train-tok-per-s"))
+
+    from eaglekit.preflight.disk import existing_ancestor, probe_write_rate
+
+    where = existing_ancestor(Path(cfg.run_dir))
+    if free_bytes is not None:
+        inputs["free_bytes"] = Figure(free_bytes, "flag --free-bytes")
+    else:
+        st = os.statvfs(where)
+        inputs["free_bytes"] = Figure(st.f_bavail * st.f_frsize, f"counted: free on {where} (statvfs)")
+    if write_bytes_per_s is not None:
+        inputs["write_bytes_per_s"] = Figure(write_bytes_per_s, "flag --write-mb-per-s")
+    elif cfg.preflight.disk_probe_mb and os.access(where, os.W_OK):
+        written, seconds = probe_write_rate(where, int(cfg.preflight.disk_probe_mb * 1e6), cfg.preflight.disk_probe_seconds)
+        inputs["write_bytes_per_s"] = Figure(written / max(seconds, 1e-9), f"counted: {human_bytes(written)} written "
+                                                                           f"and fsynced into {where} in {seconds:.2f} s")
+    else:
+        inputs["write_bytes_per_s"] = Figure(None, "unknown: the write probe is off (preflight.disk_probe_mb: 0) "
+                                                   "or the folder is not writable")
+    inputs.update(_target_shape(cfg))
+    return inputs
+
+
+# ----------------------------------------------------------------------------------------------- stages
+
+def _n(x: float) -> str:
+    return f"{x:,.0f}"
+
+
+def stage_plans(cfg: RunConfig, inputs: dict[str, Figure], extract_dtype: str | None = None,
+                mode: str | None = None) -> list[StagePlan]:
+    """Each stage's bytes, time and peak disk; ``extract_dtype`` / ``mode`` replan an alternative."""
+    mode = mode or cfg.extract.mode
+    dtype = extract_dtype or cfg.extract.dtype
+    run = pipeline.RunDir(cfg.run_dir)
+    n, t = inputs["samples"].value, inputs["mean_tokens"].value
+    out_tokens = inputs["output_tokens"].value
+    hidden = inputs["hidden_size"].value
+    # this config's stages (verify only when configured), with extract as the alternative's mode says
+    stages = [s for s in pipeline.STAGES if s in cfg.stages() or s == "extract"]
+    stages = [s for s in stages if s != "extract" or mode == "offline"]
+    plans = []
+    for stage in stages:
+        p = StagePlan(stage, done=run.done_fingerprint(stage) == pipeline.fingerprint(cfg, stage))
+        _estimate(cfg, p, inputs, n, t, out_tokens, hidden, dtype, mode, run)
+        if p.bytes is not None:
+            p.fixed_bytes = p.bytes - (p.per_sample_bytes or 0) * (n or 0)
+        plans.append(p)
+
+    free = inputs["free_bytes"].value
+    peak, unknown = 0.0, False
+    for p in plans:
+        if p.done:
+            p.verdict, p.peak_bytes = "fits", peak  # its files are on disk already: counted in the free space
+            p.how.insert(0, "done: its files are already on disk")
+            continue
+        if p.bytes is None:
+            unknown = True
+        else:
+            peak += p.bytes
+        p.peak_bytes = None if unknown else peak
+        if unknown or free is None:
+            p.verdict = "unknown"
+        else:
+            p.verdict = "fits" if peak <= free else "does not fit"
+    return plans
+
+
+def _estimate(cfg: RunConfig, p: StagePlan, inputs: dict[str, Figure], n, t, out_tokens, hidden, dtype, mode, run):
+    known = n is not None and t is not None
+    tokens = n * t if known else None
+    if p.stage == "generate":
+        ids = cfg.generate.return_token_ids or cfg.generate.backend == "local"
+        per_token = f"{GENERATE_TEXT_BYTES} B of text" + (f" + {GENERATE_ID_BYTES} B of token ids per reply token" if ids else "")
+        if known:
+            p.per_sample_bytes = t * GENERATE_TEXT_BYTES + (out_tokens * GENERATE_ID_BYTES if ids else 0)
+            p.bytes = n * p.per_sample_bytes
+            p.how.append(f"{_n(n)} samples × ({_n(t)} tok × {GENERATE_TEXT_BYTES} B"
+                         + (f" + {_n(out_tokens)} reply tok × {GENERATE_ID_BYTES} B" if ids else "") + f") [{per_token}]")
+        rate = inputs["gen_tok_per_s"].value
+        if known and rate:
+            p.seconds = n * out_tokens / rate
+            p.how.append(f"time: {_n(n)} × {_n(out_tokens)} reply tok ÷ {_n(rate)} tok/s")
+    elif p.stage == "prepare":
+        if known:
+            p.per_sample_bytes = t * PREPARE_BYTES + 8
+            p.bytes = n * p.per_sample_bytes
+            p.how.append(f"{_n(n)} × {_n(t)} tok × {PREPARE_BYTES} B (int32 id + uint8 mask)")
+        _measured_time(p, run, n, "samples")
+    elif p.stage == "vocab":
+        p.bytes = cfg.vocab.draft_vocab_size * 8 + (4 << 20)
+        p.how.append(f"d2t {_n(cfg.vocab.draft_vocab_size)} × 8 B + t2d and stats")
+        _measured_time(p, run, n, "samples")
+    elif p.stage == "extract":
+        if known and hidden:
+            per_token = bytes_per_token(int(hidden), dtype)
+            p.per_sample_bytes = t * per_token
+            shards = math.ceil(tokens / cfg.extract.shard_tokens)
+            p.bytes = n * p.per_sample_bytes + shards * (1 << 16)
+            what = "4 × H + 4 float32 scales" if dtype == "fp8" else f"(3 × H aux + H final) × {per_token // (4 * int(hidden))} B"
+            p.how.append(f"{_n(n)} samples × {_n(t)} tok × {per_token:,} B/tok [{dtype}: {what}, H = {int(hidden):,}]")
+        rate = inputs["extract_tok_per_s"].value
+        if known and rate and hidden:
+            p.seconds = tokens / rate
+            p.need_write_rate = rate * bytes_per_token(int(hidden), dtype)
+            p.how.append(f"time: {_n(tokens)} tok ÷ {_n(rate)} tok/s; writes {human_bytes(p.need_write_rate)}/s")
+            disk = inputs["write_bytes_per_s"].value
+            if disk and p.need_write_rate > disk:
+                p.seconds = p.bytes / disk
+                p.how.append(f"disk-bound: the disk takes {human_bytes(disk)}/s, so {human_bytes(p.bytes)} ÷ that")
+    elif p.stage == "train":
+        p.bytes = _train_bytes(cfg, p)
+        rate = inputs["train_tok_per_s"].value
+        if known and rate:
+            trained = tokens * (1 - cfg.data.eval_fraction) * cfg.train.epochs
+            p.seconds = trained / rate
+            p.how.append(f"time: {_n(tokens)} tok × {1 - cfg.data.eval_fraction:g} (train split) × {cfg.train.epochs:g} "
+                         f"epochs ÷ {_n(rate)} tok/s" + (" (max_steps may stop it earlier)" if cfg.train.max_steps else ""))
+    elif p.stage == "evaluate":
+        p.bytes = 4 << 20
+        p.how.append("report and plots")
+        _measured_time(p, run, None, None)
+    elif p.stage == "export":
+        drafter = _drafter_bytes(cfg)
+        if drafter is not None:
+            p.bytes = 2 * drafter + (64 << 20)
+            p.how.append(f"2 forms × {human_bytes(drafter)} drafter + tokenizer files")
+        _measured_time(p, run, None, None)
+
+
+def _measured_time(p: StagePlan, run, n, unit) -> None:
+    end = _ledger_end(run, p.stage)
+    seconds = end.get("seconds")
+    if seconds is None:
+        return
+    done = (end.get("counts") or {}).get(unit) if unit else None
+    if unit and done and n:
+        p.seconds = seconds / done * n
+        p.how.append(f"time: measured {seconds:.0f} s for {_n(done)} {unit}, scaled to {_n(n)}")
+    else:
+        p.seconds = seconds
+        p.how.append(f"time: as measured in this run ({seconds:.0f} s)")
+
+
+def _drafter_config(cfg: RunConfig):
+    from eaglekit.model.drafter import DrafterConfig
+    from eaglekit.model.target import aux_layer_ids, target_hf_config
+
+    hf = target_hf_config(cfg.target)
+    return DrafterConfig.from_target_config(hf, cfg.vocab.draft_vocab_size, aux_layer_ids(cfg.target, hf.num_hidden_layers),
+                                            **cfg.train.draft.model_dump())
+
+
+def _drafter_bytes(cfg: RunConfig) -> int | None:
+    from eaglekit.stages.train import parameter_counts
+
+    if not (Path(cfg.target.model) / "config.json").is_file():
+        return None
+    try:
+        return 4 * parameter_counts(_drafter_config(cfg))[0]
+    except Exception:  # noqa: BLE001 - a config eaglekit cannot derive a drafter from: the preflight says why
+        return None
+
+
+def _train_bytes(cfg: RunConfig, p: StagePlan) -> int | None:
+    from eaglekit.stages.train import parameter_counts
+
+    if not (Path(cfg.target.model) / "config.json").is_file():
+        p.how.append("checkpoints: unknown without the target's config.json")
+        return None
+    try:
+        total, trainable = parameter_counts(_drafter_config(cfg))
+    except Exception as err:  # noqa: BLE001
+        p.how.append(f"checkpoints: unknown ({err})")
+        return None
+    per = 4 * (total + 3 * trainable)
+    keep = cfg.train.keep_last + 1
+    p.how.append(f"{keep} checkpoints × {human_bytes(per)} (fp32 weights + 2 Adam moments) + best/")
+    return per * keep + 4 * total + (16 << 20)
+
+
+# ------------------------------------------------------------------------------------------ alternatives
+
+def samples_that_fit(plans: list[StagePlan], free: float) -> int | None:
+    """How many samples fit: free space minus what does not scale with samples, over the bytes per sample."""
+    pending = [p for p in plans if not p.done]
+    if any(p.bytes is None for p in pending):
+        return None
+    per_sample = sum(p.per_sample_bytes or 0 for p in pending)
+    fixed = sum(p.fixed_bytes for p in pending)
+    if per_sample <= 0:
+        return None
+    return max(0, int((free - fixed) // per_sample))
+
+
+def _total_peak(plans: list[StagePlan]) -> float | None:
+    pending = [p for p in plans if not p.done]
+    return None if any(p.bytes is None for p in pending) else sum(p.bytes for p in pending)
+
+
+def alternatives(cfg: RunConfig, inputs: dict[str, Figure], plans: list[StagePlan]) -> list[dict[str, Any]]:
+    free, n = inputs["free_bytes"].value, inputs["samples"].value
+    out = []
+
+    def option(title: str, how: str, alt: list[StagePlan], extra: str = "") -> dict[str, Any]:
+        peak = _total_peak(alt)
+        fit_n = samples_that_fit(alt, free)
+        verdict = "unknown" if peak is None else ("fits" if peak <= free else "does not fit")
+        detail = f"peak {human_bytes(peak)} of {human_bytes(free)} free: {verdict}" if peak is not None else "peak unknown"
+        if verdict == "does not fit" and fit_n is not None:
+            detail += f"; {fit_n:,} samples would fit"
+        return {"option": title, "how": how, "peak_bytes": peak, "verdict": verdict, "samples_that_fit": fit_n,
+                "detail": detail + extra}
+
+    if cfg.extract.mode == "offline":
+        alt = stage_plans(cfg, inputs, mode="online")
+        forward = inputs["extract_tok_per_s"].value
+        extra = ""
+        if forward and n and inputs["mean_tokens"].value:
+            trained = n * inputs["mean_tokens"].value * (1 - cfg.data.eval_fraction) * cfg.train.epochs
+            extra = f"; training then runs the target too: + {format_duration(trained / forward)} of its forward"
+        out.append(option("online features", "extract.mode: online (the target runs inside train; nothing stored)", alt, extra))
+        if cfg.extract.dtype != "fp8" and inputs["hidden_size"].value:
+            alt = stage_plans(cfg, inputs, extract_dtype="fp8")
+            h = int(inputs["hidden_size"].value)
+            out.append(option("8-bit features", f"extract.dtype: fp8 ({bytes_per_token(h, 'fp8'):,} B/token instead of "
+                                                 f"{bytes_per_token(h, cfg.extract.dtype):,})", alt))
+    fit_n = samples_that_fit(plans, free)
+    if fit_n is not None and n:
+        out.append({"option": "fewer samples", "how": f"data.max_samples: {fit_n:,} (or --samples {fit_n:,} to replan)",
+                    "peak_bytes": None, "verdict": "fits" if fit_n > 0 else "does not fit", "samples_that_fit": fit_n,
+                    "detail": f"{fit_n:,} of {int(n):,} samples fit in {human_bytes(free)}"})
+    peak = _total_peak(plans)
+    if peak is not None and peak > free:
+        out.append({"option": "a larger volume", "how": "point run_dir at a volume with more free space",
+                    "peak_bytes": peak, "verdict": "fits", "samples_that_fit": None,
+                    "detail": f"{human_bytes(peak - free)} more free space (peak {human_bytes(peak)})"})
+    return out
+
+
+# ------------------------------------------------------------------------------------------------- plan
+
+def plan(cfg: RunConfig, **overrides: Any) -> dict[str, Any]:
+    """The whole plan as one JSON-able document (what `eaglekit plan --json` prints)."""
+    inputs = gather_inputs(cfg, **overrides)
+    plans = stage_plans(cfg, inputs)
+    verdicts = [p.verdict for p in plans]
+    overall = "does not fit" if "does not fit" in verdicts else ("unknown" if "unknown" in verdicts else "fits")
+    free, disk_rate = inputs["free_bytes"].value, inputs["write_bytes_per_s"].value
+    known_times = [p.seconds for p in plans if not p.done and p.seconds is not None]
+    doc = {
+        "run_dir": cfg.run_dir,
+        "verdict": overall,
+        "inputs": {k: asdict(v) for k, v in inputs.items()},
+        "stages": [asdict(p) | {"write_rate_probed": disk_rate if p.need_write_rate else None} for p in plans],
+        "peak_bytes": _total_peak(plans),
+        "free_bytes": free,
+        "seconds_known": sum(known_times),
+        "stages_without_time": [p.stage for p in plans if not p.done and p.seconds is None],
+        "alternatives": alternatives(cfg, inputs, plans) if overall == "does not fit" else [],
+    }
+    return doc
+
+
+def render(doc: dict[str, Any]):
+    """The plan for a terminal: the inputs and their sources, a table per stage, the alternatives."""
+    from rich.console import Group
+    from rich.markup import escape
+    from rich.table import Table
+    from rich.text import Text
+
+    inputs = Table(title="plan: inputs", show_header=True)
+    for col in ("figure", "value", "source"):
+        inputs.add_column(col, overflow="fold")
+    fmt = {"free_bytes": human_bytes, "write_bytes_per_s": lambda v: f"{human_bytes(v)}/s"}
+    for name, fig in doc["inputs"].items():
+        value = "?" if fig["value"] is None else fmt.get(name, lambda v: f"{v:,.0f}" if v >= 100 else f"{v:g}")(fig["value"])
+        inputs.add_row(name, value, escape(fig["source"]))
+
+    stages = Table(title=f"plan: {doc['run_dir']}", show_lines=True)
+    for col in ("stage", "writes", "peak disk", "time", "write rate need / probed", "verdict", "arithmetic"):
+        stages.add_column(col, overflow="fold")
+    style = {"fits": "green", "does not fit": "bold red", "unknown": "yellow"}
+    for s in doc["stages"]:
+        rate = (f"{human_bytes(s['need_write_rate'])}/s / {human_bytes(s['write_rate_probed'])}/s"
+                if s["need_write_rate"] and s["write_rate_probed"] else
+                (f"{human_bytes(s['need_write_rate'])}/s / ?" if s["need_write_rate"] else ""))
+        stages.add_row(s["stage"], "-" if s["done"] else (human_bytes(s["bytes"]) if s["bytes"] is not None else "?"),
+                       human_bytes(s["peak_bytes"]) if s["peak_bytes"] is not None else "?",
+                       "-" if s["done"] else (format_duration(s["seconds"]) if s["seconds"] is not None else "?"),
+                       rate, f"[{style[s['verdict']]}]{s['verdict']}[/]", escape("\n".join(s["how"])))
+    lines = [inputs, stages]
+    peak = doc["peak_bytes"]
+    summary = (f"verdict: {doc['verdict']} — peak {human_bytes(peak) if peak is not None else '?'} "
+               f"of {human_bytes(doc['free_bytes'])} free")
+    if doc["seconds_known"]:
+        summary += f"; time {format_duration(doc['seconds_known'])}"
+    if doc["stages_without_time"]:
+        summary += f" (+ {', '.join(doc['stages_without_time'])}: no rate yet)"
+    lines.append(Text(summary, style=style[doc["verdict"]]))
+    if doc["alternatives"]:
+        alt = Table(title="alternatives", show_lines=False)
+        for col in ("option", "how", "result"):
+            alt.add_column(col, overflow="fold")
+        for a in doc["alternatives"]:
+            alt.add_row(a["option"], escape(a["how"]), escape(a["detail"]))
+        lines.append(alt)
+    return Group(*lines)

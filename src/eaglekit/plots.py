@@ -26,25 +26,34 @@ def _lines(results: list[dict]) -> list[tuple[str, float]]:
     return sorted({(r["method"], r["temperature"]) for r in results})
 
 
-def training_curves(rows: list[dict], path: Path) -> None:
-    """Train and held-out TTT loss, and accuracy per TTT step, against the optimizer step (rows of train/metrics.jsonl)."""
+def _series(ax, xs: list, ys: list, style: str = "-", **kw) -> None:
+    """A line with markers when it has few points, so a series of one point still shows."""
+    ax.plot(xs, ys, style + ("o" if len(xs) < 20 and "o" not in style else ""), **kw)
+
+
+def training_curves(rows: list[dict], path: Path) -> Figure:
+    """Train and held-out TTT loss (log scale: the first steps' loss is many times the rest), and accuracy per TTT
+    step, against the optimizer step (rows of train/metrics.jsonl)."""
     train = [r for r in rows if r.get("kind") == "train"]
     held = [r for r in rows if r.get("kind") == "eval"]
     fig = Figure(figsize=(11, 4))
     ax_loss, ax_acc = fig.subplots(1, 2)
-    ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], label="train")
+    _series(ax_loss, [r["step"] for r in train], [r["loss"] for r in train], label="train")
     if held:
-        ax_loss.plot([r["step"] for r in held], [r["loss"] for r in held], "o-", label="held-out")
+        _series(ax_loss, [r["step"] for r in held], [r["loss"] for r in held], "o-", label="held-out")
+    if all(r["loss"] > 0 for r in train + held) and (train or held):
+        ax_loss.set_yscale("log")
     ax_loss.set(xlabel="step", ylabel="TTT loss", title="loss")
     ax_loss.legend()
     source = held or train
     for k in range(len(source[0]["acc_k"]) if source else 0):
-        ax_acc.plot([r["step"] for r in source], [r["acc_k"][k] for r in source], label=f"acc_{k}")
+        _series(ax_acc, [r["step"] for r in source], [r["acc_k"][k] for r in source], label=f"acc_{k}")
     ax_acc.set(xlabel="step", ylabel="accuracy", ylim=(0, 1),
                title=f"{'held-out' if held else 'train'} accuracy per TTT step")
     if source:
         ax_acc.legend(fontsize="small", ncol=2)
     _save(fig, path)
+    return fig
 
 
 def acceptance_by_position(results: list[dict], path: Path) -> None:
@@ -75,4 +84,24 @@ def tau_vs_k(results: list[dict], path: Path) -> None:
                 label=f"{method} T={temperature:g}")
     ax.set(xlabel="K (drafts per round)", ylabel="τ (tokens per target pass)", xticks=ks, title="acceptance length")
     ax.legend()
+    _save(fig, path)
+
+
+def served_vs_offline(runs: list[dict], path: Path) -> None:
+    """Acceptance rate by draft position, served by the engine (crosses, dashed) against eaglekit offline
+    (dots, solid): one panel per exported form, one colour per K (rows of verify/report.json's runs)."""
+    groups = list(dict.fromkeys(r["form"] for r in runs if r["positions"])) or ["served"]
+    fig = Figure(figsize=(5 * len(groups), 4))
+    axes = fig.subplots(1, len(groups), squeeze=False)[0]
+    ks = sorted({r["k"] for r in runs})
+    for ax, form in zip(axes, groups):
+        for r in (r for r in runs if r["form"] == form and r["positions"]):
+            x = [p["position"] for p in r["positions"]]
+            colour = f"C{ks.index(r['k'])}"
+            ax.plot(x, [p["offline"] for p in r["positions"]], "-o", color=colour, label=f"K={r['k']} offline")
+            ax.plot(x, [p["served"] for p in r["positions"]], "--x", color=colour, markersize=10,
+                    label=f"K={r['k']} served")
+        ax.set(xlabel="draft position", ylabel="acceptance rate", ylim=(0, 1.02), xticks=range(1, max(ks) + 1),
+               title=f"{form}: served vs offline")
+        ax.legend(fontsize="small", loc="lower left")
     _save(fig, path)

@@ -3,10 +3,12 @@
 Layout (each stage reads only what the run directory holds, so any stage can be rerun alone)::
 
     RUN_DIR/
-      config.yaml        the resolved config this run uses (edit it, then `eaglekit run RUN_DIR/config.yaml`)
-      ledger.jsonl       append-only: one `start` and one `end` event per stage run (state, fingerprint,
-                         counts, tool versions, pre-flight results)
+      config.yaml        the resolved config of the last run (edit it, then `eaglekit run RUN_DIR/config.yaml`)
+      ledger.jsonl       append-only: one `invocation` event per command that ran stages (its config's path
+                         and hash, the stages it will run), one `start` and one `end` event per stage run
+                         (state, fingerprint, parameters, counts, warnings, tool versions, pre-flight results)
       .lock              flock'ed by the one eaglekit process working here; holds its pid/host/command
+      logs/              full tracebacks of unexpected errors (the terminal shows a short message)
       <stage>/STAGE.json which fingerprint the files in this folder belong to
       generate/          responses.jsonl, errors.jsonl
       prepare/           tokens.safetensors, stats.json
@@ -22,6 +24,7 @@ stage's fingerprint — so changing a parameter makes that stage and every stage
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import fcntl
 import hashlib
@@ -40,7 +43,13 @@ LEDGER = "ledger.jsonl"
 LOCK = ".lock"
 MARKER = "STAGE.json"
 
-STATES = ("pending", "running", "done", "failed", "incomplete", "stale")
+# pending: not run (or its folder was removed) · queued: the command holding the lock will run it ·
+# running · done · failed · incomplete: killed mid-run (rerun resumes) · stale: done with other parameters or inputs
+STATES = ("pending", "queued", "running", "done", "failed", "incomplete", "stale")
+
+# What a stage's output folder holds, relative to the fingerprint about to run there (see RunDir.folder_state).
+EMPTY, OWN, FAILED_LEFTOVERS, OTHER_DONE, OTHER_PARTIAL, FOREIGN = (
+    "empty", "own", "failed leftovers", "other done", "other partial", "foreign")
 
 
 def now_iso() -> str:
@@ -67,7 +76,8 @@ def digest(obj: Any) -> str:
 def file_identity(path: str | os.PathLike) -> dict[str, Any]:
     """A cheap identity for an input file or folder: size plus a hash of its first and last MiB per file.
 
-    Cheap enough for multi-GB datasets, and unlike mtime it survives a copy of the same data.
+    Cheap enough for multi-GB datasets, and unlike mtime it survives a copy of the same data (the path is
+    kept for messages; fingerprints hash ``content_identity``, without it).
     """
     path = Path(path)
     if not path.exists():
@@ -85,6 +95,36 @@ def file_identity(path: str | os.PathLike) -> dict[str, Any]:
                 fh.seek(-(1 << 20), os.SEEK_END)
                 h.update(fh.read())
     return {"path": str(path), "bytes": total, "sha": h.hexdigest()[:16]}
+
+
+def content_identity(obj: Any) -> Any:
+    """``obj`` with the paths of its file identities left out — what a fingerprint hashes, so the same data
+    elsewhere (a run directory copied or moved, a dataset on another mount) is the same input."""
+    if isinstance(obj, dict):
+        if "sha" in obj and "bytes" in obj:
+            return {k: v for k, v in obj.items() if k != "path"}
+        return {k: content_identity(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [content_identity(v) for v in obj]
+    return obj
+
+
+def append_line(path: Path, line: str) -> None:
+    """Append one line and fsync it; on a failed write, cut the file back so no torn line stays behind."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        size = os.fstat(fd).st_size
+        try:
+            data = line.encode("utf-8")
+            while data:
+                data = data[os.write(fd, data):]
+            os.fsync(fd)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, size)
+            raise
+    finally:
+        os.close(fd)
 
 
 # ----------------------------------------------------------------------------------------------- lock
@@ -186,10 +226,8 @@ class RunDir:
         """Append one ledger line, fsynced: the ledger is what `status` trusts after a crash."""
         self.path.mkdir(parents=True, exist_ok=True)
         line = json.dumps({"ts": now_iso(), **event}, default=str) + "\n"
-        with open(self.ledger_path, "a", encoding="utf-8") as f:
-            f.write(line)
-            f.flush()
-            os.fsync(f.fileno())
+        with atomic.naming_file(self.ledger_path):
+            append_line(self.ledger_path, line)
 
     def events(self) -> Iterator[dict[str, Any]]:
         if not self.ledger_path.exists():
@@ -205,17 +243,77 @@ class RunDir:
         """Per stage, its last start and last end event (``{"start": ..., "end": ...}``)."""
         out: dict[str, dict[str, Any]] = {}
         for ev in self.events():
-            slot = out.setdefault(ev.get("stage", "?"), {})
+            if "stage" not in ev:
+                continue
+            slot = out.setdefault(ev["stage"], {})
             if ev.get("event") == "start":
                 slot["start"], slot["end"] = ev, None
             elif ev.get("event") == "end":
                 slot["end"] = ev
         return out
 
+    def attempts(self, stage: str) -> list[tuple[dict[str, Any], dict[str, Any] | None]]:
+        """Every run of ``stage``, oldest first: (start event, end event or None while running / if killed)."""
+        out: list[tuple[dict[str, Any], dict[str, Any] | None]] = []
+        for ev in self.events():
+            if ev.get("stage") != stage:
+                continue
+            if ev.get("event") == "start":
+                out.append((ev, None))
+            elif ev.get("event") == "end" and out and out[-1][1] is None:
+                out[-1] = (out[-1][0], ev)
+        return out
+
+    def last_invocation(self) -> dict[str, Any] | None:
+        """The last command that ran stages here: its config's source path and hash, the stages it planned."""
+        last = None
+        for ev in self.events():
+            if ev.get("event") == "invocation":
+                last = ev
+        return last
+
     def done_fingerprint(self, stage: str) -> str | None:
         ev = self.last_events().get(stage, {})
         end = ev.get("end")
         return end.get("fingerprint") if end and end.get("state") == "done" else None
+
+    def is_done(self, stage: str, fingerprint: str) -> bool:
+        """Finished with ``fingerprint`` and its folder still holds those outputs (removing the folder undoes it)."""
+        marker = self.read_marker(stage)
+        return self.done_fingerprint(stage) == fingerprint and bool(marker) and marker.get("fingerprint") == fingerprint
+
+    def folder_state(self, stage: str, fingerprint: str) -> str:
+        """What the stage's folder holds, for a run with ``fingerprint``:
+
+        EMPTY             nothing (or only its marker)
+        OWN               this fingerprint's outputs, finished or partial (a rerun skips or resumes)
+        FAILED_LEFTOVERS  what a *failed* attempt with other parameters left: replaced without asking
+        OTHER_DONE        finished outputs of other parameters: replaced only with --force
+        OTHER_PARTIAL     partial outputs of other parameters (a killed run that could resume): only with --force
+        FOREIGN           files no eaglekit stage run wrote (no marker): only with --force
+        """
+        folder = self.stage_dir(stage)
+        if not folder.is_dir() or not any(p.name != MARKER for p in folder.iterdir()):
+            return EMPTY
+        marker = self.read_marker(stage)
+        if marker is None:
+            return FOREIGN
+        theirs = marker.get("fingerprint")
+        if theirs == fingerprint:
+            return OWN
+        ends = [end for start, end in self.attempts(stage) if start.get("fingerprint") == theirs]
+        if any(end and end.get("state") == "done" for end in ends):
+            return OTHER_DONE
+        if ends and ends[-1] and ends[-1].get("state") == "failed":
+            return FAILED_LEFTOVERS
+        return OTHER_PARTIAL
+
+    def write_log(self, name: str, text: str) -> Path:
+        """A log file under RUN_DIR/logs (a traceback kept off the terminal); returns its path."""
+        path = self.path / "logs" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+        return path
 
     # Stage folders say which fingerprint their files belong to, so a rerun can tell its own partial
     # data (resume) from another run's (refuse unless --force).

@@ -1,9 +1,10 @@
 """The generate stage's output: ``responses.jsonl`` (one line per complete sample) and ``errors.jsonl``.
 
-Both are append-only. A line is written only when its sample is complete and is flushed at once, so a
-kill -9 loses nothing already written except, at worst, the line being written: on open, a torn last
-line (no trailing newline) is cut off and reported, and that sample is generated again. fsync runs
-every few lines and at close, bounding what a power loss can take. An id is never written twice.
+Both are append-only. A line is written only when its sample is complete, straight to the file (no
+buffer), so a kill -9 loses nothing already written except, at worst, the line being written: on open, a
+torn last line (no trailing newline) is cut off and reported, and that sample is generated again. A write
+that fails (a full disk) is cut back off the file at once, so the file always ends on a complete record.
+fsync runs every few lines and at close, bounding what a power loss can take. An id is never written twice.
 
 Record schema (FORMATS.md §1): ``id, messages, reasoning, content, finish_reason, prompt_tokens,
 completion_tokens, reasoning_source, model, server`` (+ ``completion_token_ids`` when known).
@@ -11,6 +12,7 @@ completion_tokens, reasoning_source, model, server`` (+ ``completion_token_ids``
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -80,11 +82,11 @@ def _lines(path: Path) -> Iterator[tuple[int, dict]]:
             except (json.JSONDecodeError, UnicodeDecodeError) as err:
                 raise EaglekitError(f"{path}:{lineno}: not a JSON line ({err}); only a torn last line is repaired "
                                     "automatically, so this file was edited or damaged",
-                                    f"delete line {lineno} (that sample is then generated again), or rerun "
-                                    "generate with --force to start over") from None
+                                    f"delete line {lineno} and rerun the same command (that sample is generated "
+                                    "again)") from None
             if not isinstance(row, dict) or not isinstance(row.get("id"), str):
                 raise EaglekitError(f"{path}:{lineno}: not a response record (no string 'id')",
-                                    f"delete line {lineno}, or rerun generate with --force")
+                                    f"delete line {lineno} and rerun the same command (that sample is generated again)")
             yield lineno, row
 
 
@@ -92,7 +94,7 @@ def read_responses(path: str | os.PathLike) -> Iterator[dict[str, Any]]:
     """The records of a ``responses.jsonl``, streamed."""
     path = Path(path)
     if not path.exists():
-        raise EaglekitError(f"{path} does not exist", "run `eaglekit generate CONFIG` first")
+        raise EaglekitError(f"{path} does not exist", "generate the responses: `eaglekit run CONFIG --until generate`")
     for _, row in _lines(path):
         yield row
 
@@ -137,17 +139,30 @@ class ResponseStore:
             for _, row in _lines(self.errors_path):
                 if row["id"] not in self.done_ids:
                     self.errors[row["id"]] = row
-        self._f = open(self.path, "a", encoding="utf-8")
-        self._ef = open(self.errors_path, "a", encoding="utf-8")
+        self._f = open(self.path, "ab", buffering=0)
+        self._ef = open(self.errors_path, "ab", buffering=0)
         return self
+
+    @staticmethod
+    def _append(f, path: Path, line: str) -> None:
+        """Append ``line`` whole or not at all: what a failed write (a full disk) put down is cut back off."""
+        end = os.fstat(f.fileno()).st_size
+        view = memoryview(line.encode("utf-8"))
+        try:
+            while view:
+                view = view[f.write(view):]
+        except OSError as err:
+            with contextlib.suppress(OSError):
+                os.ftruncate(f.fileno(), end)
+            err.filename = err.filename or str(path)
+            raise
 
     def add(self, record: dict[str, Any]) -> bool:
         """Append one complete record; False (and nothing written) when its id is already stored."""
         rid = record["id"]
         if rid in self.done_ids:
             return False
-        self._f.write(json.dumps(record, ensure_ascii=False) + "\n")
-        self._f.flush()  # in the OS's hands now: a kill -9 of this process cannot lose it
+        self._append(self._f, self.path, json.dumps(record, ensure_ascii=False) + "\n")  # in the OS's hands now
         self.done_ids.add(rid)
         self.errors.pop(rid, None)
         self._unsynced += 1
@@ -157,8 +172,7 @@ class ResponseStore:
 
     def add_error(self, rid: str, reason: str, attempts: int) -> None:
         row = {"id": rid, "reason": reason, "attempts": attempts, "ts": now_iso()}
-        self._ef.write(json.dumps(row, ensure_ascii=False) + "\n")
-        self._ef.flush()
+        self._append(self._ef, self.errors_path, json.dumps(row, ensure_ascii=False) + "\n")
         self.errors[rid] = row
 
     def forget_errors(self) -> int:
@@ -170,10 +184,13 @@ class ResponseStore:
         return n
 
     def sync(self) -> None:
-        for f in (self._f, self._ef):
+        for f, path in ((self._f, self.path), (self._ef, self.errors_path)):
             if f is not None and not f.closed:
-                f.flush()
-                os.fsync(f.fileno())
+                try:
+                    os.fsync(f.fileno())
+                except OSError as err:
+                    err.filename = err.filename or str(path)
+                    raise
         self._unsynced, self._last_sync = 0, time.monotonic()
 
     def close(self) -> None:

@@ -34,6 +34,14 @@ _ST_DTYPE = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32",
 REMEDY = "delete the named shard and its .json sidecar, then rerun `eaglekit extract CONFIG`: it re-extracts missing shards"
 
 
+def bytes_per_token(hidden_size: int, dtype: str) -> int:
+    """Feature bytes stored per token: aux [3H] + final hidden [H]. ``fp8``: one byte each plus a float32 scale
+    per token for each of the four hidden states (three aux layers, the final one)."""
+    if dtype == "fp8":
+        return 4 * hidden_size + 4 * 4
+    return 4 * hidden_size * DTYPE_BYTES[dtype]
+
+
 def shard_name(n: int) -> str:
     return f"shard-{n:05d}.safetensors"
 
@@ -215,7 +223,7 @@ class FeatureStore:
                                 "run `eaglekit extract CONFIG` (extract.mode: offline) to write the features") from None
         if self.index.get("format") != FORMAT or self.index.get("version") != VERSION:
             raise EaglekitError(f"{index_path}: not an eaglekit feature index of version {VERSION}",
-                                "rerun `eaglekit extract CONFIG --force`")
+                                "rerun extraction: `eaglekit run CONFIG --from extract --force`")
         self.hidden_size = int(self.index["hidden_size"])
         self.files = [self.folder / s["file"] for s in self.index["shards"]]
         self._open: dict[int, object] = {}
@@ -244,6 +252,6 @@ class FeatureStore:
         w = self.where.get(sample_id)
         if w is None:
             raise EaglekitError(f"sample {sample_id!r} has no features in {self.folder}",
-                                "the features are from other prepared tokens: rerun `eaglekit extract CONFIG --force`")
+                                "the features are from other prepared tokens: rerun extraction: `eaglekit run CONFIG --from extract --force`")
         f = self._file(w.shard)
         return f.get_slice("aux")[w.start:w.end], f.get_slice("last_hidden")[w.start:w.end]

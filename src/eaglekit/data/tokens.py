@@ -23,7 +23,8 @@ from eaglekit.errors import EaglekitError
 
 FORMAT = "eaglekit.tokens"
 VERSION = "1"
-REMEDY = "re-run `eaglekit prepare --force` to rewrite it"
+REMEDY = ("remove the prepare folder, then `eaglekit run CONFIG --from prepare` writes it again (the same parameters "
+          "make the same tokens, so the finished stages after it are kept)")
 
 
 def write_token_store(path: str | os.PathLike,
@@ -63,7 +64,7 @@ class TokenStore:
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         if not self.path.is_file():
-            raise EaglekitError(f"token store not found: {self.path}", "run `eaglekit prepare` first")
+            raise EaglekitError(f"token store not found: {self.path}", "prepare the tokens: `eaglekit run CONFIG --until prepare`")
         self._file = None
         meta = self._open().metadata() or {}
         if meta.get("format") != FORMAT:

@@ -14,8 +14,11 @@ speculators/algos.py``, ``v1/worker/gpu_model_runner.py``; SGLang ``srt/models/l
   - fc input width is 3 * ``target_hidden_size`` if the key exists, else 3 * hidden_size (both).
   - vLLM takes ``norm_before_residual`` from the speculators config and assumes true when absent.
   - Aux layers: vLLM reads top-level ``eagle_aux_hidden_state_layer_ids`` as HF hidden_states
-    indices; SGLang reads only ``eagle_config.eagle_aux_hidden_state_layer_ids`` and adds 1 to each.
-    The legacy form therefore writes both, the second one less (FORMATS.md §3).
+    indices (and, only when that is absent, ``eagle_config``'s, verbatim); SGLang reads only
+    ``eagle_config.eagle_aux_hidden_state_layer_ids`` and maps them in the target model's
+    ``set_eagle3_layers_to_capture``: +1 to each (output-of-layer ids) — unconditionally before
+    sglang#25454 (merged 2026-05-16) and still in ``llama.py``; since then DeepSeek-family targets add 1
+    only when the first id is 1 and take other lists verbatim. See ``sglang_aux_layer_ids``.
   - SGLang ties lm_head to embed_tokens when ``tie_word_embeddings`` is true: always write false.
   - Neither loader complains about a missing or unknown key, hence ``validate_state_dict``.
 """
@@ -126,14 +129,32 @@ def _layer_config(cfg: DrafterConfig) -> dict[str, Any]:
     }
 
 
+SGLANG_AUX_RULE = ("SGLang adds 1 to eagle_config.eagle_aux_hidden_state_layer_ids: unconditionally before "
+                   "sglang#25454 (merged 2026-05-16, and still for Llama targets in llama.py), and since then, for "
+                   "DeepSeek-family targets, only when the first id is 1 (other lists are taken verbatim)")
+
+
+def sglang_aux_layer_ids(aux_layer_ids: list[int]) -> list[int] | None:
+    """The ids to write in ``eagle_config`` so that every SGLang version captures ``aux_layer_ids`` (HF
+    hidden_states indices), or None when no single list does.
+
+    Written one less, the first id is 1 exactly when the first HF index is 2: then both SGLang rules add 1
+    and land on ``aux_layer_ids``. Any other first index means different layers before and after
+    sglang#25454 (``SGLANG_AUX_RULE``), so no config.json can be right for every SGLang.
+    """
+    ids = [int(i) for i in aux_layer_ids]
+    return [i - 1 for i in ids] if ids and ids[0] == 2 else None
+
+
 def legacy_config(cfg: DrafterConfig) -> dict[str, Any]:
     out = {"architectures": [LEGACY_ARCHITECTURE], **_layer_config(cfg), "draft_vocab_size": cfg.draft_vocab_size}
     if cfg.target_hidden_size != cfg.hidden_size:
         out["target_hidden_size"] = cfg.target_hidden_size
     if cfg.aux_layer_ids is not None:
         out["eagle_aux_hidden_state_layer_ids"] = list(cfg.aux_layer_ids)  # vLLM: HF hidden_states indices
-        out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in cfg.aux_layer_ids],  # SGLang adds 1
-                               "use_aux_hidden_state": True}
+        sglang = sglang_aux_layer_ids(cfg.aux_layer_ids)
+        if sglang is not None:  # else export refuses the form for SGLang (export.sglang_aux_layers)
+            out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": sglang, "use_aux_hidden_state": True}
     return out
 
 
@@ -380,3 +401,60 @@ def check_compatible(drafter_cfg: DrafterConfig, target_hf_config: Any, aux_laye
     if bad:
         problems.append(f"aux layers: {bad} are outside 0..{n_layers} for a target with {n_layers} layers")
     return problems
+
+
+# ------------------------------------------------------------------------------------------ as an engine reads it
+
+@dataclass
+class ServedSettings:
+    """The settings an engine takes from a drafter folder's config.json (not eaglekit's reading of it)."""
+
+    engine: str
+    form: str
+    aux_layer_ids: list[list[int]]  # HF hidden_states indices the engine captures; SGLang: one per version rule
+    norm_before_residual: bool
+    norm_before_residual_defaulted: bool  # the key is absent: the engine's default applies
+    max_position_embeddings: int | None
+    rope_theta: float | None
+    rope_scaling: dict | None
+
+
+def served_settings(path: str | Path, engine: str, target_layers: int) -> ServedSettings:
+    """How ``engine`` ('vllm' or 'sglang') reads the folder, following the loaders' source:
+
+    * vLLM, legacy form: aux ids from the top-level key, else ``eagle_config``'s verbatim
+      (``gpu_model_runner._get_eagle3_aux_layers_from_config``), else the default; ``norm_before_residual``
+      from the config, false when absent (``llama_eagle3.py``: ``getattr(config, ..., False)``).
+    * vLLM, speculators form: aux ids from the top-level key, else the default; ``norm_before_residual`` true
+      when absent (``transformers_utils/configs/speculators/algos.py``).
+    * SGLang (legacy form only): ``eagle_config`` ids through both version rules (``SGLANG_AUX_RULE``), the
+      default when absent; its ``llama_eagle3.py`` has no ``norm_before_residual`` (the residual is the feature).
+    """
+    raw = _read_json(Path(path) / "config.json")
+    speculators = "speculators_model_type" in raw
+    layer = raw.get("transformer_layer_config") if speculators else raw
+    layer = layer if isinstance(layer, dict) else {}
+    default = [2, target_layers // 2, target_layers - 3]
+    eagle_ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") \
+        if isinstance(raw.get("eagle_config"), dict) else None
+    if engine == "vllm":
+        ids = raw.get("eagle_aux_hidden_state_layer_ids") or (None if speculators else eagle_ids) or default
+        aux = [[int(i) for i in ids]]
+        norm = bool(raw.get("norm_before_residual", speculators))
+    elif engine == "sglang":
+        if eagle_ids:
+            ids = [int(i) for i in eagle_ids]
+            before = [i + 1 for i in ids]                     # before sglang#25454, and llama.py today
+            since = before if ids[0] == 1 else list(ids)      # since sglang#25454 (DeepSeek-family targets)
+            aux = [before] if before == since else [before, since]
+        else:
+            aux = [default]
+        norm = False
+    else:
+        raise ValueError(f"unknown engine {engine!r}")
+    theta, scaling = (None, None)
+    if layer:
+        theta, scaling = rope_from_config(text_config(layer))
+    return ServedSettings(engine, SPECULATORS if speculators else LEGACY, aux, norm,
+                          engine == "vllm" and "norm_before_residual" not in raw,
+                          layer.get("max_position_embeddings"), theta, scaling)

@@ -4,6 +4,21 @@ A check is a small function ``check(ctx) -> CheckResult`` (or a list of them). E
 checks it needs; the runner times them, turns an unexpected exception into a ``fail`` that says so,
 and the stage refuses to start on any ``fail`` — printing a table that says what to do. Results go
 into the ledger with the stage run. ``eaglekit preflight CONFIG`` runs them alone.
+
+The checks, one family per file:
+
+    checks.py       the run directory: its lock, the upstream stage, the output folder
+    files.py        model files: safetensors headers, sharded indexes, dense embedding/norm/lm_head
+    dataset.py      the prompts dataset: rows, shapes, bad rows, duplicates
+    disk.py         free bytes and inodes, the filesystem (network-backed?), a write-rate probe
+    gpus.py         every GPU through NVML: memory, processes, ECC, uniformity
+    processes.py    other processes using the run directory without its lock
+    environment.py  software versions, devices vs what the config asks
+
+A stage's checks see a context (``eaglekit.pipeline.StageContext``): ``cfg``, ``run``, ``stage``, ``dir``,
+``module`` (the stage's module), ``upstream`` and its ``upstream_fingerprint``, and ``pending`` — the stages
+that will run before this one when the whole pipeline is pre-flighted ahead of a first run; a check that
+needs their outputs says so with ``will_be_produced`` instead of failing.
 """
 
 from __future__ import annotations
@@ -13,7 +28,10 @@ import traceback
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterable
 
+from rich.markup import escape
 from rich.table import Table
+
+from eaglekit.errors import EaglekitError
 
 STATUSES = ("ok", "warn", "fail", "skip")
 
@@ -49,12 +67,22 @@ def skip(name: str, detail: str) -> CheckResult:
 Check = Callable[[Any], "CheckResult | list[CheckResult]"]
 
 
+def will_be_produced(ctx: Any, name: str, stage: str) -> CheckResult | None:
+    """A ``skip`` for a check that needs ``stage``'s outputs when that stage has yet to run in this pre-flight
+    of the whole pipeline; None when the check should look (the outputs must then be there)."""
+    if stage in getattr(ctx, "pending", ()):
+        return skip(name, f"will be produced by `{stage}`")
+    return None
+
+
 def run_checks(ctx: Any, checks: Iterable[Check]) -> list[CheckResult]:
     results: list[CheckResult] = []
     for check in checks:
         t0 = time.monotonic()
         try:
             out = check(ctx)
+        except EaglekitError as err:  # a problem the code foresaw and explains: a plain fail, no traceback
+            out = fail(getattr(check, "__name__", "check"), err.message, err.remedy or "")
         except Exception as err:  # a check that crashes must not crash the pre-flight silently
             name = getattr(check, "__name__", "check")
             out = fail(name, f"the check itself raised {type(err).__name__}: {err}",
@@ -80,5 +108,5 @@ def results_table(results: list[CheckResult], title: str = "pre-flight") -> Tabl
     for col in ("check", "status", "detail", "what to do"):
         table.add_column(col, overflow="fold")
     for r in results:
-        table.add_row(r.name, f"[{_STYLE[r.status]}]{r.status}[/]", r.detail, r.remedy)
+        table.add_row(escape(r.name), f"[{_STYLE[r.status]}]{r.status}[/]", escape(r.detail), escape(r.remedy))
     return table

@@ -1,7 +1,8 @@
-"""Pre-flight checks shared by the stages. Each returns a CheckResult with its own message and remedy.
+"""Pre-flight checks of the run directory, shared by every stage: the lock, the upstream stage, the output folder,
+and the target folder's files. Each returns a CheckResult with its own message and remedy.
 
-Stage-specific checks (a server's model id, a drafter's shapes) live with their stage; these are the
-ones every stage, or several, need.
+Stage-specific checks (a server's model id, a drafter's shapes) live with their stage; the other families
+(files, dataset, disk, gpus, processes, environment) have a file each in this package.
 """
 
 from __future__ import annotations
@@ -11,17 +12,17 @@ import os
 import socket
 from pathlib import Path
 
-from eaglekit.errors import EaglekitError
-from eaglekit.preflight import CheckResult, fail, ok, skip, warn
-from eaglekit.rundir import MARKER
+from eaglekit import rundir
+from eaglekit.preflight import CheckResult, fail, ok, skip, warn, will_be_produced
 
 
 def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} TiB"
+    """Decimal units (1 GB = 10^9 bytes), as disks and volumes are sold and `df -H` prints them."""
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1000:
+            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} PB"
 
 
 def run_lock(ctx) -> CheckResult:
@@ -36,17 +37,20 @@ def run_lock(ctx) -> CheckResult:
 
 
 def upstream_done(ctx) -> CheckResult:
-    from eaglekit.pipeline import fingerprint, upstream_of
-
-    up = upstream_of(ctx.cfg, ctx.stage)
+    """The stage this one reads finished with this config's fingerprint (``ctx.upstream``, from the pipeline)."""
+    up = ctx.upstream
     if up is None:
         return skip("upstream", "first stage")
+    pending = will_be_produced(ctx, "upstream", up)
+    if pending:
+        return pending
     done = ctx.run.done_fingerprint(up)
-    if done is None:
-        return fail("upstream", f"stage '{up}' has not finished in {ctx.run.path}", f"run `eaglekit {up} CONFIG` first")
-    if done != fingerprint(ctx.cfg, up):
+    if done is None or not ctx.run.is_done(up, done):
+        return fail("upstream", f"stage '{up}' has not finished in {ctx.run.path}",
+                    f"run the stages up to it: `{ctx.command_to_reach(up)}`")
+    if done != ctx.upstream_fingerprint:
         return fail("upstream", f"stage '{up}' finished with other inputs or parameters than this config's (stale)",
-                    f"rerun `eaglekit {up} CONFIG` (or `eaglekit run CONFIG --from {up}`)")
+                    f"rerun the stages up to it: `{ctx.command_to_reach(up)}`")
     return ok("upstream", f"'{up}' done with this config's fingerprint")
 
 
@@ -66,58 +70,21 @@ def output_path(ctx) -> CheckResult:
         return fail(name, f"{d} exists and is not a folder", "move that file away or choose another run_dir")
     if not os.access(d, os.W_OK):
         return fail(name, f"{d} is not writable", f"fix its permissions (chmod u+w {d}) or choose another run_dir")
-    entries = [p for p in d.iterdir()]
-    if not entries:
+    state = ctx.run.folder_state(ctx.stage, ctx.fingerprint)
+    if state == rundir.EMPTY:
         return ok(name, f"{d} is empty")
-    marker = ctx.run.read_marker(ctx.stage)
-    if marker is None:
-        if ctx.force:
-            return warn(name, f"{d} holds {len(entries)} files that no eaglekit stage run wrote; --force deletes them")
-        return fail(name, f"{d} holds {len(entries)} files that no eaglekit stage run wrote (no {MARKER})",
-                    "move them away, or rerun with --force to delete them")
-    if marker.get("fingerprint") == ctx.fingerprint:
-        if ctx.force:
-            return warn(name, f"{d} holds this config's data; --force deletes it and starts over")
+    if state == rundir.OWN:
         done = ctx.run.done_fingerprint(ctx.stage) == ctx.fingerprint
         return ok(name, f"{d} holds this config's {'finished' if done else 'partial'} data"
                         f"{'' if done else ' (will resume)'}")
-    if ctx.force:
-        return warn(name, f"{d} holds data of other parameters (written {marker.get('created', '?')}); --force deletes it")
-    return fail(name, f"{d} holds data of other inputs or parameters (fingerprint {marker.get('fingerprint')}, "
-                      f"written {marker.get('created', '?')}; this config's is {ctx.fingerprint})",
-                f"rerun with --force to replace it, or set another run_dir to keep it")
-
-
-def disk_space(ctx) -> CheckResult:
-    """Free space (statvfs f_bavail, what an unprivileged writer gets) vs the stage's own estimate."""
-    from eaglekit.pipeline import stage_module
-
-    estimate = getattr(stage_module(ctx.stage), "estimate_bytes", None)
-    need = estimate(ctx) if estimate else None
-    probe = next((p for p in (ctx.dir, *ctx.dir.parents) if p.exists()), Path("/"))
-    st = os.statvfs(probe)
-    free = st.f_bavail * st.f_frsize
-    if need is None:
-        return ok("disk space", f"{human_bytes(free)} free on {probe}")
-    if need > free:
-        return fail("disk space", f"the stage writes about {human_bytes(need)} but {probe} has {human_bytes(free)} free",
-                    "free space, point run_dir at a larger volume, or reduce data.max_samples")
-    if need > 0.8 * free:
-        return warn("disk space", f"about {human_bytes(need)} of {human_bytes(free)} free will be used", "leave margin")
-    return ok("disk space", f"about {human_bytes(need)} needed, {human_bytes(free)} free")
-
-
-def prompts_file(ctx) -> CheckResult:
-    from eaglekit.data.prompts import peek_prompts
-
-    path = ctx.cfg.data.prompts
-    try:
-        rows = peek_prompts(path, n=5)
-    except EaglekitError as err:
-        return fail("prompts", err.message, err.remedy or "fix the prompts file")
-    if not rows:
-        return fail("prompts", f"{path} holds no prompts", "point data.prompts at a non-empty dataset")
-    return ok("prompts", f"{path}: first {len(rows)} rows parse")
+    if state == rundir.FAILED_LEFTOVERS:
+        return ok(name, f"{d} holds what a failed attempt with other parameters left: it will be replaced")
+    refused = ctx.refusal(state)
+    if refused:
+        return fail(name, *refused)
+    what = {rundir.OTHER_DONE: "the finished outputs of other parameters", rundir.FOREIGN: "files no eaglekit stage wrote",
+            rundir.OTHER_PARTIAL: "the partial outputs of other parameters"}[state]
+    return warn(name, f"{d} holds {what}; --force replaces them")
 
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")

@@ -132,6 +132,36 @@ def servers(ctx) -> list[CheckResult]:
     return results
 
 
+def health(ctx) -> list[CheckResult]:
+    """The engine behind each server is alive: vLLM's ``/health`` turns 503 once its engine died (the API server
+    itself keeps answering ``/v1/models``); SGLang's ``/health_generate`` runs a one-token generation."""
+    from eaglekit.serving.client import get_json
+
+    results = []
+    for info in _infos(ctx):
+        name = f"health {info['url']}"
+        if info["error"]:
+            results.append(skip(name, "unreachable (see the server check)"))
+            continue
+        root = info["url"][: -len("/v1")] if info["url"].endswith("/v1") else info["url"]
+        sglang = (info["version"] or "").startswith("SGLang")
+        path = "/health_generate" if sglang else "/health"
+        try:
+            status, body = get_json(root + path, None, timeout=60.0 if sglang else 10.0)
+        except httpx.HTTPError as err:
+            results.append(fail(name, f"{root}{path} did not answer ({type(err).__name__}: {err})",
+                                "the engine may be hung: check the server's log and restart it"))
+            continue
+        if status == 200:
+            results.append(ok(name, f"{path} answers 200" + (" (a one-token generation ran)" if sglang else "")))
+        elif status == 404:
+            results.append(skip(name, f"{root} has no {path} endpoint (not vLLM or SGLang); the smoke request tests it"))
+        else:
+            results.append(fail(name, f"{root}{path} answers HTTP {status}: the server's engine is dead or "
+                                      f"unhealthy ({str(body)[:120]})", "restart the server (its log says why the engine died)"))
+    return results
+
+
 def _prompt_lengths(ctx) -> tuple[list[tuple[int, str]], str]:
     """(tokens, id) of the longest prompts, longest first, and how they were counted."""
     stage = _stage()
@@ -181,7 +211,7 @@ def judge_record(record: dict, seen: list[str], mode: str) -> tuple[list[str], l
     if mode == "required" and not record["reasoning"]:
         fails.append("no reasoning: " + explain_missing_reasoning(Counter(seen), 1, int(length)))
     if length:
-        warns.append(f"the reply stopped at max_tokens (finish_reason=length): raise generate.max_tokens "
+        warns.append("the reply stopped at max_tokens (finish_reason=length): raise generate.max_tokens "
                      "unless the target's replies are meant to be cut")
     elif record["finish_reason"] != "stop":
         warns.append(f"finish_reason is {record['finish_reason']!r}")

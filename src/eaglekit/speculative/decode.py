@@ -12,6 +12,13 @@ accepts draft d with probability min(1, p(d)/q(d)) and on rejection samples norm
 proposer that returns no q (n-gram, and EAGLE drafting greedily as vLLM and SGLang do) is a point mass:
 accept with probability p(d), resample from p without d.
 
+Two ways to count. By default a round never drafts past ``max_new_tokens`` and acceptance counts only the
+tokens kept. ``engine_accounting=True`` counts as vLLM's scheduler does (``v1/core/sched/scheduler.py``):
+every round drafts K tokens however few are left ("we don't schedule partial draft tokens"), and
+``num_accepted = len(sampled) - 1`` is counted before the stop token or the length limit cut the output.
+The tokens emitted are the same either way; only the counters near the end of a sequence differ, and with
+them τ by a few thousandths. ``eaglekit verify`` compares with an engine's counters, so it counts like one.
+
 The EAGLE-3 proposer follows vLLM's proposer: position t of the drafter takes the fused target feature
 at t with the token at t+1 (RoPE position t); the first draft comes from the last such position, and
 each further draft feeds the drafter's own pre-norm hidden output and the previous draft at position+1.
@@ -85,6 +92,7 @@ class DecodeStats:
 class Generation:
     tokens: list[int]
     stats: DecodeStats
+    accepted_per_round: list[int] = field(default_factory=list)  # drafts accepted in each verify pass, in order
 
 
 # ------------------------------------------------------------------------------------------ sampling
@@ -136,15 +144,17 @@ def target_pass(model, ids: list[int], cache: DynamicCache, aux_layer_ids: list[
 @torch.no_grad()
 def generate(model, prompt_ids: list[int], max_new_tokens: int, *, proposer: Proposer | None = None, k: int = 0,
              temperature: float = 0.0, generator: torch.Generator | None = None,
-             stop_ids: set[int] | frozenset[int] = frozenset()) -> Generation:
+             stop_ids: set[int] | frozenset[int] = frozenset(), engine_accounting: bool = False) -> Generation:
     """Decode up to ``max_new_tokens`` after ``prompt_ids``; speculative with ``proposer`` and ``k`` drafts per round.
 
-    Stops after a token in ``stop_ids`` (kept in the output). Drafts never run past ``max_new_tokens``.
+    Stops after a token in ``stop_ids`` (kept in the output). Drafts never run past ``max_new_tokens`` unless
+    ``engine_accounting`` (see the module's docstring).
     """
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be >= 1")
     aux_ids = proposer.aux_layer_ids if proposer is not None else None
     stats = DecodeStats(drafted=[0] * k, accepted=[0] * k)
+    per_round: list[int] = []
     t0 = time.perf_counter()
     cache = DynamicCache()
     logits, aux = target_pass(model, list(prompt_ids), cache, aux_ids)
@@ -154,8 +164,8 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int, *, proposer: Pro
     while len(out) < max_new_tokens and out[-1] not in stop_ids:
         budget = max_new_tokens - len(out)  # a round emits up to drafts + 1 tokens
         drafts, q = ([], None)
-        if proposer is not None and k > 0 and budget > 1:
-            drafts, q = proposer.propose(min(k, budget - 1), temperature, generator)
+        if proposer is not None and k > 0 and (budget > 1 or engine_accounting):
+            drafts, q = proposer.propose(k if engine_accounting else min(k, budget - 1), temperature, generator)
         logits, aux = target_pass(model, [out[-1]] + drafts, cache, aux_ids)
 
         if temperature <= 0:
@@ -176,6 +186,8 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int, *, proposer: Pro
         stop = next((i for i, t in enumerate(new) if t in stop_ids), None)
         if stop is not None:
             new = new[: stop + 1]
+        new = new[:budget]
+        counted = n_acc if engine_accounting else min(n_acc, len(new))
 
         rejected = len(drafts) - n_acc
         if rejected:  # negative: tokens to remove (an absolute length is refused by transformers 5)
@@ -184,13 +196,15 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int, *, proposer: Pro
         stats.emitted += len(new)
         for i in range(len(drafts)):
             stats.drafted[i] += 1
-            stats.accepted[i] += i < min(n_acc, len(new))
+            stats.accepted[i] += i < counted
+        if drafts:
+            per_round.append(counted)
         out.extend(new)
         if proposer is not None and len(out) < max_new_tokens and out[-1] not in stop_ids:
             proposer.update(new, None if aux is None else aux[: len(new)])
     stats.new_tokens = len(out)
     stats.seconds = time.perf_counter() - t0
-    return Generation(out, stats)
+    return Generation(out, stats, per_round)
 
 
 # ------------------------------------------------------------------------------------------ EAGLE-3

@@ -9,7 +9,7 @@ greedy output token for token).
 
 Reads the drafter (``evaluate.checkpoint``, default ``train/checkpoints/best``), the prompts
 (``evaluate.prompts``, default the held-out split of ``generate/responses.jsonl``) and
-``train/metrics.jsonl``; writes ``evaluate/report.json``, ``report.md`` and PNG plots.
+writes ``evaluate/report.json``, ``report.md`` and PNG plots (the training curves are ``train/curves.png``).
 
 A finetune (``train.init_from``) is measured beside the untouched drafter it started from — on the
 held-out split of the finetuning data and on ``evaluate.prompts`` when given (e.g. production-like
@@ -20,7 +20,7 @@ the traffic it will serve.
 from __future__ import annotations
 
 import contextlib
-import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,7 +29,7 @@ from eaglekit import atomic, plots
 from eaglekit.config import RunConfig
 from eaglekit.errors import EaglekitError, UsageError
 from eaglekit.preflight import checks as common
-from eaglekit.preflight import fail, ok, skip
+from eaglekit.preflight import environment, fail, files, gpus, ok, skip, will_be_produced
 from eaglekit.progress import Meter, console
 from eaglekit.rundir import file_identity
 from eaglekit.speculative.decode import DecodeStats, EagleProposer, generate
@@ -67,7 +67,7 @@ def load_checked_drafter(cfg: RunConfig):
     path = checkpoint_path(cfg)
     if not path.exists():
         remedy = ("set evaluate.checkpoint to a drafter folder" if cfg.evaluate.checkpoint
-                  else "run `eaglekit train CONFIG` first (it writes train/checkpoints/best)")
+                  else "train it: `eaglekit run CONFIG --until train` (it writes train/checkpoints/best)")
         raise EaglekitError(f"drafter checkpoint {path} does not exist", remedy)
     drafter, info = load_drafter(path)
     hf = target_hf_config(cfg.target)
@@ -111,6 +111,9 @@ def starting_drafter(ctx):
 
 
 def drafter_checkpoint(ctx):
+    pending = None if ctx.cfg.evaluate.checkpoint else will_be_produced(ctx, "drafter checkpoint", "train")
+    if pending:
+        return pending
     try:
         drafter, info, _, aux = load_checked_drafter(ctx.cfg)
     except EaglekitError as err:
@@ -120,29 +123,32 @@ def drafter_checkpoint(ctx):
                                     f"{c.draft_vocab_size}/{c.vocab_size}, aux layers {aux}; fits the target")
 
 
-def eval_prompts(cfg: RunConfig) -> list[tuple[str, list[dict]]]:
-    """(id, messages) of up to ``evaluate.num_samples`` prompts: ``evaluate.prompts`` or the run's held-out split."""
+def eval_prompts(cfg: RunConfig, n: int | None = None) -> list[tuple[str, list[dict]]]:
+    """(id, messages) of up to ``n`` (default ``evaluate.num_samples``) prompts: ``evaluate.prompts`` or the
+    run's held-out split."""
+    n = n or cfg.evaluate.num_samples
     if cfg.evaluate.prompts:
         from eaglekit.data.prompts import load_prompts
 
-        records = load_prompts(cfg.evaluate.prompts, max_samples=cfg.evaluate.num_samples,
-                               on_bad_row=cfg.data.on_bad_row).records
+        records = load_prompts(cfg.evaluate.prompts, max_samples=n, on_bad_row=cfg.data.on_bad_row).records
         return [(r.id, r.messages) for r in records]
-    return heldout_prompts(cfg)
+    return heldout_prompts(cfg, n)
 
 
-def heldout_prompts(cfg: RunConfig) -> list[tuple[str, list[dict]]]:
-    """(id, messages) of up to ``evaluate.num_samples`` prompts of the held-out split of generate/responses.jsonl."""
+def heldout_prompts(cfg: RunConfig, n: int | None = None) -> list[tuple[str, list[dict]]]:
+    """(id, messages) of up to ``n`` (default ``evaluate.num_samples``) prompts of the held-out split of
+    generate/responses.jsonl."""
     from eaglekit.data.responses import RESPONSES, read_responses
     from eaglekit.data.split import is_held_out
 
+    n = n or cfg.evaluate.num_samples
     path = cfg.run_path / "generate" / RESPONSES
     out = []
     if path.exists():
         for row in read_responses(path):
             if is_held_out(row["id"], cfg.data.eval_fraction):
                 out.append((row["id"], row["messages"]))
-                if len(out) == cfg.evaluate.num_samples:
+                if len(out) == n:
                     break
     if not out:
         raise UsageError(f"{path} has no held-out sample (data.eval_fraction = {cfg.data.eval_fraction})",
@@ -151,6 +157,9 @@ def heldout_prompts(cfg: RunConfig) -> list[tuple[str, list[dict]]]:
 
 
 def prompts_available(ctx):
+    pending = None if ctx.cfg.evaluate.prompts else will_be_produced(ctx, "evaluation prompts", "generate")
+    if pending:
+        return pending
     try:
         prompts = eval_prompts(ctx.cfg)
     except EaglekitError as err:
@@ -162,7 +171,8 @@ def prompts_available(ctx):
 
 
 def checks(cfg: RunConfig) -> list:
-    return [common.target_folder, drafter_checkpoint, starting_drafter, prompts_available]
+    return [common.target_folder, files.target_weights, environment.software, environment.devices, gpus.gpus,
+            files.evaluate_checkpoint_files, drafter_checkpoint, starting_drafter, prompts_available]
 
 
 def estimate_bytes(ctx) -> int:
@@ -223,48 +233,80 @@ def run(ctx) -> dict:
         return evaluate(ctx, target, device)
 
 
-def evaluate(ctx, target, device: torch.device) -> dict:
-    from eaglekit.data.chat import end_of_turn_token_ids, load_tokenizer
+@dataclass
+class DecodingInputs:
+    """What a decode loop against the target needs: the checked drafter (on the target's device and dtype),
+    its aux layers, the stop ids, and the prompts' token ids."""
+
+    drafter: object
+    info: object
+    aux: list[int]
+    stop_ids: set[int]
+    prompts: list[tuple[str, list[int]]]  # (id, prompt token ids)
+    skipped_too_long: int
+    dtype: torch.dtype
+    hf: object = None         # the target's HF config
+    tokenizer: object = None  # the target's tokenizer, as prepare used it
+
+
+def on_target(drafter, info, target, device: torch.device):
+    """The drafter on the target's device, in its dtype (as in vLLM and SGLang), with the target's embedding where
+    the checkpoint left it out."""
     from eaglekit.model.target import decoder_parts
 
-    cfg, ec = ctx.cfg, ctx.cfg.evaluate
-    drafter, info, hf, aux = load_checked_drafter(cfg)
-    drafters = {"eagle": (drafter, info)}
-    start = load_starting_drafter(cfg, hf, aux)
-    if start:
-        drafters["eagle_start"] = start
     dtype = next(target.parameters()).dtype
-    for name, (d, i) in drafters.items():
-        d = d.to(device, dtype)  # the drafter runs in the target's dtype, as in vLLM and SGLang
-        if i.missing_embeddings:
-            d.embed_tokens.weight.data.copy_(decoder_parts(target)[0].embed_tokens.weight.to(device, dtype))
-        drafters[name] = (d, i)
-    tokenizer = load_tokenizer(cfg.target.model, cfg.target.chat_template, cfg.target.trust_remote_code)
-    stop_ids = end_of_turn_token_ids(tokenizer)
+    drafter = drafter.to(device, dtype)
+    if info.missing_embeddings:
+        drafter.embed_tokens.weight.data.copy_(decoder_parts(target)[0].embed_tokens.weight.to(device, dtype))
+    return drafter
 
+
+def tokenize_prompts(cfg: RunConfig, tokenizer, hf, source: list[tuple[str, list[dict]]], max_new_tokens: int,
+                     stage: str = NAME) -> tuple[list[tuple[str, list[int]]], int]:
+    """(id, prompt token ids) of the prompts that leave room for ``max_new_tokens``, and how many did not."""
     template_kwargs = cfg.generate.extra_body.get("chat_template_kwargs") or None  # as the target was served
-    room = int(hf.max_position_embeddings) - ec.max_new_tokens
+    room = int(hf.max_position_embeddings) - max_new_tokens
+    prompts, too_long = [], []
+    for pid, messages in source:
+        ids = prompt_ids(tokenizer, messages, template_kwargs)
+        (prompts if len(ids) <= room else too_long).append((pid, ids))
+    if too_long:
+        console.print(f"[yellow]{stage}: {len(too_long)} prompts skipped: longer than max_position_embeddings "
+                      f"{hf.max_position_embeddings} - max_new_tokens {max_new_tokens}[/]")
+    if not prompts:
+        raise UsageError(f"no evaluation prompt fits in {room} tokens", f"lower {stage}.max_new_tokens or use shorter prompts")
+    return prompts, len(too_long)
 
-    def tokenized(source: list[tuple[str, list[dict]]]) -> list[tuple[str, list[int]]]:
-        prompts, too_long = [], []
-        for pid, messages in source:
-            ids = prompt_ids(tokenizer, messages, template_kwargs)
-            (prompts if len(ids) <= room else too_long).append((pid, ids))
-        if too_long:
-            console.print(f"[yellow]evaluate: {len(too_long)} prompts skipped: longer than max_position_embeddings "
-                          f"{hf.max_position_embeddings} - evaluate.max_new_tokens {ec.max_new_tokens}[/]")
-        if not prompts:
-            raise UsageError(f"no evaluation prompt fits in {room} tokens",
-                             "lower evaluate.max_new_tokens or use shorter prompts")
-        return prompts
 
-    source = eval_prompts(cfg)
-    prompts = tokenized(source)
+def decoding_inputs(cfg: RunConfig, target, device: torch.device, max_new_tokens: int, num_samples: int | None = None,
+                    stage: str = NAME) -> DecodingInputs:
+    """The drafter and the evaluation prompts, tokenized exactly as prepare did and as an engine is sent them.
+
+    Shared by evaluate and verify, so that both decode the same prompts with the same drafter.
+    """
+    from eaglekit.data.chat import end_of_turn_token_ids, load_tokenizer
+
+    drafter, info, hf, aux = load_checked_drafter(cfg)
+    drafter = on_target(drafter, info, target, device)
+    tokenizer = load_tokenizer(cfg.target.model, cfg.target.chat_template, cfg.target.trust_remote_code)
+    prompts, skipped = tokenize_prompts(cfg, tokenizer, hf, eval_prompts(cfg, num_samples), max_new_tokens, stage)
+    return DecodingInputs(drafter, info, aux, end_of_turn_token_ids(tokenizer), prompts, skipped,
+                          next(target.parameters()).dtype, hf, tokenizer)
+
+
+def evaluate(ctx, target, device: torch.device) -> dict:
+    cfg, ec = ctx.cfg, ctx.cfg.evaluate
+    inputs = decoding_inputs(cfg, target, device, ec.max_new_tokens)
+    drafter, info, aux, stop_ids, prompts, dtype = (inputs.drafter, inputs.info, inputs.aux, inputs.stop_ids,
+                                                    inputs.prompts, inputs.dtype)
+    start = load_starting_drafter(cfg, inputs.hf, aux)
+    start_drafter = on_target(*start, target, device) if start else None
+
     ks = sorted(set(ec.num_speculative_tokens))
     temperatures = list(dict.fromkeys(ec.temperatures))
     methods = [m for m in METHODS if m != "eagle_start" or start]
-    new_proposer = {"eagle": lambda: EagleProposer(drafters["eagle"][0], aux),
-                    "eagle_start": lambda: EagleProposer(drafters["eagle_start"][0], aux),
+    new_proposer = {"eagle": lambda: EagleProposer(drafter, aux),
+                    "eagle_start": lambda: EagleProposer(start_drafter, aux),
                     "ngram": lambda: NgramProposer(ec.ngram_min, ec.ngram_max)}
 
     def decode(ids: list[int], i: int, temperature: float, method: str | None = None, k: int = 0):
@@ -311,7 +353,7 @@ def evaluate(ctx, target, device: torch.device) -> dict:
         sets = [(ec.prompts or "held-out split of generate/responses.jsonl", len(prompts), results)]
         if ec.prompts:  # production-like prompts were given: the finetuning data's own held-out split too
             try:
-                heldout = tokenized(heldout_prompts(cfg))
+                heldout, _ = tokenize_prompts(cfg, inputs.tokenizer, inputs.hf, heldout_prompts(cfg), ec.max_new_tokens)
             except UsageError as err:
                 console.print(f"[yellow]evaluate: the finetune is compared on evaluate.prompts only: {err.message}[/]")
             else:
@@ -325,8 +367,7 @@ def evaluate(ctx, target, device: torch.device) -> dict:
         "checkpoint": str(info.path), "checkpoint_form": info.form, "target": cfg.target.model,
         "device": str(device), "dtype": str(dtype).replace("torch.", ""),
         "prompts_source": ec.prompts or "generate/responses.jsonl (held-out split)",
-        "prompts": len(prompts), "prompts_skipped_too_long": len(source) - len(prompts),
-        "max_new_tokens": ec.max_new_tokens,
+        "prompts": len(prompts), "prompts_skipped_too_long": inputs.skipped_too_long, "max_new_tokens": ec.max_new_tokens,
         "num_speculative_tokens": ks, "temperatures": temperatures,
         "ngram": {"min": ec.ngram_min, "max": ec.ngram_max},
         "draft_selection": "argmax, verified as a point mass (as vLLM and SGLang)",
@@ -339,24 +380,39 @@ def evaluate(ctx, target, device: torch.device) -> dict:
         "comparison": comparison(results),
         "finetune": finetune,
     }
+    report["warnings"] = degenerate(report, ec.num_samples, cfg.data.eval_fraction)
+    for warning in report["warnings"]:
+        ctx.warn(warning)
     out = ctx.dir
     atomic.write_json(out / "report.json", report)
     atomic.write_text(out / "report.md", report_markdown(report))
     plots.acceptance_by_position(results, out / "acceptance_by_position.png")
     plots.tau_vs_k(results, out / "tau_vs_k.png")
-    metrics = cfg.run_path / "train" / "metrics.jsonl"
-    if metrics.exists():
-        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-        if rows:
-            plots.training_curves(rows, out / "training_curves.png")
     if lossless is False:
         bad = [pid for pid, c in checks.items() if c]
         console.print(f"[bold red]evaluate: speculative greedy output differs from plain greedy output on {len(bad)} "
                       f"prompts (e.g. {bad[0]}); see report.json lossless_checks[/]")
     console.print(report_markdown(report, tables_only=True))
-    if finetune and any(s["better"] == "starting drafter" for s in finetune["sets"]):
-        console.print(f"[bold yellow]evaluate: {finetune['verdict']}[/]")
     return counts(report)
+
+
+def degenerate(report: dict, asked: int, eval_fraction: float) -> list[str]:
+    """What makes these figures unfit to trust or to ship: too few prompts, a drafter no better than n-gram, a
+    finetune that lost to the drafter it started from."""
+    out = []
+    if report["prompts"] < asked:
+        out.append(f"decoded {report['prompts']} prompts, fewer than evaluate.num_samples ({asked}): the figures are "
+                   f"noisy; raise data.eval_fraction ({eval_fraction}) or set evaluate.prompts to a prompts file")
+    losing = [r for r in report["comparison"] if r["eagle_tau"] <= r["ngram_tau"]]
+    if losing:
+        where = ", ".join(f"K={r['k']} T={r['temperature']:g}: τ {r['eagle_tau']:.3f} vs {r['ngram_tau']:.3f}"
+                          for r in losing)
+        out.append(f"the drafter does not beat the training-free n-gram baseline ({where}): it would slow serving "
+                   "down; train on more data or longer, and check that the target's features and vocab are right")
+    finetune = report.get("finetune")
+    if finetune and any(s["better"] == "starting drafter" for s in finetune["sets"]):
+        out.append(finetune["verdict"])
+    return out
 
 
 def finetune_comparison(init_from: str, sets: list[tuple[str, int, list[dict]]]) -> dict:

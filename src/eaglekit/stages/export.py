@@ -25,8 +25,9 @@ from eaglekit import atomic
 from eaglekit.config import RunConfig
 from eaglekit.errors import EaglekitError
 from eaglekit.preflight import checks as common
-from eaglekit.preflight import ok, warn
+from eaglekit.preflight import fail, ok, warn
 from eaglekit.progress import console
+from eaglekit.rundir import file_identity
 from eaglekit.stages.evaluate import checkpoint_path, drafter_checkpoint, load_checked_drafter, report_markdown
 
 NAME = "export"
@@ -34,29 +35,60 @@ UPSTREAM = "evaluate"
 
 
 def params(cfg: RunConfig) -> dict:
-    return {**cfg.export.model_dump(), "checkpoint": str(checkpoint_path(cfg))}
+    # the checkpoint's identity, not its path: a run directory copied elsewhere keeps its export done
+    return {**cfg.export.model_dump(), "checkpoint": file_identity(checkpoint_path(cfg))}
 
 
-def verifier_id(cfg: RunConfig) -> str | None:
-    """The hub id vLLM's speculators form names as verifier: export.verifier, else target.model when it is one."""
-    if cfg.export.verifier:
-        return cfg.export.verifier
-    return None if Path(cfg.target.model).exists() else cfg.target.model
+def verifier_id(cfg: RunConfig) -> str:
+    """What the speculators form names as verifier (``vllm serve DIR`` serves it): export.verifier, else the
+    target itself (its hub id, or its local folder, which is only valid on this machine)."""
+    return cfg.export.verifier or cfg.target.model
+
+
+def local_verifier_warning(cfg: RunConfig) -> str | None:
+    vid = verifier_id(cfg)
+    if cfg.export.verifier or not Path(vid).exists():
+        return None
+    return (f"the speculators config names the local folder {vid} as verifier: `vllm serve DIR` works on this "
+            "machine, but not for anyone you publish the drafter to; set export.verifier to the target's hub id "
+            "before publishing")
 
 
 def verifier_known(ctx):
     if "speculators" not in (ctx.options.get("formats") or ctx.cfg.export.formats):
         return ok("verifier", "speculators form not requested")
-    vid = verifier_id(ctx.cfg)
-    if vid:
-        return ok("verifier", f"speculators config names {vid}")
-    return warn("verifier", f"target.model {ctx.cfg.target.model} is a local folder and export.verifier is not set: "
-                            "`vllm serve SPECULATORS_DIR` needs the target's hub id",
-                "set export.verifier to the target's hub id (the rest is written either way)")
+    warning = local_verifier_warning(ctx.cfg)
+    if warning:
+        return warn("verifier", warning, "set export.verifier to the target's hub id (the rest is written either way)")
+    return ok("verifier", f"speculators config names {verifier_id(ctx.cfg)}")
+
+
+def sglang_aux_problem(cfg: RunConfig, formats: list[str]) -> str | None:
+    """Why the legacy (SGLang) form cannot carry this run's aux layers, or None."""
+    from eaglekit.model.checkpoints import SGLANG_AUX_RULE, sglang_aux_layer_ids
+
+    aux = cfg.target.aux_layers
+    if "eagle3" not in formats or aux is None or sglang_aux_layer_ids(aux) is not None:
+        return None
+    return (f"target.aux_layers {list(aux)} cannot be written for SGLang: {SGLANG_AUX_RULE}; only aux layers "
+            f"starting at hidden_states[2] (written [1, ...]) mean the same layers in every SGLang version")
+
+
+def sglang_aux_layers(ctx):
+    formats = ctx.options.get("formats") or ctx.cfg.export.formats
+    problem = sglang_aux_problem(ctx.cfg, formats)
+    if problem:
+        return fail("SGLang aux layers", problem, SGLANG_AUX_REMEDY)
+    return ok("SGLang aux layers", "legacy form not requested" if "eagle3" not in formats
+              else "eagle_config ids mean the trained layers in every SGLang version")
+
+
+SGLANG_AUX_REMEDY = ("for vLLM export the speculators form alone (`eaglekit export CONFIG --format speculators`: vLLM "
+                     "reads hidden_states indices verbatim); for SGLang train with target.aux_layers starting at 2")
 
 
 def checks(cfg: RunConfig) -> list:
-    return [common.target_folder, drafter_checkpoint, verifier_known]
+    return [common.target_folder, drafter_checkpoint, verifier_known, sglang_aux_layers]
 
 
 def estimate_bytes(ctx) -> int:
@@ -100,7 +132,7 @@ def same_logits(source, written_dir: Path) -> None:
 def serve_commands(cfg: RunConfig, dirs: dict[str, Path]) -> list[tuple[str, str]]:
     """(what, command) pairs for the written forms."""
     k = cfg.export.num_speculative_tokens
-    target = shlex.quote(verifier_id(cfg) or cfg.target.model)
+    target = shlex.quote(verifier_id(cfg))
     out = []
     if "eagle3" in dirs:
         d = str(dirs["eagle3"].resolve())
@@ -112,14 +144,7 @@ def serve_commands(cfg: RunConfig, dirs: dict[str, Path]) -> list[tuple[str, str
                     f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}"))
     if "speculators" in dirs:
         d = shlex.quote(str(dirs["speculators"].resolve()))
-        if verifier_id(cfg):
-            out.append(("vLLM, speculators form (the target comes from its config)", f"vllm serve {d}"))
-        else:
-            spec = json.dumps({"method": "eagle3", "model": str(dirs["speculators"].resolve()),
-                               "num_speculative_tokens": k}, separators=(",", ":"))
-            out.append(("vLLM, speculators form: its config names no verifier (set export.verifier to the target's "
-                        "hub id for `vllm serve DIR`); meanwhile pass the target explicitly",
-                        f"vllm serve {target} --speculative-config {shlex.quote(spec)}"))
+        out.append(("vLLM, speculators form (the target comes from its config)", f"vllm serve {d}"))
     return out
 
 
@@ -130,6 +155,9 @@ def run(ctx) -> dict:
 
     cfg, xc = ctx.cfg, ctx.cfg.export
     formats = list(dict.fromkeys(ctx.options.get("formats") or xc.formats))
+    problem = sglang_aux_problem(cfg, formats)
+    if problem:
+        raise EaglekitError(f"export: {problem}", SGLANG_AUX_REMEDY)
     drafter, info, hf, _ = load_checked_drafter(cfg)
     problems = serving_problems(drafter.config, hf)
     if problems:
@@ -144,6 +172,8 @@ def run(ctx) -> dict:
 
     dirs: dict[str, Path] = {}
     warnings: list[str] = []
+    if "speculators" in formats and local_verifier_warning(cfg):
+        warnings.append(local_verifier_warning(cfg))
     for form in formats:
         dest = ctx.dir / form
         with atomic.atomic_dir(dest) as tmp:
@@ -161,7 +191,11 @@ def run(ctx) -> dict:
         console.print(f"export: {form} form written to {dest} (keys, shapes and logits checked)")
 
     commands = serve_commands(cfg, dirs)
-    atomic.write_text(ctx.dir / "README.md", model_card(ctx, drafter, info, list(dirs), commands, warnings))
+    inherited = run_warnings(ctx)
+    if inherited:
+        ctx.warn(f"exported a drafter from a run with {len(inherited)} warning{'s' * (len(inherited) > 1)} (written "
+                 "anyway; export/README.md states them): " + " | ".join(inherited))
+    atomic.write_text(ctx.dir / "README.md", model_card(ctx, drafter, info, list(dirs), commands, warnings, inherited))
     for what, command in commands:
         console.print(f"[bold]{what}[/]:")
         console.print(command, markup=False, soft_wrap=True)
@@ -170,7 +204,19 @@ def run(ctx) -> dict:
     return {"formats": list(dirs), **{form: str(d) for form, d in dirs.items()}, "warnings": len(warnings)}
 
 
-def model_card(ctx, drafter, info, formats: list[str], commands: list[tuple[str, str]], warnings: list[str]) -> str:
+def run_warnings(ctx) -> list[str]:
+    """The warnings the stages before export recorded in their last finished run ("stage: text")."""
+    events = ctx.run.last_events()
+    out = []
+    for stage in ctx.cfg.stages()[: ctx.cfg.stages().index(NAME)]:
+        end = (events.get(stage) or {}).get("end") or {}
+        if end.get("state") == "done":
+            out += [f"{stage}: {w}" for w in end.get("warnings") or []]
+    return out
+
+
+def model_card(ctx, drafter, info, formats: list[str], commands: list[tuple[str, str]], warnings: list[str],
+               inherited: list[str] = ()) -> str:
     cfg, c = ctx.cfg, drafter.config
     events = ctx.run.last_events()
 
@@ -193,6 +239,12 @@ def model_card(ctx, drafter, info, formats: list[str], commands: list[tuple[str,
         f"max_position_embeddings {c.max_position_embeddings}, rope_theta {c.rope_theta:g}"
         + (f", rope_scaling {c.rope_scaling}" if c.rope_scaling else "") + ".",
         f"Source checkpoint: `{info.path}`.", "",
+    ]
+    if inherited:
+        lines += ["## Warnings: read before serving", "",
+                  "The run that made this drafter recorded these warnings; it was exported anyway:", ""]
+        lines += [f"- {w}" for w in inherited] + [""]
+    lines += [
         "## Data and training", "",
         f"- generate: {stage_counts('generate')}",
         f"- prepare: {stage_counts('prepare')}",

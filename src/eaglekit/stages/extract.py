@@ -24,6 +24,7 @@ from eaglekit.errors import EaglekitError
 from eaglekit.model.target import (TargetFeatures, aux_layer_ids, load_target, target_hf_config, target_identity,
                                    text_config)
 from eaglekit.preflight import checks as common
+from eaglekit.preflight import disk, environment, files, gpus
 from eaglekit.preflight import fail, ok, skip
 from eaglekit.preflight.checks import human_bytes
 from eaglekit.progress import Meter, console
@@ -79,6 +80,18 @@ def existing_shards(ctx):
     return ok("existing shards", f"{len(good)} complete shards ({human_bytes(total)}) verified by {how}; resuming after them")
 
 
+def damaged(ctx) -> str | None:
+    """A finished extract whose shard was deleted or cut short (say, to repair it) is rerun: it re-extracts only that."""
+    try:
+        shards = json.loads((ctx.dir / sh.INDEX).read_text())["shards"]
+    except (OSError, ValueError, KeyError):
+        return f"{ctx.dir / sh.INDEX} is missing or unreadable"
+    for entry in shards:
+        if sh.complete_shard(ctx.dir / entry["file"]) is None:
+            return f"shard {entry['file']} is missing or not the size its sidecar records"
+    return None
+
+
 def target_placement(ctx):
     """Under torchrun every rank loads its own copy of the target onto its own GPU; device_map would spread
     each rank's copy over all GPUs."""
@@ -93,7 +106,27 @@ def target_placement(ctx):
 
 
 def checks(cfg: RunConfig) -> list:
-    return [common.target_folder, target_placement, existing_shards]
+    return [common.target_folder, files.target_weights, environment.software, environment.devices, gpus.gpus,
+            target_placement, existing_shards, disk.write_rate]
+
+
+def estimate_files(ctx) -> int | None:
+    """Inodes: a shard and its sidecar per ``extract.shard_tokens`` tokens, and the index."""
+    if not (ctx.run.stage_dir("prepare") / "tokens.safetensors").exists():
+        return None
+    return 2 * len(_plan(ctx)[2]) + 2
+
+
+def estimate_write_rate(ctx) -> tuple[float, str] | None:
+    """Bytes per second the features arrive at: the target's forward speed that an earlier extract of this run
+    measured (a pilot), times the bytes stored per token."""
+    end = (ctx.run.last_events().get(NAME) or {}).get("end") or {}
+    rate = (end.get("counts") or {}).get("tokens_per_s")
+    if not rate:
+        return None
+    hidden = target_hf_config(ctx.cfg.target).hidden_size
+    per_token = sh.bytes_per_token(hidden, ctx.cfg.extract.dtype)
+    return rate * per_token, f"{rate:,.0f} tok/s measured by the last extract × {per_token:,} B/token"
 
 
 @torch.no_grad()

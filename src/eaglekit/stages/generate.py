@@ -26,9 +26,10 @@ from typing import Any
 
 from eaglekit.config import RunConfig
 from eaglekit.data.prompts import PromptRecord, PromptSet, load_prompts
-from eaglekit.data.responses import ResponseStore, make_record, quick_counts, summarize
+from eaglekit.data.responses import RESPONSES, ResponseStore, make_record, quick_counts, summarize
 from eaglekit.errors import EaglekitError, UsageError
 from eaglekit.preflight import checks as common
+from eaglekit.preflight import dataset, environment, files, gpus
 from eaglekit.progress import Meter, console
 from eaglekit.rundir import file_identity
 from eaglekit.serving.reasoning import explain_missing_reasoning
@@ -40,6 +41,12 @@ UPSTREAM = None
 def live_counts(stage_dir) -> dict:
     """What `status` shows while a long generate is running or was killed."""
     return quick_counts(stage_dir)
+
+
+def kept(ctx) -> str:
+    """What a stopped generate leaves: complete lines only (a torn one is cut back), each a finished sample."""
+    done = quick_counts(ctx.dir)["done"]
+    return f"{done} responses are safely in {ctx.dir / RESPONSES} (a rerun resumes after them)"
 
 
 def params(cfg: RunConfig) -> dict:
@@ -64,9 +71,10 @@ def checks(cfg: RunConfig) -> list:
     from eaglekit.serving import checks as serving
 
     if cfg.generate.backend == "local":
-        return [common.prompts_file, serving.prompts_loaded, common.target_folder, serving.reasoning_mode]
-    return [common.prompts_file, serving.prompts_loaded, serving.reasoning_mode, serving.api_key, serving.servers,
-            serving.context_length, serving.smoke]
+        return [dataset.prompts, serving.prompts_loaded, common.target_folder, files.target_weights,
+                environment.software, environment.devices, gpus.gpus, serving.reasoning_mode]
+    return [dataset.prompts, serving.prompts_loaded, serving.reasoning_mode, serving.api_key, serving.servers,
+            serving.health, serving.context_length, serving.smoke, gpus.gpus]
 
 
 @functools.lru_cache(maxsize=4)
@@ -150,8 +158,8 @@ class Collector:
     """Takes each finished sample: quality figures, the reasoning gate, the store, the progress meter."""
 
     def __init__(self, store: ResponseStore, meter: Meter, mode: str, gate_samples: int, max_empty_share: float,
-                 max_failures_in_a_row: int):
-        self.store, self.meter, self.mode = store, meter, mode
+                 max_failures_in_a_row: int, backend: str = "openai"):
+        self.store, self.meter, self.mode, self.backend = store, meter, mode, backend
         self.gate_samples, self.max_empty_share = gate_samples, max_empty_share
         self.max_failures_in_a_row = max_failures_in_a_row
         self.held: list[tuple[dict, list[str]]] = []  # completions waiting for the gate
@@ -162,6 +170,8 @@ class Collector:
         self.t0 = time.monotonic()
 
     def add(self, record: dict, seen: list[str]) -> None:
+        if self.gate is not None and self.gate.get("passed") is False:
+            return  # the gate stopped this run; a request still in flight then must not reach the file
         self.failures_in_a_row = 0
         self.counts["new"] += 1
         self.counts["empty_reasoning"] += not record["reasoning"]
@@ -199,11 +209,12 @@ class Collector:
                      "passed": empty / n <= self.max_empty_share}
         if not self.gate["passed"]:
             self.held = []
+            fix = "the server or the config" if self.backend == "openai" else "the config (chat template, extra_body)"
             raise EaglekitError(
                 f"generate: reasoning gate failed: {empty} of the first {n} responses have no reasoning "
-                f"(more than {self.max_empty_share:.0%}); {explain_missing_reasoning(seen, n, length)}. "
-                "Nothing of this run was written.",
-                "fix the server or the config as said, then rerun; or set generate.reasoning: optional if this target "
+                f"(at most {self.max_empty_share:.0%} may lack it): "
+                f"{explain_missing_reasoning(seen, n, length, empty, self.backend)}. Nothing of this run was written.",
+                f"fix {fix} as said, then rerun the same command; or set generate.reasoning: optional if this target "
                 "really answers without reasoning")
         for record, _ in self.held:
             self.store.add(record)
@@ -279,7 +290,7 @@ def run(ctx) -> dict:
         notes: list[str] = []
         with Meter("generate", total=len(prompt_set.records), unit="req", initial=existing) as meter:
             collector = Collector(store, meter, mode, g.gate_samples, g.gate_max_empty_share,
-                                  max_failures_in_a_row=max(g.gate_samples, 2 * capacity))
+                                  max_failures_in_a_row=max(g.gate_samples, 2 * capacity), backend=g.backend)
             try:
                 if pending and g.backend == "local":
                     from eaglekit.serving.local import generate_local

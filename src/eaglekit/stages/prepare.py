@@ -19,10 +19,18 @@ from eaglekit.errors import EaglekitError
 from eaglekit.preflight import checks as common
 from eaglekit.progress import Meter, console
 from eaglekit.rundir import file_identity
+from eaglekit.serving.reasoning import has_think_tags
 
 NAME = "prepare"
 UPSTREAM = "generate"
 TOKENS = "tokens.safetensors"
+DROP_WARN_SHARE = 0.10  # a cause that drops more than this share of the responses is worth a warning
+DROP_CAUSES = {  # why a response is dropped -> (what it means, what to do)
+    "length_stopped": ("cut off at generate.max_tokens (finish_reason=length)",
+                       "raise generate.max_tokens, or keep them with prepare.keep_length_stopped: true"),
+    "overlong": ("longer than prepare.max_length", "raise prepare.max_length, or set prepare.overlong: truncate"),
+    "empty": ("without a reply to train on", "look at generate/responses.jsonl: the target returned empty replies"),
+}
 
 
 def params(cfg: RunConfig) -> dict:
@@ -87,7 +95,17 @@ def run(ctx) -> dict:
 
     if not samples:
         raise EaglekitError(f"prepare: none of {len(rows)} responses in {responses_path} made a training sample "
-                            f"(dropped: {dropped})", "check generate's outputs and prepare.max_length")
+                            f"(dropped: {dropped})", "; ".join(DROP_CAUSES[c][1] for c, n in dropped.items() if n)
+                            or "check generate's outputs")
+    for cause, n in dropped.items():
+        if n > DROP_WARN_SHARE * len(rows):
+            what, fix = DROP_CAUSES[cause]
+            ctx.warn(f"{n} of {len(rows)} responses ({n / len(rows):.0%}) dropped as {what}: {fix}")
+    tagged = sum(has_think_tags(row.get("content") or "") for row in rows)
+    if tagged:
+        ctx.warn(f"{tagged} of {len(rows)} replies keep think tags in their content: their reasoning was not separated "
+                 "from the answer, so the drafter learns it in the wrong place; serve the target with its "
+                 "--reasoning-parser (or fix the template), then regenerate")
     write_token_store(ctx.dir / TOKENS, samples)
     lengths = sorted(len(ids) for _, ids, _ in samples)
     assistant = sum(sum(m) for _, _, m in samples)
@@ -96,6 +114,7 @@ def run(ctx) -> dict:
         "responses": len(rows),
         "dropped": dropped,
         "truncated": truncated,
+        "think_tags_in_content": tagged,
         "generated_ids_used": exact_ids,
         "tokens": sum(lengths),
         "assistant_tokens": assistant,

@@ -18,6 +18,7 @@ from eaglekit.errors import EaglekitError
 from eaglekit.model.drafter import DrafterConfig
 from eaglekit.model.target import aux_layer_ids, target_hf_config, target_identity
 from eaglekit.preflight import checks as common
+from eaglekit.preflight import disk, environment, files, gpus
 from eaglekit.preflight import fail, ok, skip, warn
 from eaglekit.rundir import file_identity
 
@@ -25,8 +26,12 @@ NAME = "train"
 UPSTREAM = "extract"  # the pipeline maps it to "vocab" in online mode
 
 
+MIN_SAMPLES = 100  # fewer training samples than this make a drafter that cannot generalise
+
+
 def params(cfg: RunConfig) -> dict:
-    p = cfg.train.model_dump()
+    # when checkpoints are written does not change the drafter: editing it must not make a run stale
+    p = cfg.train.model_dump(exclude={"save_every_minutes"})
     p["target"] = target_identity(cfg.target)
     p["eval_fraction"] = cfg.data.eval_fraction
     p["features"] = cfg.extract.mode
@@ -92,8 +97,9 @@ def _tokenizer_size(cfg: RunConfig) -> int | None:
 def checks(cfg: RunConfig) -> list:
     from eaglekit.stages.extract import target_placement
 
-    online = [target_placement] if cfg.extract.mode != "offline" else []
-    return [common.target_folder, *online, packing, init_from_compatible, anchor]
+    online = [target_placement] if cfg.extract.mode != "offline" else [files.feature_shards]
+    return [common.target_folder, files.target_weights, environment.software, environment.devices, gpus.gpus,
+            *online, packing, files.init_from_files, init_from_compatible, anchor, disk.write_rate]
 
 
 def parameter_counts(dc: DrafterConfig) -> tuple[int, int]:
@@ -115,7 +121,47 @@ def estimate_bytes(ctx) -> int:
     return per_checkpoint * (cfg.train.keep_last + 1) + 4 * total + (16 << 20)  # + best/ + metrics and plots
 
 
+def kept(ctx) -> str:
+    """What an interrupted or failed run leaves to resume from."""
+    from eaglekit.training.loop import Checkpoints
+
+    try:
+        latest = Checkpoints(ctx.dir / "checkpoints", ctx.cfg.train.keep_last).latest()
+    except EaglekitError:
+        latest = None
+    return f"checkpoint {latest} (a rerun resumes from it)" if latest else "no checkpoint yet (a rerun starts over)"
+
+
+def live_counts(stage_dir) -> dict:
+    """What `status` shows while training runs or after it was stopped: the last logged step and checkpoint."""
+    import json
+
+    counts: dict = {}
+    pointer = Path(stage_dir) / "checkpoints" / "latest"
+    if pointer.exists():
+        counts["checkpoint"] = pointer.read_text().strip()
+    metrics = Path(stage_dir) / "metrics.jsonl"
+    if metrics.exists():
+        lines = [line for line in metrics.read_text().splitlines() if line.strip()]
+        for line in reversed(lines):
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue  # a line torn by a kill
+            counts["steps"] = row["step"]
+            break
+    return counts
+
+
 def run(ctx) -> dict:
     from eaglekit.training.loop import train
 
-    return train(ctx)
+    counts = train(ctx)
+    tc = ctx.cfg.train
+    if counts["steps"] < tc.warmup_steps:
+        ctx.warn(f"trained {counts['steps']} steps, fewer than train.warmup_steps ({tc.warmup_steps}): the learning "
+                 "rate never reached train.lr; lower warmup_steps or train longer")
+    if counts.get("train_samples", MIN_SAMPLES) < MIN_SAMPLES:
+        ctx.warn(f"trained on {counts['train_samples']} samples (fewer than {MIN_SAMPLES}): the drafter learns those "
+                 "by heart and will not generalise; generate more (data.max_samples)")
+    return counts

@@ -106,6 +106,6 @@ def load_vocab(run_dir: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
     """(d2t, t2d) as the vocab stage wrote them."""
     path = Path(run_dir) / NAME / VOCAB
     if not path.exists():
-        raise EaglekitError(f"{path} does not exist", "run `eaglekit vocab CONFIG` first")
+        raise EaglekitError(f"{path} does not exist", "pick the draft vocabulary: `eaglekit run CONFIG --until vocab`")
     t = load_file(str(path))
     return t["d2t"], t["t2d"]

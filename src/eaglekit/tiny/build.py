@@ -249,7 +249,12 @@ def build_tiny_target(out_dir: Path, seed: int = 0, steps: int | None = None, he
 
 
 def cache_root(cache_dir: Path | None = None) -> Path:
-    return Path(cache_dir or os.environ.get("EAGLEKIT_CACHE") or Path.home() / ".cache" / "eaglekit").expanduser()
+    """Where the tiny target is cached: ``cache_dir``, else $EAGLEKIT_CACHE, else $XDG_CACHE_HOME/eaglekit, else
+    ~/.cache/eaglekit."""
+    if cache_dir or os.environ.get("EAGLEKIT_CACHE"):
+        return Path(cache_dir or os.environ["EAGLEKIT_CACHE"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "eaglekit"
 
 
 def is_built(model_dir: Path) -> bool:
@@ -262,7 +267,7 @@ def is_built(model_dir: Path) -> bool:
 
 
 def ensure_tiny_target(cache_dir: Path | None = None) -> Path:
-    """The cached tiny target (``$EAGLEKIT_CACHE/tiny-target-<version>``), built on first use.
+    """The cached tiny target (``cache_root()/tiny-target-<version>``), built on first use.
 
     Concurrent callers (parallel test processes) serialise on a lock file: one builds, the others wait
     and then find the finished folder.

@@ -34,6 +34,7 @@ from eaglekit import atomic
 from eaglekit.data.shards import FeatureStore
 from eaglekit.data.tokens import TokenStore
 from eaglekit.errors import EaglekitError
+from eaglekit.interrupt import StopRequest
 from eaglekit.model import checkpoints
 from eaglekit.model.drafter import DrafterConfig, Eagle3Drafter
 from eaglekit.model.target import (TargetFeatures, TargetHead, aux_layer_ids, embedding_and_head, load_target,
@@ -197,7 +198,7 @@ class Features:
         else:
             if self.store.index.get("aux_layer_ids") not in (None, aux_ids):
                 raise EaglekitError(f"the offline features tap layers {self.store.index['aux_layer_ids']}, "
-                                    f"this config {aux_ids}", "rerun `eaglekit extract CONFIG --force`")
+                                    f"this config {aux_ids}", "rerun extraction: `eaglekit run CONFIG --from extract --force`")
             weight = head.to(device, torch.float32 if device.type == "cpu" else head.dtype)
             self.head = TargetHead(weight, t2d)
 
@@ -316,7 +317,7 @@ class Metrics:
     def write(self, row: dict) -> None:
         if not dist.is_main():
             return
-        with open(self.path, "a", encoding="utf-8") as f:
+        with atomic.naming_file(self.path), open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(row) + "\n")
             f.flush()
             os.fsync(f.fileno())
@@ -441,6 +442,15 @@ class Checkpoints:
         with atomic.atomic_dir(self.folder / "best") as tmp:
             save_drafter(drafter_cfg, msd, tmp)
             atomic.write_json(tmp / "best.json", {"step": step, **figures})
+
+
+def checkpoint_due(stop: StopRequest, last_save: float, minutes: float | None) -> tuple[bool, bool]:
+    """(a signal asked to stop, train.save_every_minutes has passed), agreed by every rank: a checkpoint is a
+    collective under FSDP, so no rank may decide alone."""
+    flags = torch.tensor([float(stop.requested), float(minutes is not None and time.monotonic() - last_save >= 60 * minutes)],
+                         dtype=torch.float64, device=_reduce_device())
+    dist.all_reduce_sum(flags)
+    return bool(flags[0] > 0), bool(flags[1] > 0)
 
 
 # ------------------------------------------------------------------------------------------------ the run
@@ -571,8 +581,12 @@ def train(ctx) -> dict[str, Any]:
     epoch_cache: dict[int, list[list[int]]] = {}
     t0, local_tokens = time.monotonic(), 0
     model.train()
-    with Meter("train" if dist.is_main() else f"train (rank {rank})", total=total_steps, unit="step",
-               initial=start_step) as meter:
+    # Ctrl-C / SIGTERM finish the step in progress and write a checkpoint before stopping (a second one stops at once)
+    stop = StopRequest(lambda name: say(f"[yellow]train: {name}: finishing this step and writing a checkpoint "
+                                        "(send it again to stop at once)[/]"))
+    last_save = time.monotonic()
+    with stop, Meter("train" if dist.is_main() else f"train (rank {rank})", total=total_steps, unit="step",
+                     initial=start_step) as meter:
         for step in range(start_step, total_steps):
             for a in range(tc.grad_accum):
                 epoch, pos = divmod(step * tc.grad_accum + a, per_epoch)
@@ -609,7 +623,8 @@ def train(ctx) -> dict[str, Any]:
                 last_eval = run_eval(done)
                 if last_eval:
                     meter.fields.update(held_out_tau=round(last_eval["tau"], 3))
-            if done % tc.save_every == 0 or done == total_steps:
+            stopping, timed = checkpoint_due(stop, last_save, tc.save_every_minutes)
+            if done % tc.save_every == 0 or done == total_steps or stopping or timed:
                 msd, osd = model_state(model, drafter, fsdp), optim_state(model, optim, fsdp)
                 if dist.is_main():
                     ckpts.save(done, drafter.config, msd, {
@@ -619,7 +634,12 @@ def train(ctx) -> dict[str, Any]:
                         "best_tau": best_tau, "window": window.state(), "tokens": tokens_seen,
                         "seconds": seconds_before + time.monotonic() - t0, "rng": rng_state()})
                 dist.barrier()
+                last_save = time.monotonic()
             meter.update(1)
+            if stopping:
+                say(f"train: stopped after step {done} of {total_steps}; checkpoint step-{done} is written")
+                metrics.close()
+                stop.stop()
     metrics.close()
     seconds = seconds_before + time.monotonic() - t0
 
@@ -642,7 +662,8 @@ def train(ctx) -> dict[str, Any]:
             say(f"train: held-out acc_k {[round(a, 3) for a in last_eval['acc_k']]}, "
                 f"simulated acceptance length {last_eval['tau']:.3f}")
     dist.barrier()
-    counts = {"steps": total_steps, "tokens": tokens_seen, "seconds": round(seconds, 1), **notes}
+    counts = {"steps": total_steps, "train_samples": len(train_idx), "tokens": tokens_seen, "seconds": round(seconds, 1),
+              **notes}
     if last_eval:
         counts |= {"tau": round(last_eval["tau"], 3), "acc_k": [round(a, 3) for a in last_eval["acc_k"]]}
     return counts

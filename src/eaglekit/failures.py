@@ -1,0 +1,130 @@
+"""How a stage that stopped without finishing is reported: in a few lines that say what happened, what is safely on
+disk and what to do — and the ledger `end` event that `eaglekit status` reads.
+
+A Ctrl-C or SIGTERM leaves the stage *incomplete* (a rerun resumes); a disk fault (full, I/O error, permission)
+names the file, what is kept and the free space against the plan; the stage's own EaglekitError passes through;
+anything else is an unexpected error: a short message, and the full traceback in RUN_DIR/logs.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from eaglekit import atomic
+from eaglekit.errors import DISK_ERRNOS, EaglekitError, io_failure
+from eaglekit.interrupt import Terminated
+from eaglekit.rundir import RunDir, now_iso, tool_versions
+
+
+class StageCrashed(EaglekitError):
+    """An exception no check foresaw, reported in a few lines; ``original`` keeps it for ``--debug``."""
+
+    def __init__(self, message: str, remedy: str, original: BaseException, log: Path | None):
+        super().__init__(message, remedy)
+        self.original, self.log = original, log
+
+
+def kept_outputs(ctx, module: ModuleType) -> str:
+    """What of the stopped stage is safely on disk, in words (the stage's own ``kept(ctx)`` when it has one)."""
+    hook = getattr(module, "kept", None)
+    try:
+        what = hook(ctx) if hook else None
+    except Exception:  # describing what is kept must never hide the error being reported
+        what = None
+    what = what or f"nothing partial of {ctx.stage} is kept (it writes its outputs whole, at the end)"
+    return f"{what}; every finished stage is untouched"
+
+
+def disk_situation(ctx, module: ModuleType, path: str | None) -> str:
+    """Free space where the write failed, against what the stage's own estimate says it needs."""
+    from eaglekit.preflight.checks import human_bytes
+
+    try:
+        free = atomic.free_bytes(path or ctx.dir)
+    except OSError:
+        return ""
+    estimate = getattr(module, "estimate_bytes", None)
+    try:
+        need = estimate(ctx) if estimate else None
+    except Exception:
+        need = None
+    plan = f"; the plan needs about {human_bytes(need)} for {ctx.stage}" if need else ""
+    return f"{human_bytes(free)} free there{plan}"
+
+
+def record(ctx, module: ModuleType, err: BaseException, seconds: float) -> BaseException:
+    """Write the stage's `end` event for a stop that was not success, and return what the caller should raise:
+    the interrupt itself, the stage's own EaglekitError, or an EaglekitError that explains a disk fault or an
+    unexpected exception in a few lines (the traceback goes to a log file under the run directory)."""
+    stage = ctx.stage
+    event: dict[str, Any] = {"stage": stage, "event": "end", "fingerprint": ctx.fingerprint, "seconds": seconds,
+                             "warnings": ctx.warnings, **ctx.ledger_extra}
+    kept = kept_outputs(ctx, module)
+    disk = io_failure(err)
+    if isinstance(err, KeyboardInterrupt):
+        event |= {"state": "incomplete", "error": f"interrupted ({'SIGTERM' if isinstance(err, Terminated) else 'SIGINT'})"}
+        err.eaglekit_note = f"{stage} interrupted: {kept}; rerun the same command to resume"
+        out: BaseException = err
+    elif isinstance(err, SystemExit):
+        event |= {"state": "incomplete", "error": f"exit {err.code}"}
+        out = err
+    elif disk is not None:
+        what, fix = DISK_ERRNOS[disk.errno]
+        space = disk_situation(ctx, module, disk.filename) if disk.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+        message = (f"{stage}: {what} writing {disk.filename or ctx.dir} ({disk.strerror}); {kept}"
+                   + (f"; {space}" if space else ""))
+        event |= {"state": "failed", "error": message, "reason": what}
+        out = EaglekitError(message, f"{fix}, then rerun the same command to resume")
+    elif isinstance(err, EaglekitError):
+        event |= {"state": "failed", "error": err.message}
+        out = err
+    else:
+        log = write_traceback(ctx.run, stage, err)
+        message = f"{stage} stopped on an unexpected error: {type(err).__name__}: {first_line(err)}"
+        event |= {"state": "failed", "error": message, "log": str(log) if log else None}
+        out = StageCrashed(message, f"{kept}. The full traceback is in {log or 'no log file (it could not be written)'}"
+                                    " (`eaglekit --debug ...` prints it here); rerun the same command once the cause "
+                                    "is fixed, and report it if it is a bug in eaglekit", original=err, log=log)
+    try:
+        ctx.run.append_event(event)
+    except OSError as ledger_err:
+        note = (f"the ledger {ctx.run.ledger_path} could not be written either ({ledger_err.strerror}), so "
+                f"`eaglekit status` shows {stage} as incomplete until the rerun")
+        if isinstance(out, EaglekitError):
+            out.message = f"{out.message}; {note}"
+        else:
+            out.eaglekit_note = f"{getattr(out, 'eaglekit_note', stage + ' stopped')}; {note}"
+    return out
+
+
+def first_line(err: BaseException, limit: int = 200) -> str:
+    text = (str(err).strip().splitlines() or [""])[0]
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def write_traceback(run: RunDir | None, stage: str | None, err: BaseException) -> Path | None:
+    """The full traceback, with the command and versions, in RUN_DIR/logs (or the temp folder without one)."""
+    text = "\n".join([f"command: {' '.join(sys.argv)}", f"stage: {stage}", f"time: {now_iso()}",
+                       f"versions: {json.dumps(tool_versions())}", "",
+                       "".join(traceback.format_exception(type(err), err, err.__traceback__))])
+    name = f"{stage or 'eaglekit'}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+    try:
+        if run is None:
+            raise OSError("no run directory")
+        return run.write_log(name, text)
+    except OSError:
+        try:
+            fallback = Path(tempfile.gettempdir()) / f"eaglekit-{name}"
+            fallback.write_text(text, encoding="utf-8")
+            return fallback
+        except OSError:
+            return None

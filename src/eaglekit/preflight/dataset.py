@@ -1,0 +1,95 @@
+"""The prompts dataset: readable, how many rows (cheaply), and whether its first rows are usable.
+
+Rows are counted without parsing them: newlines of a JSONL file (estimated from its first 64 MB when it is
+larger than 2 GB), Parquet's footer metadata, a ``datasets`` folder's own length. The first ``SAMPLE_ROWS``
+rows are parsed the way ``generate`` will: bad rows are named by ``file:line`` — a ``fail`` when
+``data.on_bad_row`` is ``fail`` (the run would stop there), a ``warn`` when it is ``skip`` — and the share
+of rows without a user turn and of duplicates is reported.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from eaglekit.errors import EaglekitError
+from eaglekit.preflight import CheckResult, fail, ok, warn
+
+SAMPLE_ROWS = 1000
+EXACT_COUNT_LIMIT = 2 << 30  # JSONL files up to this size have their lines counted exactly
+DUPLICATE_WARN_SHARE = 0.05
+
+
+def count_rows(path: Path) -> tuple[int | None, str]:
+    """(rows, how they were counted); None when counting would mean reading the whole dataset."""
+    if path.is_dir():
+        import datasets
+
+        try:
+            ds = datasets.load_from_disk(str(path))
+        except Exception:  # noqa: BLE001 - the parse below names the problem
+            return None, "unreadable datasets folder"
+        if isinstance(ds, datasets.DatasetDict):
+            split = "train" if "train" in ds else next(iter(ds))
+            return len(ds[split]), f"datasets folder, split '{split}'"
+        return len(ds), "datasets folder"
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            return pq.ParquetFile(path).metadata.num_rows, "Parquet metadata"
+        except Exception:  # noqa: BLE001 - the parse below names the problem
+            return None, "unreadable Parquet footer"
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        if f.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"["):
+            return None, "a JSON list (counted when loaded)"
+        f.seek(0)
+        if size <= EXACT_COUNT_LIMIT:
+            lines = sum(block.count(b"\n") for block in iter(lambda: f.read(16 << 20), b""))
+            f.seek(max(size - 1, 0))
+            lines += size > 0 and f.read(1) != b"\n"  # a last line without its newline
+            return lines, "lines"
+        head = f.read(64 << 20)
+    per_line = len(head) / max(head.count(b"\n"), 1)
+    return int(size / per_line), f"estimated from the first 64 MB ({per_line:.0f} bytes per line)"
+
+
+def prompts(ctx) -> CheckResult:
+    """``data.prompts`` exists, its first rows parse in a supported shape, and what the rest will be like."""
+    from eaglekit.data.prompts import SKIP_REMEDY, load_prompts
+
+    name = "prompts"
+    cfg = ctx.cfg.data
+    path = Path(cfg.prompts)
+    if not path.exists():
+        return fail(name, f"prompt data not found: {path}", "set data.prompts to a JSONL/JSON/Parquet file or a datasets folder")
+    try:
+        rows, how = count_rows(path)
+        head = load_prompts(path, max_samples=SAMPLE_ROWS, on_bad_row="skip")
+    except EaglekitError as err:
+        return fail(name, err.message, err.remedy or "fix the prompts file")
+    except OSError as err:
+        return fail(name, f"{path}: cannot be read ({err.strerror or err})", "fix its permissions or the mount")
+    read = head.total_rows
+    facts = [f"{rows:,} rows ({how})" if rows is not None else how, f"first {read:,} read: {len(head.records):,} prompts"]
+    no_user = sum("no user turn" in b.reason for b in head.bad_rows)
+    if no_user:
+        facts.append(f"{no_user / read:.1%} without a user turn")
+    if head.duplicates:
+        facts.append(f"{head.duplicates / read:.1%} duplicates (skipped)")
+    if cfg.max_samples and rows is not None and rows < cfg.max_samples:
+        facts.append(f"data.max_samples {cfg.max_samples:,} is more than the file holds")
+    summary = f"{path}: " + ", ".join(facts)
+    if head.bad_rows:
+        first = head.bad_rows[0]
+        bad = f"{len(head.bad_rows)} bad row(s) among the first {read:,}, e.g. {first.source}: {first.reason}"
+        if cfg.on_bad_row == "fail":
+            return fail(name, f"{bad}; {summary}", SKIP_REMEDY)
+        return warn(name, f"{bad} (data.on_bad_row: skip drops them); {summary}", "fix them to keep those samples")
+    if not head.records:
+        return fail(name, f"{summary}: no usable prompt", "point data.prompts at a dataset with user turns")
+    if head.duplicates / max(read, 1) >= DUPLICATE_WARN_SHARE:
+        return warn(name, summary, "repeated prompts (same id or same turns) are skipped, so the run has fewer samples "
+                                   "than rows; deduplicate the file or add rows if you need that many")
+    return ok(name, summary)

@@ -1,0 +1,522 @@
+"""verify: the exported drafter measured in the serving engine, against eaglekit's offline figures.
+
+A drafter can train and evaluate well and still serve with a fraction of its acceptance, without an error
+anywhere: an aux-layer id read with the other engine's convention, a ``norm_before_residual`` the engine
+defaults differently, RoPE settings or ``max_position_embeddings`` not the target's, ``d2t`` offsets, an
+embedding the engine does not share. verify serves the forms ``export`` wrote, sends the evaluation prompts
+(the very token ids eaglekit decodes) at temperature 0 with the configured K, reads the engine's own
+counters, and decodes the same prompts offline with the trained checkpoint, counting as the engine counts
+(``engine_accounting`` in ``eaglekit.speculative.decode``). It passes when, for every form and K, τ and the
+acceptance rate at every draft position agree within the tolerances, and the served greedy outputs equal
+plain greedy decoding. A failure names the likely causes in order, beside the settings the engine actually
+reads from the exported config.json (``checkpoints.served_settings``).
+
+Two ways to reach an engine (``verify`` runs only when one is set):
+
+* ``verify.engine: vllm`` — eaglekit starts vLLM (``verify.python``'s environment) on a free loopback port
+  for each exported form and K, and stops it after: the legacy form as
+  ``--speculative-config '{"method": "eagle3", "model": DIR, ...}'``, the speculators form as ``vllm serve
+  DIR`` (the target comes from its config).
+* ``verify.server: URL`` — a vLLM or SGLang server you started with the command ``export`` printed; K is
+  the server's. SGLang must draft a chain (``--speculative-eagle-topk 1``).
+
+Writes ``verify/report.json``, ``report.md``, ``acceptance.png`` and the engines' logs (``logs/``).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from eaglekit import atomic
+from eaglekit.config import RunConfig
+from eaglekit.errors import EaglekitError, UsageError
+from eaglekit.preflight import checks as common
+from eaglekit.preflight import fail, ok, will_be_produced
+from eaglekit.progress import Meter, console
+from eaglekit.rundir import file_identity
+from eaglekit.serving.speculation import Counters, Served
+from eaglekit.stages.evaluate import drafter_checkpoint, first_difference, prompts_available
+
+NAME = "verify"
+UPSTREAM = "export"
+# In order of how often each has made a served drafter collapse (sglang#25454, #32334; vllm#43671, ...).
+CAUSES = ("aux-layer ids", "norm_before_residual", "rope / max_position_embeddings", "d2t offsets",
+          "embedding sharing")
+DETAILED_METRICS_FLAG = "--per-request-spec-decode-metrics"
+
+
+def forms(cfg: RunConfig) -> list[str]:
+    return list(dict.fromkeys(cfg.verify.formats or cfg.export.formats))
+
+
+def speculative_tokens(cfg: RunConfig) -> list[int]:
+    return sorted(set(cfg.verify.num_speculative_tokens or [cfg.export.num_speculative_tokens]))
+
+
+def num_samples(cfg: RunConfig) -> int:
+    return cfg.verify.num_samples or cfg.evaluate.num_samples
+
+
+def max_new_tokens(cfg: RunConfig) -> int:
+    return cfg.verify.max_new_tokens or cfg.evaluate.max_new_tokens
+
+
+def params(cfg: RunConfig) -> dict:
+    p = cfg.verify.model_dump(exclude={"startup_timeout", "timeout", "python"})
+    p.update(formats=forms(cfg), num_speculative_tokens=speculative_tokens(cfg), num_samples=num_samples(cfg),
+             max_new_tokens=max_new_tokens(cfg))
+    # what is served: an exported config.json edited by hand makes verify stale
+    p["exported"] = {form: file_identity(cfg.run_path / "export" / form) for form in forms(cfg)}
+    return p
+
+
+# -------------------------------------------------------------------------------------------- checks
+
+def configured(ctx):
+    vc = ctx.cfg.verify
+    if vc.engine:
+        return ok("verify target", f"eaglekit starts {vc.engine} for the forms {', '.join(forms(ctx.cfg))}, "
+                                   f"K {speculative_tokens(ctx.cfg)}")
+    if vc.server:
+        return ok("verify target", f"the server at {vc.server}")
+    return fail("verify target", "neither verify.engine nor verify.server is set",
+                "set verify.engine: vllm (eaglekit starts it), or verify.server: URL of a server you started with "
+                "the command `eaglekit export` printed")
+
+
+def engine_available(ctx):
+    from eaglekit.serving.engine import find_vllm_python, version
+    from eaglekit.serving.speculation import detect
+
+    vc = ctx.cfg.verify
+    try:
+        if vc.engine == "vllm":
+            python = find_vllm_python(vc.python)
+            return ok("engine", f"vLLM at {python} ({version(python)})")
+        if vc.server:
+            return ok("engine", f"{detect(vc.server)} answers at {vc.server}")
+    except EaglekitError as err:
+        return fail("engine", err.message, err.remedy or "")
+    return ok("engine", "not configured")
+
+
+def exported_forms(ctx):
+    if not ctx.cfg.verify.engine:
+        return ok("exported forms", "served by your server")
+    pending = will_be_produced(ctx, "exported forms", "export")
+    if pending:
+        return pending
+    missing = [f for f in forms(ctx.cfg) if not (ctx.cfg.run_path / "export" / f / "config.json").exists()]
+    if missing:
+        return fail("exported forms", f"{', '.join(missing)} not found under {ctx.cfg.run_path / 'export'}",
+                    "export them: `eaglekit run CONFIG --until export` (or set verify.formats to the forms it wrote)")
+    return ok("exported forms", ", ".join(forms(ctx.cfg)))
+
+
+def checks(cfg: RunConfig) -> list:
+    return [configured, engine_available, exported_forms, common.target_folder, drafter_checkpoint, prompts_available]
+
+
+def estimate_bytes(ctx) -> int:
+    return 16 << 20  # report, plot and the engines' logs
+
+
+# ------------------------------------------------------------------------------------------- offline
+
+@dataclass
+class Offline:
+    """eaglekit's figures on the prompts verify sends: plain greedy outputs, and speculative decoding per K
+    counted as an engine counts."""
+
+    prompts: list[tuple[str, list[int]]]
+    stop_ids: list[int]
+    aux: list[int]
+    plain: dict[str, list[int]] = field(default_factory=dict)
+    eagle: dict[int, dict] = field(default_factory=dict)  # K -> {id: Generation}
+    dtype: str = ""
+
+    def counters(self, k: int) -> Counters:
+        runs = self.eagle[k].values()
+        stats = [g.stats for g in runs]
+        return Counters(sum(s.drafted[0] if s.drafted else 0 for s in stats),
+                        [sum(s.accepted[i] for s in stats) for i in range(k)],
+                        emitted=sum(s.new_tokens for s in stats), verify_passes=sum(s.rounds for s in stats))
+
+
+def engine_stop_ids(cfg: RunConfig, stop_ids: set[int]) -> list[int]:
+    """The end-of-turn ids plus the generation config's EOS ids, which engines stop at by default: the set
+    sent with every request and used offline, so that both stop at the same tokens."""
+    from transformers import GenerationConfig
+
+    ids = set(stop_ids)
+    try:
+        eos = GenerationConfig.from_pretrained(cfg.target.model, trust_remote_code=cfg.target.trust_remote_code).eos_token_id
+    except (OSError, ValueError):
+        eos = None
+    ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return sorted(ids)
+
+
+def offline_figures(cfg: RunConfig, ks: list[int]) -> Offline:
+    """Decode the prompts with the trained checkpoint and the HF target (freed again before any engine starts:
+    both would want the same accelerator)."""
+    from eaglekit.model.target import load_target
+    from eaglekit.speculative.decode import EagleProposer, generate
+    from eaglekit.stages.evaluate import decode_threads, decoding_inputs
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    target = load_target(cfg.target, device if not cfg.target.device_map else None)
+    limit = max_new_tokens(cfg)
+    try:
+        with decode_threads(target):
+            inputs = decoding_inputs(cfg, target, device, limit, num_samples(cfg), stage=NAME)
+            stop = engine_stop_ids(cfg, inputs.stop_ids)
+            out = Offline(inputs.prompts, stop, inputs.aux, dtype=str(inputs.dtype).replace("torch.", ""))
+            with Meter("verify: offline decode", total=len(inputs.prompts) * (1 + len(ks)), unit="runs") as meter:
+                for pid, ids in inputs.prompts:
+                    out.plain[pid] = generate(target, ids, limit, stop_ids=set(stop)).tokens
+                    meter.update(1)
+                    for k in ks:
+                        out.eagle.setdefault(k, {})[pid] = generate(
+                            target, ids, limit, proposer=EagleProposer(inputs.drafter, inputs.aux), k=k,
+                            stop_ids=set(stop), engine_accounting=True)
+                        meter.update(1, K=k)
+    finally:
+        del target
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return out
+
+
+# -------------------------------------------------------------------------------------------- served
+
+@dataclass
+class ServedRun:
+    form: str        # exported form, or "served" for a server the user started
+    k: int
+    engine: str      # "vllm" | "sglang"
+    launch: str      # how the engine was started (or the URL)
+    served: dict[str, Served]
+    counters: Counters
+    log: str | None = None
+
+
+def vllm_launch(cfg: RunConfig, form: str, folder: Path, k: int) -> tuple[str, list[str], str]:
+    """(model, flags, description) that serve ``folder`` with K drafts: the commands export printed."""
+    spec = json.dumps({"method": "eagle3", "model": str(folder.resolve()), "num_speculative_tokens": k})
+    model = cfg.target.model
+    if form == "speculators":
+        raw = json.loads((folder / "config.json").read_text())
+        verifier = ((raw.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+        if verifier and verifier_is_target(verifier, cfg.target.model):
+            # `vllm serve DIR`: vLLM takes the target from the config; --speculative-config only overrides K
+            model, spec = str(folder.resolve()), json.dumps({"num_speculative_tokens": k})
+    return model, ["--speculative-config", spec], f"vllm serve {model} --speculative-config '{spec}'"
+
+
+def verifier_is_target(verifier: str, target: str) -> bool:
+    if verifier == target:
+        return True
+    try:
+        return Path(verifier).resolve() == Path(target).resolve() and Path(verifier).exists()
+    except OSError:
+        return False
+
+
+def served_by_eaglekit(ctx, offline: Offline) -> list[ServedRun]:
+    from eaglekit.serving.engine import VllmServer, find_vllm_python, supports_flag
+    from eaglekit.serving.speculation import VllmClient, vllm_batch
+
+    cfg, vc = ctx.cfg, ctx.cfg.verify
+    python = find_vllm_python(vc.python)
+    detailed = [DETAILED_METRICS_FLAG, "detailed"] if supports_flag(python, DETAILED_METRICS_FLAG) else []
+    logs = ctx.dir / "logs"
+    runs = []
+    for form in forms(cfg):
+        folder = cfg.run_path / "export" / form
+        for k in speculative_tokens(cfg):
+            model, args, launch = vllm_launch(cfg, form, folder, k)
+            log = logs / f"vllm-{form}-k{k}.log"
+            log.unlink(missing_ok=True)
+            console.print(f"verify: starting vLLM — {launch}; log {log}")
+            server = VllmServer(python, model, args + detailed + list(vc.engine_args), log,
+                                startup_timeout=vc.startup_timeout)
+            with server, Meter(f"verify: {form} K={k} served", total=len(offline.prompts), unit="requests") as meter:
+                client = VllmClient(server.url, vc.timeout)
+                served, counters = vllm_batch(client, offline.prompts, max_new_tokens(cfg), offline.stop_ids,
+                                              lambda: meter.update(1))
+            runs.append(ServedRun(form, k, "vllm", launch, served, counters, str(log)))
+    shutil.rmtree(logs / "vllm-cache", ignore_errors=True)  # compile caches of the engines started above
+    return runs
+
+
+def served_by_user(cfg: RunConfig, offline: Offline, engine: str, client, k: int) -> ServedRun:
+    from eaglekit.serving.speculation import sglang_batch, vllm_batch
+
+    with Meter("verify: served", total=len(offline.prompts), unit="requests") as meter:
+        if engine == "sglang":
+            served, counters = sglang_batch(client, offline.prompts, max_new_tokens(cfg), offline.stop_ids, k,
+                                            lambda: meter.update(1))
+        else:
+            served, counters = vllm_batch(client, offline.prompts, max_new_tokens(cfg), offline.stop_ids,
+                                          lambda: meter.update(1))
+    return ServedRun("served", k, engine, cfg.verify.server, served, counters)
+
+
+# ---------------------------------------------------------------------------------------- comparison
+
+def compare(run: ServedRun, offline: Offline, cfg: RunConfig) -> dict:
+    """One form and K: τ, acceptance per position, greedy outputs, and (vLLM, per-request metrics) the
+    accepted count of every verify pass, each against eaglekit's offline figures."""
+    vc = cfg.verify
+    mine, theirs = offline.counters(run.k), run.counters
+    if run.engine == "sglang":  # SGLang's own τ: completion tokens per verify pass, the prefill's token included
+        tau_served = theirs.emitted / theirs.verify_passes if theirs.verify_passes else 1.0
+        tau_offline = mine.emitted / mine.verify_passes if mine.verify_passes else 1.0
+        has_positions = theirs.drafts > 0
+        speculating = bool(theirs.verify_passes)
+    else:
+        tau_served, tau_offline = theirs.tau, mine.tau
+        has_positions = True
+        speculating = theirs.drafts > 0
+    positions = [{"position": i + 1, "served": round(s, 4), "offline": round(o, 4), "difference": round(s - o, 4)}
+                 for i, (s, o) in enumerate(zip(theirs.rates(), mine.rates()))] if has_positions else []
+    differing = [{"id": pid, "first_difference": first_difference(run.served[pid].tokens, offline.plain[pid]),
+                  "served_tokens": len(run.served[pid].tokens), "plain_tokens": len(offline.plain[pid])}
+                 for pid, _ in offline.prompts if run.served[pid].tokens != offline.plain[pid]]
+    per_round = [(pid, run.served[pid].accepted_per_round, offline.eagle[run.k][pid].accepted_per_round)
+                 for pid, _ in offline.prompts if run.served[pid].accepted_per_round is not None]
+    relative = abs(tau_served - tau_offline) / tau_offline if tau_offline else 0.0
+    worst = max((abs(p["difference"]) for p in positions), default=0.0)
+    checks = {
+        "speculating": speculating,
+        "tau": speculating and relative <= vc.tau_tolerance,
+        "positions": speculating and worst <= vc.position_tolerance,
+        "greedy": len(differing) <= vc.greedy_tolerance * len(offline.prompts),
+    }
+    return {
+        "form": run.form, "k": run.k, "engine": run.engine, "launch": run.launch, "log": run.log,
+        "tau": {"served": round(tau_served, 4), "offline": round(tau_offline, 4),
+                "relative_difference": round(relative, 4),
+                "definition": "completion tokens / verify passes (SGLang)" if run.engine == "sglang"
+                              else "1 + accepted / drafts (vLLM)"},
+        "served": {"drafts": theirs.drafts, "accepted": theirs.accepted, "verify_passes": theirs.verify_passes,
+                   "emitted": theirs.emitted},
+        "offline": {"drafts": mine.drafts, "accepted": mine.accepted, "verify_passes": mine.verify_passes,
+                    "emitted": mine.emitted},
+        "positions": positions, "largest_position_difference": round(worst, 4),
+        "greedy": {"identical": len(offline.prompts) - len(differing), "prompts": len(offline.prompts),
+                   "differing": differing},
+        "rounds": {"compared": len(per_round), "identical": sum(s == o for _, s, o in per_round)} if per_round else None,
+        "checks": checks, "passed": all(checks.values()),
+    }
+
+
+def diagnose(cfg: RunConfig, folder: Path, engine: str, aux: list[int]) -> list[dict]:
+    """The five usual causes, in order, each checked against what ``engine`` reads from ``folder``."""
+    from safetensors import safe_open
+
+    from eaglekit.model.checkpoints import served_settings
+    from eaglekit.model.drafter import rope_from_config, text_config
+    from eaglekit.model.target import embedding_and_head, target_hf_config
+    from eaglekit.stages.evaluate import checkpoint_path
+
+    hf = text_config(target_hf_config(cfg.target))
+    layers = int(hf.num_hidden_layers)
+    found = served_settings(folder, engine, layers)
+    rows = []
+
+    def row(cause: str, suspect: bool, detail: str) -> None:
+        rows.append({"cause": cause, "status": "suspect" if suspect else "ok", "detail": detail})
+
+    wrong = [ids for ids in found.aux_layer_ids if ids != list(aux)]
+    row(CAUSES[0], bool(wrong), f"{engine} captures hidden_states {' or '.join(map(str, found.aux_layer_ids))} "
+                                f"(from {folder.name}/config.json); the drafter was trained on {list(aux)}")
+    row(CAUSES[1], found.norm_before_residual,
+        f"{engine} reads norm_before_residual = {str(found.norm_before_residual).lower()}"
+        + (" (the key is absent: vLLM's default for this form)" if found.norm_before_residual_defaulted else "")
+        + "; eaglekit drafters keep the un-normed feature as residual (false)")
+    theta, scaling = rope_from_config(hf)
+    mismatch = []
+    if found.max_position_embeddings != int(hf.max_position_embeddings):
+        mismatch.append(f"max_position_embeddings {found.max_position_embeddings} (target {hf.max_position_embeddings})")
+    if found.rope_theta != theta:
+        mismatch.append(f"rope_theta {found.rope_theta} (target {theta})")
+    if (found.rope_scaling or None) != (scaling or None):
+        mismatch.append(f"rope_scaling {found.rope_scaling} (target {scaling})")
+    row(CAUSES[2], bool(mismatch), "; ".join(mismatch) or f"max_position_embeddings {found.max_position_embeddings}, "
+                                                          f"rope_theta {found.rope_theta:g} — the target's")
+    weights = folder / "model.safetensors"
+    with safe_open(str(weights), "pt") as f:
+        keys = set(f.keys())
+        d2t = f.get_tensor("d2t") if "d2t" in keys else None
+        embed = f.get_tensor("embed_tokens.weight") if "embed_tokens.weight" in keys else None
+    source_weights = checkpoint_path(cfg) / "model.safetensors"
+    trained_d2t = None
+    if source_weights.exists():
+        with safe_open(str(source_weights), "pt") as f:
+            trained_d2t = f.get_tensor("d2t") if "d2t" in set(f.keys()) else None
+    if d2t is None or trained_d2t is None:
+        row(CAUSES[3], d2t is None and trained_d2t is not None,
+            "no d2t in the served weights: the engine maps draft ids to target ids as the identity"
+            if d2t is None else "the trained checkpoint has no d2t to compare with (full draft vocabulary)")
+    else:
+        same = d2t.shape == trained_d2t.shape and torch.equal(d2t, trained_d2t)
+        row(CAUSES[3], not same, "d2t equals the trained checkpoint's" if same
+            else "d2t differs from the trained checkpoint's: draft ids map to other target tokens")
+    if embed is None:
+        row(CAUSES[4], False, "no embed_tokens in the served weights: the engine shares the target's")
+    else:
+        target_embed, _ = embedding_and_head(cfg.target.model, cfg.target.trust_remote_code)
+        same = embed.shape == target_embed.shape and torch.equal(embed.to(target_embed.dtype), target_embed)
+        row(CAUSES[4], not same, "embed_tokens equals the target's (vLLM shares the target's)" if same else
+            "embed_tokens differs from the target's: the engine embeds draft inputs with the drafter's own copy")
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------- run
+
+def run(ctx) -> dict:
+    from eaglekit.serving.speculation import SglangClient, VllmClient, detect
+
+    cfg, vc = ctx.cfg, ctx.cfg.verify
+    if not (vc.engine or vc.server):
+        raise UsageError("verify: neither verify.engine nor verify.server is set",
+                         "set verify.engine: vllm, or verify.server: URL of a server you started")
+    user_client, engine, version = None, "vllm", None
+    if vc.server:  # K is the server's: ask it first
+        engine = detect(vc.server)
+        user_client = SglangClient(vc.server, vc.timeout) if engine == "sglang" else VllmClient(vc.server, vc.timeout)
+        ks = [user_client.num_speculative_tokens()]
+        if not ks[0]:
+            raise EaglekitError(f"the vLLM server at {vc.server} registers no speculative-decoding counters: it does "
+                                "not speculate", "start it with the command `eaglekit export` printed")
+        if vc.num_speculative_tokens and ks[0] not in vc.num_speculative_tokens:
+            raise UsageError(f"the server at {vc.server} drafts K={ks[0]}, verify.num_speculative_tokens asks for "
+                             f"{vc.num_speculative_tokens}", "restart the server with that K, or drop the key "
+                                                             "(a running server's K is the one verified)")
+    else:
+        from eaglekit.serving.engine import find_vllm_python, version as engine_version
+
+        ks = speculative_tokens(cfg)
+        version = engine_version(find_vllm_python(vc.python))
+
+    offline = offline_figures(cfg, ks)
+    if vc.server:
+        runs = [served_by_user(cfg, offline, engine, user_client, ks[0])]
+        folders = {"served": Path(user_client.draft_model_path) if engine == "sglang" and user_client.draft_model_path
+                   else cfg.run_path / "export" / ("eagle3" if engine == "sglang" else forms(cfg)[0])}
+    else:
+        runs = served_by_eaglekit(ctx, offline)
+        folders = {form: cfg.run_path / "export" / form for form in forms(cfg)}
+
+    results = [compare(r, offline, cfg) for r in runs]
+    diagnosis = {name: diagnose(cfg, folder, engine, offline.aux) for name, folder in folders.items()
+                 if (folder / "config.json").exists()}
+    passed = all(r["passed"] for r in results)
+    report = {
+        "verdict": "PASS" if passed else "FAIL",
+        "engine": engine, "engine_version": version, "server": vc.server, "target": cfg.target.model,
+        "offline_dtype": offline.dtype, "prompts": len(offline.prompts), "max_new_tokens": max_new_tokens(cfg),
+        "prompt_ids": "the token ids eaglekit renders (as prepare did) are sent as the prompt",
+        "stop_token_ids": offline.stop_ids, "temperature": 0.0,
+        "tolerance": {"tau_relative": vc.tau_tolerance, "position": vc.position_tolerance,
+                      "greedy_share": vc.greedy_tolerance},
+        "runs": results, "diagnosis": diagnosis,
+    }
+    out = ctx.dir
+    atomic.write_json(out / "report.json", report)
+    atomic.write_text(out / "report.md", report_markdown(report))
+    from eaglekit import plots
+
+    plots.served_vs_offline(results, out / "acceptance.png")
+    console.print(report_markdown(report, summary_only=True))
+    counts = verdict_counts(report)
+    if not passed:
+        ctx.ledger_extra["counts"] = counts  # status shows the verdict of a failed verify too
+        raise EaglekitError(failure_message(report), f"read {out / 'report.md'}; fix the exported config (or "
+                                                     "re-export), then rerun `eaglekit verify CONFIG` (a new "
+                                                     "measurement replaces this report)")
+    return counts
+
+
+def verdict_counts(report: dict) -> dict:
+    counts = {"verdict": report["verdict"], "engine": report["engine"], "prompts": report["prompts"]}
+    for r in report["runs"]:
+        counts[f"tau_{r['form']}_k{r['k']}"] = f"served {r['tau']['served']:.3f} / offline {r['tau']['offline']:.3f}"
+    return counts
+
+
+def likely_causes(report: dict) -> list[dict]:
+    """The diagnosis rows of all served folders, suspects first, each group in the usual order."""
+    rows = [dict(row, folder=name) for name, rows in report["diagnosis"].items() for row in rows]
+    return sorted(rows, key=lambda r: (r["status"] != "suspect", CAUSES.index(r["cause"])))
+
+
+def failure_message(report: dict) -> str:
+    bad = [r for r in report["runs"] if not r["passed"]]
+    parts = []
+    for r in bad:
+        failed = [name for name, good in r["checks"].items() if not good]
+        parts.append(f"{r['form']} K={r['k']}: τ served {r['tau']['served']:.3f} vs offline {r['tau']['offline']:.3f}, "
+                     f"largest position difference {r['largest_position_difference']:.3f}, greedy identical "
+                     f"{r['greedy']['identical']}/{r['greedy']['prompts']} (failed: {', '.join(failed)})")
+    suspects = [r for r in likely_causes(report) if r["status"] == "suspect"]
+    if suspects:
+        cause = "; ".join(f"{s['cause']} ({s['folder']}): {s['detail']}" for s in suspects)
+        return f"verify: FAIL — {' | '.join(parts)}. Likely cause: {cause}"
+    return (f"verify: FAIL — {' | '.join(parts)}. The exported config.json reads as trained; check in order: "
+            + ", ".join(CAUSES) + ", then the engine's numerics (dtype) and version")
+
+
+def report_markdown(report: dict, summary_only: bool = False) -> str:
+    tol = report["tolerance"]
+    engine = report.get("engine_version") or report["engine"]
+    lines = [] if summary_only else [
+        "# Verify: served acceptance against offline acceptance", "",
+        f"**{report['verdict']}** — {engine}, " + (f"server {report['server']}" if report["server"] else "started by "
+                                                   "eaglekit for each form and K")
+        + f"; {report['prompts']} prompts sent as token ids, up to {report['max_new_tokens']} new tokens, T=0; "
+          f"offline: eaglekit's decode loop with the trained checkpoint ({report['offline_dtype']}), counted as "
+          "the engine counts.", "",
+        f"Pass: |τ served − τ offline| ≤ {tol['tau_relative']:.0%} of τ offline, every draft position within "
+        f"{tol['position']:.2f}, served greedy output = plain greedy decoding on at least "
+        f"{1 - tol['greedy_share']:.0%} of the prompts.", ""]
+    lines += ["| form | K | τ served | τ offline | largest position Δ | greedy identical | result |",
+              "|---|---|---|---|---|---|---|"]
+    for r in report["runs"]:
+        lines.append(f"| {r['form']} | {r['k']} | {r['tau']['served']:.3f} | {r['tau']['offline']:.3f} | "
+                     f"{r['largest_position_difference']:.3f} | {r['greedy']['identical']}/{r['greedy']['prompts']} | "
+                     f"{'pass' if r['passed'] else '**FAIL**'} |")
+    if summary_only:
+        return "\n".join([f"verify: **{report['verdict']}**", ""] + lines) + "\n"
+    for r in report["runs"]:
+        lines += ["", f"## {r['form']}, K={r['k']}", "", f"Started as: `{r['launch']}`" + (f" (log `{r['log']}`)" if r["log"] else ""), ""]
+        if r["positions"]:
+            lines += ["| draft position | served acceptance | offline acceptance | difference |", "|---|---|---|---|"]
+            lines += [f"| {p['position']} | {p['served']:.3f} | {p['offline']:.3f} | {p['difference']:+.3f} |"
+                      for p in r["positions"]]
+        lines += ["", f"Drafts (verify passes with drafts): served {r['served']['drafts']}, offline "
+                      f"{r['offline']['drafts']}; accepted per position: served {r['served']['accepted']}, offline "
+                      f"{r['offline']['accepted']}."]
+        if r["rounds"]:
+            lines.append(f"Per request, the accepted count of every verify pass equals eaglekit's on "
+                         f"{r['rounds']['identical']}/{r['rounds']['compared']} prompts.")
+        for d in r["greedy"]["differing"][:5]:
+            lines.append(f"- prompt {d['id']}: served output differs from plain greedy decoding at token "
+                         f"{d['first_difference']}")
+    lines += ["", "## The exported config as the engine reads it", "",
+              "Likely causes of a served drafter accepting less than offline, in order:", "",
+              "| folder | cause | status | detail |", "|---|---|---|---|"]
+    for row in likely_causes(report):
+        lines.append(f"| {row['folder']} | {row['cause']} | {'**suspect**' if row['status'] == 'suspect' else 'ok'} "
+                     f"| {row['detail']} |")
+    lines += ["", "![served vs offline acceptance by position](acceptance.png)"]
+    return "\n".join(lines) + "\n"

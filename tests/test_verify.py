@@ -1,0 +1,160 @@
+"""`eaglekit verify` against the real vLLM (CPU build): the demo's drafter served in both exported forms gives
+the acceptance eaglekit measures offline, and a copy whose config.json was made wrong on purpose fails with
+its cause named.
+
+vLLM starts take most of this file's time (~45 s each on 2 idle cores): the passing case is the demo's own
+verify stage (two starts, shared through the session fixture `demo_run`), each failing case one more start.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import write_config
+from eaglekit import pipeline
+from eaglekit.config import load_config
+from eaglekit.rundir import RunDir
+
+pytestmark = pytest.mark.slow
+
+
+def test_verify_passes_on_the_demo_drafter_in_both_forms(vllm_python, demo_run, cli):
+    run_dir, doc, _ = demo_run
+    report = json.loads((run_dir / "verify" / "report.json").read_text())
+    assert report["verdict"] == "PASS" and report["engine"] == "vllm"
+    tol = report["tolerance"]
+    runs = {r["form"]: r for r in report["runs"]}
+    assert set(runs) == {"eagle3", "speculators"} and all(r["k"] == 3 for r in runs.values())
+    for form, r in runs.items():
+        assert r["checks"] == {"speculating": True, "tau": True, "positions": True, "greedy": True}, (form, r)
+        # greedy outputs of the speculating engine equal eaglekit's plain (non-speculative) greedy decoding
+        assert r["greedy"]["identical"] == r["greedy"]["prompts"] == report["prompts"] > 0
+        assert abs(r["tau"]["served"] - r["tau"]["offline"]) <= tol["tau_relative"] * r["tau"]["offline"]
+        assert len(r["positions"]) == 3
+        assert all(abs(p["served"] - p["offline"]) <= tol["position"] for p in r["positions"])
+        assert r["tau"]["served"] > 2.0, "the served drafter does accept drafts"  # the demo's offline τ at K=3 is ~3
+        # vLLM's per-request metrics: the accepted count of every verify pass, prompt by prompt
+        assert r["rounds"] and r["rounds"]["compared"] == report["prompts"]
+    # the speculators form served from its own folder: `vllm serve DIR`, the target read from its config
+    spec_dir = (run_dir / "export" / "speculators").resolve()
+    assert runs["speculators"]["launch"].startswith(f"vllm serve {spec_dir} ")
+    assert "--speculative-config" in runs["eagle3"]["launch"] or "method: eagle3" in runs["eagle3"]["launch"]
+    assert all(row["status"] == "ok" for rows in report["diagnosis"].values() for row in rows)
+    assert (run_dir / "verify" / "acceptance.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "**PASS**" in (run_dir / "verify" / "report.md").read_text()
+
+    status = cli("status", run_dir, "--json")
+    row = next(r for r in json.loads(status.out)["stages"] if r["stage"] == "verify")
+    assert row["state"] == "done" and row["counts"]["verdict"] == "PASS"
+
+
+def _exported_run(tmp_path: Path, run_dir: Path, form: str, verify: dict) -> Path:
+    """A run that exports the demo's trained drafter in ``form`` (export done), with ``verify`` configured."""
+    from eaglekit.tiny import write_prompts
+
+    demo = load_config(run_dir / "config.yaml")
+    prompts = write_prompts(tmp_path / "heldout.jsonl", 8, seed=77)
+    config = write_config(tmp_path / "config.yaml", {
+        "run_dir": str(tmp_path / "run"),
+        "target": {"model": demo.target.model},
+        "data": {"prompts": str(prompts)},
+        "evaluate": {"checkpoint": str(run_dir / "train" / "checkpoints" / "best"), "prompts": str(prompts),
+                     "num_samples": 8, "max_new_tokens": 96},
+        "export": {"formats": [form]},
+        "verify": verify,
+    })
+    cfg = load_config(config)
+    with RunDir(cfg.run_dir).lock:
+        pipeline.run_stage(cfg, "export", skip_preflight=True)
+    return config
+
+
+def _edit_exported(tmp_path: Path, form: str, edit) -> None:
+    path = tmp_path / "run" / "export" / form / "config.json"
+    raw = json.loads(path.read_text())
+    edit(raw)
+    path.write_text(json.dumps(raw, indent=2))
+
+
+def _shift_aux(raw: dict) -> None:
+    raw["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in raw["eagle_aux_hidden_state_layer_ids"]]
+    raw["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [
+        i + 1 for i in raw["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]
+
+
+def _flip_norm(raw: dict) -> None:
+    raw["norm_before_residual"] = not raw["norm_before_residual"]
+
+
+@pytest.mark.parametrize("form,edit,cause", [
+    ("eagle3", _shift_aux, "aux-layer ids"),
+    ("speculators", _flip_norm, "norm_before_residual"),
+])
+def test_verify_fails_on_a_wrong_config_and_names_the_cause(vllm_python, demo_run, tmp_path, cli, form, edit, cause):
+    run_dir, _, _ = demo_run
+    config = _exported_run(tmp_path, run_dir, form, {"engine": "vllm"})
+    _edit_exported(tmp_path, form, edit)
+    result = cli("verify", config)
+    assert result.code == 1, result.err[-3000:]
+    assert "verify: FAIL" in result.err and f"Likely cause: {cause}" in " ".join(result.err.split())
+
+    out = tmp_path / "run" / "verify"
+    report = json.loads((out / "report.json").read_text())
+    assert report["verdict"] == "FAIL"
+    (r,) = report["runs"]
+    assert r["form"] == form and not r["passed"]
+    # the served drafter accepts less than the trained one, by more than the tolerance (measured on these prompts:
+    # aux ids shifted by one, τ 2.935 served vs 3.018 offline at K=3, the tiny target's adjacent layers being
+    # alike; norm_before_residual flipped, 1.791 vs 3.018)
+    assert r["tau"]["served"] < r["tau"]["offline"]
+    assert r["tau"]["relative_difference"] > report["tolerance"]["tau_relative"]
+    suspects = [row["cause"] for row in report["diagnosis"][form] if row["status"] == "suspect"]
+    assert suspects == [cause]
+    md = (out / "report.md").read_text()
+    assert "**FAIL**" in md and "| draft position | served acceptance | offline acceptance |" in md
+
+    status = cli("status", tmp_path / "run", "--json")
+    row = next(r for r in json.loads(status.out)["stages"] if r["stage"] == "verify")
+    assert row["state"] == "failed" and row["counts"]["verdict"] == "FAIL"
+    shutil.rmtree(tmp_path / "run" / "verify" / "logs", ignore_errors=True)
+
+
+def test_verify_reads_sglang_meta_info_and_names_sglangs_aux_convention(demo_run, tmp_path, cli):
+    """Against the SGLang stand-in (tests/fake_sglang.py): K from /get_server_info, τ as SGLang defines it
+    (completion tokens / spec_verify_ct), acceptance per position from its histogram; then an eagle_config
+    written in the other convention ([2, 4, 5] instead of [1, 3, 4]) that SGLang's llama.py shifts by one."""
+    from fake_sglang import FakeSglang
+
+    run_dir, _, _ = demo_run
+    target = Path(load_config(run_dir / "config.yaml").target.model)
+    config = _exported_run(tmp_path, run_dir, "eagle3", {"server": "http://127.0.0.1:9"})  # the URL is set below
+    draft = tmp_path / "run" / "export" / "eagle3"
+    with FakeSglang(target, draft, k=3) as fake:
+        _set_verify(config, {"server": fake.url})
+        good = cli("verify", config)
+    assert good.code == 0, good.err[-3000:]
+    report = json.loads((tmp_path / "run" / "verify" / "report.json").read_text())
+    (r,) = report["runs"]
+    assert (report["verdict"], report["engine"], r["k"]) == ("PASS", "sglang", 3)
+    assert r["tau"]["definition"].endswith("(SGLang)") and r["tau"]["served"] == r["tau"]["offline"]
+    assert len(r["positions"]) == 3 and all(p["difference"] == 0 for p in r["positions"])
+    assert r["served"]["verify_passes"] == r["offline"]["verify_passes"] > 0
+
+    _edit_exported(tmp_path, "eagle3", lambda raw: raw["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[2, 4, 5]))
+    with FakeSglang(target, draft, k=3) as fake:
+        assert fake.aux == [3, 5, 6]
+        _set_verify(config, {"server": fake.url})
+        bad = cli("verify", config, "--force")  # the served config changed: a new measurement replaces the report
+    assert bad.code == 1 and "Likely cause: aux-layer ids" in " ".join(bad.err.split())
+    report = json.loads((tmp_path / "run" / "verify" / "report.json").read_text())
+    row = next(row for row in report["diagnosis"]["served"] if row["cause"] == "aux-layer ids")
+    assert row["status"] == "suspect" and "[3, 5, 6] or [2, 4, 5]" in row["detail"]
+
+
+def _set_verify(config: Path, verify: dict) -> None:
+    write_config(config, {**yaml.safe_load(config.read_text()), "verify": verify})
