@@ -77,6 +77,8 @@ def test_evaluate_measures_the_finetune_beside_its_start_and_the_anchor_holds_it
     assert heldout["better"] == "finetuned" and heldout["count"] >= 4
     assert traffic["better"] == "starting drafter" and traffic["count"] == 6
     assert "over-specialised" in report["finetune"]["verdict"]
+    # a degenerate outcome: a warning of the stage (ledger, status, export), not only a line in the report
+    assert report["finetune"]["verdict"] in row["warnings"] and report["finetune"]["verdict"] in report["warnings"]
     assert row["counts"]["finetune_vs_start"][str(production)] == traffic["mean_ratio"] < 1
     # the main table holds both drafters (and n-gram) on evaluate.prompts
     assert {r["method"] for r in report["results"]} == {"eagle", "eagle_start", "ngram"}
