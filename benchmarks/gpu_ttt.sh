@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The training (TTT) benchmarks on a lent GPU, in one command that fits one device call (7.5 minutes at most;
-# give the run a timeout of ~540 s):
+# The training (TTT) benchmarks on a lent GPU, in one command that fits one device call (8.7 minutes at most;
+# give the run a timeout of ~580 s):
 #
 #     bash benchmarks/gpu_ttt.sh        # text and JSON figures in $OUT (/tmp/eaglekit-gpu-ttt when unset)
 #
@@ -8,7 +8,9 @@
 # this working tree (src/ on the path). speculators is compared where it imports; a bare GPU image will not have
 # it, and then every figure is eaglekit's alone (each script says so). Each part has its own time limit, so a
 # slow part costs its own figures only. Sizes: a Llama-3-8B-like drafter (H=4096, 32 heads x 128, 8 KV heads,
-# V=128256, Vd=32000) in bf16, plus the CPU sizes for comparison with benchmarks/RESULTS.md.
+# V=128256, Vd=32000) in bf16, plus the CPU sizes for comparison with benchmarks/RESULTS.md. The TTT step is the
+# current one: the fused draft head + soft cross-entropy (training/loss.py) and, in packing.py, packed rows with
+# per-document attention; memory_small gives the memory per extra TTT step at the CPU benchmark's H=256 in bf16.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/eaglekit-gpu-ttt}
@@ -35,9 +37,13 @@ part() {  # part NAME SECONDS SCRIPT ARGS...: run one benchmark, its output to $
 }
 
 part step_small 60 benchmarks/ttt_step.py --device cuda "${CPU[@]}" --sizes 256x512,512x2048 --warmup 3 --repeats 10
-part step_8b 180 benchmarks/ttt_step.py --device cuda "${CPU[@]}" --sizes 4096x2048,4096x8192 "${LLAMA8B[@]}" \
-  --warmup 3 --repeats 6
-part memory_8b 150 benchmarks/ttt_memory.py --device cuda "${CPU[@]}" --hidden 4096 "${LLAMA8B[@]}" \
+part memory_small 40 benchmarks/ttt_memory.py --device cuda "${CPU[@]}" --hidden 256 --lengths 2048,4096,8192 \
+  --speculators-max-len 8192
+part step_8b 150 benchmarks/ttt_step.py --device cuda "${CPU[@]}" --sizes 4096x2048,4096x8192 "${LLAMA8B[@]}" \
+  --warmup 3 --repeats 5
+part memory_8b 120 benchmarks/ttt_memory.py --device cuda "${CPU[@]}" --hidden 4096 "${LLAMA8B[@]}" \
   --lengths 2048,4096,8192,16384 --speculators-max-len 16384
 part flops_8b 60 benchmarks/flops.py --device cuda "${CPU[@]}" --sizes 4096x2048,4096x8192 "${LLAMA8B[@]}" --repeats 5
+part packing_8b 90 benchmarks/packing.py --device cuda "${CPU[@]}" --hidden 4096 "${LLAMA8B[@]}" --samples 160 \
+  --median 600 --longest 8192 --pack-length 8192 --batch 4 --pack-rows 2 --rounds 2
 echo "figures in $OUT"

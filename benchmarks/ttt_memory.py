@@ -10,6 +10,7 @@ nothing.
 
     python benchmarks/ttt_memory.py                                    # eaglekit, H=256, L=512..8192
     benchmarks/.venv-speculators/bin/python benchmarks/ttt_memory.py   # and speculators up to L=2048
+    python benchmarks/ttt_memory.py --baseline d3cd37f                 # and eaglekit's TTT at that commit
 """
 
 from __future__ import annotations
@@ -60,13 +61,15 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None, help="float32 on CPU, bfloat16 on CUDA unless given")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--baseline", help="also measure eaglekit's TTT as it was at this git commit")
+    p.add_argument("--eaglekit-only", action="store_true", help="leave speculators out even where it imports")
     p.add_argument("--json", help="also write the figures to this file")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.float32 if args.device == "cpu" else torch.bfloat16)
     lengths = [int(x) for x in args.lengths.split(",")]
-    why_not = speculators_missing()
-    sides = ["eaglekit"] + ([] if why_not else ["speculators"])
+    why_not = "--eaglekit-only" if args.eaglekit_only else speculators_missing()
+    sides = ["eaglekit"] + ([f"eaglekit@{args.baseline}"] if args.baseline else []) + ([] if why_not else ["speculators"])
     print(f"torch {torch.__version__}, device {args.device}, threads {torch.get_num_threads()}, H={args.hidden} "
           f"V={args.vocab} Vd={args.draft_vocab}; peak growth of one training step, MiB")
     if why_not:

@@ -21,14 +21,18 @@ on CUDA torch.cuda.max_memory_allocated.
 
     benchmarks/.venv-speculators/bin/python benchmarks/ttt_step.py            # both sides (setup_speculators.sh)
     python benchmarks/ttt_step.py --sizes 256x512 --device cuda              # any python with eaglekit
+    python benchmarks/ttt_step.py --baseline d3cd37f --eaglekit-only          # this tree vs eaglekit's TTT at a commit
 
-Without speculators it says why and prints eaglekit's figures alone.
+Without speculators it says why and prints eaglekit's figures alone. ``--baseline REF`` adds a side
+"eaglekit@REF": ``src/eaglekit/training/ttt.py`` as it was at git commit REF (with this tree's drafter),
+so a change to the TTT step is measured against its predecessor in the same run.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
 import os
 import statistics
@@ -124,7 +128,24 @@ def adamw(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW([p for p in params if p.requires_grad], lr=1e-4, betas=(0.9, 0.95))
 
 
-def eaglekit_side(s: Shape, batch: dict, device: str, dtype: torch.dtype, freeze_lm_head: bool = False):
+def ttt_loss_at(ref: str):
+    """``ttt_loss`` of src/eaglekit/training/ttt.py as it was at git commit ``ref``."""
+    repo = Path(__file__).resolve().parents[1]
+    source = subprocess.run(["git", "-C", str(repo), "show", f"{ref}:src/eaglekit/training/ttt.py"],
+                            capture_output=True, text=True, check=True).stdout
+    folder = Path(os.environ.get("TMPDIR", "/tmp")) / f"eaglekit-ttt-{os.getpid()}"
+    folder.mkdir(exist_ok=True)
+    path = folder / f"ttt_{ref.replace('/', '_')}.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(f"ttt_at_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module.ttt_loss
+
+
+def eaglekit_side(s: Shape, batch: dict, device: str, dtype: torch.dtype, freeze_lm_head: bool = False,
+                  loss_fn=ttt_loss):
     """(step function, trainable parameter count). step(length) trains on the first ``length`` positions (all by
     default) and returns ttt_loss's TTTOutput."""
     drafter = make_drafter(s, batch).to(device, dtype)
@@ -137,8 +158,8 @@ def eaglekit_side(s: Shape, batch: dict, device: str, dtype: torch.dtype, freeze
     def step(length: int | None = None):
         with torch.no_grad():
             target_logits, in_draft = draft_logits(last[:, :length], head, t2d)
-        out = ttt_loss(drafter, aux[:, :length], ids[:, :length], target_logits, loss_mask[:, :length],
-                       steps=s.steps, decay=DECAY, target_in_draft=in_draft)
+        out = loss_fn(drafter, aux[:, :length], ids[:, :length], target_logits, loss_mask[:, :length],
+                      steps=s.steps, decay=DECAY, target_in_draft=in_draft)
         out.loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -203,9 +224,12 @@ def speculators_side(s: Shape, batch: dict, device: str, dtype: torch.dtype):
 
 
 def make_side(name: str, s: Shape, device: str, dtype: torch.dtype, freeze_lm_head: bool = False):
+    """A side by name: "eaglekit", "eaglekit@REF" (its TTT at git commit REF) or "speculators"."""
     batch = make_batch(s)
     if name == "eaglekit":
         return eaglekit_side(s, batch, device, dtype, freeze_lm_head)
+    if name.startswith("eaglekit@"):
+        return eaglekit_side(s, batch, device, dtype, freeze_lm_head, loss_fn=ttt_loss_at(name.split("@", 1)[1]))
     return speculators_side(s, batch, device, dtype)
 
 
@@ -286,6 +310,8 @@ def run(args) -> list[dict]:
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.float32 if device == "cpu" else torch.bfloat16)
     why_not = None if args.eaglekit_only else speculators_missing()
     sides = ["eaglekit"] if args.eaglekit_only or why_not else ["eaglekit", "speculators"]
+    if args.baseline:
+        sides.insert(1, f"eaglekit@{args.baseline}")
     print(f"torch {torch.__version__}, device {device}, dtype {str(dtype).removeprefix('torch.')}, "
           f"threads {torch.get_num_threads()}, repeats {args.repeats} (+{args.warmup} warmup)")
     if why_not:
@@ -317,12 +343,13 @@ def run(args) -> list[dict]:
             mem_txt = f"  peak +{mem[side]:8.1f} MiB" if side in mem else ""
             print(f"  {side:12s} {row['tokens_per_s'][side]:9.0f} tok/s  median {row['median_s'][side]:.3f} s "
                   f"({spread}){mem_txt}  trainable {params[side] / 1e6:.2f} M")
-        if len(sides) == 2:
-            row["throughput_ratio"] = row["tokens_per_s"]["eaglekit"] / row["tokens_per_s"]["speculators"]
-            line = f"  eaglekit/speculators: throughput x{row['throughput_ratio']:.2f}"
+        for other in sides[1:]:
+            key = "" if other == "speculators" else f"_vs_{other}"
+            row["throughput_ratio" + key] = row["tokens_per_s"]["eaglekit"] / row["tokens_per_s"][other]
+            line = f"  eaglekit/{other}: throughput x{row['throughput_ratio' + key]:.2f}"
             if mem:
-                row["memory_ratio"] = mem["eaglekit"] / mem["speculators"]
-                line += f", peak memory x{row['memory_ratio']:.2f}"
+                row["memory_ratio" + key] = mem["eaglekit"] / mem[other]
+                line += f", peak memory x{row['memory_ratio' + key]:.2f}"
             print(line)
     return results
 
@@ -344,6 +371,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=4)
     p.add_argument("--freeze-lm-head", action="store_true", help="freeze eaglekit's lm_head too, as speculators does")
     p.add_argument("--eaglekit-only", action="store_true")
+    p.add_argument("--baseline", help="also time eaglekit's TTT as it was at this git commit (e.g. main)")
     p.add_argument("--no-memory", action="store_true")
     p.add_argument("--json", help="also write the figures to this file")
     p.add_argument("--memory-child", help=argparse.SUPPRESS)

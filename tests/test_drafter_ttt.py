@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
@@ -10,7 +9,7 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, Qwen3Config
 
 from eaglekit.errors import UsageError
-from eaglekit.model.drafter import DraftKVCache, DrafterConfig, Eagle3Drafter, apply_rope, build_d2t_t2d
+from eaglekit.model.drafter import DraftKVCache, DrafterConfig, Eagle3Drafter, build_d2t_t2d
 from eaglekit.training.ttt import simulated_acceptance_length, ttt_loss
 
 
@@ -359,3 +358,52 @@ def test_simulated_acceptance_length():
     acc = [0.8, 0.5, 0.25]
     assert simulated_acceptance_length(acc) == pytest.approx(1 + 0.8 + 0.8 * 0.5 + 0.8 * 0.5 * 0.25)
     assert simulated_acceptance_length([]) == 1.0
+
+
+# ------------------------------------------------------------------------------- the fused head + soft CE
+
+def plain_head_loss(x, weight, target_p, slots, row_weight):
+    """What the fused function replaces: lm_head, then F.cross_entropy with soft targets, per row."""
+    ce = F.cross_entropy(x @ weight.T, target_p[slots], reduction="none")
+    return (ce * row_weight).sum(), ce
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 7, 1000])
+def test_fused_head_loss_matches_plain_cross_entropy_float64(chunk_rows):
+    from eaglekit.training.loss import head_soft_cross_entropy
+
+    g = torch.Generator().manual_seed(3)
+    m, h, vd, p = 23, 16, 37, 9
+    x = torch.randn(m, h, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(vd, h, generator=g, dtype=torch.float64, requires_grad=True)
+    target_p = (2 * torch.randn(p, vd, generator=g, dtype=torch.float64)).softmax(-1)
+    slots = torch.randint(0, p, (m,), generator=g)
+    row_weight = torch.rand(m, generator=g, dtype=torch.float64)
+
+    fused = head_soft_cross_entropy(x, weight, target_p, target_p.argmax(-1), slots, row_weight, chunk_rows=chunk_rows)
+    gx, gw = torch.autograd.grad(3.0 * fused.loss, (x, weight))
+    want, want_ce = plain_head_loss(x, weight, target_p, slots, row_weight)
+    wx, ww = torch.autograd.grad(3.0 * want, (x, weight))
+
+    assert fused.loss.item() == pytest.approx(want.item(), rel=1e-12)
+    torch.testing.assert_close(fused.ce, want_ce.detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(gx, wx, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(gw, ww, rtol=1e-10, atol=1e-12)
+    assert torch.equal(fused.correct, (x @ weight.T).argmax(-1) == target_p.argmax(-1)[slots])
+    # frozen head: only x gets a gradient, and the same one
+    frozen = head_soft_cross_entropy(x, weight.detach(), target_p, target_p.argmax(-1), slots, row_weight,
+                                     chunk_rows=chunk_rows)
+    torch.testing.assert_close(torch.autograd.grad(3.0 * frozen.loss, x)[0], wx, rtol=1e-10, atol=1e-12)
+
+
+def test_ttt_keeps_no_draft_vocab_wide_tensor_for_backward():
+    """The soft cross-entropy used to keep its log-softmax and target probabilities ([N, Vd] each) per step."""
+    cfg = tiny_config(draft_vocab_size=29)  # Vd unlike every other width (H 32, 2H, 3Ht 72, I 36, V 39)
+    drafter = make_drafter(cfg, dtype=torch.float32)
+    aux, ids, tl, lm, am, ind = make_batch(cfg, length=30, dtype=torch.float32)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+        out = ttt_loss(drafter, aux, ids, tl, lm, am, steps=4, target_in_draft=ind)
+    wide = [s for s in saved if cfg.draft_vocab_size in s and s != tuple(drafter.lm_head.weight.shape)]
+    assert not wide, f"[N, Vd] tensors kept for backward: {wide}"
+    assert out.count_k[0] > 20

@@ -86,3 +86,32 @@ def test_loader_reads_ahead_restarts_and_reports_errors():
         loader.get(7)
     loader.close()
     assert made[:3] == [0, 1, 2] and 5 in made
+
+
+def test_packing_streams_shard_by_shard_and_carries_fp8_scales(tmp_path, monkeypatch):
+    from eaglekit.data.tokens import TokenStore, write_token_store
+
+    lengths = write_shards(tmp_path, n_shards=6, per_shard=20, dtype="fp8")
+    store = sh.FeatureStore(tmp_path, max_open=2)
+    ids = [sid for ids in store.shard_members() for sid in ids]
+    write_token_store(tmp_path / "tokens.safetensors",
+                      [(sid, list(range(n)), [1] * n) for sid, n in zip(ids, lengths)])
+    tokens = TokenStore(tmp_path / "tokens.safetensors")
+    blocks = [list(range(20 * n, 20 * n + 20)) for n in range(6)]
+
+    # packed rows follow the shards too: a window of 20 samples (one shard's worth) draws from at most two shards
+    monkeypatch.setattr(td, "PACK_WINDOW", 20)
+    batches = td.packed_batches(list(range(120)), lengths, 2, 16, seed=0, epoch=0, blocks=blocks)
+    rows = [row for b in batches for row in b]
+    assert sorted(i for row in rows for i in row) == list(range(120))
+    assert all(len({i // 20 for i in row}) <= 2 for row in rows)
+
+    # an fp8 packed batch keeps each token's scales beside it: decoded, every document reads its own value
+    batch = td.collate_packed(tokens, [[0, 21], [45]], store)
+    assert batch.scale_exp is not None and batch.scale_exp.shape[:2] == batch.aux.shape[:2]
+    aux, last = sh.decode(sh.Rows(batch.aux, batch.last_hidden, batch.scale_exp))
+    starts = {0: (0, 0), lengths[0]: (1, 1)}  # row 0: sample s0-0, then s1-1 from its first token on
+    for start, (n, k) in starts.items():
+        assert float(aux[0, start, 0]) == pytest.approx((n * 1000 + k) / 1000, rel=2e-2)
+        assert float(last[0, start, 0]) == pytest.approx((n * 1000 + k) / 1000, rel=2e-2)
+    assert float(aux[1, 0, 0]) == pytest.approx((2 * 1000 + 5) / 1000, rel=2e-2)

@@ -12,7 +12,7 @@ import huggingface_hub.constants
 import pytest
 import torch
 from local_hub import LocalHub
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from test_extract import prepared_run
 
 from eaglekit import pipeline

@@ -1,5 +1,6 @@
-"""Multi-process training on CPU (gloo): 2 processes on halves of a batch = 1 process on the whole batch,
-and the train stage under 2 ranks (rank 0 owns the run directory, rank 1 only computes)."""
+"""Multi-process training on CPU (gloo): 2 processes on halves of a batch = 1 process on the whole batch (the loss
+weighted by tokens across ranks), and the train stage under 2 ranks (rank 0 owns the run directory, rank 1 only
+computes)."""
 
 from __future__ import annotations
 
@@ -50,7 +51,22 @@ def batch():
     return aux, ids, logits, loss_mask, attention, None
 
 
-def halves_worker(rank: int, world: int, port: int, out: str, mode: str) -> None:
+def unequal_batch():
+    """4 rows whose halves count very different numbers of positions: rank 0's rows are short and mostly prompt,
+    rank 1's long. The mean of the two halves' means would weigh rank 0's few positions as much as rank 1's many."""
+    aux, ids, logits, loss_mask, attention, _ = batch()
+    attention = torch.ones_like(attention)
+    attention[0, 6:] = 0
+    attention[2, 8:] = 0
+    loss_mask = attention.clone()
+    loss_mask[[0, 2], :4] = 0
+    return aux, ids, logits, loss_mask, attention, None
+
+
+BATCHES = {"equal": batch, "unequal": unequal_batch}
+
+
+def halves_worker(rank: int, world: int, port: int, out: str, mode: str, which: str = "equal") -> None:
     from eaglekit.training import distributed as dist
     from eaglekit.training.data import rank_share
     from eaglekit.training.loop import TTT, wrap
@@ -60,7 +76,7 @@ def halves_worker(rank: int, world: int, port: int, out: str, mode: str) -> None
     dist.init()
     model = wrap(TTT(drafter(), steps=3, decay=0.8), mode, torch.device("cpu"))
     rows = rank_share(list(range(4)), dist.rank(), dist.world_size())
-    loss, _ = model(*[t[rows] if t is not None else None for t in batch()])
+    loss, _ = model(*[t[rows] if t is not None else None for t in BATCHES[which]()])
     loss.backward()
     grads = {}
     for name, p in model.named_parameters():
@@ -71,14 +87,18 @@ def halves_worker(rank: int, world: int, port: int, out: str, mode: str) -> None
     torch.distributed.destroy_process_group()
 
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
-def test_two_processes_on_halves_equal_one_on_the_whole(tmp_path, mode):
+@pytest.mark.parametrize("mode, which", [("ddp", "equal"), ("fsdp", "equal"), ("ddp", "unequal"), ("fsdp", "unequal")])
+def test_two_processes_on_halves_equal_one_on_the_whole(tmp_path, mode, which):
     from eaglekit.training.loop import TTT
 
-    mp.spawn(halves_worker, args=(2, free_port(), str(tmp_path), mode), nprocs=2, join=True)
+    mp.spawn(halves_worker, args=(2, free_port(), str(tmp_path), mode, which), nprocs=2, join=True)
     single = TTT(drafter(), steps=3, decay=0.8)
-    loss, _ = single(*batch())
+    loss, out = single(*BATCHES[which]())
     loss.backward()
+    if which == "unequal":
+        halves = [TTT(drafter(), steps=3, decay=0.8)(*[t[rows] if t is not None else None for t in unequal_batch()])[1]
+                  for rows in ([0, 2], [1, 3])]
+        assert halves[0].count_k[0] * 2 < halves[1].count_k[0], "the halves must count unequal numbers of positions"
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     torch.testing.assert_close((ranks[0]["loss"] + ranks[1]["loss"]) / 2, loss.detach(), rtol=1e-10, atol=1e-12)
     expected = {n.removeprefix("drafter."): p.grad for n, p in single.named_parameters() if p.grad is not None}

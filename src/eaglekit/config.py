@@ -161,7 +161,12 @@ class TrainConfig(Section):
     save_every_minutes: float | None = Field(
         30.0, gt=0, description="also checkpoint when this much time has passed since the last one (None: steps only)")
     keep_last: int = Field(2, ge=1)
-    packing: bool = False
+    packing: bool = Field(False, description="several samples per row (per-document attention masks): fewer, fuller "
+                                             "rows when sample lengths vary")
+    pack_length: int | None = Field(None, ge=8, description="packing: tokens per row (default prepare.max_length); "
+                                                            "batch_size counts rows")
+    anchor_weight: float = Field(0.0, ge=0.0, description="L2-SP pull toward the starting weights (init_from): "
+                                                          "adds anchor_weight/2 * ||θ - θ0||² to the loss")
     seed: int = 0
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     distributed: Literal["ddp", "fsdp"] = "ddp"

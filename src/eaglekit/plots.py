@@ -12,7 +12,7 @@ from matplotlib.figure import Figure
 
 from eaglekit.atomic import atomic_path
 
-STYLE = {"eagle": "-o", "ngram": "--s"}  # one line style per method
+STYLE = {"eagle": "-o", "eagle_start": ":^", "ngram": "--s"}  # one line style per method
 
 
 def _save(fig: Figure, path: Path) -> None:

@@ -152,7 +152,10 @@ class TargetFeatures:
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                 with_logits: bool = True) -> Features:
+                 with_logits: bool = True, position_ids: torch.Tensor | None = None) -> Features:
+        """``position_ids`` (packed rows: 0 where each document starts) replace ``attention_mask``: transformers
+        (>= 4.54) then masks attention to each document (its packed-sequence format); padding after the last
+        document needs no mask, nothing real attends it."""
         captured: dict[int, torch.Tensor] = {}
 
         def tap(i):
@@ -163,8 +166,12 @@ class TargetFeatures:
         handles = [self.layers[i].register_forward_pre_hook(tap(i), with_kwargs=True) for i in set(self.aux_layer_ids)]
         try:
             device = self.inner.embed_tokens.weight.device
-            out = self.inner(input_ids=input_ids.to(device),
-                             attention_mask=None if attention_mask is None else attention_mask.to(device), use_cache=False)
+            if position_ids is not None:
+                out = self.inner(input_ids=input_ids.to(device), position_ids=position_ids.to(device), use_cache=False)
+            else:
+                out = self.inner(input_ids=input_ids.to(device),
+                                 attention_mask=None if attention_mask is None else attention_mask.to(device),
+                                 use_cache=False)
         finally:
             for h in handles:
                 h.remove()

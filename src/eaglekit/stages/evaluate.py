@@ -10,6 +10,11 @@ greedy output token for token).
 Reads the drafter (``evaluate.checkpoint``, default ``train/checkpoints/best``), the prompts
 (``evaluate.prompts``, default the held-out split of ``generate/responses.jsonl``) and
 writes ``evaluate/report.json``, ``report.md`` and PNG plots (the training curves are ``train/curves.png``).
+
+A finetune (``train.init_from``) is measured beside the untouched drafter it started from — on the
+held-out split of the finetuning data and on ``evaluate.prompts`` when given (e.g. production-like
+traffic) — and the report says which is better where: a finetune can win on its own data and lose on
+the traffic it will serve.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from eaglekit import atomic, plots
 from eaglekit.config import RunConfig
 from eaglekit.errors import EaglekitError, UsageError
 from eaglekit.preflight import checks as common
-from eaglekit.preflight import environment, fail, files, gpus, ok, will_be_produced
+from eaglekit.preflight import environment, fail, files, gpus, ok, skip, will_be_produced
 from eaglekit.progress import Meter, console
 from eaglekit.rundir import file_identity
 from eaglekit.speculative.decode import DecodeStats, EagleProposer, generate
@@ -32,8 +37,10 @@ from eaglekit.speculative.ngram import NgramProposer
 
 NAME = "evaluate"
 UPSTREAM = "train"
-METHODS = ("eagle", "ngram")
+METHODS = ("eagle", "eagle_start", "ngram")  # eagle_start: the drafter train.init_from started from
+METHOD_NAMES = {"eagle": "eagle", "eagle_start": "eagle (init_from, untouched)", "ngram": "ngram"}
 SMALL_MODEL_PARAMETERS = 50_000_000
+TIE = 0.01  # |τ ratio - 1| below this: neither drafter is better
 
 
 def params(cfg: RunConfig) -> dict:
@@ -42,6 +49,8 @@ def params(cfg: RunConfig) -> dict:
         if p[key]:
             p[key] = file_identity(p[key])
     p["eval_fraction"] = cfg.data.eval_fraction
+    if cfg.train.init_from:
+        p["init_from"] = file_identity(cfg.train.init_from)
     return p
 
 
@@ -70,6 +79,37 @@ def load_checked_drafter(cfg: RunConfig):
     return drafter, info, hf, aux
 
 
+def load_starting_drafter(cfg: RunConfig, hf, aux):
+    """The drafter ``train.init_from`` names, as it was before finetuning (None when training started fresh)."""
+    from eaglekit.model.checkpoints import check_compatible, load_drafter
+
+    path = cfg.train.init_from
+    if not path:
+        return None
+    if not Path(path).exists():
+        raise EaglekitError(f"train.init_from {path} does not exist (evaluate measures the finetune against it)",
+                            "restore that drafter folder, or remove train.init_from")
+    drafter, info = load_drafter(path)
+    problems = check_compatible(drafter.config, hf, aux)
+    if problems:
+        raise EaglekitError(f"train.init_from {path} does not fit the target: " + "; ".join(problems),
+                            "point train.init_from at the drafter this run finetuned")
+    return drafter, info
+
+
+def starting_drafter(ctx):
+    from eaglekit.model.target import aux_layer_ids, target_hf_config
+
+    if not ctx.cfg.train.init_from:
+        return skip("starting drafter", "no train.init_from: nothing to compare the drafter with but n-gram")
+    try:
+        hf = target_hf_config(ctx.cfg.target)
+        load_starting_drafter(ctx.cfg, hf, aux_layer_ids(ctx.cfg.target, hf.num_hidden_layers))
+    except EaglekitError as err:
+        return fail("starting drafter", err.message, err.remedy or "check train.init_from")
+    return ok("starting drafter", f"{ctx.cfg.train.init_from} is measured beside the finetuned drafter")
+
+
 def drafter_checkpoint(ctx):
     pending = None if ctx.cfg.evaluate.checkpoint else will_be_produced(ctx, "drafter checkpoint", "train")
     if pending:
@@ -92,16 +132,24 @@ def eval_prompts(cfg: RunConfig, n: int | None = None) -> list[tuple[str, list[d
 
         records = load_prompts(cfg.evaluate.prompts, max_samples=n, on_bad_row=cfg.data.on_bad_row).records
         return [(r.id, r.messages) for r in records]
+    return heldout_prompts(cfg, n)
+
+
+def heldout_prompts(cfg: RunConfig, n: int | None = None) -> list[tuple[str, list[dict]]]:
+    """(id, messages) of up to ``n`` (default ``evaluate.num_samples``) prompts of the held-out split of
+    generate/responses.jsonl."""
     from eaglekit.data.responses import RESPONSES, read_responses
     from eaglekit.data.split import is_held_out
 
+    n = n or cfg.evaluate.num_samples
     path = cfg.run_path / "generate" / RESPONSES
     out = []
-    for row in read_responses(path):
-        if is_held_out(row["id"], cfg.data.eval_fraction):
-            out.append((row["id"], row["messages"]))
-            if len(out) == n:
-                break
+    if path.exists():
+        for row in read_responses(path):
+            if is_held_out(row["id"], cfg.data.eval_fraction):
+                out.append((row["id"], row["messages"]))
+                if len(out) == n:
+                    break
     if not out:
         raise UsageError(f"{path} has no held-out sample (data.eval_fraction = {cfg.data.eval_fraction})",
                          "raise data.eval_fraction (and rerun from generate), or set evaluate.prompts to a prompts file")
@@ -124,7 +172,7 @@ def prompts_available(ctx):
 
 def checks(cfg: RunConfig) -> list:
     return [common.target_folder, files.target_weights, environment.software, environment.devices, gpus.gpus,
-            files.evaluate_checkpoint_files, drafter_checkpoint, prompts_available]
+            files.evaluate_checkpoint_files, drafter_checkpoint, starting_drafter, prompts_available]
 
 
 def estimate_bytes(ctx) -> int:
@@ -197,6 +245,37 @@ class DecodingInputs:
     prompts: list[tuple[str, list[int]]]  # (id, prompt token ids)
     skipped_too_long: int
     dtype: torch.dtype
+    hf: object = None         # the target's HF config
+    tokenizer: object = None  # the target's tokenizer, as prepare used it
+
+
+def on_target(drafter, info, target, device: torch.device):
+    """The drafter on the target's device, in its dtype (as in vLLM and SGLang), with the target's embedding where
+    the checkpoint left it out."""
+    from eaglekit.model.target import decoder_parts
+
+    dtype = next(target.parameters()).dtype
+    drafter = drafter.to(device, dtype)
+    if info.missing_embeddings:
+        drafter.embed_tokens.weight.data.copy_(decoder_parts(target)[0].embed_tokens.weight.to(device, dtype))
+    return drafter
+
+
+def tokenize_prompts(cfg: RunConfig, tokenizer, hf, source: list[tuple[str, list[dict]]], max_new_tokens: int,
+                     stage: str = NAME) -> tuple[list[tuple[str, list[int]]], int]:
+    """(id, prompt token ids) of the prompts that leave room for ``max_new_tokens``, and how many did not."""
+    template_kwargs = cfg.generate.extra_body.get("chat_template_kwargs") or None  # as the target was served
+    room = int(hf.max_position_embeddings) - max_new_tokens
+    prompts, too_long = [], []
+    for pid, messages in source:
+        ids = prompt_ids(tokenizer, messages, template_kwargs)
+        (prompts if len(ids) <= room else too_long).append((pid, ids))
+    if too_long:
+        console.print(f"[yellow]{stage}: {len(too_long)} prompts skipped: longer than max_position_embeddings "
+                      f"{hf.max_position_embeddings} - max_new_tokens {max_new_tokens}[/]")
+    if not prompts:
+        raise UsageError(f"no evaluation prompt fits in {room} tokens", f"lower {stage}.max_new_tokens or use shorter prompts")
+    return prompts, len(too_long)
 
 
 def decoding_inputs(cfg: RunConfig, target, device: torch.device, max_new_tokens: int, num_samples: int | None = None,
@@ -206,27 +285,13 @@ def decoding_inputs(cfg: RunConfig, target, device: torch.device, max_new_tokens
     Shared by evaluate and verify, so that both decode the same prompts with the same drafter.
     """
     from eaglekit.data.chat import end_of_turn_token_ids, load_tokenizer
-    from eaglekit.model.target import decoder_parts
 
     drafter, info, hf, aux = load_checked_drafter(cfg)
-    dtype = next(target.parameters()).dtype
-    drafter = drafter.to(device, dtype)  # the drafter runs in the target's dtype, as in vLLM and SGLang
-    if info.missing_embeddings:
-        drafter.embed_tokens.weight.data.copy_(decoder_parts(target)[0].embed_tokens.weight.to(device, dtype))
+    drafter = on_target(drafter, info, target, device)
     tokenizer = load_tokenizer(cfg.target.model, cfg.target.chat_template, cfg.target.trust_remote_code)
-
-    template_kwargs = cfg.generate.extra_body.get("chat_template_kwargs") or None  # as the target was served
-    room = int(hf.max_position_embeddings) - max_new_tokens
-    prompts, too_long = [], []
-    for pid, messages in eval_prompts(cfg, num_samples):
-        ids = prompt_ids(tokenizer, messages, template_kwargs)
-        (prompts if len(ids) <= room else too_long).append((pid, ids))
-    if too_long:
-        console.print(f"[yellow]{stage}: {len(too_long)} prompts skipped: longer than max_position_embeddings "
-                      f"{hf.max_position_embeddings} - max_new_tokens {max_new_tokens}[/]")
-    if not prompts:
-        raise UsageError(f"no evaluation prompt fits in {room} tokens", f"lower {stage}.max_new_tokens or use shorter prompts")
-    return DecodingInputs(drafter, info, aux, end_of_turn_token_ids(tokenizer), prompts, len(too_long), dtype)
+    prompts, skipped = tokenize_prompts(cfg, tokenizer, hf, eval_prompts(cfg, num_samples), max_new_tokens, stage)
+    return DecodingInputs(drafter, info, aux, end_of_turn_token_ids(tokenizer), prompts, skipped,
+                          next(target.parameters()).dtype, hf, tokenizer)
 
 
 def evaluate(ctx, target, device: torch.device) -> dict:
@@ -234,10 +299,14 @@ def evaluate(ctx, target, device: torch.device) -> dict:
     inputs = decoding_inputs(cfg, target, device, ec.max_new_tokens)
     drafter, info, aux, stop_ids, prompts, dtype = (inputs.drafter, inputs.info, inputs.aux, inputs.stop_ids,
                                                     inputs.prompts, inputs.dtype)
+    start = load_starting_drafter(cfg, inputs.hf, aux)
+    start_drafter = on_target(*start, target, device) if start else None
 
     ks = sorted(set(ec.num_speculative_tokens))
     temperatures = list(dict.fromkeys(ec.temperatures))
+    methods = [m for m in METHODS if m != "eagle_start" or start]
     new_proposer = {"eagle": lambda: EagleProposer(drafter, aux),
+                    "eagle_start": lambda: EagleProposer(start_drafter, aux),
                     "ngram": lambda: NgramProposer(ec.ngram_min, ec.ngram_max)}
 
     def decode(ids: list[int], i: int, temperature: float, method: str | None = None, k: int = 0):
@@ -249,31 +318,48 @@ def evaluate(ctx, target, device: torch.device) -> dict:
     for proposer in (None, new_proposer["eagle"]()):
         generate(target, prompts[0][1], 8, proposer=proposer, k=max(ks))
 
-    # Prompt by prompt, plain decoding and then every method and K: the timings compared share a time window.
-    baselines, results = [], []
-    checks = {pid: [] for pid, _ in prompts}  # per prompt: the speculative runs that differed from plain greedy
-    plain_tokens: dict[str, int] = {}
-    total = len(temperatures) * len(prompts) * (1 + len(METHODS) * len(ks))
-    with Meter("evaluate: decode", total=total, unit="runs") as meter:
-        for temperature in temperatures:
-            plain = DecodeStats()
-            spec = {(m, k): DecodeStats(drafted=[0] * k, accepted=[0] * k) for m in METHODS for k in ks}
-            for i, (pid, ids) in enumerate(prompts):
-                reference = decode(ids, i, temperature)
-                plain = plain + reference.stats
-                if temperature == 0:
-                    plain_tokens[pid] = len(reference.tokens)
-                meter.update(1, T=temperature)
-                for method, k in spec:
-                    out = decode(ids, i, temperature, method, k)
-                    spec[method, k] = spec[method, k] + out.stats
-                    if temperature == 0 and out.tokens != reference.tokens:
-                        checks[pid].append({"method": method, "k": k,
-                                            "first_difference": first_difference(out.tokens, reference.tokens)})
-                    meter.update(1, method=method, K=k, tau=round(spec[method, k].tau, 3))
-            baselines.append({"temperature": temperature, "tokens": plain.new_tokens,
-                              "seconds": round(plain.seconds, 3), "tokens_per_second": round(plain.tokens_per_second, 2)})
-            results += [result_row(method, k, temperature, stats, plain) for (method, k), stats in spec.items()]
+    def measure(prompts: list[tuple[str, list[int]]], methods: list[str], label: str) -> dict:
+        """Prompt by prompt, plain decoding and then every method and K: the timings compared share a time window."""
+        baselines, results = [], []
+        checks = {pid: [] for pid, _ in prompts}  # per prompt: the speculative runs that differed from plain greedy
+        plain_tokens: dict[str, int] = {}
+        total = len(temperatures) * len(prompts) * (1 + len(methods) * len(ks))
+        with Meter(label, total=total, unit="runs") as meter:
+            for temperature in temperatures:
+                plain = DecodeStats()
+                spec = {(m, k): DecodeStats(drafted=[0] * k, accepted=[0] * k) for m in methods for k in ks}
+                for i, (pid, ids) in enumerate(prompts):
+                    reference = decode(ids, i, temperature)
+                    plain = plain + reference.stats
+                    if temperature == 0:
+                        plain_tokens[pid] = len(reference.tokens)
+                    meter.update(1, T=temperature)
+                    for method, k in spec:
+                        out = decode(ids, i, temperature, method, k)
+                        spec[method, k] = spec[method, k] + out.stats
+                        if temperature == 0 and out.tokens != reference.tokens:
+                            checks[pid].append({"method": method, "k": k,
+                                                "first_difference": first_difference(out.tokens, reference.tokens)})
+                        meter.update(1, method=method, K=k, tau=round(spec[method, k].tau, 3))
+                baselines.append({"temperature": temperature, "tokens": plain.new_tokens, "seconds": round(plain.seconds, 3),
+                                  "tokens_per_second": round(plain.tokens_per_second, 2)})
+                results += [result_row(method, k, temperature, stats, plain) for (method, k), stats in spec.items()]
+        return {"baselines": baselines, "results": results, "checks": checks, "plain_tokens": plain_tokens}
+
+    main = measure(prompts, methods, "evaluate: decode")
+    results, checks = main["results"], main["checks"]
+    finetune = None
+    if start:
+        sets = [(ec.prompts or "held-out split of generate/responses.jsonl", len(prompts), results)]
+        if ec.prompts:  # production-like prompts were given: the finetuning data's own held-out split too
+            try:
+                heldout, _ = tokenize_prompts(cfg, inputs.tokenizer, inputs.hf, heldout_prompts(cfg), ec.max_new_tokens)
+            except UsageError as err:
+                console.print(f"[yellow]evaluate: the finetune is compared on evaluate.prompts only: {err.message}[/]")
+            else:
+                extra = measure(heldout, ["eagle", "eagle_start"], "evaluate: finetune vs start, held-out split")
+                sets.insert(0, ("held-out split of generate/responses.jsonl", len(heldout), extra["results"]))
+        finetune = finetune_comparison(str(cfg.train.init_from), sets)
 
     greedy_checked = 0 in temperatures
     lossless = all(not c for c in checks.values()) if greedy_checked else None
@@ -286,12 +372,13 @@ def evaluate(ctx, target, device: torch.device) -> dict:
         "ngram": {"min": ec.ngram_min, "max": ec.ngram_max},
         "draft_selection": "argmax, verified as a point mass (as vLLM and SGLang)",
         "lossless": lossless,
-        "lossless_checks": [{"id": pid, "new_tokens": plain_tokens.get(pid),
+        "lossless_checks": [{"id": pid, "new_tokens": main["plain_tokens"].get(pid),
                              "lossless": not checks[pid] if greedy_checked else None, "differences": checks[pid]}
                             for pid, _ in prompts],
-        "baseline": baselines,
+        "baseline": main["baselines"],
         "results": results,
         "comparison": comparison(results),
+        "finetune": finetune,
     }
     report["warnings"] = degenerate(report, ec.num_samples, cfg.data.eval_fraction)
     for warning in report["warnings"]:
@@ -310,7 +397,8 @@ def evaluate(ctx, target, device: torch.device) -> dict:
 
 
 def degenerate(report: dict, asked: int, eval_fraction: float) -> list[str]:
-    """What makes these figures unfit to trust or to ship: too few prompts, a drafter no better than n-gram."""
+    """What makes these figures unfit to trust or to ship: too few prompts, a drafter no better than n-gram, a
+    finetune that lost to the drafter it started from."""
     out = []
     if report["prompts"] < asked:
         out.append(f"decoded {report['prompts']} prompts, fewer than evaluate.num_samples ({asked}): the figures are "
@@ -321,7 +409,32 @@ def degenerate(report: dict, asked: int, eval_fraction: float) -> list[str]:
                           for r in losing)
         out.append(f"the drafter does not beat the training-free n-gram baseline ({where}): it would slow serving "
                    "down; train on more data or longer, and check that the target's features and vocab are right")
+    finetune = report.get("finetune")
+    if finetune and any(s["better"] == "starting drafter" for s in finetune["sets"]):
+        out.append(finetune["verdict"])
     return out
+
+
+def finetune_comparison(init_from: str, sets: list[tuple[str, int, list[dict]]]) -> dict:
+    """Per prompt set: the finetuned drafter's τ beside its starting drafter's at each (K, T), and which is better
+    (the mean τ ratio over K and T, a tie within ±TIE)."""
+    out = []
+    for name, n, results in sets:
+        by = {(r["method"], r["k"], r["temperature"]): r["tau"] for r in results}
+        rows = [{"k": k, "temperature": t, "finetuned_tau": tau, "start_tau": by[("eagle_start", k, t)],
+                 "ratio": round(tau / by[("eagle_start", k, t)], 4)}
+                for (method, k, t), tau in by.items() if method == "eagle" and ("eagle_start", k, t) in by]
+        mean = sum(r["ratio"] for r in rows) / len(rows)
+        better = "tie" if abs(mean - 1) < TIE else ("finetuned" if mean > 1 else "starting drafter")
+        out.append({"prompts": name, "count": n, "rows": rows, "mean_ratio": round(mean, 4), "better": better})
+    parts = [f"{s['better']} better on {s['prompts']} (τ ratio finetuned/start {s['mean_ratio']:.3f})"
+             if s["better"] != "tie" else f"a tie on {s['prompts']} (τ ratio {s['mean_ratio']:.3f})" for s in out]
+    verdict = "; ".join(parts)
+    if any(s["better"] == "starting drafter" for s in out):
+        verdict += (". The finetune lost to the drafter it started from: it over-specialised to its data. Mix in data "
+                    "like the prompts it lost on, train fewer steps or at a lower lr, or set train.anchor_weight "
+                    "(an L2-SP pull toward the starting weights)")
+    return {"init_from": init_from, "sets": out, "verdict": verdict}
 
 
 def comparison(results: list[dict]) -> list[dict]:
@@ -348,6 +461,8 @@ def counts(report: dict) -> dict:
     for r in report["results"]:
         if r["temperature"] == temperature:
             out[f"{r['method']}_tau_k{r['k']}"] = r["tau"]
+    if report.get("finetune"):
+        out["finetune_vs_start"] = {s["prompts"]: s["mean_ratio"] for s in report["finetune"]["sets"]}
     return out
 
 
@@ -365,28 +480,38 @@ def report_markdown(report: dict, tables_only: bool = False) -> str:
         "against plain decoding with the same target and cache. Compare τ only at equal K.", ""]
     head = "| method | K | " + " | ".join(f"τ T={t:g} | speedup T={t:g}" for t in temperatures) + " |"
     lines += [head, "|" + "---|" * (2 + 2 * len(temperatures))]
-    for method in METHODS:
+    methods = [m for m in METHODS if any(r["method"] == m for r in results)]
+    for method in methods:
         for k in ks:
             cells = []
             for t in temperatures:
                 r = by.get((method, k, t))
                 cells += [f"{r['tau']:.3f}", f"{r['speedup']:.2f}x" if r["speedup"] else "–"] if r else ["–", "–"]
-            lines.append(f"| {method} | {k} | " + " | ".join(cells) + " |")
+            lines.append(f"| {METHOD_NAMES[method]} | {k} | " + " | ".join(cells) + " |")
     kmax = max(ks)
     lines += ["", f"Acceptance rate by draft position (K={kmax}):", "",
               "| method | T | " + " | ".join(str(i + 1) for i in range(kmax)) + " |", "|" + "---|" * (2 + kmax)]
-    for method in METHODS:
+    for method in methods:
         for t in temperatures:
             r = by.get((method, kmax, t))
             if r:
                 rates = " | ".join(f"{a:.2f}" for a in r["acceptance_by_position"])
-                lines.append(f"| {method} | {t:g} | {rates} |")
+                lines.append(f"| {METHOD_NAMES[method]} | {t:g} | {rates} |")
     lossless = report["lossless"]
     checked = report["lossless_checks"]
     verdict = ("not checked (no temperature 0)" if lossless is None else
                f"**{'yes' if lossless else 'NO'}**: greedy speculative output equals plain greedy output, for every "
                f"method and K, on {sum(c['lossless'] for c in checked)}/{len(checked)} prompts")
     lines += ["", f"Lossless: {verdict}."]
+    finetune = report.get("finetune")
+    if finetune:
+        lines += ["", f"Finetuned drafter vs the drafter it started from (`{finetune['init_from']}`, untouched):", "",
+                  "| prompts | K | T | τ finetuned | τ start | ratio |", "|---|---|---|---|---|---|"]
+        for s in finetune["sets"]:
+            for r in s["rows"]:
+                lines.append(f"| {s['prompts']} ({s['count']}) | {r['k']} | {r['temperature']:g} | "
+                             f"{r['finetuned_tau']:.3f} | {r['start_tau']:.3f} | {r['ratio']:.3f} |")
+        lines += ["", f"**{finetune['verdict']}**."]
     if not tables_only:
         lines += ["", "![acceptance by position](acceptance_by_position.png) ![tau vs K](tau_vs_k.png)"]
     return "\n".join(lines) + "\n"

@@ -45,10 +45,25 @@ def params(cfg: RunConfig) -> dict:
 
 
 def packing(ctx):
-    if ctx.cfg.train.packing:
-        return fail("packing", "train.packing is not supported: the TTT attention of the draft's own steps has no "
-                               "per-document masks", "set train.packing: false (batches are length-bucketed instead)")
-    return ok("packing", "off: length-bucketed, right-padded batches")
+    from eaglekit.training.data import pack_length
+
+    tc = ctx.cfg.train
+    if not tc.packing:
+        return ok("packing", "off: length-bucketed, right-padded batches (train.packing: true packs samples into rows)")
+    features = ("offline features: each document extracted alone" if ctx.cfg.extract.mode == "offline" else
+                "online features: the target keeps documents apart by position_ids (checked on the first packed batch)")
+    return ok("packing", f"on: {tc.batch_size} rows of up to {pack_length(ctx.cfg)} tokens per micro-batch, attention "
+                         f"and positions per document; {features}")
+
+
+def anchor(ctx):
+    tc = ctx.cfg.train
+    if not tc.anchor_weight:
+        return skip("anchor", "train.anchor_weight is 0: no pull toward the starting weights")
+    if not tc.init_from:
+        return warn("anchor", f"train.anchor_weight {tc.anchor_weight} without train.init_from pulls toward the random "
+                              "initialisation", "set train.init_from to the drafter to finetune, or anchor_weight: 0")
+    return ok("anchor", f"L2-SP pull toward {tc.init_from}: anchor_weight {tc.anchor_weight}")
 
 
 def init_from_download(ctx):
@@ -152,7 +167,7 @@ def checks(cfg: RunConfig) -> list:
 
     online = [target_placement] if cfg.extract.mode != "offline" else [files.feature_shards]
     return [common.target_folder, files.target_weights, environment.software, environment.devices, gpus.gpus,
-            *online, packing, drafter_shape, init_from_download, files.init_from_files, init_from_compatible,
+            *online, packing, drafter_shape, init_from_download, files.init_from_files, init_from_compatible, anchor,
             disk.write_rate]
 
 

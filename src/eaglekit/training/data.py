@@ -10,8 +10,9 @@ one order): an epoch visits the blocks in a shuffled order, each block's samples
 within windows of ``BUCKET_BATCHES`` batches — so offline training reads a few memory-mapped shards at a
 time instead of every shard at random. ``Loader`` collates the next micro-batches in a background thread.
 
-Sequences are right-padded and masked (``attention_mask``); packing several documents into one row is not
-supported: the TTT attention would need per-document masks for the draft's own steps too.
+Sequences are right-padded and masked (``attention_mask``). With ``train.packing`` several samples share a
+row instead (``packed_batches``, ``collate_packed``): ``position_ids`` restart at 0 where each sample begins,
+and that is all the TTT loss and the target need to keep documents apart.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import copy
 import queue
 import random
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Callable
 
 import torch
@@ -30,6 +31,7 @@ from eaglekit.data.split import is_held_out
 from eaglekit.data.tokens import TokenStore
 
 BUCKET_BATCHES = 64  # batches per length bucket: sorted inside, shuffled between
+PACK_WINDOW = 4096  # samples packed together (first-fit in random order): rows close when their window ends
 
 
 def split_indices(store: TokenStore, eval_fraction: float) -> tuple[list[int], list[int]]:
@@ -40,11 +42,9 @@ def split_indices(store: TokenStore, eval_fraction: float) -> tuple[list[int], l
     return train, held
 
 
-def epoch_batches(indices: list[int], lengths: list[int], global_batch: int, seed: int, epoch: int,
-                  blocks: list[list[int]] | None = None) -> list[list[int]]:
-    """Global batches of one epoch: blocks in a shuffled order, each shuffled; then windows of BUCKET_BATCHES
-    batches, sorted by length inside (little padding) and their batches shuffled. ``blocks=None``: one block."""
-    rng = random.Random(f"{seed}:{epoch}")
+def block_order(indices: list[int], blocks: list[list[int]] | None, rng: random.Random) -> list[int]:
+    """The samples in a shuffled order that reads one block (feature shard) after another: blocks shuffled, then
+    the samples inside each. ``blocks=None``: one block."""
     wanted = set(indices)
     groups = [list(indices)] if blocks is None else [[i for i in b if i in wanted] for b in blocks]
     if blocks is not None:
@@ -55,6 +55,15 @@ def epoch_batches(indices: list[int], lengths: list[int], global_batch: int, see
     for group in groups:
         rng.shuffle(group)
         order.extend(group)
+    return order
+
+
+def epoch_batches(indices: list[int], lengths: list[int], global_batch: int, seed: int, epoch: int,
+                  blocks: list[list[int]] | None = None) -> list[list[int]]:
+    """Global batches of one epoch: blocks in a shuffled order, each shuffled; then windows of BUCKET_BATCHES
+    batches, sorted by length inside (little padding) and their batches shuffled. ``blocks=None``: one block."""
+    rng = random.Random(f"{seed}:{epoch}")
+    order = block_order(indices, blocks, rng)
     bucket = global_batch * BUCKET_BATCHES
     batches = []
     for start in range(0, len(order), bucket):
@@ -70,7 +79,42 @@ def eval_batches(indices: list[int], lengths: list[int], global_batch: int) -> l
     return [order[j:j + global_batch] for j in range(0, len(order), global_batch)]
 
 
-def rank_share(batch: list[int], rank: int, world: int) -> list[int]:
+def pack_length(cfg) -> int:
+    """Tokens per packed row: train.pack_length, else prepare.max_length (the longest a prepared sample can be)."""
+    return cfg.train.pack_length or cfg.prepare.max_length
+
+
+def packed_batches(indices: list[int], lengths: list[int], global_rows: int, row_tokens: int, seed: int,
+                   epoch: int, blocks: list[list[int]] | None = None) -> list[list[list[int]]]:
+    """Global batches of one epoch as rows of samples: each row holds samples whose lengths sum to at most
+    ``row_tokens`` (a longer sample has a row to itself); ``global_rows`` rows per batch.
+
+    Shuffle (feature shard by shard, as epoch_batches), then first-fit in that order within windows of PACK_WINDOW samples: each sample goes into the first
+    row with room, so every row is a random mixture of the data. Sorting by length first (first-fit decreasing)
+    packs a little denser but makes each row one length band — on the tiny target, where the task kind sets the
+    length, that cost 9 % of τ at K=5 (benchmarks/RESULTS.md, the τ race).
+    """
+    rng = random.Random(f"{seed}:{epoch}:packed")
+    order = block_order(indices, blocks, rng)
+    rows: list[list[int]] = []
+    for start in range(0, len(order), PACK_WINDOW):
+        window_rows: list[list[int]] = []
+        room: list[int] = []
+        for i in order[start:start + PACK_WINDOW]:
+            row = next((r for r, free in enumerate(room) if lengths[i] <= free), None)
+            if row is None:
+                window_rows.append([i])
+                room.append(row_tokens - lengths[i])
+            else:
+                window_rows[row].append(i)
+                room[row] -= lengths[i]
+        rows.extend(window_rows)
+    rng.shuffle(rows)
+    batches = [rows[j:j + global_rows] for j in range(0, len(rows), global_rows)]
+    return batches
+
+
+def rank_share(batch: list, rank: int, world: int) -> list:
     return batch[rank::world]
 
 
@@ -82,6 +126,7 @@ class Batch:
     aux: torch.Tensor | None = None          # offline: [B, L, 3Ht] in the storage dtype
     last_hidden: torch.Tensor | None = None  # offline: [B, L, Ht]
     scale_exp: torch.Tensor | None = None    # offline fp8: [B, L, 4] int8 (see eaglekit.data.shards)
+    position_ids: torch.Tensor | None = None  # packed rows: [B, L], 0 where each sample starts
 
     @property
     def tokens(self) -> int:
@@ -89,8 +134,7 @@ class Batch:
 
     def to(self, device) -> "Batch":
         move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
-        return Batch(*(move(t) for t in (self.input_ids, self.attention_mask, self.loss_mask, self.aux, self.last_hidden,
-                                         self.scale_exp)))
+        return Batch(**{f.name: move(getattr(self, f.name)) for f in fields(self)})
 
 
 def pad(rows: list[torch.Tensor], value=0) -> torch.Tensor:
@@ -112,6 +156,26 @@ def collate(store: TokenStore, indices: list[int], features: FeatureStore | None
         batch.aux, batch.last_hidden = pad([r.aux for r in rows]), pad([r.last_hidden for r in rows])
         if rows[0].scale_exp is not None:
             batch.scale_exp = pad([r.scale_exp for r in rows])
+    return batch
+
+
+def collate_packed(store: TokenStore, rows: list[list[int]], features: FeatureStore | None = None) -> Batch:
+    """Rows of samples laid end to end, right-padded; ``position_ids`` count 0.. within each sample (and on into
+    the padding, which nothing attends)."""
+    samples = [[store[i] for i in row] for row in rows]
+    joined = lambda parts: torch.cat(parts) if len(parts) > 1 else parts[0]  # noqa: E731
+    ids = [joined([s[1] for s in row]) for row in samples]
+    positions = [joined([torch.arange(len(s[1])) for s in row]) for row in samples]
+    width = max(len(r) for r in ids)
+    batch = Batch(input_ids=pad(ids), attention_mask=pad([torch.ones_like(t) for t in ids]),
+                  loss_mask=pad([joined([s[2].long() for s in row]) for row in samples]),
+                  position_ids=torch.stack([torch.cat([p, p[-1] + 1 + torch.arange(width - len(p))]) for p in positions]))
+    if features is not None:
+        feats = [[features[s[0]] for s in row] for row in samples]
+        batch.aux = pad([joined([f.aux for f in row]) for row in feats])
+        batch.last_hidden = pad([joined([f.last_hidden for f in row]) for row in feats])
+        if feats[0][0].scale_exp is not None:
+            batch.scale_exp = pad([joined([f.scale_exp for f in row]) for row in feats])
     return batch
 
 

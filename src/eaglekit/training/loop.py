@@ -44,7 +44,8 @@ from eaglekit.plots import training_curves
 from eaglekit.progress import Meter, console
 from eaglekit.stages.vocab import load_vocab
 from eaglekit.training import distributed as dist
-from eaglekit.training.data import Batch, Loader, collate, epoch_batches, eval_batches, rank_share, split_indices
+from eaglekit.training.data import (Batch, Loader, collate, collate_packed, epoch_batches, eval_batches, pack_length,
+                                    packed_batches, rank_share, split_indices)
 from eaglekit.training.ttt import TTTOutput, simulated_acceptance_length, ttt_loss
 
 STATE = "training_state.pt"
@@ -135,18 +136,37 @@ def build_drafter(cfg, hf_config, d2t, t2d, embed, head, aux_ids) -> tuple[Eagle
 # ------------------------------------------------------------------------------------------ model wrapper
 
 class TTT(nn.Module):
-    """ttt_loss as a module's forward, so DDP / FSDP see a forward pass (their gradient sync hooks onto it)."""
+    """ttt_loss as a module's forward, so DDP / FSDP see a forward pass (their gradient sync hooks onto it).
 
-    def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float):
+    Under torchrun the loss of each TTT step is the sum over every rank's counted positions divided by their
+    global count: each rank divides its own sum by the all-reduced count and multiplies by the world size,
+    which the gradient averaging of DDP / FSDP divides out again. So ranks holding fewer counted positions
+    weigh less, as they would in one process on the whole batch.
+
+    ``anchor_weight`` > 0 adds the L2-SP pull toward the starting weights (Li et al. 2018):
+    anchor_weight / 2 · ||θ - θ0||² over the trainable parameters, θ0 as they are when this module is built.
+    """
+
+    def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float, anchor_weight: float = 0.0):
         super().__init__()
-        self.drafter, self.steps, self.decay = drafter, steps, decay
+        self.drafter, self.steps, self.decay, self.anchor_weight = drafter, steps, decay, anchor_weight
+        # not buffers: FSDP must not shard them, checkpoints must not hold them (they are the init_from weights)
+        self.anchor = ({name: p.detach().clone() for name, p in drafter.named_parameters() if p.requires_grad}
+                       if anchor_weight > 0 else {})
 
-    def forward(self, aux, input_ids, target_logits, loss_mask, attention_mask, target_in_draft):
+    def forward(self, aux, input_ids, target_logits, loss_mask, attention_mask, target_in_draft, position_ids=None):
+        world = dist.world_size() if dist.active() else 1
         out = ttt_loss(self.drafter, aux, input_ids, target_logits, loss_mask, attention_mask, self.steps, self.decay,
-                       target_in_draft)
-        loss = out.loss
+                       target_in_draft, position_ids=position_ids,
+                       normalizer=(lambda count: dist.all_reduce_sum(count.clone())) if world > 1 else None)
+        loss = out.loss * world
         if out.count_k[0] == 0:  # nothing counted on this rank: touch every parameter so DDP's reduction completes
             loss = loss + sum(p.sum() for p in self.drafter.parameters() if p.requires_grad) * 0.0
+        if self.anchor:
+            params = dict(self.drafter.named_parameters())
+            pull = sum(((params[name] - start) ** 2).sum() for name, start in self.anchor.items())
+            out.anchor = float(pull.detach())
+            loss = loss + 0.5 * self.anchor_weight * pull
         return loss, out
 
 
@@ -168,6 +188,8 @@ def wrap(module: TTT, mode: str, device: torch.device) -> nn.Module:
 class Features:
     """Turns a token batch into TTT inputs: from the live target (online) or from shards + lm_head (offline)."""
 
+    packing_checked = False  # online packing: the target's features of a packed document were checked once
+
     def __init__(self, run_dir: Path, t2d: torch.Tensor, device: torch.device, aux_ids: list[int],
                  aux_dtype: torch.dtype, target_model=None, head: torch.Tensor | None = None):
         self.device, self.aux_dtype = device, aux_dtype
@@ -182,15 +204,41 @@ class Features:
             self.head = TargetHead(weight, t2d)
 
     def __call__(self, batch: Batch) -> tuple:
-        """(aux, input_ids, target_logits, loss_mask, attention_mask, target_in_draft) on the device."""
+        """(aux, input_ids, target_logits, loss_mask, attention_mask, target_in_draft, position_ids) on the device."""
         b = batch.to(self.device)
         if self.store is None:
-            f = self.target(b.input_ids, b.attention_mask)
+            f = self.target(b.input_ids, b.attention_mask, position_ids=b.position_ids)
+            if b.position_ids is not None and not self.packing_checked:
+                self.check_packed_features(b, f)
             aux, logits, in_draft = f.aux.to(self.device), f.target_logits.to(self.device), f.target_in_draft.to(self.device)
         else:  # stored rows (bf16, or fp8 with its scales) are decoded on the device: half the bytes travel
             aux, last = decode(Rows(b.aux, b.last_hidden, b.scale_exp), self.head.weight.dtype)
             logits, in_draft = self.head(last)
-        return aux.to(self.aux_dtype), b.input_ids, logits, b.loss_mask, b.attention_mask, in_draft
+        return aux.to(self.aux_dtype), b.input_ids, logits, b.loss_mask, b.attention_mask, in_draft, b.position_ids
+
+    def check_packed_features(self, b: Batch, packed) -> None:
+        """Once: the target's features of a packed row's second document equal those of the document alone.
+
+        transformers keeps packed documents apart by reading position_ids; a model whose attention ignores
+        them (custom code) would let every document attend the ones before it, silently.
+        """
+        for row in range(b.position_ids.shape[0]):
+            starts = (b.position_ids[row] == 0).nonzero().squeeze(1).tolist()
+            real = int(b.attention_mask[row].sum())
+            if len(starts) >= 2 and starts[1] < real:
+                end = starts[2] if len(starts) > 2 else real
+                alone = self.target(b.input_ids[row:row + 1, starts[1]:end], with_logits=False)
+                got, want = packed.aux[row, starts[1]:end].float(), alone.aux[0].float()
+                error = float((got - want).norm() / want.norm().clamp(min=1e-12))
+                if error > 0.05:
+                    raise EaglekitError(
+                        f"train.packing: the target's features of a packed document differ from the same document "
+                        f"alone (relative error {error:.3f}): its attention does not keep packed documents apart "
+                        "(transformers does that from position_ids for its own Llama/Qwen-style models)",
+                        "set train.packing: false, or extract features offline (extract.mode: offline), which runs "
+                        "every document alone")
+                self.packing_checked = True
+                return
 
     def blocks(self, store: TokenStore, lengths: list[int], shard_tokens: int) -> list[list[int]]:
         """Token-store indices per data block: the feature shards offline, the same plan online (one data order)."""
@@ -218,11 +266,13 @@ class Window:
         self.correct_k = list(s.get("correct_k", [0.0] * steps))
         self.count_k = list(s.get("count_k", [0] * steps))
         self.tokens = s.get("tokens", 0)
+        self.anchor = s.get("anchor", 0.0)
 
     def add(self, out: TTTOutput, loss: float, tokens: int) -> None:
         self.loss += loss
         self.micro += 1
         self.tokens += tokens
+        self.anchor += out.anchor
         for k in range(self.steps):
             self.loss_k[k] += out.loss_k[k] * out.count_k[k]
             self.correct_k[k] += out.acc_k[k] * out.count_k[k]
@@ -230,17 +280,17 @@ class Window:
 
     def state(self) -> dict:
         return {"loss": self.loss, "micro": self.micro, "loss_k": self.loss_k, "correct_k": self.correct_k,
-                "count_k": self.count_k, "tokens": self.tokens}
+                "count_k": self.count_k, "tokens": self.tokens, "anchor": self.anchor}
 
     def reduced(self) -> dict:
-        """The figures summed over ranks: mean loss, per-step loss/accuracy, tokens."""
-        t = torch.tensor([self.loss, self.micro, self.tokens, *self.loss_k, *self.correct_k, *self.count_k],
+        """The figures summed over ranks: mean loss, per-step loss/accuracy, tokens, mean anchor distance²."""
+        t = torch.tensor([self.loss, self.micro, self.tokens, *self.loss_k, *self.correct_k, *self.count_k, self.anchor],
                          dtype=torch.float64, device=_reduce_device())
         dist.all_reduce_sum(t)
         v = t.tolist()
         k = self.steps
-        loss_k, correct_k, count_k = v[3:3 + k], v[3 + k:3 + 2 * k], v[3 + 2 * k:]
-        return {"loss": v[0] / max(v[1], 1), "tokens": int(v[2]),
+        loss_k, correct_k, count_k = v[3:3 + k], v[3 + k:3 + 2 * k], v[3 + 2 * k:3 + 3 * k]
+        return {"loss": v[0] / max(v[1], 1), "tokens": int(v[2]), "anchor": v[-1] / max(v[1], 1),
                 "loss_k": [a / c if c else 0.0 for a, c in zip(loss_k, count_k)],
                 "acc_k": [a / c if c else 0.0 for a, c in zip(correct_k, count_k)], "count_k": [int(c) for c in count_k]}
 
@@ -419,12 +469,12 @@ def checkpoint_due(stop: StopRequest, last_save: float, minutes: float | None) -
 # ------------------------------------------------------------------------------------------------ the run
 
 @torch.no_grad()
-def evaluate(model: nn.Module, features: Features, store: TokenStore, batches: list[list[int]], steps: int,
-             decay: float, autocast) -> dict:
+def evaluate(model: nn.Module, features: Features, make_batch, batches: list[list], steps: int, decay: float,
+             autocast) -> dict:
     window = Window(steps)
     model.eval()
     for batch in batches:
-        inputs = features(collate(store, rank_share(batch, dist.rank(), dist.world_size()), features.store))
+        inputs = features(make_batch(rank_share(batch, dist.rank(), dist.world_size())))
         with autocast():
             loss, out = model(*inputs)
         window.add(out, float(loss.detach()), 0)
@@ -468,7 +518,7 @@ def train(ctx) -> dict[str, Any]:
                         target_model, head)
     del embed, head
 
-    model = wrap(TTT(drafter, tc.ttt_steps, tc.ttt_decay), tc.distributed, device)
+    model = wrap(TTT(drafter, tc.ttt_steps, tc.ttt_decay, tc.anchor_weight), tc.distributed, device)
     params = [p for p in model.parameters() if p.requires_grad]
     optim = torch.optim.AdamW(params, lr=tc.lr, betas=(0.9, 0.95), weight_decay=tc.weight_decay)
 
@@ -479,11 +529,20 @@ def train(ctx) -> dict[str, Any]:
         raise EaglekitError(f"no training samples: all {len(store)} are held out (data.eval_fraction "
                             f"{cfg.data.eval_fraction})", "lower data.eval_fraction or add data")
     global_batch = tc.batch_size * world
+    row_tokens = pack_length(cfg) if tc.packing else 0
 
     blocks = features.blocks(store, lengths, cfg.extract.shard_tokens)
 
-    def plan(epoch: int) -> list[list[int]]:
-        return [b for b in epoch_batches(train_idx, lengths, global_batch, tc.seed, epoch, blocks) if len(b) >= world]
+    def plan(epoch: int) -> list[list]:
+        """Each global batch: sample indices, or (packing) rows of sample indices; at least one entry per rank."""
+        if tc.packing:
+            batches = packed_batches(train_idx, lengths, global_batch, row_tokens, tc.seed, epoch, blocks)
+        else:
+            batches = epoch_batches(train_idx, lengths, global_batch, tc.seed, epoch, blocks)
+        return [b for b in batches if len(b) >= world]
+
+    def make_batch(entries: list, tokens: TokenStore = store, feature_store: FeatureStore | None = features.store) -> Batch:
+        return (collate_packed if tc.packing else collate)(tokens, entries, feature_store)
 
     per_epoch = len(plan(0))
     if per_epoch == 0:
@@ -492,7 +551,8 @@ def train(ctx) -> dict[str, Any]:
     total_steps = tc.max_steps or max(1, math.ceil(tc.epochs * per_epoch / tc.grad_accum))
     if tc.eval_samples and len(held_idx) > tc.eval_samples:
         held_idx = sorted(random.Random(tc.seed).sample(held_idx, tc.eval_samples))
-    held_batches = [b for b in eval_batches(held_idx, lengths, global_batch) if len(b) >= world]
+    held_batches = [b for b in (packed_batches(held_idx, lengths, global_batch, row_tokens, 0, 0) if tc.packing
+                                else eval_batches(held_idx, lengths, global_batch)) if len(b) >= world]
     if not held_batches:
         say("[yellow]train: no held-out samples (data.eval_fraction is 0 or too small): "
             "no evaluation; best/ is the final drafter[/]")
@@ -513,15 +573,16 @@ def train(ctx) -> dict[str, Any]:
         metrics.path.unlink(missing_ok=True)
 
     n_trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
+    batch_shape = f"{global_batch} rows of up to {row_tokens} packed tokens" if tc.packing else str(global_batch)
     say(f"train: {n_trainable / 1e6:.2f}M trainable parameters, {len(train_idx)} train / {len(held_idx)} "
-        f"held-out samples, {per_epoch} batches of {global_batch} per epoch, {total_steps} steps"
+        f"held-out samples, {per_epoch} batches of {batch_shape} per epoch, {total_steps} steps"
         f"{f' on {world} processes' if world > 1 else ''} ({'online' if online else 'offline'} features)")
 
     def run_eval(step: int) -> dict | None:
         nonlocal best_tau
         if not held_batches:
             return None
-        figures = evaluate(model, features, store, held_batches, tc.ttt_steps, tc.ttt_decay, autocast)
+        figures = evaluate(model, features, make_batch, held_batches, tc.ttt_steps, tc.ttt_decay, autocast)
         metrics.write({"kind": "eval", "step": step, **{k: figures[k] for k in ("loss", "loss_k", "acc_k", "tau")}})
         if figures["tau"] > best_tau:
             best_tau = figures["tau"]
@@ -540,7 +601,7 @@ def train(ctx) -> dict[str, Any]:
         epoch, pos = divmod(u, per_epoch)
         if epoch not in epoch_cache:
             epoch_cache = {epoch: plan(epoch)}
-        return collate(tokens, rank_share(epoch_cache[epoch][pos], rank, world), feature_store)
+        return make_batch(rank_share(epoch_cache[epoch][pos], rank, world), tokens, feature_store)
 
     t0, local_tokens = time.monotonic(), 0
     model.train()
@@ -575,7 +636,8 @@ def train(ctx) -> dict[str, Any]:
                 metrics.write({"kind": "train", "step": done, "epoch": round(done * tc.grad_accum / per_epoch, 4),
                                "loss": r["loss"], "loss_k": r["loss_k"], "acc_k": r["acc_k"], "lr": lr,
                                "grad_norm": grad_norm, "tokens": tokens_seen,
-                               "seconds": round(seconds_before + time.monotonic() - t0, 2)})
+                               "seconds": round(seconds_before + time.monotonic() - t0, 2),
+                               **({"anchor_distance": math.sqrt(r["anchor"])} if tc.anchor_weight else {})})
                 meter.fields.update(loss=round(r["loss"], 4), acc_0=round(r["acc_k"][0], 4),
                                     tok_s=round(local_tokens * world / max(time.monotonic() - t0, 1e-9)))
                 window = Window(tc.ttt_steps)

@@ -15,10 +15,19 @@ log-sum-exp, which is exact.
 Chains are independent after step 0 (they only share the step-0 keys), so steps >= 1 compute only
 the chains that still have a counted position ahead, packed into one row dimension: prompt
 positions and the sequence tail drop out after step 0.
+
+Packed rows (several documents in one row, ``position_ids`` restarting at 0 at each document) need no
+other machinery: a position's keys start at its document's start instead of its row's (the ``lo`` of
+``_PrefixAttention``, which then also runs step 0), RoPE positions are the position ids, and a chain
+counts only targets inside its own document.
+
+The draft head and its soft cross-entropy run once, over the rows of every step, through
+``training/loss.py`` (no [N, Vd] tensor kept for backward).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +36,7 @@ import torch.nn.functional as F
 from eaglekit.errors import UsageError
 from eaglekit.model.drafter import Eagle3Drafter
 from eaglekit.model.layers import repeat_kv, sdpa
+from eaglekit.training.loss import head_soft_cross_entropy
 
 # Blocks of _PrefixAttention: at most this many score elements (rows x keys x heads), bounding the transient
 # memory, and at most BLOCK_ROWS rows, so a block's key range stops near its last row (causal work is ~halved).
@@ -36,10 +46,11 @@ BLOCK_ROWS = 256
 
 @dataclass
 class TTTOutput:
-    loss: torch.Tensor  # scalar, sum_k decay^k * loss_k
-    loss_k: list[float]  # per step: mean soft cross-entropy over counted positions (0.0 where none)
+    loss: torch.Tensor  # scalar, sum_k decay^k * (summed soft cross-entropy of step k) / normalizer(count_k)
+    loss_k: list[float]  # per step: mean soft cross-entropy over this batch's counted positions (0.0 where none)
     acc_k: list[float]  # per step: share of counted positions where draft argmax == target argmax
     count_k: list[int]  # per step: counted positions
+    anchor: float = 0.0  # ||θ - θ0||² when the training loop pulls toward starting weights (train.anchor_weight)
 
 
 class _PrefixAttention(torch.autograd.Function):
@@ -116,7 +127,8 @@ def _scores(qp, kp, lo, hi, scale, r0, r1, s0, s1, lse=None):
     return s.sub_(lse[..., None]).exp_(), lse
 
 
-def _check_inputs(drafter, aux_hidden, input_ids, target_logits, loss_mask, attention_mask, target_in_draft, steps):
+def _check_inputs(drafter, aux_hidden, input_ids, target_logits, loss_mask, attention_mask, target_in_draft, steps,
+                 position_ids):
     cfg = drafter.config
     b, length = input_ids.shape
     expect = {"aux_hidden": (aux_hidden, (b, length, 3 * cfg.target_hidden_size)),
@@ -126,6 +138,8 @@ def _check_inputs(drafter, aux_hidden, input_ids, target_logits, loss_mask, atte
         expect["attention_mask"] = (attention_mask, (b, length))
     if target_in_draft is not None:
         expect["target_in_draft"] = (target_in_draft, (b, length))
+    if position_ids is not None:
+        expect["position_ids"] = (position_ids, (b, length))
     for name, (tensor, shape) in expect.items():
         if tuple(tensor.shape) != shape:
             raise UsageError(f"ttt_loss: {name} has shape {list(tensor.shape)}, expected {list(shape)}",
@@ -135,32 +149,48 @@ def _check_inputs(drafter, aux_hidden, input_ids, target_logits, loss_mask, atte
     if attention_mask is not None and bool((attention_mask[:, 1:] > attention_mask[:, :-1]).any()):
         raise UsageError("ttt_loss: attention_mask is not right-padded (a real token follows a pad)",
                          "pad sequences on the right")
+    if position_ids is not None and length:
+        step = position_ids[:, 1:] - position_ids[:, :-1]
+        if bool((position_ids[:, 0] != 0).any()) or bool(((position_ids[:, 1:] != 0) & (step != 1)).any()):
+            raise UsageError("ttt_loss: position_ids must start each row at 0 and count up by one within a "
+                             "document, restarting at 0 where the next document begins",
+                             "build packed rows with eaglekit.training.data.collate_packed")
 
 
 def ttt_loss(drafter: Eagle3Drafter, aux_hidden: torch.Tensor, input_ids: torch.Tensor, target_logits: torch.Tensor,
              loss_mask: torch.Tensor, attention_mask: torch.Tensor | None = None, steps: int = 7,
-             decay: float = 0.8, target_in_draft: torch.Tensor | None = None) -> TTTOutput:
+             decay: float = 0.8, target_in_draft: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+             normalizer: Callable[[torch.Tensor], torch.Tensor] | None = None) -> TTTOutput:
     """The TTT loss of one right-padded batch.
 
-    Conventions (t indexes positions 0..L-1 of a sequence):
+    Conventions (t indexes positions 0..L-1 of a row):
       - ``target_logits[b, t]`` are the target's logits at position t (predicting token t+1), already
         restricted to the draft vocabulary (``logits[..., t2d]``).
       - ``target_in_draft[b, t]`` (optional) says the target's argmax over the FULL vocabulary at
         position t lies inside the draft vocabulary; positions where it does not are not counted.
-      - Step 0: the feature fc(aux_hidden[t]) with the embedding of token t+1, at RoPE position t,
-        predicts softmax(target_logits[t+1]), i.e. token t+2.
+      - ``position_ids[b, t]`` (optional, packed rows) is t's position inside its document: 0 where a
+        document starts. Without it every row is one document (positions 0..L-1).
+      - Step 0: the feature fc(aux_hidden[t]) with the embedding of token t+1, at RoPE position
+        position_ids[t], predicts softmax(target_logits[t+1]), i.e. token t+2; it attends the keys of
+        its own document up to t.
       - Step k: the drafter's pre-norm output of step k-1 at chain t replaces the feature, the
-        embedding of token t+1+k goes in, RoPE position t+k, target softmax(target_logits[t+1+k]).
-      - (t, k) is counted where token t+2+k exists, is not padding, has loss_mask 1, and (if given)
-        target_in_draft[t+1+k]. Padding must be on the right.
-    Loss_k = mean soft cross-entropy over counted (t, k); loss = sum_k decay^k * loss_k.
+        embedding of token t+1+k goes in, RoPE position position_ids[t]+k, target softmax(target_logits[t+1+k]).
+      - (t, k) is counted where token t+2+k exists in t's document, is not padding, has loss_mask 1,
+        and (if given) target_in_draft[t+1+k]. Padding must be on the right.
+    Loss_k = soft cross-entropy summed over counted (t, k), divided by ``normalizer(count_k)`` (default:
+    count_k itself, i.e. the mean; under DDP the count of every rank); loss = sum_k decay^k * loss_k.
     """
-    _check_inputs(drafter, aux_hidden, input_ids, target_logits, loss_mask, attention_mask, target_in_draft, steps)
+    _check_inputs(drafter, aux_hidden, input_ids, target_logits, loss_mask, attention_mask, target_in_draft, steps,
+                  position_ids)
     layer = drafter.midlayer
     b, length = input_ids.shape
     device = input_ids.device
     n_heads, n_kv, hd, dv = layer.n_heads, layer.n_kv, layer.head_dim, layer.v_dim  # dv != hd for MLA
     groups, scale = n_heads // n_kv, drafter.attention_scale
+    positions = torch.arange(length, device=device).expand(b, length) if position_ids is None else position_ids
+    # doc_start[b, t]: where t's document starts in its row (0 for every t of an unpacked row)
+    doc_start = torch.arange(length, device=device) - positions
+    packed = bool(doc_start.any())
 
     # usable[b, j]: token j may be a prediction target.
     usable = loss_mask.bool()
@@ -168,11 +198,13 @@ def ttt_loss(drafter: Eagle3Drafter, aux_hidden: torch.Tensor, input_ids: torch.
         usable = usable & attention_mask.bool()
     if target_in_draft is not None:
         usable = usable & F.pad(target_in_draft.bool()[:, :-1], (1, 0), value=False)
-    # counted[k, b, t] = usable[b, t+2+k]; needed[k] = chain t is counted at step k or later.
+    # counted[k, b, t] = usable[b, t+2+k] and t+2+k in t's document; needed[k] = chain t counts at step k or later.
     counted = torch.zeros(steps, b, length, dtype=torch.bool, device=device)
     for k in range(min(steps, length - 2)):
-        counted[k, :, : length - 2 - k] = usable[:, 2 + k:]
+        counted[k, :, : length - 2 - k] = usable[:, 2 + k:] & (doc_start[:, 2 + k:] == doc_start[:, : length - 2 - k])
     needed = counted.flip(0).cumsum(0).flip(0) > 0
+    count_k = counted.reshape(steps, -1).sum(-1)
+    denominator = count_k if normalizer is None else normalizer(count_k)
 
     # Every step's targets are target_logits[j] for positions j with usable[j+1]: softmax those once.
     compute = torch.promote_types(drafter.lm_head.weight.dtype, torch.float32)
@@ -183,34 +215,31 @@ def ttt_loss(drafter: Eagle3Drafter, aux_hidden: torch.Tensor, input_ids: torch.
         target_rows = target_logits.reshape(b * length, -1)[target_pos]
         target_p, target_argmax = torch.softmax(target_rows.to(compute), dim=-1), target_rows.argmax(-1)
     ids_flat = input_ids.reshape(-1)
-    losses, correct = [], []
-
-    def step_loss(h: torch.Tensor, rows: torch.Tensor, k: int) -> None:
-        """Loss and accuracy of step k on chain rows ``rows`` (flat b*L+t indices) with outputs h."""
-        if rows.numel() == 0:
-            losses.append(drafter.lm_head.weight.sum() * 0.0)
-            correct.append(torch.zeros((), device=device))
-            return
-        logits = drafter.lm_head(drafter.norm(h))
-        s = slot[rows + 1 + k]
-        with torch.no_grad():
-            correct.append((logits.argmax(-1) == target_argmax[s]).sum())
-        losses.append(F.cross_entropy(logits.to(compute), target_p[s]))
+    flat_doc_start = (torch.arange(b, device=device)[:, None] * length + doc_start).reshape(-1)
+    head_rows, head_slots = [], []  # per step: the counted rows' pre-norm outputs and their targets
 
     # Step 0: every position is a key for later steps, so it runs on the whole [B, L].
     feature = drafter.fuse(aux_hidden)
     with torch.no_grad():
         embeds = drafter.embed_tokens(F.pad(input_ids[:, 1:], (0, 1)))
-    cos, sin = drafter.rotary(torch.arange(length, device=device), feature.dtype)
+    cos, sin = drafter.rotary(positions, feature.dtype)
     q, k0, v0 = layer.qkv(embeds, feature, cos, sin)  # [B, L, heads, hd]
-    attn = sdpa(q.transpose(1, 2), repeat_kv(k0.transpose(1, 2), groups), repeat_kv(v0.transpose(1, 2), groups),
-                scale, is_causal=True)
-    h = layer.finish(attn.transpose(1, 2), feature).reshape(b * length, -1)
+    if packed:  # a causal attention inside each document: keys doc_start..t of the flat rows
+        flat = torch.arange(b * length, device=device)
+        attn, _ = _PrefixAttention.apply(q.reshape(b * length, n_heads, hd), k0.reshape(b * length, n_kv, hd),
+                                         v0.reshape(b * length, n_kv, dv), flat_doc_start, flat, scale)
+        attn = attn.view(b, length, n_heads, dv)
+    else:
+        attn = sdpa(q.transpose(1, 2), repeat_kv(k0.transpose(1, 2), groups), repeat_kv(v0.transpose(1, 2), groups),
+                    scale, is_causal=True).transpose(1, 2)
+    h = layer.finish(attn, feature).reshape(b * length, -1)
     rows0 = counted[0].reshape(-1).nonzero().squeeze(1)
-    step_loss(h[rows0], rows0, 0)
+    head_rows.append(h[rows0])
+    head_slots.append(slot[rows0 + 1])
 
-    # Steps >= 1 on the packed chains that still count; chain f = b*L + t sees step-0 keys b*L .. f.
+    # Steps >= 1 on the packed chains that still count; chain f = b*L + t sees step-0 keys doc start .. f.
     k0, v0 = k0.reshape(b * length, n_kv, hd), v0.reshape(b * length, n_kv, dv)
+    pos_flat = positions.reshape(-1)
     rows = torch.arange(b * length, device=device)
     diag_k = diag_v = None  # [steps so far, N, nKV, hd]: the keys of steps 1..k of each chain
     for k in range(1, steps):
@@ -218,15 +247,14 @@ def ttt_loss(drafter: Eagle3Drafter, aux_hidden: torch.Tensor, input_ids: torch.
         rows, h = rows[keep], drafter.next_feature(h[keep])
         if diag_k is not None:
             diag_k, diag_v = diag_k[:, keep], diag_v[:, keep]
-        t = rows % length
         with torch.no_grad():
             embeds = drafter.embed_tokens(ids_flat[rows + 1 + k])
-        cos, sin = drafter.rotary(t + k, h.dtype)
+        cos, sin = drafter.rotary(pos_flat[rows] + k, h.dtype)
         q, kk, vk = layer.qkv(embeds, h, cos, sin)  # q [N, nH, hd], kk/vk [N, nKV, hd]
         diag_k = kk[None] if diag_k is None else torch.cat([diag_k, kk[None]])
         diag_v = vk[None] if diag_v is None else torch.cat([diag_v, vk[None]])
 
-        out_prefix, lse_prefix = _PrefixAttention.apply(q, k0, v0, rows - t, rows, scale)
+        out_prefix, lse_prefix = _PrefixAttention.apply(q, k0, v0, flat_doc_start[rows], rows, scale)
         n = rows.numel()
         lse_prefix = lse_prefix.view(n, n_kv, groups)  # float32 or wider, like the merge below
         diag_scores = torch.einsum("nkgd,snkd->snkg", q.view(n, n_kv, groups, hd), diag_k).to(lse_prefix.dtype) * scale
@@ -235,14 +263,23 @@ def ttt_loss(drafter: Eagle3Drafter, aux_hidden: torch.Tensor, input_ids: torch.
                 + torch.einsum("snkg,snkd->nkgd", torch.exp(diag_scores - lse_all), diag_v.to(lse_all.dtype)))
         h = layer.finish(attn.reshape(n, n_heads, dv).to(h.dtype), h)
         sel = counted[k].reshape(-1)[rows]
-        step_loss(h[sel], rows[sel], k)
+        head_rows.append(h[sel])
+        head_slots.append(slot[rows[sel] + 1 + k])
 
-    total = sum((decay ** k) * loss for k, loss in enumerate(losses))
-    count_k = counted.reshape(steps, -1).sum(-1).tolist()
-    loss_k = torch.stack([loss.detach().double() for loss in losses]).tolist()
-    correct_k = torch.stack([c.float() for c in correct]).tolist()
-    acc_k = [c / n if n else 0.0 for c, n in zip(correct_k, count_k)]
-    return TTTOutput(loss=total, loss_k=loss_k, acc_k=acc_k, count_k=count_k)
+    # The head and loss of every step in one pass: row weight decay^k / denominator_k.
+    sizes = [r.shape[0] for r in head_rows]
+    step_of_row = torch.repeat_interleave(torch.arange(steps, device=device), torch.tensor(sizes, device=device))
+    per_step = torch.tensor([decay ** k for k in range(steps)], dtype=compute, device=device)
+    per_step = torch.where(denominator > 0, per_step / denominator.clamp(min=1).to(compute), 0.0)
+    head = head_soft_cross_entropy(drafter.norm(torch.cat(head_rows)), drafter.lm_head.weight, target_p,
+                                   target_argmax, torch.cat(head_slots), per_step[step_of_row])
+
+    sums = torch.zeros(steps, dtype=compute, device=device).index_add_(0, step_of_row, head.ce)
+    hits = torch.zeros(steps, dtype=compute, device=device).index_add_(0, step_of_row, head.correct.to(compute))
+    counts = count_k.tolist()
+    loss_k = [s / c if c else 0.0 for s, c in zip(sums.double().tolist(), counts)]
+    acc_k = [a / c if c else 0.0 for a, c in zip(hits.tolist(), counts)]
+    return TTTOutput(loss=head.loss, loss_k=loss_k, acc_k=acc_k, count_k=counts)
 
 
 def simulated_acceptance_length(acc_k: list[float]) -> float:

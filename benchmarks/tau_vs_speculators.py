@@ -1,0 +1,323 @@
+"""The τ race: a drafter trained by eaglekit against one trained by speculators 0.9.0's own training code.
+
+Same data, same drafter shape, same step budget and learning-rate schedule; each trainer otherwise as it ships.
+Both drafters are then measured by eaglekit's evaluate stage on the same held-out prompts of the tiny target:
+τ (tokens per target pass) per K and temperature, and the ratio eaglekit / speculators.
+
+  data         the built-in tiny target answers N prompts of its own task corpus (generate, local backend);
+               prepare renders and masks them; vocab picks the draft vocabulary. Both trainers read these.
+  eaglekit     the train stage with packing: one row of --seq tokens per optimizer step (online features).
+  speculators  in its own venv (benchmarks/.venv-speculators): Eagle3DraftModel.from_training_args, its
+               multipack sampler and collate (speculators.train.dataloader), shift_batch, and its Trainer
+               (AdamW, clip, warmup + cosine, kl_div loss) for the same number of steps of --seq tokens. Its
+               features are the same target's, computed here with eaglekit's TargetFeatures (aux layers) plus
+               the final decoder layer's output before the norm (speculators applies the verifier's norm itself).
+               CPU adaptations, nothing else: the device is "cpu" (its trainer moves models to cuda:LOCAL_RANK),
+               its step profiler off (it synchronizes an accelerator), eager attention and the eager loss (flex
+               attention and the fused losses have no CPU backward), float32 features.
+  evaluate     eaglekit's evaluate stage on each final drafter (not "best": the same step budget), same prompts.
+  vLLM         where a vLLM environment exists (.venv-vllm, scripts/setup_vllm.sh): each drafter exported in the
+               legacy EAGLE-3 form and served by the real vLLM beside the tiny target, one server per K
+               (--speculative-config method eagle3), the same prompts at temperature 0; τ = 1 + accepted / drafts
+               from its /metrics counters.
+
+What is the same: draft vocabulary (eaglekit's vocab stage, passed to speculators as t2d/d2t), drafter shape
+(the target's layer shape, intermediate --intermediate), norm_before_residual false, TTT steps and decay, lr,
+warmup, cosine to 0, steps, tokens per step, the training samples (eaglekit's train split). What stays each
+trainer's own: optimizer settings (eaglekit AdamW betas 0.9/0.95, no weight decay, clip 0.5; speculators AdamW
+betas 0.9/0.999, weight decay 0.01, clip 1.0), loss masking (eaglekit counts only positions whose target argmax
+is in the draft vocab), and lm_head (eaglekit trains it from the target's rows; speculators keeps it frozen).
+
+    .venv/bin/python benchmarks/tau_vs_speculators.py                 # ~25 min on 2 CPU cores
+    .venv/bin/python benchmarks/tau_vs_speculators.py --lr 1e-3       # another learning rate, same data (reused)
+    .venv/bin/python benchmarks/tau_vs_speculators.py --reuse-speculators   # retrain eaglekit's side only
+
+It needs benchmarks/.venv-speculators (bash benchmarks/setup_speculators.sh); without it, it says so and stops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SPECULATORS_PYTHON = ROOT / "benchmarks" / ".venv-speculators" / "bin" / "python"
+sys.path.insert(0, str(ROOT / "src"))
+
+
+def data_config(out: Path, args) -> dict:
+    from eaglekit.tiny import ensure_tiny_target
+
+    return {
+        "run_dir": str(out / "run"),
+        "target": {"model": str(ensure_tiny_target())},
+        "data": {"prompts": str(out / "prompts.jsonl"), "eval_fraction": args.eval_fraction},
+        "generate": {"backend": "local", "max_tokens": 200, "temperature": 0.0, "batch_size": 48},
+        "prepare": {"max_length": 384},
+        "vocab": {"draft_vocab_size": args.draft_vocab},
+        "train": {"max_steps": args.steps, "batch_size": 1, "packing": True, "pack_length": args.seq, "lr": args.lr,
+                  "warmup_steps": args.warmup, "min_lr_ratio": 0.0, "ttt_steps": args.ttt_steps,
+                  "ttt_decay": args.decay, "eval_every": args.steps, "save_every": args.steps, "log_every": 10,
+                  "seed": args.seed, "draft": {"intermediate_size": args.intermediate}},
+        "evaluate": {"num_samples": args.eval_prompts, "num_speculative_tokens": args.ks,
+                     "temperatures": args.temperatures, "max_new_tokens": args.max_new_tokens},
+        "export": {"verifier": None},
+    }
+
+
+def run_stage(cfg, stage: str, force: bool = False) -> dict:
+    from eaglekit.pipeline import run_stage as run
+    from eaglekit.rundir import RunDir
+
+    with RunDir(cfg.run_dir).lock:
+        return run(cfg, stage, force=force)
+
+
+def make_data(out: Path, args):
+    from eaglekit.config import parse_config
+    from eaglekit.tiny import write_prompts
+
+    if not (out / "prompts.jsonl").exists():
+        write_prompts(out / "prompts.jsonl", n=args.prompts, seed=args.seed + 1234)
+    cfg = parse_config(data_config(out, args), base_dir=out)
+    (out / "config.yaml").write_text(cfg.to_yaml())
+    for stage in ("generate", "prepare", "vocab"):
+        run_stage(cfg, stage)  # done stages with the same inputs are skipped
+    return cfg
+
+
+def train_eaglekit(cfg) -> tuple[Path, float]:
+    t0 = time.monotonic()
+    run_stage(cfg, "train", force=True)
+    return Path(cfg.run_dir) / "train" / "checkpoints" / f"step-{cfg.train.max_steps}", time.monotonic() - t0
+
+
+def train_speculators(cfg, out: Path, args) -> tuple[Path, float]:
+    folder = out / f"speculators-lr{args.lr:g}"
+    if args.reuse_speculators and (folder / "final").exists():
+        return folder / "final", float("nan")
+    shutil.rmtree(folder, ignore_errors=True)
+    job = {"run_dir": cfg.run_dir, "target": cfg.target.model, "eval_fraction": cfg.data.eval_fraction,
+           "out": str(folder), "steps": args.steps, "seq": args.seq, "lr": args.lr, "warmup": args.warmup,
+           "ttt_steps": args.ttt_steps, "decay": args.decay, "intermediate": args.intermediate, "seed": args.seed}
+    t0 = time.monotonic()
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": str(args.threads)}
+    subprocess.run([str(args.speculators_python), __file__, "--speculators-child", json.dumps(job)], check=True, env=env)
+    return folder / "final", time.monotonic() - t0
+
+
+def evaluate(cfg, checkpoint: Path, name: str, out: Path) -> dict:
+    cfg = cfg.model_copy(deep=True)
+    cfg.evaluate.checkpoint = str(checkpoint)
+    run_stage(cfg, "evaluate", force=True)
+    report = json.loads((Path(cfg.run_dir) / "evaluate" / "report.json").read_text())
+    (out / f"report-{name}.json").write_text(json.dumps(report, indent=1))
+    return report
+
+
+def vllm_taus(cfg, checkpoint: Path, name: str, out: Path, ks: list[int], max_tokens: int, python: Path) -> dict[int, float]:
+    """τ per K of ``checkpoint`` served by the real vLLM beside the tiny target (greedy, the held-out prompts)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from eaglekit.model.checkpoints import load_drafter, save_legacy
+    from eaglekit.serving.engine import VllmServer, metric_sum
+    from eaglekit.stages.evaluate import eval_prompts
+
+    exported = out / f"vllm-{name}" / "eagle3"
+    if not exported.exists():
+        drafter, _ = load_drafter(checkpoint)
+        save_legacy(drafter, exported)
+    prompts = [messages for _, messages in eval_prompts(cfg)]
+    taus = {}
+    for k in ks:
+        spec = json.dumps({"method": "eagle3", "model": str(exported), "num_speculative_tokens": k})
+        server = VllmServer(python, cfg.target.model, ["--speculative-config", spec, "--max-model-len", "1024"],
+                            out / f"vllm-{name}" / f"k{k}.log")
+        with server:
+            def ask(messages):
+                r = httpx.post(f"{server.url}/chat/completions", timeout=600, json={
+                    "model": cfg.target.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0})
+                r.raise_for_status()
+            with ThreadPoolExecutor(8) as pool:
+                list(pool.map(ask, prompts))
+            m = server.metrics()
+        drafts = metric_sum(m, "vllm:spec_decode_num_drafts_total")
+        accepted = metric_sum(m, "vllm:spec_decode_num_accepted_tokens_total")
+        taus[k] = 1 + accepted / drafts if drafts else float("nan")
+        print(f"vLLM {name} K={k}: {int(drafts)} drafts, {int(accepted)} accepted, τ {taus[k]:.3f}", flush=True)
+    return taus
+
+
+# ----------------------------------------------------------------------------------- the speculators child
+
+def speculators_child(job: dict) -> None:
+    """Runs in benchmarks/.venv-speculators: speculators' own model, data pipeline, loss and Trainer."""
+    import torch
+    from speculators.models.eagle3 import Eagle3DraftModel
+    from speculators.models.eagle3.data import shift_batch
+    from speculators.train import trainer as trainer_module
+    from speculators.train.data import BaseDataset
+    from speculators.train.dataloader import _setup_dataloader
+    from speculators.train.trainer import Trainer, TrainerConfig
+    from transformers import AutoConfig, LlamaConfig
+
+    from eaglekit.data.tokens import TokenStore
+    from eaglekit.model.target import TargetFeatures, aux_layer_ids, decoder_parts, load_target
+    from eaglekit.config import TargetConfig
+    from eaglekit.stages.vocab import load_vocab
+    from eaglekit.training.data import split_indices
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    torch.manual_seed(job["seed"])
+    run_dir = Path(job["run_dir"])
+    store = TokenStore(run_dir / "prepare" / "tokens.safetensors")
+    train_idx, _ = split_indices(store, job["eval_fraction"])  # eaglekit's train split: the same samples
+    d2t, t2d = load_vocab(run_dir)
+    target_cfg = TargetConfig(model=job["target"])
+    target = load_target(target_cfg, "cpu")
+    hf = AutoConfig.from_pretrained(job["target"])
+    aux_ids = aux_layer_ids(target_cfg, hf.num_hidden_layers)
+    features = TargetFeatures(target, aux_ids)
+    final_norm = decoder_parts(target)[2]
+
+    samples = []
+    for i in train_idx:
+        _, ids, mask = store[i]
+        pre_norm = {}
+        handle = final_norm.register_forward_pre_hook(lambda m, a: pre_norm.__setitem__("h", a[0]))
+        try:
+            f = features(ids[None].long(), with_logits=False)
+        finally:
+            handle.remove()
+        samples.append({"hidden_states": f.aux[0].float(), "input_ids": ids.long(),
+                        "verifier_last_hidden_states": pre_norm["h"][0].float(), "loss_mask": mask.bool()})
+    print(f"speculators child: features of {len(samples)} training samples", flush=True)
+
+    class Samples(BaseDataset):
+        def _compute_approx_lengths(self):
+            return [len(s["input_ids"]) for s in samples]
+
+        def _get_raw_data(self, index):
+            return {k: v.clone() for k, v in samples[index].items()}
+
+        def __len__(self):
+            return len(samples)
+
+    layer = LlamaConfig(vocab_size=hf.vocab_size, hidden_size=hf.hidden_size, intermediate_size=job["intermediate"],
+                        num_hidden_layers=1, num_attention_heads=hf.num_attention_heads,
+                        num_key_value_heads=hf.num_key_value_heads, head_dim=hf.head_dim,
+                        max_position_embeddings=hf.max_position_embeddings, rms_norm_eps=hf.rms_norm_eps,
+                        rope_parameters=dict(hf.rope_parameters), hidden_act="silu", tie_word_embeddings=False)
+    model = Eagle3DraftModel.from_training_args(
+        verifier_config=layer, t2d=t2d, d2t=d2t, verifier_name_or_path=job["target"], target_layer_ids=aux_ids,
+        draft_vocab_size=int(d2t.numel()), norm_before_residual=False, ttt_steps=job["ttt_steps"],
+        draft_attn_impl="eager")  # flex attention has no CPU backward
+    loader = _setup_dataloader(Samples(max_len=job["seq"], hidden_states_dtype=torch.float32), job["seq"],
+                               hf.hidden_size, num_workers=0, preprocess=shift_batch, seed=job["seed"])
+    train_kwargs, val_kwargs = Eagle3DraftModel.get_trainer_kwargs(
+        loss_fn="kl_div", loss_implementation="eager", ttt_steps=job["ttt_steps"], ttt_step_loss_decay=job["decay"])
+    trainer_module.get_local_rank = lambda: "cpu"  # its trainer moves the model and batches to cuda:LOCAL_RANK
+    reset = trainer_module._StepTimer.reset  # its step profiler synchronizes an accelerator: off on the CPU
+    trainer_module._StepTimer.reset = lambda self, enabled: reset(self, False)
+    config = TrainerConfig(lr=job["lr"], num_epochs=math.ceil(job["steps"] / len(loader)), save_path=job["out"],
+                           train_call_kwargs=train_kwargs, val_call_kwargs=val_kwargs, scheduler_type="cosine",
+                           scheduler_warmup_steps=job["warmup"], max_steps=job["steps"],
+                           hidden_states_dtype=torch.float32, log_freq=10 ** 9, checkpoint_freq=10 ** 6)
+    trainer = Trainer(model, config, loader, None)
+    trainer.run_training()
+    print(f"speculators child: {trainer.global_step} steps of {job['seq']} packed tokens "
+          f"({len(loader)} batches per epoch)", flush=True)
+    model.save_pretrained(Path(job["out"]) / "final")
+
+
+# ---------------------------------------------------------------------------------------------------- main
+
+def table(reports: dict[str, dict], ks: list[int], temperatures: list[float]) -> tuple[str, list[dict]]:
+    tau = {name: {(r["k"], r["temperature"]): r["tau"] for r in rep["results"] if r["method"] == "eagle"}
+           for name, rep in reports.items()}
+    ngram = {(r["k"], r["temperature"]): r["tau"] for r in reports["eaglekit"]["results"] if r["method"] == "ngram"}
+    rows, lines = [], ["| K | T | τ eaglekit | τ speculators | ratio | τ n-gram |", "|---|---|---|---|---|---|"]
+    for t in temperatures:
+        for k in ks:
+            a, b = tau["eaglekit"][k, t], tau["speculators"][k, t]
+            rows.append({"k": k, "temperature": t, "eaglekit": a, "speculators": b, "ratio": a / b,
+                         "ngram": ngram.get((k, t))})
+            lines.append(f"| {k} | {t:g} | {a:.3f} | {b:.3f} | **x{a / b:.3f}** | {ngram.get((k, t), float('nan')):.3f} |")
+    return "\n".join(lines), rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, default=Path("/tmp/eaglekit-tau-race"))
+    p.add_argument("--prompts", type=int, default=1600, help="tiny-target prompts to generate from")
+    p.add_argument("--eval-fraction", type=float, default=0.05)
+    p.add_argument("--draft-vocab", type=int, default=200)
+    p.add_argument("--intermediate", type=int, default=256, help="the drafter's MLP width")
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps, both trainers")
+    p.add_argument("--seq", type=int, default=2048, help="packed tokens per step, both trainers")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--ttt-steps", type=int, default=4)
+    p.add_argument("--decay", type=float, default=0.8)
+    p.add_argument("--ks", type=lambda s: [int(x) for x in s.split(",")], default=[1, 3, 5])
+    p.add_argument("--temperatures", type=lambda s: [float(x) for x in s.split(",")], default=[0.0, 1.0])
+    p.add_argument("--eval-prompts", type=int, default=40)
+    p.add_argument("--max-new-tokens", type=int, default=160)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--speculators-python", type=Path, default=SPECULATORS_PYTHON)
+    p.add_argument("--vllm-python", type=Path, default=ROOT / ".venv-vllm" / "bin" / "python",
+                   help="python of a vLLM environment; where it does not exist the vLLM part is left out")
+    p.add_argument("--reuse-speculators", action="store_true",
+                   help="keep the speculators drafter already trained in --out at this lr (its side takes ~20 min)")
+    p.add_argument("--speculators-child", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.speculators_child:
+        return speculators_child(json.loads(args.speculators_child))
+    if not args.speculators_python.exists():
+        sys.exit(f"{args.speculators_python} does not exist: run `bash benchmarks/setup_speculators.sh` first")
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    args.out.mkdir(parents=True, exist_ok=True)
+    cfg = make_data(args.out, args)
+    eaglekit_ckpt, eaglekit_s = train_eaglekit(cfg)
+    speculators_ckpt, speculators_s = train_speculators(cfg, args.out, args)
+    reports = {"eaglekit": evaluate(cfg, eaglekit_ckpt, f"eaglekit-lr{args.lr:g}", args.out),
+               "speculators": evaluate(cfg, speculators_ckpt, f"speculators-lr{args.lr:g}", args.out)}
+    text, rows = table(reports, args.ks, args.temperatures)
+    vllm = {}
+    if args.vllm_python.exists():
+        vllm = {side: vllm_taus(cfg, ckpt, f"{side}-lr{args.lr:g}", args.out, args.ks, args.max_new_tokens,
+                                args.vllm_python)
+                for side, ckpt in (("eaglekit", eaglekit_ckpt), ("speculators", speculators_ckpt))}
+        text += "\n\nThe same drafters served by the real vLLM (temperature 0, τ = 1 + accepted / drafts):\n\n"
+        text += "| K | τ eaglekit | τ speculators | ratio |\n|---|---|---|---|\n"
+        text += "\n".join(f"| {k} | {vllm['eaglekit'][k]:.3f} | {vllm['speculators'][k]:.3f} | "
+                          f"**x{vllm['eaglekit'][k] / vllm['speculators'][k]:.3f}** |" for k in args.ks)
+    else:
+        text += f"\n\n(no vLLM at {args.vllm_python}: the real-engine part is left out; scripts/setup_vllm.sh makes one)"
+    store_tokens = json.loads((Path(cfg.run_dir) / "prepare" / "stats.json").read_text())
+    print(f"\nτ race on the tiny target: {args.steps} steps x {args.seq} packed tokens, lr {args.lr:g} "
+          f"(warmup {args.warmup}, cosine to 0), K_train {args.ttt_steps}, decay {args.decay}; "
+          f"{reports['eaglekit']['prompts']} held-out prompts, up to {args.max_new_tokens} new tokens\n"
+          f"training time: eaglekit {eaglekit_s:.0f} s, speculators {speculators_s:.0f} s (features included)\n")
+    print(text)
+    (args.out / f"race-lr{args.lr:g}.json").write_text(json.dumps(
+        {"argv": sys.argv, "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows, "prepare": store_tokens,
+         "vllm": {side: {str(k): t for k, t in taus.items()} for side, taus in vllm.items()},
+         "train_seconds": {"eaglekit": eaglekit_s, "speculators": speculators_s}}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""The draft head and the soft cross-entropy of TTT, fused so no [N, Vd] tensor is kept for backward.
+
+Every TTT step ends in ``lm_head`` over the draft vocabulary and a soft cross-entropy against the
+target's distribution. Written plainly (``F.cross_entropy(lm_head(x), target_p)``) autograd keeps two
+[N, Vd] fp32 tensors per step for backward — the log-softmax and the gathered target probabilities:
+64 KiB per token per step at Vd = 8192, 250 KiB at Vd = 32000, most of what a TTT step costs in memory.
+
+The loss is a scalar and its gradient needs nothing from backward but one number, so this function
+does what fused linear-cross-entropy kernels do (Liger's ``FusedLinearCrossEntropy``): it walks the rows
+in chunks, and for each chunk computes the logits, the loss, the argmax, and at once the gradients
+with respect to x and to the head's weight. Backward only scales those by the incoming gradient. Kept
+for backward: dL/dx [N, H] and dL/dW [Vd, H] — no more matmuls than the plain version (the logits'
+forward, dx and dW), and only one chunk of logits alive at a time.
+
+All TTT steps go through one call (their rows concatenated, each row weighted by decay^k / count_k),
+so dL/dW exists once, not once per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Rows per chunk: at most this many logits at once (4 Mi elements = 16 MiB in fp32). Larger chunks make the
+# transient memory of a step depend on how many rows the step has; on a GPU the matmuls want more rows.
+CHUNK_ELEMENTS = {"cpu": 1 << 22}
+CHUNK_ELEMENTS_DEFAULT = 1 << 25
+
+
+@dataclass
+class HeadLoss:
+    loss: torch.Tensor     # scalar: sum over rows of row_weight * soft cross-entropy (differentiable)
+    ce: torch.Tensor       # [M] each row's soft cross-entropy (no grad)
+    correct: torch.Tensor  # [M] bool: the draft's argmax equals the target's
+
+
+def head_soft_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target_p: torch.Tensor,
+                            target_argmax: torch.Tensor, slots: torch.Tensor, row_weight: torch.Tensor,
+                            chunk_rows: int | None = None) -> HeadLoss:
+    """Σ_m row_weight[m] · H(target_p[slots[m]], softmax(x[m] @ weight.T)), without [M, Vd] kept for backward.
+
+    x [M, H] the normed draft hidden states; weight [Vd, H] the draft head; target_p [P, Vd] target
+    probabilities (rows sum to 1) and target_argmax [P]; slots [M] the target row of each x row;
+    row_weight [M]. The matmuls run in the autocast dtype when autocast is on (as ``lm_head`` would),
+    softmax and loss in float32 (float64 for float64 inputs).
+    """
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        matmul_dtype = torch.get_autocast_dtype(device_type)
+    else:
+        matmul_dtype = torch.promote_types(x.dtype, weight.dtype)
+    if chunk_rows is None:
+        elements = CHUNK_ELEMENTS.get(device_type, CHUNK_ELEMENTS_DEFAULT)
+        chunk_rows = max(1, elements // max(1, weight.shape[0]))
+    grad = torch.is_grad_enabled()
+    loss, ce, correct = _HeadSoftCrossEntropy.apply(
+        x, weight, target_p, target_argmax, slots, row_weight, matmul_dtype, chunk_rows,
+        grad and x.requires_grad, grad and weight.requires_grad)
+    return HeadLoss(loss=loss, ce=ce, correct=correct)
+
+
+class _HeadSoftCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, target_p, target_argmax, slots, row_weight, matmul_dtype, chunk_rows,
+                need_dx, need_dw):
+        compute = torch.promote_types(torch.promote_types(x.dtype, weight.dtype), torch.float32)
+        m = x.shape[0]
+        w_mm = weight.to(matmul_dtype)
+        ce = torch.empty(m, dtype=compute, device=x.device)
+        correct = torch.empty(m, dtype=torch.bool, device=x.device)
+        dx = torch.empty_like(x) if need_dx else None
+        dw = torch.zeros_like(weight, dtype=torch.promote_types(weight.dtype, torch.float32)) if need_dw else None
+        row_weight = row_weight.to(compute)
+        for r0 in range(0, m, chunk_rows):
+            r1 = min(r0 + chunk_rows, m)
+            xc = x[r0:r1].to(matmul_dtype)
+            logits = (xc @ w_mm.T).to(compute)  # [c, Vd], the only chunk of logits alive
+            s = slots[r0:r1]
+            correct[r0:r1] = logits.argmax(-1) == target_argmax[s]
+            p = target_p[s].to(compute)
+            p_sum = p.sum(-1)
+            lse = torch.logsumexp(logits, dim=-1)
+            # H(p, q) = Σ_v p_v (lse - z_v) = lse · Σp - p·z
+            ce[r0:r1] = lse * p_sum - (p * logits).sum(-1)
+            if need_dx or need_dw:
+                # dH/dz = Σp · softmax(z) - p, scaled by the row's weight in the total
+                dz = logits.sub_(lse[:, None]).exp_().mul_(p_sum[:, None]).sub_(p).mul_(row_weight[r0:r1, None])
+                dz = dz.to(matmul_dtype)
+                if need_dx:
+                    dx[r0:r1] = (dz @ w_mm).to(x.dtype)
+                if need_dw:
+                    dw += (dz.T @ xc).to(dw.dtype)
+            del logits, p
+        loss = (ce * row_weight).sum()
+        ctx.save_for_backward(dx, dw)
+        ctx.weight_dtype = weight.dtype
+        ctx.mark_non_differentiable(ce, correct)
+        return loss, ce, correct
+
+    @staticmethod
+    def backward(ctx, d_loss, _d_ce, _d_correct):
+        dx, dw = ctx.saved_tensors
+        grad_x = None if dx is None else dx * d_loss.to(dx.dtype)
+        grad_w = None if dw is None else (dw * d_loss.to(dw.dtype)).to(ctx.weight_dtype)
+        return grad_x, grad_w, None, None, None, None, None, None, None, None
