@@ -13,6 +13,7 @@ concatenated; tokenizing the whole text at once can merge tokens across the prom
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -207,3 +208,14 @@ def use_generated_tokens(tokenizer, input_ids: list[int], loss_mask: list[int],
     ids = input_ids[:first] + list(generated) + input_ids[end:]
     mask = loss_mask[:first] + [1] * len(generated) + loss_mask[end:]
     return ids, mask, True
+
+
+@functools.lru_cache(maxsize=4)
+def _load_tokenizer_cached(model: str, template: str | None, trust_remote_code: bool):
+    return load_tokenizer(model, template, trust_remote_code)
+
+
+def local_target_tokenizer(cfg):
+    """The target's tokenizer (``target.*`` of a RunConfig) when it is a local folder, else None: never a download."""
+    t = cfg.target
+    return _load_tokenizer_cached(t.model, t.chat_template, t.trust_remote_code) if Path(t.model).is_dir() else None

@@ -10,8 +10,10 @@ and ``file:row N`` for JSON lists, Parquet and datasets folders (0-based, as ``d
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Literal
@@ -266,3 +268,16 @@ def _columns(path: Path, names: list[str]) -> list[str]:
         raise UsageError(f"{path}: no 'conversations' or 'messages' column (columns: {', '.join(names) or 'none'})",
                          "rename the conversation column to 'conversations' (ShareGPT) or 'messages' (OpenAI)")
     return conv + (["id"] if "id" in names else [])
+
+
+@functools.lru_cache(maxsize=4)
+def _load_prompts_cached(path: str, max_samples: int | None, on_bad_row: str, stamp: tuple) -> PromptSet:
+    return load_prompts(path, max_samples, on_bad_row)
+
+
+def run_prompts(cfg) -> PromptSet:
+    """The run's prompts (``data.*`` of a RunConfig), cached per file state: the pre-flight, the disk estimate
+    and the generate stage share one load."""
+    d = cfg.data
+    st = os.stat(d.prompts) if os.path.exists(d.prompts) else None
+    return _load_prompts_cached(d.prompts, d.max_samples, d.on_bad_row, (st.st_mtime_ns, st.st_size) if st else ())

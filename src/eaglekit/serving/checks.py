@@ -16,7 +16,9 @@ import httpx
 
 from eaglekit.errors import EaglekitError, UsageError
 from eaglekit.preflight import CheckResult, fail, ok, skip, warn
-from eaglekit.serving.reasoning import explain_missing_reasoning, has_think_tags, split_inline_think
+from eaglekit.data.chat import local_target_tokenizer
+from eaglekit.data.prompts import run_prompts
+from eaglekit.serving.reasoning import explain_missing_reasoning, has_think_tags, split_inline_think, target_reasoning_mode
 
 # A prompt's tokens are estimated at one per 3 characters when the target tokenizer is not at hand
 # (English averages ~4; erring long makes the context check strict rather than blind).
@@ -24,16 +26,16 @@ CHARS_PER_TOKEN = 3.0
 TOKENIZED_LONGEST = 32  # the longest prompts (by characters) that are tokenised exactly
 
 
-def _stage():
-    from eaglekit.stages import generate
+def _api_key(cfg) -> str | None:
+    from eaglekit.serving.client import api_key_from_env
 
-    return generate
+    return api_key_from_env(cfg.generate.api_key_env, "generate.api_key_env")
 
 
 def prompts_loaded(ctx) -> CheckResult:
     """The whole prompt set loads (the generic check reads only its first rows)."""
     try:
-        prompt_set = _stage().prompts(ctx.cfg)
+        prompt_set = run_prompts(ctx.cfg)
     except EaglekitError as err:
         return fail("all prompts", err.message, err.remedy or "fix the prompts file")
     if not prompt_set.records:
@@ -44,7 +46,7 @@ def prompts_loaded(ctx) -> CheckResult:
 
 def reasoning_mode(ctx) -> CheckResult:
     try:
-        mode, why = _stage().reasoning_mode(ctx.cfg)
+        mode, why = target_reasoning_mode(ctx.cfg)
     except EaglekitError as err:
         return fail("reasoning", f"cannot tell whether the target reasons: {err.message}",
                     (err.remedy or "") + "; or set generate.reasoning explicitly")
@@ -59,7 +61,7 @@ def api_key(ctx) -> CheckResult:
     if not name:
         return ok("API key", "none (generate.api_key_env is not set)")
     try:
-        _stage().api_key(ctx.cfg)
+        _api_key(ctx.cfg)
     except UsageError as err:
         return fail("API key", err.message, err.remedy)
     return ok("API key", f"read from ${name}")
@@ -104,7 +106,7 @@ def server_info(url: str, key: str | None, model: str) -> dict:
 def _infos(ctx) -> list[dict]:
     g = ctx.cfg.generate
     try:
-        key = _stage().api_key(ctx.cfg)
+        key = _api_key(ctx.cfg)
     except UsageError:
         key = None
     return [server_info(u, key, g.model) for u in g.servers]
@@ -164,10 +166,9 @@ def health(ctx) -> list[CheckResult]:
 
 def _prompt_lengths(ctx) -> tuple[list[tuple[int, str]], str]:
     """(tokens, id) of the longest prompts, longest first, and how they were counted."""
-    stage = _stage()
-    records = stage.prompts(ctx.cfg).records
+    records = run_prompts(ctx.cfg).records
     by_chars = sorted(records, key=lambda r: -sum(len(m["content"]) for m in r.messages))
-    tokenizer = stage.target_tokenizer(ctx.cfg)
+    tokenizer = local_target_tokenizer(ctx.cfg)
     if tokenizer is None:
         return sorted(((int(sum(len(m["content"]) for m in r.messages) / CHARS_PER_TOKEN) + 8 * len(r.messages), r.id)
                        for r in by_chars[:TOKENIZED_LONGEST]), reverse=True), \
@@ -229,7 +230,7 @@ def render_check(ctx, record: dict) -> str | None:
     """Why the record would not train well, rendered with the target's template; None when it renders right."""
     from eaglekit.data.chat import render_sample, template_has_think_tags, template_text
 
-    tokenizer = _stage().target_tokenizer(ctx.cfg)
+    tokenizer = local_target_tokenizer(ctx.cfg)
     if tokenizer is None or not record["reasoning"] or not record["content"]:
         return None
     kwargs = ctx.cfg.generate.extra_body.get("chat_template_kwargs") or {}
@@ -251,17 +252,17 @@ def smoke(ctx) -> list[CheckResult]:
     from eaglekit.data.responses import make_record
     from eaglekit.serving.client import ChatClient, RequestFailed
 
-    stage, g = _stage(), ctx.cfg.generate
+    g = ctx.cfg.generate
     infos = [i for i in _infos(ctx) if not i["error"] and any(m.get("id") == g.model for m in i["models"])]
     if not infos:
         return [skip("smoke request", "no server to ask (see the server checks)")]
     try:
-        key = stage.api_key(ctx.cfg)
+        key = _api_key(ctx.cfg)
     except UsageError:
         return [skip("smoke request", "no API key (see the API key check)")]
     try:
-        prompt = stage.prompts(ctx.cfg).records[0]
-        mode, _ = stage.reasoning_mode(ctx.cfg)
+        prompt = run_prompts(ctx.cfg).records[0]
+        mode, _ = target_reasoning_mode(ctx.cfg)
     except (EaglekitError, IndexError):
         return [skip("smoke request", "no prompt to send or no reasoning mode (see the checks above)")]
 

@@ -92,3 +92,17 @@ def explain_missing_reasoning(seen: Counter, n: int, length_stopped: int = 0, em
                "`chat_template_kwargs: {enable_thinking: true}` in generate.extra_body, or does the model not think "
                "(then set generate.reasoning: optional)?")
     return f"{why} (fields of the replies: {sent})"
+
+
+def target_reasoning_mode(cfg) -> tuple[str, str]:
+    """(required | optional | off, why) for a RunConfig: generate.reasoning, else what the target's template says."""
+    if cfg.generate.reasoning:
+        return cfg.generate.reasoning, "set by generate.reasoning"
+    from eaglekit.data.chat import local_target_tokenizer, template_has_think_tags
+
+    tokenizer = local_target_tokenizer(cfg)
+    if tokenizer is None:
+        return "optional", f"the target tokenizer is not a local folder ({cfg.target.model}), so its template is unknown"
+    if template_has_think_tags(tokenizer):
+        return "required", "the target's chat template has think tags"
+    return "optional", "the target's chat template has no think tags"

@@ -17,22 +17,21 @@ wrong field (or a server started without its reasoning parser) after its first f
 from __future__ import annotations
 
 import asyncio
-import functools
-import os
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from eaglekit.config import RunConfig
-from eaglekit.data.prompts import PromptRecord, PromptSet, load_prompts
+from eaglekit.data.prompts import PromptRecord, run_prompts
 from eaglekit.data.responses import RESPONSES, ResponseStore, make_record, quick_counts, summarize
 from eaglekit.errors import EaglekitError
 from eaglekit.preflight import checks as common
 from eaglekit.preflight import dataset, environment, files, gpus
 from eaglekit.progress import Meter, console
 from eaglekit.rundir import file_identity
-from eaglekit.serving.reasoning import explain_missing_reasoning
+from eaglekit.serving import checks as serving
+from eaglekit.serving.reasoning import explain_missing_reasoning, target_reasoning_mode
 
 NAME = "generate"
 UPSTREAM = None
@@ -68,8 +67,6 @@ def params(cfg: RunConfig) -> dict:
 
 
 def checks(cfg: RunConfig) -> list:
-    from eaglekit.serving import checks as serving
-
     if cfg.generate.backend == "local":
         return [dataset.prompts, serving.prompts_loaded, common.target_folder, files.target_weights,
                 environment.software, environment.devices, gpus.gpus, serving.reasoning_mode]
@@ -77,55 +74,10 @@ def checks(cfg: RunConfig) -> list:
             serving.health, serving.context_length, serving.smoke, gpus.gpus]
 
 
-@functools.lru_cache(maxsize=4)
-def _load_prompts(path: str, max_samples: int | None, on_bad_row: str, stamp: tuple) -> PromptSet:
-    return load_prompts(path, max_samples, on_bad_row)
-
-
-def prompts(cfg: RunConfig) -> PromptSet:
-    """The run's prompts (cached per file state: the pre-flight, the disk estimate and the run share one load)."""
-    d = cfg.data
-    st = os.stat(d.prompts) if os.path.exists(d.prompts) else None
-    return _load_prompts(d.prompts, d.max_samples, d.on_bad_row, (st.st_mtime_ns, st.st_size) if st else ())
-
-
-@functools.lru_cache(maxsize=4)
-def _tokenizer(model: str, template: str | None, trust_remote_code: bool):
-    from eaglekit.data.chat import load_tokenizer
-
-    return load_tokenizer(model, template, trust_remote_code)
-
-
-def target_tokenizer(cfg: RunConfig):
-    """The target's tokenizer when it is available locally (a folder), else None: never a download."""
-    t = cfg.target
-    return _tokenizer(t.model, t.chat_template, t.trust_remote_code) if Path(t.model).is_dir() else None
-
-
-def reasoning_mode(cfg: RunConfig) -> tuple[str, str]:
-    """(required | optional | off, why)."""
-    if cfg.generate.reasoning:
-        return cfg.generate.reasoning, "set by generate.reasoning"
-    tokenizer = target_tokenizer(cfg)
-    if tokenizer is None:
-        return "optional", f"the target tokenizer is not a local folder ({cfg.target.model}), so its template is unknown"
-    from eaglekit.data.chat import template_has_think_tags
-
-    if template_has_think_tags(tokenizer):
-        return "required", "the target's chat template has think tags"
-    return "optional", "the target's chat template has no think tags"
-
-
-def api_key(cfg: RunConfig) -> str | None:
-    from eaglekit.serving.client import api_key_from_env
-
-    return api_key_from_env(cfg.generate.api_key_env, "generate.api_key_env")
-
-
 def estimate_bytes(ctx) -> int | None:
     cfg, g = ctx.cfg, ctx.cfg.generate
     try:
-        records = prompts(cfg).records
+        records = run_prompts(cfg).records
     except EaglekitError:
         return None  # the prompts check says what is wrong
     prompt_bytes = sum(len(str(r.messages)) for r in records)
@@ -141,7 +93,7 @@ def estimate_seconds(ctx) -> tuple[float, str] | None:
     if not rate:
         return None
     try:
-        n = len(prompts(ctx.cfg).records)
+        n = len(run_prompts(ctx.cfg).records)
     except EaglekitError:
         return None
     return n / rate, f"{rate} req/s, as the last generate run measured"
@@ -234,11 +186,11 @@ class Collector:
 
 async def generate_openai(cfg: RunConfig, pending: list[PromptRecord], collector: Collector, notes: list[str]) -> None:
     """Send every pending prompt; ``notes`` gets a line per server that was taken out of rotation."""
-    from eaglekit.serving.client import ChatClient, RequestFailed
+    from eaglekit.serving.client import ChatClient, RequestFailed, api_key_from_env
 
     queue = list(reversed(pending))
 
-    async with ChatClient(cfg.generate, api_key(cfg)) as client:
+    async with ChatClient(cfg.generate, api_key_from_env(cfg.generate.api_key_env, "generate.api_key_env")) as client:
         async def worker() -> None:
             while queue:
                 prompt = queue.pop()
@@ -270,8 +222,8 @@ async def generate_openai(cfg: RunConfig, pending: list[PromptRecord], collector
 
 def run(ctx) -> dict:
     cfg, g = ctx.cfg, ctx.cfg.generate
-    prompt_set = prompts(cfg)
-    mode, why = reasoning_mode(cfg)
+    prompt_set = run_prompts(cfg)
+    mode, why = target_reasoning_mode(cfg)
     with ResponseStore(ctx.dir) as store:
         retried = store.forget_errors() if ctx.options.get("retry_failed") else 0
         existing = sum(p.id in store.done_ids for p in prompt_set.records)
