@@ -81,10 +81,14 @@ def _edit_exported(tmp_path: Path, form: str, edit) -> None:
     path.write_text(json.dumps(raw, indent=2))
 
 
-def _shift_aux(raw: dict) -> None:
-    raw["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in raw["eagle_aux_hidden_state_layer_ids"]]
-    raw["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [
-        i + 1 for i in raw["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]
+def _lowest_aux(raw: dict) -> None:
+    """The aux ids replaced by the lowest layers (0, 1, 2), as when the ids are read in another model's numbering.
+    A shift by one is caught too when it costs acceptance, but on the tiny target adjacent layers are so alike
+    that a retrained demo drafter may lose nothing to it (2.8 % τ at K=3 once, nothing another time)."""
+    for holder in (raw, raw["eagle_config"]):
+        ids = holder["eagle_aux_hidden_state_layer_ids"]
+        holder["eagle_aux_hidden_state_layer_ids"] = list(range(len(ids)))
+        assert holder["eagle_aux_hidden_state_layer_ids"] != ids
 
 
 def _flip_norm(raw: dict) -> None:
@@ -92,7 +96,7 @@ def _flip_norm(raw: dict) -> None:
 
 
 @pytest.mark.parametrize("form,edit,cause", [
-    ("eagle3", _shift_aux, "aux-layer ids"),
+    ("eagle3", _lowest_aux, "aux-layer ids"),
     ("speculators", _flip_norm, "norm_before_residual"),
 ])
 def test_verify_fails_on_a_wrong_config_and_names_the_cause(vllm_python, demo_run, tmp_path, cli, form, edit, cause):
@@ -109,8 +113,7 @@ def test_verify_fails_on_a_wrong_config_and_names_the_cause(vllm_python, demo_ru
     (r,) = report["runs"]
     assert r["form"] == form and not r["passed"]
     # the served drafter accepts less than the trained one, by more than the tolerance (measured on these prompts:
-    # aux ids shifted by one, τ 2.935 served vs 3.018 offline at K=3, the tiny target's adjacent layers being
-    # alike; norm_before_residual flipped, 1.791 vs 3.018)
+    # norm_before_residual flipped, 1.791 vs 3.018 at K=3)
     assert r["tau"]["served"] < r["tau"]["offline"]
     assert r["tau"]["relative_difference"] > report["tolerance"]["tau_relative"]
     suspects = [row["cause"] for row in report["diagnosis"][form] if row["status"] == "suspect"]
