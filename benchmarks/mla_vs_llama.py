@@ -153,7 +153,7 @@ def main() -> None:
     from eaglekit.tiny import build_tiny_target, write_prompts
 
     t0 = time.monotonic()
-    target = args.target or args.out / "target"
+    target = (args.target or args.out / "target").resolve()  # config paths are relative to each run folder
     if not (target / "config.json").exists():
         build_tiny_target(target, steps=args.target_steps, heldout=48, arch="deepseek_v3")
     shared = args.out / "shared"
