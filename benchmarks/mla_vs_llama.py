@@ -8,9 +8,11 @@ of steps on the same batches and is evaluated by real draft -> verify decoding w
 
   - trainable parameters, and the drafter's KV cache per token (MLA keeps one latent, Llama K and V per head);
   - held-out simulated τ at the end of training, and τ measured by decoding at each K (T = 0);
-  - the time of one training step, both drafters timed interleaved (A B B A ...) on the same batch, median.
+  - the time of one training step, both drafters timed interleaved (A B B A ...) on the same batch, median;
+  - for scale, both drafters' trainable parameters and KV cache per token as eaglekit derives them from a full-size
+    DeepSeek-V3 config (transformers' ``DeepseekV3Config()`` defaults; built on the meta device, nothing trained).
 
-    .venv/bin/python benchmarks/mla_vs_llama.py --out runs/bench-mla          # ~20-30 min on 2 shared cores
+    .venv/bin/python benchmarks/mla_vs_llama.py --out runs/bench-mla          # ~7 min on 1 thread (4 of them the target)
 
 Nothing here asserts anything; figures go to benchmarks/RESULTS.md with the command.
 """
@@ -75,6 +77,23 @@ def kv_cache_floats_per_token(c) -> int:
     return 2 * c.num_key_value_heads * c.head_dim
 
 
+def full_size_shapes(draft_vocab_size: int = 32000) -> dict[str, dict[str, int]]:
+    """Both drafters derived from a full-size DeepSeek-V3 config: the tiny target's 2 heads hide MLA's point."""
+    from accelerate import init_empty_weights
+    from transformers import DeepseekV3Config
+
+    from eaglekit.model.drafter import DrafterConfig, Eagle3Drafter
+
+    shapes = {}
+    for arch in ARCHITECTURES:
+        c = DrafterConfig.from_target_config(DeepseekV3Config(), draft_vocab_size, architecture=arch)
+        with init_empty_weights():  # parameters on the meta device, the small d2t/t2d buffers real
+            drafter = Eagle3Drafter(c)
+        shapes[arch] = {"trainable_parameters": sum(p.numel() for p in drafter.parameters() if p.requires_grad),
+                        "kv_floats_per_token": kv_cache_floats_per_token(c)}
+    return shapes
+
+
 def step_times(runs: dict[str, Path], repeats: int) -> dict[str, float]:
     """Median seconds of one TTT training step (forward, backward, AdamW) per drafter, timed interleaved on one batch."""
     from eaglekit.data.tokens import TokenStore
@@ -134,7 +153,7 @@ def main() -> None:
     from eaglekit.tiny import build_tiny_target, write_prompts
 
     t0 = time.monotonic()
-    target = args.target or args.out / "target"
+    target = (args.target or args.out / "target").resolve()  # config paths are relative to each run folder
     if not (target / "config.json").exists():
         build_tiny_target(target, steps=args.target_steps, heldout=48, arch="deepseek_v3")
     shared = args.out / "shared"
@@ -169,6 +188,7 @@ def main() -> None:
             "ngram_tau": {f"K={r['k']}": r["tau"] for r in report["results"] if r["method"] == "ngram"},
             "lossless": report["lossless"], "step_seconds": round(seconds[arch], 4),
         }
+    results["deepseek_v3_size"] = full_size_shapes()
     results["mla/llama"] = {"step_time": round(seconds["mla"] / seconds["llama"], 3),
                             "trainable_parameters": round(results["mla"]["trainable_parameters"]
                                                           / results["llama"]["trainable_parameters"], 3)}
@@ -184,6 +204,10 @@ def main() -> None:
         r = results[arch]
         print(f"| {arch} | {r['trainable_parameters']:,} | {r['kv_floats_per_token']} | {r['held_out_simulated_tau']} | "
               + " | ".join(str(r["tau"].get(f"K={k}")) for k in (1, 3, 5)) + f" | {r['step_seconds']} |")
+    print("\nDerived from a full-size DeepSeek-V3 config (draft vocab 32000):")
+    for arch, r in results["deepseek_v3_size"].items():
+        print(f"  {arch}: {r['trainable_parameters'] / 1e6:.1f}M trainable parameters, "
+              f"{r['kv_floats_per_token']} KV floats/token")
 
 
 if __name__ == "__main__":
