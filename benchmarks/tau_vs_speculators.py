@@ -72,12 +72,16 @@ def data_config(out: Path, args) -> dict:
     }
 
 
-def run_stage(cfg, stage: str, force: bool = False) -> dict:
+def run_stage(cfg, stage: str, again: bool = False) -> dict:
+    """Run one stage of the race's run directory; ``again``: from scratch even when done with the same inputs (a
+    done stage is skipped otherwise, and the code under test is no input)."""
     from eaglekit.pipeline import run_stage as run
     from eaglekit.rundir import RunDir
 
+    if again:
+        shutil.rmtree(Path(cfg.run_dir) / stage, ignore_errors=True)
     with RunDir(cfg.run_dir).lock:
-        return run(cfg, stage, force=force)
+        return run(cfg, stage, force=again)
 
 
 def make_data(out: Path, args):
@@ -93,9 +97,34 @@ def make_data(out: Path, args):
     return cfg
 
 
+def ablate(cfg, changes: list[str]) -> None:
+    """Move eaglekit's training toward speculators' one difference at a time (the race's "why", not a product
+    setting): ``betas`` AdamW betas 0.9/0.999; ``decay`` weight decay 0.01; ``clip`` gradient clip 1.0;
+    ``frozen-head`` lm_head frozen at the target's rows."""
+    import torch
+
+    from eaglekit.training import loop
+
+    if "betas" in changes:
+        adamw = torch.optim.AdamW
+        loop.torch.optim.AdamW = lambda params, **kw: adamw(params, **{**kw, "betas": (0.9, 0.999)})
+    if "decay" in changes:
+        cfg.train.weight_decay = 0.01
+    if "clip" in changes:
+        cfg.train.grad_clip = 1.0
+    if "frozen-head" in changes:
+        new = loop.new_drafter
+
+        def frozen(*a, **kw):
+            drafter = new(*a, **kw)
+            drafter.lm_head.weight.requires_grad_(False)
+            return drafter
+        loop.new_drafter = frozen
+
+
 def train_eaglekit(cfg) -> tuple[Path, float]:
     t0 = time.monotonic()
-    run_stage(cfg, "train", force=True)
+    run_stage(cfg, "train", again=True)
     return Path(cfg.run_dir) / "train" / "checkpoints" / f"step-{cfg.train.max_steps}", time.monotonic() - t0
 
 
@@ -116,7 +145,7 @@ def train_speculators(cfg, out: Path, args) -> tuple[Path, float]:
 def evaluate(cfg, checkpoint: Path, name: str, out: Path) -> dict:
     cfg = cfg.model_copy(deep=True)
     cfg.evaluate.checkpoint = str(checkpoint)
-    run_stage(cfg, "evaluate", force=True)
+    run_stage(cfg, "evaluate", again=True)
     report = json.loads((Path(cfg.run_dir) / "evaluate" / "report.json").read_text())
     (out / f"report-{name}.json").write_text(json.dumps(report, indent=1))
     return report
@@ -133,9 +162,9 @@ def vllm_taus(cfg, checkpoint: Path, name: str, out: Path, ks: list[int], max_to
     from eaglekit.stages.evaluate import eval_prompts
 
     exported = out / f"vllm-{name}" / "eagle3"
-    if not exported.exists():
-        drafter, _ = load_drafter(checkpoint)
-        save_legacy(drafter, exported)
+    shutil.rmtree(exported, ignore_errors=True)  # a drafter retrained under the same name is exported anew
+    drafter, _ = load_drafter(checkpoint)
+    save_legacy(drafter, exported)
     prompts = [messages for _, messages in eval_prompts(cfg)]
     taus = {}
     for k in ks:
@@ -277,8 +306,11 @@ def main() -> None:
     p.add_argument("--speculators-python", type=Path, default=SPECULATORS_PYTHON)
     p.add_argument("--vllm-python", type=Path, default=ROOT / ".venv-vllm" / "bin" / "python",
                    help="python of a vLLM environment; where it does not exist the vLLM part is left out")
+    p.add_argument("--no-vllm", action="store_true", help="leave the real-engine part out (ablations)")
     p.add_argument("--reuse-speculators", action="store_true",
                    help="keep the speculators drafter already trained in --out at this lr (its side takes ~20 min)")
+    p.add_argument("--ablate", type=lambda s: [x for x in s.split(",") if x], default=[],
+                   help="eaglekit's side trains with some of speculators' settings: betas,decay,clip,frozen-head")
     p.add_argument("--speculators-child", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.speculators_child:
@@ -291,16 +323,21 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
     cfg = make_data(args.out, args)
+    unknown = set(args.ablate) - {"betas", "decay", "clip", "frozen-head"}
+    if unknown:
+        sys.exit(f"--ablate {','.join(sorted(unknown))}: not one of betas, decay, clip, frozen-head")
+    ablate(cfg, args.ablate)
+    side = f"eaglekit-lr{args.lr:g}" + "".join(f"-{a}" for a in args.ablate)
     eaglekit_ckpt, eaglekit_s = train_eaglekit(cfg)
     speculators_ckpt, speculators_s = train_speculators(cfg, args.out, args)
-    reports = {"eaglekit": evaluate(cfg, eaglekit_ckpt, f"eaglekit-lr{args.lr:g}", args.out),
+    reports = {"eaglekit": evaluate(cfg, eaglekit_ckpt, side, args.out),
                "speculators": evaluate(cfg, speculators_ckpt, f"speculators-lr{args.lr:g}", args.out)}
     text, rows = table(reports, args.ks, args.temperatures)
     vllm = {}
-    if args.vllm_python.exists():
-        vllm = {side: vllm_taus(cfg, ckpt, f"{side}-lr{args.lr:g}", args.out, args.ks, args.max_new_tokens,
-                                args.vllm_python)
-                for side, ckpt in (("eaglekit", eaglekit_ckpt), ("speculators", speculators_ckpt))}
+    if args.vllm_python.exists() and not args.no_vllm:
+        vllm = {name: vllm_taus(cfg, ckpt, folder, args.out, args.ks, args.max_new_tokens, args.vllm_python)
+                for name, folder, ckpt in (("eaglekit", side, eaglekit_ckpt),
+                                           ("speculators", f"speculators-lr{args.lr:g}", speculators_ckpt))}
         text += "\n\nThe same drafters served by the real vLLM (temperature 0, τ = 1 + accepted / drafts):\n\n"
         text += "| K | τ eaglekit | τ speculators | ratio |\n|---|---|---|---|\n"
         text += "\n".join(f"| {k} | {vllm['eaglekit'][k]:.3f} | {vllm['speculators'][k]:.3f} | "
@@ -313,7 +350,7 @@ def main() -> None:
           f"{reports['eaglekit']['prompts']} held-out prompts, up to {args.max_new_tokens} new tokens\n"
           f"training time: eaglekit {eaglekit_s:.0f} s, speculators {speculators_s:.0f} s (features included)\n")
     print(text)
-    (args.out / f"race-lr{args.lr:g}.json").write_text(json.dumps(
+    (args.out / f"race-{side}.json").write_text(json.dumps(
         {"argv": sys.argv, "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows, "prepare": store_tokens,
          "vllm": {side: {str(k): t for k, t in taus.items()} for side, taus in vllm.items()},
          "train_seconds": {"eaglekit": eaglekit_s, "speculators": speculators_s}}, indent=1))
