@@ -26,11 +26,13 @@ What is the same: draft vocabulary (eaglekit's vocab stage, passed to speculator
 warmup, cosine to 0, steps, tokens per step, the training samples (eaglekit's train split). What stays each
 trainer's own: optimizer settings (eaglekit AdamW betas 0.9/0.95, no weight decay, clip 0.5; speculators AdamW
 betas 0.9/0.999, weight decay 0.01, clip 1.0), loss masking (eaglekit counts only positions whose target argmax
-is in the draft vocab), and lm_head (eaglekit trains it from the target's rows; speculators keeps it frozen).
+is in the draft vocab). Both keep lm_head frozen at the target's rows (eaglekit's train.freeze_lm_head, default
+since this race: trained, it cost eaglekit 11 % of τ at K=5; --ablate trained-head measures that again).
 
     .venv/bin/python benchmarks/tau_vs_speculators.py                 # ~25 min on 2 CPU cores
     .venv/bin/python benchmarks/tau_vs_speculators.py --lr 1e-3       # another learning rate, same data (reused)
     .venv/bin/python benchmarks/tau_vs_speculators.py --reuse-speculators   # retrain eaglekit's side only
+    .venv/bin/python benchmarks/tau_vs_speculators.py --reuse-speculators --no-vllm --ablate trained-head
 
 It needs benchmarks/.venv-speculators (bash benchmarks/setup_speculators.sh); without it, it says so and stops.
 """
@@ -49,6 +51,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SPECULATORS_PYTHON = ROOT / "benchmarks" / ".venv-speculators" / "bin" / "python"
+ABLATIONS = ("betas", "decay", "clip", "trained-head", "frozen-head")
 sys.path.insert(0, str(ROOT / "src"))
 
 
@@ -98,9 +101,10 @@ def make_data(out: Path, args):
 
 
 def ablate(cfg, changes: list[str]) -> None:
-    """Move eaglekit's training toward speculators' one difference at a time (the race's "why", not a product
-    setting): ``betas`` AdamW betas 0.9/0.999; ``decay`` weight decay 0.01; ``clip`` gradient clip 1.0;
-    ``frozen-head`` lm_head frozen at the target's rows."""
+    """Change one of eaglekit's training settings at a time (the race's "why", not a product setting):
+    toward speculators' ``betas`` AdamW betas 0.9/0.999, ``decay`` weight decay 0.01, ``clip`` gradient clip 1.0;
+    ``trained-head`` trains lm_head too (train.freeze_lm_head false: eaglekit's default until this race showed it
+    costs τ); ``frozen-head`` keeps it frozen (the default now, as speculators)."""
     import torch
 
     from eaglekit.training import loop
@@ -113,13 +117,9 @@ def ablate(cfg, changes: list[str]) -> None:
     if "clip" in changes:
         cfg.train.grad_clip = 1.0
     if "frozen-head" in changes:
-        new = loop.new_drafter
-
-        def frozen(*a, **kw):
-            drafter = new(*a, **kw)
-            drafter.lm_head.weight.requires_grad_(False)
-            return drafter
-        loop.new_drafter = frozen
+        cfg.train.freeze_lm_head = True
+    if "trained-head" in changes:
+        cfg.train.freeze_lm_head = False
 
 
 def train_eaglekit(cfg) -> tuple[Path, float]:
@@ -149,6 +149,22 @@ def evaluate(cfg, checkpoint: Path, name: str, out: Path) -> dict:
     report = json.loads((Path(cfg.run_dir) / "evaluate" / "report.json").read_text())
     (out / f"report-{name}.json").write_text(json.dumps(report, indent=1))
     return report
+
+
+def speculators_report(cfg, checkpoint: Path, args) -> dict:
+    """evaluate's report on the speculators drafter; with --reuse-speculators the one already in --out when it
+    measured this same drafter with these settings (evaluate is deterministic: the same prompts give the same τ)."""
+    name = f"speculators-lr{args.lr:g}"
+    saved = args.out / f"report-{name}.json"
+    if args.reuse_speculators and saved.exists():
+        report = json.loads(saved.read_text())
+        measured = {(r["k"], r["temperature"]) for r in report["results"] if r["method"] == "eagle"}
+        if (report["checkpoint"] == str(checkpoint) and report["max_new_tokens"] == args.max_new_tokens
+                and report["prompts"] == min(args.eval_prompts, report["prompts"])
+                and measured >= {(k, t) for k in args.ks for t in args.temperatures}):
+            print(f"speculators: evaluate's report reused ({saved})", flush=True)
+            return report
+    return evaluate(cfg, checkpoint, name, args.out)
 
 
 def vllm_taus(cfg, checkpoint: Path, name: str, out: Path, ks: list[int], max_tokens: int, python: Path) -> dict[int, float]:
@@ -310,7 +326,7 @@ def main() -> None:
     p.add_argument("--reuse-speculators", action="store_true",
                    help="keep the speculators drafter already trained in --out at this lr (its side takes ~20 min)")
     p.add_argument("--ablate", type=lambda s: [x for x in s.split(",") if x], default=[],
-                   help="eaglekit's side trains with some of speculators' settings: betas,decay,clip,frozen-head")
+                   help=f"eaglekit's side trains with other settings: some of {','.join(ABLATIONS)}")
     p.add_argument("--speculators-child", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.speculators_child:
@@ -323,15 +339,16 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
     cfg = make_data(args.out, args)
-    unknown = set(args.ablate) - {"betas", "decay", "clip", "frozen-head"}
+    unknown = set(args.ablate) - set(ABLATIONS)
     if unknown:
-        sys.exit(f"--ablate {','.join(sorted(unknown))}: not one of betas, decay, clip, frozen-head")
+        sys.exit(f"--ablate {','.join(sorted(unknown))}: not one of {', '.join(ABLATIONS)}")
     ablate(cfg, args.ablate)
-    side = f"eaglekit-lr{args.lr:g}" + "".join(f"-{a}" for a in args.ablate)
+    side = (f"eaglekit-lr{args.lr:g}" + (f"-seed{args.seed}" if args.seed else "")
+            + "".join(f"-{a}" for a in args.ablate))
     eaglekit_ckpt, eaglekit_s = train_eaglekit(cfg)
     speculators_ckpt, speculators_s = train_speculators(cfg, args.out, args)
     reports = {"eaglekit": evaluate(cfg, eaglekit_ckpt, side, args.out),
-               "speculators": evaluate(cfg, speculators_ckpt, f"speculators-lr{args.lr:g}", args.out)}
+               "speculators": speculators_report(cfg, speculators_ckpt, args)}
     text, rows = table(reports, args.ks, args.temperatures)
     vllm = {}
     if args.vllm_python.exists() and not args.no_vllm:
@@ -342,6 +359,8 @@ def main() -> None:
         text += "| K | τ eaglekit | τ speculators | ratio |\n|---|---|---|---|\n"
         text += "\n".join(f"| {k} | {vllm['eaglekit'][k]:.3f} | {vllm['speculators'][k]:.3f} | "
                           f"**x{vllm['eaglekit'][k] / vllm['speculators'][k]:.3f}** |" for k in args.ks)
+    elif args.no_vllm:
+        text += "\n\n(--no-vllm: the real-engine part is left out)"
     else:
         text += f"\n\n(no vLLM at {args.vllm_python}: the real-engine part is left out; scripts/setup_vllm.sh makes one)"
     store_tokens = json.loads((Path(cfg.run_dir) / "prepare" / "stats.json").read_text())
