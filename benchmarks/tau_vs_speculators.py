@@ -105,8 +105,8 @@ def ablate(cfg, changes: list[str]) -> None:
     toward speculators' ``betas`` AdamW betas 0.9/0.999, ``decay`` weight decay 0.01, ``clip`` gradient clip 1.0;
     ``trained-head`` trains lm_head too (train.freeze_lm_head false: eaglekit's default until this race showed it
     costs τ); ``frozen-head`` keeps it frozen (the default now, as speculators); ``input-mask`` counts a
-    prediction where its input token is in the loss mask, as speculators does, instead of where the predicted one
-    is (the first token of a reply drops out of the loss, the one after it comes in)."""
+    prediction only where its input token is in the loss mask too, as speculators does: the first token of a
+    reply, which the target's prefill always makes and no drafter is asked for, drops out of the loss."""
     import torch
 
     from eaglekit.training import loop
@@ -122,12 +122,12 @@ def ablate(cfg, changes: list[str]) -> None:
         cfg.train.freeze_lm_head = True
     if "trained-head" in changes:
         cfg.train.freeze_lm_head = False
-    if "input-mask" in changes:  # speculators' loss mask: a prediction counts where its input token is masked in
+    if "input-mask" in changes:  # a prediction counts only where its input token is masked in too (speculators)
         import torch.nn.functional as F
 
         ttt_loss = loop.ttt_loss
         loop.ttt_loss = lambda drafter, aux, ids, logits, mask, *a, **kw: ttt_loss(
-            drafter, aux, ids, logits, F.pad(mask[:, :-1], (1, 0)), *a, **kw)
+            drafter, aux, ids, logits, mask * F.pad(mask[:, :-1], (1, 0)), *a, **kw)
 
 
 def train_eaglekit(cfg) -> tuple[Path, float]:
