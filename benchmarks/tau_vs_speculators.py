@@ -26,11 +26,13 @@ What is the same: draft vocabulary (eaglekit's vocab stage, passed to speculator
 warmup, cosine to 0, steps, tokens per step, the training samples (eaglekit's train split). What stays each
 trainer's own: optimizer settings (eaglekit AdamW betas 0.9/0.95, no weight decay, clip 0.5; speculators AdamW
 betas 0.9/0.999, weight decay 0.01, clip 1.0), loss masking (eaglekit counts only positions whose target argmax
-is in the draft vocab), and lm_head (eaglekit trains it from the target's rows; speculators keeps it frozen).
+is in the draft vocab). Both keep lm_head frozen at the target's rows (eaglekit's train.freeze_lm_head, default
+since this race: trained, it cost eaglekit 11 % of τ at K=5; --ablate trained-head measures that again).
 
     .venv/bin/python benchmarks/tau_vs_speculators.py                 # ~25 min on 2 CPU cores
     .venv/bin/python benchmarks/tau_vs_speculators.py --lr 1e-3       # another learning rate, same data (reused)
     .venv/bin/python benchmarks/tau_vs_speculators.py --reuse-speculators   # retrain eaglekit's side only
+    .venv/bin/python benchmarks/tau_vs_speculators.py --reuse-speculators --no-vllm --ablate trained-head
 
 It needs benchmarks/.venv-speculators (bash benchmarks/setup_speculators.sh); without it, it says so and stops.
 """
@@ -49,6 +51,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SPECULATORS_PYTHON = ROOT / "benchmarks" / ".venv-speculators" / "bin" / "python"
+ABLATIONS = ("betas", "decay", "clip", "trained-head", "frozen-head", "input-mask")
 sys.path.insert(0, str(ROOT / "src"))
 
 
@@ -72,12 +75,16 @@ def data_config(out: Path, args) -> dict:
     }
 
 
-def run_stage(cfg, stage: str, force: bool = False) -> dict:
+def run_stage(cfg, stage: str, again: bool = False) -> dict:
+    """Run one stage of the race's run directory; ``again``: from scratch even when done with the same inputs (a
+    done stage is skipped otherwise, and the code under test is no input)."""
     from eaglekit.pipeline import run_stage as run
     from eaglekit.rundir import RunDir
 
+    if again:
+        shutil.rmtree(Path(cfg.run_dir) / stage, ignore_errors=True)
     with RunDir(cfg.run_dir).lock:
-        return run(cfg, stage, force=force)
+        return run(cfg, stage, force=again)
 
 
 def make_data(out: Path, args):
@@ -93,9 +100,39 @@ def make_data(out: Path, args):
     return cfg
 
 
+def ablate(cfg, changes: list[str]) -> None:
+    """Change one of eaglekit's training settings at a time (the race's "why", not a product setting):
+    toward speculators' ``betas`` AdamW betas 0.9/0.999, ``decay`` weight decay 0.01, ``clip`` gradient clip 1.0;
+    ``trained-head`` trains lm_head too (train.freeze_lm_head false: eaglekit's default until this race showed it
+    costs τ); ``frozen-head`` keeps it frozen (the default now, as speculators); ``input-mask`` counts a
+    prediction only where its input token is in the loss mask too, as speculators does: the first token of a
+    reply, which the target's prefill always makes and no drafter is asked for, drops out of the loss."""
+    import torch
+
+    from eaglekit.training import loop
+
+    if "betas" in changes:
+        adamw = torch.optim.AdamW
+        loop.torch.optim.AdamW = lambda params, **kw: adamw(params, **{**kw, "betas": (0.9, 0.999)})
+    if "decay" in changes:
+        cfg.train.weight_decay = 0.01
+    if "clip" in changes:
+        cfg.train.grad_clip = 1.0
+    if "frozen-head" in changes:
+        cfg.train.freeze_lm_head = True
+    if "trained-head" in changes:
+        cfg.train.freeze_lm_head = False
+    if "input-mask" in changes:  # a prediction counts only where its input token is masked in too (speculators)
+        import torch.nn.functional as F
+
+        ttt_loss = loop.ttt_loss
+        loop.ttt_loss = lambda drafter, aux, ids, logits, mask, *a, **kw: ttt_loss(
+            drafter, aux, ids, logits, mask * F.pad(mask[:, :-1], (1, 0)), *a, **kw)
+
+
 def train_eaglekit(cfg) -> tuple[Path, float]:
     t0 = time.monotonic()
-    run_stage(cfg, "train", force=True)
+    run_stage(cfg, "train", again=True)
     return Path(cfg.run_dir) / "train" / "checkpoints" / f"step-{cfg.train.max_steps}", time.monotonic() - t0
 
 
@@ -116,10 +153,26 @@ def train_speculators(cfg, out: Path, args) -> tuple[Path, float]:
 def evaluate(cfg, checkpoint: Path, name: str, out: Path) -> dict:
     cfg = cfg.model_copy(deep=True)
     cfg.evaluate.checkpoint = str(checkpoint)
-    run_stage(cfg, "evaluate", force=True)
+    run_stage(cfg, "evaluate", again=True)
     report = json.loads((Path(cfg.run_dir) / "evaluate" / "report.json").read_text())
     (out / f"report-{name}.json").write_text(json.dumps(report, indent=1))
     return report
+
+
+def speculators_report(cfg, checkpoint: Path, args) -> dict:
+    """evaluate's report on the speculators drafter; with --reuse-speculators the one already in --out when it
+    measured this same drafter with these settings (evaluate is deterministic: the same prompts give the same τ)."""
+    name = f"speculators-lr{args.lr:g}"
+    saved = args.out / f"report-{name}.json"
+    if args.reuse_speculators and saved.exists():
+        report = json.loads(saved.read_text())
+        measured = {(r["k"], r["temperature"]) for r in report["results"] if r["method"] == "eagle"}
+        if (report["checkpoint"] == str(checkpoint) and report["max_new_tokens"] == args.max_new_tokens
+                and report["prompts"] == min(args.eval_prompts, report["prompts"])
+                and measured >= {(k, t) for k in args.ks for t in args.temperatures}):
+            print(f"speculators: evaluate's report reused ({saved})", flush=True)
+            return report
+    return evaluate(cfg, checkpoint, name, args.out)
 
 
 def vllm_taus(cfg, checkpoint: Path, name: str, out: Path, ks: list[int], max_tokens: int, python: Path) -> dict[int, float]:
@@ -133,9 +186,9 @@ def vllm_taus(cfg, checkpoint: Path, name: str, out: Path, ks: list[int], max_to
     from eaglekit.stages.evaluate import eval_prompts
 
     exported = out / f"vllm-{name}" / "eagle3"
-    if not exported.exists():
-        drafter, _ = load_drafter(checkpoint)
-        save_legacy(drafter, exported)
+    shutil.rmtree(exported, ignore_errors=True)  # a drafter retrained under the same name is exported anew
+    drafter, _ = load_drafter(checkpoint)
+    save_legacy(drafter, exported)
     prompts = [messages for _, messages in eval_prompts(cfg)]
     taus = {}
     for k in ks:
@@ -277,8 +330,11 @@ def main() -> None:
     p.add_argument("--speculators-python", type=Path, default=SPECULATORS_PYTHON)
     p.add_argument("--vllm-python", type=Path, default=ROOT / ".venv-vllm" / "bin" / "python",
                    help="python of a vLLM environment; where it does not exist the vLLM part is left out")
+    p.add_argument("--no-vllm", action="store_true", help="leave the real-engine part out (ablations)")
     p.add_argument("--reuse-speculators", action="store_true",
                    help="keep the speculators drafter already trained in --out at this lr (its side takes ~20 min)")
+    p.add_argument("--ablate", type=lambda s: [x for x in s.split(",") if x], default=[],
+                   help=f"eaglekit's side trains with other settings: some of {','.join(ABLATIONS)}")
     p.add_argument("--speculators-child", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.speculators_child:
@@ -291,20 +347,28 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
     cfg = make_data(args.out, args)
+    unknown = set(args.ablate) - set(ABLATIONS)
+    if unknown:
+        sys.exit(f"--ablate {','.join(sorted(unknown))}: not one of {', '.join(ABLATIONS)}")
+    ablate(cfg, args.ablate)
+    side = (f"eaglekit-lr{args.lr:g}" + (f"-seed{args.seed}" if args.seed else "")
+            + "".join(f"-{a}" for a in args.ablate))
     eaglekit_ckpt, eaglekit_s = train_eaglekit(cfg)
     speculators_ckpt, speculators_s = train_speculators(cfg, args.out, args)
-    reports = {"eaglekit": evaluate(cfg, eaglekit_ckpt, f"eaglekit-lr{args.lr:g}", args.out),
-               "speculators": evaluate(cfg, speculators_ckpt, f"speculators-lr{args.lr:g}", args.out)}
+    reports = {"eaglekit": evaluate(cfg, eaglekit_ckpt, side, args.out),
+               "speculators": speculators_report(cfg, speculators_ckpt, args)}
     text, rows = table(reports, args.ks, args.temperatures)
     vllm = {}
-    if args.vllm_python.exists():
-        vllm = {side: vllm_taus(cfg, ckpt, f"{side}-lr{args.lr:g}", args.out, args.ks, args.max_new_tokens,
-                                args.vllm_python)
-                for side, ckpt in (("eaglekit", eaglekit_ckpt), ("speculators", speculators_ckpt))}
+    if args.vllm_python.exists() and not args.no_vllm:
+        vllm = {name: vllm_taus(cfg, ckpt, folder, args.out, args.ks, args.max_new_tokens, args.vllm_python)
+                for name, folder, ckpt in (("eaglekit", side, eaglekit_ckpt),
+                                           ("speculators", f"speculators-lr{args.lr:g}", speculators_ckpt))}
         text += "\n\nThe same drafters served by the real vLLM (temperature 0, τ = 1 + accepted / drafts):\n\n"
         text += "| K | τ eaglekit | τ speculators | ratio |\n|---|---|---|---|\n"
         text += "\n".join(f"| {k} | {vllm['eaglekit'][k]:.3f} | {vllm['speculators'][k]:.3f} | "
                           f"**x{vllm['eaglekit'][k] / vllm['speculators'][k]:.3f}** |" for k in args.ks)
+    elif args.no_vllm:
+        text += "\n\n(--no-vllm: the real-engine part is left out)"
     else:
         text += f"\n\n(no vLLM at {args.vllm_python}: the real-engine part is left out; scripts/setup_vllm.sh makes one)"
     store_tokens = json.loads((Path(cfg.run_dir) / "prepare" / "stats.json").read_text())
@@ -313,7 +377,7 @@ def main() -> None:
           f"{reports['eaglekit']['prompts']} held-out prompts, up to {args.max_new_tokens} new tokens\n"
           f"training time: eaglekit {eaglekit_s:.0f} s, speculators {speculators_s:.0f} s (features included)\n")
     print(text)
-    (args.out / f"race-lr{args.lr:g}.json").write_text(json.dumps(
+    (args.out / f"race-{side}.json").write_text(json.dumps(
         {"argv": sys.argv, "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows, "prepare": store_tokens,
          "vllm": {side: {str(k): t for k, t in taus.items()} for side, taus in vllm.items()},
          "train_seconds": {"eaglekit": eaglekit_s, "speculators": speculators_s}}, indent=1))

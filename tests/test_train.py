@@ -147,6 +147,23 @@ def test_finetune_keeps_its_vocab_and_remap_reports_new_rows(tmp_path, tiny_targ
     assert torch.equal(trained.t2d, vocab["t2d"]) and torch.equal(trained.d2t, vocab["d2t"])
 
 
+def test_lm_head_stays_at_the_targets_rows_unless_told_to_train(tmp_path, tiny_target, capsys):
+    """train.freeze_lm_head (the default) keeps the draft head at the target's rows; false trains it; a head with
+    no rows to start from (init_lm_head_from_target false) trains whatever the setting, and says so."""
+    _, head = embedding_and_head(str(tiny_target))
+    for name, settings, state in [("default", {}, "frozen"), ("trained", {"freeze_lm_head": False}, "trained"),
+                                  ("random", {"init_lm_head_from_target": False}, "trained")]:
+        cfg = prepared_run(tmp_path / name, tiny_target, n=24,
+                           train={**QUICK, "max_steps": 2, "eval_every": 2, "save_every": 2, **settings})
+        row = train(cfg)
+        drafter, _ = load_drafter(Path(cfg.run_dir) / "train" / "checkpoints" / "step-2")
+        weight = drafter.lm_head.weight.detach()
+        at_target_rows = torch.equal(weight.float(), head[drafter.t2d].to(weight.dtype).float())
+        assert row["counts"]["lm_head"] == state and at_target_rows == (name == "default"), name
+        if name == "random":
+            assert "lm_head trains although train.freeze_lm_head is set" in capsys.readouterr().err
+
+
 def test_remap_keeps_shared_rows_and_fills_new_ones(tiny_target):
     hf = target_hf_config(TargetConfig(model=str(tiny_target)))
     torch.manual_seed(0)

@@ -171,6 +171,10 @@ class TrainConfig(Section):
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     distributed: Literal["ddp", "fsdp"] = "ddp"
     init_lm_head_from_target: bool = True
+    freeze_lm_head: bool = Field(
+        True, description="keep the draft head at the rows it starts from (the target's lm_head rows, or the init_from "
+                          "drafter's), as speculators does; false trains it too. A head with no rows to start from "
+                          "(the target's are another width, or init_lm_head_from_target false) always trains")
 
 
 class EvaluateConfig(Section):

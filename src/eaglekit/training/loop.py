@@ -117,7 +117,9 @@ def remap_vocab(drafter: Eagle3Drafter, d2t: torch.Tensor, t2d: torch.Tensor, he
 def build_drafter(cfg, hf_config, d2t, t2d, embed, head, aux_ids) -> tuple[Eagle3Drafter, dict]:
     """Fresh, or ``train.init_from`` (its own d2t/t2d unless ``train.remap_vocab``); also says where the vocab came from."""
     if not cfg.train.init_from:
-        return new_drafter(cfg, hf_config, d2t, t2d, embed, head, aux_ids), {"draft_vocab": "vocab stage"}
+        drafter = new_drafter(cfg, hf_config, d2t, t2d, embed, head, aux_ids)
+        has_rows = cfg.train.init_lm_head_from_target and head.shape[1] == drafter.config.hidden_size
+        return drafter, {"draft_vocab": "vocab stage", "lm_head": freeze_head(drafter, cfg, has_rows)}
     drafter, _info = checkpoints.load_drafter(drafter_folder(cfg.train.init_from))  # a hub id: pre-flight fetched it
     drafter = drafter.float()
     if cfg.train.remap_vocab:
@@ -125,12 +127,28 @@ def build_drafter(cfg, hf_config, d2t, t2d, embed, head, aux_ids) -> tuple[Eagle
         say(f"train: finetuning {cfg.train.init_from} on this run's draft vocab: {new_rows} of "
             f"{int(d2t.numel())} lm_head rows are new (from the target's lm_head, or zero), the rest keep their weights")
         notes = {"draft_vocab": "vocab stage (remapped)", "new_lm_head_rows": new_rows}
+        has_rows = new_rows == 0 or (cfg.train.init_lm_head_from_target and head.shape[1] == drafter.config.hidden_size)
     else:
         say(f"train: finetuning {cfg.train.init_from} with its own draft vocab ({drafter.config.draft_vocab_size} "
             "tokens); the vocab stage's mapping is not used (train.remap_vocab: true maps onto it)")
         notes = {"draft_vocab": "init_from checkpoint"}
+        has_rows = True
     take_target_embedding(drafter, embed)
+    notes["lm_head"] = freeze_head(drafter, cfg, has_rows)
     return drafter, notes
+
+
+def freeze_head(drafter: Eagle3Drafter, cfg, has_rows: bool) -> str:
+    """train.freeze_lm_head: the draft head stays at the rows it starts from, when it has some ("frozen"), else
+    it trains ("trained"). Trained, on the τ race against speculators (benchmarks/RESULTS.md), it drifted 38 %
+    from the target's rows and cost 11 % of τ at K=5; frozen, the layer learns to speak the target's head.
+    A head that starts random or zero must train, whatever the setting."""
+    frozen = cfg.train.freeze_lm_head and has_rows
+    drafter.lm_head.weight.requires_grad_(not frozen)
+    if cfg.train.freeze_lm_head and not has_rows:
+        say("[yellow]train: lm_head trains although train.freeze_lm_head is set: it has no rows to start from "
+            "(the target's lm_head is another width, or train.init_lm_head_from_target is false)[/]")
+    return "frozen" if frozen else "trained"
 
 
 # ------------------------------------------------------------------------------------------ model wrapper
