@@ -146,19 +146,6 @@ def pad(rows: list[torch.Tensor], value=0) -> torch.Tensor:
     return out
 
 
-def collate(store: TokenStore, indices: list[int], features: FeatureStore | None = None) -> Batch:
-    samples = [store[i] for i in indices]
-    ids = [s[1] for s in samples]
-    batch = Batch(input_ids=pad(ids), attention_mask=pad([torch.ones_like(t) for t in ids]),
-                  loss_mask=pad([s[2].long() for s in samples]))
-    if features is not None:
-        rows = [features[s[0]] for s in samples]
-        batch.aux, batch.last_hidden = pad([r.aux for r in rows]), pad([r.last_hidden for r in rows])
-        if rows[0].scale_exp is not None:
-            batch.scale_exp = pad([r.scale_exp for r in rows])
-    return batch
-
-
 def collate_packed(store: TokenStore, rows: list[list[int]], features: FeatureStore | None = None) -> Batch:
     """Rows of samples laid end to end, right-padded; ``position_ids`` count 0.. within each sample (and on into
     the padding, which nothing attends)."""
@@ -176,6 +163,13 @@ def collate_packed(store: TokenStore, rows: list[list[int]], features: FeatureSt
         batch.last_hidden = pad([joined([f.last_hidden for f in row]) for row in feats])
         if feats[0][0].scale_exp is not None:
             batch.scale_exp = pad([joined([f.scale_exp for f in row]) for row in feats])
+    return batch
+
+
+def collate(store: TokenStore, indices: list[int], features: FeatureStore | None = None) -> Batch:
+    """One sample per row, right-padded; no position ids (each row is one document)."""
+    batch = collate_packed(store, [[i] for i in indices], features)
+    batch.position_ids = None
     return batch
 
 
