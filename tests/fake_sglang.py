@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import json
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
+
+from json_http import JsonHandler
 
 
 class FakeSglang:
@@ -53,32 +55,21 @@ class FakeSglang:
     def _handler(self):
         fake = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def _json(self, doc: dict, code: int = 200) -> None:
-                data = json.dumps(doc).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
+        class Handler(JsonHandler):
             def do_GET(self):
                 if self.path == "/get_model_info":
-                    return self._json({"model_path": "tiny", "is_generation": True})
+                    return self.send_json(200, {"model_path": "tiny", "is_generation": True})
                 if self.path == "/get_server_info":
-                    return self._json({"speculative_algorithm": "EAGLE3", "speculative_num_steps": fake.k,
-                                       "speculative_eagle_topk": 1, "speculative_num_draft_tokens": fake.k + 1,
-                                       "speculative_draft_model_path": str(fake.draft_dir)})
-                self._json({"error": "not found"}, 404)
+                    return self.send_json(200, {"speculative_algorithm": "EAGLE3", "speculative_num_steps": fake.k,
+                                                "speculative_eagle_topk": 1, "speculative_num_draft_tokens": fake.k + 1,
+                                                "speculative_draft_model_path": str(fake.draft_dir)})
+                self.send_json(404, {"error": "not found"})
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 if self.path == "/generate":
-                    return self._json(fake.generate(body))
-                self._json({"error": "not found"}, 404)
+                    return self.send_json(200, fake.generate(body))
+                self.send_json(404, {"error": "not found"})
 
         return Handler
 

@@ -26,8 +26,10 @@ import socket
 import struct
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from typing import Any
+
+from json_http import JsonHandler
 
 SHAPES = ("reasoning", "both", "reasoning_content", "inline", "close_only", "empty", "thinking")
 FAULTS = ("500", "503", "429", "slow", "reset", "malformed", "length", "400")
@@ -156,23 +158,10 @@ class _Server(ThreadingHTTPServer):
         pass  # clients that went away (timeouts, resets) are part of the tests
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(JsonHandler):
     protocol_version = "HTTP/1.1"
     disable_nagle_algorithm = True  # else headers and body in two writes meet the client's delayed ACK: 40 ms each
     server_state: FakeVLLM
-
-    def log_message(self, *args) -> None:
-        pass
-
-    def send_json(self, status: int, obj: Any, headers: dict[str, str] | None = None) -> None:
-        data = json.dumps(obj).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        for k, v in (headers or {}).items():
-            self.send_header(k, v)
-        self.end_headers()
-        self.wfile.write(data)
 
     def do_GET(self) -> None:
         fake = self.server_state

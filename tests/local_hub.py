@@ -13,13 +13,14 @@ a download fail half-way.
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 import threading
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import unquote, urlparse
+
+from json_http import JsonHandler
 
 
 @dataclass
@@ -39,18 +40,7 @@ class LocalHub:
     def __enter__(self) -> "LocalHub":
         hub = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):  # quiet
-                pass
-
-            def send_json(self, data, status=200):
-                body = json.dumps(data).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
+        class Handler(JsonHandler):
             def not_found(self, what: str):
                 self.send_response(404)
                 self.send_header("X-Error-Code", "RepoNotFound")
@@ -68,11 +58,11 @@ class LocalHub:
                         return self.not_found(repo)
                     files = hub.files(repo)
                     if kind != "tree":
-                        return self.send_json({"id": repo, "modelId": repo, "sha": hub.sha(repo), "private": False,
-                                               "siblings": [{"rfilename": name} for name in files]})
-                    return self.send_json([{"type": "file", "path": name, "size": p.stat().st_size,
-                                            "oid": hashlib.sha1(p.read_bytes()).hexdigest()}
-                                           for name, p in files.items()])
+                        return self.send_json(200, {"id": repo, "modelId": repo, "sha": hub.sha(repo),
+                                                    "private": False, "siblings": [{"rfilename": name} for name in files]})
+                    return self.send_json(200, [{"type": "file", "path": name, "size": p.stat().st_size,
+                                                 "oid": hashlib.sha1(p.read_bytes()).hexdigest()}
+                                                for name, p in files.items()])
                 m = re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", path)
                 if not m or m.group(1) not in hub.repos or m.group(3) not in hub.files(m.group(1)):
                     return self.not_found(path)

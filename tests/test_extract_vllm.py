@@ -14,11 +14,12 @@ import os
 import shutil
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 import torch
+from json_http import JsonHandler
 from safetensors.torch import load_file, save_file
 from test_extract import prepared_run
 
@@ -99,28 +100,17 @@ class BrokenFeatureServer:
         self.storage, self.model, self.requests = storage, model, 0
         owner = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def _json(self, obj):
-                data = json.dumps(obj).encode()
-                self.send_response(200)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
+        class Handler(JsonHandler):
             def do_GET(self):
-                self._json({"data": [{"id": owner.model, "max_model_len": 1024}]})
+                self.send_json(200, {"data": [{"id": owner.model, "max_model_len": 1024}]})
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["content-length"])))
                 owner.requests += 1
                 path = owner.storage / f"cmpl-{body['request_id']}-0-broken.safetensors"
                 Path(str(path) + ".lock").touch()
-                self._json({"choices": [{"text": "", "token_ids": [1]}],
-                            "kv_transfer_params": {"hidden_states_path": str(path)}})
+                self.send_json(200, {"choices": [{"text": "", "token_ids": [1]}],
+                                     "kv_transfer_params": {"hidden_states_path": str(path)}})
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import json
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 import pytest
 from fake_vllm import FakeVLLM
+from json_http import JsonHandler
 
 from eaglekit import pipeline
 from eaglekit.config import parse_config
@@ -41,29 +42,18 @@ def test_a_healthy_vllm_passes(tmp_path):
         assert result.status == "ok" and "/health answers 200" in result.detail
 
 
-class SGLangLike(BaseHTTPRequestHandler):
+class SGLangLike(JsonHandler):
     generate_status = 200
-
-    def log_message(self, *args):
-        pass
-
-    def send(self, status: int, body: dict) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
 
     def do_GET(self):
         if self.path == "/v1/models":
-            self.send(200, {"data": [{"id": MODEL, "max_model_len": 4096}]})
+            self.send_json(200, {"data": [{"id": MODEL, "max_model_len": 4096}]})
         elif self.path == "/get_model_info":
-            self.send(200, {"model_path": "/models/x"})
+            self.send_json(200, {"model_path": "/models/x"})
         elif self.path == "/health_generate":
-            self.send(self.generate_status, {})
+            self.send_json(self.generate_status, {})
         else:
-            self.send(404, {})
+            self.send_json(404, {})
 
 
 @pytest.mark.parametrize("status, verdict", [(200, "ok"), (503, "fail")])
