@@ -52,8 +52,12 @@ def specforge_bytes(lengths: list[int], hidden: int, dtype=torch.bfloat16) -> in
     total = 0
     with tempfile.TemporaryDirectory() as tmp:
         for idx, length in enumerate(lengths):
-            point = DataPoint(torch.zeros(length, dtype=torch.long), torch.zeros(length, dtype=torch.long),
-                              torch.zeros(1, length, hidden, dtype=dtype), torch.zeros(1, length, 3 * hidden, dtype=dtype))
+            point = DataPoint(
+                torch.zeros(length, dtype=torch.long),
+                torch.zeros(length, dtype=torch.long),
+                torch.zeros(1, length, hidden, dtype=dtype),
+                torch.zeros(1, length, 3 * hidden, dtype=dtype),
+            )
             path = Path(tmp) / f"data_{idx}.ckpt"
             torch.save(asdict(point), path)
             total += path.stat().st_size
@@ -106,8 +110,11 @@ def forward_only(run: Path) -> float:
     store = TokenStore(run / "prepare" / "tokens.safetensors")
     lengths = store.lengths.tolist()
     target = TargetFeatures(load_target(cfg.target), [2, 4, 5])
-    batches = [b for s in sh.plan_shards(lengths, cfg.extract.shard_tokens)
-               for b in sh.plan_batches(s, lengths, cfg.extract.batch_tokens)]
+    batches = [
+        b
+        for s in sh.plan_shards(lengths, cfg.extract.shard_tokens)
+        for b in sh.plan_batches(s, lengths, cfg.extract.batch_tokens)
+    ]
     t0 = time.perf_counter()
     with torch.no_grad():
         for batch in batches:
@@ -141,8 +148,11 @@ def main() -> None:
         (base / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     stages(base, ["generate", "prepare", "vocab"])
     runs = {}
-    for name, extract in (("bf16", {"mode": "offline", "dtype": "bfloat16"}), ("fp8", {"mode": "offline", "dtype": "fp8"}),
-                          ("online", {"mode": "online"})):
+    for name, extract in (
+        ("bf16", {"mode": "offline", "dtype": "bfloat16"}),
+        ("fp8", {"mode": "offline", "dtype": "fp8"}),
+        ("online", {"mode": "online"}),
+    ):
         run = root / name
         if not run.exists():
             shutil.copytree(base, run, ignore=shutil.ignore_patterns(".lock"))
@@ -162,11 +172,20 @@ def main() -> None:
         index = json.loads((runs[name] / "extract" / "index.json").read_text())
         written[name] = index["bytes"]
         assert index["bytes"] == eaglekit_bytes(store, lengths, plan, hidden, index["dtype"])  # the formula is exact
-    sizes = {"tiny": {"hidden": hidden, "eaglekit_bf16": written["bf16"], "eaglekit_fp8": written["fp8"],
-                      "specforge": specforge_bytes(lengths, hidden)},
-             "kimi": {"hidden": KIMI_HIDDEN, "eaglekit_bf16": eaglekit_bytes(store, lengths, plan, KIMI_HIDDEN, "bfloat16"),
-                      "eaglekit_fp8": eaglekit_bytes(store, lengths, plan, KIMI_HIDDEN, "fp8"),
-                      "specforge": specforge_bytes(lengths, KIMI_HIDDEN)}}
+    sizes = {
+        "tiny": {
+            "hidden": hidden,
+            "eaglekit_bf16": written["bf16"],
+            "eaglekit_fp8": written["fp8"],
+            "specforge": specforge_bytes(lengths, hidden),
+        },
+        "kimi": {
+            "hidden": KIMI_HIDDEN,
+            "eaglekit_bf16": eaglekit_bytes(store, lengths, plan, KIMI_HIDDEN, "bfloat16"),
+            "eaglekit_fp8": eaglekit_bytes(store, lengths, plan, KIMI_HIDDEN, "fp8"),
+            "specforge": specforge_bytes(lengths, KIMI_HIDDEN),
+        },
+    }
     for row in sizes.values():
         row["per_token"] = {k: round(row[k] / tokens, 2) for k in ("eaglekit_bf16", "eaglekit_fp8", "specforge")}
         row["fp8_over_specforge"] = round(row["eaglekit_fp8"] / row["specforge"], 4)
@@ -182,9 +201,13 @@ def main() -> None:
             row = stages(runs[name], ["extract"], force=True)["extract"]
             rates[name].append(row["counts"]["tokens_per_s"])
     medians = {k: statistics.median(v) for k, v in rates.items()}
-    throughput = {"tokens": tokens, "rounds": rates, "median_tokens_per_s": medians,
-                  "bf16_over_forward": round(medians["bf16"] / medians["forward"], 3),
-                  "fp8_over_forward": round(medians["fp8"] / medians["forward"], 3)}
+    throughput = {
+        "tokens": tokens,
+        "rounds": rates,
+        "median_tokens_per_s": medians,
+        "bf16_over_forward": round(medians["bf16"] / medians["forward"], 3),
+        "fp8_over_forward": round(medians["fp8"] / medians["forward"], 3),
+    }
 
     # --- τ ------------------------------------------------------------------------------------------
     tau = {}
@@ -192,15 +215,27 @@ def main() -> None:
         for name in ("bf16", "fp8", "online"):
             out = stages(runs[name], ["train", "evaluate"])
             report = json.loads((runs[name] / "evaluate" / "report.json").read_text())
-            tau[name] = {"held_out_simulated": out["train"]["counts"].get("tau") if "counts" in out["train"] else
-                         json.loads((runs[name] / "train" / "summary.json").read_text())["tau"],
-                         "evaluate": {f"K={r['k']} T={r['temperature']:g}": r["tau"] for r in report["results"]
-                                      if r["method"] == "eagle"}}
-        tau["fp8_over_bf16"] = {k: round(tau["fp8"]["evaluate"][k] / tau["bf16"]["evaluate"][k], 4)
-                                for k in tau["bf16"]["evaluate"]}
+            tau[name] = {
+                "held_out_simulated": out["train"]["counts"].get("tau")
+                if "counts" in out["train"]
+                else json.loads((runs[name] / "train" / "summary.json").read_text())["tau"],
+                "evaluate": {
+                    f"K={r['k']} T={r['temperature']:g}": r["tau"] for r in report["results"] if r["method"] == "eagle"
+                },
+            }
+        tau["fp8_over_bf16"] = {
+            k: round(tau["fp8"]["evaluate"][k] / tau["bf16"]["evaluate"][k], 4) for k in tau["bf16"]["evaluate"]
+        }
 
-    result = {"samples": len(store), "tokens": tokens, "token_store_bytes": token_store, "bytes": sizes,
-              "throughput": throughput, "tau": tau, "torch": torch.__version__}
+    result = {
+        "samples": len(store),
+        "tokens": tokens,
+        "token_store_bytes": token_store,
+        "bytes": sizes,
+        "throughput": throughput,
+        "tau": tau,
+        "torch": torch.__version__,
+    }
     (root / "features.json").write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
 

@@ -32,13 +32,32 @@ async def forward_only(url: str, model: str, samples: list[list[int]], concurren
 
     from eaglekit.serving.client import ChatClient
 
-    cfg = SimpleNamespace(servers=[url], concurrency=concurrency, timeout=600.0, max_retries=2, retry_backoff=0.5,
-                          probe_interval=30.0, outage_timeout=600.0)
+    cfg = SimpleNamespace(
+        servers=[url],
+        concurrency=concurrency,
+        timeout=600.0,
+        max_retries=2,
+        retry_backoff=0.5,
+        probe_interval=30.0,
+        outage_timeout=600.0,
+    )
     async with ChatClient(cfg) as client:
         t0 = time.perf_counter()
-        await asyncio.gather(*(client.post("/completions", lambda ids=ids: {
-            "model": model, "prompt": ids, "max_tokens": 1, "temperature": 0.0, "return_token_ids": True})
-            for ids in samples))
+        await asyncio.gather(
+            *(
+                client.post(
+                    "/completions",
+                    lambda ids=ids: {
+                        "model": model,
+                        "prompt": ids,
+                        "max_tokens": 1,
+                        "temperature": 0.0,
+                        "return_token_ids": True,
+                    },
+                )
+                for ids in samples
+            )
+        )
         return sum(map(len, samples)) / (time.perf_counter() - t0)
 
 
@@ -73,12 +92,20 @@ def main() -> None:
     model = cfg.target.model
     longest = ["--max-model-len", str(max(map(len, samples)) + 1)]
     plain = VllmServer(python, model, longest, root / "vllm-plain.log")
-    source = VllmServer(python, model, [*longest, *serve_args([2, 4, 5, 8], str(storage), "cpu")],
-                        root / "vllm-features.log", env={"PYTHONPATH": str(plugin_dir())})
+    source = VllmServer(
+        python,
+        model,
+        [*longest, *serve_args([2, 4, 5, 8], str(storage), "cpu")],
+        root / "vllm-features.log",
+        env={"PYTHONPATH": str(plugin_dir())},
+    )
     data = yaml.safe_load((run / "config.yaml").read_text())
-    data["extract"] = {"mode": "offline", "backend": "vllm", "dtype": args.dtype,
-                       "vllm": {"servers": [None], "storage_path": str(storage), "connector": "cpu",
-                                "concurrency": args.concurrency}}
+    data["extract"] = {
+        "mode": "offline",
+        "backend": "vllm",
+        "dtype": args.dtype,
+        "vllm": {"servers": [None], "storage_path": str(storage), "connector": "cpu", "concurrency": args.concurrency},
+    }
     rates: dict[str, list[float]] = {"forward": [], "extract": []}
     with plain, source:
         data["extract"]["vllm"]["servers"] = [source.url]
@@ -94,9 +121,15 @@ def main() -> None:
                 row = run_stage(feature_cfg, "extract", force=True, skip_preflight=True)
             rates["extract"].append(row["counts"]["tokens_per_s"])
     medians = {k: statistics.median(v) for k, v in rates.items()}
-    result = {"samples": len(samples), "tokens": sum(map(len, samples)), "dtype": args.dtype,
-              "concurrency": args.concurrency, "rounds": rates, "median_tokens_per_s": medians,
-              "extract_over_forward": round(medians["extract"] / medians["forward"], 3)}
+    result = {
+        "samples": len(samples),
+        "tokens": sum(map(len, samples)),
+        "dtype": args.dtype,
+        "concurrency": args.concurrency,
+        "rounds": rates,
+        "median_tokens_per_s": medians,
+        "extract_over_forward": round(medians["extract"] / medians["forward"], 3),
+    }
     (root / "features_vllm.json").write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
 

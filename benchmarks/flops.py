@@ -89,12 +89,21 @@ def main() -> None:
     device = args.device
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.float32 if device == "cpu" else torch.bfloat16)
     n = args.matmul_n or (2048 if device == "cpu" else 8192)
-    print(f"torch {torch.__version__}, device {device}, dtype {str(dtype).removeprefix('torch.')}, "
-          f"threads {torch.get_num_threads()}, matmul {n}x{n}")
+    print(
+        f"torch {torch.__version__}, device {device}, dtype {str(dtype).removeprefix('torch.')}, "
+        f"threads {torch.get_num_threads()}, matmul {n}x{n}"
+    )
     results = []
     for hidden, seq in parse_sizes(args.sizes):
-        s = Shape(hidden, seq, steps=args.steps, vocab=args.vocab, draft_vocab=args.draft_vocab,
-                  head_dim=args.head_dim, gqa=args.gqa)
+        s = Shape(
+            hidden,
+            seq,
+            steps=args.steps,
+            vocab=args.vocab,
+            draft_vocab=args.draft_vocab,
+            head_dim=args.head_dim,
+            gqa=args.gqa,
+        )
         step, _ = eaglekit_side(s, make_batch(s), device, dtype)
         for _ in range(args.warmup):
             count_k = step().count_k
@@ -110,15 +119,27 @@ def main() -> None:
         parts = step_flops(s, count_k)
         total = sum(parts.values())
         achieved = total / statistics.median(step_s)
-        peak = 2 * n ** 3 / statistics.median(mm_s)
+        peak = 2 * n**3 / statistics.median(mm_s)
         print(f"\n{s.label()}  V={s.vocab} Vd={s.draft_vocab}: {total / 1e9:.1f} GFLOP per training step")
         for name, f in parts.items():
             print(f"  {name:28s} {f / 1e9:9.2f} GFLOP  {100 * f / total:5.1f} %")
-        print(f"  step {statistics.median(step_s):.3f} s -> {achieved / 1e9:.1f} GFLOP/s; dense matmul "
-              f"{peak / 1e9:.1f} GFLOP/s; achieved share {100 * achieved / peak:.0f} %")
-        results.append(dict(label=s.label(), shape=asdict(s), gflop=total / 1e9,
-                            parts_gflop={k: v / 1e9 for k, v in parts.items()}, step_s=step_s, matmul_s=mm_s,
-                            achieved_gflops=achieved / 1e9, matmul_gflops=peak / 1e9, share=achieved / peak))
+        print(
+            f"  step {statistics.median(step_s):.3f} s -> {achieved / 1e9:.1f} GFLOP/s; dense matmul "
+            f"{peak / 1e9:.1f} GFLOP/s; achieved share {100 * achieved / peak:.0f} %"
+        )
+        results.append(
+            dict(
+                label=s.label(),
+                shape=asdict(s),
+                gflop=total / 1e9,
+                parts_gflop={k: v / 1e9 for k, v in parts.items()},
+                step_s=step_s,
+                matmul_s=mm_s,
+                achieved_gflops=achieved / 1e9,
+                matmul_gflops=peak / 1e9,
+                share=achieved / peak,
+            )
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(dict(argv=sys.argv, torch=torch.__version__, results=results), indent=1))
 

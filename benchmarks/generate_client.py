@@ -29,24 +29,33 @@ MESSAGES = [{"role": "user", "content": "how many words are in this short questi
 
 
 def start_server() -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "fake_vllm.py"), "--model", MODEL],
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "tests" / "fake_vllm.py"), "--model", MODEL], stdout=subprocess.PIPE, text=True
+    )
     return proc, proc.stdout.readline().strip()
 
 
 def generate_config(url: str, concurrency: int, **extra):
     from eaglekit.config import GenerateConfig
 
-    return GenerateConfig(backend="openai", servers=[url], model=MODEL, max_tokens=64, concurrency=concurrency,
-                          timeout=30, **extra)
+    return GenerateConfig(
+        backend="openai", servers=[url], model=MODEL, max_tokens=64, concurrency=concurrency, timeout=30, **extra
+    )
 
 
 async def bare(url: str, n: int, concurrency: int) -> float:
-    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 64, "temperature": 0.0, "top_p": 1.0,
-            "return_token_ids": True}
+    body = {
+        "model": MODEL,
+        "messages": MESSAGES,
+        "max_tokens": 64,
+        "temperature": 0.0,
+        "top_p": 1.0,
+        "return_token_ids": True,
+    }
     left = n
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(timeout=30, limits=limits) as http:
+
         async def worker():
             nonlocal left
             while left > 0:
@@ -70,6 +79,7 @@ async def eaglekit_client(url: str, n: int, concurrency: int) -> float:
 
     left = n
     async with ChatClient(generate_config(url, concurrency)) as client:
+
         async def worker():
             nonlocal left
             while left > 0:
@@ -87,11 +97,28 @@ def whole_stage(url: str, n: int, concurrency: int) -> tuple[float, float]:
 
     with tempfile.TemporaryDirectory() as tmp:
         prompts = Path(tmp) / "prompts.jsonl"
-        prompts.write_text("".join(json.dumps({"id": f"p{i}", "messages": [
-            {"role": "user", "content": f"question {i}: how many words are in this short question"}]}) + "\n"
-            for i in range(n)))
-        cfg = parse_config({"run_dir": f"{tmp}/run", "target": {"model": "org/none"}, "data": {"prompts": str(prompts)},
-                            "generate": {**generate_config(url, concurrency).model_dump(), "reasoning": "required"}})
+        prompts.write_text(
+            "".join(
+                json.dumps(
+                    {
+                        "id": f"p{i}",
+                        "messages": [
+                            {"role": "user", "content": f"question {i}: how many words are in this short question"}
+                        ],
+                    }
+                )
+                + "\n"
+                for i in range(n)
+            )
+        )
+        cfg = parse_config(
+            {
+                "run_dir": f"{tmp}/run",
+                "target": {"model": "org/none"},
+                "data": {"prompts": str(prompts)},
+                "generate": {**generate_config(url, concurrency).model_dump(), "reasoning": "required"},
+            }
+        )
         console.quiet = True
         c0 = time.process_time()
         try:
@@ -123,8 +150,10 @@ def main() -> None:
     print(f"{args.requests} requests x {args.rounds} rounds, concurrency {args.concurrency}, one instant fake server")
     med = {k: statistics.median(r for r, _ in v) for k, v in rates.items()}
     for k, v in rates.items():
-        print(f"  {k:16s} median {med[k]:8.1f} req/s, {statistics.median(c for _, c in v):.2f} client CPU ms/request"
-              f"   (rounds: {', '.join(f'{r:.0f}' for r, _ in v)} req/s)")
+        print(
+            f"  {k:16s} median {med[k]:8.1f} req/s, {statistics.median(c for _, c in v):.2f} client CPU ms/request"
+            f"   (rounds: {', '.join(f'{r:.0f}' for r, _ in v)} req/s)"
+        )
     print(f"  ratio eaglekit client / bare httpx: {med['eaglekit client'] / med['bare httpx']:.2f} (goal >= 0.8)")
     print(f"  ratio eaglekit stage  / bare httpx: {med['eaglekit stage'] / med['bare httpx']:.2f}")
 

@@ -50,10 +50,21 @@ def base_config(target: Path, args) -> dict:
         "prepare": {"max_length": 384},
         "vocab": {"draft_vocab_size": 80},
         "extract": {"mode": "offline", "dtype": "float32"},
-        "train": {"max_steps": args.steps, "batch_size": 16, "lr": 3e-3, "warmup_steps": 10, "eval_every": 60,
-                  "save_every": args.steps, "ttt_steps": 4},
-        "evaluate": {"num_samples": args.eval_prompts, "num_speculative_tokens": [1, 3, 5], "temperatures": [0.0],
-                     "max_new_tokens": 96},
+        "train": {
+            "max_steps": args.steps,
+            "batch_size": 16,
+            "lr": 3e-3,
+            "warmup_steps": 10,
+            "eval_every": 60,
+            "save_every": args.steps,
+            "ttt_steps": 4,
+        },
+        "evaluate": {
+            "num_samples": args.eval_prompts,
+            "num_speculative_tokens": [1, 3, 5],
+            "temperatures": [0.0],
+            "max_new_tokens": 96,
+        },
     }
 
 
@@ -89,8 +100,10 @@ def full_size_shapes(draft_vocab_size: int = 32000) -> dict[str, dict[str, int]]
         c = DrafterConfig.from_target_config(DeepseekV3Config(), draft_vocab_size, architecture=arch)
         with init_empty_weights():  # parameters on the meta device, the small d2t/t2d buffers real
             drafter = Eagle3Drafter(c)
-        shapes[arch] = {"trainable_parameters": sum(p.numel() for p in drafter.parameters() if p.requires_grad),
-                        "kv_floats_per_token": kv_cache_floats_per_token(c)}
+        shapes[arch] = {
+            "trainable_parameters": sum(p.numel() for p in drafter.parameters() if p.requires_grad),
+            "kv_floats_per_token": kv_cache_floats_per_token(c),
+        }
     return shapes
 
 
@@ -115,8 +128,9 @@ def step_times(runs: dict[str, Path], repeats: int) -> dict[str, float]:
         if inputs is None:
             store = TokenStore(run_dir / "prepare" / "tokens.safetensors")
             _, t2d = load_vocab(run_dir)
-            features = Features(run_dir, t2d, torch.device("cpu"), drafter.config.aux_layer_ids or [2, 4, 5],
-                                torch.float32, head=head)
+            features = Features(
+                run_dir, t2d, torch.device("cpu"), drafter.config.aux_layer_ids or [2, 4, 5], torch.float32, head=head
+            )
             inputs = features(collate(store, list(range(16)), features.store))
 
     def one_step(arch: str) -> float:
@@ -131,7 +145,7 @@ def step_times(runs: dict[str, Path], repeats: int) -> dict[str, float]:
         one_step(arch)
     times: dict[str, list[float]] = {arch: [] for arch in models}
     for i in range(repeats):
-        for arch in (ARCHITECTURES if i % 2 == 0 else ARCHITECTURES[::-1]):
+        for arch in ARCHITECTURES if i % 2 == 0 else ARCHITECTURES[::-1]:
             times[arch].append(one_step(arch))
     return {arch: statistics.median(t) for arch, t in times.items()}
 
@@ -139,7 +153,9 @@ def step_times(runs: dict[str, Path], repeats: int) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "bench-mla")
-    parser.add_argument("--target", type=Path, default=None, help="a DeepSeek-V3-shaped target folder (default: build one)")
+    parser.add_argument(
+        "--target", type=Path, default=None, help="a DeepSeek-V3-shaped target folder (default: build one)"
+    )
     parser.add_argument("--target-steps", type=int, default=2000, help="training steps of the built tiny target")
     parser.add_argument("--prompts", type=int, default=400)
     parser.add_argument("--steps", type=int, default=240)
@@ -182,32 +198,47 @@ def main() -> None:
         report = json.loads((folder / "evaluate" / "report.json").read_text())
         c = load_drafter(folder / "train" / "checkpoints" / "best")[0].config
         results[arch] = {
-            "trainable_parameters": summary["trainable_parameters"], "kv_floats_per_token": kv_cache_floats_per_token(c),
+            "trainable_parameters": summary["trainable_parameters"],
+            "kv_floats_per_token": kv_cache_floats_per_token(c),
             "held_out_simulated_tau": round(summary["tau"], 3),
             "tau": {f"K={r['k']}": r["tau"] for r in report["results"] if r["method"] == "eagle"},
             "ngram_tau": {f"K={r['k']}": r["tau"] for r in report["results"] if r["method"] == "ngram"},
-            "lossless": report["lossless"], "step_seconds": round(seconds[arch], 4),
+            "lossless": report["lossless"],
+            "step_seconds": round(seconds[arch], 4),
         }
     results["deepseek_v3_size"] = full_size_shapes()
-    results["mla/llama"] = {"step_time": round(seconds["mla"] / seconds["llama"], 3),
-                            "trainable_parameters": round(results["mla"]["trainable_parameters"]
-                                                          / results["llama"]["trainable_parameters"], 3)}
+    results["mla/llama"] = {
+        "step_time": round(seconds["mla"] / seconds["llama"], 3),
+        "trainable_parameters": round(
+            results["mla"]["trainable_parameters"] / results["llama"]["trainable_parameters"], 3
+        ),
+    }
     manifest = target / "eaglekit_tiny.json"
-    results["setup"] = {"target": str(target), "target_build": json.loads(manifest.read_text()) if manifest.exists() else None,
-                        "prompts": args.prompts, "steps": args.steps,
-                        "threads": args.threads, "minutes": round((time.monotonic() - t0) / 60, 1)}
+    results["setup"] = {
+        "target": str(target),
+        "target_build": json.loads(manifest.read_text()) if manifest.exists() else None,
+        "prompts": args.prompts,
+        "steps": args.steps,
+        "threads": args.threads,
+        "minutes": round((time.monotonic() - t0) / 60, 1),
+    }
     (args.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     print(json.dumps(results, indent=2))
     print("\n| drafter | trainable params | KV floats/token | held-out sim. τ | τ K=1 | τ K=3 | τ K=5 | step s |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for arch in ARCHITECTURES:
         r = results[arch]
-        print(f"| {arch} | {r['trainable_parameters']:,} | {r['kv_floats_per_token']} | {r['held_out_simulated_tau']} | "
-              + " | ".join(str(r["tau"].get(f"K={k}")) for k in (1, 3, 5)) + f" | {r['step_seconds']} |")
+        print(
+            f"| {arch} | {r['trainable_parameters']:,} | {r['kv_floats_per_token']} | {r['held_out_simulated_tau']} | "
+            + " | ".join(str(r["tau"].get(f"K={k}")) for k in (1, 3, 5))
+            + f" | {r['step_seconds']} |"
+        )
     print("\nDerived from a full-size DeepSeek-V3 config (draft vocab 32000):")
     for arch, r in results["deepseek_v3_size"].items():
-        print(f"  {arch}: {r['trainable_parameters'] / 1e6:.1f}M trainable parameters, "
-              f"{r['kv_floats_per_token']} KV floats/token")
+        print(
+            f"  {arch}: {r['trainable_parameters'] / 1e6:.1f}M trainable parameters, "
+            f"{r['kv_floats_per_token']} KV floats/token"
+        )
 
 
 if __name__ == "__main__":

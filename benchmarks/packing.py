@@ -40,25 +40,32 @@ def skewed_lengths(n: int, median: int, sigma: float, longest: int, seed: int) -
     return [int(x) for x in draws.clamp(16, longest).round()]
 
 
-def layouts(lengths: list[int], batch: int, pack_length: int, pack_rows: int, seed: int) -> dict[str, list[list[list[int]]]]:
+def layouts(
+    lengths: list[int], batch: int, pack_length: int, pack_rows: int, seed: int
+) -> dict[str, list[list[list[int]]]]:
     """Each way's steps, every step a list of rows, every row a list of sample indices."""
     import random
 
     order = list(range(len(lengths)))
     random.Random(seed).shuffle(order)
-    shuffled = [[[i] for i in order[j:j + batch]] for j in range(0, len(order), batch)]
+    shuffled = [[[i] for i in order[j : j + batch]] for j in range(0, len(order), batch)]
     bucketed = [[[i] for i in b] for b in epoch_batches(list(range(len(lengths))), lengths, batch, seed, 0)]
-    return {"padded, shuffled": shuffled, "padded, bucketed": bucketed,
-            f"packed 1 x {pack_length}": packed_batches(order, lengths, 1, pack_length, seed, 0),
-            f"packed {pack_rows} x {pack_length}": packed_batches(order, lengths, pack_rows, pack_length, seed, 0)}
+    return {
+        "padded, shuffled": shuffled,
+        "padded, bucketed": bucketed,
+        f"packed 1 x {pack_length}": packed_batches(order, lengths, 1, pack_length, seed, 0),
+        f"packed {pack_rows} x {pack_length}": packed_batches(order, lengths, pack_rows, pack_length, seed, 0),
+    }
 
 
 def step_tensors(rows: list[list[int]], data: dict, lengths: list[int]) -> dict[str, torch.Tensor]:
     """One micro-batch: rows of samples end to end, right-padded; position ids restart per sample."""
     offsets = data["offsets"]
     width = max(sum(lengths[i] for i in row) for row in rows)
-    out = {k: torch.zeros(len(rows), width, *data[k].shape[1:], dtype=data[k].dtype)
-           for k in ("aux", "input_ids", "last_hidden")}
+    out = {
+        k: torch.zeros(len(rows), width, *data[k].shape[1:], dtype=data[k].dtype)
+        for k in ("aux", "input_ids", "last_hidden")
+    }
     out["attention_mask"] = torch.zeros(len(rows), width, dtype=torch.long)
     out["position_ids"] = torch.arange(width).repeat(len(rows), 1)
     for r, row in enumerate(rows):
@@ -66,9 +73,9 @@ def step_tensors(rows: list[list[int]], data: dict, lengths: list[int]) -> dict[
         for i in row:
             n = lengths[i]
             for k in ("aux", "input_ids", "last_hidden"):
-                out[k][r, at:at + n] = data[k][offsets[i]:offsets[i] + n]
-            out["attention_mask"][r, at:at + n] = 1
-            out["position_ids"][r, at:at + n] = torch.arange(n)
+                out[k][r, at : at + n] = data[k][offsets[i] : offsets[i] + n]
+            out["attention_mask"][r, at : at + n] = 1
+            out["position_ids"][r, at : at + n] = torch.arange(n)
             at += n
         out["position_ids"][r, at:] = torch.arange(width - at) + (lengths[row[-1]] if row else 0)
     return out
@@ -105,18 +112,26 @@ def main() -> None:
     shape = dict(vocab=args.vocab, draft_vocab=args.draft_vocab, head_dim=args.head_dim, gqa=args.gqa)
     s = Shape(args.hidden, max(lengths), steps=args.steps, **shape)
     flat = make_batch(Shape(args.hidden, total, **shape), args.seed)
-    data = {"aux": flat["aux"][0], "input_ids": flat["input_ids"][0], "last_hidden": flat["last_hidden"][0],
-            "offsets": [sum(lengths[:i]) for i in range(len(lengths))]}
+    data = {
+        "aux": flat["aux"][0],
+        "input_ids": flat["input_ids"][0],
+        "last_hidden": flat["last_hidden"][0],
+        "offsets": [sum(lengths[:i]) for i in range(len(lengths))],
+    }
     drafter = make_drafter(s, flat).to(device, dtype)
     optim = adamw(drafter.parameters())
     head, t2d = flat["head"].to(device, dtype), flat["t2d"].to(device)
     ways = layouts(lengths, args.batch, args.pack_length, args.pack_rows, args.seed)
-    batches = {name: [{k: v.to(device) for k, v in step_tensors(rows, data, lengths).items()} for rows in steps]
-               for name, steps in ways.items()}
-    print(f"torch {torch.__version__}, device {device}, dtype {str(dtype).removeprefix('torch.')}, threads "
-          f"{torch.get_num_threads()}; H={args.hidden} V={args.vocab} Vd={args.draft_vocab} K={args.steps}\n"
-          f"{len(lengths)} samples, {total} tokens: lengths median {statistics.median(lengths):.0f}, mean "
-          f"{total / len(lengths):.0f}, max {max(lengths)} (log-normal sigma {args.sigma})")
+    batches = {
+        name: [{k: v.to(device) for k, v in step_tensors(rows, data, lengths).items()} for rows in steps]
+        for name, steps in ways.items()
+    }
+    print(
+        f"torch {torch.__version__}, device {device}, dtype {str(dtype).removeprefix('torch.')}, threads "
+        f"{torch.get_num_threads()}; H={args.hidden} V={args.vocab} Vd={args.draft_vocab} K={args.steps}\n"
+        f"{len(lengths)} samples, {total} tokens: lengths median {statistics.median(lengths):.0f}, mean "
+        f"{total / len(lengths):.0f}, max {max(lengths)} (log-normal sigma {args.sigma})"
+    )
 
     def epoch(name: str) -> float:
         sync(device)
@@ -125,9 +140,18 @@ def main() -> None:
             packed = name.startswith("packed")
             with torch.no_grad():
                 logits, in_draft = draft_logits(b["last_hidden"].to(dtype), head, t2d)
-            out = ttt_loss(drafter, b["aux"].to(dtype), b["input_ids"], logits, b["attention_mask"],
-                           b["attention_mask"], steps=args.steps, decay=DECAY, target_in_draft=in_draft,
-                           position_ids=b["position_ids"] if packed else None)
+            out = ttt_loss(
+                drafter,
+                b["aux"].to(dtype),
+                b["input_ids"],
+                logits,
+                b["attention_mask"],
+                b["attention_mask"],
+                steps=args.steps,
+                decay=DECAY,
+                target_in_draft=in_draft,
+                position_ids=b["position_ids"] if packed else None,
+            )
             out.loss.backward()
             optim.step()
             optim.zero_grad(set_to_none=True)
@@ -137,18 +161,26 @@ def main() -> None:
     epoch(list(batches)[-1])  # warm: allocator, kernels
     times: dict[str, list[float]] = {name: [] for name in batches}
     for r in range(args.rounds):
-        for name in (list(batches) if r % 2 == 0 else list(reversed(batches))):
+        for name in list(batches) if r % 2 == 0 else list(reversed(batches)):
             times[name].append(epoch(name))
             print(f"  round {r + 1}: {name:22s} {times[name][-1]:7.1f} s", flush=True)
 
     base = statistics.median(times["padded, bucketed"])
     rows = []
-    print(f"\n| batching | steps | real / computed positions | tokens/s | vs bucketed |\n|---|---:|---:|---:|---:|")
+    print("\n| batching | steps | real / computed positions | tokens/s | vs bucketed |\n|---|---:|---:|---:|---:|")
     for name, steps in ways.items():
         computed = sum(len(rows) * max(sum(lengths[i] for i in row) for row in rows) for rows in steps)
         median = statistics.median(times[name])
-        rows.append({"batching": name, "steps": len(steps), "fill": total / computed, "seconds": times[name],
-                     "tokens_per_s": total / median, "vs_bucketed": base / median})
+        rows.append(
+            {
+                "batching": name,
+                "steps": len(steps),
+                "fill": total / computed,
+                "seconds": times[name],
+                "tokens_per_s": total / median,
+                "vs_bucketed": base / median,
+            }
+        )
         print(f"| {name} | {len(steps)} | {total / computed:.0%} | {total / median:.0f} | x{base / median:.2f} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"argv": sys.argv, "lengths": lengths, "rows": rows}, indent=1))

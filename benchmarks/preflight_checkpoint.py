@@ -32,9 +32,13 @@ def write_checkpoint(folder: Path, shards: int, total_bytes: int) -> dict:
     per_shard = total_bytes // shards
     tensors_per_shard = 1200
     weight_map, header_bytes = {}, 0
-    names = ((f"model.layers.{l}.mlp.experts.{e}.{p}_proj.{part}", part)
-             for l in range(LAYERS) for e in range(EXPERTS_PER_SHARD_LAYER) for p in ("gate", "up", "down")
-             for part in ("weight_packed", "weight_scale"))
+    names = (
+        (f"model.layers.{l}.mlp.experts.{e}.{p}_proj.{part}", part)
+        for l in range(LAYERS)
+        for e in range(EXPERTS_PER_SHARD_LAYER)
+        for p in ("gate", "up", "down")
+        for part in ("weight_packed", "weight_scale")
+    )
     for s in range(shards):
         name = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
         header, offset = {"__metadata__": {"format": "pt"}}, 0
@@ -67,15 +71,33 @@ def write_checkpoint(folder: Path, shards: int, total_bytes: int) -> dict:
         header_bytes += 8 + len(text)
         weight_map |= {k: name for k in header if k != "__metadata__"}
     (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    (folder / "config.json").write_text(json.dumps({
-        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 7168,
-        "num_hidden_layers": LAYERS, "intermediate_size": 18432, "num_attention_heads": 64, "num_key_value_heads": 64,
-        "vocab_size": 163840, "max_position_embeddings": 262144, "rope_theta": 50000.0,
-        "quantization_config": {"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {"num_bits": 4}}}}}))
+    (folder / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["DeepseekV3ForCausalLM"],
+                "model_type": "deepseek_v3",
+                "hidden_size": 7168,
+                "num_hidden_layers": LAYERS,
+                "intermediate_size": 18432,
+                "num_attention_heads": 64,
+                "num_key_value_heads": 64,
+                "vocab_size": 163840,
+                "max_position_embeddings": 262144,
+                "rope_theta": 50000.0,
+                "quantization_config": {
+                    "quant_method": "compressed-tensors",
+                    "config_groups": {"g": {"weights": {"num_bits": 4}}},
+                },
+            }
+        )
+    )
     (folder / "tokenizer_config.json").write_text("{}")
-    return {"tensors": len(weight_map), "header_bytes": header_bytes,
-            "apparent_bytes": sum(p.stat().st_size for p in folder.glob("*.safetensors")),
-            "disk_bytes": sum(p.stat().st_blocks * 512 for p in folder.glob("*.safetensors"))}
+    return {
+        "tensors": len(weight_map),
+        "header_bytes": header_bytes,
+        "apparent_bytes": sum(p.stat().st_size for p in folder.glob("*.safetensors")),
+        "disk_bytes": sum(p.stat().st_blocks * 512 for p in folder.glob("*.safetensors")),
+    }
 
 
 def time_ours(folder: Path) -> tuple[float, int]:
@@ -114,12 +136,22 @@ def time_context(folder: Path, work: Path) -> float:
 
 def time_cli(folder: Path, work: Path) -> dict:
     (work / "prompts.jsonl").write_text(json.dumps({"conversations": [{"from": "human", "value": "hi"}]}) + "\n")
-    (work / "cfg.yaml").write_text(json.dumps({"run_dir": str(work / "run"), "target": {"model": str(folder)},
-                                               "data": {"prompts": str(work / "prompts.jsonl")},
-                                               "extract": {"mode": "offline"}}))
+    (work / "cfg.yaml").write_text(
+        json.dumps(
+            {
+                "run_dir": str(work / "run"),
+                "target": {"model": str(folder)},
+                "data": {"prompts": str(work / "prompts.jsonl")},
+                "extract": {"mode": "offline"},
+            }
+        )
+    )
     t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "eaglekit.cli", "preflight", str(work / "cfg.yaml"), "--stage", "extract",
-                          "--json"], capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "eaglekit.cli", "preflight", str(work / "cfg.yaml"), "--stage", "extract", "--json"],
+        capture_output=True,
+        text=True,
+    )
     wall = time.perf_counter() - t0
     doc = json.loads(out.stdout)
     checks = {c["name"]: (c["status"], c["seconds"]) for c in doc["stages"]["extract"]}
@@ -136,25 +168,33 @@ def main() -> None:
         folder = Path(tmp) / "ckpt"
         t0 = time.perf_counter()
         facts = write_checkpoint(folder, args.shards, int(args.total_gb * 1e9))
-        print(f"checkpoint: {args.shards} shards, {facts['tensors']:,} tensors, {facts['apparent_bytes'] / 1e9:.0f} GB "
-              f"apparent, {facts['disk_bytes'] / 1e6:.1f} MB on disk, {facts['header_bytes'] / 1e6:.1f} MB of headers "
-              f"(written in {time.perf_counter() - t0:.1f} s)")
+        print(
+            f"checkpoint: {args.shards} shards, {facts['tensors']:,} tensors, {facts['apparent_bytes'] / 1e9:.0f} GB "
+            f"apparent, {facts['disk_bytes'] / 1e6:.1f} MB on disk, {facts['header_bytes'] / 1e6:.1f} MB of headers "
+            f"(written in {time.perf_counter() - t0:.1f} s)"
+        )
         ours, theirs = [], []
         for _ in range(3):  # interleaved: A B A B A B
             ours.append(time_ours(folder)[0])
             theirs.append(time_safetensors(folder)[0])
         o, t = sorted(ours)[1], sorted(theirs)[1]
-        print(f"headers: eaglekit read_weights {o * 1000:.0f} ms (median of {', '.join(f'{x * 1000:.0f}' for x in ours)}), "
-              f"safetensors safe_open {t * 1000:.0f} ms ({', '.join(f'{x * 1000:.0f}' for x in theirs)}); "
-              f"ratio eaglekit/safetensors {o / t:.2f}")
+        print(
+            f"headers: eaglekit read_weights {o * 1000:.0f} ms (median of {', '.join(f'{x * 1000:.0f}' for x in ours)}), "
+            f"safetensors safe_open {t * 1000:.0f} ms ({', '.join(f'{x * 1000:.0f}' for x in theirs)}); "
+            f"ratio eaglekit/safetensors {o / t:.2f}"
+        )
         cli = time_cli(folder, Path(tmp))
-        print(f"eaglekit preflight --stage extract: {cli['wall']:.1f} s wall (fresh process, imports included), "
-              f"checks {cli['checks_seconds']:.1f} s")
+        print(
+            f"eaglekit preflight --stage extract: {cli['wall']:.1f} s wall (fresh process, imports included), "
+            f"checks {cli['checks_seconds']:.1f} s"
+        )
         for name, (status, seconds) in cli["checks"].items():
             print(f"  {name:22s} {status:5s} {seconds * 1000:8.0f} ms")
         listed = sum(seconds for _, seconds in cli["checks"].values())
-        print(f"  (the checks listed: {listed:.1f} s; the rest is building the context — its fingerprints: "
-              f"{time_context(folder, Path(tmp)):.1f} s measured in this process)")
+        print(
+            f"  (the checks listed: {listed:.1f} s; the rest is building the context — its fingerprints: "
+            f"{time_context(folder, Path(tmp)):.1f} s measured in this process)"
+        )
 
 
 if __name__ == "__main__":

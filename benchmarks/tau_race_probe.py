@@ -75,8 +75,16 @@ def main() -> None:
         hits, ce, n = torch.zeros(args.steps), torch.zeros(args.steps), torch.zeros(args.steps)
         for ids, mask in samples:
             f, _ = features(drafter, ids)
-            out = ttt_loss(drafter, f.aux.float(), ids, f.target_logits.float(), mask_of(mask), torch.ones_like(ids),
-                           steps=args.steps, target_in_draft=f.target_in_draft)
+            out = ttt_loss(
+                drafter,
+                f.aux.float(),
+                ids,
+                f.target_logits.float(),
+                mask_of(mask),
+                torch.ones_like(ids),
+                steps=args.steps,
+                target_in_draft=f.target_in_draft,
+            )
             c = torch.tensor(out.count_k, dtype=torch.float)
             hits += torch.tensor(out.acc_k) * c
             ce += torch.tensor(out.loss_k) * c
@@ -108,11 +116,17 @@ def same_ttt(args, samples, features, per_step, fmt) -> None:
         f, last = features(ours, ids, last_hidden=True)
         length = ids.shape[1]
         # speculators' shift_batch: token i+1 with the target's features at i; targets from the state at i+1
-        drafts, _, _ = spec(hidden_states=f.aux[:, :-1].float(), input_ids=ids[:, 1:],
-                            document_ids=torch.zeros(1, length - 1, dtype=torch.long), loss_mask=mask[:, 1:].bool(),
-                            position_ids=torch.arange(1, length)[None], verifier_last_hidden_states=last[:, 1:].float(),
-                            ttt_steps=args.steps, ttt_step_loss_decay=0.8,
-                            loss_config=resolve_loss_config("kl_div", "eager"))
+        drafts, _, _ = spec(
+            hidden_states=f.aux[:, :-1].float(),
+            input_ids=ids[:, 1:],
+            document_ids=torch.zeros(1, length - 1, dtype=torch.long),
+            loss_mask=mask[:, 1:].bool(),
+            position_ids=torch.arange(1, length)[None],
+            verifier_last_hidden_states=last[:, 1:].float(),
+            ttt_steps=args.steps,
+            ttt_step_loss_decay=0.8,
+            loss_config=resolve_loss_config("kl_div", "eager"),
+        )
         want = f.target_logits[0, 1:].argmax(-1)
         counted = mask[0, 1:].bool()
         for k in range(args.steps):  # chain i's step k predicts the token that the target's state at i+1+k predicts

@@ -65,12 +65,28 @@ def data_config(out: Path, args) -> dict:
         "generate": {"backend": "local", "max_tokens": 200, "temperature": 0.0, "batch_size": 48},
         "prepare": {"max_length": 384},
         "vocab": {"draft_vocab_size": args.draft_vocab},
-        "train": {"max_steps": args.steps, "batch_size": 1, "packing": True, "pack_length": args.seq, "lr": args.lr,
-                  "warmup_steps": args.warmup, "min_lr_ratio": 0.0, "ttt_steps": args.ttt_steps,
-                  "ttt_decay": args.decay, "eval_every": args.steps, "save_every": args.steps, "log_every": 10,
-                  "seed": args.seed, "draft": {"intermediate_size": args.intermediate}},
-        "evaluate": {"num_samples": args.eval_prompts, "num_speculative_tokens": args.ks,
-                     "temperatures": args.temperatures, "max_new_tokens": args.max_new_tokens},
+        "train": {
+            "max_steps": args.steps,
+            "batch_size": 1,
+            "packing": True,
+            "pack_length": args.seq,
+            "lr": args.lr,
+            "warmup_steps": args.warmup,
+            "min_lr_ratio": 0.0,
+            "ttt_steps": args.ttt_steps,
+            "ttt_decay": args.decay,
+            "eval_every": args.steps,
+            "save_every": args.steps,
+            "log_every": 10,
+            "seed": args.seed,
+            "draft": {"intermediate_size": args.intermediate},
+        },
+        "evaluate": {
+            "num_samples": args.eval_prompts,
+            "num_speculative_tokens": args.ks,
+            "temperatures": args.temperatures,
+            "max_new_tokens": args.max_new_tokens,
+        },
         "export": {"verifier": None},
     }
 
@@ -127,7 +143,8 @@ def ablate(cfg, changes: list[str]) -> None:
 
         ttt_loss = loop.ttt_loss
         loop.ttt_loss = lambda drafter, aux, ids, logits, mask, *a, **kw: ttt_loss(
-            drafter, aux, ids, logits, mask * F.pad(mask[:, :-1], (1, 0)), *a, **kw)
+            drafter, aux, ids, logits, mask * F.pad(mask[:, :-1], (1, 0)), *a, **kw
+        )
 
 
 def train_eaglekit(cfg) -> tuple[Path, float]:
@@ -141,12 +158,25 @@ def train_speculators(cfg, out: Path, args) -> tuple[Path, float]:
     if args.reuse_speculators and (folder / "final").exists():
         return folder / "final", float("nan")
     shutil.rmtree(folder, ignore_errors=True)
-    job = {"run_dir": cfg.run_dir, "target": cfg.target.model, "eval_fraction": cfg.data.eval_fraction,
-           "out": str(folder), "steps": args.steps, "seq": args.seq, "lr": args.lr, "warmup": args.warmup,
-           "ttt_steps": args.ttt_steps, "decay": args.decay, "intermediate": args.intermediate, "seed": args.seed}
+    job = {
+        "run_dir": cfg.run_dir,
+        "target": cfg.target.model,
+        "eval_fraction": cfg.data.eval_fraction,
+        "out": str(folder),
+        "steps": args.steps,
+        "seq": args.seq,
+        "lr": args.lr,
+        "warmup": args.warmup,
+        "ttt_steps": args.ttt_steps,
+        "decay": args.decay,
+        "intermediate": args.intermediate,
+        "seed": args.seed,
+    }
     t0 = time.monotonic()
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": str(args.threads)}
-    subprocess.run([str(args.speculators_python), __file__, "--speculators-child", json.dumps(job)], check=True, env=env)
+    subprocess.run(
+        [str(args.speculators_python), __file__, "--speculators-child", json.dumps(job)], check=True, env=env
+    )
     return folder / "final", time.monotonic() - t0
 
 
@@ -167,15 +197,20 @@ def speculators_report(cfg, checkpoint: Path, args) -> dict:
     if args.reuse_speculators and saved.exists():
         report = json.loads(saved.read_text())
         measured = {(r["k"], r["temperature"]) for r in report["results"] if r["method"] == "eagle"}
-        if (report["checkpoint"] == str(checkpoint) and report["max_new_tokens"] == args.max_new_tokens
-                and report["prompts"] == min(args.eval_prompts, report["prompts"])
-                and measured >= {(k, t) for k in args.ks for t in args.temperatures}):
+        if (
+            report["checkpoint"] == str(checkpoint)
+            and report["max_new_tokens"] == args.max_new_tokens
+            and report["prompts"] == min(args.eval_prompts, report["prompts"])
+            and measured >= {(k, t) for k in args.ks for t in args.temperatures}
+        ):
             print(f"speculators: evaluate's report reused ({saved})", flush=True)
             return report
     return evaluate(cfg, checkpoint, name, args.out)
 
 
-def vllm_taus(cfg, checkpoint: Path, name: str, out: Path, ks: list[int], max_tokens: int, python: Path) -> dict[int, float]:
+def vllm_taus(
+    cfg, checkpoint: Path, name: str, out: Path, ks: list[int], max_tokens: int, python: Path
+) -> dict[int, float]:
     """τ per K of ``checkpoint`` served by the real vLLM beside the tiny target (greedy, the held-out prompts)."""
     from concurrent.futures import ThreadPoolExecutor
 
@@ -193,13 +228,27 @@ def vllm_taus(cfg, checkpoint: Path, name: str, out: Path, ks: list[int], max_to
     taus = {}
     for k in ks:
         spec = json.dumps({"method": "eagle3", "model": str(exported), "num_speculative_tokens": k})
-        server = VllmServer(python, cfg.target.model, ["--speculative-config", spec, "--max-model-len", "1024"],
-                            out / f"vllm-{name}" / f"k{k}.log")
+        server = VllmServer(
+            python,
+            cfg.target.model,
+            ["--speculative-config", spec, "--max-model-len", "1024"],
+            out / f"vllm-{name}" / f"k{k}.log",
+        )
         with server:
+
             def ask(messages):
-                r = httpx.post(f"{server.url}/chat/completions", timeout=600, json={
-                    "model": cfg.target.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0})
+                r = httpx.post(
+                    f"{server.url}/chat/completions",
+                    timeout=600,
+                    json={
+                        "model": cfg.target.model,
+                        "messages": messages,
+                        "max_tokens": max_tokens,
+                        "temperature": 0.0,
+                    },
+                )
                 r.raise_for_status()
+
             with ThreadPoolExecutor(8) as pool:
                 list(pool.map(ask, prompts))
             m = server.metrics()
@@ -212,6 +261,7 @@ def vllm_taus(cfg, checkpoint: Path, name: str, out: Path, ks: list[int], max_to
 
 # ----------------------------------------------------------------------------------- the speculators child
 
+
 def speculators_child(job: dict) -> None:
     """Runs in benchmarks/.venv-speculators: speculators' own model, data pipeline, loss and Trainer."""
     import torch
@@ -223,9 +273,9 @@ def speculators_child(job: dict) -> None:
     from speculators.train.trainer import Trainer, TrainerConfig
     from transformers import AutoConfig, LlamaConfig
 
+    from eaglekit.config import TargetConfig
     from eaglekit.data.tokens import TokenStore
     from eaglekit.model.target import TargetFeatures, aux_layer_ids, decoder_parts, load_target
-    from eaglekit.config import TargetConfig
     from eaglekit.stages.vocab import load_vocab
     from eaglekit.training.data import split_indices
 
@@ -251,8 +301,14 @@ def speculators_child(job: dict) -> None:
             f = features(ids[None].long(), with_logits=False)
         finally:
             handle.remove()
-        samples.append({"hidden_states": f.aux[0].float(), "input_ids": ids.long(),
-                        "verifier_last_hidden_states": pre_norm["h"][0].float(), "loss_mask": mask.bool()})
+        samples.append(
+            {
+                "hidden_states": f.aux[0].float(),
+                "input_ids": ids.long(),
+                "verifier_last_hidden_states": pre_norm["h"][0].float(),
+                "loss_mask": mask.bool(),
+            }
+        )
     print(f"speculators child: features of {len(samples)} training samples", flush=True)
 
     class Samples(BaseDataset):
@@ -265,46 +321,87 @@ def speculators_child(job: dict) -> None:
         def __len__(self):
             return len(samples)
 
-    layer = LlamaConfig(vocab_size=hf.vocab_size, hidden_size=hf.hidden_size, intermediate_size=job["intermediate"],
-                        num_hidden_layers=1, num_attention_heads=hf.num_attention_heads,
-                        num_key_value_heads=hf.num_key_value_heads, head_dim=hf.head_dim,
-                        max_position_embeddings=hf.max_position_embeddings, rms_norm_eps=hf.rms_norm_eps,
-                        rope_parameters=dict(hf.rope_parameters), hidden_act="silu", tie_word_embeddings=False)
+    layer = LlamaConfig(
+        vocab_size=hf.vocab_size,
+        hidden_size=hf.hidden_size,
+        intermediate_size=job["intermediate"],
+        num_hidden_layers=1,
+        num_attention_heads=hf.num_attention_heads,
+        num_key_value_heads=hf.num_key_value_heads,
+        head_dim=hf.head_dim,
+        max_position_embeddings=hf.max_position_embeddings,
+        rms_norm_eps=hf.rms_norm_eps,
+        rope_parameters=dict(hf.rope_parameters),
+        hidden_act="silu",
+        tie_word_embeddings=False,
+    )
     model = Eagle3DraftModel.from_training_args(
-        verifier_config=layer, t2d=t2d, d2t=d2t, verifier_name_or_path=job["target"], target_layer_ids=aux_ids,
-        draft_vocab_size=int(d2t.numel()), norm_before_residual=False, ttt_steps=job["ttt_steps"],
-        draft_attn_impl="eager")  # flex attention has no CPU backward
-    loader = _setup_dataloader(Samples(max_len=job["seq"], hidden_states_dtype=torch.float32), job["seq"],
-                               hf.hidden_size, num_workers=0, preprocess=shift_batch, seed=job["seed"])
+        verifier_config=layer,
+        t2d=t2d,
+        d2t=d2t,
+        verifier_name_or_path=job["target"],
+        target_layer_ids=aux_ids,
+        draft_vocab_size=int(d2t.numel()),
+        norm_before_residual=False,
+        ttt_steps=job["ttt_steps"],
+        draft_attn_impl="eager",
+    )  # flex attention has no CPU backward
+    loader = _setup_dataloader(
+        Samples(max_len=job["seq"], hidden_states_dtype=torch.float32),
+        job["seq"],
+        hf.hidden_size,
+        num_workers=0,
+        preprocess=shift_batch,
+        seed=job["seed"],
+    )
     train_kwargs, val_kwargs = Eagle3DraftModel.get_trainer_kwargs(
-        loss_fn="kl_div", loss_implementation="eager", ttt_steps=job["ttt_steps"], ttt_step_loss_decay=job["decay"])
+        loss_fn="kl_div", loss_implementation="eager", ttt_steps=job["ttt_steps"], ttt_step_loss_decay=job["decay"]
+    )
     trainer_module.get_local_rank = lambda: "cpu"  # its trainer moves the model and batches to cuda:LOCAL_RANK
     reset = trainer_module._StepTimer.reset  # its step profiler synchronizes an accelerator: off on the CPU
     trainer_module._StepTimer.reset = lambda self, enabled: reset(self, False)
-    config = TrainerConfig(lr=job["lr"], num_epochs=math.ceil(job["steps"] / len(loader)), save_path=job["out"],
-                           train_call_kwargs=train_kwargs, val_call_kwargs=val_kwargs, scheduler_type="cosine",
-                           scheduler_warmup_steps=job["warmup"], max_steps=job["steps"],
-                           hidden_states_dtype=torch.float32, log_freq=10 ** 9, checkpoint_freq=10 ** 6)
+    config = TrainerConfig(
+        lr=job["lr"],
+        num_epochs=math.ceil(job["steps"] / len(loader)),
+        save_path=job["out"],
+        train_call_kwargs=train_kwargs,
+        val_call_kwargs=val_kwargs,
+        scheduler_type="cosine",
+        scheduler_warmup_steps=job["warmup"],
+        max_steps=job["steps"],
+        hidden_states_dtype=torch.float32,
+        log_freq=10**9,
+        checkpoint_freq=10**6,
+    )
     trainer = Trainer(model, config, loader, None)
     trainer.run_training()
-    print(f"speculators child: {trainer.global_step} steps of {job['seq']} packed tokens "
-          f"({len(loader)} batches per epoch)", flush=True)
+    print(
+        f"speculators child: {trainer.global_step} steps of {job['seq']} packed tokens "
+        f"({len(loader)} batches per epoch)",
+        flush=True,
+    )
     model.save_pretrained(Path(job["out"]) / "final")
 
 
 # ---------------------------------------------------------------------------------------------------- main
 
+
 def table(reports: dict[str, dict], ks: list[int], temperatures: list[float]) -> tuple[str, list[dict]]:
-    tau = {name: {(r["k"], r["temperature"]): r["tau"] for r in rep["results"] if r["method"] == "eagle"}
-           for name, rep in reports.items()}
+    tau = {
+        name: {(r["k"], r["temperature"]): r["tau"] for r in rep["results"] if r["method"] == "eagle"}
+        for name, rep in reports.items()
+    }
     ngram = {(r["k"], r["temperature"]): r["tau"] for r in reports["eaglekit"]["results"] if r["method"] == "ngram"}
     rows, lines = [], ["| K | T | τ eaglekit | τ speculators | ratio | τ n-gram |", "|---|---|---|---|---|---|"]
     for t in temperatures:
         for k in ks:
             a, b = tau["eaglekit"][k, t], tau["speculators"][k, t]
-            rows.append({"k": k, "temperature": t, "eaglekit": a, "speculators": b, "ratio": a / b,
-                         "ngram": ngram.get((k, t))})
-            lines.append(f"| {k} | {t:g} | {a:.3f} | {b:.3f} | **x{a / b:.3f}** | {ngram.get((k, t), float('nan')):.3f} |")
+            rows.append(
+                {"k": k, "temperature": t, "eaglekit": a, "speculators": b, "ratio": a / b, "ngram": ngram.get((k, t))}
+            )
+            lines.append(
+                f"| {k} | {t:g} | {a:.3f} | {b:.3f} | **x{a / b:.3f}** | {ngram.get((k, t), float('nan')):.3f} |"
+            )
     return "\n".join(lines), rows
 
 
@@ -328,13 +425,24 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--speculators-python", type=Path, default=SPECULATORS_PYTHON)
-    p.add_argument("--vllm-python", type=Path, default=ROOT / ".venv-vllm" / "bin" / "python",
-                   help="python of a vLLM environment; where it does not exist the vLLM part is left out")
+    p.add_argument(
+        "--vllm-python",
+        type=Path,
+        default=ROOT / ".venv-vllm" / "bin" / "python",
+        help="python of a vLLM environment; where it does not exist the vLLM part is left out",
+    )
     p.add_argument("--no-vllm", action="store_true", help="leave the real-engine part out (ablations)")
-    p.add_argument("--reuse-speculators", action="store_true",
-                   help="keep the speculators drafter already trained in --out at this lr (its side takes ~20 min)")
-    p.add_argument("--ablate", type=lambda s: [x for x in s.split(",") if x], default=[],
-                   help=f"eaglekit's side trains with other settings: some of {','.join(ABLATIONS)}")
+    p.add_argument(
+        "--reuse-speculators",
+        action="store_true",
+        help="keep the speculators drafter already trained in --out at this lr (its side takes ~20 min)",
+    )
+    p.add_argument(
+        "--ablate",
+        type=lambda s: [x for x in s.split(",") if x],
+        default=[],
+        help=f"eaglekit's side trains with other settings: some of {','.join(ABLATIONS)}",
+    )
     p.add_argument("--speculators-child", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.speculators_child:
@@ -351,36 +459,59 @@ def main() -> None:
     if unknown:
         sys.exit(f"--ablate {','.join(sorted(unknown))}: not one of {', '.join(ABLATIONS)}")
     ablate(cfg, args.ablate)
-    side = (f"eaglekit-lr{args.lr:g}" + (f"-seed{args.seed}" if args.seed else "")
-            + "".join(f"-{a}" for a in args.ablate))
+    side = (
+        f"eaglekit-lr{args.lr:g}" + (f"-seed{args.seed}" if args.seed else "") + "".join(f"-{a}" for a in args.ablate)
+    )
     eaglekit_ckpt, eaglekit_s = train_eaglekit(cfg)
     speculators_ckpt, speculators_s = train_speculators(cfg, args.out, args)
-    reports = {"eaglekit": evaluate(cfg, eaglekit_ckpt, side, args.out),
-               "speculators": speculators_report(cfg, speculators_ckpt, args)}
+    reports = {
+        "eaglekit": evaluate(cfg, eaglekit_ckpt, side, args.out),
+        "speculators": speculators_report(cfg, speculators_ckpt, args),
+    }
     text, rows = table(reports, args.ks, args.temperatures)
     vllm = {}
     if args.vllm_python.exists() and not args.no_vllm:
-        vllm = {name: vllm_taus(cfg, ckpt, folder, args.out, args.ks, args.max_new_tokens, args.vllm_python)
-                for name, folder, ckpt in (("eaglekit", side, eaglekit_ckpt),
-                                           ("speculators", f"speculators-lr{args.lr:g}", speculators_ckpt))}
+        vllm = {
+            name: vllm_taus(cfg, ckpt, folder, args.out, args.ks, args.max_new_tokens, args.vllm_python)
+            for name, folder, ckpt in (
+                ("eaglekit", side, eaglekit_ckpt),
+                ("speculators", f"speculators-lr{args.lr:g}", speculators_ckpt),
+            )
+        }
         text += "\n\nThe same drafters served by the real vLLM (temperature 0, τ = 1 + accepted / drafts):\n\n"
         text += "| K | τ eaglekit | τ speculators | ratio |\n|---|---|---|---|\n"
-        text += "\n".join(f"| {k} | {vllm['eaglekit'][k]:.3f} | {vllm['speculators'][k]:.3f} | "
-                          f"**x{vllm['eaglekit'][k] / vllm['speculators'][k]:.3f}** |" for k in args.ks)
+        text += "\n".join(
+            f"| {k} | {vllm['eaglekit'][k]:.3f} | {vllm['speculators'][k]:.3f} | "
+            f"**x{vllm['eaglekit'][k] / vllm['speculators'][k]:.3f}** |"
+            for k in args.ks
+        )
     elif args.no_vllm:
         text += "\n\n(--no-vllm: the real-engine part is left out)"
     else:
-        text += f"\n\n(no vLLM at {args.vllm_python}: the real-engine part is left out; scripts/setup_vllm.sh makes one)"
+        text += (
+            f"\n\n(no vLLM at {args.vllm_python}: the real-engine part is left out; scripts/setup_vllm.sh makes one)"
+        )
     store_tokens = json.loads((Path(cfg.run_dir) / "prepare" / "stats.json").read_text())
-    print(f"\nτ race on the tiny target: {args.steps} steps x {args.seq} packed tokens, lr {args.lr:g} "
-          f"(warmup {args.warmup}, cosine to 0), K_train {args.ttt_steps}, decay {args.decay}; "
-          f"{reports['eaglekit']['prompts']} held-out prompts, up to {args.max_new_tokens} new tokens\n"
-          f"training time: eaglekit {eaglekit_s:.0f} s, speculators {speculators_s:.0f} s (features included)\n")
+    print(
+        f"\nτ race on the tiny target: {args.steps} steps x {args.seq} packed tokens, lr {args.lr:g} "
+        f"(warmup {args.warmup}, cosine to 0), K_train {args.ttt_steps}, decay {args.decay}; "
+        f"{reports['eaglekit']['prompts']} held-out prompts, up to {args.max_new_tokens} new tokens\n"
+        f"training time: eaglekit {eaglekit_s:.0f} s, speculators {speculators_s:.0f} s (features included)\n"
+    )
     print(text)
-    (args.out / f"race-{side}.json").write_text(json.dumps(
-        {"argv": sys.argv, "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows, "prepare": store_tokens,
-         "vllm": {side: {str(k): t for k, t in taus.items()} for side, taus in vllm.items()},
-         "train_seconds": {"eaglekit": eaglekit_s, "speculators": speculators_s}}, indent=1))
+    (args.out / f"race-{side}.json").write_text(
+        json.dumps(
+            {
+                "argv": sys.argv,
+                "args": {k: str(v) for k, v in vars(args).items()},
+                "rows": rows,
+                "prepare": store_tokens,
+                "vllm": {side: {str(k): t for k, t in taus.items()} for side, taus in vllm.items()},
+                "train_seconds": {"eaglekit": eaglekit_s, "speculators": speculators_s},
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

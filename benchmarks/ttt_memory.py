@@ -45,7 +45,7 @@ def loglog_slope(xs: list[float], ys: list[float]) -> float:
     """Least-squares b in log y = a + b log x."""
     lx, ly = [math.log(x) for x in xs], [math.log(y) for y in ys]
     mx, my = sum(lx) / len(lx), sum(ly) / len(ly)
-    return sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / sum((a - mx) ** 2 for a in lx)
+    return sum((a - mx) * (b - my) for a, b in zip(lx, ly, strict=False)) / sum((a - mx) ** 2 for a in lx)
 
 
 def main() -> None:
@@ -69,9 +69,13 @@ def main() -> None:
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.float32 if args.device == "cpu" else torch.bfloat16)
     lengths = [int(x) for x in args.lengths.split(",")]
     why_not = "--eaglekit-only" if args.eaglekit_only else speculators_missing()
-    sides = ["eaglekit"] + ([f"eaglekit@{args.baseline}"] if args.baseline else []) + ([] if why_not else ["speculators"])
-    print(f"torch {torch.__version__}, device {args.device}, threads {torch.get_num_threads()}, H={args.hidden} "
-          f"V={args.vocab} Vd={args.draft_vocab}; peak growth of one training step, MiB")
+    sides = (
+        ["eaglekit"] + ([f"eaglekit@{args.baseline}"] if args.baseline else []) + ([] if why_not else ["speculators"])
+    )
+    print(
+        f"torch {torch.__version__}, device {args.device}, threads {torch.get_num_threads()}, H={args.hidden} "
+        f"V={args.vocab} Vd={args.draft_vocab}; peak growth of one training step, MiB"
+    )
     if why_not:
         print(f"speculators is not importable here ({why_not}): eaglekit alone")
 
@@ -82,8 +86,18 @@ def main() -> None:
         for length in lengths:
             if side == "speculators" and length > args.speculators_max_len:
                 continue
-            shapes = [Shape(args.hidden, length, steps=k, vocab=args.vocab, draft_vocab=args.draft_vocab,
-                            head_dim=args.head_dim, gqa=args.gqa) for k in (1, args.steps)]
+            shapes = [
+                Shape(
+                    args.hidden,
+                    length,
+                    steps=k,
+                    vocab=args.vocab,
+                    draft_vocab=args.draft_vocab,
+                    head_dim=args.head_dim,
+                    gqa=args.gqa,
+                )
+                for k in (1, args.steps)
+            ]
             one, full = (peak_mib(side, s, args.device, dtype) for s in shapes)
             per_step = (full - one) / (args.steps - 1)
             rows.append(dict(seq=length, k1_mib=one, k_mib=full, per_step_mib=per_step))
@@ -94,8 +108,10 @@ def main() -> None:
             b = loglog_slope([r["seq"] for r in usable], [r["per_step_mib"] for r in usable])
             growth = usable[-1]["per_step_mib"] / usable[0]["per_step_mib"]
             span = usable[-1]["seq"] / usable[0]["seq"]
-            print(f"  per-step memory ~ L^{b:.2f} (1 = linear, 2 = an L x L matrix per step); "
-                  f"x{growth:.1f} for x{span:.0f} the length")
+            print(
+                f"  per-step memory ~ L^{b:.2f} (1 = linear, 2 = an L x L matrix per step); "
+                f"x{growth:.1f} for x{span:.0f} the length"
+            )
             results[side + "_exponent"] = b
     if args.json:
         Path(args.json).write_text(json.dumps(dict(argv=sys.argv, torch=torch.__version__, results=results), indent=1))

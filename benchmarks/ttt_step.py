@@ -51,9 +51,11 @@ from eaglekit.training.ttt import ttt_loss  # noqa: E402
 try:
     from eaglekit.model.target import draft_logits
 except ImportError:  # target.py pulls in eaglekit.config (pydantic, yaml): a bare GPU image may lack them
+
     def draft_logits(hidden, lm_head_weight, t2d):
         full = hidden @ lm_head_weight.T
         return full[..., t2d].float(), t2d[full.argmax(-1)]
+
 
 DECAY = 0.8
 WARM_LENGTH = 64
@@ -93,10 +95,21 @@ class Shape:
 
 
 def drafter_config(s: Shape) -> DrafterConfig:
-    return DrafterConfig(hidden_size=s.hidden, intermediate_size=s.intermediate, num_attention_heads=s.heads,
-                         num_key_value_heads=s.kv_heads, head_dim=s.head_dim, rms_norm_eps=1e-6, rope_theta=10000.0,
-                         rope_scaling=None, max_position_embeddings=32768, vocab_size=s.vocab,
-                         draft_vocab_size=s.draft_vocab, target_hidden_size=s.hidden, aux_layer_ids=AUX_LAYER_IDS)
+    return DrafterConfig(
+        hidden_size=s.hidden,
+        intermediate_size=s.intermediate,
+        num_attention_heads=s.heads,
+        num_key_value_heads=s.kv_heads,
+        head_dim=s.head_dim,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        max_position_embeddings=32768,
+        vocab_size=s.vocab,
+        draft_vocab_size=s.draft_vocab,
+        target_hidden_size=s.hidden,
+        aux_layer_ids=AUX_LAYER_IDS,
+    )
 
 
 def make_batch(s: Shape, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -104,14 +117,19 @@ def make_batch(s: Shape, seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     draft_ids = torch.randperm(s.vocab, generator=g)[: s.draft_vocab].sort().values
     d2t, t2d = build_d2t_t2d(draft_ids, s.vocab)
-    head = torch.randn(s.vocab, s.hidden, generator=g) * s.hidden ** -0.5
+    head = torch.randn(s.vocab, s.hidden, generator=g) * s.hidden**-0.5
     head[~t2d] *= 0.1  # a real draft vocab holds the frequent tokens: the target's argmax falls inside it
     loss_mask = torch.ones(s.batch, s.seq, dtype=torch.long)
     loss_mask[:, : int(s.prompt_fraction * s.seq)] = 0
-    return dict(aux=torch.randn(s.batch, s.seq, 3 * s.hidden, generator=g),
-                input_ids=torch.randint(s.vocab, (s.batch, s.seq), generator=g),
-                last_hidden=torch.randn(s.batch, s.seq, s.hidden, generator=g),
-                loss_mask=loss_mask, head=head, d2t=d2t, t2d=t2d)
+    return dict(
+        aux=torch.randn(s.batch, s.seq, 3 * s.hidden, generator=g),
+        input_ids=torch.randint(s.vocab, (s.batch, s.seq), generator=g),
+        last_hidden=torch.randn(s.batch, s.seq, s.hidden, generator=g),
+        loss_mask=loss_mask,
+        head=head,
+        d2t=d2t,
+        t2d=t2d,
+    )
 
 
 def make_drafter(s: Shape, batch: dict, seed: int = 0) -> Eagle3Drafter:
@@ -131,8 +149,12 @@ def adamw(params) -> torch.optim.Optimizer:
 def ttt_loss_at(ref: str):
     """``ttt_loss`` of src/eaglekit/training/ttt.py as it was at git commit ``ref``."""
     repo = Path(__file__).resolve().parents[1]
-    source = subprocess.run(["git", "-C", str(repo), "show", f"{ref}:src/eaglekit/training/ttt.py"],
-                            capture_output=True, text=True, check=True).stdout
+    source = subprocess.run(
+        ["git", "-C", str(repo), "show", f"{ref}:src/eaglekit/training/ttt.py"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     folder = Path(os.environ.get("TMPDIR", "/tmp")) / f"eaglekit-ttt-{os.getpid()}"
     folder.mkdir(exist_ok=True)
     path = folder / f"ttt_{ref.replace('/', '_')}.py"
@@ -144,22 +166,33 @@ def ttt_loss_at(ref: str):
     return module.ttt_loss
 
 
-def eaglekit_side(s: Shape, batch: dict, device: str, dtype: torch.dtype, freeze_lm_head: bool = False,
-                  loss_fn=ttt_loss):
+def eaglekit_side(
+    s: Shape, batch: dict, device: str, dtype: torch.dtype, freeze_lm_head: bool = False, loss_fn=ttt_loss
+):
     """(step function, trainable parameter count). step(length) trains on the first ``length`` positions (all by
     default) and returns ttt_loss's TTTOutput."""
     drafter = make_drafter(s, batch).to(device, dtype)
     drafter.lm_head.weight.requires_grad_(not freeze_lm_head)
     opt = adamw(drafter.parameters())
-    aux, ids, last, head = (batch[k].to(device, dtype if batch[k].is_floating_point() else None)
-                            for k in ("aux", "input_ids", "last_hidden", "head"))
+    aux, ids, last, head = (
+        batch[k].to(device, dtype if batch[k].is_floating_point() else None)
+        for k in ("aux", "input_ids", "last_hidden", "head")
+    )
     loss_mask, t2d = batch["loss_mask"].to(device), batch["t2d"].to(device)
 
     def step(length: int | None = None):
         with torch.no_grad():
             target_logits, in_draft = draft_logits(last[:, :length], head, t2d)
-        out = loss_fn(drafter, aux[:, :length], ids[:, :length], target_logits, loss_mask[:, :length],
-                      steps=s.steps, decay=DECAY, target_in_draft=in_draft)
+        out = loss_fn(
+            drafter,
+            aux[:, :length],
+            ids[:, :length],
+            target_logits,
+            loss_mask[:, :length],
+            steps=s.steps,
+            decay=DECAY,
+            target_in_draft=in_draft,
+        )
         out.loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -184,19 +217,35 @@ def speculators_side(s: Shape, batch: dict, device: str, dtype: torch.dtype):
     from speculators.proposals.greedy import GreedyTokenProposalConfig
     from transformers import LlamaConfig
 
-    layer = LlamaConfig(vocab_size=s.vocab, hidden_size=s.hidden, intermediate_size=s.intermediate,
-                        num_hidden_layers=1, num_attention_heads=s.heads, num_key_value_heads=s.kv_heads,
-                        head_dim=s.head_dim, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=32768,
-                        hidden_act="silu", attention_bias=False, mlp_bias=False)
+    layer = LlamaConfig(
+        vocab_size=s.vocab,
+        hidden_size=s.hidden,
+        intermediate_size=s.intermediate,
+        num_hidden_layers=1,
+        num_attention_heads=s.heads,
+        num_key_value_heads=s.kv_heads,
+        head_dim=s.head_dim,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=32768,
+        hidden_act="silu",
+        attention_bias=False,
+        mlp_bias=False,
+    )
     on_cpu = device == "cpu"
     layer._attn_implementation = "eager" if on_cpu else None  # None: speculators picks flex attention
     config = Eagle3SpeculatorConfig(
-        transformer_layer_config=layer, draft_vocab_size=s.draft_vocab, norm_before_residual=False,
+        transformer_layer_config=layer,
+        draft_vocab_size=s.draft_vocab,
+        norm_before_residual=False,
         eagle_aux_hidden_state_layer_ids=AUX_LAYER_IDS,
         speculators_config=SpeculatorsConfig(
-            algorithm="eagle3", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=s.steps)],
+            algorithm="eagle3",
+            proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=s.steps)],
             default_proposal_method="greedy",
-            verifier=VerifierConfig(name_or_path=None, architectures=["LlamaForCausalLM"])))
+            verifier=VerifierConfig(name_or_path=None, architectures=["LlamaForCausalLM"]),
+        ),
+    )
     model = Eagle3DraftModel(config)
     state = {k.replace("midlayer.", "layers.0."): v for k, v in make_drafter(s, batch).state_dict().items()}
     state["verifier_lm_head.weight"] = batch["head"][batch["t2d"]]
@@ -206,15 +255,21 @@ def speculators_side(s: Shape, batch: dict, device: str, dtype: torch.dtype):
     model.to(device, dtype)
     opt = adamw(model.parameters())
     loss_config = resolve_loss_config("kl_div", "eager" if on_cpu else "fused")
-    packed = dict(hidden_states=batch["aux"].reshape(1, s.tokens, -1).to(device, dtype),
-                  input_ids=batch["input_ids"].reshape(1, -1).to(device),
-                  document_ids=torch.arange(s.batch).repeat_interleave(s.seq)[None].to(device),
-                  loss_mask=batch["loss_mask"].reshape(1, -1).bool().to(device),
-                  verifier_last_hidden_states=batch["last_hidden"].reshape(1, s.tokens, -1).to(device, dtype))
+    packed = dict(
+        hidden_states=batch["aux"].reshape(1, s.tokens, -1).to(device, dtype),
+        input_ids=batch["input_ids"].reshape(1, -1).to(device),
+        document_ids=torch.arange(s.batch).repeat_interleave(s.seq)[None].to(device),
+        loss_mask=batch["loss_mask"].reshape(1, -1).bool().to(device),
+        verifier_last_hidden_states=batch["last_hidden"].reshape(1, s.tokens, -1).to(device, dtype),
+    )
 
     def step(length: int | None = None):
-        _, loss, _ = model(**{k: v[:, :length] for k, v in packed.items()}, ttt_steps=s.steps,
-                           ttt_step_loss_decay=DECAY, loss_config=loss_config)
+        _, loss, _ = model(
+            **{k: v[:, :length] for k, v in packed.items()},
+            ttt_steps=s.steps,
+            ttt_step_loss_decay=DECAY,
+            loss_config=loss_config,
+        )
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -239,6 +294,7 @@ def sync(device: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------------- memory
+
 
 def _status_mib(field: str) -> float:
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -268,8 +324,16 @@ def cpu_peak_mib(side: str, s: Shape, threads: int, freeze_lm_head: bool = False
     """step_peak_mib of one side in a fresh subprocess, so nothing else this process allocated blurs it."""
     # Every allocation over 128 KiB gets its own mapping, returned to the OS on free: RSS then is live memory.
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
-    cmd = [sys.executable, __file__, "--memory-child", side, "--shape-json", json.dumps(asdict(s)),
-           "--threads", str(threads)] + (["--freeze-lm-head"] if freeze_lm_head else [])
+    cmd = [
+        sys.executable,
+        __file__,
+        "--memory-child",
+        side,
+        "--shape-json",
+        json.dumps(asdict(s)),
+        "--threads",
+        str(threads),
+    ] + (["--freeze-lm-head"] if freeze_lm_head else [])
     out = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if out.returncode:
         raise RuntimeError(f"memory subprocess for {side} {s.label()} failed:\n{out.stderr[-3000:]}")
@@ -284,6 +348,7 @@ def memory_child(side: str, s: Shape, freeze_lm_head: bool) -> None:
 
 # ------------------------------------------------------------------------------------------------- timing
 
+
 def interleaved_times(steps: dict, device: str, warmup: int, repeats: int) -> dict[str, list[float]]:
     """Seconds per step of each side, run A B then B A alternately so drift in machine load hits both alike."""
     for _ in range(warmup):
@@ -292,7 +357,7 @@ def interleaved_times(steps: dict, device: str, warmup: int, repeats: int) -> di
     sync(device)
     times = {name: [] for name in steps}
     for r in range(repeats):
-        for name in (list(steps) if r % 2 == 0 else list(reversed(steps))):
+        for name in list(steps) if r % 2 == 0 else list(reversed(steps)):
             sync(device)
             t0 = time.perf_counter()
             steps[name]()
@@ -312,14 +377,25 @@ def run(args) -> list[dict]:
     sides = ["eaglekit"] if args.eaglekit_only or why_not else ["eaglekit", "speculators"]
     if args.baseline:
         sides.insert(1, f"eaglekit@{args.baseline}")
-    print(f"torch {torch.__version__}, device {device}, dtype {str(dtype).removeprefix('torch.')}, "
-          f"threads {torch.get_num_threads()}, repeats {args.repeats} (+{args.warmup} warmup)")
+    print(
+        f"torch {torch.__version__}, device {device}, dtype {str(dtype).removeprefix('torch.')}, "
+        f"threads {torch.get_num_threads()}, repeats {args.repeats} (+{args.warmup} warmup)"
+    )
     if why_not:
         print(f"speculators is not importable here ({why_not}): eaglekit's figures alone")
     results = []
     for hidden, seq in parse_sizes(args.sizes):
-        s = Shape(hidden, seq, args.batch, args.steps, args.vocab, args.draft_vocab, args.prompt_fraction,
-                  args.head_dim, args.gqa)
+        s = Shape(
+            hidden,
+            seq,
+            args.batch,
+            args.steps,
+            args.vocab,
+            args.draft_vocab,
+            args.prompt_fraction,
+            args.head_dim,
+            args.gqa,
+        )
         steps, params = {}, {}
         for side in sides:
             steps[side], params[side] = make_side(side, s, device, dtype, args.freeze_lm_head)
@@ -328,21 +404,35 @@ def run(args) -> list[dict]:
         mem = {}
         if not args.no_memory:
             for side in sides:
-                mem[side] = (step_peak_mib(steps[side], device) if device != "cpu"
-                             else cpu_peak_mib(side, s, torch.get_num_threads(), args.freeze_lm_head))
+                mem[side] = (
+                    step_peak_mib(steps[side], device)
+                    if device != "cpu"
+                    else cpu_peak_mib(side, s, torch.get_num_threads(), args.freeze_lm_head)
+                )
         del steps
         gc.collect()
-        row = dict(shape=asdict(s), label=s.label(), params=params, counted_k=counted,
-                   median_s={k: statistics.median(v) for k, v in times.items()}, times_s=times, peak_mib=mem)
+        row = dict(
+            shape=asdict(s),
+            label=s.label(),
+            params=params,
+            counted_k=counted,
+            median_s={k: statistics.median(v) for k, v in times.items()},
+            times_s=times,
+            peak_mib=mem,
+        )
         row["tokens_per_s"] = {k: s.tokens / v for k, v in row["median_s"].items()}
         results.append(row)
-        print(f"\n{s.label()}  V={s.vocab} Vd={s.draft_vocab} heads={s.heads}/{s.kv_heads}x{s.head_dim} "
-              f"I={s.intermediate}  counted positions per step (eaglekit): {counted}")
+        print(
+            f"\n{s.label()}  V={s.vocab} Vd={s.draft_vocab} heads={s.heads}/{s.kv_heads}x{s.head_dim} "
+            f"I={s.intermediate}  counted positions per step (eaglekit): {counted}"
+        )
         for side in sides:
             spread = f"{min(times[side]):.3f}..{max(times[side]):.3f}"
             mem_txt = f"  peak +{mem[side]:8.1f} MiB" if side in mem else ""
-            print(f"  {side:12s} {row['tokens_per_s'][side]:9.0f} tok/s  median {row['median_s'][side]:.3f} s "
-                  f"({spread}){mem_txt}  trainable {params[side] / 1e6:.2f} M")
+            print(
+                f"  {side:12s} {row['tokens_per_s'][side]:9.0f} tok/s  median {row['median_s'][side]:.3f} s "
+                f"({spread}){mem_txt}  trainable {params[side] / 1e6:.2f} M"
+            )
         for other in sides[1:]:
             key = "" if other == "speculators" else f"_vs_{other}"
             row["throughput_ratio" + key] = row["tokens_per_s"]["eaglekit"] / row["tokens_per_s"][other]

@@ -27,7 +27,9 @@ from eaglekit.tiny import write_prompts
 
 def shift_aux(raw: dict) -> None:
     raw["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in raw["eagle_aux_hidden_state_layer_ids"]]
-    raw["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in raw["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]
+    raw["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [
+        i + 1 for i in raw["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    ]
 
 
 def flip_norm(raw: dict) -> None:
@@ -48,13 +50,21 @@ def measure(demo: Path, out: Path, name: str, ks: list[int]) -> dict:
     root = out / name.replace(" ", "-")
     root.mkdir(parents=True, exist_ok=True)
     prompts = write_prompts(root / "heldout.jsonl", 8, seed=77)
-    doc = {**base, "run_dir": str(root / "run"), "target": {**base["target"], "dtype": dtype},
-           "data": {**base["data"], "prompts": str((demo / base["data"]["prompts"]).resolve())},
-           "evaluate": {**base["evaluate"], "checkpoint": str(demo / "train" / "checkpoints" / "best"),
-                        "prompts": str(prompts), "num_samples": 8, "max_new_tokens": 96},
-           "export": {"formats": [form]},
-           "verify": {"engine": "vllm", "num_speculative_tokens": ks,
-                      "engine_args": ["--dtype", dtype]}}
+    doc = {
+        **base,
+        "run_dir": str(root / "run"),
+        "target": {**base["target"], "dtype": dtype},
+        "data": {**base["data"], "prompts": str((demo / base["data"]["prompts"]).resolve())},
+        "evaluate": {
+            **base["evaluate"],
+            "checkpoint": str(demo / "train" / "checkpoints" / "best"),
+            "prompts": str(prompts),
+            "num_samples": 8,
+            "max_new_tokens": 96,
+        },
+        "export": {"formats": [form]},
+        "verify": {"engine": "vllm", "num_speculative_tokens": ks, "engine_args": ["--dtype", dtype]},
+    }
     (root / "config.yaml").write_text(yaml.safe_dump(doc))
     cfg = load_config(root / "config.yaml")
     with RunDir(cfg.run_dir).lock:
@@ -83,12 +93,16 @@ def main() -> None:
         report = measure(args.demo.resolve(), args.out, name, args.k)
         for r in report["runs"]:
             rounds = r["rounds"] or {}
-            rows.append(f"| {name} | {r['form']} | {r['k']} | {r['tau']['served']:.3f} / {r['tau']['offline']:.3f} | "
-                        f"{r['tau']['relative_difference']:.1%} | {r['largest_position_difference']:.3f} | "
-                        f"{rounds.get('identical', '-')}/{rounds.get('compared', '-')} | "
-                        f"{r['greedy']['identical']}/{r['greedy']['prompts']} | {'pass' if r['passed'] else 'FAIL'} |")
-    print("| variant | form | K | τ served / offline | τ Δ | largest position Δ | prompts with every pass equal "
-          "| greedy identical | verify |")
+            rows.append(
+                f"| {name} | {r['form']} | {r['k']} | {r['tau']['served']:.3f} / {r['tau']['offline']:.3f} | "
+                f"{r['tau']['relative_difference']:.1%} | {r['largest_position_difference']:.3f} | "
+                f"{rounds.get('identical', '-')}/{rounds.get('compared', '-')} | "
+                f"{r['greedy']['identical']}/{r['greedy']['prompts']} | {'pass' if r['passed'] else 'FAIL'} |"
+            )
+    print(
+        "| variant | form | K | τ served / offline | τ Δ | largest position Δ | prompts with every pass equal "
+        "| greedy identical | verify |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
 

@@ -10,9 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import yaml
-
 import torch
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 # Tests use tiny models: intra-op threads only add overhead there (and contention on a 2-core runner).
@@ -51,8 +50,11 @@ def vllm_python() -> Path:
     except UsageError as err:
         if os.environ.get("EAGLEKIT_SKIP_VLLM") == "1":
             pytest.skip(f"real vLLM not installed and EAGLEKIT_SKIP_VLLM=1: {err.message}")
-        pytest.fail(f"the real-engine tests need vLLM: {err.message}; {err.remedy} "
-                    "(or set EAGLEKIT_SKIP_VLLM=1 to skip them on purpose)", pytrace=False)
+        pytest.fail(
+            f"the real-engine tests need vLLM: {err.message}; {err.remedy} "
+            "(or set EAGLEKIT_SKIP_VLLM=1 to skip them on purpose)",
+            pytrace=False,
+        )
 
 
 @pytest.fixture(scope="session")
@@ -63,8 +65,13 @@ def demo_run(tmp_path_factory, tiny_target):
     import subprocess
 
     run_dir = tmp_path_factory.mktemp("demo") / "run"
-    proc = subprocess.run([sys.executable, "-m", "eaglekit.cli", "demo", "--run-dir", str(run_dir), "--json"],
-                          capture_output=True, text=True, timeout=2400, env=subprocess_env())
+    proc = subprocess.run(
+        [sys.executable, "-m", "eaglekit.cli", "demo", "--run-dir", str(run_dir), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=2400,
+        env=subprocess_env(),
+    )
     assert proc.returncode == 0, proc.stderr[-5000:]
     return run_dir, json.loads(proc.stdout), proc.stderr
 
@@ -114,8 +121,11 @@ def mounted_tmpfs(path: Path, size: str, inodes: int = 10_000):
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs to fill a disk for real needs root (CI runs as root)")
     path.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},nr_inodes={inodes}", "tmpfs", str(path)],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size},nr_inodes={inodes}", "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
+    )
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
     try:

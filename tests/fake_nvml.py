@@ -19,12 +19,24 @@ class NVMLError(Exception):
         self.value = value
 
     def __str__(self) -> str:
-        return {3: "Not Supported", 9: "Driver Not Loaded", 12: "NVML Shared Library Not Found"}.get(self.value, "Unknown Error")
+        return {3: "Not Supported", 9: "Driver Not Loaded", 12: "NVML Shared Library Not Found"}.get(
+            self.value, "Unknown Error"
+        )
 
 
 def gpu(i: int, used: float = 120, total: float = 141, **kw) -> dict:
-    return {"name": "NVIDIA H200", "uuid": f"GPU-{i:08x}-fake", "total": int(total * GB), "used": int(used * GB),
-            "util": 90, "processes": [], "ecc": 0, "retired_pending": False, "remap": (0, 0, 0, 0), **kw}
+    return {
+        "name": "NVIDIA H200",
+        "uuid": f"GPU-{i:08x}-fake",
+        "total": int(total * GB),
+        "used": int(used * GB),
+        "util": 90,
+        "processes": [],
+        "ecc": 0,
+        "retired_pending": False,
+        "remap": (0, 0, 0, 0),
+        **kw,
+    }
 
 
 def fake_pynvml(gpus: list[dict] | None = None, init_error: int | None = None) -> types.ModuleType:
@@ -50,9 +62,13 @@ def fake_pynvml(gpus: list[dict] | None = None, init_error: int | None = None) -
     m.nvmlDeviceGetHandleByIndex = lambda i: gpus[i]
     m.nvmlDeviceGetName = lambda h: h["name"]
     m.nvmlDeviceGetUUID = lambda h: h["uuid"]
-    m.nvmlDeviceGetMemoryInfo = lambda h: types.SimpleNamespace(total=h["total"], used=h["used"], free=h["total"] - h["used"])
+    m.nvmlDeviceGetMemoryInfo = lambda h: types.SimpleNamespace(
+        total=h["total"], used=h["used"], free=h["total"] - h["used"]
+    )
     m.nvmlDeviceGetUtilizationRates = lambda h: types.SimpleNamespace(gpu=h["util"], memory=0)
-    m.nvmlDeviceGetComputeRunningProcesses = lambda h: [types.SimpleNamespace(pid=p, usedGpuMemory=b) for p, b in h["processes"]]
+    m.nvmlDeviceGetComputeRunningProcesses = lambda h: [
+        types.SimpleNamespace(pid=p, usedGpuMemory=b) for p, b in h["processes"]
+    ]
     m.nvmlDeviceGetTotalEccErrors = lambda h, kind, counter: unsupported_if_none(h["ecc"])
     m.nvmlDeviceGetRetiredPagesPendingStatus = lambda h: int(bool(h["retired_pending"]))
     m.nvmlDeviceGetRemappedRows = lambda h: unsupported_if_none(h["remap"])

@@ -40,17 +40,30 @@ class FakeSglang:
         params = body["sampling_params"]
         assert params["temperature"] == 0.0 and "input_ids" in body
         with self.lock:
-            out = generate(self.target, body["input_ids"], params["max_new_tokens"],
-                           proposer=EagleProposer(self.drafter, self.aux), k=self.k,
-                           stop_ids=set(params.get("stop_token_ids") or []), engine_accounting=True)
+            out = generate(
+                self.target,
+                body["input_ids"],
+                params["max_new_tokens"],
+                proposer=EagleProposer(self.drafter, self.aux),
+                k=self.k,
+                stop_ids=set(params.get("stop_token_ids") or []),
+                engine_accounting=True,
+            )
         histogram = [0] * (self.k + 1)
         for accepted in out.accepted_per_round:
             histogram[accepted] += 1
         rounds = out.stats.rounds
-        return {"text": "", "output_ids": out.tokens,
-                "meta_info": {"completion_tokens": len(out.tokens), "spec_verify_ct": rounds,
-                              "spec_accept_length": len(out.tokens) / rounds if rounds else 0.0,
-                              "spec_accept_histogram": histogram, "finish_reason": {"type": "stop"}}}
+        return {
+            "text": "",
+            "output_ids": out.tokens,
+            "meta_info": {
+                "completion_tokens": len(out.tokens),
+                "spec_verify_ct": rounds,
+                "spec_accept_length": len(out.tokens) / rounds if rounds else 0.0,
+                "spec_accept_histogram": histogram,
+                "finish_reason": {"type": "stop"},
+            },
+        }
 
     def _handler(self):
         fake = self
@@ -60,9 +73,16 @@ class FakeSglang:
                 if self.path == "/get_model_info":
                     return self.send_json(200, {"model_path": "tiny", "is_generation": True})
                 if self.path == "/get_server_info":
-                    return self.send_json(200, {"speculative_algorithm": "EAGLE3", "speculative_num_steps": fake.k,
-                                                "speculative_eagle_topk": 1, "speculative_num_draft_tokens": fake.k + 1,
-                                                "speculative_draft_model_path": str(fake.draft_dir)})
+                    return self.send_json(
+                        200,
+                        {
+                            "speculative_algorithm": "EAGLE3",
+                            "speculative_num_steps": fake.k,
+                            "speculative_eagle_topk": 1,
+                            "speculative_num_draft_tokens": fake.k + 1,
+                            "speculative_draft_model_path": str(fake.draft_dir),
+                        },
+                    )
                 self.send_json(404, {"error": "not found"})
 
             def do_POST(self):
@@ -73,7 +93,7 @@ class FakeSglang:
 
         return Handler
 
-    def __enter__(self) -> "FakeSglang":
+    def __enter__(self) -> FakeSglang:
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
         return self
 

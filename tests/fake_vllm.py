@@ -39,8 +39,10 @@ def answer(messages: list[dict]) -> tuple[str, str]:
     """The deterministic (reasoning, content) for a prompt: derived from its last user turn."""
     text = next(m["content"] for m in reversed(messages) if m.get("role") == "user")
     words = text.split()
-    return (f"The question has {len(words)} words. Reversed it reads: {' '.join(reversed(words))}.",
-            f"Answer: {len(words)} words, first {words[0] if words else '-'}.")
+    return (
+        f"The question has {len(words)} words. Reversed it reads: {' '.join(reversed(words))}.",
+        f"Answer: {len(words)} words, first {words[0] if words else '-'}.",
+    )
 
 
 def count_tokens(text: str) -> int:
@@ -50,10 +52,21 @@ def count_tokens(text: str) -> int:
 class FakeVLLM:
     """Start with ``.start()`` (or as a context manager); ``.url`` is the base URL ending in /v1."""
 
-    def __init__(self, model: str = "fake/reasoner", shape: str = "reasoning", max_model_len: int = 4096,
-                 version: str = "0.17.0", faults: dict[int, str] | None = None, fault_all: str | None = None,
-                 retry_after: float = 1, slow_seconds: float = 2.0, delay: float = 0.0, api_key: str | None = None,
-                 strict: bool = False, health_status: int = 200):
+    def __init__(
+        self,
+        model: str = "fake/reasoner",
+        shape: str = "reasoning",
+        max_model_len: int = 4096,
+        version: str = "0.17.0",
+        faults: dict[int, str] | None = None,
+        fault_all: str | None = None,
+        retry_after: float = 1,
+        slow_seconds: float = 2.0,
+        delay: float = 0.0,
+        api_key: str | None = None,
+        strict: bool = False,
+        health_status: int = 200,
+    ):
         assert shape in SHAPES, shape
         self.model, self.shape, self.max_model_len, self.version = model, shape, max_model_len, version
         self.faults, self.fault_all = dict(faults or {}), fault_all
@@ -65,7 +78,7 @@ class FakeVLLM:
         self._httpd: ThreadingHTTPServer | None = None
 
     # --- lifecycle ---
-    def start(self, port: int = 0) -> "FakeVLLM":
+    def start(self, port: int = 0) -> FakeVLLM:
         fake = self
 
         class Handler(_Handler):
@@ -81,7 +94,7 @@ class FakeVLLM:
             self._httpd.server_close()
             self._httpd = None
 
-    def __enter__(self) -> "FakeVLLM":
+    def __enter__(self) -> FakeVLLM:
         return self.start() if self._httpd is None else self
 
     def __exit__(self, *exc) -> None:
@@ -126,8 +139,13 @@ class FakeVLLM:
         prompt_tokens = sum(count_tokens(m.get("content") or "") for m in messages) + 3 * len(messages)
         max_tokens = int(body.get("max_tokens") or 16)
         if prompt_tokens + max_tokens > self.max_model_len:
-            return 400, {"error": {"message": f"This model's maximum context length is {self.max_model_len} tokens. "
-                                              f"However, you requested {prompt_tokens + max_tokens} tokens.", "code": 400}}
+            return 400, {
+                "error": {
+                    "message": f"This model's maximum context length is {self.max_model_len} tokens. "
+                    f"However, you requested {prompt_tokens + max_tokens} tokens.",
+                    "code": 400,
+                }
+            }
         reasoning, content = answer(messages)
         budget = 0 if fault == "length" else max_tokens
         finish = "stop"
@@ -139,10 +157,18 @@ class FakeVLLM:
             message["content"] = ("<think>\n" if self.shape == "inline" else "") + reasoning
         completion_tokens = count_tokens(reasoning) + count_tokens(content)
         choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
-        out = {"id": "chatcmpl-fake", "object": "chat.completion", "created": int(time.time()), "model": self.model,
-               "choices": [choice],
-               "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                         "total_tokens": prompt_tokens + completion_tokens}}
+        out = {
+            "id": "chatcmpl-fake",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.model,
+            "choices": [choice],
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+            },
+        }
         if body.get("return_token_ids"):
             choice["token_ids"] = [len(w) for w in f"{reasoning} {content}".split()]
             out["prompt_token_ids"] = list(range(prompt_tokens))
@@ -173,9 +199,21 @@ class _Handler(JsonHandler):
             if fake.api_key and self.headers.get("Authorization") != f"Bearer {fake.api_key}":
                 self.send_json(401, {"error": {"message": "Unauthorized"}})
                 return
-            self.send_json(200, {"object": "list", "data": [
-                {"id": fake.model, "object": "model", "owned_by": "vllm", "root": fake.model,
-                 "max_model_len": fake.max_model_len}]})
+            self.send_json(
+                200,
+                {
+                    "object": "list",
+                    "data": [
+                        {
+                            "id": fake.model,
+                            "object": "model",
+                            "owned_by": "vllm",
+                            "root": fake.model,
+                            "max_model_len": fake.max_model_len,
+                        }
+                    ],
+                },
+            )
         else:
             self.send_json(404, {"detail": "Not Found"})
 

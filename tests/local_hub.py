@@ -37,7 +37,7 @@ class LocalHub:
         root = self.repos[repo]
         return {p.relative_to(root).as_posix(): p for p in sorted(root.rglob("*")) if p.is_file()}
 
-    def __enter__(self) -> "LocalHub":
+    def __enter__(self) -> LocalHub:
         hub = self
 
         class Handler(JsonHandler):
@@ -58,11 +58,28 @@ class LocalHub:
                         return self.not_found(repo)
                     files = hub.files(repo)
                     if kind != "tree":
-                        return self.send_json(200, {"id": repo, "modelId": repo, "sha": hub.sha(repo),
-                                                    "private": False, "siblings": [{"rfilename": name} for name in files]})
-                    return self.send_json(200, [{"type": "file", "path": name, "size": p.stat().st_size,
-                                                 "oid": hashlib.sha1(p.read_bytes()).hexdigest()}
-                                                for name, p in files.items()])
+                        return self.send_json(
+                            200,
+                            {
+                                "id": repo,
+                                "modelId": repo,
+                                "sha": hub.sha(repo),
+                                "private": False,
+                                "siblings": [{"rfilename": name} for name in files],
+                            },
+                        )
+                    return self.send_json(
+                        200,
+                        [
+                            {
+                                "type": "file",
+                                "path": name,
+                                "size": p.stat().st_size,
+                                "oid": hashlib.sha1(p.read_bytes()).hexdigest(),
+                            }
+                            for name, p in files.items()
+                        ],
+                    )
                 m = re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", path)
                 if not m or m.group(1) not in hub.repos or m.group(3) not in hub.files(m.group(1)):
                     return self.not_found(path)

@@ -13,10 +13,9 @@ from eaglekit import atomic
 def test_failed_write_keeps_the_old_file(tmp_path):
     path = tmp_path / "a.json"
     atomic.write_json(path, {"v": 1})
-    with pytest.raises(RuntimeError):
-        with atomic.atomic_path(path) as tmp:
-            tmp.write_text("half")
-            raise RuntimeError("killed")
+    with pytest.raises(RuntimeError), atomic.atomic_path(path) as tmp:
+        tmp.write_text("half")
+        raise RuntimeError("killed")
     assert path.read_text().strip().startswith("{") and '"v": 1' in path.read_text()
     assert [p.name for p in tmp_path.iterdir()] == ["a.json"], "no temp file left behind"
 

@@ -9,8 +9,13 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, processors
 from tokenizers.pre_tokenizers import ByteLevel
 from transformers import PreTrainedTokenizerFast
 
-from eaglekit.data.chat import (end_of_turn_token_ids, load_tokenizer, reasoning_field, render_sample,
-                                template_has_think_tags)
+from eaglekit.data.chat import (
+    end_of_turn_token_ids,
+    load_tokenizer,
+    reasoning_field,
+    render_sample,
+    template_has_think_tags,
+)
 from eaglekit.errors import EaglekitError, UsageError
 
 # In the spirit of Qwen3's template: reasoning_content (or inline <think>) is rendered only for assistant
@@ -65,8 +70,15 @@ CHATML = """
 {%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
 """
 
-SPECIALS = ["<|begin_of_text|>", "<|im_start|>", "<|im_end|>", "<|endoftext|>",
-            "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+SPECIALS = [
+    "<|begin_of_text|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|endoftext|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+]
 
 
 def build_tokenizer(template: str, bos: str | None, eos: str, add_bos: bool = False) -> PreTrainedTokenizerFast:
@@ -78,7 +90,9 @@ def build_tokenizer(template: str, bos: str | None, eos: str, add_bos: bool = Fa
     tk.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in SPECIALS])
     tk.add_tokens([AddedToken(s, special=False, normalized=False) for s in ("<think>", "</think>")])
     if add_bos:  # like the real Llama-3 tokenizer: add_special_tokens=True would put a second BOS in front
-        tk.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, tk.token_to_id(bos))])
+        tk.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", special_tokens=[(bos, tk.token_to_id(bos))]
+        )
     tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token=bos, eos_token=eos)
     tok.chat_template = template
     return tok
@@ -88,9 +102,11 @@ def build_tokenizer(template: str, bos: str | None, eos: str, add_bos: bool = Fa
 def saved(tmp_path_factory):
     """The three tokenizers, saved as a model folder would hold them and loaded back with load_tokenizer."""
     root = tmp_path_factory.mktemp("tokenizers")
-    specs = {"qwen3": (QWEN3, None, "<|im_end|>", False),
-             "llama3": (LLAMA3, "<|begin_of_text|>", "<|eot_id|>", True),
-             "chatml": (CHATML, None, "<|im_end|>", False)}
+    specs = {
+        "qwen3": (QWEN3, None, "<|im_end|>", False),
+        "llama3": (LLAMA3, "<|begin_of_text|>", "<|eot_id|>", True),
+        "chatml": (CHATML, None, "<|im_end|>", False),
+    }
     for name, spec in specs.items():
         build_tokenizer(*spec).save_pretrained(root / name)
     return root
@@ -121,7 +137,7 @@ def assert_golden(tok, sample, prompt: str, reply: str, tail: str, end_token: st
     assert tok.decode(sample.input_ids, skip_special_tokens=False) == prompt + reply + tail
     assert sample.prompt_tokens == n_prompt
     assert sample.loss_mask == [0] * n_prompt + [1] * n_reply + [0] * n_tail
-    masked = [t for t, m in zip(sample.input_ids, sample.loss_mask) if m]
+    masked = [t for t, m in zip(sample.input_ids, sample.loss_mask, strict=False) if m]
     assert tok.decode(masked, skip_special_tokens=False) == reply
     assert masked[-1] == tok.convert_tokens_to_ids(end_token)
     assert sample.input_ids[:n_prompt] == enc(tok, prompt)
@@ -129,13 +145,18 @@ def assert_golden(tok, sample, prompt: str, reply: str, tail: str, end_token: st
 
 # --- (a) Qwen3-style: reasoning_content, earlier turns' reasoning dropped --------------------------
 
+
 def test_qwen3_single_turn_reasoning_goes_through_the_field(qwen3):
     assert reasoning_field(qwen3) == "reasoning_content"
     sample = render_sample(qwen3, [{"role": "user", "content": "Hi"}], "Let me think.", "Hello!")
-    assert_golden(qwen3, sample,
-                  prompt="<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n",
-                  reply="<think>\nLet me think.\n</think>\n\nHello!<|im_end|>",
-                  tail="\n", end_token="<|im_end|>")
+    assert_golden(
+        qwen3,
+        sample,
+        prompt="<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n",
+        reply="<think>\nLet me think.\n</think>\n\nHello!<|im_end|>",
+        tail="\n",
+        end_token="<|im_end|>",
+    )
     assert sample.loss_mask[-1] == 0 and sample.input_ids[-1] == enc(qwen3, "\n")[0]
 
 
@@ -147,54 +168,87 @@ def test_qwen3_multi_turn_masks_only_the_final_reply(qwen3):
         {"role": "user", "content": "More?"},
     ]
     sample = render_sample(qwen3, prompt_messages, "Again.", "Sure.")
-    assert_golden(qwen3, sample,
-                  prompt=("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
-                          "<|im_start|>assistant\nHello<|im_end|>\n<|im_start|>user\nMore?<|im_end|>\n"
-                          "<|im_start|>assistant\n"),
-                  reply="<think>\nAgain.\n</think>\n\nSure.<|im_end|>",
-                  tail="\n", end_token="<|im_end|>")
+    assert_golden(
+        qwen3,
+        sample,
+        prompt=(
+            "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+            "<|im_start|>assistant\nHello<|im_end|>\n<|im_start|>user\nMore?<|im_end|>\n"
+            "<|im_start|>assistant\n"
+        ),
+        reply="<think>\nAgain.\n</think>\n\nSure.<|im_end|>",
+        tail="\n",
+        end_token="<|im_end|>",
+    )
     # The earlier assistant turn is context: none of its tokens are trained on.
     assert sum(sample.loss_mask) == len(enc(qwen3, "<think>\nAgain.\n</think>\n\nSure.<|im_end|>"))
 
 
 def test_qwen3_empty_reasoning_renders_the_empty_think_block_as_reply(qwen3):
     sample = render_sample(qwen3, [{"role": "user", "content": "Hi"}], "", "Hello!")
-    assert_golden(qwen3, sample,
-                  prompt="<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n",
-                  reply="<think>\n\n</think>\n\nHello!<|im_end|>", tail="\n", end_token="<|im_end|>")
+    assert_golden(
+        qwen3,
+        sample,
+        prompt="<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n",
+        reply="<think>\n\n</think>\n\nHello!<|im_end|>",
+        tail="\n",
+        end_token="<|im_end|>",
+    )
 
 
 def test_qwen3_enable_thinking_false_puts_the_empty_think_block_in_the_prompt(qwen3):
-    sample = render_sample(qwen3, [{"role": "user", "content": "Hi"}], None, "Hello!",
-                           template_kwargs={"enable_thinking": False})
-    assert_golden(qwen3, sample,
-                  prompt="<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n",
-                  reply="Hello!<|im_end|>", tail="\n", end_token="<|im_end|>")
+    sample = render_sample(
+        qwen3, [{"role": "user", "content": "Hi"}], None, "Hello!", template_kwargs={"enable_thinking": False}
+    )
+    assert_golden(
+        qwen3,
+        sample,
+        prompt="<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n",
+        reply="Hello!<|im_end|>",
+        tail="\n",
+        end_token="<|im_end|>",
+    )
 
 
 def test_reasoning_field_is_used_when_the_template_renders_it():
     # This template wraps reasoning_content its own way and never parses inline tags, so putting the
     # reasoning inline instead would show up as '<think>\n…\n</think>\n\n' in the reply.
     template = CHATML.replace(
-        "'\\n' + message.content", "'\\n' + ('<think>' + message.reasoning_content + '</think>' if message.reasoning_content else '') + message.content")
+        "'\\n' + message.content",
+        "'\\n' + ('<think>' + message.reasoning_content + '</think>' if message.reasoning_content else '') + message.content",
+    )
     tok = build_tokenizer(template, None, "<|im_end|>")
     assert reasoning_field(tok) == "reasoning_content"
     sample = render_sample(tok, [{"role": "user", "content": "Hi"}], "R", "C")
-    assert_golden(tok, sample, prompt="<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n",
-                  reply="<think>R</think>C<|im_end|>", tail="\n", end_token="<|im_end|>")
+    assert_golden(
+        tok,
+        sample,
+        prompt="<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n",
+        reply="<think>R</think>C<|im_end|>",
+        tail="\n",
+        end_token="<|im_end|>",
+    )
 
 
 # --- (b) Llama-3-style: BOS in the template, no reasoning field --------------------------------------
+
 
 def test_llama3_reasoning_inline_single_bos_no_tail(llama3):
     assert reasoning_field(llama3) is None
     prompt_messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     sample = render_sample(llama3, prompt_messages, "Hmm.", "Hello!")
-    assert_golden(llama3, sample,
-                  prompt=("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
-                          "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>"
-                          "<|start_header_id|>assistant<|end_header_id|>\n\n"),
-                  reply="<think>\nHmm.\n</think>\n\nHello!<|eot_id|>", tail="", end_token="<|eot_id|>")
+    assert_golden(
+        llama3,
+        sample,
+        prompt=(
+            "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
+            "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>"
+            "<|start_header_id|>assistant<|end_header_id|>\n\n"
+        ),
+        reply="<think>\nHmm.\n</think>\n\nHello!<|eot_id|>",
+        tail="",
+        end_token="<|eot_id|>",
+    )
     bos = llama3.bos_token_id
     assert sample.input_ids[0] == bos and sample.input_ids.count(bos) == 1
     # The tokenizer itself would add a second BOS: the point of add_special_tokens=False.
@@ -202,34 +256,61 @@ def test_llama3_reasoning_inline_single_bos_no_tail(llama3):
 
 
 def test_llama3_multi_turn_without_reasoning(llama3):
-    prompt_messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"},
-                       {"role": "user", "content": "Bye"}]
+    prompt_messages = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Yo"},
+        {"role": "user", "content": "Bye"},
+    ]
     sample = render_sample(llama3, prompt_messages, "", "Ciao")
-    assert_golden(llama3, sample,
-                  prompt=("<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>"
-                          "<|start_header_id|>assistant<|end_header_id|>\n\nYo<|eot_id|>"
-                          "<|start_header_id|>user<|end_header_id|>\n\nBye<|eot_id|>"
-                          "<|start_header_id|>assistant<|end_header_id|>\n\n"),
-                  reply="Ciao<|eot_id|>", tail="", end_token="<|eot_id|>")
+    assert_golden(
+        llama3,
+        sample,
+        prompt=(
+            "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>"
+            "<|start_header_id|>assistant<|end_header_id|>\n\nYo<|eot_id|>"
+            "<|start_header_id|>user<|end_header_id|>\n\nBye<|eot_id|>"
+            "<|start_header_id|>assistant<|end_header_id|>\n\n"
+        ),
+        reply="Ciao<|eot_id|>",
+        tail="",
+        end_token="<|eot_id|>",
+    )
 
 
 # --- (c) plain ChatML: no reasoning support -----------------------------------------------------------
 
+
 def test_chatml_without_reasoning(chatml):
     assert reasoning_field(chatml) is None
     sample = render_sample(chatml, [{"role": "user", "content": "Hi"}], None, "Hello!")
-    assert_golden(chatml, sample, prompt="<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n",
-                  reply="Hello!<|im_end|>", tail="\n", end_token="<|im_end|>")
+    assert_golden(
+        chatml,
+        sample,
+        prompt="<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n",
+        reply="Hello!<|im_end|>",
+        tail="\n",
+        end_token="<|im_end|>",
+    )
 
 
 def test_chatml_reasoning_inline_and_multi_turn(chatml):
-    prompt_messages = [{"role": "user", "content": "A"}, {"role": "assistant", "content": "B"},
-                       {"role": "user", "content": "C"}]
+    prompt_messages = [
+        {"role": "user", "content": "A"},
+        {"role": "assistant", "content": "B"},
+        {"role": "user", "content": "C"},
+    ]
     sample = render_sample(chatml, prompt_messages, "think", "D")
-    assert_golden(chatml, sample,
-                  prompt=("<|im_start|>user\nA<|im_end|>\n<|im_start|>assistant\nB<|im_end|>\n"
-                          "<|im_start|>user\nC<|im_end|>\n<|im_start|>assistant\n"),
-                  reply="<think>\nthink\n</think>\n\nD<|im_end|>", tail="\n", end_token="<|im_end|>")
+    assert_golden(
+        chatml,
+        sample,
+        prompt=(
+            "<|im_start|>user\nA<|im_end|>\n<|im_start|>assistant\nB<|im_end|>\n"
+            "<|im_start|>user\nC<|im_end|>\n<|im_start|>assistant\n"
+        ),
+        reply="<think>\nthink\n</think>\n\nD<|im_end|>",
+        tail="\n",
+        end_token="<|im_end|>",
+    )
 
 
 @pytest.mark.parametrize("name,expected", [("qwen3", True), ("llama3", False), ("chatml", False)])
@@ -245,11 +326,14 @@ def test_end_of_turn_token_ids(qwen3, llama3):
 
 # --- token boundaries and template problems -------------------------------------------------------------
 
+
 def test_prompt_ids_are_the_generation_prompt_tokenized_alone():
     # The prompt ends in a space and the reply starts with 'H': tokenized whole, ' H' merges across the
     # boundary; the target saw the prompt tokenized alone and generated 'H' on its own.
-    template = ("{%- for m in messages %}{{- m.role + ': ' + m.content + '<|im_end|>' }}{%- endfor %}"
-                "{%- if add_generation_prompt %}{{- 'assistant: ' }}{%- endif %}")
+    template = (
+        "{%- for m in messages %}{{- m.role + ': ' + m.content + '<|im_end|>' }}{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- 'assistant: ' }}{%- endif %}"
+    )
     tok = build_tokenizer(template, None, "<|im_end|>")
     sample = render_sample(tok, [{"role": "user", "content": "q"}], None, "Hi")
     prompt = "user: q<|im_end|>assistant: "
@@ -261,11 +345,19 @@ def test_prompt_ids_are_the_generation_prompt_tokenized_alone():
 def test_think_tag_opened_by_the_generation_prompt_is_not_trained_on():
     # Like Qwen3-Thinking-2507: the generation prompt ends with '<think>\n', so the model wrote only
     # the reasoning after it; the opening tag is prompt.
-    template = CHATML.replace("'<|im_start|>assistant\\n' }}{%- endif %}", "'<|im_start|>assistant\\n<think>\\n' }}{%- endif %}")
+    template = CHATML.replace(
+        "'<|im_start|>assistant\\n' }}{%- endif %}", "'<|im_start|>assistant\\n<think>\\n' }}{%- endif %}"
+    )
     tok = build_tokenizer(template, None, "<|im_end|>")
     sample = render_sample(tok, [{"role": "user", "content": "Hi"}], "r", "Hello")
-    assert_golden(tok, sample, prompt="<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n",
-                  reply="r\n</think>\n\nHello<|im_end|>", tail="\n", end_token="<|im_end|>")
+    assert_golden(
+        tok,
+        sample,
+        prompt="<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n",
+        reply="r\n</think>\n\nHello<|im_end|>",
+        tail="\n",
+        end_token="<|im_end|>",
+    )
     # Without reasoning the rendered turn has no think block, so the generation prompt is not its start.
     with pytest.raises(EaglekitError, match="not prefix-consistent"):
         render_sample(tok, [{"role": "user", "content": "Hi"}], "", "Hello")
@@ -280,6 +372,7 @@ def test_template_that_drops_the_reasoning_is_an_error():
 
 
 # --- load_tokenizer -------------------------------------------------------------------------------------
+
 
 def test_load_tokenizer_override_from_string_and_file(saved, tmp_path):
     tok = load_tokenizer(str(saved / "chatml"), chat_template_override=QWEN3)

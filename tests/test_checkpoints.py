@@ -16,25 +16,41 @@ from eaglekit.model import checkpoints as ck
 from eaglekit.model.drafter import FLAGS, DrafterConfig, Eagle3Drafter, build_d2t_t2d
 
 
-
-
 def make_drafter(target_hidden_size=48, aux=(2, 4, 5), rope_scaling=None, seed=0, **kw) -> Eagle3Drafter:
     shape = dict(num_key_value_heads=2, head_dim=8)
     if kw.get("architecture") == "mla":
-        shape = dict(num_key_value_heads=None, head_dim=None, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8,
-                     qk_rope_head_dim=4, v_head_dim=6)
-    cfg = DrafterConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, rms_norm_eps=1e-5,
-                        rope_theta=500000.0, rope_scaling=rope_scaling, max_position_embeddings=256,
-                        vocab_size=50, draft_vocab_size=kw.pop("draft_vocab_size", 20),
-                        target_hidden_size=target_hidden_size, aux_layer_ids=list(aux) if aux is not None else None,
-                        **{**shape, **kw})
+        shape = dict(
+            num_key_value_heads=None,
+            head_dim=None,
+            q_lora_rank=24,
+            kv_lora_rank=16,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=4,
+            v_head_dim=6,
+        )
+    cfg = DrafterConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=256,
+        vocab_size=50,
+        draft_vocab_size=kw.pop("draft_vocab_size", 20),
+        target_hidden_size=target_hidden_size,
+        aux_layer_ids=list(aux) if aux is not None else None,
+        **{**shape, **kw},
+    )
     torch.manual_seed(seed)
     drafter = Eagle3Drafter(cfg)
     with torch.no_grad():
         for name, p in drafter.named_parameters():
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
-        selected = torch.randperm(50, generator=torch.Generator().manual_seed(seed))[:cfg.draft_vocab_size].sort().values
+        selected = (
+            torch.randperm(50, generator=torch.Generator().manual_seed(seed))[: cfg.draft_vocab_size].sort().values
+        )
         d2t, t2d = build_d2t_t2d(selected, 50)
         drafter.d2t.copy_(d2t)
         drafter.t2d.copy_(t2d)
@@ -79,8 +95,15 @@ def test_speculators_round_trip(tmp_path):
 
 
 def test_legacy_config_is_what_vllm_and_sglang_read(tmp_path):
-    drafter = make_drafter(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 128})
+    drafter = make_drafter(
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 128,
+        }
+    )
     ck.save_legacy(drafter, tmp_path / "d", include_embeddings=False)
     raw = json.loads((tmp_path / "d" / "config.json").read_text())
     assert raw["architectures"] == ["LlamaForCausalLMEagle3"] and raw["model_type"] == "llama"
@@ -92,7 +115,9 @@ def test_legacy_config_is_what_vllm_and_sglang_read(tmp_path):
     # vLLM (gpu_model_runner._get_eagle3_aux_layers_from_config) reads the top-level ids as hidden_states indices;
     # SGLang (model_runner + set_eagle3_layers_to_capture) reads eagle_config's, and both of its rules land on them.
     assert raw["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
-    assert {tuple(rule(raw["eagle_config"]["eagle_aux_hidden_state_layer_ids"])) for rule in SGLANG_RULES} == {(2, 4, 5)}
+    assert {tuple(rule(raw["eagle_config"]["eagle_aux_hidden_state_layer_ids"])) for rule in SGLANG_RULES} == {
+        (2, 4, 5)
+    }
     assert "embed_tokens.weight" not in load_file(str(tmp_path / "d" / "model.safetensors"))
 
     # Both servers build the draft config with transformers; the fields they use survive that.
@@ -136,8 +161,9 @@ def test_speculators_config_is_what_vllm_reads(tmp_path):
     assert raw["speculators_model_type"] == "eagle3" and raw["architectures"] == ["Eagle3Speculator"]
     spec = raw["speculators_config"]
     assert spec["algorithm"] == "eagle3" and spec["default_proposal_method"] == "greedy"
-    assert spec["proposal_methods"] == [{"proposal_type": "greedy", "speculative_tokens": 5, "verifier_accept_k": 1,
-                                         "accept_tolerance": 0.0}]
+    assert spec["proposal_methods"] == [
+        {"proposal_type": "greedy", "speculative_tokens": 5, "verifier_accept_k": 1, "accept_tolerance": 0.0}
+    ]
     assert spec["verifier"] == {"name_or_path": "org/target", "architectures": ["LlamaForCausalLM"]}
     layer = raw["transformer_layer_config"]
     assert (layer["model_type"], layer["vocab_size"], layer["num_hidden_layers"]) == ("llama", 50, 1)
@@ -169,8 +195,9 @@ def test_contract_names_missing_extra_and_misshaped_keys(tmp_path):
     with pytest.raises(EaglekitError, match="unexpected key midlayer.self_attn.rotary_emb.inv_freq"):
         ck.validate_state_dict(extra, cfg)
     misshaped = {**good, "midlayer.self_attn.q_proj.weight": torch.zeros(32, 32)}
-    with pytest.raises(EaglekitError, match=re.escape("midlayer.self_attn.q_proj.weight has shape [32, 32], "
-                                                      "expected [32, 64]")):
+    with pytest.raises(
+        EaglekitError, match=re.escape("midlayer.self_attn.q_proj.weight has shape [32, 32], expected [32, 64]")
+    ):
         ck.validate_state_dict(misshaped, cfg)
     with pytest.raises(EaglekitError, match="d2t has dtype torch.int32"):
         ck.validate_state_dict({**good, "d2t": good["d2t"].int()}, cfg)
@@ -202,13 +229,28 @@ def kimi_style_config(cfg: DrafterConfig) -> dict:
     return {
         "architectures": ["LlamaForCausalLMEagle3"],
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 4], "use_aux_hidden_state": True},
-        "attention_bias": False, "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
-        "hidden_size": cfg.hidden_size, "initializer_range": 0.02, "intermediate_size": cfg.intermediate_size,
-        "max_position_embeddings": cfg.max_position_embeddings, "max_window_layers": 48, "model_type": "kimi_k2",
-        "num_attention_heads": cfg.num_attention_heads, "num_hidden_layers": 1,
-        "num_key_value_heads": cfg.num_key_value_heads, "rms_norm_eps": cfg.rms_norm_eps, "rope_scaling": None,
-        "rope_theta": cfg.rope_theta, "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-        "use_cache": True, "vocab_size": cfg.vocab_size, "draft_vocab_size": cfg.draft_vocab_size,
+        "attention_bias": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "hidden_act": "silu",
+        "hidden_size": cfg.hidden_size,
+        "initializer_range": 0.02,
+        "intermediate_size": cfg.intermediate_size,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "max_window_layers": 48,
+        "model_type": "kimi_k2",
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_hidden_layers": 1,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_scaling": None,
+        "rope_theta": cfg.rope_theta,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+        "vocab_size": cfg.vocab_size,
+        "draft_vocab_size": cfg.draft_vocab_size,
     }
 
 
@@ -262,11 +304,27 @@ def test_load_refusals(tmp_path):
 def test_check_compatible():
     drafter = make_drafter(target_hidden_size=32)
     cfg = drafter.config
-    target = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=8, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=50, max_position_embeddings=256, rope_theta=500000.0)
+    target = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=50,
+        max_position_embeddings=256,
+        rope_theta=500000.0,
+    )
     assert ck.check_compatible(cfg, target, [2, 4, 5]) == []
-    wider = LlamaConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=8, num_attention_heads=8,
-                        num_key_value_heads=2, vocab_size=50, max_position_embeddings=256, rope_theta=500000.0)
+    wider = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        vocab_size=50,
+        max_position_embeddings=256,
+        rope_theta=500000.0,
+    )
     problems = ck.check_compatible(cfg, wider, [2, 4, 5])
     assert any(p.startswith("hidden_size") for p in problems)
     assert any(p.startswith("target_hidden_size") and "64" in p for p in problems)
@@ -279,8 +337,10 @@ def test_check_compatible():
 
 # ------------------------------------------------------------------------------------------ EAGLE 3.1 flags
 
-FLAG_SETS = {"eagle3.1": dict(fc_norm=True, norm_output=True, norm_before_residual=True),
-             "norm_before_fc": dict(norm_before_fc=True)}
+FLAG_SETS = {
+    "eagle3.1": dict(fc_norm=True, norm_output=True, norm_before_residual=True),
+    "norm_before_fc": dict(norm_before_fc=True),
+}
 
 
 def perturbed_norms(drafter: Eagle3Drafter) -> Eagle3Drafter:
@@ -309,7 +369,7 @@ def test_eagle31_flags_round_trip_in_both_forms(tmp_path, flags):
         assert tuple(keys["input_norm.weight"].shape) == (3 * 48,)
     loaded, _ = ck.load_drafter(tmp_path / "d")
     assert loaded.config == drafter.config
-    for got, expected in zip(outputs_of(loaded), want):
+    for got, expected in zip(outputs_of(loaded), want, strict=False):
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
     ck.save_speculators(drafter, tmp_path / "s", "org/target", ["LlamaForCausalLM"], 3)
@@ -317,10 +377,11 @@ def test_eagle31_flags_round_trip_in_both_forms(tmp_path, flags):
     draft = vllm_speculators_to_draft_config(raw)
     assert {k: draft[k] for k in FLAGS} == {k: getattr(drafter.config, k) for k in FLAGS}
     assert set(load_file(str(tmp_path / "s" / "model.safetensors"))) == {
-        k.replace("midlayer.", "layers.0.") for k in keys}
+        k.replace("midlayer.", "layers.0.") for k in keys
+    }
     loaded, _ = ck.load_drafter(tmp_path / "s")
     assert loaded.config == drafter.config
-    for got, expected in zip(outputs_of(loaded), want):
+    for got, expected in zip(outputs_of(loaded), want, strict=False):
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
@@ -333,8 +394,10 @@ def test_sglang_older_fc_norm_names_load(tmp_path):
     raw["use_aux_norm"] = True
     (tmp_path / "d" / "config.json").write_text(json.dumps(raw))
     names = {"fc_norm.0.": "aux_norm_low.", "fc_norm.1.": "aux_norm_mid.", "fc_norm.2.": "aux_norm_high."}
-    state = {next((new + k.removeprefix(old) for old, new in names.items() if k.startswith(old)), k): v
-             for k, v in load_file(str(tmp_path / "d" / "model.safetensors")).items()}
+    state = {
+        next((new + k.removeprefix(old) for old, new in names.items() if k.startswith(old)), k): v
+        for k, v in load_file(str(tmp_path / "d" / "model.safetensors")).items()
+    }
     assert "aux_norm_mid.weight" in state
     save_file(state, str(tmp_path / "d" / "model.safetensors"))
     loaded, _ = ck.load_drafter(tmp_path / "d")
@@ -355,8 +418,15 @@ def test_full_draft_vocab_is_written_without_d2t(tmp_path):
 
 # ------------------------------------------------------------------------------------------ the MLA drafter
 
-YARN = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32, "beta_fast": 32, "beta_slow": 1,
-        "mscale": 1.0, "mscale_all_dim": 1.0}
+YARN = {
+    "rope_type": "yarn",
+    "factor": 8.0,
+    "original_max_position_embeddings": 32,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
 
 
 def vllm_deepseek_eagle3_load(state: dict, cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
@@ -366,11 +436,14 @@ def vllm_deepseek_eagle3_load(state: dict, cfg: DrafterConfig) -> dict[str, tupl
     h, i, ht, n = cfg.hidden_size, cfg.intermediate_size, cfg.target_hidden_size, cfg.num_attention_heads
     a = "model.layers.0.self_attn."
     params = {
-        "model.embed_tokens.weight": (cfg.vocab_size, h), "model.fc.weight": (h, 3 * ht), "model.norm.weight": (h,),
+        "model.embed_tokens.weight": (cfg.vocab_size, h),
+        "model.fc.weight": (h, 3 * ht),
+        "model.norm.weight": (h,),
         "lm_head.weight": (cfg.draft_vocab_size, h),
         **{f"model.fc_norm.{j}.weight": (ht,) for j in range(3) if cfg.fc_norm},
         **{f"model.layers.0.{k}.weight": (h,) for k in ("input_layernorm", "post_attention_layernorm", "hidden_norm")},
-        "model.layers.0.mlp.gate_up_proj.weight": (2 * i, h), "model.layers.0.mlp.down_proj.weight": (h, i),
+        "model.layers.0.mlp.gate_up_proj.weight": (2 * i, h),
+        "model.layers.0.mlp.down_proj.weight": (h, i),
         a + "fused_qkv_a_proj.weight": (cfg.q_lora_rank + cfg.kv_lora_rank + cfg.qk_rope_head_dim, 2 * h),
         a + "q_a_layernorm.weight": (cfg.q_lora_rank,),
         a + "q_b_proj.weight": (n * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim), cfg.q_lora_rank),
@@ -380,14 +453,21 @@ def vllm_deepseek_eagle3_load(state: dict, cfg: DrafterConfig) -> dict[str, tupl
     }
     if cfg.draft_vocab_size != cfg.vocab_size:
         params["draft_id_to_target_id"] = (cfg.draft_vocab_size,)
-    stacked = {".gate_proj": ".gate_up_proj", ".up_proj": ".gate_up_proj", ".q_a_proj": ".fused_qkv_a_proj",
-               ".kv_a_proj_with_mqa": ".fused_qkv_a_proj"}
+    stacked = {
+        ".gate_proj": ".gate_up_proj",
+        ".up_proj": ".gate_up_proj",
+        ".q_a_proj": ".fused_qkv_a_proj",
+        ".kv_a_proj_with_mqa": ".fused_qkv_a_proj",
+    }
     filled: dict[str, tuple[int, ...]] = {}
     for key, tensor in state.items():
         if "t2d" in key:
             continue
-        name = key.replace("d2t", "draft_id_to_target_id") if "d2t" in key else (
-            key if "lm_head" in key else "model." + key)
+        name = (
+            key.replace("d2t", "draft_id_to_target_id")
+            if "d2t" in key
+            else (key if "lm_head" in key else "model." + key)
+        )
         name = name.replace("midlayer.", "layers.0.", 1)
         shard = next((new for old, new in stacked.items() if old in name), None)
         if shard:
@@ -439,7 +519,13 @@ def test_mla_plain_form_is_what_vllm_and_sglang_load(tmp_path, flags):
     # deepseek_v2: vLLM's SpeculativeConfig.hf_config_override turns a deepseek_v3 draft into DeepSeekMTPModel
     assert raw["model_type"] == "deepseek_v2" and raw["tie_word_embeddings"] is False
     hf = DeepseekV2Config.from_pretrained(tmp_path / "d")  # both engines build the draft config with transformers
-    assert (hf.q_lora_rank, hf.kv_lora_rank, hf.qk_nope_head_dim, hf.qk_rope_head_dim, hf.v_head_dim) == (24, 16, 8, 4, 6)
+    assert (hf.q_lora_rank, hf.kv_lora_rank, hf.qk_nope_head_dim, hf.qk_rope_head_dim, hf.v_head_dim) == (
+        24,
+        16,
+        8,
+        4,
+        6,
+    )
     assert (hf.hidden_size, hf.num_attention_heads, hf.intermediate_size, hf.hidden_act) == (32, 4, 64, "silu")
     assert hf.draft_vocab_size == 20 and hf.target_hidden_size == 48 and hf.max_position_embeddings == 256
     assert hf.rope_parameters["rope_type"] == "yarn" and hf.rope_parameters["factor"] == 8.0
@@ -459,7 +545,7 @@ def test_mla_plain_form_is_what_vllm_and_sglang_load(tmp_path, flags):
 
     loaded, info = ck.load_drafter(tmp_path / "d")
     assert info.form == "legacy" and loaded.config == cfg
-    for got, expected in zip(outputs_of(loaded), outputs_of(drafter)):
+    for got, expected in zip(outputs_of(loaded), outputs_of(drafter), strict=False):
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
     with pytest.raises(EaglekitError, match="no speculators form.*algos.py"):
         ck.save_speculators(drafter, tmp_path / "s", "org/t", [], 3)
@@ -480,8 +566,9 @@ def test_published_mla_layouts_load(tmp_path, layout):
         state = {k.replace("layers.0.", "midlayer.", 1): v for k, v in state.items()}
     else:
         fused = "fused_qkv_a_proj" if layout == "vllm-fused" else "fused_qkv_a_proj_with_mqa"
-        state[a + fused + ".weight"] = torch.cat([state.pop(a + "q_a_proj.weight"),
-                                                  state.pop(a + "kv_a_proj_with_mqa.weight")])
+        state[a + fused + ".weight"] = torch.cat(
+            [state.pop(a + "q_a_proj.weight"), state.pop(a + "kv_a_proj_with_mqa.weight")]
+        )
     (tmp_path / "d" / "config.json").write_text(json.dumps(raw))
     save_file(state, str(tmp_path / "d" / "model.safetensors"))
     loaded, info = ck.load_drafter(tmp_path / "d")
@@ -494,7 +581,9 @@ def test_published_mla_layouts_load(tmp_path, layout):
 def test_what_the_engines_would_serve_wrong_is_named():
     assert ck.sglang_ignores(make_drafter(fc_norm=True, norm_output=True).config) == []
     assert ck.sglang_ignores(make_drafter(norm_before_residual=True, norm_before_fc=True).config) == [
-        "norm_before_residual", "norm_before_fc"]
+        "norm_before_residual",
+        "norm_before_fc",
+    ]
     mla = make_drafter(architecture="mla").config
     assert ck.serving_problems(mla) == []
     problems = ck.serving_problems(dataclasses.replace(mla, q_lora_rank=None))
@@ -506,8 +595,7 @@ def test_what_the_engines_would_serve_wrong_is_named():
 # SGLang's set_eagle3_layers_to_capture (the target model's side), as read in its source: before sglang#25454 every
 # target, and llama.py still, adds 1 to each eagle_config id; since #25454 DeepSeek-family targets add 1 only when
 # the first id is 1 and take other lists verbatim. layers_to_capture[i] = HF hidden_states[i] (captured before layer i).
-SGLANG_RULES = (lambda ids: [i + 1 for i in ids],
-                lambda ids: [i + 1 for i in ids] if ids[0] == 1 else list(ids))
+SGLANG_RULES = (lambda ids: [i + 1 for i in ids], lambda ids: [i + 1 for i in ids] if ids[0] == 1 else list(ids))
 
 
 @pytest.mark.parametrize("aux,portable", [([2, 4, 5], True), ([2, 3, 6], True), ([3, 5, 6], False), ([1, 4, 6], False)])
@@ -530,7 +618,11 @@ def test_served_settings_read_the_config_as_each_engine_does(tmp_path):
     ck.save_legacy(make_drafter(aux=[2, 4, 5]), tmp_path / "legacy")
     ck.save_speculators(make_drafter(aux=[2, 4, 5]), tmp_path / "spec", "org/t", ["LlamaForCausalLM"], 3)
     legacy = ck.served_settings(tmp_path / "legacy", "vllm", 8)
-    assert (legacy.aux_layer_ids, legacy.norm_before_residual, legacy.max_position_embeddings) == ([[2, 4, 5]], False, 256)
+    assert (legacy.aux_layer_ids, legacy.norm_before_residual, legacy.max_position_embeddings) == (
+        [[2, 4, 5]],
+        False,
+        256,
+    )
     assert ck.served_settings(tmp_path / "legacy", "sglang", 8).aux_layer_ids == [[2, 4, 5]]
     assert ck.served_settings(tmp_path / "spec", "vllm", 8).norm_before_residual is False
 
@@ -555,9 +647,17 @@ def test_served_settings_read_the_flags_as_each_engine_does(tmp_path):
     norm_output, nothing else."""
     ck.save_legacy(make_drafter(fc_norm=True, norm_output=True, norm_before_residual=True), tmp_path / "l")
     assert ck.served_settings(tmp_path / "l", "vllm", 8).flags == {
-        "fc_norm": True, "norm_output": True, "norm_before_fc": False, "norm_before_residual": True}
+        "fc_norm": True,
+        "norm_output": True,
+        "norm_before_fc": False,
+        "norm_before_residual": True,
+    }
     assert ck.served_settings(tmp_path / "l", "sglang", 8).flags == {
-        "fc_norm": True, "norm_output": True, "norm_before_fc": False, "norm_before_residual": False}
+        "fc_norm": True,
+        "norm_output": True,
+        "norm_before_fc": False,
+        "norm_before_residual": False,
+    }
 
     ck.save_legacy(make_drafter(norm_before_fc=True), tmp_path / "n")
     assert ck.served_settings(tmp_path / "n", "vllm", 8).flags["norm_before_fc"] is True

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import write_config
+
 from eaglekit.config import load_config, parse_config
 from eaglekit.errors import UsageError
 
@@ -36,12 +36,15 @@ def test_defaults_follow_the_interface(tmp_path):
     assert "extract" in cfg.stages()
 
 
-@pytest.mark.parametrize("data, key", [
-    ({**BASE, "generate": {"max_token": 5}}, "generate.max_token"),
-    ({**BASE, "colour": "blue"}, "colour"),
-    ({**BASE, "generate": {"max_tokens": "lots"}}, "generate.max_tokens"),
-    ({"run_dir": "r", "data": {"prompts": "p"}}, "target"),
-])
+@pytest.mark.parametrize(
+    "data, key",
+    [
+        ({**BASE, "generate": {"max_token": 5}}, "generate.max_token"),
+        ({**BASE, "colour": "blue"}, "colour"),
+        ({**BASE, "generate": {"max_tokens": "lots"}}, "generate.max_tokens"),
+        ({"run_dir": "r", "data": {"prompts": "p"}}, "target"),
+    ],
+)
 def test_bad_keys_are_named(tmp_path, data, key):
     with pytest.raises(UsageError) as e:
         load_config(write_config(tmp_path / "c.yaml", data))

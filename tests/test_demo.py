@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO, subprocess_env
 
 pytestmark = pytest.mark.slow
@@ -21,23 +20,35 @@ pytestmark = pytest.mark.slow
 def test_demo_runs_every_stage_to_done(demo_run):
     run_dir, doc, _ = demo_run
     states = {row["stage"]: row["state"] for row in doc["status"]}
-    stages = ("generate", "prepare", "vocab", "train", "evaluate", "export") + (("verify",) if "verify" in states else ())
+    stages = ("generate", "prepare", "vocab", "train", "evaluate", "export") + (
+        ("verify",) if "verify" in states else ()
+    )
     assert states == {s: "done" for s in stages}
     assert (run_dir / "config.yaml").exists(), "the demo leaves an editable config behind"
 
 
 def test_status_shows_counts_and_final_accuracies(demo_run):
     run_dir, _, _ = demo_run
-    proc = subprocess.run([sys.executable, "-m", "eaglekit.cli", "status", str(run_dir), "--json"],
-                          capture_output=True, text=True, timeout=120, env=subprocess_env())
+    proc = subprocess.run(
+        [sys.executable, "-m", "eaglekit.cli", "status", str(run_dir), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=subprocess_env(),
+    )
     assert proc.returncode == 0, proc.stderr
     rows = {r["stage"]: r for r in json.loads(proc.stdout)["stages"]}
     assert rows["generate"]["counts"]["done"] > 0
     assert rows["prepare"]["counts"]["samples"] > 0
     train = rows["train"]["counts"]
     assert "acc_k" in train and len(train["acc_k"]) >= 1
-    text = subprocess.run([sys.executable, "-m", "eaglekit.cli", "status", str(run_dir)], capture_output=True,
-                          text=True, timeout=120, env=subprocess_env())
+    text = subprocess.run(
+        [sys.executable, "-m", "eaglekit.cli", "status", str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=subprocess_env(),
+    )
     assert text.returncode == 0 and "nothing to run: every stage is done" in text.stdout
     assert all(len(line) <= 80 for line in text.stdout.splitlines() if not line.startswith("  eaglekit")), text.stdout
 
@@ -70,8 +81,13 @@ def test_export_writes_both_forms_with_serve_commands(demo_run):
 
 def test_rerunning_the_demo_skips_finished_stages(demo_run):
     run_dir, _, _ = demo_run
-    proc = subprocess.run([sys.executable, "-m", "eaglekit.cli", "demo", "--run-dir", str(run_dir)],
-                          capture_output=True, text=True, timeout=600, env=subprocess_env())
+    proc = subprocess.run(
+        [sys.executable, "-m", "eaglekit.cli", "demo", "--run-dir", str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=subprocess_env(),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stderr.count("skipped") >= 6
 
@@ -91,8 +107,13 @@ def test_demo_offline_extracts_then_trains_from_the_shards(demo_run, tmp_path, t
     config = demo_config(tiny_target, offline=True)
     config.pop("verify", None)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-    proc = subprocess.run([sys.executable, "-m", "eaglekit.cli", "demo", "--run-dir", str(run_dir), "--offline", "--json"],
-                          capture_output=True, text=True, timeout=1500, env=subprocess_env())
+    proc = subprocess.run(
+        [sys.executable, "-m", "eaglekit.cli", "demo", "--run-dir", str(run_dir), "--offline", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=1500,
+        env=subprocess_env(),
+    )
     assert proc.returncode == 0, proc.stderr[-5000:]
     doc = json.loads(proc.stdout)
     states = {row["stage"]: row["state"] for row in doc["status"]}
@@ -120,7 +141,7 @@ def readme_tau_table() -> dict[tuple[str, int, float], float]:
         if cells[:2] == ["method", "K"]:
             header = cells
         elif header and cells[0] in README_METHODS:
-            for name, value in zip(header[2:], cells[2:]):
+            for name, value in zip(header[2:], cells[2:], strict=False):
                 temperature = float(re.search(r"T=([\d.]+)", name).group(1))
                 table[(README_METHODS[cells[0]], int(cells[1]), temperature)] = float(value)
     return table
@@ -136,4 +157,5 @@ def test_readme_tau_table_is_what_this_code_measures(demo_run):
     for key, claimed in table.items():
         assert key in measured, f"the README shows {key}, which the demo does not measure"
         assert abs(claimed - measured[key]) <= 0.1 + 0.03 * measured[key], (
-            f"README says τ {claimed} for {key}; the demo measures {measured[key]}: refresh the README's table")
+            f"README says τ {claimed} for {key}; the demo measures {measured[key]}: refresh the README's table"
+        )

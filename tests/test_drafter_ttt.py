@@ -2,23 +2,32 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, Qwen3Config
 
 from eaglekit.errors import UsageError
-from eaglekit.model.drafter import DraftKVCache, DrafterConfig, Eagle3Drafter, build_d2t_t2d
+from eaglekit.model.drafter import DrafterConfig, DraftKVCache, Eagle3Drafter, build_d2t_t2d
 from eaglekit.training.ttt import simulated_acceptance_length, ttt_loss
 
 
-
-
 def tiny_config(**kw) -> DrafterConfig:
-    base = dict(hidden_size=32, intermediate_size=36, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None, max_position_embeddings=128,
-                vocab_size=39, draft_vocab_size=11, target_hidden_size=24, aux_layer_ids=[2, 3, 5])
+    base = dict(
+        hidden_size=32,
+        intermediate_size=36,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        max_position_embeddings=128,
+        vocab_size=39,
+        draft_vocab_size=11,
+        target_hidden_size=24,
+        aux_layer_ids=[2, 3, 5],
+    )
     base.update(kw)
     return DrafterConfig(**base)
 
@@ -31,15 +40,30 @@ def make_batch(cfg: DrafterConfig, b=2, length=13, dtype=torch.float64, seed=0, 
     loss_mask = (torch.rand(b, length, generator=g) < 0.75).long()
     attention_mask = torch.ones(b, length, dtype=torch.long)
     if pad:
-        attention_mask[1, length - 4:] = 0  # right padding
+        attention_mask[1, length - 4 :] = 0  # right padding
     in_draft = torch.rand(b, length, generator=g) < 0.8
     return aux, ids, target_logits, loss_mask, attention_mask, in_draft
 
 
-MLA = dict(architecture="mla", num_key_value_heads=None, head_dim=None, q_lora_rank=12, kv_lora_rank=10,
-           qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5)  # v narrower than q/k (10), as in DeepSeek-V3
-YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "beta_fast": 32, "beta_slow": 1,
-        "mscale": 1.0, "mscale_all_dim": 0.8}
+MLA = dict(
+    architecture="mla",
+    num_key_value_heads=None,
+    head_dim=None,
+    q_lora_rank=12,
+    kv_lora_rank=10,
+    qk_nope_head_dim=6,
+    qk_rope_head_dim=4,
+    v_head_dim=5,
+)  # v narrower than q/k (10), as in DeepSeek-V3
+YARN = {
+    "rope_type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 32,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 1.0,
+    "mscale_all_dim": 0.8,
+}
 EAGLE31 = dict(fc_norm=True, norm_output=True, norm_before_residual=True)
 VARIANTS = {
     "llama": {},
@@ -84,8 +108,7 @@ def reference_qkv(drafter, emb, feature, positions):
             return torch.cat([t1 * cos - t2 * sin, t2 * cos + t1 * sin], -1)
 
         groups = n_heads // n_kv
-        return (rotate_halves(q), rotate_halves(k).repeat_interleave(groups, dim=2),
-                v.repeat_interleave(groups, dim=2))
+        return (rotate_halves(q), rotate_halves(k).repeat_interleave(groups, dim=2), v.repeat_interleave(groups, dim=2))
     nope, rope, dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
     if cfg.q_lora_rank:
         q = rms(x @ a.q_a_proj.weight.T, a.q_a_layernorm.weight, eps) @ a.q_b_proj.weight.T
@@ -113,13 +136,13 @@ def reference_ttt(drafter, aux, ids, target_logits, loss_mask, attention_mask, s
     if cfg.norm_before_fc:
         aux = rms(aux, drafter.input_norm.weight, eps)
     if cfg.fc_norm:
-        aux = torch.cat([rms(x, n.weight, eps) for x, n in zip(aux.chunk(3, -1), drafter.fc_norm)], -1)
+        aux = torch.cat([rms(x, n.weight, eps) for x, n in zip(aux.chunk(3, -1), drafter.fc_norm, strict=False)], -1)
     feature = aux @ drafter.fc.weight.T
     keys, values = [], []
     total, loss_k, acc_k, count_k = 0.0, [], [], []
     for k in range(steps):
         tokens = torch.zeros_like(ids)
-        tokens[:, : length - 1 - k] = ids[:, 1 + k:]  # token t+1+k
+        tokens[:, : length - 1 - k] = ids[:, 1 + k :]  # token t+1+k
         q, kk, vv = reference_qkv(drafter, drafter.embed_tokens(tokens), feature, torch.arange(length) + k)
         keys.append(kk)
         values.append(vv)
@@ -147,7 +170,7 @@ def reference_ttt(drafter, aux, ids, target_logits, loss_mask, attention_mask, s
                 ces.append(-(target.softmax(-1) * logits[bi, t].log_softmax(-1)).sum())
                 hits.append(float(logits[bi, t].argmax() == target.argmax()))
         step = torch.stack(ces).mean() if ces else logits.sum() * 0
-        total = total + decay ** k * step
+        total = total + decay**k * step
         loss_k.append(step.item())
         acc_k.append(sum(hits) / len(hits) if hits else 0.0)
         count_k.append(len(ces))
@@ -161,8 +184,12 @@ def grads(drafter, loss):
     return {n: p.grad.clone() for n, p in drafter.named_parameters() if p.requires_grad}
 
 
-@pytest.mark.parametrize("variant, steps, with_masks", [("llama", 1, False), ("llama", 2, True), ("llama", 5, True)]
-                         + [(v, 4, True) for v in VARIANTS if v != "llama"] + [("mla-yarn", 1, False)])
+@pytest.mark.parametrize(
+    "variant, steps, with_masks",
+    [("llama", 1, False), ("llama", 2, True), ("llama", 5, True)]
+    + [(v, 4, True) for v in VARIANTS if v != "llama"]
+    + [("mla-yarn", 1, False)],
+)
 def test_ttt_matches_reference_float64(variant, steps, with_masks):
     cfg = tiny_config(**VARIANTS[variant])
     drafter = make_drafter(cfg)
@@ -215,6 +242,7 @@ def test_ttt_float32_matches_reference_and_keeps_no_square_matrix_for_backward(v
 def test_ttt_prefix_attention_in_small_blocks(monkeypatch):
     """The blockwise step-0 attention gives the same result when every block is a few rows."""
     import eaglekit.training.ttt as ttt
+
     cfg = tiny_config()
     drafter = make_drafter(cfg)
     batch = make_batch(cfg, length=17)
@@ -260,7 +288,7 @@ def test_forward_is_step_zero_and_cache_matches_full_forward(variant):
     cache = DraftKVCache()
     step_logits = []
     for t in range(10):
-        logits, _ = drafter(tokens[:, t:t + 1], feature[:, t:t + 1], pos[:, t:t + 1], cache)
+        logits, _ = drafter(tokens[:, t : t + 1], feature[:, t : t + 1], pos[:, t : t + 1], cache)
         step_logits.append(logits)
     assert cache.length == 10
     torch.testing.assert_close(torch.cat(step_logits, 1), full_logits, rtol=1e-10, atol=1e-10)
@@ -271,8 +299,9 @@ def test_forward_is_step_zero_and_cache_matches_full_forward(variant):
     new_tokens = torch.randint(0, cfg.vocab_size, (2, 3), generator=torch.Generator().manual_seed(1))
     new_hidden = full_hidden[:, 3:6]
     logits, _ = drafter(new_tokens, new_hidden, pos[:, 6:9], cache)
-    ref_logits, _ = drafter(torch.cat([tokens[:, :6], new_tokens], 1), torch.cat([feature[:, :6], new_hidden], 1),
-                            pos[:, :9])
+    ref_logits, _ = drafter(
+        torch.cat([tokens[:, :6], new_tokens], 1), torch.cat([feature[:, :6], new_hidden], 1), pos[:, :9]
+    )
     torch.testing.assert_close(logits, ref_logits[:, 6:9], rtol=1e-10, atol=1e-10)
 
 
@@ -298,8 +327,15 @@ def test_state_dict_is_the_checkpoint_key_set():
     state = drafter.state_dict()
     mid = "midlayer."
     assert set(state) == {
-        "embed_tokens.weight", "fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
-        mid + "hidden_norm.weight", mid + "input_layernorm.weight", mid + "post_attention_layernorm.weight",
+        "embed_tokens.weight",
+        "fc.weight",
+        "norm.weight",
+        "lm_head.weight",
+        "d2t",
+        "t2d",
+        mid + "hidden_norm.weight",
+        mid + "input_layernorm.weight",
+        mid + "post_attention_layernorm.weight",
         *(f"{mid}self_attn.{p}_proj.weight" for p in "qkvo"),
         *(f"{mid}mlp.{p}_proj.weight" for p in ("gate", "up", "down")),
     }
@@ -309,11 +345,24 @@ def test_state_dict_is_the_checkpoint_key_set():
 
 
 def test_from_target_config_llama():
-    target = LlamaConfig(hidden_size=48, intermediate_size=96, num_hidden_layers=10, num_attention_heads=6,
-                         num_key_value_heads=2, vocab_size=101, max_position_embeddings=4096, rms_norm_eps=1e-5,
-                         rope_theta=500000.0,
-                         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 1024})
+    target = LlamaConfig(
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=10,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        vocab_size=101,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 1024,
+        },
+    )
     cfg = DrafterConfig.from_target_config(target, draft_vocab_size=40)
     assert cfg.aux_layer_ids == [2, 5, 7]
     assert (cfg.hidden_size, cfg.target_hidden_size, cfg.head_dim, cfg.num_key_value_heads) == (48, 48, 8, 2)
@@ -324,6 +373,7 @@ def test_from_target_config_llama():
 
     # The drafter's RoPE is the target's (llama3 scaling included).
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
     rotary = LlamaRotaryEmbedding(target)
     pos = torch.arange(0, 3000, 7)[None]
     want_cos, want_sin = rotary(torch.zeros(1, dtype=torch.float32), pos)
@@ -331,8 +381,9 @@ def test_from_target_config_llama():
     torch.testing.assert_close(cos, want_cos, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(sin, want_sin, rtol=1e-5, atol=1e-5)
 
-    small = DrafterConfig.from_target_config(target, 40, aux_layer_ids=[1, 4, 9], hidden_size=24,
-                                             intermediate_size=None)
+    small = DrafterConfig.from_target_config(
+        target, 40, aux_layer_ids=[1, 4, 9], hidden_size=24, intermediate_size=None
+    )
     assert (small.hidden_size, small.head_dim, small.target_hidden_size, small.intermediate_size) == (24, 4, 48, 96)
     assert small.aux_layer_ids == [1, 4, 9]
     with pytest.raises(UsageError, match="hiden_size"):
@@ -342,9 +393,17 @@ def test_from_target_config_llama():
 
 
 def test_from_target_config_qwen3():
-    target = Qwen3Config(hidden_size=64, intermediate_size=80, num_hidden_layers=8, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=32, vocab_size=120, max_position_embeddings=2048,
-                         rope_theta=1000000.0)
+    target = Qwen3Config(
+        hidden_size=64,
+        intermediate_size=80,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=120,
+        max_position_embeddings=2048,
+        rope_theta=1000000.0,
+    )
     cfg = DrafterConfig.from_target_config(target, draft_vocab_size=50)
     assert cfg.head_dim == 32  # explicit in the config, not hidden/heads
     assert cfg.aux_layer_ids == [2, 4, 5]
@@ -361,6 +420,7 @@ def test_simulated_acceptance_length():
 
 
 # ------------------------------------------------------------------------------- the fused head + soft CE
+
 
 def plain_head_loss(x, weight, target_p, slots, row_weight):
     """What the fused function replaces: lm_head, then F.cross_entropy with soft targets, per row."""
@@ -391,8 +451,9 @@ def test_fused_head_loss_matches_plain_cross_entropy_float64(chunk_rows):
     torch.testing.assert_close(gw, ww, rtol=1e-10, atol=1e-12)
     assert torch.equal(fused.correct, (x @ weight.T).argmax(-1) == target_p.argmax(-1)[slots])
     # frozen head: only x gets a gradient, and the same one
-    frozen = head_soft_cross_entropy(x, weight.detach(), target_p, target_p.argmax(-1), slots, row_weight,
-                                     chunk_rows=chunk_rows)
+    frozen = head_soft_cross_entropy(
+        x, weight.detach(), target_p, target_p.argmax(-1), slots, row_weight, chunk_rows=chunk_rows
+    )
     torch.testing.assert_close(torch.autograd.grad(3.0 * frozen.loss, x)[0], wx, rtol=1e-10, atol=1e-12)
 
 

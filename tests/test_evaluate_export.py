@@ -11,15 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from conftest import write_config
 from safetensors.torch import load_file, save_file
 
-from conftest import write_config
 from eaglekit import pipeline
 from eaglekit.config import load_config
 from eaglekit.errors import EaglekitError
 from eaglekit.model.checkpoints import load_drafter, save_legacy
-
-
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +34,10 @@ def drafter_dir(tiny_target, tmp_path_factory) -> Path:
     torch.manual_seed(0)
     target = AutoModelForCausalLM.from_pretrained(tiny_target).eval()
     tokenizer = load_tokenizer(str(tiny_target))
-    rows = [render_sample(tokenizer, [{"role": "user", "content": t.prompt}], t.reasoning, t.answer)
-            for t in sample_tasks(32, seed=5, split="train")]
+    rows = [
+        render_sample(tokenizer, [{"role": "user", "content": t.prompt}], t.reasoning, t.answer)
+        for t in sample_tasks(32, seed=5, split="train")
+    ]
     width = max(len(r.input_ids) for r in rows)
     ids = torch.zeros(len(rows), width, dtype=torch.long)
     mask, attention = torch.zeros_like(ids), torch.zeros_like(ids)
@@ -60,8 +60,16 @@ def drafter_dir(tiny_target, tmp_path_factory) -> Path:
     optim = torch.optim.AdamW(params, lr=3e-3)
     for step in range(40):
         batch = slice(8 * (step % 4), 8 * (step % 4) + 8)
-        out = ttt_loss(drafter, feats.aux[batch], ids[batch], feats.target_logits[batch], mask[batch],
-                       attention[batch], steps=3, target_in_draft=feats.target_in_draft[batch])
+        out = ttt_loss(
+            drafter,
+            feats.aux[batch],
+            ids[batch],
+            feats.target_logits[batch],
+            mask[batch],
+            attention[batch],
+            steps=3,
+            target_in_draft=feats.target_in_draft[batch],
+        )
         out.loss.backward()
         optim.step()
         optim.zero_grad()
@@ -75,20 +83,33 @@ def prompts_file(tmp_path_factory) -> Path:
     from eaglekit.tiny.corpus import sample_tasks
 
     path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
-    path.write_text("".join(json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": t.prompt}]}) + "\n"
-                            for i, t in enumerate(sample_tasks(3, seed=99, split="heldout"))))
+    path.write_text(
+        "".join(
+            json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": t.prompt}]}) + "\n"
+            for i, t in enumerate(sample_tasks(3, seed=99, split="heldout"))
+        )
+    )
     return path
 
 
 def make_config(tmp_path: Path, tiny_target: Path, drafter: Path, prompts: Path, **export) -> Path:
-    return write_config(tmp_path / "config.yaml", {
-        "run_dir": str(tmp_path / "run"),
-        "target": {"model": str(tiny_target)},
-        "data": {"prompts": str(prompts)},
-        "evaluate": {"prompts": str(prompts), "checkpoint": str(drafter), "num_samples": 3,
-                     "num_speculative_tokens": [1, 3], "temperatures": [0.0, 1.0], "max_new_tokens": 40},
-        "export": {"num_speculative_tokens": 3, **export},
-    })
+    return write_config(
+        tmp_path / "config.yaml",
+        {
+            "run_dir": str(tmp_path / "run"),
+            "target": {"model": str(tiny_target)},
+            "data": {"prompts": str(prompts)},
+            "evaluate": {
+                "prompts": str(prompts),
+                "checkpoint": str(drafter),
+                "num_samples": 3,
+                "num_speculative_tokens": [1, 3],
+                "temperatures": [0.0, 1.0],
+                "max_new_tokens": 40,
+            },
+            "export": {"num_speculative_tokens": 3, **export},
+        },
+    )
 
 
 def logits_of(drafter, seed: int = 1) -> torch.Tensor:
@@ -108,15 +129,22 @@ def test_evaluate_writes_report_plots_and_is_lossless(tmp_path, tiny_target, dra
 
     metrics = cfg.run_path / "train" / "metrics.jsonl"
     metrics.parent.mkdir(parents=True)
-    metrics.write_text("".join(json.dumps({"kind": kind, "step": step, "loss": 3.0 / step, "loss_k": [1.0, 2.0],
-                                           "acc_k": [0.5, 0.3]}) + "\n" for step in (10, 20) for kind in ("train", "eval")))
+    metrics.write_text(
+        "".join(
+            json.dumps({"kind": kind, "step": step, "loss": 3.0 / step, "loss_k": [1.0, 2.0], "acc_k": [0.5, 0.3]})
+            + "\n"
+            for step in (10, 20)
+            for kind in ("train", "eval")
+        )
+    )
     row = pipeline.run_stage(cfg, "evaluate", skip_preflight=True)
     out = cfg.run_path / "evaluate"
     report = json.loads((out / "report.json").read_text())
     assert report["lossless"] is True and report["prompts"] == 3
     assert all(c["lossless"] for c in report["lossless_checks"])
     assert {(r["method"], r["k"], r["temperature"]) for r in report["results"]} == {
-        (m, k, t) for m in ("eagle", "ngram") for k in (1, 3) for t in (0.0, 1.0)}
+        (m, k, t) for m in ("eagle", "ngram") for k in (1, 3) for t in (0.0, 1.0)
+    }
     for r in report["results"]:
         assert 1.0 <= r["tau"] <= r["k"] + 1
         assert len(r["acceptance_by_position"]) == r["k"]
@@ -125,12 +153,15 @@ def test_evaluate_writes_report_plots_and_is_lossless(tmp_path, tiny_target, dra
     for name in ("acceptance_by_position.png", "tau_vs_k.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not (out / "training_curves.png").exists(), "the training curves are train/curves.png, drawn once"
-    assert report["warnings"] == [] and row["warnings"] == [], "a drafter that beats n-gram on every prompt asked: no warning"
+    assert report["warnings"] == [] and row["warnings"] == [], (
+        "a drafter that beats n-gram on every prompt asked: no warning"
+    )
     md = (out / "report.md").read_text()
     assert "| eagle | 3 |" in md and "| ngram | 1 |" in md and "Lossless: **yes**" in md
     counts = row["counts"]
     assert counts["lossless"] is True and counts["eagle_tau_k3"] == next(
-        r["tau"] for r in report["results"] if (r["method"], r["k"], r["temperature"]) == ("eagle", 3, 0.0))
+        r["tau"] for r in report["results"] if (r["method"], r["k"], r["temperature"]) == ("eagle", 3, 0.0)
+    )
 
     # the model card carries the evaluation's τ table
     pipeline.run_stage(cfg, "export", skip_preflight=True, formats=["eagle3"])
@@ -141,13 +172,15 @@ def test_a_degenerate_drafter_is_exported_with_its_warnings(tmp_path, tiny_targe
     """An untrained drafter (τ ≈ 1, below n-gram) evaluated on fewer prompts than asked: evaluate warns twice, the
     ledger and `status` keep the warnings, and export still writes the drafter but says so in export/README.md."""
     from eaglekit import status
+    from eaglekit.config import TargetConfig
     from eaglekit.model.drafter import DrafterConfig, Eagle3Drafter, build_d2t_t2d
     from eaglekit.model.target import default_aux_layers, embedding_and_head, target_hf_config
-    from eaglekit.config import TargetConfig
 
     hf = target_hf_config(TargetConfig(model=str(tiny_target)))
     torch.manual_seed(0)
-    drafter = Eagle3Drafter(DrafterConfig.from_target_config(hf, hf.vocab_size, default_aux_layers(hf.num_hidden_layers)))
+    drafter = Eagle3Drafter(
+        DrafterConfig.from_target_config(hf, hf.vocab_size, default_aux_layers(hf.num_hidden_layers))
+    )
     d2t, t2d = build_d2t_t2d(torch.arange(hf.vocab_size), hf.vocab_size)
     drafter.d2t.copy_(d2t)
     drafter.t2d.copy_(t2d)
@@ -194,7 +227,9 @@ def test_export_round_trip_gives_identical_logits(tmp_path, tiny_target, drafter
     cfg = load_config(make_config(tmp_path, tiny_target, drafter_dir, prompts_file, verifier="org/tiny-reasoner"))
     pipeline.run_stage(cfg, "export", skip_preflight=True, formats=[form])
     out = cfg.run_path / "export" / form
-    assert {"model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json"} <= {p.name for p in out.iterdir()}
+    assert {"model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json"} <= {
+        p.name for p in out.iterdir()
+    }
     source, _ = load_drafter(drafter_dir)
     written, info = load_drafter(out)
     assert info.form == ("legacy" if form == "eagle3" else "speculators")
@@ -215,8 +250,11 @@ def test_export_round_trip_gives_identical_logits(tmp_path, tiny_target, drafter
         flag = lambda name: args[args.index(name) + 1]  # noqa: E731
         assert flag("--speculative-algorithm") == "EAGLE3"
         assert Path(flag("--speculative-draft-model-path")) == out.resolve()
-        assert (flag("--speculative-num-steps"), flag("--speculative-eagle-topk"),
-                flag("--speculative-num-draft-tokens")) == ("3", "1", "4")
+        assert (
+            flag("--speculative-num-steps"),
+            flag("--speculative-eagle-topk"),
+            flag("--speculative-num-draft-tokens"),
+        ) == ("3", "1", "4")
         vllm = shlex.split(next(line for line in readme.splitlines() if line.startswith("vllm serve")))
         spec = json.loads(vllm[vllm.index("--speculative-config") + 1])
         assert spec == {"method": "eagle3", "model": str(out.resolve()), "num_speculative_tokens": 3}
@@ -239,8 +277,9 @@ def test_export_without_verifier_names_the_local_target_and_warns(tmp_path, tiny
     assert f"vllm serve {out.resolve()}" in readme and "export.verifier" in readme and "publish" in readme
 
 
-def test_export_refuses_aux_layers_sglang_reads_differently_across_versions(tmp_path, tiny_target, drafter_dir,
-                                                                            prompts_file):
+def test_export_refuses_aux_layers_sglang_reads_differently_across_versions(
+    tmp_path, tiny_target, drafter_dir, prompts_file
+):
     path = make_config(tmp_path, tiny_target, drafter_dir, prompts_file)
     raw = yaml.safe_load(path.read_text())
     raw["target"]["aux_layers"] = [3, 4, 5]
@@ -265,11 +304,14 @@ def _edit_weights(src: Path, dst: Path, edit) -> Path:
     return dst
 
 
-@pytest.mark.parametrize("edit,named", [
-    (lambda s: s.pop("midlayer.mlp.up_proj.weight"), "midlayer.mlp.up_proj.weight"),
-    (lambda s: s.__setitem__("midlayer.extra.weight", torch.zeros(3)), "midlayer.extra.weight"),
-    (lambda s: s.__setitem__("fc.weight", s["fc.weight"][:, :-1].contiguous()), "fc.weight"),
-])
+@pytest.mark.parametrize(
+    "edit,named",
+    [
+        (lambda s: s.pop("midlayer.mlp.up_proj.weight"), "midlayer.mlp.up_proj.weight"),
+        (lambda s: s.__setitem__("midlayer.extra.weight", torch.zeros(3)), "midlayer.extra.weight"),
+        (lambda s: s.__setitem__("fc.weight", s["fc.weight"][:, :-1].contiguous()), "fc.weight"),
+    ],
+)
 def test_export_refuses_a_checkpoint_with_wrong_keys(tmp_path, tiny_target, drafter_dir, prompts_file, edit, named):
     bad = _edit_weights(drafter_dir, tmp_path / "bad", edit)
     cfg = load_config(make_config(tmp_path, tiny_target, bad, prompts_file))
@@ -280,12 +322,16 @@ def test_export_refuses_a_checkpoint_with_wrong_keys(tmp_path, tiny_target, draf
     assert results["drafter checkpoint"].status == "fail" and named in results["drafter checkpoint"].detail
 
 
-@pytest.mark.parametrize("key,value,named", [
-    ("max_position_embeddings", 4096, "max_position_embeddings"),
-    ("rope_scaling", {"rope_type": "linear", "factor": 2.0}, "rope_scaling"),
-])
-def test_export_refuses_serving_settings_other_than_the_targets(tmp_path, tiny_target, drafter_dir, prompts_file,
-                                                                 key, value, named):
+@pytest.mark.parametrize(
+    "key,value,named",
+    [
+        ("max_position_embeddings", 4096, "max_position_embeddings"),
+        ("rope_scaling", {"rope_type": "linear", "factor": 2.0}, "rope_scaling"),
+    ],
+)
+def test_export_refuses_serving_settings_other_than_the_targets(
+    tmp_path, tiny_target, drafter_dir, prompts_file, key, value, named
+):
     bad = tmp_path / "bad"
     shutil.copytree(drafter_dir, bad)
     config = json.loads((bad / "config.json").read_text())

@@ -28,20 +28,34 @@ from eaglekit.stages import extract
 from eaglekit.tiny.corpus import sample_tasks
 
 
-
-
 def prepared_run(tmp_path: Path, target: Path, n: int = 48, seed: int = 1, **sections) -> RunConfig:
     """A run directory whose prepare and vocab stages are done, on the tiny target's corpus rendered with its
     template (tasks the target was trained on the like of, so its features are meaningful)."""
     gen = tmp_path / "run" / "generate"
     gen.mkdir(parents=True)
-    rows = [{"id": f"t{seed}-{i}", "messages": [{"role": "user", "content": t.prompt}], "reasoning": t.reasoning,
-             "content": t.answer, "finish_reason": "stop", "prompt_tokens": 0, "completion_tokens": 0,
-             "reasoning_source": "reasoning", "model": "tiny", "server": None}
-            for i, t in enumerate(sample_tasks(n, seed, split="train"))]
+    rows = [
+        {
+            "id": f"t{seed}-{i}",
+            "messages": [{"role": "user", "content": t.prompt}],
+            "reasoning": t.reasoning,
+            "content": t.answer,
+            "finish_reason": "stop",
+            "prompt_tokens": 0,
+            "completion_tokens": 0,
+            "reasoning_source": "reasoning",
+            "model": "tiny",
+            "server": None,
+        }
+        for i, t in enumerate(sample_tasks(n, seed, split="train"))
+    ]
     (gen / "responses.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    data = {"run_dir": "run", "target": {"model": str(target)}, "data": {"prompts": "unused.jsonl", "eval_fraction": 0.1},
-            "vocab": {"draft_vocab_size": 200}, **sections}
+    data = {
+        "run_dir": "run",
+        "target": {"model": str(target)},
+        "data": {"prompts": "unused.jsonl", "eval_fraction": 0.1},
+        "vocab": {"draft_vocab_size": 200},
+        **sections,
+    }
     cfg = parse_config(data, base_dir=tmp_path)
     with RunDir(cfg.run_dir).lock:
         run_stage(cfg, "prepare", skip_preflight=True)
@@ -121,9 +135,11 @@ def test_fp8_features_are_half_the_bytes_and_close(tmp_path, tiny_target):
     index = json.loads((out / sh.INDEX).read_text())
     hidden = 128
     assert index["bytes_per_token"] == sh.bytes_per_token(hidden, "fp8") == 4 * hidden + 4
-    shard_overhead = sum(len(sh.header_bytes(e["ids"], e["tokens"], hidden, "fp8",
-                                             extract._shard_meta(hidden, [2, 4, 5], "hf"))) + 8 * (e["samples"] + 1)
-                         for e in index["shards"])
+    shard_overhead = sum(
+        len(sh.header_bytes(e["ids"], e["tokens"], hidden, "fp8", extract._shard_meta(hidden, [2, 4, 5], "hf")))
+        + 8 * (e["samples"] + 1)
+        for e in index["shards"]
+    )
     assert index["bytes"] == index["tokens"] * (4 * hidden + 4) + shard_overhead  # nothing else is stored
 
     features = sh.FeatureStore(out)
@@ -136,7 +152,7 @@ def test_fp8_features_are_half_the_bytes_and_close(tmp_path, tiny_target):
         assert rows.aux.dtype == torch.float8_e4m3fn and rows.scale_exp.shape == (len(ids), 4)
         aux, last = features.features(sid)
         states = list(live.aux[0].split(hidden, -1)) + [live.last_hidden[0]]
-        for s, (got, want) in enumerate(zip(list(aux.split(hidden, -1)) + [last], states)):
+        for s, (got, want) in enumerate(zip(list(aux.split(hidden, -1)) + [last], states, strict=False)):
             err = (got - want).norm(dim=-1) / want.norm(dim=-1)
             assert float(err.max()) < 0.05, (s, float(err.max()))
             assert float((got - want).abs().max()) <= float(want.abs().max()) / 16 + 1e-6
@@ -163,7 +179,7 @@ def test_fp8_codec_scales_each_state_by_a_power_of_two():
     got = list(got_aux.split(hidden, -1)) + [got_last]
     for s, want in enumerate(list(aux.split(hidden, -1)) + [last]):
         scale = torch.pow(2.0, rows.scale_exp[:, s].float()).unsqueeze(-1)
-        assert bool(((got[s] - want).abs() <= want.abs() / 16 + scale * 2.0 ** -10).all()), s
+        assert bool(((got[s] - want).abs() <= want.abs() / 16 + scale * 2.0**-10).all()), s
     assert sh.bytes_per_token(7168, "bfloat16") == 8 * 7168 and sh.bytes_per_token(7168, "fp8") == 4 * 7168 + 4
 
 
@@ -196,16 +212,24 @@ def test_kill_9_extract_resumes_at_the_first_uncommitted_shard(tmp_path, tiny_ta
     out = Path(killed.run_dir) / "extract"
     config = Path(killed.run_dir) / "config.yaml"
     config.write_text(killed.to_yaml())
-    proc = subprocess.run([sys.executable, "-c", KILLED_EXTRACT, str(config), "2"], capture_output=True, text=True,
-                          env=subprocess_env() | {"OMP_NUM_THREADS": "1"}, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLED_EXTRACT, str(config), "2"],
+        capture_output=True,
+        text=True,
+        env=subprocess_env() | {"OMP_NUM_THREADS": "1"},
+        timeout=600,
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     committed = sorted(p.name for p in out.glob("shard-*.json"))
     assert len(committed) == 2 and not (out / sh.INDEX).exists()
     from eaglekit.status import stage_rows
+
     row = next(r for r in stage_rows(killed) if r["stage"] == "extract")
     assert row["state"] == "incomplete" and row["counts"]["shards_committed"] == 2
-    kept = {p.with_suffix(".safetensors"): p.with_suffix(".safetensors").stat().st_mtime_ns
-            for p in out.glob("shard-*.json")}
+    kept = {
+        p.with_suffix(".safetensors"): p.with_suffix(".safetensors").stat().st_mtime_ns
+        for p in out.glob("shard-*.json")
+    }
 
     with RunDir(killed.run_dir).lock:
         row = run_stage(killed, "extract")  # `eaglekit extract CONFIG` again
@@ -244,7 +268,9 @@ def test_a_damaged_shard_is_named_and_the_remedy_reextracts_only_it(tmp_path, ti
         sh.ShardWriter.commit = commit
     assert len(list(out.glob("shard-*.json"))) == 2 and not (out / sh.INDEX).exists()
     # what the interrupted command prints says what is kept (the stage's kept() hook)
-    assert "2 committed shards" in stopped.value.eaglekit_note and "rerun the same command" in stopped.value.eaglekit_note
+    assert (
+        "2 committed shards" in stopped.value.eaglekit_note and "rerun the same command" in stopped.value.eaglekit_note
+    )
 
     # damage one complete shard: the resumed run's pre-flight names it
     first = out / calls[0]["file"]
@@ -330,5 +356,6 @@ def test_disk_check_fails_when_features_exceed_free_space(tmp_path, tiny_target,
     disk = results["disk space"]
     assert disk.status == "fail"
     from eaglekit.preflight.checks import human_bytes
+
     assert human_bytes(need) in disk.detail and human_bytes(Tiny.f_bavail * 4096) in disk.detail
     assert results["existing shards"].status == "skip"

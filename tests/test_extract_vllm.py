@@ -29,12 +29,29 @@ from eaglekit.pipeline import fingerprint, make_context, run_preflight, run_stag
 from eaglekit.preflight import failed
 from eaglekit.rundir import RunDir
 from eaglekit.serving.engine import VllmServer, free_port
-from eaglekit.serving.vllm_features import (FeatureClient, ServerSetupError, TokenMismatch, plugin_dir, serve_args,
-                                            serve_command, stacked_positions)
+from eaglekit.serving.vllm_features import (
+    FeatureClient,
+    ServerSetupError,
+    TokenMismatch,
+    plugin_dir,
+    serve_args,
+    serve_command,
+    stacked_positions,
+)
 
 LAYERS = [2, 4, 5, 8]  # the tiny target's default aux taps and its final state (8 decoder layers)
-TRAIN = {"ttt_steps": 3, "batch_size": 4, "lr": 1e-3, "warmup_steps": 2, "eval_samples": 8, "max_steps": 6,
-         "eval_every": 6, "save_every": 6, "log_every": 1, "dtype": "float32"}
+TRAIN = {
+    "ttt_steps": 3,
+    "batch_size": 4,
+    "lr": 1e-3,
+    "warmup_steps": 2,
+    "eval_samples": 8,
+    "max_steps": 6,
+    "eval_every": 6,
+    "save_every": 6,
+    "log_every": 1,
+    "dtype": "float32",
+}
 
 
 @pytest.fixture(scope="module")
@@ -50,10 +67,29 @@ def feature_server(vllm_python, tiny_target, tmp_path_factory):
 
 
 def vllm_run(path: Path, target: Path, storage: Path, servers: list[str], served: str, **vllm):
-    return prepared_run(path, target, n=40, train=TRAIN, extract={
-        "mode": "offline", "dtype": "float32", "shard_tokens": 900, "backend": "vllm",
-        "vllm": {"servers": servers, "storage_path": str(storage), "connector": "cpu", "model": served,
-                 "concurrency": 4, "timeout": 120, "retry_backoff": 0.05, "probe_interval": 600, **vllm}})
+    return prepared_run(
+        path,
+        target,
+        n=40,
+        train=TRAIN,
+        extract={
+            "mode": "offline",
+            "dtype": "float32",
+            "shard_tokens": 900,
+            "backend": "vllm",
+            "vllm": {
+                "servers": servers,
+                "storage_path": str(storage),
+                "connector": "cpu",
+                "model": served,
+                "concurrency": 4,
+                "timeout": 120,
+                "retry_backoff": 0.05,
+                "probe_interval": 600,
+                **vllm,
+            },
+        },
+    )
 
 
 def train_rows(cfg) -> list[dict]:
@@ -63,8 +99,13 @@ def train_rows(cfg) -> list[dict]:
 
 def test_vllm_features_equal_hf_features_and_train_the_same_drafter(tmp_path, tiny_target, feature_server):
     server, storage = feature_server
-    hf = prepared_run(tmp_path / "hf", tiny_target, n=40, train=TRAIN,
-                      extract={"mode": "offline", "dtype": "float32", "shard_tokens": 900})
+    hf = prepared_run(
+        tmp_path / "hf",
+        tiny_target,
+        n=40,
+        train=TRAIN,
+        extract={"mode": "offline", "dtype": "float32", "shard_tokens": 900},
+    )
     vl = vllm_run(tmp_path / "vllm", tiny_target, storage, [server.url], server.model)
 
     results = run_preflight(make_context(vl, "extract"))
@@ -81,12 +122,12 @@ def test_vllm_features_equal_hf_features_and_train_the_same_drafter(tmp_path, ti
     a, b = sh.FeatureStore(Path(hf.run_dir) / "extract"), sh.FeatureStore(Path(vl.run_dir) / "extract")
     assert a.shard_members() == b.shard_members()
     for sid in a.where:  # the same states: aux taps, and the final state through the target's norm
-        for x, y in zip(a.features(sid), b.features(sid)):
+        for x, y in zip(a.features(sid), b.features(sid), strict=False):
             torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-4)
 
     ra, rb = train_rows(hf), train_rows(vl)
     assert [(r["kind"], r["step"]) for r in ra] == [(r["kind"], r["step"]) for r in rb]
-    for x, y in zip(ra, rb):
+    for x, y in zip(ra, rb, strict=False):
         assert y["loss"] == pytest.approx(x["loss"], rel=1e-4)
     tau = [json.loads((Path(c.run_dir) / "train" / "summary.json").read_text())["tau"] for c in (hf, vl)]
     assert tau[1] == pytest.approx(tau[0], abs=1e-3)
@@ -109,8 +150,13 @@ class BrokenFeatureServer:
                 owner.requests += 1
                 path = owner.storage / f"cmpl-{body['request_id']}-0-broken.safetensors"
                 Path(str(path) + ".lock").touch()
-                self.send_json(200, {"choices": [{"text": "", "token_ids": [1]}],
-                                     "kv_transfer_params": {"hidden_states_path": str(path)}})
+                self.send_json(
+                    200,
+                    {
+                        "choices": [{"text": "", "token_ids": [1]}],
+                        "kv_transfer_params": {"hidden_states_path": str(path)},
+                    },
+                )
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
@@ -137,8 +183,9 @@ def test_dead_and_broken_servers_are_rotated_out(tmp_path, tiny_target, feature_
     assert sum(e["samples"] for e in index["shards"]) == 40
 
 
-def test_preflight_fails_when_the_targets_head_does_not_predict_the_servers_token(tmp_path, tiny_target,
-                                                                                  feature_server):
+def test_preflight_fails_when_the_targets_head_does_not_predict_the_servers_token(
+    tmp_path, tiny_target, feature_server
+):
     """target.model names a checkpoint whose lm_head differs from the served one: the smoke request's
     next-token check names it (the same check catches a server that captures another final state)."""
     server, storage = feature_server
@@ -226,4 +273,7 @@ def test_serve_command_names_the_layers_connector_and_storage():
     assert '"shared_storage_path":"/shared/hs"' in stock and "kv_connector_module_path" not in stock
     cpu = serve_command("/m/tiny", LAYERS, "/hs", "cpu", None, None)
     assert cpu.startswith(f"PYTHONPATH={plugin_dir()} python -m vllm.entrypoints.openai.api_server --model /m/tiny")
-    assert '"kv_connector":"EaglekitHiddenStatesConnector"' in cpu and '"kv_connector_module_path":"eaglekit_hidden_states"' in cpu
+    assert (
+        '"kv_connector":"EaglekitHiddenStatesConnector"' in cpu
+        and '"kv_connector_module_path":"eaglekit_hidden_states"' in cpu
+    )

@@ -8,9 +8,9 @@ import json
 
 import pytest
 import torch
+from conftest import write_config
 from safetensors.torch import save_file
 
-from conftest import write_config
 from eaglekit.config import TargetConfig, load_config
 from eaglekit.errors import EaglekitError, UsageError
 from eaglekit.model.target import embedding_and_head, load_target, read_final_norm
@@ -20,8 +20,12 @@ VLLM = {"servers": ["http://h:8000/v1"], "storage_path": "hs"}
 
 
 def test_vllm_backend_config_is_checked(tmp_path):
-    cfg = load_config(write_config(tmp_path / "c.yaml", {**BASE, "extract": {"mode": "offline", "backend": "vllm",
-                                                                             "dtype": "fp8", "vllm": VLLM}}))
+    cfg = load_config(
+        write_config(
+            tmp_path / "c.yaml",
+            {**BASE, "extract": {"mode": "offline", "backend": "vllm", "dtype": "fp8", "vllm": VLLM}},
+        )
+    )
     assert cfg.extract.vllm.storage_path == str(tmp_path / "hs") and cfg.extract.vllm.connector == "stock"
     with pytest.raises(UsageError, match="extract.backend is 'vllm' but extract.mode is 'online'"):
         load_config(write_config(tmp_path / "c.yaml", {**BASE, "extract": {"backend": "vllm", "vllm": VLLM}}))
@@ -41,28 +45,44 @@ def test_the_final_norm_read_by_name_is_the_models_own(tiny_target):
 def checkpoint(folder, head: dict, quantization: dict | None):
     """A two-tensor stand-in for an INT4 checkpoint: the embedding, a packed layer weight, and lm_head as given."""
     folder.mkdir()
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8, "vocab_size": 16,
-              "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 16, "tie_word_embeddings": False}
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 8,
+        "vocab_size": 16,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "intermediate_size": 16,
+        "tie_word_embeddings": False,
+    }
     if quantization:
         config["quantization_config"] = quantization
     (folder / "config.json").write_text(json.dumps(config))
-    save_file({"model.embed_tokens.weight": torch.randn(16, 8),
-               "model.layers.0.mlp.down_proj.weight_packed": torch.zeros(8, 2, dtype=torch.int32), **head},
-              str(folder / "model.safetensors"))
+    save_file(
+        {
+            "model.embed_tokens.weight": torch.randn(16, 8),
+            "model.layers.0.mlp.down_proj.weight_packed": torch.zeros(8, 2, dtype=torch.int32),
+            **head,
+        },
+        str(folder / "model.safetensors"),
+    )
     return str(folder)
 
 
 def test_an_int4_checkpoint_with_a_dense_lm_head_is_read(tmp_path):
     head = torch.randn(16, 8)
-    path = checkpoint(tmp_path / "dense", {"lm_head.weight": head},
-                      {"quant_method": "compressed-tensors", "ignore": ["lm_head"]})
+    path = checkpoint(
+        tmp_path / "dense", {"lm_head.weight": head}, {"quant_method": "compressed-tensors", "ignore": ["lm_head"]}
+    )
     embed, got = embedding_and_head(path)
     assert torch.equal(got, head) and embed.shape == (16, 8)
 
 
 def test_a_quantized_lm_head_is_a_named_error(tmp_path):
-    path = checkpoint(tmp_path / "packed", {"lm_head.weight_packed": torch.zeros(16, 1, dtype=torch.int32),
-                                            "lm_head.weight_scale": torch.ones(16, 1)},
-                      {"quant_method": "compressed-tensors", "ignore": []})
+    path = checkpoint(
+        tmp_path / "packed",
+        {"lm_head.weight_packed": torch.zeros(16, 1, dtype=torch.int32), "lm_head.weight_scale": torch.ones(16, 1)},
+        {"quant_method": "compressed-tensors", "ignore": []},
+    )
     with pytest.raises(EaglekitError, match="lm_head is quantized in this checkpoint .*compressed-tensors.*ignore"):
         embedding_and_head(path)

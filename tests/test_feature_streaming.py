@@ -20,7 +20,9 @@ def write_shards(folder, n_shards=10, per_shard=20, hidden=8, dtype="bfloat16"):
         with sh.ShardWriter(folder / sh.shard_name(n), ids, lens, hidden, dtype, {"hidden_size": hidden}) as w:
             for k, length in enumerate(lens):
                 value = float(n * 1000 + k) / 1000
-                w.write(k, sh.encode(torch.full((length, 3 * hidden), value), torch.full((length, hidden), value), dtype))
+                w.write(
+                    k, sh.encode(torch.full((length, 3 * hidden), value), torch.full((length, hidden), value), dtype)
+                )
         entries.append(w.entry())
     sh.write_index(folder, entries, {"hidden_size": hidden, "aux_layer_ids": [2, 4, 5], "dtype": dtype})
     return lengths
@@ -42,7 +44,7 @@ def test_start_up_reads_the_index_only_and_streaming_opens_few_shards(tmp_path, 
     assert sorted(i for b in batches for i in b) == list(range(200))
     shard_of = {i: n for n, b in enumerate(blocks) for i in b}
     for w in range(0, len(batches), 5):  # each window draws from at most the two shards it straddles
-        assert len({shard_of[i] for b in batches[w:w + 5] for i in b}) <= 2
+        assert len({shard_of[i] for b in batches[w : w + 5] for i in b}) <= 2
     assert batches == td.epoch_batches(list(range(200)), lengths, 4, seed=0, epoch=0, blocks=blocks)  # exact resume
     assert batches != td.epoch_batches(list(range(200)), lengths, 4, seed=0, epoch=1, blocks=blocks)
 
@@ -94,8 +96,7 @@ def test_packing_streams_shard_by_shard_and_carries_fp8_scales(tmp_path, monkeyp
     lengths = write_shards(tmp_path, n_shards=6, per_shard=20, dtype="fp8")
     store = sh.FeatureStore(tmp_path, max_open=2)
     ids = [sid for ids in store.shard_members() for sid in ids]
-    write_token_store(tmp_path / "tokens.safetensors",
-                      [(sid, list(range(n)), [1] * n) for sid, n in zip(ids, lengths)])
+    write_token_store(tmp_path / "tokens.safetensors", [(sid, list(range(n)), [1] * n) for sid, n in zip(ids, lengths, strict=False)])
     tokens = TokenStore(tmp_path / "tokens.safetensors")
     blocks = [list(range(20 * n, 20 * n + 20)) for n in range(6)]
 

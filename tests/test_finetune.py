@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-
 from eaglekit.config import parse_config
 from eaglekit.pipeline import run_stage
 from eaglekit.rundir import RunDir
@@ -15,8 +14,18 @@ from eaglekit.tiny.corpus import sample_tasks
 
 ARITHMETIC = ("add", "subtract", "compare")
 WORDS_AND_LISTS = ("sort", "count", "convert")
-TRAIN = {"ttt_steps": 3, "batch_size": 8, "lr": 6e-3, "warmup_steps": 5, "max_steps": 40, "eval_every": 40,
-         "save_every": 40, "log_every": 10, "eval_samples": 16, "draft": {"intermediate_size": 256}}
+TRAIN = {
+    "ttt_steps": 3,
+    "batch_size": 8,
+    "lr": 6e-3,
+    "warmup_steps": 5,
+    "max_steps": 40,
+    "eval_every": 40,
+    "save_every": 40,
+    "log_every": 10,
+    "eval_samples": 16,
+    "draft": {"intermediate_size": 256},
+}
 EVALUATE = {"num_samples": 6, "num_speculative_tokens": [3], "temperatures": [0.0], "max_new_tokens": 64}
 
 
@@ -30,14 +39,33 @@ def run_on(tmp_path: Path, target: Path, kinds, seed: int, train: dict, evaluate
     """A run directory whose generate, prepare and vocab are done, on tasks of ``kinds`` only."""
     gen = tmp_path / "run" / "generate"
     gen.mkdir(parents=True)
-    rows = [{"id": f"t{seed}-{i}", "messages": [{"role": "user", "content": t.prompt}], "reasoning": t.reasoning,
-             "content": t.answer, "finish_reason": "stop", "prompt_tokens": 0, "completion_tokens": 0,
-             "reasoning_source": "reasoning", "model": "tiny", "server": None}
-            for i, t in enumerate(tasks(kinds, 160, seed))]
+    rows = [
+        {
+            "id": f"t{seed}-{i}",
+            "messages": [{"role": "user", "content": t.prompt}],
+            "reasoning": t.reasoning,
+            "content": t.answer,
+            "finish_reason": "stop",
+            "prompt_tokens": 0,
+            "completion_tokens": 0,
+            "reasoning_source": "reasoning",
+            "model": "tiny",
+            "server": None,
+        }
+        for i, t in enumerate(tasks(kinds, 160, seed))
+    ]
     (gen / "responses.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = parse_config({"run_dir": "run", "target": {"model": str(target)},
-                        "data": {"prompts": "unused.jsonl", "eval_fraction": 0.1}, "vocab": {"draft_vocab_size": 200},
-                        "train": train, "evaluate": {**EVALUATE, **(evaluate or {})}}, base_dir=tmp_path)
+    cfg = parse_config(
+        {
+            "run_dir": "run",
+            "target": {"model": str(target)},
+            "data": {"prompts": "unused.jsonl", "eval_fraction": 0.1},
+            "vocab": {"draft_vocab_size": 200},
+            "train": train,
+            "evaluate": {**EVALUATE, **(evaluate or {})},
+        },
+        base_dir=tmp_path,
+    )
     with RunDir(cfg.run_dir).lock:
         for stage in ("prepare", "vocab"):
             run_stage(cfg, stage, skip_preflight=True)
@@ -55,17 +83,28 @@ def test_evaluate_measures_the_finetune_beside_its_start_and_the_anchor_holds_it
     start_drafter = Path(start.run_dir) / "train" / "checkpoints" / "best"
 
     production = tmp_path / "arithmetic-traffic.jsonl"  # what the server will see: the start's own kind of prompts
-    production.write_text("".join(json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": t.prompt}]}) + "\n"
-                                  for i, t in enumerate(tasks(ARITHMETIC, 6, seed=5, split="heldout"))))
+    production.write_text(
+        "".join(
+            json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": t.prompt}]}) + "\n"
+            for i, t in enumerate(tasks(ARITHMETIC, 6, seed=5, split="heldout"))
+        )
+    )
     figures = {}
     for name, anchor in (("plain", 0.0), ("anchored", 50.0)):
-        cfg = run_on(tmp_path / name, tiny_target, WORDS_AND_LISTS, seed=2,
-                     train={**TRAIN, "init_from": str(start_drafter), "anchor_weight": anchor},
-                     evaluate={"prompts": str(production)})
+        cfg = run_on(
+            tmp_path / name,
+            tiny_target,
+            WORDS_AND_LISTS,
+            seed=2,
+            train={**TRAIN, "init_from": str(start_drafter), "anchor_weight": anchor},
+            evaluate={"prompts": str(production)},
+        )
         stage(cfg, "train")
         row = stage(cfg, "evaluate")
         report = json.loads((Path(cfg.run_dir) / "evaluate" / "report.json").read_text())
-        metrics = [json.loads(line) for line in (Path(cfg.run_dir) / "train" / "metrics.jsonl").read_text().splitlines()]
+        metrics = [
+            json.loads(line) for line in (Path(cfg.run_dir) / "train" / "metrics.jsonl").read_text().splitlines()
+        ]
         figures[name] = (report, row, metrics)
         print(name, report["finetune"]["verdict"], [(s["prompts"], s["rows"]) for s in report["finetune"]["sets"]])
 

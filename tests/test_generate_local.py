@@ -20,16 +20,17 @@ from eaglekit.errors import EaglekitError
 from eaglekit.rundir import RunDir
 
 
-
-
 def config_dict(tmp_path: Path, target: Path, n: int, **generate) -> dict:
     from eaglekit.tiny import write_prompts
 
     tmp_path.mkdir(parents=True, exist_ok=True)
     prompts = write_prompts(tmp_path / "prompts.jsonl", n, seed=3)
-    return {"run_dir": str(tmp_path / "run"), "target": {"model": str(target), "dtype": "float32"},
-            "data": {"prompts": str(prompts)},
-            "generate": {"backend": "local", "max_tokens": 200, "batch_size": 4, **generate}}
+    return {
+        "run_dir": str(tmp_path / "run"),
+        "target": {"model": str(target), "dtype": "float32"},
+        "data": {"prompts": str(prompts)},
+        "generate": {"backend": "local", "max_tokens": 200, "batch_size": 4, **generate},
+    }
 
 
 def run(cfg, **kw) -> dict:
@@ -58,7 +59,7 @@ def test_local_backend_generates_and_splits_the_reasoning(tmp_path, tiny_target)
         # and rendered for training (as prepare does), the reply's tokens are exactly the ones the model generated
         sample = render_sample(tokenizer, r["messages"], r["reasoning"], r["content"])
         train_ids, train_mask, _ = use_generated_tokens(tokenizer, sample.input_ids, sample.loss_mask, ids)
-        assert [t for t, m in zip(train_ids, train_mask) if m] == ids
+        assert [t for t, m in zip(train_ids, train_mask, strict=False) if m] == ids
     end = [e for e in RunDir(cfg.run_dir).events() if e.get("event") == "end"][-1]
     assert end["gate"]["passed"] and end["gate"]["samples"] == 6  # required: the tiny template has think tags
     assert out["counts"]["empty_reasoning"] == 0 and end["rates"]["output_tok_per_s"] > 0
@@ -67,8 +68,9 @@ def test_local_backend_generates_and_splits_the_reasoning(tmp_path, tiny_target)
 def test_sampling_is_seeded(tmp_path, tiny_target):
     outs = []
     for name in ("a", "b"):
-        data = config_dict(tmp_path / name, tiny_target, n=3, temperature=1.0, seed=11, max_tokens=24,
-                           reasoning="optional")
+        data = config_dict(
+            tmp_path / name, tiny_target, n=3, temperature=1.0, seed=11, max_tokens=24, reasoning="optional"
+        )
         cfg = parse_config(data, base_dir=tmp_path / name)
         run(cfg, skip_preflight=True)
         outs.append({r["id"]: r["completion_token_ids"] for r in records(cfg)})

@@ -50,16 +50,35 @@ def dead_url() -> str:
 def write_prompts(path: Path, n: int) -> Path:
     with open(path, "w") as f:
         for i in range(n):
-            f.write(json.dumps({"id": f"p{i:03d}", "conversations": [
-                {"from": "human", "value": f"question {i} asks about item {i * 7} and more"}]}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "id": f"p{i:03d}",
+                        "conversations": [{"from": "human", "value": f"question {i} asks about item {i * 7} and more"}],
+                    }
+                )
+                + "\n"
+            )
     return path
 
 
 def config_dict(tmp_path: Path, urls: list[str], n: int = 12, **generate_overrides) -> dict:
-    return {"run_dir": str(tmp_path / "run"), "target": {"model": "org/absent-target"},
-            "data": {"prompts": str(write_prompts(tmp_path / "prompts.jsonl", n))},
-            "generate": {"backend": "openai", "servers": urls, "model": MODEL, "max_tokens": 64, "concurrency": 4,
-                         "retry_backoff": 0.01, "probe_interval": 0.2, "reasoning": "required", **generate_overrides}}
+    return {
+        "run_dir": str(tmp_path / "run"),
+        "target": {"model": "org/absent-target"},
+        "data": {"prompts": str(write_prompts(tmp_path / "prompts.jsonl", n))},
+        "generate": {
+            "backend": "openai",
+            "servers": urls,
+            "model": MODEL,
+            "max_tokens": 64,
+            "concurrency": 4,
+            "retry_backoff": 0.01,
+            "probe_interval": 0.2,
+            "reasoning": "required",
+            **generate_overrides,
+        },
+    }
 
 
 def make_config(tmp_path: Path, urls: list[str], n: int = 12, **generate_overrides):
@@ -95,9 +114,17 @@ def assert_complete(cfg, n: int) -> None:
 
 # --- response shapes ----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("shape, source", [("reasoning", "reasoning"), ("both", "reasoning"),
-                                           ("reasoning_content", "reasoning_content"),
-                                           ("inline", "inline_think"), ("close_only", "inline_think")])
+
+@pytest.mark.parametrize(
+    "shape, source",
+    [
+        ("reasoning", "reasoning"),
+        ("both", "reasoning"),
+        ("reasoning_content", "reasoning_content"),
+        ("inline", "inline_think"),
+        ("close_only", "inline_think"),
+    ],
+)
 def test_every_server_shape_yields_the_reasoning(tmp_path, servers, shape, source):
     fake = servers(shape=shape)
     cfg = make_config(tmp_path, [fake.url], n=6)
@@ -113,8 +140,15 @@ def test_every_server_shape_yields_the_reasoning(tmp_path, servers, shape, sourc
 
 def test_extra_body_and_sampling_params_reach_the_server(tmp_path, servers):
     fake = servers()
-    cfg = make_config(tmp_path, [fake.url], n=2, temperature=0.6, top_p=0.9, seed=7,
-                      extra_body={"chat_template_kwargs": {"enable_thinking": True}, "top_k": 20})
+    cfg = make_config(
+        tmp_path,
+        [fake.url],
+        n=2,
+        temperature=0.6,
+        top_p=0.9,
+        seed=7,
+        extra_body={"chat_template_kwargs": {"enable_thinking": True}, "top_k": 20},
+    )
     run(cfg, skip_preflight=True)
     body = fake.requests[0]["body"]
     assert body["chat_template_kwargs"] == {"enable_thinking": True} and body["top_k"] == 20
@@ -134,7 +168,10 @@ def test_a_server_refusing_return_token_ids_gets_requests_without_it(tmp_path, s
 def test_fingerprint_ignores_servers_and_concurrency_but_not_sampling(tmp_path):
     base = config_dict(tmp_path, ["http://a:8000/v1"])
     fp = pipeline.fingerprint(parse_config(base, base_dir=tmp_path), "generate")
-    more = {**base, "generate": {**base["generate"], "servers": ["http://a:8000/v1", "http://b:8000/v1"], "concurrency": 64}}
+    more = {
+        **base,
+        "generate": {**base["generate"], "servers": ["http://a:8000/v1", "http://b:8000/v1"], "concurrency": 64},
+    }
     assert pipeline.fingerprint(parse_config(more, base_dir=tmp_path), "generate") == fp
     for key, value in (("temperature", 0.7), ("max_tokens", 65), ("model", "org/other"), ("extra_body", {"top_k": 5})):
         changed = {**base, "generate": {**base["generate"], key: value}}
@@ -142,6 +179,7 @@ def test_fingerprint_ignores_servers_and_concurrency_but_not_sampling(tmp_path):
 
 
 # --- faults -------------------------------------------------------------------------------------------
+
 
 def test_faults_are_retried_and_nothing_is_lost(tmp_path, servers):
     faults = {2: "500", 3: "503", 4: "reset", 5: "malformed", 6: "slow", 7: "429", 8: "length"}
@@ -221,6 +259,7 @@ def test_no_server_left_stops_the_run_with_the_reason(tmp_path):
 
 # --- the reasoning gate -------------------------------------------------------------------------------
 
+
 def test_gate_stops_an_empty_reasoning_run_early_and_writes_nothing(tmp_path, servers):
     fake = servers(shape="empty")
     cfg = make_config(tmp_path, [fake.url], n=60, gate_samples=10, concurrency=2)
@@ -258,6 +297,7 @@ def test_optional_reasoning_does_not_gate(tmp_path, servers):
 
 
 # --- pre-flight ---------------------------------------------------------------------------------------
+
 
 def test_preflight_passes_and_records_the_server_version(tmp_path, servers):
     fake = servers()
@@ -313,9 +353,11 @@ def test_smoke_request_renders_the_record_with_the_target_template(tmp_path, ser
 
 def test_smoke_request_fails_when_the_template_would_drop_the_reasoning(tmp_path, servers, tiny_target):
     # Like Qwen3's template for earlier turns: only what follows </think> of an assistant turn is rendered.
-    dropping = ("{%- for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == 'assistant' %}"
-                "{{ m.content.split('</think>')[-1].lstrip('\n') }}{% else %}{{ m.content }}{% endif %}<|im_end|>\n"
-                "{%- endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    dropping = (
+        "{%- for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == 'assistant' %}"
+        "{{ m.content.split('</think>')[-1].lstrip('\n') }}{% else %}{{ m.content }}{% endif %}<|im_end|>\n"
+        "{%- endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
     fake = servers()
     data = config_dict(tmp_path, [fake.url])
     data["target"] = {"model": str(tiny_target), "chat_template": dropping}
@@ -325,6 +367,7 @@ def test_smoke_request_fails_when_the_template_would_drop_the_reasoning(tmp_path
 
 
 # --- the API key --------------------------------------------------------------------------------------
+
 
 def test_api_key_is_sent_as_bearer_and_never_written(tmp_path, servers, monkeypatch):
     secret = "sk-test-5e3cr3t-value"
@@ -348,9 +391,15 @@ def test_missing_api_key_fails_the_preflight(tmp_path, servers, monkeypatch):
 
 # --- interruptions: Ctrl-C, then kill -9, then resume ----------------------------------------------------
 
+
 def start_cli(config: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "eaglekit.cli", "generate", str(config)], env=subprocess_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "eaglekit.cli", "generate", str(config)],
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def wait_for_lines(path: Path, n: int, proc: subprocess.Popen, limit: float = 60) -> None:
@@ -366,7 +415,9 @@ def wait_for_lines(path: Path, n: int, proc: subprocess.Popen, limit: float = 60
 def test_ctrl_c_and_kill_9_mid_run_then_resume_gives_every_id_once(tmp_path, servers):
     n = 120
     fake = servers(delay=0.01)
-    config = write_config(tmp_path / "config.yaml", config_dict(tmp_path, [fake.url], n=n, gate_samples=10, concurrency=2))
+    config = write_config(
+        tmp_path / "config.yaml", config_dict(tmp_path, [fake.url], n=n, gate_samples=10, concurrency=2)
+    )
     responses = tmp_path / "run" / "generate" / "responses.jsonl"
 
     proc = start_cli(config)  # 1: Ctrl-C
@@ -404,6 +455,7 @@ def records_at(path: Path) -> list[dict]:
 
 
 # --- the store ----------------------------------------------------------------------------------------
+
 
 def test_store_repairs_a_torn_tail_and_never_writes_an_id_twice(tmp_path):
     folder = tmp_path / "generate"

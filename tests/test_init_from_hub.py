@@ -58,9 +58,20 @@ def test_hub_drafter_is_fetched_by_preflight_resumed_and_trained_from(tmp_path, 
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     # the client writes what it has received in chunks of this size: small, so a cut-short file keeps some
     monkeypatch.setattr(huggingface_hub.constants, "DOWNLOAD_CHUNK_SIZE", CHUNK)
-    cfg = prepared_run(tmp_path, tiny_target, n=40, train={
-        "init_from": REPO, "ttt_steps": 2, "batch_size": 4, "max_steps": 2, "eval_every": 2, "save_every": 2,
-        "eval_samples": 4})
+    cfg = prepared_run(
+        tmp_path,
+        tiny_target,
+        n=40,
+        train={
+            "init_from": REPO,
+            "ttt_steps": 2,
+            "batch_size": 4,
+            "max_steps": 2,
+            "eval_every": 2,
+            "save_every": 2,
+            "eval_samples": 4,
+        },
+    )
     assert cfg.train.init_from == REPO  # a hub id stays one; the fingerprint names it without fetching it
     assert params(cfg)["init_from"] == {"hub": REPO}
 
@@ -92,8 +103,10 @@ def test_hub_drafter_is_fetched_by_preflight_resumed_and_trained_from(tmp_path, 
         assert "is in the Hugging Face cache" in preflight(cfg)["init_from download"].detail
         assert len(hub.requests) == asked
     snapshot = next((tmp_path / "hf" / "hub").glob("models--AQ-MedAI--tiny-eagle3/snapshots/*"))
-    assert hashlib.sha256((snapshot / "model.safetensors").read_bytes()).digest() == hashlib.sha256(
-        weights.read_bytes()).digest()
+    assert (
+        hashlib.sha256((snapshot / "model.safetensors").read_bytes()).digest()
+        == hashlib.sha256(weights.read_bytes()).digest()
+    )
     assert sorted(p.name for p in snapshot.iterdir()) == ["config.json", "model.safetensors"]
     assert not list((tmp_path / "hf" / "hub").rglob("*.part"))
 

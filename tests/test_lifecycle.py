@@ -15,13 +15,13 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, mounted_tmpfs, subprocess_env, write_config
+from test_rundir import fake_stage
+
 from eaglekit import pipeline, status
 from eaglekit.config import load_config
 from eaglekit.preflight import warn
 from eaglekit.rundir import RunDir
-from test_rundir import fake_stage
 
 BASE = {"run_dir": "run", "target": {"model": "model"}, "data": {"prompts": "prompts.jsonl"}}
 STAGES = ["generate", "prepare", "vocab", "train", "evaluate", "export"]  # online mode: no extract
@@ -30,8 +30,15 @@ STAGES = ["generate", "prepare", "vocab", "train", "evaluate", "export"]  # onli
 @pytest.fixture
 def fakes(monkeypatch):
     calls: list[str] = []
-    ups = {"generate": None, "prepare": "generate", "vocab": "prepare", "extract": "vocab", "train": "extract",
-           "evaluate": "train", "export": "evaluate"}
+    ups = {
+        "generate": None,
+        "prepare": "generate",
+        "vocab": "prepare",
+        "extract": "vocab",
+        "train": "extract",
+        "evaluate": "train",
+        "export": "evaluate",
+    }
     mods = {name: fake_stage(name, up, calls) for name, up in ups.items()}
     monkeypatch.setattr(pipeline, "stage_module", lambda name: mods[name])
     return mods, calls
@@ -86,7 +93,7 @@ def test_version(cli):
 def test_help_lists_stages_in_pipeline_order_and_what_each_reads_and_writes(cli, monkeypatch):
     monkeypatch.setenv("COLUMNS", "250")  # no wrapping inside the phrases looked for
     r = cli("--help")
-    commands = r.out[r.out.index("Commands"):]
+    commands = r.out[r.out.index("Commands") :]
     positions = [re.search(rf"\b{s}\b", commands).start() for s in ["run", *STAGES[:3], "extract", *STAGES[3:]]]
     assert positions == sorted(positions), commands
     run_help = cli("run", "--help").out
@@ -105,9 +112,12 @@ def test_demo_does_not_import_the_cli():
 
 # ------------------------------------------------------------------------------------ unexpected errors
 
+
 def test_an_unexpected_exception_is_a_short_message_with_the_traceback_in_a_log(tmp_path, cli, fakes):
     mods, calls = fakes
-    mods["prepare"] = fake_stage("prepare", "generate", calls, fail=ZeroDivisionError("division by zero in the tokenizer"))
+    mods["prepare"] = fake_stage(
+        "prepare", "generate", calls, fail=ZeroDivisionError("division by zero in the tokenizer")
+    )
     cfg = config(tmp_path)
     r = cli("run", cfg)
     assert r.code == 1 and "Traceback" not in r.err
@@ -125,6 +135,7 @@ def test_an_unexpected_exception_is_a_short_message_with_the_traceback_in_a_log(
 
 
 # ------------------------------------------------------------------------------- reruns keep finished work
+
 
 def test_force_replaces_only_what_needs_it_and_remedies_name_the_command(tmp_path, cli, fakes):
     _, calls = fakes
@@ -155,7 +166,10 @@ def test_a_failed_attempt_is_replaced_without_force(tmp_path, cli, fakes):
     rows = status.stage_rows(load_config(cfg))
     assert [r["state"] for r in rows[:2]] == ["done", "failed"]
     steps = status.next_steps(load_config(cfg), rows, cfg.name)
-    assert "what the failed attempt left is replaced" in steps[1] and steps[2] == f"  eaglekit run {cfg.name} --from prepare"
+    assert (
+        "what the failed attempt left is replaced" in steps[1]
+        and steps[2] == f"  eaglekit run {cfg.name} --from prepare"
+    )
 
     config(tmp_path, prepare={"max_length": 99})  # the fix
     r = cli("run", cfg)  # no --force: what the failed attempt left is not finished work
@@ -173,6 +187,7 @@ def test_upstream_remedy_names_the_whole_way(tmp_path, cli, fakes):
 
 # -------------------------------------------------------------------------------------------- disk full
 
+
 @pytest.fixture
 def small_tmpfs(tmp_path):
     with mounted_tmpfs(tmp_path / "small", "64k") as mnt:
@@ -183,10 +198,15 @@ def test_disk_full_mid_generate_names_the_file_keeps_every_line_and_resumes(tmp_
     from eaglekit.tiny import write_prompts
 
     write_prompts(tmp_path / "prompts.jsonl", n=120, seed=7)
-    cfg = write_config(tmp_path / "c.yaml", {
-        "run_dir": str(small_tmpfs / "run"), "target": {"model": str(tiny_target)},
-        "data": {"prompts": str(tmp_path / "prompts.jsonl")},
-        "generate": {"backend": "local", "max_tokens": 160, "batch_size": 32}})
+    cfg = write_config(
+        tmp_path / "c.yaml",
+        {
+            "run_dir": str(small_tmpfs / "run"),
+            "target": {"model": str(tiny_target)},
+            "data": {"prompts": str(tmp_path / "prompts.jsonl")},
+            "generate": {"backend": "local", "max_tokens": 160, "batch_size": 32},
+        },
+    )
     # Pre-flight would refuse this disk (its estimate exceeds 64 KiB): skip it, as a disk filled by another
     # process after the check would.
     r = cli("generate", cfg, "--skip-preflight")
@@ -214,6 +234,7 @@ def test_disk_full_mid_generate_names_the_file_keeps_every_line_and_resumes(tmp_
 
 # ------------------------------------------------------------------------------------------------ status
 
+
 def test_status_of_a_run_dir_compares_with_the_config_that_last_drove_it(tmp_path, cli, fakes):
     cfg = config(tmp_path, "mine.yaml")
     assert cli("run", cfg).code == 0
@@ -234,7 +255,7 @@ def test_status_of_a_run_dir_compares_with_the_config_that_last_drove_it(tmp_pat
     assert max(len(line) for line in lines if line != command) <= 80, r.out
     assert "eaglekit run" not in lines[0], "no misleading title"
     table_end = max(i for i, line in enumerate(lines) if line.startswith("export"))
-    follow = "\n".join(lines[table_end + 1:])
+    follow = "\n".join(lines[table_end + 1 :])
     assert "prepare is stale: prepare.n: 2048 → 99" in follow and command in follow
     assert "pre-flight" in cli("status", tmp_path / "run", "--wide").out
 
@@ -267,14 +288,25 @@ main(["run", sys.argv[1]])
 def test_status_shows_what_runs_now_and_what_will_run(tmp_path, fakes):
     cfg = config(tmp_path)
     gate = tmp_path / "go"
-    proc = subprocess.Popen([sys.executable, "-c", RUN_WITH_A_BLOCKING_TRAIN, str(cfg), str(gate), str(REPO / "tests")],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env())
+    proc = subprocess.Popen(
+        [sys.executable, "-c", RUN_WITH_A_BLOCKING_TRAIN, str(cfg), str(gate), str(REPO / "tests")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=subprocess_env(),
+    )
     try:
         assert proc.stdout.readline().strip() == "train started", proc.stderr.read()
         loaded = load_config(cfg)
         rows = status.stage_rows(loaded)
-        assert {r["stage"]: r["state"] for r in rows} == {"generate": "done", "prepare": "done", "vocab": "done",
-                                                          "train": "running", "evaluate": "queued", "export": "queued"}
+        assert {r["stage"]: r["state"] for r in rows} == {
+            "generate": "done",
+            "prepare": "done",
+            "vocab": "done",
+            "train": "running",
+            "evaluate": "queued",
+            "export": "queued",
+        }
         steps = "\n".join(status.next_steps(loaded, rows, "c.yaml"))
         assert "train is running" in steps and f"pid {proc.pid}" in steps and "then evaluate, export" in steps
     finally:
@@ -299,15 +331,21 @@ def test_status_shows_preflight_warnings_and_bad_data(tmp_path, cli, fakes):
     assert cli("run", cfg, "--until", "vocab").code == 0
 
     rows = {r["stage"]: r for r in json.loads(cli("status", cfg, "--json").out)["stages"]}
-    assert rows["generate"]["flags"][:2] == ["2 of 10 responses have empty reasoning",
-                                             "1 of 10 replies keep think tags in their content (reasoning not separated)"]
+    assert rows["generate"]["flags"][:2] == [
+        "2 of 10 responses have empty reasoning",
+        "1 of 10 replies keep think tags in their content (reasoning not separated)",
+    ]
     assert rows["prepare"]["warnings"] == ["3 of 10 responses (30%) dropped as cut off at generate.max_tokens"]
     assert rows["vocab"]["preflight"]["warn"] == 1 and rows["vocab"]["preflight"]["fail"] == 0
     assert rows["vocab"]["preflight"]["ts"]
     text = " ".join(cli("status", cfg).out.split())
-    for line in ("generate: 2 of 10 responses have empty reasoning", "prepare: warning: 3 of 10 responses (30%) dropped",
-                 "vocab: last pre-flight", "0 fail, 1 warn — vocab size: larger than the data needs",
-                 f"next: eaglekit run {status.relative(cfg)} --from train"):
+    for line in (
+        "generate: 2 of 10 responses have empty reasoning",
+        "prepare: warning: 3 of 10 responses (30%) dropped",
+        "vocab: last pre-flight",
+        "0 fail, 1 warn — vocab size: larger than the data needs",
+        f"next: eaglekit run {status.relative(cfg)} --from train",
+    ):
         assert line in text, (line, text)
 
 
@@ -325,8 +363,17 @@ loop.Metrics.write = write_then_signal
 from eaglekit.cli import main
 main(["train", sys.argv[1]])
 """
-TRAIN = {"ttt_steps": 2, "batch_size": 4, "lr": 1e-3, "warmup_steps": 1, "eval_samples": 4, "max_steps": 4,
-         "save_every": 100, "eval_every": 100, "log_every": 1}
+TRAIN = {
+    "ttt_steps": 2,
+    "batch_size": 4,
+    "lr": 1e-3,
+    "warmup_steps": 1,
+    "eval_samples": 4,
+    "max_steps": 4,
+    "save_every": 100,
+    "eval_every": 100,
+    "log_every": 1,
+}
 
 
 @pytest.mark.parametrize("signal_name, code", [("SIGINT", 130), ("SIGTERM", 143)])
@@ -336,8 +383,13 @@ def test_a_signal_in_train_finishes_the_step_checkpoints_and_resumes(tmp_path, t
     cfg = prepared_run(tmp_path, tiny_target, n=24, train=TRAIN)
     path = Path(cfg.run_dir) / "config.yaml"
     path.write_text(cfg.to_yaml())
-    proc = subprocess.run([sys.executable, "-c", INTERRUPTED_TRAIN, str(path), signal_name], capture_output=True,
-                          text=True, env=subprocess_env(), timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", INTERRUPTED_TRAIN, str(path), signal_name],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=600,
+    )
     assert proc.returncode == code, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     checkpoints = Path(cfg.run_dir) / "train" / "checkpoints"
@@ -349,16 +401,23 @@ def test_a_signal_in_train_finishes_the_step_checkpoints_and_resumes(tmp_path, t
     with RunDir(cfg.run_dir).lock:
         row = pipeline.run_stage(load_config(path), "train")
     assert row["counts"]["steps"] == 4
-    steps = [json.loads(line)["step"] for line in (Path(cfg.run_dir) / "train" / "metrics.jsonl").read_text().splitlines()
-             if json.loads(line)["kind"] == "train"]
+    steps = [
+        json.loads(line)["step"]
+        for line in (Path(cfg.run_dir) / "train" / "metrics.jsonl").read_text().splitlines()
+        if json.loads(line)["kind"] == "train"
+    ]
     assert steps == [1, 2, 3, 4], "resumed after step 2, nothing lost or repeated"
 
 
 def test_train_checkpoints_on_time_as_well_as_on_steps(tmp_path, tiny_target):
     from test_extract import prepared_run
 
-    cfg = prepared_run(tmp_path, tiny_target, n=24, train={**TRAIN, "max_steps": 3, "keep_last": 5, "warmup_steps": 5,
-                                                           "save_every_minutes": 1e-9})
+    cfg = prepared_run(
+        tmp_path,
+        tiny_target,
+        n=24,
+        train={**TRAIN, "max_steps": 3, "keep_last": 5, "warmup_steps": 5, "save_every_minutes": 1e-9},
+    )
     with RunDir(cfg.run_dir).lock:
         row = pipeline.run_stage(cfg, "train")
     # a degenerate run says so: too few steps to finish the warmup, too few samples to generalise
@@ -374,6 +433,7 @@ def test_train_checkpoints_on_time_as_well_as_on_steps(tmp_path, tiny_target):
 
 # ------------------------------------------------------------------------------------ degenerate-run warnings
 
+
 def test_prepare_warns_per_drop_cause_and_on_think_tags_left_in_replies(tmp_path, tiny_target, cli):
     from eaglekit.tiny.corpus import sample_tasks
 
@@ -381,8 +441,13 @@ def test_prepare_warns_per_drop_cause_and_on_think_tags_left_in_replies(tmp_path
     gen.mkdir(parents=True)
     rows = []
     for i, t in enumerate(sample_tasks(20, 3, split="train")):
-        row = {"id": f"r{i}", "messages": [{"role": "user", "content": t.prompt}], "reasoning": t.reasoning,
-               "content": t.answer, "finish_reason": "stop"}
+        row = {
+            "id": f"r{i}",
+            "messages": [{"role": "user", "content": t.prompt}],
+            "reasoning": t.reasoning,
+            "content": t.answer,
+            "finish_reason": "stop",
+        }
         if i < 3:  # 15 %: cut off at max_tokens
             row["finish_reason"] = "length"
         elif i == 3:  # 5 %: no reply (under the 10 % line: no warning for it)
@@ -391,8 +456,10 @@ def test_prepare_warns_per_drop_cause_and_on_think_tags_left_in_replies(tmp_path
             row["reasoning"], row["content"] = "", f"<think>{t.reasoning}</think>{t.answer}"
         rows.append(row)
     (gen / "responses.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = write_config(tmp_path / "c.yaml", {"run_dir": "run", "target": {"model": str(tiny_target)},
-                                             "data": {"prompts": "unused.jsonl"}})
+    cfg = write_config(
+        tmp_path / "c.yaml",
+        {"run_dir": "run", "target": {"model": str(tiny_target)}, "data": {"prompts": "unused.jsonl"}},
+    )
     r = cli("prepare", cfg, "--skip-preflight", "--json")
     assert r.code == 0, r.err
     warnings = json.loads(r.out)["warnings"]
@@ -408,8 +475,13 @@ def test_prepare_warns_per_drop_cause_and_on_think_tags_left_in_replies(tmp_path
 def test_training_curves_use_a_log_loss_axis_and_show_a_single_point(tmp_path):
     from eaglekit import plots
 
-    rows = [{"kind": "train", "step": s, "loss": loss, "acc_k": [0.1, 0.05]} for s, loss in ((0, 17.8), (10, 2.0), (20, 1.4))]
-    fig = plots.training_curves(rows + [{"kind": "eval", "step": 20, "loss": 1.5, "acc_k": [0.4, 0.2]}], tmp_path / "c.png")
+    rows = [
+        {"kind": "train", "step": s, "loss": loss, "acc_k": [0.1, 0.05]}
+        for s, loss in ((0, 17.8), (10, 2.0), (20, 1.4))
+    ]
+    fig = plots.training_curves(
+        rows + [{"kind": "eval", "step": 20, "loss": 1.5, "acc_k": [0.4, 0.2]}], tmp_path / "c.png"
+    )
     assert fig.axes[0].get_yscale() == "log", "the step-0 loss must not flatten the rest"
     one = plots.training_curves([{"kind": "eval", "step": 5, "loss": 2.0, "acc_k": [0.3]}], tmp_path / "one.png")
     assert all(line.get_marker() not in (None, "None", "") for line in one.axes[0].lines + one.axes[1].lines)
@@ -446,11 +518,14 @@ def test_a_moved_run_with_its_data_is_still_done(tmp_path, cli, fakes):
     assert rows[0]["state"] == "stale" and rows[0]["reason"].startswith("generate.prompts: ")
 
 
-@pytest.mark.parametrize("errno_name, says, fix", [
-    ("EACCES", "permission denied", "make the folder writable"),
-    ("EIO", "I/O error", "check the disk or network volume"),
-    ("EROFS", "read-only file system", "remount it read-write"),
-])
+@pytest.mark.parametrize(
+    "errno_name, says, fix",
+    [
+        ("EACCES", "permission denied", "make the folder writable"),
+        ("EIO", "I/O error", "check the disk or network volume"),
+        ("EROFS", "read-only file system", "remount it read-write"),
+    ],
+)
 def test_other_disk_faults_name_the_file_and_the_fix(tmp_path, cli, fakes, errno_name, says, fix):
     """As root these cannot be provoked for real (root writes through permissions; EIO needs a failing device):
     the stage raises the OSError a failing write would."""
@@ -472,8 +547,10 @@ def test_a_check_that_raises_a_foreseen_error_is_a_plain_fail(tmp_path, cli, fak
     from eaglekit.errors import UsageError
 
     def estimate(ctx):
-        raise UsageError("drafter config: draft_vocab_size (32000) exceeds vocab_size (514)",
-                         "set vocab.draft_vocab_size to at most the target's vocabulary")
+        raise UsageError(
+            "drafter config: draft_vocab_size (32000) exceeds vocab_size (514)",
+            "set vocab.draft_vocab_size to at most the target's vocabulary",
+        )
 
     mods, _ = fakes
     mods["generate"].checks = lambda cfg: [estimate]

@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from conftest import write_config
 
 GOOD_PROMPT = {"conversations": [{"from": "human", "value": "What is 2 + 2?"}]}
@@ -17,14 +16,19 @@ def make_target(root: Path, drop: str | None = None, index_missing_shard: bool =
     """A folder with the files a target needs (contents are stand-ins: pre-flight checks presence and shape)."""
     t = root / "target"
     t.mkdir(parents=True, exist_ok=True)
-    files = {"config.json": json.dumps({"num_hidden_layers": 8, "vocab_size": 100}), "tokenizer.json": "{}",
-             "tokenizer_config.json": "{}", "model.safetensors": "x"}
+    files = {
+        "config.json": json.dumps({"num_hidden_layers": 8, "vocab_size": 100}),
+        "tokenizer.json": "{}",
+        "tokenizer_config.json": "{}",
+        "model.safetensors": "x",
+    }
     if bad_json:
         files["config.json"] = "{not json"
     if index_missing_shard:
         del files["model.safetensors"]
-        files["model.safetensors.index.json"] = json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors",
-                                                                           "b": "model-00002-of-00002.safetensors"}})
+        files["model.safetensors.index.json"] = json.dumps(
+            {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+        )
         files["model-00001-of-00002.safetensors"] = "x"
     for name, text in files.items():
         if drop is None or not name.startswith(drop):
@@ -59,35 +63,100 @@ CASES = [
     ("missing section", lambda r: {k: v for k, v in base(r).items() if k != "data"}, ["prepare"], 2, ["'data'"]),
     ("not a mapping", lambda r: "- just\n- a list\n", ["prepare"], 2, ["YAML mapping"]),
     ("invalid YAML", lambda r: "run_dir: run\ntarget: {model: [\n", ["prepare"], 2, ["c.yaml:", "not valid YAML"]),
-    ("openai without servers", lambda r: {**base(r), "generate": {"backend": "openai", "model": "m"}}, ["prepare"], 2,
-     ["generate.servers"]),
+    (
+        "openai without servers",
+        lambda r: {**base(r), "generate": {"backend": "openai", "model": "m"}},
+        ["prepare"],
+        2,
+        ["generate.servers"],
+    ),
     ("unknown --from stage", lambda r: base(r), ["run", "--from", "trainn"], 2, ["trainn"]),
     ("unknown export format", lambda r: base(r), ["export", "--format", "gguf"], 2, ["gguf"]),
     ("unknown preflight stage", lambda r: base(r), ["preflight", "--stage", "bake"], 2, ["bake"]),
-    ("target folder missing", lambda r: {**base(r), "target": {"model": str(r / "nowhere")}}, ["preflight", "--stage", "prepare"], 1,
-     ["nowhere", "does not exist"]),
-    ("target without config.json", lambda r: {**base(r), "target": {"model": str(make_target(r / "x", drop="config.json"))}},
-     ["preflight", "--stage", "prepare"], 1, ["config.json"]),
-    ("target without tokenizer", lambda r: {**base(r), "target": {"model": str(make_target(r / "x", drop="tokenizer"))}},
-     ["preflight", "--stage", "prepare"], 1, ["tokenizer files"]),
-    ("target without weights", lambda r: {**base(r), "target": {"model": str(make_target(r / "x", drop="model"))}},
-     ["preflight", "--stage", "prepare"], 1, ["weights"]),
-    ("target missing a shard", lambda r: {**base(r), "target": {"model": str(make_target(r / "x", index_missing_shard=True))}},
-     ["preflight", "--stage", "prepare"], 1, ["model-00002-of-00002.safetensors"]),
-    ("target config not JSON", lambda r: {**base(r), "target": {"model": str(make_target(r / "x", bad_json=True))}},
-     ["preflight", "--stage", "prepare"], 1, ["config.json", "not valid JSON"]),
-    ("draft vocab larger than target's", lambda r: {**base(r), "vocab": {"draft_vocab_size": 1000}},
-     ["preflight", "--stage", "vocab"], 1, ["1000", "exceeds"]),
-    ("prompts file missing", lambda r: {**base(r), "data": {"prompts": "nope.jsonl"}}, ["preflight", "--stage", "generate"], 1,
-     ["nope.jsonl"]),
-    ("prompts bad JSON on line 3", lambda r: prompts_lines(r, [OK, OK, "{oops", OK]), ["preflight", "--stage", "generate"], 1,
-     ["bad.jsonl:3"]),
-    ("prompts row not an object", lambda r: prompts_lines(r, [OK, "[1, 2]"]), ["preflight", "--stage", "generate"], 1,
-     ["bad.jsonl:2"]),
-    ("prompts without user turn", lambda r: prompts_lines(r, [json.dumps({"messages": [{"role": "system", "content": "hi"}]})]),
-     ["preflight", "--stage", "generate"], 1, ["bad.jsonl:1"]),
-    ("prompts unknown role", lambda r: prompts_lines(r, [json.dumps({"conversations": [{"from": "alien", "value": "hi"}]})]),
-     ["preflight", "--stage", "generate"], 1, ["bad.jsonl:1", "alien"]),
+    (
+        "target folder missing",
+        lambda r: {**base(r), "target": {"model": str(r / "nowhere")}},
+        ["preflight", "--stage", "prepare"],
+        1,
+        ["nowhere", "does not exist"],
+    ),
+    (
+        "target without config.json",
+        lambda r: {**base(r), "target": {"model": str(make_target(r / "x", drop="config.json"))}},
+        ["preflight", "--stage", "prepare"],
+        1,
+        ["config.json"],
+    ),
+    (
+        "target without tokenizer",
+        lambda r: {**base(r), "target": {"model": str(make_target(r / "x", drop="tokenizer"))}},
+        ["preflight", "--stage", "prepare"],
+        1,
+        ["tokenizer files"],
+    ),
+    (
+        "target without weights",
+        lambda r: {**base(r), "target": {"model": str(make_target(r / "x", drop="model"))}},
+        ["preflight", "--stage", "prepare"],
+        1,
+        ["weights"],
+    ),
+    (
+        "target missing a shard",
+        lambda r: {**base(r), "target": {"model": str(make_target(r / "x", index_missing_shard=True))}},
+        ["preflight", "--stage", "prepare"],
+        1,
+        ["model-00002-of-00002.safetensors"],
+    ),
+    (
+        "target config not JSON",
+        lambda r: {**base(r), "target": {"model": str(make_target(r / "x", bad_json=True))}},
+        ["preflight", "--stage", "prepare"],
+        1,
+        ["config.json", "not valid JSON"],
+    ),
+    (
+        "draft vocab larger than target's",
+        lambda r: {**base(r), "vocab": {"draft_vocab_size": 1000}},
+        ["preflight", "--stage", "vocab"],
+        1,
+        ["1000", "exceeds"],
+    ),
+    (
+        "prompts file missing",
+        lambda r: {**base(r), "data": {"prompts": "nope.jsonl"}},
+        ["preflight", "--stage", "generate"],
+        1,
+        ["nope.jsonl"],
+    ),
+    (
+        "prompts bad JSON on line 3",
+        lambda r: prompts_lines(r, [OK, OK, "{oops", OK]),
+        ["preflight", "--stage", "generate"],
+        1,
+        ["bad.jsonl:3"],
+    ),
+    (
+        "prompts row not an object",
+        lambda r: prompts_lines(r, [OK, "[1, 2]"]),
+        ["preflight", "--stage", "generate"],
+        1,
+        ["bad.jsonl:2"],
+    ),
+    (
+        "prompts without user turn",
+        lambda r: prompts_lines(r, [json.dumps({"messages": [{"role": "system", "content": "hi"}]})]),
+        ["preflight", "--stage", "generate"],
+        1,
+        ["bad.jsonl:1"],
+    ),
+    (
+        "prompts unknown role",
+        lambda r: prompts_lines(r, [json.dumps({"conversations": [{"from": "alien", "value": "hi"}]})]),
+        ["preflight", "--stage", "generate"],
+        1,
+        ["bad.jsonl:1", "alien"],
+    ),
     ("prompts empty file", lambda r: prompts_lines(r, []), ["preflight", "--stage", "generate"], 1, ["bad.jsonl"]),
     ("status of a folder that is no run", lambda r: base(r), ["status-of-tmp"], 2, ["config.yaml"]),
 ]

@@ -13,15 +13,38 @@ from eaglekit.errors import UsageError
 from eaglekit.model.drafter import DrafterConfig, Eagle3Drafter
 from eaglekit.model.layers import sdpa
 
-YARN = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64, "beta_fast": 32,
-        "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8}
+YARN = {
+    "rope_type": "yarn",
+    "factor": 8.0,
+    "original_max_position_embeddings": 64,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 1.0,
+    "mscale_all_dim": 0.8,
+}
 
 
 def deepseek_target(**kw) -> DeepseekV3Config:
-    base = dict(vocab_size=97, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=8,
-                num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
-                first_k_dense_replace=1, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
-                v_head_dim=6, max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0)
+    base = dict(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        q_lora_rank=24,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=4,
+        v_head_dim=6,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+    )
     base.update(kw)
     return DeepseekV3Config(**base)
 
@@ -32,7 +55,12 @@ def test_mla_layer_matches_transformers_deepseek_v3_attention(q_lora_rank, rope_
     target = deepseek_target(q_lora_rank=q_lora_rank, rope_scaling=rope_scaling)
     cfg = DrafterConfig.from_target_config(target, draft_vocab_size=20, architecture="mla", q_lora_rank=q_lora_rank)
     assert (cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim) == (
-        q_lora_rank or 96, 16, 8, 4, 6)
+        q_lora_rank or 96,
+        16,
+        8,
+        4,
+        6,
+    )
     if q_lora_rank is None:  # published drafters may have one q_proj: the layer supports it
         cfg = dataclasses.replace(cfg, q_lora_rank=None)
     torch.manual_seed(0)
@@ -68,7 +96,7 @@ def test_mla_layer_matches_transformers_deepseek_v3_attention(q_lora_rank, rope_
     assert layer.scale == pytest.approx(hf.scaling, rel=1e-12)
     assert drafter.rotary.scale == pytest.approx(float(DeepseekV3RotaryEmbedding(hf_cfg).attention_scaling), rel=1e-9)
     torch.testing.assert_close(got, want[..., : cfg.hidden_size], rtol=1e-6, atol=1e-6)
-    assert want[..., cfg.hidden_size:].abs().max() == 0
+    assert want[..., cfg.hidden_size :].abs().max() == 0
 
 
 def test_mla_config_from_targets():
@@ -79,18 +107,31 @@ def test_mla_config_from_targets():
     assert cfg.intermediate_size == 48  # the target's dense MLP, not its experts'
     assert DrafterConfig.from_dict(cfg.to_dict()) == cfg
     # train.draft overrides: flags, a narrower latent.
-    small = DrafterConfig.from_target_config(deepseek_target(), 20, architecture="mla", kv_lora_rank=8, fc_norm=True,
-                                             norm_output=True)
+    small = DrafterConfig.from_target_config(
+        deepseek_target(), 20, architecture="mla", kv_lora_rank=8, fc_norm=True, norm_output=True
+    )
     assert (small.q_lora_rank, small.kv_lora_rank, small.fc_norm, small.norm_output) == (24, 8, True, True)
     # A target without q compression (DeepSeek-V2-Lite): the drafter still gets one, the only layout the engines load.
     assert DrafterConfig.from_target_config(deepseek_target(q_lora_rank=None), 20, architecture="mla").q_lora_rank == 96
 
     # A Llama target: DeepSeek-V3's proportions of its head width (d = 64 / 4 = 16).
-    llama = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=8, num_attention_heads=4,
-                        num_key_value_heads=2, vocab_size=101, max_position_embeddings=256)
+    llama = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=101,
+        max_position_embeddings=256,
+    )
     derived = DrafterConfig.from_target_config(llama, 40, architecture="mla")
-    assert (derived.q_lora_rank, derived.kv_lora_rank, derived.qk_nope_head_dim, derived.qk_rope_head_dim,
-            derived.v_head_dim) == (192, 64, 16, 8, 16)
+    assert (
+        derived.q_lora_rank,
+        derived.kv_lora_rank,
+        derived.qk_nope_head_dim,
+        derived.qk_rope_head_dim,
+        derived.v_head_dim,
+    ) == (192, 64, 16, 8, 16)
     assert DrafterConfig.from_target_config(deepseek_target(), 20).architecture == "llama"  # the default
 
     with pytest.raises(UsageError, match="apply to architecture llama"):
@@ -101,17 +142,30 @@ def test_mla_config_from_targets():
         DrafterConfig.from_target_config(llama, 40, fc_norm=True, norm_before_fc=True)
     with pytest.raises(UsageError, match="'moe'"):
         DrafterConfig.from_target_config(llama, 40, architecture="moe")
-    llama3 = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=8, num_attention_heads=4,
-                         vocab_size=101, max_position_embeddings=4096,
-                         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 512})
+    llama3 = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        vocab_size=101,
+        max_position_embeddings=4096,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 512,
+        },
+    )
     with pytest.raises(UsageError, match="llama3"):  # vLLM would serve it as DeepSeek YaRN
         DrafterConfig.from_target_config(llama3, 40, architecture="mla")
 
 
 def test_mla_parameters_are_the_engines_names():
     cfg = DrafterConfig.from_target_config(deepseek_target(), 20, architecture="mla", fc_norm=True)
-    shapes = {k: tuple(v.shape) for k, v in Eagle3Drafter(cfg).state_dict().items() if k.startswith("midlayer.self_attn")}
+    shapes = {
+        k: tuple(v.shape) for k, v in Eagle3Drafter(cfg).state_dict().items() if k.startswith("midlayer.self_attn")
+    }
     h2 = 2 * cfg.hidden_size
     assert shapes == {
         "midlayer.self_attn.q_a_proj.weight": (24, h2),

@@ -15,8 +15,17 @@ from eaglekit.model.checkpoints import load_drafter
 from eaglekit.rundir import RunDir
 from eaglekit.stages import verify
 
-TRAIN = {"ttt_steps": 3, "batch_size": 8, "lr": 6e-3, "warmup_steps": 5, "max_steps": 30, "eval_every": 30,
-         "save_every": 30, "log_every": 10, "eval_samples": 16}
+TRAIN = {
+    "ttt_steps": 3,
+    "batch_size": 8,
+    "lr": 6e-3,
+    "warmup_steps": 5,
+    "max_steps": 30,
+    "eval_every": 30,
+    "save_every": 30,
+    "log_every": 10,
+    "eval_samples": 16,
+}
 
 
 def preflight(cfg, stage: str) -> dict:
@@ -24,21 +33,31 @@ def preflight(cfg, stage: str) -> dict:
 
 
 def test_mla_drafter_trains_evaluates_and_exports(tmp_path, tiny_deepseek_target):
-    cfg = prepared_run(tmp_path, tiny_deepseek_target, n=120, train={
-        **TRAIN, "draft": {"architecture": "mla", "fc_norm": True, "norm_output": True}},
+    cfg = prepared_run(
+        tmp_path,
+        tiny_deepseek_target,
+        n=120,
+        train={**TRAIN, "draft": {"architecture": "mla", "fc_norm": True, "norm_output": True}},
         evaluate={"num_samples": 3, "num_speculative_tokens": [3], "temperatures": [0.0], "max_new_tokens": 48},
-        export={"num_speculative_tokens": 3})
+        export={"num_speculative_tokens": 3},
+    )
     drafter_check = preflight(cfg, "train")["drafter"]
     assert drafter_check.status == "ok", drafter_check
-    assert "mla: q_lora_rank 32, kv_lora_rank 512" in drafter_check.detail and "fc_norm, norm_output" in drafter_check.detail
+    assert (
+        "mla: q_lora_rank 32, kv_lora_rank 512" in drafter_check.detail
+        and "fc_norm, norm_output" in drafter_check.detail
+    )
 
     with RunDir(cfg.run_dir).lock:
         trained = pipeline.run_stage(cfg, "train", skip_preflight=True)
         evaluated = pipeline.run_stage(cfg, "evaluate")
         exported = pipeline.run_stage(cfg, "export")
     run = Path(cfg.run_dir)
-    evals = [json.loads(line) for line in (run / "train" / "metrics.jsonl").read_text().splitlines()
-             if json.loads(line)["kind"] == "eval"]
+    evals = [
+        json.loads(line)
+        for line in (run / "train" / "metrics.jsonl").read_text().splitlines()
+        if json.loads(line)["kind"] == "eval"
+    ]
     print("held-out acc_k", evals[0]["acc_k"], "->", evals[-1]["acc_k"], trained["counts"], evaluated["counts"])
     assert evals[-1]["acc_k"][0] > evals[0]["acc_k"][0] + 0.2  # it learns
 
@@ -60,8 +79,10 @@ def test_mla_drafter_trains_evaluates_and_exports(tmp_path, tiny_deepseek_target
     assert not (run / "export" / "speculators").exists()
     card = (run / "export" / "README.md").read_text()
     assert "no speculators form" in card and "multi-head latent attention" in card and "sglang" in card.lower()
-    assert all(k.startswith(("layers.0.", "fc", "norm", "lm_head", "d2t", "t2d", "embed_tokens"))
-               for k in load_file(str(out / "model.safetensors")))
+    assert all(
+        k.startswith(("layers.0.", "fc", "norm", "lm_head", "d2t", "t2d", "embed_tokens"))
+        for k in load_file(str(out / "model.safetensors"))
+    )
     exported_drafter, _ = load_drafter(out)
     assert exported_drafter.config == c
     for name, tensor in best.state_dict().items():
@@ -84,8 +105,13 @@ def test_mla_drafter_trains_evaluates_and_exports(tmp_path, tiny_deepseek_target
 def test_mla_export_for_vllm_alone_when_sglang_cannot_read_its_aux_ids(tmp_path, tiny_deepseek_target):
     """Aux layers not starting at 2 mean other layers in SGLang's versions: a Llama drafter's plain form is refused
     (its speculators form serves vLLM), an MLA drafter's only form is written without eagle_config, for vLLM."""
-    cfg = prepared_run(tmp_path, tiny_deepseek_target, n=24, export={"formats": ["eagle3"]},
-                       train={**TRAIN, "max_steps": 2, "eval_every": 2, "save_every": 2, "draft": {"architecture": "mla"}})
+    cfg = prepared_run(
+        tmp_path,
+        tiny_deepseek_target,
+        n=24,
+        export={"formats": ["eagle3"]},
+        train={**TRAIN, "max_steps": 2, "eval_every": 2, "save_every": 2, "draft": {"architecture": "mla"}},
+    )
     cfg.target.aux_layers = [3, 4, 5]  # features are captured during training (online mode)
     with RunDir(cfg.run_dir).lock:
         pipeline.run_stage(cfg, "train", skip_preflight=True)
@@ -118,15 +144,37 @@ def test_preflight_suggests_mla_for_an_mla_target(tmp_path, tiny_deepseek_target
 
 def test_an_exported_mla_drafter_is_finetuned_on_a_new_vocab(tmp_path, tiny_deepseek_target):
     """The export of one run is the init_from of the next: shape and flags kept, lm_head remapped, train.draft ignored."""
-    first = prepared_run(tmp_path / "first", tiny_deepseek_target, n=48, train={
-        **TRAIN, "max_steps": 4, "eval_every": 4, "save_every": 4,
-        "draft": {"architecture": "mla", "fc_norm": True, "norm_before_residual": True}})
+    first = prepared_run(
+        tmp_path / "first",
+        tiny_deepseek_target,
+        n=48,
+        train={
+            **TRAIN,
+            "max_steps": 4,
+            "eval_every": 4,
+            "save_every": 4,
+            "draft": {"architecture": "mla", "fc_norm": True, "norm_before_residual": True},
+        },
+    )
     with RunDir(first.run_dir).lock:
         pipeline.run_stage(first, "train", skip_preflight=True)
     published = Path(first.run_dir) / "train" / "checkpoints" / "best"
-    second = prepared_run(tmp_path / "second", tiny_deepseek_target, n=48, seed=2, vocab={"draft_vocab_size": 150},
-                          train={**TRAIN, "max_steps": 2, "eval_every": 2, "save_every": 2, "init_from": str(published),
-                                 "remap_vocab": True, "draft": {"norm_output": True}})
+    second = prepared_run(
+        tmp_path / "second",
+        tiny_deepseek_target,
+        n=48,
+        seed=2,
+        vocab={"draft_vocab_size": 150},
+        train={
+            **TRAIN,
+            "max_steps": 2,
+            "eval_every": 2,
+            "save_every": 2,
+            "init_from": str(published),
+            "remap_vocab": True,
+            "draft": {"norm_output": True},
+        },
+    )
     checks = preflight(second, "train")
     assert checks["init_from"].status == "ok" and "mla drafter" in checks["init_from"].detail
     assert checks["drafter"].status == "warn" and "norm_output" in checks["drafter"].detail

@@ -21,11 +21,15 @@ def documents(cfg, lengths, seed=0, dtype=torch.float64):
     g = torch.Generator().manual_seed(seed)
     out = []
     for n in lengths:
-        out.append((torch.randn(n, 3 * cfg.target_hidden_size, generator=g, dtype=dtype),
-                    torch.randint(0, cfg.vocab_size, (n,), generator=g),
-                    3 * torch.randn(n, cfg.draft_vocab_size, generator=g, dtype=dtype),
-                    (torch.rand(n, generator=g) < 0.8).long(),
-                    torch.rand(n, generator=g) < 0.85))
+        out.append(
+            (
+                torch.randn(n, 3 * cfg.target_hidden_size, generator=g, dtype=dtype),
+                torch.randint(0, cfg.vocab_size, (n,), generator=g),
+                3 * torch.randn(n, cfg.draft_vocab_size, generator=g, dtype=dtype),
+                (torch.rand(n, generator=g) < 0.8).long(),
+                torch.rand(n, generator=g) < 0.85,
+            )
+        )
     return out
 
 
@@ -118,8 +122,17 @@ def test_collate_packed_lays_samples_end_to_end(tmp_path):
 def test_target_keeps_packed_documents_apart():
     """transformers' packed-sequence format: position ids restarting at 0 mask attention per document."""
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
-                                         num_attention_heads=4, num_key_value_heads=2, head_dim=8)).eval()
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=97,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=6,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+        )
+    ).eval()
     t2d = torch.zeros(97, dtype=torch.bool)
     t2d[::2] = True
     target = TargetFeatures(model, [2, 3, 4], t2d)
@@ -133,12 +146,22 @@ def test_target_keeps_packed_documents_apart():
 
 
 def test_train_stage_packs_and_refuses_a_target_that_mixes_documents(tmp_path, tiny_target, monkeypatch):
+    from test_extract import prepared_run
     from test_train import metrics, train
 
-    from test_extract import prepared_run
-
-    settings = {"ttt_steps": 2, "batch_size": 2, "lr": 1e-3, "warmup_steps": 1, "max_steps": 3, "eval_every": 3,
-                "save_every": 3, "log_every": 1, "eval_samples": 4, "packing": True, "pack_length": 256}
+    settings = {
+        "ttt_steps": 2,
+        "batch_size": 2,
+        "lr": 1e-3,
+        "warmup_steps": 1,
+        "max_steps": 3,
+        "eval_every": 3,
+        "save_every": 3,
+        "log_every": 1,
+        "eval_samples": 4,
+        "packing": True,
+        "pack_length": 256,
+    }
     cfg = prepared_run(tmp_path / "ok", tiny_target, n=48, train=settings)
     row = train(cfg)
     assert row["counts"]["steps"] == 3
@@ -159,8 +182,13 @@ def test_train_stage_packs_and_refuses_a_target_that_mixes_documents(tmp_path, t
 
     # a target whose attention ignores position ids: the first packed batch is refused, before any step
     call = TargetFeatures.__call__
-    monkeypatch.setattr(TargetFeatures, "__call__", lambda self, ids, mask=None, with_logits=True, position_ids=None:
-                        call(self, ids, None if mask is None else torch.ones_like(mask), with_logits))
+    monkeypatch.setattr(
+        TargetFeatures,
+        "__call__",
+        lambda self, ids, mask=None, with_logits=True, position_ids=None: call(
+            self, ids, None if mask is None else torch.ones_like(mask), with_logits
+        ),
+    )
     bad = prepared_run(tmp_path / "bad", tiny_target, n=24, train=settings)
     with pytest.raises(EaglekitError, match="packed document differ"):
         train(bad)

@@ -15,10 +15,20 @@ from eaglekit.data.shards import bytes_per_token
 from eaglekit.planning import parse_bytes
 
 # The shape of Kimi-K2.5's language model (DeepSeek-V3 architecture); plan needs its config.json only, no weights.
-KIMI = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 7168,
-        "num_hidden_layers": 61, "intermediate_size": 18432, "num_attention_heads": 64, "num_key_value_heads": 64,
-        "vocab_size": 163840, "max_position_embeddings": 262144, "rope_theta": 50000.0, "rms_norm_eps": 1e-6,
-        "tie_word_embeddings": False}
+KIMI = {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "deepseek_v3",
+    "hidden_size": 7168,
+    "num_hidden_layers": 61,
+    "intermediate_size": 18432,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 64,
+    "vocab_size": 163840,
+    "max_position_embeddings": 262144,
+    "rope_theta": 50000.0,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+}
 
 
 def kimi_config(tmp_path, **sections):
@@ -26,9 +36,15 @@ def kimi_config(tmp_path, **sections):
     target.mkdir()
     (target / "config.json").write_text(json.dumps(KIMI))
     (tmp_path / "prompts.jsonl").write_text(json.dumps({"conversations": [{"from": "human", "value": "hi"}]}) + "\n")
-    data = {"run_dir": "run", "target": {"model": "Kimi-K2.5"}, "data": {"prompts": "prompts.jsonl"},
-            "extract": {"mode": "offline", "dtype": "bfloat16"}, "vocab": {"draft_vocab_size": 32000},
-            "preflight": {"disk_probe_mb": 4}, **sections}
+    data = {
+        "run_dir": "run",
+        "target": {"model": "Kimi-K2.5"},
+        "data": {"prompts": "prompts.jsonl"},
+        "extract": {"mode": "offline", "dtype": "bfloat16"},
+        "vocab": {"draft_vocab_size": 32000},
+        "preflight": {"disk_probe_mb": 4},
+        **sections,
+    }
     return write_config(tmp_path / "kimi.yaml", data)
 
 
@@ -37,7 +53,9 @@ def stage(doc, name):
 
 
 def test_25k_samples_of_4k_tokens_with_offline_bf16_features_do_not_fit_2_8_tb(tmp_path, cli):
-    r = cli("plan", kimi_config(tmp_path), "--samples", "25000", "--mean-tokens", "4000", "--free-bytes", "2.8TB", "--json")
+    r = cli(
+        "plan", kimi_config(tmp_path), "--samples", "25000", "--mean-tokens", "4000", "--free-bytes", "2.8TB", "--json"
+    )
     assert r.code == 1
     doc = json.loads(r.out)
     assert doc["verdict"] == "does not fit" and doc["free_bytes"] == 2.8e12
@@ -52,7 +70,10 @@ def test_25k_samples_of_4k_tokens_with_offline_bf16_features_do_not_fit_2_8_tb(t
     assert alt["online features"]["verdict"] == "fits"
     fp8 = alt["8-bit features"]
     assert f"{bytes_per_token(7168, 'fp8'):,} B/token" in fp8["how"]
-    assert fp8["peak_bytes"] < 0.55 * doc["peak_bytes"] and fp8["samples_that_fit"] > alt["fewer samples"]["samples_that_fit"]
+    assert (
+        fp8["peak_bytes"] < 0.55 * doc["peak_bytes"]
+        and fp8["samples_that_fit"] > alt["fewer samples"]["samples_that_fit"]
+    )
     assert doc["inputs"]["samples"]["source"] == "flag --samples"
     assert doc["inputs"]["hidden_size"]["value"] == 7168
 
@@ -72,17 +93,42 @@ def test_the_free_space_of_the_run_directorys_disk_is_measured(tmp_path, cli, mo
         f_frsize, f_bavail, f_files, f_favail = 4096, int(2.8e12 // 4096), 10**8, 10**8
 
     monkeypatch.setattr(os, "statvfs", lambda p: Volume() if str(p).startswith(str(tmp_path)) else real(p))
-    r = cli("plan", kimi_config(tmp_path), "--samples", "25000", "--mean-tokens", "4000", "--json",
-            "--write-mb-per-s", "500")
+    r = cli(
+        "plan",
+        kimi_config(tmp_path),
+        "--samples",
+        "25000",
+        "--mean-tokens",
+        "4000",
+        "--json",
+        "--write-mb-per-s",
+        "500",
+    )
     doc = json.loads(r.out)
     assert r.code == 1 and doc["verdict"] == "does not fit"
     assert doc["inputs"]["free_bytes"]["source"].startswith("counted: free on")
 
 
 def test_enough_space_fits_with_times_from_the_rates_given(tmp_path, cli):
-    r = cli("plan", kimi_config(tmp_path), "--samples", "1000", "--mean-tokens", "4000", "--free-bytes", "10TB",
-            "--gen-tok-per-s", "20000", "--extract-tok-per-s", "40000", "--train-tok-per-s", "50000",
-            "--write-mb-per-s", "10000", "--json")
+    r = cli(
+        "plan",
+        kimi_config(tmp_path),
+        "--samples",
+        "1000",
+        "--mean-tokens",
+        "4000",
+        "--free-bytes",
+        "10TB",
+        "--gen-tok-per-s",
+        "20000",
+        "--extract-tok-per-s",
+        "40000",
+        "--train-tok-per-s",
+        "50000",
+        "--write-mb-per-s",
+        "10000",
+        "--json",
+    )
     doc = json.loads(r.out)
     assert r.code == 0 and doc["verdict"] == "fits" and doc["alternatives"] == []
     gen, ext, train = stage(doc, "generate"), stage(doc, "extract"), stage(doc, "train")
@@ -93,8 +139,21 @@ def test_enough_space_fits_with_times_from_the_rates_given(tmp_path, cli):
 
 
 def test_a_disk_slower_than_extract_makes_it_disk_bound(tmp_path, cli):
-    r = cli("plan", kimi_config(tmp_path), "--samples", "1000", "--mean-tokens", "4000", "--free-bytes", "10TB",
-            "--extract-tok-per-s", "40000", "--write-mb-per-s", "500", "--json")
+    r = cli(
+        "plan",
+        kimi_config(tmp_path),
+        "--samples",
+        "1000",
+        "--mean-tokens",
+        "4000",
+        "--free-bytes",
+        "10TB",
+        "--extract-tok-per-s",
+        "40000",
+        "--write-mb-per-s",
+        "500",
+        "--json",
+    )
     ext = stage(json.loads(r.out), "extract")
     assert any("disk-bound" in h for h in ext["how"])
     assert ext["seconds"] == pytest.approx(ext["bytes"] / 500e6)
@@ -103,11 +162,13 @@ def test_a_disk_slower_than_extract_makes_it_disk_bound(tmp_path, cli):
 def pilot_ledger(cfg):
     """What a 10-sample pilot of this config leaves in the ledger."""
     run = pipeline.RunDir(cfg.run_dir)
-    ends = {"generate": {"counts": {"new": 10}, "rates": {"output_tok_per_s": 800.0, "mean_output_tokens": 300.0}},
-            "prepare": {"counts": {"samples": 10, "mean_length": 350.0}, "seconds": 2.0},
-            "vocab": {"counts": {}, "seconds": 1.0},
-            "extract": {"counts": {"tokens": 3500, "tokens_per_s": 1750.0}},
-            "train": {"counts": {"steps": 20, "tokens": 7000, "seconds": 7.0}}}
+    ends = {
+        "generate": {"counts": {"new": 10}, "rates": {"output_tok_per_s": 800.0, "mean_output_tokens": 300.0}},
+        "prepare": {"counts": {"samples": 10, "mean_length": 350.0}, "seconds": 2.0},
+        "vocab": {"counts": {}, "seconds": 1.0},
+        "extract": {"counts": {"tokens": 3500, "tokens_per_s": 1750.0}},
+        "train": {"counts": {"steps": 20, "tokens": 7000, "seconds": 7.0}},
+    }
     for stage_name, end in ends.items():
         fp = pipeline.fingerprint(cfg, stage_name)
         run.append_event({"stage": stage_name, "event": "start", "fingerprint": fp})
@@ -126,7 +187,9 @@ def test_a_pilots_measurements_are_scaled_to_the_planned_run(tmp_path, cli):
     assert stage(doc, "extract")["bytes"] >= 2000 * 350 * 57_344
     assert inputs["train_tok_per_s"]["value"] == 1000.0
     # a flag overrides what the pilot measured
-    doc = json.loads(cli("plan", path, "--samples", "2000", "--mean-tokens", "999", "--free-bytes", "10TB", "--json").out)
+    doc = json.loads(
+        cli("plan", path, "--samples", "2000", "--mean-tokens", "999", "--free-bytes", "10TB", "--json").out
+    )
     assert doc["inputs"]["mean_tokens"] == {"value": 999.0, "source": "flag --mean-tokens"}
 
 

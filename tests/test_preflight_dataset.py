@@ -13,16 +13,21 @@ from eaglekit import pipeline
 from eaglekit.config import parse_config
 from eaglekit.preflight import dataset
 
+
 def rows(n: int, start: int = 0) -> list[str]:
-    return [json.dumps({"id": f"r{i}", "messages": [{"role": "user", "content": f"question {i}"}]}) for i in range(start, start + n)]
+    return [
+        json.dumps({"id": f"r{i}", "messages": [{"role": "user", "content": f"question {i}"}]})
+        for i in range(start, start + n)
+    ]
 
 
 def check(tmp_path, name: str, lines: list[str] | None = None, **data):
     path = tmp_path / name
     if lines is not None:
         path.write_text("".join(line + "\n" for line in lines))
-    cfg = parse_config({"run_dir": "run", "target": {"model": "org/t"}, "data": {"prompts": str(path), **data}},
-                       base_dir=tmp_path)
+    cfg = parse_config(
+        {"run_dir": "run", "target": {"model": "org/t"}, "data": {"prompts": str(path), **data}}, base_dir=tmp_path
+    )
     return dataset.prompts(pipeline.make_context(cfg, "generate"))
 
 

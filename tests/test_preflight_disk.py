@@ -21,8 +21,13 @@ def ctx_on(root, tmp_path, stage="vocab", **sections):
     target = tmp_path / "target"
     target.mkdir(exist_ok=True)
     (target / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 1000}))
-    data = {"run_dir": str(root / "run"), "target": {"model": str(target)}, "data": {"prompts": str(prompts)},
-            "vocab": {"draft_vocab_size": 100}, **sections}
+    data = {
+        "run_dir": str(root / "run"),
+        "target": {"model": str(target)},
+        "data": {"prompts": str(prompts)},
+        "vocab": {"draft_vocab_size": 100},
+        **sections,
+    }
     return pipeline.make_context(parse_config(data, base_dir=tmp_path), stage)
 
 
@@ -84,6 +89,7 @@ def test_write_probe_measures_and_compares_with_the_stages_need(tmp_path, monkey
 def test_a_failing_write_probe_is_a_fail(tmp_path, monkeypatch):
     def broken(*a):
         raise OSError(5, "Input/output error")
+
     monkeypatch.setattr(disk, "probe_write_rate", broken)
     result = disk.write_rate(ctx_on(tmp_path, tmp_path, preflight={"disk_probe_mb": 1}))
     assert result.status == "fail" and "Input/output error" in result.detail

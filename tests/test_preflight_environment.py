@@ -17,8 +17,11 @@ from eaglekit.preflight import environment
 
 def ctx_for(tmp_path, target, stage="extract", **target_keys):
     (tmp_path / "p.jsonl").write_text(json.dumps({"conversations": [{"from": "human", "value": "hi"}]}) + "\n")
-    data = {"run_dir": str(tmp_path / "run"), "target": {"model": str(target), **target_keys},
-            "data": {"prompts": str(tmp_path / "p.jsonl")}}
+    data = {
+        "run_dir": str(tmp_path / "run"),
+        "target": {"model": str(target), **target_keys},
+        "data": {"prompts": str(tmp_path / "p.jsonl")},
+    }
     return pipeline.make_context(parse_config(data, base_dir=tmp_path), stage)
 
 
@@ -28,7 +31,10 @@ def custom_target(tmp_path, tiny_target, model_type="kimi_x", auto_map=True, wit
     config = json.loads((t / "config.json").read_text())
     config["model_type"] = model_type
     if auto_map:
-        config["auto_map"] = {"AutoConfig": "configuration_kimi.KimiConfig", "AutoModelForCausalLM": "modeling_kimi.KimiForCausalLM"}
+        config["auto_map"] = {
+            "AutoConfig": "configuration_kimi.KimiConfig",
+            "AutoModelForCausalLM": "modeling_kimi.KimiForCausalLM",
+        }
     (t / "config.json").write_text(json.dumps(config))
     if with_code:
         (t / "configuration_kimi.py").write_text("# stand-in\n")

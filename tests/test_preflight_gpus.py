@@ -18,8 +18,13 @@ from eaglekit.preflight import gpus as G
 
 def make_ctx(tmp_path, target, stage="extract", **sections):
     (tmp_path / "p.jsonl").write_text(json.dumps({"conversations": [{"from": "human", "value": "hi"}]}) + "\n")
-    data = {"run_dir": str(tmp_path / "run"), "target": {"model": str(target)}, "data": {"prompts": str(tmp_path / "p.jsonl")},
-            "extract": {"mode": "offline"}, **sections}
+    data = {
+        "run_dir": str(tmp_path / "run"),
+        "target": {"model": str(target)},
+        "data": {"prompts": str(tmp_path / "p.jsonl")},
+        "extract": {"mode": "offline"},
+        **sections,
+    }
     return pipeline.make_context(parse_config(data, base_dir=tmp_path), stage)
 
 
@@ -29,6 +34,7 @@ def nvml(monkeypatch):
         fake = fake_pynvml(gpus, init_error)
         monkeypatch.setitem(sys.modules, "pynvml", fake)
         return fake
+
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     return install
 
@@ -65,8 +71,12 @@ def test_eight_healthy_gpus_raise_no_alarm(tmp_path, tiny_target, nvml):
 
 def test_a_server_sharded_over_eight_gpus_with_uniform_memory_is_fine(tmp_path, tiny_target, nvml):
     nvml([gpu(i, used=120 + i * 0.1, processes=[(4_000_000 + i, 119 * GB)]) for i in range(8)])
-    ctx = make_ctx(tmp_path, tiny_target, stage="generate",
-                   generate={"backend": "openai", "servers": ["http://127.0.0.1:9/v1"], "model": "m"})
+    ctx = make_ctx(
+        tmp_path,
+        tiny_target,
+        stage="generate",
+        generate={"backend": "openai", "servers": ["http://127.0.0.1:9/v1"], "model": "m"},
+    )
     assert {r.status for r in G.gpus(ctx)} == {"ok"}  # the server's own processes are expected on its GPUs
 
 
@@ -79,8 +89,10 @@ def test_one_of_eight_gpus_nearly_empty_is_a_warning_naming_it(tmp_path, tiny_ta
 def test_a_foreign_process_on_the_stages_gpus_is_listed_with_its_pid(tmp_path, tiny_target, nvml):
     nvml([gpu(i, used=0.5, processes=[(4_000_123, 30 * GB)] if i == 2 else []) for i in range(8)])
     results = by_name(G.gpus(make_ctx(tmp_path, tiny_target)))
-    assert "GPU 2 NVIDIA H200 GPU-00000002-fake: 500.0 MB of 141.0 GB used, 90% busy, 0 uncorrected ECC, pids 4000123 " \
-           "(other namespace)" in results["GPUs"].detail
+    assert (
+        "GPU 2 NVIDIA H200 GPU-00000002-fake: 500.0 MB of 141.0 GB used, 90% busy, 0 uncorrected ECC, pids 4000123 "
+        "(other namespace)" in results["GPUs"].detail
+    )
     procs = results["GPU processes"]
     assert procs.status == "warn"
     assert "GPU 2: pid 4000123 (not in this PID namespace" in procs.detail and "30.0 GB" in procs.detail

@@ -17,8 +17,13 @@ from eaglekit.rundir import RunDir
 
 
 def start(code: str, cwd=None) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-c", code + "\nprint('ready', flush=True)\nimport time; time.sleep(120)"],
-                            stdout=subprocess.PIPE, text=True, cwd=cwd, env=subprocess_env())
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code + "\nprint('ready', flush=True)\nimport time; time.sleep(120)"],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=cwd,
+        env=subprocess_env(),
+    )
     assert proc.stdout.readline().strip() == "ready"
     return proc
 
@@ -34,8 +39,12 @@ def procs():
 
 def config(tmp_path, tiny_target):
     (tmp_path / "p.jsonl").write_text(json.dumps({"conversations": [{"from": "human", "value": "hi"}]}) + "\n")
-    return load_config(write_config(tmp_path / "c.yaml", {"run_dir": "run", "target": {"model": str(tiny_target)},
-                                                          "data": {"prompts": "p.jsonl"}}))
+    return load_config(
+        write_config(
+            tmp_path / "c.yaml",
+            {"run_dir": "run", "target": {"model": str(tiny_target)}, "data": {"prompts": "p.jsonl"}},
+        )
+    )
 
 
 def test_a_process_appending_to_the_responses_fails_the_preflight_naming_it(tmp_path, tiny_target, procs, cli):

@@ -21,10 +21,15 @@ MODEL = "fake/reasoner"
 
 def ctx_for(tmp_path, url: str):
     (tmp_path / "p.jsonl").write_text(json.dumps({"conversations": [{"from": "human", "value": "hi"}]}) + "\n")
-    cfg = parse_config({"run_dir": str(tmp_path / "run"), "target": {"model": "org/absent"},
-                        "data": {"prompts": str(tmp_path / "p.jsonl")},
-                        "generate": {"backend": "openai", "servers": [url], "model": MODEL, "reasoning": "required"}},
-                       base_dir=tmp_path)
+    cfg = parse_config(
+        {
+            "run_dir": str(tmp_path / "run"),
+            "target": {"model": "org/absent"},
+            "data": {"prompts": str(tmp_path / "p.jsonl")},
+            "generate": {"backend": "openai", "servers": [url], "model": MODEL, "reasoning": "required"},
+        },
+        base_dir=tmp_path,
+    )
     return pipeline.make_context(cfg, "generate")
 
 

@@ -10,8 +10,13 @@ from eaglekit.data.prompts import load_prompts, peek_prompts
 from eaglekit.errors import UsageError
 
 SHAREGPT = {"id": "a1", "conversations": [{"from": "human", "value": "Hello"}, {"from": "gpt", "value": "Hi!"}]}
-OPENAI = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
-                       {"role": "assistant", "content": "4"}]}
+OPENAI = {
+    "messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4"},
+    ]
+}
 GOOD = [
     {"id": 7, "conversations": [{"from": "human", "value": "first"}]},
     {"id": 8, "messages": [{"role": "user", "content": "second"}]},
@@ -40,6 +45,7 @@ def save_dataset(path, rows):
 
 # --- shapes ---------------------------------------------------------------------------------------------
 
+
 def test_jsonl_sharegpt_and_openai_shapes(tmp_path):
     ps = load_prompts(write_jsonl(tmp_path / "p.jsonl", [SHAREGPT, OPENAI]))
     assert [r.messages for r in ps.records] == [
@@ -60,7 +66,10 @@ def test_json_list(tmp_path):
 
 
 def test_parquet(tmp_path):
-    rows = [SHAREGPT, {"id": "b2", "conversations": [{"from": "system", "value": "s"}, {"from": "human", "value": "q"}]}]
+    rows = [
+        SHAREGPT,
+        {"id": "b2", "conversations": [{"from": "system", "value": "s"}, {"from": "human", "value": "q"}]},
+    ]
     ps = load_prompts(write_parquet(tmp_path / "p.parquet", rows))
     assert [r.id for r in ps.records] == ["a1", "b2"]
     assert ps.records[1].messages == [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]
@@ -79,8 +88,9 @@ def test_datasets_folder_and_dataset_dict(tmp_path):
 
     ps = load_prompts(save_dataset(tmp_path / "ds", [OPENAI, {"messages": [{"role": "user", "content": "x"}]}]))
     assert [r.messages[-1]["content"] for r in ps.records] == ["2+2?", "x"] and ps.split is None
-    dd = datasets.DatasetDict({"train": datasets.Dataset.from_list([SHAREGPT]),
-                               "test": datasets.Dataset.from_list([OPENAI])})
+    dd = datasets.DatasetDict(
+        {"train": datasets.Dataset.from_list([SHAREGPT]), "test": datasets.Dataset.from_list([OPENAI])}
+    )
     dd.save_to_disk(str(tmp_path / "dd"))
     ps = load_prompts(tmp_path / "dd")
     assert ps.split == "train" and [r.id for r in ps.records] == ["a1"] and "split 'train'" in ps.summary()
@@ -95,13 +105,25 @@ def test_openai_text_parts_are_joined(tmp_path):
 
 # --- prompt shape, ids, duplicates -------------------------------------------------------------------------
 
+
 def test_prompt_ends_at_the_last_user_turn(tmp_path):
-    row = {"conversations": [{"from": "system", "value": "S"}, {"from": "human", "value": "Q1"},
-                             {"from": "gpt", "value": "A1"}, {"from": "user", "value": "Q2"},
-                             {"from": "assistant", "value": "A2"}, {"from": "gpt", "value": ""}]}
+    row = {
+        "conversations": [
+            {"from": "system", "value": "S"},
+            {"from": "human", "value": "Q1"},
+            {"from": "gpt", "value": "A1"},
+            {"from": "user", "value": "Q2"},
+            {"from": "assistant", "value": "A2"},
+            {"from": "gpt", "value": ""},
+        ]
+    }
     (record,) = load_prompts(write_jsonl(tmp_path / "p.jsonl", [row])).records
-    assert record.messages == [{"role": "system", "content": "S"}, {"role": "user", "content": "Q1"},
-                               {"role": "assistant", "content": "A1"}, {"role": "user", "content": "Q2"}]
+    assert record.messages == [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "Q1"},
+        {"role": "assistant", "content": "A1"},
+        {"role": "user", "content": "Q2"},
+    ]
 
 
 def test_ids_are_stable_and_hashed_when_absent(tmp_path):
@@ -117,10 +139,13 @@ def test_ids_are_stable_and_hashed_when_absent(tmp_path):
 
 
 def test_duplicates_are_counted_and_skipped(tmp_path):
-    rows = [SHAREGPT, SHAREGPT,  # same id and prompt
-            {"id": "other", **{k: v for k, v in SHAREGPT.items() if k != "id"}},  # same prompt, new id
-            {"id": "a1", "messages": [{"role": "user", "content": "different"}]},  # same id, new prompt
-            OPENAI]
+    rows = [
+        SHAREGPT,
+        SHAREGPT,  # same id and prompt
+        {"id": "other", **{k: v for k, v in SHAREGPT.items() if k != "id"}},  # same prompt, new id
+        {"id": "a1", "messages": [{"role": "user", "content": "different"}]},  # same id, new prompt
+        OPENAI,
+    ]
     ps = load_prompts(write_jsonl(tmp_path / "p.jsonl", rows))
     assert [r.id for r in ps.records] == ["a1", ps.records[1].id] and ps.records[1].messages[0]["role"] == "system"
     assert ps.duplicates == 3 and ps.total_rows == 5 and "3 duplicates skipped" in ps.summary()
@@ -148,18 +173,50 @@ ROW_ERRORS = [
     ("conversations not a list", {"conversations": "hi"}, "jsonl", r":3: 'conversations' must be a non-empty list"),
     ("empty messages", {"messages": []}, "jsonl", r":3: 'messages' must be a non-empty list"),
     ("turn not an object", {"messages": ["hi"]}, "jsonl", r":3: messages\[0\] must be an object"),
-    ("unknown role", {"conversations": [{"from": "human", "value": "q"}, {"from": "tool", "value": "x"}]},
-     "jsonl", r":3: conversations\[1\] has unknown role 'tool'"),
+    (
+        "unknown role",
+        {"conversations": [{"from": "human", "value": "q"}, {"from": "tool", "value": "x"}]},
+        "jsonl",
+        r":3: conversations\[1\] has unknown role 'tool'",
+    ),
     ("missing role", {"messages": [{"content": "q"}]}, "jsonl", r":3: messages\[0\] has unknown role None"),
-    ("empty content", {"messages": [{"role": "user", "content": "  "}]}, "jsonl", r":3: messages\[0\] has empty content"),
-    ("non-string content", {"messages": [{"role": "user", "content": 5}]}, "jsonl",
-     r":3: messages\[0\] content must be a string, got int"),
-    ("no user turn", {"messages": [{"role": "system", "content": "s"}, {"role": "assistant", "content": "a"}]},
-     "jsonl", r":3: 'messages' has no user turn"),
+    (
+        "empty content",
+        {"messages": [{"role": "user", "content": "  "}]},
+        "jsonl",
+        r":3: messages\[0\] has empty content",
+    ),
+    (
+        "non-string content",
+        {"messages": [{"role": "user", "content": 5}]},
+        "jsonl",
+        r":3: messages\[0\] content must be a string, got int",
+    ),
+    (
+        "no user turn",
+        {"messages": [{"role": "system", "content": "s"}, {"role": "assistant", "content": "a"}]},
+        "jsonl",
+        r":3: 'messages' has no user turn",
+    ),
     ("bad id", {"id": [1], "messages": USER}, "jsonl", r":3: 'id' must be a string or an integer"),
-    ("json list row", {"messages": [{"role": "bot", "content": "q"}]}, "json", r":row 2: messages\[0\] has unknown role 'bot'"),
-    ("parquet row", {"messages": [{"role": "user", "content": ""}]}, "parquet", r":row 2: messages\[0\] has empty content"),
-    ("datasets row", {"messages": [{"role": "assistant", "content": "a"}]}, "datasets", r":row 2: 'messages' has no user turn"),
+    (
+        "json list row",
+        {"messages": [{"role": "bot", "content": "q"}]},
+        "json",
+        r":row 2: messages\[0\] has unknown role 'bot'",
+    ),
+    (
+        "parquet row",
+        {"messages": [{"role": "user", "content": ""}]},
+        "parquet",
+        r":row 2: messages\[0\] has empty content",
+    ),
+    (
+        "datasets row",
+        {"messages": [{"role": "assistant", "content": "a"}]},
+        "datasets",
+        r":row 2: 'messages' has no user turn",
+    ),
 ]
 
 
@@ -169,7 +226,9 @@ def write_rows(tmp_path, kind, rows):
     if kind == "json":
         (tmp_path / "p.json").write_text(json.dumps(rows))
         return tmp_path / "p.json"
-    good = [{"messages": r.get("messages") or [{"role": "user", "content": r["conversations"][0]["value"]}]} for r in GOOD]
+    good = [
+        {"messages": r.get("messages") or [{"role": "user", "content": r["conversations"][0]["value"]}]} for r in GOOD
+    ]
     if kind == "parquet":
         return write_parquet(tmp_path / "p.parquet", good + rows[2:])
     return save_dataset(tmp_path / "ds", good + rows[2:])
@@ -194,8 +253,9 @@ def test_bad_row_fails_with_file_and_line(tmp_path, name, bad, kind, message):
 def _dataset_dict_without_train(path):
     import datasets
 
-    datasets.DatasetDict({"a": datasets.Dataset.from_list([OPENAI]),
-                          "b": datasets.Dataset.from_list([OPENAI])}).save_to_disk(str(path))
+    datasets.DatasetDict(
+        {"a": datasets.Dataset.from_list([OPENAI]), "b": datasets.Dataset.from_list([OPENAI])}
+    ).save_to_disk(str(path))
     return path
 
 
@@ -216,15 +276,33 @@ FILE_ERRORS = [
     ("empty file", lambda d: _write(d / "e.jsonl", b""), r"e\.jsonl: no rows"),
     ("blank lines only", lambda d: _write(d / "b.jsonl", b"\n  \n"), r"b\.jsonl: no rows"),
     ("empty json list", lambda d: _write(d / "l.json", b"[]"), r"l\.json: no rows"),
-    ("broken json list", lambda d: _write(d / "l.json", b'[\n {"messages": []},\n {oops}\n]'), r"l\.json:3:3: not valid JSON"),
+    (
+        "broken json list",
+        lambda d: _write(d / "l.json", b'[\n {"messages": []},\n {oops}\n]'),
+        r"l\.json:3:3: not valid JSON",
+    ),
     ("unknown extension", lambda d: _write(d / "p.txt", b"hi"), r"p\.txt: unknown prompt file type '\.txt'"),
     ("plain directory", lambda d: _mkdir(d / "folder"), r"folder: a directory that is not a datasets saved folder"),
-    ("parquet without the column", lambda d: write_parquet(d / "t.parquet", [{"text": "hi"}]),
-     r"t\.parquet: no 'conversations' or 'messages' column \(columns: text\)"),
-    ("unreadable parquet", lambda d: _write(d / "bad.parquet", b"PAR1 not really parquet"), r"bad\.parquet: not a readable Parquet"),
-    ("datasets folder without the column", lambda d: save_dataset(d / "ds", [{"text": "hi"}]),
-     r"ds: no 'conversations' or 'messages' column"),
-    ("dataset dict without train", lambda d: _dataset_dict_without_train(d / "dd"), r"dd: a DatasetDict with splits \['a', 'b'\]"),
+    (
+        "parquet without the column",
+        lambda d: write_parquet(d / "t.parquet", [{"text": "hi"}]),
+        r"t\.parquet: no 'conversations' or 'messages' column \(columns: text\)",
+    ),
+    (
+        "unreadable parquet",
+        lambda d: _write(d / "bad.parquet", b"PAR1 not really parquet"),
+        r"bad\.parquet: not a readable Parquet",
+    ),
+    (
+        "datasets folder without the column",
+        lambda d: save_dataset(d / "ds", [{"text": "hi"}]),
+        r"ds: no 'conversations' or 'messages' column",
+    ),
+    (
+        "dataset dict without train",
+        lambda d: _dataset_dict_without_train(d / "dd"),
+        r"dd: a DatasetDict with splits \['a', 'b'\]",
+    ),
 ]
 
 

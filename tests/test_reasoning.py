@@ -9,28 +9,31 @@ from eaglekit.serving.reasoning import explain_missing_reasoning, extract_reason
 R, C = "step one, step two", "the answer"
 
 
-@pytest.mark.parametrize("message, reasoning, content, source", [
-    # vLLM >= 0.16
-    ({"role": "assistant", "content": C, "reasoning": R}, R, C, "reasoning"),
-    # vLLM 0.11-0.15 send both; `reasoning` wins
-    ({"content": C, "reasoning": R, "reasoning_content": "older copy"}, R, C, "reasoning"),
-    # SGLang / older vLLM
-    ({"content": C, "reasoning_content": R}, R, C, "reasoning_content"),
-    # an empty or null `reasoning` beside a filled `reasoning_content` must not hide it
-    ({"content": C, "reasoning": "", "reasoning_content": R}, R, C, "reasoning_content"),
-    ({"content": C, "reasoning": None, "reasoning_content": R}, R, C, "reasoning_content"),
-    # no reasoning parser: inline tags in content
-    ({"content": f"<think>\n{R}\n</think>\n\n{C}"}, R, C, "inline_think"),
-    # the template opened <think> in the prompt: only the closing tag comes back
-    ({"content": f"{R}\n</think>\n\n{C}"}, R, C, "inline_think"),
-    # empty fields fall through to the inline split
-    ({"content": f"<think>{R}</think>{C}", "reasoning": None, "reasoning_content": ""}, R, C, "inline_think"),
-    # nothing anywhere
-    ({"content": C, "reasoning": None}, "", C, "none"),
-    ({"content": None}, "", "", "none"),
-    # an unclosed <think> (cut at max_tokens) is not reasoning: it stays in content, where it is counted
-    ({"content": f"<think>\n{R}"}, "", f"<think>\n{R}", "none"),
-])
+@pytest.mark.parametrize(
+    "message, reasoning, content, source",
+    [
+        # vLLM >= 0.16
+        ({"role": "assistant", "content": C, "reasoning": R}, R, C, "reasoning"),
+        # vLLM 0.11-0.15 send both; `reasoning` wins
+        ({"content": C, "reasoning": R, "reasoning_content": "older copy"}, R, C, "reasoning"),
+        # SGLang / older vLLM
+        ({"content": C, "reasoning_content": R}, R, C, "reasoning_content"),
+        # an empty or null `reasoning` beside a filled `reasoning_content` must not hide it
+        ({"content": C, "reasoning": "", "reasoning_content": R}, R, C, "reasoning_content"),
+        ({"content": C, "reasoning": None, "reasoning_content": R}, R, C, "reasoning_content"),
+        # no reasoning parser: inline tags in content
+        ({"content": f"<think>\n{R}\n</think>\n\n{C}"}, R, C, "inline_think"),
+        # the template opened <think> in the prompt: only the closing tag comes back
+        ({"content": f"{R}\n</think>\n\n{C}"}, R, C, "inline_think"),
+        # empty fields fall through to the inline split
+        ({"content": f"<think>{R}</think>{C}", "reasoning": None, "reasoning_content": ""}, R, C, "inline_think"),
+        # nothing anywhere
+        ({"content": C, "reasoning": None}, "", C, "none"),
+        ({"content": None}, "", "", "none"),
+        # an unclosed <think> (cut at max_tokens) is not reasoning: it stays in content, where it is counted
+        ({"content": f"<think>\n{R}"}, "", f"<think>\n{R}", "none"),
+    ],
+)
 def test_extraction_table(message, reasoning, content, source):
     got_reasoning, got_content, got_source, _ = extract_reasoning(message)
     assert (got_reasoning, got_content, got_source) == (reasoning, content, source)

@@ -10,8 +10,8 @@ import sys
 import types
 
 import pytest
-
 from conftest import subprocess_env, write_config
+
 from eaglekit import pipeline, status
 from eaglekit.config import load_config
 from eaglekit.errors import EaglekitError
@@ -21,9 +21,11 @@ BASE = {"run_dir": "run", "target": {"model": "model"}, "data": {"prompts": "pro
 
 
 def hold_lock_in_subprocess(run_dir):
-    code = ("import sys, time; from eaglekit.rundir import RunDir; "
-            f"RunDir({str(run_dir)!r}).lock.acquire(command='eaglekit train held-by-test'); "
-            "print('locked', flush=True); time.sleep(60)")
+    code = (
+        "import sys, time; from eaglekit.rundir import RunDir; "
+        f"RunDir({str(run_dir)!r}).lock.acquire(command='eaglekit train held-by-test'); "
+        "print('locked', flush=True); time.sleep(60)"
+    )
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=subprocess_env())
     assert proc.stdout.readline().strip() == "locked"
     return proc
@@ -48,6 +50,7 @@ def test_second_process_fails_at_once_naming_the_holder(tmp_path, cli):
 def fake_stage(name, upstream, calls, fail=False):
     """A stage that writes one file; ``fail`` is an exception to raise (True: an EaglekitError), or a callable
     of the config saying whether to fail."""
+
     def run(ctx):
         calls.append(name)
         failure = fail(ctx.cfg) if callable(fail) else fail
@@ -57,17 +60,27 @@ def fake_stage(name, upstream, calls, fail=False):
         (ctx.dir / "out.txt").write_text(name)
         return {"items": 3}
 
-    return types.SimpleNamespace(NAME=name, UPSTREAM=upstream, params=lambda cfg: {"n": cfg.prepare.max_length if name == "prepare" else 0},
-                                 checks=lambda cfg: [], run=run)
+    return types.SimpleNamespace(
+        NAME=name,
+        UPSTREAM=upstream,
+        params=lambda cfg: {"n": cfg.prepare.max_length if name == "prepare" else 0},
+        checks=lambda cfg: [],
+        run=run,
+    )
 
 
 @pytest.fixture
 def fake_pipeline(monkeypatch):
     calls: list[str] = []
-    mods = {"generate": fake_stage("generate", None, calls), "prepare": fake_stage("prepare", "generate", calls),
-            "vocab": fake_stage("vocab", "prepare", calls), "extract": fake_stage("extract", "vocab", calls),
-            "train": fake_stage("train", "extract", calls), "evaluate": fake_stage("evaluate", "train", calls),
-            "export": fake_stage("export", "evaluate", calls)}
+    mods = {
+        "generate": fake_stage("generate", None, calls),
+        "prepare": fake_stage("prepare", "generate", calls),
+        "vocab": fake_stage("vocab", "prepare", calls),
+        "extract": fake_stage("extract", "vocab", calls),
+        "train": fake_stage("train", "extract", calls),
+        "evaluate": fake_stage("evaluate", "train", calls),
+        "export": fake_stage("export", "evaluate", calls),
+    }
     monkeypatch.setattr(pipeline, "stage_module", lambda name: mods[name])
     return mods, calls
 
@@ -103,6 +116,7 @@ def test_ledger_states_skip_and_staleness(tmp_path, fake_pipeline):
         assert pipeline.run_stage(cfg, "generate", force=True).get("skipped") is True
     assert calls.count("generate") == 1
     import shutil
+
     shutil.rmtree(tmp_path / "run" / "generate")
     assert states(cfg)["generate"] == "pending"
     with run.lock:
@@ -133,9 +147,11 @@ def test_foreign_data_in_output_folder_is_refused_unless_forced(tmp_path, fake_p
 
 def test_killed_stage_shows_incomplete_and_lock_is_free(tmp_path, fake_pipeline):
     cfg = load_config(write_config(tmp_path / "c.yaml", BASE))
-    code = ("import time; from eaglekit.rundir import RunDir; r = RunDir(%r); r.lock.acquire(); "
-            "r.append_event({'stage': 'generate', 'event': 'start', 'fingerprint': 'x'}); print('started', flush=True); "
-            "time.sleep(60)") % cfg.run_dir
+    code = (
+        f"import time; from eaglekit.rundir import RunDir; r = RunDir({cfg.run_dir!r}); r.lock.acquire(); "
+        "r.append_event({'stage': 'generate', 'event': 'start', 'fingerprint': 'x'}); print('started', flush=True); "
+        "time.sleep(60)"
+    )
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=subprocess_env())
     assert proc.stdout.readline().strip() == "started"
     assert states(cfg)["generate"] == "running"
@@ -143,7 +159,10 @@ def test_killed_stage_shows_incomplete_and_lock_is_free(tmp_path, fake_pipeline)
     proc.wait()
     rows = status.stage_rows(cfg)
     assert rows[0]["state"] == "incomplete"
-    assert status.next_steps(cfg, rows, "c.yaml") == ["generate was stopped mid-run; to resume it:", "  eaglekit run c.yaml"]
+    assert status.next_steps(cfg, rows, "c.yaml") == [
+        "generate was stopped mid-run; to resume it:",
+        "  eaglekit run c.yaml",
+    ]
 
 
 def test_ledger_survives_a_torn_last_line(tmp_path):

@@ -13,13 +13,20 @@ from eaglekit.speculative.ngram import NgramProposer, ngram_propose
 VOCAB = 96
 
 
-
-
 @pytest.fixture(scope="module")
 def target():
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=8, max_position_embeddings=256, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
     return LlamaForCausalLM(cfg).eval()
 
 
@@ -57,7 +64,7 @@ class Oracle:
         self.done = 1
 
     def propose(self, k, temperature, generator):
-        truth = self.reference[self.done:self.done + k]
+        truth = self.reference[self.done : self.done + k]
         return [t if i < self.correct else (t + 1) % VOCAB for i, t in enumerate(truth)], None
 
     def update(self, new_ids, aux):
@@ -74,7 +81,7 @@ def test_greedy_speculative_equals_plain_greedy(target, drafter, k):
             s = spec.stats
             assert 1.0 <= s.tau <= k + 1
             assert s.emitted == len(spec.tokens) - 1  # every token after the prefill's came from a verify pass
-            assert all(0 <= a <= d for a, d in zip(s.accepted, s.drafted))
+            assert all(0 <= a <= d for a, d in zip(s.accepted, s.drafted, strict=False))
             assert s.accepted == sorted(s.accepted, reverse=True)  # a chain: position i needs all before it
 
 
@@ -166,8 +173,15 @@ def test_engine_accounting_counts_like_vllms_scheduler(target):
     for limit, stop_ids in ((13, set()), (40, {stop})):
         reference = generate(target, prompt, limit, stop_ids=stop_ids)
         mine = generate(target, prompt, limit, proposer=Oracle(plain.tokens, correct=4), k=4, stop_ids=stop_ids)
-        engine = generate(target, prompt, limit, proposer=Oracle(plain.tokens, correct=4), k=4, stop_ids=stop_ids,
-                          engine_accounting=True)
+        engine = generate(
+            target,
+            prompt,
+            limit,
+            proposer=Oracle(plain.tokens, correct=4),
+            k=4,
+            stop_ids=stop_ids,
+            engine_accounting=True,
+        )
         assert engine.tokens == mine.tokens == reference.tokens
         # every pass drafted 4 (rounds = 1 + 4 accepted + bonus per pass until the end) and accepted all 4
         assert engine.stats.drafted == [engine.stats.rounds] * 4
@@ -206,8 +220,15 @@ def test_sampling_runs_with_sampled_drafts(target, drafter):
 def test_sampling_is_reproducible_from_the_seed(target, drafter):
     def run(seed):
         g = torch.Generator().manual_seed(seed)
-        return generate(target, prompts(1)[0], 20, proposer=EagleProposer(drafter, sample_drafts=True), k=3,
-                        temperature=1.0, generator=g).tokens
+        return generate(
+            target,
+            prompts(1)[0],
+            20,
+            proposer=EagleProposer(drafter, sample_drafts=True),
+            k=3,
+            temperature=1.0,
+            generator=g,
+        ).tokens
 
     assert run(3) == run(3)
 
@@ -292,6 +313,8 @@ def test_sampling_acceptance_differs_from_greedy_and_matches_theory(entropic_tar
     measured = sampled.accepted[0] / sampled.drafted[0]
     assert len(expected) == sampled.drafted[0]
     sigma = (sum(e * (1 - e) for e in expected) ** 0.5) / len(expected)
-    print(f"T=1 first-draft acceptance: measured {measured:.3f}, theory {top:.3f} ± {sigma:.3f}; tau T=0 {greedy.tau:.2f}, T=1 {sampled.tau:.2f}")
+    print(
+        f"T=1 first-draft acceptance: measured {measured:.3f}, theory {top:.3f} ± {sigma:.3f}; tau T=0 {greedy.tau:.2f}, T=1 {sampled.tau:.2f}"
+    )
     assert abs(measured - top) < 4 * sigma + 0.01, (measured, top, sigma)
     assert sampled.tau < greedy.tau - 0.5

@@ -9,8 +9,16 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 from eaglekit.errors import EaglekitError, UsageError
 from eaglekit.model.target import TargetFeatures, TargetHead, default_aux_layers, draft_logits
 
-SMALL = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=8, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=8, max_position_embeddings=128)
+SMALL = dict(
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=8,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=128,
+)
 
 
 def tiny(cls, config_cls, seed=0):

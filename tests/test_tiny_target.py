@@ -40,7 +40,8 @@ def test_loads_like_any_hf_model(tiny_target, loaded):
     for special in ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<think>", "</think>"]:
         assert len(tok(special, add_special_tokens=False)["input_ids"]) == 1, special
     assert {"config.json", "model.safetensors", "generation_config.json", "eaglekit_tiny.json"} <= {
-        p.name for p in tiny_target.iterdir()}
+        p.name for p in tiny_target.iterdir()
+    }
     assert json.loads((tiny_target / "tokenizer_config.json").read_text())["chat_template"] == tok.chat_template
     # the lm_head is its own tensor, not the embedding
     weights = load_file(tiny_target / "model.safetensors")
@@ -56,7 +57,8 @@ def test_chat_template_renders_reasoning_in_think_tags(loaded):
     ]
     assert tok.apply_chat_template(messages, tokenize=False) == (
         "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n"
-        "<|im_start|>assistant\n<think>\n2 + 2 = 4\n</think>\n\n4<|im_end|>\n")
+        "<|im_start|>assistant\n<think>\n2 + 2 = 4\n</think>\n\n4<|im_end|>\n"
+    )
     prompt = tok.apply_chat_template(messages[:2], tokenize=False, add_generation_prompt=True)
     assert prompt.endswith("<|im_end|>\n<|im_start|>assistant\n")
     plain = tok.apply_chat_template([messages[1], {"role": "assistant", "content": "4"}], tokenize=False)
@@ -67,16 +69,21 @@ def test_greedy_generation_thinks_then_answers(loaded):
     model, tok = loaded
     tasks = sample_tasks(24, seed=123, split="heldout")
     tok.padding_side = "left"
-    enc = tok.apply_chat_template([[{"role": "user", "content": t.prompt}] for t in tasks], add_generation_prompt=True,
-                                  padding=True, return_tensors="pt", return_dict=True)
+    enc = tok.apply_chat_template(
+        [[{"role": "user", "content": t.prompt}] for t in tasks],
+        add_generation_prompt=True,
+        padding=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
     with torch.no_grad():
         out = model.generate(**enc, max_new_tokens=256, do_sample=False)
-    texts = tok.batch_decode(out[:, enc["input_ids"].shape[1]:])
+    texts = tok.batch_decode(out[:, enc["input_ids"].shape[1] :])
     parsed = [parse_completion(t) for t in texts]
     well_formed = sum(p is not None for p in parsed) / len(tasks)
-    accuracy = sum(p is not None and p[1] == t.answer for p, t in zip(parsed, tasks)) / len(tasks)
+    accuracy = sum(p is not None and p[1] == t.answer for p, t in zip(parsed, tasks, strict=False)) / len(tasks)
     assert well_formed >= MIN_WELL_FORMED, texts
-    assert accuracy >= MIN_ACCURACY, [(t.answer, p) for t, p in zip(tasks, parsed)]
+    assert accuracy >= MIN_ACCURACY, [(t.answer, p) for t, p in zip(tasks, parsed, strict=False)]
 
 
 def test_manifest_records_the_build(tiny_target):
@@ -170,8 +177,10 @@ def test_ensure_builds_once_under_concurrency(tmp_path, monkeypatch):
         calls.append(out_dir)
         time.sleep(0.3)  # long enough for the other caller to reach the lock
         with atomic_dir(out_dir) as tmp:
-            write_json(tmp / tiny_build.MANIFEST, {"recipe_version": tiny_build.RECIPE_VERSION, "seed": 0,
-                                                    "steps": tiny_build.DEFAULT_STEPS})
+            write_json(
+                tmp / tiny_build.MANIFEST,
+                {"recipe_version": tiny_build.RECIPE_VERSION, "seed": 0, "steps": tiny_build.DEFAULT_STEPS},
+            )
         return out_dir
 
     monkeypatch.setattr(tiny_build, "build_tiny_target", fake_build)

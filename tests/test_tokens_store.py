@@ -30,7 +30,7 @@ def test_round_trip(tmp_path):
     assert store.lengths.tolist() == [len(s[1]) for s in samples]
     assert store.total_tokens == sum(len(s[1]) for s in samples)
     assert store.assistant_tokens == sum(int(sum(s[2])) for s in samples)
-    for (sid, ids, mask), (got_id, got_ids, got_mask) in zip(samples, store):
+    for (sid, ids, mask), (got_id, got_ids, got_mask) in zip(samples, store, strict=False):
         assert got_id == sid and got_ids.dtype == torch.long
         assert got_ids.tolist() == list(map(int, ids)) and got_mask.tolist() == list(map(int, mask))
     assert store[-1][0] == samples[-1][0]
@@ -73,10 +73,21 @@ def test_foreign_or_inconsistent_file_is_a_clear_error(tmp_path):
     with pytest.raises(EaglekitError, match="not an eaglekit token store"):
         TokenStore(foreign)
     lying = tmp_path / "lying.safetensors"
-    save_file({"input_ids": torch.zeros(4, dtype=torch.int32), "loss_mask": torch.zeros(4, dtype=torch.uint8),
-               "offsets": torch.tensor([0, 2, 5])},
-              str(lying), metadata={"format": "eaglekit.tokens", "version": "1", "ids": '["a", "b"]',
-                                    "total_tokens": "4", "assistant_tokens": "0"})
+    save_file(
+        {
+            "input_ids": torch.zeros(4, dtype=torch.int32),
+            "loss_mask": torch.zeros(4, dtype=torch.uint8),
+            "offsets": torch.tensor([0, 2, 5]),
+        },
+        str(lying),
+        metadata={
+            "format": "eaglekit.tokens",
+            "version": "1",
+            "ids": '["a", "b"]',
+            "total_tokens": "4",
+            "assistant_tokens": "0",
+        },
+    )
     with pytest.raises(EaglekitError, match="do not agree"):
         TokenStore(lying)
     with pytest.raises(EaglekitError, match="not found"):

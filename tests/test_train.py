@@ -39,14 +39,34 @@ def train(cfg):
 def test_demo_drafter_learns(tmp_path, tiny_target):
     """On the tiny target's own kind of text, held-out acc_0 rises far above its start and τ exceeds 1.5."""
     # measured on this CPU (one thread): held-out acc_0 0.01-0.02 -> 0.46-0.61, τ 1.77-2.14 after 40 steps (~8 s)
-    cfg = prepared_run(tmp_path, tiny_target, n=160, train={
-        "ttt_steps": 3, "batch_size": 8, "lr": 6e-3, "warmup_steps": 5, "max_steps": 40, "eval_every": 20,
-        "save_every": 40, "log_every": 10, "eval_samples": 16})
+    cfg = prepared_run(
+        tmp_path,
+        tiny_target,
+        n=160,
+        train={
+            "ttt_steps": 3,
+            "batch_size": 8,
+            "lr": 6e-3,
+            "warmup_steps": 5,
+            "max_steps": 40,
+            "eval_every": 20,
+            "save_every": 40,
+            "log_every": 10,
+            "eval_samples": 16,
+        },
+    )
     row = train(cfg)
     evals = [r for r in metrics(cfg) if r["kind"] == "eval"]
     first, last = evals[0], evals[-1]
-    print("acc_k before", [round(a, 3) for a in first["acc_k"]], "after", [round(a, 3) for a in last["acc_k"]],
-          "tau", round(last["tau"], 3), row["counts"])
+    print(
+        "acc_k before",
+        [round(a, 3) for a in first["acc_k"]],
+        "after",
+        [round(a, 3) for a in last["acc_k"]],
+        "tau",
+        round(last["tau"], 3),
+        row["counts"],
+    )
     assert first["step"] == 0 and last["step"] == 40
     assert last["acc_k"][0] > first["acc_k"][0] + 0.3
     assert last["tau"] > 1.5
@@ -93,8 +113,13 @@ def test_kill_9_resume_equals_an_uninterrupted_run(tmp_path, tiny_target, mode):
 
     config = Path(killed.run_dir) / "config.yaml"
     config.write_text(killed.to_yaml())
-    proc = subprocess.run([sys.executable, "-c", KILLED_RUN, str(config), "5"], capture_output=True, text=True,
-                          env=subprocess_env() | {"OMP_NUM_THREADS": "1"}, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLED_RUN, str(config), "5"],
+        capture_output=True,
+        text=True,
+        env=subprocess_env() | {"OMP_NUM_THREADS": "1"},
+        timeout=600,
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     ckpts = Path(killed.run_dir) / "train" / "checkpoints"
     assert (ckpts / "latest").read_text().strip() == "step-3"
@@ -104,7 +129,7 @@ def test_kill_9_resume_equals_an_uninterrupted_run(tmp_path, tiny_target, mode):
     assert row["counts"]["steps"] == 7
     a, b = metrics(whole), metrics(killed)
     assert [(r["kind"], r["step"]) for r in a] == [(r["kind"], r["step"]) for r in b]  # no step logged twice
-    for ra, rb in zip(a, b):
+    for ra, rb in zip(a, b, strict=False):
         for key in ("loss", "loss_k", "acc_k", "tokens", "lr", "grad_norm"):
             if key in ra:
                 assert ra[key] == pytest.approx(rb[key], rel=1e-6, abs=1e-6), (ra["kind"], ra["step"], key)
@@ -151,10 +176,17 @@ def test_lm_head_stays_at_the_targets_rows_unless_told_to_train(tmp_path, tiny_t
     """train.freeze_lm_head (the default) keeps the draft head at the target's rows; false trains it; a head with
     no rows to start from (init_lm_head_from_target false) trains whatever the setting, and says so."""
     _, head = embedding_and_head(str(tiny_target))
-    for name, settings, state in [("default", {}, "frozen"), ("trained", {"freeze_lm_head": False}, "trained"),
-                                  ("random", {"init_lm_head_from_target": False}, "trained")]:
-        cfg = prepared_run(tmp_path / name, tiny_target, n=24,
-                           train={**QUICK, "max_steps": 2, "eval_every": 2, "save_every": 2, **settings})
+    for name, settings, state in [
+        ("default", {}, "frozen"),
+        ("trained", {"freeze_lm_head": False}, "trained"),
+        ("random", {"init_lm_head_from_target": False}, "trained"),
+    ]:
+        cfg = prepared_run(
+            tmp_path / name,
+            tiny_target,
+            n=24,
+            train={**QUICK, "max_steps": 2, "eval_every": 2, "save_every": 2, **settings},
+        )
         row = train(cfg)
         drafter, _ = load_drafter(Path(cfg.run_dir) / "train" / "checkpoints" / "step-2")
         weight = drafter.lm_head.weight.detach()
@@ -183,9 +215,18 @@ def test_remap_keeps_shared_rows_and_fills_new_ones(tiny_target):
 
 
 def test_mismatched_init_from_fails_in_preflight(tmp_path, tiny_target):
-    saved_drafter(tmp_path / "other", tiny_target, torch.arange(200), hidden_size=64, intermediate_size=128,
-                  num_attention_heads=2, target_hidden_size=64)
-    cfg = prepared_run(tmp_path, tiny_target, n=16, train={**QUICK, "max_steps": 1, "init_from": str(tmp_path / "other")})
+    saved_drafter(
+        tmp_path / "other",
+        tiny_target,
+        torch.arange(200),
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=2,
+        target_hidden_size=64,
+    )
+    cfg = prepared_run(
+        tmp_path, tiny_target, n=16, train={**QUICK, "max_steps": 1, "init_from": str(tmp_path / "other")}
+    )
     with pytest.raises(EaglekitError, match=r"init_from: .*target_hidden_size.*64.*128"):
         train(cfg)
     assert not (Path(cfg.run_dir) / "train" / "checkpoints").exists()
@@ -207,14 +248,16 @@ def test_offline_features_train_like_online(tmp_path, tiny_target):
     (fp32 on the CPU): the same values stored as float32, within bf16's and fp8's rounding otherwise."""
     settings = {**QUICK, "max_steps": 6, "eval_every": 6, "save_every": 6, "log_every": 1, "dtype": "float32"}
     online = offline_run(tmp_path / "online", tiny_target, None, settings)
-    runs = {dtype: offline_run(tmp_path / dtype, tiny_target, dtype, settings) for dtype in ("float32", "bfloat16", "fp8")}
+    runs = {
+        dtype: offline_run(tmp_path / dtype, tiny_target, dtype, settings) for dtype in ("float32", "bfloat16", "fp8")
+    }
     index = json.loads((tmp_path / "fp8" / "run" / "extract" / "index.json").read_text())
     assert len(index["shards"]) >= 3  # the order streams several shards
     # measured: float32 8e-8, bfloat16 5e-5, fp8 9e-4 (largest relative difference over the logged steps)
     tolerance = {"float32": 1e-5, "bfloat16": 1e-3, "fp8": 1e-2}
     for dtype, rows in runs.items():
         assert [r["step"] for r in rows] == [r["step"] for r in online]
-        worst = max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(rows, online))
+        worst = max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(rows, online, strict=False))
         print(dtype, "largest relative loss difference to online", f"{worst:.2e}")
         assert worst < tolerance[dtype], (dtype, worst)
         assert rows[-1]["tokens"] == online[-1]["tokens"]  # the same samples, in the same order

@@ -15,9 +15,21 @@ import torch.multiprocessing as mp
 
 from eaglekit.model.drafter import DrafterConfig, Eagle3Drafter
 
-CFG = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-           rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None, max_position_embeddings=128, vocab_size=50,
-           draft_vocab_size=30, target_hidden_size=24, aux_layer_ids=None)
+CFG = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    rope_scaling=None,
+    max_position_embeddings=128,
+    vocab_size=50,
+    draft_vocab_size=30,
+    target_hidden_size=24,
+    aux_layer_ids=None,
+)
 
 
 def free_port() -> int:
@@ -27,8 +39,9 @@ def free_port() -> int:
 
 
 def torchrun_env(rank: int, world: int, port: int) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
 
 
 def drafter() -> Eagle3Drafter:
@@ -97,8 +110,10 @@ def test_two_processes_on_halves_equal_one_on_the_whole(tmp_path, mode, which):
     loss, out = single(*BATCHES[which]())
     loss.backward()
     if which == "unequal":
-        halves = [TTT(drafter(), steps=3, decay=0.8)(*[t[rows] if t is not None else None for t in unequal_batch()])[1]
-                  for rows in ([0, 2], [1, 3])]
+        halves = [
+            TTT(drafter(), steps=3, decay=0.8)(*[t[rows] if t is not None else None for t in unequal_batch()])[1]
+            for rows in ([0, 2], [1, 3])
+        ]
         assert halves[0].count_k[0] * 2 < halves[1].count_k[0], "the halves must count unequal numbers of positions"
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     torch.testing.assert_close((ranks[0]["loss"] + ranks[1]["loss"]) / 2, loss.detach(), rtol=1e-10, atol=1e-12)
@@ -127,9 +142,21 @@ def stage_worker(rank: int, world: int, port: int, config: str) -> None:
 def test_train_stage_under_two_ranks(tmp_path, tiny_target):
     from test_extract import prepared_run
 
-    cfg = prepared_run(tmp_path, tiny_target, n=32, train={
-        "ttt_steps": 2, "batch_size": 2, "max_steps": 4, "eval_every": 2, "save_every": 2, "log_every": 1,
-        "eval_samples": 4, "warmup_steps": 1})
+    cfg = prepared_run(
+        tmp_path,
+        tiny_target,
+        n=32,
+        train={
+            "ttt_steps": 2,
+            "batch_size": 2,
+            "max_steps": 4,
+            "eval_every": 2,
+            "save_every": 2,
+            "log_every": 1,
+            "eval_samples": 4,
+            "warmup_steps": 1,
+        },
+    )
     config = Path(cfg.run_dir) / "config.yaml"
     config.write_text(cfg.to_yaml())
     mp.spawn(stage_worker, args=(2, free_port(), str(config)), nprocs=2, join=True)
@@ -140,6 +167,9 @@ def test_train_stage_under_two_ranks(tmp_path, tiny_target):
     assert (out / "checkpoints" / "latest").read_text().strip() == "step-4"
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 4 and len(summary["acc_k"]) == 2
-    events = [e for e in (json.loads(line) for line in (Path(cfg.run_dir) / "ledger.jsonl").read_text().splitlines())
-              if e["stage"] == "train"]
+    events = [
+        e
+        for e in (json.loads(line) for line in (Path(cfg.run_dir) / "ledger.jsonl").read_text().splitlines())
+        if e["stage"] == "train"
+    ]
     assert [e["event"] for e in events] == ["start", "end"] and events[-1]["state"] == "done"

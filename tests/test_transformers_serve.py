@@ -45,9 +45,26 @@ def served(tiny_target, tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "transformers.cli.transformers", "serve", str(tiny_target),
-                                 "--host", "127.0.0.1", "--port", str(port), "--device", "cpu", "--dtype", "float32"],
-                                stdout=out, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "transformers.cli.transformers",
+                "serve",
+                str(tiny_target),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--device",
+                "cpu",
+                "--dtype",
+                "float32",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + STARTUP_SECONDS
@@ -60,7 +77,9 @@ def served(tiny_target, tmp_path_factory):
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
-                pytest.fail(f"transformers serve did not answer /health in {STARTUP_SECONDS}s:\n{log.read_text()[-3000:]}")
+                pytest.fail(
+                    f"transformers serve did not answer /health in {STARTUP_SECONDS}s:\n{log.read_text()[-3000:]}"
+                )
             time.sleep(0.5)
         yield url + "/v1", str(tiny_target)
     finally:
@@ -77,12 +96,24 @@ def test_generate_through_transformers_serve(tmp_path, served, capsys):
 
     url, model_id = served
     prompts = write_prompts(tmp_path / "prompts.jsonl", 3, seed=5)
-    cfg = parse_config({
-        "run_dir": str(tmp_path / "run"), "target": {"model": model_id}, "data": {"prompts": str(prompts)},
-        # the default return_token_ids (true) is kept on purpose: the client must drop it when refused
-        "generate": {"backend": "openai", "servers": [url], "model": model_id, "max_tokens": 256, "concurrency": 2,
-                     "timeout": 120, "gate_samples": 3},
-    }, base_dir=tmp_path)
+    cfg = parse_config(
+        {
+            "run_dir": str(tmp_path / "run"),
+            "target": {"model": model_id},
+            "data": {"prompts": str(prompts)},
+            # the default return_token_ids (true) is kept on purpose: the client must drop it when refused
+            "generate": {
+                "backend": "openai",
+                "servers": [url],
+                "model": model_id,
+                "max_tokens": 256,
+                "concurrency": 2,
+                "timeout": 120,
+                "gate_samples": 3,
+            },
+        },
+        base_dir=tmp_path,
+    )
 
     results = pipeline.run_preflight(pipeline.make_context(cfg, "generate"))
     assert not failed(results), [r.to_dict() for r in failed(results)]

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import write_config
+
 from eaglekit import pipeline
 from eaglekit.config import load_config
 from eaglekit.rundir import RunDir
@@ -59,15 +59,22 @@ def _exported_run(tmp_path: Path, run_dir: Path, form: str, verify: dict) -> Pat
 
     demo = load_config(run_dir / "config.yaml")
     prompts = write_prompts(tmp_path / "heldout.jsonl", 8, seed=77)
-    config = write_config(tmp_path / "config.yaml", {
-        "run_dir": str(tmp_path / "run"),
-        "target": {"model": demo.target.model},
-        "data": {"prompts": str(prompts)},
-        "evaluate": {"checkpoint": str(run_dir / "train" / "checkpoints" / "best"), "prompts": str(prompts),
-                     "num_samples": 8, "max_new_tokens": 96},
-        "export": {"formats": [form]},
-        "verify": verify,
-    })
+    config = write_config(
+        tmp_path / "config.yaml",
+        {
+            "run_dir": str(tmp_path / "run"),
+            "target": {"model": demo.target.model},
+            "data": {"prompts": str(prompts)},
+            "evaluate": {
+                "checkpoint": str(run_dir / "train" / "checkpoints" / "best"),
+                "prompts": str(prompts),
+                "num_samples": 8,
+                "max_new_tokens": 96,
+            },
+            "export": {"formats": [form]},
+            "verify": verify,
+        },
+    )
     cfg = load_config(config)
     with RunDir(cfg.run_dir).lock:
         pipeline.run_stage(cfg, "export", skip_preflight=True)
@@ -95,10 +102,13 @@ def _flip_norm(raw: dict) -> None:
     raw["norm_before_residual"] = not raw["norm_before_residual"]
 
 
-@pytest.mark.parametrize("form,edit,cause", [
-    ("eagle3", _lowest_aux, "aux-layer ids"),
-    ("speculators", _flip_norm, "norm_before_residual"),
-])
+@pytest.mark.parametrize(
+    "form,edit,cause",
+    [
+        ("eagle3", _lowest_aux, "aux-layer ids"),
+        ("speculators", _flip_norm, "norm_before_residual"),
+    ],
+)
 def test_verify_fails_on_a_wrong_config_and_names_the_cause(vllm_python, demo_run, tmp_path, cli, form, edit, cause):
     run_dir, _, _ = demo_run
     config = _exported_run(tmp_path, run_dir, form, {"engine": "vllm"})
@@ -148,7 +158,9 @@ def test_verify_reads_sglang_meta_info_and_names_sglangs_aux_convention(demo_run
     assert len(r["positions"]) == 3 and all(p["difference"] == 0 for p in r["positions"])
     assert r["served"]["verify_passes"] == r["offline"]["verify_passes"] > 0
 
-    _edit_exported(tmp_path, "eagle3", lambda raw: raw["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[2, 4, 5]))
+    _edit_exported(
+        tmp_path, "eagle3", lambda raw: raw["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[2, 4, 5])
+    )
     with FakeSglang(target, draft, k=3) as fake:
         assert fake.aux == [3, 5, 6]
         _set_verify(config, {"server": fake.url})

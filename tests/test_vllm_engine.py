@@ -33,9 +33,15 @@ def vllm_tiny(vllm_python, tiny_target, tmp_path_factory):
 
 
 def run_generate(tmp_path: Path, name: str, target: Path, prompts: Path, **generate) -> list[dict]:
-    cfg = parse_config({"run_dir": str(tmp_path / name), "target": {"model": str(target), "dtype": "float32"},
-                        "data": {"prompts": str(prompts)},
-                        "generate": {"max_tokens": 200, "gate_samples": 3, **generate}}, base_dir=tmp_path)
+    cfg = parse_config(
+        {
+            "run_dir": str(tmp_path / name),
+            "target": {"model": str(target), "dtype": "float32"},
+            "data": {"prompts": str(prompts)},
+            "generate": {"max_tokens": 200, "gate_samples": 3, **generate},
+        },
+        base_dir=tmp_path,
+    )
     if generate.get("backend") == "openai":
         results = pipeline.run_preflight(pipeline.make_context(cfg, "generate"))
         assert not failed(results), [r.to_dict() for r in failed(results)]
@@ -50,12 +56,21 @@ def test_generate_through_real_vllm_matches_the_local_backend(tmp_path, vllm_tin
     from eaglekit.tiny import write_prompts
 
     prompts = write_prompts(tmp_path / "prompts.jsonl", N_PROMPTS, seed=11)
-    served = run_generate(tmp_path, "served", tiny_target, prompts, backend="openai", servers=[vllm_tiny.url],
-                          model=vllm_tiny.model, concurrency=3, timeout=120)
+    served = run_generate(
+        tmp_path,
+        "served",
+        tiny_target,
+        prompts,
+        backend="openai",
+        servers=[vllm_tiny.url],
+        model=vllm_tiny.model,
+        concurrency=3,
+        timeout=120,
+    )
     local = run_generate(tmp_path, "local", tiny_target, prompts, backend="local", batch_size=3)
 
     assert [r["id"] for r in served] == [r["id"] for r in local] and len(served) == N_PROMPTS
-    for s, lo in zip(served, local):
+    for s, lo in zip(served, local, strict=False):
         assert s["reasoning_source"] == "reasoning", s  # vLLM >= 0.16 with a reasoning parser
         assert s["reasoning"] and s["content"] and "</think>" not in s["content"]
         assert s["server"] == vllm_tiny.url and s["finish_reason"] == "stop"
@@ -71,9 +86,8 @@ def test_a_server_that_cannot_start_is_an_error_quoting_its_log(vllm_python, tmp
     bad = tmp_path / "not-a-model"
     bad.mkdir()
     server = VllmServer(vllm_python, str(bad), [], tmp_path / "vllm.log", startup_timeout=300)
-    with pytest.raises(EaglekitError) as err:
-        with server:
-            pass
+    with pytest.raises(EaglekitError) as err, server:
+        pass
     assert "exited with code" in err.value.message and str(tmp_path / "vllm.log") in err.value.message
     assert server.process.poll() is not None  # nothing left running
     with pytest.raises(httpx.HTTPError):
@@ -81,15 +95,17 @@ def test_a_server_that_cannot_start_is_an_error_quoting_its_log(vllm_python, tmp
 
 
 def test_prometheus_text_is_parsed_by_name_and_labels():
-    text = "\n".join([
-        "# HELP vllm:spec_decode_num_drafts_total Number of drafts.",
-        "# TYPE vllm:spec_decode_num_drafts_total counter",
-        'vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 40.0',
-        'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="0"} 31.0',
-        'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"} 22.0',
-        'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",engine="1",position="1"} 3.0',
-        "process_open_fds 12",
-    ])
+    text = "\n".join(
+        [
+            "# HELP vllm:spec_decode_num_drafts_total Number of drafts.",
+            "# TYPE vllm:spec_decode_num_drafts_total counter",
+            'vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 40.0',
+            'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="0"} 31.0',
+            'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"} 22.0',
+            'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",engine="1",position="1"} 3.0',
+            "process_open_fds 12",
+        ]
+    )
     metrics = parse_prometheus(text)
     assert metrics['vllm:spec_decode_num_drafts_total{engine="0",model_name="m"}'] == 40.0
     assert metrics["process_open_fds"] == 12.0

@@ -33,14 +33,35 @@ def test_vllm_serves_the_mla_drafter_at_the_offline_acceptance(tmp_path, vllm_py
 
     prompts = write_prompts(tmp_path / "heldout.jsonl", N_PROMPTS, seed=77)
     # default export.formats (both): an MLA drafter's export writes the plain form, and verify serves what it wrote
-    cfg = prepared_run(tmp_path, tiny_deepseek_target, n=120, train={
-        "ttt_steps": 3, "batch_size": 8, "lr": 6e-3, "warmup_steps": 5, "max_steps": 30, "eval_every": 30,
-        "save_every": 30, "eval_samples": 16, "draft": {"architecture": "mla", "fc_norm": True, "norm_output": True}},
-        evaluate={"prompts": str(prompts), "num_samples": N_PROMPTS, "max_new_tokens": MAX_NEW_TOKENS,
-                  "num_speculative_tokens": [K], "temperatures": [0.0]},
+    cfg = prepared_run(
+        tmp_path,
+        tiny_deepseek_target,
+        n=120,
+        train={
+            "ttt_steps": 3,
+            "batch_size": 8,
+            "lr": 6e-3,
+            "warmup_steps": 5,
+            "max_steps": 30,
+            "eval_every": 30,
+            "save_every": 30,
+            "eval_samples": 16,
+            "draft": {"architecture": "mla", "fc_norm": True, "norm_output": True},
+        },
+        evaluate={
+            "prompts": str(prompts),
+            "num_samples": N_PROMPTS,
+            "max_new_tokens": MAX_NEW_TOKENS,
+            "num_speculative_tokens": [K],
+            "temperatures": [0.0],
+        },
         export={"num_speculative_tokens": K},
-        verify={"engine": "vllm", "python": str(vllm_python),
-                "engine_args": ["--max-model-len", "512", *CPU_ROPE_WORKAROUND]})
+        verify={
+            "engine": "vllm",
+            "python": str(vllm_python),
+            "engine_args": ["--max-model-len", "512", *CPU_ROPE_WORKAROUND],
+        },
+    )
     with RunDir(cfg.run_dir).lock:
         pipeline.run_stage(cfg, "train", skip_preflight=True)
         pipeline.run_stage(cfg, "evaluate", skip_preflight=True)
@@ -48,8 +69,10 @@ def test_vllm_serves_the_mla_drafter_at_the_offline_acceptance(tmp_path, vllm_py
         pipeline.run_stage(cfg, "verify")  # raises on FAIL
     report = json.loads((Path(cfg.run_dir) / "verify" / "report.json").read_text())
     (run,) = report["runs"]
-    print(f"tau served {run['tau']['served']} offline {run['tau']['offline']}; positions {run['positions']}; "
-          f"rounds {run['rounds']}")
+    print(
+        f"tau served {run['tau']['served']} offline {run['tau']['offline']}; positions {run['positions']}; "
+        f"rounds {run['rounds']}"
+    )
 
     assert report["verdict"] == "PASS" and (run["form"], run["k"]) == ("eagle3", K)
     # Lossless at temperature 0: vLLM's speculative output is the target's own greedy output, token for token.
@@ -87,8 +110,9 @@ def test_vllm_cpu_rotates_the_strided_mla_query_wrong(vllm_python, tmp_path):
     from eaglekit.serving.engine import cpu_environment
 
     env = {"PATH": "/usr/bin:/bin", **cpu_environment(vllm_python, tmp_path / "cache")}
-    out = subprocess.run([str(vllm_python), "-c", ROPE_CHECK], capture_output=True, text=True, timeout=300, env=env,
-                         cwd=tmp_path)
+    out = subprocess.run(
+        [str(vllm_python), "-c", ROPE_CHECK], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     errors = json.loads(out.stdout.strip().splitlines()[-1])
     assert max(errors) > 0.1, errors  # if this fails, vLLM fixed its kernel: drop CPU_ROPE_WORKAROUND

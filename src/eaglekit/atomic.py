@@ -11,8 +11,9 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 
 def _umask() -> int:
@@ -58,7 +59,7 @@ def naming_file(path: str | os.PathLike, tmp: str | os.PathLike | None = None) -
         if err.filename is None:
             err.filename = str(path)
         elif tmp is not None and str(err.filename).startswith(str(tmp)):
-            err.filename = str(path) + str(err.filename)[len(str(tmp)):]
+            err.filename = str(path) + str(err.filename)[len(str(tmp)) :]
         raise
     except Exception as err:
         if _is_wrapped_disk_full(err, Path(path)):

@@ -15,7 +15,7 @@ import shlex
 import sys
 import traceback
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import typer
 from rich.markup import escape
@@ -25,39 +25,60 @@ from eaglekit.config import STAGES, RunConfig, load_config
 from eaglekit.errors import EaglekitError, UsageError
 from eaglekit.progress import console
 
-app = typer.Typer(add_completion=False, no_args_is_help=False, pretty_exceptions_enable=False,
-                  help="Train EAGLE-3 draft models end to end, checking ground truth before every long phase.")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=False,
+    pretty_exceptions_enable=False,
+    help="Train EAGLE-3 draft models end to end, checking ground truth before every long phase.",
+)
 
 STAGE_NAMES = " | ".join(STAGES)
 JsonOpt = typer.Option(False, "--json", help="print one JSON document on stdout")
-ForceOpt = typer.Option(False, "--force", help="let a stage replace outputs of other parameters (a stage done with "
-                                               "the same ones is never rerun)")
+ForceOpt = typer.Option(
+    False,
+    "--force",
+    help="let a stage replace outputs of other parameters (a stage done with the same ones is never rerun)",
+)
 SkipOpt = typer.Option(False, "--skip-preflight", help="start without pre-flight checks (recorded in the ledger)")
 ConfigArg = typer.Argument(..., metavar="CONFIG", help="the run config (YAML)", show_default=False)
 
 # What each stage command reads and writes (under the run directory), for its --help.
 READS_WRITES = {
-    "generate": ("data.prompts, and the target (in process) or its OpenAI-compatible servers",
-                 "generate/responses.jsonl, generate/errors.jsonl"),
-    "prepare": ("generate/responses.jsonl and the target's tokenizer and chat template",
-                "prepare/tokens.safetensors, prepare/stats.json"),
+    "generate": (
+        "data.prompts, and the target (in process) or its OpenAI-compatible servers",
+        "generate/responses.jsonl, generate/errors.jsonl",
+    ),
+    "prepare": (
+        "generate/responses.jsonl and the target's tokenizer and chat template",
+        "prepare/tokens.safetensors, prepare/stats.json",
+    ),
     "vocab": ("prepare/tokens.safetensors", "vocab/vocab.safetensors (d2t, t2d), vocab/stats.json"),
-    "extract": ("prepare/tokens.safetensors and the target (offline mode only)",
-                "extract/shard-*.safetensors, extract/index.json"),
-    "train": ("prepare/, vocab/, and extract/ (offline) or the live target (online)",
-              "train/checkpoints/, train/metrics.jsonl, train/summary.json, train/curves.png"),
-    "evaluate": ("train/checkpoints/best (or evaluate.checkpoint), the target, the held-out prompts",
-                 "evaluate/report.json, evaluate/report.md, evaluate/*.png"),
-    "export": ("the evaluated drafter and evaluate/report.json",
-               "export/eagle3/, export/speculators/, export/README.md"),
-    "verify": ("export/ and the evaluation prompts; serves them in vLLM (verify.engine) or asks verify.server",
-               "verify/report.json, verify/report.md, verify/acceptance.png, verify/logs/"),
+    "extract": (
+        "prepare/tokens.safetensors and the target (offline mode only)",
+        "extract/shard-*.safetensors, extract/index.json",
+    ),
+    "train": (
+        "prepare/, vocab/, and extract/ (offline) or the live target (online)",
+        "train/checkpoints/, train/metrics.jsonl, train/summary.json, train/curves.png",
+    ),
+    "evaluate": (
+        "train/checkpoints/best (or evaluate.checkpoint), the target, the held-out prompts",
+        "evaluate/report.json, evaluate/report.md, evaluate/*.png",
+    ),
+    "export": (
+        "the evaluated drafter and evaluate/report.json",
+        "export/eagle3/, export/speculators/, export/README.md",
+    ),
+    "verify": (
+        "export/ and the evaluation prompts; serves them in vLLM (verify.engine) or asks verify.server",
+        "verify/report.json, verify/report.md, verify/acceptance.png, verify/logs/",
+    ),
 }
 
 
 class _State:
     debug = bool(os.environ.get("EAGLEKIT_DEBUG"))
-    config: str | None = None   # the config path as the user typed it, for exact remedies
+    config: str | None = None  # the config path as the user typed it, for exact remedies
     run_dir: str | None = None  # where a traceback log goes
 
 
@@ -82,6 +103,7 @@ class _Interrupted(Exception):
 
 def command(name: str, **kwargs):
     """``app.command`` whose Ctrl-C reaches ``main`` intact (to say what was kept, and exit 130 or 143)."""
+
     def register(fn):
         @functools.wraps(fn)
         def wrapper(*args, **kw):
@@ -89,7 +111,9 @@ def command(name: str, **kwargs):
                 return fn(*args, **kw)
             except KeyboardInterrupt as err:
                 raise _Interrupted(err) from err
+
         return app.command(name, **kwargs)(wrapper)
+
     return register
 
 
@@ -102,31 +126,45 @@ def _version(value: bool) -> None:
 
 
 @app.callback()
-def options(version: bool = typer.Option(False, "--version", is_eager=True, callback=_version,
-                                         help="print the version and exit"),
-            debug: bool = typer.Option(False, "--debug", help="print the full traceback of an unexpected error "
-                                                              "(it always goes to a log file under the run directory)")) -> None:
+def options(
+    version: bool = typer.Option(
+        False, "--version", is_eager=True, callback=_version, help="print the version and exit"
+    ),
+    debug: bool = typer.Option(
+        False,
+        "--debug",
+        help="print the full traceback of an unexpected error (it always goes to a log file under the run directory)",
+    ),
+) -> None:
     _State.debug = _State.debug or debug
 
 
 # ------------------------------------------------------------------------------------------ stages
 
+
 @command("run")
-def run_cmd(config: Path = ConfigArg,
-            start: Optional[str] = typer.Option(None, "--from", metavar="STAGE", help=f"first stage to run: {STAGE_NAMES}"),
-            until: Optional[str] = typer.Option(None, "--until", metavar="STAGE", help=f"last stage to run: {STAGE_NAMES}"),
-            force: bool = ForceOpt, skip_preflight: bool = SkipOpt, as_json: bool = JsonOpt) -> None:
+def run_cmd(
+    config: Path = ConfigArg,
+    start: str | None = typer.Option(None, "--from", metavar="STAGE", help=f"first stage to run: {STAGE_NAMES}"),
+    until: str | None = typer.Option(None, "--until", metavar="STAGE", help=f"last stage to run: {STAGE_NAMES}"),
+    force: bool = ForceOpt,
+    skip_preflight: bool = SkipOpt,
+    as_json: bool = JsonOpt,
+) -> None:
     """Run the stages in order — generate, prepare, vocab, extract (offline mode only), train, evaluate, export,
     verify (when verify.engine or verify.server is set) — skipping those done with the same inputs and parameters."""
     cfg = load(config)
-    rows = pipeline.run_stages(cfg, pipeline.select_stages(cfg, start, until), force=force, skip_preflight=skip_preflight)
+    rows = pipeline.run_stages(
+        cfg, pipeline.select_stages(cfg, start, until), force=force, skip_preflight=skip_preflight
+    )
     if as_json:
         emit_json({"run_dir": cfg.run_dir, "stages": rows})
 
 
 def _stage_command(stage: str):
-    def stage_cmd(config: Path = ConfigArg, force: bool = ForceOpt, skip_preflight: bool = SkipOpt,
-                  as_json: bool = JsonOpt) -> None:
+    def stage_cmd(
+        config: Path = ConfigArg, force: bool = ForceOpt, skip_preflight: bool = SkipOpt, as_json: bool = JsonOpt
+    ) -> None:
         cfg = load(config)
         rows = pipeline.run_stages(cfg, [stage], force=force, skip_preflight=skip_preflight)
         if as_json:
@@ -138,10 +176,18 @@ def _stage_command(stage: str):
     return stage_cmd
 
 
-@command("generate", help=f"Collect the target's own responses, reasoning included. Reads {READS_WRITES['generate'][0]}; "
-                          f"writes {READS_WRITES['generate'][1]}.")
-def generate_cmd(config: Path = ConfigArg, force: bool = ForceOpt, skip_preflight: bool = SkipOpt, as_json: bool = JsonOpt,
-                 retry_failed: bool = typer.Option(False, "--retry-failed", help="retry the samples in errors.jsonl")) -> None:
+@command(
+    "generate",
+    help=f"Collect the target's own responses, reasoning included. Reads {READS_WRITES['generate'][0]}; "
+    f"writes {READS_WRITES['generate'][1]}.",
+)
+def generate_cmd(
+    config: Path = ConfigArg,
+    force: bool = ForceOpt,
+    skip_preflight: bool = SkipOpt,
+    as_json: bool = JsonOpt,
+    retry_failed: bool = typer.Option(False, "--retry-failed", help="retry the samples in errors.jsonl"),
+) -> None:
     cfg = load(config)
     rows = pipeline.run_stages(cfg, ["generate"], force=force, skip_preflight=skip_preflight, retry_failed=retry_failed)
     if as_json:
@@ -152,10 +198,18 @@ for _stage in ("prepare", "vocab", "extract", "train", "evaluate"):
     command(_stage)(_stage_command(_stage))
 
 
-@command("export", help=f"Write the drafter in the forms vLLM and SGLang load, and print the serve commands. Reads "
-                        f"{READS_WRITES['export'][0]}; writes {READS_WRITES['export'][1]}.")
-def export_cmd(config: Path = ConfigArg, force: bool = ForceOpt, skip_preflight: bool = SkipOpt, as_json: bool = JsonOpt,
-               fmt: str = typer.Option("", "--format", help="eagle3 | speculators | all (default: export.formats)")) -> None:
+@command(
+    "export",
+    help=f"Write the drafter in the forms vLLM and SGLang load, and print the serve commands. Reads "
+    f"{READS_WRITES['export'][0]}; writes {READS_WRITES['export'][1]}.",
+)
+def export_cmd(
+    config: Path = ConfigArg,
+    force: bool = ForceOpt,
+    skip_preflight: bool = SkipOpt,
+    as_json: bool = JsonOpt,
+    fmt: str = typer.Option("", "--format", help="eagle3 | speculators | all (default: export.formats)"),
+) -> None:
     cfg = load(config)
     if fmt and fmt not in ("eagle3", "speculators", "all"):
         raise UsageError(f"--format {fmt}: unknown format", "use eagle3, speculators or all")
@@ -171,11 +225,15 @@ command("verify")(_stage_command("verify"))
 
 # --------------------------------------------------------------------------------------- reporting
 
+
 @command("status")
-def status_cmd(run_dir: Path = typer.Argument(..., metavar="RUN_DIR", show_default=False,
-                                              help="the run directory (or a config file to compare it with)"),
-               wide: bool = typer.Option(False, "--wide", help="every figure, start times, durations, pre-flight"),
-               as_json: bool = JsonOpt) -> None:
+def status_cmd(
+    run_dir: Path = typer.Argument(
+        ..., metavar="RUN_DIR", show_default=False, help="the run directory (or a config file to compare it with)"
+    ),
+    wide: bool = typer.Option(False, "--wide", help="every figure, start times, durations, pre-flight"),
+    as_json: bool = JsonOpt,
+) -> None:
     """Where the run stands: per stage its state, figures, last pre-flight and warnings; then what to do next.
     A run directory is compared with the config file that last drove it."""
     from rich.console import Console
@@ -188,19 +246,33 @@ def status_cmd(run_dir: Path = typer.Argument(..., metavar="RUN_DIR", show_defau
     rows = status.stage_rows(cfg)
     config = status.relative(cfg.source) if cfg.source else "CONFIG"
     if as_json:
-        emit_json({"run_dir": cfg.run_dir, "config": str(cfg.source), "compared": compared.note, "stages": rows,
-                   "next": status.next_steps(cfg, rows, config)})
+        emit_json(
+            {
+                "run_dir": cfg.run_dir,
+                "config": str(cfg.source),
+                "compared": compared.note,
+                "stages": rows,
+                "next": status.next_steps(cfg, rows, config),
+            }
+        )
         return
     out = Console(highlight=False, width=None if sys.stdout.isatty() else (200 if wide else 80))
     status.render(out, compared, rows, wide=wide)
 
 
 @command("preflight")
-def preflight_cmd(config: Path = ConfigArg,
-                  stage: Optional[str] = typer.Option(None, "--stage", metavar="STAGE", help=f"only this stage's checks, "
-                                                      f"exactly as `eaglekit STAGE` runs them (its upstream must have "
-                                                      f"finished): {STAGE_NAMES}"),
-                  as_json: bool = JsonOpt) -> None:
+def preflight_cmd(
+    config: Path = ConfigArg,
+    stage: str | None = typer.Option(
+        None,
+        "--stage",
+        metavar="STAGE",
+        help=f"only this stage's checks, "
+        f"exactly as `eaglekit STAGE` runs them (its upstream must have "
+        f"finished): {STAGE_NAMES}",
+    ),
+    as_json: bool = JsonOpt,
+) -> None:
     """Run the pre-flight checks alone (exit 1 on any fail).
 
     Without --stage, the whole pipeline is checked in order ahead of running it: a stage whose upstream has not
@@ -221,33 +293,51 @@ def preflight_cmd(config: Path = ConfigArg,
     seconds = round(time.monotonic() - t0, 2)
     any_fail = any(preflight.failed(results) for results in report.values())
     if as_json:
-        emit_json({"ok": not any_fail, "seconds": seconds,
-                   "stages": {s: [r.to_dict() for r in results] for s, results in report.items()}})
+        emit_json(
+            {
+                "ok": not any_fail,
+                "seconds": seconds,
+                "stages": {s: [r.to_dict() for r in results] for s, results in report.items()},
+            }
+        )
     else:
         for s, results in report.items():
             console.print(preflight.results_table(results, title=f"pre-flight of {s}"))
         counts = {k: sum(r.status == k for rs in report.values() for r in rs) for k in preflight.STATUSES}
-        console.print(f"pre-flight: {counts['ok']} ok, {counts['warn']} warn, {counts['fail']} fail, "
-                      f"{counts['skip']} skip in {seconds:.1f} s")
+        console.print(
+            f"pre-flight: {counts['ok']} ok, {counts['warn']} warn, {counts['fail']} fail, "
+            f"{counts['skip']} skip in {seconds:.1f} s"
+        )
     if any_fail:
         raise typer.Exit(1)
 
 
 @command("plan")
-def plan_cmd(config: Path = ConfigArg,
-             samples: Optional[int] = typer.Option(None, "--samples", min=1, help="plan for this many samples"),
-             mean_tokens: Optional[float] = typer.Option(None, "--mean-tokens", min=1, help="tokens per sample (prompt + reply)"),
-             gen_tok_per_s: Optional[float] = typer.Option(None, "--gen-tok-per-s", min=0.001,
-                                                           help="reply tokens per second over all servers"),
-             extract_tok_per_s: Optional[float] = typer.Option(None, "--extract-tok-per-s", min=0.001,
-                                                               help="tokens per second of the target's forward (extract)"),
-             train_tok_per_s: Optional[float] = typer.Option(None, "--train-tok-per-s", min=0.001,
-                                                             help="tokens per second of training"),
-             free: Optional[str] = typer.Option(None, "--free-bytes", help="plan for this much free space (e.g. 2.8TB) "
-                                                "instead of what the run directory's disk has"),
-             write_mb_per_s: Optional[float] = typer.Option(None, "--write-mb-per-s", min=0.001,
-                                                            help="the disk's write rate instead of probing it"),
-             as_json: bool = JsonOpt) -> None:
+def plan_cmd(
+    config: Path = ConfigArg,
+    samples: int | None = typer.Option(None, "--samples", min=1, help="plan for this many samples"),
+    mean_tokens: float | None = typer.Option(
+        None, "--mean-tokens", min=1, help="tokens per sample (prompt + reply)"
+    ),
+    gen_tok_per_s: float | None = typer.Option(
+        None, "--gen-tok-per-s", min=0.001, help="reply tokens per second over all servers"
+    ),
+    extract_tok_per_s: float | None = typer.Option(
+        None, "--extract-tok-per-s", min=0.001, help="tokens per second of the target's forward (extract)"
+    ),
+    train_tok_per_s: float | None = typer.Option(
+        None, "--train-tok-per-s", min=0.001, help="tokens per second of training"
+    ),
+    free: str | None = typer.Option(
+        None,
+        "--free-bytes",
+        help="plan for this much free space (e.g. 2.8TB) instead of what the run directory's disk has",
+    ),
+    write_mb_per_s: float | None = typer.Option(
+        None, "--write-mb-per-s", min=0.001, help="the disk's write rate instead of probing it"
+    ),
+    as_json: bool = JsonOpt,
+) -> None:
     """Time, bytes, peak disk and write rate per stage, and whether the run fits (exit 1 when it does not).
 
     Figures measured in this run directory (a pilot with a small data.max_samples) are used unless a flag
@@ -260,9 +350,16 @@ def plan_cmd(config: Path = ConfigArg,
         free_bytes = parse_bytes(free) if free is not None else None
     except ValueError as err:
         raise UsageError(f"--free-bytes: {err}", "e.g. --free-bytes 2.8TB") from None
-    doc = plan(cfg, samples=samples, mean_tokens=mean_tokens, gen_tok_per_s=gen_tok_per_s,
-               extract_tok_per_s=extract_tok_per_s, train_tok_per_s=train_tok_per_s, free_bytes=free_bytes,
-               write_bytes_per_s=write_mb_per_s * 1e6 if write_mb_per_s else None)
+    doc = plan(
+        cfg,
+        samples=samples,
+        mean_tokens=mean_tokens,
+        gen_tok_per_s=gen_tok_per_s,
+        extract_tok_per_s=extract_tok_per_s,
+        train_tok_per_s=train_tok_per_s,
+        free_bytes=free_bytes,
+        write_bytes_per_s=write_mb_per_s * 1e6 if write_mb_per_s else None,
+    )
     if as_json:
         emit_json(doc)
     else:
@@ -285,10 +382,14 @@ def serve_command_cmd(config: Path = ConfigArg, as_json: bool = JsonOpt) -> None
 
 # ---------------------------------------------------------------------------------------- tiny demo
 
+
 @command("demo")
-def demo_cmd(run_dir: Path = typer.Option(Path("runs/demo"), "--run-dir", help="where the demo run lives"),
-             force: bool = ForceOpt, as_json: bool = JsonOpt,
-             offline: bool = typer.Option(False, "--offline", help="extract the features to disk, then train from them")) -> None:
+def demo_cmd(
+    run_dir: Path = typer.Option(Path("runs/demo"), "--run-dir", help="where the demo run lives"),
+    force: bool = ForceOpt,
+    as_json: bool = JsonOpt,
+    offline: bool = typer.Option(False, "--offline", help="extract the features to disk, then train from them"),
+) -> None:
     """The whole pipeline on the built-in tiny target, on CPU: writes RUN_DIR/config.yaml, runs every stage."""
     from eaglekit.demo import run_demo
 
@@ -299,9 +400,11 @@ def demo_cmd(run_dir: Path = typer.Option(Path("runs/demo"), "--run-dir", help="
 
 
 @command("tiny-target")
-def tiny_target_cmd(out_dir: Path = typer.Argument(..., metavar="OUT_DIR", help="folder to write the model into",
-                                                   show_default=False),
-                    seed: int = typer.Option(0, help="training seed"), as_json: bool = JsonOpt) -> None:
+def tiny_target_cmd(
+    out_dir: Path = typer.Argument(..., metavar="OUT_DIR", help="folder to write the model into", show_default=False),
+    seed: int = typer.Option(0, help="training seed"),
+    as_json: bool = JsonOpt,
+) -> None:
     """Write the built-in tiny target (a trained reasoning-style Llama) in Hugging Face format."""
     from eaglekit.tiny import build_tiny_target
 
@@ -344,7 +447,9 @@ def app_command_names() -> list[str]:
 
 
 def report_interrupt(err: KeyboardInterrupt) -> int:
-    note = getattr(err, "eaglekit_note", None) or "interrupted: finished stages are kept; rerun the same command to resume"
+    note = (
+        getattr(err, "eaglekit_note", None) or "interrupted: finished stages are kept; rerun the same command to resume"
+    )
     console.print(f"[yellow]{escape(note)}[/]")
     return interrupt.exit_code(err)
 
@@ -354,10 +459,13 @@ def report_crash(err: BaseException) -> int:
     from eaglekit.rundir import RunDir
 
     log = failures.write_traceback(RunDir(_State.run_dir) if _State.run_dir else None, None, err)
-    console.print(f"[bold red]error:[/] unexpected {type(err).__name__}: {escape(failures.first_line(err))}",
-                  highlight=False)
-    console.print(f"the full traceback is in {log or '(no log file: it could not be written)'}; "
-                  "`eaglekit --debug ...` prints it here. If it is a bug in eaglekit, please report it with that file.")
+    console.print(
+        f"[bold red]error:[/] unexpected {type(err).__name__}: {escape(failures.first_line(err))}", highlight=False
+    )
+    console.print(
+        f"the full traceback is in {log or '(no log file: it could not be written)'}; "
+        "`eaglekit --debug ...` prints it here. If it is a bug in eaglekit, please report it with that file."
+    )
     if _State.debug:
         traceback.print_exception(type(err), err, err.__traceback__)
     return 1

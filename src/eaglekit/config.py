@@ -44,8 +44,10 @@ class GenerateConfig(Section):
     temperature: float = Field(0.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     reasoning: Literal["required", "optional", "off"] | None = Field(
-        None, description="default: required when the target's chat template has think tags, else optional; "
-                          "YAML's on/yes/true mean required, off/no/false mean off")
+        None,
+        description="default: required when the target's chat template has think tags, else optional; "
+        "YAML's on/yes/true mean required, off/no/false mean off",
+    )
     gate_samples: int = Field(20, ge=1, description="completions checked by the reasoning gate")
     gate_max_empty_share: float = Field(0.1, ge=0.0, le=1.0)
     batch_size: int = Field(8, ge=1, description="local backend: prompts per generate() call")
@@ -57,9 +59,15 @@ class GenerateConfig(Section):
     concurrency: int = Field(16, ge=1, description="in-flight requests per server")
     timeout: float = Field(600.0, gt=0, description="seconds per request")
     max_retries: int = Field(5, ge=0)
-    retry_backoff: float = Field(1.0, ge=0.0, description="seconds before the first retry; doubles per attempt, jittered")
-    probe_interval: float = Field(30.0, gt=0, description="seconds before a server taken out of rotation is tried again")
-    outage_timeout: float = Field(600.0, gt=0, description="seconds the run waits while every server is out of rotation")
+    retry_backoff: float = Field(
+        1.0, ge=0.0, description="seconds before the first retry; doubles per attempt, jittered"
+    )
+    probe_interval: float = Field(
+        30.0, gt=0, description="seconds before a server taken out of rotation is tried again"
+    )
+    outage_timeout: float = Field(
+        600.0, gt=0, description="seconds the run waits while every server is out of rotation"
+    )
     extra_body: dict[str, Any] = Field(default_factory=dict)
     return_token_ids: bool = True
 
@@ -76,7 +84,9 @@ class PrepareConfig(Section):
     max_length: int = Field(2048, ge=8)
     overlong: Literal["drop", "truncate"] = "drop"
     keep_length_stopped: bool = Field(
-        False, description="keep responses cut by max_tokens (finish_reason=length); their end-of-turn was never generated")
+        False,
+        description="keep responses cut by max_tokens (finish_reason=length); their end-of-turn was never generated",
+    )
 
 
 class VocabConfig(Section):
@@ -90,11 +100,15 @@ class VllmFeaturesConfig(Section):
     servers: list[str] = Field(default_factory=list, description="base URLs ending in /v1")
     model: str | None = Field(None, description="served model id (default: the target path, vLLM's default id)")
     api_key_env: str | None = Field(None, description="name of the env variable holding the API key")
-    storage_path: str = Field(description="the servers' shared_storage_path, as this machine sees it (a shared "
-                                          "folder: the servers write each request's hidden states there)")
+    storage_path: str = Field(
+        description="the servers' shared_storage_path, as this machine sees it (a shared "
+        "folder: the servers write each request's hidden states there)"
+    )
     connector: Literal["stock", "cpu"] = Field(
-        "stock", description="stock: vLLM's ExampleHiddenStatesConnector (GPUs); cpu: eaglekit's CPU-capable "
-                             "subclass (vLLM's CPU build), loaded from eaglekit's vllm_plugin folder")
+        "stock",
+        description="stock: vLLM's ExampleHiddenStatesConnector (GPUs); cpu: eaglekit's CPU-capable "
+        "subclass (vLLM's CPU build), loaded from eaglekit's vllm_plugin folder",
+    )
     concurrency: int = Field(8, ge=1, description="in-flight requests per server")
     timeout: float = Field(600.0, gt=0, description="seconds per request, and per wait for its file")
     max_retries: int = Field(5, ge=0)
@@ -106,9 +120,12 @@ class VllmFeaturesConfig(Section):
 class ExtractConfig(Section):
     mode: Literal["online", "offline"] = "online"
     backend: Literal["hf", "vllm"] = Field(
-        "hf", description="hf: the target in this process (transformers); vllm: hidden states from vLLM servers")
+        "hf", description="hf: the target in this process (transformers); vllm: hidden states from vLLM servers"
+    )
     dtype: Literal["bfloat16", "fp8", "float16", "float32"] = Field(
-        "bfloat16", description="feature storage: fp8 is e4m3 with a power-of-two scale per token and state (half of bf16)")
+        "bfloat16",
+        description="feature storage: fp8 is e4m3 with a power-of-two scale per token and state (half of bf16)",
+    )
     shard_tokens: int = Field(1_000_000, ge=1, description="tokens per feature shard")
     batch_tokens: int = Field(8192, ge=1)
     writer_queue: int = Field(4, ge=1, description="batches waiting for the background shard writer at most")
@@ -119,7 +136,8 @@ class DraftModelConfig(Section):
     """The drafter's layer and flags; every shape defaults to the target's (README: "The drafter")."""
 
     architecture: Literal["llama", "mla"] | None = Field(
-        None, description="decoder layer: llama (MHA/GQA, the default) or mla (DeepSeek-V3/Kimi latent attention)")
+        None, description="decoder layer: llama (MHA/GQA, the default) or mla (DeepSeek-V3/Kimi latent attention)"
+    )
     hidden_size: int | None = None
     intermediate_size: int | None = None
     num_attention_heads: int | None = None
@@ -139,8 +157,11 @@ class DraftModelConfig(Section):
 
 
 class TrainConfig(Section):
-    init_from: str | None = Field(None, description="published drafter to finetune (legacy or speculators form): a "
-                                                   "folder, or a hub id (org/name[@revision]) that pre-flight downloads")
+    init_from: str | None = Field(
+        None,
+        description="published drafter to finetune (legacy or speculators form): a "
+        "folder, or a hub id (org/name[@revision]) that pre-flight downloads",
+    )
     remap_vocab: bool = False
     draft: DraftModelConfig = Field(default_factory=DraftModelConfig)
     ttt_steps: int = Field(7, ge=1)
@@ -159,22 +180,33 @@ class TrainConfig(Section):
     log_every: int = Field(10, ge=1, description="optimizer steps per line in train/metrics.jsonl")
     save_every: int = Field(500, ge=1)
     save_every_minutes: float | None = Field(
-        30.0, gt=0, description="also checkpoint when this much time has passed since the last one (None: steps only)")
+        30.0, gt=0, description="also checkpoint when this much time has passed since the last one (None: steps only)"
+    )
     keep_last: int = Field(2, ge=1)
-    packing: bool = Field(False, description="several samples per row (per-document attention masks): fewer, fuller "
-                                             "rows when sample lengths vary")
-    pack_length: int | None = Field(None, ge=8, description="packing: tokens per row (default prepare.max_length); "
-                                                            "batch_size counts rows")
-    anchor_weight: float = Field(0.0, ge=0.0, description="L2-SP pull toward the starting weights (init_from): "
-                                                          "adds anchor_weight/2 * ||θ - θ0||² to the loss")
+    packing: bool = Field(
+        False,
+        description="several samples per row (per-document attention masks): fewer, fuller "
+        "rows when sample lengths vary",
+    )
+    pack_length: int | None = Field(
+        None, ge=8, description="packing: tokens per row (default prepare.max_length); batch_size counts rows"
+    )
+    anchor_weight: float = Field(
+        0.0,
+        ge=0.0,
+        description="L2-SP pull toward the starting weights (init_from): "
+        "adds anchor_weight/2 * ||θ - θ0||² to the loss",
+    )
     seed: int = 0
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     distributed: Literal["ddp", "fsdp"] = "ddp"
     init_lm_head_from_target: bool = True
     freeze_lm_head: bool = Field(
-        True, description="keep the draft head at the rows it starts from (the target's lm_head rows, or the init_from "
-                          "drafter's), as speculators does; false trains it too. A head with no rows to start from "
-                          "(the target's are another width, or init_lm_head_from_target false) always trains")
+        True,
+        description="keep the draft head at the rows it starts from (the target's lm_head rows, or the init_from "
+        "drafter's), as speculators does; false trains it too. A head with no rows to start from "
+        "(the target's are another width, or init_lm_head_from_target false) always trains",
+    )
 
 
 class EvaluateConfig(Section):
@@ -200,35 +232,55 @@ class VerifyConfig(Section):
     """The exported drafter measured in the serving engine (run only when ``engine`` or ``server`` is set)."""
 
     engine: Literal["vllm"] | None = Field(
-        None, description="start this engine with the target and each exported form, on a free loopback port")
+        None, description="start this engine with the target and each exported form, on a free loopback port"
+    )
     server: str | None = Field(
-        None, description="or: base URL of a vLLM or SGLang server you started with the command export printed")
-    python: str | None = Field(None, description="python of the environment with vLLM (default: $EAGLEKIT_VLLM_PYTHON, "
-                                                 "then .venv-vllm)")
-    engine_args: list[str] = Field(default_factory=list,
-                                   description="extra flags for the engine eaglekit starts, e.g. [--tensor-parallel-size, '8']")
+        None, description="or: base URL of a vLLM or SGLang server you started with the command export printed"
+    )
+    python: str | None = Field(
+        None, description="python of the environment with vLLM (default: $EAGLEKIT_VLLM_PYTHON, then .venv-vllm)"
+    )
+    engine_args: list[str] = Field(
+        default_factory=list,
+        description="extra flags for the engine eaglekit starts, e.g. [--tensor-parallel-size, '8']",
+    )
     formats: list[Literal["eagle3", "speculators"]] | None = Field(
-        None, description="exported forms to serve (engine: vllm); default: those export wrote")
+        None, description="exported forms to serve (engine: vllm); default: those export wrote"
+    )
     num_speculative_tokens: list[int] | None = Field(
-        None, description="K values to serve (engine: vllm); default: [export.num_speculative_tokens]")
+        None, description="K values to serve (engine: vllm); default: [export.num_speculative_tokens]"
+    )
     num_samples: int | None = Field(None, ge=1, description="prompts sent; default evaluate.num_samples")
     max_new_tokens: int | None = Field(None, ge=1, description="default evaluate.max_new_tokens")
     tau_tolerance: float = Field(
-        0.01, ge=0.0, description="largest |served τ - offline τ| / offline τ that passes (README, 'Verify in your "
-                                  "engine': 0 measured in float32 and bfloat16; aux ids shifted by one: 2.7% at K=3)")
+        0.01,
+        ge=0.0,
+        description="largest |served τ - offline τ| / offline τ that passes (README, 'Verify in your "
+        "engine': 0 measured in float32 and bfloat16; aux ids shifted by one: 2.7% at K=3)",
+    )
     position_tolerance: float = Field(
-        0.02, ge=0.0, description="largest |served - offline| acceptance rate at any draft position that passes "
-                                  "(aux ids shifted by one: 0.045 at K=3)")
+        0.02,
+        ge=0.0,
+        description="largest |served - offline| acceptance rate at any draft position that passes "
+        "(aux ids shifted by one: 0.045 at K=3)",
+    )
     greedy_tolerance: float = Field(
-        0.0, ge=0.0, le=1.0, description="share of prompts whose served greedy output may differ from plain decoding "
-                                         "(0 in float32; bfloat16 kernels may flip near-ties on long outputs)")
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="share of prompts whose served greedy output may differ from plain decoding "
+        "(0 in float32; bfloat16 kernels may flip near-ties on long outputs)",
+    )
     startup_timeout: float = Field(900.0, gt=0, description="seconds to wait for an engine eaglekit starts")
     timeout: float = Field(600.0, gt=0, description="seconds per request")
 
 
 class PreflightConfig(Section):
-    disk_probe_mb: float = Field(64, ge=0, description="MB written (incompressible, fsync'd) to measure the run "
-                                 "directory's write rate; 0 skips the probe")
+    disk_probe_mb: float = Field(
+        64,
+        ge=0,
+        description="MB written (incompressible, fsync'd) to measure the run directory's write rate; 0 skips the probe",
+    )
     disk_probe_seconds: float = Field(2.0, gt=0, description="the write probe stops after this many seconds of writing")
 
 
@@ -291,8 +343,10 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
         elif e["type"] == "missing":
             lines.append(f"  - missing required key '{key}'")
         elif isinstance(e.get("input"), bool):
-            lines.append(f"  - '{key}': {e['msg']} (got {e['input']!r}: YAML reads unquoted yes/no/on/off/true/false "
-                         f"as a boolean; quote the value, e.g. \"off\")")
+            lines.append(
+                f"  - '{key}': {e['msg']} (got {e['input']!r}: YAML reads unquoted yes/no/on/off/true/false "
+                f'as a boolean; quote the value, e.g. "off")'
+            )
         else:
             lines.append(f"  - '{key}': {e['msg']} (got {e.get('input')!r})")
     return "\n".join(lines)
@@ -300,8 +354,10 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
 
 def parse_config(data: Any, source: str = "<config>", base_dir: Path | None = None) -> RunConfig:
     if not isinstance(data, dict):
-        raise UsageError(f"{source}: the config must be a YAML mapping of sections, got {type(data).__name__}",
-                         "start from the config that `eaglekit demo` writes into its run directory")
+        raise UsageError(
+            f"{source}: the config must be a YAML mapping of sections, got {type(data).__name__}",
+            "start from the config that `eaglekit demo` writes into its run directory",
+        )
     try:
         cfg = RunConfig.model_validate(data)
     except ValidationError as err:
@@ -320,24 +376,34 @@ def parse_config(data: Any, source: str = "<config>", base_dir: Path | None = No
         cfg.evaluate.checkpoint = _resolve(base, cfg.evaluate.checkpoint)
     if cfg.extract.backend == "vllm":
         if cfg.extract.mode != "offline":
-            raise UsageError(f"{source}: extract.backend is 'vllm' but extract.mode is '{cfg.extract.mode}'",
-                             "set extract.mode: offline (vLLM writes features to disk; online training runs the target here)")
+            raise UsageError(
+                f"{source}: extract.backend is 'vllm' but extract.mode is '{cfg.extract.mode}'",
+                "set extract.mode: offline (vLLM writes features to disk; online training runs the target here)",
+            )
         if cfg.extract.vllm is None or not cfg.extract.vllm.servers:
-            raise UsageError(f"{source}: extract.backend is 'vllm' but extract.vllm.servers is empty",
-                             "add extract.vllm: {servers: [http://host:8000/v1], storage_path: /shared/hidden-states}")
+            raise UsageError(
+                f"{source}: extract.backend is 'vllm' but extract.vllm.servers is empty",
+                "add extract.vllm: {servers: [http://host:8000/v1], storage_path: /shared/hidden-states}",
+            )
         cfg.extract.vllm.storage_path = _resolve(base, cfg.extract.vllm.storage_path)
     if cfg.verify.engine and cfg.verify.server:
-        raise UsageError(f"{source}: verify.engine and verify.server are both set",
-                         "set verify.engine to let eaglekit start the engine, or verify.server for one you started")
+        raise UsageError(
+            f"{source}: verify.engine and verify.server are both set",
+            "set verify.engine to let eaglekit start the engine, or verify.server for one you started",
+        )
     if cfg.verify.python:
         cfg.verify.python = _resolve(base, cfg.verify.python)
     if cfg.generate.backend == "openai":
         if not cfg.generate.servers:
-            raise UsageError(f"{source}: generate.backend is 'openai' but generate.servers is empty",
-                             "list the servers' base URLs, e.g. servers: [http://host:8000/v1]")
+            raise UsageError(
+                f"{source}: generate.backend is 'openai' but generate.servers is empty",
+                "list the servers' base URLs, e.g. servers: [http://host:8000/v1]",
+            )
         if not cfg.generate.model:
-            raise UsageError(f"{source}: generate.backend is 'openai' but generate.model is not set",
-                             "set generate.model to the id the server lists under /v1/models")
+            raise UsageError(
+                f"{source}: generate.backend is 'openai' but generate.model is not set",
+                "set generate.model to the id the server lists under /v1/models",
+            )
     return cfg
 
 
@@ -345,7 +411,9 @@ def load_config(path: str | os.PathLike) -> RunConfig:
     """Read and validate a run config; every problem is a UsageError naming the file and key."""
     path = Path(path)
     if not path.exists():
-        raise UsageError(f"config file not found: {path}", "pass the path of a YAML run config (eaglekit demo writes one)")
+        raise UsageError(
+            f"config file not found: {path}", "pass the path of a YAML run config (eaglekit demo writes one)"
+        )
     if path.is_dir():
         raise UsageError(f"config path is a directory: {path}", "pass the YAML file, e.g. RUN_DIR/config.yaml")
     try:
@@ -353,7 +421,9 @@ def load_config(path: str | os.PathLike) -> RunConfig:
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
-        raise UsageError(f"{where}: not valid YAML ({getattr(err, 'problem', err)})", "fix the YAML syntax at that line") from None
+        raise UsageError(
+            f"{where}: not valid YAML ({getattr(err, 'problem', err)})", "fix the YAML syntax at that line"
+        ) from None
     except UnicodeDecodeError:
         raise UsageError(f"{path}: not a UTF-8 text file", "pass the YAML run config") from None
     cfg = parse_config(data, source=str(path), base_dir=path.resolve().parent)

@@ -29,14 +29,26 @@ def demo_config(target: Path, offline: bool = False) -> dict[str, Any]:
         "prepare": {"max_length": 384},
         "vocab": {"draft_vocab_size": 80},
         "extract": {"mode": "offline" if offline else "online"},
-        "train": {"max_steps": 240, "batch_size": 16, "lr": 3e-3, "warmup_steps": 10, "eval_every": 60,
-                  "save_every": 60, "ttt_steps": 4, "draft": {"intermediate_size": 256}},
+        "train": {
+            "max_steps": 240,
+            "batch_size": 16,
+            "lr": 3e-3,
+            "warmup_steps": 10,
+            "eval_every": 60,
+            "save_every": 60,
+            "ttt_steps": 4,
+            "draft": {"intermediate_size": 256},
+        },
         # Greedy only: the tiny target is all but deterministic on its own replies (measured on these 8 prompts:
         # the top token's probability averages 0.998, so sampling at T=1 leaves the greedy path 1.2 times in
         # 548 tokens), so its τ at T=1 equals T=0's within noise and says nothing. Sampling is measured on a
         # target with real entropy in tests/test_speculative.py.
-        "evaluate": {"num_samples": 8, "num_speculative_tokens": [1, 3, 5], "temperatures": [0.0],
-                     "max_new_tokens": 96},
+        "evaluate": {
+            "num_samples": 8,
+            "num_speculative_tokens": [1, 3, 5],
+            "temperatures": [0.0],
+            "max_new_tokens": 96,
+        },
         "export": {"verifier": None},
         **({"verify": {"engine": "vllm"}} if vllm_installed() else {}),
     }
@@ -55,9 +67,9 @@ def vllm_installed() -> bool:
 
 
 def run_demo(run_dir: Path, force: bool = False, offline: bool = False) -> dict[str, Any]:
-    from eaglekit.tiny import ensure_tiny_target, write_prompts
-
     import torch
+
+    from eaglekit.tiny import ensure_tiny_target, write_prompts
 
     # The tiny target's matmuls are too small to gain from intra-op threads; on a shared 2-core machine
     # a second thread made decoding many times slower (measured), so the demo computes on one.
@@ -83,9 +95,10 @@ def run_demo(run_dir: Path, force: bool = False, offline: bool = False) -> dict[
         data.setdefault("extract", {})["mode"] = "offline"
         atomic.write_text(config_path, HEADER + yaml.safe_dump(data, sort_keys=False))
         cfg = load_config(config_path)
-        redo = cfg.stages()[cfg.stages().index("extract"):]
-        console.print(f"demo: {config_path} now has extract.mode: offline; {', '.join(redo)} replace the online "
-                      "run's outputs")
+        redo = cfg.stages()[cfg.stages().index("extract") :]
+        console.print(
+            f"demo: {config_path} now has extract.mode: offline; {', '.join(redo)} replace the online run's outputs"
+        )
     rows = pipeline.run_stages(cfg, [s for s in cfg.stages() if s not in redo], force=force)
     if redo:  # their folders hold the online run's outputs: other parameters, which only --force replaces
         rows += pipeline.run_stages(cfg, redo, force=True)

@@ -66,12 +66,21 @@ def record(ctx, module: ModuleType, err: BaseException, seconds: float) -> BaseE
     the interrupt itself, the stage's own EaglekitError, or an EaglekitError that explains a disk fault or an
     unexpected exception in a few lines (the traceback goes to a log file under the run directory)."""
     stage = ctx.stage
-    event: dict[str, Any] = {"stage": stage, "event": "end", "fingerprint": ctx.fingerprint, "seconds": seconds,
-                             "warnings": ctx.warnings, **ctx.ledger_extra}
+    event: dict[str, Any] = {
+        "stage": stage,
+        "event": "end",
+        "fingerprint": ctx.fingerprint,
+        "seconds": seconds,
+        "warnings": ctx.warnings,
+        **ctx.ledger_extra,
+    }
     kept = kept_outputs(ctx, module)
     disk = io_failure(err)
     if isinstance(err, KeyboardInterrupt):
-        event |= {"state": "incomplete", "error": f"interrupted ({'SIGTERM' if isinstance(err, Terminated) else 'SIGINT'})"}
+        event |= {
+            "state": "incomplete",
+            "error": f"interrupted ({'SIGTERM' if isinstance(err, Terminated) else 'SIGINT'})",
+        }
         err.eaglekit_note = f"{stage} interrupted: {kept}; rerun the same command to resume"
         out: BaseException = err
     elif isinstance(err, SystemExit):
@@ -80,8 +89,9 @@ def record(ctx, module: ModuleType, err: BaseException, seconds: float) -> BaseE
     elif disk is not None:
         what, fix = DISK_ERRNOS[disk.errno]
         space = disk_situation(ctx, module, disk.filename) if disk.errno in (errno.ENOSPC, errno.EDQUOT) else ""
-        message = (f"{stage}: {what} writing {disk.filename or ctx.dir} ({disk.strerror}); {kept}"
-                   + (f"; {space}" if space else ""))
+        message = f"{stage}: {what} writing {disk.filename or ctx.dir} ({disk.strerror}); {kept}" + (
+            f"; {space}" if space else ""
+        )
         event |= {"state": "failed", "error": message, "reason": what}
         out = EaglekitError(message, f"{fix}, then rerun the same command to resume")
     elif isinstance(err, EaglekitError):
@@ -91,14 +101,21 @@ def record(ctx, module: ModuleType, err: BaseException, seconds: float) -> BaseE
         log = write_traceback(ctx.run, stage, err)
         message = f"{stage} stopped on an unexpected error: {type(err).__name__}: {first_line(err)}"
         event |= {"state": "failed", "error": message, "log": str(log) if log else None}
-        out = StageCrashed(message, f"{kept}. The full traceback is in {log or 'no log file (it could not be written)'}"
-                                    " (`eaglekit --debug ...` prints it here); rerun the same command once the cause "
-                                    "is fixed, and report it if it is a bug in eaglekit", original=err, log=log)
+        out = StageCrashed(
+            message,
+            f"{kept}. The full traceback is in {log or 'no log file (it could not be written)'}"
+            " (`eaglekit --debug ...` prints it here); rerun the same command once the cause "
+            "is fixed, and report it if it is a bug in eaglekit",
+            original=err,
+            log=log,
+        )
     try:
         ctx.run.append_event(event)
     except OSError as ledger_err:
-        note = (f"the ledger {ctx.run.ledger_path} could not be written either ({ledger_err.strerror}), so "
-                f"`eaglekit status` shows {stage} as incomplete until the rerun")
+        note = (
+            f"the ledger {ctx.run.ledger_path} could not be written either ({ledger_err.strerror}), so "
+            f"`eaglekit status` shows {stage} as incomplete until the rerun"
+        )
         if isinstance(out, EaglekitError):
             out.message = f"{out.message}; {note}"
         else:
@@ -113,9 +130,16 @@ def first_line(err: BaseException, limit: int = 200) -> str:
 
 def write_traceback(run: RunDir | None, stage: str | None, err: BaseException) -> Path | None:
     """The full traceback, with the command and versions, in RUN_DIR/logs (or the temp folder without one)."""
-    text = "\n".join([f"command: {' '.join(sys.argv)}", f"stage: {stage}", f"time: {now_iso()}",
-                       f"versions: {json.dumps(tool_versions())}", "",
-                       "".join(traceback.format_exception(type(err), err, err.__traceback__))])
+    text = "\n".join(
+        [
+            f"command: {' '.join(sys.argv)}",
+            f"stage: {stage}",
+            f"time: {now_iso()}",
+            f"versions: {json.dumps(tool_versions())}",
+            "",
+            "".join(traceback.format_exception(type(err), err, err.__traceback__)),
+        ]
+    )
     name = f"{stage or 'eaglekit'}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
     try:
         if run is None:

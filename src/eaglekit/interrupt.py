@@ -57,7 +57,7 @@ class StopRequest:
         signum = signum or self.signum or signal.SIGINT
         raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
 
-    def __enter__(self) -> "StopRequest":
+    def __enter__(self) -> StopRequest:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self._previous[sig] = signal.signal(sig, self._handle)

@@ -60,8 +60,13 @@ def fingerprint(cfg: RunConfig, stage: str, _memo: dict[str, str] | None = None)
     memo = {} if _memo is None else _memo
     if stage not in memo:
         up = upstream_of(cfg, stage)
-        memo[stage] = digest({"stage": stage, "params": content_identity(stage_module(stage).params(cfg)),
-                              "upstream": fingerprint(cfg, up, memo) if up else None})
+        memo[stage] = digest(
+            {
+                "stage": stage,
+                "params": content_identity(stage_module(stage).params(cfg)),
+                "upstream": fingerprint(cfg, up, memo) if up else None,
+            }
+        )
     return memo[stage]
 
 
@@ -105,15 +110,22 @@ class StageContext:
         if self.force or state in (rundir.EMPTY, rundir.OWN, rundir.FAILED_LEFTOVERS):
             return None
         marker = self.run.read_marker(self.stage) or {}
-        again = (f"add --force to replace them (`eaglekit run CONFIG --from {self.stage} --force` reruns {self.stage} and "
-                 f"the stages after it; finished stages before it are kept), or set another run_dir to keep them")
+        again = (
+            f"add --force to replace them (`eaglekit run CONFIG --from {self.stage} --force` reruns {self.stage} and "
+            f"the stages after it; finished stages before it are kept), or set another run_dir to keep them"
+        )
         if state == rundir.FOREIGN:
-            return (f"{self.dir} holds files that no eaglekit stage run wrote (no {rundir.MARKER})",
-                    f"move them away, or {again}")
+            return (
+                f"{self.dir} holds files that no eaglekit stage run wrote (no {rundir.MARKER})",
+                f"move them away, or {again}",
+            )
         changes = changed_parameters(self.run, self.stage, self.cfg)
         what = "the finished outputs" if state == rundir.OTHER_DONE else "the partial outputs of an interrupted run"
-        return (f"{self.dir} holds {what} of other inputs or parameters (written {marker.get('created', '?')}"
-                f"{'; changed since: ' + '; '.join(changes) if changes else ''})", again)
+        return (
+            f"{self.dir} holds {what} of other inputs or parameters (written {marker.get('created', '?')}"
+            f"{'; changed since: ' + '; '.join(changes) if changes else ''})",
+            again,
+        )
 
     def command_to_reach(self, stage: str) -> str:
         """The one command that finishes every stage up to ``stage`` (for the remedies of the checks)."""
@@ -130,9 +142,17 @@ class StageContext:
 def make_context(cfg: RunConfig, stage: str, force: bool = False, **options: Any) -> StageContext:
     memo: dict[str, str] = {}
     up = upstream_of(cfg, stage)
-    return StageContext(cfg=cfg, run=RunDir(cfg.run_dir), stage=stage, fingerprint=fingerprint(cfg, stage, memo),
-                        force=force, options=options, module=stage_module(stage), upstream=up,
-                        upstream_fingerprint=fingerprint(cfg, up, memo) if up else None)
+    return StageContext(
+        cfg=cfg,
+        run=RunDir(cfg.run_dir),
+        stage=stage,
+        fingerprint=fingerprint(cfg, stage, memo),
+        force=force,
+        options=options,
+        module=stage_module(stage),
+        upstream=up,
+        upstream_fingerprint=fingerprint(cfg, up, memo) if up else None,
+    )
 
 
 def stage_checks(ctx: StageContext) -> list:
@@ -140,8 +160,15 @@ def stage_checks(ctx: StageContext) -> list:
     from eaglekit.preflight import checks as generic
     from eaglekit.preflight import disk, processes
 
-    return [generic.run_lock, processes.other_processes, generic.upstream_done, generic.output_path,
-            *ctx.module.checks(ctx.cfg), disk.disk_space, disk.filesystem]
+    return [
+        generic.run_lock,
+        processes.other_processes,
+        generic.upstream_done,
+        generic.output_path,
+        *ctx.module.checks(ctx.cfg),
+        disk.disk_space,
+        disk.filesystem,
+    ]
 
 
 def run_preflight(ctx: StageContext) -> list[preflight.CheckResult]:
@@ -176,8 +203,10 @@ def config_identity(cfg: RunConfig) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------ running
 
-def run_stages(cfg: RunConfig, stages: list[str], *, force: bool = False, skip_preflight: bool = False,
-               **options: Any) -> list[dict]:
+
+def run_stages(
+    cfg: RunConfig, stages: list[str], *, force: bool = False, skip_preflight: bool = False, **options: Any
+) -> list[dict]:
     """Run ``stages`` in order under the run lock (rank 0), recording the invocation first; what `eaglekit run`,
     each stage command and the demo call."""
     run = RunDir(cfg.run_dir)
@@ -187,13 +216,23 @@ def run_stages(cfg: RunConfig, stages: list[str], *, force: bool = False, skip_p
     with run.lock.acquire(command=command):
         if not run.config_path.exists() or cfg.source != run.config_path.resolve():
             atomic.write_text(run.config_path, cfg.to_yaml())
-        run.append_event({"event": "invocation", "command": command, "stages": stages, "force": force,
-                          "config": config_identity(cfg), "pid": os.getpid(), "host": socket.gethostname()})
+        run.append_event(
+            {
+                "event": "invocation",
+                "command": command,
+                "stages": stages,
+                "force": force,
+                "config": config_identity(cfg),
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+            }
+        )
         return [run_stage(cfg, s, force=force, skip_preflight=skip_preflight, **options) for s in stages]
 
 
-def run_stage(cfg: RunConfig, stage: str, *, force: bool = False, skip_preflight: bool = False,
-              **options: Any) -> dict[str, Any]:
+def run_stage(
+    cfg: RunConfig, stage: str, *, force: bool = False, skip_preflight: bool = False, **options: Any
+) -> dict[str, Any]:
     """Run one stage (the caller holds the run lock). Returns a summary row."""
     ctx = make_context(cfg, stage, force=force, **options)
     module = stage_module(stage)
@@ -201,8 +240,10 @@ def run_stage(cfg: RunConfig, stage: str, *, force: bool = False, skip_preflight
     if not options.get("retry_failed") and ctx.run.is_done(stage, ctx.fingerprint):
         problem = damage_of(ctx, module)
         if problem is None:
-            console.print(f"[dim]{stage}: done with the same inputs and parameters, skipped "
-                          f"(to redo it anyway, remove {ctx.dir} first)[/]")
+            console.print(
+                f"[dim]{stage}: done with the same inputs and parameters, skipped "
+                f"(to redo it anyway, remove {ctx.dir} first)[/]"
+            )
             return {"stage": stage, "state": "done", "skipped": True}
         console.print(f"[yellow]{stage}: done, but {problem}: running it again to repair that (it resumes)[/]")
 
@@ -213,11 +254,18 @@ def run_stage(cfg: RunConfig, stage: str, *, force: bool = False, skip_preflight
         bad = preflight.failed(results)
         if bad:
             console.print(preflight.results_table(results, title=f"pre-flight of {stage}"))
-            ctx.run.append_event({"stage": stage, "event": "preflight", "fingerprint": ctx.fingerprint,
-                                  "preflight": [r.to_dict() for r in results]})
-            raise EaglekitError(f"{stage}: pre-flight failed: " + "; ".join(f"{r.name}: {r.detail.splitlines()[0]}"
-                                                                    for r in bad),
-                                " / ".join(r.remedy for r in bad if r.remedy) or None)
+            ctx.run.append_event(
+                {
+                    "stage": stage,
+                    "event": "preflight",
+                    "fingerprint": ctx.fingerprint,
+                    "preflight": [r.to_dict() for r in results],
+                }
+            )
+            raise EaglekitError(
+                f"{stage}: pre-flight failed: " + "; ".join(f"{r.name}: {r.detail.splitlines()[0]}" for r in bad),
+                " / ".join(r.remedy for r in bad if r.remedy) or None,
+            )
         warnings = [r for r in results if r.status == "warn"]
         if warnings:
             console.print(preflight.results_table(warnings, title=f"pre-flight of {stage}: warnings"))
@@ -227,15 +275,28 @@ def run_stage(cfg: RunConfig, stage: str, *, force: bool = False, skip_preflight
     if refused:  # pre-flight says so too; this holds when it was skipped
         raise EaglekitError(f"{stage}: {refused[0]}", refused[1])
     if folder not in (rundir.EMPTY, rundir.OWN):
-        console.print(f"{stage}: replacing {ctx.dir} ({'what a failed attempt left' if folder == rundir.FAILED_LEFTOVERS else folder})")
+        console.print(
+            f"{stage}: replacing {ctx.dir} ({'what a failed attempt left' if folder == rundir.FAILED_LEFTOVERS else folder})"
+        )
         shutil.rmtree(ctx.dir)
     ctx.dir.mkdir(parents=True, exist_ok=True)
     resuming = ctx.resuming
     ctx.run.write_marker(stage, ctx.fingerprint)
-    ctx.run.append_event({"stage": stage, "event": "start", "state": "incomplete", "fingerprint": ctx.fingerprint,
-                          "resume": resuming, "force": force, "skip_preflight": skip_preflight,
-                          "params": module.params(cfg), "config": config_identity(cfg), "versions": tool_versions(),
-                          "preflight": [r.to_dict() for r in results]})
+    ctx.run.append_event(
+        {
+            "stage": stage,
+            "event": "start",
+            "state": "incomplete",
+            "fingerprint": ctx.fingerprint,
+            "resume": resuming,
+            "force": force,
+            "skip_preflight": skip_preflight,
+            "params": module.params(cfg),
+            "config": config_identity(cfg),
+            "versions": tool_versions(),
+            "preflight": [r.to_dict() for r in results],
+        }
+    )
     t0 = time.monotonic()
     console.print(f"[bold]{stage}[/]: started{' (resuming)' if resuming else ''}")
     try:
@@ -243,8 +304,18 @@ def run_stage(cfg: RunConfig, stage: str, *, force: bool = False, skip_preflight
     except BaseException as err:
         raise failures.record(ctx, module, err, round(time.monotonic() - t0, 2)) from None
     seconds = round(time.monotonic() - t0, 2)
-    ctx.run.append_event({"stage": stage, "event": "end", "state": "done", "fingerprint": ctx.fingerprint,
-                          "counts": counts, "seconds": seconds, "warnings": ctx.warnings, **ctx.ledger_extra})
+    ctx.run.append_event(
+        {
+            "stage": stage,
+            "event": "end",
+            "state": "done",
+            "fingerprint": ctx.fingerprint,
+            "counts": counts,
+            "seconds": seconds,
+            "warnings": ctx.warnings,
+            **ctx.ledger_extra,
+        }
+    )
     note = f" with {len(ctx.warnings)} warning{'s' * (len(ctx.warnings) > 1)}" if ctx.warnings else ""
     console.print(f"[bold green]{stage}[/]: done in {seconds:.1f}s{note} {counts}")
     return {"stage": stage, "state": "done", "counts": counts, "seconds": seconds, "warnings": ctx.warnings}
@@ -275,8 +346,10 @@ def select_stages(cfg: RunConfig, start: str | None = None, until: str | None = 
     lo = order.index(start) if start else 0
     hi = order.index(until) + 1 if until else len(order)
     if lo >= hi:
-        raise UsageError(f"--from {start} comes after --until {until}: that selects no stage",
-                         f"stages run in this order: {', '.join(order)}")
+        raise UsageError(
+            f"--from {start} comes after --until {until}: that selects no stage",
+            f"stages run in this order: {', '.join(order)}",
+        )
     return order[lo:hi]
 
 
@@ -292,7 +365,7 @@ def run_command(cfg: RunConfig, first: str, until: str | None = None, config: st
     """The one command that runs ``first`` .. ``until`` (done stages in between are skipped): with --force only
     when a stage in that range holds outputs of other parameters."""
     order = cfg.stages()
-    span = order[order.index(first): order.index(until) + 1 if until else len(order)]
+    span = order[order.index(first) : order.index(until) + 1 if until else len(order)]
     parts = ["eaglekit run", config]
     if first != order[0]:
         parts.append(f"--from {first}")
@@ -320,8 +393,11 @@ def changed_parameters(run: RunDir, stage: str, cfg: RunConfig) -> list[str] | N
         return None
     old = _flatten(done[-1]["params"])
     new = _flatten(json.loads(json.dumps(stage_module(stage).params(cfg), default=str)))
-    return [f"{stage}.{k}: {_short(old.get(k))} → {_short(new.get(k))}"
-            for k in sorted(set(old) | set(new)) if content_identity(old.get(k)) != content_identity(new.get(k))]
+    return [
+        f"{stage}.{k}: {_short(old.get(k))} → {_short(new.get(k))}"
+        for k in sorted(set(old) | set(new))
+        if content_identity(old.get(k)) != content_identity(new.get(k))
+    ]
 
 
 def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:

@@ -73,6 +73,7 @@ def parse_bytes(text: str) -> int:
 
 # ----------------------------------------------------------------------------------------------- inputs
 
+
 def _ledger_end(run: pipeline.RunDir, stage: str) -> dict:
     end = (run.last_events().get(stage) or {}).get("end") or {}
     return end if end.get("state") == "done" else {}
@@ -103,10 +104,16 @@ def _pick(flag_value: float | None, flag: str, measured: tuple[float | None, str
     return otherwise
 
 
-def gather_inputs(cfg: RunConfig, samples: int | None = None, mean_tokens: float | None = None,
-                  gen_tok_per_s: float | None = None, extract_tok_per_s: float | None = None,
-                  train_tok_per_s: float | None = None, free_bytes: int | None = None,
-                  write_bytes_per_s: float | None = None) -> dict[str, Figure]:
+def gather_inputs(
+    cfg: RunConfig,
+    samples: int | None = None,
+    mean_tokens: float | None = None,
+    gen_tok_per_s: float | None = None,
+    extract_tok_per_s: float | None = None,
+    train_tok_per_s: float | None = None,
+    free_bytes: int | None = None,
+    write_bytes_per_s: float | None = None,
+) -> dict[str, Figure]:
     run = pipeline.RunDir(cfg.run_dir)
     gen, prep = _ledger_end(run, "generate"), _ledger_end(run, "prepare")
     ext, trn = _ledger_end(run, "extract"), _ledger_end(run, "train")
@@ -125,8 +132,11 @@ def gather_inputs(cfg: RunConfig, samples: int | None = None, mean_tokens: float
         cap = cfg.data.max_samples
         if rows is not None:
             n = min(rows, cap) if cap else rows
-            inputs["samples"] = Figure(n, f"counted: {rows:,} rows in {cfg.data.prompts} ({how})"
-                                          + (f", capped by data.max_samples {cap:,}" if cap and cap < rows else ""))
+            inputs["samples"] = Figure(
+                n,
+                f"counted: {rows:,} rows in {cfg.data.prompts} ({how})"
+                + (f", capped by data.max_samples {cap:,}" if cap and cap < rows else ""),
+            )
         elif cap:
             inputs["samples"] = Figure(cap, "config: data.max_samples (the prompts' rows could not be counted)")
         else:
@@ -135,30 +145,50 @@ def gather_inputs(cfg: RunConfig, samples: int | None = None, mean_tokens: float
     # tokens per sample (prompt + reply, as trained)
     counts = prep.get("counts") or {}
     inputs["mean_tokens"] = _pick(
-        mean_tokens, "--mean-tokens",
+        mean_tokens,
+        "--mean-tokens",
         (counts.get("mean_length"), f"prepare of this run, {counts.get('samples', '?')} samples ({_when(prep)})"),
-        Figure(cfg.prepare.max_length, "assumed: every sample as long as prepare.max_length (an upper bound; "
-                                       "pass --mean-tokens)"))
+        Figure(
+            cfg.prepare.max_length,
+            "assumed: every sample as long as prepare.max_length (an upper bound; pass --mean-tokens)",
+        ),
+    )
     rates = gen.get("rates") or {}
     inputs["output_tokens"] = _pick(
-        None, "", (rates.get("mean_output_tokens"), f"generate of this run ({_when(gen)})"),
-        Figure(min(cfg.generate.max_tokens, inputs["mean_tokens"].value), "assumed: min(generate.max_tokens, tokens per sample)"))
+        None,
+        "",
+        (rates.get("mean_output_tokens"), f"generate of this run ({_when(gen)})"),
+        Figure(
+            min(cfg.generate.max_tokens, inputs["mean_tokens"].value),
+            "assumed: min(generate.max_tokens, tokens per sample)",
+        ),
+    )
     inputs["gen_tok_per_s"] = _pick(
-        gen_tok_per_s, "--gen-tok-per-s",
-        (rates.get("output_tok_per_s"), f"generate of this run, {(gen.get('counts') or {}).get('new', '?')} samples "
-                                        f"({_when(gen)})"),
-        Figure(None, "unknown: run a pilot generate or pass --gen-tok-per-s"))
+        gen_tok_per_s,
+        "--gen-tok-per-s",
+        (
+            rates.get("output_tok_per_s"),
+            f"generate of this run, {(gen.get('counts') or {}).get('new', '?')} samples ({_when(gen)})",
+        ),
+        Figure(None, "unknown: run a pilot generate or pass --gen-tok-per-s"),
+    )
     ext_counts = ext.get("counts") or {}
     inputs["extract_tok_per_s"] = _pick(
-        extract_tok_per_s, "--extract-tok-per-s",
+        extract_tok_per_s,
+        "--extract-tok-per-s",
         (ext_counts.get("tokens_per_s"), f"extract of this run, {ext_counts.get('tokens', '?')} tokens ({_when(ext)})"),
-        Figure(None, "unknown: run a pilot extract or pass --extract-tok-per-s"))
+        Figure(None, "unknown: run a pilot extract or pass --extract-tok-per-s"),
+    )
     trn_counts = trn.get("counts") or {}
-    trained = trn_counts["tokens"] / trn_counts["seconds"] if trn_counts.get("tokens") and trn_counts.get("seconds") else None
+    trained = (
+        trn_counts["tokens"] / trn_counts["seconds"] if trn_counts.get("tokens") and trn_counts.get("seconds") else None
+    )
     inputs["train_tok_per_s"] = _pick(
-        train_tok_per_s, "--train-tok-per-s",
+        train_tok_per_s,
+        "--train-tok-per-s",
         (trained, f"train of this run, {trn_counts.get('steps', '?')} steps ({_when(trn)})"),
-        Figure(None, "unknown: run a pilot train or pass --train-tok-per-s"))
+        Figure(None, "unknown: run a pilot train or pass --train-tok-per-s"),
+    )
 
     from eaglekit.preflight.disk import existing_ancestor, probe_write_rate
 
@@ -171,24 +201,31 @@ def gather_inputs(cfg: RunConfig, samples: int | None = None, mean_tokens: float
     if write_bytes_per_s is not None:
         inputs["write_bytes_per_s"] = Figure(write_bytes_per_s, "flag --write-mb-per-s")
     elif cfg.preflight.disk_probe_mb and os.access(where, os.W_OK):
-        written, seconds = probe_write_rate(where, int(cfg.preflight.disk_probe_mb * 1e6), cfg.preflight.disk_probe_seconds)
-        inputs["write_bytes_per_s"] = Figure(written / max(seconds, 1e-9), f"counted: {human_bytes(written)} written "
-                                                                           f"and fsynced into {where} in {seconds:.2f} s")
+        written, seconds = probe_write_rate(
+            where, int(cfg.preflight.disk_probe_mb * 1e6), cfg.preflight.disk_probe_seconds
+        )
+        inputs["write_bytes_per_s"] = Figure(
+            written / max(seconds, 1e-9),
+            f"counted: {human_bytes(written)} written and fsynced into {where} in {seconds:.2f} s",
+        )
     else:
-        inputs["write_bytes_per_s"] = Figure(None, "unknown: the write probe is off (preflight.disk_probe_mb: 0) "
-                                                   "or the folder is not writable")
+        inputs["write_bytes_per_s"] = Figure(
+            None, "unknown: the write probe is off (preflight.disk_probe_mb: 0) or the folder is not writable"
+        )
     inputs.update(_target_shape(cfg))
     return inputs
 
 
 # ----------------------------------------------------------------------------------------------- stages
 
+
 def _n(x: float) -> str:
     return f"{x:,.0f}"
 
 
-def stage_plans(cfg: RunConfig, inputs: dict[str, Figure], extract_dtype: str | None = None,
-                mode: str | None = None) -> list[StagePlan]:
+def stage_plans(
+    cfg: RunConfig, inputs: dict[str, Figure], extract_dtype: str | None = None, mode: str | None = None
+) -> list[StagePlan]:
     """Each stage's bytes, time and peak disk; ``extract_dtype`` / ``mode`` replan an alternative."""
     mode = mode or cfg.extract.mode
     dtype = extract_dtype or cfg.extract.dtype
@@ -231,12 +268,17 @@ def _estimate(cfg: RunConfig, p: StagePlan, inputs: dict[str, Figure], n, t, out
     tokens = n * t if known else None
     if p.stage == "generate":
         ids = cfg.generate.return_token_ids or cfg.generate.backend == "local"
-        per_token = f"{GENERATE_TEXT_BYTES} B of text" + (f" + {GENERATE_ID_BYTES} B of token ids per reply token" if ids else "")
+        per_token = f"{GENERATE_TEXT_BYTES} B of text" + (
+            f" + {GENERATE_ID_BYTES} B of token ids per reply token" if ids else ""
+        )
         if known:
             p.per_sample_bytes = t * GENERATE_TEXT_BYTES + (out_tokens * GENERATE_ID_BYTES if ids else 0)
             p.bytes = n * p.per_sample_bytes
-            p.how.append(f"{_n(n)} samples × ({_n(t)} tok × {GENERATE_TEXT_BYTES} B"
-                         + (f" + {_n(out_tokens)} reply tok × {GENERATE_ID_BYTES} B" if ids else "") + f") [{per_token}]")
+            p.how.append(
+                f"{_n(n)} samples × ({_n(t)} tok × {GENERATE_TEXT_BYTES} B"
+                + (f" + {_n(out_tokens)} reply tok × {GENERATE_ID_BYTES} B" if ids else "")
+                + f") [{per_token}]"
+            )
         rate = inputs["gen_tok_per_s"].value
         if known and rate:
             p.seconds = n * out_tokens / rate
@@ -257,7 +299,11 @@ def _estimate(cfg: RunConfig, p: StagePlan, inputs: dict[str, Figure], n, t, out
             p.per_sample_bytes = t * per_token
             shards = math.ceil(tokens / cfg.extract.shard_tokens)
             p.bytes = n * p.per_sample_bytes + shards * (1 << 16)
-            what = "4 × H + 4 one-byte power-of-two scales" if dtype == "fp8" else f"(3 × H aux + H final) × {per_token // (4 * int(hidden))} B"
+            what = (
+                "4 × H + 4 one-byte power-of-two scales"
+                if dtype == "fp8"
+                else f"(3 × H aux + H final) × {per_token // (4 * int(hidden))} B"
+            )
             p.how.append(f"{_n(n)} samples × {_n(t)} tok × {per_token:,} B/tok [{dtype}: {what}, H = {int(hidden):,}]")
         rate = inputs["extract_tok_per_s"].value
         if known and rate and hidden:
@@ -274,8 +320,10 @@ def _estimate(cfg: RunConfig, p: StagePlan, inputs: dict[str, Figure], n, t, out
         if known and rate:
             trained = tokens * (1 - cfg.data.eval_fraction) * cfg.train.epochs
             p.seconds = trained / rate
-            p.how.append(f"time: {_n(tokens)} tok × {1 - cfg.data.eval_fraction:g} (train split) × {cfg.train.epochs:g} "
-                         f"epochs ÷ {_n(rate)} tok/s" + (" (max_steps may stop it earlier)" if cfg.train.max_steps else ""))
+            p.how.append(
+                f"time: {_n(tokens)} tok × {1 - cfg.data.eval_fraction:g} (train split) × {cfg.train.epochs:g} "
+                f"epochs ÷ {_n(rate)} tok/s" + (" (max_steps may stop it earlier)" if cfg.train.max_steps else "")
+            )
     elif p.stage == "evaluate":
         p.bytes = 4 << 20
         p.how.append("report and plots")
@@ -307,8 +355,9 @@ def _drafter_config(cfg: RunConfig):
     from eaglekit.model.target import aux_layer_ids, target_hf_config
 
     hf = target_hf_config(cfg.target)
-    return DrafterConfig.from_target_config(hf, cfg.vocab.draft_vocab_size, aux_layer_ids(cfg.target, hf.num_hidden_layers),
-                                            **cfg.train.draft.model_dump())
+    return DrafterConfig.from_target_config(
+        hf, cfg.vocab.draft_vocab_size, aux_layer_ids(cfg.target, hf.num_hidden_layers), **cfg.train.draft.model_dump()
+    )
 
 
 def _drafter_bytes(cfg: RunConfig) -> int | None:
@@ -341,6 +390,7 @@ def _train_bytes(cfg: RunConfig, p: StagePlan) -> int | None:
 
 # ------------------------------------------------------------------------------------------ alternatives
 
+
 def samples_that_fit(plans: list[StagePlan], free: float) -> int | None:
     """How many samples fit: free space minus what does not scale with samples, over the bytes per sample."""
     pending = [p for p in plans if not p.done]
@@ -366,11 +416,19 @@ def alternatives(cfg: RunConfig, inputs: dict[str, Figure], plans: list[StagePla
         peak = _total_peak(alt)
         fit_n = samples_that_fit(alt, free)
         verdict = "unknown" if peak is None else ("fits" if peak <= free else "does not fit")
-        detail = f"peak {human_bytes(peak)} of {human_bytes(free)} free: {verdict}" if peak is not None else "peak unknown"
+        detail = (
+            f"peak {human_bytes(peak)} of {human_bytes(free)} free: {verdict}" if peak is not None else "peak unknown"
+        )
         if verdict == "does not fit" and fit_n is not None:
             detail += f"; {fit_n:,} samples would fit"
-        return {"option": title, "how": how, "peak_bytes": peak, "verdict": verdict, "samples_that_fit": fit_n,
-                "detail": detail + extra}
+        return {
+            "option": title,
+            "how": how,
+            "peak_bytes": peak,
+            "verdict": verdict,
+            "samples_that_fit": fit_n,
+            "detail": detail + extra,
+        }
 
     if cfg.extract.mode == "offline":
         alt = stage_plans(cfg, inputs, mode="online")
@@ -379,26 +437,49 @@ def alternatives(cfg: RunConfig, inputs: dict[str, Figure], plans: list[StagePla
         if forward and n and inputs["mean_tokens"].value:
             trained = n * inputs["mean_tokens"].value * (1 - cfg.data.eval_fraction) * cfg.train.epochs
             extra = f"; training then runs the target too: + {format_duration(trained / forward)} of its forward"
-        out.append(option("online features", "extract.mode: online (the target runs inside train; nothing stored)", alt, extra))
+        out.append(
+            option("online features", "extract.mode: online (the target runs inside train; nothing stored)", alt, extra)
+        )
         if cfg.extract.dtype != "fp8" and inputs["hidden_size"].value:
             alt = stage_plans(cfg, inputs, extract_dtype="fp8")
             h = int(inputs["hidden_size"].value)
-            out.append(option("8-bit features", f"extract.dtype: fp8 ({bytes_per_token(h, 'fp8'):,} B/token instead of "
-                                                 f"{bytes_per_token(h, cfg.extract.dtype):,})", alt))
+            out.append(
+                option(
+                    "8-bit features",
+                    f"extract.dtype: fp8 ({bytes_per_token(h, 'fp8'):,} B/token instead of "
+                    f"{bytes_per_token(h, cfg.extract.dtype):,})",
+                    alt,
+                )
+            )
     fit_n = samples_that_fit(plans, free)
     if fit_n is not None and n:
-        out.append({"option": "fewer samples", "how": f"data.max_samples: {fit_n:,} (or --samples {fit_n:,} to replan)",
-                    "peak_bytes": None, "verdict": "fits" if fit_n > 0 else "does not fit", "samples_that_fit": fit_n,
-                    "detail": f"{fit_n:,} of {int(n):,} samples fit in {human_bytes(free)}"})
+        out.append(
+            {
+                "option": "fewer samples",
+                "how": f"data.max_samples: {fit_n:,} (or --samples {fit_n:,} to replan)",
+                "peak_bytes": None,
+                "verdict": "fits" if fit_n > 0 else "does not fit",
+                "samples_that_fit": fit_n,
+                "detail": f"{fit_n:,} of {int(n):,} samples fit in {human_bytes(free)}",
+            }
+        )
     peak = _total_peak(plans)
     if peak is not None and peak > free:
-        out.append({"option": "a larger volume", "how": "point run_dir at a volume with more free space",
-                    "peak_bytes": peak, "verdict": "fits", "samples_that_fit": None,
-                    "detail": f"{human_bytes(peak - free)} more free space (peak {human_bytes(peak)})"})
+        out.append(
+            {
+                "option": "a larger volume",
+                "how": "point run_dir at a volume with more free space",
+                "peak_bytes": peak,
+                "verdict": "fits",
+                "samples_that_fit": None,
+                "detail": f"{human_bytes(peak - free)} more free space (peak {human_bytes(peak)})",
+            }
+        )
     return out
 
 
 # ------------------------------------------------------------------------------------------------- plan
+
 
 def plan(cfg: RunConfig, **overrides: Any) -> dict[str, Any]:
     """The whole plan as one JSON-able document (what `eaglekit plan --json` prints)."""
@@ -434,7 +515,11 @@ def render(doc: dict[str, Any]):
         inputs.add_column(col, overflow="fold")
     fmt = {"free_bytes": human_bytes, "write_bytes_per_s": lambda v: f"{human_bytes(v)}/s"}
     for name, fig in doc["inputs"].items():
-        value = "?" if fig["value"] is None else fmt.get(name, lambda v: f"{v:,.0f}" if v >= 100 else f"{v:g}")(fig["value"])
+        value = (
+            "?"
+            if fig["value"] is None
+            else fmt.get(name, lambda v: f"{v:,.0f}" if v >= 100 else f"{v:g}")(fig["value"])
+        )
         inputs.add_row(name, value, escape(fig["source"]))
 
     stages = Table(title=f"plan: {doc['run_dir']}", show_lines=True)
@@ -442,17 +527,26 @@ def render(doc: dict[str, Any]):
         stages.add_column(col, overflow="fold")
     style = {"fits": "green", "does not fit": "bold red", "unknown": "yellow"}
     for s in doc["stages"]:
-        rate = (f"{human_bytes(s['need_write_rate'])}/s / {human_bytes(s['write_rate_probed'])}/s"
-                if s["need_write_rate"] and s["write_rate_probed"] else
-                (f"{human_bytes(s['need_write_rate'])}/s / ?" if s["need_write_rate"] else ""))
-        stages.add_row(s["stage"], "-" if s["done"] else (human_bytes(s["bytes"]) if s["bytes"] is not None else "?"),
-                       human_bytes(s["peak_bytes"]) if s["peak_bytes"] is not None else "?",
-                       "-" if s["done"] else (format_duration(s["seconds"]) if s["seconds"] is not None else "?"),
-                       rate, f"[{style[s['verdict']]}]{s['verdict']}[/]", escape("\n".join(s["how"])))
+        rate = (
+            f"{human_bytes(s['need_write_rate'])}/s / {human_bytes(s['write_rate_probed'])}/s"
+            if s["need_write_rate"] and s["write_rate_probed"]
+            else (f"{human_bytes(s['need_write_rate'])}/s / ?" if s["need_write_rate"] else "")
+        )
+        stages.add_row(
+            s["stage"],
+            "-" if s["done"] else (human_bytes(s["bytes"]) if s["bytes"] is not None else "?"),
+            human_bytes(s["peak_bytes"]) if s["peak_bytes"] is not None else "?",
+            "-" if s["done"] else (format_duration(s["seconds"]) if s["seconds"] is not None else "?"),
+            rate,
+            f"[{style[s['verdict']]}]{s['verdict']}[/]",
+            escape("\n".join(s["how"])),
+        )
     lines = [inputs, stages]
     peak = doc["peak_bytes"]
-    summary = (f"verdict: {doc['verdict']} — peak {human_bytes(peak) if peak is not None else '?'} "
-               f"of {human_bytes(doc['free_bytes'])} free")
+    summary = (
+        f"verdict: {doc['verdict']} — peak {human_bytes(peak) if peak is not None else '?'} "
+        f"of {human_bytes(doc['free_bytes'])} free"
+    )
     if doc["seconds_known"]:
         summary += f"; time {format_duration(doc['seconds_known'])}"
     if doc["stages_without_time"]:

@@ -48,8 +48,9 @@ def training_curves(rows: list[dict], path: Path) -> Figure:
     source = held or train
     for k in range(len(source[0]["acc_k"]) if source else 0):
         _series(ax_acc, [r["step"] for r in source], [r["acc_k"][k] for r in source], label=f"acc_{k}")
-    ax_acc.set(xlabel="step", ylabel="accuracy", ylim=(0, 1),
-               title=f"{'held-out' if held else 'train'} accuracy per TTT step")
+    ax_acc.set(
+        xlabel="step", ylabel="accuracy", ylim=(0, 1), title=f"{'held-out' if held else 'train'} accuracy per TTT step"
+    )
     if source:
         ax_acc.legend(fontsize="small", ncol=2)
     _save(fig, path)
@@ -65,9 +66,20 @@ def acceptance_by_position(results: list[dict], path: Path) -> None:
         r = next((r for r in results if (r["method"], r["k"], r["temperature"]) == (method, k, temperature)), None)
         if r:
             rates = r["acceptance_by_position"]
-            ax.plot(range(1, len(rates) + 1), rates, STYLE.get(method, "-"), color=f"C{i}", label=f"{method} T={temperature:g}")
-    ax.set(xlabel="draft position", ylabel="acceptance rate", ylim=(0, 1.02), xticks=range(1, k + 1),
-           title=f"acceptance by position (K={k})")
+            ax.plot(
+                range(1, len(rates) + 1),
+                rates,
+                STYLE.get(method, "-"),
+                color=f"C{i}",
+                label=f"{method} T={temperature:g}",
+            )
+    ax.set(
+        xlabel="draft position",
+        ylabel="acceptance rate",
+        ylim=(0, 1.02),
+        xticks=range(1, k + 1),
+        title=f"acceptance by position (K={k})",
+    )
     ax.legend()
     _save(fig, path)
 
@@ -79,9 +91,16 @@ def tau_vs_k(results: list[dict], path: Path) -> None:
     ax = fig.subplots()
     ax.plot(ks, [k + 1 for k in ks], ":", color="grey", label="bound K+1")
     for i, (method, temperature) in enumerate(_lines(results)):
-        rows = sorted((r for r in results if (r["method"], r["temperature"]) == (method, temperature)), key=lambda r: r["k"])
-        ax.plot([r["k"] for r in rows], [r["tau"] for r in rows], STYLE.get(method, "-"), color=f"C{i}",
-                label=f"{method} T={temperature:g}")
+        rows = sorted(
+            (r for r in results if (r["method"], r["temperature"]) == (method, temperature)), key=lambda r: r["k"]
+        )
+        ax.plot(
+            [r["k"] for r in rows],
+            [r["tau"] for r in rows],
+            STYLE.get(method, "-"),
+            color=f"C{i}",
+            label=f"{method} T={temperature:g}",
+        )
     ax.set(xlabel="K (drafts per round)", ylabel="τ (tokens per target pass)", xticks=ks, title="acceptance length")
     ax.legend()
     _save(fig, path)
@@ -94,14 +113,20 @@ def served_vs_offline(runs: list[dict], path: Path) -> None:
     fig = Figure(figsize=(5 * len(groups), 4))
     axes = fig.subplots(1, len(groups), squeeze=False)[0]
     ks = sorted({r["k"] for r in runs})
-    for ax, form in zip(axes, groups):
+    for ax, form in zip(axes, groups, strict=False):
         for r in (r for r in runs if r["form"] == form and r["positions"]):
             x = [p["position"] for p in r["positions"]]
             colour = f"C{ks.index(r['k'])}"
             ax.plot(x, [p["offline"] for p in r["positions"]], "-o", color=colour, label=f"K={r['k']} offline")
-            ax.plot(x, [p["served"] for p in r["positions"]], "--x", color=colour, markersize=10,
-                    label=f"K={r['k']} served")
-        ax.set(xlabel="draft position", ylabel="acceptance rate", ylim=(0, 1.02), xticks=range(1, max(ks) + 1),
-               title=f"{form}: served vs offline")
+            ax.plot(
+                x, [p["served"] for p in r["positions"]], "--x", color=colour, markersize=10, label=f"K={r['k']} served"
+            )
+        ax.set(
+            xlabel="draft position",
+            ylabel="acceptance rate",
+            ylim=(0, 1.02),
+            xticks=range(1, max(ks) + 1),
+            title=f"{form}: served vs offline",
+        )
         ax.legend(fontsize="small", loc="lower left")
     _save(fig, path)

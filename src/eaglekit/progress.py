@@ -26,7 +26,9 @@ def format_duration(seconds: float) -> str:
 class Meter:
     """Counts units of work and shows rate and ETA. Use as a context manager."""
 
-    def __init__(self, description: str, total: int | None, unit: str = "it", log_every: float = 30.0, initial: int = 0):
+    def __init__(
+        self, description: str, total: int | None, unit: str = "it", log_every: float = 30.0, initial: int = 0
+    ):
         self.description, self.total, self.unit, self.log_every = description, total, unit, log_every
         self.done = initial
         self._start_done = initial
@@ -36,7 +38,7 @@ class Meter:
         self._progress: Progress | None = None
         self._task = None
 
-    def __enter__(self) -> "Meter":
+    def __enter__(self) -> Meter:
         if console.is_terminal:
             self._progress = Progress(
                 TextColumn("[bold]{task.description}"),
@@ -50,7 +52,9 @@ class Meter:
                 console=console,
             )
             self._progress.start()
-            self._task = self._progress.add_task(self.description, total=self.total, completed=self.done, rate="", extra="")
+            self._task = self._progress.add_task(
+                self.description, total=self.total, completed=self.done, rate="", extra=""
+            )
         return self
 
     def __exit__(self, *exc) -> None:
@@ -76,14 +80,18 @@ class Meter:
         total = f"/{self.total}" if self.total is not None else ""
         eta = self.eta_seconds
         eta_s = f" ETA {format_duration(eta)}" if eta is not None and self.done < (self.total or 0) else ""
-        return (f"{self.description}: {self.done}{total} {self.unit} {self.rate:.2f} {self.unit}/s "
-                f"elapsed {format_duration(time.monotonic() - self._t0)}{eta_s} {self._extra()}").rstrip()
+        return (
+            f"{self.description}: {self.done}{total} {self.unit} {self.rate:.2f} {self.unit}/s "
+            f"elapsed {format_duration(time.monotonic() - self._t0)}{eta_s} {self._extra()}"
+        ).rstrip()
 
     def update(self, n: int = 1, **fields: Any) -> None:
         self.done += n
         self.fields.update(fields)
         if self._progress is not None:
-            self._progress.update(self._task, completed=self.done, rate=f"{self.rate:.2f} {self.unit}/s", extra=self._extra())
+            self._progress.update(
+                self._task, completed=self.done, rate=f"{self.rate:.2f} {self.unit}/s", extra=self._extra()
+            )
         elif time.monotonic() - self._last_log >= self.log_every:
             self._last_log = time.monotonic()
             console.print(self.line())

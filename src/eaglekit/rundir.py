@@ -32,9 +32,10 @@ import json
 import os
 import socket
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from eaglekit import atomic
 from eaglekit.errors import EaglekitError
@@ -49,7 +50,13 @@ STATES = ("pending", "queued", "running", "done", "failed", "incomplete", "stale
 
 # What a stage's output folder holds, relative to the fingerprint about to run there (see RunDir.folder_state).
 EMPTY, OWN, FAILED_LEFTOVERS, OTHER_DONE, OTHER_PARTIAL, FOREIGN = (
-    "empty", "own", "failed leftovers", "other done", "other partial", "foreign")
+    "empty",
+    "own",
+    "failed leftovers",
+    "other done",
+    "other partial",
+    "foreign",
+)
 
 
 def now_iso() -> str:
@@ -82,7 +89,9 @@ def file_identity(path: str | os.PathLike) -> dict[str, Any]:
     path = Path(path)
     if not path.exists():
         return {"path": str(path), "missing": True}
-    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+    files = (
+        [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+    )
     h = hashlib.sha256()
     total = 0
     for f in files:
@@ -117,7 +126,7 @@ def append_line(path: Path, line: str) -> None:
         try:
             data = line.encode("utf-8")
             while data:
-                data = data[os.write(fd, data):]
+                data = data[os.write(fd, data) :]
             os.fsync(fd)
         except OSError:
             with contextlib.suppress(OSError):
@@ -128,6 +137,7 @@ def append_line(path: Path, line: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- lock
+
 
 @dataclass
 class RunLock:
@@ -166,7 +176,7 @@ class RunLock:
         finally:
             os.close(fd)
 
-    def acquire(self, command: str | None = None) -> "RunLock":
+    def acquire(self, command: str | None = None) -> RunLock:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -180,8 +190,12 @@ class RunLock:
                 f"wait for that process to finish, or stop it (kill {h.get('pid', 'PID')}); "
                 "the lock is released by the kernel when it exits",
             ) from None
-        info = {"pid": os.getpid(), "host": socket.gethostname(), "started": now_iso(),
-                "command": command or " ".join(sys.argv)}
+        info = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started": now_iso(),
+            "command": command or " ".join(sys.argv),
+        }
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
         os.fsync(fd)
@@ -195,7 +209,7 @@ class RunLock:
             os.close(self.fd)
             self.fd = None
 
-    def __enter__(self) -> "RunLock":
+    def __enter__(self) -> RunLock:
         return self.acquire() if self.fd is None else self
 
     def __exit__(self, *exc) -> None:
@@ -203,6 +217,7 @@ class RunLock:
 
 
 # --------------------------------------------------------------------------------------------- ledger
+
 
 class RunDir:
     """Paths of a run directory and its ledger."""
@@ -325,4 +340,6 @@ class RunDir:
             return None
 
     def write_marker(self, stage: str, fingerprint: str) -> None:
-        atomic.write_json(self.stage_dir(stage) / MARKER, {"stage": stage, "fingerprint": fingerprint, "created": now_iso()})
+        atomic.write_json(
+            self.stage_dir(stage) / MARKER, {"stage": stage, "fingerprint": fingerprint, "created": now_iso()}
+        )

@@ -46,14 +46,18 @@ def config_for(path: Path) -> Compared:
     """The config to judge the run by: ``path`` itself if it is a config file; for a run directory, the file that
     last drove it (as that file is now), else the run's own copy."""
     if not path.exists():
-        raise UsageError(f"run directory not found: {path}", "pass the run_dir of a run (eaglekit demo makes runs/demo)")
+        raise UsageError(
+            f"run directory not found: {path}", "pass the run_dir of a run (eaglekit demo makes runs/demo)"
+        )
     if path.is_file():
         cfg = load_config(path)
         return Compared(cfg, f"compared with {path}")
     copy = path / "config.yaml"
     if not copy.exists():
-        raise UsageError(f"{path} has no config.yaml, so it is not an eaglekit run directory",
-                         "pass the folder that `eaglekit run` or `eaglekit demo` wrote")
+        raise UsageError(
+            f"{path} has no config.yaml, so it is not an eaglekit run directory",
+            "pass the folder that `eaglekit run` or `eaglekit demo` wrote",
+        )
     invocation = RunDir(path).last_invocation() or {}
     source = (invocation.get("config") or {}).get("source")
     if source and Path(source).resolve() != copy.resolve():
@@ -61,18 +65,26 @@ def config_for(path: Path) -> Compared:
             cfg = load_config(source)
             if Path(cfg.run_dir).resolve() == path.resolve():
                 edited = pipeline.config_identity(cfg)["sha256"] != invocation["config"].get("sha256")
-                return Compared(cfg, f"compared with {source}, the config that last drove this run"
-                                     + (" (edited since)" if edited else ""))
-            return Compared(load_config(copy), f"compared with {copy}: {source}, which last drove this run, now "
-                                               f"points at another run_dir ({cfg.run_dir})")
+                return Compared(
+                    cfg,
+                    f"compared with {source}, the config that last drove this run"
+                    + (" (edited since)" if edited else ""),
+                )
+            return Compared(
+                load_config(copy),
+                f"compared with {copy}: {source}, which last drove this run, now "
+                f"points at another run_dir ({cfg.run_dir})",
+            )
         return Compared(load_config(copy), f"compared with {copy}: {source}, which last drove this run, is gone")
     return Compared(load_config(copy), f"compared with {copy}")
 
 
 # ------------------------------------------------------------------------------------------- rows
 
-def _ledger(run: RunDir) -> tuple[dict[str, list[tuple[int, dict, dict | None]]], tuple[int, dict] | None,
-                                  dict[str, tuple[int, dict]]]:
+
+def _ledger(
+    run: RunDir,
+) -> tuple[dict[str, list[tuple[int, dict, dict | None]]], tuple[int, dict] | None, dict[str, tuple[int, dict]]]:
     """One pass over the ledger: per stage its attempts (index, start, end), the last invocation, and per stage
     its last pre-flight (index, event: a `start` or a failed `preflight`)."""
     attempts: dict[str, list[tuple[int, dict, dict | None]]] = {}
@@ -99,8 +111,11 @@ def preflight_summary(event: dict | None) -> dict[str, Any] | None:
         return None
     results = event.get("preflight") or []
     tally = {s: sum(r.get("status") == s for r in results) for s in ("ok", "warn", "fail", "skip")}
-    return {"ts": event.get("ts"), **tally,
-            "problems": [f"{r['name']}: {r.get('detail', '')}" for r in results if r.get("status") in ("warn", "fail")]}
+    return {
+        "ts": event.get("ts"),
+        **tally,
+        "problems": [f"{r['name']}: {r.get('detail', '')}" for r in results if r.get("status") in ("warn", "fail")],
+    }
 
 
 def data_flags(stage: str, counts: dict) -> list[str]:
@@ -111,8 +126,10 @@ def data_flags(stage: str, counts: dict) -> list[str]:
         if counts.get("empty_reasoning"):
             flags.append(f"{counts['empty_reasoning']} of {done} responses have empty reasoning")
         if counts.get("leftover_think"):
-            flags.append(f"{counts['leftover_think']} of {done} replies keep think tags in their content "
-                         "(reasoning not separated)")
+            flags.append(
+                f"{counts['leftover_think']} of {done} replies keep think tags in their content "
+                "(reasoning not separated)"
+            )
         if counts.get("failed"):
             flags.append(f"{counts['failed']} samples failed (`eaglekit generate CONFIG --retry-failed` retries them)")
     return flags
@@ -140,8 +157,15 @@ def stage_rows(cfg: RunConfig) -> list[dict[str, Any]]:
             state = "stale"
             changes = pipeline.changed_parameters(run, stage, cfg)
             up = pipeline.upstream_of(cfg, stage)
-            reason = ("its parameters or inputs changed" if changes is None else "; ".join(changes) if changes
-                      else f"its input, {up}, changed" if up else "its inputs changed")
+            reason = (
+                "its parameters or inputs changed"
+                if changes is None
+                else "; ".join(changes)
+                if changes
+                else f"its input, {up}, changed"
+                if up
+                else "its inputs changed"
+            )
         elif not run.is_done(stage, current):
             state, reason = "pending", f"its folder {run.stage_dir(stage)} was removed or replaced"
         else:
@@ -153,25 +177,28 @@ def stage_rows(cfg: RunConfig) -> list[dict[str, Any]]:
         if live_counts is not None and state in ("running", "incomplete"):
             counts = live_counts(run.stage_dir(stage))
         pf = preflights.get(stage)
-        rows.append({
-            "stage": stage,
-            "state": state,
-            "counts": counts,
-            "started": (start or {}).get("ts"),
-            "ended": (end or {}).get("ts"),
-            "seconds": (end or {}).get("seconds"),
-            "error": (end or {}).get("error"),
-            "log": (end or {}).get("log"),
-            "reason": reason,
-            "fingerprint": current,
-            "preflight": preflight_summary(pf[1] if pf else None),
-            "warnings": list((end or {}).get("warnings") or []),
-            "flags": data_flags(stage, counts) if state in ("done", "stale") else [],
-        })
+        rows.append(
+            {
+                "stage": stage,
+                "state": state,
+                "counts": counts,
+                "started": (start or {}).get("ts"),
+                "ended": (end or {}).get("ts"),
+                "seconds": (end or {}).get("seconds"),
+                "error": (end or {}).get("error"),
+                "log": (end or {}).get("log"),
+                "reason": reason,
+                "fingerprint": current,
+                "preflight": preflight_summary(pf[1] if pf else None),
+                "warnings": list((end or {}).get("warnings") or []),
+                "flags": data_flags(stage, counts) if state in ("done", "stale") else [],
+            }
+        )
     return rows
 
 
 # ---------------------------------------------------------------------------------------- commands
+
 
 def next_steps(cfg: RunConfig, rows: list[dict], config: str) -> list[str]:
     """What to do now: a line or two, then the exact command on a line of its own (indented, never wrapped)."""
@@ -182,29 +209,41 @@ def next_steps(cfg: RunConfig, rows: list[dict], config: str) -> list[str]:
         holder = run.lock.holder() or {}
         what = f"{running[0]['stage']} is running" if running else "a command holds the run"
         then = f"; then {', '.join(queued)}" if queued else ""
-        return [f"{what} (pid {holder.get('pid', '?')} on {holder.get('host', '?')}: {holder.get('command', '?')}){then}.",
-                "`eaglekit status` again follows it."]
+        return [
+            f"{what} (pid {holder.get('pid', '?')} on {holder.get('host', '?')}: {holder.get('command', '?')}){then}.",
+            "`eaglekit status` again follows it.",
+        ]
     todo = next((r for r in rows if r["state"] != "done"), None)
     if todo is None:
         export = run.stage_dir("export")
-        return [f"nothing to run: every stage is done; the drafter is in {export}" if export.exists()
-                else "nothing to run: every stage is done"]
+        return [
+            f"nothing to run: every stage is done; the drafter is in {export}"
+            if export.exists()
+            else "nothing to run: every stage is done"
+        ]
     stage, state = todo["stage"], todo["state"]
     command = "  " + pipeline.run_command(cfg, stage, config=config)
     if state == "failed":
-        return [f"{stage} failed: {todo['reason'] or 'see the ledger'}"
-                + (f" (traceback in {todo['log']})" if todo.get("log") else ""),
-                "Fix that, then (what the failed attempt left is replaced):", command]
+        return [
+            f"{stage} failed: {todo['reason'] or 'see the ledger'}"
+            + (f" (traceback in {todo['log']})" if todo.get("log") else ""),
+            "Fix that, then (what the failed attempt left is replaced):",
+            command,
+        ]
     if state == "incomplete":
         return [f"{stage} was stopped mid-run; to resume it:", command]
     if state == "stale":
-        after = [r["stage"] for r in rows[rows.index(todo) + 1:]]
-        return [f"{stage} is stale: {todo['reason']}" + (f"; {', '.join(after)} follow it" if after else "") + ".",
-                f"To rerun {stage}{' and what follows' if after else ''}, keeping the stages before it:", command]
+        after = [r["stage"] for r in rows[rows.index(todo) + 1 :]]
+        return [
+            f"{stage} is stale: {todo['reason']}" + (f"; {', '.join(after)} follow it" if after else "") + ".",
+            f"To rerun {stage}{' and what follows' if after else ''}, keeping the stages before it:",
+            command,
+        ]
     return ["next:", command]
 
 
 # ----------------------------------------------------------------------------------------- display
+
 
 def when(ts: str | None) -> str:
     """A timestamp short enough for the table: the time today, else the date too."""
@@ -229,10 +268,18 @@ def _value(v: Any) -> str:
 
 
 def headline(stage: str, counts: dict, wide: bool = False) -> str:
-    keys = [k for k in counts if not isinstance(counts[k], dict)] if wide else \
-        [k for k in HEADLINE.get(stage, ()) if k in counts] or [k for k in counts if not isinstance(counts[k], (dict, list))][:3]
-    return ", ".join(f"{k.replace('eagle_tau_', 'τ ')} {_value(counts[k])}" if k.startswith("eagle_tau_")
-                     else f"{k} {_value(counts[k])}" for k in keys)
+    keys = (
+        [k for k in counts if not isinstance(counts[k], dict)]
+        if wide
+        else [k for k in HEADLINE.get(stage, ()) if k in counts]
+        or [k for k in counts if not isinstance(counts[k], (dict, list))][:3]
+    )
+    return ", ".join(
+        f"{k.replace('eagle_tau_', 'τ ')} {_value(counts[k])}"
+        if k.startswith("eagle_tau_")
+        else f"{k} {_value(counts[k])}"
+        for k in keys
+    )
 
 
 def relative(path: str | os.PathLike) -> str:
@@ -257,13 +304,22 @@ def notes(rows: list[dict], config: str) -> list[str]:
             out.append(f"{stage}: {f.replace('CONFIG', config)}")
         pf = r["preflight"]
         if pf and (pf["warn"] or pf["fail"]):
-            out.append(f"{stage}: last pre-flight ({when(pf['ts'])}): {pf['fail']} fail, {pf['warn']} warn — "
-                       + "; ".join(pf["problems"][:2]))
+            out.append(
+                f"{stage}: last pre-flight ({when(pf['ts'])}): {pf['fail']} fail, {pf['warn']} warn — "
+                + "; ".join(pf["problems"][:2])
+            )
     return out
 
 
-STYLES = {"done": "green", "running": "cyan", "queued": "cyan", "failed": "red", "incomplete": "yellow",
-          "stale": "magenta", "pending": "dim"}
+STYLES = {
+    "done": "green",
+    "running": "cyan",
+    "queued": "cyan",
+    "failed": "red",
+    "incomplete": "yellow",
+    "stale": "magenta",
+    "pending": "dim",
+}
 
 
 def render(console, compared: Compared, rows: list[dict], wide: bool = False) -> None:
@@ -283,13 +339,20 @@ def render(console, compared: Compared, rows: list[dict], wide: bool = False) ->
         for col in ("started", "seconds", "pre-flight", "warnings"):
             table.add_column(col, overflow="fold")
     for r in rows:
-        cells = [r["stage"], f"[{STYLES[r['state']]}]{r['state']}[/]", headline(r["stage"], r["counts"], wide),
-                 when(r["ended"]) if r["state"] not in ("running", "queued") else ""]
+        cells = [
+            r["stage"],
+            f"[{STYLES[r['state']]}]{r['state']}[/]",
+            headline(r["stage"], r["counts"], wide),
+            when(r["ended"]) if r["state"] not in ("running", "queued") else "",
+        ]
         if wide:
             pf = r["preflight"]
-            cells += [when(r["started"]), "" if r["seconds"] is None else f"{r['seconds']:.0f}",
-                      f"{pf['ok']} ok, {pf['warn']} warn, {pf['fail']} fail ({when(pf['ts'])})" if pf else "",
-                      str(len(r["warnings"])) if r["warnings"] else ""]
+            cells += [
+                when(r["started"]),
+                "" if r["seconds"] is None else f"{r['seconds']:.0f}",
+                f"{pf['ok']} ok, {pf['warn']} warn, {pf['fail']} fail ({when(pf['ts'])})" if pf else "",
+                str(len(r["warnings"])) if r["warnings"] else "",
+            ]
         table.add_row(*cells)
     console.print(table)
     for line in notes(rows, config):

@@ -24,8 +24,18 @@ from eaglekit.errors import EaglekitError, UsageError
 # Message fields through which chat templates take an assistant turn's reasoning, in order of preference.
 REASONING_FIELDS = ("reasoning_content", "reasoning", "thinking")
 # Tokens that end an assistant turn in the common template families (only those in the vocab count).
-END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "<|return|>",
-                      "<|endoftext|>", "<|end_of_text|>", "</s>", "<｜end▁of▁sentence｜>")
+END_OF_TURN_TOKENS = (
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|return|>",
+    "<|endoftext|>",
+    "<|end_of_text|>",
+    "</s>",
+    "<｜end▁of▁sentence｜>",
+)
 _SENTINEL = "eaglekit-reasoning-probe-7f3a"
 _THINK_TAG = re.compile(r"</?[\w:-]*think>")
 
@@ -44,13 +54,17 @@ def load_tokenizer(model_path: str, chat_template_override: str | None = None, t
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     except Exception as err:  # transformers raises OSError, ValueError, KeyError, JSON errors… for a broken folder
-        raise UsageError(f"cannot load the tokenizer of {model_path}: {type(err).__name__}: {err}",
-                         "set target.model to a local model folder (or a hub id already in the cache)") from None
+        raise UsageError(
+            f"cannot load the tokenizer of {model_path}: {type(err).__name__}: {err}",
+            "set target.model to a local model folder (or a hub id already in the cache)",
+        ) from None
     if chat_template_override:
         tokenizer.chat_template = _read_template(chat_template_override)
     if not tokenizer.chat_template:
-        raise UsageError(f"the tokenizer of {model_path} has no chat template",
-                         "set target.chat_template to the Jinja template the target is served with (a string or a file)")
+        raise UsageError(
+            f"the tokenizer of {model_path} has no chat template",
+            "set target.chat_template to the Jinja template the target is served with (a string or a file)",
+        )
     return tokenizer
 
 
@@ -59,8 +73,10 @@ def _read_template(value: str) -> str:
         return value
     path = Path(value).expanduser()
     if not path.is_file():
-        raise UsageError(f"target.chat_template: {value!r} is neither a Jinja template nor an existing file",
-                         "give the template text itself or the path of a .jinja file")
+        raise UsageError(
+            f"target.chat_template: {value!r} is neither a Jinja template nor an existing file",
+            "give the template text itself or the path of a .jinja file",
+        )
     return path.read_text(encoding="utf-8")
 
 
@@ -68,8 +84,10 @@ def template_text(tokenizer) -> str:
     try:
         return tokenizer.get_chat_template()
     except ValueError as err:  # no template, or several with no default
-        raise UsageError(f"cannot pick the tokenizer's chat template: {err}",
-                         "set target.chat_template to the Jinja template the target is served with") from None
+        raise UsageError(
+            f"cannot pick the tokenizer's chat template: {err}",
+            "set target.chat_template to the Jinja template the target is served with",
+        ) from None
 
 
 def template_has_think_tags(tokenizer) -> bool:
@@ -121,19 +139,27 @@ def _render(tokenizer, messages: list[dict], add_generation_prompt: bool, templa
     from jinja2 import TemplateError
 
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                             **template_kwargs)
+        return tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
+        )
     except TemplateError as err:
-        raise EaglekitError(f"the chat template failed to render a conversation ({len(messages)} messages): {err}",
-                            "check target.chat_template, or fix the roles/order of the prompt's turns") from None
+        raise EaglekitError(
+            f"the chat template failed to render a conversation ({len(messages)} messages): {err}",
+            "check target.chat_template, or fix the roles/order of the prompt's turns",
+        ) from None
 
 
 def _tokenize(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
 
 
-def render_sample(tokenizer, prompt_messages: list[dict], reasoning: str | None, content: str,
-                  template_kwargs: dict[str, Any] | None = None) -> RenderedSample:
+def render_sample(
+    tokenizer,
+    prompt_messages: list[dict],
+    reasoning: str | None,
+    content: str,
+    template_kwargs: dict[str, Any] | None = None,
+) -> RenderedSample:
     """Token ids of prompt + reply and the mask of the reply's tokens.
 
     ``reasoning`` goes in the message field the template renders (see ``reasoning_field``), otherwise
@@ -152,14 +178,15 @@ def render_sample(tokenizer, prompt_messages: list[dict], reasoning: str | None,
     prompt = _render(tokenizer, prompt_messages, True, template_kwargs)
     full = _render(tokenizer, [*prompt_messages, reply], False, template_kwargs)
     if not full.startswith(prompt):
-        at = next((i for i, (a, b) in enumerate(zip(prompt, full)) if a != b), min(len(prompt), len(full)))
+        at = next((i for i, (a, b) in enumerate(zip(prompt, full, strict=False)) if a != b), min(len(prompt), len(full)))
         raise EaglekitError(
             "the chat template is not prefix-consistent: the generation prompt is not the start of the rendered "
-            f"conversation (they differ at character {at}: prompt has {prompt[at:at + 40]!r}, conversation has "
-            f"{full[at:at + 40]!r}), so the reply's tokens cannot be located",
+            f"conversation (they differ at character {at}: prompt has {prompt[at : at + 40]!r}, conversation has "
+            f"{full[at : at + 40]!r}), so the reply's tokens cannot be located",
             "set target.chat_template to a template whose add_generation_prompt output begins the assistant turn "
-            "exactly as the full rendering does (e.g. one that keeps the final turn's reasoning)")
-    suffix = full[len(prompt):]
+            "exactly as the full rendering does (e.g. one that keeps the final turn's reasoning)",
+        )
+    suffix = full[len(prompt) :]
 
     # The reply ends at the first end-of-turn token after the answer; templates may trim the text, so
     # anchor on the stripped answer and check the template kept what the target wrote.
@@ -169,10 +196,12 @@ def render_sample(tokenizer, prompt_messages: list[dict], reasoning: str | None,
             continue
         pos = suffix.find(text, anchor)
         if pos < 0:
-            raise EaglekitError(f"the chat template drops the final assistant turn's {label}: {text[:60]!r} is not in "
-                                f"the rendered reply {suffix[:120]!r}",
-                                "set target.chat_template to a template that renders the final turn's reasoning "
-                                "(or inline <think> text) and answer unchanged")
+            raise EaglekitError(
+                f"the chat template drops the final assistant turn's {label}: {text[:60]!r} is not in "
+                f"the rendered reply {suffix[:120]!r}",
+                "set target.chat_template to a template that renders the final turn's reasoning "
+                "(or inline <think> text) and answer unchanged",
+            )
         anchor = pos + len(text)
     ends = [p + len(t) for t in _end_of_turn_strings(tokenizer) if (p := suffix.find(t, anchor)) >= 0]
     reply_end = min(ends) if ends else len(suffix.rstrip())
@@ -182,15 +211,20 @@ def render_sample(tokenizer, prompt_messages: list[dict], reasoning: str | None,
     tail_ids = _tokenize(tokenizer, suffix[reply_end:])
     bos = tokenizer.bos_token_id
     if bos is not None and prompt_ids[:2] == [bos, bos]:
-        raise EaglekitError("the rendered prompt starts with two BOS tokens",
-                            "use a chat template that writes the BOS once (the tokenizer adds none here)")
-    return RenderedSample(input_ids=prompt_ids + reply_ids + tail_ids,
-                          loss_mask=[0] * len(prompt_ids) + [1] * len(reply_ids) + [0] * len(tail_ids),
-                          prompt_tokens=len(prompt_ids))
+        raise EaglekitError(
+            "the rendered prompt starts with two BOS tokens",
+            "use a chat template that writes the BOS once (the tokenizer adds none here)",
+        )
+    return RenderedSample(
+        input_ids=prompt_ids + reply_ids + tail_ids,
+        loss_mask=[0] * len(prompt_ids) + [1] * len(reply_ids) + [0] * len(tail_ids),
+        prompt_tokens=len(prompt_ids),
+    )
 
 
-def use_generated_tokens(tokenizer, input_ids: list[int], loss_mask: list[int],
-                         generated: list[int] | None) -> tuple[list[int], list[int], bool]:
+def use_generated_tokens(
+    tokenizer, input_ids: list[int], loss_mask: list[int], generated: list[int] | None
+) -> tuple[list[int], list[int], bool]:
     """Put the tokens the target actually generated in place of the re-tokenized reply.
 
     A model can emit a non-canonical tokenization of its own text (e.g. "5" + "5" where the tokenizer

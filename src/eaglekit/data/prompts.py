@@ -14,21 +14,29 @@ import functools
 import hashlib
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import Any, Literal
 
 from eaglekit.errors import UsageError
 
 ROLES = {
     "system": "system",
-    "user": "user", "human": "user",
-    "assistant": "assistant", "gpt": "assistant", "chatgpt": "assistant", "model": "assistant",
-    "bard": "assistant", "bing": "assistant",
+    "user": "user",
+    "human": "user",
+    "assistant": "assistant",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "model": "assistant",
+    "bard": "assistant",
+    "bing": "assistant",
 }
 CONVERSATION_KEYS = ("conversations", "messages")
-SKIP_REMEDY = ("fix or remove that row, or set `data.on_bad_row: skip` in the config "
-               "to skip bad rows (they are counted and reported)")
+SKIP_REMEDY = (
+    "fix or remove that row, or set `data.on_bad_row: skip` in the config "
+    "to skip bad rows (they are counted and reported)"
+)
 
 
 @dataclass
@@ -67,11 +75,14 @@ class _BadRow(Exception):
     """A problem with one row; becomes a UsageError or a BadRow depending on on_bad_row."""
 
 
-def load_prompts(path: str | Path, max_samples: int | None = None,
-                 on_bad_row: Literal["fail", "skip"] = "fail") -> PromptSet:
+def load_prompts(
+    path: str | Path, max_samples: int | None = None, on_bad_row: Literal["fail", "skip"] = "fail"
+) -> PromptSet:
     """Read, normalise and de-duplicate the prompts of ``path``; stops after ``max_samples`` good ones."""
     if on_bad_row not in ("fail", "skip"):
-        raise UsageError(f"on_bad_row must be 'fail' or 'skip', got {on_bad_row!r}", "set data.on_bad_row to fail or skip")
+        raise UsageError(
+            f"on_bad_row must be 'fail' or 'skip', got {on_bad_row!r}", "set data.on_bad_row to fail or skip"
+        )
     out = PromptSet(records=[])
     seen_ids: set[str] = set()
     seen_prompts: set[str] = set()
@@ -106,6 +117,7 @@ def peek_prompts(path: str | Path, n: int = 5, on_bad_row: Literal["fail", "skip
 
 
 # --- rows -------------------------------------------------------------------------------------------
+
 
 def _parse_row(row: Any, source: str) -> PromptRecord:
     if not isinstance(row, dict):
@@ -168,15 +180,20 @@ def _messages_hash(messages: list[dict]) -> str:
 def _kind(value: Any) -> str:
     if value is None:
         return "null"
-    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean"}.get(type(value), type(value).__name__)
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean"}.get(
+        type(value), type(value).__name__
+    )
 
 
 # --- files ------------------------------------------------------------------------------------------
 
+
 def _iter_rows(path: Path, out: PromptSet) -> Iterator[tuple[str, Any]]:
     """Yield (source, row); a row that cannot even be parsed is yielded as a _BadRow."""
     if not path.exists():
-        raise UsageError(f"prompt data not found: {path}", "set data.prompts to a JSONL/JSON/Parquet file or a datasets folder")
+        raise UsageError(
+            f"prompt data not found: {path}", "set data.prompts to a JSONL/JSON/Parquet file or a datasets folder"
+        )
     if path.is_dir():
         yield from _iter_datasets_folder(path, out)
         return
@@ -186,8 +203,10 @@ def _iter_rows(path: Path, out: PromptSet) -> Iterator[tuple[str, Any]]:
     elif suffix in (".jsonl", ".ndjson", ".json"):
         yield from _iter_json(path)
     else:
-        raise UsageError(f"{path}: unknown prompt file type '{suffix or '(none)'}'",
-                         "use .jsonl (one conversation per line), .json (a list), .parquet, or a datasets saved folder")
+        raise UsageError(
+            f"{path}: unknown prompt file type '{suffix or '(none)'}'",
+            "use .jsonl (one conversation per line), .json (a list), .parquet, or a datasets saved folder",
+        )
 
 
 def _iter_json(path: Path) -> Iterator[tuple[str, Any]]:
@@ -201,8 +220,10 @@ def _iter_json(path: Path) -> Iterator[tuple[str, Any]]:
         except UnicodeDecodeError:
             raise UsageError(f"{path}: not UTF-8 text", "re-encode the file as UTF-8") from None
         except json.JSONDecodeError as err:
-            raise UsageError(f"{path}:{err.lineno}:{err.colno}: not valid JSON ({err.msg})",
-                             "fix the JSON syntax there, or write one conversation per line (JSONL)") from None
+            raise UsageError(
+                f"{path}:{err.lineno}:{err.colno}: not valid JSON ({err.msg})",
+                "fix the JSON syntax there, or write one conversation per line (JSONL)",
+            ) from None
         for i, row in enumerate(rows):
             yield f"{path}:row {i}", row
         return
@@ -226,7 +247,9 @@ def _iter_parquet(path: Path) -> Iterator[tuple[str, Any]]:
     try:
         pf = pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as err:
-        raise UsageError(f"{path}: not a readable Parquet file ({err})", "re-export the dataset as Parquet or JSONL") from None
+        raise UsageError(
+            f"{path}: not a readable Parquet file ({err})", "re-export the dataset as Parquet or JSONL"
+        ) from None
     columns = _columns(path, pf.schema_arrow.names)
     row = 0
     try:
@@ -240,21 +263,27 @@ def _iter_parquet(path: Path) -> Iterator[tuple[str, Any]]:
 
 def _iter_datasets_folder(path: Path, out: PromptSet) -> Iterator[tuple[str, Any]]:
     if not ((path / "dataset_dict.json").exists() or (path / "state.json").exists()):
-        raise UsageError(f"{path}: a directory that is not a datasets saved folder (no dataset_dict.json or state.json)",
-                         "pass a JSONL/JSON/Parquet file, or a folder written by Dataset.save_to_disk")
+        raise UsageError(
+            f"{path}: a directory that is not a datasets saved folder (no dataset_dict.json or state.json)",
+            "pass a JSONL/JSON/Parquet file, or a folder written by Dataset.save_to_disk",
+        )
     import datasets
 
     try:
         ds = datasets.load_from_disk(str(path))
     except Exception as err:  # datasets raises many kinds here; all mean the same to the user
-        raise UsageError(f"{path}: cannot load the datasets folder ({type(err).__name__}: {err})",
-                         "re-save it with Dataset.save_to_disk, or export it as JSONL") from None
+        raise UsageError(
+            f"{path}: cannot load the datasets folder ({type(err).__name__}: {err})",
+            "re-save it with Dataset.save_to_disk, or export it as JSONL",
+        ) from None
     if isinstance(ds, datasets.DatasetDict):
         splits = list(ds)
         split = "train" if "train" in ds else splits[0] if len(splits) == 1 else None
         if split is None:
-            raise UsageError(f"{path}: a DatasetDict with splits {splits} and no 'train' split",
-                             "save the split you want on its own: ds['NAME'].save_to_disk(PATH)")
+            raise UsageError(
+                f"{path}: a DatasetDict with splits {splits} and no 'train' split",
+                "save the split you want on its own: ds['NAME'].save_to_disk(PATH)",
+            )
         out.split, ds = split, ds[split]
     ds = ds.select_columns(_columns(path, ds.column_names))
     for i, row in enumerate(ds):  # Arrow-backed and memory-mapped: rows are read as we go
@@ -265,8 +294,10 @@ def _columns(path: Path, names: list[str]) -> list[str]:
     """The columns to read: the conversation column (required) and the id (optional)."""
     conv = [k for k in CONVERSATION_KEYS if k in names]
     if not conv:
-        raise UsageError(f"{path}: no 'conversations' or 'messages' column (columns: {', '.join(names) or 'none'})",
-                         "rename the conversation column to 'conversations' (ShareGPT) or 'messages' (OpenAI)")
+        raise UsageError(
+            f"{path}: no 'conversations' or 'messages' column (columns: {', '.join(names) or 'none'})",
+            "rename the conversation column to 'conversations' (ShareGPT) or 'messages' (OpenAI)",
+        )
     return conv + (["id"] if "id" in names else [])
 
 

@@ -18,8 +18,9 @@ import json
 import os
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from eaglekit.errors import EaglekitError
 from eaglekit.progress import console
@@ -30,14 +31,31 @@ RESPONSES = "responses.jsonl"
 ERRORS = "errors.jsonl"
 
 
-def make_record(prompt_id: str, messages: list[dict], message: dict, finish_reason: str | None,
-                prompt_tokens: int | None, completion_tokens: int | None, model: str, server: str | None,
-                token_ids: list[int] | None = None) -> tuple[dict[str, Any], list[str]]:
+def make_record(
+    prompt_id: str,
+    messages: list[dict],
+    message: dict,
+    finish_reason: str | None,
+    prompt_tokens: int | None,
+    completion_tokens: int | None,
+    model: str,
+    server: str | None,
+    token_ids: list[int] | None = None,
+) -> tuple[dict[str, Any], list[str]]:
     """A response record from a chat ``message`` (as a server returns it); also returns the fields it carried."""
     reasoning, content, source, seen = extract_reasoning(message)
-    record = {"id": prompt_id, "messages": messages, "reasoning": reasoning, "content": content,
-              "finish_reason": finish_reason, "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-              "reasoning_source": source, "model": model, "server": server}
+    record = {
+        "id": prompt_id,
+        "messages": messages,
+        "reasoning": reasoning,
+        "content": content,
+        "finish_reason": finish_reason,
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "reasoning_source": source,
+        "model": model,
+        "server": server,
+    }
     if token_ids is not None:
         record["completion_token_ids"] = token_ids
     return record, seen
@@ -80,13 +98,16 @@ def _lines(path: Path) -> Iterator[tuple[int, dict]]:
             try:
                 row = json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError) as err:
-                raise EaglekitError(f"{path}:{lineno}: not a JSON line ({err}); only a torn last line is repaired "
-                                    "automatically, so this file was edited or damaged",
-                                    f"delete line {lineno} and rerun the same command (that sample is generated "
-                                    "again)") from None
+                raise EaglekitError(
+                    f"{path}:{lineno}: not a JSON line ({err}); only a torn last line is repaired "
+                    "automatically, so this file was edited or damaged",
+                    f"delete line {lineno} and rerun the same command (that sample is generated again)",
+                ) from None
             if not isinstance(row, dict) or not isinstance(row.get("id"), str):
-                raise EaglekitError(f"{path}:{lineno}: not a response record (no string 'id')",
-                                    f"delete line {lineno} and rerun the same command (that sample is generated again)")
+                raise EaglekitError(
+                    f"{path}:{lineno}: not a response record (no string 'id')",
+                    f"delete line {lineno} and rerun the same command (that sample is generated again)",
+                )
             yield lineno, row
 
 
@@ -114,27 +135,31 @@ class ResponseStore:
         self._unsynced = 0
         self._last_sync = time.monotonic()
 
-    def __enter__(self) -> "ResponseStore":
+    def __enter__(self) -> ResponseStore:
         return self.open()
 
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def open(self) -> "ResponseStore":
+    def open(self) -> ResponseStore:
         self.folder.mkdir(parents=True, exist_ok=True)
         for path in (self.path, self.errors_path):
             dropped = _repair_tail(path)
             if dropped:
-                console.print(f"[yellow]{path.name}: cut off a torn last line ({dropped} bytes) left by an interrupted "
-                              "run; that sample will be generated again[/]")
+                console.print(
+                    f"[yellow]{path.name}: cut off a torn last line ({dropped} bytes) left by an interrupted "
+                    "run; that sample will be generated again[/]"
+                )
         if self.path.exists():
             for _, row in _lines(self.path):
                 if row["id"] in self.done_ids:
                     self.duplicates_on_disk += 1
                 self.done_ids.add(row["id"])
         if self.duplicates_on_disk:
-            console.print(f"[yellow]{self.path}: {self.duplicates_on_disk} lines repeat an earlier id (the first counts); "
-                          "this file was edited or concatenated[/]")
+            console.print(
+                f"[yellow]{self.path}: {self.duplicates_on_disk} lines repeat an earlier id (the first counts); "
+                "this file was edited or concatenated[/]"
+            )
         if self.errors_path.exists():
             for _, row in _lines(self.errors_path):
                 if row["id"] not in self.done_ids:
@@ -150,7 +175,7 @@ class ResponseStore:
         view = memoryview(line.encode("utf-8"))
         try:
             while view:
-                view = view[f.write(view):]
+                view = view[f.write(view) :]
         except OSError as err:
             with contextlib.suppress(OSError):
                 os.ftruncate(f.fileno(), end)
@@ -232,7 +257,6 @@ def summarize(folder: str | os.PathLike) -> dict[str, Any]:
         "mean_output_tokens": round(output_tokens / done, 1) if done else 0.0,
         "reasoning_sources": dict(sources),
     }
-
 
 
 def quick_counts(folder: str | os.PathLike) -> dict[str, int]:

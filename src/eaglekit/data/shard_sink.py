@@ -15,8 +15,8 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from eaglekit.data.shards import Rows, ShardWriter, shard_name
 
@@ -31,8 +31,16 @@ class ShardSink:
     by an exception drops the shards that are still open — committed ones stay.
     """
 
-    def __init__(self, folder: Path, shards: dict[int, tuple[list[str], list[int]]], hidden: int, dtype: str,
-                 meta: dict, depth: int = 4, on_commit: Callable[[int, dict], None] | None = None):
+    def __init__(
+        self,
+        folder: Path,
+        shards: dict[int, tuple[list[str], list[int]]],
+        hidden: int,
+        dtype: str,
+        meta: dict,
+        depth: int = 4,
+        on_commit: Callable[[int, dict], None] | None = None,
+    ):
         self.folder, self.shards, self.hidden, self.dtype, self.meta = Path(folder), shards, hidden, dtype, meta
         self.on_commit = on_commit
         self.queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
@@ -40,16 +48,16 @@ class ShardSink:
         self.remaining = {n: len(ids) for n, (ids, _) in shards.items()}
         self.committed: dict[int, dict] = {}
         self.error: BaseException | None = None
-        self.put_blocked = 0.0   # seconds the producer waited for room in the queue (the disk was behind)
-        self.writer_busy = 0.0   # seconds the writer spent writing and committing
-        self.writer_idle = 0.0   # seconds the writer waited for rows (the computation was behind)
+        self.put_blocked = 0.0  # seconds the producer waited for room in the queue (the disk was behind)
+        self.writer_busy = 0.0  # seconds the writer spent writing and committing
+        self.writer_idle = 0.0  # seconds the writer waited for rows (the computation was behind)
         self.bytes = 0
         self.t0 = time.monotonic()
         self.thread = threading.Thread(target=self._run, name="eaglekit-shard-writer", daemon=True)
 
     # --- producer side ----------------------------------------------------------------------------
 
-    def __enter__(self) -> "ShardSink":
+    def __enter__(self) -> ShardSink:
         self.t0 = time.monotonic()
         self.thread.start()
         return self
@@ -79,8 +87,9 @@ class ShardSink:
         unfinished = sorted(set(self.shards) - set(self.committed))
         if unfinished:
             n = unfinished[0]
-            raise RuntimeError(f"{shard_name(n)}: {self.remaining[n]} of its samples never arrived "
-                               "(a bug in the extract loop)")
+            raise RuntimeError(
+                f"{shard_name(n)}: {self.remaining[n]} of its samples never arrived (a bug in the extract loop)"
+            )
 
     def _stop(self, drain: bool) -> None:
         if not drain:
@@ -119,8 +128,9 @@ class ShardSink:
         writer = self.open.get(n)
         if writer is None:
             ids, lengths = self.shards[n]
-            writer = self.open[n] = ShardWriter(self.folder / shard_name(n), ids, lengths, self.hidden, self.dtype,
-                                                self.meta).open()
+            writer = self.open[n] = ShardWriter(
+                self.folder / shard_name(n), ids, lengths, self.hidden, self.dtype, self.meta
+            ).open()
         before = writer.bytes_written
         for j, r in rows:
             first = not writer.written[j]
@@ -141,9 +151,11 @@ class ShardSink:
         wall = max(time.monotonic() - self.t0, 1e-9)
         computing = max(wall - self.put_blocked, 1e-9)
         disk_bound = self.put_blocked > 0.1 * wall
-        return {"compute_tokens_per_s": round(tokens / computing, 1),
-                "disk_mb_per_s": round(self.bytes / max(self.writer_busy, 1e-9) / 1e6, 1),
-                "written_bytes": self.bytes,
-                "bottleneck": "disk" if disk_bound else "compute",
-                "compute_waited_on_disk": round(self.put_blocked / wall, 3),
-                "disk_idle": round(self.writer_idle / wall, 3)}
+        return {
+            "compute_tokens_per_s": round(tokens / computing, 1),
+            "disk_mb_per_s": round(self.bytes / max(self.writer_busy, 1e-9) / 1e6, 1),
+            "written_bytes": self.bytes,
+            "bottleneck": "disk" if disk_bound else "compute",
+            "compute_waited_on_disk": round(self.put_blocked / wall, 3),
+            "disk_idle": round(self.writer_idle / wall, 3),
+        }

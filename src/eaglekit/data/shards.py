@@ -50,10 +50,18 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1}
 STATES = 4  # three aux states and the final hidden state
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 PLAN_SEED = "eaglekit.features.shards"
-_ST_DTYPE = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int64: "I64",
-             torch.int8: "I8", torch.float8_e4m3fn: "F8_E4M3"}
-REMEDY = ("delete the named shard and its .json sidecar, then `eaglekit run CONFIG --from extract`: extract "
-          "re-extracts only the missing shards (the others are kept) and the stages after it go on")
+_ST_DTYPE = {
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float32: "F32",
+    torch.int64: "I64",
+    torch.int8: "I8",
+    torch.float8_e4m3fn: "F8_E4M3",
+}
+REMEDY = (
+    "delete the named shard and its .json sidecar, then `eaglekit run CONFIG --from extract`: extract "
+    "re-extracts only the missing shards (the others are kept) and the stages after it go on"
+)
 
 
 def bytes_per_token(hidden_size: int, dtype: str) -> int:
@@ -71,6 +79,7 @@ def value_dtype(dtype: str) -> torch.dtype:
 
 # ----------------------------------------------------------------------------------------- encode/decode
 
+
 @dataclass
 class Rows:
     """Features as stored: ``aux`` [..., 3Ht] and ``last_hidden`` [..., Ht] in the storage dtype, and for fp8
@@ -80,7 +89,7 @@ class Rows:
     last_hidden: torch.Tensor
     scale_exp: torch.Tensor | None = None
 
-    def to(self, device) -> "Rows":
+    def to(self, device) -> Rows:
         # Asynchronous only towards an accelerator: a non-blocking copy to the CPU may still be running when
         # the writer thread reads it.
         async_ok = torch.device(device).type != "cpu"
@@ -107,8 +116,7 @@ def encode(aux: torch.Tensor, last_hidden: torch.Tensor, dtype: str) -> Rows:
         return Rows(aux.to(value_dtype(dtype)), last_hidden.to(value_dtype(dtype)))
     hidden = last_hidden.shape[-1]
     parts = [_fp8_state(s) for s in (*aux.split(hidden, dim=-1), last_hidden)]
-    return Rows(torch.cat([p[0] for p in parts[:3]], dim=-1), parts[3][0],
-                torch.stack([p[1] for p in parts], dim=-1))
+    return Rows(torch.cat([p[0] for p in parts[:3]], dim=-1), parts[3][0], torch.stack([p[1] for p in parts], dim=-1))
 
 
 def decode(rows: Rows, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,6 +134,7 @@ def decode(rows: Rows, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor
 
 
 # ------------------------------------------------------------------------------------------------ plan
+
 
 def shard_name(n: int) -> str:
     return f"shard-{n:05d}.safetensors"
@@ -172,6 +181,7 @@ def plan_batches(samples: list[int], lengths: list[int], batch_tokens: int) -> l
 
 # ---------------------------------------------------------------------------------------------- layout
 
+
 def _tensors(n_samples: int, tokens: int, hidden: int, dtype: str) -> list[tuple[str, torch.dtype, list[int]]]:
     values = value_dtype(dtype)
     out = [("aux", values, [tokens, 3 * hidden]), ("last_hidden", values, [tokens, hidden])]
@@ -194,16 +204,24 @@ def header_bytes(ids: list[str], tokens: int, hidden: int, dtype: str, extra_met
         end = start + _nbytes(dt, shape)
         header[name] = {"dtype": _ST_DTYPE[dt], "shape": shape, "data_offsets": [start, end]}
         start = end
-    header["__metadata__"] = {"format": FORMAT, "version": VERSION, "ids": json.dumps(ids, ensure_ascii=False),
-                              "dtype": dtype, **{k: str(v) for k, v in (extra_meta or {}).items()}}
+    header["__metadata__"] = {
+        "format": FORMAT,
+        "version": VERSION,
+        "ids": json.dumps(ids, ensure_ascii=False),
+        "dtype": dtype,
+        **{k: str(v) for k, v in (extra_meta or {}).items()},
+    }
     text = json.dumps(header, ensure_ascii=False).encode()
     text += b" " * (-len(text) % 8)  # tensor data starts 8-byte aligned
     return struct.pack("<Q", len(text)) + text
 
 
 def shard_bytes(ids: list[str], tokens: int, hidden: int, dtype: str, extra_meta: dict | None = None) -> int:
-    return (len(header_bytes(ids, tokens, hidden, dtype, extra_meta)) + tokens * bytes_per_token(hidden, dtype)
-            + 8 * (len(ids) + 1))
+    return (
+        len(header_bytes(ids, tokens, hidden, dtype, extra_meta))
+        + tokens * bytes_per_token(hidden, dtype)
+        + 8 * (len(ids) + 1)
+    )
 
 
 def sha256_file(path: Path, block: int = 16 << 20) -> str:
@@ -216,13 +234,15 @@ def sha256_file(path: Path, block: int = 16 << 20) -> str:
 
 # --------------------------------------------------------------------------------------------- writing
 
+
 class ShardWriter:
     """One shard: ``open()`` writes the header into a temp file, ``write(j, rows)`` puts sample j's rows at
     their planned offset (any order), ``commit()`` fsyncs, renames and writes the sidecar; ``abort()`` drops
     the temp file. Also a context manager (commit on success, abort on error)."""
 
-    def __init__(self, path: Path, ids: list[str], lengths: list[int], hidden: int, dtype: str,
-                 extra_meta: dict | None = None):
+    def __init__(
+        self, path: Path, ids: list[str], lengths: list[int], hidden: int, dtype: str, extra_meta: dict | None = None
+    ):
         self.path, self.ids, self.lengths, self.hidden, self.dtype = Path(path), ids, lengths, hidden, dtype
         self.tokens = sum(lengths)
         self.starts = [0]
@@ -238,7 +258,7 @@ class ShardWriter:
         self.bytes_written = 0
         self._ctx = self._f = None
 
-    def open(self) -> "ShardWriter":
+    def open(self) -> ShardWriter:
         self._ctx = atomic.atomic_path(self.path)
         tmp = self._ctx.__enter__()
         self._f = open(tmp, "r+b")
@@ -258,9 +278,11 @@ class ShardWriter:
                 continue
             t = tensors[name]
             if t is None or tuple(t.shape) != expect[name]:
-                raise EaglekitError(f"{self.path.name}: sample {self.ids[j]!r} got {name} "
-                                    f"{None if t is None else tuple(t.shape)}; expected {expect[name]} "
-                                    f"(feature dtype {self.dtype})")
+                raise EaglekitError(
+                    f"{self.path.name}: sample {self.ids[j]!r} got {name} "
+                    f"{None if t is None else tuple(t.shape)}; expected {expect[name]} "
+                    f"(feature dtype {self.dtype})"
+                )
             base, per_token = self.layout[name]
             data = t.detach().to("cpu").contiguous().view(torch.uint8).numpy()
             self._f.seek(base + self.starts[j] * per_token)
@@ -291,7 +313,7 @@ class ShardWriter:
                 pass
             self._ctx = None
 
-    def __enter__(self) -> "ShardWriter":
+    def __enter__(self) -> ShardWriter:
         return self.open()
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -301,8 +323,15 @@ class ShardWriter:
             self.abort()
 
     def entry(self) -> dict:
-        return {"file": self.path.name, "samples": len(self.ids), "tokens": self.tokens, "bytes": self.bytes,
-                "sha256": self.sha256, "ids": self.ids, "lengths": self.lengths}
+        return {
+            "file": self.path.name,
+            "samples": len(self.ids),
+            "tokens": self.tokens,
+            "bytes": self.bytes,
+            "sha256": self.sha256,
+            "ids": self.ids,
+            "lengths": self.lengths,
+        }
 
 
 def complete_shard(shard: Path) -> dict | None:
@@ -327,10 +356,14 @@ def validate_shards(folder: Path, full_sha: bool = True) -> tuple[list[dict], li
         if not shard.is_file():
             problems.append(f"{shard.name} is missing (its sidecar says {entry.get('bytes')} bytes)")
         elif shard.stat().st_size != entry.get("bytes"):
-            problems.append(f"{shard.name} is truncated or damaged: {shard.stat().st_size} bytes, "
-                            f"the index says {entry.get('bytes')}")
+            problems.append(
+                f"{shard.name} is truncated or damaged: {shard.stat().st_size} bytes, "
+                f"the index says {entry.get('bytes')}"
+            )
         elif full_sha and sha256_file(shard) != entry.get("sha256"):
-            problems.append(f"{shard.name} has sha256 {sha256_file(shard)[:12]}…, the index says {entry.get('sha256', '')[:12]}…")
+            problems.append(
+                f"{shard.name} has sha256 {sha256_file(shard)[:12]}…, the index says {entry.get('sha256', '')[:12]}…"
+            )
         else:
             good.append(entry)
     return good, problems
@@ -342,17 +375,28 @@ def write_index(folder: Path, shards: list[dict], meta: dict) -> None:
     for s in shards:
         for sid in s["ids"]:
             if sid in seen:
-                raise EaglekitError(f"sample {sid!r} is stored in both {seen[sid]} and {s['file']}",
-                                    f"a bug in eaglekit's shard plan: remove {folder} and rerun extraction "
-                                    "(`eaglekit run CONFIG --from extract`), and please report it")
+                raise EaglekitError(
+                    f"sample {sid!r} is stored in both {seen[sid]} and {s['file']}",
+                    f"a bug in eaglekit's shard plan: remove {folder} and rerun extraction "
+                    "(`eaglekit run CONFIG --from extract`), and please report it",
+                )
             seen[sid] = s["file"]
-    atomic.write_json(Path(folder) / INDEX, {"format": FORMAT, "version": VERSION, **meta,
-                                             "samples": sum(s["samples"] for s in shards),
-                                             "tokens": sum(s["tokens"] for s in shards),
-                                             "bytes": sum(s["bytes"] for s in shards), "shards": shards})
+    atomic.write_json(
+        Path(folder) / INDEX,
+        {
+            "format": FORMAT,
+            "version": VERSION,
+            **meta,
+            "samples": sum(s["samples"] for s in shards),
+            "tokens": sum(s["tokens"] for s in shards),
+            "bytes": sum(s["bytes"] for s in shards),
+            "shards": shards,
+        },
+    )
 
 
 # --------------------------------------------------------------------------------------------- reading
+
 
 @dataclass
 class _Where:
@@ -374,12 +418,16 @@ class FeatureStore:
         try:
             self.index = json.loads(index_path.read_text())
         except (OSError, ValueError) as err:
-            raise EaglekitError(f"{index_path} is missing or unreadable ({err})",
-                                "run extraction (extract.mode: offline): `eaglekit run CONFIG --from extract`") from None
+            raise EaglekitError(
+                f"{index_path} is missing or unreadable ({err})",
+                "run extraction (extract.mode: offline): `eaglekit run CONFIG --from extract`",
+            ) from None
         if self.index.get("format") != FORMAT or self.index.get("version") != VERSION:
-            raise EaglekitError(f"{index_path}: not an eaglekit feature index of version {VERSION} "
-                                f"(found {self.index.get('format')!r} version {self.index.get('version')!r})",
-                                "rerun extraction: `eaglekit run CONFIG --from extract --force`")
+            raise EaglekitError(
+                f"{index_path}: not an eaglekit feature index of version {VERSION} "
+                f"(found {self.index.get('format')!r} version {self.index.get('version')!r})",
+                "rerun extraction: `eaglekit run CONFIG --from extract --force`",
+            )
         self.hidden_size = int(self.index["hidden_size"])
         self.dtype = self.index.get("dtype", "bfloat16")
         self.shards = self.index["shards"]
@@ -389,7 +437,7 @@ class FeatureStore:
         self.where: dict[str, _Where] = {}
         for n, s in enumerate(self.shards):
             start = 0
-            for sid, length in zip(s["ids"], s["lengths"]):
+            for sid, length in zip(s["ids"], s["lengths"], strict=False):
                 self.where[sid] = _Where(n, start, start + length)
                 start += length
 
@@ -408,8 +456,12 @@ class FeatureStore:
         expect = [0]
         for length in entry["lengths"]:
             expect.append(expect[-1] + length)
-        if meta.get("ids") is None or json.loads(meta["ids"]) != entry["ids"] or offsets != expect \
-                or meta.get("dtype", self.dtype) != self.dtype:
+        if (
+            meta.get("ids") is None
+            or json.loads(meta["ids"]) != entry["ids"]
+            or offsets != expect
+            or meta.get("dtype", self.dtype) != self.dtype
+        ):
             raise EaglekitError(f"{path}: its samples or layout differ from what {INDEX} says", REMEDY)
         self._open[n] = f
         while len(self._open) > self.max_open:
@@ -429,11 +481,13 @@ class FeatureStore:
     def __getitem__(self, sample_id: str) -> Rows:
         w = self.where.get(sample_id)
         if w is None:
-            raise EaglekitError(f"sample {sample_id!r} has no features in {self.folder}",
-                                "the features are from other prepared tokens: rerun extraction: `eaglekit run CONFIG --from extract --force`")
+            raise EaglekitError(
+                f"sample {sample_id!r} has no features in {self.folder}",
+                "the features are from other prepared tokens: rerun extraction: `eaglekit run CONFIG --from extract --force`",
+            )
         f = self._file(w.shard)
-        exp = f.get_slice("scale_exp")[w.start:w.end] if self.dtype == "fp8" else None
-        return Rows(f.get_slice("aux")[w.start:w.end], f.get_slice("last_hidden")[w.start:w.end], exp)
+        exp = f.get_slice("scale_exp")[w.start : w.end] if self.dtype == "fp8" else None
+        return Rows(f.get_slice("aux")[w.start : w.end], f.get_slice("last_hidden")[w.start : w.end], exp)
 
     def features(self, sample_id: str, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """One sample's (aux [L, 3Ht], last_hidden [L, Ht]), decoded to ``dtype``."""

@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 import os
 from array import array
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -23,12 +23,13 @@ from eaglekit.errors import EaglekitError
 
 FORMAT = "eaglekit.tokens"
 VERSION = "1"
-REMEDY = ("remove the prepare folder, then `eaglekit run CONFIG --from prepare` writes it again (the same parameters "
-          "make the same tokens, so the finished stages after it are kept)")
+REMEDY = (
+    "remove the prepare folder, then `eaglekit run CONFIG --from prepare` writes it again (the same parameters "
+    "make the same tokens, so the finished stages after it are kept)"
+)
 
 
-def write_token_store(path: str | os.PathLike,
-                      samples: Iterable[tuple[str, Sequence[int], Sequence[int]]]) -> int:
+def write_token_store(path: str | os.PathLike, samples: Iterable[tuple[str, Sequence[int], Sequence[int]]]) -> int:
     """Write ``(id, input_ids, loss_mask)`` samples to ``path`` atomically; returns the number written."""
     ids: list[str] = []
     tokens, mask = array("i"), array("B")
@@ -51,8 +52,13 @@ def write_token_store(path: str | os.PathLike,
     }
     if tensors["loss_mask"].numel() and int(tensors["loss_mask"].max()) > 1:
         raise EaglekitError(f"{path}: loss masks must hold only 0 and 1")
-    metadata = {"format": FORMAT, "version": VERSION, "ids": json.dumps(ids, ensure_ascii=False),
-                "total_tokens": str(len(tokens)), "assistant_tokens": str(int(tensors["loss_mask"].sum()))}
+    metadata = {
+        "format": FORMAT,
+        "version": VERSION,
+        "ids": json.dumps(ids, ensure_ascii=False),
+        "total_tokens": str(len(tokens)),
+        "assistant_tokens": str(int(tensors["loss_mask"].sum())),
+    }
     with atomic_path(path) as tmp:
         save_file(tensors, str(tmp), metadata=metadata)
     return len(ids)
@@ -64,7 +70,9 @@ class TokenStore:
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         if not self.path.is_file():
-            raise EaglekitError(f"token store not found: {self.path}", "prepare the tokens: `eaglekit run CONFIG --until prepare`")
+            raise EaglekitError(
+                f"token store not found: {self.path}", "prepare the tokens: `eaglekit run CONFIG --until prepare`"
+            )
         self._file = None
         meta = self._open().metadata() or {}
         if meta.get("format") != FORMAT:
@@ -80,10 +88,13 @@ class TokenStore:
         except (KeyError, ValueError, SafetensorError) as err:
             self._corrupt(f"incomplete metadata or tensors ({err})")
         offsets = self.offsets
-        consistent = (len(offsets) == len(self.ids) + 1 and int(offsets[0]) == 0
-                      and int(offsets[-1]) == self.total_tokens
-                      and shapes["input_ids"] == shapes["loss_mask"] == [self.total_tokens]
-                      and bool((offsets[1:] >= offsets[:-1]).all()))
+        consistent = (
+            len(offsets) == len(self.ids) + 1
+            and int(offsets[0]) == 0
+            and int(offsets[-1]) == self.total_tokens
+            and shapes["input_ids"] == shapes["loss_mask"] == [self.total_tokens]
+            and bool((offsets[1:] >= offsets[:-1]).all())
+        )
         if not consistent:
             self._corrupt("the offsets, ids and token arrays do not agree")
         self.lengths = offsets[1:] - offsets[:-1]

@@ -59,12 +59,15 @@ LEGACY_ARCHITECTURE = "LlamaForCausalLMEagle3"
 MLA_ARCHITECTURE = "Eagle3DeepseekV2ForCausalLM"
 SPECULATORS_ARCHITECTURE = "Eagle3Speculator"
 OPTIONAL_KEYS = ("embed_tokens.weight",)
-NO_MLA_SPECULATORS = ("an MLA drafter has no speculators form: vLLM's speculators reader (vllm/transformers_utils/"
-                      "configs/speculators/algos.py, update_eagle3) accepts transformer_layer_config.model_type "
-                      "llama and qwen3 only and raises 'Unsupported model_type deepseek_v2 for Eagle3 speculator'")
+NO_MLA_SPECULATORS = (
+    "an MLA drafter has no speculators form: vLLM's speculators reader (vllm/transformers_utils/"
+    "configs/speculators/algos.py, update_eagle3) accepts transformer_layer_config.model_type "
+    "llama and qwen3 only and raises 'Unsupported model_type deepseek_v2 for Eagle3 speculator'"
+)
 
 
 # ------------------------------------------------------------------------------------------ the contract
+
 
 def layer_prefix(cfg: DrafterConfig, form: str) -> str:
     """The decoder layer's key prefix on disk: ``midlayer.`` for the plain Llama form, else ``layers.0.``."""
@@ -77,20 +80,31 @@ def _attention_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
         q, kv = n * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
         return {"q_proj": (q, h2), "k_proj": (kv, h2), "v_proj": (kv, h2), "o_proj": (cfg.hidden_size, q)}
     qk, rope = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.qk_rope_head_dim
-    q = ({"q_a_proj": (cfg.q_lora_rank, h2), "q_a_layernorm": (cfg.q_lora_rank,), "q_b_proj": (n * qk, cfg.q_lora_rank)}
-         if cfg.q_lora_rank else {"q_proj": (n * qk, h2)})
-    return {**q, "kv_a_proj_with_mqa": (cfg.kv_lora_rank + rope, h2), "kv_a_layernorm": (cfg.kv_lora_rank,),
-            "kv_b_proj": (n * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
-            "o_proj": (cfg.hidden_size, n * cfg.v_head_dim)}
+    q = (
+        {"q_a_proj": (cfg.q_lora_rank, h2), "q_a_layernorm": (cfg.q_lora_rank,), "q_b_proj": (n * qk, cfg.q_lora_rank)}
+        if cfg.q_lora_rank
+        else {"q_proj": (n * qk, h2)}
+    )
+    return {
+        **q,
+        "kv_a_proj_with_mqa": (cfg.kv_lora_rank + rope, h2),
+        "kv_a_layernorm": (cfg.kv_lora_rank,),
+        "kv_b_proj": (n * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
+        "o_proj": (cfg.hidden_size, n * cfg.v_head_dim),
+    }
 
 
 def expected_state(cfg: DrafterConfig, form: str = LEGACY) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
     """Key -> (shape, dtype) of a drafter checkpoint on disk; dtype None means any floating type."""
     h, i, ht = cfg.hidden_size, cfg.intermediate_size, cfg.target_hidden_size
     layer = {
-        "hidden_norm.weight": (h,), "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+        "hidden_norm.weight": (h,),
+        "input_layernorm.weight": (h,),
+        "post_attention_layernorm.weight": (h,),
         **{f"self_attn.{name}.weight": shape for name, shape in _attention_shapes(cfg).items()},
-        "mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h), "mlp.down_proj.weight": (h, i),
+        "mlp.gate_proj.weight": (i, h),
+        "mlp.up_proj.weight": (i, h),
+        "mlp.down_proj.weight": (h, i),
     }
     prefix = layer_prefix(cfg, form)
     out: dict[str, tuple[tuple[int, ...], torch.dtype | None]] = {
@@ -109,8 +123,9 @@ def expected_state(cfg: DrafterConfig, form: str = LEGACY) -> dict[str, tuple[tu
     return out
 
 
-def validate_state_dict(state: dict[str, torch.Tensor], cfg: DrafterConfig, form: str = LEGACY,
-                        where: str = "drafter state") -> None:
+def validate_state_dict(
+    state: dict[str, torch.Tensor], cfg: DrafterConfig, form: str = LEGACY, where: str = "drafter state"
+) -> None:
     """Refuse a state dict whose key set, shapes, dtypes or vocab mapping differ from the contract.
 
     ``embed_tokens.weight`` is optional (SGLang and vLLM take the target's); d2t/t2d may be absent only
@@ -142,22 +157,34 @@ def validate_state_dict(state: dict[str, torch.Tensor], cfg: DrafterConfig, form
         elif not bool(state["t2d"].cpu()[target_ids].all()) or int(state["t2d"].sum()) != cfg.draft_vocab_size:
             problems.append("t2d does not mark exactly the target ids that d2t maps to")
     if problems:
-        raise EaglekitError(f"{where} ({form} form) does not match the drafter config: " + "; ".join(problems),
-                            "the checkpoint and its config.json disagree; re-export it or fix config.json")
+        raise EaglekitError(
+            f"{where} ({form} form) does not match the drafter config: " + "; ".join(problems),
+            "the checkpoint and its config.json disagree; re-export it or fix config.json",
+        )
 
 
 # ------------------------------------------------------------------------------------------ writing
 
+
 def _layer_config(cfg: DrafterConfig) -> dict[str, Any]:
     """The config of the one decoder layer (Llama or DeepSeek-V3 shaped), shared by both forms."""
     if cfg.architecture == "mla":
-        shape = {"model_type": "deepseek_v2", "num_key_value_heads": cfg.num_attention_heads,
-                 **{name: getattr(cfg, name) for name in
-                    ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")},
-                 "rope_interleave": True}
+        shape = {
+            "model_type": "deepseek_v2",
+            "num_key_value_heads": cfg.num_attention_heads,
+            **{
+                name: getattr(cfg, name)
+                for name in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+            },
+            "rope_interleave": True,
+        }
     else:
-        shape = {"model_type": "llama", "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
-                 "mlp_bias": False}
+        shape = {
+            "model_type": "llama",
+            "num_key_value_heads": cfg.num_key_value_heads,
+            "head_dim": cfg.head_dim,
+            "mlp_bias": False,
+        }
     return {
         **shape,
         "num_hidden_layers": 1,
@@ -179,9 +206,11 @@ def _flags(cfg: DrafterConfig) -> dict[str, bool]:
     return {name: getattr(cfg, name) for name in FLAGS}
 
 
-SGLANG_AUX_RULE = ("SGLang adds 1 to eagle_config.eagle_aux_hidden_state_layer_ids: unconditionally before "
-                   "sglang#25454 (merged 2026-05-16, and still for Llama targets in llama.py), and since then, for "
-                   "DeepSeek-family targets, only when the first id is 1 (other lists are taken verbatim)")
+SGLANG_AUX_RULE = (
+    "SGLang adds 1 to eagle_config.eagle_aux_hidden_state_layer_ids: unconditionally before "
+    "sglang#25454 (merged 2026-05-16, and still for Llama targets in llama.py), and since then, for "
+    "DeepSeek-family targets, only when the first id is 1 (other lists are taken verbatim)"
+)
 
 
 def sglang_aux_layer_ids(aux_layer_ids: list[int]) -> list[int] | None:
@@ -198,8 +227,12 @@ def sglang_aux_layer_ids(aux_layer_ids: list[int]) -> list[int] | None:
 
 def legacy_config(cfg: DrafterConfig) -> dict[str, Any]:
     architecture = MLA_ARCHITECTURE if cfg.architecture == "mla" else LEGACY_ARCHITECTURE
-    out = {"architectures": [architecture], **_layer_config(cfg), "draft_vocab_size": cfg.draft_vocab_size,
-           **_flags(cfg)}
+    out = {
+        "architectures": [architecture],
+        **_layer_config(cfg),
+        "draft_vocab_size": cfg.draft_vocab_size,
+        **_flags(cfg),
+    }
     if cfg.target_hidden_size != cfg.hidden_size:
         out["target_hidden_size"] = cfg.target_hidden_size
     if cfg.aux_layer_ids is not None:
@@ -210,8 +243,12 @@ def legacy_config(cfg: DrafterConfig) -> dict[str, Any]:
     return out
 
 
-def speculators_config(cfg: DrafterConfig, verifier_name_or_path: str | None, verifier_architectures: list[str] | None,
-                       num_speculative_tokens: int) -> dict[str, Any]:
+def speculators_config(
+    cfg: DrafterConfig,
+    verifier_name_or_path: str | None,
+    verifier_architectures: list[str] | None,
+    num_speculative_tokens: int,
+) -> dict[str, Any]:
     if cfg.architecture == "mla":
         raise EaglekitError(NO_MLA_SPECULATORS, "write the plain form (export.formats: [eagle3])")
     out: dict[str, Any] = {
@@ -219,8 +256,14 @@ def speculators_config(cfg: DrafterConfig, verifier_name_or_path: str | None, ve
         "speculators_model_type": "eagle3",
         "speculators_config": {
             "algorithm": "eagle3",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(num_speculative_tokens),
-                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "proposal_methods": [
+                {
+                    "proposal_type": "greedy",
+                    "speculative_tokens": int(num_speculative_tokens),
+                    "verifier_accept_k": 1,
+                    "accept_tolerance": 0.0,
+                }
+            ],
             "default_proposal_method": "greedy",
             "verifier": {"name_or_path": verifier_name_or_path, "architectures": list(verifier_architectures or [])},
         },
@@ -242,9 +285,11 @@ def sglang_ignores(cfg: DrafterConfig) -> list[str]:
 def serving_problems(cfg: DrafterConfig) -> list[str]:
     """What keeps both engines from loading this drafter at all."""
     if cfg.architecture == "mla" and not cfg.q_lora_rank:
-        return ["q_lora_rank is null (one q_proj): vLLM's deepseek_eagle3.py maps kv_a_proj_with_mqa onto "
-                "fused_qkv_a_proj, which exists only with q_lora_rank, and SGLang's kimi_k25_eagle3.py raises "
-                "'Eagle3 MLA layer requires q_lora_rank in the draft config'"]
+        return [
+            "q_lora_rank is null (one q_proj): vLLM's deepseek_eagle3.py maps kv_a_proj_with_mqa onto "
+            "fused_qkv_a_proj, which exists only with q_lora_rank, and SGLang's kimi_k25_eagle3.py raises "
+            "'Eagle3 MLA layer requires q_lora_rank in the draft config'"
+        ]
     return []
 
 
@@ -273,19 +318,27 @@ def save_legacy(drafter: Eagle3Drafter, out_dir: str | Path, include_embeddings:
     _write(out_dir, legacy_config(drafter.config), _export_state(drafter, LEGACY, include_embeddings))
 
 
-def save_speculators(drafter: Eagle3Drafter, out_dir: str | Path, verifier_name_or_path: str | None,
-                     verifier_architectures: list[str] | None, num_speculative_tokens: int,
-                     include_embeddings: bool = True) -> str | None:
+def save_speculators(
+    drafter: Eagle3Drafter,
+    out_dir: str | Path,
+    verifier_name_or_path: str | None,
+    verifier_architectures: list[str] | None,
+    num_speculative_tokens: int,
+    include_embeddings: bool = True,
+) -> str | None:
     """Write the speculators form (``vllm serve DIR``). Returns a warning when the verifier is unknown."""
     config = speculators_config(drafter.config, verifier_name_or_path, verifier_architectures, num_speculative_tokens)
     _write(out_dir, config, _export_state(drafter, SPECULATORS, include_embeddings))
     if verifier_name_or_path is None:
-        return (f"{out_dir}/config.json has no verifier: `vllm serve {out_dir}` needs "
-                "speculators_config.verifier.name_or_path (set export.verifier to the target's hub id)")
+        return (
+            f"{out_dir}/config.json has no verifier: `vllm serve {out_dir}` needs "
+            "speculators_config.verifier.name_or_path (set export.verifier to the target's hub id)"
+        )
     return None
 
 
 # ------------------------------------------------------------------------------------------ reading
+
 
 @dataclass
 class CheckpointInfo:
@@ -301,34 +354,45 @@ def _read_json(path: Path) -> dict:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise UsageError(f"{path}: cannot read JSON ({err})",
-                         "restore the file from the published checkpoint") from None
+        raise UsageError(
+            f"{path}: cannot read JSON ({err})", "restore the file from the published checkpoint"
+        ) from None
     if not isinstance(data, dict):
         raise UsageError(f"{path}: expected a JSON object", "restore the file from the published checkpoint")
     return data
 
 
-def _config_from_layer(layer: dict, top: dict, source: Path, aux_layer_ids: list[int] | None,
-                       flags: dict[str, bool]) -> DrafterConfig:
+def _config_from_layer(
+    layer: dict, top: dict, source: Path, aux_layer_ids: list[int] | None, flags: dict[str, bool]
+) -> DrafterConfig:
     def need(key: str) -> Any:
         if layer.get(key) is None:
             raise UsageError(f"{source}: missing '{key}'", "the drafter's config.json is incomplete")
         return layer[key]
 
     if int(layer.get("num_hidden_layers", 1)) != 1:
-        raise UsageError(f"{source}: num_hidden_layers is {layer['num_hidden_layers']}; eaglekit drafters have one "
-                         "decoder layer", "use a one-layer EAGLE-3 drafter")
+        raise UsageError(
+            f"{source}: num_hidden_layers is {layer['num_hidden_layers']}; eaglekit drafters have one decoder layer",
+            "use a one-layer EAGLE-3 drafter",
+        )
     hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
     theta, scaling = rope_from_config(text_config(layer))
     vocab = int(need("vocab_size"))
     if layer.get("kv_lora_rank"):  # DeepSeek-V2/V3-shaped: multi-head latent attention
         q_lora = layer.get("q_lora_rank")
-        shape = dict(architecture="mla", num_key_value_heads=None, head_dim=None,
-                     q_lora_rank=int(q_lora) if q_lora else None, kv_lora_rank=int(need("kv_lora_rank")),
-                     **{k: int(need(k)) for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")})
+        shape = dict(
+            architecture="mla",
+            num_key_value_heads=None,
+            head_dim=None,
+            q_lora_rank=int(q_lora) if q_lora else None,
+            kv_lora_rank=int(need("kv_lora_rank")),
+            **{k: int(need(k)) for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")},
+        )
     else:
-        shape = dict(num_key_value_heads=int(layer.get("num_key_value_heads") or heads),
-                     head_dim=int(layer.get("head_dim") or hidden // heads))
+        shape = dict(
+            num_key_value_heads=int(layer.get("num_key_value_heads") or heads),
+            head_dim=int(layer.get("head_dim") or hidden // heads),
+        )
     try:
         return DrafterConfig(
             hidden_size=hidden,
@@ -358,8 +422,10 @@ def read_config(path: Path) -> tuple[str, DrafterConfig, str | None]:
     raw = _read_json(source)
     if "speculators_model_type" in raw:
         if raw["speculators_model_type"] != "eagle3":
-            raise UsageError(f"{source}: speculators_model_type is '{raw['speculators_model_type']}', not eagle3",
-                             "eaglekit finetunes and exports EAGLE-3 drafters only")
+            raise UsageError(
+                f"{source}: speculators_model_type is '{raw['speculators_model_type']}', not eagle3",
+                "eaglekit finetunes and exports EAGLE-3 drafters only",
+            )
         layer = raw.get("transformer_layer_config")
         if not isinstance(layer, dict):
             raise UsageError(f"{source}: transformer_layer_config is missing", "the speculators config is incomplete")
@@ -370,9 +436,10 @@ def read_config(path: Path) -> tuple[str, DrafterConfig, str | None]:
         return SPECULATORS, _config_from_layer(layer, raw, source, aux, flags), verifier
     architectures = raw.get("architectures") or []
     if not any("eagle3" in a.lower() for a in architectures) and "draft_vocab_size" not in raw:
-        raise UsageError(f"{source}: not an EAGLE-3 drafter config "
-                         f"(architectures {architectures}, no draft_vocab_size)",
-                         "point at a drafter checkpoint, not at the target model")
+        raise UsageError(
+            f"{source}: not an EAGLE-3 drafter config (architectures {architectures}, no draft_vocab_size)",
+            "point at a drafter checkpoint, not at the target model",
+        )
     aux = raw.get("eagle_aux_hidden_state_layer_ids")  # vLLM's key, HF indices
     eagle_config = raw.get("eagle_config") if isinstance(raw.get("eagle_config"), dict) else {}
     sglang_aux = eagle_config.get("eagle_aux_hidden_state_layer_ids")
@@ -403,8 +470,10 @@ def _load_weight_file(path: Path) -> dict[str, torch.Tensor]:
 
 def read_weights(path: Path) -> tuple[dict[str, torch.Tensor], list[str]]:
     """All tensors of a checkpoint folder: (sharded) model.safetensors, else (sharded) pytorch_model.bin."""
-    for index_name, single in (("model.safetensors.index.json", "model.safetensors"),
-                               ("pytorch_model.bin.index.json", "pytorch_model.bin")):
+    for index_name, single in (
+        ("model.safetensors.index.json", "model.safetensors"),
+        ("pytorch_model.bin.index.json", "pytorch_model.bin"),
+    ):
         index = path / index_name
         if index.exists():
             weight_map = _read_json(index).get("weight_map")
@@ -419,8 +488,10 @@ def read_weights(path: Path) -> tuple[dict[str, torch.Tensor], list[str]]:
         for name in files:
             state.update(_load_weight_file(path / name))
         return state, files
-    raise UsageError(f"{path}: no model.safetensors or pytorch_model.bin (sharded or not)",
-                     "point at the drafter's folder; training_state.pt alone holds no drafter weights")
+    raise UsageError(
+        f"{path}: no model.safetensors or pytorch_model.bin (sharded or not)",
+        "point at the drafter's folder; training_state.pt alone holds no drafter weights",
+    )
 
 
 # Other names of the same weights in published checkpoints: SGLang's older per-aux norms, and the fused
@@ -442,11 +513,16 @@ def canonical_keys(state: dict[str, torch.Tensor], cfg: DrafterConfig, form: str
             if key.startswith(old):
                 key = new + key.removeprefix(old)
         fused = next((f for f in FUSED_A if key.endswith(f)), None)
-        if fused and cfg.architecture == "mla" and cfg.q_lora_rank and value.shape[0] == (
-                cfg.q_lora_rank + cfg.kv_lora_rank + cfg.qk_rope_head_dim):
+        if (
+            fused
+            and cfg.architecture == "mla"
+            and cfg.q_lora_rank
+            and value.shape[0] == (cfg.q_lora_rank + cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+        ):
             base = key.removesuffix(fused)
-            out[base + "self_attn.q_a_proj.weight"], out[base + "self_attn.kv_a_proj_with_mqa.weight"] = (
-                value.split([cfg.q_lora_rank, cfg.kv_lora_rank + cfg.qk_rope_head_dim]))
+            out[base + "self_attn.q_a_proj.weight"], out[base + "self_attn.kv_a_proj_with_mqa.weight"] = value.split(
+                [cfg.q_lora_rank, cfg.kv_lora_rank + cfg.qk_rope_head_dim]
+            )
             continue
         out[key] = value
     return out
@@ -459,8 +535,10 @@ def load_drafter(path: str | Path, dtype: torch.dtype | None = None) -> tuple[Ea
     """
     path = Path(path)
     if not path.is_dir():
-        raise UsageError(f"drafter checkpoint folder not found: {path}",
-                         "download the drafter first (e.g. `hf download ORG/NAME --local-dir DIR`) and pass DIR")
+        raise UsageError(
+            f"drafter checkpoint folder not found: {path}",
+            "download the drafter first (e.g. `hf download ORG/NAME --local-dir DIR`) and pass DIR",
+        )
     form, cfg, verifier = read_config(path)
     state, files = read_weights(path)
     state = canonical_keys(state, cfg, form)
@@ -470,15 +548,26 @@ def load_drafter(path: str | Path, dtype: torch.dtype | None = None) -> tuple[Ea
     drafter = Eagle3Drafter(cfg)
     missing = set(drafter.load_state_dict(state, strict=False).missing_keys)  # strictness: validate_state_dict
     drafter = drafter.to(dtype or state["fc.weight"].dtype)
-    info = CheckpointInfo(form=form, path=path, missing_embeddings="embed_tokens.weight" in missing,
-                          aux_layer_ids=cfg.aux_layer_ids, verifier=verifier, weight_files=files)
+    info = CheckpointInfo(
+        form=form,
+        path=path,
+        missing_embeddings="embed_tokens.weight" in missing,
+        aux_layer_ids=cfg.aux_layer_ids,
+        verifier=verifier,
+        weight_files=files,
+    )
     return drafter, info
 
 
 # ------------------------------------------------------------------------------------------ compatibility
 
-def check_compatible(drafter_cfg: DrafterConfig, target_hf_config: Any, aux_layer_ids: list[int] | None,
-                     tokenizer_vocab_size: int | None = None) -> list[str]:
+
+def check_compatible(
+    drafter_cfg: DrafterConfig,
+    target_hf_config: Any,
+    aux_layer_ids: list[int] | None,
+    tokenizer_vocab_size: int | None = None,
+) -> list[str]:
     """What keeps a drafter from serving (or finetuning) with this target; empty when it fits.
 
     ``aux_layer_ids`` are the HF hidden_states indices the run captures (None = the default). The
@@ -490,19 +579,27 @@ def check_compatible(drafter_cfg: DrafterConfig, target_hf_config: Any, aux_laye
     problems = []
     n_layers, hidden = int(tc.num_hidden_layers), int(tc.hidden_size)
     if drafter_cfg.target_hidden_size != hidden:
-        problems.append(f"target_hidden_size: the drafter's fc takes 3 x {drafter_cfg.target_hidden_size}, "
-                        f"the target's hidden_size is {hidden}")
+        problems.append(
+            f"target_hidden_size: the drafter's fc takes 3 x {drafter_cfg.target_hidden_size}, "
+            f"the target's hidden_size is {hidden}"
+        )
     if drafter_cfg.hidden_size != hidden:
-        problems.append(f"hidden_size: the drafter's is {drafter_cfg.hidden_size}, the target's embedding is "
-                        f"{hidden} wide (the drafter takes the target's token embedding)")
+        problems.append(
+            f"hidden_size: the drafter's is {drafter_cfg.hidden_size}, the target's embedding is "
+            f"{hidden} wide (the drafter takes the target's token embedding)"
+        )
     if drafter_cfg.vocab_size != int(tc.vocab_size):
         problems.append(f"vocab_size: the drafter's is {drafter_cfg.vocab_size}, the target's is {tc.vocab_size}")
     if tokenizer_vocab_size is not None and tokenizer_vocab_size > drafter_cfg.vocab_size:
-        problems.append(f"vocab_size: the tokenizer has {tokenizer_vocab_size} tokens, more than the drafter's "
-                        f"vocab_size {drafter_cfg.vocab_size}")
+        problems.append(
+            f"vocab_size: the tokenizer has {tokenizer_vocab_size} tokens, more than the drafter's "
+            f"vocab_size {drafter_cfg.vocab_size}"
+        )
     if drafter_cfg.max_position_embeddings != int(tc.max_position_embeddings):
-        problems.append(f"max_position_embeddings: the drafter's is {drafter_cfg.max_position_embeddings}, the "
-                        f"target's {tc.max_position_embeddings}")
+        problems.append(
+            f"max_position_embeddings: the drafter's is {drafter_cfg.max_position_embeddings}, the "
+            f"target's {tc.max_position_embeddings}"
+        )
     theta, _ = rope_from_config(tc)
     if drafter_cfg.rope_theta != theta:
         problems.append(f"rope_theta: the drafter's is {drafter_cfg.rope_theta}, the target's {theta}")
@@ -519,6 +616,7 @@ def check_compatible(drafter_cfg: DrafterConfig, target_hf_config: Any, aux_laye
 
 
 # ------------------------------------------------------------------------------------------ as an engine reads it
+
 
 @dataclass
 class ServedSettings:
@@ -555,8 +653,11 @@ def served_settings(path: str | Path, engine: str, target_layers: int) -> Served
     layer = raw.get("transformer_layer_config") if speculators else raw
     layer = layer if isinstance(layer, dict) else {}
     default = [2, target_layers // 2, target_layers - 3]
-    eagle_ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") \
-        if isinstance(raw.get("eagle_config"), dict) else None
+    eagle_ids = (
+        (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        if isinstance(raw.get("eagle_config"), dict)
+        else None
+    )
     if engine == "vllm":
         ids = raw.get("eagle_aux_hidden_state_layer_ids") or (None if speculators else eagle_ids) or default
         aux = [[int(i) for i in ids]]
@@ -564,8 +665,8 @@ def served_settings(path: str | Path, engine: str, target_layers: int) -> Served
     elif engine == "sglang":
         if eagle_ids:
             ids = [int(i) for i in eagle_ids]
-            before = [i + 1 for i in ids]                     # before sglang#25454, and llama.py today
-            since = before if ids[0] == 1 else list(ids)      # since sglang#25454 (DeepSeek-family targets)
+            before = [i + 1 for i in ids]  # before sglang#25454, and llama.py today
+            since = before if ids[0] == 1 else list(ids)  # since sglang#25454 (DeepSeek-family targets)
             aux = [before] if before == since else [before, since]
         else:
             aux = [default]
@@ -574,14 +675,25 @@ def served_settings(path: str | Path, engine: str, target_layers: int) -> Served
         raise ValueError(f"unknown engine {engine!r}")
     eagle_config = raw.get("eagle_config") if isinstance(raw.get("eagle_config"), dict) else {}
     mla = bool(layer.get("kv_lora_rank"))
-    flags = {"fc_norm": bool(raw.get("fc_norm") or (engine == "sglang" and raw.get("use_aux_norm"))),
-             "norm_output": bool(raw.get("norm_output", False)),
-             "norm_before_fc": engine == "vllm" and not mla and bool(
-                 eagle_config.get("norm_before_fc", raw.get("norm_before_fc", False))),
-             "norm_before_residual": norm}
+    flags = {
+        "fc_norm": bool(raw.get("fc_norm") or (engine == "sglang" and raw.get("use_aux_norm"))),
+        "norm_output": bool(raw.get("norm_output", False)),
+        "norm_before_fc": engine == "vllm"
+        and not mla
+        and bool(eagle_config.get("norm_before_fc", raw.get("norm_before_fc", False))),
+        "norm_before_residual": norm,
+    }
     theta, scaling = (None, None)
     if layer:
         theta, scaling = rope_from_config(text_config(layer))
-    return ServedSettings(engine, SPECULATORS if speculators else LEGACY, aux, norm,
-                          engine == "vllm" and "norm_before_residual" not in raw,
-                          layer.get("max_position_embeddings"), theta, scaling, flags)
+    return ServedSettings(
+        engine,
+        SPECULATORS if speculators else LEGACY,
+        aux,
+        norm,
+        engine == "vllm" and "norm_before_residual" not in raw,
+        layer.get("max_position_embeddings"),
+        theta,
+        scaling,
+        flags,
+    )

@@ -104,34 +104,54 @@ class DrafterConfig:
             for name in names:
                 value = getattr(self, name)
                 if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                    raise UsageError(f"drafter config: '{name}' must be a positive integer, got {value!r}",
-                                     "fix the value in the drafter config or the train.draft overrides")
+                    raise UsageError(
+                        f"drafter config: '{name}' must be a positive integer, got {value!r}",
+                        "fix the value in the drafter config or the train.draft overrides",
+                    )
 
-        positive("hidden_size", "intermediate_size", "num_attention_heads", "max_position_embeddings", "vocab_size",
-                 "draft_vocab_size", "target_hidden_size")
+        positive(
+            "hidden_size",
+            "intermediate_size",
+            "num_attention_heads",
+            "max_position_embeddings",
+            "vocab_size",
+            "draft_vocab_size",
+            "target_hidden_size",
+        )
         if self.architecture not in ARCHITECTURES:
-            raise UsageError(f"drafter config: architecture '{self.architecture}' is not one of {list(ARCHITECTURES)}",
-                             "set train.draft.architecture to llama or mla")
+            raise UsageError(
+                f"drafter config: architecture '{self.architecture}' is not one of {list(ARCHITECTURES)}",
+                "set train.draft.architecture to llama or mla",
+            )
         if self.architecture == "llama":
             self._check_llama(positive)
         else:
             self._check_mla(positive)
         for name in FLAGS:
             if not isinstance(getattr(self, name), bool):
-                raise UsageError(f"drafter config: '{name}' must be true or false, got {getattr(self, name)!r}",
-                                 f"set train.draft.{name} to true or false")
+                raise UsageError(
+                    f"drafter config: '{name}' must be true or false, got {getattr(self, name)!r}",
+                    f"set train.draft.{name} to true or false",
+                )
         if self.fc_norm and self.norm_before_fc:
-            raise UsageError("drafter config: fc_norm and norm_before_fc are mutually exclusive (one norm per aux "
-                             "state, or one over their concatenation; speculators' config refuses both)",
-                             "set only one of train.draft.fc_norm and train.draft.norm_before_fc")
+            raise UsageError(
+                "drafter config: fc_norm and norm_before_fc are mutually exclusive (one norm per aux "
+                "state, or one over their concatenation; speculators' config refuses both)",
+                "set only one of train.draft.fc_norm and train.draft.norm_before_fc",
+            )
         if self.draft_vocab_size > self.vocab_size:
-            raise UsageError(f"drafter config: draft_vocab_size ({self.draft_vocab_size}) exceeds vocab_size "
-                             f"({self.vocab_size})", "set vocab.draft_vocab_size to at most the target's vocabulary")
+            raise UsageError(
+                f"drafter config: draft_vocab_size ({self.draft_vocab_size}) exceeds vocab_size ({self.vocab_size})",
+                "set vocab.draft_vocab_size to at most the target's vocabulary",
+            )
         if self.aux_layer_ids is not None:
             self.aux_layer_ids = [int(i) for i in self.aux_layer_ids]
             if len(self.aux_layer_ids) != 3:
-                raise UsageError(f"drafter config: EAGLE-3 fuses exactly 3 aux hidden states, got aux_layer_ids="
-                                 f"{self.aux_layer_ids}", "give three HF hidden_states indices, e.g. [2, N//2, N-3]")
+                raise UsageError(
+                    f"drafter config: EAGLE-3 fuses exactly 3 aux hidden states, got aux_layer_ids="
+                    f"{self.aux_layer_ids}",
+                    "give three HF hidden_states indices, e.g. [2, N//2, N-3]",
+                )
         if self.hidden_act != "silu":
             raise UsageError(f"drafter config: hidden_act '{self.hidden_act}' is not supported", "use 'silu'")
 
@@ -139,15 +159,20 @@ class DrafterConfig:
         positive("num_key_value_heads", "head_dim")
         stray = [n for n in MLA_FIELDS if getattr(self, n) is not None]
         if stray:
-            raise UsageError(f"drafter config: {stray} apply to architecture mla, this drafter is llama",
-                             "remove them, or set train.draft.architecture: mla")
+            raise UsageError(
+                f"drafter config: {stray} apply to architecture mla, this drafter is llama",
+                "remove them, or set train.draft.architecture: mla",
+            )
         if self.num_attention_heads % self.num_key_value_heads:
-            raise UsageError(f"drafter config: num_attention_heads ({self.num_attention_heads}) is not a multiple of "
-                             f"num_key_value_heads ({self.num_key_value_heads})",
-                             "pick a divisor of num_attention_heads for num_key_value_heads")
+            raise UsageError(
+                f"drafter config: num_attention_heads ({self.num_attention_heads}) is not a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})",
+                "pick a divisor of num_attention_heads for num_key_value_heads",
+            )
         if self.head_dim % 2:
-            raise UsageError(f"drafter config: head_dim must be even for RoPE, got {self.head_dim}",
-                             "use an even head_dim")
+            raise UsageError(
+                f"drafter config: head_dim must be even for RoPE, got {self.head_dim}", "use an even head_dim"
+            )
 
     def _check_mla(self, positive) -> None:
         positive("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
@@ -155,21 +180,28 @@ class DrafterConfig:
             positive("q_lora_rank")
         stray = [n for n in ("num_key_value_heads", "head_dim") if getattr(self, n) is not None]
         if stray:
-            raise UsageError(f"drafter config: {stray} apply to architecture llama; an MLA drafter's heads are "
-                             "shaped by qk_nope_head_dim, qk_rope_head_dim and v_head_dim",
-                             "remove them, or set train.draft.architecture: llama")
+            raise UsageError(
+                f"drafter config: {stray} apply to architecture llama; an MLA drafter's heads are "
+                "shaped by qk_nope_head_dim, qk_rope_head_dim and v_head_dim",
+                "remove them, or set train.draft.architecture: llama",
+            )
         if self.qk_rope_head_dim % 2:
-            raise UsageError(f"drafter config: qk_rope_head_dim must be even for RoPE, got {self.qk_rope_head_dim}",
-                             "use an even qk_rope_head_dim")
+            raise UsageError(
+                f"drafter config: qk_rope_head_dim must be even for RoPE, got {self.qk_rope_head_dim}",
+                "use an even qk_rope_head_dim",
+            )
         if self.norm_before_fc:
-            raise UsageError("drafter config: norm_before_fc (input_norm) does not exist in the MLA drafters of vLLM "
-                             "(deepseek_eagle3.py) and SGLang (kimi_k25_eagle3.py)",
-                             "use fc_norm (one norm per aux hidden state) instead")
+            raise UsageError(
+                "drafter config: norm_before_fc (input_norm) does not exist in the MLA drafters of vLLM "
+                "(deepseek_eagle3.py) and SGLang (kimi_k25_eagle3.py)",
+                "use fc_norm (one norm per aux hidden state) instead",
+            )
         check_rope(self.rope_scaling)
 
     @classmethod
-    def from_target_config(cls, hf_config: Any, draft_vocab_size: int, aux_layer_ids: list[int] | None = None,
-                           **overrides: Any) -> "DrafterConfig":
+    def from_target_config(
+        cls, hf_config: Any, draft_vocab_size: int, aux_layer_ids: list[int] | None = None, **overrides: Any
+    ) -> DrafterConfig:
         """Derive a drafter config from a HF Llama/Qwen/DeepSeek-style target config.
 
         The drafter copies the target's layer shapes, RoPE and max_position_embeddings (a drafter
@@ -185,23 +217,30 @@ class DrafterConfig:
 
         def need(name: str) -> int:
             if getattr(tc, name, None) is None:
-                raise UsageError(f"the target's config has no '{name}'",
-                                 "eaglekit derives the drafter from a Llama/Qwen/DeepSeek-style decoder config; "
-                                 "for a drafter shape (e.g. intermediate_size) set it under train.draft")
+                raise UsageError(
+                    f"the target's config has no '{name}'",
+                    "eaglekit derives the drafter from a Llama/Qwen/DeepSeek-style decoder config; "
+                    "for a drafter shape (e.g. intermediate_size) set it under train.draft",
+                )
             return int(getattr(tc, name))
 
         overrides = {k: v for k, v in overrides.items() if v is not None}
         unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
-            raise UsageError(f"unknown drafter config override(s): {unknown}",
-                             f"use only fields of DrafterConfig: {sorted(f.name for f in dataclasses.fields(cls))}")
+            raise UsageError(
+                f"unknown drafter config override(s): {unknown}",
+                f"use only fields of DrafterConfig: {sorted(f.name for f in dataclasses.fields(cls))}",
+            )
         n_layers = need("num_hidden_layers")
         if aux_layer_ids is None:
             aux_layer_ids = [2, n_layers // 2, n_layers - 3]
         bad = [i for i in aux_layer_ids if not 0 <= int(i) <= n_layers]
         if bad:
-            raise UsageError(f"aux layer ids {bad} are outside 0..{n_layers} (the target has {n_layers} layers; "
-                             "ids are HF hidden_states indices, 0 = embeddings)", "fix target.aux_layers")
+            raise UsageError(
+                f"aux layer ids {bad} are outside 0..{n_layers} (the target has {n_layers} layers; "
+                "ids are HF hidden_states indices, 0 = embeddings)",
+                "fix target.aux_layers",
+            )
         heads, hidden = need("num_attention_heads"), need("hidden_size")
         theta, scaling = rope_from_config(tc)
         fields: dict[str, Any] = dict(
@@ -221,21 +260,32 @@ class DrafterConfig:
         if overrides.get("architecture", "llama") == "mla":
             stray = sorted({"num_key_value_heads", "head_dim"} & set(overrides))
             if stray:
-                raise UsageError(f"train.draft: {stray} apply to architecture llama; an MLA drafter's heads are shaped "
-                                 "by qk_nope_head_dim, qk_rope_head_dim and v_head_dim", f"remove {stray}")
+                raise UsageError(
+                    f"train.draft: {stray} apply to architecture llama; an MLA drafter's heads are shaped "
+                    "by qk_nope_head_dim, qk_rope_head_dim and v_head_dim",
+                    f"remove {stray}",
+                )
             if getattr(tc, "kv_lora_rank", None):
                 fields.update({name: getattr(tc, name, None) for name in MLA_FIELDS})
                 fields["q_lora_rank"] = fields["q_lora_rank"] or 12 * fields["qk_nope_head_dim"]
             else:
                 d = int(getattr(tc, "v_head_dim", None) or head_width)
-                fields.update(q_lora_rank=12 * d, kv_lora_rank=4 * d, qk_nope_head_dim=d,
-                              qk_rope_head_dim=max(2, d // 4 * 2), v_head_dim=d)
+                fields.update(
+                    q_lora_rank=12 * d,
+                    kv_lora_rank=4 * d,
+                    qk_nope_head_dim=d,
+                    qk_rope_head_dim=max(2, d // 4 * 2),
+                    v_head_dim=d,
+                )
             fields.update(num_key_value_heads=None, head_dim=None)
         else:
-            fields.update(num_key_value_heads=int(getattr(tc, "num_key_value_heads", None) or heads),
-                          head_dim=head_width)
+            fields.update(
+                num_key_value_heads=int(getattr(tc, "num_key_value_heads", None) or heads), head_dim=head_width
+            )
             if ("hidden_size" in overrides or "num_attention_heads" in overrides) and "head_dim" not in overrides:
-                overrides["head_dim"] = overrides.get("hidden_size", hidden) // overrides.get("num_attention_heads", heads)
+                overrides["head_dim"] = overrides.get("hidden_size", hidden) // overrides.get(
+                    "num_attention_heads", heads
+                )
         fields.update(overrides)
         return cls(**fields)
 
@@ -243,14 +293,19 @@ class DrafterConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "DrafterConfig":
+    def from_dict(cls, d: dict) -> DrafterConfig:
         names = {f.name for f in dataclasses.fields(cls)}
-        required = {f.name for f in dataclasses.fields(cls)
-                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+        required = {
+            f.name
+            for f in dataclasses.fields(cls)
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        }
         unknown, missing = sorted(set(d) - names), sorted(required - set(d))
         if unknown or missing:
-            raise UsageError(f"drafter config: unknown keys {unknown}, missing keys {missing}",
-                             "the drafter config was written by another version; re-export it")
+            raise UsageError(
+                f"drafter config: unknown keys {unknown}, missing keys {missing}",
+                "the drafter config was written by another version; re-export it",
+            )
         return cls(**d)
 
 
@@ -261,12 +316,15 @@ def build_d2t_t2d(selected_target_ids: torch.Tensor, vocab_size: int) -> tuple[t
     """
     ids = torch.as_tensor(selected_target_ids).to(torch.long).cpu()
     if ids.dim() != 1 or ids.numel() == 0:
-        raise UsageError(f"selected target ids must be a non-empty 1-D tensor, got shape {list(ids.shape)}",
-                         "pass the sorted target token ids of the draft vocabulary")
+        raise UsageError(
+            f"selected target ids must be a non-empty 1-D tensor, got shape {list(ids.shape)}",
+            "pass the sorted target token ids of the draft vocabulary",
+        )
     if ids[0] < 0 or ids[-1] >= vocab_size:
-        raise UsageError(f"selected target ids must lie in 0..{vocab_size - 1}, "
-                         f"got {ids.min().item()}..{ids.max().item()}",
-                         "the draft vocabulary was built for another tokenizer; rerun the vocab stage")
+        raise UsageError(
+            f"selected target ids must lie in 0..{vocab_size - 1}, got {ids.min().item()}..{ids.max().item()}",
+            "the draft vocabulary was built for another tokenizer; rerun the vocab stage",
+        )
     if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):
         raise UsageError("selected target ids must be sorted and unique", "sort them (torch.unique does both)")
     d2t = ids - torch.arange(ids.numel())
@@ -288,12 +346,20 @@ def rope_inv_freq(cfg: DrafterConfig) -> tuple[torch.Tensor, float]:
     # Every scaled variant (linear, llama3, yarn, ...) comes from transformers so it matches the target exactly.
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
     if rope_type not in ROPE_INIT_FUNCTIONS:
-        raise UsageError(f"drafter config: rope_scaling.rope_type '{rope_type}' is not supported",
-                         f"supported: default, {', '.join(ROPE_INIT_FUNCTIONS)}")
-    hf = LlamaConfig(hidden_size=cfg.num_attention_heads * cfg.head_dim, num_attention_heads=cfg.num_attention_heads,
-                     head_dim=cfg.head_dim, max_position_embeddings=cfg.max_position_embeddings,
-                     rope_theta=cfg.rope_theta, rope_scaling={**scaling, "rope_type": rope_type})
+        raise UsageError(
+            f"drafter config: rope_scaling.rope_type '{rope_type}' is not supported",
+            f"supported: default, {', '.join(ROPE_INIT_FUNCTIONS)}",
+        )
+    hf = LlamaConfig(
+        hidden_size=cfg.num_attention_heads * cfg.head_dim,
+        num_attention_heads=cfg.num_attention_heads,
+        head_dim=cfg.head_dim,
+        max_position_embeddings=cfg.max_position_embeddings,
+        rope_theta=cfg.rope_theta,
+        rope_scaling={**scaling, "rope_type": rope_type},
+    )
     inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, "cpu")
     return inv_freq.to(torch.float64), float(attention_scaling)
 
@@ -386,21 +452,28 @@ class Eagle3Drafter(nn.Module):
     def fuse(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         """[B, T, 3*Ht] concatenated aux hidden states of the target -> the fused feature [B, T, H]."""
         if aux_hidden.shape[-1] != self.fc.in_features:
-            raise UsageError(f"aux hidden states have width {aux_hidden.shape[-1]}, the drafter's fc expects "
-                             f"{self.fc.in_features} (3 x target hidden size {self.config.target_hidden_size})",
-                             "capture exactly three aux layers of the target this drafter was built for")
+            raise UsageError(
+                f"aux hidden states have width {aux_hidden.shape[-1]}, the drafter's fc expects "
+                f"{self.fc.in_features} (3 x target hidden size {self.config.target_hidden_size})",
+                "capture exactly three aux layers of the target this drafter was built for",
+            )
         if self.input_norm is not None:
             aux_hidden = self.input_norm(aux_hidden)
         if self.fc_norm is not None:
-            aux_hidden = torch.cat([norm(x) for norm, x in zip(self.fc_norm, aux_hidden.chunk(3, dim=-1))], dim=-1)
+            aux_hidden = torch.cat([norm(x) for norm, x in zip(self.fc_norm, aux_hidden.chunk(3, dim=-1), strict=False)], dim=-1)
         return self.fc(aux_hidden)
 
     def next_feature(self, hidden_out: torch.Tensor) -> torch.Tensor:
         """What a next draft step takes as its feature: the layer's pre-norm output, or its norm (norm_output)."""
         return self.norm(hidden_out) if self.config.norm_output else hidden_out
 
-    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
-                cache: DraftKVCache | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: DraftKVCache | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One drafter pass: (logits [B, T, Vd], the next steps' feature [B, T, H]).
 
         ``hidden`` is the fused target feature at each position (or the drafter's own previous

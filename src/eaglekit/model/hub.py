@@ -24,8 +24,13 @@ from pathlib import Path
 from eaglekit.errors import EaglekitError, UsageError
 from eaglekit.progress import console
 
-DRAFTER_FILES = ["config.json", "*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin",
-                 "pytorch_model.bin.index.json"]
+DRAFTER_FILES = [
+    "config.json",
+    "*.safetensors",
+    "*.safetensors.index.json",
+    "pytorch_model*.bin",
+    "pytorch_model.bin.index.json",
+]
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
 
 
@@ -41,7 +46,9 @@ def split_id(value: str) -> tuple[str, str | None]:
 
 def _hub_kwargs() -> dict:
     """Endpoint and cache as the environment says now (huggingface_hub reads them once, at import)."""
-    cache = os.environ.get("HF_HUB_CACHE") or (Path(os.environ["HF_HOME"]) / "hub" if os.environ.get("HF_HOME") else None)
+    cache = os.environ.get("HF_HUB_CACHE") or (
+        Path(os.environ["HF_HOME"]) / "hub" if os.environ.get("HF_HOME") else None
+    )
     return {"endpoint": os.environ.get("HF_ENDPOINT") or None, "cache_dir": str(cache) if cache else None}
 
 
@@ -52,8 +59,11 @@ def cached_drafter(value: str) -> Path | None:
 
     repo, revision = split_id(value)
     try:
-        return Path(snapshot_download(repo, revision=revision, allow_patterns=DRAFTER_FILES, local_files_only=True,
-                                      **_hub_kwargs()))
+        return Path(
+            snapshot_download(
+                repo, revision=revision, allow_patterns=DRAFTER_FILES, local_files_only=True, **_hub_kwargs()
+            )
+        )
     except (LocalEntryNotFoundError, OSError, ValueError):
         return None
 
@@ -61,22 +71,34 @@ def cached_drafter(value: str) -> Path | None:
 def download_drafter(value: str) -> Path:
     """Fetch hub id ``value`` into the cache (resuming any partial file) and return its snapshot folder."""
     from huggingface_hub import HfApi, constants
-    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, OfflineModeIsEnabled, RepositoryNotFoundError,
-                                        RevisionNotFoundError)
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        OfflineModeIsEnabled,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
 
     repo, revision = split_id(value)
     kwargs = _hub_kwargs()
     t0 = time.monotonic()
-    console.print(f"init_from: downloading {value} into the Hugging Face cache (drafter files only; an interrupted "
-                  "download resumes where it stopped)")
+    console.print(
+        f"init_from: downloading {value} into the Hugging Face cache (drafter files only; an interrupted "
+        "download resumes where it stopped)"
+    )
     try:
         api = HfApi(endpoint=kwargs["endpoint"])
         commit = api.repo_info(repo, revision=revision).sha
-        files = [f for f in api.list_repo_tree(repo, revision=commit, recursive=True)
-                 if hasattr(f, "size") and any(fnmatch(f.path.rsplit("/", 1)[-1], p) for p in DRAFTER_FILES)]
+        files = [
+            f
+            for f in api.list_repo_tree(repo, revision=commit, recursive=True)
+            if hasattr(f, "size") and any(fnmatch(f.path.rsplit("/", 1)[-1], p) for p in DRAFTER_FILES)
+        ]
         if not files:
-            raise UsageError(f"train.init_from {value}: the repository holds no drafter files ({DRAFTER_FILES})",
-                             "point init_from at an EAGLE-3 drafter repository")
+            raise UsageError(
+                f"train.init_from {value}: the repository holds no drafter files ({DRAFTER_FILES})",
+                "point init_from at an EAGLE-3 drafter repository",
+            )
         storage = Path(kwargs["cache_dir"] or constants.HF_HUB_CACHE) / f"models--{repo.replace('/', '--')}"
         for f in files:
             fetch_file(repo, commit, f, storage, kwargs["endpoint"])
@@ -85,20 +107,25 @@ def download_drafter(value: str) -> Path:
             ref.parent.mkdir(parents=True, exist_ok=True)
             ref.write_text(commit)
     except (RepositoryNotFoundError, GatedRepoError) as err:
-        raise UsageError(f"train.init_from {value}: the hub has no repository {repo} you can read "
-                         f"({type(err).__name__})", "check the id, or set HF_TOKEN for a gated or private "
-                         "drafter") from None
+        raise UsageError(
+            f"train.init_from {value}: the hub has no repository {repo} you can read ({type(err).__name__})",
+            "check the id, or set HF_TOKEN for a gated or private drafter",
+        ) from None
     except RevisionNotFoundError:
-        raise UsageError(f"train.init_from {value}: {repo} has no revision {revision}",
-                         "fix the part after @, or drop it for the main branch") from None
+        raise UsageError(
+            f"train.init_from {value}: {repo} has no revision {revision}",
+            "fix the part after @, or drop it for the main branch",
+        ) from None
     except OfflineModeIsEnabled:
-        raise UsageError(f"train.init_from {value} is not in the Hugging Face cache and HF_HUB_OFFLINE is set",
-                         "unset HF_HUB_OFFLINE for the download, or download it elsewhere and point init_from at "
-                         "the folder") from None
+        raise UsageError(
+            f"train.init_from {value} is not in the Hugging Face cache and HF_HUB_OFFLINE is set",
+            "unset HF_HUB_OFFLINE for the download, or download it elsewhere and point init_from at the folder",
+        ) from None
     except (HfHubHTTPError, OSError, *httpx_errors()) as err:  # network down, disk full, hub error
-        raise EaglekitError(f"train.init_from {value}: download failed: {err}",
-                            "rerun the same command: complete files are kept and a partial one continues where it "
-                            "stopped") from None
+        raise EaglekitError(
+            f"train.init_from {value}: download failed: {err}",
+            "rerun the same command: complete files are kept and a partial one continues where it stopped",
+        ) from None
     path = storage / "snapshots" / commit
     size = sum(f.size for f in files)
     console.print(f"init_from: {value} is in {path} ({size / 2**20:.1f} MiB, {time.monotonic() - t0:.1f} s)")
@@ -119,8 +146,14 @@ def fetch_file(repo: str, commit: str, entry, storage: Path, endpoint: str | Non
         with open(part, "ab") as out:
             done = out.tell()
             if done < entry.size:
-                http_get(hf_hub_url(repo, entry.path, revision=commit, endpoint=endpoint), out, resume_size=done,
-                         headers=build_hf_headers(), expected_size=entry.size, displayed_filename=entry.path)
+                http_get(
+                    hf_hub_url(repo, entry.path, revision=commit, endpoint=endpoint),
+                    out,
+                    resume_size=done,
+                    headers=build_hf_headers(),
+                    expected_size=entry.size,
+                    displayed_filename=entry.path,
+                )
         if part.stat().st_size != entry.size:
             raise OSError(f"{entry.path}: got {part.stat().st_size} bytes, the hub lists {entry.size}")
         if entry.lfs and sha256_of(part) != entry.lfs.sha256:
@@ -163,7 +196,8 @@ def drafter_folder(value: str) -> Path:
     """The local folder of ``train.init_from``, refusing a hub id that pre-flight has not downloaded."""
     path = local_folder(value)
     if path is None:
-        raise UsageError(f"train.init_from {value} is a hub id that is not in the Hugging Face cache",
-                         "run the train stage with its pre-flight (it downloads the drafter first), or `eaglekit "
-                         "preflight CONFIG`")
+        raise UsageError(
+            f"train.init_from {value} is a hub id that is not in the Hugging Face cache",
+            "run the train stage with its pre-flight (it downloads the drafter first), or `eaglekit preflight CONFIG`",
+        )
     return path

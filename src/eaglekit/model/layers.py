@@ -46,6 +46,7 @@ class MLP(nn.Module):
 
 # ---------------------------------------------------------------------------------------------------- RoPE
 
+
 class Rotary:
     """cos/sin tables for given positions, in the cat(freqs, freqs) layout of transformers.
 
@@ -88,6 +89,7 @@ def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 
 # ----------------------------------------------------------------------------------------------- attention
 
+
 def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     """[B, nKV, S, d] -> [B, nKV*groups, S, d] for grouped-query attention."""
     if groups == 1:
@@ -111,6 +113,7 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, **kwar
 
 
 # ------------------------------------------------------------------------------------------ layer skeleton
+
 
 class Eagle3Block(nn.Module):
     """The EAGLE-3 decoder layer without its attention projections (``self_attn``, set by the subclass)."""

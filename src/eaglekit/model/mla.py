@@ -45,15 +45,19 @@ def rope_kind(scaling: dict | None) -> str:
 def check_rope(scaling: dict | None) -> None:
     kind = rope_kind(scaling)
     if kind not in ("default", "yarn"):
-        raise UsageError(f"drafter config: an MLA drafter takes no rope_scaling of type '{kind}' (vLLM's and SGLang's "
-                         "MLA drafters serve any rope scaling as DeepSeek YaRN)",
-                         "use train.draft.architecture: llama for this target, or a target with YaRN or no scaling")
+        raise UsageError(
+            f"drafter config: an MLA drafter takes no rope_scaling of type '{kind}' (vLLM's and SGLang's "
+            "MLA drafters serve any rope scaling as DeepSeek YaRN)",
+            "use train.draft.architecture: llama for this target, or a target with YaRN or no scaling",
+        )
     if kind == "yarn":
         missing = [k for k in ("factor", "original_max_position_embeddings") if scaling.get(k) is None]
         if missing:
-            raise UsageError(f"drafter config: rope_scaling of type yarn lacks {missing}",
-                             "copy the target's rope_scaling (DeepSeek-V3: factor 40, original_max_position_embeddings "
-                             "4096, mscale 1, mscale_all_dim 1)")
+            raise UsageError(
+                f"drafter config: rope_scaling of type yarn lacks {missing}",
+                "copy the target's rope_scaling (DeepSeek-V3: factor 40, original_max_position_embeddings "
+                "4096, mscale 1, mscale_all_dim 1)",
+            )
 
 
 def deepseek_rope(cfg) -> tuple[torch.Tensor, float, float]:

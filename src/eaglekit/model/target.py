@@ -40,9 +40,11 @@ def aux_layer_ids(target_cfg: TargetConfig, num_layers: int) -> list[int]:
     ids = list(target_cfg.aux_layers) if target_cfg.aux_layers is not None else default_aux_layers(num_layers)
     bad = [i for i in ids if not 0 <= i < num_layers]
     if len(ids) != 3 or bad:
-        raise UsageError(f"target.aux_layers {ids}: need three hidden_states indices in [0, {num_layers - 1}] "
-                         f"for a target with {num_layers} decoder layers",
-                         f"remove target.aux_layers to use the default {default_aux_layers(num_layers)}")
+        raise UsageError(
+            f"target.aux_layers {ids}: need three hidden_states indices in [0, {num_layers - 1}] "
+            f"for a target with {num_layers} decoder layers",
+            f"remove target.aux_layers to use the default {default_aux_layers(num_layers)}",
+        )
     return ids
 
 
@@ -52,8 +54,11 @@ def target_identity(target_cfg: TargetConfig) -> dict:
 
     folder = Path(target_cfg.model)
     files = [f for f in ("config.json", "model.safetensors.index.json", "model.safetensors") if (folder / f).is_file()]
-    return {"model": [file_identity(folder / f) for f in files] if files else target_cfg.model,
-            "dtype": target_cfg.dtype, "aux_layers": target_cfg.aux_layers}
+    return {
+        "model": [file_identity(folder / f) for f in files] if files else target_cfg.model,
+        "dtype": target_cfg.dtype,
+        "aux_layers": target_cfg.aux_layers,
+    }
 
 
 def target_hf_config(target_cfg: TargetConfig):
@@ -63,8 +68,10 @@ def target_hf_config(target_cfg: TargetConfig):
     try:
         return text_config(AutoConfig.from_pretrained(target_cfg.model, trust_remote_code=target_cfg.trust_remote_code))
     except (OSError, ValueError) as err:
-        raise EaglekitError(f"cannot read the config of the target {target_cfg.model}: {err}",
-                            "point target.model at a Hugging Face model folder") from None
+        raise EaglekitError(
+            f"cannot read the config of the target {target_cfg.model}: {err}",
+            "point target.model at a Hugging Face model folder",
+        ) from None
 
 
 def torch_dtype(name: str):
@@ -84,9 +91,11 @@ def load_target(target_cfg: TargetConfig, device: torch.device | str | None = No
     try:
         model = AutoModelForCausalLM.from_pretrained(target_cfg.model, **kwargs)
     except (OSError, ValueError) as err:
-        raise EaglekitError(f"cannot load the target {target_cfg.model}: {err}",
-                            "point target.model at a Hugging Face causal-LM folder (set target.trust_remote_code "
-                            "for custom architectures)") from None
+        raise EaglekitError(
+            f"cannot load the target {target_cfg.model}: {err}",
+            "point target.model at a Hugging Face causal-LM folder (set target.trust_remote_code "
+            "for custom architectures)",
+        ) from None
     if not target_cfg.device_map and device is not None:
         model.to(device)
     model.eval().requires_grad_(False)
@@ -100,14 +109,17 @@ def decoder_parts(model) -> tuple[nn.Module, nn.ModuleList, nn.Module, nn.Module
     norm = getattr(inner, "norm", None)
     head = getattr(model, "lm_head", None)
     if not isinstance(layers, nn.ModuleList) or norm is None or head is None:
-        raise EaglekitError(f"cannot find the decoder layers of {type(model).__name__}: eaglekit expects "
-                            "model.model.layers, model.model.norm and model.lm_head (Llama/Qwen/Mistral layout)",
-                            "use a target with that layout, or add its layout to eaglekit.model.target.decoder_parts")
+        raise EaglekitError(
+            f"cannot find the decoder layers of {type(model).__name__}: eaglekit expects "
+            "model.model.layers, model.model.norm and model.lm_head (Llama/Qwen/Mistral layout)",
+            "use a target with that layout, or add its layout to eaglekit.model.target.decoder_parts",
+        )
     return inner, layers, norm, head
 
 
-def draft_logits(hidden: torch.Tensor, lm_head_weight: torch.Tensor, t2d: torch.Tensor,
-                 chunk_elements: int = LOGIT_CHUNK_ELEMENTS) -> tuple[torch.Tensor, torch.Tensor]:
+def draft_logits(
+    hidden: torch.Tensor, lm_head_weight: torch.Tensor, t2d: torch.Tensor, chunk_elements: int = LOGIT_CHUNK_ELEMENTS
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Target logits over the draft vocab, and whether the full-vocab argmax lies in the draft vocab.
 
     hidden [..., Ht] (after the final norm), lm_head_weight [V, Ht], t2d bool [V]. Returns fp32 logits
@@ -127,10 +139,10 @@ def draft_logits(hidden: torch.Tensor, lm_head_weight: torch.Tensor, t2d: torch.
 
 @dataclass
 class Features:
-    aux: torch.Tensor          # [B, L, 3*Ht] in the target's dtype
+    aux: torch.Tensor  # [B, L, 3*Ht] in the target's dtype
     last_hidden: torch.Tensor  # [B, L, Ht] after the final norm
-    target_logits: torch.Tensor | None = None     # [B, L, Vd] fp32: position t predicts token t+1
-    target_in_draft: torch.Tensor | None = None   # [B, L] bool
+    target_logits: torch.Tensor | None = None  # [B, L, Vd] fp32: position t predicts token t+1
+    target_in_draft: torch.Tensor | None = None  # [B, L] bool
 
 
 class TargetFeatures:
@@ -141,8 +153,10 @@ class TargetFeatures:
         self.inner, self.layers, self.norm, self.lm_head = decoder_parts(model)
         n = len(self.layers)
         if len(aux_layer_ids) != 3 or not all(0 <= i < n for i in aux_layer_ids):
-            raise UsageError(f"aux layer ids {aux_layer_ids} do not fit a target with {n} decoder layers",
-                             f"use three indices in [0, {n - 1}], e.g. the default {default_aux_layers(n)}")
+            raise UsageError(
+                f"aux layer ids {aux_layer_ids} do not fit a target with {n} decoder layers",
+                f"use three indices in [0, {n - 1}], e.g. the default {default_aux_layers(n)}",
+            )
         self.aux_layer_ids = list(aux_layer_ids)
         self.t2d = t2d
 
@@ -151,8 +165,13 @@ class TargetFeatures:
         return self.norm.weight.shape[0]
 
     @torch.no_grad()
-    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                 with_logits: bool = True, position_ids: torch.Tensor | None = None) -> Features:
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        with_logits: bool = True,
+        position_ids: torch.Tensor | None = None,
+    ) -> Features:
         """``position_ids`` (packed rows: 0 where each document starts) replace ``attention_mask``: transformers
         (>= 4.54) then masks attention to each document (its packed-sequence format); padding after the last
         document needs no mask, nothing real attends it."""
@@ -161,6 +180,7 @@ class TargetFeatures:
         def tap(i):
             def hook(module, args, kwargs):
                 captured[i] = args[0] if args else kwargs["hidden_states"]
+
             return hook
 
         handles = [self.layers[i].register_forward_pre_hook(tap(i), with_kwargs=True) for i in set(self.aux_layer_ids)]
@@ -169,9 +189,11 @@ class TargetFeatures:
             if position_ids is not None:
                 out = self.inner(input_ids=input_ids.to(device), position_ids=position_ids.to(device), use_cache=False)
             else:
-                out = self.inner(input_ids=input_ids.to(device),
-                                 attention_mask=None if attention_mask is None else attention_mask.to(device),
-                                 use_cache=False)
+                out = self.inner(
+                    input_ids=input_ids.to(device),
+                    attention_mask=None if attention_mask is None else attention_mask.to(device),
+                    use_cache=False,
+                )
         finally:
             for h in handles:
                 h.remove()
@@ -180,8 +202,12 @@ class TargetFeatures:
         feats = Features(aux=aux, last_hidden=last)
         if with_logits:
             if self.t2d is None:
-                raise EaglekitError("TargetFeatures needs t2d to compute draft-vocab logits", "pass the vocab stage's t2d")
-            feats.target_logits, feats.target_in_draft = draft_logits(last, self.lm_head.weight.to(last.device), self.t2d)
+                raise EaglekitError(
+                    "TargetFeatures needs t2d to compute draft-vocab logits", "pass the vocab stage's t2d"
+                )
+            feats.target_logits, feats.target_in_draft = draft_logits(
+                last, self.lm_head.weight.to(last.device), self.t2d
+            )
         return feats
 
 
@@ -191,7 +217,7 @@ class TargetHead:
     def __init__(self, weight: torch.Tensor, t2d: torch.Tensor):
         self.weight, self.t2d = weight, t2d.to(weight.device)
 
-    def to(self, device) -> "TargetHead":
+    def to(self, device) -> TargetHead:
         return TargetHead(self.weight.to(device), self.t2d.to(device))
 
     @torch.no_grad()
@@ -200,6 +226,7 @@ class TargetHead:
 
 
 # ------------------------------------------------------------------------------- weights without the model
+
 
 def _local_folder(model: str) -> Path:
     path = Path(model)
@@ -220,9 +247,11 @@ def target_tensor_names(model: str) -> dict[str, str]:
         return json.loads(index.read_text())["weight_map"]
     if (folder / "model.safetensors").exists():
         with safe_open(str(folder / "model.safetensors"), "pt") as f:
-            return {k: "model.safetensors" for k in f.keys()}
-    raise EaglekitError(f"{folder} has no safetensors weights (model.safetensors or its index)",
-                        "convert the target to safetensors (save_pretrained(..., safe_serialization=True))")
+            return {k: "model.safetensors" for k in f}
+    raise EaglekitError(
+        f"{folder} has no safetensors weights (model.safetensors or its index)",
+        "convert the target to safetensors (save_pretrained(..., safe_serialization=True))",
+    )
 
 
 def read_target_tensors(model: str, names: list[str]) -> dict[str, torch.Tensor]:
@@ -255,21 +284,25 @@ def _quantized_head_error(model: str, names: list[str]) -> EaglekitError | None:
     except (OSError, ValueError):
         qcfg = {}
     ignored = qcfg.get("ignore") or qcfg.get("modules_to_not_convert") or []
-    return EaglekitError(f"{model}: lm_head is quantized in this checkpoint ({', '.join(sorted(packed)[:3])}; "
-                         f"quantization_config {qcfg.get('quant_method', '?')} does not list it under ignore: "
-                         f"{ignored or 'nothing is ignored'}), and offline training needs the dense lm_head",
-                         "use a checkpoint whose lm_head is kept dense (INT4 releases usually list it under "
-                         "quantization_config.ignore), or train with extract.mode: online")
+    return EaglekitError(
+        f"{model}: lm_head is quantized in this checkpoint ({', '.join(sorted(packed)[:3])}; "
+        f"quantization_config {qcfg.get('quant_method', '?')} does not list it under ignore: "
+        f"{ignored or 'nothing is ignored'}), and offline training needs the dense lm_head",
+        "use a checkpoint whose lm_head is kept dense (INT4 releases usually list it under "
+        "quantization_config.ignore), or train with extract.mode: online",
+    )
 
 
-def read_final_norm(target_cfg: TargetConfig) -> "FinalNorm":
+def read_final_norm(target_cfg: TargetConfig) -> FinalNorm:
     """The target's final norm, read by name (``model.norm.weight``) from its safetensors — never the model."""
     hf = target_hf_config(target_cfg)
     name = "model.norm.weight"
     tensors = read_target_tensors(target_cfg.model, [name])
     if name not in tensors:
-        raise EaglekitError(f"{target_cfg.model}: no tensor {name} in its safetensors files",
-                            "eaglekit reads Llama/Qwen/DeepSeek-style checkpoints (model.norm, lm_head)")
+        raise EaglekitError(
+            f"{target_cfg.model}: no tensor {name} in its safetensors files",
+            "eaglekit reads Llama/Qwen/DeepSeek-style checkpoints (model.norm, lm_head)",
+        )
     eps = getattr(hf, "rms_norm_eps", None) or getattr(hf, "layer_norm_eps", None) or 1e-6
     return FinalNorm(tensors[name], float(eps), offset=getattr(hf, "model_type", "").startswith("gemma"))
 
@@ -301,15 +334,22 @@ def embedding_and_head(source: nn.Module | str, trust_remote_code: bool = False)
     if quantized is not None:
         raise quantized
     if "model.embed_tokens.weight" not in tensors:
-        raise EaglekitError(f"{source}: no tensor model.embed_tokens.weight in its safetensors files",
-                            "eaglekit reads Llama/Qwen-style checkpoints (model.embed_tokens, lm_head)")
+        raise EaglekitError(
+            f"{source}: no tensor model.embed_tokens.weight in its safetensors files",
+            "eaglekit reads Llama/Qwen-style checkpoints (model.embed_tokens, lm_head)",
+        )
     embed = tensors["model.embed_tokens.weight"]
     head = tensors.get("lm_head.weight")
     if head is None:
-        tied = getattr(target_hf_config(TargetConfig(model=source, trust_remote_code=trust_remote_code)),
-                       "tie_word_embeddings", False)
+        tied = getattr(
+            target_hf_config(TargetConfig(model=source, trust_remote_code=trust_remote_code)),
+            "tie_word_embeddings",
+            False,
+        )
         if not tied:
-            raise EaglekitError(f"{source}: no lm_head.weight and the embeddings are not tied",
-                                "check that the target's weights are complete")
+            raise EaglekitError(
+                f"{source}: no lm_head.weight and the embeddings are not tied",
+                "check that the target's weights are complete",
+            )
         head = embed
     return embed, head

@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import time
 import traceback
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from rich.markup import escape
 from rich.table import Table
@@ -85,8 +86,11 @@ def run_checks(ctx: Any, checks: Iterable[Check]) -> list[CheckResult]:
             out = fail(getattr(check, "__name__", "check"), err.message, err.remedy or "")
         except Exception as err:  # a check that crashes must not crash the pre-flight silently
             name = getattr(check, "__name__", "check")
-            out = fail(name, f"the check itself raised {type(err).__name__}: {err}",
-                       "this is a bug in eaglekit or an unexpected input; the traceback is in the ledger")
+            out = fail(
+                name,
+                f"the check itself raised {type(err).__name__}: {err}",
+                "this is a bug in eaglekit or an unexpected input; the traceback is in the ledger",
+            )
             out.detail += "\n" + traceback.format_exc(limit=3)
         outs = out if isinstance(out, list) else [out]
         elapsed = (time.monotonic() - t0) / max(len(outs), 1)

@@ -31,8 +31,12 @@ def run_lock(ctx) -> CheckResult:
     if lock.fd is not None or (h.get("pid") == os.getpid() and h.get("host") == socket.gethostname()):
         return ok("run lock", "held by this process")
     if lock.is_held_elsewhere():
-        return fail("run lock", f"held by pid {h.get('pid', '?')} on {h.get('host', '?')} since {h.get('started', '?')}: "
-                                f"{h.get('command', '?')}", f"wait for it or stop it (kill {h.get('pid', 'PID')})")
+        return fail(
+            "run lock",
+            f"held by pid {h.get('pid', '?')} on {h.get('host', '?')} since {h.get('started', '?')}: "
+            f"{h.get('command', '?')}",
+            f"wait for it or stop it (kill {h.get('pid', 'PID')})",
+        )
     return ok("run lock", "free")
 
 
@@ -46,11 +50,17 @@ def upstream_done(ctx) -> CheckResult:
         return pending
     done = ctx.run.done_fingerprint(up)
     if done is None or not ctx.run.is_done(up, done):
-        return fail("upstream", f"stage '{up}' has not finished in {ctx.run.path}",
-                    f"run the stages up to it: `{ctx.command_to_reach(up)}`")
+        return fail(
+            "upstream",
+            f"stage '{up}' has not finished in {ctx.run.path}",
+            f"run the stages up to it: `{ctx.command_to_reach(up)}`",
+        )
     if done != ctx.upstream_fingerprint:
-        return fail("upstream", f"stage '{up}' finished with other inputs or parameters than this config's (stale)",
-                    f"rerun the stages up to it: `{ctx.command_to_reach(up)}`")
+        return fail(
+            "upstream",
+            f"stage '{up}' finished with other inputs or parameters than this config's (stale)",
+            f"rerun the stages up to it: `{ctx.command_to_reach(up)}`",
+        )
     return ok("upstream", f"'{up}' done with this config's fingerprint")
 
 
@@ -59,8 +69,11 @@ def output_path(ctx) -> CheckResult:
     d: Path = ctx.dir
     name = "output folder"
     if d.is_symlink() and not d.exists():
-        return fail(name, f"{d} is a broken symlink (points to {os.readlink(d)})",
-                    "recreate its target (e.g. mount the volume) or remove the link")
+        return fail(
+            name,
+            f"{d} is a broken symlink (points to {os.readlink(d)})",
+            "recreate its target (e.g. mount the volume) or remove the link",
+        )
     if not d.exists():
         parent = d.parent if d.parent.exists() else next((p for p in d.parents if p.exists()), Path("/"))
         if not os.access(parent, os.W_OK):
@@ -75,19 +88,28 @@ def output_path(ctx) -> CheckResult:
         return ok(name, f"{d} is empty")
     if state == rundir.OWN:
         done = ctx.run.done_fingerprint(ctx.stage) == ctx.fingerprint
-        return ok(name, f"{d} holds this config's {'finished' if done else 'partial'} data"
-                        f"{'' if done else ' (will resume)'}")
+        return ok(
+            name, f"{d} holds this config's {'finished' if done else 'partial'} data{'' if done else ' (will resume)'}"
+        )
     if state == rundir.FAILED_LEFTOVERS:
         return ok(name, f"{d} holds what a failed attempt with other parameters left: it will be replaced")
     refused = ctx.refusal(state)
     if refused:
         return fail(name, *refused)
-    what = {rundir.OTHER_DONE: "the finished outputs of other parameters", rundir.FOREIGN: "files no eaglekit stage wrote",
-            rundir.OTHER_PARTIAL: "the partial outputs of other parameters"}[state]
+    what = {
+        rundir.OTHER_DONE: "the finished outputs of other parameters",
+        rundir.FOREIGN: "files no eaglekit stage wrote",
+        rundir.OTHER_PARTIAL: "the partial outputs of other parameters",
+    }[state]
     return warn(name, f"{d} holds {what}; --force replaces them")
 
 
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 
 
 def target_folder(ctx) -> CheckResult:
@@ -96,11 +118,18 @@ def target_folder(ctx) -> CheckResult:
     path = Path(model)
     if not path.exists():
         if "/" in model and not model.startswith((".", "/")):
-            hub = Path(os.environ.get("HF_HOME", Path.home() / ".cache/huggingface")) / "hub" / ("models--" + model.replace("/", "--"))
+            hub = (
+                Path(os.environ.get("HF_HOME", Path.home() / ".cache/huggingface"))
+                / "hub"
+                / ("models--" + model.replace("/", "--"))
+            )
             if hub.exists():
                 return ok("target folder", f"{model} is in the local Hugging Face cache")
-            return warn("target folder", f"{model} is a hub id not in the local cache; it will be downloaded",
-                        "download it ahead of a long run (huggingface-cli download) and point target.model at the folder")
+            return warn(
+                "target folder",
+                f"{model} is a hub id not in the local cache; it will be downloaded",
+                "download it ahead of a long run (huggingface-cli download) and point target.model at the folder",
+            )
         return fail("target folder", f"{model} does not exist", "set target.model to a Hugging Face model folder")
     missing = []
     if not (path / "config.json").is_file():
@@ -111,8 +140,11 @@ def target_folder(ctx) -> CheckResult:
     if not weights:
         missing.append("weights (model.safetensors or a sharded index)")
     if missing:
-        return fail("target folder", f"{path} lacks {', '.join(missing)}",
-                    "point target.model at a complete Hugging Face model folder")
+        return fail(
+            "target folder",
+            f"{path} lacks {', '.join(missing)}",
+            "point target.model at a complete Hugging Face model folder",
+        )
     index = next((path / f for f in weights if f.endswith(".index.json")), None)
     if index is not None:
         try:
@@ -121,12 +153,14 @@ def target_folder(ctx) -> CheckResult:
             return fail("target folder", f"{index} is unreadable ({err})", "re-download the model")
         absent = sorted(s for s in shards if not (path / s).is_file())
         if absent:
-            return fail("target folder", f"{path} misses {len(absent)} of {len(shards)} weight shards, e.g. {absent[0]}",
-                        "finish the download of the model")
+            return fail(
+                "target folder",
+                f"{path} misses {len(absent)} of {len(shards)} weight shards, e.g. {absent[0]}",
+                "finish the download of the model",
+            )
     try:
         cfg = json.loads((path / "config.json").read_text())
     except ValueError as err:
         return fail("target folder", f"{path / 'config.json'} is not valid JSON ({err})", "re-download the model")
     layers = cfg.get("num_hidden_layers") or (cfg.get("text_config") or {}).get("num_hidden_layers")
     return ok("target folder", f"{path}: config, tokenizer, weights present ({layers} layers)")
-

@@ -63,7 +63,9 @@ def prompts(ctx) -> CheckResult:
     cfg = ctx.cfg.data
     path = Path(cfg.prompts)
     if not path.exists():
-        return fail(name, f"prompt data not found: {path}", "set data.prompts to a JSONL/JSON/Parquet file or a datasets folder")
+        return fail(
+            name, f"prompt data not found: {path}", "set data.prompts to a JSONL/JSON/Parquet file or a datasets folder"
+        )
     try:
         rows, how = count_rows(path)
         head = load_prompts(path, max_samples=SAMPLE_ROWS, on_bad_row="skip")
@@ -72,7 +74,10 @@ def prompts(ctx) -> CheckResult:
     except OSError as err:
         return fail(name, f"{path}: cannot be read ({err.strerror or err})", "fix its permissions or the mount")
     read = head.total_rows
-    facts = [f"{rows:,} rows ({how})" if rows is not None else how, f"first {read:,} read: {len(head.records):,} prompts"]
+    facts = [
+        f"{rows:,} rows ({how})" if rows is not None else how,
+        f"first {read:,} read: {len(head.records):,} prompts",
+    ]
     no_user = sum("no user turn" in b.reason for b in head.bad_rows)
     if no_user:
         facts.append(f"{no_user / read:.1%} without a user turn")
@@ -90,6 +95,10 @@ def prompts(ctx) -> CheckResult:
     if not head.records:
         return fail(name, f"{summary}: no usable prompt", "point data.prompts at a dataset with user turns")
     if head.duplicates / max(read, 1) >= DUPLICATE_WARN_SHARE:
-        return warn(name, summary, "repeated prompts (same id or same turns) are skipped, so the run has fewer samples "
-                                   "than rows; deduplicate the file or add rows if you need that many")
+        return warn(
+            name,
+            summary,
+            "repeated prompts (same id or same turns) are skipped, so the run has fewer samples "
+            "than rows; deduplicate the file or add rows if you need that many",
+        )
     return ok(name, summary)

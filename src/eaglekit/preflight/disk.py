@@ -25,8 +25,29 @@ from eaglekit.preflight.checks import human_bytes
 
 MIN_FREE_INODES = 1000  # a stage that does not say how many files it writes gets this floor
 MOUNTINFO = "/proc/self/mountinfo"
-NETWORK_FS = {"nfs", "nfs4", "cifs", "smb3", "smbfs", "ceph", "glusterfs", "lustre", "gpfs", "beegfs", "wekafs",
-              "9p", "afs", "gfs2", "ocfs2", "orangefs", "pvfs2", "panfs", "davfs", "sshfs", "virtiofs"}
+NETWORK_FS = {
+    "nfs",
+    "nfs4",
+    "cifs",
+    "smb3",
+    "smbfs",
+    "ceph",
+    "glusterfs",
+    "lustre",
+    "gpfs",
+    "beegfs",
+    "wekafs",
+    "9p",
+    "afs",
+    "gfs2",
+    "ocfs2",
+    "orangefs",
+    "pvfs2",
+    "panfs",
+    "davfs",
+    "sshfs",
+    "virtiofs",
+}
 LOCAL_FUSE = {"fuse.fuse-overlayfs", "fuse.lxcfs", "fuse.portal", "fuse.gvfsd-fuse"}
 NETWORK_BLOCK = re.compile(r"^(rbd|nbd|drbd)\d")  # Ceph RBD, network block device, DRBD
 PROBE_CHUNK = 4 << 20
@@ -38,6 +59,7 @@ def existing_ancestor(path: Path) -> Path:
 
 
 # ------------------------------------------------------------------------------------------ free space
+
 
 def disk_space(ctx) -> CheckResult:
     """Free bytes and inodes at the output folder vs what the stage writes."""
@@ -58,22 +80,32 @@ def disk_space(ctx) -> CheckResult:
     want_inodes = need_files or MIN_FREE_INODES
     name = "disk space"
     if need is not None and need > free:
-        return fail(name, f"the stage writes about {human_bytes(need)} but {where} has {human_bytes(free)} free",
-                    "free space, point run_dir at a larger volume, or reduce data.max_samples "
-                    "(`eaglekit plan CONFIG` computes how many samples fit)")
+        return fail(
+            name,
+            f"the stage writes about {human_bytes(need)} but {where} has {human_bytes(free)} free",
+            "free space, point run_dir at a larger volume, or reduce data.max_samples "
+            "(`eaglekit plan CONFIG` computes how many samples fit)",
+        )
     if inodes and free_inodes < want_inodes:
-        return fail(name, f"{where} has {free_inodes:,} free inodes; the stage creates about {want_inodes:,} files",
-                    "delete files on that filesystem or use another one (a filesystem's inode count is fixed when it is made)")
+        return fail(
+            name,
+            f"{where} has {free_inodes:,} free inodes; the stage creates about {want_inodes:,} files",
+            "delete files on that filesystem or use another one (a filesystem's inode count is fixed when it is made)",
+        )
     inode_note = f", {free_inodes:,} inodes free" if inodes else ""
     if need is None:
         return ok(name, f"{human_bytes(free)} free on {where}{inode_note}{note}")
     if need > 0.8 * free:
-        return warn(name, f"about {human_bytes(need)} of {human_bytes(free)} free on {where} will be used{inode_note}",
-                    "leave margin: other stages and checkpoints need room too")
+        return warn(
+            name,
+            f"about {human_bytes(need)} of {human_bytes(free)} free on {where} will be used{inode_note}",
+            "leave margin: other stages and checkpoints need room too",
+        )
     return ok(name, f"about {human_bytes(need)} needed, {human_bytes(free)} free on {where}{inode_note}")
 
 
 # ------------------------------------------------------------------------------------------ filesystem
+
 
 @dataclass(frozen=True)
 class Mount:
@@ -159,14 +191,18 @@ def filesystem(ctx) -> CheckResult:
         return skip("filesystem", f"{MOUNTINFO} does not say which mount holds {where}")
     network = network_backing(m)
     if network:
-        return warn("filesystem", f"{where} is on {network}: eaglekit's run lock (flock) cannot stop a writer on "
-                                  "another host, and every fsync is a network round trip",
-                    "run one eaglekit process per run directory across all hosts; prefer a local NVMe for "
-                    "extract's features (see the write rate)")
+        return warn(
+            "filesystem",
+            f"{where} is on {network}: eaglekit's run lock (flock) cannot stop a writer on "
+            "another host, and every fsync is a network round trip",
+            "run one eaglekit process per run directory across all hosts; prefer a local NVMe for "
+            "extract's features (see the write rate)",
+        )
     return ok("filesystem", f"{m.fstype} on {m.source} (mounted at {m.mount_point}), local")
 
 
 # ------------------------------------------------------------------------------------------ write rate
+
 
 @functools.lru_cache(maxsize=16)
 def _probe(device: int, folder: str, size: int, max_seconds: float) -> tuple[int, float]:
@@ -209,8 +245,11 @@ def write_rate(ctx) -> CheckResult:
     try:
         written, seconds = probe_write_rate(folder, size, p.disk_probe_seconds)
     except OSError as err:
-        return fail(name, f"writing a {human_bytes(size)} probe into {folder} failed: {err.strerror or err}",
-                    "fix the filesystem (full? read-only? a dead network mount?) before a long run")
+        return fail(
+            name,
+            f"writing a {human_bytes(size)} probe into {folder} failed: {err.strerror or err}",
+            "fix the filesystem (full? read-only? a dead network mount?) before a long run",
+        )
     rate = written / max(seconds, 1e-9)
     measured = f"{human_bytes(rate)}/s ({human_bytes(written)} written and fsynced in {seconds:.2f} s, {folder})"
     hook = getattr(ctx.module, "estimate_write_rate", None)
@@ -219,8 +258,11 @@ def write_rate(ctx) -> CheckResult:
         return ok(name, measured)
     need_rate, why = need
     if need_rate > rate:
-        return warn(name, f"the stage needs {human_bytes(need_rate)}/s ({why}) but the disk takes {measured}: "
-                          f"it will be disk-bound, about {need_rate / rate:.1f}× slower than its compute allows",
-                    "put run_dir on faster local storage, or shrink what is written (extract.mode: online, "
-                    "or 8-bit features); `eaglekit plan CONFIG` shows the time either way")
+        return warn(
+            name,
+            f"the stage needs {human_bytes(need_rate)}/s ({why}) but the disk takes {measured}: "
+            f"it will be disk-bound, about {need_rate / rate:.1f}× slower than its compute allows",
+            "put run_dir on faster local storage, or shrink what is written (extract.mode: online, "
+            "or 8-bit features); `eaglekit plan CONFIG` shows the time either way",
+        )
     return ok(name, f"{measured} ≥ the {human_bytes(need_rate)}/s the stage needs ({why})")

@@ -27,11 +27,28 @@ from eaglekit.preflight.checks import human_bytes
 
 MAX_HEADER_BYTES = 100_000_000  # safetensors refuses larger headers
 DTYPE_BITS = {
-    "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8,
-    "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6,
-    "I16": 16, "U16": 16, "F16": 16, "BF16": 16,
-    "I32": 32, "U32": 32, "F32": 32,
-    "I64": 64, "U64": 64, "F64": 64, "C64": 64,
+    "BOOL": 8,
+    "U8": 8,
+    "I8": 8,
+    "F8_E5M2": 8,
+    "F8_E4M3": 8,
+    "F8_E8M0": 8,
+    "F8_E4M3FNUZ": 8,
+    "F8_E5M2FNUZ": 8,
+    "F4": 4,
+    "F6_E2M3": 6,
+    "F6_E3M2": 6,
+    "I16": 16,
+    "U16": 16,
+    "F16": 16,
+    "BF16": 16,
+    "I32": 32,
+    "U32": 32,
+    "F32": 32,
+    "I64": 64,
+    "U64": 64,
+    "F64": 64,
+    "C64": 64,
 }
 DENSE_DTYPES = ("F16", "BF16", "F32", "F64")
 INDEX_NAMES = ("model.safetensors.index.json",)
@@ -80,17 +97,23 @@ def _read_header(path_str: str, size: int, _mtime_ns: int) -> Header:
         with open(path, "rb") as f:
             (n,) = struct.unpack("<Q", f.read(8))
             if n > size - 8:
-                raise HeaderError(f"{path}: its header claims {n:,} bytes but the file holds {size:,}: truncated, "
-                                  "or not a safetensors file")
+                raise HeaderError(
+                    f"{path}: its header claims {n:,} bytes but the file holds {size:,}: truncated, "
+                    "or not a safetensors file"
+                )
             if n > MAX_HEADER_BYTES:
-                raise HeaderError(f"{path}: a header of {n:,} bytes (safetensors allows {MAX_HEADER_BYTES:,}): not a safetensors file")
+                raise HeaderError(
+                    f"{path}: a header of {n:,} bytes (safetensors allows {MAX_HEADER_BYTES:,}): not a safetensors file"
+                )
             raw = f.read(n)
     except OSError as err:
         raise HeaderError(f"{path}: cannot be read ({err.strerror or err})") from None
     try:
         header = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise HeaderError(f"{path}: the header is not valid JSON ({err}): the file is damaged or not safetensors") from None
+        raise HeaderError(
+            f"{path}: the header is not valid JSON ({err}): the file is damaged or not safetensors"
+        ) from None
     if not isinstance(header, dict):
         raise HeaderError(f"{path}: the header is not a JSON object")
     metadata = header.pop("__metadata__", None) or {}
@@ -105,8 +128,14 @@ def _tensor(path: Path, name: str, info) -> Tensor:
     try:  # the common case, fast: a checkpoint has ~10^5 tensors
         dtype, shape, (start, end) = info["dtype"], info["shape"], info["data_offsets"]
         numel = math.prod(shape)
-        sound = (type(numel) is int and (not shape or min(shape) >= 0) and type(start) is int and type(end) is int
-                 and 0 <= start <= end and (numel * DTYPE_BITS[dtype]) == 8 * (end - start))
+        sound = (
+            type(numel) is int
+            and (not shape or min(shape) >= 0)
+            and type(start) is int
+            and type(end) is int
+            and 0 <= start <= end
+            and (numel * DTYPE_BITS[dtype]) == 8 * (end - start)
+        )
     except (KeyError, TypeError, ValueError):
         sound = False
     if sound:
@@ -123,13 +152,19 @@ def _tensor_problem(path: Path, name: str, info) -> str:
         return f"{path}: tensor {name!r} has unknown dtype {dtype!r}"
     if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
         return f"{path}: tensor {name!r} has an invalid shape {shape!r}"
-    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(o, int) for o in offsets)
-            or not 0 <= offsets[0] <= offsets[1]):
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(isinstance(o, int) for o in offsets)
+        or not 0 <= offsets[0] <= offsets[1]
+    ):
         return f"{path}: tensor {name!r} has invalid data_offsets {offsets!r}"
     bits = math.prod(shape) * DTYPE_BITS[dtype]
     span = offsets[1] - offsets[0]
-    return (f"{path}: tensor {name!r} is {dtype} {shape} = {bits / 8:,.0f} bytes but its span "
-            f"[{offsets[0]:,}, {offsets[1]:,}) holds {span:,}")
+    return (
+        f"{path}: tensor {name!r} is {dtype} {shape} = {bits / 8:,.0f} bytes but its span "
+        f"[{offsets[0]:,}, {offsets[1]:,}) holds {span:,}"
+    )
 
 
 def _check_layout(path: Path, tensors: dict[str, Tensor], data_bytes: int) -> None:
@@ -142,14 +177,19 @@ def _check_layout(path: Path, tensors: dict[str, Tensor], data_bytes: int) -> No
             raise HeaderError(f"{path}: {kind} of {abs(t.start - end):,} bytes {where}, before {name!r}")
         end, previous = t.end, name
     if end > data_bytes:
-        raise HeaderError(f"{path}: truncated: its tensors need {end:,} bytes of data but the file holds {data_bytes:,} "
-                          f"({end - data_bytes:,} missing)")
+        raise HeaderError(
+            f"{path}: truncated: its tensors need {end:,} bytes of data but the file holds {data_bytes:,} "
+            f"({end - data_bytes:,} missing)"
+        )
     if end < data_bytes:
-        raise HeaderError(f"{path}: {data_bytes - end:,} bytes after the last tensor ({previous!r}): "
-                          "the file is not what its header describes")
+        raise HeaderError(
+            f"{path}: {data_bytes - end:,} bytes after the last tensor ({previous!r}): "
+            "the file is not what its header describes"
+        )
 
 
 # ------------------------------------------------------------------------------------------ checkpoints
+
 
 @dataclass
 class Weights:
@@ -192,7 +232,9 @@ def read_weights(folder: str | Path) -> Weights:
             if h is not None and name not in h.tensors:
                 missing.setdefault(shard, []).append(name)
         for shard, names in missing.items():
-            problems.append(f"{folder / shard}: lacks {len(names)} tensors that {index.name} maps to it, e.g. {names[0]!r}")
+            problems.append(
+                f"{folder / shard}: lacks {len(names)} tensors that {index.name} maps to it, e.g. {names[0]!r}"
+            )
         return Weights(folder, files, headers, problems, "sharded")
     files = sorted(folder.glob("*.safetensors"))
     if files:
@@ -218,17 +260,25 @@ def weights_result(name: str, weights: Weights, what: str) -> CheckResult:
         more = f" (and {len(weights.problems) - 3} more problems)" if len(weights.problems) > 3 else ""
         return fail(name, "; ".join(weights.problems[:3]) + more, REDOWNLOAD)
     if weights.kind == "pickle":
-        return warn(name, f"{weights.folder} holds PyTorch pickle weights (.bin/.pt): their integrity cannot be "
-                          "checked without loading them", f"prefer safetensors weights for {what}")
+        return warn(
+            name,
+            f"{weights.folder} holds PyTorch pickle weights (.bin/.pt): their integrity cannot be "
+            "checked without loading them",
+            f"prefer safetensors weights for {what}",
+        )
     if weights.kind == "none":
         return fail(name, f"{weights.folder} holds no safetensors weights", f"point it at {what} folder with weights")
     n = len(weights.headers)
     tensors = sum(len(h.tensors) for h in weights.headers.values())
-    return ok(name, f"{n} safetensors file{'s' if n != 1 else ''}, {tensors:,} tensors, {human_bytes(weights.bytes)}: "
-                    "every header matches its file's size")
+    return ok(
+        name,
+        f"{n} safetensors file{'s' if n != 1 else ''}, {tensors:,} tensors, {human_bytes(weights.bytes)}: "
+        "every header matches its file's size",
+    )
 
 
 # ---------------------------------------------------------------------------------------- the target
+
 
 def target_weights(ctx) -> list[CheckResult]:
     """The target's weight files are whole, and the tensors the drafter copies from it are dense."""
@@ -256,12 +306,14 @@ def quantization_note(config: dict) -> str | None:
 
 
 # Companions that quantized layers store beside (or instead of) a dense ``weight``.
-QUANTIZED_PARTS = re.compile(r"(weight_packed|weight_scale|weight_scale_inv|weight_shape|weight_zero_point|qweight|"
-                             r"qzeros|scales|g_idx|absmax|quant_map|SCB|weight_format)")
+QUANTIZED_PARTS = re.compile(
+    r"(weight_packed|weight_scale|weight_scale_inv|weight_shape|weight_zero_point|qweight|"
+    r"qzeros|scales|g_idx|absmax|quant_map|SCB|weight_format)"
+)
 
 
 def _module(tensors: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:
-    return {k[len(prefix):]: t for k, t in tensors.items() if k.startswith(prefix)}
+    return {k[len(prefix) :]: t for k, t in tensors.items() if k.startswith(prefix)}
 
 
 def dense_tensors(folder: Path, weights: Weights) -> CheckResult:
@@ -277,11 +329,15 @@ def dense_tensors(folder: Path, weights: Weights) -> CheckResult:
         config = {}
     quant = quantization_note(config)
     tensors = weights.tensors()
-    embed_key = min((k for k in tensors if "embed_tokens." in k and re.search(r"(^|\.)embed_tokens\.", k)),
-                    key=len, default=None)
+    embed_key = min(
+        (k for k in tensors if "embed_tokens." in k and re.search(r"(^|\.)embed_tokens\.", k)), key=len, default=None
+    )
     if embed_key is None:
-        return skip(name, "no `embed_tokens` tensor by that name (another architecture's naming): not checked"
-                          + (f"; quantization: {quant}" if quant else ""))
+        return skip(
+            name,
+            "no `embed_tokens` tensor by that name (another architecture's naming): not checked"
+            + (f"; quantization: {quant}" if quant else ""),
+        )
     base = embed_key[: embed_key.index("embed_tokens.")]  # e.g. "model." or "language_model.model."
     parent = base.rsplit(".", 2)[0] + "." if base.count(".") >= 2 else ""
     tied = bool(config.get("tie_word_embeddings", (config.get("text_config") or {}).get("tie_word_embeddings", False)))
@@ -303,14 +359,21 @@ def dense_tensors(folder: Path, weights: Weights) -> CheckResult:
             seen.append(f"{role} {weight.dtype}")
     q = f"quantization: {quant}; " if quant else ""
     if problems:
-        return fail(name, q + "; ".join(problems),
-                    "use a checkpoint whose embedding, final norm and lm_head are dense (quantization tools keep them "
-                    "so when told to ignore them: e.g. `ignore: [lm_head]`), or set train.init_lm_head_from_target: false "
-                    "when only lm_head is quantized")
-    return ok(name, q + ", ".join(seen) + (" (lm_head tied to the embedding)" if tied and "lm_head" not in " ".join(seen) else ""))
+        return fail(
+            name,
+            q + "; ".join(problems),
+            "use a checkpoint whose embedding, final norm and lm_head are dense (quantization tools keep them "
+            "so when told to ignore them: e.g. `ignore: [lm_head]`), or set train.init_lm_head_from_target: false "
+            "when only lm_head is quantized",
+        )
+    return ok(
+        name,
+        q + ", ".join(seen) + (" (lm_head tied to the embedding)" if tied and "lm_head" not in " ".join(seen) else ""),
+    )
 
 
 # --------------------------------------------------------------------------------------------- drafters
+
 
 def drafter_folder_result(name: str, path: str | Path) -> CheckResult:
     path = Path(path)
@@ -339,10 +402,12 @@ def evaluate_checkpoint_files(ctx) -> CheckResult:
     if ctx.cfg.evaluate.checkpoint:
         return drafter_folder_result(name, ctx.cfg.evaluate.checkpoint)
     return will_be_produced(ctx, name, "train") or drafter_folder_result(
-        name, ctx.run.stage_dir("train") / "checkpoints" / "best")
+        name, ctx.run.stage_dir("train") / "checkpoints" / "best"
+    )
 
 
 # --------------------------------------------------------------------------------------- feature shards
+
 
 def feature_shards(ctx) -> CheckResult:
     """Before offline training: every shard in extract's index is whole (header, size) — no hashing, seconds not hours."""
@@ -359,8 +424,11 @@ def feature_shards(ctx) -> CheckResult:
         index = json.loads((folder / sh.INDEX).read_text())
         entries = index["shards"]
     except (OSError, ValueError, KeyError) as err:
-        return fail(name, f"{folder / sh.INDEX} is missing or unreadable ({err})",
-                    f"run extraction: `{ctx.command_to_reach('extract')}`")
+        return fail(
+            name,
+            f"{folder / sh.INDEX} is missing or unreadable ({err})",
+            f"run extraction: `{ctx.command_to_reach('extract')}`",
+        )
     problems = []
     for entry in entries:
         path = folder / entry["file"]
@@ -375,5 +443,8 @@ def feature_shards(ctx) -> CheckResult:
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
         return fail(name, "; ".join(problems[:3]) + more, sh.REMEDY)
     total = sum(e.get("bytes", 0) for e in entries)
-    return ok(name, f"{len(entries)} shards, {human_bytes(total)}, {index.get('tokens', '?')} tokens: headers and sizes "
-                    "match the index")
+    return ok(
+        name,
+        f"{len(entries)} shards, {human_bytes(total)}, {index.get('tokens', '?')} tokens: headers and sizes "
+        "match the index",
+    )

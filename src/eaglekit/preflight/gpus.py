@@ -51,8 +51,10 @@ class GPU:
         pids = [f"{pid}{'' if psutil.pid_exists(pid) else ' (other namespace)'}" for pid, _ in self.processes[:4]]
         more = f" +{len(self.processes) - 4}" if len(self.processes) > 4 else ""
         procs = f", pids {', '.join(pids)}{more}" if pids else ""
-        return (f"GPU {self.index} {self.name} {self.uuid}: {human_bytes(self.used)} of {human_bytes(self.total)} "
-                f"used{util}{ecc}{procs}")
+        return (
+            f"GPU {self.index} {self.name} {self.uuid}: {human_bytes(self.used)} of {human_bytes(self.total)} "
+            f"used{util}{ecc}{procs}"
+        )
 
 
 def _text(value) -> str:
@@ -74,15 +76,31 @@ def inventory() -> list[GPU] | str:
         for i in range(pynvml.nvmlDeviceGetCount()):
             h = pynvml.nvmlDeviceGetHandleByIndex(i)
             mem = pynvml.nvmlDeviceGetMemoryInfo(h)
-            gpus.append(GPU(index=i, uuid=_text(pynvml.nvmlDeviceGetUUID(h)), name=_text(pynvml.nvmlDeviceGetName(h)),
-                            total=int(mem.total), used=int(mem.used),
-                            utilization=_optional(pynvml, lambda: int(pynvml.nvmlDeviceGetUtilizationRates(h).gpu)),
-                            processes=[(int(p.pid), _bytes(p.usedGpuMemory)) for p in
-                                       _optional(pynvml, lambda: pynvml.nvmlDeviceGetComputeRunningProcesses(h)) or []],
-                            ecc_uncorrected=_optional(pynvml, lambda: int(pynvml.nvmlDeviceGetTotalEccErrors(
-                                h, pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_VOLATILE_ECC))),
-                            retired_pending=_optional(pynvml, lambda: pynvml.nvmlDeviceGetRetiredPagesPendingStatus(h)
-                                                      == pynvml.NVML_FEATURE_ENABLED)))
+            gpus.append(
+                GPU(
+                    index=i,
+                    uuid=_text(pynvml.nvmlDeviceGetUUID(h)),
+                    name=_text(pynvml.nvmlDeviceGetName(h)),
+                    total=int(mem.total),
+                    used=int(mem.used),
+                    utilization=_optional(pynvml, lambda: int(pynvml.nvmlDeviceGetUtilizationRates(h).gpu)),
+                    processes=[
+                        (int(p.pid), _bytes(p.usedGpuMemory))
+                        for p in _optional(pynvml, lambda: pynvml.nvmlDeviceGetComputeRunningProcesses(h)) or []
+                    ],
+                    ecc_uncorrected=_optional(
+                        pynvml,
+                        lambda: int(
+                            pynvml.nvmlDeviceGetTotalEccErrors(
+                                h, pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_VOLATILE_ECC
+                            )
+                        ),
+                    ),
+                    retired_pending=_optional(
+                        pynvml, lambda: pynvml.nvmlDeviceGetRetiredPagesPendingStatus(h) == pynvml.NVML_FEATURE_ENABLED
+                    ),
+                )
+            )
             remap = _optional(pynvml, lambda: pynvml.nvmlDeviceGetRemappedRows(h))
             if remap is not None:  # (corrected rows, uncorrected rows, reset pending, remapping failed)
                 gpus[-1].remap_pending, gpus[-1].remap_failed = bool(remap[2]), bool(remap[3])
@@ -143,8 +161,11 @@ def need_per_gpu(ctx, used: list[GPU]) -> tuple[int, str] | None:
     from eaglekit.preflight.files import read_weights
 
     cfg = ctx.cfg
-    loads_target = ctx.stage in TARGET_STAGES or (ctx.stage == "generate" and cfg.generate.backend == "local") \
+    loads_target = (
+        ctx.stage in TARGET_STAGES
+        or (ctx.stage == "generate" and cfg.generate.backend == "local")
         or (ctx.stage == "train" and cfg.extract.mode != "offline")
+    )
     if not loads_target or not used or not Path(cfg.target.model).is_dir():
         return None
     weights = read_weights(cfg.target.model).bytes
@@ -164,10 +185,19 @@ def gpus(ctx) -> list[CheckResult]:
     if not found:
         return [skip("GPUs", "the NVIDIA driver is loaded but reports no GPU")]
     used = visible(found)
-    results = [ok("GPUs", f"{len(found)} GPU(s), {len(used)} visible to this process"
-                          + (f" (CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']})"
-                             if "CUDA_VISIBLE_DEVICES" in os.environ else "")
-                          + ":\n" + "\n".join(g.line() for g in found))]
+    results = [
+        ok(
+            "GPUs",
+            f"{len(found)} GPU(s), {len(used)} visible to this process"
+            + (
+                f" (CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']})"
+                if "CUDA_VISIBLE_DEVICES" in os.environ
+                else ""
+            )
+            + ":\n"
+            + "\n".join(g.line() for g in found),
+        )
+    ]
     results += health(found)
     results += uniformity(found)
     results += memory_for_stage(ctx, used)
@@ -178,17 +208,32 @@ def health(found: list[GPU]) -> list[CheckResult]:
     out = []
     for g in found:
         if g.ecc_uncorrected:
-            out.append(fail(f"GPU {g.index} memory", f"{g.name} {g.uuid} has had {g.ecc_uncorrected} uncorrected ECC "
-                                                     "error(s) since the driver loaded: what it computes may be corrupt",
-                            "drain the GPU and reset it (or reboot the node) before a long run; exclude it meanwhile "
-                            "with CUDA_VISIBLE_DEVICES"))
+            out.append(
+                fail(
+                    f"GPU {g.index} memory",
+                    f"{g.name} {g.uuid} has had {g.ecc_uncorrected} uncorrected ECC "
+                    "error(s) since the driver loaded: what it computes may be corrupt",
+                    "drain the GPU and reset it (or reboot the node) before a long run; exclude it meanwhile "
+                    "with CUDA_VISIBLE_DEVICES",
+                )
+            )
         elif g.remap_failed:
-            out.append(fail(f"GPU {g.index} memory", f"{g.name} {g.uuid}: a row remapping failed (the GPU is out of "
-                                                     "spare memory rows)", "have the GPU serviced; exclude it with CUDA_VISIBLE_DEVICES"))
+            out.append(
+                fail(
+                    f"GPU {g.index} memory",
+                    f"{g.name} {g.uuid}: a row remapping failed (the GPU is out of spare memory rows)",
+                    "have the GPU serviced; exclude it with CUDA_VISIBLE_DEVICES",
+                )
+            )
         elif g.remap_pending or g.retired_pending:
             what = "remapped rows" if g.remap_pending else "retired pages"
-            out.append(warn(f"GPU {g.index} memory", f"{g.name} {g.uuid} has {what} pending: they take effect at the next reset",
-                            "reset the GPU when it is idle"))
+            out.append(
+                warn(
+                    f"GPU {g.index} memory",
+                    f"{g.name} {g.uuid} has {what} pending: they take effect at the next reset",
+                    "reset the GPU when it is idle",
+                )
+            )
     return out
 
 
@@ -202,11 +247,16 @@ def uniformity(found: list[GPU]) -> list[CheckResult]:
     if not low:
         return []
     names = ", ".join(f"GPU {g.index} ({human_bytes(g.used)})" for g in low)
-    return [warn("GPU memory spread", f"{names} use far less memory than the {len(loaded)} others (median "
-                                      f"{human_bytes(median)}): if a server shards the model over all of them, "
-                                      "a worker on those GPUs died or never loaded",
-                 "check the server's logs and restart it; a healthy tensor-parallel server uses about the same "
-                 "memory on every GPU")]
+    return [
+        warn(
+            "GPU memory spread",
+            f"{names} use far less memory than the {len(loaded)} others (median "
+            f"{human_bytes(median)}): if a server shards the model over all of them, "
+            "a worker on those GPUs died or never loaded",
+            "check the server's logs and restart it; a healthy tensor-parallel server uses about the same "
+            "memory on every GPU",
+        )
+    ]
 
 
 def memory_for_stage(ctx, used: list[GPU]) -> list[CheckResult]:
@@ -216,20 +266,36 @@ def memory_for_stage(ctx, used: list[GPU]) -> list[CheckResult]:
         per_gpu, why = need
         short = [g for g in used if g.free < per_gpu]
         if short:
-            out.append(fail("GPU free memory", f"{why} needs {human_bytes(per_gpu)} free per GPU; "
-                            + ", ".join(f"GPU {g.index} has {human_bytes(g.free)}" for g in short),
-                            "stop what holds that memory (see the GPU processes), set target.device_map: auto to "
-                            "shard the target, or pick free GPUs with CUDA_VISIBLE_DEVICES"))
+            out.append(
+                fail(
+                    "GPU free memory",
+                    f"{why} needs {human_bytes(per_gpu)} free per GPU; "
+                    + ", ".join(f"GPU {g.index} has {human_bytes(g.free)}" for g in short),
+                    "stop what holds that memory (see the GPU processes), set target.device_map: auto to "
+                    "shard the target, or pick free GPUs with CUDA_VISIBLE_DEVICES",
+                )
+            )
         else:
-            out.append(ok("GPU free memory", f"{why}: {human_bytes(per_gpu)} per GPU; the least free has "
-                                             f"{human_bytes(min(g.free for g in used))}"))
+            out.append(
+                ok(
+                    "GPU free memory",
+                    f"{why}: {human_bytes(per_gpu)} per GPU; the least free has "
+                    f"{human_bytes(min(g.free for g in used))}",
+                )
+            )
     if ctx.stage == "generate" and ctx.cfg.generate.backend == "openai":
         return out  # the servers' own processes are expected on the GPUs
     mine = os.getpid()
     foreign = [(g, pid, b) for g in used for pid, b in g.processes if pid != mine]
     if foreign:
-        listed = "; ".join(f"GPU {g.index}: {_pid_note(pid)}" + (f" holds {human_bytes(b)}" if b else "")
-                           for g, pid, b in foreign[:8])
-        out.append(warn("GPU processes", f"{len(foreign)} other compute process(es) on the GPUs this stage uses: {listed}",
-                        "stop them if they are left from an earlier run; they compete for memory and time"))
+        listed = "; ".join(
+            f"GPU {g.index}: {_pid_note(pid)}" + (f" holds {human_bytes(b)}" if b else "") for g, pid, b in foreign[:8]
+        )
+        out.append(
+            warn(
+                "GPU processes",
+                f"{len(foreign)} other compute process(es) on the GPUs this stage uses: {listed}",
+                "stop them if they are left from an earlier run; they compete for memory and time",
+            )
+        )
     return out

@@ -52,8 +52,11 @@ def _describe(proc, info: dict) -> str:
     cmd = " ".join(info.get("cmdline") or []) or info.get("name") or "?"
     if len(cmd) > 120:
         cmd = cmd[:117] + "…"
-    started = _dt.datetime.fromtimestamp(info["create_time"]).astimezone().isoformat(timespec="seconds") \
-        if info.get("create_time") else "?"
+    started = (
+        _dt.datetime.fromtimestamp(info["create_time"]).astimezone().isoformat(timespec="seconds")
+        if info.get("create_time")
+        else "?"
+    )
     return f"pid {proc.pid} `{cmd}` (started {started}, user {info.get('username') or '?'})"
 
 
@@ -99,11 +102,18 @@ def other_processes(ctx) -> CheckResult:
     writers, others, hidden = users_of(run_dir, exclude)
     unseen = f"; {hidden} processes could not be inspected (run as their user or root to see them)" if hidden else ""
     if writers:
-        return fail(name, f"{len(writers)} other process(es) write into {run_dir} without its lock: "
-                          + "; ".join(writers[:5]) + unseen,
-                    "if it is left from an earlier run, stop it (kill PID) before this stage starts; "
-                    "two writers corrupt the same files")
+        return fail(
+            name,
+            f"{len(writers)} other process(es) write into {run_dir} without its lock: "
+            + "; ".join(writers[:5])
+            + unseen,
+            "if it is left from an earlier run, stop it (kill PID) before this stage starts; "
+            "two writers corrupt the same files",
+        )
     if others:
-        return warn(name, f"{len(others)} other process(es) use {run_dir}: " + "; ".join(others[:5]) + unseen,
-                    "nothing to do if they only read; stop any that belongs to an aborted run")
+        return warn(
+            name,
+            f"{len(others)} other process(es) use {run_dir}: " + "; ".join(others[:5]) + unseen,
+            "nothing to do if they only read; stop any that belongs to an aborted run",
+        )
     return ok(name, f"no other process uses {run_dir}{unseen}")

@@ -14,11 +14,16 @@ from collections import Counter
 
 import httpx
 
-from eaglekit.errors import EaglekitError, UsageError
-from eaglekit.preflight import CheckResult, fail, ok, skip, warn
 from eaglekit.data.chat import local_target_tokenizer
 from eaglekit.data.prompts import run_prompts
-from eaglekit.serving.reasoning import explain_missing_reasoning, has_think_tags, split_inline_think, target_reasoning_mode
+from eaglekit.errors import EaglekitError, UsageError
+from eaglekit.preflight import CheckResult, fail, ok, skip, warn
+from eaglekit.serving.reasoning import (
+    explain_missing_reasoning,
+    has_think_tags,
+    split_inline_think,
+    target_reasoning_mode,
+)
 
 # A prompt's tokens are estimated at one per 3 characters when the target tokenizer is not at hand
 # (English averages ~4; erring long makes the context check strict rather than blind).
@@ -39,8 +44,11 @@ def prompts_loaded(ctx) -> CheckResult:
     except EaglekitError as err:
         return fail("all prompts", err.message, err.remedy or "fix the prompts file")
     if not prompt_set.records:
-        return fail("all prompts", f"{ctx.cfg.data.prompts}: no usable prompts ({prompt_set.summary()})",
-                    "point data.prompts at a dataset with user turns")
+        return fail(
+            "all prompts",
+            f"{ctx.cfg.data.prompts}: no usable prompts ({prompt_set.summary()})",
+            "point data.prompts at a dataset with user turns",
+        )
     return ok("all prompts", prompt_set.summary())
 
 
@@ -48,11 +56,17 @@ def reasoning_mode(ctx) -> CheckResult:
     try:
         mode, why = target_reasoning_mode(ctx.cfg)
     except EaglekitError as err:
-        return fail("reasoning", f"cannot tell whether the target reasons: {err.message}",
-                    (err.remedy or "") + "; or set generate.reasoning explicitly")
+        return fail(
+            "reasoning",
+            f"cannot tell whether the target reasons: {err.message}",
+            (err.remedy or "") + "; or set generate.reasoning explicitly",
+        )
     g = ctx.cfg.generate
-    gate = f"; the first {g.gate_samples} responses must have it (≤ {g.gate_max_empty_share:.0%} empty)" \
-        if mode == "required" else ""
+    gate = (
+        f"; the first {g.gate_samples} responses must have it (≤ {g.gate_max_empty_share:.0%} empty)"
+        if mode == "required"
+        else ""
+    )
     return ok("reasoning", f"{mode}: {why}{gate}")
 
 
@@ -124,10 +138,16 @@ def servers(ctx) -> list[CheckResult]:
         ids = [m.get("id") for m in info["models"]]
         if g.model not in ids:
             by_root = [m.get("id") for m in info["models"] if m.get("root") == g.model]
-            results.append(fail(name, f"does not serve '{g.model}'; it serves: {', '.join(map(str, ids)) or 'nothing'}",
-                                f"set generate.model to {by_root[0]!r} (served from that path)" if by_root else
-                                "set generate.model to one of the served ids, or start the server with that model "
-                                "(vLLM: --served-model-name)"))
+            results.append(
+                fail(
+                    name,
+                    f"does not serve '{g.model}'; it serves: {', '.join(map(str, ids)) or 'nothing'}",
+                    f"set generate.model to {by_root[0]!r} (served from that path)"
+                    if by_root
+                    else "set generate.model to one of the served ids, or start the server with that model "
+                    "(vLLM: --served-model-name)",
+                )
+            )
             continue
         length = f"max_model_len {info['max_model_len']}" if info["max_model_len"] else "max_model_len not reported"
         results.append(ok(name, f"serves {g.model} ({length}); {info['version'] or 'version unknown'}"))
@@ -151,16 +171,28 @@ def health(ctx) -> list[CheckResult]:
         try:
             status, body = get_json(root + path, None, timeout=60.0 if sglang else 10.0)
         except httpx.HTTPError as err:
-            results.append(fail(name, f"{root}{path} did not answer ({type(err).__name__}: {err})",
-                                "the engine may be hung: check the server's log and restart it"))
+            results.append(
+                fail(
+                    name,
+                    f"{root}{path} did not answer ({type(err).__name__}: {err})",
+                    "the engine may be hung: check the server's log and restart it",
+                )
+            )
             continue
         if status == 200:
             results.append(ok(name, f"{path} answers 200" + (" (a one-token generation ran)" if sglang else "")))
         elif status == 404:
-            results.append(skip(name, f"{root} has no {path} endpoint (not vLLM or SGLang); the smoke request tests it"))
+            results.append(
+                skip(name, f"{root} has no {path} endpoint (not vLLM or SGLang); the smoke request tests it")
+            )
         else:
-            results.append(fail(name, f"{root}{path} answers HTTP {status}: the server's engine is dead or "
-                                      f"unhealthy ({str(body)[:120]})", "restart the server (its log says why the engine died)"))
+            results.append(
+                fail(
+                    name,
+                    f"{root}{path} answers HTTP {status}: the server's engine is dead or unhealthy ({str(body)[:120]})",
+                    "restart the server (its log says why the engine died)",
+                )
+            )
     return results
 
 
@@ -170,9 +202,13 @@ def _prompt_lengths(ctx) -> tuple[list[tuple[int, str]], str]:
     by_chars = sorted(records, key=lambda r: -sum(len(m["content"]) for m in r.messages))
     tokenizer = local_target_tokenizer(ctx.cfg)
     if tokenizer is None:
-        return sorted(((int(sum(len(m["content"]) for m in r.messages) / CHARS_PER_TOKEN) + 8 * len(r.messages), r.id)
-                       for r in by_chars[:TOKENIZED_LONGEST]), reverse=True), \
-            f"estimated at {CHARS_PER_TOKEN:g} characters per token"
+        return sorted(
+            (
+                (int(sum(len(m["content"]) for m in r.messages) / CHARS_PER_TOKEN) + 8 * len(r.messages), r.id)
+                for r in by_chars[:TOKENIZED_LONGEST]
+            ),
+            reverse=True,
+        ), f"estimated at {CHARS_PER_TOKEN:g} characters per token"
     kwargs = ctx.cfg.generate.extra_body.get("chat_template_kwargs") or {}
     counted = []
     for r in by_chars[:TOKENIZED_LONGEST]:
@@ -197,12 +233,20 @@ def context_length(ctx) -> CheckResult:
     longest, rid = lengths[0]
     over = [x for x in lengths if x[0] + g.max_tokens > limit]
     if over:
-        return fail("context length",
-                    f"prompt '{rid}' has {longest} tokens ({how}); with max_tokens {g.max_tokens} it needs "
-                    f"{longest + g.max_tokens} > max_model_len {limit} of {url}"
-                    + (f" ({len(over)}{'+' if len(over) == len(lengths) else ''} prompts are too long)" if len(over) > 1 else ""),
-                    "lower generate.max_tokens, start the server with a larger --max-model-len, or drop the longest prompts")
-    return ok("context length", f"longest prompt {longest} tokens ({how}) + max_tokens {g.max_tokens} ≤ max_model_len {limit}")
+        return fail(
+            "context length",
+            f"prompt '{rid}' has {longest} tokens ({how}); with max_tokens {g.max_tokens} it needs "
+            f"{longest + g.max_tokens} > max_model_len {limit} of {url}"
+            + (
+                f" ({len(over)}{'+' if len(over) == len(lengths) else ''} prompts are too long)"
+                if len(over) > 1
+                else ""
+            ),
+            "lower generate.max_tokens, start the server with a larger --max-model-len, or drop the longest prompts",
+        )
+    return ok(
+        "context length", f"longest prompt {longest} tokens ({how}) + max_tokens {g.max_tokens} ≤ max_model_len {limit}"
+    )
 
 
 def judge_record(record: dict, seen: list[str], mode: str) -> tuple[list[str], list[str]]:
@@ -212,15 +256,19 @@ def judge_record(record: dict, seen: list[str], mode: str) -> tuple[list[str], l
     if mode == "required" and not record["reasoning"]:
         fails.append("no reasoning: " + explain_missing_reasoning(Counter(seen), 1, int(length)))
     if length:
-        warns.append("the reply stopped at max_tokens (finish_reason=length): raise generate.max_tokens "
-                     "unless the target's replies are meant to be cut")
+        warns.append(
+            "the reply stopped at max_tokens (finish_reason=length): raise generate.max_tokens "
+            "unless the target's replies are meant to be cut"
+        )
     elif record["finish_reason"] != "stop":
         warns.append(f"finish_reason is {record['finish_reason']!r}")
     if not record["content"] and not length:
         fails.append("the reply has no answer (empty content)")
     if has_think_tags(record["content"]):
-        fails.append(f"think tags left in the answer after extraction: {record['content'][:80]!r} (the server's "
-                     "reasoning parser does not match the template's tags)")
+        fails.append(
+            f"think tags left in the answer after extraction: {record['content'][:80]!r} (the server's "
+            "reasoning parser does not match the template's tags)"
+        )
     if not isinstance(record["prompt_tokens"], int) or not isinstance(record["completion_tokens"], int):
         warns.append("the server sends no token counts (usage)")
     return fails, warns
@@ -240,7 +288,7 @@ def render_check(ctx, record: dict) -> str | None:
         return f"the record does not render with the target's chat template: {err.message}"
     if template_has_think_tags(tokenizer) and "</think>" not in template_text(tokenizer):
         return None  # other tag names (e.g. <seed:think>): render_sample checked that the reasoning is kept
-    reply = tokenizer.decode(sample.input_ids[sample.prompt_tokens:], skip_special_tokens=False)
+    reply = tokenizer.decode(sample.input_ids[sample.prompt_tokens :], skip_special_tokens=False)
     reasoning, _, found = split_inline_think(reply)
     if not found or reasoning.split() != record["reasoning"].split():
         return f"rendered for training, the reasoning is not inside the think tags: {reply[:160]!r}"
@@ -277,24 +325,44 @@ def smoke(ctx) -> list[CheckResult]:
         try:
             reply = asyncio.run(ask(info["url"]))
         except RequestFailed as err:
-            results.append(fail(name, f"prompt '{prompt.id}' failed after {err.attempts} attempts: {err.reason}",
-                                "fix what the server says; `eaglekit preflight CONFIG` tries again"))
+            results.append(
+                fail(
+                    name,
+                    f"prompt '{prompt.id}' failed after {err.attempts} attempts: {err.reason}",
+                    "fix what the server says; `eaglekit preflight CONFIG` tries again",
+                )
+            )
             continue
         choice = reply.data["choices"][0]
         usage = reply.data.get("usage") or {}
-        record, seen = make_record(prompt.id, prompt.messages, choice["message"], choice.get("finish_reason"),
-                                   usage.get("prompt_tokens"), usage.get("completion_tokens"),
-                                   reply.data.get("model") or g.model, reply.server, choice.get("token_ids"))
+        record, seen = make_record(
+            prompt.id,
+            prompt.messages,
+            choice["message"],
+            choice.get("finish_reason"),
+            usage.get("prompt_tokens"),
+            usage.get("completion_tokens"),
+            reply.data.get("model") or g.model,
+            reply.server,
+            choice.get("token_ids"),
+        )
         fails, warns = judge_record(record, seen, mode)
         if not fails:
             problem = render_check(ctx, record)
             fails += [problem] if problem else []
-        detail = (f"reasoning from `{record['reasoning_source']}` ({len(record['reasoning'])} chars), answer "
-                  f"{len(record['content'])} chars, finish_reason {record['finish_reason']}, "
-                  f"{record['completion_tokens']} tokens; fields sent: {', '.join(seen)}")
+        detail = (
+            f"reasoning from `{record['reasoning_source']}` ({len(record['reasoning'])} chars), answer "
+            f"{len(record['content'])} chars, finish_reason {record['finish_reason']}, "
+            f"{record['completion_tokens']} tokens; fields sent: {', '.join(seen)}"
+        )
         if fails:
-            results.append(fail(name, "; ".join(fails) + f" [{detail}]",
-                                "fix the server flags or generate.extra_body as said, then rerun the pre-flight"))
+            results.append(
+                fail(
+                    name,
+                    "; ".join(fails) + f" [{detail}]",
+                    "fix the server flags or generate.extra_body as said, then rerun the pre-flight",
+                )
+            )
         elif warns:
             results.append(warn(name, "; ".join(warns) + f" [{detail}]", "see the detail"))
         else:

@@ -107,12 +107,13 @@ class ChatClient:
         self._http: httpx.AsyncClient | None = None
         self._changed: asyncio.Event | None = None
 
-    async def __aenter__(self) -> "ChatClient":
+    async def __aenter__(self) -> ChatClient:
         total = sum(s.capacity for s in self.servers)
         self._http = httpx.AsyncClient(
             timeout=httpx.Timeout(self.cfg.timeout, connect=min(10.0, self.cfg.timeout)),
             limits=httpx.Limits(max_connections=total + len(self.servers), max_keepalive_connections=total),
-            headers={"Authorization": f"Bearer {self.api_key}"} if self.api_key else {})
+            headers={"Authorization": f"Bearer {self.api_key}"} if self.api_key else {},
+        )
         self._changed = asyncio.Event()
         return self
 
@@ -124,8 +125,13 @@ class ChatClient:
 
     def body(self, messages: list[dict]) -> dict[str, Any]:
         g = self.cfg
-        body: dict[str, Any] = {"model": g.model, "messages": messages, "max_tokens": g.max_tokens,
-                                "temperature": g.temperature, "top_p": g.top_p}
+        body: dict[str, Any] = {
+            "model": g.model,
+            "messages": messages,
+            "max_tokens": g.max_tokens,
+            "temperature": g.temperature,
+            "top_p": g.top_p,
+        }
         if g.temperature > 0:
             body["seed"] = g.seed
         if self.send_token_ids:
@@ -153,7 +159,8 @@ class ChatClient:
                         f"no server left: every server has been out of rotation for {self.cfg.outage_timeout:g}s; "
                         + "; ".join(f"{s.url}: {self.scrub(s.last_error)}" for s in self.servers),
                         "check the servers (are they up? `curl BASE_URL/models`), then rerun the same command "
-                        "to resume; completed samples are on disk")
+                        "to resume; completed samples are on disk",
+                    )
                 wake = min([s.retry_at for s in self.servers if s.inflight == 0] + [since + self.cfg.outage_timeout])
             try:
                 await asyncio.wait_for(self._changed.wait(), timeout=max(0.01, wake - now))
@@ -179,8 +186,10 @@ class ChatClient:
             elif server.out_since is None and server.failures >= DOWN_AFTER:
                 server.out_since, server.retry_at = now, now + server.probe_interval
                 server.times_out += 1
-                console.print(f"[yellow]{server.url} taken out of rotation after {server.failures} failures in a row "
-                              f"({self.scrub(error.reason)}); probing it again in {server.probe_interval:g}s[/]")
+                console.print(
+                    f"[yellow]{server.url} taken out of rotation after {server.failures} failures in a row "
+                    f"({self.scrub(error.reason)}); probing it again in {server.probe_interval:g}s[/]"
+                )
         self._changed.set()  # wake every waiter; each re-checks the servers
         self._changed.clear()
 
@@ -193,8 +202,10 @@ class ChatClient:
         if server.out_since is None:
             server.out_since, server.retry_at = now, now + server.probe_interval
             server.times_out += 1
-            console.print(f"[yellow]{server.url} taken out of rotation ({self.scrub(reason)}); probing it again in "
-                          f"{server.probe_interval:g}s[/]")
+            console.print(
+                f"[yellow]{server.url} taken out of rotation ({self.scrub(reason)}); probing it again in "
+                f"{server.probe_interval:g}s[/]"
+            )
         else:
             server.probe_interval = min(server.probe_interval * 2, MAX_PROBE_INTERVAL)
             server.retry_at = now + server.probe_interval
@@ -214,18 +225,27 @@ class ChatClient:
             text = resp.text[:300].strip()
             code = resp.status_code
             if code == 429:
-                raise _AttemptFailed(f"HTTP 429 (rate limited): {text}", retry=True, server_fault=False,
-                                     retry_after=parse_retry_after(resp.headers.get("retry-after")))
+                raise _AttemptFailed(
+                    f"HTTP 429 (rate limited): {text}",
+                    retry=True,
+                    server_fault=False,
+                    retry_after=parse_retry_after(resp.headers.get("retry-after")),
+                )
             if code >= 500 or code == 408:
-                raise _AttemptFailed(f"HTTP {code}: {text}", retry=True, server_fault=True,
-                                     retry_after=parse_retry_after(resp.headers.get("retry-after")))
+                raise _AttemptFailed(
+                    f"HTTP {code}: {text}",
+                    retry=True,
+                    server_fault=True,
+                    retry_after=parse_retry_after(resp.headers.get("retry-after")),
+                )
             raise _AttemptFailed(f"HTTP {code}: {text}", retry=False, server_fault=False)
         try:
             data = resp.json()
             check(data)
         except (ValueError, KeyError, IndexError, TypeError) as err:
-            raise _AttemptFailed(f"malformed response ({type(err).__name__}: {err}): {resp.text[:200]!r}",
-                                 retry=True, server_fault=True) from None
+            raise _AttemptFailed(
+                f"malformed response ({type(err).__name__}: {err}): {resp.text[:200]!r}", retry=True, server_fault=True
+            ) from None
         return data
 
     def _backoff(self, attempt: int, retry_after: float | None) -> float:
@@ -251,8 +271,10 @@ class ChatClient:
                 if "return_token_ids" in failure.reason and body.get("return_token_ids") and not failure.retry:
                     # Only vLLM knows return_token_ids; servers that validate strictly (transformers serve) refuse it.
                     if self.send_token_ids:
-                        console.print(f"[yellow]{server.url} refuses `return_token_ids`; sending requests without it "
-                                      "(completion_token_ids will be missing)[/]")
+                        console.print(
+                            f"[yellow]{server.url} refuses `return_token_ids`; sending requests without it "
+                            "(completion_token_ids will be missing)[/]"
+                        )
                     self.send_token_ids = False
                     attempt -= 1
                     continue
@@ -268,8 +290,12 @@ class ChatClient:
 
     def rotation_report(self) -> list[str]:
         """One line per server that was taken out of rotation during the run."""
-        return [f"{s.url}: taken out of rotation {s.times_out}x, last error: {self.scrub(s.last_error)}; "
-                f"{s.completed} requests completed there" for s in self.servers if s.times_out]
+        return [
+            f"{s.url}: taken out of rotation {s.times_out}x, last error: {self.scrub(s.last_error)}; "
+            f"{s.completed} requests completed there"
+            for s in self.servers
+            if s.times_out
+        ]
 
 
 def _has_message(data: dict) -> None:
@@ -283,12 +309,15 @@ def api_key_from_env(name: str | None, key: str) -> str | None:
         return None
     value = os.environ.get(name)
     if not value:
-        raise UsageError(f"{key} names {name}, which is not set in the environment",
-                         f"export {name}=... before running (the key itself never goes in the config)")
+        raise UsageError(
+            f"{key} names {name}, which is not set in the environment",
+            f"export {name}=... before running (the key itself never goes in the config)",
+        )
     return value
 
 
 # --- plain GETs for the pre-flight ----------------------------------------------------------------
+
 
 def get_json(url: str, api_key: str | None, timeout: float = 10.0) -> tuple[int, Any]:
     """(status, parsed JSON or text) of a GET; raises httpx.HTTPError when the server cannot be reached."""

@@ -38,8 +38,11 @@ LOG_TAIL_LINES = 40
 def find_vllm_python(explicit: str | os.PathLike | None = None) -> Path:
     """The python of an environment with vLLM: ``explicit`` (``verify.python``), else $EAGLEKIT_VLLM_PYTHON,
     else ``.venv-vllm`` of this source checkout. Raises a UsageError saying how to get one."""
-    candidates = [(explicit, "verify.python"), (os.environ.get(PYTHON_ENV), f"${PYTHON_ENV}"),
-                  (REPO_VENV / "bin" / "python", "the checkout's .venv-vllm")]
+    candidates = [
+        (explicit, "verify.python"),
+        (os.environ.get(PYTHON_ENV), f"${PYTHON_ENV}"),
+        (REPO_VENV / "bin" / "python", "the checkout's .venv-vllm"),
+    ]
     for value, source in candidates:
         if not value:
             continue
@@ -47,11 +50,15 @@ def find_vllm_python(explicit: str | os.PathLike | None = None) -> Path:
         if path.is_file() and os.access(path, os.X_OK):
             return path
         if source != "the checkout's .venv-vllm":
-            raise UsageError(f"{source} is {value}, which is not an executable python",
-                             "point it at the python of an environment where `import vllm` works")
-    raise UsageError("no Python environment with vLLM found (verify.python, $EAGLEKIT_VLLM_PYTHON, .venv-vllm)",
-                     "on a CPU machine run `bash scripts/setup_vllm.sh` (makes .venv-vllm, ~3 min); on a GPU machine "
-                     "set verify.python to the python of your vLLM install")
+            raise UsageError(
+                f"{source} is {value}, which is not an executable python",
+                "point it at the python of an environment where `import vllm` works",
+            )
+    raise UsageError(
+        "no Python environment with vLLM found (verify.python, $EAGLEKIT_VLLM_PYTHON, .venv-vllm)",
+        "on a CPU machine run `bash scripts/setup_vllm.sh` (makes .venv-vllm, ~3 min); on a GPU machine "
+        "set verify.python to the python of your vLLM install",
+    )
 
 
 def is_cpu_build(python: Path) -> bool:
@@ -62,8 +69,10 @@ def is_cpu_build(python: Path) -> bool:
 
 def cpu_environment(python: Path, cache_root: Path) -> dict[str, str]:
     """Settings the CPU build needs to start quickly and predictably on a small machine."""
-    env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),  # GiB of KV cache
-           "VLLM_CACHE_ROOT": str(cache_root)}
+    env = {
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),  # GiB of KV cache
+        "VLLM_CACHE_ROOT": str(cache_root),
+    }
     iomp = python.parent.parent / "lib" / "libiomp5.so"
     if iomp.exists():  # vLLM's CPU kernels want Intel's OpenMP loaded before anything else
         env["LD_PRELOAD"] = str(iomp)
@@ -111,14 +120,28 @@ class VllmServer:
                 args.append("--enforce-eager")
             if not any(a == "--dtype" or a.startswith("--dtype=") for a in args):
                 args += ["--dtype", "float32"]
-        return [str(self.python), "-m", ENTRY_POINT, "--model", self.model, "--host", self.host,
-                "--port", str(self.port), *args]
+        return [
+            str(self.python),
+            "-m",
+            ENTRY_POINT,
+            "--model",
+            self.model,
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            *args,
+        ]
 
-    def start(self) -> "VllmServer":
+    def start(self) -> VllmServer:
         self.port = self.port or free_port(self.host)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"), "VLLM_NO_USAGE_STATS": "1",
-               "PYTHONUNBUFFERED": "1"}
+        env = {
+            **os.environ,
+            "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
+            "VLLM_NO_USAGE_STATS": "1",
+            "PYTHONUNBUFFERED": "1",
+        }
         if is_cpu_build(self.python):
             env.update(cpu_environment(self.python, self.log_path.parent / "vllm-cache"))
         env.update(self.env)
@@ -127,8 +150,9 @@ class VllmServer:
             log.write(f"$ {' '.join(self.command())}\n".encode())
             log.flush()
             # A process group of its own: stop() ends vLLM's engine-core children too.
-            self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
-                                            start_new_session=True)
+            self.process = subprocess.Popen(
+                self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
         return self
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
@@ -143,10 +167,11 @@ class VllmServer:
         while True:
             code = self.process.poll() if self.process else None
             if code is not None:
-                raise EaglekitError(f"vLLM exited with code {code} before it was ready; the end of {self.log_path}:\n"
-                                    f"{self.log_tail()}",
-                                    "read the log above: a flag the installed vLLM does not know, a model folder it "
-                                    "cannot load, or too little memory are the usual causes")
+                raise EaglekitError(
+                    f"vLLM exited with code {code} before it was ready; the end of {self.log_path}:\n{self.log_tail()}",
+                    "read the log above: a flag the installed vLLM does not know, a model folder it "
+                    "cannot load, or too little memory are the usual causes",
+                )
             try:
                 if httpx.get(f"{self.url}/models", timeout=5.0).status_code == 200:
                     return
@@ -154,9 +179,11 @@ class VllmServer:
                 pass
             if time.monotonic() > deadline:
                 self.stop()
-                raise EaglekitError(f"vLLM did not answer on {self.url} within {self.startup_timeout:.0f} s; the end of "
-                                    f"{self.log_path}:\n{self.log_tail()}",
-                                    "a busy or small machine starts slowly: raise the startup timeout, or read the log")
+                raise EaglekitError(
+                    f"vLLM did not answer on {self.url} within {self.startup_timeout:.0f} s; the end of "
+                    f"{self.log_path}:\n{self.log_tail()}",
+                    "a busy or small machine starts slowly: raise the startup timeout, or read the log",
+                )
             time.sleep(1.0)
 
     def stop(self, grace: float = 30.0) -> None:
@@ -171,7 +198,7 @@ class VllmServer:
         except ProcessLookupError:
             pass
 
-    def __enter__(self) -> "VllmServer":
+    def __enter__(self) -> VllmServer:
         self.start()
         try:
             self.wait_ready()
@@ -190,7 +217,7 @@ class VllmServer:
         return parse_prometheus(response.text)
 
 
-_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s+(\S+)')
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s+(\S+)")
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 
@@ -228,19 +255,31 @@ def metric_sum(metrics: dict[str, float], name: str, **labels: str) -> float:
 
 def version(python: Path) -> str:
     """The installed vLLM's version, read from its environment without importing vLLM here."""
-    out = subprocess.run([str(python), "-c", "from importlib.metadata import version as v\n"
-                          "for n in ('vllm', 'vllm-cpu'):\n"
-                          "    try: print(n, v(n)); break\n"
-                          "    except Exception: pass"],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [
+            str(python),
+            "-c",
+            "from importlib.metadata import version as v\n"
+            "for n in ('vllm', 'vllm-cpu'):\n"
+            "    try: print(n, v(n)); break\n"
+            "    except Exception: pass",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     return out.stdout.strip() or "unknown"
 
 
 def supports_flag(python: Path, flag: str) -> bool:
     """Whether the installed vLLM knows a command-line flag, read from its ``engine/arg_utils.py`` (finding the
     package does not import it: seconds instead of the half minute vLLM takes to import)."""
-    out = subprocess.run([str(python), "-c", "import importlib.util as u; print(u.find_spec('vllm').submodule_search_locations[0])"],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [str(python), "-c", "import importlib.util as u; print(u.find_spec('vllm').submodule_search_locations[0])"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     source = Path(out.stdout.strip()) / "engine" / "arg_utils.py"
     try:
         return flag.lstrip("-").replace("-", "_") in source.read_text(errors="replace")

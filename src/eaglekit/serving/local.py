@@ -10,7 +10,7 @@ goes through the same record builder as a server's reply, so reasoning is split 
 from __future__ import annotations
 
 import hashlib
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -31,11 +31,13 @@ class LocalGenerator:
         self.tokenizer = load_tokenizer(t.model, t.chat_template, t.trust_remote_code)
         self.template_kwargs = dict(cfg.generate.extra_body.get("chat_template_kwargs") or {})
         try:
-            self.model = AutoModelForCausalLM.from_pretrained(t.model, dtype=DTYPES[t.dtype], device_map=t.device_map,
-                                                              trust_remote_code=t.trust_remote_code)
+            self.model = AutoModelForCausalLM.from_pretrained(
+                t.model, dtype=DTYPES[t.dtype], device_map=t.device_map, trust_remote_code=t.trust_remote_code
+            )
         except (OSError, ValueError) as err:
-            raise EaglekitError(f"cannot load the target {t.model}: {err}",
-                                "set target.model to a complete Hugging Face model folder") from None
+            raise EaglekitError(
+                f"cannot load the target {t.model}: {err}", "set target.model to a complete Hugging Face model folder"
+            ) from None
         if t.device_map is None and torch.cuda.is_available():
             self.model.to("cuda")
         self.model.eval()
@@ -43,8 +45,9 @@ class LocalGenerator:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stop_ids[0]
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                                  **self.template_kwargs)
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, **self.template_kwargs
+        )
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     @torch.no_grad()
@@ -55,26 +58,43 @@ class LocalGenerator:
         input_ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
         attention = torch.zeros((len(batch), width), dtype=torch.long)
         for i, (_, ids) in enumerate(batch):  # left padding: every row's prompt ends at the last column
-            input_ids[i, width - len(ids):] = torch.tensor(ids)
-            attention[i, width - len(ids):] = 1
+            input_ids[i, width - len(ids) :] = torch.tensor(ids)
+            attention[i, width - len(ids) :] = 1
         device = self.model.device
         # Seeded from the batch's ids rather than its position, so a resumed run samples the same way.
         seed = int.from_bytes(hashlib.sha1(f"{g.seed}:{batch[0][0].id}".encode()).digest()[:4], "big")
         torch.manual_seed(seed)
-        sampling = dict(do_sample=True, temperature=g.temperature, top_p=g.top_p) if g.temperature > 0 else \
-            dict(do_sample=False, temperature=None, top_p=None, top_k=None)
-        out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention.to(device),
-                                  max_new_tokens=g.max_tokens, eos_token_id=self.stop_ids, pad_token_id=self.pad_id,
-                                  **sampling)
+        sampling = (
+            dict(do_sample=True, temperature=g.temperature, top_p=g.top_p)
+            if g.temperature > 0
+            else dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+        )
+        out = self.model.generate(
+            input_ids=input_ids.to(device),
+            attention_mask=attention.to(device),
+            max_new_tokens=g.max_tokens,
+            eos_token_id=self.stop_ids,
+            pad_token_id=self.pad_id,
+            **sampling,
+        )
         results = []
-        for (prompt, ids), row in zip(batch, out[:, width:].tolist()):
+        for (prompt, ids), row in zip(batch, out[:, width:].tolist(), strict=False):
             stop_at = next((k for k, tok in enumerate(row) if tok in self.stop_ids), None)
             generated = row if stop_at is None else row[: stop_at + 1]  # the end-of-turn token is part of the reply
             text = self.tokenizer.decode(generated if stop_at is None else generated[:-1], skip_special_tokens=False)
-            results.append(make_record(prompt.id, prompt.messages, {"role": "assistant", "content": text},
-                                       finish_reason="length" if stop_at is None else "stop",
-                                       prompt_tokens=len(ids), completion_tokens=len(generated),
-                                       model=self.cfg.target.model, server=None, token_ids=generated))
+            results.append(
+                make_record(
+                    prompt.id,
+                    prompt.messages,
+                    {"role": "assistant", "content": text},
+                    finish_reason="length" if stop_at is None else "stop",
+                    prompt_tokens=len(ids),
+                    completion_tokens=len(generated),
+                    model=self.cfg.target.model,
+                    server=None,
+                    token_ids=generated,
+                )
+            )
         return results
 
 
@@ -84,5 +104,5 @@ def generate_local(cfg: RunConfig, pending: Iterable[PromptRecord], add: Callabl
     rendered = sorted(((p, gen.prompt_ids(p.messages)) for p in pending), key=lambda x: len(x[1]))
     size = cfg.generate.batch_size
     for start in range(0, len(rendered), size):
-        for record, seen in gen.generate(rendered[start: start + size]):
+        for record, seen in gen.generate(rendered[start : start + size]):
             add(record, seen)

@@ -30,8 +30,8 @@ def split_inline_think(text: str) -> tuple[str, str, bool]:
     reasoning = text[:close]
     open_at = reasoning.find(THINK_OPEN)
     if open_at >= 0:
-        reasoning = reasoning[open_at + len(THINK_OPEN):]
-    content = text[close + len(THINK_CLOSE):]
+        reasoning = reasoning[open_at + len(THINK_OPEN) :]
+    content = text[close + len(THINK_CLOSE) :]
     return reasoning.strip(), content.strip(), True
 
 
@@ -61,8 +61,9 @@ def extract_reasoning(message: dict) -> tuple[str, str, str, list[str]]:
     return "", content.strip(), "none", seen
 
 
-def explain_missing_reasoning(seen: Counter, n: int, length_stopped: int = 0, empty: int | None = None,
-                              backend: str = "openai") -> str:
+def explain_missing_reasoning(
+    seen: Counter, n: int, length_stopped: int = 0, empty: int | None = None, backend: str = "openai"
+) -> str:
     """Why ``empty`` of ``n`` responses (all of them by default) had no reasoning, from the Counter of the fields
     the ``n`` carried; advice fits the backend (a server's reasoning parser, or the local chat template).
 
@@ -72,25 +73,38 @@ def explain_missing_reasoning(seen: Counter, n: int, length_stopped: int = 0, em
     who = "the server" if backend == "openai" else "the local target"
     sent = ", ".join(f"`{f}` ({c}/{n})" for f, c in seen.most_common()) or "nothing"
     readable = ", ".join(f"`{f}`" for f in REASONING_FIELDS)
-    unknown = [f for f in seen if f not in (*REASONING_FIELDS, "content", "tool_calls", "refusal", "annotations",
-                                            "audio", "function_call")]
+    unknown = [
+        f
+        for f in seen
+        if f not in (*REASONING_FIELDS, "content", "tool_calls", "refusal", "annotations", "audio", "function_call")
+    ]
     if unknown:
-        why = (f"{who} sends {', '.join(f'`{f}`' for f in unknown)}, a field eaglekit does not read as reasoning "
-               f"(it reads {readable} and inline {THINK_OPEN}…{THINK_CLOSE})")
+        why = (
+            f"{who} sends {', '.join(f'`{f}`' for f in unknown)}, a field eaglekit does not read as reasoning "
+            f"(it reads {readable} and inline {THINK_OPEN}…{THINK_CLOSE})"
+        )
     elif length_stopped and length_stopped >= empty // 2:
-        why = (f"{length_stopped} of {n} stopped at max_tokens (finish_reason=length) before closing the reasoning; "
-               "raise generate.max_tokens")
+        why = (
+            f"{length_stopped} of {n} stopped at max_tokens (finish_reason=length) before closing the reasoning; "
+            "raise generate.max_tokens"
+        )
     elif empty < n:
-        why = (f"the other {n - empty} did reason, so {who} sometimes answers without thinking; if that is expected, "
-               "raise generate.gate_max_empty_share or set generate.reasoning: optional")
+        why = (
+            f"the other {n - empty} did reason, so {who} sometimes answers without thinking; if that is expected, "
+            "raise generate.gate_max_empty_share or set generate.reasoning: optional"
+        )
     elif backend == "openai":
-        why = (f"none of them had {readable} or inline {THINK_CLOSE}; is `--reasoning-parser` set on the server "
-               "(vLLM/SGLang), or does the chat template need `chat_template_kwargs: {enable_thinking: true}` in "
-               "generate.extra_body?")
+        why = (
+            f"none of them had {readable} or inline {THINK_CLOSE}; is `--reasoning-parser` set on the server "
+            "(vLLM/SGLang), or does the chat template need `chat_template_kwargs: {enable_thinking: true}` in "
+            "generate.extra_body?"
+        )
     else:
-        why = (f"none of the replies the target generated here has a {THINK_CLOSE}: does its chat template need "
-               "`chat_template_kwargs: {enable_thinking: true}` in generate.extra_body, or does the model not think "
-               "(then set generate.reasoning: optional)?")
+        why = (
+            f"none of the replies the target generated here has a {THINK_CLOSE}: does its chat template need "
+            "`chat_template_kwargs: {enable_thinking: true}` in generate.extra_body, or does the model not think "
+            "(then set generate.reasoning: optional)?"
+        )
     return f"{why} (fields of the replies: {sent})"
 
 
@@ -102,7 +116,10 @@ def target_reasoning_mode(cfg) -> tuple[str, str]:
 
     tokenizer = local_target_tokenizer(cfg)
     if tokenizer is None:
-        return "optional", f"the target tokenizer is not a local folder ({cfg.target.model}), so its template is unknown"
+        return (
+            "optional",
+            f"the target tokenizer is not a local folder ({cfg.target.model}), so its template is unknown",
+        )
     if template_has_think_tags(tokenizer):
         return "required", "the target's chat template has think tags"
     return "optional", "the target's chat template has no think tags"

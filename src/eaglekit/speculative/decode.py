@@ -49,8 +49,9 @@ class Proposer(Protocol):
     def reset(self, ids: list[int], aux: torch.Tensor | None) -> None:
         """Start a sequence: ``ids`` = prompt + first token; ``aux`` [len(ids)-1, 3Ht] = target states of ids[:-1]."""
 
-    def propose(self, k: int, temperature: float, generator: torch.Generator | None
-                ) -> tuple[list[int], torch.Tensor | None]:
+    def propose(
+        self, k: int, temperature: float, generator: torch.Generator | None
+    ) -> tuple[list[int], torch.Tensor | None]:
         """Up to ``k`` draft ids (target vocab) and their distributions q [n, V], or None for point masses."""
 
     def update(self, new_ids: list[int], aux: torch.Tensor | None) -> None:
@@ -59,11 +60,11 @@ class Proposer(Protocol):
 
 @dataclass
 class DecodeStats:
-    rounds: int = 0        # target passes after the prefill (each emits >= 1 token)
-    emitted: int = 0       # tokens those passes emitted, bonus tokens included
-    new_tokens: int = 0    # all generated tokens (the prefill's first token included)
+    rounds: int = 0  # target passes after the prefill (each emits >= 1 token)
+    emitted: int = 0  # tokens those passes emitted, bonus tokens included
+    new_tokens: int = 0  # all generated tokens (the prefill's first token included)
     seconds: float = 0.0
-    drafted: list[int] = field(default_factory=list)   # per draft position: rounds that drafted a token there
+    drafted: list[int] = field(default_factory=list)  # per draft position: rounds that drafted a token there
     accepted: list[int] = field(default_factory=list)  # per draft position: rounds whose draft there was accepted
 
     @property
@@ -77,15 +78,19 @@ class DecodeStats:
 
     def acceptance_by_position(self) -> list[float]:
         """Share of drafts accepted at each chain position (vLLM's per-position rate: unconditional)."""
-        return [a / d if d else 0.0 for a, d in zip(self.accepted, self.drafted)]
+        return [a / d if d else 0.0 for a, d in zip(self.accepted, self.drafted, strict=False)]
 
-    def __add__(self, other: "DecodeStats") -> "DecodeStats":
+    def __add__(self, other: DecodeStats) -> DecodeStats:
         width = max(len(self.drafted), len(other.drafted))
         pad = lambda xs: xs + [0] * (width - len(xs))  # noqa: E731
-        return DecodeStats(self.rounds + other.rounds, self.emitted + other.emitted,
-                           self.new_tokens + other.new_tokens, self.seconds + other.seconds,
-                           [a + b for a, b in zip(pad(self.drafted), pad(other.drafted))],
-                           [a + b for a, b in zip(pad(self.accepted), pad(other.accepted))])
+        return DecodeStats(
+            self.rounds + other.rounds,
+            self.emitted + other.emitted,
+            self.new_tokens + other.new_tokens,
+            self.seconds + other.seconds,
+            [a + b for a, b in zip(pad(self.drafted), pad(other.drafted), strict=False)],
+            [a + b for a, b in zip(pad(self.accepted), pad(other.accepted), strict=False)],
+        )
 
 
 @dataclass
@@ -97,6 +102,7 @@ class Generation:
 
 # ------------------------------------------------------------------------------------------ sampling
 
+
 def pick(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
     """Argmax at temperature 0, else a sample of softmax(logits / T)."""
     if temperature <= 0:
@@ -104,8 +110,9 @@ def pick(logits: torch.Tensor, temperature: float, generator: torch.Generator | 
     return int(torch.multinomial(torch.softmax(logits.float().cpu() / temperature, -1), 1, generator=generator))
 
 
-def accept_draft(p: torch.Tensor, draft: int, q: torch.Tensor | None,
-                 generator: torch.Generator | None) -> tuple[bool, int | None]:
+def accept_draft(
+    p: torch.Tensor, draft: int, q: torch.Tensor | None, generator: torch.Generator | None
+) -> tuple[bool, int | None]:
     """Speculative sampling for one draft: (accepted, None) or (rejected, the token resampled from the residual).
 
     ``p``, ``q``: probabilities over the target vocab; ``q`` None means a point mass on ``draft``.
@@ -126,25 +133,43 @@ def accept_draft(p: torch.Tensor, draft: int, q: torch.Tensor | None,
 
 # ------------------------------------------------------------------------------------------- target
 
+
 @torch.no_grad()
-def target_pass(model, ids: list[int], cache: DynamicCache, aux_layer_ids: list[int] | None
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def target_pass(
+    model, ids: list[int], cache: DynamicCache, aux_layer_ids: list[int] | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logits [T, V] (fp32) of ``ids`` appended to ``cache``, and the concatenated aux states [T, 3Ht] if asked."""
     device = model.get_input_embeddings().weight.device
     # transformers 5 renamed past_key_values to cache (the old name warns, and goes in 5.40)
     cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    out = model(input_ids=torch.tensor([ids], device=device), use_cache=True, output_hidden_states=aux_layer_ids is not None,
-                **{cache_kwarg: cache})
+    out = model(
+        input_ids=torch.tensor([ids], device=device),
+        use_cache=True,
+        output_hidden_states=aux_layer_ids is not None,
+        **{cache_kwarg: cache},
+    )
     # a target sharded over GPUs (device_map) has its layers' states on different devices
-    aux = None if aux_layer_ids is None else torch.cat([out.hidden_states[i][0].to(out.logits.device)
-                                                        for i in aux_layer_ids], -1)
+    aux = (
+        None
+        if aux_layer_ids is None
+        else torch.cat([out.hidden_states[i][0].to(out.logits.device) for i in aux_layer_ids], -1)
+    )
     return out.logits[0].float(), aux
 
 
 @torch.no_grad()
-def generate(model, prompt_ids: list[int], max_new_tokens: int, *, proposer: Proposer | None = None, k: int = 0,
-             temperature: float = 0.0, generator: torch.Generator | None = None,
-             stop_ids: set[int] | frozenset[int] = frozenset(), engine_accounting: bool = False) -> Generation:
+def generate(
+    model,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    *,
+    proposer: Proposer | None = None,
+    k: int = 0,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+    stop_ids: set[int] | frozenset[int] = frozenset(),
+    engine_accounting: bool = False,
+) -> Generation:
     """Decode up to ``max_new_tokens`` after ``prompt_ids``; speculative with ``proposer`` and ``k`` drafts per round.
 
     Stops after a token in ``stop_ids`` (kept in the output). Drafts never run past ``max_new_tokens`` unless
@@ -209,6 +234,7 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int, *, proposer: Pro
 
 # ------------------------------------------------------------------------------------------ EAGLE-3
 
+
 class EagleProposer:
     """Chain drafting with an ``Eagle3Drafter`` and its own KV cache.
 
@@ -242,8 +268,9 @@ class EagleProposer:
         self.pending_aux.append(aux)
 
     @torch.no_grad()
-    def propose(self, k: int, temperature: float, generator: torch.Generator | None
-                ) -> tuple[list[int], torch.Tensor | None]:
+    def propose(
+        self, k: int, temperature: float, generator: torch.Generator | None
+    ) -> tuple[list[int], torch.Tensor | None]:
         start, n = self.real_length, len(self.pending_ids)
         ids = torch.tensor([self.pending_ids], device=self.device)
         hidden = self.drafter.fuse(torch.cat(self.pending_aux)[None].to(self.device, self.dtype))
@@ -258,8 +285,12 @@ class EagleProposer:
             drafts.append(token)
             qs.append(q)
             if step + 1 < k:
-                logits, hidden = self.drafter(torch.tensor([[token]], device=self.device), hidden[:, -1:],
-                                              torch.tensor([[start + n + step]], device=self.device), self.cache)
+                logits, hidden = self.drafter(
+                    torch.tensor([[token]], device=self.device),
+                    hidden[:, -1:],
+                    torch.tensor([[start + n + step]], device=self.device),
+                    self.cache,
+                )
         return drafts, (torch.stack(qs) if qs and qs[0] is not None else None)
 
     def _draft(self, logits: torch.Tensor, temperature: float, generator) -> tuple[int, torch.Tensor | None]:

@@ -16,11 +16,11 @@ def ngram_propose(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int
     """Up to ``k`` tokens that followed the earliest earlier match of the longest matching suffix; [] if none."""
     total = len(tokens)
     for n in range(min(n_max, total - 1), n_min - 1, -1):
-        suffix = tokens[total - n:]
+        suffix = tokens[total - n :]
         # occurrences may overlap the suffix but must end before the last token, so one token at least follows
         for start in range(total - n):
-            if tokens[start:start + n] == suffix:
-                return tokens[start + n:start + n + k]
+            if tokens[start : start + n] == suffix:
+                return tokens[start + n : start + n + k]
     return []
 
 

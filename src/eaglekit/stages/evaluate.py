@@ -66,16 +66,21 @@ def load_checked_drafter(cfg: RunConfig):
 
     path = checkpoint_path(cfg)
     if not path.exists():
-        remedy = ("set evaluate.checkpoint to a drafter folder" if cfg.evaluate.checkpoint
-                  else "train it: `eaglekit run CONFIG --until train` (it writes train/checkpoints/best)")
+        remedy = (
+            "set evaluate.checkpoint to a drafter folder"
+            if cfg.evaluate.checkpoint
+            else "train it: `eaglekit run CONFIG --until train` (it writes train/checkpoints/best)"
+        )
         raise EaglekitError(f"drafter checkpoint {path} does not exist", remedy)
     drafter, info = load_drafter(path)
     hf = target_hf_config(cfg.target)
     aux = aux_layer_ids(cfg.target, hf.num_hidden_layers)
     problems = check_compatible(drafter.config, hf, aux)
     if problems:
-        raise EaglekitError(f"drafter {path} does not fit the target {cfg.target.model}: " + "; ".join(problems),
-                            "evaluate a drafter trained for this target (evaluate.checkpoint), or retrain")
+        raise EaglekitError(
+            f"drafter {path} does not fit the target {cfg.target.model}: " + "; ".join(problems),
+            "evaluate a drafter trained for this target (evaluate.checkpoint), or retrain",
+        )
     return drafter, info, hf, aux
 
 
@@ -87,13 +92,17 @@ def load_starting_drafter(cfg: RunConfig, hf, aux):
     if not path:
         return None
     if not Path(path).exists():
-        raise EaglekitError(f"train.init_from {path} does not exist (evaluate measures the finetune against it)",
-                            "restore that drafter folder, or remove train.init_from")
+        raise EaglekitError(
+            f"train.init_from {path} does not exist (evaluate measures the finetune against it)",
+            "restore that drafter folder, or remove train.init_from",
+        )
     drafter, info = load_drafter(path)
     problems = check_compatible(drafter.config, hf, aux)
     if problems:
-        raise EaglekitError(f"train.init_from {path} does not fit the target: " + "; ".join(problems),
-                            "point train.init_from at the drafter this run finetuned")
+        raise EaglekitError(
+            f"train.init_from {path} does not fit the target: " + "; ".join(problems),
+            "point train.init_from at the drafter this run finetuned",
+        )
     return drafter, info
 
 
@@ -119,8 +128,11 @@ def drafter_checkpoint(ctx):
     except EaglekitError as err:
         return fail("drafter checkpoint", err.message, err.remedy or "check the drafter folder")
     c = drafter.config
-    return ok("drafter checkpoint", f"{info.path} ({info.form} form): hidden {c.hidden_size}, draft vocab "
-                                    f"{c.draft_vocab_size}/{c.vocab_size}, aux layers {aux}; fits the target")
+    return ok(
+        "drafter checkpoint",
+        f"{info.path} ({info.form} form): hidden {c.hidden_size}, draft vocab "
+        f"{c.draft_vocab_size}/{c.vocab_size}, aux layers {aux}; fits the target",
+    )
 
 
 def eval_prompts(cfg: RunConfig, n: int | None = None) -> list[tuple[str, list[dict]]]:
@@ -151,8 +163,10 @@ def heldout_prompts(cfg: RunConfig, n: int | None = None) -> list[tuple[str, lis
                 if len(out) == n:
                     break
     if not out:
-        raise UsageError(f"{path} has no held-out sample (data.eval_fraction = {cfg.data.eval_fraction})",
-                         "raise data.eval_fraction (and rerun from generate), or set evaluate.prompts to a prompts file")
+        raise UsageError(
+            f"{path} has no held-out sample (data.eval_fraction = {cfg.data.eval_fraction})",
+            "raise data.eval_fraction (and rerun from generate), or set evaluate.prompts to a prompts file",
+        )
     return out
 
 
@@ -171,8 +185,17 @@ def prompts_available(ctx):
 
 
 def checks(cfg: RunConfig) -> list:
-    return [common.target_folder, files.target_weights, environment.software, environment.devices, gpus.gpus,
-            files.evaluate_checkpoint_files, drafter_checkpoint, starting_drafter, prompts_available]
+    return [
+        common.target_folder,
+        files.target_weights,
+        environment.software,
+        environment.devices,
+        gpus.gpus,
+        files.evaluate_checkpoint_files,
+        drafter_checkpoint,
+        starting_drafter,
+        prompts_available,
+    ]
 
 
 def estimate_bytes(ctx) -> int:
@@ -180,6 +203,7 @@ def estimate_bytes(ctx) -> int:
 
 
 # ------------------------------------------------------------------------------------------------ run
+
 
 def prompt_ids(tokenizer, messages: list[dict], template_kwargs: dict | None) -> list[int]:
     """The generation prompt's token ids, rendered and tokenized exactly as prepare did for the training data."""
@@ -191,20 +215,26 @@ def prompt_ids(tokenizer, messages: list[dict], template_kwargs: dict | None) ->
 
 def result_row(method: str, k: int, temperature: float, stats: DecodeStats, plain: DecodeStats) -> dict:
     return {
-        "method": method, "k": k, "temperature": temperature,
+        "method": method,
+        "k": k,
+        "temperature": temperature,
         "tau": round(stats.tau, 4),
         # vLLM's "mean acceptance length": 1 + accepted / drafts, counting only rounds that drafted
         "tau_vllm": round(1 + sum(stats.accepted) / stats.drafted[0], 4) if stats.drafted and stats.drafted[0] else 1.0,
         "acceptance_by_position": [round(a, 4) for a in stats.acceptance_by_position()],
-        "rounds": stats.rounds, "emitted": stats.emitted, "drafted": stats.drafted, "accepted": stats.accepted,
-        "tokens": stats.new_tokens, "seconds": round(stats.seconds, 3),
+        "rounds": stats.rounds,
+        "emitted": stats.emitted,
+        "drafted": stats.drafted,
+        "accepted": stats.accepted,
+        "tokens": stats.new_tokens,
+        "seconds": round(stats.seconds, 3),
         "tokens_per_second": round(stats.tokens_per_second, 2),
         "speedup": round(stats.tokens_per_second / plain.tokens_per_second, 3) if plain.tokens_per_second else None,
     }
 
 
 def first_difference(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 @contextlib.contextmanager
@@ -245,7 +275,7 @@ class DecodingInputs:
     prompts: list[tuple[str, list[int]]]  # (id, prompt token ids)
     skipped_too_long: int
     dtype: torch.dtype
-    hf: object = None         # the target's HF config
+    hf: object = None  # the target's HF config
     tokenizer: object = None  # the target's tokenizer, as prepare used it
 
 
@@ -261,8 +291,9 @@ def on_target(drafter, info, target, device: torch.device):
     return drafter
 
 
-def tokenize_prompts(cfg: RunConfig, tokenizer, hf, source: list[tuple[str, list[dict]]], max_new_tokens: int,
-                     stage: str = NAME) -> tuple[list[tuple[str, list[int]]], int]:
+def tokenize_prompts(
+    cfg: RunConfig, tokenizer, hf, source: list[tuple[str, list[dict]]], max_new_tokens: int, stage: str = NAME
+) -> tuple[list[tuple[str, list[int]]], int]:
     """(id, prompt token ids) of the prompts that leave room for ``max_new_tokens``, and how many did not."""
     template_kwargs = cfg.generate.extra_body.get("chat_template_kwargs") or None  # as the target was served
     room = int(hf.max_position_embeddings) - max_new_tokens
@@ -271,15 +302,20 @@ def tokenize_prompts(cfg: RunConfig, tokenizer, hf, source: list[tuple[str, list
         ids = prompt_ids(tokenizer, messages, template_kwargs)
         (prompts if len(ids) <= room else too_long).append((pid, ids))
     if too_long:
-        console.print(f"[yellow]{stage}: {len(too_long)} prompts skipped: longer than max_position_embeddings "
-                      f"{hf.max_position_embeddings} - max_new_tokens {max_new_tokens}[/]")
+        console.print(
+            f"[yellow]{stage}: {len(too_long)} prompts skipped: longer than max_position_embeddings "
+            f"{hf.max_position_embeddings} - max_new_tokens {max_new_tokens}[/]"
+        )
     if not prompts:
-        raise UsageError(f"no evaluation prompt fits in {room} tokens", f"lower {stage}.max_new_tokens or use shorter prompts")
+        raise UsageError(
+            f"no evaluation prompt fits in {room} tokens", f"lower {stage}.max_new_tokens or use shorter prompts"
+        )
     return prompts, len(too_long)
 
 
-def decoding_inputs(cfg: RunConfig, target, device: torch.device, max_new_tokens: int, num_samples: int | None = None,
-                    stage: str = NAME) -> DecodingInputs:
+def decoding_inputs(
+    cfg: RunConfig, target, device: torch.device, max_new_tokens: int, num_samples: int | None = None, stage: str = NAME
+) -> DecodingInputs:
     """The drafter and the evaluation prompts, tokenized exactly as prepare did and as an engine is sent them.
 
     Shared by evaluate and verify, so that both decode the same prompts with the same drafter.
@@ -290,29 +326,54 @@ def decoding_inputs(cfg: RunConfig, target, device: torch.device, max_new_tokens
     drafter = on_target(drafter, info, target, device)
     tokenizer = load_tokenizer(cfg.target.model, cfg.target.chat_template, cfg.target.trust_remote_code)
     prompts, skipped = tokenize_prompts(cfg, tokenizer, hf, eval_prompts(cfg, num_samples), max_new_tokens, stage)
-    return DecodingInputs(drafter, info, aux, end_of_turn_token_ids(tokenizer), prompts, skipped,
-                          next(target.parameters()).dtype, hf, tokenizer)
+    return DecodingInputs(
+        drafter,
+        info,
+        aux,
+        end_of_turn_token_ids(tokenizer),
+        prompts,
+        skipped,
+        next(target.parameters()).dtype,
+        hf,
+        tokenizer,
+    )
 
 
 def evaluate(ctx, target, device: torch.device) -> dict:
     cfg, ec = ctx.cfg, ctx.cfg.evaluate
     inputs = decoding_inputs(cfg, target, device, ec.max_new_tokens)
-    drafter, info, aux, stop_ids, prompts, dtype = (inputs.drafter, inputs.info, inputs.aux, inputs.stop_ids,
-                                                    inputs.prompts, inputs.dtype)
+    drafter, info, aux, stop_ids, prompts, dtype = (
+        inputs.drafter,
+        inputs.info,
+        inputs.aux,
+        inputs.stop_ids,
+        inputs.prompts,
+        inputs.dtype,
+    )
     start = load_starting_drafter(cfg, inputs.hf, aux)
     start_drafter = on_target(*start, target, device) if start else None
 
     ks = sorted(set(ec.num_speculative_tokens))
     temperatures = list(dict.fromkeys(ec.temperatures))
     methods = [m for m in METHODS if m != "eagle_start" or start]
-    new_proposer = {"eagle": lambda: EagleProposer(drafter, aux),
-                    "eagle_start": lambda: EagleProposer(start_drafter, aux),
-                    "ngram": lambda: NgramProposer(ec.ngram_min, ec.ngram_max)}
+    new_proposer = {
+        "eagle": lambda: EagleProposer(drafter, aux),
+        "eagle_start": lambda: EagleProposer(start_drafter, aux),
+        "ngram": lambda: NgramProposer(ec.ngram_min, ec.ngram_max),
+    }
 
     def decode(ids: list[int], i: int, temperature: float, method: str | None = None, k: int = 0):
         generator = torch.Generator().manual_seed(ec.seed * 1_000_003 + i)
-        return generate(target, ids, ec.max_new_tokens, proposer=new_proposer[method]() if method else None, k=k,
-                        temperature=temperature, generator=generator, stop_ids=stop_ids)
+        return generate(
+            target,
+            ids,
+            ec.max_new_tokens,
+            proposer=new_proposer[method]() if method else None,
+            k=k,
+            temperature=temperature,
+            generator=generator,
+            stop_ids=stop_ids,
+        )
 
     # the first calls pay one-time costs (allocator, kernels); keep them out of the timings
     for proposer in (None, new_proposer["eagle"]()):
@@ -338,11 +399,22 @@ def evaluate(ctx, target, device: torch.device) -> dict:
                         out = decode(ids, i, temperature, method, k)
                         spec[method, k] = spec[method, k] + out.stats
                         if temperature == 0 and out.tokens != reference.tokens:
-                            checks[pid].append({"method": method, "k": k,
-                                                "first_difference": first_difference(out.tokens, reference.tokens)})
+                            checks[pid].append(
+                                {
+                                    "method": method,
+                                    "k": k,
+                                    "first_difference": first_difference(out.tokens, reference.tokens),
+                                }
+                            )
                         meter.update(1, method=method, K=k, tau=round(spec[method, k].tau, 3))
-                baselines.append({"temperature": temperature, "tokens": plain.new_tokens, "seconds": round(plain.seconds, 3),
-                                  "tokens_per_second": round(plain.tokens_per_second, 2)})
+                baselines.append(
+                    {
+                        "temperature": temperature,
+                        "tokens": plain.new_tokens,
+                        "seconds": round(plain.seconds, 3),
+                        "tokens_per_second": round(plain.tokens_per_second, 2),
+                    }
+                )
                 results += [result_row(method, k, temperature, stats, plain) for (method, k), stats in spec.items()]
         return {"baselines": baselines, "results": results, "checks": checks, "plain_tokens": plain_tokens}
 
@@ -364,17 +436,29 @@ def evaluate(ctx, target, device: torch.device) -> dict:
     greedy_checked = 0 in temperatures
     lossless = all(not c for c in checks.values()) if greedy_checked else None
     report = {
-        "checkpoint": str(info.path), "checkpoint_form": info.form, "target": cfg.target.model,
-        "device": str(device), "dtype": str(dtype).replace("torch.", ""),
+        "checkpoint": str(info.path),
+        "checkpoint_form": info.form,
+        "target": cfg.target.model,
+        "device": str(device),
+        "dtype": str(dtype).replace("torch.", ""),
         "prompts_source": ec.prompts or "generate/responses.jsonl (held-out split)",
-        "prompts": len(prompts), "prompts_skipped_too_long": inputs.skipped_too_long, "max_new_tokens": ec.max_new_tokens,
-        "num_speculative_tokens": ks, "temperatures": temperatures,
+        "prompts": len(prompts),
+        "prompts_skipped_too_long": inputs.skipped_too_long,
+        "max_new_tokens": ec.max_new_tokens,
+        "num_speculative_tokens": ks,
+        "temperatures": temperatures,
         "ngram": {"min": ec.ngram_min, "max": ec.ngram_max},
         "draft_selection": "argmax, verified as a point mass (as vLLM and SGLang)",
         "lossless": lossless,
-        "lossless_checks": [{"id": pid, "new_tokens": main["plain_tokens"].get(pid),
-                             "lossless": not checks[pid] if greedy_checked else None, "differences": checks[pid]}
-                            for pid, _ in prompts],
+        "lossless_checks": [
+            {
+                "id": pid,
+                "new_tokens": main["plain_tokens"].get(pid),
+                "lossless": not checks[pid] if greedy_checked else None,
+                "differences": checks[pid],
+            }
+            for pid, _ in prompts
+        ],
         "baseline": main["baselines"],
         "results": results,
         "comparison": comparison(results),
@@ -390,8 +474,10 @@ def evaluate(ctx, target, device: torch.device) -> dict:
     plots.tau_vs_k(results, out / "tau_vs_k.png")
     if lossless is False:
         bad = [pid for pid, c in checks.items() if c]
-        console.print(f"[bold red]evaluate: speculative greedy output differs from plain greedy output on {len(bad)} "
-                      f"prompts (e.g. {bad[0]}); see report.json lossless_checks[/]")
+        console.print(
+            f"[bold red]evaluate: speculative greedy output differs from plain greedy output on {len(bad)} "
+            f"prompts (e.g. {bad[0]}); see report.json lossless_checks[/]"
+        )
     console.print(report_markdown(report, tables_only=True))
     return counts(report)
 
@@ -401,14 +487,19 @@ def degenerate(report: dict, asked: int, eval_fraction: float) -> list[str]:
     finetune that lost to the drafter it started from."""
     out = []
     if report["prompts"] < asked:
-        out.append(f"decoded {report['prompts']} prompts, fewer than evaluate.num_samples ({asked}): the figures are "
-                   f"noisy; raise data.eval_fraction ({eval_fraction}) or set evaluate.prompts to a prompts file")
+        out.append(
+            f"decoded {report['prompts']} prompts, fewer than evaluate.num_samples ({asked}): the figures are "
+            f"noisy; raise data.eval_fraction ({eval_fraction}) or set evaluate.prompts to a prompts file"
+        )
     losing = [r for r in report["comparison"] if r["eagle_tau"] <= r["ngram_tau"]]
     if losing:
-        where = ", ".join(f"K={r['k']} T={r['temperature']:g}: τ {r['eagle_tau']:.3f} vs {r['ngram_tau']:.3f}"
-                          for r in losing)
-        out.append(f"the drafter does not beat the training-free n-gram baseline ({where}): it would slow serving "
-                   "down; train on more data or longer, and check that the target's features and vocab are right")
+        where = ", ".join(
+            f"K={r['k']} T={r['temperature']:g}: τ {r['eagle_tau']:.3f} vs {r['ngram_tau']:.3f}" for r in losing
+        )
+        out.append(
+            f"the drafter does not beat the training-free n-gram baseline ({where}): it would slow serving "
+            "down; train on more data or longer, and check that the target's features and vocab are right"
+        )
     finetune = report.get("finetune")
     if finetune and any(s["better"] == "starting drafter" for s in finetune["sets"]):
         out.append(finetune["verdict"])
@@ -421,19 +512,33 @@ def finetune_comparison(init_from: str, sets: list[tuple[str, int, list[dict]]])
     out = []
     for name, n, results in sets:
         by = {(r["method"], r["k"], r["temperature"]): r["tau"] for r in results}
-        rows = [{"k": k, "temperature": t, "finetuned_tau": tau, "start_tau": by[("eagle_start", k, t)],
-                 "ratio": round(tau / by[("eagle_start", k, t)], 4)}
-                for (method, k, t), tau in by.items() if method == "eagle" and ("eagle_start", k, t) in by]
+        rows = [
+            {
+                "k": k,
+                "temperature": t,
+                "finetuned_tau": tau,
+                "start_tau": by[("eagle_start", k, t)],
+                "ratio": round(tau / by[("eagle_start", k, t)], 4),
+            }
+            for (method, k, t), tau in by.items()
+            if method == "eagle" and ("eagle_start", k, t) in by
+        ]
         mean = sum(r["ratio"] for r in rows) / len(rows)
         better = "tie" if abs(mean - 1) < TIE else ("finetuned" if mean > 1 else "starting drafter")
         out.append({"prompts": name, "count": n, "rows": rows, "mean_ratio": round(mean, 4), "better": better})
-    parts = [f"{s['better']} better on {s['prompts']} (τ ratio finetuned/start {s['mean_ratio']:.3f})"
-             if s["better"] != "tie" else f"a tie on {s['prompts']} (τ ratio {s['mean_ratio']:.3f})" for s in out]
+    parts = [
+        f"{s['better']} better on {s['prompts']} (τ ratio finetuned/start {s['mean_ratio']:.3f})"
+        if s["better"] != "tie"
+        else f"a tie on {s['prompts']} (τ ratio {s['mean_ratio']:.3f})"
+        for s in out
+    ]
     verdict = "; ".join(parts)
     if any(s["better"] == "starting drafter" for s in out):
-        verdict += (". The finetune lost to the drafter it started from: it over-specialised to its data. Mix in data "
-                    "like the prompts it lost on, train fewer steps or at a lower lr, or set train.anchor_weight "
-                    "(an L2-SP pull toward the starting weights)")
+        verdict += (
+            ". The finetune lost to the drafter it started from: it over-specialised to its data. Mix in data "
+            "like the prompts it lost on, train fewer steps or at a lower lr, or set train.anchor_weight "
+            "(an L2-SP pull toward the starting weights)"
+        )
     return {"init_from": init_from, "sets": out, "verdict": verdict}
 
 
@@ -444,8 +549,15 @@ def comparison(results: list[dict]) -> list[dict]:
     for (method, k, temperature), tau in by.items():
         if method == "eagle" and ("ngram", k, temperature) in by:
             ngram = by[("ngram", k, temperature)]
-            rows.append({"k": k, "temperature": temperature, "eagle_tau": tau, "ngram_tau": ngram,
-                         "ratio": round(tau / ngram, 4) if ngram else None})
+            rows.append(
+                {
+                    "k": k,
+                    "temperature": temperature,
+                    "eagle_tau": tau,
+                    "ngram_tau": ngram,
+                    "ratio": round(tau / ngram, 4) if ngram else None,
+                }
+            )
     return rows
 
 
@@ -470,14 +582,22 @@ def report_markdown(report: dict, tables_only: bool = False) -> str:
     results, temperatures = report["results"], report["temperatures"]
     ks = report["num_speculative_tokens"]
     by = {(r["method"], r["k"], r["temperature"]): r for r in results}
-    lines = [] if tables_only else [
-        "# Evaluation", "",
-        f"Drafter `{report['checkpoint']}` ({report['checkpoint_form']} form) on target `{report['target']}`, "
-        f"{report['prompts']} prompts, up to {report['max_new_tokens']} new tokens, {report['device']} {report['dtype']}. "
-        f"Chain drafting, {report['draft_selection']}; n-gram = vLLM's `ngram` "
-        f"(n {report['ngram']['min']}..{report['ngram']['max']}).", "",
-        "τ = tokens emitted per target verify pass, bonus token included (1 ≤ τ ≤ K+1); speedup = tokens/s "
-        "against plain decoding with the same target and cache. Compare τ only at equal K.", ""]
+    lines = (
+        []
+        if tables_only
+        else [
+            "# Evaluation",
+            "",
+            f"Drafter `{report['checkpoint']}` ({report['checkpoint_form']} form) on target `{report['target']}`, "
+            f"{report['prompts']} prompts, up to {report['max_new_tokens']} new tokens, {report['device']} {report['dtype']}. "
+            f"Chain drafting, {report['draft_selection']}; n-gram = vLLM's `ngram` "
+            f"(n {report['ngram']['min']}..{report['ngram']['max']}).",
+            "",
+            "τ = tokens emitted per target verify pass, bonus token included (1 ≤ τ ≤ K+1); speedup = tokens/s "
+            "against plain decoding with the same target and cache. Compare τ only at equal K.",
+            "",
+        ]
+    )
     head = "| method | K | " + " | ".join(f"τ T={t:g} | speedup T={t:g}" for t in temperatures) + " |"
     lines += [head, "|" + "---|" * (2 + 2 * len(temperatures))]
     methods = [m for m in METHODS if any(r["method"] == m for r in results)]
@@ -489,8 +609,13 @@ def report_markdown(report: dict, tables_only: bool = False) -> str:
                 cells += [f"{r['tau']:.3f}", f"{r['speedup']:.2f}x" if r["speedup"] else "–"] if r else ["–", "–"]
             lines.append(f"| {METHOD_NAMES[method]} | {k} | " + " | ".join(cells) + " |")
     kmax = max(ks)
-    lines += ["", f"Acceptance rate by draft position (K={kmax}):", "",
-              "| method | T | " + " | ".join(str(i + 1) for i in range(kmax)) + " |", "|" + "---|" * (2 + kmax)]
+    lines += [
+        "",
+        f"Acceptance rate by draft position (K={kmax}):",
+        "",
+        "| method | T | " + " | ".join(str(i + 1) for i in range(kmax)) + " |",
+        "|" + "---|" * (2 + kmax),
+    ]
     for method in methods:
         for t in temperatures:
             r = by.get((method, kmax, t))
@@ -499,18 +624,28 @@ def report_markdown(report: dict, tables_only: bool = False) -> str:
                 lines.append(f"| {METHOD_NAMES[method]} | {t:g} | {rates} |")
     lossless = report["lossless"]
     checked = report["lossless_checks"]
-    verdict = ("not checked (no temperature 0)" if lossless is None else
-               f"**{'yes' if lossless else 'NO'}**: greedy speculative output equals plain greedy output, for every "
-               f"method and K, on {sum(c['lossless'] for c in checked)}/{len(checked)} prompts")
+    verdict = (
+        "not checked (no temperature 0)"
+        if lossless is None
+        else f"**{'yes' if lossless else 'NO'}**: greedy speculative output equals plain greedy output, for every "
+        f"method and K, on {sum(c['lossless'] for c in checked)}/{len(checked)} prompts"
+    )
     lines += ["", f"Lossless: {verdict}."]
     finetune = report.get("finetune")
     if finetune:
-        lines += ["", f"Finetuned drafter vs the drafter it started from (`{finetune['init_from']}`, untouched):", "",
-                  "| prompts | K | T | τ finetuned | τ start | ratio |", "|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"Finetuned drafter vs the drafter it started from (`{finetune['init_from']}`, untouched):",
+            "",
+            "| prompts | K | T | τ finetuned | τ start | ratio |",
+            "|---|---|---|---|---|---|",
+        ]
         for s in finetune["sets"]:
             for r in s["rows"]:
-                lines.append(f"| {s['prompts']} ({s['count']}) | {r['k']} | {r['temperature']:g} | "
-                             f"{r['finetuned_tau']:.3f} | {r['start_tau']:.3f} | {r['ratio']:.3f} |")
+                lines.append(
+                    f"| {s['prompts']} ({s['count']}) | {r['k']} | {r['temperature']:g} | "
+                    f"{r['finetuned_tau']:.3f} | {r['start_tau']:.3f} | {r['ratio']:.3f} |"
+                )
         lines += ["", f"**{finetune['verdict']}**."]
     if not tables_only:
         lines += ["", "![acceptance by position](acceptance_by_position.png) ![tau vs K](tau_vs_k.png)"]

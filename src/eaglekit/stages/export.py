@@ -49,9 +49,11 @@ def local_verifier_warning(cfg: RunConfig) -> str | None:
     vid = verifier_id(cfg)
     if cfg.export.verifier or not Path(vid).exists():
         return None
-    return (f"the speculators config names the local folder {vid} as verifier: `vllm serve DIR` works on this "
-            "machine, but not for anyone you publish the drafter to; set export.verifier to the target's hub id "
-            "before publishing")
+    return (
+        f"the speculators config names the local folder {vid} as verifier: `vllm serve DIR` works on this "
+        "machine, but not for anyone you publish the drafter to; set export.verifier to the target's hub id "
+        "before publishing"
+    )
 
 
 def verifier_known(ctx):
@@ -91,8 +93,10 @@ def forms_to_write(architecture: str, requested: list[str]) -> tuple[list[str], 
     if architecture != "mla" or "speculators" not in requested:
         return requested, []
     if requested == ["speculators"]:
-        raise EaglekitError(f"export.formats is [speculators], but {NO_MLA_SPECULATORS}",
-                            "set export.formats: [eagle3] (the plain form, which vLLM and SGLang load)")
+        raise EaglekitError(
+            f"export.formats is [speculators], but {NO_MLA_SPECULATORS}",
+            "set export.formats: [eagle3] (the plain form, which vLLM and SGLang load)",
+        )
     return [f for f in requested if f != "speculators"], [f"speculators form not written: {NO_MLA_SPECULATORS}"]
 
 
@@ -111,25 +115,36 @@ def sglang_aux_problem(cfg: RunConfig, formats: list[str]) -> str | None:
     aux = cfg.target.aux_layers
     if "eagle3" not in formats or aux is None or sglang_aux_layer_ids(aux) is not None:
         return None
-    return (f"target.aux_layers {list(aux)} cannot be written for SGLang: {SGLANG_AUX_RULE}; only aux layers "
-            f"starting at hidden_states[2] (written [1, ...]) mean the same layers in every SGLang version")
+    return (
+        f"target.aux_layers {list(aux)} cannot be written for SGLang: {SGLANG_AUX_RULE}; only aux layers "
+        f"starting at hidden_states[2] (written [1, ...]) mean the same layers in every SGLang version"
+    )
 
 
 def sglang_aux_layers(ctx):
     formats = ctx.options.get("formats") or ctx.cfg.export.formats
     problem = sglang_aux_problem(ctx.cfg, formats)
     if problem and drafter_architecture(ctx.cfg) == "mla":
-        return warn("SGLang aux layers", f"{problem}; the MLA drafter's only form is written for vLLM alone (it reads "
-                                         "the top-level hidden_states indices verbatim), without an SGLang command",
-                    MLA_SGLANG_AUX_REMEDY)
+        return warn(
+            "SGLang aux layers",
+            f"{problem}; the MLA drafter's only form is written for vLLM alone (it reads "
+            "the top-level hidden_states indices verbatim), without an SGLang command",
+            MLA_SGLANG_AUX_REMEDY,
+        )
     if problem:
         return fail("SGLang aux layers", problem, SGLANG_AUX_REMEDY)
-    return ok("SGLang aux layers", "legacy form not requested" if "eagle3" not in formats
-              else "eagle_config ids mean the trained layers in every SGLang version")
+    return ok(
+        "SGLang aux layers",
+        "legacy form not requested"
+        if "eagle3" not in formats
+        else "eagle_config ids mean the trained layers in every SGLang version",
+    )
 
 
-SGLANG_AUX_REMEDY = ("for vLLM export the speculators form alone (`eaglekit export CONFIG --format speculators`: vLLM "
-                     "reads hidden_states indices verbatim); for SGLang train with target.aux_layers starting at 2")
+SGLANG_AUX_REMEDY = (
+    "for vLLM export the speculators form alone (`eaglekit export CONFIG --format speculators`: vLLM "
+    "reads hidden_states indices verbatim); for SGLang train with target.aux_layers starting at 2"
+)
 MLA_SGLANG_AUX_REMEDY = "serve it with vLLM; for SGLang train with target.aux_layers starting at 2"
 
 
@@ -173,9 +188,11 @@ def same_logits(source, written_dir: Path) -> None:
     got, _ = loaded(ids, loaded.fuse(aux.to(loaded.fc.weight.dtype)), positions)
     if got.dtype != want.dtype or not torch.equal(got, want):
         diff = (got.float() - want.float()).abs().max().item()
-        raise EaglekitError(f"{written_dir}: loaded back, the drafter's logits differ from the source checkpoint's "
-                            f"(max abs difference {diff:g}, dtypes {got.dtype} vs {want.dtype})",
-                            "this is a bug in the exporter; keep the source checkpoint and report it")
+        raise EaglekitError(
+            f"{written_dir}: loaded back, the drafter's logits differ from the source checkpoint's "
+            f"(max abs difference {diff:g}, dtypes {got.dtype} vs {want.dtype})",
+            "this is a bug in the exporter; keep the source checkpoint and report it",
+        )
 
 
 def serve_commands(cfg: RunConfig, dirs: dict[str, Path], sglang: bool = True) -> list[tuple[str, str]]:
@@ -188,10 +205,14 @@ def serve_commands(cfg: RunConfig, dirs: dict[str, Path], sglang: bool = True) -
         spec = json.dumps({"method": "eagle3", "model": d, "num_speculative_tokens": k}, separators=(",", ":"))
         out.append(("vLLM, legacy form", f"vllm serve {target} --speculative-config {shlex.quote(spec)}"))
     if "eagle3" in dirs and sglang:
-        out.append(("SGLang, legacy form (chain of K drafts: topk 1, K+1 draft tokens)",
-                    f"python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE3 "
-                    f"--speculative-draft-model-path {shlex.quote(d)} --speculative-num-steps {k} "
-                    f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}"))
+        out.append(
+            (
+                "SGLang, legacy form (chain of K drafts: topk 1, K+1 draft tokens)",
+                f"python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE3 "
+                f"--speculative-draft-model-path {shlex.quote(d)} --speculative-num-steps {k} "
+                f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}",
+            )
+        )
     if "speculators" in dirs:
         d = shlex.quote(str(dirs["speculators"].resolve()))
         out.append(("vLLM, speculators form (the target comes from its config)", f"vllm serve {d}"))
@@ -211,13 +232,17 @@ def run(ctx) -> dict:
     drafter, info, hf, _ = load_checked_drafter(cfg)
     problems = serving_problems(drafter.config, hf)
     if problems:
-        raise EaglekitError(f"drafter {info.path} does not serve like the target {cfg.target.model}: " + "; ".join(problems),
-                            "retrain the drafter with this target's config (its RoPE settings are copied at train time)")
+        raise EaglekitError(
+            f"drafter {info.path} does not serve like the target {cfg.target.model}: " + "; ".join(problems),
+            "retrain the drafter with this target's config (its RoPE settings are copied at train time)",
+        )
     formats, warnings = forms_to_write(drafter.config.architecture, requested)
     ignored = sglang_ignores(drafter.config)
     if ignored:
-        warnings.append(f"no SGLang command: SGLang's llama_eagle3.py / kimi_k25_eagle3.py do not read "
-                        f"{', '.join(ignored)} and would serve this drafter as if they were off; serve it with vLLM")
+        warnings.append(
+            f"no SGLang command: SGLang's llama_eagle3.py / kimi_k25_eagle3.py do not read "
+            f"{', '.join(ignored)} and would serve this drafter as if they were off; serve it with vLLM"
+        )
     if sglang_aux:  # an MLA drafter: its plain form goes without eagle_config, for vLLM alone
         warnings.append(f"no SGLang command: {sglang_aux}; vLLM reads the top-level hidden_states indices verbatim")
     if "speculators" in formats and local_verifier_warning(cfg):
@@ -237,8 +262,14 @@ def run(ctx) -> dict:
             if form == "eagle3":
                 save_legacy(drafter, tmp, include_embeddings=xc.include_embeddings)
             else:
-                warning = save_speculators(drafter, tmp, verifier, getattr(hf, "architectures", None),
-                                           xc.num_speculative_tokens, include_embeddings=xc.include_embeddings)
+                warning = save_speculators(
+                    drafter,
+                    tmp,
+                    verifier,
+                    getattr(hf, "architectures", None),
+                    xc.num_speculative_tokens,
+                    include_embeddings=xc.include_embeddings,
+                )
                 if warning:
                     warnings.append(warning.replace(str(tmp), str(dest)))
             tokenizer.save_pretrained(tmp)
@@ -249,8 +280,10 @@ def run(ctx) -> dict:
     commands = serve_commands(cfg, dirs, sglang=not (ignored or sglang_aux))
     inherited = run_warnings(ctx)
     if inherited:
-        ctx.warn(f"exported a drafter from a run with {len(inherited)} warning{'s' * (len(inherited) > 1)} (written "
-                 "anyway; export/README.md states them): " + " | ".join(inherited))
+        ctx.warn(
+            f"exported a drafter from a run with {len(inherited)} warning{'s' * (len(inherited) > 1)} (written "
+            "anyway; export/README.md states them): " + " | ".join(inherited)
+        )
     atomic.write_text(ctx.dir / "README.md", model_card(ctx, drafter, info, list(dirs), commands, warnings, inherited))
     for what, command in commands:
         console.print(f"[bold]{what}[/]:")
@@ -271,8 +304,15 @@ def run_warnings(ctx) -> list[str]:
     return out
 
 
-def model_card(ctx, drafter, info, formats: list[str], commands: list[tuple[str, str]], warnings: list[str],
-               inherited: list[str] = ()) -> str:
+def model_card(
+    ctx,
+    drafter,
+    info,
+    formats: list[str],
+    commands: list[tuple[str, str]],
+    warnings: list[str],
+    inherited: list[str] = (),
+) -> str:
     cfg, c = ctx.cfg, drafter.config
     events = ctx.run.last_events()
 
@@ -286,41 +326,60 @@ def model_card(ctx, drafter, info, formats: list[str], commands: list[tuple[str,
     report = json.loads(report_path.read_text()) if report_path.exists() else None
     hub = verifier_id(cfg)
     trained = (f"{summary.get('steps')} steps, {summary.get('tokens')} tokens" if summary else "not recorded") + (
-        f", held-out simulated τ {summary['tau']:.3f}" if isinstance(summary.get("tau"), (int, float)) else "")
+        f", held-out simulated τ {summary['tau']:.3f}" if isinstance(summary.get("tau"), (int, float)) else ""
+    )
     lines = [
-        "# EAGLE-3 drafter", "",
+        "# EAGLE-3 drafter",
+        "",
         f"Target: `{cfg.target.model}`" + (f" (hub id `{hub}`)" if hub and hub != cfg.target.model else ""),
         f"Drafter: one decoder layer ({describe_layer(c)}), hidden {c.hidden_size}, draft vocab {c.draft_vocab_size} "
         f"of {c.vocab_size}, "
         f"aux hidden states {c.aux_layer_ids or 'default [2, N//2, N-3]'} (HF hidden_states indices), "
         f"max_position_embeddings {c.max_position_embeddings}, rope_theta {c.rope_theta:g}"
-        + (f", rope_scaling {c.rope_scaling}" if c.rope_scaling else "") + ".",
-        f"Source checkpoint: `{info.path}`.", "",
+        + (f", rope_scaling {c.rope_scaling}" if c.rope_scaling else "")
+        + ".",
+        f"Source checkpoint: `{info.path}`.",
+        "",
     ]
     if inherited:
-        lines += ["## Warnings: read before serving", "",
-                  "The run that made this drafter recorded these warnings; it was exported anyway:", ""]
+        lines += [
+            "## Warnings: read before serving",
+            "",
+            "The run that made this drafter recorded these warnings; it was exported anyway:",
+            "",
+        ]
         lines += [f"- {w}" for w in inherited] + [""]
     lines += [
-        "## Data and training", "",
+        "## Data and training",
+        "",
         f"- generate: {stage_counts('generate')}",
         f"- prepare: {stage_counts('prepare')}",
-        f"- train: {trained}", "",
-        "## Acceptance (eaglekit evaluate, KV-cached draft → verify with the HF target)", "",
+        f"- train: {trained}",
+        "",
+        "## Acceptance (eaglekit evaluate, KV-cached draft → verify with the HF target)",
+        "",
         "τ is what vLLM and SGLang should report at equal K (chain drafting, topk 1, up to numerics); the "
-        "speedups are those of eaglekit's Hugging Face loop on the evaluation machine, not a serving engine's.", "",
+        "speedups are those of eaglekit's Hugging Face loop on the evaluation machine, not a serving engine's.",
+        "",
     ]
     lines += [report_markdown(report, tables_only=True)] if report else ["No evaluation report found."]
     lines += ["", "## Serve", ""]
     for what, command in commands:
         lines += [f"{what}:", "", "```bash", command, "```", ""]
     if cfg.target.chat_template:
-        lines += ["The run used a chat template override (target.chat_template): pass the same template to the "
-                  "server (`--chat-template`), or the served prompts differ from the ones the drafter learned.", ""]
-    described = {"eagle3": ("plain DeepSeek-V2 config (`Eagle3DeepseekV2ForCausalLM`), `layers.0.` keys"
-                            if c.architecture == "mla" else "legacy flat Llama config (`LlamaForCausalLMEagle3`), "
-                            "`midlayer.` keys"),
-                 "speculators": "speculators config (`speculators_model_type: eagle3`), `layers.0.` keys"}
+        lines += [
+            "The run used a chat template override (target.chat_template): pass the same template to the "
+            "server (`--chat-template`), or the served prompts differ from the ones the drafter learned.",
+            "",
+        ]
+    described = {
+        "eagle3": (
+            "plain DeepSeek-V2 config (`Eagle3DeepseekV2ForCausalLM`), `layers.0.` keys"
+            if c.architecture == "mla"
+            else "legacy flat Llama config (`LlamaForCausalLMEagle3`), `midlayer.` keys"
+        ),
+        "speculators": "speculators config (`speculators_model_type: eagle3`), `layers.0.` keys",
+    }
     lines += [f"- `{f}/`: {described[f]}" for f in formats]
     if warnings:
         lines += ["", "Warnings:", ""] + [f"- {w}" for w in warnings]
@@ -331,8 +390,10 @@ def describe_layer(c) -> str:
     from eaglekit.model.drafter import FLAGS
 
     if c.architecture == "mla":
-        layer = (f"multi-head latent attention: {c.num_attention_heads} heads, q_lora_rank {c.q_lora_rank}, "
-                 f"kv_lora_rank {c.kv_lora_rank}, qk {c.qk_nope_head_dim}+{c.qk_rope_head_dim}, v {c.v_head_dim}")
+        layer = (
+            f"multi-head latent attention: {c.num_attention_heads} heads, q_lora_rank {c.q_lora_rank}, "
+            f"kv_lora_rank {c.kv_lora_rank}, qk {c.qk_nope_head_dim}+{c.qk_rope_head_dim}, v {c.v_head_dim}"
+        )
     else:
         layer = f"Llama attention: {c.num_attention_heads} heads, {c.num_key_value_heads} KV heads of {c.head_dim}"
     flags = [name for name in FLAGS if getattr(c, name)]

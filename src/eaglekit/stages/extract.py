@@ -33,11 +33,16 @@ from eaglekit.data import shards as sh
 from eaglekit.data.shard_sink import ShardSink
 from eaglekit.data.tokens import TokenStore
 from eaglekit.errors import EaglekitError
-from eaglekit.model.target import (TargetFeatures, aux_layer_ids, load_target, read_final_norm, target_hf_config,
-                                   target_identity)
+from eaglekit.model.target import (
+    TargetFeatures,
+    aux_layer_ids,
+    load_target,
+    read_final_norm,
+    target_hf_config,
+    target_identity,
+)
+from eaglekit.preflight import CheckResult, disk, environment, fail, files, gpus, ok, skip, will_be_produced
 from eaglekit.preflight import checks as common
-from eaglekit.preflight import CheckResult, fail, ok, skip, will_be_produced
-from eaglekit.preflight import disk, environment, files, gpus
 from eaglekit.preflight.checks import human_bytes
 from eaglekit.progress import Meter, console
 from eaglekit.training import distributed
@@ -52,8 +57,13 @@ def params(cfg: RunConfig) -> dict:
     """What the shards depend on: not the servers, concurrency or writer queue (adding a server must not
     invalidate finished shards)."""
     e = cfg.extract
-    p = {"backend": e.backend, "dtype": e.dtype, "shard_tokens": e.shard_tokens, "target": target_identity(cfg.target),
-         "format": sh.VERSION}  # shards of another storage format are another stage's outputs (--force replaces them)
+    p = {
+        "backend": e.backend,
+        "dtype": e.dtype,
+        "shard_tokens": e.shard_tokens,
+        "target": target_identity(cfg.target),
+        "format": sh.VERSION,
+    }  # shards of another storage format are another stage's outputs (--force replaces them)
     if e.backend == "hf":
         p["batch_tokens"] = e.batch_tokens  # padding changes the numerics a little
     return p
@@ -63,8 +73,12 @@ def live_counts(stage_dir) -> dict:
     """What `status` shows while extract runs or after it was killed: the shards committed so far."""
     entries = [sh.complete_shard(side.with_suffix(".safetensors")) for side in stage_dir.glob("shard-*.json")]
     entries = [e for e in entries if e]
-    return {"shards_committed": len(entries), "samples": sum(e["samples"] for e in entries),
-            "tokens": sum(e["tokens"] for e in entries), "bytes": sum(e["bytes"] for e in entries)}
+    return {
+        "shards_committed": len(entries),
+        "samples": sum(e["samples"] for e in entries),
+        "tokens": sum(e["tokens"] for e in entries),
+        "bytes": sum(e["bytes"] for e in entries),
+    }
 
 
 def _plan(ctx):
@@ -74,8 +88,12 @@ def _plan(ctx):
 
 
 def _shard_meta(hidden: int, aux_ids: list[int], backend: str) -> dict:
-    return {"hidden_size": hidden, "aux_layer_ids": json.dumps(aux_ids), "backend": backend,
-            "last_hidden": "after the target's final norm"}
+    return {
+        "hidden_size": hidden,
+        "aux_layer_ids": json.dumps(aux_ids),
+        "backend": backend,
+        "last_hidden": "after the target's final norm",
+    }
 
 
 def estimate_bytes(ctx) -> int | None:
@@ -91,12 +109,15 @@ def estimate_bytes(ctx) -> int | None:
             continue
         ids = [store.ids[i] for i in samples]
         sidecar = 512 + sum(len(json.dumps(s)) + 12 for s in ids)  # the sidecar (and its copy in the index)
-        total += sh.shard_bytes(ids, sum(lengths[i] for i in samples), hf.hidden_size, ctx.cfg.extract.dtype,
-                                meta) + 2 * sidecar
+        total += (
+            sh.shard_bytes(ids, sum(lengths[i] for i in samples), hf.hidden_size, ctx.cfg.extract.dtype, meta)
+            + 2 * sidecar
+        )
     return total + 4096
 
 
 # ------------------------------------------------------------------------------------------- pre-flight
+
 
 def existing_shards(ctx):
     """When resuming, the shards already written must match their sidecars (size always, sha256 when affordable)."""
@@ -108,7 +129,9 @@ def existing_shards(ctx):
     if problems:
         return fail("existing shards", f"{len(problems)} damaged: " + "; ".join(problems[:5]), sh.REMEDY)
     how = "size and sha256" if full else f"size only (sha256 skipped above {human_bytes(FULL_SHA_LIMIT)})"
-    return ok("existing shards", f"{len(good)} complete shards ({human_bytes(total)}) verified by {how}; resuming after them")
+    return ok(
+        "existing shards", f"{len(good)} complete shards ({human_bytes(total)}) verified by {how}; resuming after them"
+    )
 
 
 def damaged(ctx) -> str | None:
@@ -133,8 +156,10 @@ def kept(ctx) -> str:
     counts = live_counts(ctx.dir)
     if not counts["shards_committed"]:
         return "no shard committed yet (a rerun starts over)"
-    return (f"{counts['shards_committed']} committed shards ({counts['samples']} samples, {counts['tokens']} tokens) "
-            f"in {ctx.dir} (a rerun resumes after them)")
+    return (
+        f"{counts['shards_committed']} committed shards ({counts['samples']} samples, {counts['tokens']} tokens) "
+        f"in {ctx.dir} (a rerun resumes after them)"
+    )
 
 
 def target_placement(ctx):
@@ -142,20 +167,39 @@ def target_placement(ctx):
     each rank's copy over all GPUs."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and ctx.cfg.target.device_map:
-        return fail("target placement", f"target.device_map is '{ctx.cfg.target.device_map}' under torchrun with "
-                                        f"{world} processes: each would spread its own copy over every GPU",
-                    "unset target.device_map (one copy per GPU), or run a single process with device_map to shard "
-                    "a target too big for one GPU")
+        return fail(
+            "target placement",
+            f"target.device_map is '{ctx.cfg.target.device_map}' under torchrun with "
+            f"{world} processes: each would spread its own copy over every GPU",
+            "unset target.device_map (one copy per GPU), or run a single process with device_map to shard "
+            "a target too big for one GPU",
+        )
     where = f"one copy per process ({world})" if world > 1 else (ctx.cfg.target.device_map or "one device")
     return ok("target placement", where)
 
 
 def checks(cfg: RunConfig) -> list:
     if cfg.extract.backend == "vllm":  # the servers compute: no local devices to check, the servers instead
-        return [common.target_folder, files.target_weights, environment.software, feature_servers, feature_storage,
-                existing_shards, feature_smoke, disk.write_rate]
-    return [common.target_folder, files.target_weights, environment.software, environment.devices, gpus.gpus,
-            target_placement, existing_shards, disk.write_rate]
+        return [
+            common.target_folder,
+            files.target_weights,
+            environment.software,
+            feature_servers,
+            feature_storage,
+            existing_shards,
+            feature_smoke,
+            disk.write_rate,
+        ]
+    return [
+        common.target_folder,
+        files.target_weights,
+        environment.software,
+        environment.devices,
+        gpus.gpus,
+        target_placement,
+        existing_shards,
+        disk.write_rate,
+    ]
 
 
 def estimate_files(ctx) -> int | None:
@@ -178,6 +222,7 @@ def estimate_write_rate(ctx) -> tuple[float, str] | None:
 
 
 # ------------------------------------------------------------------------------------------------- run
+
 
 @torch.no_grad()
 def run(ctx) -> dict:
@@ -203,11 +248,14 @@ def run(ctx) -> dict:
         console.print(f"extract: rank {rank}: {len(done)} of {len(mine)} shards already complete, resuming after them")
     writes = {n: ([store.ids[i] for i in plan[n]], [lengths[i] for i in plan[n]]) for n in todo}
     # the feature source is ready before the clock starts: the target loaded, or the final norm read
-    target = TargetFeatures(load_target(cfg.target, distributed.device()), aux_ids) \
-        if backend == "hf" and todo else None
+    target = (
+        TargetFeatures(load_target(cfg.target, distributed.device()), aux_ids) if backend == "hf" and todo else None
+    )
     norm = read_final_norm(cfg.target) if backend == "vllm" and todo else None
     label = f"extract (rank {rank})" if world > 1 else "extract"
-    with Meter(label, total=sum(shard_tokens.values()), unit="tok", initial=sum(shard_tokens[n] for n in done)) as meter:
+    with Meter(
+        label, total=sum(shard_tokens.values()), unit="tok", initial=sum(shard_tokens[n] for n in done)
+    ) as meter:
         with ShardSink(ctx.dir, writes, hidden, dtype, meta, depth=cfg.extract.writer_queue) as sink:
             if backend == "vllm" and todo:
                 _extract_vllm(ctx, norm, store, plan, todo, sink, meter, aux_ids, n_layers, hidden)
@@ -216,11 +264,15 @@ def run(ctx) -> dict:
         rates = sink.report(sum(shard_tokens[n] for n in todo))
     source = "the servers" if backend == "vllm" else "the target"
     if todo:
-        console.print(f"extract{f' (rank {rank})' if world > 1 else ''}: {source} {rates['compute_tokens_per_s']:.0f} "
-                      f"tok/s, disk {rates['disk_mb_per_s']:.0f} MB/s; bottleneck: "
-                      + (f"the disk ({source} waited on it {rates['compute_waited_on_disk']:.0%} of the time)"
-                         if rates["bottleneck"] == "disk" else
-                         f"{source} (the writer was idle {rates['disk_idle']:.0%} of the time)"))
+        console.print(
+            f"extract{f' (rank {rank})' if world > 1 else ''}: {source} {rates['compute_tokens_per_s']:.0f} "
+            f"tok/s, disk {rates['disk_mb_per_s']:.0f} MB/s; bottleneck: "
+            + (
+                f"the disk ({source} waited on it {rates['compute_waited_on_disk']:.0%} of the time)"
+                if rates["bottleneck"] == "disk"
+                else f"{source} (the writer was idle {rates['disk_idle']:.0%} of the time)"
+            )
+        )
 
     distributed.barrier()
     counts = {}
@@ -228,18 +280,38 @@ def run(ctx) -> dict:
         entries = [sh.complete_shard(ctx.dir / sh.shard_name(n)) for n in range(len(plan))]
         missing = [sh.shard_name(n) for n, e in enumerate(entries) if e is None]
         if missing:
-            raise EaglekitError(f"extract: {len(missing)} shards are missing or damaged after the run, e.g. {missing[0]}",
-                                "rerun the same command: it re-extracts only those")
-        sh.write_index(ctx.dir, entries, {"hidden_size": hidden, "aux_layer_ids": aux_ids, "dtype": dtype,
-                                          "backend": backend, "target": cfg.target.model,
-                                          "bytes_per_token": sh.bytes_per_token(hidden, dtype)})
+            raise EaglekitError(
+                f"extract: {len(missing)} shards are missing or damaged after the run, e.g. {missing[0]}",
+                "rerun the same command: it re-extracts only those",
+            )
+        sh.write_index(
+            ctx.dir,
+            entries,
+            {
+                "hidden_size": hidden,
+                "aux_layer_ids": aux_ids,
+                "dtype": dtype,
+                "backend": backend,
+                "target": cfg.target.model,
+                "bytes_per_token": sh.bytes_per_token(hidden, dtype),
+            },
+        )
         index = json.loads((ctx.dir / sh.INDEX).read_text())
-        counts = {"shards": len(entries), "samples": index["samples"], "tokens": index["tokens"],
-                  "bytes": index["bytes"], "dtype": dtype, "backend": backend, "tokens_per_s": round(meter.rate, 1)}
+        counts = {
+            "shards": len(entries),
+            "samples": index["samples"],
+            "tokens": index["tokens"],
+            "bytes": index["bytes"],
+            "dtype": dtype,
+            "backend": backend,
+            "tokens_per_s": round(meter.rate, 1),
+        }
         if todo:
             counts |= {k: rates[k] for k in ("compute_tokens_per_s", "disk_mb_per_s", "bottleneck")}
-        console.print(f"extract: {counts['shards']} shards, {counts['tokens']} tokens, {human_bytes(counts['bytes'])} "
-                      f"({dtype}, {index['bytes'] / max(index['tokens'], 1):.0f} bytes per token)")
+        console.print(
+            f"extract: {counts['shards']} shards, {counts['tokens']} tokens, {human_bytes(counts['bytes'])} "
+            f"({dtype}, {index['bytes'] / max(index['tokens'], 1):.0f} bytes per token)"
+        )
     distributed.barrier()
     return counts
 
@@ -252,9 +324,20 @@ def _extract_hf(cfg, target: TargetFeatures, store, lengths, plan, todo, sink, m
             ids = [store[i][1] for i in batch]
             feats = target(pad(ids), pad([torch.ones_like(t) for t in ids]), with_logits=False)
             rows = sh.encode(feats.aux, feats.last_hidden, cfg.extract.dtype).to("cpu")
-            sink.put(n, [(slot[i], sh.Rows(rows.aux[b, :lengths[i]], rows.last_hidden[b, :lengths[i]],
-                                           None if rows.scale_exp is None else rows.scale_exp[b, :lengths[i]]))
-                         for b, i in enumerate(batch)])
+            sink.put(
+                n,
+                [
+                    (
+                        slot[i],
+                        sh.Rows(
+                            rows.aux[b, : lengths[i]],
+                            rows.last_hidden[b, : lengths[i]],
+                            None if rows.scale_exp is None else rows.scale_exp[b, : lengths[i]],
+                        ),
+                    )
+                    for b, i in enumerate(batch)
+                ],
+            )
             meter.update(sum(lengths[i] for i in batch), shard=f"{n + 1}/{len(plan)}")
 
 
@@ -280,14 +363,20 @@ def _extract_vllm(ctx, norm, store, plan, todo, sink, meter, aux_ids, n_layers, 
             async def one(n: int, j: int, i: int) -> None:
                 try:
                     ids = store[i][1]
-                    await client.capture(i, ids.tolist(), lambda cap: sink.put(
-                        n, [(j, sh.encode(cap.aux, cap.last_hidden, cfg.extract.dtype))]))
+                    await client.capture(
+                        i,
+                        ids.tolist(),
+                        lambda cap: sink.put(n, [(j, sh.encode(cap.aux, cap.last_hidden, cfg.extract.dtype))]),
+                    )
                     meter.update(len(ids), shard=f"{n + 1}/{len(plan)}")
                 except RequestFailed as err:
-                    failures.append(EaglekitError(
-                        f"extract: sample {store.ids[i]!r} failed after {err.attempts} attempts: {err.reason}",
-                        "check the servers (`eaglekit preflight CONFIG --stage extract`), then rerun the same command: "
-                        "committed shards are kept"))
+                    failures.append(
+                        EaglekitError(
+                            f"extract: sample {store.ids[i]!r} failed after {err.attempts} attempts: {err.reason}",
+                            "check the servers (`eaglekit preflight CONFIG --stage extract`), then rerun the same command: "
+                            "committed shards are kept",
+                        )
+                    )
                 except Exception as err:  # the first failure stops the run (a cancellation just ends the task)
                     failures.append(err)
                 finally:
@@ -320,6 +409,7 @@ def _extract_vllm(ctx, norm, store, plan, todo, sink, meter, aux_ids, n_layers, 
 
 # ---------------------------------------------------------------------------------------- vLLM helpers
 
+
 def served_model(cfg: RunConfig) -> str:
     return cfg.extract.vllm.model or cfg.target.model
 
@@ -335,8 +425,10 @@ def vllm_serve_command(cfg: RunConfig) -> str:
     from eaglekit.serving.vllm_features import serve_command, server_layer_ids
 
     if cfg.extract.vllm is None:
-        raise EaglekitError("extract.vllm is not set", "add extract: {mode: offline, backend: vllm, vllm: "
-                                                       "{servers: [...], storage_path: ...}} to the config")
+        raise EaglekitError(
+            "extract.vllm is not set",
+            "add extract: {mode: offline, backend: vllm, vllm: {servers: [...], storage_path: ...}} to the config",
+        )
     hf = target_hf_config(cfg.target)
     ids = server_layer_ids(aux_layer_ids(cfg.target, hf.num_hidden_layers), hf.num_hidden_layers)
     tokens = os.path.join(cfg.run_dir, "prepare", "tokens.safetensors")
@@ -365,20 +457,33 @@ def feature_servers(ctx) -> list:
         info = server_info(url, key, model)
         name = f"feature server {info['url']}"
         if info["error"]:
-            results.append(fail(name, info["error"], info["remedy"] + "; the command to start it: "
-                                "`eaglekit serve-command CONFIG`"))
+            results.append(
+                fail(name, info["error"], info["remedy"] + "; the command to start it: `eaglekit serve-command CONFIG`")
+            )
             continue
         if not any(m.get("id") == model for m in info["models"]):
             served = ", ".join(str(m.get("id")) for m in info["models"]) or "nothing"
-            results.append(fail(name, f"does not serve '{model}'; it serves: {served}",
-                                "set extract.vllm.model to the served id, or start the server for this target"))
+            results.append(
+                fail(
+                    name,
+                    f"does not serve '{model}'; it serves: {served}",
+                    "set extract.vllm.model to the served id, or start the server for this target",
+                )
+            )
             continue
         limit = info["max_model_len"]
         if limit and longest and longest + 1 > limit:
-            results.append(fail(name, f"max_model_len {limit} < the longest prepared sample ({longest} tokens) + 1",
-                                f"restart it with --max-model-len {longest + 1} (or more)"))
+            results.append(
+                fail(
+                    name,
+                    f"max_model_len {limit} < the longest prepared sample ({longest} tokens) + 1",
+                    f"restart it with --max-model-len {longest + 1} (or more)",
+                )
+            )
             continue
-        results.append(ok(name, f"serves {model} (max_model_len {limit or '?'}); {info['version'] or 'version unknown'}"))
+        results.append(
+            ok(name, f"serves {model} (max_model_len {limit or '?'}); {info['version'] or 'version unknown'}")
+        )
     return results
 
 
@@ -386,12 +491,18 @@ def feature_storage(ctx):
     """The servers' shared_storage_path is a folder here that eaglekit can read and clean up."""
     path = ctx.cfg.extract.vllm.storage_path
     if not os.path.isdir(path):
-        return fail("feature storage", f"extract.vllm.storage_path {path} is not a folder here",
-                    "create it on storage both this machine and the servers reach (the same folder the servers' "
-                    "shared_storage_path names), and set it to this machine's path of it")
+        return fail(
+            "feature storage",
+            f"extract.vllm.storage_path {path} is not a folder here",
+            "create it on storage both this machine and the servers reach (the same folder the servers' "
+            "shared_storage_path names), and set it to this machine's path of it",
+        )
     if not os.access(path, os.R_OK | os.W_OK | os.X_OK):
-        return fail("feature storage", f"{path} is not readable and writable here",
-                    "eaglekit reads each request's file there and deletes it: fix the permissions")
+        return fail(
+            "feature storage",
+            f"{path} is not readable and writable here",
+            "eaglekit reads each request's file there and deletes it: fix the permissions",
+        )
     return ok("feature storage", f"{path} (each request's file is deleted once its rows are in a shard)")
 
 
@@ -426,31 +537,51 @@ def feature_smoke(ctx) -> list:
         one = v.model_copy(update={"servers": [url], "concurrency": 1, "max_retries": min(v.max_retries, 1)})
 
         async def ask():
-            async with FeatureClient(one, feature_api_key(cfg), served_model(cfg), layer_ids, hf.hidden_size, norm,
-                                     f"eksmoke{os.getpid()}") as client:
+            async with FeatureClient(
+                one, feature_api_key(cfg), served_model(cfg), layer_ids, hf.hidden_size, norm, f"eksmoke{os.getpid()}"
+            ) as client:
                 return await client.capture(i, ids)
+
         try:
             cap = asyncio.run(ask())
         except RequestFailed as err:
-            results.append(fail(name, f"sample {store.ids[i]!r} failed after {err.attempts} attempts: {err.reason}",
-                                "fix what the server says; `eaglekit preflight CONFIG --stage extract` tries again"))
+            results.append(
+                fail(
+                    name,
+                    f"sample {store.ids[i]!r} failed after {err.attempts} attempts: {err.reason}",
+                    "fix what the server says; `eaglekit preflight CONFIG --stage extract` tries again",
+                )
+            )
             continue
         except EaglekitError as err:
             results.append(fail(name, err.message, err.remedy or "see the message"))
             continue
         logits = cap.last_hidden[-1].float() @ head.float().T
         top = logits.topk(min(5, logits.numel())).indices.tolist()
-        detail = (f"{len(ids)} tokens, states {list(cap.aux.shape)} + {list(cap.last_hidden.shape)} "
-                  f"({cap.aux.dtype}); the server's next token {cap.generated}, ours {top[0]}")
+        detail = (
+            f"{len(ids)} tokens, states {list(cap.aux.shape)} + {list(cap.last_hidden.shape)} "
+            f"({cap.aux.dtype}); the server's next token {cap.generated}, ours {top[0]}"
+        )
         if cap.generated is None:
             results.append(ok(name, detail + " (the server returned no token ids; next-token check skipped)"))
         elif cap.generated == top[0]:
             results.append(ok(name, detail))
         elif cap.generated in top:
-            results.append(CheckResult(name, "warn", detail + ": within our top 5 (a near-tie, bf16 numerics)",
-                                       "fine for training when it happens rarely"))
+            results.append(
+                CheckResult(
+                    name,
+                    "warn",
+                    detail + ": within our top 5 (a near-tie, bf16 numerics)",
+                    "fine for training when it happens rarely",
+                )
+            )
         else:
-            results.append(fail(name, detail + ": the captured final state does not predict the server's token",
-                                "the server's layer ids or model differ from this config, or the target's final norm "
-                                "is not a plain RMSNorm: restart it with `eaglekit serve-command CONFIG`"))
+            results.append(
+                fail(
+                    name,
+                    detail + ": the captured final state does not predict the server's token",
+                    "the server's layer ids or model differ from this config, or the target's final norm "
+                    "is not a plain RMSNorm: restart it with `eaglekit serve-command CONFIG`",
+                )
+            )
     return results

@@ -56,22 +56,47 @@ def params(cfg: RunConfig) -> dict:
     if template and not template.lstrip().startswith("{") and Path(template).exists():
         template = file_identity(template)
     return {
-        "prompts": file_identity(cfg.data.prompts), "max_samples": cfg.data.max_samples,
-        "on_bad_row": cfg.data.on_bad_row, "backend": g.backend,
-        "model": file_identity(t.model) if g.backend == "local" and Path(t.model).exists() else
-        (t.model if g.backend == "local" else g.model),
-        "temperature": g.temperature, "top_p": g.top_p, "max_tokens": g.max_tokens, "seed": g.seed,
-        "extra_body": g.extra_body, "return_token_ids": g.return_token_ids,
-        "reasoning": g.reasoning, "chat_template": template,
+        "prompts": file_identity(cfg.data.prompts),
+        "max_samples": cfg.data.max_samples,
+        "on_bad_row": cfg.data.on_bad_row,
+        "backend": g.backend,
+        "model": file_identity(t.model)
+        if g.backend == "local" and Path(t.model).exists()
+        else (t.model if g.backend == "local" else g.model),
+        "temperature": g.temperature,
+        "top_p": g.top_p,
+        "max_tokens": g.max_tokens,
+        "seed": g.seed,
+        "extra_body": g.extra_body,
+        "return_token_ids": g.return_token_ids,
+        "reasoning": g.reasoning,
+        "chat_template": template,
     }
 
 
 def checks(cfg: RunConfig) -> list:
     if cfg.generate.backend == "local":
-        return [dataset.prompts, serving.prompts_loaded, common.target_folder, files.target_weights,
-                environment.software, environment.devices, gpus.gpus, serving.reasoning_mode]
-    return [dataset.prompts, serving.prompts_loaded, serving.reasoning_mode, serving.api_key, serving.servers,
-            serving.health, serving.context_length, serving.smoke, gpus.gpus]
+        return [
+            dataset.prompts,
+            serving.prompts_loaded,
+            common.target_folder,
+            files.target_weights,
+            environment.software,
+            environment.devices,
+            gpus.gpus,
+            serving.reasoning_mode,
+        ]
+    return [
+        dataset.prompts,
+        serving.prompts_loaded,
+        serving.reasoning_mode,
+        serving.api_key,
+        serving.servers,
+        serving.health,
+        serving.context_length,
+        serving.smoke,
+        gpus.gpus,
+    ]
 
 
 def estimate_bytes(ctx) -> int | None:
@@ -101,11 +126,20 @@ def estimate_seconds(ctx) -> tuple[float, str] | None:
 
 # --- collecting finished samples ---------------------------------------------------------------------
 
+
 class Collector:
     """Takes each finished sample: quality figures, the reasoning gate, the store, the progress meter."""
 
-    def __init__(self, store: ResponseStore, meter: Meter, mode: str, gate_samples: int, max_empty_share: float,
-                 max_failures_in_a_row: int, backend: str = "openai"):
+    def __init__(
+        self,
+        store: ResponseStore,
+        meter: Meter,
+        mode: str,
+        gate_samples: int,
+        max_empty_share: float,
+        max_failures_in_a_row: int,
+        backend: str = "openai",
+    ):
         self.store, self.meter, self.mode, self.backend = store, meter, mode, backend
         self.gate_samples, self.max_empty_share = gate_samples, max_empty_share
         self.max_failures_in_a_row = max_failures_in_a_row
@@ -130,8 +164,14 @@ class Collector:
         else:
             self.store.add(record)
         elapsed = max(time.monotonic() - self.t0, 1e-9)
-        self.meter.update(1, **{"tok/s": round(self.output_tokens / elapsed, 1), "failed": self.counts["failed"],
-                                "no_reasoning": self.counts["empty_reasoning"]})
+        self.meter.update(
+            1,
+            **{
+                "tok/s": round(self.output_tokens / elapsed, 1),
+                "failed": self.counts["failed"],
+                "no_reasoning": self.counts["empty_reasoning"],
+            },
+        )
 
     def fail(self, rid: str, reason: str, attempts: int) -> None:
         self.store.add_error(rid, reason, attempts)
@@ -139,8 +179,10 @@ class Collector:
         self.failures_in_a_row += 1
         self.meter.update(0, failed=self.counts["failed"])
         if self.failures_in_a_row >= self.max_failures_in_a_row:
-            raise EaglekitError(f"generate: the last {self.failures_in_a_row} requests all failed; the last one: {reason}",
-                                "fix what the error says (see generate/errors.jsonl), then rerun with --retry-failed")
+            raise EaglekitError(
+                f"generate: the last {self.failures_in_a_row} requests all failed; the last one: {reason}",
+                "fix what the error says (see generate/errors.jsonl), then rerun with --retry-failed",
+            )
 
     def check_gate(self) -> None:
         """Judge the held completions; write them if enough have reasoning, else stop the run."""
@@ -149,11 +191,18 @@ class Collector:
         empty = sum(not r["reasoning"] for r in records)
         seen = Counter(f for _, fields in self.held for f in fields)
         length = sum(r["finish_reason"] == "length" for r in records)
-        self.gate = {"mode": self.mode, "checked": True, "samples": n, "empty_reasoning": empty,
-                     "empty_share": round(empty / n, 4), "max_empty_share": self.max_empty_share,
-                     "length_stopped": length, "fields_seen": dict(seen),
-                     "sources": dict(Counter(r["reasoning_source"] for r in records)),
-                     "passed": empty / n <= self.max_empty_share}
+        self.gate = {
+            "mode": self.mode,
+            "checked": True,
+            "samples": n,
+            "empty_reasoning": empty,
+            "empty_share": round(empty / n, 4),
+            "max_empty_share": self.max_empty_share,
+            "length_stopped": length,
+            "fields_seen": dict(seen),
+            "sources": dict(Counter(r["reasoning_source"] for r in records)),
+            "passed": empty / n <= self.max_empty_share,
+        }
         if not self.gate["passed"]:
             self.held = []
             fix = "the server or the config" if self.backend == "openai" else "the config (chat template, extra_body)"
@@ -162,12 +211,15 @@ class Collector:
                 f"(at most {self.max_empty_share:.0%} may lack it): "
                 f"{explain_missing_reasoning(seen, n, length, empty, self.backend)}. Nothing of this run was written.",
                 f"fix {fix} as said, then rerun the same command; or set generate.reasoning: optional if this target "
-                "really answers without reasoning")
+                "really answers without reasoning",
+            )
         for record, _ in self.held:
             self.store.add(record)
         self.held = []
-        console.print(f"generate: reasoning gate passed ({n - empty}/{n} responses have reasoning; sources "
-                      f"{dict(self.gate['sources'])})")
+        console.print(
+            f"generate: reasoning gate passed ({n - empty}/{n} responses have reasoning; sources "
+            f"{dict(self.gate['sources'])})"
+        )
 
     def finish(self) -> None:
         """The run is out of work: a gate that never filled judges what it holds."""
@@ -177,12 +229,16 @@ class Collector:
     def rates(self) -> dict[str, float]:
         elapsed = max(time.monotonic() - self.t0, 1e-9)
         n = self.counts["new"]
-        return {"seconds": round(elapsed, 2), "req_per_s": round(n / elapsed, 3),
-                "output_tok_per_s": round(self.output_tokens / elapsed, 1),
-                "mean_output_tokens": round(self.output_tokens / n, 1) if n else 0.0}
+        return {
+            "seconds": round(elapsed, 2),
+            "req_per_s": round(n / elapsed, 3),
+            "output_tok_per_s": round(self.output_tokens / elapsed, 1),
+            "mean_output_tokens": round(self.output_tokens / n, 1) if n else 0.0,
+        }
 
 
 # --- the backends' loops -----------------------------------------------------------------------------
+
 
 async def generate_openai(cfg: RunConfig, pending: list[PromptRecord], collector: Collector, notes: list[str]) -> None:
     """Send every pending prompt; ``notes`` gets a line per server that was taken out of rotation."""
@@ -191,6 +247,7 @@ async def generate_openai(cfg: RunConfig, pending: list[PromptRecord], collector
     queue = list(reversed(pending))
 
     async with ChatClient(cfg.generate, api_key_from_env(cfg.generate.api_key_env, "generate.api_key_env")) as client:
+
         async def worker() -> None:
             while queue:
                 prompt = queue.pop()
@@ -201,10 +258,19 @@ async def generate_openai(cfg: RunConfig, pending: list[PromptRecord], collector
                     continue
                 choice = reply.data["choices"][0]
                 usage = reply.data.get("usage") or {}
-                collector.add(*make_record(prompt.id, prompt.messages, choice["message"], choice.get("finish_reason"),
-                                           usage.get("prompt_tokens"), usage.get("completion_tokens"),
-                                           reply.data.get("model") or cfg.generate.model, reply.server,
-                                           choice.get("token_ids")))
+                collector.add(
+                    *make_record(
+                        prompt.id,
+                        prompt.messages,
+                        choice["message"],
+                        choice.get("finish_reason"),
+                        usage.get("prompt_tokens"),
+                        usage.get("completion_tokens"),
+                        reply.data.get("model") or cfg.generate.model,
+                        reply.server,
+                        choice.get("token_ids"),
+                    )
+                )
 
         capacity = sum(s.capacity for s in client.servers)
         tasks = [asyncio.create_task(worker()) for _ in range(min(capacity, len(pending)))]
@@ -229,15 +295,28 @@ def run(ctx) -> dict:
         existing = sum(p.id in store.done_ids for p in prompt_set.records)
         skipped_failed = {p.id for p in prompt_set.records if p.id in store.errors}
         pending = [p for p in prompt_set.records if p.id not in store.done_ids and p.id not in skipped_failed]
-        console.print(f"generate: {prompt_set.summary()}; {existing} already done, {len(pending)} to generate"
-                      + (f", {len(skipped_failed)} failed before (skipped; --retry-failed retries them)" if skipped_failed else "")
-                      + (f", retrying {retried} failed" if retried else "")
-                      + f"; reasoning {mode} ({why})")
+        console.print(
+            f"generate: {prompt_set.summary()}; {existing} already done, {len(pending)} to generate"
+            + (
+                f", {len(skipped_failed)} failed before (skipped; --retry-failed retries them)"
+                if skipped_failed
+                else ""
+            )
+            + (f", retrying {retried} failed" if retried else "")
+            + f"; reasoning {mode} ({why})"
+        )
         capacity = g.concurrency * max(1, len(g.servers))
         notes: list[str] = []
         with Meter("generate", total=len(prompt_set.records), unit="req", initial=existing) as meter:
-            collector = Collector(store, meter, mode, g.gate_samples, g.gate_max_empty_share,
-                                  max_failures_in_a_row=max(g.gate_samples, 2 * capacity), backend=g.backend)
+            collector = Collector(
+                store,
+                meter,
+                mode,
+                g.gate_samples,
+                g.gate_max_empty_share,
+                max_failures_in_a_row=max(g.gate_samples, 2 * capacity),
+                backend=g.backend,
+            )
             try:
                 if pending and g.backend == "local":
                     from eaglekit.serving.local import generate_local
@@ -248,9 +327,11 @@ def run(ctx) -> dict:
                 collector.finish()
             except KeyboardInterrupt:
                 held = len(collector.held)
-                console.print(f"[yellow]generate: interrupted; {len(store.done_ids)} samples are on disk"
-                              + (f" ({held} completions still held for the reasoning gate were dropped)" if held else "")
-                              + "; rerun the same command to resume[/]")
+                console.print(
+                    f"[yellow]generate: interrupted; {len(store.done_ids)} samples are on disk"
+                    + (f" ({held} completions still held for the reasoning gate were dropped)" if held else "")
+                    + "; rerun the same command to resume[/]"
+                )
                 raise
             finally:
                 if collector.gate is not None:
@@ -263,14 +344,23 @@ def run(ctx) -> dict:
     rates = ctx.ledger_extra["rates"]
     for note in notes:
         console.print(f"[yellow]generate: {note}[/]")
-    console.print(f"generate: {summary['done']} samples ({collector.counts['new']} new, {rates['req_per_s']} req/s, "
-                  f"{rates['output_tok_per_s']} output tok/s, mean {summary['mean_output_tokens']} tokens); "
-                  f"reasoning sources {summary['reasoning_sources']}; no reasoning {summary['empty_reasoning']}, "
-                  f"empty content {summary['empty_content']}, think tags left in content {summary['leftover_think']}, "
-                  f"stopped at max_tokens {summary['length_share']:.1%}, identical replies {summary['duplicate_replies']}")
+    console.print(
+        f"generate: {summary['done']} samples ({collector.counts['new']} new, {rates['req_per_s']} req/s, "
+        f"{rates['output_tok_per_s']} output tok/s, mean {summary['mean_output_tokens']} tokens); "
+        f"reasoning sources {summary['reasoning_sources']}; no reasoning {summary['empty_reasoning']}, "
+        f"empty content {summary['empty_content']}, think tags left in content {summary['leftover_think']}, "
+        f"stopped at max_tokens {summary['length_share']:.1%}, identical replies {summary['duplicate_replies']}"
+    )
     if summary["failed"]:
-        console.print(f"[yellow]generate: {summary['failed']} samples failed (reasons in {store.errors_path}); "
-                      f"retry them with `eaglekit generate CONFIG --retry-failed`[/]")
-    return {**summary, "new": collector.counts["new"], "skipped_existing": existing,
-            "skipped_failed": len(skipped_failed), "prompt_duplicates": prompt_set.duplicates,
-            "bad_rows": len(prompt_set.bad_rows)}
+        console.print(
+            f"[yellow]generate: {summary['failed']} samples failed (reasons in {store.errors_path}); "
+            f"retry them with `eaglekit generate CONFIG --retry-failed`[/]"
+        )
+    return {
+        **summary,
+        "new": collector.counts["new"],
+        "skipped_existing": existing,
+        "skipped_failed": len(skipped_failed),
+        "prompt_duplicates": prompt_set.duplicates,
+        "bad_rows": len(prompt_set.bad_rows),
+    }

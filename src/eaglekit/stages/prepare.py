@@ -26,8 +26,10 @@ UPSTREAM = "generate"
 TOKENS = "tokens.safetensors"
 DROP_WARN_SHARE = 0.10  # a cause that drops more than this share of the responses is worth a warning
 DROP_CAUSES = {  # why a response is dropped -> (what it means, what to do)
-    "length_stopped": ("cut off at generate.max_tokens (finish_reason=length)",
-                       "raise generate.max_tokens, or keep them with prepare.keep_length_stopped: true"),
+    "length_stopped": (
+        "cut off at generate.max_tokens (finish_reason=length)",
+        "raise generate.max_tokens, or keep them with prepare.keep_length_stopped: true",
+    ),
     "overlong": ("longer than prepare.max_length", "raise prepare.max_length, or set prepare.overlong: truncate"),
     "empty": ("without a reply to train on", "look at generate/responses.jsonl: the target returned empty replies"),
 }
@@ -38,7 +40,11 @@ def params(cfg: RunConfig) -> dict:
     p["chat_template"] = cfg.target.chat_template
     p["chat_template_kwargs"] = cfg.generate.extra_body.get("chat_template_kwargs")
     # The tokenizer files decide the token ids; the weights don't matter here.
-    tok_files = [f for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja") if (Path(cfg.target.model) / f).exists()]
+    tok_files = [
+        f
+        for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+        if (Path(cfg.target.model) / f).exists()
+    ]
     p["tokenizer"] = [file_identity(Path(cfg.target.model) / f) for f in tok_files] or cfg.target.model
     return p
 
@@ -75,12 +81,18 @@ def run(ctx) -> dict:
                 dropped["empty"] += 1
                 continue
             try:
-                sample = render_sample(tokenizer, row["messages"], row.get("reasoning") or "", row.get("content") or "",
-                                       template_kwargs=template_kwargs)
+                sample = render_sample(
+                    tokenizer,
+                    row["messages"],
+                    row.get("reasoning") or "",
+                    row.get("content") or "",
+                    template_kwargs=template_kwargs,
+                )
             except EaglekitError as err:
                 raise EaglekitError(f"{responses_path}: sample {row['id']}: {err.message}", err.remedy) from None
-            ids, mask, replaced = use_generated_tokens(tokenizer, sample.input_ids, sample.loss_mask,
-                                                       row.get("completion_token_ids"))
+            ids, mask, replaced = use_generated_tokens(
+                tokenizer, sample.input_ids, sample.loss_mask, row.get("completion_token_ids")
+            )
             exact_ids += replaced
             if len(ids) > max_len:
                 if cfg.prepare.overlong == "drop":
@@ -94,18 +106,21 @@ def run(ctx) -> dict:
             samples.append((row["id"], ids, mask))
 
     if not samples:
-        raise EaglekitError(f"prepare: none of {len(rows)} responses in {responses_path} made a training sample "
-                            f"(dropped: {dropped})", "; ".join(DROP_CAUSES[c][1] for c, n in dropped.items() if n)
-                            or "check generate's outputs")
+        raise EaglekitError(
+            f"prepare: none of {len(rows)} responses in {responses_path} made a training sample (dropped: {dropped})",
+            "; ".join(DROP_CAUSES[c][1] for c, n in dropped.items() if n) or "check generate's outputs",
+        )
     for cause, n in dropped.items():
         if n > DROP_WARN_SHARE * len(rows):
             what, fix = DROP_CAUSES[cause]
             ctx.warn(f"{n} of {len(rows)} responses ({n / len(rows):.0%}) dropped as {what}: {fix}")
     tagged = sum(has_think_tags(row.get("content") or "") for row in rows)
     if tagged:
-        ctx.warn(f"{tagged} of {len(rows)} replies keep think tags in their content: their reasoning was not separated "
-                 "from the answer, so the drafter learns it in the wrong place; serve the target with its "
-                 "--reasoning-parser (or fix the template), then regenerate")
+        ctx.warn(
+            f"{tagged} of {len(rows)} replies keep think tags in their content: their reasoning was not separated "
+            "from the answer, so the drafter learns it in the wrong place; serve the target with its "
+            "--reasoning-parser (or fix the template), then regenerate"
+        )
     write_token_store(ctx.dir / TOKENS, samples)
     lengths = sorted(len(ids) for _, ids, _ in samples)
     assistant = sum(sum(m) for _, _, m in samples)
@@ -123,8 +138,10 @@ def run(ctx) -> dict:
         "max_length": lengths[-1],
     }
     atomic.write_json(ctx.dir / "stats.json", stats)
-    console.print(f"prepare: {stats['samples']} samples, {stats['tokens']} tokens ({assistant} assistant), "
-                  f"mean length {stats['mean_length']}, p95 {stats['p95_length']}; dropped {dropped}, truncated {truncated}")
+    console.print(
+        f"prepare: {stats['samples']} samples, {stats['tokens']} tokens ({assistant} assistant), "
+        f"mean length {stats['mean_length']}, p95 {stats['p95_length']}; dropped {dropped}, truncated {truncated}"
+    )
     return {k: stats[k] for k in ("samples", "tokens", "assistant_tokens", "mean_length", "p95_length")} | {
-        "dropped": sum(dropped.values())}
-
+        "dropped": sum(dropped.values())
+    }

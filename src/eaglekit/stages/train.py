@@ -19,8 +19,7 @@ from eaglekit.model.drafter import FLAGS, DrafterConfig, text_config
 from eaglekit.model.hub import cached_drafter, download_drafter, is_hub_id, local_folder
 from eaglekit.model.target import aux_layer_ids, target_hf_config, target_identity
 from eaglekit.preflight import checks as common
-from eaglekit.preflight import disk, environment, files, gpus
-from eaglekit.preflight import fail, ok, skip, warn
+from eaglekit.preflight import disk, environment, fail, files, gpus, ok, skip, warn
 from eaglekit.rundir import file_identity
 
 NAME = "train"
@@ -50,10 +49,16 @@ def packing(ctx):
     tc = ctx.cfg.train
     if not tc.packing:
         return ok("packing", "off: length-bucketed, right-padded batches (train.packing: true packs samples into rows)")
-    features = ("offline features: each document extracted alone" if ctx.cfg.extract.mode == "offline" else
-                "online features: the target keeps documents apart by position_ids (checked on the first packed batch)")
-    return ok("packing", f"on: {tc.batch_size} rows of up to {pack_length(ctx.cfg)} tokens per micro-batch, attention "
-                         f"and positions per document; {features}")
+    features = (
+        "offline features: each document extracted alone"
+        if ctx.cfg.extract.mode == "offline"
+        else "online features: the target keeps documents apart by position_ids (checked on the first packed batch)"
+    )
+    return ok(
+        "packing",
+        f"on: {tc.batch_size} rows of up to {pack_length(ctx.cfg)} tokens per micro-batch, attention "
+        f"and positions per document; {features}",
+    )
 
 
 def anchor(ctx):
@@ -61,8 +66,11 @@ def anchor(ctx):
     if not tc.anchor_weight:
         return skip("anchor", "train.anchor_weight is 0: no pull toward the starting weights")
     if not tc.init_from:
-        return warn("anchor", f"train.anchor_weight {tc.anchor_weight} without train.init_from pulls toward the random "
-                              "initialisation", "set train.init_from to the drafter to finetune, or anchor_weight: 0")
+        return warn(
+            "anchor",
+            f"train.anchor_weight {tc.anchor_weight} without train.init_from pulls toward the random initialisation",
+            "set train.init_from to the drafter to finetune, or anchor_weight: 0",
+        )
     return ok("anchor", f"L2-SP pull toward {tc.init_from}: anchor_weight {tc.anchor_weight}")
 
 
@@ -93,8 +101,11 @@ def init_from_compatible(ctx):
     if folder is None:
         return skip("init_from", f"{path} is not downloaded (the init_from download check says why)")
     if not folder.exists():
-        return fail("init_from", f"train.init_from {path} does not exist",
-                    "point it at a drafter folder (legacy or speculators form), or a hub id org/name")
+        return fail(
+            "init_from",
+            f"train.init_from {path} does not exist",
+            "point it at a drafter folder (legacy or speculators form), or a hub id org/name",
+        )
     try:
         drafter, _info = checkpoints.load_drafter(folder)
         hf = target_hf_config(ctx.cfg.target)
@@ -103,12 +114,18 @@ def init_from_compatible(ctx):
     except EaglekitError as err:
         return fail("init_from", f"{path}: {err.message}", err.remedy or "check the drafter folder")
     if problems:
-        return fail("init_from", f"{path} does not fit the target {ctx.cfg.target.model}: " + "; ".join(problems),
-                    "finetune a drafter made for this target, or train a new one (remove train.init_from)")
+        return fail(
+            "init_from",
+            f"{path} does not fit the target {ctx.cfg.target.model}: " + "; ".join(problems),
+            "finetune a drafter made for this target, or train a new one (remove train.init_from)",
+        )
     vocab = "remapped onto this run's draft vocab" if ctx.cfg.train.remap_vocab else "its own draft vocab kept"
     where = f" (cached in {folder})" if str(folder) != path else ""
-    return ok("init_from", f"{path}{where} fits the target ({drafter.config.architecture} drafter, "
-                           f"{drafter.config.draft_vocab_size} draft tokens, {vocab})")
+    return ok(
+        "init_from",
+        f"{path}{where} fits the target ({drafter.config.architecture} drafter, "
+        f"{drafter.config.draft_vocab_size} draft tokens, {vocab})",
+    )
 
 
 def _tokenizer_size(cfg: RunConfig) -> int | None:
@@ -129,36 +146,50 @@ def drafter_shape(ctx):
     explicit = {k: v for k, v in cfg.train.draft.model_dump().items() if v is not None}
     if cfg.train.init_from:
         if explicit:
-            return warn("drafter", f"train.init_from is set: the drafter keeps its own shape and flags, train.draft "
-                                   f"{explicit} is not used", "remove train.draft, or train a new drafter")
+            return warn(
+                "drafter",
+                f"train.init_from is set: the drafter keeps its own shape and flags, train.draft "
+                f"{explicit} is not used",
+                "remove train.draft, or train a new drafter",
+            )
         return skip("drafter", "finetuning train.init_from (its own shape)")
     try:
         hf = target_hf_config(cfg.target)
         # a draft vocab larger than the target's is the vocab stage's failure: not named twice
         draft_vocab = min(cfg.vocab.draft_vocab_size, int(getattr(text_config(hf), "vocab_size", None) or 1 << 62))
-        dc = DrafterConfig.from_target_config(hf, draft_vocab, aux_layer_ids(cfg.target, hf.num_hidden_layers),
-                                              **explicit)
+        dc = DrafterConfig.from_target_config(
+            hf, draft_vocab, aux_layer_ids(cfg.target, hf.num_hidden_layers), **explicit
+        )
     except EaglekitError as err:
         return fail("drafter", err.message, err.remedy or "fix train.draft")
     _, trainable = parameter_counts(dc)
-    shape = (f"mla: q_lora_rank {dc.q_lora_rank}, kv_lora_rank {dc.kv_lora_rank}, heads {dc.num_attention_heads} x "
-             f"(nope {dc.qk_nope_head_dim} + rope {dc.qk_rope_head_dim}, v {dc.v_head_dim})"
-             if dc.architecture == "mla" else
-             f"llama: heads {dc.num_attention_heads} / kv {dc.num_key_value_heads} x {dc.head_dim}")
+    shape = (
+        f"mla: q_lora_rank {dc.q_lora_rank}, kv_lora_rank {dc.kv_lora_rank}, heads {dc.num_attention_heads} x "
+        f"(nope {dc.qk_nope_head_dim} + rope {dc.qk_rope_head_dim}, v {dc.v_head_dim})"
+        if dc.architecture == "mla"
+        else f"llama: heads {dc.num_attention_heads} / kv {dc.num_key_value_heads} x {dc.head_dim}"
+    )
     flags = [name for name in FLAGS if getattr(dc, name)]
-    detail = f"{shape}, hidden {dc.hidden_size}, {trainable / 1e6:.2f}M trainable" + (f", {', '.join(flags)}" if flags else "")
+    detail = f"{shape}, hidden {dc.hidden_size}, {trainable / 1e6:.2f}M trainable" + (
+        f", {', '.join(flags)}" if flags else ""
+    )
     problems = serving_problems(dc)
     if problems:
         return fail("drafter", detail + ": " + "; ".join(problems), "set train.draft.q_lora_rank")
     if getattr(text_config(hf), "kv_lora_rank", None) and dc.architecture != "mla" and "architecture" not in explicit:
-        return warn("drafter", detail + f"; the target {cfg.target.model} uses multi-head latent attention "
-                                        "(DeepSeek-V3/Kimi)",
-                    "consider train.draft.architecture: mla, the drafter shape published for Kimi-K2.5/K2.6 (its KV "
-                    "cache is the target's small latent); set architecture: llama to keep this one")
+        return warn(
+            "drafter",
+            detail + f"; the target {cfg.target.model} uses multi-head latent attention (DeepSeek-V3/Kimi)",
+            "consider train.draft.architecture: mla, the drafter shape published for Kimi-K2.5/K2.6 (its KV "
+            "cache is the target's small latent); set architecture: llama to keep this one",
+        )
     ignored = sglang_ignores(dc)
     if ignored:
-        return warn("drafter", detail + f"; SGLang does not read {', '.join(ignored)} (vLLM does)",
-                    "serve this drafter with vLLM, or drop those flags to serve it with SGLang too")
+        return warn(
+            "drafter",
+            detail + f"; SGLang does not read {', '.join(ignored)} (vLLM does)",
+            "serve this drafter with vLLM, or drop those flags to serve it with SGLang too",
+        )
     return ok("drafter", detail)
 
 
@@ -166,9 +197,21 @@ def checks(cfg: RunConfig) -> list:
     from eaglekit.stages.extract import target_placement
 
     online = [target_placement] if cfg.extract.mode != "offline" else [files.feature_shards]
-    return [common.target_folder, files.target_weights, environment.software, environment.devices, gpus.gpus,
-            *online, packing, drafter_shape, init_from_download, files.init_from_files, init_from_compatible, anchor,
-            disk.write_rate]
+    return [
+        common.target_folder,
+        files.target_weights,
+        environment.software,
+        environment.devices,
+        gpus.gpus,
+        *online,
+        packing,
+        drafter_shape,
+        init_from_download,
+        files.init_from_files,
+        init_from_compatible,
+        anchor,
+        disk.write_rate,
+    ]
 
 
 def parameter_counts(dc: DrafterConfig) -> tuple[int, int]:
@@ -186,8 +229,9 @@ def estimate_bytes(ctx) -> int:
     """Checkpoints: each holds the drafter (fp32) and training_state (weights + two Adam moments, fp32)."""
     cfg = ctx.cfg
     hf = target_hf_config(cfg.target)
-    dc = DrafterConfig.from_target_config(hf, cfg.vocab.draft_vocab_size, aux_layer_ids(cfg.target, hf.num_hidden_layers),
-                                          **cfg.train.draft.model_dump())
+    dc = DrafterConfig.from_target_config(
+        hf, cfg.vocab.draft_vocab_size, aux_layer_ids(cfg.target, hf.num_hidden_layers), **cfg.train.draft.model_dump()
+    )
     total, trainable = parameter_counts(dc)
     per_checkpoint = 4 * (total + 3 * trainable)
     return per_checkpoint * (cfg.train.keep_last + 1) + 4 * total + (16 << 20)  # + best/ + metrics and plots
@@ -231,9 +275,13 @@ def run(ctx) -> dict:
     counts = train(ctx)
     tc = ctx.cfg.train
     if counts["steps"] < tc.warmup_steps:
-        ctx.warn(f"trained {counts['steps']} steps, fewer than train.warmup_steps ({tc.warmup_steps}): the learning "
-                 "rate never reached train.lr; lower warmup_steps or train longer")
+        ctx.warn(
+            f"trained {counts['steps']} steps, fewer than train.warmup_steps ({tc.warmup_steps}): the learning "
+            "rate never reached train.lr; lower warmup_steps or train longer"
+        )
     if counts.get("train_samples", MIN_SAMPLES) < MIN_SAMPLES:
-        ctx.warn(f"trained on {counts['train_samples']} samples (fewer than {MIN_SAMPLES}): the drafter learns those "
-                 "by heart and will not generalise; generate more (data.max_samples)")
+        ctx.warn(
+            f"trained on {counts['train_samples']} samples (fewer than {MIN_SAMPLES}): the drafter learns those "
+            "by heart and will not generalise; generate more (data.max_samples)"
+        )
     return counts

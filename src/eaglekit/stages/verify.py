@@ -46,8 +46,14 @@ from eaglekit.stages.evaluate import drafter_checkpoint, first_difference, promp
 NAME = "verify"
 UPSTREAM = "export"
 # In order of how often each has made a served drafter collapse (sglang#25454, #32334; vllm#43671, ...).
-CAUSES = ("aux-layer ids", "norm_before_residual", "rope / max_position_embeddings", "d2t offsets",
-          "embedding sharing", "EAGLE 3.1 flags")
+CAUSES = (
+    "aux-layer ids",
+    "norm_before_residual",
+    "rope / max_position_embeddings",
+    "d2t offsets",
+    "embedding sharing",
+    "EAGLE 3.1 flags",
+)
 DETAILED_METRICS_FLAG = "--per-request-spec-decode-metrics"
 
 
@@ -71,8 +77,12 @@ def max_new_tokens(cfg: RunConfig) -> int:
 
 def params(cfg: RunConfig) -> dict:
     p = cfg.verify.model_dump(exclude={"startup_timeout", "timeout", "python"})
-    p.update(formats=forms(cfg), num_speculative_tokens=speculative_tokens(cfg), num_samples=num_samples(cfg),
-             max_new_tokens=max_new_tokens(cfg))
+    p.update(
+        formats=forms(cfg),
+        num_speculative_tokens=speculative_tokens(cfg),
+        num_samples=num_samples(cfg),
+        max_new_tokens=max_new_tokens(cfg),
+    )
     # what is served: an exported config.json edited by hand makes verify stale
     p["exported"] = {form: file_identity(cfg.run_path / "export" / form) for form in forms(cfg)}
     return p
@@ -80,16 +90,22 @@ def params(cfg: RunConfig) -> dict:
 
 # -------------------------------------------------------------------------------------------- checks
 
+
 def configured(ctx):
     vc = ctx.cfg.verify
     if vc.engine:
-        return ok("verify target", f"eaglekit starts {vc.engine} for the forms {', '.join(forms(ctx.cfg))}, "
-                                   f"K {speculative_tokens(ctx.cfg)}")
+        return ok(
+            "verify target",
+            f"eaglekit starts {vc.engine} for the forms {', '.join(forms(ctx.cfg))}, K {speculative_tokens(ctx.cfg)}",
+        )
     if vc.server:
         return ok("verify target", f"the server at {vc.server}")
-    return fail("verify target", "neither verify.engine nor verify.server is set",
-                "set verify.engine: vllm (eaglekit starts it), or verify.server: URL of a server you started with "
-                "the command `eaglekit export` printed")
+    return fail(
+        "verify target",
+        "neither verify.engine nor verify.server is set",
+        "set verify.engine: vllm (eaglekit starts it), or verify.server: URL of a server you started with "
+        "the command `eaglekit export` printed",
+    )
 
 
 def engine_available(ctx):
@@ -116,8 +132,11 @@ def exported_forms(ctx):
         return pending
     missing = [f for f in forms(ctx.cfg) if not (ctx.cfg.run_path / "export" / f / "config.json").exists()]
     if missing:
-        return fail("exported forms", f"{', '.join(missing)} not found under {ctx.cfg.run_path / 'export'}",
-                    "export them: `eaglekit run CONFIG --until export` (or set verify.formats to the forms it wrote)")
+        return fail(
+            "exported forms",
+            f"{', '.join(missing)} not found under {ctx.cfg.run_path / 'export'}",
+            "export them: `eaglekit run CONFIG --until export` (or set verify.formats to the forms it wrote)",
+        )
     return ok("exported forms", ", ".join(forms(ctx.cfg)))
 
 
@@ -130,6 +149,7 @@ def estimate_bytes(ctx) -> int:
 
 
 # ------------------------------------------------------------------------------------------- offline
+
 
 @dataclass
 class Offline:
@@ -146,9 +166,12 @@ class Offline:
     def counters(self, k: int) -> Counters:
         runs = self.eagle[k].values()
         stats = [g.stats for g in runs]
-        return Counters(sum(s.drafted[0] if s.drafted else 0 for s in stats),
-                        [sum(s.accepted[i] for s in stats) for i in range(k)],
-                        emitted=sum(s.new_tokens for s in stats), verify_passes=sum(s.rounds for s in stats))
+        return Counters(
+            sum(s.drafted[0] if s.drafted else 0 for s in stats),
+            [sum(s.accepted[i] for s in stats) for i in range(k)],
+            emitted=sum(s.new_tokens for s in stats),
+            verify_passes=sum(s.rounds for s in stats),
+        )
 
 
 def engine_stop_ids(cfg: RunConfig, stop_ids: set[int]) -> list[int]:
@@ -158,7 +181,9 @@ def engine_stop_ids(cfg: RunConfig, stop_ids: set[int]) -> list[int]:
 
     ids = set(stop_ids)
     try:
-        eos = GenerationConfig.from_pretrained(cfg.target.model, trust_remote_code=cfg.target.trust_remote_code).eos_token_id
+        eos = GenerationConfig.from_pretrained(
+            cfg.target.model, trust_remote_code=cfg.target.trust_remote_code
+        ).eos_token_id
     except (OSError, ValueError):
         eos = None
     ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
@@ -186,8 +211,14 @@ def offline_figures(cfg: RunConfig, ks: list[int]) -> Offline:
                     meter.update(1)
                     for k in ks:
                         out.eagle.setdefault(k, {})[pid] = generate(
-                            target, ids, limit, proposer=EagleProposer(inputs.drafter, inputs.aux), k=k,
-                            stop_ids=set(stop), engine_accounting=True)
+                            target,
+                            ids,
+                            limit,
+                            proposer=EagleProposer(inputs.drafter, inputs.aux),
+                            k=k,
+                            stop_ids=set(stop),
+                            engine_accounting=True,
+                        )
                         meter.update(1, K=k)
     finally:
         del target
@@ -199,12 +230,13 @@ def offline_figures(cfg: RunConfig, ks: list[int]) -> Offline:
 
 # -------------------------------------------------------------------------------------------- served
 
+
 @dataclass
 class ServedRun:
-    form: str        # exported form, or "served" for a server the user started
+    form: str  # exported form, or "served" for a server the user started
     k: int
-    engine: str      # "vllm" | "sglang"
-    launch: str      # how the engine was started (or the URL)
+    engine: str  # "vllm" | "sglang"
+    launch: str  # how the engine was started (or the URL)
     served: dict[str, Served]
     counters: Counters
     log: str | None = None
@@ -248,12 +280,14 @@ def served_by_eaglekit(ctx, offline: Offline) -> list[ServedRun]:
             log = logs / f"vllm-{form}-k{k}.log"
             log.unlink(missing_ok=True)
             console.print(f"verify: starting vLLM — {launch}; log {log}")
-            server = VllmServer(python, model, args + detailed + list(vc.engine_args), log,
-                                startup_timeout=vc.startup_timeout)
+            server = VllmServer(
+                python, model, args + detailed + list(vc.engine_args), log, startup_timeout=vc.startup_timeout
+            )
             with server, Meter(f"verify: {form} K={k} served", total=len(offline.prompts), unit="requests") as meter:
                 client = VllmClient(server.url, vc.timeout)
-                served, counters = vllm_batch(client, offline.prompts, max_new_tokens(cfg), offline.stop_ids,
-                                              lambda: meter.update(1))
+                served, counters = vllm_batch(
+                    client, offline.prompts, max_new_tokens(cfg), offline.stop_ids, lambda: meter.update(1)
+                )
             runs.append(ServedRun(form, k, "vllm", launch, served, counters, str(log)))
     shutil.rmtree(logs / "vllm-cache", ignore_errors=True)  # compile caches of the engines started above
     return runs
@@ -264,15 +298,18 @@ def served_by_user(cfg: RunConfig, offline: Offline, engine: str, client, k: int
 
     with Meter("verify: served", total=len(offline.prompts), unit="requests") as meter:
         if engine == "sglang":
-            served, counters = sglang_batch(client, offline.prompts, max_new_tokens(cfg), offline.stop_ids, k,
-                                            lambda: meter.update(1))
+            served, counters = sglang_batch(
+                client, offline.prompts, max_new_tokens(cfg), offline.stop_ids, k, lambda: meter.update(1)
+            )
         else:
-            served, counters = vllm_batch(client, offline.prompts, max_new_tokens(cfg), offline.stop_ids,
-                                          lambda: meter.update(1))
+            served, counters = vllm_batch(
+                client, offline.prompts, max_new_tokens(cfg), offline.stop_ids, lambda: meter.update(1)
+            )
     return ServedRun("served", k, engine, cfg.verify.server, served, counters)
 
 
 # ---------------------------------------------------------------------------------------- comparison
+
 
 def compare(run: ServedRun, offline: Offline, cfg: RunConfig) -> dict:
     """One form and K: τ, acceptance per position, greedy outputs, and (vLLM, per-request metrics) the
@@ -288,13 +325,29 @@ def compare(run: ServedRun, offline: Offline, cfg: RunConfig) -> dict:
         tau_served, tau_offline = theirs.tau, mine.tau
         has_positions = True
         speculating = theirs.drafts > 0
-    positions = [{"position": i + 1, "served": round(s, 4), "offline": round(o, 4), "difference": round(s - o, 4)}
-                 for i, (s, o) in enumerate(zip(theirs.rates(), mine.rates()))] if has_positions else []
-    differing = [{"id": pid, "first_difference": first_difference(run.served[pid].tokens, offline.plain[pid]),
-                  "served_tokens": len(run.served[pid].tokens), "plain_tokens": len(offline.plain[pid])}
-                 for pid, _ in offline.prompts if run.served[pid].tokens != offline.plain[pid]]
-    per_round = [(pid, run.served[pid].accepted_per_round, offline.eagle[run.k][pid].accepted_per_round)
-                 for pid, _ in offline.prompts if run.served[pid].accepted_per_round is not None]
+    positions = (
+        [
+            {"position": i + 1, "served": round(s, 4), "offline": round(o, 4), "difference": round(s - o, 4)}
+            for i, (s, o) in enumerate(zip(theirs.rates(), mine.rates(), strict=False))
+        ]
+        if has_positions
+        else []
+    )
+    differing = [
+        {
+            "id": pid,
+            "first_difference": first_difference(run.served[pid].tokens, offline.plain[pid]),
+            "served_tokens": len(run.served[pid].tokens),
+            "plain_tokens": len(offline.plain[pid]),
+        }
+        for pid, _ in offline.prompts
+        if run.served[pid].tokens != offline.plain[pid]
+    ]
+    per_round = [
+        (pid, run.served[pid].accepted_per_round, offline.eagle[run.k][pid].accepted_per_round)
+        for pid, _ in offline.prompts
+        if run.served[pid].accepted_per_round is not None
+    ]
     relative = abs(tau_served - tau_offline) / tau_offline if tau_offline else 0.0
     worst = max((abs(p["difference"]) for p in positions), default=0.0)
     checks = {
@@ -304,20 +357,43 @@ def compare(run: ServedRun, offline: Offline, cfg: RunConfig) -> dict:
         "greedy": len(differing) <= vc.greedy_tolerance * len(offline.prompts),
     }
     return {
-        "form": run.form, "k": run.k, "engine": run.engine, "launch": run.launch, "log": run.log,
-        "tau": {"served": round(tau_served, 4), "offline": round(tau_offline, 4),
-                "relative_difference": round(relative, 4),
-                "definition": "completion tokens / verify passes (SGLang)" if run.engine == "sglang"
-                              else "1 + accepted / drafts (vLLM)"},
-        "served": {"drafts": theirs.drafts, "accepted": theirs.accepted, "verify_passes": theirs.verify_passes,
-                   "emitted": theirs.emitted},
-        "offline": {"drafts": mine.drafts, "accepted": mine.accepted, "verify_passes": mine.verify_passes,
-                    "emitted": mine.emitted},
-        "positions": positions, "largest_position_difference": round(worst, 4),
-        "greedy": {"identical": len(offline.prompts) - len(differing), "prompts": len(offline.prompts),
-                   "differing": differing},
-        "rounds": {"compared": len(per_round), "identical": sum(s == o for _, s, o in per_round)} if per_round else None,
-        "checks": checks, "passed": all(checks.values()),
+        "form": run.form,
+        "k": run.k,
+        "engine": run.engine,
+        "launch": run.launch,
+        "log": run.log,
+        "tau": {
+            "served": round(tau_served, 4),
+            "offline": round(tau_offline, 4),
+            "relative_difference": round(relative, 4),
+            "definition": "completion tokens / verify passes (SGLang)"
+            if run.engine == "sglang"
+            else "1 + accepted / drafts (vLLM)",
+        },
+        "served": {
+            "drafts": theirs.drafts,
+            "accepted": theirs.accepted,
+            "verify_passes": theirs.verify_passes,
+            "emitted": theirs.emitted,
+        },
+        "offline": {
+            "drafts": mine.drafts,
+            "accepted": mine.accepted,
+            "verify_passes": mine.verify_passes,
+            "emitted": mine.emitted,
+        },
+        "positions": positions,
+        "largest_position_difference": round(worst, 4),
+        "greedy": {
+            "identical": len(offline.prompts) - len(differing),
+            "prompts": len(offline.prompts),
+            "differing": differing,
+        },
+        "rounds": {"compared": len(per_round), "identical": sum(s == o for _, s, o in per_round)}
+        if per_round
+        else None,
+        "checks": checks,
+        "passed": all(checks.values()),
     }
 
 
@@ -340,22 +416,35 @@ def diagnose(cfg: RunConfig, folder: Path, engine: str, aux: list[int]) -> list[
         rows.append({"cause": cause, "status": "suspect" if suspect else "ok", "detail": detail})
 
     wrong = [ids for ids in found.aux_layer_ids if ids != list(aux)]
-    row(CAUSES[0], bool(wrong), f"{engine} captures hidden_states {' or '.join(map(str, found.aux_layer_ids))} "
-                                f"(from {folder.name}/config.json); the drafter was trained on {list(aux)}")
-    row(CAUSES[1], found.norm_before_residual != trained["norm_before_residual"],
+    row(
+        CAUSES[0],
+        bool(wrong),
+        f"{engine} captures hidden_states {' or '.join(map(str, found.aux_layer_ids))} "
+        f"(from {folder.name}/config.json); the drafter was trained on {list(aux)}",
+    )
+    row(
+        CAUSES[1],
+        found.norm_before_residual != trained["norm_before_residual"],
         f"{engine} reads norm_before_residual = {str(found.norm_before_residual).lower()}"
         + (" (the key is absent: vLLM's default for this form)" if found.norm_before_residual_defaulted else "")
-        + f"; the drafter was trained with {str(trained['norm_before_residual']).lower()}")
+        + f"; the drafter was trained with {str(trained['norm_before_residual']).lower()}",
+    )
     theta, scaling = rope_from_config(hf)
     mismatch = []
     if found.max_position_embeddings != int(hf.max_position_embeddings):
-        mismatch.append(f"max_position_embeddings {found.max_position_embeddings} (target {hf.max_position_embeddings})")
+        mismatch.append(
+            f"max_position_embeddings {found.max_position_embeddings} (target {hf.max_position_embeddings})"
+        )
     if found.rope_theta != theta:
         mismatch.append(f"rope_theta {found.rope_theta} (target {theta})")
     if (found.rope_scaling or None) != (scaling or None):
         mismatch.append(f"rope_scaling {found.rope_scaling} (target {scaling})")
-    row(CAUSES[2], bool(mismatch), "; ".join(mismatch) or f"max_position_embeddings {found.max_position_embeddings}, "
-                                                          f"rope_theta {found.rope_theta:g} — the target's")
+    row(
+        CAUSES[2],
+        bool(mismatch),
+        "; ".join(mismatch)
+        or f"max_position_embeddings {found.max_position_embeddings}, rope_theta {found.rope_theta:g} — the target's",
+    )
     weights = folder / "model.safetensors"
     with safe_open(str(weights), "pt") as f:
         keys = set(f.keys())
@@ -367,25 +456,50 @@ def diagnose(cfg: RunConfig, folder: Path, engine: str, aux: list[int]) -> list[
         with safe_open(str(source_weights), "pt") as f:
             trained_d2t = f.get_tensor("d2t") if "d2t" in set(f.keys()) else None
     if d2t is None or trained_d2t is None:
-        row(CAUSES[3], d2t is None and trained_d2t is not None,
+        row(
+            CAUSES[3],
+            d2t is None and trained_d2t is not None,
             "no d2t in the served weights: the engine maps draft ids to target ids as the identity"
-            if d2t is None else "the trained checkpoint has no d2t to compare with (full draft vocabulary)")
+            if d2t is None
+            else "the trained checkpoint has no d2t to compare with (full draft vocabulary)",
+        )
     else:
         same = d2t.shape == trained_d2t.shape and torch.equal(d2t, trained_d2t)
-        row(CAUSES[3], not same, "d2t equals the trained checkpoint's" if same
-            else "d2t differs from the trained checkpoint's: draft ids map to other target tokens")
+        row(
+            CAUSES[3],
+            not same,
+            "d2t equals the trained checkpoint's"
+            if same
+            else "d2t differs from the trained checkpoint's: draft ids map to other target tokens",
+        )
     if embed is None:
         row(CAUSES[4], False, "no embed_tokens in the served weights: the engine shares the target's")
     else:
         target_embed, _ = embedding_and_head(cfg.target.model, cfg.target.trust_remote_code)
         same = embed.shape == target_embed.shape and torch.equal(embed.to(target_embed.dtype), target_embed)
-        row(CAUSES[4], not same, "embed_tokens equals the target's (vLLM shares the target's)" if same else
-            "embed_tokens differs from the target's: the engine embeds draft inputs with the drafter's own copy")
+        row(
+            CAUSES[4],
+            not same,
+            "embed_tokens equals the target's (vLLM shares the target's)"
+            if same
+            else "embed_tokens differs from the target's: the engine embeds draft inputs with the drafter's own copy",
+        )
     others = ("fc_norm", "norm_output", "norm_before_fc")
-    differ = [f"{name} {str(found.flags[name]).lower()} (trained {str(trained[name]).lower()})"
-              for name in others if found.flags[name] != trained[name]]
-    row(CAUSES[5], bool(differ), f"{engine} reads " + ("; ".join(differ) if differ else ", ".join(
-        f"{name} {str(found.flags[name]).lower()}" for name in others) + " — as trained"))
+    differ = [
+        f"{name} {str(found.flags[name]).lower()} (trained {str(trained[name]).lower()})"
+        for name in others
+        if found.flags[name] != trained[name]
+    ]
+    row(
+        CAUSES[5],
+        bool(differ),
+        f"{engine} reads "
+        + (
+            "; ".join(differ)
+            if differ
+            else ", ".join(f"{name} {str(found.flags[name]).lower()}" for name in others) + " — as trained"
+        ),
+    )
     return rows
 
 
@@ -403,27 +517,35 @@ def trained_flags(checkpoint: Path) -> dict[str, bool]:
 
 # ---------------------------------------------------------------------------------------------- run
 
+
 def run(ctx) -> dict:
     from eaglekit.serving.speculation import SglangClient, VllmClient, detect
 
     cfg, vc = ctx.cfg, ctx.cfg.verify
     if not (vc.engine or vc.server):
-        raise UsageError("verify: neither verify.engine nor verify.server is set",
-                         "set verify.engine: vllm, or verify.server: URL of a server you started")
+        raise UsageError(
+            "verify: neither verify.engine nor verify.server is set",
+            "set verify.engine: vllm, or verify.server: URL of a server you started",
+        )
     user_client, engine, version = None, "vllm", None
     if vc.server:  # K is the server's: ask it first
         engine = detect(vc.server)
         user_client = SglangClient(vc.server, vc.timeout) if engine == "sglang" else VllmClient(vc.server, vc.timeout)
         ks = [user_client.num_speculative_tokens()]
         if not ks[0]:
-            raise EaglekitError(f"the vLLM server at {vc.server} registers no speculative-decoding counters: it does "
-                                "not speculate", "start it with the command `eaglekit export` printed")
+            raise EaglekitError(
+                f"the vLLM server at {vc.server} registers no speculative-decoding counters: it does not speculate",
+                "start it with the command `eaglekit export` printed",
+            )
         if vc.num_speculative_tokens and ks[0] not in vc.num_speculative_tokens:
-            raise UsageError(f"the server at {vc.server} drafts K={ks[0]}, verify.num_speculative_tokens asks for "
-                             f"{vc.num_speculative_tokens}", "restart the server with that K, or drop the key "
-                                                             "(a running server's K is the one verified)")
+            raise UsageError(
+                f"the server at {vc.server} drafts K={ks[0]}, verify.num_speculative_tokens asks for "
+                f"{vc.num_speculative_tokens}",
+                "restart the server with that K, or drop the key (a running server's K is the one verified)",
+            )
     else:
-        from eaglekit.serving.engine import find_vllm_python, version as engine_version
+        from eaglekit.serving.engine import find_vllm_python
+        from eaglekit.serving.engine import version as engine_version
 
         ks = speculative_tokens(cfg)
         version = engine_version(find_vllm_python(vc.python))
@@ -431,28 +553,44 @@ def run(ctx) -> dict:
     offline = offline_figures(cfg, ks)
     if vc.server:
         runs = [served_by_user(cfg, offline, engine, user_client, ks[0])]
-        folders = {"served": Path(user_client.draft_model_path) if engine == "sglang" and user_client.draft_model_path
-                   else cfg.run_path / "export" / ("eagle3" if engine == "sglang" else forms(cfg)[0])}
+        folders = {
+            "served": Path(user_client.draft_model_path)
+            if engine == "sglang" and user_client.draft_model_path
+            else cfg.run_path / "export" / ("eagle3" if engine == "sglang" else forms(cfg)[0])
+        }
     else:
         runs = served_by_eaglekit(ctx, offline)
         folders = {form: cfg.run_path / "export" / form for form in forms(cfg)}
 
     results = [compare(r, offline, cfg) for r in runs]
-    diagnosis = {name: diagnose(cfg, folder, engine, offline.aux) for name, folder in folders.items()
-                 if (folder / "config.json").exists()}
+    diagnosis = {
+        name: diagnose(cfg, folder, engine, offline.aux)
+        for name, folder in folders.items()
+        if (folder / "config.json").exists()
+    }
     # A served config that differs from the trained drafter fails even when these prompts happen not to show it
     # (on the tiny target adjacent layers are alike: aux ids shifted by one may cost nothing measurable).
     differs = any(row["status"] == "suspect" for rows in diagnosis.values() for row in rows)
     passed = all(r["passed"] for r in results) and not differs
     report = {
         "verdict": "PASS" if passed else "FAIL",
-        "engine": engine, "engine_version": version, "server": vc.server, "target": cfg.target.model,
-        "offline_dtype": offline.dtype, "prompts": len(offline.prompts), "max_new_tokens": max_new_tokens(cfg),
+        "engine": engine,
+        "engine_version": version,
+        "server": vc.server,
+        "target": cfg.target.model,
+        "offline_dtype": offline.dtype,
+        "prompts": len(offline.prompts),
+        "max_new_tokens": max_new_tokens(cfg),
         "prompt_ids": "the token ids eaglekit renders (as prepare did) are sent as the prompt",
-        "stop_token_ids": offline.stop_ids, "temperature": 0.0,
-        "tolerance": {"tau_relative": vc.tau_tolerance, "position": vc.position_tolerance,
-                      "greedy_share": vc.greedy_tolerance},
-        "runs": results, "diagnosis": diagnosis,
+        "stop_token_ids": offline.stop_ids,
+        "temperature": 0.0,
+        "tolerance": {
+            "tau_relative": vc.tau_tolerance,
+            "position": vc.position_tolerance,
+            "greedy_share": vc.greedy_tolerance,
+        },
+        "runs": results,
+        "diagnosis": diagnosis,
     }
     out = ctx.dir
     atomic.write_json(out / "report.json", report)
@@ -464,9 +602,12 @@ def run(ctx) -> dict:
     counts = verdict_counts(report)
     if not passed:
         ctx.ledger_extra["counts"] = counts  # status shows the verdict of a failed verify too
-        raise EaglekitError(failure_message(report), f"read {out / 'report.md'}; fix the exported config (or "
-                                                     "re-export), then rerun `eaglekit verify CONFIG` (a new "
-                                                     "measurement replaces this report)")
+        raise EaglekitError(
+            failure_message(report),
+            f"read {out / 'report.md'}; fix the exported config (or "
+            "re-export), then rerun `eaglekit verify CONFIG` (a new "
+            "measurement replaces this report)",
+        )
     return counts
 
 
@@ -488,64 +629,107 @@ def failure_message(report: dict) -> str:
     parts = []
     for r in bad:
         failed = [name for name, good in r["checks"].items() if not good]
-        parts.append(f"{r['form']} K={r['k']}: τ served {r['tau']['served']:.3f} vs offline {r['tau']['offline']:.3f}, "
-                     f"largest position difference {r['largest_position_difference']:.3f}, greedy identical "
-                     f"{r['greedy']['identical']}/{r['greedy']['prompts']} (failed: {', '.join(failed)})")
+        parts.append(
+            f"{r['form']} K={r['k']}: τ served {r['tau']['served']:.3f} vs offline {r['tau']['offline']:.3f}, "
+            f"largest position difference {r['largest_position_difference']:.3f}, greedy identical "
+            f"{r['greedy']['identical']}/{r['greedy']['prompts']} (failed: {', '.join(failed)})"
+        )
     suspects = [r for r in likely_causes(report) if r["status"] == "suspect"]
     if suspects:
         cause = "; ".join(f"{s['cause']} ({s['folder']}): {s['detail']}" for s in suspects)
         if not bad:
-            taus = ", ".join(f"{r['form']} K={r['k']} τ served {r['tau']['served']:.3f} vs offline "
-                             f"{r['tau']['offline']:.3f}" for r in report["runs"])
-            return (f"verify: FAIL — acceptance agrees on these {report['prompts']} prompts ({taus}), but the engine "
-                    f"reads a config that differs from the trained drafter. Likely cause: {cause}")
+            taus = ", ".join(
+                f"{r['form']} K={r['k']} τ served {r['tau']['served']:.3f} vs offline {r['tau']['offline']:.3f}"
+                for r in report["runs"]
+            )
+            return (
+                f"verify: FAIL — acceptance agrees on these {report['prompts']} prompts ({taus}), but the engine "
+                f"reads a config that differs from the trained drafter. Likely cause: {cause}"
+            )
         return f"verify: FAIL — {' | '.join(parts)}. Likely cause: {cause}"
-    return (f"verify: FAIL — {' | '.join(parts)}. The exported config.json reads as trained; check in order: "
-            + ", ".join(CAUSES) + ", then the engine's numerics (dtype) and version")
+    return (
+        f"verify: FAIL — {' | '.join(parts)}. The exported config.json reads as trained; check in order: "
+        + ", ".join(CAUSES)
+        + ", then the engine's numerics (dtype) and version"
+    )
 
 
 def report_markdown(report: dict, summary_only: bool = False) -> str:
     tol = report["tolerance"]
     engine = report.get("engine_version") or report["engine"]
-    lines = [] if summary_only else [
-        "# Verify: served acceptance against offline acceptance", "",
-        f"**{report['verdict']}** — {engine}, " + (f"server {report['server']}" if report["server"] else "started by "
-                                                   "eaglekit for each form and K")
-        + f"; {report['prompts']} prompts sent as token ids, up to {report['max_new_tokens']} new tokens, T=0; "
-          f"offline: eaglekit's decode loop with the trained checkpoint ({report['offline_dtype']}), counted as "
-          "the engine counts.", "",
-        f"Pass: |τ served − τ offline| ≤ {tol['tau_relative']:.0%} of τ offline, every draft position within "
-        f"{tol['position']:.2f}, served greedy output = plain greedy decoding on at least "
-        f"{1 - tol['greedy_share']:.0%} of the prompts, and the engine reads the config the drafter was trained "
-        "with (no suspect in the diagnosis below).", ""]
-    lines += ["| form | K | τ served | τ offline | largest position Δ | greedy identical | result |",
-              "|---|---|---|---|---|---|---|"]
+    lines = (
+        []
+        if summary_only
+        else [
+            "# Verify: served acceptance against offline acceptance",
+            "",
+            f"**{report['verdict']}** — {engine}, "
+            + (f"server {report['server']}" if report["server"] else "started by eaglekit for each form and K")
+            + f"; {report['prompts']} prompts sent as token ids, up to {report['max_new_tokens']} new tokens, T=0; "
+            f"offline: eaglekit's decode loop with the trained checkpoint ({report['offline_dtype']}), counted as "
+            "the engine counts.",
+            "",
+            f"Pass: |τ served − τ offline| ≤ {tol['tau_relative']:.0%} of τ offline, every draft position within "
+            f"{tol['position']:.2f}, served greedy output = plain greedy decoding on at least "
+            f"{1 - tol['greedy_share']:.0%} of the prompts, and the engine reads the config the drafter was trained "
+            "with (no suspect in the diagnosis below).",
+            "",
+        ]
+    )
+    lines += [
+        "| form | K | τ served | τ offline | largest position Δ | greedy identical | result |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in report["runs"]:
-        lines.append(f"| {r['form']} | {r['k']} | {r['tau']['served']:.3f} | {r['tau']['offline']:.3f} | "
-                     f"{r['largest_position_difference']:.3f} | {r['greedy']['identical']}/{r['greedy']['prompts']} | "
-                     f"{'pass' if r['passed'] else '**FAIL**'} |")
+        lines.append(
+            f"| {r['form']} | {r['k']} | {r['tau']['served']:.3f} | {r['tau']['offline']:.3f} | "
+            f"{r['largest_position_difference']:.3f} | {r['greedy']['identical']}/{r['greedy']['prompts']} | "
+            f"{'pass' if r['passed'] else '**FAIL**'} |"
+        )
     if summary_only:
         return "\n".join([f"verify: **{report['verdict']}**", ""] + lines) + "\n"
     for r in report["runs"]:
-        lines += ["", f"## {r['form']}, K={r['k']}", "", f"Started as: `{r['launch']}`" + (f" (log `{r['log']}`)" if r["log"] else ""), ""]
+        lines += [
+            "",
+            f"## {r['form']}, K={r['k']}",
+            "",
+            f"Started as: `{r['launch']}`" + (f" (log `{r['log']}`)" if r["log"] else ""),
+            "",
+        ]
         if r["positions"]:
             lines += ["| draft position | served acceptance | offline acceptance | difference |", "|---|---|---|---|"]
-            lines += [f"| {p['position']} | {p['served']:.3f} | {p['offline']:.3f} | {p['difference']:+.3f} |"
-                      for p in r["positions"]]
-        lines += ["", f"Drafts (verify passes with drafts): served {r['served']['drafts']}, offline "
-                      f"{r['offline']['drafts']}; accepted per position: served {r['served']['accepted']}, offline "
-                      f"{r['offline']['accepted']}."]
+            lines += [
+                f"| {p['position']} | {p['served']:.3f} | {p['offline']:.3f} | {p['difference']:+.3f} |"
+                for p in r["positions"]
+            ]
+        lines += [
+            "",
+            f"Drafts (verify passes with drafts): served {r['served']['drafts']}, offline "
+            f"{r['offline']['drafts']}; accepted per position: served {r['served']['accepted']}, offline "
+            f"{r['offline']['accepted']}.",
+        ]
         if r["rounds"]:
-            lines.append(f"Per request, the accepted count of every verify pass equals eaglekit's on "
-                         f"{r['rounds']['identical']}/{r['rounds']['compared']} prompts.")
+            lines.append(
+                f"Per request, the accepted count of every verify pass equals eaglekit's on "
+                f"{r['rounds']['identical']}/{r['rounds']['compared']} prompts."
+            )
         for d in r["greedy"]["differing"][:5]:
-            lines.append(f"- prompt {d['id']}: served output differs from plain greedy decoding at token "
-                         f"{d['first_difference']}")
-    lines += ["", "## The exported config as the engine reads it", "",
-              "Likely causes of a served drafter accepting less than offline, in order:", "",
-              "| folder | cause | status | detail |", "|---|---|---|---|"]
+            lines.append(
+                f"- prompt {d['id']}: served output differs from plain greedy decoding at token {d['first_difference']}"
+            )
+    lines += [
+        "",
+        "## The exported config as the engine reads it",
+        "",
+        "Likely causes of a served drafter accepting less than offline, in order:",
+        "",
+        "| folder | cause | status | detail |",
+        "|---|---|---|---|",
+    ]
     for row in likely_causes(report):
-        lines.append(f"| {row['folder']} | {row['cause']} | {'**suspect**' if row['status'] == 'suspect' else 'ok'} "
-                     f"| {row['detail']} |")
+        lines.append(
+            f"| {row['folder']} | {row['cause']} | {'**suspect**' if row['status'] == 'suspect' else 'ok'} "
+            f"| {row['detail']} |"
+        )
     lines += ["", "![served vs offline acceptance by position](acceptance.png)"]
     return "\n".join(lines) + "\n"

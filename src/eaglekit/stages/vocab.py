@@ -46,8 +46,11 @@ def draft_vocab_fits(ctx):
         return fail("draft vocab size", f"cannot read the target's vocab size: {err}", "check target.model")
     vd = ctx.cfg.vocab.draft_vocab_size
     if vd > v:
-        return fail("draft vocab size", f"vocab.draft_vocab_size {vd} exceeds the target's vocab size {v}",
-                    f"set vocab.draft_vocab_size ≤ {v}")
+        return fail(
+            "draft vocab size",
+            f"vocab.draft_vocab_size {vd} exceeds the target's vocab size {v}",
+            f"set vocab.draft_vocab_size ≤ {v}",
+        )
     return ok("draft vocab size", f"{vd} of {v} target tokens")
 
 
@@ -81,8 +84,10 @@ def run(ctx) -> dict:
         _, ids, mask = store[i]
         ids = ids[mask.bool()]
         if ids.numel() and int(ids.max()) >= vocab_size:
-            raise EaglekitError(f"prepare's tokens hold id {int(ids.max())} ≥ the target's vocab size {vocab_size}",
-                                "the tokenizer does not match target.model; rerun prepare with the right tokenizer")
+            raise EaglekitError(
+                f"prepare's tokens hold id {int(ids.max())} ≥ the target's vocab size {vocab_size}",
+                "the tokenizer does not match target.model; rerun prepare with the right tokenizer",
+            )
         counts += torch.bincount(ids, minlength=vocab_size)
     selected, fill = select_draft_vocab(counts, cfg.vocab.draft_vocab_size)
     d2t, t2d = build_d2t_t2d(selected, vocab_size)
@@ -90,15 +95,26 @@ def run(ctx) -> dict:
     covered = int(counts[t2d].sum())
     coverage = covered / total if total else 0.0
     with atomic.atomic_path(ctx.dir / VOCAB) as tmp:
-        save_file({"d2t": d2t, "t2d": t2d}, str(tmp), metadata={"draft_vocab_size": str(len(selected)),
-                                                                 "vocab_size": str(vocab_size)})
-    stats = {"draft_vocab_size": len(selected), "target_vocab_size": vocab_size, "distinct_assistant_tokens": int((counts > 0).sum()),
-             "assistant_tokens": total, "coverage": round(coverage, 6), "filled_with_unused_ids": fill}
+        save_file(
+            {"d2t": d2t, "t2d": t2d},
+            str(tmp),
+            metadata={"draft_vocab_size": str(len(selected)), "vocab_size": str(vocab_size)},
+        )
+    stats = {
+        "draft_vocab_size": len(selected),
+        "target_vocab_size": vocab_size,
+        "distinct_assistant_tokens": int((counts > 0).sum()),
+        "assistant_tokens": total,
+        "coverage": round(coverage, 6),
+        "filled_with_unused_ids": fill,
+    }
     atomic.write_json(ctx.dir / "stats.json", stats)
     console.print(f"vocab: {len(selected)} draft tokens cover {coverage:.2%} of {total} assistant tokens")
     if fill:
-        console.print(f"[yellow]vocab: only {stats['distinct_assistant_tokens']} distinct tokens occur; "
-                      f"filled {fill} slots with the lowest unused ids[/]")
+        console.print(
+            f"[yellow]vocab: only {stats['distinct_assistant_tokens']} distinct tokens occur; "
+            f"filled {fill} slots with the lowest unused ids[/]"
+        )
     return {"draft_vocab_size": len(selected), "coverage": round(coverage, 4), "filled": fill}
 
 

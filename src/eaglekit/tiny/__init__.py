@@ -12,6 +12,14 @@ from eaglekit.tiny.build import (
 from eaglekit.tiny.corpus import Task, sample_tasks, split_of
 
 __all__ = [
-    "CHAT_TEMPLATE", "RECIPE_VERSION", "Task", "build_tiny_target", "ensure_tiny_target", "heldout_scores",
-    "parse_completion", "sample_tasks", "split_of", "write_prompts",
+    "CHAT_TEMPLATE",
+    "RECIPE_VERSION",
+    "Task",
+    "build_tiny_target",
+    "ensure_tiny_target",
+    "heldout_scores",
+    "parse_completion",
+    "sample_tasks",
+    "split_of",
+    "write_prompts",
 ]

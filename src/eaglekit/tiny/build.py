@@ -26,8 +26,15 @@ from typing import Literal
 import jinja2
 import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, GenerationConfig, LlamaConfig, LlamaForCausalLM,
-                          PreTrainedConfig, PreTrainedTokenizerFast)
+from transformers import (
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedConfig,
+    PreTrainedTokenizerFast,
+)
 
 from eaglekit.atomic import atomic_dir, write_json, write_text
 from eaglekit.errors import UsageError
@@ -77,21 +84,53 @@ def model_config(tokenizer: PreTrainedTokenizerFast, arch: str = "llama") -> Pre
         # MLA + routed experts (4, two per token, one shared), the first layer dense as in DeepSeek-V3; the router
         # fields vLLM reads (noaux_tc: the gate has an e_score_correction_bias) are DeepSeek-V3's.
         return DeepseekV3Config(
-            vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-            num_hidden_layers=8, num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4, num_experts_per_tok=2,
-            n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=512,
-            qk_nope_head_dim=16, qk_rope_head_dim=64, v_head_dim=16, max_position_embeddings=1024, rms_norm_eps=1e-6,
-            rope_theta=10000.0, tie_word_embeddings=False, topk_method="noaux_tc", scoring_func="sigmoid",
-            norm_topk_prob=True, routed_scaling_factor=2.5,
-            bos_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+            vocab_size=len(tokenizer),
+            hidden_size=64,
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            num_hidden_layers=8,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            n_group=1,
+            topk_group=1,
+            first_k_dense_replace=1,
+            q_lora_rank=32,
+            kv_lora_rank=512,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=64,
+            v_head_dim=16,
+            max_position_embeddings=1024,
+            rms_norm_eps=1e-6,
+            rope_theta=10000.0,
+            tie_word_embeddings=False,
+            topk_method="noaux_tc",
+            scoring_func="sigmoid",
+            norm_topk_prob=True,
+            routed_scaling_factor=2.5,
+            bos_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
         )
     if arch != "llama":
         raise UsageError(f"unknown tiny target architecture {arch!r}", f"use one of {list(ARCHITECTURES)}")
     return LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=HIDDEN_SIZE, intermediate_size=INTERMEDIATE_SIZE, num_hidden_layers=8,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=HIDDEN_SIZE // 4, max_position_embeddings=1024,
-        rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
-        bos_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=HIDDEN_SIZE,
+        intermediate_size=INTERMEDIATE_SIZE,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=HIDDEN_SIZE // 4,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
     )
 
 
@@ -106,13 +145,19 @@ def conversation(task: Task, system: str | None = None, with_answer: bool = True
 def train_tokenizer(texts: list[str]) -> PreTrainedTokenizerFast:
     """Byte-level BPE (any text encodes) where every digit is one token of its own, so arithmetic is learnable."""
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  special_tokens=[PAD, IM_START, IM_END], show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[PAD, IM_START, IM_END],
+        show_progress=False,
+    )
     tok.train_from_iterator(texts, trainer)
     # Like Qwen3, the think tags are single tokens but not "special": decoding keeps them in the text.
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in (THINK, END_THINK)])
@@ -124,14 +169,17 @@ def train_tokenizer(texts: list[str]) -> PreTrainedTokenizerFast:
 def encode(tokenizer: PreTrainedTokenizerFast, tasks: list[Task], rng: random.Random) -> list[tuple[list[int], int]]:
     """Token ids of each full conversation and where its assistant turn starts (the loss covers only that)."""
     systems = [rng.choice(SYSTEM_PROMPTS) if rng.random() < 0.25 else None for _ in tasks]
-    full = tokenizer.apply_chat_template([conversation(t, s) for t, s in zip(tasks, systems)], tokenize=False)
-    prompts = tokenizer.apply_chat_template([conversation(t, s, with_answer=False) for t, s in zip(tasks, systems)],
-                                            tokenize=False, add_generation_prompt=True)
+    full = tokenizer.apply_chat_template([conversation(t, s) for t, s in zip(tasks, systems, strict=False)], tokenize=False)
+    prompts = tokenizer.apply_chat_template(
+        [conversation(t, s, with_answer=False) for t, s in zip(tasks, systems, strict=False)],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
     full_ids = tokenizer(full, add_special_tokens=False)["input_ids"]
     prompt_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
-    for f, p in zip(full_ids, prompt_ids):
+    for f, p in zip(full_ids, prompt_ids, strict=False):
         assert f[: len(p)] == p, "the chat template must render the prompt as a prefix of the conversation"
-    return [(f, len(p)) for f, p in zip(full_ids, prompt_ids)]
+    return [(f, len(p)) for f, p in zip(full_ids, prompt_ids, strict=False)]
 
 
 def batch_tensors(rows: list[tuple[list[int], int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -141,7 +189,7 @@ def batch_tensors(rows: list[tuple[list[int], int]], pad_id: int) -> tuple[torch
     mask = torch.zeros((len(rows), width), dtype=torch.long)
     for i, (ids, start) in enumerate(rows):
         input_ids[i, : len(ids)] = torch.tensor(ids)
-        labels[i, start: len(ids)] = torch.tensor(ids[start:])
+        labels[i, start : len(ids)] = torch.tensor(ids[start:])
         mask[i, : len(ids)] = 1
     return input_ids, labels, mask
 
@@ -150,8 +198,8 @@ def batches(rows: list[tuple[list[int], int]], rng: random.Random) -> list[list[
     """Batches of rows of similar length (little padding), in random order."""
     out = []
     for pool in range(0, len(rows), BATCH_SIZE * 16):
-        chunk = sorted(rows[pool: pool + BATCH_SIZE * 16], key=lambda r: len(r[0]))
-        out += [chunk[i: i + BATCH_SIZE] for i in range(0, len(chunk), BATCH_SIZE)]
+        chunk = sorted(rows[pool : pool + BATCH_SIZE * 16], key=lambda r: len(r[0]))
+        out += [chunk[i : i + BATCH_SIZE] for i in range(0, len(chunk), BATCH_SIZE)]
     rng.shuffle(out)
     return out
 
@@ -162,7 +210,8 @@ def train(model, batches: list[list[tuple[list[int], int]]], pad_id: int) -> flo
     opt = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, betas=(0.9, 0.95), weight_decay=0.01, fused=True)
     warmup = max(1, steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * s / steps))))
+        opt, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * s / steps)))
+    )
     tail: list[float] = []
     model.train()
     with Meter("tiny target: train", total=steps, unit="step", log_every=10.0) as meter:
@@ -194,21 +243,28 @@ def heldout_scores(model, tokenizer, n: int, seed: int = HELDOUT_SEED) -> dict:
     side = tokenizer.padding_side
     tokenizer.padding_side = "left"  # generation continues from the end of every row
     try:
-        enc = tokenizer.apply_chat_template([conversation(t, with_answer=False) for t in tasks], add_generation_prompt=True,
-                                            padding=True, return_tensors="pt", return_dict=True)
+        enc = tokenizer.apply_chat_template(
+            [conversation(t, with_answer=False) for t in tasks],
+            add_generation_prompt=True,
+            padding=True,
+            return_tensors="pt",
+            return_dict=True,
+        )
     finally:
         tokenizer.padding_side = side
     out = model.generate(**enc, max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
-    texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:])
+    texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :])
     parsed = [parse_completion(t) for t in texts]
-    right = [p is not None and p[1] == t.answer for p, t in zip(parsed, tasks)]
+    right = [p is not None and p[1] == t.answer for p, t in zip(parsed, tasks, strict=False)]
     kinds = sorted({t.kind for t in tasks})
     return {
         "heldout_prompts": n,
         "well_formed": sum(p is not None for p in parsed) / n,
         "accuracy": sum(right) / n,
-        "accuracy_by_kind": {k: round(sum(r for r, t in zip(right, tasks) if t.kind == k) / sum(t.kind == k for t in tasks), 3)
-                             for k in kinds},
+        "accuracy_by_kind": {
+            k: round(sum(r for r, t in zip(right, tasks, strict=False) if t.kind == k) / sum(t.kind == k for t in tasks), 3)
+            for k in kinds
+        },
     }
 
 
@@ -223,8 +279,9 @@ def build_threads() -> int:
     return max(1, min(2, round(idle)))
 
 
-def build_tiny_target(out_dir: Path, seed: int = 0, steps: int | None = None, heldout: int = 96,
-                      arch: str = "llama") -> Path:
+def build_tiny_target(
+    out_dir: Path, seed: int = 0, steps: int | None = None, heldout: int = 96, arch: str = "llama"
+) -> Path:
     """Train the tiny target from ``seed`` and write it to ``out_dir`` atomically; returns ``out_dir``.
 
     ``heldout`` prompts are answered greedily after training to record accuracy in the manifest (0 skips that).
@@ -232,24 +289,36 @@ def build_tiny_target(out_dir: Path, seed: int = 0, steps: int | None = None, he
     """
     steps = DEFAULT_STEPS if steps is None else steps
     if steps < 1:
-        raise UsageError(f"steps={steps}: the tiny target needs at least one training step", "pass steps >= 1 or leave it unset")
+        raise UsageError(
+            f"steps={steps}: the tiny target needs at least one training step", "pass steps >= 1 or leave it unset"
+        )
     out_dir = Path(out_dir)
     t0 = time.monotonic()
     rng = random.Random(seed)
     # the tokenizer learns from rendered conversations (so role names and tags merge like the real thing),
     # always the same 2000 of them: the vocabulary does not depend on the number of steps
     template = jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(CHAT_TEMPLATE)
-    tokenizer = train_tokenizer([template.render(messages=conversation(t, SYSTEM_PROMPTS[i % len(SYSTEM_PROMPTS)]))
-                                 for i, t in enumerate(sample_tasks(2000, seed, split="train"))])
+    tokenizer = train_tokenizer(
+        [
+            template.render(messages=conversation(t, SYSTEM_PROMPTS[i % len(SYSTEM_PROMPTS)]))
+            for i, t in enumerate(sample_tasks(2000, seed, split="train"))
+        ]
+    )
     rows = encode(tokenizer, sample_tasks(steps * BATCH_SIZE, seed, split="train"), rng)
     caller_threads = torch.get_num_threads()
     torch.set_num_threads(build_threads())  # the weights do not depend on it (the tests build with 1 and 2)
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            model = (DeepseekV3ForCausalLM if arch == "deepseek_v3" else LlamaForCausalLM)(model_config(tokenizer, arch))
-            model.generation_config = GenerationConfig(bos_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                                                       pad_token_id=tokenizer.pad_token_id, do_sample=False)
+            model = (DeepseekV3ForCausalLM if arch == "deepseek_v3" else LlamaForCausalLM)(
+                model_config(tokenizer, arch)
+            )
+            model.generation_config = GenerationConfig(
+                bos_token_id=tokenizer.pad_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+                do_sample=False,
+            )
             final_loss = train(model, batches(rows, rng), tokenizer.pad_token_id)
         scores = heldout_scores(model, tokenizer, heldout) if heldout else {}
         threads_used = torch.get_num_threads()
@@ -264,11 +333,20 @@ def build_tiny_target(out_dir: Path, seed: int = 0, steps: int | None = None, he
         tok_config = json.loads(config_path.read_text())
         tok_config["chat_template"] = CHAT_TEMPLATE
         write_json(config_path, tok_config)
-        write_json(tmp / MANIFEST, {
-            "recipe_version": RECIPE_VERSION, "arch": arch, "seed": seed, "steps": steps, "batch_size": BATCH_SIZE,
-            "final_loss": round(final_loss, 4), "build_seconds": round(build_seconds, 1),
-            "torch_threads": threads_used, **scores,
-        })
+        write_json(
+            tmp / MANIFEST,
+            {
+                "recipe_version": RECIPE_VERSION,
+                "arch": arch,
+                "seed": seed,
+                "steps": steps,
+                "batch_size": BATCH_SIZE,
+                "final_loss": round(final_loss, 4),
+                "build_seconds": round(build_seconds, 1),
+                "torch_threads": threads_used,
+                **scores,
+            },
+        )
     return out_dir
 
 
@@ -287,8 +365,12 @@ def is_built(model_dir: Path, arch: str = "llama") -> bool:
         manifest = json.loads((model_dir / MANIFEST).read_text())
     except (OSError, ValueError):
         return False
-    return (manifest.get("recipe_version") == RECIPE_VERSION and manifest.get("steps") == DEFAULT_STEPS
-            and manifest.get("seed") == 0 and manifest.get("arch", "llama") == arch)
+    return (
+        manifest.get("recipe_version") == RECIPE_VERSION
+        and manifest.get("steps") == DEFAULT_STEPS
+        and manifest.get("seed") == 0
+        and manifest.get("arch", "llama") == arch
+    )
 
 
 def ensure_tiny_target(cache_dir: Path | None = None, arch: str = "llama") -> Path:
@@ -307,8 +389,9 @@ def ensure_tiny_target(cache_dir: Path | None = None, arch: str = "llama") -> Pa
         root.mkdir(parents=True, exist_ok=True)
         lock = open(root / f".{name}.lock", "a")
     except OSError as e:
-        raise UsageError(f"cannot write the eaglekit cache at {root}: {e.strerror}",
-                         "set EAGLEKIT_CACHE to a writable folder") from e
+        raise UsageError(
+            f"cannot write the eaglekit cache at {root}: {e.strerror}", "set EAGLEKIT_CACHE to a writable folder"
+        ) from e
     with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not is_built(model_dir, arch):
@@ -326,7 +409,9 @@ def write_prompts(path: Path, n: int, seed: int, shape: Literal["sharegpt", "mes
         turns.append(("user", task.prompt))
         row_id = f"tiny-{seed}-{i:05d}"
         if shape == "sharegpt":
-            rows.append({"id": row_id, "conversations": [{"from": "human" if r == "user" else r, "value": c} for r, c in turns]})
+            rows.append(
+                {"id": row_id, "conversations": [{"from": "human" if r == "user" else r, "value": c} for r, c in turns]}
+            )
         else:
             rows.append({"id": row_id, "messages": [{"role": r, "content": c} for r, c in turns]})
     write_text(path, "".join(json.dumps(row) + "\n" for row in rows))

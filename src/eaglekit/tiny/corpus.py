@@ -18,18 +18,20 @@ from __future__ import annotations
 
 import hashlib
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Literal
 
 from eaglekit.errors import UsageError
 
 Split = Literal["train", "heldout"]
 HELDOUT_BUCKETS = 8
 VOWELS = "aeiou"
-WORDS = sorted(set(
-    "apple banana cherry orange lemon melon grape mango peach pear plum kiwi tomato potato carrot "
-    "onion bottle window garden letter paper pencil rabbit turtle monkey parrot kitten puppy dragon "
-    "castle mirror butter coffee summer winter river forest island planet rocket school".split()))
+WORDS = sorted(
+    set(
+        ["apple", "banana", "cherry", "orange", "lemon", "melon", "grape", "mango", "peach", "pear", "plum", "kiwi", "tomato", "potato", "carrot", "onion", "bottle", "window", "garden", "letter", "paper", "pencil", "rabbit", "turtle", "monkey", "parrot", "kitten", "puppy", "dragon", "castle", "mirror", "butter", "coffee", "summer", "winter", "river", "forest", "island", "planet", "rocket", "school"]
+    )
+)
 SYSTEM_PROMPTS = [
     "You are a helpful assistant.",
     "You are a careful assistant. Think step by step.",
@@ -53,9 +55,11 @@ def add_task(rng: random.Random) -> Task:
     ones = a % 10 + b % 10
     carry = ones // 10
     tens = a // 10 + b // 10
-    reasoning = (f"We add digit by digit, from right to left.\n"
-                 f"ones: {a % 10}+{b % 10}={ones}, write {ones % 10}, carry {carry}\n"
-                 f"tens: {a // 10}+{b // 10}={tens}, {tens}+{carry}={tens + carry}, write {tens + carry}")
+    reasoning = (
+        f"We add digit by digit, from right to left.\n"
+        f"ones: {a % 10}+{b % 10}={ones}, write {ones % 10}, carry {carry}\n"
+        f"tens: {a // 10}+{b // 10}={tens}, {tens}+{carry}={tens + carry}, write {tens + carry}"
+    )
     return Task("add", prompt, reasoning, f"The sum is {a + b}.")
 
 
@@ -65,11 +69,16 @@ def subtract_task(rng: random.Random) -> Task:
     prompt = rng.choice(["What is {a} - {b}?", "Compute {a} - {b}.", "Find {a} - {b}."]).format(a=a, b=b)
     x, y = a % 10, b % 10
     borrow = int(x < y)
-    ones_line = (f"ones: {x} is less than {y}, so borrow: {x + 10}-{y}={x + 10 - y}, write {x + 10 - y}, borrow 1"
-                 if borrow else f"ones: {x}-{y}={x - y}, write {x - y}, borrow 0")
+    ones_line = (
+        f"ones: {x} is less than {y}, so borrow: {x + 10}-{y}={x + 10 - y}, write {x + 10 - y}, borrow 1"
+        if borrow
+        else f"ones: {x}-{y}={x - y}, write {x - y}, borrow 0"
+    )
     tens = a // 10 - b // 10
-    reasoning = (f"We subtract digit by digit, from right to left.\n{ones_line}\n"
-                 f"tens: {a // 10}-{b // 10}={tens}, {tens}-{borrow}={tens - borrow}, write {tens - borrow}")
+    reasoning = (
+        f"We subtract digit by digit, from right to left.\n{ones_line}\n"
+        f"tens: {a // 10}-{b // 10}={tens}, {tens}-{borrow}={tens - borrow}, write {tens - borrow}"
+    )
     return Task("subtract", prompt, reasoning, f"The difference is {a - b}.")
 
 
@@ -78,7 +87,9 @@ def sort_task(rng: random.Random) -> Task:
     # remaining list copied in order on every line.
     nums = rng.sample(range(1, 10), rng.randint(3, 5))
     listed = ", ".join(map(str, nums))
-    prompt = rng.choice(["Sort these numbers from smallest to largest: {l}.", "Put {l} in increasing order."]).format(l=listed)
+    prompt = rng.choice(["Sort these numbers from smallest to largest: {l}.", "Put {l} in increasing order."]).format(
+        l=listed
+    )
     checks = ", ".join(f"{d} {'yes' if d in nums else 'no'}" for d in range(1, 10))
     reasoning = f"Check each number from one to nine against the list:\n{checks}."
     return Task("sort", prompt, reasoning, ", ".join(map(str, sorted(nums))))
@@ -86,19 +97,31 @@ def sort_task(rng: random.Random) -> Task:
 
 # (big unit, small unit, small units per big unit, the largest amount of the big unit asked about)
 CONVERSIONS = [("km", "m", 1000, 9), ("kg", "g", 1000, 9), ("h", "min", 60, 12), ("min", "s", 60, 12)]
-UNIT_NAMES = {"km": "kilometers", "m": "meters", "h": "hours", "min": "minutes", "s": "seconds", "kg": "kilograms", "g": "grams"}
+UNIT_NAMES = {
+    "km": "kilometers",
+    "m": "meters",
+    "h": "hours",
+    "min": "minutes",
+    "s": "seconds",
+    "kg": "kilograms",
+    "g": "grams",
+}
 
 
 def convert_task(rng: random.Random) -> Task:
     big, small, factor, largest = rng.choice(CONVERSIONS)
     n = rng.randint(1, largest)
     if rng.random() < 0.5:  # big -> small: multiply
-        prompt = rng.choice(["Convert {n} {u} to {v}.", "How many {v} are in {n} {u}?"]).format(n=n, u=big, v=UNIT_NAMES[small])
+        prompt = rng.choice(["Convert {n} {u} to {v}.", "How many {v} are in {n} {u}?"]).format(
+            n=n, u=big, v=UNIT_NAMES[small]
+        )
         reasoning = f"1 {big} = {factor} {small}, so we multiply by {factor}.\n{n}×{factor}={n * factor}"
         answer = f"{n} {big} = {n * factor} {small}"
     else:  # small -> big: divide, shown by multiplying back (the same table as the other direction)
         m = n * factor
-        prompt = rng.choice(["Convert {m} {v} to {u}.", "How many {u} are in {m} {v}?"]).format(m=m, v=small, u=UNIT_NAMES[big])
+        prompt = rng.choice(["Convert {m} {v} to {u}.", "How many {u} are in {m} {v}?"]).format(
+            m=m, v=small, u=UNIT_NAMES[big]
+        )
         reasoning = f"1 {big} = {factor} {small}, so we divide by {factor}.\n{n}×{factor}={m}, so it is {n} {big}."
         answer = f"That is {n} {big}."
     return Task("convert", prompt, reasoning, answer)
@@ -108,8 +131,9 @@ def count_vowels_task(rng: random.Random) -> Task:
     # Vowels rather than a letter named in the prompt: whether a letter counts is then a property of the
     # letter itself, which a tiny model learns long before it can compare against a letter named far back.
     word = rng.choice(WORDS)
-    prompt = rng.choice(["How many vowels are in the word {w}?", "Count the vowels in {w}.",
-                         "How many vowels does {w} have?"]).format(w=word)
+    prompt = rng.choice(
+        ["How many vowels are in the word {w}?", "Count the vowels in {w}.", "How many vowels does {w} have?"]
+    ).format(w=word)
     running, count = [], 0
     for c in word:
         count += c in VOWELS
@@ -121,23 +145,35 @@ def count_vowels_task(rng: random.Random) -> Task:
 def compare_task(rng: random.Random) -> Task:
     a = rng.randint(10, 99)
     # half the pairs share the tens digit, so the ones digit has to decide
-    b = rng.choice([d for d in range(10 * (a // 10), 10 * (a // 10) + 10) if d != a]) if rng.random() < 0.5 else \
-        rng.choice([d for d in range(10, 100) if d // 10 != a // 10])
+    b = (
+        rng.choice([d for d in range(10 * (a // 10), 10 * (a // 10) + 10) if d != a])
+        if rng.random() < 0.5
+        else rng.choice([d for d in range(10, 100) if d // 10 != a // 10])
+    )
     ask = rng.choice(["larger", "smaller"])
     prompt = rng.choice(["Which is {q}, {a} or {b}?", "Which number is {q}: {a} or {b}?"]).format(q=ask, a=a, b=b)
     pick = max(a, b) if ask == "larger" else min(a, b)
     # digits are read by place, as in addition; the winner is then put together from the digits just written
     same_tens = a // 10 == b // 10
     winner, loser = sorted((a % 10, b % 10) if same_tens else (a // 10, b // 10), reverse=ask == "larger")
-    reasoning = (f"Compare digit by digit, from left to right.\ntens: {a // 10} and {b // 10}\nones: {a % 10} and {b % 10}\n"
-                 f"The tens {'are equal' if same_tens else 'differ'}: {winner} is {ask} than {loser}.\n"
-                 f"So the {'first' if pick == a else 'second'} number, {pick}, is {ask}.")
+    reasoning = (
+        f"Compare digit by digit, from left to right.\ntens: {a // 10} and {b // 10}\nones: {a % 10} and {b % 10}\n"
+        f"The tens {'are equal' if same_tens else 'differ'}: {winner} is {ask} than {loser}.\n"
+        f"So the {'first' if pick == a else 'second'} number, {pick}, is {ask}."
+    )
     return Task("compare", prompt, reasoning, f"{pick} is {ask}.")
 
 
 # addition and subtraction twice: their digit tables are the most to learn
 TASK_MAKERS: list[Callable[[random.Random], Task]] = [
-    add_task, subtract_task, sort_task, add_task, convert_task, subtract_task, count_vowels_task, compare_task,
+    add_task,
+    subtract_task,
+    sort_task,
+    add_task,
+    convert_task,
+    subtract_task,
+    count_vowels_task,
+    compare_task,
 ]
 
 

@@ -21,8 +21,8 @@ import copy
 import queue
 import random
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Callable
 
 import torch
 
@@ -58,8 +58,14 @@ def block_order(indices: list[int], blocks: list[list[int]] | None, rng: random.
     return order
 
 
-def epoch_batches(indices: list[int], lengths: list[int], global_batch: int, seed: int, epoch: int,
-                  blocks: list[list[int]] | None = None) -> list[list[int]]:
+def epoch_batches(
+    indices: list[int],
+    lengths: list[int],
+    global_batch: int,
+    seed: int,
+    epoch: int,
+    blocks: list[list[int]] | None = None,
+) -> list[list[int]]:
     """Global batches of one epoch: blocks in a shuffled order, each shuffled; then windows of BUCKET_BATCHES
     batches, sorted by length inside (little padding) and their batches shuffled. ``blocks=None``: one block."""
     rng = random.Random(f"{seed}:{epoch}")
@@ -67,8 +73,8 @@ def epoch_batches(indices: list[int], lengths: list[int], global_batch: int, see
     bucket = global_batch * BUCKET_BATCHES
     batches = []
     for start in range(0, len(order), bucket):
-        chunk = sorted(order[start:start + bucket], key=lambda i: lengths[i])
-        window = [chunk[j:j + global_batch] for j in range(0, len(chunk), global_batch)]
+        chunk = sorted(order[start : start + bucket], key=lambda i: lengths[i])
+        window = [chunk[j : j + global_batch] for j in range(0, len(chunk), global_batch)]
         rng.shuffle(window)
         batches.extend(window)
     return batches
@@ -76,7 +82,7 @@ def epoch_batches(indices: list[int], lengths: list[int], global_batch: int, see
 
 def eval_batches(indices: list[int], lengths: list[int], global_batch: int) -> list[list[int]]:
     order = sorted(indices, key=lambda i: (lengths[i], i))
-    return [order[j:j + global_batch] for j in range(0, len(order), global_batch)]
+    return [order[j : j + global_batch] for j in range(0, len(order), global_batch)]
 
 
 def pack_length(cfg) -> int:
@@ -84,8 +90,15 @@ def pack_length(cfg) -> int:
     return cfg.train.pack_length or cfg.prepare.max_length
 
 
-def packed_batches(indices: list[int], lengths: list[int], global_rows: int, row_tokens: int, seed: int,
-                   epoch: int, blocks: list[list[int]] | None = None) -> list[list[list[int]]]:
+def packed_batches(
+    indices: list[int],
+    lengths: list[int],
+    global_rows: int,
+    row_tokens: int,
+    seed: int,
+    epoch: int,
+    blocks: list[list[int]] | None = None,
+) -> list[list[list[int]]]:
     """Global batches of one epoch as rows of samples: each row holds samples whose lengths sum to at most
     ``row_tokens`` (a longer sample has a row to itself); ``global_rows`` rows per batch.
 
@@ -100,7 +113,7 @@ def packed_batches(indices: list[int], lengths: list[int], global_rows: int, row
     for start in range(0, len(order), PACK_WINDOW):
         window_rows: list[list[int]] = []
         room: list[int] = []
-        for i in order[start:start + PACK_WINDOW]:
+        for i in order[start : start + PACK_WINDOW]:
             row = next((r for r, free in enumerate(room) if lengths[i] <= free), None)
             if row is None:
                 window_rows.append([i])
@@ -110,7 +123,7 @@ def packed_batches(indices: list[int], lengths: list[int], global_rows: int, row
                 room[row] -= lengths[i]
         rows.extend(window_rows)
     rng.shuffle(rows)
-    batches = [rows[j:j + global_rows] for j in range(0, len(rows), global_rows)]
+    batches = [rows[j : j + global_rows] for j in range(0, len(rows), global_rows)]
     return batches
 
 
@@ -120,19 +133,19 @@ def rank_share(batch: list, rank: int, world: int) -> list:
 
 @dataclass
 class Batch:
-    input_ids: torch.Tensor        # [B, L] int64, right-padded with 0
-    attention_mask: torch.Tensor   # [B, L] int64
-    loss_mask: torch.Tensor        # [B, L] int64
-    aux: torch.Tensor | None = None          # offline: [B, L, 3Ht] in the storage dtype
+    input_ids: torch.Tensor  # [B, L] int64, right-padded with 0
+    attention_mask: torch.Tensor  # [B, L] int64
+    loss_mask: torch.Tensor  # [B, L] int64
+    aux: torch.Tensor | None = None  # offline: [B, L, 3Ht] in the storage dtype
     last_hidden: torch.Tensor | None = None  # offline: [B, L, Ht]
-    scale_exp: torch.Tensor | None = None    # offline fp8: [B, L, 4] int8 (see eaglekit.data.shards)
+    scale_exp: torch.Tensor | None = None  # offline fp8: [B, L, 4] int8 (see eaglekit.data.shards)
     position_ids: torch.Tensor | None = None  # packed rows: [B, L], 0 where each sample starts
 
     @property
     def tokens(self) -> int:
         return int(self.attention_mask.sum())
 
-    def to(self, device) -> "Batch":
+    def to(self, device) -> Batch:
         move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
         return Batch(**{f.name: move(getattr(self, f.name)) for f in fields(self)})
 
@@ -154,9 +167,12 @@ def collate_packed(store: TokenStore, rows: list[list[int]], features: FeatureSt
     ids = [joined([s[1] for s in row]) for row in samples]
     positions = [joined([torch.arange(len(s[1])) for s in row]) for row in samples]
     width = max(len(r) for r in ids)
-    batch = Batch(input_ids=pad(ids), attention_mask=pad([torch.ones_like(t) for t in ids]),
-                  loss_mask=pad([joined([s[2].long() for s in row]) for row in samples]),
-                  position_ids=torch.stack([torch.cat([p, p[-1] + 1 + torch.arange(width - len(p))]) for p in positions]))
+    batch = Batch(
+        input_ids=pad(ids),
+        attention_mask=pad([torch.ones_like(t) for t in ids]),
+        loss_mask=pad([joined([s[2].long() for s in row]) for row in samples]),
+        position_ids=torch.stack([torch.cat([p, p[-1] + 1 + torch.arange(width - len(p))]) for p in positions]),
+    )
     if features is not None:
         feats = [[features[s[0]] for s in row] for row in samples]
         batch.aux = pad([joined([f.aux for f in row]) for row in feats])
@@ -203,8 +219,9 @@ class Loader:
         self.close()
         self._stop = threading.Event()
         self._queue = queue.Queue(maxsize=self.ahead)
-        self._thread = threading.Thread(target=self._run, args=(u, self._queue, self._stop), daemon=True,
-                                        name="eaglekit-loader")
+        self._thread = threading.Thread(
+            target=self._run, args=(u, self._queue, self._stop), daemon=True, name="eaglekit-loader"
+        )
         self._thread.start()
 
     def _run(self, u: int, out: queue.Queue, stop: threading.Event) -> None:

@@ -38,14 +38,30 @@ from eaglekit.interrupt import StopRequest
 from eaglekit.model import checkpoints
 from eaglekit.model.drafter import DrafterConfig, Eagle3Drafter
 from eaglekit.model.hub import drafter_folder
-from eaglekit.model.target import (TargetFeatures, TargetHead, aux_layer_ids, embedding_and_head, load_target,
-                                   target_hf_config)
+from eaglekit.model.target import (
+    TargetFeatures,
+    TargetHead,
+    aux_layer_ids,
+    embedding_and_head,
+    load_target,
+    target_hf_config,
+)
 from eaglekit.plots import training_curves
 from eaglekit.progress import Meter, console
 from eaglekit.stages.vocab import load_vocab
 from eaglekit.training import distributed as dist
-from eaglekit.training.data import (Batch, Loader, collate, collate_packed, epoch_batches, eval_batches, pack_length,
-                                    packed_batches, rank_share, split_indices)
+from eaglekit.training.data import (
+    Batch,
+    Loader,
+    collate,
+    collate_packed,
+    epoch_batches,
+    eval_batches,
+    pack_length,
+    packed_batches,
+    rank_share,
+    split_indices,
+)
 from eaglekit.training.ttt import TTTOutput, simulated_acceptance_length, ttt_loss
 
 STATE = "training_state.pt"
@@ -59,11 +75,14 @@ def say(message: str) -> None:
 
 # ------------------------------------------------------------------------------------------------ drafter
 
-def new_drafter(cfg, hf_config, d2t: torch.Tensor, t2d: torch.Tensor, embed: torch.Tensor, head: torch.Tensor,
-                aux_ids: list[int]) -> Eagle3Drafter:
+
+def new_drafter(
+    cfg, hf_config, d2t: torch.Tensor, t2d: torch.Tensor, embed: torch.Tensor, head: torch.Tensor, aux_ids: list[int]
+) -> Eagle3Drafter:
     """A drafter shaped after the target (``train.draft`` overrides), with the target's embedding frozen in."""
-    dcfg = DrafterConfig.from_target_config(hf_config, draft_vocab_size=int(d2t.numel()), aux_layer_ids=aux_ids,
-                                            **cfg.train.draft.model_dump())
+    dcfg = DrafterConfig.from_target_config(
+        hf_config, draft_vocab_size=int(d2t.numel()), aux_layer_ids=aux_ids, **cfg.train.draft.model_dump()
+    )
     drafter = Eagle3Drafter(dcfg)
     drafter.d2t.copy_(d2t)
     drafter.t2d.copy_(t2d)
@@ -73,8 +92,10 @@ def new_drafter(cfg, hf_config, d2t: torch.Tensor, t2d: torch.Tensor, embed: tor
             with torch.no_grad():
                 drafter.lm_head.weight.copy_(head[t2d.to(head.device)])
         else:
-            say(f"[yellow]train: lm_head starts random: the target's rows are {head.shape[1]} wide, "
-                f"the drafter's hidden size is {dcfg.hidden_size}[/]")
+            say(
+                f"[yellow]train: lm_head starts random: the target's rows are {head.shape[1]} wide, "
+                f"the drafter's hidden size is {dcfg.hidden_size}[/]"
+            )
     return drafter
 
 
@@ -85,12 +106,16 @@ def take_target_embedding(drafter: Eagle3Drafter, embed: torch.Tensor) -> None:
             drafter.embed_tokens.weight.copy_(embed)
         drafter.embed_tokens.weight.requires_grad_(False)
     else:
-        say(f"[yellow]train: the target's embedding is {list(embed.shape)}, the drafter's "
-            f"{list(drafter.embed_tokens.weight.shape)}: the drafter trains its own embedding[/]")
+        say(
+            f"[yellow]train: the target's embedding is {list(embed.shape)}, the drafter's "
+            f"{list(drafter.embed_tokens.weight.shape)}: the drafter trains its own embedding[/]"
+        )
         drafter.embed_tokens.weight.requires_grad_(True)
 
 
-def remap_vocab(drafter: Eagle3Drafter, d2t: torch.Tensor, t2d: torch.Tensor, head: torch.Tensor | None) -> tuple[Eagle3Drafter, int]:
+def remap_vocab(
+    drafter: Eagle3Drafter, d2t: torch.Tensor, t2d: torch.Tensor, head: torch.Tensor | None
+) -> tuple[Eagle3Drafter, int]:
     """The drafter on a new draft vocab: lm_head rows of tokens in both vocabs keep their weights, new rows come
     from the target's lm_head (when the widths match) or zero. Returns (new drafter, number of new rows)."""
     old_t2d = drafter.t2d.cpu()
@@ -124,13 +149,17 @@ def build_drafter(cfg, hf_config, d2t, t2d, embed, head, aux_ids) -> tuple[Eagle
     drafter = drafter.float()
     if cfg.train.remap_vocab:
         drafter, new_rows = remap_vocab(drafter, d2t, t2d, head if cfg.train.init_lm_head_from_target else None)
-        say(f"train: finetuning {cfg.train.init_from} on this run's draft vocab: {new_rows} of "
-            f"{int(d2t.numel())} lm_head rows are new (from the target's lm_head, or zero), the rest keep their weights")
+        say(
+            f"train: finetuning {cfg.train.init_from} on this run's draft vocab: {new_rows} of "
+            f"{int(d2t.numel())} lm_head rows are new (from the target's lm_head, or zero), the rest keep their weights"
+        )
         notes = {"draft_vocab": "vocab stage (remapped)", "new_lm_head_rows": new_rows}
         has_rows = new_rows == 0 or (cfg.train.init_lm_head_from_target and head.shape[1] == drafter.config.hidden_size)
     else:
-        say(f"train: finetuning {cfg.train.init_from} with its own draft vocab ({drafter.config.draft_vocab_size} "
-            "tokens); the vocab stage's mapping is not used (train.remap_vocab: true maps onto it)")
+        say(
+            f"train: finetuning {cfg.train.init_from} with its own draft vocab ({drafter.config.draft_vocab_size} "
+            "tokens); the vocab stage's mapping is not used (train.remap_vocab: true maps onto it)"
+        )
         notes = {"draft_vocab": "init_from checkpoint"}
         has_rows = True
     take_target_embedding(drafter, embed)
@@ -146,12 +175,15 @@ def freeze_head(drafter: Eagle3Drafter, cfg, has_rows: bool) -> str:
     frozen = cfg.train.freeze_lm_head and has_rows
     drafter.lm_head.weight.requires_grad_(not frozen)
     if cfg.train.freeze_lm_head and not has_rows:
-        say("[yellow]train: lm_head trains although train.freeze_lm_head is set: it has no rows to start from "
-            "(the target's lm_head is another width, or train.init_lm_head_from_target is false)[/]")
+        say(
+            "[yellow]train: lm_head trains although train.freeze_lm_head is set: it has no rows to start from "
+            "(the target's lm_head is another width, or train.init_lm_head_from_target is false)[/]"
+        )
     return "frozen" if frozen else "trained"
 
 
 # ------------------------------------------------------------------------------------------ model wrapper
+
 
 class TTT(nn.Module):
     """ttt_loss as a module's forward, so DDP / FSDP see a forward pass (their gradient sync hooks onto it).
@@ -169,14 +201,27 @@ class TTT(nn.Module):
         super().__init__()
         self.drafter, self.steps, self.decay, self.anchor_weight = drafter, steps, decay, anchor_weight
         # not buffers: FSDP must not shard them, checkpoints must not hold them (they are the init_from weights)
-        self.anchor = ({name: p.detach().clone() for name, p in drafter.named_parameters() if p.requires_grad}
-                       if anchor_weight > 0 else {})
+        self.anchor = (
+            {name: p.detach().clone() for name, p in drafter.named_parameters() if p.requires_grad}
+            if anchor_weight > 0
+            else {}
+        )
 
     def forward(self, aux, input_ids, target_logits, loss_mask, attention_mask, target_in_draft, position_ids=None):
         world = dist.world_size() if dist.active() else 1
-        out = ttt_loss(self.drafter, aux, input_ids, target_logits, loss_mask, attention_mask, self.steps, self.decay,
-                       target_in_draft, position_ids=position_ids,
-                       normalizer=(lambda count: dist.all_reduce_sum(count.clone())) if world > 1 else None)
+        out = ttt_loss(
+            self.drafter,
+            aux,
+            input_ids,
+            target_logits,
+            loss_mask,
+            attention_mask,
+            self.steps,
+            self.decay,
+            target_in_draft,
+            position_ids=position_ids,
+            normalizer=(lambda count: dist.all_reduce_sum(count.clone())) if world > 1 else None,
+        )
         loss = out.loss * world
         if out.count_k[0] == 0:  # nothing counted on this rank: touch every parameter so DDP's reduction completes
             loss = loss + sum(p.sum() for p in self.drafter.parameters() if p.requires_grad) * 0.0
@@ -203,21 +248,32 @@ def wrap(module: TTT, mode: str, device: torch.device) -> nn.Module:
 
 # ---------------------------------------------------------------------------------------------- features
 
+
 class Features:
     """Turns a token batch into TTT inputs: from the live target (online) or from shards + lm_head (offline)."""
 
     packing_checked = False  # online packing: the target's features of a packed document were checked once
 
-    def __init__(self, run_dir: Path, t2d: torch.Tensor, device: torch.device, aux_ids: list[int],
-                 aux_dtype: torch.dtype, target_model=None, head: torch.Tensor | None = None):
+    def __init__(
+        self,
+        run_dir: Path,
+        t2d: torch.Tensor,
+        device: torch.device,
+        aux_ids: list[int],
+        aux_dtype: torch.dtype,
+        target_model=None,
+        head: torch.Tensor | None = None,
+    ):
         self.device, self.aux_dtype = device, aux_dtype
         self.store = None if target_model is not None else FeatureStore(run_dir / "extract")
         if target_model is not None:
             self.target = TargetFeatures(target_model, aux_ids, t2d)
         else:
             if self.store.index.get("aux_layer_ids") not in (None, aux_ids):
-                raise EaglekitError(f"the offline features tap layers {self.store.index['aux_layer_ids']}, "
-                                    f"this config {aux_ids}", "rerun extraction: `eaglekit run CONFIG --from extract --force`")
+                raise EaglekitError(
+                    f"the offline features tap layers {self.store.index['aux_layer_ids']}, this config {aux_ids}",
+                    "rerun extraction: `eaglekit run CONFIG --from extract --force`",
+                )
             weight = head.to(device, torch.float32 if device.type == "cpu" else head.dtype)
             self.head = TargetHead(weight, t2d)
 
@@ -228,7 +284,11 @@ class Features:
             f = self.target(b.input_ids, b.attention_mask, position_ids=b.position_ids)
             if b.position_ids is not None and not self.packing_checked:
                 self.check_packed_features(b, f)
-            aux, logits, in_draft = f.aux.to(self.device), f.target_logits.to(self.device), f.target_in_draft.to(self.device)
+            aux, logits, in_draft = (
+                f.aux.to(self.device),
+                f.target_logits.to(self.device),
+                f.target_in_draft.to(self.device),
+            )
         else:  # stored rows (bf16, or fp8 with its scales) are decoded on the device: half the bytes travel
             aux, last = decode(Rows(b.aux, b.last_hidden, b.scale_exp), self.head.weight.dtype)
             logits, in_draft = self.head(last)
@@ -245,8 +305,8 @@ class Features:
             real = int(b.attention_mask[row].sum())
             if len(starts) >= 2 and starts[1] < real:
                 end = starts[2] if len(starts) > 2 else real
-                alone = self.target(b.input_ids[row:row + 1, starts[1]:end], with_logits=False)
-                got, want = packed.aux[row, starts[1]:end].float(), alone.aux[0].float()
+                alone = self.target(b.input_ids[row : row + 1, starts[1] : end], with_logits=False)
+                got, want = packed.aux[row, starts[1] : end].float(), alone.aux[0].float()
                 error = float((got - want).norm() / want.norm().clamp(min=1e-12))
                 if error > 0.05:
                     raise EaglekitError(
@@ -254,7 +314,8 @@ class Features:
                         f"alone (relative error {error:.3f}): its attention does not keep packed documents apart "
                         "(transformers does that from position_ids for its own Llama/Qwen-style models)",
                         "set train.packing: false, or extract features offline (extract.mode: offline), which runs "
-                        "every document alone")
+                        "every document alone",
+                    )
                 self.packing_checked = True
                 return
 
@@ -265,13 +326,16 @@ class Features:
         position = {sid: i for i, sid in enumerate(store.ids)}
         missing = [sid for sid in store.ids if sid not in self.store]
         if missing:
-            raise EaglekitError(f"{len(missing)} prepared samples have no offline features (e.g. {missing[0]!r})",
-                                "the features are from other prepared tokens: rerun extraction: "
-                                "`eaglekit run CONFIG --from extract --force`")
+            raise EaglekitError(
+                f"{len(missing)} prepared samples have no offline features (e.g. {missing[0]!r})",
+                "the features are from other prepared tokens: rerun extraction: "
+                "`eaglekit run CONFIG --from extract --force`",
+            )
         return [[position[sid] for sid in ids if sid in position] for ids in self.store.shard_members()]
 
 
 # ------------------------------------------------------------------------------------------- bookkeeping
+
 
 class Window:
     """Token-weighted sums of the TTT figures over micro-batches (and ranks), between two log lines."""
@@ -297,20 +361,35 @@ class Window:
             self.count_k[k] += out.count_k[k]
 
     def state(self) -> dict:
-        return {"loss": self.loss, "micro": self.micro, "loss_k": self.loss_k, "correct_k": self.correct_k,
-                "count_k": self.count_k, "tokens": self.tokens, "anchor": self.anchor}
+        return {
+            "loss": self.loss,
+            "micro": self.micro,
+            "loss_k": self.loss_k,
+            "correct_k": self.correct_k,
+            "count_k": self.count_k,
+            "tokens": self.tokens,
+            "anchor": self.anchor,
+        }
 
     def reduced(self) -> dict:
         """The figures summed over ranks: mean loss, per-step loss/accuracy, tokens, mean anchor distance²."""
-        t = torch.tensor([self.loss, self.micro, self.tokens, *self.loss_k, *self.correct_k, *self.count_k, self.anchor],
-                         dtype=torch.float64, device=_reduce_device())
+        t = torch.tensor(
+            [self.loss, self.micro, self.tokens, *self.loss_k, *self.correct_k, *self.count_k, self.anchor],
+            dtype=torch.float64,
+            device=_reduce_device(),
+        )
         dist.all_reduce_sum(t)
         v = t.tolist()
         k = self.steps
-        loss_k, correct_k, count_k = v[3:3 + k], v[3 + k:3 + 2 * k], v[3 + 2 * k:3 + 3 * k]
-        return {"loss": v[0] / max(v[1], 1), "tokens": int(v[2]), "anchor": v[-1] / max(v[1], 1),
-                "loss_k": [a / c if c else 0.0 for a, c in zip(loss_k, count_k)],
-                "acc_k": [a / c if c else 0.0 for a, c in zip(correct_k, count_k)], "count_k": [int(c) for c in count_k]}
+        loss_k, correct_k, count_k = v[3 : 3 + k], v[3 + k : 3 + 2 * k], v[3 + 2 * k : 3 + 3 * k]
+        return {
+            "loss": v[0] / max(v[1], 1),
+            "tokens": int(v[2]),
+            "anchor": v[-1] / max(v[1], 1),
+            "loss_k": [a / c if c else 0.0 for a, c in zip(loss_k, count_k, strict=False)],
+            "acc_k": [a / c if c else 0.0 for a, c in zip(correct_k, count_k, strict=False)],
+            "count_k": [int(c) for c in count_k],
+        }
 
 
 def _reduce_device() -> torch.device:
@@ -365,7 +444,11 @@ class Metrics:
             self.tb.close()
 
     def rows(self) -> list[dict]:
-        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()] if self.path.exists() else []
+        return (
+            [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+            if self.path.exists()
+            else []
+        )
 
 
 def rng_state() -> dict:
@@ -393,6 +476,7 @@ def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
 
 # ------------------------------------------------------------------------------------------- checkpoints
 
+
 def model_state(model: nn.Module, drafter: Eagle3Drafter, fsdp: bool) -> dict:
     """The drafter's full (unsharded) state dict on the CPU; a collective under FSDP, so every rank calls it."""
     if fsdp:
@@ -414,8 +498,11 @@ def optim_state(model: nn.Module, optim, fsdp: bool) -> dict:
 def load_state(model: nn.Module, drafter: Eagle3Drafter, optim, msd: dict, osd: dict, fsdp: bool) -> None:
     """Restore parameters and optimizer; the frozen embedding is not in ``msd`` (it comes from the target)."""
     if fsdp:
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                             set_optimizer_state_dict)
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
 
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True, strict=False)
         set_model_state_dict(model, {f"drafter.{k}": v for k, v in msd.items()}, options=opts)
@@ -454,8 +541,10 @@ class Checkpoints:
             return None
         path = self.folder / pointer.read_text().strip()
         if not (path / STATE).exists():
-            raise EaglekitError(f"{pointer} names {path.name}, which has no {STATE}",
-                                "remove the train folder's checkpoints/latest to restart, or restore that checkpoint")
+            raise EaglekitError(
+                f"{pointer} names {path.name}, which has no {STATE}",
+                "remove the train folder's checkpoints/latest to restart, or restore that checkpoint",
+            )
         return path
 
     def save(self, step: int, drafter_cfg: DrafterConfig, msd: dict, state: dict) -> Path:
@@ -465,7 +554,7 @@ class Checkpoints:
             torch.save(state, tmp / STATE)
         atomic.write_text(self.folder / "latest", path.name + "\n")
         steps = sorted(int(p.name.split("-")[1]) for p in self.folder.glob("step-*") if p.is_dir())
-        for old in steps[:-self.keep_last]:
+        for old in steps[: -self.keep_last]:
             shutil.rmtree(self.folder / f"step-{old}", ignore_errors=True)
         return path
 
@@ -478,17 +567,22 @@ class Checkpoints:
 def checkpoint_due(stop: StopRequest, last_save: float, minutes: float | None) -> tuple[bool, bool]:
     """(a signal asked to stop, train.save_every_minutes has passed), agreed by every rank: a checkpoint is a
     collective under FSDP, so no rank may decide alone."""
-    flags = torch.tensor([float(stop.requested), float(minutes is not None and time.monotonic() - last_save >= 60 * minutes)],
-                         dtype=torch.float64, device=_reduce_device())
+    flags = torch.tensor(
+        [float(stop.requested), float(minutes is not None and time.monotonic() - last_save >= 60 * minutes)],
+        dtype=torch.float64,
+        device=_reduce_device(),
+    )
     dist.all_reduce_sum(flags)
     return bool(flags[0] > 0), bool(flags[1] > 0)
 
 
 # ------------------------------------------------------------------------------------------------ the run
 
+
 @torch.no_grad()
-def evaluate(model: nn.Module, features: Features, make_batch, batches: list[list], steps: int, decay: float,
-             autocast) -> dict:
+def evaluate(
+    model: nn.Module, features: Features, make_batch, batches: list[list], steps: int, decay: float, autocast
+) -> dict:
     window = Window(steps)
     model.eval()
     for batch in batches:
@@ -498,8 +592,13 @@ def evaluate(model: nn.Module, features: Features, make_batch, batches: list[lis
         window.add(out, float(loss.detach()), 0)
     model.train()
     r = window.reduced()
-    return {"loss": sum(loss * decay ** k for k, loss in enumerate(r["loss_k"])), "loss_k": r["loss_k"],
-            "acc_k": r["acc_k"], "tau": simulated_acceptance_length(r["acc_k"]), "count_k": r["count_k"]}
+    return {
+        "loss": sum(loss * decay**k for k, loss in enumerate(r["loss_k"])),
+        "loss_k": r["loss_k"],
+        "acc_k": r["acc_k"],
+        "tau": simulated_acceptance_length(r["acc_k"]),
+        "count_k": r["count_k"],
+    }
 
 
 def train(ctx) -> dict[str, Any]:
@@ -532,8 +631,15 @@ def train(ctx) -> dict[str, Any]:
     # fp32 master weights; bf16 autocast on GPUs (train.dtype auto), fp32 on the CPU
     use_bf16 = tc.dtype == "bfloat16" or (tc.dtype == "auto" and device.type == "cuda")
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if use_bf16 else contextlib.nullcontext
-    features = Features(ctx.run.path, drafter.t2d.cpu(), device, aux_ids, torch.bfloat16 if use_bf16 else torch.float32,
-                        target_model, head)
+    features = Features(
+        ctx.run.path,
+        drafter.t2d.cpu(),
+        device,
+        aux_ids,
+        torch.bfloat16 if use_bf16 else torch.float32,
+        target_model,
+        head,
+    )
     del embed, head
 
     model = wrap(TTT(drafter, tc.ttt_steps, tc.ttt_decay, tc.anchor_weight), tc.distributed, device)
@@ -544,8 +650,10 @@ def train(ctx) -> dict[str, Any]:
     lengths = store.lengths.tolist()
     train_idx, held_idx = split_indices(store, cfg.data.eval_fraction)
     if not train_idx:
-        raise EaglekitError(f"no training samples: all {len(store)} are held out (data.eval_fraction "
-                            f"{cfg.data.eval_fraction})", "lower data.eval_fraction or add data")
+        raise EaglekitError(
+            f"no training samples: all {len(store)} are held out (data.eval_fraction {cfg.data.eval_fraction})",
+            "lower data.eval_fraction or add data",
+        )
     global_batch = tc.batch_size * world
     row_tokens = pack_length(cfg) if tc.packing else 0
 
@@ -559,22 +667,36 @@ def train(ctx) -> dict[str, Any]:
             batches = epoch_batches(train_idx, lengths, global_batch, tc.seed, epoch, blocks)
         return [b for b in batches if len(b) >= world]
 
-    def make_batch(entries: list, tokens: TokenStore = store, feature_store: FeatureStore | None = features.store) -> Batch:
+    def make_batch(
+        entries: list, tokens: TokenStore = store, feature_store: FeatureStore | None = features.store
+    ) -> Batch:
         return (collate_packed if tc.packing else collate)(tokens, entries, feature_store)
 
     per_epoch = len(plan(0))
     if per_epoch == 0:
-        raise EaglekitError(f"{len(train_idx)} training samples make no batch for {world} processes",
-                            "add data or use fewer processes")
+        raise EaglekitError(
+            f"{len(train_idx)} training samples make no batch for {world} processes", "add data or use fewer processes"
+        )
     total_steps = tc.max_steps or max(1, math.ceil(tc.epochs * per_epoch / tc.grad_accum))
     if tc.eval_samples and len(held_idx) > tc.eval_samples:
         held_idx = sorted(random.Random(tc.seed).sample(held_idx, tc.eval_samples))
-    held_batches = [b for b in (packed_batches(held_idx, lengths, global_batch, row_tokens, 0, 0) if tc.packing
-                                else eval_batches(held_idx, lengths, global_batch)) if len(b) >= world]
+    held_batches = [
+        b
+        for b in (
+            packed_batches(held_idx, lengths, global_batch, row_tokens, 0, 0)
+            if tc.packing
+            else eval_batches(held_idx, lengths, global_batch)
+        )
+        if len(b) >= world
+    ]
     if not held_batches:
-        say("[yellow]train: no held-out samples (data.eval_fraction is 0 or too small): "
-            "no evaluation; best/ is the final drafter[/]")
-    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: lr_factor(s, tc.warmup_steps, total_steps, tc.min_lr_ratio))
+        say(
+            "[yellow]train: no held-out samples (data.eval_fraction is 0 or too small): "
+            "no evaluation; best/ is the final drafter[/]"
+        )
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        optim, lambda s: lr_factor(s, tc.warmup_steps, total_steps, tc.min_lr_ratio)
+    )
 
     metrics = Metrics(out_dir / "metrics.jsonl", out_dir / "tensorboard")
     start_step, best_tau, window_state, tokens_seen, seconds_before = 0, -1.0, None, 0, 0.0
@@ -592,9 +714,11 @@ def train(ctx) -> dict[str, Any]:
 
     n_trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
     batch_shape = f"{global_batch} rows of up to {row_tokens} packed tokens" if tc.packing else str(global_batch)
-    say(f"train: {n_trainable / 1e6:.2f}M trainable parameters, {len(train_idx)} train / {len(held_idx)} "
+    say(
+        f"train: {n_trainable / 1e6:.2f}M trainable parameters, {len(train_idx)} train / {len(held_idx)} "
         f"held-out samples, {per_epoch} batches of {batch_shape} per epoch, {total_steps} steps"
-        f"{f' on {world} processes' if world > 1 else ''} ({'online' if online else 'offline'} features)")
+        f"{f' on {world} processes' if world > 1 else ''} ({'online' if online else 'offline'} features)"
+    )
 
     def run_eval(step: int) -> dict | None:
         nonlocal best_tau
@@ -624,18 +748,25 @@ def train(ctx) -> dict[str, Any]:
     t0, local_tokens = time.monotonic(), 0
     model.train()
     # Ctrl-C / SIGTERM finish the step in progress and write a checkpoint before stopping (a second one stops at once)
-    stop = StopRequest(lambda name: say(f"[yellow]train: {name}: finishing this step and writing a checkpoint "
-                                        "(send it again to stop at once)[/]"))
+    stop = StopRequest(
+        lambda name: say(
+            f"[yellow]train: {name}: finishing this step and writing a checkpoint (send it again to stop at once)[/]"
+        )
+    )
     last_save = time.monotonic()
-    with stop, contextlib.closing(Loader(micro_batch, store, features.store)) as loader, \
-            Meter("train" if dist.is_main() else f"train (rank {rank})", total=total_steps, unit="step",
-                  initial=start_step) as meter:
+    with (
+        stop,
+        contextlib.closing(Loader(micro_batch, store, features.store)) as loader,
+        Meter(
+            "train" if dist.is_main() else f"train (rank {rank})", total=total_steps, unit="step", initial=start_step
+        ) as meter,
+    ):
         for step in range(start_step, total_steps):
             for a in range(tc.grad_accum):
                 batch = loader.get(step * tc.grad_accum + a)
                 inputs = features(batch)
                 last_micro = a == tc.grad_accum - 1 or not hasattr(model, "no_sync")
-                with (contextlib.nullcontext() if last_micro else model.no_sync()):
+                with contextlib.nullcontext() if last_micro else model.no_sync():
                     with autocast():
                         loss, out = model(*inputs)
                     (loss / tc.grad_accum).backward()
@@ -651,13 +782,26 @@ def train(ctx) -> dict[str, Any]:
             if done % tc.log_every == 0 or done == total_steps:
                 r = window.reduced()
                 tokens_seen += r["tokens"]
-                metrics.write({"kind": "train", "step": done, "epoch": round(done * tc.grad_accum / per_epoch, 4),
-                               "loss": r["loss"], "loss_k": r["loss_k"], "acc_k": r["acc_k"], "lr": lr,
-                               "grad_norm": grad_norm, "tokens": tokens_seen,
-                               "seconds": round(seconds_before + time.monotonic() - t0, 2),
-                               **({"anchor_distance": math.sqrt(r["anchor"])} if tc.anchor_weight else {})})
-                meter.fields.update(loss=round(r["loss"], 4), acc_0=round(r["acc_k"][0], 4),
-                                    tok_s=round(local_tokens * world / max(time.monotonic() - t0, 1e-9)))
+                metrics.write(
+                    {
+                        "kind": "train",
+                        "step": done,
+                        "epoch": round(done * tc.grad_accum / per_epoch, 4),
+                        "loss": r["loss"],
+                        "loss_k": r["loss_k"],
+                        "acc_k": r["acc_k"],
+                        "lr": lr,
+                        "grad_norm": grad_norm,
+                        "tokens": tokens_seen,
+                        "seconds": round(seconds_before + time.monotonic() - t0, 2),
+                        **({"anchor_distance": math.sqrt(r["anchor"])} if tc.anchor_weight else {}),
+                    }
+                )
+                meter.fields.update(
+                    loss=round(r["loss"], 4),
+                    acc_0=round(r["acc_k"][0], 4),
+                    tok_s=round(local_tokens * world / max(time.monotonic() - t0, 1e-9)),
+                )
                 window = Window(tc.ttt_steps)
             if done % tc.eval_every == 0 or done == total_steps:
                 last_eval = run_eval(done)
@@ -667,12 +811,24 @@ def train(ctx) -> dict[str, Any]:
             if done % tc.save_every == 0 or done == total_steps or stopping or timed:
                 msd, osd = model_state(model, drafter, fsdp), optim_state(model, optim, fsdp)
                 if dist.is_main():
-                    ckpts.save(done, drafter.config, msd, {
-                        "model": without_frozen_embedding(msd, drafter), "optimizer": osd,
-                        "scheduler": sched.state_dict(), "step": done,
-                        "epoch": done * tc.grad_accum // per_epoch, "data_position": done * tc.grad_accum % per_epoch,
-                        "best_tau": best_tau, "window": window.state(), "tokens": tokens_seen,
-                        "seconds": seconds_before + time.monotonic() - t0, "rng": rng_state()})
+                    ckpts.save(
+                        done,
+                        drafter.config,
+                        msd,
+                        {
+                            "model": without_frozen_embedding(msd, drafter),
+                            "optimizer": osd,
+                            "scheduler": sched.state_dict(),
+                            "step": done,
+                            "epoch": done * tc.grad_accum // per_epoch,
+                            "data_position": done * tc.grad_accum % per_epoch,
+                            "best_tau": best_tau,
+                            "window": window.state(),
+                            "tokens": tokens_seen,
+                            "seconds": seconds_before + time.monotonic() - t0,
+                            "rng": rng_state(),
+                        },
+                    )
                 dist.barrier()
                 last_save = time.monotonic()
             meter.update(1)
@@ -690,20 +846,36 @@ def train(ctx) -> dict[str, Any]:
         msd = model_state(model, drafter, fsdp)
         if dist.is_main():
             ckpts.save_best(total_steps, drafter.config, msd, {})
-    summary = {"steps": total_steps, "tokens": tokens_seen, "seconds": round(seconds, 1),
-               "trainable_parameters": n_trainable, "best_tau": round(best_tau, 4) if best_tau >= 0 else None}
+    summary = {
+        "steps": total_steps,
+        "tokens": tokens_seen,
+        "seconds": round(seconds, 1),
+        "trainable_parameters": n_trainable,
+        "best_tau": round(best_tau, 4) if best_tau >= 0 else None,
+    }
     if last_eval:
-        summary |= {"held_out_loss": last_eval["loss"], "loss_k": last_eval["loss_k"], "acc_k": last_eval["acc_k"],
-                    "tau": last_eval["tau"]}
+        summary |= {
+            "held_out_loss": last_eval["loss"],
+            "loss_k": last_eval["loss_k"],
+            "acc_k": last_eval["acc_k"],
+            "tau": last_eval["tau"],
+        }
     if dist.is_main():
         atomic.write_json(out_dir / "summary.json", summary)
         training_curves(metrics.rows(), out_dir / "curves.png")
         if last_eval:
-            say(f"train: held-out acc_k {[round(a, 3) for a in last_eval['acc_k']]}, "
-                f"simulated acceptance length {last_eval['tau']:.3f}")
+            say(
+                f"train: held-out acc_k {[round(a, 3) for a in last_eval['acc_k']]}, "
+                f"simulated acceptance length {last_eval['tau']:.3f}"
+            )
     dist.barrier()
-    counts = {"steps": total_steps, "train_samples": len(train_idx), "tokens": tokens_seen, "seconds": round(seconds, 1),
-              **notes}
+    counts = {
+        "steps": total_steps,
+        "train_samples": len(train_idx),
+        "tokens": tokens_seen,
+        "seconds": round(seconds, 1),
+        **notes,
+    }
     if last_eval:
         counts |= {"tau": round(last_eval["tau"], 3), "acc_k": [round(a, 3) for a in last_eval["acc_k"]]}
     return counts

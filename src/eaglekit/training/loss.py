@@ -30,14 +30,20 @@ CHUNK_ELEMENTS_DEFAULT = 1 << 25
 
 @dataclass
 class HeadLoss:
-    loss: torch.Tensor     # scalar: sum over rows of row_weight * soft cross-entropy (differentiable)
-    ce: torch.Tensor       # [M] each row's soft cross-entropy (no grad)
+    loss: torch.Tensor  # scalar: sum over rows of row_weight * soft cross-entropy (differentiable)
+    ce: torch.Tensor  # [M] each row's soft cross-entropy (no grad)
     correct: torch.Tensor  # [M] bool: the draft's argmax equals the target's
 
 
-def head_soft_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target_p: torch.Tensor,
-                            target_argmax: torch.Tensor, slots: torch.Tensor, row_weight: torch.Tensor,
-                            chunk_rows: int | None = None) -> HeadLoss:
+def head_soft_cross_entropy(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    target_p: torch.Tensor,
+    target_argmax: torch.Tensor,
+    slots: torch.Tensor,
+    row_weight: torch.Tensor,
+    chunk_rows: int | None = None,
+) -> HeadLoss:
     """Σ_m row_weight[m] · H(target_p[slots[m]], softmax(x[m] @ weight.T)), without [M, Vd] kept for backward.
 
     x [M, H] the normed draft hidden states; weight [Vd, H] the draft head; target_p [P, Vd] target
@@ -55,15 +61,23 @@ def head_soft_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target_p: tor
         chunk_rows = max(1, elements // max(1, weight.shape[0]))
     grad = torch.is_grad_enabled()
     loss, ce, correct = _HeadSoftCrossEntropy.apply(
-        x, weight, target_p, target_argmax, slots, row_weight, matmul_dtype, chunk_rows,
-        grad and x.requires_grad, grad and weight.requires_grad)
+        x,
+        weight,
+        target_p,
+        target_argmax,
+        slots,
+        row_weight,
+        matmul_dtype,
+        chunk_rows,
+        grad and x.requires_grad,
+        grad and weight.requires_grad,
+    )
     return HeadLoss(loss=loss, ce=ce, correct=correct)
 
 
 class _HeadSoftCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, target_p, target_argmax, slots, row_weight, matmul_dtype, chunk_rows,
-                need_dx, need_dw):
+    def forward(ctx, x, weight, target_p, target_argmax, slots, row_weight, matmul_dtype, chunk_rows, need_dx, need_dw):
         compute = torch.promote_types(torch.promote_types(x.dtype, weight.dtype), torch.float32)
         m = x.shape[0]
         w_mm = weight.to(matmul_dtype)

@@ -79,8 +79,7 @@ class _PrefixAttention(torch.autograd.Function):
             out[:, :, r0:r1] = p @ vp[:, None, s0:s1]
         ctx.save_for_backward(qp, kp, vp, out, lse, lo, hi)
         ctx.blocks, ctx.scale, ctx.dtypes = blocks, scale, (q.dtype, k.dtype, v.dtype)
-        return (out.permute(2, 0, 1, 3).reshape(n, n_heads, -1).to(q.dtype),
-                lse.permute(2, 0, 1).reshape(n, n_heads))
+        return (out.permute(2, 0, 1, 3).reshape(n, n_heads, -1).to(q.dtype), lse.permute(2, 0, 1).reshape(n, n_heads))
 
     @staticmethod
     def backward(ctx, d_out, d_lse):
@@ -100,8 +99,14 @@ class _PrefixAttention(torch.autograd.Function):
             dq[:, :, r0:r1] = (ds @ kp[:, None, s0:s1]) * scale
             dk[:, s0:s1] += (ds.transpose(-1, -2) @ qp[:, :, r0:r1]).sum(1) * scale
         q_dtype, k_dtype, v_dtype = ctx.dtypes
-        return (dq.permute(2, 0, 1, 3).reshape(n, n_kv * groups, hd).to(q_dtype),
-                dk.permute(1, 0, 2).to(k_dtype), dv.permute(1, 0, 2).to(v_dtype), None, None, None)
+        return (
+            dq.permute(2, 0, 1, 3).reshape(n, n_kv * groups, hd).to(q_dtype),
+            dk.permute(1, 0, 2).to(k_dtype),
+            dv.permute(1, 0, 2).to(v_dtype),
+            None,
+            None,
+            None,
+        )
 
 
 def _blocks(lo: torch.Tensor, hi: torch.Tensor, n_heads: int) -> list[tuple[int, int, int, int]]:
@@ -113,7 +118,7 @@ def _blocks(lo: torch.Tensor, hi: torch.Tensor, n_heads: int) -> list[tuple[int,
     ends = [min(r + rows, n) for r in starts]
     lo_b = lo[torch.tensor(starts, device=lo.device)].tolist() if n else []
     hi_b = hi[torch.tensor([e - 1 for e in ends], device=hi.device)].tolist() if n else []
-    return [(r0, r1, s0, s1 + 1) for r0, r1, s0, s1 in zip(starts, ends, lo_b, hi_b)]
+    return [(r0, r1, s0, s1 + 1) for r0, r1, s0, s1 in zip(starts, ends, lo_b, hi_b, strict=False)]
 
 
 def _scores(qp, kp, lo, hi, scale, r0, r1, s0, s1, lse=None):
@@ -127,13 +132,16 @@ def _scores(qp, kp, lo, hi, scale, r0, r1, s0, s1, lse=None):
     return s.sub_(lse[..., None]).exp_(), lse
 
 
-def _check_inputs(drafter, aux_hidden, input_ids, target_logits, loss_mask, attention_mask, target_in_draft, steps,
-                 position_ids):
+def _check_inputs(
+    drafter, aux_hidden, input_ids, target_logits, loss_mask, attention_mask, target_in_draft, steps, position_ids
+):
     cfg = drafter.config
     b, length = input_ids.shape
-    expect = {"aux_hidden": (aux_hidden, (b, length, 3 * cfg.target_hidden_size)),
-              "target_logits": (target_logits, (b, length, cfg.draft_vocab_size)),
-              "loss_mask": (loss_mask, (b, length))}
+    expect = {
+        "aux_hidden": (aux_hidden, (b, length, 3 * cfg.target_hidden_size)),
+        "target_logits": (target_logits, (b, length, cfg.draft_vocab_size)),
+        "loss_mask": (loss_mask, (b, length)),
+    }
     if attention_mask is not None:
         expect["attention_mask"] = (attention_mask, (b, length))
     if target_in_draft is not None:
@@ -142,25 +150,39 @@ def _check_inputs(drafter, aux_hidden, input_ids, target_logits, loss_mask, atte
         expect["position_ids"] = (position_ids, (b, length))
     for name, (tensor, shape) in expect.items():
         if tuple(tensor.shape) != shape:
-            raise UsageError(f"ttt_loss: {name} has shape {list(tensor.shape)}, expected {list(shape)}",
-                             "the feature batch does not match the drafter (rerun extract for this drafter config)")
+            raise UsageError(
+                f"ttt_loss: {name} has shape {list(tensor.shape)}, expected {list(shape)}",
+                "the feature batch does not match the drafter (rerun extract for this drafter config)",
+            )
     if steps < 1:
         raise UsageError(f"ttt_loss: steps must be >= 1, got {steps}", "set train.ttt_steps to 1 or more")
     if attention_mask is not None and bool((attention_mask[:, 1:] > attention_mask[:, :-1]).any()):
-        raise UsageError("ttt_loss: attention_mask is not right-padded (a real token follows a pad)",
-                         "pad sequences on the right")
+        raise UsageError(
+            "ttt_loss: attention_mask is not right-padded (a real token follows a pad)", "pad sequences on the right"
+        )
     if position_ids is not None and length:
         step = position_ids[:, 1:] - position_ids[:, :-1]
         if bool((position_ids[:, 0] != 0).any()) or bool(((position_ids[:, 1:] != 0) & (step != 1)).any()):
-            raise UsageError("ttt_loss: position_ids must start each row at 0 and count up by one within a "
-                             "document, restarting at 0 where the next document begins",
-                             "build packed rows with eaglekit.training.data.collate_packed")
+            raise UsageError(
+                "ttt_loss: position_ids must start each row at 0 and count up by one within a "
+                "document, restarting at 0 where the next document begins",
+                "build packed rows with eaglekit.training.data.collate_packed",
+            )
 
 
-def ttt_loss(drafter: Eagle3Drafter, aux_hidden: torch.Tensor, input_ids: torch.Tensor, target_logits: torch.Tensor,
-             loss_mask: torch.Tensor, attention_mask: torch.Tensor | None = None, steps: int = 7,
-             decay: float = 0.8, target_in_draft: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-             normalizer: Callable[[torch.Tensor], torch.Tensor] | None = None) -> TTTOutput:
+def ttt_loss(
+    drafter: Eagle3Drafter,
+    aux_hidden: torch.Tensor,
+    input_ids: torch.Tensor,
+    target_logits: torch.Tensor,
+    loss_mask: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    steps: int = 7,
+    decay: float = 0.8,
+    target_in_draft: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    normalizer: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> TTTOutput:
     """The TTT loss of one right-padded batch.
 
     Conventions (t indexes positions 0..L-1 of a row):
@@ -180,8 +202,9 @@ def ttt_loss(drafter: Eagle3Drafter, aux_hidden: torch.Tensor, input_ids: torch.
     Loss_k = soft cross-entropy summed over counted (t, k), divided by ``normalizer(count_k)`` (default:
     count_k itself, i.e. the mean; under DDP the count of every rank); loss = sum_k decay^k * loss_k.
     """
-    _check_inputs(drafter, aux_hidden, input_ids, target_logits, loss_mask, attention_mask, target_in_draft, steps,
-                  position_ids)
+    _check_inputs(
+        drafter, aux_hidden, input_ids, target_logits, loss_mask, attention_mask, target_in_draft, steps, position_ids
+    )
     layer = drafter.midlayer
     b, length = input_ids.shape
     device = input_ids.device
@@ -201,7 +224,7 @@ def ttt_loss(drafter: Eagle3Drafter, aux_hidden: torch.Tensor, input_ids: torch.
     # counted[k, b, t] = usable[b, t+2+k] and t+2+k in t's document; needed[k] = chain t counts at step k or later.
     counted = torch.zeros(steps, b, length, dtype=torch.bool, device=device)
     for k in range(min(steps, length - 2)):
-        counted[k, :, : length - 2 - k] = usable[:, 2 + k:] & (doc_start[:, 2 + k:] == doc_start[:, : length - 2 - k])
+        counted[k, :, : length - 2 - k] = usable[:, 2 + k :] & (doc_start[:, 2 + k :] == doc_start[:, : length - 2 - k])
     needed = counted.flip(0).cumsum(0).flip(0) > 0
     count_k = counted.reshape(steps, -1).sum(-1)
     denominator = count_k if normalizer is None else normalizer(count_k)
@@ -226,12 +249,23 @@ def ttt_loss(drafter: Eagle3Drafter, aux_hidden: torch.Tensor, input_ids: torch.
     q, k0, v0 = layer.qkv(embeds, feature, cos, sin)  # [B, L, heads, hd]
     if packed:  # a causal attention inside each document: keys doc_start..t of the flat rows
         flat = torch.arange(b * length, device=device)
-        attn, _ = _PrefixAttention.apply(q.reshape(b * length, n_heads, hd), k0.reshape(b * length, n_kv, hd),
-                                         v0.reshape(b * length, n_kv, dv), flat_doc_start, flat, scale)
+        attn, _ = _PrefixAttention.apply(
+            q.reshape(b * length, n_heads, hd),
+            k0.reshape(b * length, n_kv, hd),
+            v0.reshape(b * length, n_kv, dv),
+            flat_doc_start,
+            flat,
+            scale,
+        )
         attn = attn.view(b, length, n_heads, dv)
     else:
-        attn = sdpa(q.transpose(1, 2), repeat_kv(k0.transpose(1, 2), groups), repeat_kv(v0.transpose(1, 2), groups),
-                    scale, is_causal=True).transpose(1, 2)
+        attn = sdpa(
+            q.transpose(1, 2),
+            repeat_kv(k0.transpose(1, 2), groups),
+            repeat_kv(v0.transpose(1, 2), groups),
+            scale,
+            is_causal=True,
+        ).transpose(1, 2)
     h = layer.finish(attn, feature).reshape(b * length, -1)
     rows0 = counted[0].reshape(-1).nonzero().squeeze(1)
     head_rows.append(h[rows0])
@@ -259,8 +293,9 @@ def ttt_loss(drafter: Eagle3Drafter, aux_hidden: torch.Tensor, input_ids: torch.
         lse_prefix = lse_prefix.view(n, n_kv, groups)  # float32 or wider, like the merge below
         diag_scores = torch.einsum("nkgd,snkd->snkg", q.view(n, n_kv, groups, hd), diag_k).to(lse_prefix.dtype) * scale
         lse_all = torch.logsumexp(torch.cat([lse_prefix[None], diag_scores]), dim=0)  # [N, nKV, g]
-        attn = (torch.exp(lse_prefix - lse_all)[..., None] * out_prefix.view(n, n_kv, groups, dv)
-                + torch.einsum("snkg,snkd->nkgd", torch.exp(diag_scores - lse_all), diag_v.to(lse_all.dtype)))
+        attn = torch.exp(lse_prefix - lse_all)[..., None] * out_prefix.view(n, n_kv, groups, dv) + torch.einsum(
+            "snkg,snkd->nkgd", torch.exp(diag_scores - lse_all), diag_v.to(lse_all.dtype)
+        )
         h = layer.finish(attn.reshape(n, n_heads, dv).to(h.dtype), h)
         sel = counted[k].reshape(-1)[rows]
         head_rows.append(h[sel])
@@ -269,16 +304,22 @@ def ttt_loss(drafter: Eagle3Drafter, aux_hidden: torch.Tensor, input_ids: torch.
     # The head and loss of every step in one pass: row weight decay^k / denominator_k.
     sizes = [r.shape[0] for r in head_rows]
     step_of_row = torch.repeat_interleave(torch.arange(steps, device=device), torch.tensor(sizes, device=device))
-    per_step = torch.tensor([decay ** k for k in range(steps)], dtype=compute, device=device)
+    per_step = torch.tensor([decay**k for k in range(steps)], dtype=compute, device=device)
     per_step = torch.where(denominator > 0, per_step / denominator.clamp(min=1).to(compute), 0.0)
-    head = head_soft_cross_entropy(drafter.norm(torch.cat(head_rows)), drafter.lm_head.weight, target_p,
-                                   target_argmax, torch.cat(head_slots), per_step[step_of_row])
+    head = head_soft_cross_entropy(
+        drafter.norm(torch.cat(head_rows)),
+        drafter.lm_head.weight,
+        target_p,
+        target_argmax,
+        torch.cat(head_slots),
+        per_step[step_of_row],
+    )
 
     sums = torch.zeros(steps, dtype=compute, device=device).index_add_(0, step_of_row, head.ce)
     hits = torch.zeros(steps, dtype=compute, device=device).index_add_(0, step_of_row, head.correct.to(compute))
     counts = count_k.tolist()
-    loss_k = [s / c if c else 0.0 for s, c in zip(sums.double().tolist(), counts)]
-    acc_k = [a / c if c else 0.0 for a, c in zip(hits.tolist(), counts)]
+    loss_k = [s / c if c else 0.0 for s, c in zip(sums.double().tolist(), counts, strict=False)]
+    acc_k = [a / c if c else 0.0 for a, c in zip(hits.tolist(), counts, strict=False)]
     return TTTOutput(loss=head.loss, loss_k=loss_k, acc_k=acc_k, count_k=counts)
 
 

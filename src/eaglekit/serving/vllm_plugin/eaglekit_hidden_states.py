@@ -26,7 +26,6 @@ import os
 from functools import partial
 
 import torch
-
 from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
     ExampleHiddenStatesConnector,
     PendingSave,
