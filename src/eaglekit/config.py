@@ -13,6 +13,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from eaglekit.data.suites import SUITES, suite_names
 from eaglekit.errors import UsageError
 
 STAGES = ("generate", "prepare", "vocab", "extract", "train", "evaluate", "export", "verify")
@@ -209,6 +210,26 @@ class TrainConfig(Section):
     )
 
 
+class SuiteConfig(Section):
+    """A named benchmark suite (eaglekit.data.suites) measured beside the run's own prompts."""
+
+    name: str = Field(description="mt_bench, gsm8k, humaneval, math500 or alpaca")
+    num_samples: int | None = Field(None, ge=1, description="prompts taken from the start; default: the stage's")
+    path: str | None = Field(None, description="local copy in the hub's layout (JSONL/Parquet/saved folder)")
+
+    @field_validator("name")
+    @classmethod
+    def _known_suite(cls, value: str) -> str:
+        if value not in SUITES:
+            raise ValueError(f"unknown suite {value!r}; known: {suite_names()}")
+        return value
+
+
+def _suite_list(value: Any) -> Any:
+    # `suites: [gsm8k, mt_bench]` is the common case: a bare name is a suite with the defaults
+    return [{"name": v} if isinstance(v, str) else v for v in value] if isinstance(value, list) else value
+
+
 class EvaluateConfig(Section):
     prompts: str | None = Field(None, description="default: the held-out split of this run's data")
     num_samples: int = Field(8, ge=1, description="prompts decoded per method, K and temperature")
@@ -219,6 +240,22 @@ class EvaluateConfig(Section):
     ngram_max: int = Field(4, ge=1)
     seed: int = 0
     checkpoint: str | None = Field(None, description="drafter to evaluate; default: this run's best")
+    suites: list[SuiteConfig] = Field(
+        default_factory=list, description="benchmark suites measured too, e.g. [mt_bench, gsm8k]; one table each"
+    )
+    reasoning: Literal["on", "off", "both"] | None = Field(
+        None,
+        description="the chat template's thinking switch (enable_thinking) as served; both measures each; "
+        "default: the template's own default",
+    )
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="more chat template arguments, as vLLM's chat_template_kwargs"
+    )
+
+    @field_validator("suites", mode="before")
+    @classmethod
+    def _bare_suite_names(cls, value: Any) -> Any:
+        return _suite_list(value)
 
 
 class ExportConfig(Section):
@@ -271,8 +308,14 @@ class VerifyConfig(Section):
         description="share of prompts whose served greedy output may differ from plain decoding "
         "(0 in float32; bfloat16 kernels may flip near-ties on long outputs)",
     )
+    suites: list[SuiteConfig] | None = Field(None, description="benchmark suites served; default evaluate.suites")
     startup_timeout: float = Field(900.0, gt=0, description="seconds to wait for an engine eaglekit starts")
     timeout: float = Field(600.0, gt=0, description="seconds per request")
+
+    @field_validator("suites", mode="before")
+    @classmethod
+    def _bare_suite_names(cls, value: Any) -> Any:
+        return _suite_list(value)
 
 
 class PreflightConfig(Section):
@@ -374,6 +417,9 @@ def parse_config(data: Any, source: str = "<config>", base_dir: Path | None = No
         cfg.evaluate.prompts = _resolve(base, cfg.evaluate.prompts)
     if cfg.evaluate.checkpoint:
         cfg.evaluate.checkpoint = _resolve(base, cfg.evaluate.checkpoint)
+    for suite in cfg.evaluate.suites + (cfg.verify.suites or []):
+        if suite.path:
+            suite.path = _resolve(base, suite.path)
     if cfg.extract.backend == "vllm":
         if cfg.extract.mode != "offline":
             raise UsageError(

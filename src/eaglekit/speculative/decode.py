@@ -98,6 +98,36 @@ class Generation:
     tokens: list[int]
     stats: DecodeStats
     accepted_per_round: list[int] = field(default_factory=list)  # drafts accepted in each verify pass, in order
+    # per verify pass that drafted: tokens in the context before its first draft (prompt + output so far)
+    context_per_round: list[int] = field(default_factory=list)
+
+
+# EAGLE-3 acceptance falls as the context grows (the drafter is trained on short sequences), so reports
+# group verify passes by where their draft starts. Upper bounds in tokens; the last bucket is open.
+CONTEXT_BUCKETS: tuple[tuple[str, int | None], ...] = (
+    ("<1k", 1024),
+    ("1-4k", 4096),
+    ("4-16k", 16384),
+    (">16k", None),
+)
+
+
+def context_bucket(position: int) -> str:
+    """The CONTEXT_BUCKETS label of a draft that starts after ``position`` context tokens."""
+    return next(label for label, bound in CONTEXT_BUCKETS if bound is None or position < bound)
+
+
+def tau_by_context(generations: list[Generation]) -> dict[str, dict[str, float]]:
+    """Per context bucket that has verify passes: their count and τ (1 + mean drafts accepted per pass)."""
+    accepted: dict[str, list[int]] = {}
+    for gen in generations:
+        for n_acc, position in zip(gen.accepted_per_round, gen.context_per_round, strict=True):
+            accepted.setdefault(context_bucket(position), []).append(n_acc)
+    return {
+        label: {"rounds": len(accepted[label]), "tau": 1 + sum(accepted[label]) / len(accepted[label])}
+        for label, _ in CONTEXT_BUCKETS
+        if label in accepted
+    }
 
 
 # ------------------------------------------------------------------------------------------ sampling
@@ -180,6 +210,7 @@ def generate(
     aux_ids = proposer.aux_layer_ids if proposer is not None else None
     stats = DecodeStats(drafted=[0] * k, accepted=[0] * k)
     per_round: list[int] = []
+    context_per_round: list[int] = []
     t0 = time.perf_counter()
     cache = DynamicCache()
     logits, aux = target_pass(model, list(prompt_ids), cache, aux_ids)
@@ -224,12 +255,13 @@ def generate(
             stats.accepted[i] += i < counted
         if drafts:
             per_round.append(counted)
+            context_per_round.append(len(prompt_ids) + len(out))
         out.extend(new)
         if proposer is not None and len(out) < max_new_tokens and out[-1] not in stop_ids:
             proposer.update(new, None if aux is None else aux[: len(new)])
     stats.new_tokens = len(out)
     stats.seconds = time.perf_counter() - t0
-    return Generation(out, stats, per_round)
+    return Generation(out, stats, per_round, context_per_round)
 
 
 # ------------------------------------------------------------------------------------------ EAGLE-3
