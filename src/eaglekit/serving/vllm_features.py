@@ -147,6 +147,10 @@ class Captured:
     generated: int | None  # the token the server sampled after the prompt (temperature 0)
     server: str
     attempts: int
+    # only for the capture self-check (``self_check`` > 0): the raw states [L, layers, Ht] in layer_ids order,
+    # and the server's prompt_logprobs
+    states: torch.Tensor | None = None
+    prompt_logprobs: list | None = None
 
 
 class _Retry(Exception):
@@ -165,8 +169,10 @@ class FeatureClient:
         hidden_size: int,
         norm: FinalNorm,
         request_prefix: str,
+        self_check: int = 0,
     ):
         self.vcfg, self.model, self.layer_ids, self.hidden, self.norm = vcfg, model, layer_ids, hidden_size, norm
+        self.self_check = self_check  # > 0: ask for that many prompt_logprobs per position and keep the raw states
         self.positions = stacked_positions(layer_ids)
         self.storage = Path(vcfg.storage_path)
         self.prefix = request_prefix
@@ -190,7 +196,7 @@ class FeatureClient:
 
     def _body(self, index: int, token_ids: list[int], attempt: list[int]) -> dict:
         attempt[0] += 1
-        return {
+        body = {
             "model": self.model,
             "prompt": token_ids,
             "max_tokens": 1,
@@ -198,6 +204,9 @@ class FeatureClient:
             "return_token_ids": True,
             "request_id": f"{self.prefix}-{index}-{attempt[0]}",
         }
+        if self.self_check:
+            body["prompt_logprobs"] = self.self_check
+        return body
 
     @staticmethod
     def _check(data: dict) -> None:
@@ -294,10 +303,13 @@ class FeatureClient:
             )
         aux = torch.cat([states[:, p] for p in self.positions[:-1]], dim=-1)
         last = self.norm(states[:, self.positions[-1]])
+        raw = states[:, self.positions] if self.self_check else None
         del states, data
         choice = reply.data["choices"][0]
         generated = (choice.get("token_ids") or [None])[0]
         captured = Captured(aux, last, generated, reply.server, reply.attempts + tries - 1)
+        if self.self_check:
+            captured.states, captured.prompt_logprobs = raw, choice.get("prompt_logprobs")
         if consume is not None:
             consume(captured)
         return captured

@@ -50,6 +50,8 @@ from eaglekit.training.data import pad
 
 NAME = "extract"
 UPSTREAM = "vocab"  # needs only prepare's tokens; "vocab" keeps the chain linear
+SELF_CHECK_SAMPLES = 3  # the shortest prepared samples sent by the capture self-check
+SELF_CHECK_LOGPROBS = 5  # prompt_logprobs asked per position: the prompt's token and the server's top 5
 FULL_SHA_LIMIT = 64 << 30  # pre-flight re-hashes existing shards up to this many bytes; beyond, sizes only
 
 
@@ -509,8 +511,11 @@ def feature_storage(ctx):
 def feature_smoke(ctx) -> list:
     """One real request per server through the run's own code path, then the server's own next token is
     checked against the captured final state through the target's norm and lm_head — which proves the layer
-    ids, the pre-norm final state and the token alignment in one go."""
+    ids, the pre-norm final state and the token alignment in one go. The same requests carry the capture
+    self-check (``eaglekit.preflight.capture``): every next-token log-prob of a few samples rebuilt from the
+    rows eaglekit would write, against the server's ``prompt_logprobs``."""
     from eaglekit.model.target import embedding_and_head
+    from eaglekit.preflight.capture import check_capture, parse_prompt_logprobs
     from eaglekit.serving.client import RequestFailed
     from eaglekit.serving.vllm_features import FeatureClient, server_layer_ids
 
@@ -522,7 +527,8 @@ def feature_smoke(ctx) -> list:
     store = TokenStore(path)
     if len(store) == 0:
         return [skip("feature smoke request", "no prepared samples")]
-    i = int(store.lengths.argmin())
+    shortest = store.lengths.argsort(stable=True)[:SELF_CHECK_SAMPLES].tolist()
+    i = shortest[0]
     ids = store[i][1].tolist()
     try:
         hf = target_hf_config(cfg.target)
@@ -538,12 +544,20 @@ def feature_smoke(ctx) -> list:
 
         async def ask():
             async with FeatureClient(
-                one, feature_api_key(cfg), served_model(cfg), layer_ids, hf.hidden_size, norm, f"eksmoke{os.getpid()}"
+                one,
+                feature_api_key(cfg),
+                served_model(cfg),
+                layer_ids,
+                hf.hidden_size,
+                norm,
+                f"eksmoke{os.getpid()}",
+                self_check=SELF_CHECK_LOGPROBS,
             ) as client:
-                return await client.capture(i, ids)
+                return [await client.capture(j, store[j][1].tolist()) for j in shortest]
 
         try:
-            cap = asyncio.run(ask())
+            caps = asyncio.run(ask())
+            cap = caps[0]
         except RequestFailed as err:
             results.append(
                 fail(
@@ -584,4 +598,18 @@ def feature_smoke(ctx) -> list:
                     "is not a plain RMSNorm: restart it with `eaglekit serve-command CONFIG`",
                 )
             )
+        checked = [
+            check_capture(
+                f"capture self-check {url}",
+                c.states,
+                layer_ids,
+                c.last_hidden,
+                norm,
+                head,
+                parse_prompt_logprobs(c.prompt_logprobs),
+            )
+            for c in caps
+            if c.states is not None
+        ]
+        results.append(next((r for r in checked if r.status == "fail"), checked[-1]))
     return results
