@@ -112,6 +112,8 @@ def test_vllm_features_equal_hf_features_and_train_the_same_drafter(tmp_path, ti
     assert not failed(results), [r.to_dict() for r in failed(results)]
     smoke = next(r for r in results if r.name.startswith("feature smoke"))
     assert smoke.status == "ok" and "next token" in smoke.detail, smoke.detail  # server's token == ours
+    capture = next(r for r in results if r.name.startswith("capture self-check"))
+    assert capture.status == "ok" and "max |Δ|" in capture.detail, capture.detail  # the rows give vLLM's log-probs
     for cfg in (hf, vl):
         with RunDir(cfg.run_dir).lock:
             row = run_stage(cfg, "extract", skip_preflight=cfg is hf)
@@ -199,6 +201,28 @@ def test_preflight_fails_when_the_targets_head_does_not_predict_the_servers_toke
     smoke = next(r for r in results if r.name.startswith("feature smoke"))
     assert smoke.status == "fail" and "does not predict the server's token" in smoke.detail, smoke.detail
     assert "serve-command" in smoke.remedy
+
+
+def test_capture_self_check_names_a_final_norm_applied_twice(tmp_path, tiny_target, feature_server, monkeypatch):
+    """The rows are the server's final state normed twice: the check rebuilds vLLM's prompt_logprobs with the
+    norm applied once and says that the rows were not made so."""
+    import eaglekit.stages.extract as extract_stage
+    from eaglekit.model.target import FinalNorm
+
+    class TwiceNorm(FinalNorm):
+        def __call__(self, x):
+            return super().__call__(super().__call__(x))
+
+    read = extract_stage.read_final_norm
+    monkeypatch.setattr(
+        extract_stage, "read_final_norm", lambda t: (lambda n: TwiceNorm(n.weight, n.eps, n.offset))(read(t))
+    )
+    server, storage = feature_server
+    cfg = vllm_run(tmp_path, tiny_target, storage, [server.url], server.model)
+    results = run_preflight(make_context(cfg, "extract"))
+    capture = next(r for r in results if r.name.startswith("capture self-check"))
+    assert capture.status == "fail", capture.detail
+    assert "norm applied once" in capture.detail and "made with the final norm applied twice" in capture.detail
 
 
 # ------------------------------------------------------------------ without a server: the file protocol
