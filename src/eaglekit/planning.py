@@ -35,7 +35,6 @@ from eaglekit.progress import format_duration
 GENERATE_TEXT_BYTES = 4  # bytes of JSON text per token of prompt and reply (English averages ~4 characters)
 GENERATE_ID_BYTES = 7  # bytes per token id written as JSON (`123456, `)
 PREPARE_BYTES = 5  # int32 token id + uint8 loss mask per token
-VERDICTS = ("fits", "does not fit", "unknown")
 
 
 @dataclass

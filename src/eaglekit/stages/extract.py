@@ -444,7 +444,7 @@ def _longest_sample(ctx) -> int | None:
 
 def feature_servers(ctx) -> list:
     """Every feature server answers, serves the model, and has a context for the longest sample plus one token."""
-    from eaglekit.serving.checks import server_info
+    from eaglekit.preflight.servers import server_info
 
     cfg, v = ctx.cfg, ctx.cfg.extract.vllm
     try:
