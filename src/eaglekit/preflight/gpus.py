@@ -299,3 +299,19 @@ def memory_for_stage(ctx, used: list[GPU]) -> list[CheckResult]:
             )
         )
     return out
+
+
+def target_placement(ctx):
+    """Under torchrun every rank loads its own copy of the target onto its own GPU; device_map would spread
+    each rank's copy over all GPUs."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and ctx.cfg.target.device_map:
+        return fail(
+            "target placement",
+            f"target.device_map is '{ctx.cfg.target.device_map}' under torchrun with "
+            f"{world} processes: each would spread its own copy over every GPU",
+            "unset target.device_map (one copy per GPU), or run a single process with device_map to shard "
+            "a target too big for one GPU",
+        )
+    where = f"one copy per process ({world})" if world > 1 else (ctx.cfg.target.device_map or "one device")
+    return ok("target placement", where)

@@ -162,22 +162,6 @@ def kept(ctx) -> str:
     )
 
 
-def target_placement(ctx):
-    """Under torchrun every rank loads its own copy of the target onto its own GPU; device_map would spread
-    each rank's copy over all GPUs."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 and ctx.cfg.target.device_map:
-        return fail(
-            "target placement",
-            f"target.device_map is '{ctx.cfg.target.device_map}' under torchrun with "
-            f"{world} processes: each would spread its own copy over every GPU",
-            "unset target.device_map (one copy per GPU), or run a single process with device_map to shard "
-            "a target too big for one GPU",
-        )
-    where = f"one copy per process ({world})" if world > 1 else (ctx.cfg.target.device_map or "one device")
-    return ok("target placement", where)
-
-
 def checks(cfg: RunConfig) -> list:
     if cfg.extract.backend == "vllm":  # the servers compute: no local devices to check, the servers instead
         return [
@@ -196,7 +180,7 @@ def checks(cfg: RunConfig) -> list:
         environment.software,
         environment.devices,
         gpus.gpus,
-        target_placement,
+        gpus.target_placement,
         existing_shards,
         disk.write_rate,
     ]

@@ -194,7 +194,7 @@ def drafter_shape(ctx):
 
 
 def checks(cfg: RunConfig) -> list:
-    from eaglekit.stages.extract import target_placement
+    from eaglekit.preflight.gpus import target_placement
 
     online = [target_placement] if cfg.extract.mode != "offline" else [files.feature_shards]
     return [

@@ -48,7 +48,7 @@ from eaglekit.model.target import (
 )
 from eaglekit.plots import training_curves
 from eaglekit.progress import Meter, console
-from eaglekit.stages.vocab import load_vocab
+from eaglekit.data.vocab import load_vocab
 from eaglekit.training import distributed as dist
 from eaglekit.training.data import (
     Batch,
