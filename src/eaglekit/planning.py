@@ -429,7 +429,7 @@ def alternatives(cfg: RunConfig, inputs: dict[str, Figure], plans: list[StagePla
             "detail": detail + extra,
         }
 
-    if cfg.extract.mode == "offline":
+    if cfg.extract.offline:
         alt = stage_plans(cfg, inputs, mode="online")
         forward = inputs["extract_tok_per_s"].value
         extra = ""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -159,7 +160,8 @@ def on_target(drafter, info, target, device: torch.device):
     dtype = next(target.parameters()).dtype
     drafter = drafter.to(device, dtype)
     if info.missing_embeddings:
-        drafter.embed_tokens.weight.data.copy_(decoder_parts(target)[0].embed_tokens.weight.to(device, dtype))
+        embedding = cast(torch.nn.Embedding, decoder_parts(target)[0].embed_tokens)
+        drafter.embed_tokens.weight.data.copy_(embedding.weight.to(device, dtype))
     return drafter
 
 
@@ -169,7 +171,8 @@ def tokenize_prompts(
     """(id, prompt token ids) of the prompts that leave room for ``max_new_tokens``, and how many did not."""
     template_kwargs = cfg.generate.extra_body.get("chat_template_kwargs") or None  # as the target was served
     room = int(hf.max_position_embeddings) - max_new_tokens
-    prompts, too_long = [], []
+    prompts: list[tuple[str, list[int]]] = []
+    too_long: list[tuple[str, list[int]]] = []
     for pid, messages in source:
         ids = prompt_ids(tokenizer, messages, template_kwargs)
         (prompts if len(ids) <= room else too_long).append((pid, ids))
@@ -222,7 +225,7 @@ def drafter_architecture(cfg: RunConfig) -> str:
     from eaglekit.model.checkpoints import read_config
     from eaglekit.model.hub import cached_drafter, is_hub_id
 
-    folders = [checkpoint_path(cfg)]
+    folders: list[Path | None] = [checkpoint_path(cfg)]
     init_from = cfg.train.init_from
     if init_from:
         folders.append(cached_drafter(init_from) if is_hub_id(init_from) else Path(init_from))
@@ -237,7 +240,7 @@ def drafter_architecture(cfg: RunConfig) -> str:
 
 def written_forms(cfg: RunConfig) -> list[str]:
     """The forms export writes with this config (verify serves these by default)."""
-    requested = list(dict.fromkeys(cfg.export.formats))
+    requested: list[str] = list(dict.fromkeys(cfg.export.formats))
     if drafter_architecture(cfg) == "mla":
         return [f for f in requested if f != "speculators"] or requested
     return requested

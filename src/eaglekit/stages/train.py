@@ -35,7 +35,7 @@ def params(cfg: RunConfig) -> dict:
     p["target"] = target_identity(cfg.target)
     p["eval_fraction"] = cfg.data.eval_fraction
     p["features"] = cfg.extract.mode
-    if cfg.extract.mode != "offline":  # the data order's blocks (offline: the shards, in extract's fingerprint)
+    if not cfg.extract.offline:  # the data order's blocks (offline: the shards, in extract's fingerprint)
         p["data_blocks"] = cfg.extract.shard_tokens
     if cfg.train.init_from:
         local = Path(cfg.train.init_from).exists() or not is_hub_id(cfg.train.init_from)
@@ -51,7 +51,7 @@ def packing(ctx):
         return ok("packing", "off: length-bucketed, right-padded batches (train.packing: true packs samples into rows)")
     features = (
         "offline features: each document extracted alone"
-        if ctx.cfg.extract.mode == "offline"
+        if ctx.cfg.extract.offline
         else "online features: the target keeps documents apart by position_ids (checked on the first packed batch)"
     )
     return ok(
@@ -196,7 +196,7 @@ def drafter_shape(ctx):
 def checks(cfg: RunConfig) -> list:
     from eaglekit.preflight.gpus import target_placement
 
-    online = [target_placement] if cfg.extract.mode != "offline" else [files.feature_shards]
+    online = [target_placement] if not cfg.extract.offline else [files.feature_shards]
     return [
         common.target_folder,
         files.target_weights,
