@@ -350,13 +350,9 @@ def _measured_time(p: StagePlan, run, n, unit) -> None:
 
 
 def _drafter_config(cfg: RunConfig):
-    from eaglekit.model.drafter import DrafterConfig
-    from eaglekit.model.target import aux_layer_ids, target_hf_config
+    from eaglekit.model.run_shapes import drafter_config
 
-    hf = target_hf_config(cfg.target)
-    return DrafterConfig.from_target_config(
-        hf, cfg.vocab.draft_vocab_size, aux_layer_ids(cfg.target, hf.num_hidden_layers), **cfg.train.draft.model_dump()
-    )
+    return drafter_config(cfg)
 
 
 def _drafter_bytes(cfg: RunConfig) -> int | None:

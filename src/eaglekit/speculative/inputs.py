@@ -28,7 +28,7 @@ def checkpoint_path(cfg: RunConfig) -> Path:
 def load_checked_drafter(cfg: RunConfig):
     """(drafter, checkpoint info, target HF config, aux layer ids), or an EaglekitError naming what does not fit."""
     from eaglekit.model.checkpoints import check_compatible, load_drafter
-    from eaglekit.model.target import aux_layer_ids, target_hf_config
+    from eaglekit.model.run_shapes import target_and_aux
 
     path = checkpoint_path(cfg)
     if not path.exists():
@@ -39,8 +39,7 @@ def load_checked_drafter(cfg: RunConfig):
         )
         raise EaglekitError(f"drafter checkpoint {path} does not exist", remedy)
     drafter, info = load_drafter(path)
-    hf = target_hf_config(cfg.target)
-    aux = aux_layer_ids(cfg.target, hf.num_hidden_layers)
+    hf, aux = target_and_aux(cfg)
     problems = check_compatible(drafter.config, hf, aux)
     if problems:
         raise EaglekitError(

@@ -59,13 +59,12 @@ def params(cfg: RunConfig) -> dict:
 
 
 def starting_drafter(ctx):
-    from eaglekit.model.target import aux_layer_ids, target_hf_config
+    from eaglekit.model.run_shapes import target_and_aux
 
     if not ctx.cfg.train.init_from:
         return skip("starting drafter", "no train.init_from: nothing to compare the drafter with but n-gram")
     try:
-        hf = target_hf_config(ctx.cfg.target)
-        load_starting_drafter(ctx.cfg, hf, aux_layer_ids(ctx.cfg.target, hf.num_hidden_layers))
+        load_starting_drafter(ctx.cfg, *target_and_aux(ctx.cfg))
     except EaglekitError as err:
         return fail("starting drafter", err.message, err.remedy or "check train.init_from")
     return ok("starting drafter", f"{ctx.cfg.train.init_from} is measured beside the finetuned drafter")
