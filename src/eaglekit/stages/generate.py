@@ -29,7 +29,7 @@ from eaglekit.data.responses import RESPONSES, ResponseStore, make_record, quick
 from eaglekit.errors import EaglekitError
 from eaglekit.preflight import checks as common
 from eaglekit.preflight import dataset, environment, files, gpus
-from eaglekit.preflight import servers as serving
+from eaglekit.preflight import servers as server_checks
 from eaglekit.progress import Meter, console
 from eaglekit.rundir import file_identity
 
@@ -78,23 +78,23 @@ def checks(cfg: RunConfig) -> list:
     if cfg.generate.backend == "local":
         return [
             dataset.prompts,
-            serving.prompts_loaded,
+            server_checks.prompts_loaded,
             common.target_folder,
             files.target_weights,
             environment.software,
             environment.devices,
             gpus.gpus,
-            serving.reasoning_mode,
+            server_checks.reasoning_mode,
         ]
     return [
         dataset.prompts,
-        serving.prompts_loaded,
-        serving.reasoning_mode,
-        serving.api_key,
-        serving.servers,
-        serving.health,
-        serving.context_length,
-        serving.smoke,
+        server_checks.prompts_loaded,
+        server_checks.reasoning_mode,
+        server_checks.api_key,
+        server_checks.servers,
+        server_checks.health,
+        server_checks.context_length,
+        server_checks.smoke,
         gpus.gpus,
     ]
 
