@@ -12,6 +12,7 @@ why. ``nvidia-smi`` is never parsed: its text changes between driver versions, N
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 from dataclasses import dataclass, field
@@ -83,33 +84,32 @@ def inventory() -> list[GPU] | str:
                     name=_text(pynvml.nvmlDeviceGetName(h)),
                     total=int(mem.total),
                     used=int(mem.used),
-                    utilization=_optional(pynvml, lambda: int(pynvml.nvmlDeviceGetUtilizationRates(h).gpu)),
+                    utilization=_optional(pynvml, lambda h=h: int(pynvml.nvmlDeviceGetUtilizationRates(h).gpu)),
                     processes=[
                         (int(p.pid), _bytes(p.usedGpuMemory))
-                        for p in _optional(pynvml, lambda: pynvml.nvmlDeviceGetComputeRunningProcesses(h)) or []
+                        for p in _optional(pynvml, lambda h=h: pynvml.nvmlDeviceGetComputeRunningProcesses(h)) or []
                     ],
                     ecc_uncorrected=_optional(
                         pynvml,
-                        lambda: int(
+                        lambda h=h: int(
                             pynvml.nvmlDeviceGetTotalEccErrors(
                                 h, pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_VOLATILE_ECC
                             )
                         ),
                     ),
                     retired_pending=_optional(
-                        pynvml, lambda: pynvml.nvmlDeviceGetRetiredPagesPendingStatus(h) == pynvml.NVML_FEATURE_ENABLED
+                        pynvml,
+                        lambda h=h: pynvml.nvmlDeviceGetRetiredPagesPendingStatus(h) == pynvml.NVML_FEATURE_ENABLED,
                     ),
                 )
             )
-            remap = _optional(pynvml, lambda: pynvml.nvmlDeviceGetRemappedRows(h))
+            remap = _optional(pynvml, lambda h=h: pynvml.nvmlDeviceGetRemappedRows(h))
             if remap is not None:  # (corrected rows, uncorrected rows, reset pending, remapping failed)
                 gpus[-1].remap_pending, gpus[-1].remap_failed = bool(remap[2]), bool(remap[3])
         return gpus
     finally:
-        try:
+        with contextlib.suppress(pynvml.NVMLError):
             pynvml.nvmlShutdown()
-        except pynvml.NVMLError:
-            pass
 
 
 def _optional(pynvml, query):

@@ -520,7 +520,7 @@ def feature_smoke(ctx) -> list:
         name = f"feature smoke request {url}"
         one = v.model_copy(update={"servers": [url], "concurrency": 1, "max_retries": min(v.max_retries, 1)})
 
-        async def ask():
+        async def ask(one=one):
             async with FeatureClient(
                 one, feature_api_key(cfg), served_model(cfg), layer_ids, hf.hidden_size, norm, f"eksmoke{os.getpid()}"
             ) as client:
