@@ -130,3 +130,32 @@ def served_vs_offline(runs: list[dict], path: Path) -> None:
         )
         ax.legend(fontsize="small", loc="lower left")
     _save(fig, path)
+
+
+def suite_tau(rows: list[dict], path: Path) -> None:
+    """τ per benchmark suite with its 95 % interval, at the largest K, one bar per reasoning mode and temperature."""
+    k = max(r["k"] for r in rows)
+    suites = list(dict.fromkeys(r["suite"] for r in rows))
+    series = list(dict.fromkeys((r["mode"], r["temperature"]) for r in rows if r["k"] == k))
+    width = 0.8 / len(series)
+    fig = Figure(figsize=(max(6, 1.5 * len(suites)), 4))
+    ax = fig.subplots()
+    for j, (mode, temperature) in enumerate(series):
+        picked = [
+            next(
+                (r for r in rows if (r["suite"], r["mode"], r["k"], r["temperature"]) == (s, mode, k, temperature)),
+                None,
+            )
+            for s in suites
+        ]
+        xs = [i + j * width for i, r in enumerate(picked) if r]
+        taus = [r["tau"] for r in picked if r]
+        errors = [
+            [r["tau"] - r["tau_ci95"][0] for r in picked if r],
+            [r["tau_ci95"][1] - r["tau"] for r in picked if r],
+        ]
+        ax.bar(xs, taus, width, yerr=errors, capsize=3, color=f"C{j}", label=f"reasoning {mode}, T={temperature:g}")
+    ax.set_xticks([i + width * (len(series) - 1) / 2 for i in range(len(suites))], suites)
+    ax.set(ylabel="τ (tokens per target pass)", title=f"τ by benchmark suite (K={k}, 95 % interval over prompts)")
+    ax.legend()
+    _save(fig, path)

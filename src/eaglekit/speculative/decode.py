@@ -219,7 +219,8 @@ def generate(
         proposer.reset(list(prompt_ids) + out, aux)
     while len(out) < max_new_tokens and out[-1] not in stop_ids:
         budget = max_new_tokens - len(out)  # a round emits up to drafts + 1 tokens
-        drafts, q = ([], None)
+        drafts: list[int] = []
+        q: torch.Tensor | None = None
         if proposer is not None and k > 0 and (budget > 1 or engine_accounting):
             drafts, q = proposer.propose(k if engine_accounting else min(k, budget - 1), temperature, generator)
         logits, aux = target_pass(model, [out[-1]] + drafts, cache, aux_ids)
@@ -305,7 +306,9 @@ class EagleProposer:
     ) -> tuple[list[int], torch.Tensor | None]:
         start, n = self.real_length, len(self.pending_ids)
         ids = torch.tensor([self.pending_ids], device=self.device)
-        hidden = self.drafter.fuse(torch.cat(self.pending_aux)[None].to(self.device, self.dtype))
+        # the EAGLE proposer always runs with target states (aux_layer_ids is set), so no pending entry is None
+        aux = torch.cat([a for a in self.pending_aux if a is not None])
+        hidden = self.drafter.fuse(aux[None].to(self.device, self.dtype))
         positions = torch.arange(start, start + n, device=self.device)[None]
         logits, hidden = self.drafter(ids, hidden, positions, self.cache)
         self.real_length = start + n
@@ -323,7 +326,8 @@ class EagleProposer:
                     torch.tensor([[start + n + step]], device=self.device),
                     self.cache,
                 )
-        return drafts, (torch.stack(qs) if qs and qs[0] is not None else None)
+        sampled = [q for q in qs if q is not None]
+        return drafts, (torch.stack(sampled) if sampled and len(sampled) == len(qs) else None)
 
     def _draft(self, logits: torch.Tensor, temperature: float, generator) -> tuple[int, torch.Tensor | None]:
         if not self.sample_drafts or temperature <= 0:

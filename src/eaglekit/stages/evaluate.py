@@ -30,6 +30,7 @@ from eaglekit.preflight import environment, fail, files, gpus, ok, skip
 from eaglekit.preflight.drafter import drafter_checkpoint, prompts_available
 from eaglekit.progress import Meter, console
 from eaglekit.rundir import file_identity
+from eaglekit.speculative.benchmark import suites_markdown
 from eaglekit.speculative.decode import DecodeStats, EagleProposer, generate
 from eaglekit.speculative.inputs import (
     decode_threads,
@@ -214,6 +215,8 @@ def evaluate(ctx, target, device: torch.device) -> dict:
                 sets.insert(0, ("held-out split of generate/responses.jsonl", len(heldout), extra["results"]))
         finetune = finetune_comparison(str(cfg.train.init_from), sets)
 
+    suites = measure_suites(ctx, target, inputs, lambda: EagleProposer(drafter, aux), ks, temperatures)
+
     greedy_checked = 0 in temperatures
     lossless = all(not c for c in checks.values()) if greedy_checked else None
     report = {
@@ -244,15 +247,20 @@ def evaluate(ctx, target, device: torch.device) -> dict:
         "results": results,
         "comparison": comparison(results),
         "finetune": finetune,
+        "suites": suites,
     }
     report["warnings"] = degenerate(report, ec.num_samples, cfg.data.eval_fraction)
+    if suites:
+        report["warnings"] += suites["warnings"]
     for warning in report["warnings"]:
         ctx.warn(warning)
     out = ctx.dir
     atomic.write_json(out / "report.json", report)
-    atomic.write_text(out / "report.md", report_markdown(report))
+    atomic.write_text(out / "report.md", report_markdown(report) + (f"\n{suites_markdown(suites)}" if suites else ""))
     plots.acceptance_by_position(results, out / "acceptance_by_position.png")
     plots.tau_vs_k(results, out / "tau_vs_k.png")
+    if suites:
+        plots.suite_tau(suites["rows"], out / "suites_tau.png")
     if lossless is False:
         bad = [pid for pid, c in checks.items() if c]
         console.print(
@@ -260,7 +268,84 @@ def evaluate(ctx, target, device: torch.device) -> dict:
             f"prompts (e.g. {bad[0]}); see report.json lossless_checks[/]"
         )
     console.print(report_markdown(report, tables_only=True))
+    if suites:
+        console.print(suites_markdown(suites))
     return counts(report)
+
+
+def training_template_kwargs(ctx) -> dict | None:
+    """The chat template arguments the training data was rendered with: prepare's recorded chat_template_kwargs
+    (its last finished run in the ledger), else this config's."""
+    done = [start for start, end in ctx.run.attempts("prepare") if end and end.get("state") == "done"]
+    if done and "params" in done[-1]:
+        return done[-1]["params"].get("chat_template_kwargs")
+    return ctx.cfg.generate.extra_body.get("chat_template_kwargs")
+
+
+def measure_suites(ctx, target, inputs, new_proposer, ks: list[int], temperatures: list[float]) -> dict | None:
+    """``evaluate.suites``: the drafter's τ on each benchmark suite × reasoning mode × K × temperature."""
+    from eaglekit.data.suites import load_suite
+    from eaglekit.speculative.benchmark import mode_of, reasoning_modes, renders_alike, suite_prompts, template_kwargs
+
+    cfg, ec = ctx.cfg, ctx.cfg.evaluate
+    if not ec.suites:
+        return None
+    trained_with = training_template_kwargs(ctx)
+    modes = reasoning_modes(ec.reasoning)
+    served = cfg.generate.extra_body.get("chat_template_kwargs")
+    room = int(inputs.hf.max_position_embeddings) - ec.max_new_tokens
+    rows, warnings = [], []
+    other = [
+        m
+        for m in modes
+        if not renders_alike(inputs.tokenizer, template_kwargs(served, ec.chat_template_kwargs, m), trained_with)
+    ]
+    if other:
+        warnings.append(
+            f"evaluate measures reasoning mode {', '.join(other)}, whose prompts render differently from the "
+            f"training data's (prepare's chat_template_kwargs: {trained_with or 'none'}): a drafter is usually far "
+            "weaker in a mode it was not trained in; compare τ with cards in the same mode"
+        )
+    for suite in ec.suites:
+        items = load_suite(suite.name, suite.num_samples or ec.num_samples, suite.path)
+        for mode in modes:
+            kwargs = template_kwargs(served, ec.chat_template_kwargs, mode)
+            prompts, skipped = suite_prompts(
+                target, inputs.tokenizer, items, kwargs, ec.max_new_tokens, inputs.stop_ids, room
+            )
+            if skipped:
+                warnings.append(f"suite {suite.name} ({mode}): {skipped} turns skipped, longer than {room} tokens")
+            if not prompts:
+                continue
+            with Meter(f"evaluate: suite {suite.name} ({mode})", total=len(prompts) * len(ks) * len(temperatures)) as m:
+                for temperature in temperatures:
+                    for k in ks:
+                        row = measure_suite_row(target, prompts, new_proposer, k, temperature, ec, inputs, m)
+                        rows.append({"suite": suite.name, "mode": mode, **row})
+    return {
+        "training_mode": mode_of(trained_with),
+        "training_template_kwargs": trained_with,
+        "modes": modes,
+        "modes_unlike_training": other,
+        "rows": rows,
+        "warnings": warnings,
+    }
+
+
+def measure_suite_row(target, prompts, new_proposer, k, temperature, ec, inputs, meter) -> dict:
+    from eaglekit.speculative.benchmark import measure_suite
+
+    return measure_suite(
+        target,
+        prompts,
+        new_proposer,
+        k,
+        temperature,
+        ec.max_new_tokens,
+        inputs.stop_ids,
+        ec.seed,
+        on_prompt=lambda: meter.update(1, K=k, T=temperature),
+    )
 
 
 def degenerate(report: dict, asked: int, eval_fraction: float) -> list[str]:
@@ -348,6 +433,9 @@ def counts(report: dict) -> dict:
     for r in report["results"]:
         if r["temperature"] == temperature:
             out[f"{r['method']}_tau_k{r['k']}"] = r["tau"]
+    for r in (report.get("suites") or {}).get("rows", []):
+        if r["temperature"] == temperature:
+            out[f"{r['suite']}_{r['mode']}_tau_k{r['k']}"] = r["tau"]
     if report.get("finetune"):
         out["finetune_vs_start"] = {s["prompts"]: s["mean_ratio"] for s in report["finetune"]["sets"]}
     return out
