@@ -9,7 +9,7 @@ import datasets
 from conftest import write_config
 from test_evaluate_export import drafter_dir, prompts_file  # noqa: F401  (module fixtures, reused)
 
-from eaglekit import pipeline
+from eaglekit import pipeline, status
 from eaglekit.config import load_config
 from eaglekit.data.chat import end_of_turn_token_ids, load_tokenizer
 from eaglekit.data.suites import load_suite
@@ -110,3 +110,7 @@ def test_evaluate_reports_each_suite_mode_k_and_temperature(tmp_path, tiny_targe
     assert row["counts"]["gsm8k_off_tau_k3"] == next(
         r["tau"] for r in rows if (r["suite"], r["mode"], r["k"]) == ("gsm8k", "off", 3)
     )
+    lines = status.suite_lines(cfg, status.stage_rows(cfg))  # `eaglekit status` prints these under its table
+    assert len(lines) == 4 and all(line.startswith("evaluate: ") and "K=3" in line for line in lines)
+    gsm_off = next(r for r in rows if (r["suite"], r["mode"], r["k"]) == ("gsm8k", "off", 3))
+    assert f"gsm8k, reasoning off, K=3, T=0: τ {gsm_off['tau']:.2f}" in "\n".join(lines)

@@ -13,6 +13,7 @@ copy ``RUN_DIR/config.yaml`` when that file is gone — and it says which one it
 from __future__ import annotations
 
 import datetime as dt
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -311,6 +312,29 @@ def notes(rows: list[dict], config: str) -> list[str]:
     return out
 
 
+def suite_lines(cfg: RunConfig, rows: list[dict], wide: bool = False) -> list[str]:
+    """The benchmark-suite τ of evaluate's and verify's reports (``suites``), one line per suite, reasoning mode
+    and temperature at the largest K (every K with --wide), to set beside a drafter's model card."""
+    out = []
+    for r in rows:
+        if r["stage"] not in ("evaluate", "verify") or r["state"] not in ("done", "stale"):
+            continue
+        try:
+            section = json.loads((Path(cfg.run_dir) / r["stage"] / "report.json").read_text()).get("suites") or {}
+        except (OSError, ValueError):
+            continue
+        suite_rows = section.get("rows") or []
+        kmax = max((s["k"] for s in suite_rows), default=0)
+        for s in suite_rows:
+            if wide or s["k"] == kmax:
+                low, high = s["tau_ci95"]
+                out.append(
+                    f"{r['stage']}: {s['suite']}, reasoning {s['mode']}, K={s['k']}, T={s['temperature']:g}: "
+                    f"τ {s['tau']:.2f} (95 % {low:.2f}–{high:.2f}, {s['prompts']} prompts)"
+                )
+    return out
+
+
 STYLES = {
     "done": "green",
     "running": "cyan",
@@ -355,6 +379,8 @@ def render(console, compared: Compared, rows: list[dict], wide: bool = False) ->
             ]
         table.add_row(*cells)
     console.print(table)
+    for line in suite_lines(cfg, rows, wide):
+        console.print(line, markup=False)
     for line in notes(rows, config):
         console.print(line, markup=False)
     for line in next_steps(cfg, rows, config):
