@@ -163,10 +163,16 @@ class Offline:
     plain: dict[str, list[int]] = field(default_factory=dict)
     eagle: dict[int, dict] = field(default_factory=dict)  # K -> {id: Generation}
     dtype: str = ""
+    # verify.suites: (suite, reasoning mode) -> its prompts, sent as a batch of their own so that the engine's
+    # counters can be read per suite; their ids are in plain and eagle too
+    suites: dict[tuple[str, str], list[tuple[str, list[int]]]] = field(default_factory=dict)
 
-    def counters(self, k: int) -> Counters:
-        runs = self.eagle[k].values()
-        stats = [g.stats for g in runs]
+    def all_prompts(self) -> list[tuple[str, list[int]]]:
+        return self.prompts + [p for group in self.suites.values() for p in group]
+
+    def counters(self, k: int, prompts: list[tuple[str, list[int]]] | None = None) -> Counters:
+        """Counted as the engine counts, over ``prompts`` (default: the evaluation prompts)."""
+        stats = [self.eagle[k][pid].stats for pid, _ in (self.prompts if prompts is None else prompts)]
         return Counters(
             sum(s.drafted[0] if s.drafted else 0 for s in stats),
             [sum(s.accepted[i] for s in stats) for i in range(k)],
@@ -206,8 +212,10 @@ def offline_figures(cfg: RunConfig, ks: list[int]) -> Offline:
             inputs = decoding_inputs(cfg, target, device, limit, num_samples(cfg), stage=NAME)
             stop = engine_stop_ids(cfg, inputs.stop_ids)
             out = Offline(inputs.prompts, stop, inputs.aux, dtype=str(inputs.dtype).replace("torch.", ""))
-            with Meter("verify: offline decode", total=len(inputs.prompts) * (1 + len(ks)), unit="runs") as meter:
-                for pid, ids in inputs.prompts:
+            out.suites = suite_prompt_groups(cfg, target, inputs, set(stop), limit)
+            everything = out.all_prompts()
+            with Meter("verify: offline decode", total=len(everything) * (1 + len(ks)), unit="runs") as meter:
+                for pid, ids in everything:
                     out.plain[pid] = generate(target, ids, limit, stop_ids=set(stop)).tokens
                     meter.update(1)
                     for k in ks:
@@ -229,6 +237,26 @@ def offline_figures(cfg: RunConfig, ks: list[int]) -> Offline:
     return out
 
 
+def suite_prompt_groups(cfg: RunConfig, target, inputs, stop: set[int], limit: int) -> dict:
+    """``verify.suites`` (default ``evaluate.suites``) in each of evaluate's reasoning modes, turn by turn, as
+    evaluate renders them: (suite, mode) -> [(id, prompt ids)]."""
+    from eaglekit.data.suites import load_suite
+    from eaglekit.speculative.benchmark import reasoning_modes, suite_prompts, template_kwargs
+
+    suites = cfg.verify.suites if cfg.verify.suites is not None else cfg.evaluate.suites
+    served = cfg.generate.extra_body.get("chat_template_kwargs")
+    room = int(inputs.hf.max_position_embeddings) - limit
+    groups = {}
+    for suite in suites:
+        items = load_suite(suite.name, suite.num_samples or num_samples(cfg), suite.path)
+        for mode in reasoning_modes(cfg.evaluate.reasoning):
+            kwargs = template_kwargs(served, cfg.evaluate.chat_template_kwargs, mode)
+            prompts, _ = suite_prompts(target, inputs.tokenizer, items, kwargs, limit, stop, room)
+            if prompts:
+                groups[suite.name, mode] = [(f"{p.item_id}#turn{p.turn}@{mode}", p.ids) for p in prompts]
+    return groups
+
+
 # -------------------------------------------------------------------------------------------- served
 
 
@@ -241,6 +269,7 @@ class ServedRun:
     served: dict[str, Served]
     counters: Counters
     log: str | None = None
+    suite_counters: dict[tuple[str, str], Counters] = field(default_factory=dict)
 
 
 def vllm_launch(cfg: RunConfig, form: str, folder: Path, k: int) -> tuple[str, list[str], str]:
@@ -284,12 +313,18 @@ def served_by_eaglekit(ctx, offline: Offline) -> list[ServedRun]:
             server = VllmServer(
                 python, model, args + detailed + list(vc.engine_args), log, startup_timeout=vc.startup_timeout
             )
-            with server, Meter(f"verify: {form} K={k} served", total=len(offline.prompts), unit="requests") as meter:
+            total = len(offline.all_prompts())
+            with server, Meter(f"verify: {form} K={k} served", total=total, unit="requests") as meter:
                 client = VllmClient(server.url, vc.timeout)
-                served, counters = vllm_batch(
-                    client, offline.prompts, max_new_tokens(cfg), offline.stop_ids, lambda: meter.update(1)
+                run = ServedRun(form, k, "vllm", launch, {}, Counters(), str(log))
+                send_batches(
+                    run,
+                    offline,
+                    lambda ps, client=client: vllm_batch(
+                        client, ps, max_new_tokens(cfg), offline.stop_ids, meter.update
+                    ),
                 )
-            runs.append(ServedRun(form, k, "vllm", launch, served, counters, str(log)))
+            runs.append(run)
     shutil.rmtree(logs / "vllm-cache", ignore_errors=True)  # compile caches of the engines started above
     return runs
 
@@ -297,16 +332,27 @@ def served_by_eaglekit(ctx, offline: Offline) -> list[ServedRun]:
 def served_by_user(cfg: RunConfig, offline: Offline, engine: str, client, k: int) -> ServedRun:
     from eaglekit.serving.speculation import sglang_batch, vllm_batch
 
-    with Meter("verify: served", total=len(offline.prompts), unit="requests") as meter:
+    run = ServedRun("served", k, engine, cfg.verify.server, {}, Counters())
+    with Meter("verify: served", total=len(offline.all_prompts()), unit="requests") as meter:
         if engine == "sglang":
-            served, counters = sglang_batch(
-                client, offline.prompts, max_new_tokens(cfg), offline.stop_ids, k, lambda: meter.update(1)
+            send_batches(
+                run,
+                offline,
+                lambda ps: sglang_batch(client, ps, max_new_tokens(cfg), offline.stop_ids, k, meter.update),
             )
         else:
-            served, counters = vllm_batch(
-                client, offline.prompts, max_new_tokens(cfg), offline.stop_ids, lambda: meter.update(1)
+            send_batches(
+                run, offline, lambda ps: vllm_batch(client, ps, max_new_tokens(cfg), offline.stop_ids, meter.update)
             )
-    return ServedRun("served", k, engine, cfg.verify.server, served, counters)
+    return run
+
+
+def send_batches(run: ServedRun, offline: Offline, batch) -> None:
+    """The evaluation prompts, then each suite's, as batches of their own: the engine's counters per batch."""
+    run.served, run.counters = batch(offline.prompts)
+    for group, prompts in offline.suites.items():
+        served, run.suite_counters[group] = batch(prompts)
+        run.served.update(served)
 
 
 # ---------------------------------------------------------------------------------------- comparison
@@ -357,12 +403,16 @@ def compare(run: ServedRun, offline: Offline, cfg: RunConfig) -> dict:
         "positions": speculating and worst <= vc.position_tolerance,
         "greedy": len(differing) <= vc.greedy_tolerance * len(offline.prompts),
     }
+    suites = [compare_suite(run, offline, group, vc.tau_tolerance) for group in offline.suites]
+    if suites:
+        checks["suites"] = all(s["passed"] for s in suites)
     return {
         "form": run.form,
         "k": run.k,
         "engine": run.engine,
         "launch": run.launch,
         "log": run.log,
+        "suites": suites,
         "tau": {
             "served": round(tau_served, 4),
             "offline": round(tau_offline, 4),
@@ -395,6 +445,29 @@ def compare(run: ServedRun, offline: Offline, cfg: RunConfig) -> dict:
         else None,
         "checks": checks,
         "passed": all(checks.values()),
+    }
+
+
+def compare_suite(run: ServedRun, offline: Offline, group: tuple[str, str], tolerance: float) -> dict:
+    """One suite in one reasoning mode: the engine's τ on its batch against eaglekit's on the same prompts."""
+    prompts = offline.suites[group]
+    mine, theirs = offline.counters(run.k, prompts), run.suite_counters[group]
+    if run.engine == "sglang":
+        served = theirs.emitted / theirs.verify_passes if theirs.emitted and theirs.verify_passes else 1.0
+        offline_tau = mine.emitted / mine.verify_passes if mine.emitted and mine.verify_passes else 1.0
+    else:
+        served, offline_tau = theirs.tau, mine.tau
+    relative = abs(served - offline_tau) / offline_tau if offline_tau else 0.0
+    return {
+        "suite": group[0],
+        "mode": group[1],
+        "prompts": len(prompts),
+        "served_tau": round(served, 4),
+        "offline_tau": round(offline_tau, 4),
+        "relative_difference": round(relative, 4),
+        "served_positions": [round(r, 4) for r in theirs.rates()],
+        "offline_positions": [round(r, 4) for r in mine.rates()],
+        "passed": relative <= tolerance,
     }
 
 
@@ -616,6 +689,10 @@ def verdict_counts(report: dict) -> dict:
     counts = {"verdict": report["verdict"], "engine": report["engine"], "prompts": report["prompts"]}
     for r in report["runs"]:
         counts[f"tau_{r['form']}_k{r['k']}"] = f"served {r['tau']['served']:.3f} / offline {r['tau']['offline']:.3f}"
+        for s in r.get("suites") or []:
+            counts[f"tau_{r['form']}_k{r['k']}_{s['suite']}_{s['mode']}"] = (
+                f"served {s['served_tau']:.3f} / offline {s['offline_tau']:.3f}"
+            )
     return counts
 
 
@@ -687,6 +764,20 @@ def report_markdown(report: dict, summary_only: bool = False) -> str:
             f"{r['largest_position_difference']:.3f} | {r['greedy']['identical']}/{r['greedy']['prompts']} | "
             f"{'pass' if r['passed'] else '**FAIL**'} |"
         )
+    suite_rows = [(r, s) for r in report["runs"] for s in r.get("suites") or []]
+    if suite_rows:
+        lines += [
+            "",
+            "Per benchmark suite (served = offline within the τ tolerance; each suite sent as a batch of its own):",
+            "",
+            "| suite | mode | form | K | prompts | τ served | τ offline | relative Δ | result |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {s['suite']} | {s['mode']} | {r['form']} | {r['k']} | {s['prompts']} | {s['served_tau']:.3f} | "
+            f"{s['offline_tau']:.3f} | {s['relative_difference']:.2%} | {'pass' if s['passed'] else '**FAIL**'} |"
+            for r, s in suite_rows
+        ]
     if summary_only:
         return "\n".join([f"verify: **{report['verdict']}**", ""] + lines) + "\n"
     for r in report["runs"]:
