@@ -165,3 +165,23 @@ def test_each_verify_pass_records_the_context_its_draft_starts_after():
     steps = [b - a for a, b in zip(spec.context_per_round, spec.context_per_round[1:], strict=False)]
     assert steps == [n + 1 for n in spec.accepted_per_round[:-1]]
     assert len(spec.context_per_round) == len(spec.accepted_per_round)
+
+
+def test_longbench_layout_and_its_middle_cut_to_max_prompt_tokens(tmp_path, tiny_target):
+    from eaglekit.data.chat import load_tokenizer
+    from eaglekit.speculative.benchmark import suite_prompts
+
+    row = {"_id": "lb1", "question": "Which color?", "answer": "A", "length": "short"}
+    row |= {f"choice_{c}": f"color {c}" for c in "ABCD"}
+    row["context"] = "HEAD " + " ".join(f"word{i}" for i in range(3000)) + " TAIL"
+    (item,) = load_suite("longbench_v2", path=str(write_jsonl(tmp_path / "lb.jsonl", [row])))
+    assert item.id == "longbench_v2:lb1" and item.turns[0].startswith("Please read the following text")
+    assert "(D) color D" in item.turns[0]
+
+    tokenizer = load_tokenizer(str(tiny_target))
+    kept, skipped = suite_prompts(None, tokenizer, [item], None, 8, set(), room=10_000, max_prompt_tokens=400)
+    assert skipped == 0 and 350 <= len(kept[0].ids) <= 400  # cut to fit, no more than the seam's margin below
+    text = tokenizer.decode(kept[0].ids)
+    assert "HEAD" in text and "Which color?" in text and "word1500" not in text  # head and tail kept, middle gone
+    whole, skipped = suite_prompts(None, tokenizer, [item], None, 8, set(), room=400)
+    assert whole == [] and skipped == 1  # without the cut, a prompt that does not fit is skipped, and counted

@@ -221,6 +221,9 @@ class SuiteConfig(Section):
     name: str = Field(description="mt_bench, gsm8k, humaneval, math500 or alpaca")
     num_samples: int | None = Field(None, ge=1, description="prompts taken from the start; default: the stage's")
     path: str | None = Field(None, description="local copy in the hub's layout (JSONL/Parquet/saved folder)")
+    max_prompt_tokens: int | None = Field(
+        None, ge=64, description="cut the middle of a longer user turn to fit (LongBench's truncation)"
+    )
 
     @field_validator("name")
     @classmethod

@@ -44,6 +44,16 @@ class SuiteSpec:
 MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 
 
+def _longbench_turn(row: dict) -> list[str]:
+    # LongBench v2's zero-shot template (its repository's prompts/0shot.txt), the context first
+    choices = "\n".join(f"({c}) {row[f'choice_{c}']}" for c in "ABCD")
+    return [
+        "Please read the following text and answer the question below.\n\n<text>\n"
+        f"{row['context']}\n</text>\n\nWhat is the correct answer to this question: {row['question']}\n"
+        f'Choices:\n{choices}\n\nFormat your response as follows: "The correct answer is (insert answer here)".'
+    ]
+
+
 def _alpaca_turn(row: dict) -> list[str]:
     # Alpaca's instruction with its optional input below it, as the Alpaca template lays them out
     extra = (row.get("input") or "").strip()
@@ -95,6 +105,16 @@ SUITES: dict[str, SuiteSpec] = {
         None,
         _alpaca_turn,
         "Alpaca: open-domain instructions (the chat set of the EAGLE papers)",
+    ),
+    "longbench_v2": SuiteSpec(
+        "THUDM/LongBench-v2",
+        None,
+        "train",
+        ("context", "question", "choice_A", "choice_B", "choice_C", "choice_D"),
+        "_id",
+        _longbench_turn,
+        "LongBench v2: 503 questions over 8k-2M-word documents, to fill the long-context groups "
+        "(set max_prompt_tokens: the middle of a longer prompt is cut, as LongBench does)",
     ),
 }
 

@@ -67,15 +67,21 @@ def suite_prompts(
     max_new_tokens: int,
     stop_ids: set[int],
     room: int,
+    max_prompt_tokens: int | None = None,
 ) -> tuple[list[SuitePrompt], int]:
     """Every turn of ``items`` as prompt ids (turn n after the target's greedy answers), and how many turns did
-    not fit in ``room`` tokens (a turn that does not fit ends its item)."""
+    not fit in ``room`` tokens (a turn that does not fit ends its item). With ``max_prompt_tokens`` a longer turn
+    keeps its head and tail and loses its middle, as LongBench truncates."""
     prompts, skipped = [], 0
+    limit = min(room, max_prompt_tokens or room)
     for item in items:
         messages: list[dict] = []
         for turn, text in enumerate(item.turns, start=1):
             messages.append({"role": "user", "content": text})
             ids = prompt_ids(tokenizer, messages, kwargs)
+            if max_prompt_tokens and len(ids) > limit:
+                messages[-1]["content"] = cut_middle(tokenizer, text, len(ids) - limit)
+                ids = prompt_ids(tokenizer, messages, kwargs)
             if len(ids) > room:
                 skipped += len(item.turns) - turn + 1
                 break
@@ -86,6 +92,13 @@ def suite_prompts(
                     {"role": "assistant", "content": tokenizer.decode(answer.tokens, skip_special_tokens=True)}
                 )
     return prompts, skipped
+
+
+def cut_middle(tokenizer, text: str, excess: int) -> str:
+    """``text`` without ``excess`` (plus a small margin for re-tokenization at the seam) tokens from its middle."""
+    tokens = tokenizer.encode(text, add_special_tokens=False)
+    keep = max(0, len(tokens) - excess - 8)
+    return tokenizer.decode(tokens[: keep // 2]) + tokenizer.decode(tokens[len(tokens) - (keep - keep // 2) :])
 
 
 def bootstrap_interval(per_prompt: list[tuple[int, int]], seed: int = 0) -> tuple[float, float]:

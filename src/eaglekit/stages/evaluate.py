@@ -311,7 +311,14 @@ def measure_suites(ctx, target, inputs, new_proposer, ks: list[int], temperature
         for mode in modes:
             kwargs = template_kwargs(served, ec.chat_template_kwargs, mode)
             prompts, skipped = suite_prompts(
-                target, inputs.tokenizer, items, kwargs, ec.max_new_tokens, inputs.stop_ids, room
+                target,
+                inputs.tokenizer,
+                items,
+                kwargs,
+                ec.max_new_tokens,
+                inputs.stop_ids,
+                room,
+                suite.max_prompt_tokens,
             )
             if skipped:
                 warnings.append(f"suite {suite.name} ({mode}): {skipped} turns skipped, longer than {room} tokens")

@@ -251,7 +251,9 @@ def suite_prompt_groups(cfg: RunConfig, target, inputs, stop: set[int], limit: i
         items = load_suite(suite.name, suite.num_samples or num_samples(cfg), suite.path)
         for mode in reasoning_modes(cfg.evaluate.reasoning):
             kwargs = template_kwargs(served, cfg.evaluate.chat_template_kwargs, mode)
-            prompts, _ = suite_prompts(target, inputs.tokenizer, items, kwargs, limit, stop, room)
+            prompts, _ = suite_prompts(
+                target, inputs.tokenizer, items, kwargs, limit, stop, room, suite.max_prompt_tokens
+            )
             if prompts:
                 groups[suite.name, mode] = [(f"{p.item_id}#turn{p.turn}@{mode}", p.ids) for p in prompts]
     return groups
