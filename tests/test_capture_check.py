@@ -91,3 +91,31 @@ def test_no_prompt_logprobs_is_a_fail_that_says_so(captured):
     picked = states[:, LAYERS]
     result = check_capture("capture", picked, LAYERS, norm(picked[:, -1]), norm, head, parse_prompt_logprobs(None))
     assert result.status == "fail" and "no prompt log-probs" in result.detail
+
+
+# ------------------------------------------------------------------ the in-process twin (extract's hf backend)
+
+
+def test_in_process_twin_passes_and_names_shifted_aux_taps_and_a_second_norm(tiny_target):
+    from transformers import AutoModelForCausalLM
+
+    from eaglekit.model.target import TargetFeatures
+    from eaglekit.preflight.capture import check_in_process
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
+    ids = torch.randint(5, model.config.vocab_size, (20,), generator=torch.Generator().manual_seed(3))
+    right = check_in_process("twin", TargetFeatures(model, [2, 4, 5]), ids, [2, 4, 5])
+    assert right.status == "ok", right.detail
+
+    shifted = check_in_process("twin", TargetFeatures(model, [1, 3, 4]), ids, [2, 4, 5])
+    assert shifted.status == "fail" and "should be hidden_states[2]" in shifted.detail
+    assert "is hidden_states[1]" in shifted.detail, shifted.detail
+
+    class NormedTwice(TargetFeatures):
+        def __call__(self, *args, **kwargs):
+            feats = super().__call__(*args, **kwargs)
+            feats.last_hidden = self.norm(feats.last_hidden)
+            return feats
+
+    twice = check_in_process("twin", NormedTwice(model, [2, 4, 5]), ids, [2, 4, 5])
+    assert twice.status == "fail" and "made with the final norm applied twice" in twice.detail, twice.detail

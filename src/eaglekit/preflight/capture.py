@@ -44,6 +44,7 @@ def parse_prompt_logprobs(entries: list | None) -> Reference:
     return out
 
 
+@torch.no_grad()
 def logprob_gap(final: torch.Tensor, head: torch.Tensor, reference: Reference) -> tuple[float, int]:
     """(max |Δ| in nats, values compared) between log_softmax(final @ headᵀ) and ``reference``.
 
@@ -137,3 +138,46 @@ def check_capture(
         f"output before the norm) — its layer ids are shifted from {layer_ids}, or it serves another model",
         SERVE_HINT + " for this target.model",
     )
+
+
+@torch.no_grad()
+def check_in_process(name: str, features, ids: torch.Tensor, aux_layer_ids: list[int]) -> CheckResult:
+    """The cheaper twin for extract's in-process backend: the rows ``features`` (a ``TargetFeatures``) returns for
+    ``ids`` [L] against the model's own forward pass — every aux state against ``hidden_states[id]`` of the config's
+    ``aux_layer_ids``, and the final rows through lm_head against the model's own log-probs (``check_capture``)."""
+    model, layers = features.model, features.layers
+    captured: dict[str, torch.Tensor] = {}
+
+    def keep_output(module, args, output):
+        captured["final"] = output[0] if isinstance(output, tuple) else output
+
+    hook = layers[-1].register_forward_hook(keep_output)
+    try:
+        out = model(ids[None].to(model.device), output_hidden_states=True)
+    finally:
+        hook.remove()
+    feats = features(ids[None], with_logits=False)
+    hidden = [h[0] for h in out.hidden_states]
+    width = hidden[0].shape[-1]
+    for j, layer in enumerate(aux_layer_ids):
+        got = feats.aux[0, :, j * width : (j + 1) * width].to(hidden[layer].device)
+        if not torch.allclose(got.float(), hidden[layer].float(), rtol=1e-3, atol=1e-4):
+            alike = [i for i, h in enumerate(hidden) if torch.allclose(got.float(), h.float(), rtol=1e-3, atol=1e-4)]
+            where = f"hidden_states[{alike[0]}]" if alike else "no hidden_states entry"
+            return fail(
+                name,
+                f"aux state {j} should be hidden_states[{layer}] (the residual stream entering decoder layer {layer}) "
+                f"and is {where}: the capture's layer ids are off",
+                "the aux taps must be forward pre-hooks of model.layers[id], as eaglekit.model.target.TargetFeatures",
+            )
+    reference = torch.log_softmax(out.logits[0].float(), dim=-1)
+    served: Reference = [None]
+    for t in range(1, len(ids)):
+        tokens = {int(ids[t])} | set(reference[t - 1].topk(5).indices.tolist())
+        served.append({k: float(reference[t - 1, k]) for k in tokens})
+    cfg = model.config
+    eps = getattr(cfg, "rms_norm_eps", None) or 1e-6
+    norm = FinalNorm(features.norm.weight.detach(), float(eps), getattr(cfg, "model_type", "").startswith("gemma"))
+    states = torch.stack([*(hidden[i] for i in aux_layer_ids), captured["final"][0]], dim=1)
+    layer_ids = [*aux_layer_ids, len(layers)]
+    return check_capture(name, states, layer_ids, feats.last_hidden[0], norm, features.lm_head.weight.detach(), served)

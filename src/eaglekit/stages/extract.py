@@ -238,6 +238,8 @@ def run(ctx) -> dict:
         TargetFeatures(load_target(cfg.target, distributed.device()), aux_ids) if backend == "hf" and todo else None
     )
     norm = read_final_norm(cfg.target) if backend == "vllm" and todo else None
+    if target is not None:
+        capture_self_check(target, store, lengths, [i for n in todo for i in plan[n]])
     label = f"extract (rank {rank})" if world > 1 else "extract"
     with Meter(
         label, total=sum(shard_tokens.values()), unit="tok", initial=sum(shard_tokens[n] for n in done)
@@ -300,6 +302,18 @@ def run(ctx) -> dict:
         )
     distributed.barrier()
     return counts
+
+
+def capture_self_check(target: TargetFeatures, store, lengths, pending: list[int]) -> None:
+    """The capture self-check's in-process twin (``eaglekit.preflight.capture``) on the shortest pending sample: the
+    aux taps against the model's hidden_states, the final rows against its own log-probs; a mismatch stops here."""
+    from eaglekit.preflight.capture import check_in_process
+
+    shortest = min(pending, key=lambda i: lengths[i])
+    check = check_in_process("capture self-check", target, store[shortest][1], target.aux_layer_ids)
+    if check.status == "fail":
+        raise EaglekitError(f"extract: capture self-check: {check.detail}", check.remedy)
+    console.print(f"extract: capture self-check: {check.detail}")
 
 
 def _extract_hf(cfg, target: TargetFeatures, store, lengths, plan, todo, sink, meter) -> None:
