@@ -20,6 +20,8 @@ from eaglekit.preflight import failed
 from eaglekit.rundir import RunDir
 from eaglekit.serving.engine import VllmServer, metric_sum, parse_prometheus
 
+pytestmark = pytest.mark.slow  # builds, trains or serves models
+
 N_PROMPTS = 6
 
 
