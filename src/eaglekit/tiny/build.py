@@ -169,7 +169,9 @@ def train_tokenizer(texts: list[str]) -> PreTrainedTokenizerFast:
 def encode(tokenizer: PreTrainedTokenizerFast, tasks: list[Task], rng: random.Random) -> list[tuple[list[int], int]]:
     """Token ids of each full conversation and where its assistant turn starts (the loss covers only that)."""
     systems = [rng.choice(SYSTEM_PROMPTS) if rng.random() < 0.25 else None for _ in tasks]
-    full = tokenizer.apply_chat_template([conversation(t, s) for t, s in zip(tasks, systems, strict=False)], tokenize=False)
+    full = tokenizer.apply_chat_template(
+        [conversation(t, s) for t, s in zip(tasks, systems, strict=False)], tokenize=False
+    )
     prompts = tokenizer.apply_chat_template(
         [conversation(t, s, with_answer=False) for t, s in zip(tasks, systems, strict=False)],
         tokenize=False,
@@ -262,7 +264,9 @@ def heldout_scores(model, tokenizer, n: int, seed: int = HELDOUT_SEED) -> dict:
         "well_formed": sum(p is not None for p in parsed) / n,
         "accuracy": sum(right) / n,
         "accuracy_by_kind": {
-            k: round(sum(r for r, t in zip(right, tasks, strict=False) if t.kind == k) / sum(t.kind == k for t in tasks), 3)
+            k: round(
+                sum(r for r, t in zip(right, tasks, strict=False) if t.kind == k) / sum(t.kind == k for t in tasks), 3
+            )
             for k in kinds
         },
     }
@@ -399,14 +403,33 @@ def ensure_tiny_target(cache_dir: Path | None = None, arch: str = "llama") -> Pa
     return model_dir
 
 
+def _distinct_heldout_prompts(n: int, seed: int) -> list[str]:
+    """The first ``n`` distinct prompts of the held-out draw for ``seed``.
+
+    Some task kinds have only a few dozen held-out prompts, so a plain draw repeats rows; a prompts file
+    with repeats wastes generation and trips pre-flight's duplicate check. Draws are a prefix of one
+    seeded stream, so drawing more keeps the earlier prompts and their order."""
+    draws = max(2 * n, 64)
+    while True:
+        prompts = list(dict.fromkeys(task.prompt for task in sample_tasks(draws, seed, split="heldout")))
+        if len(prompts) >= n:
+            return prompts[:n]
+        if draws >= 32 * n:
+            raise UsageError(
+                f"write_prompts: only {len(prompts)} distinct held-out prompts in {draws} draws, {n} asked for",
+                f"ask for at most {len(prompts)} prompts, or join files written with different seeds",
+            )
+        draws *= 2
+
+
 def write_prompts(path: Path, n: int, seed: int, shape: Literal["sharegpt", "messages"] = "sharegpt") -> Path:
-    """Write ``n`` held-out prompts (never seen in training) as JSONL for the demo; every fourth row has a system turn."""
+    """Write ``n`` distinct held-out prompts (never seen in training) as JSONL for the demo; every fourth row has a system turn."""
     if shape not in ("sharegpt", "messages"):
         raise UsageError(f"write_prompts: unknown shape {shape!r}", "use shape='sharegpt' or shape='messages'")
     rows = []
-    for i, task in enumerate(sample_tasks(n, seed, split="heldout")):
+    for i, prompt in enumerate(_distinct_heldout_prompts(n, seed)):
         turns = [("system", SYSTEM_PROMPTS[(i // 4) % len(SYSTEM_PROMPTS)])] if i % 4 == 3 else []
-        turns.append(("user", task.prompt))
+        turns.append(("user", prompt))
         row_id = f"tiny-{seed}-{i:05d}"
         if shape == "sharegpt":
             rows.append(
