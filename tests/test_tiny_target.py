@@ -167,6 +167,7 @@ def test_write_prompts_rejects_unknown_shape(tmp_path):
         write_prompts(tmp_path / "p.jsonl", n=3, seed=0, shape="alpaca")
 
 
+@pytest.mark.slow
 def test_build_is_deterministic_whatever_the_threads(tmp_path, monkeypatch):
     monkeypatch.setattr(tiny_build, "build_threads", lambda: 1)
     a = build_tiny_target(tmp_path / "a", seed=3, steps=3, heldout=0)
