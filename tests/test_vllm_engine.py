@@ -1,7 +1,7 @@
 """The real vLLM (CPU build, its own venv) serving the tiny target: the launcher, and generate through it.
 
 What is pinned here was seen in vLLM 0.32 with ``--reasoning-parser qwen3``: reasoning arrives in
-``message.reasoning`` (FORMATS.md §2), ``return_token_ids`` gives the completion's token ids, and at
+``message.reasoning`` (docs/formats.md §5), ``return_token_ids`` gives the completion's token ids, and at
 temperature 0 in float32 they are the ids the in-process (transformers) backend generates.
 """
 
