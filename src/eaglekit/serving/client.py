@@ -13,7 +13,7 @@ error text, so it cannot reach a log, the ledger or errors.jsonl.
 ``chat`` is the generate stage's request; ``post`` sends any JSON body to any endpoint with the same
 scheduling and retries (the extract stage's vLLM backend uses it for ``/completions``). The settings are
 read by attribute (``servers``, ``concurrency``, ``timeout``, ``max_retries``, ``retry_backoff``,
-``probe_interval``, ``outage_timeout``): a ServerPoolConfig (generate's, or extract.vllm).
+``probe_interval``, ``outage_timeout``): a GenerateConfig, or any section with those fields.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any
 
 import httpx
 
-from eaglekit.config import ServerPoolConfig
+from eaglekit.config import GenerateConfig
 from eaglekit.errors import EaglekitError, UsageError
 from eaglekit.progress import console
 
@@ -100,7 +100,7 @@ def parse_retry_after(value: str | None) -> float | None:
 class ChatClient:
     """Use as ``async with ChatClient(cfg, api_key) as client: reply = await client.chat(messages)``."""
 
-    def __init__(self, cfg: ServerPoolConfig, api_key: str | None = None):
+    def __init__(self, cfg: GenerateConfig, api_key: str | None = None):
         self.cfg, self.api_key = cfg, api_key
         self.servers = [Server(u.rstrip("/"), cfg.concurrency, cfg.probe_interval) for u in cfg.servers]
         self.send_token_ids = getattr(cfg, "return_token_ids", False)
