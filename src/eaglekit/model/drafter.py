@@ -384,7 +384,7 @@ def rope_inv_freq(cfg: DrafterConfig) -> tuple[torch.Tensor, float]:
         num_attention_heads=cfg.num_attention_heads,
         head_dim=head_dim,
         max_position_embeddings=cfg.max_position_embeddings,
-        rope_theta=cfg.rope_theta,  # type: ignore[call-arg]  # transformers' stub lists only v5's rope_parameters; v4 reads these
+        rope_theta=cfg.rope_theta,  # type: ignore[call-arg]  # transformers 5's signature omits the v4 keys it still takes
         rope_scaling={**scaling, "rope_type": rope_type},
     )
     inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, "cpu")
