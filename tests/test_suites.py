@@ -101,6 +101,7 @@ def test_config_takes_bare_names_and_resolves_paths_against_the_config(tmp_path)
     with pytest.raises(ValueError, match="unknown suite 'mmlu'"):
         EvaluateConfig(suites=["mmlu"])
     assert VerifyConfig().suites is None  # verify then serves evaluate's
+    assert EvaluateConfig(reasoning=False).reasoning == "off"  # `reasoning: off` unquoted, as YAML reads it
 
 
 # ------------------------------------------------------------------------------ τ by context length
