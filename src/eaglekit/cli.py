@@ -87,9 +87,9 @@ def command(name: str, **kwargs):
 
 def _version(value: bool) -> None:
     if value:
-        import importlib.metadata as md
+        from eaglekit import __version__  # not the installed metadata: a source tree on PYTHONPATH has none
 
-        typer.echo(f"eaglekit {md.version('eaglekit')}")
+        typer.echo(f"eaglekit {__version__}")
         raise typer.Exit()
 
 

@@ -250,7 +250,7 @@ def estimate(ctx: StageContext, sizes: Sizes | None) -> Estimate:
 
 def kept(ctx: StageContext) -> str:
     """What an interrupted or failed run leaves to resume from."""
-    from eaglekit.training.loop import Checkpoints
+    from eaglekit.training.checkpoint import Checkpoints
 
     try:
         latest = Checkpoints(ctx.dir / "checkpoints", ctx.cfg.train.keep_last).latest()
@@ -283,7 +283,7 @@ def live_counts(stage_dir: Path) -> dict:
 def run(ctx: StageContext) -> dict:
     from eaglekit.training.loop import train
 
-    counts = train(ctx)
+    counts = train(ctx.cfg, ctx.run, ctx.dir, ctx.resuming)
     tc = ctx.cfg.train
     if counts["steps"] < tc.warmup_steps:
         ctx.warn(
