@@ -136,7 +136,7 @@ class _StageCommand(TyperCommand):
     stage = ""
     summary = ""
 
-    @property  # type: ignore[override]
+    @property
     def help(self) -> str:
         declared = pipeline.stage_of(self.stage)
         return f"{self.summary} Reads {declared.reads}; writes {declared.writes}."
@@ -182,7 +182,7 @@ def export_cmd(
     cfg = load(config)
     if fmt and fmt not in ("eagle3", "speculators", "all"):
         raise UsageError(f"--format {fmt}: unknown format", "use eagle3, speculators or all")
-    formats = list(cfg.export.formats) if not fmt else (["eagle3", "speculators"] if fmt == "all" else [fmt])
+    formats: list[Any] = list(cfg.export.formats) if not fmt else (["eagle3", "speculators"] if fmt == "all" else [fmt])
     cfg.export.formats = formats  # part of the fingerprint: another --format is another export
     rows = pipeline.run_stages(cfg, ["export"], force=force, skip_preflight=skip_preflight, formats=formats)
     if as_json:
@@ -397,15 +397,16 @@ def tiny_target_cmd(
 # ------------------------------------------------------------------------------------------- errors
 
 # typer ships its own copy of click in recent versions: take the classes from typer's own exceptions.
-ClickException = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+ClickException: type[Exception] = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
 
 
 def exact(text: str) -> str:
     """A remedy with the config the user passed in place of the CONFIG placeholder."""
-    return re.sub(r"\bCONFIG\b", lambda _: shlex.quote(_State.config), text) if _State.config else text
+    config = _State.config
+    return re.sub(r"\bCONFIG\b", lambda _: shlex.quote(config), text) if config else text
 
 
-def usage_line(err: Exception, argv: list[str]) -> str:
+def usage_line(err: Any, argv: list[str]) -> str:
     """A click usage error in one line: what is wrong, the usage, and where the help is."""
     ctx = getattr(err, "ctx", None)
     message = err.format_message().rstrip(".")
@@ -422,7 +423,7 @@ def usage_line(err: Exception, argv: list[str]) -> str:
 
 
 def app_command_names() -> list[str]:
-    return [c.name for c in app.registered_commands]
+    return [c.name for c in app.registered_commands if c.name]
 
 
 def report_interrupt(err: KeyboardInterrupt) -> int:
@@ -479,7 +480,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(130)
     except ClickException as err:
         console.print(usage_line(err, argv), markup=False, highlight=False)
-        sys.exit(2 if err.exit_code in (1, 2) else err.exit_code)
+        code = getattr(err, "exit_code", 2)
+        sys.exit(2 if code in (1, 2) else code)
     except SystemExit:
         raise
     except Exception as err:

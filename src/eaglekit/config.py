@@ -15,8 +15,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from eaglekit.errors import UsageError
 
-STAGES = ("generate", "prepare", "vocab", "extract", "train", "evaluate", "export", "verify")
-
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -309,13 +307,6 @@ class RunConfig(Section):
     @property
     def run_path(self) -> Path:
         return Path(self.run_dir)
-
-    def stages(self) -> list[str]:
-        """The stages this config runs, in order (extract only in offline mode, verify only when configured)."""
-        skip = {"extract"} if self.extract.mode != "offline" else set()
-        if not (self.verify.engine or self.verify.server):
-            skip.add("verify")
-        return [s for s in STAGES if s not in skip]
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json", exclude={"source"}), sort_keys=False)

@@ -90,6 +90,7 @@ class StageContext:
     warnings: list[str] = field(default_factory=list)
     # What the pre-flight checks need from the pipeline, handed over so that they never import it.
     declared: Stage | None = None
+    stages: tuple[str, ...] = ()  # the stages this config runs, in order
     upstream: str | None = None
     upstream_fingerprint: str | None = None
     # Stages that will run before this one: set only when the whole pipeline is pre-flighted ahead of a run,

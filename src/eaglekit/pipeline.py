@@ -83,6 +83,7 @@ def make_context(cfg: RunConfig, stage: str, force: bool = False, **options: Any
         force=force,
         options=options,
         declared=stage_of(stage),
+        stages=tuple(stages_for(cfg)),
         upstream=up,
         upstream_fingerprint=fingerprint(cfg, up, memo) if up else None,
         reach=lambda target: command_to_reach(cfg, target),
@@ -114,7 +115,8 @@ def run_preflight(ctx: StageContext) -> list[preflight.CheckResult]:
 def preflight_pipeline(cfg: RunConfig) -> dict[str, list[preflight.CheckResult]]:
     """Pre-flight of the whole pipeline ahead of running it: each stage checked in order, as if the stages before
     it that have not finished (with this config's fingerprint) had run — their outputs "will be produced"."""
-    report, pending = {}, []
+    report: dict[str, list[preflight.CheckResult]] = {}
+    pending: list[str] = []
     for stage in stages_for(cfg):
         ctx = make_context(cfg, stage)
         ctx.pending = tuple(pending)

@@ -128,7 +128,8 @@ def stage_rows(cfg: RunConfig) -> list[dict[str, Any]]:
     rows = []
     for stage in pipeline.stages_for(cfg):
         declared = pipeline.stage_of(stage)
-        index, start, end = (attempts.get(stage) or [(None, None, None)])[-1]
+        # never started: index -1, before any invocation
+        index, start, end = attempts[stage][-1] if attempts.get(stage) else (-1, None, None)
         current = pipeline.fingerprint(cfg, stage, memo)
         reason = None
         if start is None:
@@ -154,7 +155,7 @@ def stage_rows(cfg: RunConfig) -> list[dict[str, Any]]:
             state, reason = "pending", f"its folder {run.stage_dir(stage)} was removed or replaced"
         else:
             state = "done"
-        if live and stage in live[1].get("stages", []) and state != "done" and (index is None or index < live[0]):
+        if live and stage in live[1].get("stages", []) and state != "done" and index < live[0]:
             state = "queued"  # the command holding the lock will run it
         counts = (end or {}).get("counts") or {}
         so_far = declared.live_counts(run.stage_dir(stage)) if state in ("running", "incomplete") else None

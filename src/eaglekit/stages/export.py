@@ -295,7 +295,7 @@ def run_warnings(ctx: StageContext) -> list[str]:
     """The warnings the stages before export recorded in their last finished run ("stage: text")."""
     events = ctx.run.last_events()
     out = []
-    for stage in ctx.cfg.stages()[: ctx.cfg.stages().index(NAME)]:
+    for stage in ctx.stages[: ctx.stages.index(NAME)]:
         end = (events.get(stage) or {}).get("end") or {}
         if end.get("state") == "done":
             out += [f"{stage}: {w}" for w in end.get("warnings") or []]

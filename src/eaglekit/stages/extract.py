@@ -580,12 +580,13 @@ def estimate(ctx: StageContext, sizes: Sizes | None) -> Estimate:
     if sizes is None:
         return Estimate(bytes=estimate_bytes(ctx), files=estimate_files(ctx), write_rate=estimate_write_rate(ctx))
     est = Estimate()
-    n, t, tokens, hidden, dtype = sizes.samples, sizes.mean_tokens, sizes.tokens, sizes.hidden_size, sizes.dtype
-    if tokens is None or not hidden:
+    n, t, hidden, dtype = sizes.samples, sizes.mean_tokens, sizes.hidden_size, sizes.dtype
+    if n is None or t is None or not hidden:
         return est
+    tokens = n * t
     per_token = sh.bytes_per_token(int(hidden), dtype)
-    est.per_sample_bytes = t * per_token  # type: ignore[operator]
-    est.bytes = n * est.per_sample_bytes + math.ceil(tokens / ctx.cfg.extract.shard_tokens) * (1 << 16)  # type: ignore[operator]
+    est.per_sample_bytes = t * per_token
+    est.bytes = n * est.per_sample_bytes + math.ceil(tokens / ctx.cfg.extract.shard_tokens) * (1 << 16)
     what = (
         "4 × H + 4 one-byte power-of-two scales"
         if dtype == "fp8"

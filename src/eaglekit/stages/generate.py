@@ -118,7 +118,7 @@ def estimate(ctx: StageContext, sizes: Sizes | None) -> Estimate:
         return Estimate(bytes=prompt_bytes + len(records) * g.max_tokens * (TEXT_BYTES + (ID_BYTES if ids else 0)))
     est = Estimate()
     n, t, out_tokens = sizes.samples, sizes.mean_tokens, sizes.output_tokens
-    if n is not None and t is not None:
+    if n is not None and t is not None and out_tokens is not None:
         per_token = f"{TEXT_BYTES} B of text" + (f" + {ID_BYTES} B of token ids per reply token" if ids else "")
         est.per_sample_bytes = t * TEXT_BYTES + (out_tokens * ID_BYTES if ids else 0)
         est.bytes = n * est.per_sample_bytes
