@@ -155,7 +155,7 @@ def gather_inputs(
         "",
         (rates.get("mean_output_tokens"), f"generate of this run ({_when(gen)})"),
         Figure(
-            min(cfg.generate.max_tokens, inputs["mean_tokens"].value),
+            min(cfg.generate.max_tokens, inputs["mean_tokens"].value or cfg.prepare.max_length),
             "assumed: min(generate.max_tokens, tokens per sample)",
         ),
     )
@@ -281,7 +281,7 @@ def samples_that_fit(plans: list[StagePlan], free: float) -> int | None:
     if any(p.bytes is None for p in pending):
         return None
     per_sample = sum(p.per_sample_bytes or 0 for p in pending)
-    fixed = sum(p.fixed_bytes for p in pending)
+    fixed = sum(p.fixed_bytes or 0 for p in pending)
     if per_sample <= 0:
         return None
     return max(0, int((free - fixed) // per_sample))
@@ -289,11 +289,12 @@ def samples_that_fit(plans: list[StagePlan], free: float) -> int | None:
 
 def _total_peak(plans: list[StagePlan]) -> float | None:
     pending = [p for p in plans if not p.done]
-    return None if any(p.bytes is None for p in pending) else sum(p.bytes for p in pending)
+    return None if any(p.bytes is None for p in pending) else sum(p.bytes or 0 for p in pending)
 
 
 def alternatives(cfg: RunConfig, inputs: dict[str, Figure], plans: list[StagePlan]) -> list[dict[str, Any]]:
     free, n = inputs["free_bytes"].value, inputs["samples"].value
+    assert free is not None, "a run that does not fit has a known free space"
     out = []
 
     def option(title: str, how: str, alt: list[StagePlan], extra: str = "") -> dict[str, Any]:
@@ -425,7 +426,7 @@ def render(doc: dict[str, Any]):
             f"[{style[s['verdict']]}]{s['verdict']}[/]",
             escape("\n".join(s["how"])),
         )
-    lines = [inputs, stages]
+    lines: list[Any] = [inputs, stages]
     peak = doc["peak_bytes"]
     summary = (
         f"verdict: {doc['verdict']} — peak {human_bytes(peak) if peak is not None else '?'} "

@@ -139,9 +139,9 @@ def mount_of(path: Path, mounts: list[Mount]) -> Mount | None:
     best = None
     for m in mounts:  # later lines win ties: they are mounted over the earlier ones
         mp = m.mount_point.rstrip("/") or "/"
-        if path_str == mp or path_str.startswith(mp if mp == "/" else mp + "/"):
-            if best is None or len(mp) >= len(best.mount_point.rstrip("/") or "/"):
-                best = m
+        inside = path_str == mp or path_str.startswith(mp if mp == "/" else mp + "/")
+        if inside and (best is None or len(mp) >= len(best.mount_point.rstrip("/") or "/")):
+            best = m
     return best
 
 

@@ -100,7 +100,7 @@ def sglang_aux_problem(cfg: RunConfig, formats: list[str]) -> str | None:
 
 
 def sglang_aux_layers(ctx: StageContext):
-    formats = ctx.options.get("formats") or ctx.cfg.export.formats
+    formats: list[str] = ctx.options.get("formats") or list(ctx.cfg.export.formats)
     problem = sglang_aux_problem(ctx.cfg, formats)
     if problem and drafter_architecture(ctx.cfg) == "mla":
         return warn(

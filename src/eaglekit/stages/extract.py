@@ -434,10 +434,11 @@ def feature_servers(ctx: StageContext) -> list:
     from eaglekit.preflight.servers import server_info
 
     cfg, v = ctx.cfg, ctx.cfg.extract.vllm
+    assert v is not None, "declared for extract.backend vllm only, which the config requires extract.vllm for"
     try:
         key = feature_api_key(cfg)
     except EaglekitError as err:
-        return [fail("feature servers", err.message, err.remedy)]
+        return [fail("feature servers", err.message, err.remedy or "")]
     model, longest = served_model(cfg), _longest_sample(ctx)
     results = []
     for url in v.servers:
@@ -476,6 +477,7 @@ def feature_servers(ctx: StageContext) -> list:
 
 def feature_storage(ctx: StageContext):
     """The servers' shared_storage_path is a folder here that eaglekit can read and clean up."""
+    assert ctx.cfg.extract.vllm is not None, "declared for extract.backend vllm only"
     path = ctx.cfg.extract.vllm.storage_path
     if not os.path.isdir(path):
         return fail(
@@ -502,6 +504,7 @@ def feature_smoke(ctx: StageContext) -> list:
     from eaglekit.serving.vllm_features import FeatureClient, server_layer_ids
 
     cfg, v = ctx.cfg, ctx.cfg.extract.vllm
+    assert v is not None, "declared for extract.backend vllm only"
     path = ctx.run.stage_dir("prepare") / "tokens.safetensors"
     pending = will_be_produced(ctx, "feature smoke request", "prepare")
     if pending or not path.exists():  # (not pending and missing: the upstream check fails and says why)
