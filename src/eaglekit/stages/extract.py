@@ -328,12 +328,13 @@ def _extract_hf(cfg, target: TargetFeatures, store, lengths, plan, todo, sink, m
             meter.update(sum(lengths[i] for i in batch), shard=f"{n + 1}/{len(plan)}")
 
 
-def _extract_vllm(ctx, norm, store, plan, todo, sink, meter, aux_ids, n_layers, hidden) -> None:
+def _extract_vllm(ctx: StageContext, norm, store, plan, todo, sink, meter, aux_ids, n_layers, hidden) -> None:
     """vLLM servers: every sample of the pending shards in flight (bounded), rows written as they arrive."""
     from eaglekit.serving.client import RequestFailed
     from eaglekit.serving.vllm_features import FeatureClient, server_layer_ids
 
     cfg, v = ctx.cfg, ctx.cfg.extract.vllm
+    assert v is not None, "run only with extract.backend vllm, which the config requires extract.vllm for"
     layer_ids = server_layer_ids(aux_ids, n_layers)
     prefix = f"ek{ctx.fingerprint[:10]}-r{distributed.rank()}"
     in_flight = 2 * v.concurrency * len(v.servers)
