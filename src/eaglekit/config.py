@@ -15,7 +15,6 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 from eaglekit.errors import UsageError
 
-
 # What users type for a dtype, and the name eaglekit (and torch) uses for it.
 DTYPE_ALIASES = {
     "bf16": "bfloat16",
