@@ -6,7 +6,7 @@ torn last line (no trailing newline) is cut off and reported, and that sample is
 that fails (a full disk) is cut back off the file at once, so the file always ends on a complete record.
 fsync runs every few lines and at close, bounding what a power loss can take. An id is never written twice.
 
-Record schema (FORMATS.md §1): ``id, messages, reasoning, content, finish_reason, prompt_tokens,
+Record schema (docs/formats.md §4): ``id, messages, reasoning, content, finish_reason, prompt_tokens,
 completion_tokens, reasoning_source, model, server`` (+ ``completion_token_ids`` when known).
 """
 

@@ -1,6 +1,6 @@
 """The EAGLE-3 draft model: one decoder layer fed by the target's fused hidden states.
 
-Parameter names are the checkpoint keys of FORMATS.md §4, so ``state_dict()`` is the export:
+Parameter names are the checkpoint keys of docs/formats.md §11, so ``state_dict()`` is the export:
 
     fc_norm.{0,1,2}    [Ht]       (fc_norm) an RMSNorm per aux hidden state before fc (EAGLE 3.1)
     input_norm         [3*Ht]     (norm_before_fc) one RMSNorm over the concatenated aux states before fc

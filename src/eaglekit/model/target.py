@@ -1,7 +1,7 @@
 """The frozen target as a feature source: aux hidden states, the final normed hidden state, and the
 target distribution over the draft vocab.
 
-Aux taps are Hugging Face ``output_hidden_states`` indices (FORMATS.md §3): index i is the *input* of
+Aux taps are Hugging Face ``output_hidden_states`` indices (docs/formats.md §8): index i is the *input* of
 decoder layer i (index 0 the embeddings), captured with forward pre-hooks so that only the three tapped
 states are ever kept, never all N+1. The target distribution comes from the final hidden state after the
 target's final norm through ``lm_head``; the full-vocab logits exist only a chunk of tokens at a time.

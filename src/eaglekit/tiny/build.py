@@ -404,14 +404,33 @@ def ensure_tiny_target(cache_dir: Path | None = None, arch: str = "llama") -> Pa
     return model_dir
 
 
+def _distinct_heldout_prompts(n: int, seed: int) -> list[str]:
+    """The first ``n`` distinct prompts of the held-out draw for ``seed``.
+
+    Some task kinds have only a few dozen held-out prompts, so a plain draw repeats rows; a prompts file
+    with repeats wastes generation and trips pre-flight's duplicate check. Draws are a prefix of one
+    seeded stream, so drawing more keeps the earlier prompts and their order."""
+    draws = max(2 * n, 64)
+    while True:
+        prompts = list(dict.fromkeys(task.prompt for task in sample_tasks(draws, seed, split="heldout")))
+        if len(prompts) >= n:
+            return prompts[:n]
+        if draws >= 32 * n:
+            raise UsageError(
+                f"write_prompts: only {len(prompts)} distinct held-out prompts in {draws} draws, {n} asked for",
+                f"ask for at most {len(prompts)} prompts, or join files written with different seeds",
+            )
+        draws *= 2
+
+
 def write_prompts(path: Path, n: int, seed: int, shape: Literal["sharegpt", "messages"] = "sharegpt") -> Path:
-    """Write ``n`` held-out prompts (never seen in training) as JSONL for the demo; every fourth row has a system turn."""
+    """Write ``n`` distinct held-out prompts (never seen in training) as JSONL for the demo; every fourth row has a system turn."""
     if shape not in ("sharegpt", "messages"):
         raise UsageError(f"write_prompts: unknown shape {shape!r}", "use shape='sharegpt' or shape='messages'")
     rows = []
-    for i, task in enumerate(sample_tasks(n, seed, split="heldout")):
+    for i, prompt in enumerate(_distinct_heldout_prompts(n, seed)):
         turns = [("system", SYSTEM_PROMPTS[(i // 4) % len(SYSTEM_PROMPTS)])] if i % 4 == 3 else []
-        turns.append(("user", task.prompt))
+        turns.append(("user", prompt))
         row_id = f"tiny-{seed}-{i:05d}"
         if shape == "sharegpt":
             rows.append(
