@@ -30,12 +30,12 @@ from pathlib import Path
 
 import torch
 
-from eaglekit.config import RunConfig
+from eaglekit.config import RunConfig, VllmFeaturesConfig
 from eaglekit.contract import Estimate, Sizes, Stage, StageContext
 from eaglekit.data import shards as sh
 from eaglekit.data.shard_sink import ShardSink
 from eaglekit.data.tokens import TokenStore
-from eaglekit.errors import EaglekitError
+from eaglekit.errors import EaglekitError, UsageError
 from eaglekit.model.target import (
     TargetFeatures,
     aux_layer_ids,
@@ -74,8 +74,8 @@ def params(cfg: RunConfig) -> dict:
 
 def live_counts(stage_dir: Path) -> dict:
     """What `status` shows while extract runs or after it was killed: the shards committed so far."""
-    entries = [sh.complete_shard(side.with_suffix(".safetensors")) for side in stage_dir.glob("shard-*.json")]
-    entries = [e for e in entries if e]
+    found = (sh.complete_shard(side.with_suffix(".safetensors")) for side in stage_dir.glob("shard-*.json"))
+    entries = [e for e in found if e]
     return {
         "shards_committed": len(entries),
         "samples": sum(e["samples"] for e in entries),
@@ -246,7 +246,7 @@ def run(ctx: StageContext) -> dict:
         with ShardSink(ctx.dir, writes, hidden, dtype, meta, depth=cfg.extract.writer_queue) as sink:
             if backend == "vllm" and todo:
                 _extract_vllm(ctx, norm, store, plan, todo, sink, meter, aux_ids, n_layers, hidden)
-            elif todo:
+            elif target is not None:  # backend hf with shards to do
                 _extract_hf(cfg, target, store, lengths, plan, todo, sink, meter)
         rates = sink.report(sum(shard_tokens[n] for n in todo))
     source = "the servers" if backend == "vllm" else "the target"
@@ -264,8 +264,9 @@ def run(ctx: StageContext) -> dict:
     distributed.barrier()
     counts = {}
     if distributed.is_main():
-        entries = [sh.complete_shard(ctx.dir / sh.shard_name(n)) for n in range(len(plan))]
-        missing = [sh.shard_name(n) for n, e in enumerate(entries) if e is None]
+        found = [sh.complete_shard(ctx.dir / sh.shard_name(n)) for n in range(len(plan))]
+        missing = [sh.shard_name(n) for n, e in enumerate(found) if e is None]
+        entries = [e for e in found if e is not None]
         if missing:
             raise EaglekitError(
                 f"extract: {len(missing)} shards are missing or damaged after the run, e.g. {missing[0]}",
@@ -398,14 +399,21 @@ def _extract_vllm(ctx: StageContext, norm, store, plan, todo, sink, meter, aux_i
 # ---------------------------------------------------------------------------------------- vLLM helpers
 
 
+def vllm_settings(cfg: RunConfig) -> VllmFeaturesConfig:
+    """extract.vllm, which parse_config requires whenever extract.backend is vllm."""
+    if cfg.extract.vllm is None:
+        raise UsageError("extract.backend is 'vllm' but extract.vllm is not set", "add extract.vllm: {servers: [...]}")
+    return cfg.extract.vllm
+
+
 def served_model(cfg: RunConfig) -> str:
-    return cfg.extract.vllm.model or cfg.target.model
+    return vllm_settings(cfg).model or cfg.target.model
 
 
 def feature_api_key(cfg: RunConfig) -> str | None:
     from eaglekit.serving.client import api_key_from_env
 
-    return api_key_from_env(cfg.extract.vllm.api_key_env, "extract.vllm.api_key_env")
+    return api_key_from_env(vllm_settings(cfg).api_key_env, "extract.vllm.api_key_env")
 
 
 def vllm_serve_command(cfg: RunConfig) -> str:

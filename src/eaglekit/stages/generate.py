@@ -53,8 +53,8 @@ def params(cfg: RunConfig) -> dict:
     """What the responses depend on. Not the server URLs, concurrency or batch size: adding a server or
     changing the batching must not invalidate a run."""
     g, t = cfg.generate, cfg.target
-    template = t.chat_template
-    if template and not template.lstrip().startswith("{") and Path(template).exists():
+    template: str | dict | None = t.chat_template
+    if template and isinstance(template, str) and not template.lstrip().startswith("{") and Path(template).exists():
         template = file_identity(template)
     return {
         "prompts": file_identity(cfg.data.prompts),
@@ -275,7 +275,7 @@ async def generate_openai(cfg: RunConfig, pending: list[PromptRecord], collector
                         choice.get("finish_reason"),
                         usage.get("prompt_tokens"),
                         usage.get("completion_tokens"),
-                        reply.data.get("model") or cfg.generate.model,
+                        reply.data.get("model") or cfg.generate.model or "",
                         reply.server,
                         choice.get("token_ids"),
                     )
@@ -286,8 +286,9 @@ async def generate_openai(cfg: RunConfig, pending: list[PromptRecord], collector
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
             for task in done:
-                if task.exception() is not None:
-                    raise task.exception()
+                error = task.exception()
+                if error is not None:
+                    raise error
         finally:
             for task in tasks:
                 task.cancel()
