@@ -62,6 +62,7 @@ from eaglekit.training.data import (
     rank_share,
     split_indices,
 )
+from eaglekit.training.fused import REFERENCE, StepKernels, compile_drafter, step_kernels
 from eaglekit.training.ttt import TTTOutput, simulated_acceptance_length, ttt_loss
 
 STATE = "training_state.pt"
@@ -197,9 +198,17 @@ class TTT(nn.Module):
     anchor_weight / 2 · ||θ - θ0||² over the trainable parameters, θ0 as they are when this module is built.
     """
 
-    def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float, anchor_weight: float = 0.0):
+    def __init__(
+        self,
+        drafter: Eagle3Drafter,
+        steps: int,
+        decay: float,
+        anchor_weight: float = 0.0,
+        kernels: StepKernels = REFERENCE,
+    ):
         super().__init__()
         self.drafter, self.steps, self.decay, self.anchor_weight = drafter, steps, decay, anchor_weight
+        self.kernels = kernels
         # not buffers: FSDP must not shard them, checkpoints must not hold them (they are the init_from weights)
         self.anchor = (
             {name: p.detach().clone() for name, p in drafter.named_parameters() if p.requires_grad}
@@ -221,6 +230,7 @@ class TTT(nn.Module):
             target_in_draft,
             position_ids=position_ids,
             normalizer=(lambda count: dist.all_reduce_sum(count.clone())) if world > 1 else None,
+            kernels=self.kernels,
         )
         loss = out.loss * world
         if out.count_k[0] == 0:  # nothing counted on this rank: touch every parameter so DDP's reduction completes
@@ -642,7 +652,11 @@ def train(ctx) -> dict[str, Any]:
     )
     del embed, head
 
-    model = wrap(TTT(drafter, tc.ttt_steps, tc.ttt_decay, tc.anchor_weight), tc.distributed, device)
+    kernels = step_kernels(tc.attention, tc.head_loss, device)
+    if tc.compile:
+        compile_drafter(drafter)
+    notes["step_kernels"] = kernels.describe() + (", drafter compiled" if tc.compile else "")
+    model = wrap(TTT(drafter, tc.ttt_steps, tc.ttt_decay, tc.anchor_weight, kernels), tc.distributed, device)
     params = [p for p in model.parameters() if p.requires_grad]
     optim = torch.optim.AdamW(params, lr=tc.lr, betas=(0.9, 0.95), weight_decay=tc.weight_decay)
 

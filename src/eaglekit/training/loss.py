@@ -129,9 +129,9 @@ class _HeadSoftCrossEntropy(torch.autograd.Function):
             ce[r0:r1], correct[r0:r1], dz = chunk_fn(
                 xc, w_mm, target_p, target_argmax, slots[r0:r1], row_weight[r0:r1], need_dx or need_dw
             )
-            if need_dx:
+            if dx is not None:
                 dx[r0:r1] = (dz @ w_mm).to(x.dtype)
-            if need_dw:
+            if dw is not None:
                 dw += (dz.T @ xc).to(dw.dtype)
             del dz
         loss = (ce * row_weight).sum()
