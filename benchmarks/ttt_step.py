@@ -504,9 +504,15 @@ def profile_step(step, device: str) -> dict[str, float]:
 # ------------------------------------------------------------------------------------------------- check
 
 
-def check_variants(s: Shape, device: str, dtype: torch.dtype, variants: list[str]) -> dict[str, dict]:
-    """Each variant against the reference on one batch: relative error of the loss and of every gradient."""
+def check_variants(
+    s: Shape, device: str, dtype: torch.dtype, variants: list[str], documents: int = 1
+) -> dict[str, dict]:
+    """Each variant against the reference on one batch: relative error of the loss and of every gradient.
+
+    documents > 1 packs each row with that many documents of equal length (position ids restart at each)."""
     batch = make_batch(s)
+    if documents > 1:
+        batch["position_ids"] = (torch.arange(s.seq) % -(-s.seq // documents)).expand(s.batch, s.seq)
     results = {}
     _, want = eaglekit_grads(s, batch, device, dtype, "reference")
     for variant in variants:
@@ -543,6 +549,7 @@ def eaglekit_grads(s: Shape, batch: dict, device: str, dtype: torch.dtype, varia
         steps=s.steps,
         decay=DECAY,
         target_in_draft=in_draft,
+        position_ids=batch["position_ids"].to(device) if "position_ids" in batch else None,
         kernels=kernels,
     )
     out.loss.backward()
@@ -592,7 +599,8 @@ def run(args) -> list[dict]:
             f"\n{s.label()}  V={s.vocab} Vd={s.draft_vocab} heads={s.heads}/{s.kv_heads}x{s.head_dim} I={s.intermediate}"
         )
         if args.check:
-            results.append(dict(shape=asdict(s), label=s.label(), check=check_variants(s, device, dtype, variants)))
+            check = check_variants(s, device, dtype, variants, args.documents)
+            results.append(dict(shape=asdict(s), label=s.label(), documents=args.documents, check=check))
             write_json(args, results)
             continue
         steps, params, failed = {}, {}, {}
@@ -711,6 +719,7 @@ def main() -> None:
     p.add_argument("--profile", action="store_true", help="one profiled step per side, grouped by part")
     p.add_argument("--peak-tflops", type=float, default=None, help="the device's dense rate (H200 bf16: 790)")
     p.add_argument("--check", action="store_true", help="compare each variant with the reference, no timing")
+    p.add_argument("--documents", type=int, default=1, help="--check: documents packed per row")
     p.add_argument("--tiny", action="store_true", help="tiny sizes: a dry run of every code path in seconds")
     p.add_argument("--json", help="also write the figures to this file")
     p.add_argument("--memory-child", help=argparse.SUPPRESS)
