@@ -175,3 +175,21 @@ def test_step_kernels_from_the_config():
     assert fused.attention == "flex" and fused.head_chunk is not None
     with pytest.raises(UsageError, match="train.attention"):
         step_kernels("flex", "auto", cpu)
+
+
+def test_sdpa_step_keeps_no_square_matrix_for_backward():
+    """SDPA's fused kernel (GQA without repeated keys) keeps no L x L tensor for backward, as the reference."""
+    cfg = tiny_config(hidden_size=16, target_hidden_size=12, intermediate_size=24, head_dim=4)
+    length = 40  # larger than every width, so an L x L tensor is recognisable by its shape
+    drafter = make_drafter(cfg, dtype=torch.float32)
+    batch = make_batch(cfg, length=length, dtype=torch.float32)
+    saved_shapes = []
+
+    def pack(t):
+        saved_shapes.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        ttt_loss(drafter, *batch[:5], steps=3, target_in_draft=batch[5], kernels=StepKernels("sdpa"))
+    square = [s for s in saved_shapes if sum(d >= length for d in s) >= 2]
+    assert not square, f"tensors of shape {square} kept for backward"
