@@ -193,3 +193,24 @@ def test_sdpa_step_keeps_no_square_matrix_for_backward():
         ttt_loss(drafter, *batch[:5], steps=3, target_in_draft=batch[5], kernels=StepKernels("sdpa"))
     square = [s for s in saved_shapes if sum(d >= length for d in s) >= 2]
     assert not square, f"tensors of shape {square} kept for backward"
+
+
+def test_span_block_mask_compiled_as_on_a_gpu_skips_exactly_the_empty_blocks():
+    """create_block_mask compiled (as span_attention builds it on CUDA) over rows that start mid-block: a
+    128 x 128 block is computed exactly when one of its (row, key) pairs is visible."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    g = torch.Generator().manual_seed(2)
+    n_prefix, n, steps = 700, 300, 2
+    rows = torch.randperm(n_prefix, generator=g)[:n].sort().values
+    doc_start = torch.tensor([0, 150, 151, 420, 690])
+    lo = doc_start[torch.searchsorted(doc_start, rows, right=True) - 1]
+    n_keys = n_prefix + steps * n
+    mask = span_mask(lo, rows, n_prefix)
+    blocks = create_block_mask(mask, None, None, n, n_keys, device="cpu", _compile=True).to_dense()[0, 0]
+    allowed = mask(0, 0, torch.arange(n)[:, None], torch.arange(n_keys)[None, :])
+    padded = torch.zeros(-(-n // 128) * 128, -(-n_keys // 128) * 128, dtype=torch.bool)
+    padded[:n, :n_keys] = allowed
+    want = padded.unflatten(0, (-1, 128)).unflatten(2, (-1, 128)).any(3).any(1)
+    assert torch.equal(blocks.bool(), want)
+    assert 0.1 < want.float().mean() < 0.7  # blocks are skipped, and not all of them
