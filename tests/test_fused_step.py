@@ -214,3 +214,34 @@ def test_span_block_mask_compiled_as_on_a_gpu_skips_exactly_the_empty_blocks():
     want = padded.unflatten(0, (-1, 128)).unflatten(2, (-1, 128)).any(3).any(1)
     assert torch.equal(blocks.bool(), want)
     assert 0.1 < want.float().mean() < 0.7  # blocks are skipped, and not all of them
+
+
+def test_train_stage_with_the_fused_kernels_trains_like_the_reference(tmp_path, tiny_target):
+    """train.attention sdpa, train.head_loss compiled and train.compile (the CUDA choices the CPU can run) give
+    the reference's training curve; the stage records which kernels ran; flex on the CPU is refused up front."""
+    from test_extract import prepared_run
+    from test_train import QUICK, metrics, train
+
+    from eaglekit.errors import EaglekitError
+
+    runs = {}
+    for name, settings in [
+        ("reference", {"packing": True}),
+        ("fused", {"attention": "sdpa", "head_loss": "compiled", "compile": True, "packing": True}),
+    ]:
+        cfg = prepared_run(
+            tmp_path / name,
+            tiny_target,
+            n=24,
+            train={**QUICK, "max_steps": 3, "eval_every": 3, "save_every": 3, "log_every": 1, **settings},
+        )
+        row = train(cfg)
+        runs[name] = ([r["loss"] for r in metrics(cfg) if r["kind"] == "train"], row["counts"]["step_kernels"])
+    assert runs["reference"][1] == "attention reference, head loss reference"
+    assert runs["fused"][1] == "attention sdpa, head loss compiled, drafter compiled"
+    assert runs["fused"][0] == pytest.approx(runs["reference"][0], rel=1e-4)
+    assert len(runs["fused"][0]) == 3
+
+    cfg = prepared_run(tmp_path / "flex", tiny_target, n=24, train={**QUICK, "max_steps": 1, "attention": "flex"})
+    with pytest.raises(EaglekitError, match="train.attention is flex"):
+        train(cfg)
