@@ -23,6 +23,9 @@ counts only targets inside its own document.
 
 The draft head and its soft cross-entropy run once, over the rows of every step, through
 ``training/loss.py`` (no [N, Vd] tensor kept for backward).
+
+This file is the reference (and the CPU path); ``kernels`` (training/fused.py) swaps in the fused GPU
+attention of training/attention.py and a compiled head loss, tested equal to it.
 """
 
 from __future__ import annotations
@@ -295,7 +298,7 @@ def ttt_loss(
     for k in range(1, steps):
         keep = needed[k].reshape(-1)[rows]
         rows, h = rows[keep], drafter.next_feature(h[keep])
-        if diag_k is not None:
+        if diag_k is not None and diag_v is not None:
             diag_k, diag_v = diag_k[:, keep], diag_v[:, keep]
         with torch.no_grad():
             embeds = drafter.embed_tokens(ids_flat[rows + 1 + k])
