@@ -14,6 +14,8 @@
 #                (attention, GEMMs, head loss, the rest)
 #   speculators_* speculators 0.9.0 on the same shape: its compiled path first; where that fails its eager KL
 #                loss under its compiled model, then no compilation at all; summary.txt says which ran
+#   memory_per_step  the memory of one extra TTT step at the Kimi shape, L=4096, reference vs fused (last: the
+#                budget may skip it)
 # Shapes: H=4096 L=2048 (32 x 128 heads, 8 KV heads, V=128256) and the Kimi-K2.5 drafter (H=7168, 56 x 128
 # heads, GQA 4 = 14 KV heads, I=21504, L=4096, V=163840); both K=7, Vd=32000, bf16, lm_head frozen on both sides.
 #
@@ -96,6 +98,13 @@ part eaglekit_kimi 140 "${STEP[@]}" "${KIMI[@]}" "${TIMED[@]}" --variants refere
 part eaglekit_h4096 80 "${STEP[@]}" "${H4096[@]}" "${TIMED[@]}" --variants reference,fused,compiled --eaglekit-only
 speculators kimi 70 "${KIMI[@]}"
 speculators h4096 45 "${H4096[@]}"
+if [ ${#TINY[@]} -gt 0 ]; then
+  MEMORY=(--hidden 64 --lengths 128 --vocab 512 --draft-vocab 128 --head-dim 16 --steps 3)
+else
+  MEMORY=(--hidden 7168 --lengths 4096 --head-dim 128 --gqa 4 --vocab 163840 --draft-vocab 32000)
+fi
+part memory_per_step 60 benchmarks/ttt_memory.py --device "$DEVICE" --threads "$(nproc)" "${MEMORY[@]}" \
+  --variants reference,fused --eaglekit-only
 
 # One table from the parts' JSON: seconds per step, TFLOP/s and share of peak, and eaglekit's best against
 # speculators (whichever of its modes ran).

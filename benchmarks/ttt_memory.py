@@ -11,6 +11,7 @@ nothing.
     python benchmarks/ttt_memory.py                                    # eaglekit, H=256, L=512..8192
     benchmarks/.venv-speculators/bin/python benchmarks/ttt_memory.py   # and speculators up to L=2048
     python benchmarks/ttt_memory.py --baseline d3cd37f                 # and eaglekit's TTT at that commit
+    python benchmarks/ttt_memory.py --device cuda --variants reference,fused   # the fused GPU kernels too
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ def main() -> None:
     p.add_argument("--dtype", default=None, help="float32 on CPU, bfloat16 on CUDA unless given")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--baseline", help="also measure eaglekit's TTT as it was at this git commit")
+    p.add_argument("--variants", default="reference", help="eaglekit's kernels (ttt_step.py): reference,fused,compiled")
     p.add_argument("--eaglekit-only", action="store_true", help="leave speculators out even where it imports")
     p.add_argument("--json", help="also write the figures to this file")
     args = p.parse_args()
@@ -69,9 +71,8 @@ def main() -> None:
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.float32 if args.device == "cpu" else torch.bfloat16)
     lengths = [int(x) for x in args.lengths.split(",")]
     why_not = "--eaglekit-only" if args.eaglekit_only else speculators_missing()
-    sides = (
-        ["eaglekit"] + ([f"eaglekit@{args.baseline}"] if args.baseline else []) + ([] if why_not else ["speculators"])
-    )
+    eaglekit = ["eaglekit" if v == "reference" else f"eaglekit+{v}" for v in args.variants.split(",")]
+    sides = eaglekit + ([f"eaglekit@{args.baseline}"] if args.baseline else []) + ([] if why_not else ["speculators"])
     print(
         f"torch {torch.__version__}, device {args.device}, threads {torch.get_num_threads()}, H={args.hidden} "
         f"V={args.vocab} Vd={args.draft_vocab}; peak growth of one training step, MiB"
