@@ -90,9 +90,11 @@ def test_sdpa_step_zero_equals_the_reference_float64(variant):
     assert_same_step(run_step(drafter, batch, StepKernels("sdpa")), run_step(drafter, batch, REFERENCE))
 
 
-def test_flex_attention_forward_matches_the_reference_step():
-    """The real flex attention (its block mask included) forward on the CPU, unpacked and packed rows."""
-    cfg = tiny_config()
+@pytest.mark.parametrize("variant", ["llama", "mla-yarn"])
+def test_flex_attention_forward_matches_the_reference_step(variant):
+    """The real flex attention (its block mask, and for MLA its padding of v) forward on the CPU, unpacked and
+    packed rows."""
+    cfg = tiny_config(**VARIANTS[variant])
     drafter = make_drafter(cfg)
     for batch, positions in [(make_batch(cfg, length=17), None), packed_batch(cfg)]:
         with torch.no_grad():
