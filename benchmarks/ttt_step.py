@@ -237,6 +237,12 @@ def eaglekit_side(
     return step, sum(p.numel() for p in drafter.parameters() if p.requires_grad)
 
 
+def describe_failure(err: BaseException) -> str:
+    """The error on one line, for a side's report: its type and the first line of its message."""
+    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    return f"{type(err).__name__}: {first}"[:300]
+
+
 def speculators_missing() -> str | None:
     try:
         from speculators.models.eagle3 import Eagle3DraftModel  # noqa: F401
