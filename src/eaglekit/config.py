@@ -256,6 +256,20 @@ class TrainConfig(Section):
         "drafter's), as speculators does; false trains it too. A head with no rows to start from "
         "(the target's are another width, or init_lm_head_from_target false) always trains",
     )
+    attention: Literal["auto", "reference", "sdpa", "flex"] = Field(
+        "auto",
+        description="the TTT step's attention kernels: flex (fused flex attention for the draft steps and packed "
+        "rows, FlashAttention for step 0; CUDA only), sdpa (FlashAttention for unpacked step 0 only), reference "
+        "(the exact blockwise attention every other path is tested against); auto: flex on CUDA, else reference",
+    )
+    head_loss: Literal["auto", "reference", "compiled"] = Field(
+        "auto",
+        description="the draft head + loss per chunk of rows: compiled (torch.compile fuses its elementwise work) "
+        "or reference; auto: compiled on CUDA, else reference",
+    )
+    compile: bool = Field(
+        False, description="torch.compile the drafter's layer for the TTT step (fuses norms, RoPE, SwiGLU)"
+    )
 
 
 class EvaluateConfig(Section):
