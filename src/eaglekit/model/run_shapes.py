@@ -20,3 +20,14 @@ def drafter_config(cfg: RunConfig) -> DrafterConfig:
     """The drafter a fresh training run builds: shaped after the target, ``train.draft`` overriding."""
     hf, aux = target_and_aux(cfg)
     return DrafterConfig.from_target_config(hf, cfg.vocab.draft_vocab_size, aux, **cfg.train.draft.model_dump())
+
+
+def parameter_counts(dc: DrafterConfig) -> tuple[int, int]:
+    """(all parameters, trainable ones) of a drafter: everything but the frozen [V, H] embedding trains."""
+    from math import prod
+
+    from eaglekit.model.checkpoints import expected_state
+
+    weights = {k: prod(shape) for k, (shape, dtype) in expected_state(dc).items() if dtype is None}  # not d2t/t2d
+    total = sum(weights.values())
+    return total, total - weights["embed_tokens.weight"]

@@ -52,6 +52,7 @@ from eaglekit.training.checkpoint import (
 )
 from eaglekit.training.data import Loader, RunBatches
 from eaglekit.training.features import Features
+from eaglekit.training.fused import compile_drafter, step_kernels
 from eaglekit.training.init import build_drafter, say
 from eaglekit.training.metrics import Metrics, Window
 from eaglekit.training.objective import TTT, wrap
@@ -92,7 +93,11 @@ def train(cfg: RunConfig, run: RunDir, out_dir: Path, resuming: bool) -> dict[st
     store = TokenStore(run.stage_dir("prepare") / "tokens.safetensors")
     drafter, features, notes = drafter_and_features(cfg, run.path, device)
     autocast = autocast_for(tc.dtype, device)
-    model = wrap(TTT(drafter, tc.ttt_steps, tc.ttt_decay, tc.anchor_weight), tc.distributed, device)
+    kernels = step_kernels(tc.attention, tc.head_loss, device)
+    if tc.compile:
+        compile_drafter(drafter)
+    notes["step_kernels"] = kernels.describe() + (", drafter compiled" if tc.compile else "")
+    model = wrap(TTT(drafter, tc.ttt_steps, tc.ttt_decay, tc.anchor_weight, kernels), tc.distributed, device)
     params = [p for p in model.parameters() if p.requires_grad]
     optim = build_optimizer(tc, params)
     batches = RunBatches(
