@@ -19,6 +19,8 @@ the traffic it will serve.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from eaglekit import atomic, plots
@@ -83,7 +85,28 @@ def checks(cfg: RunConfig) -> list:
         drafter_checkpoint,
         starting_drafter,
         prompts_available,
+        benchmark_suites,
     ]
+
+
+def benchmark_suites(ctx):
+    """evaluate.suites (and verify.suites) name known suites, and their local copies exist: found before training."""
+    from eaglekit.data.suites import SUITES, suite_names
+
+    suites = ctx.cfg.evaluate.suites + (ctx.cfg.verify.suites or [])
+    if not suites:
+        return skip("benchmark suites", "none configured (evaluate.suites)")
+    for suite in suites:
+        if suite.name not in SUITES:
+            return fail("benchmark suites", f"unknown suite {suite.name!r}", f"use one of: {suite_names()}")
+        if suite.path and not os.path.exists(suite.path):
+            return fail(
+                "benchmark suites",
+                f"suite {suite.name}: local copy {suite.path} not found",
+                f"download {SUITES[suite.name].hub_id} there, or remove the path to load it from the hub",
+            )
+    names = ", ".join(f"{s.name} ({s.path or SUITES[s.name].hub_id})" for s in suites)
+    return ok("benchmark suites", names)
 
 
 def estimate(ctx: StageContext, sizes: Sizes | None) -> Estimate:
