@@ -233,6 +233,7 @@ class DFlashDrafter(nn.Module):
         self.fc = nn.Linear(len(cfg.aux_layer_ids) * cfg.target_hidden_size, h, bias=False)
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.attentions: list[DFlashAttention] = [layer.self_attn for layer in self.layers]  # type: ignore[misc]
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(h, cfg.vocab_size, bias=False)
         for shared in (self.embed_tokens.weight, self.lm_head.weight):
@@ -253,7 +254,7 @@ class DFlashDrafter(nn.Module):
     def context_kv(self, context: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer: the context's keys and values at ``positions`` [B, C] (what vLLM writes to its KV cache)."""
         cos, sin = self.rotary(positions, context.dtype)
-        return [layer.self_attn.keys_values(context, cos, sin) for layer in self.layers]
+        return [attention.keys_values(context, cos, sin) for attention in self.attentions]
 
     def forward(
         self,

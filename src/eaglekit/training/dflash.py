@@ -170,7 +170,7 @@ class BlockObjective(nn.Module):
         if weighting not in WEIGHTINGS:
             raise ValueError(f"unknown position weighting {weighting!r} (one of {WEIGHTINGS})")
         self.drafter = drafter
-        self.options = {"max_anchors": max_anchors, "weighting": weighting, "dpace_alpha": dpace_alpha, "gamma": gamma}
+        self.max_anchors, self.weighting, self.dpace_alpha, self.gamma = max_anchors, weighting, dpace_alpha, gamma
 
     def forward(
         self, aux, last_hidden, input_ids, loss_mask, attention_mask, position_ids=None, generator=None
@@ -183,6 +183,9 @@ class BlockObjective(nn.Module):
             loss_mask,
             attention_mask,
             position_ids,
+            max_anchors=self.max_anchors,
+            weighting=self.weighting,
+            dpace_alpha=self.dpace_alpha,
+            gamma=self.gamma,
             generator=generator,
-            **self.options,
         )
