@@ -217,3 +217,45 @@ def test_a_checkpoint_that_lost_a_key_is_refused_by_name(tmp_path, target, train
     save_file(state, str(weights))
     with pytest.raises(EaglekitError, match=r"missing key layers\.1\.self_attn\.k_norm\.weight"):
         load_dflash(tmp_path / "dflash", model.get_input_embeddings().weight, model.lm_head.weight)
+
+
+# -------------------------------------------------------------------------------------------- the real vLLM
+
+
+def test_vllm_serves_the_export_with_the_offline_acceptance(tmp_path, vllm_python, tiny_target, target, trained):
+    """One engine start: the exported drafter served by vLLM 0.32's CPU build with ``method: dflash`` (K = block-1)
+    gives the offline greedy tokens token for token, and its own counters give the offline acceptance.
+
+    Open gap: the engine accepts slightly more than the offline decoder (seen: τ 2.992 served vs 2.936 offline,
+    +1.9 %; 4 of ~120 verify passes differ, each one where the offline drafter's truth logit was within 0.2 of its
+    max and the engine drafted the truth). fp64 and 1 % noise on the target's features do not reproduce it, so
+    it is structural, not rounding; until it is found the bound here is 3 % / 5 points, not verify's 1 % / 2."""
+    from eaglekit.serving.engine import VllmServer
+    from eaglekit.serving.speculation import VllmClient, vllm_batch
+
+    model, tok = target
+    drafter, _ = trained
+    k = BLOCK - 1
+    save_dflash(drafter, tmp_path / "dflash")
+    prompts = [(str(i), p) for i, p in enumerate(heldout_prompts(tok, 6))]
+    stop = [tok.eos_token_id]
+    offline = {
+        pid: generate(model, p, 64, proposer=BlockProposer(drafter), k=k, stop_ids=set(stop), engine_accounting=True)
+        for pid, p in prompts
+    }
+    spec = json.dumps({"method": "dflash", "model": str(tmp_path / "dflash"), "num_speculative_tokens": k})
+    flags = ["--speculative-config", spec, "--max-model-len", "1024"]
+    with VllmServer(vllm_python, str(tiny_target), flags, tmp_path / "vllm.log") as server:
+        served, counters = vllm_batch(VllmClient(server.url, 120), prompts, 64, stop)
+    log = (tmp_path / "vllm.log").read_text(errors="replace")
+    assert "DFlashDraftModel" in log
+
+    total = None
+    for pid, _ in prompts:
+        assert served[pid].tokens == offline[pid].tokens, pid
+        total = offline[pid].stats if total is None else total + offline[pid].stats
+    assert total is not None
+    rounds = sum(len(g.accepted_per_round) for g in offline.values())
+    assert counters.tau == pytest.approx(1 + sum(total.accepted) / rounds, rel=0.03)
+    for served_rate, accepted in zip(counters.rates(), total.accepted, strict=True):
+        assert abs(served_rate - accepted / rounds) <= 0.05
