@@ -36,7 +36,7 @@ from eaglekit.speculative.block import BlockProposer  # noqa: E402
 from eaglekit.speculative.decode import EagleProposer, generate  # noqa: E402
 from eaglekit.tiny import ensure_tiny_target, sample_tasks  # noqa: E402
 from eaglekit.tiny.build import batch_tensors, encode  # noqa: E402
-from eaglekit.training.dflash import block_loss  # noqa: E402
+from eaglekit.training.dflash import block_loss, target_argmax  # noqa: E402
 from eaglekit.training.ttt import ttt_loss  # noqa: E402
 
 
@@ -75,7 +75,8 @@ def train(kind: str, drafter, features: TargetFeatures, rows, head: torch.Tensor
         loss_mask = (labels != -100).long()
         f = features(ids, attention, with_logits=False)
         if kind == "dflash":
-            loss = block_loss(drafter, f.aux, f.last_hidden, ids, loss_mask, attention, generator=generator).loss
+            argmax = target_argmax(f.last_hidden, head)
+            loss = block_loss(drafter, f.aux, argmax, ids, loss_mask, attention, generator=generator).loss
         else:
             logits, _ = draft_logits(f.last_hidden, head, torch.ones(head.shape[0], dtype=torch.bool))
             loss = ttt_loss(drafter, f.aux, ids, logits, loss_mask, attention, steps=args.ttt).loss

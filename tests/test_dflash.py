@@ -21,7 +21,7 @@ from eaglekit.speculative.block import BlockProposer
 from eaglekit.speculative.decode import generate
 from eaglekit.tiny import sample_tasks
 from eaglekit.tiny.build import batch_tensors, encode
-from eaglekit.training.dflash import block_attention_mask, block_loss, document_ids, position_weights
+from eaglekit.training.dflash import block_attention_mask, block_loss, document_ids, position_weights, target_argmax
 
 BLOCK = 4
 
@@ -90,7 +90,8 @@ def trained(target):
     for step in range(120):
         ids, labels, attention = batch_tensors([rows[(step * 8 + i) % len(rows)] for i in range(8)], 0)
         f = features(ids, attention, with_logits=False)
-        out = block_loss(drafter, f.aux, f.last_hidden, ids, (labels != -100).long(), attention, generator=generator)
+        argmax = target_argmax(f.last_hidden, model.lm_head.weight)
+        out = block_loss(drafter, f.aux, argmax, ids, (labels != -100).long(), attention, generator=generator)
         optim.zero_grad()
         out.loss.backward()
         optim.step()

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,7 @@ from eaglekit.model.checkpoints import read_weights
 from eaglekit.model.dflash import DFlashConfig, DFlashDrafter
 
 ARCHITECTURE = "DFlashDraftModel"
+FORM = "dflash"  # export/dflash/
 SHARED = ("embed_tokens.weight", "lm_head.weight")  # the target's; vLLM shares them when absent
 
 
@@ -207,3 +209,25 @@ def load_dflash(
     drafter.load_state_dict(state, strict=False)
     drafter.take_target(embed, head)
     return drafter.to(dtype) if dtype is not None else drafter
+
+
+def is_dflash_checkpoint(path: str | Path) -> bool:
+    """Whether a drafter folder holds a DFlash drafter (the family's hook for the stages)."""
+    try:
+        config = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return False
+    return isinstance(config, dict) and ARCHITECTURE in (config.get("architectures") or [])
+
+
+def load_for_target(path: str | Path, target_model: str, trust_remote_code: bool = False) -> DFlashDrafter:
+    """An exported (or trained) DFlash drafter with the target's embedding and head read from its weights."""
+    from eaglekit.model.target import embedding_and_head
+
+    embed, head = embedding_and_head(target_model, trust_remote_code)
+    return load_dflash(path, embed, head)
+
+
+def serve_command(target: str, folder: Path, k: int) -> str:
+    spec = json.dumps({"method": "dflash", "model": str(folder.resolve()), "num_speculative_tokens": k})
+    return f"vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(spec)}"

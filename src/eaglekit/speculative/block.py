@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from eaglekit.model.dflash import DFlashDrafter
+from eaglekit.speculative.decode import EagleProposer
 
 
 class BlockProposer:
@@ -28,7 +29,7 @@ class BlockProposer:
 
     def __init__(self, drafter: DFlashDrafter):
         self.drafter = drafter.eval()
-        self.aux_layer_ids = list(drafter.config.aux_layer_ids)
+        self.aux_layer_ids: list[int] | None = list(drafter.config.aux_layer_ids)
         param = next(drafter.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.mask_token_id = drafter.config.mask_token_id
@@ -66,3 +67,8 @@ class BlockProposer:
         positions = torch.arange(self.length, self.length + k + 1, device=self.device)[None]
         logits = self.drafter(ids, positions, self.kv)
         return logits[0, 1:].argmax(-1).tolist(), None
+
+
+def proposer_for(drafter, aux_layer_ids: list[int] | None = None) -> BlockProposer | EagleProposer:
+    """The proposer of a drafter's family: block drafting for DFlash, chain drafting for EAGLE-3."""
+    return BlockProposer(drafter) if isinstance(drafter, DFlashDrafter) else EagleProposer(drafter, aux_layer_ids)

@@ -28,11 +28,13 @@ import torch
 from eaglekit import atomic, plots
 from eaglekit.config import RunConfig
 from eaglekit.errors import EaglekitError, UsageError
+from eaglekit.model.dflash_checkpoint import is_dflash_checkpoint
 from eaglekit.preflight import checks as common
 from eaglekit.preflight import environment, fail, files, gpus, ok, skip, will_be_produced
 from eaglekit.progress import Meter, console
 from eaglekit.rundir import file_identity
-from eaglekit.speculative.decode import DecodeStats, EagleProposer, generate
+from eaglekit.speculative.block import proposer_for
+from eaglekit.speculative.decode import DecodeStats, generate
 from eaglekit.speculative.ngram import NgramProposer
 
 NAME = "evaluate"
@@ -72,9 +74,11 @@ def load_checked_drafter(cfg: RunConfig):
             else "train it: `eaglekit run CONFIG --until train` (it writes train/checkpoints/best)"
         )
         raise EaglekitError(f"drafter checkpoint {path} does not exist", remedy)
-    drafter, info = load_drafter(path)
     hf = target_hf_config(cfg.target)
     aux = aux_layer_ids(cfg.target, hf.num_hidden_layers)
+    if is_dflash_checkpoint(path):  # the block-drafter family (model/dflash_checkpoint.py)
+        return load_block_drafter(cfg, path, aux) + (hf, aux)
+    drafter, info = load_drafter(path)
     problems = check_compatible(drafter.config, hf, aux)
     if problems:
         raise EaglekitError(
@@ -82,6 +86,19 @@ def load_checked_drafter(cfg: RunConfig):
             "evaluate a drafter trained for this target (evaluate.checkpoint), or retrain",
         )
     return drafter, info, hf, aux
+
+
+def load_block_drafter(cfg: RunConfig, path: Path, aux: list[int]):
+    from eaglekit.model.checkpoints import CheckpointInfo
+    from eaglekit.model.dflash_checkpoint import FORM, load_for_target
+
+    drafter = load_for_target(path, cfg.target.model, cfg.target.trust_remote_code)
+    if drafter.config.aux_layer_ids != list(aux):
+        raise EaglekitError(
+            f"drafter {path} taps target layers {drafter.config.aux_layer_ids}, this config {aux}",
+            f"set target.aux_layers: {drafter.config.aux_layer_ids}, or retrain",
+        )
+    return drafter, CheckpointInfo(FORM, path, missing_embeddings=False, aux_layer_ids=list(aux))
 
 
 def load_starting_drafter(cfg: RunConfig, hf, aux):
@@ -96,6 +113,8 @@ def load_starting_drafter(cfg: RunConfig, hf, aux):
             f"train.init_from {path} does not exist (evaluate measures the finetune against it)",
             "restore that drafter folder, or remove train.init_from",
         )
+    if is_dflash_checkpoint(path):
+        return load_block_drafter(cfg, Path(path), aux)
     drafter, info = load_drafter(path)
     problems = check_compatible(drafter.config, hf, aux)
     if problems:
@@ -128,10 +147,10 @@ def drafter_checkpoint(ctx):
     except EaglekitError as err:
         return fail("drafter checkpoint", err.message, err.remedy or "check the drafter folder")
     c = drafter.config
+    vocab = f"{c.vocab_size} (the target's)" if info.form == "dflash" else f"{c.draft_vocab_size}/{c.vocab_size}"
     return ok(
         "drafter checkpoint",
-        f"{info.path} ({info.form} form): hidden {c.hidden_size}, draft vocab "
-        f"{c.draft_vocab_size}/{c.vocab_size}, aux layers {aux}; fits the target",
+        f"{info.path} ({info.form} form): hidden {c.hidden_size}, draft vocab {vocab}, aux layers {aux}; fits the target",
     )
 
 
@@ -357,8 +376,8 @@ def evaluate(ctx, target, device: torch.device) -> dict:
     temperatures = list(dict.fromkeys(ec.temperatures))
     methods = [m for m in METHODS if m != "eagle_start" or start]
     new_proposer = {
-        "eagle": lambda: EagleProposer(drafter, aux),
-        "eagle_start": lambda: EagleProposer(start_drafter, aux),
+        "eagle": lambda: proposer_for(drafter, aux),
+        "eagle_start": lambda: proposer_for(start_drafter, aux),
         "ngram": lambda: NgramProposer(ec.ngram_min, ec.ngram_max),
     }
 

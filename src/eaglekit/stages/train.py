@@ -11,6 +11,7 @@ Under torchrun every rank runs ``run``; only rank 0 holds the run lock and write
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from eaglekit.config import RunConfig
@@ -153,6 +154,8 @@ def drafter_shape(ctx):
                 "remove train.draft, or train a new drafter",
             )
         return skip("drafter", "finetuning train.init_from (its own shape)")
+    if cfg.train.draft.architecture == "dflash":  # the block-drafter family (training/dflash.py)
+        return block_drafter_shape(cfg)
     try:
         hf = target_hf_config(cfg.target)
         # a draft vocab larger than the target's is the vocab stage's failure: not named twice
@@ -193,6 +196,25 @@ def drafter_shape(ctx):
     return ok("drafter", detail)
 
 
+def block_drafter_shape(cfg: RunConfig):
+    from eaglekit.training.dflash import block_drafter_config, block_drafter_notes
+
+    try:
+        hf = target_hf_config(cfg.target)
+        aux = aux_layer_ids(cfg.target, hf.num_hidden_layers)
+        dc = block_drafter_config(cfg, hf, aux, int(text_config(hf).vocab_size))
+    except EaglekitError as err:
+        return fail("drafter", err.message, err.remedy or "fix train.draft")
+    detail = (
+        f"dflash: {dc.num_hidden_layers} layers, block {dc.block_size}, mask token {dc.mask_token_id}, "
+        f"heads {dc.num_attention_heads} / kv {dc.num_key_value_heads} x {dc.head_dim}, aux layers {aux}"
+    )
+    notes = block_drafter_notes(cfg, hf)
+    if notes:
+        return warn("drafter", detail + "; " + "; ".join(notes), "see README: Choosing a drafter family")
+    return ok("drafter", detail)
+
+
 def checks(cfg: RunConfig) -> list:
     from eaglekit.stages.extract import target_placement
 
@@ -229,6 +251,15 @@ def estimate_bytes(ctx) -> int:
     """Checkpoints: each holds the drafter (fp32) and training_state (weights + two Adam moments, fp32)."""
     cfg = ctx.cfg
     hf = target_hf_config(cfg.target)
+    if cfg.train.draft.architecture == "dflash":  # fp32 weights + two Adam moments per checkpoint, roughly
+        from eaglekit.training.dflash import block_drafter_config
+
+        aux = aux_layer_ids(cfg.target, hf.num_hidden_layers)
+        block = block_drafter_config(cfg, hf, aux, int(text_config(hf).vocab_size))
+        from eaglekit.model.dflash_checkpoint import expected_state as block_state
+
+        weights = sum(math.prod(shape) for shape in block_state(block).values())
+        return 16 * weights * (cfg.train.keep_last + 2) + (16 << 20)
     dc = DrafterConfig.from_target_config(
         hf, cfg.vocab.draft_vocab_size, aux_layer_ids(cfg.target, hf.num_hidden_layers), **cfg.train.draft.model_dump()
     )

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eaglekit.model.dflash import DFlashDrafter
+from eaglekit.training.ttt import TTTOutput  # the loop's per-position figures (the loop reads no more of TTT)
 
 WEIGHTINGS = ("dpace", "exp-decay")
 
@@ -38,6 +39,7 @@ class BlockOutput:
     counted: torch.Tensor  # [B_size] slots that count
     accepted_run: torch.Tensor  # scalar: Σ over valid anchors of the run of correct slots from slot 1
     anchors: torch.Tensor  # scalar: valid anchors
+    slot_loss: torch.Tensor  # [B_size] mean cross-entropy per slot over the slots that count (unweighted)
 
     @property
     def block_tau(self) -> float:
@@ -99,7 +101,7 @@ def position_weights(
 def block_loss(
     drafter: DFlashDrafter,
     aux: torch.Tensor,
-    last_hidden: torch.Tensor,
+    target_argmax: torch.Tensor,
     input_ids: torch.Tensor,
     loss_mask: torch.Tensor,
     attention_mask: torch.Tensor,
@@ -111,11 +113,11 @@ def block_loss(
     gamma: float = 4.0,
     generator: torch.Generator | None = None,
 ) -> BlockOutput:
-    """The DFlash loss of one batch (module docstring). aux [B, L, n*Ht], last_hidden [B, L, Ht] (after the final
-    norm), the rest [B, L]; ``position_ids`` for packed rows."""
+    """The DFlash loss of one batch (module docstring). aux [B, L, n*Ht]; target_argmax [B, L]: the target's argmax
+    over its whole vocabulary at each position (its next token); the rest [B, L]; ``position_ids`` for packed rows."""
     bs = drafter.config.block_size
     device = drafter.fc.weight.device
-    aux, last_hidden = aux.to(device), last_hidden.to(device)
+    aux, target_argmax = aux.to(device), target_argmax.to(device)
     input_ids, loss_mask, attention_mask = input_ids.to(device), loss_mask.to(device), attention_mask.to(device)
     b, length = input_ids.shape
     positions = (
@@ -133,10 +135,7 @@ def block_loss(
     same_doc = docs.gather(1, flat).view_as(index) == docs.gather(1, anchors)[:, :, None]
     counted = valid[:, :, None] & inside & same_doc & loss_mask.bool().gather(1, flat).view_as(index) & (slot > 0)
 
-    with torch.no_grad():  # the target's argmax at a+k-1 predicts token a+k
-        before = (index - 1).clamp_min(0).flatten(1)
-        source = last_hidden.gather(1, before[:, :, None].expand(-1, -1, last_hidden.shape[-1]))
-        labels = drafter.lm_head(source.to(drafter.lm_head.weight.dtype)).argmax(-1).view_as(index)
+    labels = target_argmax.gather(1, (index - 1).clamp_min(0).flatten(1)).view_as(index)  # a+k-1 predicts a+k
 
     query_ids = torch.full_like(index, drafter.config.mask_token_id)
     query_ids[:, :, 0] = input_ids.gather(1, anchors)
@@ -159,11 +158,23 @@ def block_loss(
         counted=counted.sum(0).detach(),
         accepted_run=run.sum().detach(),
         anchors=valid.sum().detach(),
+        slot_loss=((ce * counted).sum(0) / counted.sum(0).clamp_min(1)).detach(),
     )
 
 
+def target_argmax(last_hidden: torch.Tensor, head: torch.Tensor, rows: int = 4096) -> torch.Tensor:
+    """[..., Ht] final-normed states -> the target's argmax [...] over its whole vocabulary, a few rows at a time."""
+    flat = last_hidden.reshape(-1, last_hidden.shape[-1])
+    out = [(part.to(head.dtype) @ head.T).argmax(-1) for part in flat.split(rows)]
+    return torch.cat(out).view(last_hidden.shape[:-1])
+
+
 class BlockObjective(nn.Module):
-    """``block_loss`` as a module's forward, so DDP / FSDP see a forward pass (their gradient sync hooks onto it)."""
+    """``block_loss`` as a module's forward, so DDP / FSDP see a forward pass (their gradient sync hooks onto it).
+
+    It takes the training loop's inputs (``training/loop.py``'s ``Features``, built over the whole vocabulary
+    for this family, so ``target_logits`` argmax is the target's next token) and answers with the loop's
+    per-position figures: position k is block slot k+1 (``loss_k``, ``acc_k``, ``count_k``)."""
 
     def __init__(self, drafter: DFlashDrafter, max_anchors: int, weighting: str, dpace_alpha: float, gamma: float):
         super().__init__()
@@ -172,13 +183,17 @@ class BlockObjective(nn.Module):
         self.drafter = drafter
         self.max_anchors, self.weighting, self.dpace_alpha, self.gamma = max_anchors, weighting, dpace_alpha, gamma
 
+    @property
+    def positions(self) -> int:
+        return self.drafter.config.block_size - 1
+
     def forward(
-        self, aux, last_hidden, input_ids, loss_mask, attention_mask, position_ids=None, generator=None
-    ) -> BlockOutput:
-        return block_loss(
+        self, aux, input_ids, target_logits, loss_mask, attention_mask, target_in_draft=None, position_ids=None
+    ):
+        out = block_loss(
             self.drafter,
             aux,
-            last_hidden,
+            target_logits.argmax(-1),
             input_ids,
             loss_mask,
             attention_mask,
@@ -187,5 +202,97 @@ class BlockObjective(nn.Module):
             weighting=self.weighting,
             dpace_alpha=self.dpace_alpha,
             gamma=self.gamma,
-            generator=generator,
         )
+        counted = out.counted[1:].tolist()
+        acc = [c / n if n else 0.0 for c, n in zip(out.correct[1:].tolist(), counted, strict=True)]
+        loss_k = [float(out.slot_loss[k]) for k in range(1, self.positions + 1)]
+        return out.loss, TTTOutput(loss=out.loss, loss_k=loss_k, acc_k=acc, count_k=[int(n) for n in counted])
+
+
+# ---------------------------------------------------------------------------------- the family in the training loop
+
+
+def build_block_drafter(cfg, hf_config, embed: torch.Tensor, head: torch.Tensor, aux_ids: list[int]):
+    """(drafter, notes) for ``train.draft.architecture: dflash``: fresh from the target's config, or ``train.init_from``
+    an exported DFlash drafter (``export/dflash/``) re-imported to finetune."""
+    from eaglekit.model.dflash_checkpoint import load_dflash
+
+    if cfg.train.init_from:
+        drafter = load_dflash(cfg.train.init_from, embed, head).float()
+        if drafter.config.aux_layer_ids != list(aux_ids):
+            from eaglekit.errors import UsageError
+
+            raise UsageError(
+                f"train.init_from {cfg.train.init_from} taps target layers {drafter.config.aux_layer_ids}, "
+                f"this run {list(aux_ids)}",
+                f"set target.aux_layers: {drafter.config.aux_layer_ids}",
+            )
+        return drafter, {"draft_vocab": "the target's (dflash)", "init_from": cfg.train.init_from}
+    dcfg = block_drafter_config(cfg, hf_config, aux_ids, int(embed.shape[0]))
+    drafter = DFlashDrafter(dcfg)
+    drafter.take_target(embed, head)
+    return drafter, {"draft_vocab": "the target's (dflash)", "mask_token_id": dcfg.mask_token_id}
+
+
+def block_drafter_config(cfg, hf_config, aux_ids: list[int], vocab_size: int):
+    """The DFlash drafter ``train.draft`` asks for, from the target's config (and its tokenizer for the mask token)."""
+    from eaglekit.model.dflash import DFlashConfig, default_mask_token_id
+
+    draft = cfg.train.draft
+    mask = draft.mask_token_id
+    if mask is None:
+        from eaglekit.data.chat import load_tokenizer
+
+        tokenizer = load_tokenizer(cfg.target.model, cfg.target.chat_template, cfg.target.trust_remote_code)
+        mask = default_mask_token_id(tokenizer, vocab_size)
+    return DFlashConfig.from_target_config(
+        hf_config,
+        aux_ids,
+        mask,
+        num_hidden_layers=draft.num_layers,
+        block_size=draft.block_size,
+        shared_k_norm=bool(draft.shared_k_norm),
+        intermediate_size=draft.intermediate_size,
+        num_attention_heads=draft.num_attention_heads,
+        num_key_value_heads=draft.num_key_value_heads,
+        head_dim=draft.head_dim,
+    )
+
+
+def block_drafter_notes(cfg, hf_config) -> list[str]:
+    """What pre-flight says about serving this family with this target (warnings; empty when none apply)."""
+    from eaglekit.model.drafter import text_config
+
+    notes = []
+    if getattr(text_config(hf_config), "kv_lora_rank", None):
+        notes.append(
+            "the target uses multi-head latent attention: DFlash's non-causal draft on an MLA target is reported "
+            "not to run on stock vLLM (z-lab/dflash#62, Kimi-K2.5); vLLM 0.32 added non-causal MLA backends, not "
+            "verified here — verify on your engine before a long run"
+        )
+    if not cfg.train.draft.shared_k_norm:
+        notes.append(
+            "train.draft.shared_k_norm is false: vLLM 0.32's CPU build would serve this drafter with other drafts "
+            "(it applies layer 0's k_norm to every layer's context keys); GPU engines are not affected"
+        )
+    return notes
+
+
+def block_objective(drafter: DFlashDrafter, draft) -> BlockObjective:
+    """The objective with ``train.draft``'s options (speculators' DFlash defaults where unset)."""
+    return BlockObjective(
+        drafter,
+        max_anchors=draft.max_anchors or 512,
+        weighting=draft.position_weighting or "dpace",
+        dpace_alpha=draft.dpace_alpha if draft.dpace_alpha is not None else 0.5,
+        gamma=draft.decay_gamma if draft.decay_gamma is not None else 4.0,
+    )
+
+
+def save_block_drafter(config, state: dict, out) -> None:
+    """A training checkpoint in the form export writes (so evaluate, export and init_from read one form)."""
+    from eaglekit.model.dflash_checkpoint import save_dflash
+
+    drafter = DFlashDrafter(config)
+    drafter.load_state_dict(state, strict=False)  # without the frozen embedding: save_dflash leaves it out anyway
+    save_dflash(drafter, out)

@@ -36,6 +36,7 @@ from eaglekit.data.tokens import TokenStore
 from eaglekit.errors import EaglekitError
 from eaglekit.interrupt import StopRequest
 from eaglekit.model import checkpoints
+from eaglekit.model.dflash import DFlashConfig
 from eaglekit.model.drafter import DrafterConfig, Eagle3Drafter
 from eaglekit.model.hub import drafter_folder
 from eaglekit.model.target import (
@@ -62,6 +63,7 @@ from eaglekit.training.data import (
     rank_share,
     split_indices,
 )
+from eaglekit.training.dflash import block_objective, build_block_drafter, save_block_drafter
 from eaglekit.training.ttt import TTTOutput, simulated_acceptance_length, ttt_loss
 
 STATE = "training_state.pt"
@@ -233,7 +235,7 @@ class TTT(nn.Module):
         return loss, out
 
 
-def wrap(module: TTT, mode: str, device: torch.device) -> nn.Module:
+def wrap(module: nn.Module, mode: str, device: torch.device) -> nn.Module:
     if not dist.active():
         return module
     if mode == "fsdp":
@@ -520,7 +522,10 @@ def without_frozen_embedding(msd: dict, drafter: Eagle3Drafter) -> dict:
     return {k: v for k, v in msd.items() if not (frozen and k == "embed_tokens.weight")}
 
 
-def save_drafter(drafter_cfg: DrafterConfig, msd: dict, out: Path) -> None:
+def save_drafter(drafter_cfg: DrafterConfig | DFlashConfig, msd: dict, out: Path) -> None:
+    if isinstance(drafter_cfg, DFlashConfig):  # the block-drafter family
+        save_block_drafter(drafter_cfg, msd, out)
+        return
     cpu = Eagle3Drafter(drafter_cfg)
     cpu.load_state_dict(msd)
     checkpoints.save_legacy(cpu, out)
@@ -626,14 +631,19 @@ def train(ctx) -> dict[str, Any]:
     online = cfg.extract.mode != "offline"
     target_model = load_target(cfg.target, device) if online else None
     embed, head = embedding_and_head(target_model if online else cfg.target.model, cfg.target.trust_remote_code)
-    drafter, notes = build_drafter(cfg, hf_config, d2t, t2d, embed, head, aux_ids)
+    # dflash: the block-drafter family (training/dflash.py) takes the loop's inputs over the whole vocabulary
+    block = cfg.train.draft.architecture == "dflash"
+    if block:
+        drafter, notes = build_block_drafter(cfg, hf_config, embed, head, aux_ids)
+    else:
+        drafter, notes = build_drafter(cfg, hf_config, d2t, t2d, embed, head, aux_ids)
     drafter = drafter.to(device)
     # fp32 master weights; bf16 autocast on GPUs (train.dtype auto), fp32 on the CPU
     use_bf16 = tc.dtype == "bfloat16" or (tc.dtype == "auto" and device.type == "cuda")
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if use_bf16 else contextlib.nullcontext
     features = Features(
         ctx.run.path,
-        drafter.t2d.cpu(),
+        torch.ones(head.shape[0], dtype=torch.bool) if block else drafter.t2d.cpu(),
         device,
         aux_ids,
         torch.bfloat16 if use_bf16 else torch.float32,
@@ -642,7 +652,15 @@ def train(ctx) -> dict[str, Any]:
     )
     del embed, head
 
-    model = wrap(TTT(drafter, tc.ttt_steps, tc.ttt_decay, tc.anchor_weight), tc.distributed, device)
+    # the figures per draft position: TTT steps, or a block's mask slots (weighted alike in the held-out loss)
+    objective: nn.Module
+    if block:
+        objective = block_objective(drafter, tc.draft)
+        positions, decay = drafter.config.block_size - 1, 1.0
+    else:
+        objective = TTT(drafter, tc.ttt_steps, tc.ttt_decay, tc.anchor_weight)
+        positions, decay = tc.ttt_steps, tc.ttt_decay
+    model = wrap(objective, tc.distributed, device)
     params = [p for p in model.parameters() if p.requires_grad]
     optim = torch.optim.AdamW(params, lr=tc.lr, betas=(0.9, 0.95), weight_decay=tc.weight_decay)
 
@@ -724,7 +742,7 @@ def train(ctx) -> dict[str, Any]:
         nonlocal best_tau
         if not held_batches:
             return None
-        figures = evaluate(model, features, make_batch, held_batches, tc.ttt_steps, tc.ttt_decay, autocast)
+        figures = evaluate(model, features, make_batch, held_batches, positions, decay, autocast)
         metrics.write({"kind": "eval", "step": step, **{k: figures[k] for k in ("loss", "loss_k", "acc_k", "tau")}})
         if figures["tau"] > best_tau:
             best_tau = figures["tau"]
@@ -734,7 +752,7 @@ def train(ctx) -> dict[str, Any]:
         return figures
 
     last_eval = run_eval(0) if start_step == 0 else None
-    window = Window(tc.ttt_steps, window_state)
+    window = Window(positions, window_state)
     epoch_cache: dict[int, list[list[int]]] = {}
 
     def micro_batch(u: int, tokens: TokenStore, feature_store: FeatureStore | None) -> Batch:
@@ -802,7 +820,7 @@ def train(ctx) -> dict[str, Any]:
                     acc_0=round(r["acc_k"][0], 4),
                     tok_s=round(local_tokens * world / max(time.monotonic() - t0, 1e-9)),
                 )
-                window = Window(tc.ttt_steps)
+                window = Window(positions)
             if done % tc.eval_every == 0 or done == total_steps:
                 last_eval = run_eval(done)
                 if last_eval:
