@@ -218,7 +218,7 @@ def vllm_taus(
 
     from eaglekit.model.checkpoints import load_drafter, save_legacy
     from eaglekit.serving.engine import VllmServer, metric_sum
-    from eaglekit.stages.evaluate import eval_prompts
+    from eaglekit.speculative.inputs import eval_prompts
 
     exported = out / f"vllm-{name}" / "eagle3"
     shutil.rmtree(exported, ignore_errors=True)  # a drafter retrained under the same name is exported anew

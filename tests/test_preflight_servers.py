@@ -14,7 +14,7 @@ from json_http import JsonHandler
 from eaglekit import pipeline
 from eaglekit.config import parse_config
 from eaglekit.preflight import failed
-from eaglekit.serving import checks as serving
+from eaglekit.preflight import servers as serving
 
 MODEL = "fake/reasoner"
 

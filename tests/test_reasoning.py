@@ -4,7 +4,7 @@ from collections import Counter
 
 import pytest
 
-from eaglekit.serving.reasoning import explain_missing_reasoning, extract_reasoning, split_inline_think
+from eaglekit.data.reasoning import explain_missing_reasoning, extract_reasoning, split_inline_think
 
 R, C = "step one, step two", "the answer"
 

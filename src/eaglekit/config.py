@@ -131,6 +131,11 @@ class ExtractConfig(Section):
     writer_queue: int = Field(4, ge=1, description="batches waiting for the background shard writer at most")
     vllm: VllmFeaturesConfig | None = None
 
+    @property
+    def offline(self) -> bool:
+        """Features are extracted to disk first (the extract stage runs); online, train runs the target itself."""
+        return self.mode == "offline"
+
 
 class DraftModelConfig(Section):
     """The drafter's layer and flags; every shape defaults to the target's (README: "The drafter")."""

@@ -51,7 +51,7 @@ def stage_module(name: str) -> ModuleType:
 def upstream_of(cfg: RunConfig, stage: str) -> str | None:
     """The stage whose outputs ``stage`` reads (extract is skipped in online mode)."""
     up = stage_module(stage).UPSTREAM
-    if up == "extract" and cfg.extract.mode != "offline":
+    if up == "extract" and not cfg.extract.offline:
         up = stage_module("extract").UPSTREAM
     return up
 

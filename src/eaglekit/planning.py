@@ -35,7 +35,6 @@ from eaglekit.progress import format_duration
 GENERATE_TEXT_BYTES = 4  # bytes of JSON text per token of prompt and reply (English averages ~4 characters)
 GENERATE_ID_BYTES = 7  # bytes per token id written as JSON (`123456, `)
 PREPARE_BYTES = 5  # int32 token id + uint8 loss mask per token
-VERDICTS = ("fits", "does not fit", "unknown")
 
 
 @dataclass
@@ -351,13 +350,9 @@ def _measured_time(p: StagePlan, run, n, unit) -> None:
 
 
 def _drafter_config(cfg: RunConfig):
-    from eaglekit.model.drafter import DrafterConfig
-    from eaglekit.model.target import aux_layer_ids, target_hf_config
+    from eaglekit.model.run_shapes import drafter_config
 
-    hf = target_hf_config(cfg.target)
-    return DrafterConfig.from_target_config(
-        hf, cfg.vocab.draft_vocab_size, aux_layer_ids(cfg.target, hf.num_hidden_layers), **cfg.train.draft.model_dump()
-    )
+    return drafter_config(cfg)
 
 
 def _drafter_bytes(cfg: RunConfig) -> int | None:
@@ -430,7 +425,7 @@ def alternatives(cfg: RunConfig, inputs: dict[str, Figure], plans: list[StagePla
             "detail": detail + extra,
         }
 
-    if cfg.extract.mode == "offline":
+    if cfg.extract.offline:
         alt = stage_plans(cfg, inputs, mode="online")
         forward = inputs["extract_tok_per_s"].value
         extra = ""

@@ -22,10 +22,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from eaglekit.data.reasoning import extract_reasoning, has_think_tags
 from eaglekit.errors import EaglekitError
 from eaglekit.progress import console
 from eaglekit.rundir import now_iso
-from eaglekit.serving.reasoning import extract_reasoning, has_think_tags
 
 RESPONSES = "responses.jsonl"
 ERRORS = "errors.jsonl"

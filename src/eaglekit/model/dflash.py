@@ -168,6 +168,30 @@ def default_mask_token_id(tokenizer: Any, vocab_size: int) -> int:
     )
 
 
+def config_for_run(cfg: Any, hf_config: Any, aux_layer_ids: list[int], vocab_size: int) -> DFlashConfig:
+    """The DFlash drafter a run's ``train.draft`` asks for, from the target's config (and its tokenizer for the
+    mask token when ``mask_token_id`` is unset)."""
+    draft = cfg.train.draft
+    mask = draft.mask_token_id
+    if mask is None:
+        from eaglekit.data.chat import load_tokenizer
+
+        tokenizer = load_tokenizer(cfg.target.model, cfg.target.chat_template, cfg.target.trust_remote_code)
+        mask = default_mask_token_id(tokenizer, vocab_size)
+    return DFlashConfig.from_target_config(
+        hf_config,
+        aux_layer_ids,
+        mask,
+        num_hidden_layers=draft.num_layers,
+        block_size=draft.block_size,
+        shared_k_norm=bool(draft.shared_k_norm),
+        intermediate_size=draft.intermediate_size,
+        num_attention_heads=draft.num_attention_heads,
+        num_key_value_heads=draft.num_key_value_heads,
+        head_dim=draft.head_dim,
+    )
+
+
 class DFlashAttention(nn.Module):
     def __init__(self, cfg: DFlashConfig):
         super().__init__()

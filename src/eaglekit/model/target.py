@@ -247,7 +247,7 @@ def target_tensor_names(model: str) -> dict[str, str]:
         return json.loads(index.read_text())["weight_map"]
     if (folder / "model.safetensors").exists():
         with safe_open(str(folder / "model.safetensors"), "pt") as f:
-            return {k: "model.safetensors" for k in f.keys()}  # noqa: SIM118 (safetensors 0.8: safe_open is not iterable)
+            return dict.fromkeys(f.keys(), "model.safetensors")  # safetensors 0.8 no longer iterates the handle
     raise EaglekitError(
         f"{folder} has no safetensors weights (model.safetensors or its index)",
         "convert the target to safetensors (save_pretrained(..., safe_serialization=True))",

@@ -414,7 +414,7 @@ def feature_shards(ctx) -> CheckResult:
     from eaglekit.data import shards as sh
 
     name = "feature shards"
-    if ctx.cfg.extract.mode != "offline":
+    if not ctx.cfg.extract.offline:
         return skip(name, "online mode: no stored features")
     pending = will_be_produced(ctx, name, "extract")
     if pending:

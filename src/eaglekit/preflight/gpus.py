@@ -12,6 +12,7 @@ why. ``nvidia-smi`` is never parsed: its text changes between driver versions, N
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 from dataclasses import dataclass, field
@@ -83,33 +84,32 @@ def inventory() -> list[GPU] | str:
                     name=_text(pynvml.nvmlDeviceGetName(h)),
                     total=int(mem.total),
                     used=int(mem.used),
-                    utilization=_optional(pynvml, lambda: int(pynvml.nvmlDeviceGetUtilizationRates(h).gpu)),
+                    utilization=_optional(pynvml, lambda h=h: int(pynvml.nvmlDeviceGetUtilizationRates(h).gpu)),
                     processes=[
                         (int(p.pid), _bytes(p.usedGpuMemory))
-                        for p in _optional(pynvml, lambda: pynvml.nvmlDeviceGetComputeRunningProcesses(h)) or []
+                        for p in _optional(pynvml, lambda h=h: pynvml.nvmlDeviceGetComputeRunningProcesses(h)) or []
                     ],
                     ecc_uncorrected=_optional(
                         pynvml,
-                        lambda: int(
+                        lambda h=h: int(
                             pynvml.nvmlDeviceGetTotalEccErrors(
                                 h, pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_VOLATILE_ECC
                             )
                         ),
                     ),
                     retired_pending=_optional(
-                        pynvml, lambda: pynvml.nvmlDeviceGetRetiredPagesPendingStatus(h) == pynvml.NVML_FEATURE_ENABLED
+                        pynvml,
+                        lambda h=h: pynvml.nvmlDeviceGetRetiredPagesPendingStatus(h) == pynvml.NVML_FEATURE_ENABLED,
                     ),
                 )
             )
-            remap = _optional(pynvml, lambda: pynvml.nvmlDeviceGetRemappedRows(h))
+            remap = _optional(pynvml, lambda h=h: pynvml.nvmlDeviceGetRemappedRows(h))
             if remap is not None:  # (corrected rows, uncorrected rows, reset pending, remapping failed)
                 gpus[-1].remap_pending, gpus[-1].remap_failed = bool(remap[2]), bool(remap[3])
         return gpus
     finally:
-        try:
+        with contextlib.suppress(pynvml.NVMLError):
             pynvml.nvmlShutdown()
-        except pynvml.NVMLError:
-            pass
 
 
 def _optional(pynvml, query):
@@ -164,7 +164,7 @@ def need_per_gpu(ctx, used: list[GPU]) -> tuple[int, str] | None:
     loads_target = (
         ctx.stage in TARGET_STAGES
         or (ctx.stage == "generate" and cfg.generate.backend == "local")
-        or (ctx.stage == "train" and cfg.extract.mode != "offline")
+        or (ctx.stage == "train" and not cfg.extract.offline)
     )
     if not loads_target or not used or not Path(cfg.target.model).is_dir():
         return None
@@ -299,3 +299,19 @@ def memory_for_stage(ctx, used: list[GPU]) -> list[CheckResult]:
             )
         )
     return out
+
+
+def target_placement(ctx):
+    """Under torchrun every rank loads its own copy of the target onto its own GPU; device_map would spread
+    each rank's copy over all GPUs."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and ctx.cfg.target.device_map:
+        return fail(
+            "target placement",
+            f"target.device_map is '{ctx.cfg.target.device_map}' under torchrun with "
+            f"{world} processes: each would spread its own copy over every GPU",
+            "unset target.device_map (one copy per GPU), or run a single process with device_map to shard "
+            "a target too big for one GPU",
+        )
+    where = f"one copy per process ({world})" if world > 1 else (ctx.cfg.target.device_map or "one device")
+    return ok("target placement", where)

@@ -29,7 +29,6 @@ from eaglekit.errors import EaglekitError
 from eaglekit.serving.engine import metric_sum, parse_prometheus
 
 DRAFTS = "vllm:spec_decode_num_drafts_total"
-ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
 PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 REQUESTS = "vllm:request_success_total"
 _POSITION = re.compile(r'position="(\d+)"')

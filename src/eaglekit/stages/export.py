@@ -23,13 +23,14 @@ import torch
 
 from eaglekit import atomic
 from eaglekit.config import RunConfig
+from eaglekit.data.eval_report import report_markdown
 from eaglekit.errors import EaglekitError
-from eaglekit.model.dflash_checkpoint import is_dflash_checkpoint
 from eaglekit.preflight import checks as common
 from eaglekit.preflight import fail, ok, warn
+from eaglekit.preflight.drafter import drafter_checkpoint
 from eaglekit.progress import console
 from eaglekit.rundir import file_identity
-from eaglekit.stages.evaluate import checkpoint_path, drafter_checkpoint, load_checked_drafter, report_markdown
+from eaglekit.speculative.inputs import checkpoint_path, drafter_architecture, load_checked_drafter
 
 NAME = "export"
 UPSTREAM = "evaluate"
@@ -70,27 +71,6 @@ def verifier_known(ctx):
     return ok("verifier", f"speculators config names {verifier_id(ctx.cfg)}")
 
 
-def drafter_architecture(cfg: RunConfig) -> str:
-    """llama or mla: the trained checkpoint's when it exists, else train.init_from's (a folder, or a hub id already
-    in the cache), else train.draft.architecture. Decides the forms export writes before the drafter is loaded."""
-    from eaglekit.model.checkpoints import read_config
-    from eaglekit.model.hub import cached_drafter, is_hub_id
-
-    folders = [checkpoint_path(cfg)]
-    init_from = cfg.train.init_from
-    if init_from:
-        folders.append(cached_drafter(init_from) if is_hub_id(init_from) else Path(init_from))
-    for folder in folders:
-        if folder is not None and is_dflash_checkpoint(folder):
-            return "dflash"
-        if folder is not None and (folder / "config.json").exists():
-            try:
-                return read_config(folder)[1].architecture
-            except EaglekitError:
-                pass  # the drafter checks say what is wrong with it
-    return cfg.train.draft.architecture or "llama"
-
-
 def forms_to_write(architecture: str, requested: list[str]) -> tuple[list[str], list[str]]:
     """(forms, warnings): an MLA drafter has only the plain form (checkpoints.NO_MLA_SPECULATORS)."""
     from eaglekit.model.checkpoints import NO_MLA_SPECULATORS
@@ -103,16 +83,6 @@ def forms_to_write(architecture: str, requested: list[str]) -> tuple[list[str], 
             "set export.formats: [eagle3] (the plain form, which vLLM and SGLang load)",
         )
     return [f for f in requested if f != "speculators"], [f"speculators form not written: {NO_MLA_SPECULATORS}"]
-
-
-def written_forms(cfg: RunConfig) -> list[str]:
-    """The forms export writes with this config (verify serves these by default)."""
-    requested = list(dict.fromkeys(cfg.export.formats))
-    if drafter_architecture(cfg) == "dflash":
-        return ["dflash"]
-    if drafter_architecture(cfg) == "mla":
-        return [f for f in requested if f != "speculators"] or requested
-    return requested
 
 
 def sglang_aux_problem(cfg: RunConfig, formats: list[str]) -> str | None:
@@ -234,7 +204,7 @@ def run(ctx) -> dict:
     from eaglekit.model.target import embedding_and_head
 
     cfg, xc = ctx.cfg, ctx.cfg.export
-    if is_dflash_checkpoint(checkpoint_path(cfg)):  # the block-drafter family: one form, vLLM's
+    if drafter_architecture(cfg) == "dflash":  # the block-drafter family: one form, vLLM's
         return export_block_drafter(ctx)
     requested = list(dict.fromkeys(ctx.options.get("formats") or xc.formats))
     sglang_aux = sglang_aux_problem(cfg, requested)

@@ -162,22 +162,6 @@ def kept(ctx) -> str:
     )
 
 
-def target_placement(ctx):
-    """Under torchrun every rank loads its own copy of the target onto its own GPU; device_map would spread
-    each rank's copy over all GPUs."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 and ctx.cfg.target.device_map:
-        return fail(
-            "target placement",
-            f"target.device_map is '{ctx.cfg.target.device_map}' under torchrun with "
-            f"{world} processes: each would spread its own copy over every GPU",
-            "unset target.device_map (one copy per GPU), or run a single process with device_map to shard "
-            "a target too big for one GPU",
-        )
-    where = f"one copy per process ({world})" if world > 1 else (ctx.cfg.target.device_map or "one device")
-    return ok("target placement", where)
-
-
 def checks(cfg: RunConfig) -> list:
     if cfg.extract.backend == "vllm":  # the servers compute: no local devices to check, the servers instead
         return [
@@ -196,7 +180,7 @@ def checks(cfg: RunConfig) -> list:
         environment.software,
         environment.devices,
         gpus.gpus,
-        target_placement,
+        gpus.target_placement,
         existing_shards,
         disk.write_rate,
     ]
@@ -444,7 +428,7 @@ def _longest_sample(ctx) -> int | None:
 
 def feature_servers(ctx) -> list:
     """Every feature server answers, serves the model, and has a context for the longest sample plus one token."""
-    from eaglekit.serving.checks import server_info
+    from eaglekit.preflight.servers import server_info
 
     cfg, v = ctx.cfg, ctx.cfg.extract.vllm
     try:
@@ -536,7 +520,7 @@ def feature_smoke(ctx) -> list:
         name = f"feature smoke request {url}"
         one = v.model_copy(update={"servers": [url], "concurrency": 1, "max_retries": min(v.max_retries, 1)})
 
-        async def ask():
+        async def ask(one=one):
             async with FeatureClient(
                 one, feature_api_key(cfg), served_model(cfg), layer_ids, hf.hidden_size, norm, f"eksmoke{os.getpid()}"
             ) as client:

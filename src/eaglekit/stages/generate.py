@@ -24,14 +24,14 @@ from typing import Any
 
 from eaglekit.config import RunConfig
 from eaglekit.data.prompts import PromptRecord, run_prompts
+from eaglekit.data.reasoning import explain_missing_reasoning, target_reasoning_mode
 from eaglekit.data.responses import RESPONSES, ResponseStore, make_record, quick_counts, summarize
 from eaglekit.errors import EaglekitError
 from eaglekit.preflight import checks as common
 from eaglekit.preflight import dataset, environment, files, gpus
+from eaglekit.preflight import servers as server_checks
 from eaglekit.progress import Meter, console
 from eaglekit.rundir import file_identity
-from eaglekit.serving import checks as serving
-from eaglekit.serving.reasoning import explain_missing_reasoning, target_reasoning_mode
 
 NAME = "generate"
 UPSTREAM = None
@@ -78,23 +78,23 @@ def checks(cfg: RunConfig) -> list:
     if cfg.generate.backend == "local":
         return [
             dataset.prompts,
-            serving.prompts_loaded,
+            server_checks.prompts_loaded,
             common.target_folder,
             files.target_weights,
             environment.software,
             environment.devices,
             gpus.gpus,
-            serving.reasoning_mode,
+            server_checks.reasoning_mode,
         ]
     return [
         dataset.prompts,
-        serving.prompts_loaded,
-        serving.reasoning_mode,
-        serving.api_key,
-        serving.servers,
-        serving.health,
-        serving.context_length,
-        serving.smoke,
+        server_checks.prompts_loaded,
+        server_checks.reasoning_mode,
+        server_checks.api_key,
+        server_checks.servers,
+        server_checks.health,
+        server_checks.context_length,
+        server_checks.smoke,
         gpus.gpus,
     ]
 
@@ -109,19 +109,6 @@ def estimate_bytes(ctx) -> int | None:
     ids = g.return_token_ids or g.backend == "local"
     # ~4 bytes of JSON text per output token, ~7 more per token id written as JSON
     return prompt_bytes + len(records) * g.max_tokens * (4 + (7 if ids else 0))
-
-
-def estimate_seconds(ctx) -> tuple[float, str] | None:
-    """From the rate the last generate run of this run directory measured, if any."""
-    end = (ctx.run.last_events().get(NAME) or {}).get("end") or {}
-    rate = (end.get("rates") or {}).get("req_per_s")
-    if not rate:
-        return None
-    try:
-        n = len(run_prompts(ctx.cfg).records)
-    except EaglekitError:
-        return None
-    return n / rate, f"{rate} req/s, as the last generate run measured"
 
 
 # --- collecting finished samples ---------------------------------------------------------------------
@@ -319,7 +306,7 @@ def run(ctx) -> dict:
             )
             try:
                 if pending and g.backend == "local":
-                    from eaglekit.serving.local import generate_local
+                    from eaglekit.model.local_generation import generate_local
 
                     generate_local(cfg, pending, collector.add)
                 elif pending:

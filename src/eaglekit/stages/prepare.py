@@ -13,13 +13,13 @@ from pathlib import Path
 from eaglekit import atomic
 from eaglekit.config import RunConfig
 from eaglekit.data.chat import load_tokenizer, render_sample, use_generated_tokens
+from eaglekit.data.reasoning import has_think_tags
 from eaglekit.data.responses import read_responses
 from eaglekit.data.tokens import write_token_store
 from eaglekit.errors import EaglekitError
 from eaglekit.preflight import checks as common
 from eaglekit.progress import Meter, console
 from eaglekit.rundir import file_identity
-from eaglekit.serving.reasoning import has_think_tags
 
 NAME = "prepare"
 UPSTREAM = "generate"

@@ -18,7 +18,8 @@ from eaglekit.config import RunConfig
 from eaglekit.errors import EaglekitError
 from eaglekit.model.drafter import FLAGS, DrafterConfig, text_config
 from eaglekit.model.hub import cached_drafter, download_drafter, is_hub_id, local_folder
-from eaglekit.model.target import aux_layer_ids, target_hf_config, target_identity
+from eaglekit.model.run_shapes import drafter_config, target_and_aux
+from eaglekit.model.target import target_identity
 from eaglekit.preflight import checks as common
 from eaglekit.preflight import disk, environment, fail, files, gpus, ok, skip, warn
 from eaglekit.rundir import file_identity
@@ -36,7 +37,7 @@ def params(cfg: RunConfig) -> dict:
     p["target"] = target_identity(cfg.target)
     p["eval_fraction"] = cfg.data.eval_fraction
     p["features"] = cfg.extract.mode
-    if cfg.extract.mode != "offline":  # the data order's blocks (offline: the shards, in extract's fingerprint)
+    if not cfg.extract.offline:  # the data order's blocks (offline: the shards, in extract's fingerprint)
         p["data_blocks"] = cfg.extract.shard_tokens
     if cfg.train.init_from:
         local = Path(cfg.train.init_from).exists() or not is_hub_id(cfg.train.init_from)
@@ -52,7 +53,7 @@ def packing(ctx):
         return ok("packing", "off: length-bucketed, right-padded batches (train.packing: true packs samples into rows)")
     features = (
         "offline features: each document extracted alone"
-        if ctx.cfg.extract.mode == "offline"
+        if ctx.cfg.extract.offline
         else "online features: the target keeps documents apart by position_ids (checked on the first packed batch)"
     )
     return ok(
@@ -109,8 +110,7 @@ def init_from_compatible(ctx):
         )
     try:
         drafter, _info = checkpoints.load_drafter(folder)
-        hf = target_hf_config(ctx.cfg.target)
-        aux = aux_layer_ids(ctx.cfg.target, hf.num_hidden_layers)
+        hf, aux = target_and_aux(ctx.cfg)
         problems = checkpoints.check_compatible(drafter.config, hf, aux, tokenizer_vocab_size=_tokenizer_size(ctx.cfg))
     except EaglekitError as err:
         return fail("init_from", f"{path}: {err.message}", err.remedy or "check the drafter folder")
@@ -157,12 +157,10 @@ def drafter_shape(ctx):
     if cfg.train.draft.architecture == "dflash":  # the block-drafter family (training/dflash.py)
         return block_drafter_shape(cfg)
     try:
-        hf = target_hf_config(cfg.target)
+        hf, aux = target_and_aux(cfg)
         # a draft vocab larger than the target's is the vocab stage's failure: not named twice
         draft_vocab = min(cfg.vocab.draft_vocab_size, int(getattr(text_config(hf), "vocab_size", None) or 1 << 62))
-        dc = DrafterConfig.from_target_config(
-            hf, draft_vocab, aux_layer_ids(cfg.target, hf.num_hidden_layers), **explicit
-        )
+        dc = DrafterConfig.from_target_config(hf, draft_vocab, aux, **explicit)
     except EaglekitError as err:
         return fail("drafter", err.message, err.remedy or "fix train.draft")
     _, trainable = parameter_counts(dc)
@@ -196,29 +194,10 @@ def drafter_shape(ctx):
     return ok("drafter", detail)
 
 
-def block_drafter_shape(cfg: RunConfig):
-    from eaglekit.training.dflash import block_drafter_config, block_drafter_notes
-
-    try:
-        hf = target_hf_config(cfg.target)
-        aux = aux_layer_ids(cfg.target, hf.num_hidden_layers)
-        dc = block_drafter_config(cfg, hf, aux, int(text_config(hf).vocab_size))
-    except EaglekitError as err:
-        return fail("drafter", err.message, err.remedy or "fix train.draft")
-    detail = (
-        f"dflash: {dc.num_hidden_layers} layers, block {dc.block_size}, mask token {dc.mask_token_id}, "
-        f"heads {dc.num_attention_heads} / kv {dc.num_key_value_heads} x {dc.head_dim}, aux layers {aux}"
-    )
-    notes = block_drafter_notes(cfg, hf)
-    if notes:
-        return warn("drafter", detail + "; " + "; ".join(notes), "see README: Choosing a drafter family")
-    return ok("drafter", detail)
-
-
 def checks(cfg: RunConfig) -> list:
-    from eaglekit.stages.extract import target_placement
+    from eaglekit.preflight.gpus import target_placement
 
-    online = [target_placement] if cfg.extract.mode != "offline" else [files.feature_shards]
+    online = [target_placement] if not cfg.extract.offline else [files.feature_shards]
     return [
         common.target_folder,
         files.target_weights,
@@ -247,23 +226,37 @@ def parameter_counts(dc: DrafterConfig) -> tuple[int, int]:
     return total, total - weights["embed_tokens.weight"]
 
 
+def block_drafter_shape(cfg: RunConfig):
+    from eaglekit.model.dflash import config_for_run
+    from eaglekit.training.dflash import block_drafter_notes
+
+    try:
+        hf, aux = target_and_aux(cfg)
+        dc = config_for_run(cfg, hf, aux, int(text_config(hf).vocab_size))
+    except EaglekitError as err:
+        return fail("drafter", err.message, err.remedy or "fix train.draft")
+    detail = (
+        f"dflash: {dc.num_hidden_layers} layers, block {dc.block_size}, mask token {dc.mask_token_id}, "
+        f"heads {dc.num_attention_heads} / kv {dc.num_key_value_heads} x {dc.head_dim}, aux layers {aux}"
+    )
+    notes = block_drafter_notes(cfg, hf)
+    if notes:
+        return warn("drafter", detail + "; " + "; ".join(notes), "see README: Choosing a drafter family")
+    return ok("drafter", detail)
+
+
 def estimate_bytes(ctx) -> int:
     """Checkpoints: each holds the drafter (fp32) and training_state (weights + two Adam moments, fp32)."""
     cfg = ctx.cfg
-    hf = target_hf_config(cfg.target)
-    if cfg.train.draft.architecture == "dflash":  # fp32 weights + two Adam moments per checkpoint, roughly
-        from eaglekit.training.dflash import block_drafter_config
+    if cfg.train.draft.architecture == "dflash":  # its trained weights, fp32, with two Adam moments
+        from eaglekit.model.dflash import config_for_run
+        from eaglekit.model.dflash_checkpoint import expected_state
 
-        aux = aux_layer_ids(cfg.target, hf.num_hidden_layers)
-        block = block_drafter_config(cfg, hf, aux, int(text_config(hf).vocab_size))
-        from eaglekit.model.dflash_checkpoint import expected_state as block_state
-
-        weights = sum(math.prod(shape) for shape in block_state(block).values())
+        hf, aux = target_and_aux(cfg)
+        shapes = expected_state(config_for_run(cfg, hf, aux, int(text_config(hf).vocab_size))).values()
+        weights = sum(math.prod(shape) for shape in shapes)
         return 16 * weights * (cfg.train.keep_last + 2) + (16 << 20)
-    dc = DrafterConfig.from_target_config(
-        hf, cfg.vocab.draft_vocab_size, aux_layer_ids(cfg.target, hf.num_hidden_layers), **cfg.train.draft.model_dump()
-    )
-    total, trainable = parameter_counts(dc)
+    total, trainable = parameter_counts(drafter_config(cfg))
     per_checkpoint = 4 * (total + 3 * trainable)
     return per_checkpoint * (cfg.train.keep_last + 1) + 4 * total + (16 << 20)  # + best/ + metrics and plots
 

@@ -38,10 +38,11 @@ from eaglekit.config import RunConfig
 from eaglekit.errors import EaglekitError, UsageError
 from eaglekit.preflight import checks as common
 from eaglekit.preflight import fail, ok, will_be_produced
+from eaglekit.preflight.drafter import drafter_checkpoint, prompts_available
 from eaglekit.progress import Meter, console
 from eaglekit.rundir import file_identity
 from eaglekit.serving.speculation import Counters, Served
-from eaglekit.stages.evaluate import drafter_checkpoint, first_difference, prompts_available
+from eaglekit.speculative.inputs import first_difference
 
 NAME = "verify"
 UPSTREAM = "export"
@@ -58,7 +59,7 @@ DETAILED_METRICS_FLAG = "--per-request-spec-decode-metrics"
 
 
 def forms(cfg: RunConfig) -> list[str]:
-    from eaglekit.stages.export import written_forms  # an MLA drafter's export has the plain form only
+    from eaglekit.speculative.inputs import written_forms  # an MLA drafter's export has the plain form only
 
     return list(dict.fromkeys(cfg.verify.formats or written_forms(cfg)))
 
@@ -196,7 +197,7 @@ def offline_figures(cfg: RunConfig, ks: list[int]) -> Offline:
     from eaglekit.model.target import load_target
     from eaglekit.speculative.block import proposer_for
     from eaglekit.speculative.decode import generate
-    from eaglekit.stages.evaluate import decode_threads, decoding_inputs
+    from eaglekit.speculative.inputs import decode_threads, decoding_inputs
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     target = load_target(cfg.target, device if not cfg.target.device_map else None)
@@ -406,7 +407,7 @@ def diagnose(cfg: RunConfig, folder: Path, engine: str, aux: list[int]) -> list[
     from eaglekit.model.checkpoints import served_settings
     from eaglekit.model.drafter import rope_from_config, text_config
     from eaglekit.model.target import embedding_and_head, target_hf_config
-    from eaglekit.stages.evaluate import checkpoint_path
+    from eaglekit.speculative.inputs import checkpoint_path
 
     hf = text_config(target_hf_config(cfg.target))
     layers = int(hf.num_hidden_layers)

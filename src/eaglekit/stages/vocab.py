@@ -12,11 +12,12 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from eaglekit import atomic
 from eaglekit.config import RunConfig
 from eaglekit.data.tokens import TokenStore
+from eaglekit.data.vocab import VOCAB
 from eaglekit.errors import EaglekitError
 from eaglekit.model.drafter import build_d2t_t2d
 from eaglekit.preflight import fail, ok
@@ -24,7 +25,6 @@ from eaglekit.progress import console
 
 NAME = "vocab"
 UPSTREAM = "prepare"
-VOCAB = "vocab.safetensors"
 
 
 def params(cfg: RunConfig) -> dict:
@@ -116,12 +116,3 @@ def run(ctx) -> dict:
             f"filled {fill} slots with the lowest unused ids[/]"
         )
     return {"draft_vocab_size": len(selected), "coverage": round(coverage, 4), "filled": fill}
-
-
-def load_vocab(run_dir: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d2t, t2d) as the vocab stage wrote them."""
-    path = Path(run_dir) / NAME / VOCAB
-    if not path.exists():
-        raise EaglekitError(f"{path} does not exist", "pick the draft vocabulary: `eaglekit run CONFIG --until vocab`")
-    t = load_file(str(path))
-    return t["d2t"], t["t2d"]

@@ -215,6 +215,7 @@ class BlockObjective(nn.Module):
 def build_block_drafter(cfg, hf_config, embed: torch.Tensor, head: torch.Tensor, aux_ids: list[int]):
     """(drafter, notes) for ``train.draft.architecture: dflash``: fresh from the target's config, or ``train.init_from``
     an exported DFlash drafter (``export/dflash/``) re-imported to finetune."""
+    from eaglekit.model.dflash import config_for_run
     from eaglekit.model.dflash_checkpoint import load_dflash
 
     if cfg.train.init_from:
@@ -228,35 +229,10 @@ def build_block_drafter(cfg, hf_config, embed: torch.Tensor, head: torch.Tensor,
                 f"set target.aux_layers: {drafter.config.aux_layer_ids}",
             )
         return drafter, {"draft_vocab": "the target's (dflash)", "init_from": cfg.train.init_from}
-    dcfg = block_drafter_config(cfg, hf_config, aux_ids, int(embed.shape[0]))
+    dcfg = config_for_run(cfg, hf_config, aux_ids, int(embed.shape[0]))
     drafter = DFlashDrafter(dcfg)
     drafter.take_target(embed, head)
     return drafter, {"draft_vocab": "the target's (dflash)", "mask_token_id": dcfg.mask_token_id}
-
-
-def block_drafter_config(cfg, hf_config, aux_ids: list[int], vocab_size: int):
-    """The DFlash drafter ``train.draft`` asks for, from the target's config (and its tokenizer for the mask token)."""
-    from eaglekit.model.dflash import DFlashConfig, default_mask_token_id
-
-    draft = cfg.train.draft
-    mask = draft.mask_token_id
-    if mask is None:
-        from eaglekit.data.chat import load_tokenizer
-
-        tokenizer = load_tokenizer(cfg.target.model, cfg.target.chat_template, cfg.target.trust_remote_code)
-        mask = default_mask_token_id(tokenizer, vocab_size)
-    return DFlashConfig.from_target_config(
-        hf_config,
-        aux_ids,
-        mask,
-        num_hidden_layers=draft.num_layers,
-        block_size=draft.block_size,
-        shared_k_norm=bool(draft.shared_k_norm),
-        intermediate_size=draft.intermediate_size,
-        num_attention_heads=draft.num_attention_heads,
-        num_key_value_heads=draft.num_key_value_heads,
-        head_dim=draft.head_dim,
-    )
 
 
 def block_drafter_notes(cfg, hf_config) -> list[str]:

@@ -33,6 +33,7 @@ from torch import nn
 from eaglekit import atomic
 from eaglekit.data.shards import FeatureStore, Rows, decode, plan_shards
 from eaglekit.data.tokens import TokenStore
+from eaglekit.data.vocab import load_vocab
 from eaglekit.errors import EaglekitError
 from eaglekit.interrupt import StopRequest
 from eaglekit.model import checkpoints
@@ -49,7 +50,6 @@ from eaglekit.model.target import (
 )
 from eaglekit.plots import training_curves
 from eaglekit.progress import Meter, console
-from eaglekit.stages.vocab import load_vocab
 from eaglekit.training import distributed as dist
 from eaglekit.training.data import (
     Batch,

@@ -16,14 +16,14 @@ import httpx
 
 from eaglekit.data.chat import local_target_tokenizer
 from eaglekit.data.prompts import run_prompts
-from eaglekit.errors import EaglekitError, UsageError
-from eaglekit.preflight import CheckResult, fail, ok, skip, warn
-from eaglekit.serving.reasoning import (
+from eaglekit.data.reasoning import (
     explain_missing_reasoning,
     has_think_tags,
     split_inline_think,
     target_reasoning_mode,
 )
+from eaglekit.errors import EaglekitError, UsageError
+from eaglekit.preflight import CheckResult, fail, ok, skip, warn
 
 # A prompt's tokens are estimated at one per 3 characters when the target tokenizer is not at hand
 # (English averages ~4; erring long makes the context check strict rather than blind).

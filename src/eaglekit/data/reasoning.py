@@ -15,7 +15,6 @@ THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
 # Message fields that may carry reasoning, in order of precedence.
 REASONING_FIELDS = ("reasoning", "reasoning_content")
-SOURCES = ("reasoning", "reasoning_content", "inline_think", "none")
 
 
 def split_inline_think(text: str) -> tuple[str, str, bool]:

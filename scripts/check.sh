@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# The house rules, then the tests: what CI runs after scripts/setup.sh (README, "Two commands").
+#   bash scripts/check.sh                  ruff, ruff format --check, mypy, then every test
+#   bash scripts/check.sh -m "not slow"    the same gate, then the fast lane (day-to-day work)
+# Arguments go to pytest. Each gate names its findings; the first that fails stops the run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=.venv/bin/python
+echo "ruff check";           "$PY" -m ruff check --no-cache .
+echo "ruff format --check";  "$PY" -m ruff format --check --no-cache .
+echo "mypy";                 "$PY" -m mypy --no-incremental
+"$PY" -m pytest -q "$@"

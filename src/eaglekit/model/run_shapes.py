@@ -1,0 +1,22 @@
+"""The shapes a run config implies, read from the target's config.json without loading weights: the target's
+config with its aux layer ids, and the drafter config train builds (plan and pre-flight size the same one)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from eaglekit.config import RunConfig
+from eaglekit.model.drafter import DrafterConfig
+from eaglekit.model.target import aux_layer_ids, target_hf_config
+
+
+def target_and_aux(cfg: RunConfig) -> tuple[Any, list[int]]:
+    """(the target's HF text config, the aux layer ids the drafter taps), validated against the target's depth."""
+    hf = target_hf_config(cfg.target)
+    return hf, aux_layer_ids(cfg.target, hf.num_hidden_layers)
+
+
+def drafter_config(cfg: RunConfig) -> DrafterConfig:
+    """The drafter a fresh training run builds: shaped after the target, ``train.draft`` overriding."""
+    hf, aux = target_and_aux(cfg)
+    return DrafterConfig.from_target_config(hf, cfg.vocab.draft_vocab_size, aux, **cfg.train.draft.model_dump())

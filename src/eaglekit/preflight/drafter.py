@@ -1,0 +1,37 @@
+"""Pre-flight checks of the trained drafter and of the evaluation prompts (evaluate, export and verify declare them)."""
+
+from __future__ import annotations
+
+from eaglekit.errors import EaglekitError
+from eaglekit.preflight import fail, ok, will_be_produced
+from eaglekit.speculative.inputs import eval_prompts, load_checked_drafter
+
+
+def drafter_checkpoint(ctx):
+    pending = None if ctx.cfg.evaluate.checkpoint else will_be_produced(ctx, "drafter checkpoint", "train")
+    if pending:
+        return pending
+    try:
+        drafter, info, _, aux = load_checked_drafter(ctx.cfg)
+    except EaglekitError as err:
+        return fail("drafter checkpoint", err.message, err.remedy or "check the drafter folder")
+    c = drafter.config
+    vocab = f"{c.vocab_size} (the target's)" if info.form == "dflash" else f"{c.draft_vocab_size}/{c.vocab_size}"
+    return ok(
+        "drafter checkpoint",
+        f"{info.path} ({info.form} form): hidden {c.hidden_size}, draft vocab {vocab}, aux layers {aux}; fits the target",
+    )
+
+
+def prompts_available(ctx):
+    pending = None if ctx.cfg.evaluate.prompts else will_be_produced(ctx, "evaluation prompts", "generate")
+    if pending:
+        return pending
+    try:
+        prompts = eval_prompts(ctx.cfg)
+    except EaglekitError as err:
+        return fail("evaluation prompts", err.message, err.remedy or "check evaluate.prompts")
+    source = ctx.cfg.evaluate.prompts or "the held-out split of generate/responses.jsonl"
+    wanted = ctx.cfg.evaluate.num_samples
+    short = f" (of {wanted} asked: that is all there are)" if len(prompts) < wanted else ""
+    return ok("evaluation prompts", f"{len(prompts)} prompts from {source}{short}")
