@@ -227,46 +227,7 @@ def test_a_checkpoint_that_lost_a_key_is_refused_by_name(tmp_path, target, train
 
 
 # -------------------------------------------------------------------------------------------- the real vLLM
-
-
-def test_vllm_serves_the_export_with_the_offline_acceptance(tmp_path, vllm_python, tiny_target, target, trained):
-    """One engine start: the exported drafter served by vLLM 0.32's CPU build with ``method: dflash`` (K = block-1)
-    gives the offline greedy tokens token for token, and its own counters give the offline acceptance.
-
-    With per-request metrics the accepted count of every verify pass matches too."""
-    from eaglekit.serving.engine import VllmServer, supports_flag
-    from eaglekit.serving.speculation import VllmClient, vllm_batch
-
-    model, tok = target
-    drafter, _ = trained
-    k = BLOCK - 1
-    save_dflash(drafter, tmp_path / "dflash")
-    prompts = [(str(i), p) for i, p in enumerate(heldout_prompts(tok, 6))]
-    stop = [tok.eos_token_id]
-    offline = {
-        pid: generate(model, p, 64, proposer=BlockProposer(drafter), k=k, stop_ids=set(stop), engine_accounting=True)
-        for pid, p in prompts
-    }
-    spec = json.dumps({"method": "dflash", "model": str(tmp_path / "dflash"), "num_speculative_tokens": k})
-    detailed = ["--per-request-spec-decode-metrics", "detailed"]
-    flags = ["--speculative-config", spec, "--max-model-len", "1024"]
-    flags += detailed if supports_flag(vllm_python, detailed[0]) else []
-    with VllmServer(vllm_python, str(tiny_target), flags, tmp_path / "vllm.log") as server:
-        served, counters = vllm_batch(VllmClient(server.url, 120), prompts, 64, stop)
-    log = (tmp_path / "vllm.log").read_text(errors="replace")
-    assert "DFlashDraftModel" in log
-
-    total = None
-    for pid, _ in prompts:
-        assert served[pid].tokens == offline[pid].tokens, pid
-        if served[pid].accepted_per_round is not None:
-            assert served[pid].accepted_per_round == offline[pid].accepted_per_round, pid
-        total = offline[pid].stats if total is None else total + offline[pid].stats
-    assert total is not None
-    rounds = sum(len(g.accepted_per_round) for g in offline.values())
-    assert counters.tau == pytest.approx(1 + sum(total.accepted) / rounds, rel=0.01)
-    for served_rate, accepted in zip(counters.rates(), total.accepted, strict=True):
-        assert abs(served_rate - accepted / rounds) <= 0.02
+# Serving in the engine is tested through `eaglekit run` (tests/test_dflash_run.py: verify, one engine start).
 
 
 KERNEL_PROBE = """

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from eaglekit.config import RunConfig
 from eaglekit.errors import EaglekitError
+from eaglekit.model.dflash_checkpoint import is_dflash_checkpoint, load_for_target
 from eaglekit.model.drafter import FLAGS, DrafterConfig, text_config
 from eaglekit.model.hub import cached_drafter, download_drafter, is_hub_id, local_folder
 from eaglekit.model.run_shapes import drafter_config, target_and_aux
@@ -108,6 +109,19 @@ def init_from_compatible(ctx):
             f"train.init_from {path} does not exist",
             "point it at a drafter folder (legacy or speculators form), or a hub id org/name",
         )
+    if is_dflash_checkpoint(folder):  # the block-drafter family: its export re-imported (training/dflash.py)
+        try:
+            block = load_for_target(folder, ctx.cfg.target.model, ctx.cfg.target.trust_remote_code)
+            _, aux = target_and_aux(ctx.cfg)
+        except EaglekitError as err:
+            return fail("init_from", f"{path}: {err.message}", err.remedy or "check the drafter folder")
+        if block.config.aux_layer_ids != aux:
+            return fail(
+                "init_from",
+                f"{path} taps target layers {block.config.aux_layer_ids}, this run {aux}",
+                f"set target.aux_layers: {block.config.aux_layer_ids}",
+            )
+        return ok("init_from", f"{path}: dflash drafter, {block.config.num_hidden_layers} layers, fits the target")
     try:
         drafter, _info = checkpoints.load_drafter(folder)
         hf, aux = target_and_aux(ctx.cfg)

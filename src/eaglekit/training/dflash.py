@@ -212,6 +212,14 @@ class BlockObjective(nn.Module):
 # ---------------------------------------------------------------------------------- the family in the training loop
 
 
+def trains_block_drafter(cfg) -> bool:
+    """Whether a run trains a DFlash drafter: asked for, or finetuning an exported one (``train.init_from``)."""
+    from eaglekit.model.dflash_checkpoint import is_dflash_checkpoint
+
+    init_from = cfg.train.init_from
+    return cfg.train.draft.architecture == "dflash" or bool(init_from and is_dflash_checkpoint(init_from))
+
+
 def build_block_drafter(cfg, hf_config, embed: torch.Tensor, head: torch.Tensor, aux_ids: list[int]):
     """(drafter, notes) for ``train.draft.architecture: dflash``: fresh from the target's config, or ``train.init_from``
     an exported DFlash drafter (``export/dflash/``) re-imported to finetune."""

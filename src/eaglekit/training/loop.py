@@ -63,7 +63,7 @@ from eaglekit.training.data import (
     rank_share,
     split_indices,
 )
-from eaglekit.training.dflash import block_objective, build_block_drafter, save_block_drafter
+from eaglekit.training.dflash import block_objective, build_block_drafter, save_block_drafter, trains_block_drafter
 from eaglekit.training.ttt import TTTOutput, simulated_acceptance_length, ttt_loss
 
 STATE = "training_state.pt"
@@ -632,7 +632,7 @@ def train(ctx) -> dict[str, Any]:
     target_model = load_target(cfg.target, device) if online else None
     embed, head = embedding_and_head(target_model if online else cfg.target.model, cfg.target.trust_remote_code)
     # dflash: the block-drafter family (training/dflash.py) takes the loop's inputs over the whole vocabulary
-    block = cfg.train.draft.architecture == "dflash"
+    block = trains_block_drafter(cfg)
     if block:
         drafter, notes = build_block_drafter(cfg, hf_config, embed, head, aux_ids)
     else:
