@@ -114,7 +114,7 @@ def step_times(runs: dict[str, Path], repeats: int) -> dict[str, float]:
     from eaglekit.model.target import embedding_and_head
     from eaglekit.stages.vocab import load_vocab
     from eaglekit.training.data import collate
-    from eaglekit.training.loop import Features
+    from eaglekit.training.features import Features
     from eaglekit.training.ttt import ttt_loss
 
     models, inputs = {}, None

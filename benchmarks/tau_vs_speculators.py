@@ -125,11 +125,11 @@ def ablate(cfg, changes: list[str]) -> None:
     reply, which the target's prefill always makes and no drafter is asked for, drops out of the loss."""
     import torch
 
-    from eaglekit.training import loop
+    from eaglekit.training import objective
 
     if "betas" in changes:
         adamw = torch.optim.AdamW
-        loop.torch.optim.AdamW = lambda params, **kw: adamw(params, **{**kw, "betas": (0.9, 0.999)})
+        torch.optim.AdamW = lambda params, **kw: adamw(params, **{**kw, "betas": (0.9, 0.999)})
     if "decay" in changes:
         cfg.train.weight_decay = 0.01
     if "clip" in changes:
@@ -141,8 +141,8 @@ def ablate(cfg, changes: list[str]) -> None:
     if "input-mask" in changes:  # a prediction counts only where its input token is masked in too (speculators)
         import torch.nn.functional as F
 
-        ttt_loss = loop.ttt_loss
-        loop.ttt_loss = lambda drafter, aux, ids, logits, mask, *a, **kw: ttt_loss(
+        ttt_loss = objective.ttt_loss
+        objective.ttt_loss = lambda drafter, aux, ids, logits, mask, *a, **kw: ttt_loss(
             drafter, aux, ids, logits, mask * F.pad(mask[:, :-1], (1, 0)), *a, **kw
         )
 

@@ -96,7 +96,9 @@ def test_packing_streams_shard_by_shard_and_carries_fp8_scales(tmp_path, monkeyp
     lengths = write_shards(tmp_path, n_shards=6, per_shard=20, dtype="fp8")
     store = sh.FeatureStore(tmp_path, max_open=2)
     ids = [sid for ids in store.shard_members() for sid in ids]
-    write_token_store(tmp_path / "tokens.safetensors", [(sid, list(range(n)), [1] * n) for sid, n in zip(ids, lengths, strict=False)])
+    write_token_store(
+        tmp_path / "tokens.safetensors", [(sid, list(range(n)), [1] * n) for sid, n in zip(ids, lengths, strict=False)]
+    )
     tokens = TokenStore(tmp_path / "tokens.safetensors")
     blocks = [list(range(20 * n, 20 * n + 20)) for n in range(6)]
 

@@ -22,7 +22,7 @@ from eaglekit.model.drafter import DrafterConfig, Eagle3Drafter, build_d2t_t2d
 from eaglekit.model.target import embedding_and_head, target_hf_config
 from eaglekit.pipeline import run_stage
 from eaglekit.rundir import RunDir
-from eaglekit.training.loop import remap_vocab
+from eaglekit.training.init import remap_vocab
 
 QUICK = {"ttt_steps": 3, "batch_size": 4, "lr": 1e-3, "warmup_steps": 2, "eval_samples": 8}
 

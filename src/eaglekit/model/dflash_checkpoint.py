@@ -154,6 +154,14 @@ def save_dflash(drafter: DFlashDrafter, out_dir: str | Path) -> None:
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
 
 
+def save_from_state(cfg: DFlashConfig, state: dict[str, torch.Tensor], out_dir: str | Path) -> None:
+    """A training checkpoint in the export's form (so evaluate, export and init_from read one form); ``state`` may
+    lack the frozen embedding, which the form leaves out anyway."""
+    drafter = DFlashDrafter(cfg)
+    drafter.load_state_dict(state, strict=False)
+    save_dflash(drafter, out_dir)
+
+
 def read_dflash_config(path: Path) -> DFlashConfig:
     """The drafter config of an exported DFlash folder: eaglekit.json when present, else vLLM's config.json."""
     try:

@@ -277,7 +277,7 @@ def estimate_bytes(ctx) -> int:
 
 def kept(ctx) -> str:
     """What an interrupted or failed run leaves to resume from."""
-    from eaglekit.training.loop import Checkpoints
+    from eaglekit.training.checkpoint import Checkpoints
 
     try:
         latest = Checkpoints(ctx.dir / "checkpoints", ctx.cfg.train.keep_last).latest()
@@ -310,7 +310,7 @@ def live_counts(stage_dir) -> dict:
 def run(ctx) -> dict:
     from eaglekit.training.loop import train
 
-    counts = train(ctx)
+    counts = train(ctx.cfg, ctx.run, ctx.dir, ctx.resuming)
     tc = ctx.cfg.train
     if counts["steps"] < tc.warmup_steps:
         ctx.warn(

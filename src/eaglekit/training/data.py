@@ -18,6 +18,7 @@ and that is all the TTT loss and the target need to keep documents apart.
 from __future__ import annotations
 
 import copy
+import math
 import queue
 import random
 import threading
@@ -29,6 +30,7 @@ import torch
 from eaglekit.data.shards import FeatureStore
 from eaglekit.data.split import is_held_out
 from eaglekit.data.tokens import TokenStore
+from eaglekit.errors import EaglekitError
 
 BUCKET_BATCHES = 64  # batches per length bucket: sorted inside, shuffled between
 PACK_WINDOW = 4096  # samples packed together (first-fit in random order): rows close when their window ends
@@ -245,3 +247,77 @@ class Loader:
             self._stop.set()
             self._thread.join()
         self._thread = self._queue = None
+
+
+class RunBatches:
+    """The whole run's data order: micro-batch ``u`` is batch ``u % per_epoch`` of epoch ``u // per_epoch``, and this
+    rank's share of it. Plain batches of samples, or (``train.packing``) rows of packed samples."""
+
+    def __init__(
+        self,
+        cfg,
+        store: TokenStore,
+        blocks: list[list[int]],
+        feature_store: FeatureStore | None,
+        world: int,
+        rank: int,
+    ):
+        tc = cfg.train
+        self.store, self.feature_store, self.world, self.rank = store, feature_store, world, rank
+        self.packing, self.seed, self.blocks = tc.packing, tc.seed, blocks
+        self.lengths = store.lengths.tolist()
+        self.train_idx, held_idx = split_indices(store, cfg.data.eval_fraction)
+        if not self.train_idx:
+            raise EaglekitError(
+                f"no training samples: all {len(store)} are held out (data.eval_fraction {cfg.data.eval_fraction})",
+                "lower data.eval_fraction or add data",
+            )
+        self.global_batch = tc.batch_size * world
+        self.row_tokens = pack_length(cfg) if tc.packing else 0
+        self.per_epoch = len(self.epoch(0))
+        if self.per_epoch == 0:
+            raise EaglekitError(
+                f"{len(self.train_idx)} training samples make no batch for {world} processes",
+                "add data or use fewer processes",
+            )
+        if tc.eval_samples and len(held_idx) > tc.eval_samples:
+            held_idx = sorted(random.Random(tc.seed).sample(held_idx, tc.eval_samples))
+        self.held_idx = held_idx
+        self._epoch_cache: dict[int, list[list]] = {}
+
+    def epoch(self, epoch: int) -> list[list]:
+        """Each global batch: sample indices, or (packing) rows of sample indices; at least one entry per rank."""
+        if self.packing:
+            batches: list[list] = packed_batches(
+                self.train_idx, self.lengths, self.global_batch, self.row_tokens, self.seed, epoch, self.blocks
+            )
+        else:
+            batches = epoch_batches(self.train_idx, self.lengths, self.global_batch, self.seed, epoch, self.blocks)
+        return [b for b in batches if len(b) >= self.world]
+
+    def held_out(self) -> list[list]:
+        """The held-out batches, in one fixed order (every evaluation sees the same rows)."""
+        if self.packing:
+            batches: list[list] = packed_batches(self.held_idx, self.lengths, self.global_batch, self.row_tokens, 0, 0)
+        else:
+            batches = eval_batches(self.held_idx, self.lengths, self.global_batch)
+        return [b for b in batches if len(b) >= self.world]
+
+    def total_steps(self, tc) -> int:
+        return tc.max_steps or max(1, math.ceil(tc.epochs * self.per_epoch / tc.grad_accum))
+
+    def collate(self, entries: list, tokens: TokenStore | None = None, features: FeatureStore | None = None) -> Batch:
+        """This rank's entries as a batch, read from ``tokens``/``features`` (the loader thread passes its copies)."""
+        if tokens is None:
+            tokens, features = self.store, self.feature_store
+        return (collate_packed if self.packing else collate)(tokens, entries, features)
+
+    def share(self, entries: list) -> list:
+        return rank_share(entries, self.rank, self.world)
+
+    def micro_batch(self, u: int, tokens: TokenStore, features: FeatureStore | None) -> Batch:
+        """Micro-batch u of the run for this rank (called by the Loader's read-ahead thread)."""
+        epoch, pos = divmod(u, self.per_epoch)
+        if epoch not in self._epoch_cache:
+            self._epoch_cache = {epoch: self.epoch(epoch)}
+        return self.collate(self.share(self._epoch_cache[epoch][pos]), tokens, features)

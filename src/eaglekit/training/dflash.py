@@ -271,12 +271,3 @@ def block_objective(drafter: DFlashDrafter, draft) -> BlockObjective:
         dpace_alpha=draft.dpace_alpha if draft.dpace_alpha is not None else 0.5,
         gamma=draft.decay_gamma if draft.decay_gamma is not None else 4.0,
     )
-
-
-def save_block_drafter(config, state: dict, out) -> None:
-    """A training checkpoint in the form export writes (so evaluate, export and init_from read one form)."""
-    from eaglekit.model.dflash_checkpoint import save_dflash
-
-    drafter = DFlashDrafter(config)
-    drafter.load_state_dict(state, strict=False)  # without the frozen embedding: save_dflash leaves it out anyway
-    save_dflash(drafter, out)

@@ -1,0 +1,151 @@
+"""Checkpoints of a training run: ``step-N/`` (the drafter in the legacy form plus ``training_state.pt``), ``best/``
+and the ``latest`` pointer; the model, optimizer and RNG state that make a resumed run repeat the uninterrupted one.
+
+Under FSDP gathering the state is a collective: every rank calls ``model_state``/``optim_state``, rank 0 writes.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from eaglekit import atomic
+from eaglekit.errors import EaglekitError
+from eaglekit.interrupt import StopRequest
+from eaglekit.model import checkpoints
+from eaglekit.model.dflash import DFlashConfig
+from eaglekit.model.dflash_checkpoint import save_from_state
+from eaglekit.model.drafter import DrafterConfig, Eagle3Drafter
+from eaglekit.training import distributed as dist
+from eaglekit.training.metrics import reduce_device
+
+STATE = "training_state.pt"
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if torch.cuda.is_available() and "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def model_state(model: nn.Module, drafter: Eagle3Drafter, fsdp: bool) -> dict:
+    """The drafter's full (unsharded) state dict on the CPU; a collective under FSDP, so every rank calls it."""
+    if fsdp:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        msd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return {k.removeprefix("drafter."): v for k, v in msd.items()}
+    return {k: v.detach().cpu().clone() for k, v in drafter.state_dict().items()}
+
+
+def optim_state(model: nn.Module, optim, fsdp: bool) -> dict:
+    if fsdp:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        return get_optimizer_state_dict(model, optim, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return optim.state_dict()
+
+
+def load_state(model: nn.Module, drafter: Eagle3Drafter, optim, msd: dict, osd: dict, fsdp: bool) -> None:
+    """Restore parameters and optimizer; the frozen embedding is not in ``msd`` (it comes from the target)."""
+    if fsdp:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True, strict=False)
+        set_model_state_dict(model, {f"drafter.{k}": v for k, v in msd.items()}, options=opts)
+        set_optimizer_state_dict(model, optim, osd, options=opts)
+        return
+    missing = drafter.load_state_dict(msd, strict=False).missing_keys
+    if missing and missing != ["embed_tokens.weight"]:
+        raise EaglekitError(f"the checkpoint lacks {missing}", "resume from an eaglekit checkpoint of this config")
+    optim.load_state_dict(osd)
+
+
+def without_frozen_embedding(msd: dict, drafter: Eagle3Drafter) -> dict:
+    """What training_state.pt keeps of the model: all but the frozen embedding ([V, H], rebuilt from the target)."""
+    frozen = not drafter.embed_tokens.weight.requires_grad
+    return {k: v for k, v in msd.items() if not (frozen and k == "embed_tokens.weight")}
+
+
+def save_drafter(drafter_cfg: DrafterConfig | DFlashConfig, msd: dict, out: Path) -> None:
+    if isinstance(drafter_cfg, DFlashConfig):  # the block-drafter family: the form its export writes
+        save_from_state(drafter_cfg, msd, out)
+        return
+    cpu = Eagle3Drafter(drafter_cfg)
+    cpu.load_state_dict(msd)
+    checkpoints.save_legacy(cpu, out)
+
+
+class Checkpoints:
+    def __init__(self, folder: Path, keep_last: int):
+        self.folder, self.keep_last = folder, keep_last
+
+    def clean_partial(self) -> None:
+        """Remove what a kill during a checkpoint write left behind (atomic_dir's temp and backup folders)."""
+        for p in list(self.folder.glob(".*.tmp")) + list(self.folder.glob(".*.old")):
+            shutil.rmtree(p, ignore_errors=True)
+
+    def resume_point(self, resuming: bool) -> str | None:
+        """Rank 0: the checkpoint a resumed run continues from, after removing what a killed write left behind."""
+        self.clean_partial()
+        latest = self.latest() if resuming else None
+        return str(latest) if latest else None
+
+    def latest(self) -> Path | None:
+        pointer = self.folder / "latest"
+        if not pointer.exists():
+            return None
+        path = self.folder / pointer.read_text().strip()
+        if not (path / STATE).exists():
+            raise EaglekitError(
+                f"{pointer} names {path.name}, which has no {STATE}",
+                "remove the train folder's checkpoints/latest to restart, or restore that checkpoint",
+            )
+        return path
+
+    def save(self, step: int, drafter_cfg: DrafterConfig, msd: dict, state: dict) -> Path:
+        path = self.folder / f"step-{step}"
+        with atomic.atomic_dir(path) as tmp:
+            save_drafter(drafter_cfg, msd, tmp)
+            torch.save(state, tmp / STATE)
+        atomic.write_text(self.folder / "latest", path.name + "\n")
+        steps = sorted(int(p.name.split("-")[1]) for p in self.folder.glob("step-*") if p.is_dir())
+        for old in steps[: -self.keep_last]:
+            shutil.rmtree(self.folder / f"step-{old}", ignore_errors=True)
+        return path
+
+    def save_best(self, step: int, drafter_cfg: DrafterConfig, msd: dict, figures: dict) -> None:
+        with atomic.atomic_dir(self.folder / "best") as tmp:
+            save_drafter(drafter_cfg, msd, tmp)
+            atomic.write_json(tmp / "best.json", {"step": step, **figures})
+
+
+def checkpoint_due(stop: StopRequest, last_save: float, minutes: float | None) -> tuple[bool, bool]:
+    """(a signal asked to stop, train.save_every_minutes has passed), agreed by every rank: a checkpoint is a
+    collective under FSDP, so no rank may decide alone."""
+    flags = torch.tensor(
+        [float(stop.requested), float(minutes is not None and time.monotonic() - last_save >= 60 * minutes)],
+        dtype=torch.float64,
+        device=reduce_device(),
+    )
+    dist.all_reduce_sum(flags)
+    return bool(flags[0] > 0), bool(flags[1] > 0)

@@ -1,0 +1,98 @@
+"""Where the TTT inputs of a batch come from: the live target (online), or offline shards plus the target's head."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from eaglekit.data.shards import FeatureStore, Rows, decode, plan_shards
+from eaglekit.data.tokens import TokenStore
+from eaglekit.errors import EaglekitError
+from eaglekit.model.target import TargetFeatures, TargetHead
+from eaglekit.training.data import Batch
+
+
+class Features:
+    """Turns a token batch into TTT inputs: from the live target (online) or from shards + lm_head (offline)."""
+
+    packing_checked = False  # online packing: the target's features of a packed document were checked once
+
+    def __init__(
+        self,
+        run_dir: Path,
+        t2d: torch.Tensor,
+        device: torch.device,
+        aux_ids: list[int],
+        aux_dtype: torch.dtype,
+        target_model=None,
+        head: torch.Tensor | None = None,
+    ):
+        self.device, self.aux_dtype = device, aux_dtype
+        self.store = None if target_model is not None else FeatureStore(run_dir / "extract")
+        if target_model is not None:
+            self.target = TargetFeatures(target_model, aux_ids, t2d)
+        else:
+            if self.store.index.get("aux_layer_ids") not in (None, aux_ids):
+                raise EaglekitError(
+                    f"the offline features tap layers {self.store.index['aux_layer_ids']}, this config {aux_ids}",
+                    "rerun extraction: `eaglekit run CONFIG --from extract --force`",
+                )
+            weight = head.to(device, torch.float32 if device.type == "cpu" else head.dtype)
+            self.head = TargetHead(weight, t2d)
+
+    def __call__(self, batch: Batch) -> tuple:
+        """(aux, input_ids, target_logits, loss_mask, attention_mask, target_in_draft, position_ids) on the device."""
+        b = batch.to(self.device)
+        if self.store is None:
+            f = self.target(b.input_ids, b.attention_mask, position_ids=b.position_ids)
+            if b.position_ids is not None and not self.packing_checked:
+                self.check_packed_features(b, f)
+            aux, logits, in_draft = (
+                f.aux.to(self.device),
+                f.target_logits.to(self.device),
+                f.target_in_draft.to(self.device),
+            )
+        else:  # stored rows (bf16, or fp8 with its scales) are decoded on the device: half the bytes travel
+            aux, last = decode(Rows(b.aux, b.last_hidden, b.scale_exp), self.head.weight.dtype)
+            logits, in_draft = self.head(last)
+        return aux.to(self.aux_dtype), b.input_ids, logits, b.loss_mask, b.attention_mask, in_draft, b.position_ids
+
+    def check_packed_features(self, b: Batch, packed) -> None:
+        """Once: the target's features of a packed row's second document equal those of the document alone.
+
+        transformers keeps packed documents apart by reading position_ids; a model whose attention ignores
+        them (custom code) would let every document attend the ones before it, silently.
+        """
+        for row in range(b.position_ids.shape[0]):
+            starts = (b.position_ids[row] == 0).nonzero().squeeze(1).tolist()
+            real = int(b.attention_mask[row].sum())
+            if len(starts) >= 2 and starts[1] < real:
+                end = starts[2] if len(starts) > 2 else real
+                alone = self.target(b.input_ids[row : row + 1, starts[1] : end], with_logits=False)
+                got, want = packed.aux[row, starts[1] : end].float(), alone.aux[0].float()
+                error = float((got - want).norm() / want.norm().clamp(min=1e-12))
+                if error > 0.05:
+                    raise EaglekitError(
+                        f"train.packing: the target's features of a packed document differ from the same document "
+                        f"alone (relative error {error:.3f}): its attention does not keep packed documents apart "
+                        "(transformers does that from position_ids for its own Llama/Qwen-style models)",
+                        "set train.packing: false, or extract features offline (extract.mode: offline), which runs "
+                        "every document alone",
+                    )
+                self.packing_checked = True
+                return
+
+    def blocks(self, store: TokenStore, lengths: list[int], shard_tokens: int) -> list[list[int]]:
+        """Token-store indices per data block: the feature shards offline, the same plan online (one data order)."""
+        if self.store is None:
+            return plan_shards(lengths, shard_tokens)
+        position = {sid: i for i, sid in enumerate(store.ids)}
+        missing = [sid for sid in store.ids if sid not in self.store]
+        if missing:
+            raise EaglekitError(
+                f"{len(missing)} prepared samples have no offline features (e.g. {missing[0]!r})",
+                "the features are from other prepared tokens: rerun extraction: "
+                "`eaglekit run CONFIG --from extract --force`",
+            )
+        return [[position[sid] for sid in ids if sid in position] for ids in self.store.shard_members()]

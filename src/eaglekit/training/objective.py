@@ -1,0 +1,75 @@
+"""The per-step objective the training loop calls: EAGLE-3's training-time test as a module.
+
+The loop knows nothing of TTT: it calls ``objective(*inputs) -> (loss, figures)`` and steps the optimizer. A drafter
+family with another objective (a block drafter, say) supplies its own module with the same call.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from eaglekit.model.drafter import Eagle3Drafter
+from eaglekit.training import distributed as dist
+from eaglekit.training.ttt import ttt_loss
+
+
+class TTT(nn.Module):
+    """ttt_loss as a module's forward, so DDP / FSDP see a forward pass (their gradient sync hooks onto it).
+
+    Under torchrun the loss of each TTT step is the sum over every rank's counted positions divided by their
+    global count: each rank divides its own sum by the all-reduced count and multiplies by the world size,
+    which the gradient averaging of DDP / FSDP divides out again. So ranks holding fewer counted positions
+    weigh less, as they would in one process on the whole batch.
+
+    ``anchor_weight`` > 0 adds the L2-SP pull toward the starting weights (Li et al. 2018):
+    anchor_weight / 2 · ||θ - θ0||² over the trainable parameters, θ0 as they are when this module is built.
+    """
+
+    def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float, anchor_weight: float = 0.0):
+        super().__init__()
+        self.drafter, self.steps, self.decay, self.anchor_weight = drafter, steps, decay, anchor_weight
+        # not buffers: FSDP must not shard them, checkpoints must not hold them (they are the init_from weights)
+        self.anchor = (
+            {name: p.detach().clone() for name, p in drafter.named_parameters() if p.requires_grad}
+            if anchor_weight > 0
+            else {}
+        )
+
+    def forward(self, aux, input_ids, target_logits, loss_mask, attention_mask, target_in_draft, position_ids=None):
+        world = dist.world_size() if dist.active() else 1
+        out = ttt_loss(
+            self.drafter,
+            aux,
+            input_ids,
+            target_logits,
+            loss_mask,
+            attention_mask,
+            self.steps,
+            self.decay,
+            target_in_draft,
+            position_ids=position_ids,
+            normalizer=(lambda count: dist.all_reduce_sum(count.clone())) if world > 1 else None,
+        )
+        loss = out.loss * world
+        if out.count_k[0] == 0:  # nothing counted on this rank: touch every parameter so DDP's reduction completes
+            loss = loss + sum(p.sum() for p in self.drafter.parameters() if p.requires_grad) * 0.0
+        if self.anchor:
+            params = dict(self.drafter.named_parameters())
+            pull = sum(((params[name] - start) ** 2).sum() for name, start in self.anchor.items())
+            out.anchor = float(pull.detach())
+            loss = loss + 0.5 * self.anchor_weight * pull
+        return loss, out
+
+
+def wrap(module: TTT, mode: str, device: torch.device) -> nn.Module:
+    if not dist.active():
+        return module
+    if mode == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        # One unit: the drafter is one layer, and TTT calls its parts directly rather than through forward().
+        return fully_shard(module, reshard_after_forward=False)
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    return DDP(module, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
