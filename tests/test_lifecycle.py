@@ -558,3 +558,31 @@ def test_a_check_that_raises_a_foreseen_error_is_a_plain_fail(tmp_path, cli, fak
     assert r.code == 1 and "Traceback" not in r.err
     assert "estimate: drafter config: draft_vocab_size (32000) exceeds vocab_size (514)" in " ".join(r.err.split())
     assert "set vocab.draft_vocab_size to at most" in r.err
+
+
+def test_version_from_a_source_tree_without_installed_metadata(tmp_path):
+    """`eaglekit --version` from sources on PYTHONPATH (no installed metadata) prints the version, no crash log."""
+    import subprocess
+    import sys
+
+    from conftest import subprocess_env
+
+    import eaglekit
+
+    code = (
+        "import importlib.metadata as md\n"
+        "real = md.version\n"
+        "def version(name):\n"
+        "    if name == 'eaglekit':\n"
+        "        raise md.PackageNotFoundError(name)  # as in a source tree that was never installed\n"
+        "    return real(name)\n"
+        "md.version = version\n"
+        "from eaglekit.cli import main\n"
+        "main(['--version'])\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"eaglekit {eaglekit.__version__}"
+    assert not list(tmp_path.rglob("*.log"))

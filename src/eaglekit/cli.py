@@ -119,9 +119,9 @@ def command(name: str, **kwargs):
 
 def _version(value: bool) -> None:
     if value:
-        import importlib.metadata as md
+        from eaglekit import __version__  # not the installed metadata: a source tree on PYTHONPATH has none
 
-        typer.echo(f"eaglekit {md.version('eaglekit')}")
+        typer.echo(f"eaglekit {__version__}")
         raise typer.Exit()
 
 
@@ -316,9 +316,7 @@ def preflight_cmd(
 def plan_cmd(
     config: Path = ConfigArg,
     samples: int | None = typer.Option(None, "--samples", min=1, help="plan for this many samples"),
-    mean_tokens: float | None = typer.Option(
-        None, "--mean-tokens", min=1, help="tokens per sample (prompt + reply)"
-    ),
+    mean_tokens: float | None = typer.Option(None, "--mean-tokens", min=1, help="tokens per sample (prompt + reply)"),
     gen_tok_per_s: float | None = typer.Option(
         None, "--gen-tok-per-s", min=0.001, help="reply tokens per second over all servers"
     ),

@@ -67,8 +67,10 @@ def tool_versions() -> dict[str, str]:
     """Versions recorded with each stage run, so a result can be traced to the code that made it."""
     import importlib.metadata as md
 
-    versions = {"python": sys.version.split()[0]}
-    for pkg in ("eaglekit", "torch", "transformers", "tokenizers", "safetensors"):
+    from eaglekit import __version__
+
+    versions = {"python": sys.version.split()[0], "eaglekit": __version__}
+    for pkg in ("torch", "transformers", "tokenizers", "safetensors"):
         try:
             versions[pkg] = md.version(pkg)
         except md.PackageNotFoundError:
