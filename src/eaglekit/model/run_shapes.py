@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from eaglekit.config import RunConfig
-from eaglekit.model.drafter import DrafterConfig
+from eaglekit.model.dflash import DFlashConfig, config_for_run
+from eaglekit.model.drafter import DrafterConfig, text_config
 from eaglekit.model.target import aux_layer_ids, target_hf_config
 
 
@@ -16,7 +17,9 @@ def target_and_aux(cfg: RunConfig) -> tuple[Any, list[int]]:
     return hf, aux_layer_ids(cfg.target, hf.num_hidden_layers)
 
 
-def drafter_config(cfg: RunConfig) -> DrafterConfig:
+def drafter_config(cfg: RunConfig) -> DrafterConfig | DFlashConfig:
     """The drafter a fresh training run builds: shaped after the target, ``train.draft`` overriding."""
     hf, aux = target_and_aux(cfg)
+    if cfg.train.draft.architecture == "dflash":  # the block-drafter family (model/dflash.py)
+        return config_for_run(cfg, hf, aux, int(text_config(hf).vocab_size))
     return DrafterConfig.from_target_config(hf, cfg.vocab.draft_vocab_size, aux, **cfg.train.draft.model_dump())

@@ -11,11 +11,11 @@ Under torchrun every rank runs ``run``; only rank 0 holds the run lock and write
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 from eaglekit.config import RunConfig
 from eaglekit.errors import EaglekitError
+from eaglekit.model.dflash import DFlashConfig
 from eaglekit.model.dflash_checkpoint import is_dflash_checkpoint, load_for_target
 from eaglekit.model.drafter import FLAGS, DrafterConfig, text_config
 from eaglekit.model.hub import cached_drafter, download_drafter, is_hub_id, local_folder
@@ -229,10 +229,15 @@ def checks(cfg: RunConfig) -> list:
     ]
 
 
-def parameter_counts(dc: DrafterConfig) -> tuple[int, int]:
+def parameter_counts(dc: DrafterConfig | DFlashConfig) -> tuple[int, int]:
     """(all parameters, trainable ones) of a drafter: everything but the frozen [V, H] embedding trains."""
     from math import prod
 
+    if isinstance(dc, DFlashConfig):  # the block-drafter family: the target's embedding and head stay frozen
+        from eaglekit.model.dflash_checkpoint import expected_state as block_state
+
+        trainable = sum(prod(shape) for shape in block_state(dc).values())
+        return trainable + 2 * dc.vocab_size * dc.hidden_size, trainable
     from eaglekit.model.checkpoints import expected_state
 
     weights = {k: prod(shape) for k, (shape, dtype) in expected_state(dc).items() if dtype is None}  # not d2t/t2d
@@ -262,14 +267,6 @@ def block_drafter_shape(cfg: RunConfig):
 def estimate_bytes(ctx) -> int:
     """Checkpoints: each holds the drafter (fp32) and training_state (weights + two Adam moments, fp32)."""
     cfg = ctx.cfg
-    if cfg.train.draft.architecture == "dflash":  # its trained weights, fp32, with two Adam moments
-        from eaglekit.model.dflash import config_for_run
-        from eaglekit.model.dflash_checkpoint import expected_state
-
-        hf, aux = target_and_aux(cfg)
-        shapes = expected_state(config_for_run(cfg, hf, aux, int(text_config(hf).vocab_size))).values()
-        weights = sum(math.prod(shape) for shape in shapes)
-        return 16 * weights * (cfg.train.keep_last + 2) + (16 << 20)
     total, trainable = parameter_counts(drafter_config(cfg))
     per_checkpoint = 4 * (total + 3 * trainable)
     return per_checkpoint * (cfg.train.keep_last + 1) + 4 * total + (16 << 20)  # + best/ + metrics and plots
