@@ -1,7 +1,7 @@
 """`eaglekit run` with `train.draft.architecture: dflash` on the tiny target, from one config: train (the shared
 loop with the block objective), evaluate (block drafting, lossless at T=0), export (vLLM's dflash form) and verify
 in the real vLLM CPU build (one engine start: served τ, every position and every verify pass equal to offline);
-then the exported drafter re-imported with `train.init_from` and finetuned."""
+then the exported drafter re-imported with `train.init_from` and finetuned from offline shards in packed rows."""
 
 from __future__ import annotations
 
@@ -80,10 +80,13 @@ def test_run_trains_evaluates_exports_and_verifies_a_dflash_drafter(dflash_run):
 
 
 def test_an_exported_dflash_drafter_is_reimported_for_finetuning(dflash_run, tiny_target):
+    """Finetuned from offline feature shards with packed rows: the data paths EAGLE-3 has, for the block family."""
     root, first = dflash_run
-    cfg = dflash_config(root / "finetune", tiny_target, max_steps=30, init_from=str(first / "export" / "dflash"))
+    cfg = dflash_config(
+        root / "finetune", tiny_target, max_steps=30, init_from=str(first / "export" / "dflash"), packing=True
+    )
     cfg["train"].pop("draft")  # init_from keeps the exported drafter's own shape
-    cfg["generate"]["backend"] = "local"
+    cfg["extract"] = {"mode": "offline"}
     proc = run(cfg, root / "finetune-cfg")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((root / "finetune" / "evaluate" / "report.json").read_text())
@@ -92,3 +95,6 @@ def test_an_exported_dflash_drafter_is_reimported_for_finetuning(dflash_run, tin
     start = {r["k"]: r["tau"] for r in report["results"] if r["method"] == "eagle_start"}
     assert start[3] > 2.0  # it arrived with its trained weights, not re-initialised
     assert report["lossless"]
+    assert list((root / "finetune" / "extract").glob("shard-*.safetensors"))  # trained from the offline shards
+    finetuned = {r["k"]: r["tau"] for r in report["results"] if r["method"] == "eagle" and r["temperature"] == 0}
+    assert finetuned[3] > 0.9 * start[3]  # packed offline rows kept what the drafter knew
