@@ -33,8 +33,8 @@ def write_checkpoint(folder: Path, shards: int, total_bytes: int) -> dict:
     tensors_per_shard = 1200
     weight_map, header_bytes = {}, 0
     names = (
-        (f"model.layers.{l}.mlp.experts.{e}.{p}_proj.{part}", part)
-        for l in range(LAYERS)
+        (f"model.layers.{layer}.mlp.experts.{e}.{p}_proj.{part}", part)
+        for layer in range(LAYERS)
         for e in range(EXPERTS_PER_SHARD_LAYER)
         for p in ("gate", "up", "down")
         for part in ("weight_packed", "weight_scale")

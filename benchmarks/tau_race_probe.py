@@ -18,6 +18,7 @@ ground-truth tokens go in at every step, as in training) on the first --samples 
         --drafter speculators=/tmp/tau-race/speculators-lr0.003/final --same-ttt /tmp/tau-race/speculators-lr0.003/final
 
 --same-ttt needs speculators (benchmarks/.venv-speculators); the per-step part runs in any python with eaglekit.
+Every figure is isolated: a drafter or a side that fails is printed with its error and the others still are.
 Prints figures, asserts nothing.
 """
 
@@ -31,6 +32,16 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ttt_step import describe_failure  # noqa: E402
+
+
+def isolated(label: str, fn, *args) -> None:
+    """Run one figure; if it fails, say so with its error and go on to the next."""
+    try:
+        fn(*args)
+    except Exception as e:  # noqa: BLE001 — one drafter or side failing must not lose the others' figures
+        print(f"{label}: failed ({describe_failure(e)})", flush=True)
 
 
 def main() -> None:
@@ -93,24 +104,50 @@ def main() -> None:
 
     fmt = lambda xs: "[" + ", ".join(f"{x:.4f}" for x in xs) + "]"  # noqa: E731
     with torch.no_grad():
-        for name, path in (d.split("=", 1) for d in args.drafter):
+
+        def drafter_figures(name: str, path: str) -> None:
             drafter, _ = load_drafter(path)
             acc, ce = per_step(drafter.eval())
             print(f"per step  {name:<12} acc_k {fmt(acc)}  soft CE_k {fmt(ce)}", flush=True)
+
+        for name, path in (d.split("=", 1) for d in args.drafter):
+            isolated(f"per step  {name}", drafter_figures, name, path)
         if args.same_ttt:
             same_ttt(args, samples, features, per_step, fmt)
 
 
 def same_ttt(args, samples, features, per_step, fmt) -> None:
+    from eaglekit.model.checkpoints import load_drafter
+
+    ours, _ = load_drafter(args.same_ttt)
+    isolated("same TTT  speculators forward", speculators_forward, args, samples, features, ours, fmt)
+
+    def eaglekit_figure(label: str, mask_of) -> None:
+        acc, _ = per_step(ours, mask_of)
+        print(f"same TTT  {label} acc_k {fmt(acc)}", flush=True)
+
+    isolated(
+        "same TTT  eaglekit ttt_loss, speculators' mask",
+        eaglekit_figure,
+        "eaglekit ttt_loss, speculators' mask",
+        lambda mask: F.pad(mask[:, :-1], (1, 0)),
+    )
+    isolated(
+        "same TTT  eaglekit ttt_loss, eaglekit's mask",
+        eaglekit_figure,
+        "eaglekit ttt_loss, eaglekit's mask  ",
+        lambda mask: mask,
+    )
+
+
+def speculators_forward(args, samples, features, ours, fmt) -> None:
+    """speculators' own Eagle3DraftModel.forward (eager: this probe runs on CPU) on the same drafter and samples."""
     from speculators.losses import resolve_loss_config
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
-
-    from eaglekit.model.checkpoints import load_drafter
 
     config = Eagle3SpeculatorConfig.from_pretrained(args.same_ttt)
     config.transformer_layer_config._attn_implementation = "eager"  # flex attention wants a GPU
     spec = Eagle3DraftModel.from_pretrained(args.same_ttt, config=config).eval()
-    ours, _ = load_drafter(args.same_ttt)
     hits, n = torch.zeros(args.steps), torch.zeros(args.steps)
     for ids, mask in samples:
         f, last = features(ours, ids, last_hidden=True)
@@ -132,11 +169,7 @@ def same_ttt(args, samples, features, per_step, fmt) -> None:
         for k in range(args.steps):  # chain i's step k predicts the token that the target's state at i+1+k predicts
             hits[k] += ((drafts[k][0, : length - 1 - k] == want[k:]) & counted[k:]).sum()
             n[k] += counted[k:].sum()
-    print(f"same TTT  speculators forward, its mask       acc_k {fmt((hits / n).tolist())}")
-    acc, _ = per_step(ours, lambda mask: F.pad(mask[:, :-1], (1, 0)))
-    print(f"same TTT  eaglekit ttt_loss, speculators' mask acc_k {fmt(acc)}")
-    acc, _ = per_step(ours)
-    print(f"same TTT  eaglekit ttt_loss, eaglekit's mask   acc_k {fmt(acc)}")
+    print(f"same TTT  speculators forward, its mask       acc_k {fmt((hits / n).tolist())}", flush=True)
 
 
 if __name__ == "__main__":

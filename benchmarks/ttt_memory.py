@@ -5,7 +5,9 @@ AdamW, after a warm step) at K=7 and K=1; (peak(K=7) - peak(K=1)) / 6 is the mem
 That increment should grow linearly in L — the TTT attention of steps >= 1 keeps no L x L matrix for
 backward — so the fitted exponent of increment ~ L^b should be about 1 (2 would mean a square matrix per
 step). speculators is measured too where it is importable and L <= --speculators-max-len (its eager attention on
-CPU keeps an L x (k+1)L score matrix per step, which outgrows this machine quickly). Prints figures, asserts
+CPU keeps an L x (k+1)L score matrix per step, which outgrows this machine quickly). Each measurement is isolated:
+one that fails is printed and recorded with its error and the run goes on (a speculators whose compiled path fails
+on CUDA falls back to its eager loss and attention, ttt_step.EagerFallback, and says so). Prints figures, asserts
 nothing.
 
     python benchmarks/ttt_memory.py                                    # eaglekit, H=256, L=512..8192
@@ -25,15 +27,23 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ttt_step import WARM_LENGTH, Shape, cpu_peak_mib, make_side, speculators_missing, step_peak_mib  # noqa: E402
+from ttt_step import (  # noqa: E402
+    WARM_LENGTH,
+    Shape,
+    cpu_peak_mib,
+    describe_failure,
+    make_side,
+    speculators_missing,
+    step_peak_mib,
+)
 
 
 def peak_mib(side: str, s: Shape, device: str, dtype: torch.dtype) -> float:
     if device == "cpu":
         return cpu_peak_mib(side, s, torch.get_num_threads())
     step, _ = make_side(side, s, device, dtype)
-    step(WARM_LENGTH)
     try:
+        step(WARM_LENGTH)
         return step_peak_mib(step, device)
     finally:
         del step
@@ -98,12 +108,17 @@ def main() -> None:
                 )
                 for k in (1, args.steps)
             ]
-            one, full = (peak_mib(side, s, args.device, dtype) for s in shapes)
+            try:
+                one, full = (peak_mib(side, s, args.device, dtype) for s in shapes)
+            except Exception as e:  # noqa: BLE001 — one side or length failing must not lose the other figures
+                rows.append(dict(seq=length, failed=describe_failure(e)))
+                print(f"  {length:6d} failed: {describe_failure(e)}", flush=True)
+                continue
             per_step = (full - one) / (args.steps - 1)
             rows.append(dict(seq=length, k1_mib=one, k_mib=full, per_step_mib=per_step))
             print(f"  {length:6d} {one:9.1f} {full:9.1f} {per_step:9.1f} {per_step / length * 1000:16.2f}", flush=True)
         results[side] = rows
-        usable = [r for r in rows if r["per_step_mib"] > 0]
+        usable = [r for r in rows if r.get("per_step_mib", 0) > 0]
         if len(usable) >= 2:
             b = loglog_slope([r["seq"] for r in usable], [r["per_step_mib"] for r in usable])
             growth = usable[-1]["per_step_mib"] / usable[0]["per_step_mib"]

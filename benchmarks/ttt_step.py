@@ -9,7 +9,8 @@ batch and K, and each does its whole step as it ships:
 speculators keeps its lm_head frozen (DraftVocabMixin sets requires_grad False); eaglekit trains it, which adds
 a third to its lm_head work, unless --freeze-lm-head. On CPU speculators runs with eager attention (flex
 attention has no CPU backward) and eager losses (the fused ones need Triton); on CUDA with its defaults (flex
-attention, torch.compile, fused losses). The batch has no prompt part unless --prompt-fraction (eaglekit skips
+attention, torch.compile, fused losses), and when that compiled path raises (its fused loss crashed under torch
+2.11's dynamo) with its eager loss and attention instead, saying so. The batch has no prompt part unless --prompt-fraction (eaglekit skips
 chains with nothing left to count; speculators computes every position at every step), and the target head is
 built so its argmax lies in the draft vocab, as with a real draft vocab.
 
@@ -23,7 +24,8 @@ on CUDA torch.cuda.max_memory_allocated.
     python benchmarks/ttt_step.py --sizes 256x512 --device cuda              # any python with eaglekit
     python benchmarks/ttt_step.py --baseline d3cd37f --eaglekit-only          # this tree vs eaglekit's TTT at a commit
 
-Without speculators it says why and prints eaglekit's figures alone. ``--baseline REF`` adds a side
+Without speculators it says why and prints eaglekit's figures alone. Each side is isolated: a side that fails (to
+build, to step, to measure) is reported with its error and the others' figures are still printed and written. ``--baseline REF`` adds a side
 "eaglekit@REF": ``src/eaglekit/training/ttt.py`` as it was at git commit REF (with this tree's drafter),
 so a change to the TTT step is measured against its predecessor in the same run.
 """
@@ -138,7 +140,7 @@ def make_drafter(s: Shape, batch: dict, seed: int = 0) -> Eagle3Drafter:
     with torch.no_grad():
         drafter.d2t.copy_(batch["d2t"])
         drafter.t2d.copy_(batch["t2d"])
-        drafter.lm_head.weight.copy_(batch["head"][batch["t2d"]])  # the target's rows, as FORMATS.md §5 suggests
+        drafter.lm_head.weight.copy_(batch["head"][batch["t2d"]])  # the target's rows, as docs/formats.md §12 suggests
     return drafter
 
 
@@ -201,6 +203,12 @@ def eaglekit_side(
     return step, sum(p.numel() for p in drafter.parameters() if p.requires_grad)
 
 
+def describe_failure(err: BaseException) -> str:
+    """The error on one line, for a side's report: its type and the first line of its message."""
+    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    return f"{type(err).__name__}: {first}"[:300]
+
+
 def speculators_missing() -> str | None:
     try:
         from speculators.models.eagle3 import Eagle3DraftModel  # noqa: F401
@@ -209,8 +217,9 @@ def speculators_missing() -> str | None:
     return None
 
 
-def speculators_side(s: Shape, batch: dict, device: str, dtype: torch.dtype):
-    """speculators' Eagle3DraftModel with eaglekit's drafter weights (same init), on the packed batch."""
+def speculators_side(s: Shape, batch: dict, device: str, dtype: torch.dtype, eager: bool):
+    """speculators' Eagle3DraftModel with eaglekit's drafter weights (same init), on the packed batch; ``eager``:
+    its eager attention and losses instead of flex attention, torch.compile and the fused Triton losses."""
     from speculators.config import SpeculatorsConfig, VerifierConfig
     from speculators.losses import resolve_loss_config
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
@@ -232,8 +241,7 @@ def speculators_side(s: Shape, batch: dict, device: str, dtype: torch.dtype):
         attention_bias=False,
         mlp_bias=False,
     )
-    on_cpu = device == "cpu"
-    layer._attn_implementation = "eager" if on_cpu else None  # None: speculators picks flex attention
+    layer._attn_implementation = "eager" if eager else None  # None: speculators picks flex attention
     config = Eagle3SpeculatorConfig(
         transformer_layer_config=layer,
         draft_vocab_size=s.draft_vocab,
@@ -254,7 +262,7 @@ def speculators_side(s: Shape, batch: dict, device: str, dtype: torch.dtype):
         raise RuntimeError(f"speculators' Eagle3DraftModel keys differ: missing {missing}, unexpected {unexpected}")
     model.to(device, dtype)
     opt = adamw(model.parameters())
-    loss_config = resolve_loss_config("kl_div", "eager" if on_cpu else "fused")
+    loss_config = resolve_loss_config("kl_div", "eager" if eager else "fused")
     packed = dict(
         hidden_states=batch["aux"].reshape(1, s.tokens, -1).to(device, dtype),
         input_ids=batch["input_ids"].reshape(1, -1).to(device),
@@ -278,6 +286,34 @@ def speculators_side(s: Shape, batch: dict, device: str, dtype: torch.dtype):
     return step, sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
+class EagerFallback:
+    """speculators' step as it ships (compiled on CUDA); if the compiled path raises, while building or at any step,
+    the side is rebuilt once from the same initial weights with speculators' eager loss and attention, and says so:
+    its figures are then eager ones (``note``), and the other sides' figures are not lost to its compiler."""
+
+    def __init__(self, s: Shape, batch: dict, device: str, dtype: torch.dtype):
+        self.build = lambda eager: speculators_side(s, batch, device, dtype, eager)
+        self.note: str | None = "eager loss and attention (CPU)" if device == "cpu" else None
+        try:
+            self.step, self.params = self.build(eager=self.note is not None)
+        except Exception as e:  # noqa: BLE001 — any failure of the compiled path: try the eager one
+            self.fall_back("building", e)
+
+    def fall_back(self, what: str, err: Exception) -> None:
+        self.note = f"eager loss and attention: its compiled path failed {what} ({describe_failure(err)})"
+        print(f"  speculators: {self.note}", flush=True)
+        self.step, self.params = self.build(eager=True)
+
+    def __call__(self, length: int | None = None):
+        if self.note is not None:
+            return self.step(length)
+        try:
+            return self.step(length)
+        except Exception as e:  # noqa: BLE001
+            self.fall_back("in a step", e)
+            return self.step(length)
+
+
 def make_side(name: str, s: Shape, device: str, dtype: torch.dtype, freeze_lm_head: bool = False):
     """A side by name: "eaglekit", "eaglekit@REF" (its TTT at git commit REF) or "speculators"."""
     batch = make_batch(s)
@@ -285,7 +321,8 @@ def make_side(name: str, s: Shape, device: str, dtype: torch.dtype, freeze_lm_he
         return eaglekit_side(s, batch, device, dtype, freeze_lm_head)
     if name.startswith("eaglekit@"):
         return eaglekit_side(s, batch, device, dtype, freeze_lm_head, loss_fn=ttt_loss_at(name.split("@", 1)[1]))
-    return speculators_side(s, batch, device, dtype)
+    side = EagerFallback(s, batch, device, dtype)
+    return side, side.params
 
 
 def sync(device: str) -> None:
@@ -336,7 +373,8 @@ def cpu_peak_mib(side: str, s: Shape, threads: int, freeze_lm_head: bool = False
     ] + (["--freeze-lm-head"] if freeze_lm_head else [])
     out = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if out.returncode:
-        raise RuntimeError(f"memory subprocess for {side} {s.label()} failed:\n{out.stderr[-3000:]}")
+        last = (out.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"memory subprocess for {side} {s.label()} failed: {last}\n{out.stderr[-3000:]}")
     return float(out.stdout.strip().splitlines()[-1])
 
 
@@ -349,21 +387,55 @@ def memory_child(side: str, s: Shape, freeze_lm_head: bool) -> None:
 # ------------------------------------------------------------------------------------------------- timing
 
 
-def interleaved_times(steps: dict, device: str, warmup: int, repeats: int) -> dict[str, list[float]]:
-    """Seconds per step of each side, run A B then B A alternately so drift in machine load hits both alike."""
-    for _ in range(warmup):
-        for step in steps.values():
-            step()
-    sync(device)
-    times = {name: [] for name in steps}
-    for r in range(repeats):
-        for name in list(steps) if r % 2 == 0 else list(reversed(steps)):
+def interleaved_times(steps: dict, device: str, warmup: int, repeats: int, failed: dict) -> dict[str, list[float]]:
+    """Seconds per step of each side, run A B then B A alternately so drift in machine load hits both alike. A side
+    whose step raises leaves ``steps`` (its error in ``failed``); the others go on."""
+
+    def timed(name: str) -> float | None:
+        try:
             sync(device)
             t0 = time.perf_counter()
             steps[name]()
             sync(device)
-            times[name].append(time.perf_counter() - t0)
-    return times
+            return time.perf_counter() - t0
+        except Exception as e:  # noqa: BLE001 — one side failing must not lose the others' figures
+            failed[name] = f"step: {describe_failure(e)}"
+            print(f"  {name}: failed ({failed[name]}); the other sides go on", flush=True)
+            del steps[name]
+            return None
+
+    for _ in range(warmup):
+        for name in list(steps):
+            timed(name)
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for r in range(repeats):
+        for name in list(steps) if r % 2 == 0 else list(reversed(steps)):
+            seconds = timed(name)
+            if seconds is not None:
+                times[name].append(seconds)
+    return {name: t for name, t in times.items() if name in steps}
+
+
+def isolated(name: str, what: str, failed: dict, fn, *args):
+    """``fn(*args)``, or None with the error recorded in ``failed[name]`` and said: the other sides go on."""
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001 — one side failing must not lose the others' figures
+        failed[name] = f"{what}: {describe_failure(e)}"
+        print(f"  {name}: failed ({failed[name]}); the other sides go on", flush=True)
+        return None
+
+
+def counted_k(step) -> list[int]:
+    """Positions eaglekit's step counts at each TTT step (one more step, its TTTOutput)."""
+    return step().count_k
+
+
+def side_peak_mib(side: str, step, s: Shape, device: str, freeze_lm_head: bool) -> float:
+    """step_peak_mib of a side: on CUDA in this process; on CPU in a fresh subprocess (cpu_peak_mib)."""
+    if device != "cpu":
+        return step_peak_mib(step, device)
+    return cpu_peak_mib(side, s, torch.get_num_threads(), freeze_lm_head)
 
 
 def parse_sizes(text: str) -> list[tuple[int, int]]:
@@ -396,19 +468,28 @@ def run(args) -> list[dict]:
             args.head_dim,
             args.gqa,
         )
+        print(
+            f"\n{s.label()}  V={s.vocab} Vd={s.draft_vocab} heads={s.heads}/{s.kv_heads}x{s.head_dim} "
+            f"I={s.intermediate}",
+            flush=True,
+        )
+        failed: dict[str, str] = {}
         steps, params = {}, {}
         for side in sides:
-            steps[side], params[side] = make_side(side, s, device, dtype, args.freeze_lm_head)
-        times = interleaved_times(steps, device, args.warmup, args.repeats)
-        counted = steps["eaglekit"]().count_k
+            built = isolated(side, "build", failed, make_side, side, s, device, dtype, args.freeze_lm_head)
+            if built is not None:
+                steps[side], params[side] = built
+        times = interleaved_times(steps, device, args.warmup, args.repeats, failed)
+        counted = isolated("eaglekit", "count", failed, counted_k, steps["eaglekit"]) if "eaglekit" in steps else None
+        notes = {side: step.note for side, step in steps.items() if getattr(step, "note", None)}
         mem = {}
         if not args.no_memory:
-            for side in sides:
-                mem[side] = (
-                    step_peak_mib(steps[side], device)
-                    if device != "cpu"
-                    else cpu_peak_mib(side, s, torch.get_num_threads(), args.freeze_lm_head)
+            for side in list(steps):
+                peak = isolated(
+                    side, "memory", failed, side_peak_mib, side, steps[side], s, device, args.freeze_lm_head
                 )
+                if peak is not None:
+                    mem[side] = peak
         del steps
         gc.collect()
         row = dict(
@@ -419,25 +500,30 @@ def run(args) -> list[dict]:
             median_s={k: statistics.median(v) for k, v in times.items()},
             times_s=times,
             peak_mib=mem,
+            failed=failed,
+            notes=notes,
         )
         row["tokens_per_s"] = {k: s.tokens / v for k, v in row["median_s"].items()}
         results.append(row)
-        print(
-            f"\n{s.label()}  V={s.vocab} Vd={s.draft_vocab} heads={s.heads}/{s.kv_heads}x{s.head_dim} "
-            f"I={s.intermediate}  counted positions per step (eaglekit): {counted}"
-        )
+        print(f"  counted positions per step (eaglekit): {counted}")
         for side in sides:
+            if side not in times:
+                print(f"  {side:12s} failed: {failed.get(side, 'no figures')}")
+                continue
             spread = f"{min(times[side]):.3f}..{max(times[side]):.3f}"
             mem_txt = f"  peak +{mem[side]:8.1f} MiB" if side in mem else ""
+            note = f"  [{notes[side]}]" if side in notes else ""
             print(
                 f"  {side:12s} {row['tokens_per_s'][side]:9.0f} tok/s  median {row['median_s'][side]:.3f} s "
-                f"({spread}){mem_txt}  trainable {params[side] / 1e6:.2f} M"
+                f"({spread}){mem_txt}  trainable {params[side] / 1e6:.2f} M{note}"
             )
         for other in sides[1:]:
+            if "eaglekit" not in times or other not in times:
+                continue  # a ratio needs both sides' figures
             key = "" if other == "speculators" else f"_vs_{other}"
             row["throughput_ratio" + key] = row["tokens_per_s"]["eaglekit"] / row["tokens_per_s"][other]
             line = f"  eaglekit/{other}: throughput x{row['throughput_ratio' + key]:.2f}"
-            if mem:
+            if "eaglekit" in mem and other in mem:
                 row["memory_ratio" + key] = mem["eaglekit"] / mem[other]
                 line += f", peak memory x{row['memory_ratio' + key]:.2f}"
             print(line)

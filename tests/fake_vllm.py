@@ -1,7 +1,7 @@
 """A vLLM-shaped OpenAI server for the generate tests and the client benchmark: real HTTP on 127.0.0.1.
 
 Serves ``/v1/models`` (id, root, max_model_len), ``/health``, ``/version`` and ``/v1/chat/completions``.
-Where the reply's reasoning goes is switchable (``shape``), as servers differ (FORMATS.md §2):
+Where the reply's reasoning goes is switchable (``shape``), as servers differ (docs/formats.md §5):
 
     reasoning          ``message.reasoning`` only (vLLM ≥ 0.16)
     both               ``reasoning`` and ``reasoning_content`` (vLLM 0.11–0.15)

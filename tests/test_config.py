@@ -8,7 +8,16 @@ import pytest
 import yaml
 from conftest import write_config
 
-from eaglekit.config import load_config, parse_config
+from eaglekit.config import (
+    ConfigPath,
+    GenerateConfig,
+    RunConfig,
+    Section,
+    ServerPoolConfig,
+    VllmFeaturesConfig,
+    load_config,
+    parse_config,
+)
 from eaglekit.errors import UsageError
 
 BASE = {"run_dir": "run", "target": {"model": "model"}, "data": {"prompts": "prompts.jsonl"}}
@@ -100,3 +109,58 @@ def test_an_unknown_dtype_names_the_key_and_the_choices(tmp_path):
     with pytest.raises(UsageError) as err:
         parse_config({"run_dir": "r", "target": {"model": "m"}, "data": {"prompts": "p"}, "extract": {"dtype": "int4"}})
     assert "extract.dtype" in str(err.value) and "fp8" in str(err.value)
+
+
+POOL_KEYS = {"servers", "model", "api_key_env", "concurrency", "timeout", "max_retries", "retry_backoff",
+             "probe_interval", "outage_timeout"}  # fmt: skip
+
+
+def test_both_server_pools_share_one_definition_and_keep_their_own_defaults(tmp_path):
+    assert set(ServerPoolConfig.model_fields) == POOL_KEYS
+    assert issubclass(GenerateConfig, ServerPoolConfig) and issubclass(VllmFeaturesConfig, ServerPoolConfig)
+    pool = {"servers": ["http://h:8000/v1"], "model": "m", "max_retries": 2, "outage_timeout": 30}
+    cfg = parse_config(
+        {**BASE, "generate": {"backend": "openai", **pool},
+         "extract": {"mode": "offline", "backend": "vllm", "vllm": {**pool, "storage_path": "hs"}}},
+        base_dir=tmp_path,
+    )  # fmt: skip
+    for section in (cfg.generate, cfg.extract.vllm):
+        assert section is not None
+        assert (section.max_retries, section.outage_timeout, section.probe_interval) == (2, 30, 30.0)
+    assert (cfg.generate.concurrency, cfg.extract.vllm.concurrency) == (16, 8)  # each workload's default
+    with pytest.raises(UsageError, match="'extract.vllm.concurrency'"):  # the shared constraints hold in both
+        parse_config({**BASE, "extract": {"vllm": {"storage_path": "hs", "concurrency": 0}}}, base_dir=tmp_path)
+
+
+def test_every_path_key_resolves_and_hub_ids_and_inline_templates_stay(tmp_path):
+    (tmp_path / "org").mkdir()
+    (tmp_path / "org" / "local-drafter").mkdir()  # a folder that looks like a hub id is the folder
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    cfg = parse_config(
+        {"run_dir": "run", "target": {"model": "org/Hub-Model", "chat_template": template},
+         "data": {"prompts": "p.jsonl"}, "train": {"init_from": "org/local-drafter"},
+         "evaluate": {"prompts": "eval.jsonl", "checkpoint": "ckpt"}, "verify": {"python": "venv/bin/python"},
+         "extract": {"mode": "offline", "backend": "vllm", "vllm": {"servers": ["http://h/v1"], "storage_path": "hs"}}},
+        base_dir=tmp_path,
+    )  # fmt: skip
+    assert cfg.target.model == "org/Hub-Model" and cfg.target.chat_template == template
+    assert cfg.train.init_from == str(tmp_path / "org" / "local-drafter")
+    assert cfg.extract.vllm is not None and cfg.extract.vllm.storage_path == str(tmp_path / "hs")
+    resolved = (cfg.run_dir, cfg.data.prompts, cfg.evaluate.prompts, cfg.evaluate.checkpoint, cfg.verify.python)
+    assert resolved == tuple(str(tmp_path / p) for p in ("run", "p.jsonl", "eval.jsonl", "ckpt", "venv/bin/python"))
+    on_disk = parse_config({**BASE, "target": {"model": "m", "chat_template": "t.jinja"}}, base_dir=tmp_path)
+    assert on_disk.target.chat_template == str(tmp_path / "t.jinja")
+
+
+def test_the_path_keys_are_the_schema_s_and_nothing_else_is_touched(tmp_path):
+    marked = {
+        f"{section}.{name}" if section else name
+        for section, model in [("", RunConfig), *((s, f.annotation) for s, f in RunConfig.model_fields.items())]
+        if isinstance(model, type) and issubclass(model, Section)
+        for name, field in model.model_fields.items()
+        if any(isinstance(m, ConfigPath) for m in field.metadata)
+    }
+    assert {"run_dir", "target.model", "target.chat_template", "data.prompts", "train.init_from",
+            "evaluate.prompts", "evaluate.checkpoint", "verify.python"} <= marked  # fmt: skip
+    cfg = parse_config({**BASE, "generate": {"model": "served/id"}, "export": {"verifier": "org/m"}}, base_dir=tmp_path)
+    assert (cfg.generate.model, cfg.export.verifier) == ("served/id", "org/m")  # ids, not paths

@@ -27,6 +27,15 @@ def test_demo_runs_every_stage_to_done(demo_run):
     assert (run_dir / "config.yaml").exists(), "the demo leaves an editable config behind"
 
 
+def test_the_demo_passes_its_own_prompts_preflight_without_a_warning(demo_run):
+    run_dir, _, _ = demo_run
+    starts = [json.loads(line) for line in (run_dir / "ledger.jsonl").read_text().splitlines()]
+    generate = next(e for e in starts if e.get("stage") == "generate" and e.get("event") == "start")
+    checks = {r["name"]: r for r in generate["preflight"]}
+    assert checks["prompts"]["status"] == "ok", checks["prompts"]
+    assert "duplicate" not in checks["prompts"]["detail"]
+
+
 def test_status_shows_counts_and_final_accuracies(demo_run):
     run_dir, _, _ = demo_run
     proc = subprocess.run(

@@ -19,6 +19,8 @@ from eaglekit.config import load_config
 from eaglekit.errors import EaglekitError
 from eaglekit.model.checkpoints import load_drafter, save_legacy
 
+pytestmark = pytest.mark.slow  # builds, trains or serves models
+
 
 @pytest.fixture(scope="module")
 def drafter_dir(tiny_target, tmp_path_factory) -> Path:

@@ -27,6 +27,8 @@ from eaglekit.rundir import RunDir
 from eaglekit.stages import extract
 from eaglekit.tiny.corpus import sample_tasks
 
+pytestmark = pytest.mark.slow  # builds, trains or serves models
+
 
 def prepared_run(tmp_path: Path, target: Path, n: int = 48, seed: int = 1, **sections) -> RunConfig:
     """A run directory whose prepare and vocab stages are done, on the tiny target's corpus rendered with its

@@ -39,6 +39,8 @@ from eaglekit.serving.vllm_features import (
     stacked_positions,
 )
 
+pytestmark = pytest.mark.slow  # builds, trains or serves models
+
 LAYERS = [2, 4, 5, 8]  # the tiny target's default aux taps and its final state (8 decoder layers)
 TRAIN = {
     "ttt_steps": 3,

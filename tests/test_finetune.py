@@ -7,10 +7,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from eaglekit.config import parse_config
 from eaglekit.pipeline import run_stage
 from eaglekit.rundir import RunDir
 from eaglekit.tiny.corpus import sample_tasks
+
+pytestmark = pytest.mark.slow  # builds, trains or serves models
 
 ARITHMETIC = ("add", "subtract", "compare")
 WORDS_AND_LISTS = ("sort", "count", "convert")

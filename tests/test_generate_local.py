@@ -19,6 +19,8 @@ from eaglekit.data.responses import read_responses
 from eaglekit.errors import EaglekitError
 from eaglekit.rundir import RunDir
 
+pytestmark = pytest.mark.slow  # builds, trains or serves models
+
 
 def config_dict(tmp_path: Path, target: Path, n: int, **generate) -> dict:
     from eaglekit.tiny import write_prompts

@@ -24,6 +24,8 @@ from eaglekit.model.target import target_hf_config
 from eaglekit.rundir import RunDir
 from eaglekit.stages.train import params
 
+pytestmark = pytest.mark.slow  # builds, trains or serves models
+
 REPO = "AQ-MedAI/tiny-eagle3"
 CHUNK = 64 << 10
 

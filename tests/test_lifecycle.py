@@ -194,6 +194,7 @@ def small_tmpfs(tmp_path):
         yield mnt
 
 
+@pytest.mark.slow
 def test_disk_full_mid_generate_names_the_file_keeps_every_line_and_resumes(tmp_path, tiny_target, small_tmpfs, cli):
     from eaglekit.tiny import write_prompts
 
@@ -376,6 +377,7 @@ TRAIN = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signal_name, code", [("SIGINT", 130), ("SIGTERM", 143)])
 def test_a_signal_in_train_finishes_the_step_checkpoints_and_resumes(tmp_path, tiny_target, signal_name, code):
     from test_extract import prepared_run
@@ -409,6 +411,7 @@ def test_a_signal_in_train_finishes_the_step_checkpoints_and_resumes(tmp_path, t
     assert steps == [1, 2, 3, 4], "resumed after step 2, nothing lost or repeated"
 
 
+@pytest.mark.slow
 def test_train_checkpoints_on_time_as_well_as_on_steps(tmp_path, tiny_target):
     from test_extract import prepared_run
 

@@ -6,6 +6,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 from test_extract import prepared_run
@@ -14,6 +15,8 @@ from eaglekit import pipeline
 from eaglekit.model.checkpoints import load_drafter
 from eaglekit.rundir import RunDir
 from eaglekit.stages import verify
+
+pytestmark = pytest.mark.slow  # builds, trains or serves models
 
 TRAIN = {
     "ttt_steps": 3,

@@ -293,6 +293,7 @@ def entropic_target(target):
     return sharper
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sample", [False, True], ids=["point-mass drafts", "sampled drafts"])
 def test_sampling_acceptance_differs_from_greedy_and_matches_theory(entropic_target, sample):
     k, rounds_by_t = 3, {}

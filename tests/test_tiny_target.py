@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import eaglekit.tiny.build as tiny_build
 from eaglekit.atomic import atomic_dir, write_json
+from eaglekit.demo import DEMO_SAMPLES
 from eaglekit.errors import UsageError
 from eaglekit.tiny import build_tiny_target, ensure_tiny_target, parse_completion, sample_tasks, split_of, write_prompts
 from eaglekit.tiny.corpus import WORDS
@@ -148,11 +149,25 @@ def test_write_prompts(tmp_path, shape):
     assert write_prompts(tmp_path / "again.jsonl", n=20, seed=7, shape=shape).read_text() == path.read_text()
 
 
+def test_write_prompts_are_distinct_and_a_too_small_pool_is_a_clear_error(tmp_path, monkeypatch):
+    path = write_prompts(tmp_path / "p.jsonl", n=DEMO_SAMPLES, seed=1234)  # the demo's file
+    users = [json.loads(line)["conversations"][-1]["value"] for line in path.read_text().splitlines()]
+    assert len(users) == DEMO_SAMPLES and len(set(users)) == DEMO_SAMPLES
+    fewer = write_prompts(tmp_path / "fewer.jsonl", n=50, seed=1234).read_text().splitlines()
+    assert fewer == path.read_text().splitlines()[:50], "a larger n extends the same file"
+
+    few = sample_tasks(3, seed=0, split="heldout")
+    monkeypatch.setattr(tiny_build, "sample_tasks", lambda n, seed, split: [few[i % 3] for i in range(n)])
+    with pytest.raises(UsageError, match=r"only 3 distinct held-out prompts .* 5 asked for"):
+        write_prompts(tmp_path / "five.jsonl", n=5, seed=0)
+
+
 def test_write_prompts_rejects_unknown_shape(tmp_path):
     with pytest.raises(UsageError, match="shape"):
         write_prompts(tmp_path / "p.jsonl", n=3, seed=0, shape="alpaca")
 
 
+@pytest.mark.slow
 def test_build_is_deterministic_whatever_the_threads(tmp_path, monkeypatch):
     monkeypatch.setattr(tiny_build, "build_threads", lambda: 1)
     a = build_tiny_target(tmp_path / "a", seed=3, steps=3, heldout=0)

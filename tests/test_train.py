@@ -24,6 +24,8 @@ from eaglekit.pipeline import run_stage
 from eaglekit.rundir import RunDir
 from eaglekit.training.init import remap_vocab
 
+pytestmark = pytest.mark.slow  # builds, trains or serves models
+
 QUICK = {"ttt_steps": 3, "batch_size": 4, "lr": 1e-3, "warmup_steps": 2, "eval_samples": 8}
 
 

@@ -15,6 +15,8 @@ import torch.multiprocessing as mp
 
 from eaglekit.model.drafter import DrafterConfig, Eagle3Drafter
 
+pytestmark = pytest.mark.slow  # builds, trains or serves models
+
 CFG = dict(
     hidden_size=32,
     intermediate_size=64,

@@ -26,6 +26,8 @@ from eaglekit.data.responses import read_responses
 from eaglekit.preflight import failed
 from eaglekit.rundir import RunDir
 
+pytestmark = pytest.mark.slow  # builds, trains or serves models
+
 STARTUP_SECONDS = 180
 
 

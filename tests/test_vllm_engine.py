@@ -1,7 +1,7 @@
 """The real vLLM (CPU build, its own venv) serving the tiny target: the launcher, and generate through it.
 
 What is pinned here was seen in vLLM 0.32 with ``--reasoning-parser qwen3``: reasoning arrives in
-``message.reasoning`` (FORMATS.md §2), ``return_token_ids`` gives the completion's token ids, and at
+``message.reasoning`` (docs/formats.md §5), ``return_token_ids`` gives the completion's token ids, and at
 temperature 0 in float32 they are the ids the in-process (transformers) backend generates.
 """
 
@@ -19,6 +19,8 @@ from eaglekit.errors import EaglekitError
 from eaglekit.preflight import failed
 from eaglekit.rundir import RunDir
 from eaglekit.serving.engine import VllmServer, metric_sum, parse_prometheus
+
+pytestmark = pytest.mark.slow  # builds, trains or serves models
 
 N_PROMPTS = 6
 

@@ -1,17 +1,20 @@
 """The run config: one YAML file, validated by pydantic, one section per stage.
 
 Unknown keys are an error that names the key (a typo such as ``max_token`` must never be silently
-ignored for a twelve-hour run). Relative paths resolve against the folder of the config file.
+ignored for a twelve-hour run). Keys that name a file or folder carry a ``ConfigPath`` marker in their type;
+``parse_config`` finds them in the schema and resolves relative ones against the folder of the config file.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal, overload
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
+from pydantic.fields import FieldInfo
 
 from eaglekit.errors import UsageError
 
@@ -42,41 +45,28 @@ def _dtype_alias(value: Any) -> Any:
 DtypeAlias = BeforeValidator(_dtype_alias)
 
 
+@dataclass(frozen=True)
+class ConfigPath:
+    """Marks a key that names a file or folder: parse_config resolves a relative value against the config's folder."""
+
+    hub_ok: bool = False  # an ``org/name`` hub id that is not a local folder stays as it is
+    inline_prefix: str | None = None  # a value starting with this is the content itself (an inline chat template)
+
+
+# Markers for Annotated[...] on the whole field type (``Annotated[str | None, PATH]``), where pydantic keeps them.
+PATH = ConfigPath()
+PATH_OR_HUB_ID = ConfigPath(hub_ok=True)
+TEMPLATE_OR_PATH = ConfigPath(inline_prefix="{")
+
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
-class TargetConfig(Section):
-    model: str = Field(description="Hugging Face folder or hub id of the target model")
-    chat_template: str | None = Field(None, description="Jinja template or path to one, overriding the tokenizer's")
-    trust_remote_code: bool = False
-    aux_layers: list[int] | None = Field(None, description="HF hidden_states indices; default [2, N//2, N-3]")
-    dtype: Annotated[Literal["auto", "float32", "bfloat16", "float16"], DtypeAlias] = "auto"
-    device_map: str | None = Field(None, description="e.g. 'auto' to shard a large target over the GPUs")
+class ServerPoolConfig(Section):
+    """A pool of OpenAI-compatible servers, as ``serving.client`` drives it: generate's openai backend and
+    extract's vLLM backend. Each section keeps its own defaults where the two workloads differ."""
 
-
-class DataConfig(Section):
-    prompts: str = Field(description="JSONL (ShareGPT/OpenAI messages), Parquet, or a datasets saved folder")
-    max_samples: int | None = Field(None, ge=1)
-    on_bad_row: Literal["fail", "skip"] = "fail"
-    eval_fraction: float = Field(0.05, ge=0.0, lt=1.0, description="share of samples held out for evaluation")
-
-
-class GenerateConfig(Section):
-    backend: Literal["local", "openai"] = "local"
-    max_tokens: int = Field(512, ge=1)
-    temperature: float = Field(0.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    reasoning: Literal["required", "optional", "off"] | None = Field(
-        None,
-        description="default: required when the target's chat template has think tags, else optional; "
-        "YAML's on/yes/true mean required, off/no/false mean off",
-    )
-    gate_samples: int = Field(20, ge=1, description="completions checked by the reasoning gate")
-    gate_max_empty_share: float = Field(0.1, ge=0.0, le=1.0)
-    batch_size: int = Field(8, ge=1, description="local backend: prompts per generate() call")
-    seed: int = 0
-    # openai backend
     servers: list[str] = Field(default_factory=list, description="base URLs ending in /v1")
     model: str | None = Field(None, description="served model id")
     api_key_env: str | None = Field(None, description="name of the env variable holding the API key")
@@ -92,6 +82,44 @@ class GenerateConfig(Section):
     outage_timeout: float = Field(
         600.0, gt=0, description="seconds the run waits while every server is out of rotation"
     )
+
+
+class TargetConfig(Section):
+    model: Annotated[str, PATH_OR_HUB_ID] = Field(description="Hugging Face folder or hub id of the target model")
+    chat_template: Annotated[str | None, TEMPLATE_OR_PATH] = Field(
+        None, description="Jinja template or path to one, overriding the tokenizer's"
+    )
+    trust_remote_code: bool = False
+    aux_layers: list[int] | None = Field(None, description="HF hidden_states indices; default [2, N//2, N-3]")
+    dtype: Annotated[Literal["auto", "float32", "bfloat16", "float16"], DtypeAlias] = "auto"
+    device_map: str | None = Field(None, description="e.g. 'auto' to shard a large target over the GPUs")
+
+
+class DataConfig(Section):
+    prompts: Annotated[str, PATH] = Field(
+        description="JSONL (ShareGPT/OpenAI messages), Parquet, or a datasets saved folder"
+    )
+    max_samples: int | None = Field(None, ge=1)
+    on_bad_row: Literal["fail", "skip"] = "fail"
+    eval_fraction: float = Field(0.05, ge=0.0, lt=1.0, description="share of samples held out for evaluation")
+
+
+class GenerateConfig(ServerPoolConfig):
+    """Sampling the target's replies; the server-pool keys (ServerPoolConfig) are for the openai backend."""
+
+    backend: Literal["local", "openai"] = "local"
+    max_tokens: int = Field(512, ge=1)
+    temperature: float = Field(0.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    reasoning: Literal["required", "optional", "off"] | None = Field(
+        None,
+        description="default: required when the target's chat template has think tags, else optional; "
+        "YAML's on/yes/true mean required, off/no/false mean off",
+    )
+    gate_samples: int = Field(20, ge=1, description="completions checked by the reasoning gate")
+    gate_max_empty_share: float = Field(0.1, ge=0.0, le=1.0)
+    batch_size: int = Field(8, ge=1, description="local backend: prompts per generate() call")
+    seed: int = 0
     extra_body: dict[str, Any] = Field(default_factory=dict)
     return_token_ids: bool = True
 
@@ -117,14 +145,12 @@ class VocabConfig(Section):
     draft_vocab_size: int = Field(32000, ge=1)
 
 
-class VllmFeaturesConfig(Section):
+class VllmFeaturesConfig(ServerPoolConfig):
     """extract.backend vllm: running vLLM servers started with the extract_hidden_states method
     (`eaglekit serve-command CONFIG` prints the command)."""
 
-    servers: list[str] = Field(default_factory=list, description="base URLs ending in /v1")
     model: str | None = Field(None, description="served model id (default: the target path, vLLM's default id)")
-    api_key_env: str | None = Field(None, description="name of the env variable holding the API key")
-    storage_path: str = Field(
+    storage_path: Annotated[str, PATH] = Field(
         description="the servers' shared_storage_path, as this machine sees it (a shared "
         "folder: the servers write each request's hidden states there)"
     )
@@ -133,12 +159,9 @@ class VllmFeaturesConfig(Section):
         description="stock: vLLM's ExampleHiddenStatesConnector (GPUs); cpu: eaglekit's CPU-capable "
         "subclass (vLLM's CPU build), loaded from eaglekit's vllm_plugin folder",
     )
+    # each request carries a whole sample's hidden states to disk: fewer in flight than generate's replies
     concurrency: int = Field(8, ge=1, description="in-flight requests per server")
     timeout: float = Field(600.0, gt=0, description="seconds per request, and per wait for its file")
-    max_retries: int = Field(5, ge=0)
-    retry_backoff: float = Field(1.0, ge=0.0)
-    probe_interval: float = Field(30.0, gt=0)
-    outage_timeout: float = Field(600.0, gt=0)
 
 
 class ExtractConfig(Section):
@@ -204,7 +227,7 @@ class DraftModelConfig(Section):
 
 
 class TrainConfig(Section):
-    init_from: str | None = Field(
+    init_from: Annotated[str | None, PATH_OR_HUB_ID] = Field(
         None,
         description="published drafter to finetune (legacy or speculators form): a "
         "folder, or a hub id (org/name[@revision]) that pre-flight downloads",
@@ -257,7 +280,7 @@ class TrainConfig(Section):
 
 
 class EvaluateConfig(Section):
-    prompts: str | None = Field(None, description="default: the held-out split of this run's data")
+    prompts: Annotated[str | None, PATH] = Field(None, description="default: the held-out split of this run's data")
     num_samples: int = Field(8, ge=1, description="prompts decoded per method, K and temperature")
     num_speculative_tokens: list[int] = Field(default_factory=lambda: [1, 3, 5, 7])
     temperatures: list[float] = Field(default_factory=lambda: [0.0, 1.0])
@@ -265,7 +288,7 @@ class EvaluateConfig(Section):
     ngram_min: int = Field(1, ge=1)
     ngram_max: int = Field(4, ge=1)
     seed: int = 0
-    checkpoint: str | None = Field(None, description="drafter to evaluate; default: this run's best")
+    checkpoint: Annotated[str | None, PATH] = Field(None, description="drafter to evaluate; default: this run's best")
 
 
 ExportForm = Literal["eagle3", "speculators"]
@@ -291,7 +314,7 @@ class VerifyConfig(Section):
     server: str | None = Field(
         None, description="or: base URL of a vLLM or SGLang server you started with the command export printed"
     )
-    python: str | None = Field(
+    python: Annotated[str | None, PATH] = Field(
         None, description="python of the environment with vLLM (default: $EAGLEKIT_VLLM_PYTHON, then .venv-vllm)"
     )
     engine_args: list[str] = Field(
@@ -339,7 +362,7 @@ class PreflightConfig(Section):
 
 
 class RunConfig(Section):
-    run_dir: str
+    run_dir: Annotated[str, PATH]
     target: TargetConfig
     data: DataConfig
     generate: GenerateConfig = Field(default_factory=GenerateConfig)
@@ -375,21 +398,31 @@ def _looks_like_hub_id(value: str) -> bool:
     return len(parts) == 2 and all(parts) and not value.startswith((".", "/", "~"))
 
 
-@overload
-def _resolve(base: Path, value: str, *, hub_ok: bool = False) -> str: ...
-@overload
-def _resolve(base: Path, value: None, *, hub_ok: bool = False) -> None: ...
-def _resolve(base: Path, value: str | None, *, hub_ok: bool = False) -> str | None:
-    """Resolve a path against the config's folder. A hub id (``org/name``) that is not a local folder stays as is."""
-    if value is None:
-        return None
+def _resolve(base: Path, value: str, marker: ConfigPath) -> str:
+    """A path resolved against the config's folder; a hub id that is not a local folder, or inline content, as is."""
+    if marker.inline_prefix and value.lstrip().startswith(marker.inline_prefix):
+        return value
     p = Path(value).expanduser()
     if p.is_absolute():
         return str(p)
     candidate = (base / p).resolve()
-    if hub_ok and _looks_like_hub_id(value) and not candidate.exists():
+    if marker.hub_ok and _looks_like_hub_id(value) and not candidate.exists():
         return value
     return str(candidate)
+
+
+def _path_marker(field: FieldInfo) -> ConfigPath | None:
+    return next((m for m in field.metadata if isinstance(m, ConfigPath)), None)
+
+
+def _resolve_paths(section: BaseModel, base: Path) -> None:
+    """Resolve every key marked as a path (ConfigPath), in this section and the sections below it."""
+    for name, field in type(section).model_fields.items():
+        value = getattr(section, name)
+        if isinstance(value, BaseModel):
+            _resolve_paths(value, base)
+        elif isinstance(value, str) and value and (marker := _path_marker(field)):
+            setattr(section, name, _resolve(base, value, marker))
 
 
 def _format_validation_error(err: ValidationError, source: str) -> str:
@@ -420,18 +453,7 @@ def parse_config(data: Any, source: str = "<config>", base_dir: Path | None = No
         cfg = RunConfig.model_validate(data)
     except ValidationError as err:
         raise UsageError(_format_validation_error(err, source), "fix the named keys") from None
-    base = base_dir or Path.cwd()
-    cfg.run_dir = _resolve(base, cfg.run_dir)
-    cfg.target.model = _resolve(base, cfg.target.model, hub_ok=True)
-    cfg.data.prompts = _resolve(base, cfg.data.prompts)
-    if cfg.target.chat_template and not cfg.target.chat_template.lstrip().startswith("{"):
-        cfg.target.chat_template = _resolve(base, cfg.target.chat_template)
-    if cfg.train.init_from:
-        cfg.train.init_from = _resolve(base, cfg.train.init_from, hub_ok=True)
-    if cfg.evaluate.prompts:
-        cfg.evaluate.prompts = _resolve(base, cfg.evaluate.prompts)
-    if cfg.evaluate.checkpoint:
-        cfg.evaluate.checkpoint = _resolve(base, cfg.evaluate.checkpoint)
+    _resolve_paths(cfg, base_dir or Path.cwd())
     if cfg.extract.backend == "vllm":
         if cfg.extract.mode != "offline":
             raise UsageError(
@@ -443,14 +465,11 @@ def parse_config(data: Any, source: str = "<config>", base_dir: Path | None = No
                 f"{source}: extract.backend is 'vllm' but extract.vllm.servers is empty",
                 "add extract.vllm: {servers: [http://host:8000/v1], storage_path: /shared/hidden-states}",
             )
-        cfg.extract.vllm.storage_path = _resolve(base, cfg.extract.vllm.storage_path)
     if cfg.verify.engine and cfg.verify.server:
         raise UsageError(
             f"{source}: verify.engine and verify.server are both set",
             "set verify.engine to let eaglekit start the engine, or verify.server for one you started",
         )
-    if cfg.verify.python:
-        cfg.verify.python = _resolve(base, cfg.verify.python)
     if cfg.generate.backend == "openai":
         if not cfg.generate.servers:
             raise UsageError(

@@ -1,6 +1,6 @@
 """Where a response keeps its reasoning, and how to get it out.
 
-Servers disagree (FORMATS.md §2): vLLM ≥ 0.16 sends ``message.reasoning``, older vLLM and SGLang send
+Servers disagree (docs/formats.md §5): vLLM ≥ 0.16 sends ``message.reasoning``, older vLLM and SGLang send
 ``message.reasoning_content``, servers without a reasoning parser leave ``<think>…</think>`` inline in
 ``content`` (and templates that open ``<think>`` in the prompt leave only ``</think>``). Reading the
 wrong field silently collects empty reasoning, so every reader goes through this module, and when no

@@ -1,6 +1,6 @@
 """generate: collect the target's own replies — reasoning included — to the run's prompts.
 
-Writes ``generate/responses.jsonl`` (one line per complete sample, FORMATS.md §1) and
+Writes ``generate/responses.jsonl`` (one line per complete sample, docs/formats.md §4) and
 ``generate/errors.jsonl`` (samples whose requests failed for good). Two backends: ``local`` generates
 in this process with transformers, ``openai`` asks OpenAI-compatible servers (vLLM, SGLang, …).
 

@@ -3,7 +3,7 @@
 Step 0 runs the drafter on the target's fused features; each further step k feeds the drafter's
 own outputs of step k-1 back in as features (``drafter.next_feature``: pre-norm, or normed with
 ``norm_output``), with the ground-truth tokens shifted by k, exactly as it will run when drafting k
-tokens ahead (FORMATS.md §5).
+tokens ahead (docs/formats.md §12).
 
 Attention at step k >= 1 for the chain that starts at position t covers the step-0 keys 0..t plus
 the keys of steps 1..k at that same chain (one key per step, not an L x L matrix per step). The
