@@ -92,6 +92,12 @@ class DFlashConfig:
                 "pick a divisor of num_attention_heads for train.draft.num_key_value_heads",
             )
 
+    @property
+    def llama_heads(self) -> tuple[int, int]:
+        """(num_key_value_heads, head_dim): the layers' attention is Llama/Qwen3-style GQA (``drafter.rope_inv_freq``
+        reads this, as for an EAGLE-3 llama layer)."""
+        return self.num_key_value_heads, self.head_dim
+
     def _positive(self, name: str) -> None:
         value = getattr(self, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
