@@ -37,8 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ttt_step import Shape, eaglekit_side, make_batch, parse_sizes, sync  # noqa: E402
 
 
-def step_flops(s: Shape, count_k: list[int]) -> dict[str, float]:
-    """Training FLOPs of one TTT step by part (forward x backward multiplier applied)."""
+def step_flops(s: Shape, count_k: list[int], frozen_head: bool = False) -> dict[str, float]:
+    """Training FLOPs of one TTT step by part (forward x backward multiplier applied; a frozen lm_head needs no
+    weight gradient: x2)."""
     h, hd, nh, nkv = s.hidden, s.head_dim, s.heads, s.kv_heads
     positions, seqs, length = s.tokens, s.batch, s.seq
     rows = [positions] + count_k[1:]  # rows computed per step
@@ -54,7 +55,7 @@ def step_flops(s: Shape, count_k: list[int]) -> dict[str, float]:
         "layer (qkv, o, MLP)": 3 * per_row_layer * sum(rows),
         "attention, step 0 (causal)": 3 * pair * causal_pairs,
         "attention, steps >= 1": 3 * pair * chain_pairs,
-        "lm_head": 3 * 2 * h * s.draft_vocab * sum(count_k),
+        "lm_head": (2 if frozen_head else 3) * 2 * h * s.draft_vocab * sum(count_k),
         "target head (no grad)": 2 * positions * h * s.vocab,
     }
 

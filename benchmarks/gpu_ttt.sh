@@ -1,49 +1,131 @@
 #!/usr/bin/env bash
-# The training (TTT) benchmarks on a lent GPU, in one command that fits one device call (8.7 minutes at most;
-# give the run a timeout of ~580 s):
+# The training (TTT) step on a lent GPU, in one command that fits one device call (7.3 minutes of parts at
+# most with the budget below; give the call a timeout of ~520 s):
 #
-#     bash benchmarks/gpu_ttt.sh        # text and JSON figures in $OUT (/tmp/eaglekit-gpu-ttt when unset)
+#     bash benchmarks/gpu_ttt.sh                    # text and JSON figures in $OUT (/tmp/eaglekit-gpu-ttt when unset)
+#     bash benchmarks/gpu_ttt.sh --device cpu --tiny  # the dry run: every part at a tiny size on the CPU
 #
-# Installs nothing: it needs a python with a CUDA build of torch (PYTHON, default python3) and takes eaglekit from
-# this working tree (src/ on the path). speculators is compared where it imports; a bare GPU image will not have
-# it, and then every figure is eaglekit's alone (each script says so). Each part has its own time limit, so a
-# slow part costs its own figures only. Sizes: a Llama-3-8B-like drafter (H=4096, 32 heads x 128, 8 KV heads,
-# V=128256, Vd=32000) in bf16, plus the CPU sizes for comparison with benchmarks/RESULTS.md. The TTT step is the
-# current one: the fused draft head + soft cross-entropy (training/loss.py) and, in packing.py, packed rows with
-# per-document attention; memory_small gives the memory per extra TTT step at the CPU benchmark's H=256 in bf16.
+# Parts, each its own process under its own `timeout`, so a failing part or a failing peer costs its own
+# figures only (a part that would end past the budget is skipped and says so):
+#   check_*      eaglekit's fused and compiled step against its reference (fp32; loss and every gradient), on
+#                unpacked rows and on rows packed with 4 documents: the GPU half of tests/test_fused_step.py
+#   eaglekit_*   reference vs fused vs compiled (benchmarks/ttt_step.py --variants), timed interleaved, with the
+#                share of 790 TFLOP/s (the H200's bf16 dense rate) and one profiled step per variant
+#                (attention, GEMMs, head loss, the rest)
+#   speculators_* speculators 0.9.0 on the same shape: its compiled path first; where that fails its eager KL
+#                loss under its compiled model, then no compilation at all; summary.txt says which ran
+#   memory_per_step  the memory of one extra TTT step at the Kimi shape, L=4096, reference vs fused (last: the
+#                budget may skip it)
+# Shapes: H=4096 L=2048 (32 x 128 heads, 8 KV heads, V=128256) and the Kimi-K2.5 drafter (H=7168, 56 x 128
+# heads, GQA 4 = 14 KV heads, I=21504, L=4096, V=163840); both K=7, Vd=32000, bf16, lm_head frozen on both sides.
+#
+# Needs a python with a CUDA build of torch (PYTHON, default python3); eaglekit comes from this working tree.
+# A bare GPU image lacks speculators and its requirements: cp312 manylinux wheels put in .whl/ beforehand
+# (`pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl speculators==0.9.0 ...`, the list
+# in benchmarks/setup_speculators.sh) are installed into /tmp/site first; without them the speculators parts
+# say so and eaglekit's figures stand alone. eaglekit's benchmark needs nothing beyond torch and transformers.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/eaglekit-gpu-ttt}
 PY=${PYTHON:-python3}
+BUDGET=${BUDGET:-440}  # seconds for all parts together
+DEVICE=cuda
+TINY=()
+while [ $# -gt 0 ]; do
+  case $1 in
+    --device) DEVICE=$2; shift 2 ;;
+    --tiny) TINY=(--tiny); shift ;;
+    *) echo "usage: $0 [--device cuda|cpu] [--tiny]" >&2; exit 2 ;;
+  esac
+done
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1  # figures reach $OUT even when a part hits its time limit
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
-LLAMA8B=(--head-dim 128 --gqa 4 --vocab 128256 --draft-vocab 32000)
-CPU=(--threads "$(nproc)")  # only the setup (random weights and features) runs on the CPU
+START=$SECONDS
 
 { nvidia-smi || true
-  "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
+  "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda,
+torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')"
   "$PY" -c "from importlib.metadata import version; import speculators; print('speculators', version('speculators'))" \
     2>/dev/null || echo "speculators: not importable (eaglekit figures alone)"
 } > "$OUT/device.txt" 2>&1
 cat "$OUT/device.txt"
 
-part() {  # part NAME SECONDS SCRIPT ARGS...: run one benchmark, its output to $OUT/NAME.txt and NAME.json
+STEP=(benchmarks/ttt_step.py --device "$DEVICE" --threads "$(nproc)" --freeze-lm-head "${TINY[@]}")
+H4096=(--sizes 4096x2048 --head-dim 128 --gqa 4 --vocab 128256 --draft-vocab 32000)
+KIMI=(--sizes 7168x4096 --head-dim 128 --gqa 4 --vocab 163840 --draft-vocab 32000)
+TIMED=(--warmup 2 --repeats 5 --profile --peak-tflops 790)
+
+part() {  # part NAME SECONDS ARGS...: one process, its output to $OUT/NAME.txt and NAME.json
   local name=$1 limit=$2
   shift 2
+  if [ $((SECONDS - START + limit)) -gt "$BUDGET" ]; then
+    echo "== $name skipped: ${limit}s would pass the ${BUDGET}s budget" | tee "$OUT/$name.txt"
+    return 1
+  fi
   echo "== $name (limit ${limit}s): $PY $*"
-  timeout "$limit" "$PY" "$@" --json "$OUT/$name.json" 2>&1 | tee "$OUT/$name.txt"
-  echo "== $name exit ${PIPESTATUS[0]}" | tee -a "$OUT/$name.txt"
+  timeout "$limit" "$PY" "$@" --json "$OUT/$name.json" 2>&1 | grep -v '^USDT' | tee "$OUT/$name.txt"
+  local rc=${PIPESTATUS[0]}
+  echo "== $name exit $rc" | tee -a "$OUT/$name.txt"
+  return "$rc"
 }
 
-part step_small 60 benchmarks/ttt_step.py --device cuda "${CPU[@]}" --sizes 256x512,512x2048 --warmup 3 --repeats 10
-part memory_small 40 benchmarks/ttt_memory.py --device cuda "${CPU[@]}" --hidden 256 --lengths 2048,4096,8192 \
-  --speculators-max-len 8192
-part step_8b 150 benchmarks/ttt_step.py --device cuda "${CPU[@]}" --sizes 4096x2048,4096x8192 "${LLAMA8B[@]}" \
-  --warmup 3 --repeats 5
-part memory_8b 120 benchmarks/ttt_memory.py --device cuda "${CPU[@]}" --hidden 4096 "${LLAMA8B[@]}" \
-  --lengths 2048,4096,8192,16384 --speculators-max-len 16384
-part flops_8b 60 benchmarks/flops.py --device cuda "${CPU[@]}" --sizes 4096x2048,4096x8192 "${LLAMA8B[@]}" --repeats 5
-part packing_8b 90 benchmarks/packing.py --device cuda "${CPU[@]}" --hidden 4096 "${LLAMA8B[@]}" --samples 160 \
-  --median 600 --longest 8192 --pack-length 8192 --batch 4 --pack-rows 2 --rounds 2
-echo "figures in $OUT"
+speculators_ran() {  # did the part's JSON time speculators?
+  "$PY" -c "import json, sys; r = json.load(open(sys.argv[1]))['results']
+sys.exit(0 if r and 'speculators' in r[0]['median_s'] else 1)" "$OUT/$1.json" 2>/dev/null
+}
+
+speculators() {  # speculators NAME SECONDS SHAPE...: its compiled path, else the fallbacks, in order
+  local name=$1 limit=$2 mode
+  shift 2
+  for mode in default eager-loss eager; do
+    part "speculators_${name}_$mode" "$limit" "${STEP[@]}" "$@" "${TIMED[@]}" --speculators-only \
+      --speculators-mode "$mode"
+    speculators_ran "speculators_${name}_$mode" && return 0
+    grep -q "not importable" "$OUT/speculators_${name}_$mode.txt" 2>/dev/null && return 1
+  done
+}
+
+part check_unpacked 50 "${STEP[@]}" --check --variants fused,compiled --dtype float32 --sizes 1024x1024 \
+  --head-dim 128 --gqa 4 --vocab 32000 --draft-vocab 8000 --eaglekit-only
+part check_packed 40 "${STEP[@]}" --check --variants fused --dtype float32 --sizes 1024x1024 --documents 4 \
+  --head-dim 128 --gqa 4 --vocab 32000 --draft-vocab 8000 --eaglekit-only
+part eaglekit_kimi 140 "${STEP[@]}" "${KIMI[@]}" "${TIMED[@]}" --variants reference,fused,compiled --eaglekit-only
+part eaglekit_h4096 80 "${STEP[@]}" "${H4096[@]}" "${TIMED[@]}" --variants reference,fused,compiled --eaglekit-only
+speculators kimi 70 "${KIMI[@]}"
+speculators h4096 45 "${H4096[@]}"
+if [ ${#TINY[@]} -gt 0 ]; then
+  MEMORY=(--hidden 64 --lengths 128 --vocab 512 --draft-vocab 128 --head-dim 16 --steps 3)
+else
+  MEMORY=(--hidden 7168 --lengths 4096 --head-dim 128 --gqa 4 --vocab 163840 --draft-vocab 32000)
+fi
+part memory_per_step 60 benchmarks/ttt_memory.py --device "$DEVICE" --threads "$(nproc)" "${MEMORY[@]}" \
+  --variants reference,fused --eaglekit-only
+
+# One table from the parts' JSON: seconds per step, TFLOP/s and share of peak, and eaglekit's best against
+# speculators (whichever of its modes ran).
+"$PY" - "$OUT" <<'EOF' 2>&1 | tee "$OUT/summary.txt"
+import json, sys
+from pathlib import Path
+
+out = Path(sys.argv[1])
+for shape in ("kimi", "h4096"):
+    rows = {}
+    for path in sorted(out.glob(f"*_{shape}*.json")):
+        for result in json.loads(path.read_text())["results"]:
+            for side, seconds in result["median_s"].items():
+                label = f"speculators ({result['speculators_mode']})" if side == "speculators" else side
+                rows[label] = (seconds, result.get("share_of_peak", {}).get(side), result["label"])
+    print(f"\n{shape}:")
+    for label, (seconds, share, where) in rows.items():
+        print(f"  {label:32s} {seconds:8.3f} s/step" + (f"  {100 * share:5.1f} % of peak" if share else "") + f"  {where}")
+    ours = [v[0] for k, v in rows.items() if k.startswith("eaglekit")]
+    theirs = [v[0] for k, v in rows.items() if k.startswith("speculators")]
+    if ours and theirs:
+        print(f"  eaglekit's best step is x{min(theirs) / min(ours):.2f} speculators' fastest")
+EOF
+echo "figures in $OUT (parts took $((SECONDS - START)) s)"

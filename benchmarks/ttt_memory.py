@@ -6,13 +6,13 @@ That increment should grow linearly in L — the TTT attention of steps >= 1 kee
 backward — so the fitted exponent of increment ~ L^b should be about 1 (2 would mean a square matrix per
 step). speculators is measured too where it is importable and L <= --speculators-max-len (its eager attention on
 CPU keeps an L x (k+1)L score matrix per step, which outgrows this machine quickly). Each measurement is isolated:
-one that fails is printed and recorded with its error and the run goes on (a speculators whose compiled path fails
-on CUDA falls back to its eager loss and attention, ttt_step.EagerFallback, and says so). Prints figures, asserts
-nothing.
+one that fails is printed and recorded with its error and the run goes on (speculators runs as it ships; its
+fallbacks are ttt_step.py's --speculators-mode). Prints figures, asserts nothing.
 
     python benchmarks/ttt_memory.py                                    # eaglekit, H=256, L=512..8192
     benchmarks/.venv-speculators/bin/python benchmarks/ttt_memory.py   # and speculators up to L=2048
     python benchmarks/ttt_memory.py --baseline d3cd37f                 # and eaglekit's TTT at that commit
+    python benchmarks/ttt_memory.py --device cuda --variants reference,fused   # the fused GPU kernels too
 """
 
 from __future__ import annotations
@@ -72,6 +72,7 @@ def main() -> None:
     p.add_argument("--dtype", default=None, help="float32 on CPU, bfloat16 on CUDA unless given")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--baseline", help="also measure eaglekit's TTT as it was at this git commit")
+    p.add_argument("--variants", default="reference", help="eaglekit's kernels (ttt_step.py): reference,fused,compiled")
     p.add_argument("--eaglekit-only", action="store_true", help="leave speculators out even where it imports")
     p.add_argument("--json", help="also write the figures to this file")
     args = p.parse_args()
@@ -79,9 +80,8 @@ def main() -> None:
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.float32 if args.device == "cpu" else torch.bfloat16)
     lengths = [int(x) for x in args.lengths.split(",")]
     why_not = "--eaglekit-only" if args.eaglekit_only else speculators_missing()
-    sides = (
-        ["eaglekit"] + ([f"eaglekit@{args.baseline}"] if args.baseline else []) + ([] if why_not else ["speculators"])
-    )
+    eaglekit = ["eaglekit" if v == "reference" else f"eaglekit+{v}" for v in args.variants.split(",")]
+    sides = eaglekit + ([f"eaglekit@{args.baseline}"] if args.baseline else []) + ([] if why_not else ["speculators"])
     print(
         f"torch {torch.__version__}, device {args.device}, threads {torch.get_num_threads()}, H={args.hidden} "
         f"V={args.vocab} Vd={args.draft_vocab}; peak growth of one training step, MiB"

@@ -9,8 +9,7 @@ batch and K, and each does its whole step as it ships:
 speculators keeps its lm_head frozen (DraftVocabMixin sets requires_grad False); eaglekit trains it, which adds
 a third to its lm_head work, unless --freeze-lm-head. On CPU speculators runs with eager attention (flex
 attention has no CPU backward) and eager losses (the fused ones need Triton); on CUDA with its defaults (flex
-attention, torch.compile, fused losses), and when that compiled path raises (its fused loss crashed under torch
-2.11's dynamo) with its eager loss and attention instead, saying so. The batch has no prompt part unless --prompt-fraction (eaglekit skips
+attention, torch.compile, fused losses). The batch has no prompt part unless --prompt-fraction (eaglekit skips
 chains with nothing left to count; speculators computes every position at every step), and the target head is
 built so its argmax lies in the draft vocab, as with a real draft vocab.
 
@@ -24,8 +23,19 @@ on CUDA torch.cuda.max_memory_allocated.
     python benchmarks/ttt_step.py --sizes 256x512 --device cuda              # any python with eaglekit
     python benchmarks/ttt_step.py --baseline d3cd37f --eaglekit-only          # this tree vs eaglekit's TTT at a commit
 
-Without speculators it says why and prints eaglekit's figures alone. Each side is isolated: a side that fails (to
-build, to step, to measure) is reported with its error and the others' figures are still printed and written. ``--baseline REF`` adds a side
+eaglekit's kernels (``--variants``): "reference" (the side "eaglekit": ttt.py's own attention and loss.py's head
+loss, the CPU path), "fused" (training/fused.py's kernels for the device, as train.attention / train.head_loss
+auto pick them: flex attention and the compiled head loss on CUDA; on the CPU, which has no flex backward, SDPA
+for step 0 and the compiled head loss, so the CPU dry run goes through the same code), "compiled" (fused, and
+the drafter compiled as train.compile does). A side that fails is dropped with its error; the others go on.
+``--speculators-mode`` picks speculators' own compiled path (default), the eager KL loss under its compiled
+model (eager-loss), or no compilation at all (eager: dynamo disabled in this process), and the output says
+which ran. ``--profile`` adds one profiled step per side, its device time grouped into attention, GEMMs, the
+head loss and the rest; ``--peak-tflops`` the share of that rate the step achieves (analytical FLOPs of
+benchmarks/flops.py). ``--check`` compares each eaglekit variant with the reference on this device (loss and
+every gradient) instead of timing; ``--tiny`` shrinks everything so a CPU dry run takes seconds.
+
+Without speculators it says why and prints eaglekit's figures alone. ``--baseline REF`` adds a side
 "eaglekit@REF": ``src/eaglekit/training/ttt.py`` as it was at git commit REF (with this tree's drafter),
 so a change to the TTT step is measured against its predecessor in the same run.
 """
@@ -48,6 +58,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # the working tree's eaglekit, installed or not
 from eaglekit.model.drafter import DrafterConfig, Eagle3Drafter, build_d2t_t2d  # noqa: E402
+from eaglekit.training.fused import REFERENCE, StepKernels, compile_drafter, compiled_chunk, step_kernels  # noqa: E402
 from eaglekit.training.ttt import ttt_loss  # noqa: E402
 
 try:
@@ -140,7 +151,7 @@ def make_drafter(s: Shape, batch: dict, seed: int = 0) -> Eagle3Drafter:
     with torch.no_grad():
         drafter.d2t.copy_(batch["d2t"])
         drafter.t2d.copy_(batch["t2d"])
-        drafter.lm_head.weight.copy_(batch["head"][batch["t2d"]])  # the target's rows, as docs/formats.md §12 suggests
+        drafter.lm_head.weight.copy_(batch["head"][batch["t2d"]])  # the target's rows, as FORMATS.md §5 suggests
     return drafter
 
 
@@ -168,12 +179,34 @@ def ttt_loss_at(ref: str):
     return module.ttt_loss
 
 
+def variant_kernels(variant: str, device: str) -> tuple[StepKernels, bool]:
+    """(kernels, compile the drafter) of an eaglekit variant: reference, fused or compiled (see the docstring)."""
+    if variant == "reference":
+        return REFERENCE, False
+    if variant not in ("fused", "compiled"):
+        raise SystemExit(f"unknown eaglekit variant {variant!r}: reference, fused or compiled")
+    if torch.device(device).type == "cuda":
+        kernels = step_kernels("auto", "auto", torch.device(device))
+    else:  # flex attention has no CPU backward: SDPA for step 0, the rest as on a GPU
+        kernels = StepKernels("sdpa", compiled_chunk())
+    return kernels, variant == "compiled"
+
+
 def eaglekit_side(
-    s: Shape, batch: dict, device: str, dtype: torch.dtype, freeze_lm_head: bool = False, loss_fn=ttt_loss
+    s: Shape,
+    batch: dict,
+    device: str,
+    dtype: torch.dtype,
+    freeze_lm_head: bool = False,
+    loss_fn=ttt_loss,
+    variant: str = "reference",
 ):
     """(step function, trainable parameter count). step(length) trains on the first ``length`` positions (all by
     default) and returns ttt_loss's TTTOutput."""
+    kernels, compile_it = variant_kernels(variant, device)
     drafter = make_drafter(s, batch).to(device, dtype)
+    if compile_it:
+        compile_drafter(drafter)
     drafter.lm_head.weight.requires_grad_(not freeze_lm_head)
     opt = adamw(drafter.parameters())
     aux, ids, last, head = (
@@ -194,6 +227,7 @@ def eaglekit_side(
             steps=s.steps,
             decay=DECAY,
             target_in_draft=in_draft,
+            **({"kernels": kernels} if kernels is not REFERENCE else {}),  # --baseline's older ttt_loss lacks it
         )
         out.loss.backward()
         opt.step()
@@ -217,9 +251,16 @@ def speculators_missing() -> str | None:
     return None
 
 
-def speculators_side(s: Shape, batch: dict, device: str, dtype: torch.dtype, eager: bool):
-    """speculators' Eagle3DraftModel with eaglekit's drafter weights (same init), on the packed batch; ``eager``:
-    its eager attention and losses instead of flex attention, torch.compile and the fused Triton losses."""
+def speculators_side(s: Shape, batch: dict, device: str, dtype: torch.dtype, mode: str = "default"):
+    """speculators' Eagle3DraftModel with eaglekit's drafter weights (same init), on the packed batch.
+
+    mode: "default" (on CUDA its compiled model, flex attention and fused Triton losses), "eager-loss" (its
+    eager KL loss), "eager" (also no torch.compile: dynamo is disabled for the whole process, so run it alone).
+    """
+    if mode == "eager":
+        import torch._dynamo as dynamo
+
+        dynamo.config.disable = True
     from speculators.config import SpeculatorsConfig, VerifierConfig
     from speculators.losses import resolve_loss_config
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
@@ -241,7 +282,8 @@ def speculators_side(s: Shape, batch: dict, device: str, dtype: torch.dtype, eag
         attention_bias=False,
         mlp_bias=False,
     )
-    layer._attn_implementation = "eager" if eager else None  # None: speculators picks flex attention
+    on_cpu = device == "cpu"
+    layer._attn_implementation = "eager" if on_cpu else None  # None: speculators picks flex attention
     config = Eagle3SpeculatorConfig(
         transformer_layer_config=layer,
         draft_vocab_size=s.draft_vocab,
@@ -262,7 +304,7 @@ def speculators_side(s: Shape, batch: dict, device: str, dtype: torch.dtype, eag
         raise RuntimeError(f"speculators' Eagle3DraftModel keys differ: missing {missing}, unexpected {unexpected}")
     model.to(device, dtype)
     opt = adamw(model.parameters())
-    loss_config = resolve_loss_config("kl_div", "eager" if eager else "fused")
+    loss_config = resolve_loss_config("kl_div", "eager" if on_cpu or mode != "default" else "fused")
     packed = dict(
         hidden_states=batch["aux"].reshape(1, s.tokens, -1).to(device, dtype),
         input_ids=batch["input_ids"].reshape(1, -1).to(device),
@@ -286,43 +328,19 @@ def speculators_side(s: Shape, batch: dict, device: str, dtype: torch.dtype, eag
     return step, sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
-class EagerFallback:
-    """speculators' step as it ships (compiled on CUDA); if the compiled path raises, while building or at any step,
-    the side is rebuilt once from the same initial weights with speculators' eager loss and attention, and says so:
-    its figures are then eager ones (``note``), and the other sides' figures are not lost to its compiler."""
-
-    def __init__(self, s: Shape, batch: dict, device: str, dtype: torch.dtype):
-        self.build = lambda eager: speculators_side(s, batch, device, dtype, eager)
-        self.note: str | None = "eager loss and attention (CPU)" if device == "cpu" else None
-        try:
-            self.step, self.params = self.build(eager=self.note is not None)
-        except Exception as e:  # noqa: BLE001 — any failure of the compiled path: try the eager one
-            self.fall_back("building", e)
-
-    def fall_back(self, what: str, err: Exception) -> None:
-        self.note = f"eager loss and attention: its compiled path failed {what} ({describe_failure(err)})"
-        print(f"  speculators: {self.note}", flush=True)
-        self.step, self.params = self.build(eager=True)
-
-    def __call__(self, length: int | None = None):
-        if self.note is not None:
-            return self.step(length)
-        try:
-            return self.step(length)
-        except Exception as e:  # noqa: BLE001
-            self.fall_back("in a step", e)
-            return self.step(length)
-
-
-def make_side(name: str, s: Shape, device: str, dtype: torch.dtype, freeze_lm_head: bool = False):
-    """A side by name: "eaglekit", "eaglekit@REF" (its TTT at git commit REF) or "speculators"."""
+def make_side(
+    name: str, s: Shape, device: str, dtype: torch.dtype, freeze_lm_head: bool = False, speculators_mode="default"
+):
+    """A side by name: "eaglekit", "eaglekit+VARIANT" (fused, compiled), "eaglekit@REF" (its TTT at git commit
+    REF) or "speculators"."""
     batch = make_batch(s)
     if name == "eaglekit":
         return eaglekit_side(s, batch, device, dtype, freeze_lm_head)
+    if name.startswith("eaglekit+"):
+        return eaglekit_side(s, batch, device, dtype, freeze_lm_head, variant=name.split("+", 1)[1])
     if name.startswith("eaglekit@"):
         return eaglekit_side(s, batch, device, dtype, freeze_lm_head, loss_fn=ttt_loss_at(name.split("@", 1)[1]))
-    side = EagerFallback(s, batch, device, dtype)
-    return side, side.params
+    return speculators_side(s, batch, device, dtype, speculators_mode)
 
 
 def sync(device: str) -> None:
@@ -373,8 +391,7 @@ def cpu_peak_mib(side: str, s: Shape, threads: int, freeze_lm_head: bool = False
     ] + (["--freeze-lm-head"] if freeze_lm_head else [])
     out = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if out.returncode:
-        last = (out.stderr.strip().splitlines() or ["no output"])[-1]
-        raise RuntimeError(f"memory subprocess for {side} {s.label()} failed: {last}\n{out.stderr[-3000:]}")
+        raise RuntimeError(f"memory subprocess for {side} {s.label()} failed:\n{out.stderr[-3000:]}")
     return float(out.stdout.strip().splitlines()[-1])
 
 
@@ -387,74 +404,190 @@ def memory_child(side: str, s: Shape, freeze_lm_head: bool) -> None:
 # ------------------------------------------------------------------------------------------------- timing
 
 
-def interleaved_times(steps: dict, device: str, warmup: int, repeats: int, failed: dict) -> dict[str, list[float]]:
-    """Seconds per step of each side, run A B then B A alternately so drift in machine load hits both alike. A side
-    whose step raises leaves ``steps`` (its error in ``failed``); the others go on."""
+def interleaved_times(
+    steps: dict, device: str, warmup: int, repeats: int, failed: dict[str, str]
+) -> dict[str, list[float]]:
+    """Seconds per step of each side, run A B then B A alternately so drift in machine load hits both alike.
 
-    def timed(name: str) -> float | None:
+    A side whose step raises is dropped (``steps`` and the result lose it; ``failed`` says why)."""
+
+    def attempt(name: str) -> bool:
         try:
-            sync(device)
-            t0 = time.perf_counter()
             steps[name]()
-            sync(device)
-            return time.perf_counter() - t0
-        except Exception as e:  # noqa: BLE001 — one side failing must not lose the others' figures
-            failed[name] = f"step: {describe_failure(e)}"
-            print(f"  {name}: failed ({failed[name]}); the other sides go on", flush=True)
+            return True
+        except Exception as e:  # noqa: BLE001 — one side's failure (a compile error) must not cost the others
+            failed[name] = f"{type(e).__name__}: {str(e)[:2000]}"
+            print(f"  {name} failed and is dropped: {failed[name][:400]}")
             del steps[name]
-            return None
+            return False
 
     for _ in range(warmup):
         for name in list(steps):
-            timed(name)
+            attempt(name)
+    sync(device)
     times: dict[str, list[float]] = {name: [] for name in steps}
     for r in range(repeats):
         for name in list(steps) if r % 2 == 0 else list(reversed(steps)):
-            seconds = timed(name)
-            if seconds is not None:
-                times[name].append(seconds)
-    return {name: t for name, t in times.items() if name in steps}
-
-
-def isolated(name: str, what: str, failed: dict, fn, *args):
-    """``fn(*args)``, or None with the error recorded in ``failed[name]`` and said: the other sides go on."""
-    try:
-        return fn(*args)
-    except Exception as e:  # noqa: BLE001 — one side failing must not lose the others' figures
-        failed[name] = f"{what}: {describe_failure(e)}"
-        print(f"  {name}: failed ({failed[name]}); the other sides go on", flush=True)
-        return None
-
-
-def counted_k(step) -> list[int]:
-    """Positions eaglekit's step counts at each TTT step (one more step, its TTTOutput)."""
-    return step().count_k
-
-
-def side_peak_mib(side: str, step, s: Shape, device: str, freeze_lm_head: bool) -> float:
-    """step_peak_mib of a side: on CUDA in this process; on CPU in a fresh subprocess (cpu_peak_mib)."""
-    if device != "cpu":
-        return step_peak_mib(step, device)
-    return cpu_peak_mib(side, s, torch.get_num_threads(), freeze_lm_head)
+            sync(device)
+            t0 = time.perf_counter()
+            if attempt(name):
+                sync(device)
+                times[name].append(time.perf_counter() - t0)
+            else:
+                del times[name]
+    return times
 
 
 def parse_sizes(text: str) -> list[tuple[int, int]]:
     return [tuple(int(x) for x in part.split("x")) for part in text.split(",")]
 
 
+# ------------------------------------------------------------------------------------------------ profile
+
+ATTENTION_KERNELS = ("flash", "fmha", "attention", "flex", "triton_tem_fused")  # triton_tem: flex's templates
+GEMM_KERNELS = ("gemm", "xmma", "cutlass", "nvjet", "cublas", "aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm")
+
+
+def profile_step(step, device: str) -> dict[str, float]:
+    """Milliseconds of one step by part: attention and GEMM kernels by name, the rest; and, overlapping those,
+    the head loss (everything loss.py's fused head + loss launches, its GEMMs included), plus wall time.
+
+    On CUDA the parts are device kernel times; on the CPU self times of the aten ops (a dry run of the grouping).
+    """
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    import eaglekit.training.loss as loss_module
+
+    head = loss_module._HeadSoftCrossEntropy
+    forward = head.forward
+
+    def labelled(*args, **kwargs):  # the head + loss (any chunk function) inside a named range
+        with record_function("eaglekit::head_loss"):
+            return forward(*args, **kwargs)
+
+    cuda = device.startswith("cuda")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    head.forward = staticmethod(labelled)
+    try:
+        sync(device)
+        with profile(activities=activities) as prof:
+            t0 = time.perf_counter()
+            step()
+            sync(device)
+            wall = time.perf_counter() - t0
+    finally:
+        head.forward = staticmethod(forward)
+    parts = dict(attention=0.0, gemm=0.0, rest=0.0)
+    head_loss = 0.0
+    for e in prof.key_averages():
+        if e.key == "eaglekit::head_loss":
+            head_loss = max(head_loss, (e.device_time_total if cuda else e.cpu_time_total) / 1e3)
+            continue
+        if cuda:
+            if e.device_type.name != "CUDA" and not getattr(e, "is_kernel", False):
+                continue
+            t = e.self_device_time_total / 1e3
+        else:
+            if not e.key.startswith("aten::"):
+                continue
+            t = e.self_cpu_time_total / 1e3
+        name = e.key.lower()
+        if any(k in name for k in ATTENTION_KERNELS):
+            parts["attention"] += t
+        elif any(k in name for k in GEMM_KERNELS):
+            parts["gemm"] += t
+        else:
+            parts["rest"] += t
+    busy = sum(parts.values())
+    return dict(
+        **{k: round(v, 3) for k, v in parts.items()},
+        busy_ms=round(busy, 3),
+        head_loss_ms=round(head_loss, 3),
+        wall_ms=round(1e3 * wall, 3),
+    )
+
+
+# ------------------------------------------------------------------------------------------------- check
+
+
+def check_variants(
+    s: Shape, device: str, dtype: torch.dtype, variants: list[str], documents: int = 1
+) -> dict[str, dict]:
+    """Each variant against the reference on one batch: relative error of the loss and of every gradient.
+
+    documents > 1 packs each row with that many documents of equal length (position ids restart at each)."""
+    batch = make_batch(s)
+    if documents > 1:
+        batch["position_ids"] = (torch.arange(s.seq) % -(-s.seq // documents)).expand(s.batch, s.seq)
+    results = {}
+    _, want = eaglekit_grads(s, batch, device, dtype, "reference")
+    for variant in variants:
+        try:
+            _, got = eaglekit_grads(s, batch, device, dtype, variant)
+        except Exception as e:  # noqa: BLE001
+            results[variant] = dict(error=f"{type(e).__name__}: {str(e)[:2000]}")
+            print(f"  {variant}: FAILED {results[variant]['error'][:400]}")
+            continue
+        errors = {name: float((got[name] - w).norm() / w.norm().clamp(min=1e-30)) for name, w in want.items()}
+        worst = max(errors, key=errors.__getitem__)
+        results[variant] = dict(relative_error=errors, worst=worst)
+        print(f"  {variant}: loss rel. error {errors['loss']:.2e}; worst gradient {worst} {errors[worst]:.2e}")
+    return results
+
+
+def eaglekit_grads(s: Shape, batch: dict, device: str, dtype: torch.dtype, variant: str):
+    kernels, compile_it = variant_kernels(variant, device)
+    drafter = make_drafter(s, batch).to(device, dtype)
+    if compile_it:
+        compile_drafter(drafter)
+    aux, ids, last, head = (
+        batch[k].to(device, dtype if batch[k].is_floating_point() else None)
+        for k in ("aux", "input_ids", "last_hidden", "head")
+    )
+    with torch.no_grad():
+        target_logits, in_draft = draft_logits(last, head, batch["t2d"].to(device))
+    out = ttt_loss(
+        drafter,
+        aux,
+        ids,
+        target_logits,
+        batch["loss_mask"].to(device),
+        steps=s.steps,
+        decay=DECAY,
+        target_in_draft=in_draft,
+        position_ids=batch["position_ids"].to(device) if "position_ids" in batch else None,
+        kernels=kernels,
+    )
+    out.loss.backward()
+    grads = {n: p.grad.float() for n, p in drafter.named_parameters() if p.grad is not None}
+    return out, {"loss": out.loss.detach().float().reshape(1), **grads}
+
+
+# ------------------------------------------------------------------------------------------------- run
+
+
 def run(args) -> list[dict]:
     device = args.device
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.float32 if device == "cpu" else torch.bfloat16)
+    variants = args.variants.split(",")
+    sides = [] if args.speculators_only else ["eaglekit" if v == "reference" else f"eaglekit+{v}" for v in variants]
     why_not = None if args.eaglekit_only else speculators_missing()
-    sides = ["eaglekit"] if args.eaglekit_only or why_not else ["eaglekit", "speculators"]
+    if not (args.eaglekit_only or why_not):
+        sides.append("speculators")
     if args.baseline:
         sides.insert(1, f"eaglekit@{args.baseline}")
+    if args.speculators_mode == "eager" and "speculators" in sides and len(sides) > 1:
+        raise SystemExit(
+            "--speculators-mode eager turns torch.compile off for the whole process: add --speculators-only"
+        )
     print(
         f"torch {torch.__version__}, device {device}, dtype {str(dtype).removeprefix('torch.')}, "
         f"threads {torch.get_num_threads()}, repeats {args.repeats} (+{args.warmup} warmup)"
     )
     if why_not:
         print(f"speculators is not importable here ({why_not}): eaglekit's figures alone")
+    elif "speculators" in sides:
+        print(f"speculators mode: {args.speculators_mode}")
     results = []
     for hidden, seq in parse_sizes(args.sizes):
         s = Shape(
@@ -469,27 +602,42 @@ def run(args) -> list[dict]:
             args.gqa,
         )
         print(
-            f"\n{s.label()}  V={s.vocab} Vd={s.draft_vocab} heads={s.heads}/{s.kv_heads}x{s.head_dim} "
-            f"I={s.intermediate}",
-            flush=True,
+            f"\n{s.label()}  V={s.vocab} Vd={s.draft_vocab} heads={s.heads}/{s.kv_heads}x{s.head_dim} I={s.intermediate}"
         )
-        failed: dict[str, str] = {}
-        steps, params = {}, {}
+        if args.check:
+            check = check_variants(s, device, dtype, variants, args.documents)
+            results.append(dict(shape=asdict(s), label=s.label(), documents=args.documents, check=check))
+            write_json(args, results)
+            continue
+        steps, params, failed = {}, {}, {}
         for side in sides:
-            built = isolated(side, "build", failed, make_side, side, s, device, dtype, args.freeze_lm_head)
-            if built is not None:
-                steps[side], params[side] = built
-        times = interleaved_times(steps, device, args.warmup, args.repeats, failed)
-        counted = isolated("eaglekit", "count", failed, counted_k, steps["eaglekit"]) if "eaglekit" in steps else None
-        notes = {side: step.note for side, step in steps.items() if getattr(step, "note", None)}
-        mem = {}
-        if not args.no_memory:
-            for side in list(steps):
-                peak = isolated(
-                    side, "memory", failed, side_peak_mib, side, steps[side], s, device, args.freeze_lm_head
+            try:
+                steps[side], params[side] = make_side(
+                    side, s, device, dtype, args.freeze_lm_head, args.speculators_mode
                 )
-                if peak is not None:
-                    mem[side] = peak
+            except Exception as e:  # noqa: BLE001
+                failed[side] = f"{type(e).__name__}: {str(e)[:2000]}"
+                print(f"  {side} could not be built: {failed[side][:400]}")
+        times = interleaved_times(steps, device, args.warmup, args.repeats, failed)
+        ran = list(times)
+        counted = None
+        for side in ran:  # every eaglekit side counts the same positions; speculators has no count_k
+            if side.startswith("eaglekit"):
+                counted = steps[side]().count_k
+                break
+        mem, prof = {}, {}
+        for side in ran:
+            try:
+                if args.profile:
+                    prof[side] = profile_step(steps[side], device)
+                if not args.no_memory:
+                    mem[side] = (
+                        step_peak_mib(steps[side], device)
+                        if device != "cpu"
+                        else cpu_peak_mib(side, s, torch.get_num_threads(), args.freeze_lm_head)
+                    )
+            except Exception as e:  # noqa: BLE001
+                print(f"  {side}: profile or memory failed: {type(e).__name__}: {str(e)[:400]}")
         del steps
         gc.collect()
         row = dict(
@@ -500,34 +648,56 @@ def run(args) -> list[dict]:
             median_s={k: statistics.median(v) for k, v in times.items()},
             times_s=times,
             peak_mib=mem,
+            profile_ms=prof,
             failed=failed,
-            notes=notes,
+            speculators_mode=args.speculators_mode if "speculators" in sides else None,
         )
         row["tokens_per_s"] = {k: s.tokens / v for k, v in row["median_s"].items()}
+        if counted is not None:
+            from flops import step_flops  # flops.py imports this file: imported here, not at the top
+
+            flops = sum(step_flops(s, counted, args.freeze_lm_head).values())
+            row["tflop_per_step"] = flops / 1e12
+            row["tflops"] = {k: flops / v / 1e12 for k, v in row["median_s"].items()}
+            if args.peak_tflops:
+                row["share_of_peak"] = {k: v / args.peak_tflops for k, v in row["tflops"].items()}
         results.append(row)
         print(f"  counted positions per step (eaglekit): {counted}")
-        for side in sides:
-            if side not in times:
-                print(f"  {side:12s} failed: {failed.get(side, 'no figures')}")
-                continue
+        for side in ran:
             spread = f"{min(times[side]):.3f}..{max(times[side]):.3f}"
             mem_txt = f"  peak +{mem[side]:8.1f} MiB" if side in mem else ""
-            note = f"  [{notes[side]}]" if side in notes else ""
+            rate = f"  {row['tflops'][side]:7.1f} TFLOP/s" if "tflops" in row else ""
+            share = f" ({100 * row['share_of_peak'][side]:.0f} % of peak)" if "share_of_peak" in row else ""
             print(
-                f"  {side:12s} {row['tokens_per_s'][side]:9.0f} tok/s  median {row['median_s'][side]:.3f} s "
-                f"({spread}){mem_txt}  trainable {params[side] / 1e6:.2f} M{note}"
+                f"  {side:18s} {row['tokens_per_s'][side]:9.0f} tok/s  median {row['median_s'][side]:.3f} s "
+                f"({spread}){mem_txt}  trainable {params[side] / 1e6:.2f} M{rate}{share}"
             )
-        for other in sides[1:]:
-            if "eaglekit" not in times or other not in times:
-                continue  # a ratio needs both sides' figures
-            key = "" if other == "speculators" else f"_vs_{other}"
-            row["throughput_ratio" + key] = row["tokens_per_s"]["eaglekit"] / row["tokens_per_s"][other]
-            line = f"  eaglekit/{other}: throughput x{row['throughput_ratio' + key]:.2f}"
-            if "eaglekit" in mem and other in mem:
-                row["memory_ratio" + key] = mem["eaglekit"] / mem[other]
-                line += f", peak memory x{row['memory_ratio' + key]:.2f}"
-            print(line)
+            if side in prof:
+                print(f"  {'':18s} profile (ms): {prof[side]}")
+        for side in failed:
+            print(f"  {side:18s} FAILED: {failed[side][:400]}")
+        if "eaglekit" in ran:
+            for other in ran:
+                if other == "eaglekit":
+                    continue
+                key = "" if other == "speculators" else f"_vs_{other}"
+                row["throughput_ratio" + key] = row["tokens_per_s"]["eaglekit"] / row["tokens_per_s"][other]
+                line = f"  eaglekit/{other}: throughput x{row['throughput_ratio' + key]:.2f}"
+                if "eaglekit" in mem and other in mem:
+                    row["memory_ratio" + key] = mem["eaglekit"] / mem[other]
+                    line += f", peak memory x{row['memory_ratio' + key]:.2f}"
+                print(line)
+        write_json(args, results)
     return results
+
+
+def write_json(args, results: list[dict]) -> None:
+    """The figures so far, after every size: a later size that hits its time limit keeps the earlier ones."""
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(argv=sys.argv, torch=torch.__version__, results=results), indent=1))
+
+
+TINY = dict(sizes="64x96", vocab=512, draft_vocab=128, head_dim=16, gqa=2, steps=3, warmup=1, repeats=2, no_memory=True)
 
 
 def main() -> None:
@@ -546,19 +716,28 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeats", type=int, default=4)
     p.add_argument("--freeze-lm-head", action="store_true", help="freeze eaglekit's lm_head too, as speculators does")
+    p.add_argument("--variants", default="reference", help="eaglekit's kernels: reference,fused,compiled")
     p.add_argument("--eaglekit-only", action="store_true")
+    p.add_argument("--speculators-only", action="store_true")
+    p.add_argument("--speculators-mode", choices=["default", "eager-loss", "eager"], default="default")
     p.add_argument("--baseline", help="also time eaglekit's TTT as it was at this git commit (e.g. main)")
     p.add_argument("--no-memory", action="store_true")
+    p.add_argument("--profile", action="store_true", help="one profiled step per side, grouped by part")
+    p.add_argument("--peak-tflops", type=float, default=None, help="the device's dense rate (H200 bf16: 790)")
+    p.add_argument("--check", action="store_true", help="compare each variant with the reference, no timing")
+    p.add_argument("--documents", type=int, default=1, help="--check: documents packed per row")
+    p.add_argument("--tiny", action="store_true", help="tiny sizes: a dry run of every code path in seconds")
     p.add_argument("--json", help="also write the figures to this file")
     p.add_argument("--memory-child", help=argparse.SUPPRESS)
     p.add_argument("--shape-json", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.tiny:
+        for key, value in TINY.items():
+            setattr(args, key, value)
     torch.set_num_threads(args.threads)
     if args.memory_child:
         return memory_child(args.memory_child, Shape(**json.loads(args.shape_json)), args.freeze_lm_head)
-    results = run(args)
-    if args.json:
-        Path(args.json).write_text(json.dumps(dict(argv=sys.argv, torch=torch.__version__, results=results), indent=1))
+    run(args)
 
 
 if __name__ == "__main__":

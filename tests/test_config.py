@@ -8,6 +8,7 @@ import pytest
 import yaml
 from conftest import write_config
 
+from eaglekit import pipeline
 from eaglekit.config import (
     ConfigPath,
     GenerateConfig,
@@ -40,9 +41,9 @@ def test_defaults_follow_the_interface(tmp_path):
     assert cfg.generate.backend == "local"
     assert cfg.target.trust_remote_code is False
     assert cfg.train.ttt_steps == 7 and cfg.train.ttt_decay == 0.8
-    assert cfg.stages() == ["generate", "prepare", "vocab", "train", "evaluate", "export"]
+    assert pipeline.stages_for(cfg) == ["generate", "prepare", "vocab", "train", "evaluate", "export"]
     cfg.extract.mode = "offline"
-    assert "extract" in cfg.stages()
+    assert "extract" in pipeline.stages_for(cfg)
 
 
 @pytest.mark.parametrize(
@@ -80,9 +81,15 @@ def test_yaml_booleans_of_an_on_off_choice_are_accepted_and_elsewhere_explained(
 
 def test_verify_runs_only_when_an_engine_or_a_server_is_set(tmp_path):
     base = {"run_dir": "run", "target": {"model": "org/m"}, "data": {"prompts": "p.jsonl"}}
-    assert "verify" not in parse_config(base, base_dir=tmp_path).stages()
-    assert parse_config({**base, "verify": {"engine": "vllm"}}, base_dir=tmp_path).stages()[-2:] == ["export", "verify"]
-    assert parse_config({**base, "verify": {"server": "http://h:8000/v1"}}, base_dir=tmp_path).stages()[-1] == "verify"
+    assert "verify" not in pipeline.stages_for(parse_config(base, base_dir=tmp_path))
+    assert pipeline.stages_for(parse_config({**base, "verify": {"engine": "vllm"}}, base_dir=tmp_path))[-2:] == [
+        "export",
+        "verify",
+    ]
+    assert (
+        pipeline.stages_for(parse_config({**base, "verify": {"server": "http://h:8000/v1"}}, base_dir=tmp_path))[-1]
+        == "verify"
+    )
     with pytest.raises(UsageError, match="verify.engine and verify.server"):
         parse_config({**base, "verify": {"engine": "vllm", "server": "http://h:8000"}}, base_dir=tmp_path)
     with pytest.raises(UsageError, match="verify.engine"):

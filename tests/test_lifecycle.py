@@ -38,9 +38,10 @@ def fakes(monkeypatch):
         "train": "extract",
         "evaluate": "train",
         "export": "evaluate",
+        "verify": "export",
     }
     mods = {name: fake_stage(name, up, calls) for name, up in ups.items()}
-    monkeypatch.setattr(pipeline, "stage_module", lambda name: mods[name])
+    monkeypatch.setattr(pipeline, "stage_of", lambda name: mods[name])
     return mods, calls
 
 
@@ -272,7 +273,7 @@ from eaglekit import pipeline
 from test_rundir import fake_stage
 calls = []
 ups = {"generate": None, "prepare": "generate", "vocab": "prepare", "extract": "vocab", "train": "extract",
-       "evaluate": "train", "export": "evaluate"}
+       "evaluate": "train", "export": "evaluate", "verify": "export"}
 mods = {n: fake_stage(n, u, calls) for n, u in ups.items()}
 def blocking(ctx):
     print("train started", flush=True)
@@ -280,7 +281,7 @@ def blocking(ctx):
         time.sleep(0.05)
     return {}
 mods["train"].run = blocking
-pipeline.stage_module = lambda n: mods[n]
+pipeline.stage_of = lambda n: mods[n]
 from eaglekit.cli import main
 main(["run", sys.argv[1]])
 """

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-import types
+from dataclasses import replace
 
 from conftest import mounted_tmpfs as tmpfs
 
 from eaglekit import pipeline
 from eaglekit.config import parse_config
+from eaglekit.contract import Estimate
 from eaglekit.preflight import disk
 from eaglekit.preflight.checks import human_bytes
 
@@ -42,7 +43,7 @@ def test_no_space_on_a_full_tmpfs_fails_naming_need_and_free(tmp_path):
         ctx = ctx_on(vol, tmp_path)
         result = disk.disk_space(ctx)
         assert result.status == "fail", result.detail
-        need = human_bytes(ctx.module.estimate_bytes(ctx))
+        need = human_bytes(ctx.estimate().bytes)
         assert f"writes about {need}" in result.detail and f"{vol}" in result.detail and "2.1 MB free" in result.detail
         assert "eaglekit plan" in result.remedy
         probe = disk.write_rate(ctx)
@@ -64,7 +65,7 @@ def test_enough_space_and_inodes_raise_no_alarm(tmp_path):
     with tmpfs(tmp_path / "vol", "64m") as vol:
         ctx = ctx_on(vol, tmp_path)
         result = disk.disk_space(ctx)
-        need = human_bytes(ctx.module.estimate_bytes(ctx))
+        need = human_bytes(ctx.estimate().bytes)
         assert result.status == "ok" and f"about {need} needed" in result.detail and "inodes free" in result.detail
         fs = disk.filesystem(ctx_on(vol, tmp_path))
         assert fs.status == "ok" and fs.detail.startswith("tmpfs on tmpfs") and f"mounted at {vol}" in fs.detail
@@ -79,10 +80,12 @@ def test_write_probe_measures_and_compares_with_the_stages_need(tmp_path, monkey
 
         written, seconds = disk.probe_write_rate(vol, 8_000_000, 2.0)  # cached: the same figure as the check's
         rate = written / seconds
-        ctx.module = types.SimpleNamespace(estimate_write_rate=lambda c: (rate * 10, "a test's need"))
+        ctx = ctx_on(vol, tmp_path, preflight={"disk_probe_mb": 8})
+        ctx.declared = replace(ctx.stage_def, estimate=lambda c, s: Estimate(write_rate=(rate * 10, "a test's need")))
         slow = disk.write_rate(ctx)
         assert slow.status == "warn" and "disk-bound" in slow.detail and "10.0× slower" in slow.detail
-        ctx.module = types.SimpleNamespace(estimate_write_rate=lambda c: (rate / 10, "a test's need"))
+        ctx = ctx_on(vol, tmp_path, preflight={"disk_probe_mb": 8})
+        ctx.declared = replace(ctx.stage_def, estimate=lambda c, s: Estimate(write_rate=(rate / 10, "a test's need")))
         assert disk.write_rate(ctx).status == "ok"
 
 

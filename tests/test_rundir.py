@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import signal
 import subprocess
 import sys
-import types
 
 import pytest
 from conftest import subprocess_env, write_config
 
 from eaglekit import pipeline, status
 from eaglekit.config import load_config
+from eaglekit.contract import Stage
 from eaglekit.errors import EaglekitError
 from eaglekit.rundir import RunDir
 
@@ -60,12 +61,18 @@ def fake_stage(name, upstream, calls, fail=False):
         (ctx.dir / "out.txt").write_text(name)
         return {"items": 3}
 
-    return types.SimpleNamespace(
-        NAME=name,
-        UPSTREAM=upstream,
+    real = importlib.import_module(f"eaglekit.stages.{name}").STAGE
+    return Stage(
+        name=name,
+        upstream=upstream,
+        reads="",
+        writes=f"{name}/out.txt",
         params=lambda cfg: {"n": cfg.prepare.max_length if name == "prepare" else 0},
         checks=lambda cfg: [],
         run=run,
+        # the real stage's skip rule and reading of its counts
+        runs_for=real.runs_for,
+        data_flags=real.data_flags,
     )
 
 
@@ -80,8 +87,9 @@ def fake_pipeline(monkeypatch):
         "train": fake_stage("train", "extract", calls),
         "evaluate": fake_stage("evaluate", "train", calls),
         "export": fake_stage("export", "evaluate", calls),
+        "verify": fake_stage("verify", "export", calls),
     }
-    monkeypatch.setattr(pipeline, "stage_module", lambda name: mods[name])
+    monkeypatch.setattr(pipeline, "stage_of", lambda name: mods[name])
     return mods, calls
 
 

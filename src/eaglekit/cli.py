@@ -19,9 +19,10 @@ from typing import Any
 
 import typer
 from rich.markup import escape
+from typer.core import TyperCommand
 
 from eaglekit import failures, interrupt, pipeline
-from eaglekit.config import STAGES, RunConfig, load_config
+from eaglekit.config import RunConfig, load_config
 from eaglekit.errors import EaglekitError, UsageError
 from eaglekit.progress import console
 
@@ -32,7 +33,7 @@ app = typer.Typer(
     help="Train EAGLE-3 draft models end to end, checking ground truth before every long phase.",
 )
 
-STAGE_NAMES = " | ".join(STAGES)
+STAGE_NAMES = " | ".join(pipeline.STAGE_ORDER)
 JsonOpt = typer.Option(False, "--json", help="print one JSON document on stdout")
 ForceOpt = typer.Option(
     False,
@@ -41,39 +42,6 @@ ForceOpt = typer.Option(
 )
 SkipOpt = typer.Option(False, "--skip-preflight", help="start without pre-flight checks (recorded in the ledger)")
 ConfigArg = typer.Argument(..., metavar="CONFIG", help="the run config (YAML)", show_default=False)
-
-# What each stage command reads and writes (under the run directory), for its --help.
-READS_WRITES = {
-    "generate": (
-        "data.prompts, and the target (in process) or its OpenAI-compatible servers",
-        "generate/responses.jsonl, generate/errors.jsonl",
-    ),
-    "prepare": (
-        "generate/responses.jsonl and the target's tokenizer and chat template",
-        "prepare/tokens.safetensors, prepare/stats.json",
-    ),
-    "vocab": ("prepare/tokens.safetensors", "vocab/vocab.safetensors (d2t, t2d), vocab/stats.json"),
-    "extract": (
-        "prepare/tokens.safetensors and the target (offline mode only)",
-        "extract/shard-*.safetensors, extract/index.json",
-    ),
-    "train": (
-        "prepare/, vocab/, and extract/ (offline) or the live target (online)",
-        "train/checkpoints/, train/metrics.jsonl, train/summary.json, train/curves.png",
-    ),
-    "evaluate": (
-        "train/checkpoints/best (or evaluate.checkpoint), the target, the held-out prompts",
-        "evaluate/report.json, evaluate/report.md, evaluate/*.png",
-    ),
-    "export": (
-        "the evaluated drafter and evaluate/report.json",
-        "export/eagle3/, export/speculators/, export/README.md",
-    ),
-    "verify": (
-        "export/ and the evaluation prompts; serves them in vLLM (verify.engine) or asks verify.server",
-        "verify/report.json, verify/report.md, verify/acceptance.png, verify/logs/",
-    ),
-}
 
 
 class _State:
@@ -161,6 +129,23 @@ def run_cmd(
         emit_json({"run_dir": cfg.run_dir, "stages": rows})
 
 
+class _StageCommand(TyperCommand):
+    """A stage command whose --help says what the stage reads and writes, from its declaration (``reads``,
+    ``writes``). Read when the help is shown, not when the CLI starts: importing the stage modules takes seconds."""
+
+    stage = ""
+    summary = ""
+
+    @property
+    def help(self) -> str:
+        declared = pipeline.stage_of(self.stage)
+        return f"{self.summary} Reads {declared.reads}; writes {declared.writes}."
+
+    @help.setter
+    def help(self, value: str | None) -> None:
+        pass  # the declaration says it
+
+
 def _stage_command(stage: str):
     def stage_cmd(
         config: Path = ConfigArg, force: bool = ForceOpt, skip_preflight: bool = SkipOpt, as_json: bool = JsonOpt
@@ -170,17 +155,10 @@ def _stage_command(stage: str):
         if as_json:
             emit_json(rows[0])
 
-    reads, writes = READS_WRITES[stage]
     stage_cmd.__name__ = f"{stage}_cmd"
-    stage_cmd.__doc__ = f"Run the {stage} stage after its pre-flight checks. Reads {reads}; writes {writes}."
     return stage_cmd
 
 
-@command(
-    "generate",
-    help=f"Collect the target's own responses, reasoning included. Reads {READS_WRITES['generate'][0]}; "
-    f"writes {READS_WRITES['generate'][1]}.",
-)
 def generate_cmd(
     config: Path = ConfigArg,
     force: bool = ForceOpt,
@@ -194,15 +172,6 @@ def generate_cmd(
         emit_json(rows[0])
 
 
-for _stage in ("prepare", "vocab", "extract", "train", "evaluate"):
-    command(_stage)(_stage_command(_stage))
-
-
-@command(
-    "export",
-    help=f"Write the drafter in the forms vLLM and SGLang load, and print the serve commands. Reads "
-    f"{READS_WRITES['export'][0]}; writes {READS_WRITES['export'][1]}.",
-)
 def export_cmd(
     config: Path = ConfigArg,
     force: bool = ForceOpt,
@@ -213,14 +182,26 @@ def export_cmd(
     cfg = load(config)
     if fmt and fmt not in ("eagle3", "speculators", "all"):
         raise UsageError(f"--format {fmt}: unknown format", "use eagle3, speculators or all")
-    formats = list(cfg.export.formats) if not fmt else (["eagle3", "speculators"] if fmt == "all" else [fmt])
+    formats: list[Any] = list(cfg.export.formats) if not fmt else (["eagle3", "speculators"] if fmt == "all" else [fmt])
     cfg.export.formats = formats  # part of the fingerprint: another --format is another export
     rows = pipeline.run_stages(cfg, ["export"], force=force, skip_preflight=skip_preflight, formats=formats)
     if as_json:
         emit_json(rows[0])
 
 
-command("verify")(_stage_command("verify"))
+# Stages whose command takes flags of its own, with the first sentence of its --help; every other stage gets
+# the plain command (CONFIG, --force, --skip-preflight, --json). Registered in pipeline order.
+OWN_COMMANDS = {
+    "generate": (generate_cmd, "Collect the target's own responses, reasoning included."),
+    "export": (export_cmd, "Write the drafter in the forms vLLM and SGLang load, and print the serve commands."),
+}
+for _stage in pipeline.STAGE_ORDER:
+    _fn, _summary = OWN_COMMANDS.get(_stage) or (
+        _stage_command(_stage),
+        f"Run the {_stage} stage after its pre-flight checks.",
+    )
+    _cls = type(f"{_stage.title()}Command", (_StageCommand,), {"stage": _stage, "summary": _summary})
+    command(_stage, cls=_cls)(_fn)
 
 
 # --------------------------------------------------------------------------------------- reporting
@@ -283,8 +264,8 @@ def preflight_cmd(
     from eaglekit import preflight
 
     cfg = load(config)
-    if stage and stage not in STAGES:
-        raise UsageError(f"--stage {stage}: unknown stage", f"use one of: {', '.join(STAGES)}")
+    if stage and stage not in pipeline.STAGE_ORDER:
+        raise UsageError(f"--stage {stage}: unknown stage", f"use one of: {', '.join(pipeline.STAGE_ORDER)}")
     t0 = time.monotonic()
     if stage:
         report = {stage: pipeline.run_preflight(pipeline.make_context(cfg, stage))}
@@ -416,15 +397,16 @@ def tiny_target_cmd(
 # ------------------------------------------------------------------------------------------- errors
 
 # typer ships its own copy of click in recent versions: take the classes from typer's own exceptions.
-ClickException = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+ClickException: type[Exception] = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
 
 
 def exact(text: str) -> str:
     """A remedy with the config the user passed in place of the CONFIG placeholder."""
-    return re.sub(r"\bCONFIG\b", lambda _: shlex.quote(_State.config), text) if _State.config else text
+    config = _State.config
+    return re.sub(r"\bCONFIG\b", lambda _: shlex.quote(config), text) if config else text
 
 
-def usage_line(err: Exception, argv: list[str]) -> str:
+def usage_line(err: Any, argv: list[str]) -> str:
     """A click usage error in one line: what is wrong, the usage, and where the help is."""
     ctx = getattr(err, "ctx", None)
     message = err.format_message().rstrip(".")
@@ -441,7 +423,7 @@ def usage_line(err: Exception, argv: list[str]) -> str:
 
 
 def app_command_names() -> list[str]:
-    return [c.name for c in app.registered_commands]
+    return [c.name for c in app.registered_commands if c.name]
 
 
 def report_interrupt(err: KeyboardInterrupt) -> int:
@@ -498,7 +480,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(130)
     except ClickException as err:
         console.print(usage_line(err, argv), markup=False, highlight=False)
-        sys.exit(2 if err.exit_code in (1, 2) else err.exit_code)
+        code = getattr(err, "exit_code", 2)
+        sys.exit(2 if code in (1, 2) else code)
     except SystemExit:
         raise
     except Exception as err:

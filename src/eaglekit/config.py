@@ -18,9 +18,6 @@ from pydantic.fields import FieldInfo
 
 from eaglekit.errors import UsageError
 
-STAGES = ("generate", "prepare", "vocab", "extract", "train", "evaluate", "export", "verify")
-
-
 # What users type for a dtype, and the name eaglekit (and torch) uses for it.
 DTYPE_ALIASES = {
     "bf16": "bfloat16",
@@ -277,6 +274,20 @@ class TrainConfig(Section):
         "drafter's), as speculators does; false trains it too. A head with no rows to start from "
         "(the target's are another width, or init_lm_head_from_target false) always trains",
     )
+    attention: Literal["auto", "reference", "sdpa", "flex"] = Field(
+        "auto",
+        description="the TTT step's attention kernels: flex (fused flex attention for the draft steps and packed "
+        "rows, FlashAttention for step 0; CUDA only), sdpa (FlashAttention for unpacked step 0 only), reference "
+        "(the exact blockwise attention every other path is tested against); auto: flex on CUDA, else reference",
+    )
+    head_loss: Literal["auto", "reference", "compiled"] = Field(
+        "auto",
+        description="the draft head + loss per chunk of rows: compiled (torch.compile fuses its elementwise work) "
+        "or reference; auto: compiled on CUDA, else reference",
+    )
+    compile: bool = Field(
+        False, description="torch.compile the drafter's layer for the TTT step (fuses norms, RoPE, SwiGLU)"
+    )
 
 
 class EvaluateConfig(Section):
@@ -381,13 +392,6 @@ class RunConfig(Section):
     @property
     def run_path(self) -> Path:
         return Path(self.run_dir)
-
-    def stages(self) -> list[str]:
-        """The stages this config runs, in order (extract only in offline mode, verify only when configured)."""
-        skip = {"extract"} if self.extract.mode != "offline" else set()
-        if not (self.verify.engine or self.verify.server):
-            skip.add("verify")
-        return [s for s in STAGES if s not in skip]
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json", exclude={"source"}), sort_keys=False)

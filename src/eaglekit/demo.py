@@ -95,11 +95,12 @@ def run_demo(run_dir: Path, force: bool = False, offline: bool = False) -> dict[
         data.setdefault("extract", {})["mode"] = "offline"
         atomic.write_text(config_path, HEADER + yaml.safe_dump(data, sort_keys=False))
         cfg = load_config(config_path)
-        redo = cfg.stages()[cfg.stages().index("extract") :]
+        order = pipeline.stages_for(cfg)
+        redo = order[order.index("extract") :]
         console.print(
             f"demo: {config_path} now has extract.mode: offline; {', '.join(redo)} replace the online run's outputs"
         )
-    rows = pipeline.run_stages(cfg, [s for s in cfg.stages() if s not in redo], force=force)
+    rows = pipeline.run_stages(cfg, [s for s in pipeline.stages_for(cfg) if s not in redo], force=force)
     if redo:  # their folders hold the online run's outputs: other parameters, which only --force replaces
         rows += pipeline.run_stages(cfg, redo, force=True)
     console.print(f"\n[bold]demo done[/]: run directory {run_dir}; `eaglekit status {run_dir}` shows it again")

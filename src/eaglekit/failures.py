@@ -16,10 +16,10 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 from eaglekit import atomic
+from eaglekit.contract import StageContext
 from eaglekit.errors import DISK_ERRNOS, EaglekitError, io_failure
 from eaglekit.interrupt import Terminated
 from eaglekit.rundir import RunDir, now_iso, tool_versions
@@ -37,18 +37,17 @@ class StageCrashed(EaglekitError):
         self.original, self.log = original, log
 
 
-def kept_outputs(ctx, module: ModuleType) -> str:
-    """What of the stopped stage is safely on disk, in words (the stage's own ``kept(ctx)`` when it has one)."""
-    hook = getattr(module, "kept", None)
+def kept_outputs(ctx: StageContext) -> str:
+    """What of the stopped stage is safely on disk, in words (the stage's own ``kept(ctx)``)."""
     try:
-        what = hook(ctx) if hook else None
+        what = ctx.stage_def.kept(ctx)
     except Exception:  # describing what is kept must never hide the error being reported
         what = None
     what = what or f"nothing partial of {ctx.stage} is kept (it writes its outputs whole, at the end)"
     return f"{what}; every finished stage is untouched"
 
 
-def disk_situation(ctx, module: ModuleType, path: str | None) -> str:
+def disk_situation(ctx: StageContext, path: str | None) -> str:
     """Free space where the write failed, against what the stage's own estimate says it needs."""
     from eaglekit.preflight.checks import human_bytes
 
@@ -56,16 +55,15 @@ def disk_situation(ctx, module: ModuleType, path: str | None) -> str:
         free = atomic.free_bytes(path or ctx.dir)
     except OSError:
         return ""
-    estimate = getattr(module, "estimate_bytes", None)
     try:
-        need = estimate(ctx) if estimate else None
+        need = ctx.estimate().bytes
     except Exception:
         need = None
     plan = f"; the plan needs about {human_bytes(need)} for {ctx.stage}" if need else ""
     return f"{human_bytes(free)} free there{plan}"
 
 
-def record(ctx, module: ModuleType, err: BaseException, seconds: float) -> BaseException:
+def record(ctx: StageContext, err: BaseException, seconds: float) -> BaseException:
     """Write the stage's `end` event for a stop that was not success, and return what the caller should raise:
     the interrupt itself, the stage's own EaglekitError, or an EaglekitError that explains a disk fault or an
     unexpected exception in a few lines (the traceback goes to a log file under the run directory)."""
@@ -78,7 +76,7 @@ def record(ctx, module: ModuleType, err: BaseException, seconds: float) -> BaseE
         "warnings": ctx.warnings,
         **ctx.ledger_extra,
     }
-    kept = kept_outputs(ctx, module)
+    kept = kept_outputs(ctx)
     disk = io_failure(err)
     if isinstance(err, KeyboardInterrupt):
         event |= {
@@ -92,7 +90,7 @@ def record(ctx, module: ModuleType, err: BaseException, seconds: float) -> BaseE
         out = err
     elif disk is not None and disk.errno is not None:  # io_failure gives only errnos of DISK_ERRNOS
         what, fix = DISK_ERRNOS[disk.errno]
-        space = disk_situation(ctx, module, disk.filename) if disk.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+        space = disk_situation(ctx, disk.filename) if disk.errno in (errno.ENOSPC, errno.EDQUOT) else ""
         message = f"{stage}: {what} writing {disk.filename or ctx.dir} ({disk.strerror}); {kept}" + (
             f"; {space}" if space else ""
         )

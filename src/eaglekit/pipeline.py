@@ -1,18 +1,9 @@
 """Runs stages in order against a run directory: fingerprint, skip-if-done, pre-flight, ledger.
 
-Each stage is a module in ``eaglekit.stages`` with:
-
-    NAME      the stage's name
-    UPSTREAM  the stage whose outputs it reads (None for the first)
-    params(cfg) -> dict              what its outputs depend on (fingerprinted)
-    checks(cfg) -> list[Check]       its own pre-flight checks (the generic ones are added here)
-    estimate_bytes(ctx) -> int|None  optional: what it will write, for the disk check
-    estimate_files(ctx) -> int|None  optional: how many files it creates, for the inode check
-    estimate_write_rate(ctx) -> (bytes/s, why)|None   optional: the rate it writes at, for the write probe
-    run(ctx) -> dict                 does the work; returns counts for the ledger and `status`
-    kept(ctx) -> str|None            optional: what of a stopped run is safely on disk (for the error message)
-    damaged(ctx) -> str|None         optional: what is missing from a finished run's outputs (then it reruns to repair)
-    live_counts(stage_dir) -> dict   optional: counts `status` shows while it runs
+Each stage is a module in ``eaglekit.stages`` that declares ``STAGE = Stage(...)`` (``eaglekit.contract``: its
+name, upstream, reads and writes, params, checks, run, when a config runs it, its estimate and optional hooks);
+``STAGE_ORDER`` below lists them in order. The run order of a config, the upstream a stage reads, the CLI's
+commands, `status` and `plan` all derive from those declarations.
 
 A stage is *incomplete* from its ``start`` event until its ``end`` event, which is written only after its
 outputs are committed; a rerun of a *done* stage with the same fingerprint is skipped, always (--force
@@ -30,29 +21,39 @@ import shutil
 import socket
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 from eaglekit import atomic, failures, preflight, rundir
-from eaglekit.config import STAGES, RunConfig
+from eaglekit.config import RunConfig
+from eaglekit.contract import Stage, StageContext
 from eaglekit.errors import EaglekitError, UsageError
 from eaglekit.progress import console
 from eaglekit.rundir import RunDir, content_identity, digest, tool_versions
 
+# The stages in run order: adding a stage is its module (ending with `STAGE = Stage(...)`) and a line here.
+STAGE_ORDER = ("generate", "prepare", "vocab", "extract", "train", "evaluate", "export", "verify")
 
-def stage_module(name: str) -> ModuleType:
-    if name not in STAGES:
-        raise EaglekitError(f"unknown stage '{name}'", f"use one of: {', '.join(STAGES)}")
-    return importlib.import_module(f"eaglekit.stages.{name}")
+
+def stage_of(name: str) -> Stage:
+    """The declaration of stage ``name`` (its module's ``STAGE``)."""
+    if name not in STAGE_ORDER:
+        raise EaglekitError(f"unknown stage '{name}'", f"use one of: {', '.join(STAGE_ORDER)}")
+    declared = importlib.import_module(f"eaglekit.stages.{name}").STAGE
+    assert isinstance(declared, Stage) and declared.name == name, f"eaglekit.stages.{name}.STAGE is not its Stage"
+    return declared
+
+
+def stages_for(cfg: RunConfig) -> list[str]:
+    """The stages this config runs, in order (each stage's ``runs_for``: extract offline only, verify if set)."""
+    return [name for name in STAGE_ORDER if stage_of(name).runs_for(cfg)]
 
 
 def upstream_of(cfg: RunConfig, stage: str) -> str | None:
-    """The stage whose outputs ``stage`` reads (extract is skipped in online mode)."""
-    up = stage_module(stage).UPSTREAM
-    if up == "extract" and not cfg.extract.offline:
-        up = stage_module("extract").UPSTREAM
+    """The stage whose outputs ``stage`` reads: its declared upstream, stepping over stages this config skips."""
+    up = stage_of(stage).upstream
+    while up is not None and not stage_of(up).runs_for(cfg):
+        up = stage_of(up).upstream
     return up
 
 
@@ -63,95 +64,31 @@ def fingerprint(cfg: RunConfig, stage: str, _memo: dict[str, str] | None = None)
         memo[stage] = digest(
             {
                 "stage": stage,
-                "params": content_identity(stage_module(stage).params(cfg)),
+                "params": content_identity(stage_of(stage).params(cfg)),
                 "upstream": fingerprint(cfg, up, memo) if up else None,
             }
         )
     return memo[stage]
 
 
-@dataclass
-class StageContext:
-    cfg: RunConfig
-    run: RunDir
-    stage: str
-    fingerprint: str
-    force: bool = False
-    options: dict[str, Any] = field(default_factory=dict)
-    # Figures a stage wants in its ledger `end` event besides its counts (e.g. generate's gate figures).
-    ledger_extra: dict[str, Any] = field(default_factory=dict)
-    # Signs of a degenerate run (see warn); kept in the ledger's `end` event and shown by `eaglekit status`.
-    warnings: list[str] = field(default_factory=list)
-    # What the pre-flight checks need from the registry, handed over so that they never import the pipeline.
-    module: ModuleType | None = None
-    upstream: str | None = None
-    upstream_fingerprint: str | None = None
-    # Stages that will run before this one: set only when the whole pipeline is pre-flighted ahead of a run,
-    # so a check that needs their outputs says "will be produced by ..." instead of failing.
-    pending: tuple[str, ...] = ()
-
-    @property
-    def dir(self):
-        return self.run.stage_dir(self.stage)
-
-    @property
-    def resuming(self) -> bool:
-        """The folder holds this fingerprint's partial outputs: continue them (never discarded, --force or not)."""
-        marker = self.run.read_marker(self.stage)
-        return bool(marker and marker.get("fingerprint") == self.fingerprint)
-
-    def refusal(self, state: str) -> tuple[str, str] | None:
-        """(what the folder holds, what to do) when replacing it needs --force; None when the stage may write there.
-
-        --force replaces only what needs it: finished or partial outputs of other parameters, or files eaglekit
-        did not write. It never reruns a stage that is done with the same fingerprint, and what a *failed* attempt
-        left behind is replaced without it.
-        """
-        if self.force or state in (rundir.EMPTY, rundir.OWN, rundir.FAILED_LEFTOVERS):
-            return None
-        marker = self.run.read_marker(self.stage) or {}
-        again = (
-            f"add --force to replace them (`eaglekit run CONFIG --from {self.stage} --force` reruns {self.stage} and "
-            f"the stages after it; finished stages before it are kept), or set another run_dir to keep them"
-        )
-        if state == rundir.FOREIGN:
-            return (
-                f"{self.dir} holds files that no eaglekit stage run wrote (no {rundir.MARKER})",
-                f"move them away, or {again}",
-            )
-        changes = changed_parameters(self.run, self.stage, self.cfg)
-        what = "the finished outputs" if state == rundir.OTHER_DONE else "the partial outputs of an interrupted run"
-        return (
-            f"{self.dir} holds {what} of other inputs or parameters (written {marker.get('created', '?')}"
-            f"{'; changed since: ' + '; '.join(changes) if changes else ''})",
-            again,
-        )
-
-    def command_to_reach(self, stage: str) -> str:
-        """The one command that finishes every stage up to ``stage`` (for the remedies of the checks)."""
-        return command_to_reach(self.cfg, stage)
-
-    def warn(self, message: str) -> None:
-        """Say that the run is degenerate in a way the user must hear about (too few samples, a drafter no better
-        than n-gram, ...): printed now, recorded in the ledger, repeated by `eaglekit status` and the export."""
-        self.warnings.append(message)
-        if not is_worker_rank():
-            console.print(f"[yellow]{self.stage}: warning: {message}[/]")
-
-
 def make_context(cfg: RunConfig, stage: str, force: bool = False, **options: Any) -> StageContext:
     memo: dict[str, str] = {}
     up = upstream_of(cfg, stage)
+    run = RunDir(cfg.run_dir)
     return StageContext(
         cfg=cfg,
-        run=RunDir(cfg.run_dir),
+        run=run,
         stage=stage,
         fingerprint=fingerprint(cfg, stage, memo),
         force=force,
         options=options,
-        module=stage_module(stage),
+        declared=stage_of(stage),
+        stages=tuple(stages_for(cfg)),
         upstream=up,
         upstream_fingerprint=fingerprint(cfg, up, memo) if up else None,
+        reach=lambda target: command_to_reach(cfg, target),
+        changes=lambda: changed_parameters(run, stage, cfg),
+        is_worker_rank=is_worker_rank(),
     )
 
 
@@ -165,7 +102,7 @@ def stage_checks(ctx: StageContext) -> list:
         processes.other_processes,
         generic.upstream_done,
         generic.output_path,
-        *ctx.module.checks(ctx.cfg),
+        *ctx.stage_def.checks(ctx.cfg),
         disk.disk_space,
         disk.filesystem,
     ]
@@ -178,8 +115,9 @@ def run_preflight(ctx: StageContext) -> list[preflight.CheckResult]:
 def preflight_pipeline(cfg: RunConfig) -> dict[str, list[preflight.CheckResult]]:
     """Pre-flight of the whole pipeline ahead of running it: each stage checked in order, as if the stages before
     it that have not finished (with this config's fingerprint) had run — their outputs "will be produced"."""
-    report, pending = {}, []
-    for stage in cfg.stages():
+    report: dict[str, list[preflight.CheckResult]] = {}
+    pending: list[str] = []
+    for stage in stages_for(cfg):
         ctx = make_context(cfg, stage)
         ctx.pending = tuple(pending)
         report[stage] = run_preflight(ctx)
@@ -235,10 +173,10 @@ def run_stage(
 ) -> dict[str, Any]:
     """Run one stage (the caller holds the run lock). Returns a summary row."""
     ctx = make_context(cfg, stage, force=force, **options)
-    module = stage_module(stage)
+    declared = ctx.stage_def
     # --retry-failed asks a finished generate to retry its failed samples, so it must not be skipped.
     if not options.get("retry_failed") and ctx.run.is_done(stage, ctx.fingerprint):
-        problem = damage_of(ctx, module)
+        problem = declared.damaged(ctx)
         if problem is None:
             console.print(
                 f"[dim]{stage}: done with the same inputs and parameters, skipped "
@@ -291,7 +229,7 @@ def run_stage(
             "resume": resuming,
             "force": force,
             "skip_preflight": skip_preflight,
-            "params": module.params(cfg),
+            "params": declared.params(cfg),
             "config": config_identity(cfg),
             "versions": tool_versions(),
             "preflight": [r.to_dict() for r in results],
@@ -300,9 +238,9 @@ def run_stage(
     t0 = time.monotonic()
     console.print(f"[bold]{stage}[/]: started{' (resuming)' if resuming else ''}")
     try:
-        counts = module.run(ctx) or {}
+        counts = declared.run(ctx) or {}
     except BaseException as err:
-        raise failures.record(ctx, module, err, round(time.monotonic() - t0, 2)) from None
+        raise failures.record(ctx, err, round(time.monotonic() - t0, 2)) from None
     seconds = round(time.monotonic() - t0, 2)
     ctx.run.append_event(
         {
@@ -321,25 +259,18 @@ def run_stage(
     return {"stage": stage, "state": "done", "counts": counts, "seconds": seconds, "warnings": ctx.warnings}
 
 
-def damage_of(ctx: StageContext, module: ModuleType) -> str | None:
-    """What is missing from a finished stage's outputs, by the stage's own ``damaged(ctx)`` (None: intact)."""
-    hook = getattr(module, "damaged", None)
-    return hook(ctx) if hook else None
-
-
 def run_stage_as_worker(cfg: RunConfig, stage: str, **options: Any) -> dict[str, Any]:
     """A torchrun rank other than 0: compute only. Rank 0 holds the lock, runs the pre-flight and writes
     the ledger; the stage itself makes sure only rank 0 writes files."""
     ctx = make_context(cfg, stage, **options)
-    module = stage_module(stage)
-    if ctx.run.is_done(stage, ctx.fingerprint) and damage_of(ctx, module) is None:
+    if ctx.run.is_done(stage, ctx.fingerprint) and ctx.stage_def.damaged(ctx) is None:
         return {"stage": stage, "state": "done", "skipped": True}  # rank 0 skips it too: no collective to wait in
-    counts = module.run(ctx) or {}
+    counts = ctx.stage_def.run(ctx) or {}
     return {"stage": stage, "state": "done", "counts": counts, "rank": int(os.environ.get("RANK", "0"))}
 
 
 def select_stages(cfg: RunConfig, start: str | None = None, until: str | None = None) -> list[str]:
-    order = cfg.stages()
+    order = stages_for(cfg)
     for name, flag in ((start, "--from"), (until, "--until")):
         if name is not None and name not in order:
             raise UsageError(f"{flag} {name}: not a stage of this run", f"use one of: {', '.join(order)}")
@@ -364,7 +295,7 @@ def _needs_force(cfg: RunConfig, run: RunDir, stages: list[str]) -> bool:
 def run_command(cfg: RunConfig, first: str, until: str | None = None, config: str = "CONFIG") -> str:
     """The one command that runs ``first`` .. ``until`` (done stages in between are skipped): with --force only
     when a stage in that range holds outputs of other parameters."""
-    order = cfg.stages()
+    order = stages_for(cfg)
     span = order[order.index(first) : order.index(until) + 1 if until else len(order)]
     parts = ["eaglekit run", config]
     if first != order[0]:
@@ -380,7 +311,7 @@ def command_to_reach(cfg: RunConfig, stage: str, config: str = "CONFIG") -> str:
     """The whole way to a finished ``stage``, from the first stage before it that is not done."""
     run = RunDir(cfg.run_dir)
     memo: dict[str, str] = {}
-    order = cfg.stages()
+    order = stages_for(cfg)
     first = next((s for s in order[: order.index(stage) + 1] if not run.is_done(s, fingerprint(cfg, s, memo))), stage)
     return run_command(cfg, first, stage, config)
 
@@ -392,7 +323,7 @@ def changed_parameters(run: RunDir, stage: str, cfg: RunConfig) -> list[str] | N
     if not done or "params" not in done[-1]:
         return None
     old = _flatten(done[-1]["params"])
-    new = _flatten(json.loads(json.dumps(stage_module(stage).params(cfg), default=str)))
+    new = _flatten(json.loads(json.dumps(stage_of(stage).params(cfg), default=str)))
     return [
         f"{stage}.{k}: {_short(old.get(k))} → {_short(new.get(k))}"
         for k in sorted(set(old) | set(new))

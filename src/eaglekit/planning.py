@@ -19,7 +19,6 @@ and how many samples would fit.
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 from dataclasses import asdict, dataclass, field
@@ -28,13 +27,11 @@ from typing import Any
 
 from eaglekit import pipeline
 from eaglekit.config import RunConfig
+from eaglekit.contract import Sizes
 from eaglekit.data.shards import bytes_per_token
 from eaglekit.preflight.checks import human_bytes
 from eaglekit.progress import format_duration
-
-GENERATE_TEXT_BYTES = 4  # bytes of JSON text per token of prompt and reply (English averages ~4 characters)
-GENERATE_ID_BYTES = 7  # bytes per token id written as JSON (`123456, `)
-PREPARE_BYTES = 5  # int32 token id + uint8 loss mask per token
+from eaglekit.rundir import RunDir
 
 
 @dataclass
@@ -73,7 +70,7 @@ def parse_bytes(text: str) -> int:
 # ----------------------------------------------------------------------------------------------- inputs
 
 
-def _ledger_end(run: pipeline.RunDir, stage: str) -> dict:
+def _ledger_end(run: RunDir, stage: str) -> dict:
     end = (run.last_events().get(stage) or {}).get("end") or {}
     return end if end.get("state") == "done" else {}
 
@@ -113,7 +110,7 @@ def gather_inputs(
     free_bytes: int | None = None,
     write_bytes_per_s: float | None = None,
 ) -> dict[str, Figure]:
-    run = pipeline.RunDir(cfg.run_dir)
+    run = RunDir(cfg.run_dir)
     gen, prep = _ledger_end(run, "generate"), _ledger_end(run, "prepare")
     ext, trn = _ledger_end(run, "extract"), _ledger_end(run, "train")
     inputs: dict[str, Figure] = {}
@@ -158,7 +155,7 @@ def gather_inputs(
         "",
         (rates.get("mean_output_tokens"), f"generate of this run ({_when(gen)})"),
         Figure(
-            min(cfg.generate.max_tokens, inputs["mean_tokens"].value),
+            min(cfg.generate.max_tokens, inputs["mean_tokens"].value or cfg.prepare.max_length),
             "assumed: min(generate.max_tokens, tokens per sample)",
         ),
     )
@@ -218,29 +215,42 @@ def gather_inputs(
 # ----------------------------------------------------------------------------------------------- stages
 
 
-def _n(x: float) -> str:
-    return f"{x:,.0f}"
-
-
 def stage_plans(
     cfg: RunConfig, inputs: dict[str, Figure], extract_dtype: str | None = None, mode: str | None = None
 ) -> list[StagePlan]:
-    """Each stage's bytes, time and peak disk; ``extract_dtype`` / ``mode`` replan an alternative."""
-    mode = mode or cfg.extract.mode
-    dtype = extract_dtype or cfg.extract.dtype
-    run = pipeline.RunDir(cfg.run_dir)
-    n, t = inputs["samples"].value, inputs["mean_tokens"].value
-    out_tokens = inputs["output_tokens"].value
-    hidden = inputs["hidden_size"].value
-    # this config's stages (verify only when configured), with extract as the alternative's mode says
-    stages = [s for s in pipeline.STAGES if s in cfg.stages() or s == "extract"]
-    stages = [s for s in stages if s != "extract" or mode == "offline"]
+    """Each stage's bytes and time (the stage's own ``estimate``) and the peak disk of the run so far;
+    ``extract_dtype`` / ``mode`` replan an alternative."""
+    planned = cfg.model_copy(deep=True)
+    planned.extract.mode = mode or cfg.extract.mode  # type: ignore[assignment]
+    run = RunDir(cfg.run_dir)
+    figures = {name: fig.value for name, fig in inputs.items()}
     plans = []
-    for stage in stages:
-        p = StagePlan(stage, done=run.done_fingerprint(stage) == pipeline.fingerprint(cfg, stage))
-        _estimate(cfg, p, inputs, n, t, out_tokens, hidden, dtype, mode, run)
+    for stage in pipeline.stages_for(planned):
+        ctx = pipeline.make_context(cfg, stage)
+        sizes = Sizes(
+            samples=figures["samples"],
+            mean_tokens=figures["mean_tokens"],
+            output_tokens=figures["output_tokens"],
+            hidden_size=figures["hidden_size"],
+            gen_tok_per_s=figures["gen_tok_per_s"],
+            extract_tok_per_s=figures["extract_tok_per_s"],
+            train_tok_per_s=figures["train_tok_per_s"],
+            write_bytes_per_s=figures["write_bytes_per_s"],
+            dtype=extract_dtype or cfg.extract.dtype,
+            ledger_end=_ledger_end(run, stage),
+        )
+        est = ctx.stage_def.estimate(ctx, sizes)
+        p = StagePlan(
+            stage,
+            done=run.done_fingerprint(stage) == ctx.fingerprint,
+            bytes=est.bytes,
+            per_sample_bytes=est.per_sample_bytes,
+            seconds=est.seconds,
+            need_write_rate=est.need_write_rate,
+            how=list(est.how),
+        )
         if p.bytes is not None:
-            p.fixed_bytes = p.bytes - (p.per_sample_bytes or 0) * (n or 0)
+            p.fixed_bytes = p.bytes - (p.per_sample_bytes or 0) * (sizes.samples or 0)
         plans.append(p)
 
     free = inputs["free_bytes"].value
@@ -262,127 +272,6 @@ def stage_plans(
     return plans
 
 
-def _estimate(cfg: RunConfig, p: StagePlan, inputs: dict[str, Figure], n, t, out_tokens, hidden, dtype, mode, run):
-    known = n is not None and t is not None
-    tokens = n * t if known else None
-    if p.stage == "generate":
-        ids = cfg.generate.return_token_ids or cfg.generate.backend == "local"
-        per_token = f"{GENERATE_TEXT_BYTES} B of text" + (
-            f" + {GENERATE_ID_BYTES} B of token ids per reply token" if ids else ""
-        )
-        if known:
-            p.per_sample_bytes = t * GENERATE_TEXT_BYTES + (out_tokens * GENERATE_ID_BYTES if ids else 0)
-            p.bytes = n * p.per_sample_bytes
-            p.how.append(
-                f"{_n(n)} samples × ({_n(t)} tok × {GENERATE_TEXT_BYTES} B"
-                + (f" + {_n(out_tokens)} reply tok × {GENERATE_ID_BYTES} B" if ids else "")
-                + f") [{per_token}]"
-            )
-        rate = inputs["gen_tok_per_s"].value
-        if known and rate:
-            p.seconds = n * out_tokens / rate
-            p.how.append(f"time: {_n(n)} × {_n(out_tokens)} reply tok ÷ {_n(rate)} tok/s")
-    elif p.stage == "prepare":
-        if known:
-            p.per_sample_bytes = t * PREPARE_BYTES + 8
-            p.bytes = n * p.per_sample_bytes
-            p.how.append(f"{_n(n)} × {_n(t)} tok × {PREPARE_BYTES} B (int32 id + uint8 mask)")
-        _measured_time(p, run, n, "samples")
-    elif p.stage == "vocab":
-        p.bytes = cfg.vocab.draft_vocab_size * 8 + (4 << 20)
-        p.how.append(f"d2t {_n(cfg.vocab.draft_vocab_size)} × 8 B + t2d and stats")
-        _measured_time(p, run, n, "samples")
-    elif p.stage == "extract":
-        if known and hidden:
-            per_token = bytes_per_token(int(hidden), dtype)
-            p.per_sample_bytes = t * per_token
-            shards = math.ceil(tokens / cfg.extract.shard_tokens)
-            p.bytes = n * p.per_sample_bytes + shards * (1 << 16)
-            what = (
-                "4 × H + 4 one-byte power-of-two scales"
-                if dtype == "fp8"
-                else f"(3 × H aux + H final) × {per_token // (4 * int(hidden))} B"
-            )
-            p.how.append(f"{_n(n)} samples × {_n(t)} tok × {per_token:,} B/tok [{dtype}: {what}, H = {int(hidden):,}]")
-        rate = inputs["extract_tok_per_s"].value
-        if known and rate and hidden:
-            p.seconds = tokens / rate
-            p.need_write_rate = rate * bytes_per_token(int(hidden), dtype)
-            p.how.append(f"time: {_n(tokens)} tok ÷ {_n(rate)} tok/s; writes {human_bytes(p.need_write_rate)}/s")
-            disk = inputs["write_bytes_per_s"].value
-            if disk and p.need_write_rate > disk:
-                p.seconds = p.bytes / disk
-                p.how.append(f"disk-bound: the disk takes {human_bytes(disk)}/s, so {human_bytes(p.bytes)} ÷ that")
-    elif p.stage == "train":
-        p.bytes = _train_bytes(cfg, p)
-        rate = inputs["train_tok_per_s"].value
-        if known and rate:
-            trained = tokens * (1 - cfg.data.eval_fraction) * cfg.train.epochs
-            p.seconds = trained / rate
-            p.how.append(
-                f"time: {_n(tokens)} tok × {1 - cfg.data.eval_fraction:g} (train split) × {cfg.train.epochs:g} "
-                f"epochs ÷ {_n(rate)} tok/s" + (" (max_steps may stop it earlier)" if cfg.train.max_steps else "")
-            )
-    elif p.stage == "evaluate":
-        p.bytes = 4 << 20
-        p.how.append("report and plots")
-        _measured_time(p, run, None, None)
-    elif p.stage == "export":
-        drafter = _drafter_bytes(cfg)
-        if drafter is not None:
-            p.bytes = 2 * drafter + (64 << 20)
-            p.how.append(f"2 forms × {human_bytes(drafter)} drafter + tokenizer files")
-        _measured_time(p, run, None, None)
-
-
-def _measured_time(p: StagePlan, run, n, unit) -> None:
-    end = _ledger_end(run, p.stage)
-    seconds = end.get("seconds")
-    if seconds is None:
-        return
-    done = (end.get("counts") or {}).get(unit) if unit else None
-    if unit and done and n:
-        p.seconds = seconds / done * n
-        p.how.append(f"time: measured {seconds:.0f} s for {_n(done)} {unit}, scaled to {_n(n)}")
-    else:
-        p.seconds = seconds
-        p.how.append(f"time: as measured in this run ({seconds:.0f} s)")
-
-
-def _drafter_config(cfg: RunConfig):
-    from eaglekit.model.run_shapes import drafter_config
-
-    return drafter_config(cfg)
-
-
-def _drafter_bytes(cfg: RunConfig) -> int | None:
-    from eaglekit.stages.train import parameter_counts
-
-    if not (Path(cfg.target.model) / "config.json").is_file():
-        return None
-    try:
-        return 4 * parameter_counts(_drafter_config(cfg))[0]
-    except Exception:  # noqa: BLE001 - a config eaglekit cannot derive a drafter from: the preflight says why
-        return None
-
-
-def _train_bytes(cfg: RunConfig, p: StagePlan) -> int | None:
-    from eaglekit.stages.train import parameter_counts
-
-    if not (Path(cfg.target.model) / "config.json").is_file():
-        p.how.append("checkpoints: unknown without the target's config.json")
-        return None
-    try:
-        total, trainable = parameter_counts(_drafter_config(cfg))
-    except Exception as err:  # noqa: BLE001
-        p.how.append(f"checkpoints: unknown ({err})")
-        return None
-    per = 4 * (total + 3 * trainable)
-    keep = cfg.train.keep_last + 1
-    p.how.append(f"{keep} checkpoints × {human_bytes(per)} (fp32 weights + 2 Adam moments) + best/")
-    return per * keep + 4 * total + (16 << 20)
-
-
 # ------------------------------------------------------------------------------------------ alternatives
 
 
@@ -392,7 +281,7 @@ def samples_that_fit(plans: list[StagePlan], free: float) -> int | None:
     if any(p.bytes is None for p in pending):
         return None
     per_sample = sum(p.per_sample_bytes or 0 for p in pending)
-    fixed = sum(p.fixed_bytes for p in pending)
+    fixed = sum(p.fixed_bytes or 0 for p in pending)
     if per_sample <= 0:
         return None
     return max(0, int((free - fixed) // per_sample))
@@ -400,11 +289,12 @@ def samples_that_fit(plans: list[StagePlan], free: float) -> int | None:
 
 def _total_peak(plans: list[StagePlan]) -> float | None:
     pending = [p for p in plans if not p.done]
-    return None if any(p.bytes is None for p in pending) else sum(p.bytes for p in pending)
+    return None if any(p.bytes is None for p in pending) else sum(p.bytes or 0 for p in pending)
 
 
 def alternatives(cfg: RunConfig, inputs: dict[str, Figure], plans: list[StagePlan]) -> list[dict[str, Any]]:
     free, n = inputs["free_bytes"].value, inputs["samples"].value
+    assert free is not None, "a run that does not fit has a known free space"
     out = []
 
     def option(title: str, how: str, alt: list[StagePlan], extra: str = "") -> dict[str, Any]:
@@ -536,7 +426,7 @@ def render(doc: dict[str, Any]):
             f"[{style[s['verdict']]}]{s['verdict']}[/]",
             escape("\n".join(s["how"])),
         )
-    lines = [inputs, stages]
+    lines: list[Any] = [inputs, stages]
     peak = doc["peak_bytes"]
     summary = (
         f"verdict: {doc['verdict']} — peak {human_bytes(peak) if peak is not None else '?'} "

@@ -118,23 +118,6 @@ def preflight_summary(event: dict | None) -> dict[str, Any] | None:
     }
 
 
-def data_flags(stage: str, counts: dict) -> list[str]:
-    """Bad data the recorded figures show."""
-    flags = []
-    if stage == "generate" and counts:
-        done = counts.get("done") or 0
-        if counts.get("empty_reasoning"):
-            flags.append(f"{counts['empty_reasoning']} of {done} responses have empty reasoning")
-        if counts.get("leftover_think"):
-            flags.append(
-                f"{counts['leftover_think']} of {done} replies keep think tags in their content "
-                "(reasoning not separated)"
-            )
-        if counts.get("failed"):
-            flags.append(f"{counts['failed']} samples failed (`eaglekit generate CONFIG --retry-failed` retries them)")
-    return flags
-
-
 def stage_rows(cfg: RunConfig) -> list[dict[str, Any]]:
     """One row per stage: state, counts, when, why (stale / failed / removed), pre-flight, warnings, data flags."""
     run = RunDir(cfg.run_dir)
@@ -143,8 +126,10 @@ def stage_rows(cfg: RunConfig) -> list[dict[str, Any]]:
     live = invocation if held else None
     memo: dict[str, str] = {}
     rows = []
-    for stage in cfg.stages():
-        index, start, end = (attempts.get(stage) or [(None, None, None)])[-1]
+    for stage in pipeline.stages_for(cfg):
+        declared = pipeline.stage_of(stage)
+        # never started: index -1, before any invocation
+        index, start, end = attempts[stage][-1] if attempts.get(stage) else (-1, None, None)
         current = pipeline.fingerprint(cfg, stage, memo)
         reason = None
         if start is None:
@@ -170,12 +155,12 @@ def stage_rows(cfg: RunConfig) -> list[dict[str, Any]]:
             state, reason = "pending", f"its folder {run.stage_dir(stage)} was removed or replaced"
         else:
             state = "done"
-        if live and stage in live[1].get("stages", []) and state != "done" and (index is None or index < live[0]):
+        if live and stage in live[1].get("stages", []) and state != "done" and index < live[0]:
             state = "queued"  # the command holding the lock will run it
         counts = (end or {}).get("counts") or {}
-        live_counts = getattr(pipeline.stage_module(stage), "live_counts", None)
-        if live_counts is not None and state in ("running", "incomplete"):
-            counts = live_counts(run.stage_dir(stage))
+        so_far = declared.live_counts(run.stage_dir(stage)) if state in ("running", "incomplete") else None
+        if so_far is not None:
+            counts = so_far
         pf = preflights.get(stage)
         rows.append(
             {
@@ -191,7 +176,7 @@ def stage_rows(cfg: RunConfig) -> list[dict[str, Any]]:
                 "fingerprint": current,
                 "preflight": preflight_summary(pf[1] if pf else None),
                 "warnings": list((end or {}).get("warnings") or []),
-                "flags": data_flags(stage, counts) if state in ("done", "stale") else [],
+                "flags": declared.data_flags(counts) if counts and state in ("done", "stale") else [],
             }
         )
     return rows

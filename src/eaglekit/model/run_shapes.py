@@ -23,3 +23,19 @@ def drafter_config(cfg: RunConfig) -> DrafterConfig | DFlashConfig:
     if cfg.train.draft.architecture == "dflash":  # the block-drafter family (model/dflash.py)
         return config_for_run(cfg, hf, aux, int(text_config(hf).vocab_size))
     return DrafterConfig.from_target_config(hf, cfg.vocab.draft_vocab_size, aux, **cfg.train.draft.model_dump())
+
+
+def parameter_counts(dc: DrafterConfig | DFlashConfig) -> tuple[int, int]:
+    """(all parameters, trainable ones) of a drafter: everything but the frozen [V, H] embedding trains."""
+    from math import prod
+
+    if isinstance(dc, DFlashConfig):  # the block-drafter family: the target's embedding and head stay frozen
+        from eaglekit.model.dflash_checkpoint import expected_state as block_state
+
+        trainable = sum(prod(shape) for shape in block_state(dc).values())
+        return trainable + 2 * dc.vocab_size * dc.hidden_size, trainable
+    from eaglekit.model.checkpoints import expected_state
+
+    weights = {k: prod(shape) for k, (shape, dtype) in expected_state(dc).items() if dtype is None}  # not d2t/t2d
+    total = sum(weights.values())
+    return total, total - weights["embed_tokens.weight"]

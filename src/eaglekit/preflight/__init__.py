@@ -15,10 +15,11 @@ The checks, one family per file:
     processes.py    other processes using the run directory without its lock
     environment.py  software versions, devices vs what the config asks
 
-A stage's checks see a context (``eaglekit.pipeline.StageContext``): ``cfg``, ``run``, ``stage``, ``dir``,
-``module`` (the stage's module), ``upstream`` and its ``upstream_fingerprint``, and ``pending`` — the stages
-that will run before this one when the whole pipeline is pre-flighted ahead of a first run; a check that
-needs their outputs says so with ``will_be_produced`` instead of failing.
+A stage's checks see a context (``eaglekit.contract.StageContext``): ``cfg``, ``run``, ``stage``, ``dir``,
+``stage_def`` (the stage's declaration) and ``estimate()`` (its estimate from its inputs on disk), ``upstream``
+and its ``upstream_fingerprint``, and ``pending`` — the stages that will run before this one when the whole
+pipeline is pre-flighted ahead of a first run; a check that needs their outputs says so with ``will_be_produced``
+instead of failing.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from typing import Any
 from rich.markup import escape
 from rich.table import Table
 
+from eaglekit.contract import StageContext
 from eaglekit.errors import EaglekitError
 
 STATUSES = ("ok", "warn", "fail", "skip")
@@ -65,18 +67,18 @@ def skip(name: str, detail: str) -> CheckResult:
     return CheckResult(name, "skip", detail)
 
 
-Check = Callable[[Any], "CheckResult | list[CheckResult]"]
+Check = Callable[[StageContext], "CheckResult | list[CheckResult]"]
 
 
-def will_be_produced(ctx: Any, name: str, stage: str) -> CheckResult | None:
+def will_be_produced(ctx: StageContext, name: str, stage: str) -> CheckResult | None:
     """A ``skip`` for a check that needs ``stage``'s outputs when that stage has yet to run in this pre-flight
     of the whole pipeline; None when the check should look (the outputs must then be there)."""
-    if stage in getattr(ctx, "pending", ()):
+    if stage in ctx.pending:
         return skip(name, f"will be produced by `{stage}`")
     return None
 
 
-def run_checks(ctx: Any, checks: Iterable[Check]) -> list[CheckResult]:
+def run_checks(ctx: StageContext, checks: Iterable[Check]) -> list[CheckResult]:
     results: list[CheckResult] = []
     for check in checks:
         t0 = time.monotonic()

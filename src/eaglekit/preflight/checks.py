@@ -13,6 +13,7 @@ import socket
 from pathlib import Path
 
 from eaglekit import rundir
+from eaglekit.contract import StageContext
 from eaglekit.preflight import CheckResult, fail, ok, skip, warn, will_be_produced
 
 
@@ -25,7 +26,7 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} PB"
 
 
-def run_lock(ctx) -> CheckResult:
+def run_lock(ctx: StageContext) -> CheckResult:
     lock = ctx.run.lock
     h = lock.holder() or {}
     if lock.fd is not None or (h.get("pid") == os.getpid() and h.get("host") == socket.gethostname()):
@@ -40,7 +41,7 @@ def run_lock(ctx) -> CheckResult:
     return ok("run lock", "free")
 
 
-def upstream_done(ctx) -> CheckResult:
+def upstream_done(ctx: StageContext) -> CheckResult:
     """The stage this one reads finished with this config's fingerprint (``ctx.upstream``, from the pipeline)."""
     up = ctx.upstream
     if up is None:
@@ -64,7 +65,7 @@ def upstream_done(ctx) -> CheckResult:
     return ok("upstream", f"'{up}' done with this config's fingerprint")
 
 
-def output_path(ctx) -> CheckResult:
+def output_path(ctx: StageContext) -> CheckResult:
     """Classify the stage's output folder: each case gets its own message, never one generic fallback."""
     d: Path = ctx.dir
     name = "output folder"
@@ -112,7 +113,7 @@ WEIGHT_FILES = (
 )
 
 
-def target_folder(ctx) -> CheckResult:
+def target_folder(ctx: StageContext) -> CheckResult:
     """The target has its config, tokenizer and (complete) weights — the same files from_pretrained reads."""
     model = ctx.cfg.target.model
     path = Path(model)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from eaglekit.contract import StageContext
 from eaglekit.errors import EaglekitError
 from eaglekit.preflight import CheckResult, fail, ok, warn
 
@@ -55,7 +56,7 @@ def count_rows(path: Path) -> tuple[int | None, str]:
     return int(size / per_line), f"estimated from the first 64 MB ({per_line:.0f} bytes per line)"
 
 
-def prompts(ctx) -> CheckResult:
+def prompts(ctx: StageContext) -> CheckResult:
     """``data.prompts`` exists, its first rows parse in a supported shape, and what the rest will be like."""
     from eaglekit.data.prompts import SKIP_REMEDY, load_prompts
 

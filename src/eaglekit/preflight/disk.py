@@ -1,13 +1,13 @@
 """Disk: free bytes and inodes where a stage writes, the filesystem under it, and how fast it takes data.
 
 Free space is ``f_bavail`` (what an unprivileged writer gets, not ``f_bfree``), compared with the stage's own
-estimate (``estimate_bytes(ctx)``); inodes likewise (``estimate_files(ctx)``, else a floor). The filesystem
+estimate (``ctx.estimate().bytes``: the stage's declared ``estimate``); inodes likewise (``.files``, else a floor). The filesystem
 comes from ``/proc/self/mountinfo``: the mount holding the output folder, its type and source, and whether it
 is network-backed (NFS, CIFS, Ceph, Lustre, GPFS, FUSE, or a block device over the network: RBD, NBD, iSCSI) —
 there a lock taken on one host does not stop a writer on another, and fsync costs a round trip. The write
 probe writes incompressible data sequentially and fsyncs it, so neither compression nor the page cache
-flatters the figure; it is compared with the rate the stage needs (``estimate_write_rate(ctx)``; extract:
-bytes per token × the target's measured tokens per second).
+flatters the figure; it is compared with the rate the stage needs (``.write_rate``; extract: bytes per token × the target's
+measured tokens per second).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from eaglekit.contract import StageContext
 from eaglekit.preflight import CheckResult, fail, ok, skip, warn
 from eaglekit.preflight.checks import human_bytes
 
@@ -61,13 +62,12 @@ def existing_ancestor(path: Path) -> Path:
 # ------------------------------------------------------------------------------------------ free space
 
 
-def disk_space(ctx) -> CheckResult:
+def disk_space(ctx: StageContext) -> CheckResult:
     """Free bytes and inodes at the output folder vs what the stage writes."""
-    module = ctx.module
     need = need_files = None
     try:
-        need = module.estimate_bytes(ctx) if hasattr(module, "estimate_bytes") else None
-        need_files = module.estimate_files(ctx) if hasattr(module, "estimate_files") else None
+        estimate = ctx.estimate()
+        need, need_files = estimate.bytes, estimate.files
     except Exception as err:  # noqa: BLE001 - an estimate that needs missing upstream outputs cannot be made yet
         note = f"; the stage cannot estimate its size yet ({type(err).__name__})"
     else:
@@ -139,9 +139,9 @@ def mount_of(path: Path, mounts: list[Mount]) -> Mount | None:
     best = None
     for m in mounts:  # later lines win ties: they are mounted over the earlier ones
         mp = m.mount_point.rstrip("/") or "/"
-        if path_str == mp or path_str.startswith(mp if mp == "/" else mp + "/"):
-            if best is None or len(mp) >= len(best.mount_point.rstrip("/") or "/"):
-                best = m
+        inside = path_str == mp or path_str.startswith(mp if mp == "/" else mp + "/")
+        if inside and (best is None or len(mp) >= len(best.mount_point.rstrip("/") or "/")):
+            best = m
     return best
 
 
@@ -183,7 +183,7 @@ def read_mounts() -> list[Mount]:
         return []
 
 
-def filesystem(ctx) -> CheckResult:
+def filesystem(ctx: StageContext) -> CheckResult:
     """The filesystem under the output folder, and whether it is network-backed."""
     where = existing_ancestor(ctx.dir).resolve()
     m = mount_of(where, read_mounts())
@@ -229,7 +229,7 @@ def probe_write_rate(folder: Path, size: int, max_seconds: float) -> tuple[int, 
     return _probe(os.stat(folder).st_dev, str(folder), size, max_seconds)
 
 
-def write_rate(ctx) -> CheckResult:
+def write_rate(ctx: StageContext) -> CheckResult:
     """A short write probe where the stage writes, vs the rate the stage needs."""
     name = "write rate"
     p = ctx.cfg.preflight
@@ -252,8 +252,10 @@ def write_rate(ctx) -> CheckResult:
         )
     rate = written / max(seconds, 1e-9)
     measured = f"{human_bytes(rate)}/s ({human_bytes(written)} written and fsynced in {seconds:.2f} s, {folder})"
-    hook = getattr(ctx.module, "estimate_write_rate", None)
-    need = hook(ctx) if hook else None
+    try:
+        need = ctx.estimate().write_rate
+    except Exception:  # noqa: BLE001 - the disk space check says the estimate cannot be made yet, and why
+        need = None
     if need is None:
         return ok(name, measured)
     need_rate, why = need

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from eaglekit.contract import StageContext
 from eaglekit.errors import EaglekitError
 from eaglekit.preflight import fail, ok, will_be_produced
 from eaglekit.speculative.inputs import eval_prompts, load_checked_drafter
 
 
-def drafter_checkpoint(ctx):
+def drafter_checkpoint(ctx: StageContext):
     pending = None if ctx.cfg.evaluate.checkpoint else will_be_produced(ctx, "drafter checkpoint", "train")
     if pending:
         return pending
@@ -23,7 +24,7 @@ def drafter_checkpoint(ctx):
     )
 
 
-def prompts_available(ctx):
+def prompts_available(ctx: StageContext):
     pending = None if ctx.cfg.evaluate.prompts else will_be_produced(ctx, "evaluation prompts", "generate")
     if pending:
         return pending

@@ -13,6 +13,7 @@ import json
 import os
 from pathlib import Path
 
+from eaglekit.contract import StageContext
 from eaglekit.preflight import CheckResult, fail, ok, warn
 from eaglekit.preflight.checks import human_bytes
 
@@ -33,7 +34,7 @@ def _target_config(cfg) -> dict | None:
         return None
 
 
-def software(ctx) -> CheckResult:
+def software(ctx: StageContext) -> CheckResult:
     """Versions of the stack, and the target's model_type known to this transformers (or its own code allowed)."""
     name = "software"
     found = {p: version(p) for p in PACKAGES}
@@ -80,7 +81,7 @@ def software(ctx) -> CheckResult:
     return ok(name, f"{line}; target model_type `{model_type}` from the folder's own code (trust_remote_code)")
 
 
-def devices(ctx) -> CheckResult:
+def devices(ctx: StageContext) -> CheckResult:
     """What torch sees vs what the config and the launcher ask."""
     import torch
 
@@ -129,7 +130,7 @@ def devices(ctx) -> CheckResult:
     return cpu_only(ctx, name)
 
 
-def _target_bytes(ctx) -> int:
+def _target_bytes(ctx: StageContext) -> int:
     from eaglekit.preflight.files import read_weights
 
     return read_weights(ctx.cfg.target.model).bytes if Path(ctx.cfg.target.model).is_dir() else 0
@@ -141,7 +142,7 @@ def _free_memory() -> int:
     return psutil.virtual_memory().available
 
 
-def cpu_only(ctx, name: str) -> CheckResult:
+def cpu_only(ctx: StageContext, name: str) -> CheckResult:
     """No GPU: fine for a small target, hopeless for a large one — say which by its size against the RAM."""
     weights, available = _target_bytes(ctx), _free_memory()
     if ctx.cfg.target.device_map:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+from eaglekit.contract import StageContext
 from eaglekit.preflight import CheckResult, fail, ok, skip, warn, will_be_produced
 from eaglekit.preflight.checks import human_bytes
 
@@ -280,7 +281,7 @@ def weights_result(name: str, weights: Weights, what: str) -> CheckResult:
 # ---------------------------------------------------------------------------------------- the target
 
 
-def target_weights(ctx) -> list[CheckResult]:
+def target_weights(ctx: StageContext) -> list[CheckResult]:
     """The target's weight files are whole, and the tensors the drafter copies from it are dense."""
     folder = Path(ctx.cfg.target.model)
     if not folder.is_dir():
@@ -300,7 +301,7 @@ def quantization_note(config: dict) -> str | None:
     bits = q.get("bits") or q.get("num_bits") or q.get("fmt")
     groups = q.get("config_groups")
     if not bits and isinstance(groups, dict):
-        first = next(iter(groups.values()), {})
+        first: dict = next(iter(groups.values()), {})
         bits = ((first or {}).get("weights") or {}).get("num_bits")
     return f"{method}" + (f" ({bits}{'-bit' if isinstance(bits, int) else ''})" if bits else "")
 
@@ -384,7 +385,7 @@ def drafter_folder_result(name: str, path: str | Path) -> CheckResult:
     return weights_result(name, read_weights(path), "a drafter")
 
 
-def init_from_files(ctx) -> CheckResult:
+def init_from_files(ctx: StageContext) -> CheckResult:
     """``train.init_from``: the published drafter to finetune is whole."""
     from eaglekit.model.hub import local_folder
 
@@ -396,7 +397,7 @@ def init_from_files(ctx) -> CheckResult:
     return drafter_folder_result("init_from files", folder)
 
 
-def evaluate_checkpoint_files(ctx) -> CheckResult:
+def evaluate_checkpoint_files(ctx: StageContext) -> CheckResult:
     """The drafter ``evaluate`` reads (``evaluate.checkpoint``, default train's best) is whole."""
     name = "drafter files"
     if ctx.cfg.evaluate.checkpoint:
@@ -409,7 +410,7 @@ def evaluate_checkpoint_files(ctx) -> CheckResult:
 # --------------------------------------------------------------------------------------- feature shards
 
 
-def feature_shards(ctx) -> CheckResult:
+def feature_shards(ctx: StageContext) -> CheckResult:
     """Before offline training: every shard in extract's index is whole (header, size) — no hashing, seconds not hours."""
     from eaglekit.data import shards as sh
 

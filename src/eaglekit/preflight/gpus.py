@@ -17,6 +17,7 @@ import os
 import statistics
 from dataclasses import dataclass, field
 
+from eaglekit.contract import StageContext
 from eaglekit.preflight import CheckResult, fail, ok, skip, warn
 from eaglekit.preflight.checks import human_bytes
 
@@ -154,7 +155,7 @@ def _pid_note(pid: int) -> str:
         return f"pid {pid} (another user's)"
 
 
-def need_per_gpu(ctx, used: list[GPU]) -> tuple[int, str] | None:
+def need_per_gpu(ctx: StageContext, used: list[GPU]) -> tuple[int, str] | None:
     """(bytes, why) each GPU the stage uses must have free: the target's weights, spread by device_map or not."""
     from pathlib import Path
 
@@ -177,7 +178,7 @@ def need_per_gpu(ctx, used: list[GPU]) -> tuple[int, str] | None:
     return need, f"the target's {human_bytes(weights)} of weights × {HEADROOM} {how}"
 
 
-def gpus(ctx) -> list[CheckResult]:
+def gpus(ctx: StageContext) -> list[CheckResult]:
     """Every GPU's state; a fail for broken memory or too little of it; a warn for uneven use or foreign processes."""
     found = inventory()
     if isinstance(found, str):
@@ -259,7 +260,7 @@ def uniformity(found: list[GPU]) -> list[CheckResult]:
     ]
 
 
-def memory_for_stage(ctx, used: list[GPU]) -> list[CheckResult]:
+def memory_for_stage(ctx: StageContext, used: list[GPU]) -> list[CheckResult]:
     out = []
     need = need_per_gpu(ctx, used)
     if need is not None:
@@ -301,7 +302,7 @@ def memory_for_stage(ctx, used: list[GPU]) -> list[CheckResult]:
     return out
 
 
-def target_placement(ctx):
+def target_placement(ctx: StageContext):
     """Under torchrun every rank loads its own copy of the target onto its own GPU; device_map would spread
     each rank's copy over all GPUs."""
     world = int(os.environ.get("WORLD_SIZE", "1"))

@@ -12,11 +12,13 @@ Not counted: this process, its ancestors (the shell that started it, torchrun's 
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import os
 import socket
 from pathlib import Path
 
+from eaglekit.contract import StageContext
 from eaglekit.preflight import CheckResult, fail, ok, warn
 
 WRITE_MODES = ("w", "a", "r+", "a+", "w+")
@@ -29,15 +31,13 @@ def _ours() -> set[int]:
     me = psutil.Process()
     pids = {me.pid, *(p.pid for p in me.parents())}
     if "LOCAL_RANK" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ:
-        try:
+        with contextlib.suppress(psutil.Error, AttributeError):
             pids |= {c.pid for c in me.parent().children(recursive=True)}
-        except (psutil.Error, AttributeError):
-            pass
     return pids
 
 
 def _inside(path: str | None, root: str) -> bool:
-    return bool(path) and (path == root or path.startswith(root + os.sep))
+    return path is not None and (path == root or path.startswith(root + os.sep))
 
 
 def _as_path(arg: str, cwd: str | None) -> str | None:
@@ -89,7 +89,7 @@ def users_of(run_dir: Path, exclude: set[int]) -> tuple[list[str], list[str], in
     return writers, others, hidden
 
 
-def other_processes(ctx) -> CheckResult:
+def other_processes(ctx: StageContext) -> CheckResult:
     """Live processes, other than this run's own, writing into (or sitting in) the run directory."""
     name = "other processes"
     run_dir = ctx.run.path

@@ -77,7 +77,7 @@ def api_key(ctx) -> CheckResult:
     try:
         _api_key(ctx.cfg)
     except UsageError as err:
-        return fail("API key", err.message, err.remedy)
+        return fail("API key", err.message, err.remedy or "")
     return ok("API key", f"read from ${name}")
 
 

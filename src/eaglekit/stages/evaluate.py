@@ -23,6 +23,7 @@ import torch
 
 from eaglekit import atomic, plots
 from eaglekit.config import RunConfig
+from eaglekit.contract import Estimate, Sizes, Stage, StageContext, measured_time
 from eaglekit.data.eval_report import METHODS, report_markdown
 from eaglekit.errors import EaglekitError, UsageError
 from eaglekit.preflight import checks as common
@@ -59,7 +60,7 @@ def params(cfg: RunConfig) -> dict:
     return p
 
 
-def starting_drafter(ctx):
+def starting_drafter(ctx: StageContext):
     from eaglekit.model.run_shapes import target_and_aux
 
     if not ctx.cfg.train.init_from:
@@ -85,8 +86,11 @@ def checks(cfg: RunConfig) -> list:
     ]
 
 
-def estimate_bytes(ctx) -> int:
-    return 4 << 20
+def estimate(ctx: StageContext, sizes: Sizes | None) -> Estimate:
+    est = Estimate(bytes=4 << 20, how=["report and plots"])
+    if sizes is not None:
+        measured_time(est, sizes, None)
+    return est
 
 
 # ------------------------------------------------------------------------------------------------ run
@@ -112,7 +116,7 @@ def result_row(method: str, k: int, temperature: float, stats: DecodeStats, plai
     }
 
 
-def run(ctx) -> dict:
+def run(ctx: StageContext) -> dict:
     from eaglekit.model.target import load_target
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -121,7 +125,7 @@ def run(ctx) -> dict:
         return evaluate(ctx, target, device)
 
 
-def evaluate(ctx, target, device: torch.device) -> dict:
+def evaluate(ctx: StageContext, target, device: torch.device) -> dict:
     cfg, ec = ctx.cfg, ctx.cfg.evaluate
     inputs = decoding_inputs(cfg, target, device, ec.max_new_tokens)
     drafter, info, aux, stop_ids, prompts, dtype = (
@@ -352,3 +356,15 @@ def counts(report: dict) -> dict:
     if report.get("finetune"):
         out["finetune_vs_start"] = {s["prompts"]: s["mean_ratio"] for s in report["finetune"]["sets"]}
     return out
+
+
+STAGE = Stage(
+    name=NAME,
+    upstream=UPSTREAM,
+    reads="train/checkpoints/best (or evaluate.checkpoint), the target, the held-out prompts",
+    writes="evaluate/report.json, evaluate/report.md, evaluate/*.png",
+    params=params,
+    checks=checks,
+    run=run,
+    estimate=estimate,
+)

@@ -23,10 +23,13 @@ import torch
 
 from eaglekit import atomic
 from eaglekit.config import RunConfig
+from eaglekit.contract import Estimate, Sizes, Stage, StageContext, measured_time
 from eaglekit.data.eval_report import report_markdown
 from eaglekit.errors import EaglekitError
+from eaglekit.model.run_shapes import drafter_config, parameter_counts
 from eaglekit.preflight import checks as common
 from eaglekit.preflight import fail, ok, warn
+from eaglekit.preflight.checks import human_bytes
 from eaglekit.preflight.drafter import drafter_checkpoint
 from eaglekit.progress import console
 from eaglekit.rundir import file_identity
@@ -58,7 +61,7 @@ def local_verifier_warning(cfg: RunConfig) -> str | None:
     )
 
 
-def verifier_known(ctx):
+def verifier_known(ctx: StageContext):
     if drafter_architecture(ctx.cfg) == "dflash":
         return ok("verifier", "DFlash drafter: the dflash form names no verifier (vLLM is given the target)")
     if "speculators" not in (ctx.options.get("formats") or ctx.cfg.export.formats):
@@ -98,10 +101,10 @@ def sglang_aux_problem(cfg: RunConfig, formats: list[str]) -> str | None:
     )
 
 
-def sglang_aux_layers(ctx):
+def sglang_aux_layers(ctx: StageContext):
     if drafter_architecture(ctx.cfg) == "dflash":
         return ok("SGLang aux layers", "DFlash drafter: no SGLang form")
-    formats = ctx.options.get("formats") or ctx.cfg.export.formats
+    formats: list[str] = ctx.options.get("formats") or list(ctx.cfg.export.formats)
     problem = sglang_aux_problem(ctx.cfg, formats)
     if problem and drafter_architecture(ctx.cfg) == "mla":
         return warn(
@@ -131,10 +134,30 @@ def checks(cfg: RunConfig) -> list:
     return [common.target_folder, drafter_checkpoint, verifier_known, sglang_aux_layers]
 
 
-def estimate_bytes(ctx) -> int:
-    path = checkpoint_path(ctx.cfg)
-    weights = sum(f.stat().st_size for f in path.glob("*.safetensors")) if path.is_dir() else 0
-    return 2 * weights + (64 << 20)  # two forms plus tokenizer files
+def estimate(ctx: StageContext, sizes: Sizes | None) -> Estimate:
+    """Two forms of the drafter plus tokenizer files: pre-flight weighs the checkpoint on disk, a plan the
+    drafter the config implies (fp32)."""
+    if sizes is None:
+        path = checkpoint_path(ctx.cfg)
+        weights = sum(f.stat().st_size for f in path.glob("*.safetensors")) if path.is_dir() else 0
+        return Estimate(bytes=2 * weights + (64 << 20))
+    est = Estimate()
+    drafter = drafter_bytes(ctx.cfg)
+    if drafter is not None:
+        est.bytes = 2 * drafter + (64 << 20)
+        est.how.append(f"2 forms × {human_bytes(drafter)} drafter + tokenizer files")
+    measured_time(est, sizes, None)
+    return est
+
+
+def drafter_bytes(cfg: RunConfig) -> int | None:
+    """The fp32 weights of the drafter a fresh training run builds; None without the target's config.json."""
+    if not (Path(cfg.target.model) / "config.json").is_file():
+        return None
+    try:
+        return 4 * parameter_counts(drafter_config(cfg))[0]
+    except Exception:  # noqa: BLE001 - a config eaglekit cannot derive a drafter from: the preflight says why
+        return None
 
 
 def serving_problems(drafter_cfg, hf) -> list[str]:
@@ -198,7 +221,7 @@ def serve_commands(cfg: RunConfig, dirs: dict[str, Path], sglang: bool = True) -
     return out
 
 
-def run(ctx) -> dict:
+def run(ctx: StageContext) -> dict:
     from eaglekit.data.chat import load_tokenizer
     from eaglekit.model.checkpoints import save_legacy, save_speculators, sglang_ignores
     from eaglekit.model.target import embedding_and_head
@@ -318,11 +341,11 @@ def export_block_drafter(ctx) -> dict:
     return {"formats": [FORM], FORM: str(dest), "warnings": len(warnings)}
 
 
-def run_warnings(ctx) -> list[str]:
+def run_warnings(ctx: StageContext) -> list[str]:
     """The warnings the stages before export recorded in their last finished run ("stage: text")."""
     events = ctx.run.last_events()
     out = []
-    for stage in ctx.cfg.stages()[: ctx.cfg.stages().index(NAME)]:
+    for stage in ctx.stages[: ctx.stages.index(NAME)]:
         end = (events.get(stage) or {}).get("end") or {}
         if end.get("state") == "done":
             out += [f"{stage}: {w}" for w in end.get("warnings") or []]
@@ -423,3 +446,15 @@ def describe_layer(c) -> str:
         layer = f"Llama attention: {c.num_attention_heads} heads, {c.num_key_value_heads} KV heads of {c.head_dim}"
     flags = [name for name in FLAGS if getattr(c, name)]
     return layer + (f"; {', '.join(flags)}" if flags else "")
+
+
+STAGE = Stage(
+    name=NAME,
+    upstream=UPSTREAM,
+    reads="the evaluated drafter and evaluate/report.json",
+    writes="export/eagle3/, export/speculators/, export/README.md",
+    params=params,
+    checks=checks,
+    run=run,
+    estimate=estimate,
+)

@@ -24,15 +24,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
+from pathlib import Path
 
 import torch
 
-from eaglekit.config import RunConfig
+from eaglekit.config import RunConfig, VllmFeaturesConfig
+from eaglekit.contract import Estimate, Sizes, Stage, StageContext
 from eaglekit.data import shards as sh
 from eaglekit.data.shard_sink import ShardSink
 from eaglekit.data.tokens import TokenStore
-from eaglekit.errors import EaglekitError
+from eaglekit.errors import EaglekitError, UsageError
 from eaglekit.model.target import (
     TargetFeatures,
     aux_layer_ids,
@@ -69,10 +72,10 @@ def params(cfg: RunConfig) -> dict:
     return p
 
 
-def live_counts(stage_dir) -> dict:
+def live_counts(stage_dir: Path) -> dict:
     """What `status` shows while extract runs or after it was killed: the shards committed so far."""
-    entries = [sh.complete_shard(side.with_suffix(".safetensors")) for side in stage_dir.glob("shard-*.json")]
-    entries = [e for e in entries if e]
+    found = (sh.complete_shard(side.with_suffix(".safetensors")) for side in stage_dir.glob("shard-*.json"))
+    entries = [e for e in found if e]
     return {
         "shards_committed": len(entries),
         "samples": sum(e["samples"] for e in entries),
@@ -81,7 +84,7 @@ def live_counts(stage_dir) -> dict:
     }
 
 
-def _plan(ctx):
+def _plan(ctx: StageContext):
     store = TokenStore(ctx.run.stage_dir("prepare") / "tokens.safetensors")
     lengths = store.lengths.tolist()
     return store, lengths, sh.plan_shards(lengths, ctx.cfg.extract.shard_tokens)
@@ -96,7 +99,7 @@ def _shard_meta(hidden: int, aux_ids: list[int], backend: str) -> dict:
     }
 
 
-def estimate_bytes(ctx) -> int | None:
+def estimate_bytes(ctx: StageContext) -> int | None:
     """Exact shard sizes of the plan (header, features, offsets) plus sidecars and index; on resume, what is left."""
     if not (ctx.run.stage_dir("prepare") / "tokens.safetensors").exists():
         return None
@@ -119,7 +122,7 @@ def estimate_bytes(ctx) -> int | None:
 # ------------------------------------------------------------------------------------------- pre-flight
 
 
-def existing_shards(ctx):
+def existing_shards(ctx: StageContext):
     """When resuming, the shards already written must match their sidecars (size always, sha256 when affordable)."""
     if not ctx.resuming or not any(ctx.dir.glob("shard-*.json")):
         return skip("existing shards", "nothing to resume")
@@ -134,7 +137,7 @@ def existing_shards(ctx):
     )
 
 
-def damaged(ctx) -> str | None:
+def damaged(ctx: StageContext) -> str | None:
     """A finished extract whose shard was deleted or cut short (say, to repair it) is rerun: it re-extracts only
     that. Checked without hashing (sizes, and the sidecar's sha256 against the index's): a shard counts as
     present once its sidecar does, so a shard the index lists but whose sidecar is gone is redone too."""
@@ -151,7 +154,7 @@ def damaged(ctx) -> str | None:
     return None
 
 
-def kept(ctx) -> str:
+def kept(ctx: StageContext) -> str:
     """What a stopped extract leaves: committed shards (an open one is a temp file, dropped on resume)."""
     counts = live_counts(ctx.dir)
     if not counts["shards_committed"]:
@@ -186,14 +189,14 @@ def checks(cfg: RunConfig) -> list:
     ]
 
 
-def estimate_files(ctx) -> int | None:
+def estimate_files(ctx: StageContext) -> int | None:
     """Inodes: a shard and its sidecar per ``extract.shard_tokens`` tokens, and the index."""
     if not (ctx.run.stage_dir("prepare") / "tokens.safetensors").exists():
         return None
     return 2 * len(_plan(ctx)[2]) + 2
 
 
-def estimate_write_rate(ctx) -> tuple[float, str] | None:
+def estimate_write_rate(ctx: StageContext) -> tuple[float, str] | None:
     """Bytes per second the features arrive at: the target's forward speed that an earlier extract of this run
     measured (a pilot), times the bytes stored per token."""
     end = (ctx.run.last_events().get(NAME) or {}).get("end") or {}
@@ -209,7 +212,7 @@ def estimate_write_rate(ctx) -> tuple[float, str] | None:
 
 
 @torch.no_grad()
-def run(ctx) -> dict:
+def run(ctx: StageContext) -> dict:
     cfg = ctx.cfg
     distributed.init()
     distributed.barrier()  # rank 0 has passed its pre-flight (and --force's cleanup) before any rank looks at shards
@@ -243,7 +246,7 @@ def run(ctx) -> dict:
         with ShardSink(ctx.dir, writes, hidden, dtype, meta, depth=cfg.extract.writer_queue) as sink:
             if backend == "vllm" and todo:
                 _extract_vllm(ctx, norm, store, plan, todo, sink, meter, aux_ids, n_layers, hidden)
-            elif todo:
+            elif target is not None:  # backend hf with shards to do
                 _extract_hf(cfg, target, store, lengths, plan, todo, sink, meter)
         rates = sink.report(sum(shard_tokens[n] for n in todo))
     source = "the servers" if backend == "vllm" else "the target"
@@ -261,8 +264,9 @@ def run(ctx) -> dict:
     distributed.barrier()
     counts = {}
     if distributed.is_main():
-        entries = [sh.complete_shard(ctx.dir / sh.shard_name(n)) for n in range(len(plan))]
-        missing = [sh.shard_name(n) for n, e in enumerate(entries) if e is None]
+        found = [sh.complete_shard(ctx.dir / sh.shard_name(n)) for n in range(len(plan))]
+        missing = [sh.shard_name(n) for n, e in enumerate(found) if e is None]
+        entries = [e for e in found if e is not None]
         if missing:
             raise EaglekitError(
                 f"extract: {len(missing)} shards are missing or damaged after the run, e.g. {missing[0]}",
@@ -325,12 +329,13 @@ def _extract_hf(cfg, target: TargetFeatures, store, lengths, plan, todo, sink, m
             meter.update(sum(lengths[i] for i in batch), shard=f"{n + 1}/{len(plan)}")
 
 
-def _extract_vllm(ctx, norm, store, plan, todo, sink, meter, aux_ids, n_layers, hidden) -> None:
+def _extract_vllm(ctx: StageContext, norm, store, plan, todo, sink, meter, aux_ids, n_layers, hidden) -> None:
     """vLLM servers: every sample of the pending shards in flight (bounded), rows written as they arrive."""
     from eaglekit.serving.client import RequestFailed
     from eaglekit.serving.vllm_features import FeatureClient, server_layer_ids
 
     cfg, v = ctx.cfg, ctx.cfg.extract.vllm
+    assert v is not None, "run only with extract.backend vllm, which the config requires extract.vllm for"
     layer_ids = server_layer_ids(aux_ids, n_layers)
     prefix = f"ek{ctx.fingerprint[:10]}-r{distributed.rank()}"
     in_flight = 2 * v.concurrency * len(v.servers)
@@ -394,14 +399,21 @@ def _extract_vllm(ctx, norm, store, plan, todo, sink, meter, aux_ids, n_layers, 
 # ---------------------------------------------------------------------------------------- vLLM helpers
 
 
+def vllm_settings(cfg: RunConfig) -> VllmFeaturesConfig:
+    """extract.vllm, which parse_config requires whenever extract.backend is vllm."""
+    if cfg.extract.vllm is None:
+        raise UsageError("extract.backend is 'vllm' but extract.vllm is not set", "add extract.vllm: {servers: [...]}")
+    return cfg.extract.vllm
+
+
 def served_model(cfg: RunConfig) -> str:
-    return cfg.extract.vllm.model or cfg.target.model
+    return vllm_settings(cfg).model or cfg.target.model
 
 
 def feature_api_key(cfg: RunConfig) -> str | None:
     from eaglekit.serving.client import api_key_from_env
 
-    return api_key_from_env(cfg.extract.vllm.api_key_env, "extract.vllm.api_key_env")
+    return api_key_from_env(vllm_settings(cfg).api_key_env, "extract.vllm.api_key_env")
 
 
 def vllm_serve_command(cfg: RunConfig) -> str:
@@ -421,20 +433,21 @@ def vllm_serve_command(cfg: RunConfig) -> str:
     return serve_command(cfg.target.model, ids, v.storage_path, v.connector, served_model(cfg), longest)
 
 
-def _longest_sample(ctx) -> int | None:
+def _longest_sample(ctx: StageContext) -> int | None:
     path = ctx.run.stage_dir("prepare") / "tokens.safetensors"
     return int(TokenStore(path).lengths.max()) if path.exists() else None
 
 
-def feature_servers(ctx) -> list:
+def feature_servers(ctx: StageContext) -> list:
     """Every feature server answers, serves the model, and has a context for the longest sample plus one token."""
     from eaglekit.preflight.servers import server_info
 
     cfg, v = ctx.cfg, ctx.cfg.extract.vllm
+    assert v is not None, "declared for extract.backend vllm only, which the config requires extract.vllm for"
     try:
         key = feature_api_key(cfg)
     except EaglekitError as err:
-        return [fail("feature servers", err.message, err.remedy)]
+        return [fail("feature servers", err.message, err.remedy or "")]
     model, longest = served_model(cfg), _longest_sample(ctx)
     results = []
     for url in v.servers:
@@ -471,8 +484,9 @@ def feature_servers(ctx) -> list:
     return results
 
 
-def feature_storage(ctx):
+def feature_storage(ctx: StageContext):
     """The servers' shared_storage_path is a folder here that eaglekit can read and clean up."""
+    assert ctx.cfg.extract.vllm is not None, "declared for extract.backend vllm only"
     path = ctx.cfg.extract.vllm.storage_path
     if not os.path.isdir(path):
         return fail(
@@ -490,7 +504,7 @@ def feature_storage(ctx):
     return ok("feature storage", f"{path} (each request's file is deleted once its rows are in a shard)")
 
 
-def feature_smoke(ctx) -> list:
+def feature_smoke(ctx: StageContext) -> list:
     """One real request per server through the run's own code path, then the server's own next token is
     checked against the captured final state through the target's norm and lm_head — which proves the layer
     ids, the pre-norm final state and the token alignment in one go."""
@@ -499,6 +513,7 @@ def feature_smoke(ctx) -> list:
     from eaglekit.serving.vllm_features import FeatureClient, server_layer_ids
 
     cfg, v = ctx.cfg, ctx.cfg.extract.vllm
+    assert v is not None, "declared for extract.backend vllm only"
     path = ctx.run.stage_dir("prepare") / "tokens.safetensors"
     pending = will_be_produced(ctx, "feature smoke request", "prepare")
     if pending or not path.exists():  # (not pending and missing: the upstream check fails and says why)
@@ -569,3 +584,50 @@ def feature_smoke(ctx) -> list:
                 )
             )
     return results
+
+
+def estimate(ctx: StageContext, sizes: Sizes | None) -> Estimate:
+    """The shards. Pre-flight sizes the plan of the prepared tokens exactly (estimate_bytes, estimate_files) and
+    the write rate a pilot measured; a plan projects the same bytes per token from the figures."""
+    if sizes is None:
+        return Estimate(bytes=estimate_bytes(ctx), files=estimate_files(ctx), write_rate=estimate_write_rate(ctx))
+    est = Estimate()
+    n, t, hidden, dtype = sizes.samples, sizes.mean_tokens, sizes.hidden_size, sizes.dtype
+    if n is None or t is None or not hidden:
+        return est
+    tokens = n * t
+    per_token = sh.bytes_per_token(int(hidden), dtype)
+    est.per_sample_bytes = t * per_token
+    est.bytes = n * est.per_sample_bytes + math.ceil(tokens / ctx.cfg.extract.shard_tokens) * (1 << 16)
+    what = (
+        "4 × H + 4 one-byte power-of-two scales"
+        if dtype == "fp8"
+        else f"(3 × H aux + H final) × {per_token // (4 * int(hidden))} B"
+    )
+    est.how.append(f"{n:,.0f} samples × {t:,.0f} tok × {per_token:,} B/tok [{dtype}: {what}, H = {int(hidden):,}]")
+    rate = sizes.extract_tok_per_s
+    if rate:
+        est.seconds = tokens / rate
+        est.need_write_rate = rate * per_token
+        est.how.append(f"time: {tokens:,.0f} tok ÷ {rate:,.0f} tok/s; writes {human_bytes(est.need_write_rate)}/s")
+        disk = sizes.write_bytes_per_s
+        if disk and est.need_write_rate > disk:
+            est.seconds = est.bytes / disk
+            est.how.append(f"disk-bound: the disk takes {human_bytes(disk)}/s, so {human_bytes(est.bytes)} ÷ that")
+    return est
+
+
+STAGE = Stage(
+    name=NAME,
+    upstream=UPSTREAM,
+    reads="prepare/tokens.safetensors and the target (offline mode only)",
+    writes="extract/shard-*.safetensors, extract/index.json",
+    params=params,
+    checks=checks,
+    run=run,
+    runs_for=lambda cfg: cfg.extract.offline,
+    estimate=estimate,
+    kept=kept,
+    damaged=damaged,
+    live_counts=live_counts,
+)

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from eaglekit.config import RunConfig
+from eaglekit.contract import Estimate, Sizes, Stage, StageContext
 from eaglekit.data.prompts import PromptRecord, run_prompts
 from eaglekit.data.reasoning import explain_missing_reasoning, target_reasoning_mode
 from eaglekit.data.responses import RESPONSES, ResponseStore, make_record, quick_counts, summarize
@@ -37,12 +38,12 @@ NAME = "generate"
 UPSTREAM = None
 
 
-def live_counts(stage_dir) -> dict:
+def live_counts(stage_dir: Path) -> dict:
     """What `status` shows while a long generate is running or was killed."""
     return quick_counts(stage_dir)
 
 
-def kept(ctx) -> str:
+def kept(ctx: StageContext) -> str:
     """What a stopped generate leaves: complete lines only (a torn one is cut back), each a finished sample."""
     done = quick_counts(ctx.dir)["done"]
     return f"{done} responses are safely in {ctx.dir / RESPONSES} (a rerun resumes after them)"
@@ -52,8 +53,8 @@ def params(cfg: RunConfig) -> dict:
     """What the responses depend on. Not the server URLs, concurrency or batch size: adding a server or
     changing the batching must not invalidate a run."""
     g, t = cfg.generate, cfg.target
-    template = t.chat_template
-    if template and not template.lstrip().startswith("{") and Path(template).exists():
+    template: str | dict | None = t.chat_template
+    if template and isinstance(template, str) and not template.lstrip().startswith("{") and Path(template).exists():
         template = file_identity(template)
     return {
         "prompts": file_identity(cfg.data.prompts),
@@ -99,16 +100,37 @@ def checks(cfg: RunConfig) -> list:
     ]
 
 
-def estimate_bytes(ctx) -> int | None:
+TEXT_BYTES = 4  # bytes of JSON text per token of prompt and reply (English averages ~4 characters)
+ID_BYTES = 7  # bytes per token id written as JSON (`123456, `)
+
+
+def estimate(ctx: StageContext, sizes: Sizes | None) -> Estimate:
+    """The responses file: its text, and the reply's token ids when they are kept (local backend or
+    generate.return_token_ids). Pre-flight sizes the prompts as loaded with replies of generate.max_tokens."""
     cfg, g = ctx.cfg, ctx.cfg.generate
-    try:
-        records = run_prompts(cfg).records
-    except EaglekitError:
-        return None  # the prompts check says what is wrong
-    prompt_bytes = sum(len(str(r.messages)) for r in records)
     ids = g.return_token_ids or g.backend == "local"
-    # ~4 bytes of JSON text per output token, ~7 more per token id written as JSON
-    return prompt_bytes + len(records) * g.max_tokens * (4 + (7 if ids else 0))
+    if sizes is None:
+        try:
+            records = run_prompts(cfg).records
+        except EaglekitError:
+            return Estimate()  # the prompts check says what is wrong
+        prompt_bytes = sum(len(str(r.messages)) for r in records)
+        return Estimate(bytes=prompt_bytes + len(records) * g.max_tokens * (TEXT_BYTES + (ID_BYTES if ids else 0)))
+    est = Estimate()
+    n, t, out_tokens = sizes.samples, sizes.mean_tokens, sizes.output_tokens
+    if n is not None and t is not None and out_tokens is not None:
+        per_token = f"{TEXT_BYTES} B of text" + (f" + {ID_BYTES} B of token ids per reply token" if ids else "")
+        est.per_sample_bytes = t * TEXT_BYTES + (out_tokens * ID_BYTES if ids else 0)
+        est.bytes = n * est.per_sample_bytes
+        est.how.append(
+            f"{n:,.0f} samples × ({t:,.0f} tok × {TEXT_BYTES} B"
+            + (f" + {out_tokens:,.0f} reply tok × {ID_BYTES} B" if ids else "")
+            + f") [{per_token}]"
+        )
+        if sizes.gen_tok_per_s:
+            est.seconds = n * out_tokens / sizes.gen_tok_per_s
+            est.how.append(f"time: {n:,.0f} × {out_tokens:,.0f} reply tok ÷ {sizes.gen_tok_per_s:,.0f} tok/s")
+    return est
 
 
 # --- collecting finished samples ---------------------------------------------------------------------
@@ -253,7 +275,7 @@ async def generate_openai(cfg: RunConfig, pending: list[PromptRecord], collector
                         choice.get("finish_reason"),
                         usage.get("prompt_tokens"),
                         usage.get("completion_tokens"),
-                        reply.data.get("model") or cfg.generate.model,
+                        reply.data.get("model") or cfg.generate.model or "",
                         reply.server,
                         choice.get("token_ids"),
                     )
@@ -264,8 +286,9 @@ async def generate_openai(cfg: RunConfig, pending: list[PromptRecord], collector
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
             for task in done:
-                if task.exception() is not None:
-                    raise task.exception()
+                error = task.exception()
+                if error is not None:
+                    raise error
         finally:
             for task in tasks:
                 task.cancel()
@@ -273,7 +296,7 @@ async def generate_openai(cfg: RunConfig, pending: list[PromptRecord], collector
             notes.extend(client.rotation_report())
 
 
-def run(ctx) -> dict:
+def run(ctx: StageContext) -> dict:
     cfg, g = ctx.cfg, ctx.cfg.generate
     prompt_set = run_prompts(cfg)
     mode, why = target_reasoning_mode(cfg)
@@ -351,3 +374,33 @@ def run(ctx) -> dict:
         "prompt_duplicates": prompt_set.duplicates,
         "bad_rows": len(prompt_set.bad_rows),
     }
+
+
+def data_flags(counts: dict) -> list[str]:
+    """Bad data the recorded figures show (`eaglekit status`)."""
+    flags = []
+    done = counts.get("done") or 0
+    if counts.get("empty_reasoning"):
+        flags.append(f"{counts['empty_reasoning']} of {done} responses have empty reasoning")
+    if counts.get("leftover_think"):
+        flags.append(
+            f"{counts['leftover_think']} of {done} replies keep think tags in their content (reasoning not separated)"
+        )
+    if counts.get("failed"):
+        flags.append(f"{counts['failed']} samples failed (`eaglekit generate CONFIG --retry-failed` retries them)")
+    return flags
+
+
+STAGE = Stage(
+    name=NAME,
+    upstream=UPSTREAM,
+    reads="data.prompts, and the target (in process) or its OpenAI-compatible servers",
+    writes="generate/responses.jsonl, generate/errors.jsonl",
+    params=params,
+    checks=checks,
+    run=run,
+    estimate=estimate,
+    kept=kept,
+    live_counts=live_counts,
+    data_flags=data_flags,
+)

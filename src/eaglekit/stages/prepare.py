@@ -12,6 +12,7 @@ from pathlib import Path
 
 from eaglekit import atomic
 from eaglekit.config import RunConfig
+from eaglekit.contract import Estimate, Sizes, Stage, StageContext, measured_time
 from eaglekit.data.chat import load_tokenizer, render_sample, use_generated_tokens
 from eaglekit.data.reasoning import has_think_tags
 from eaglekit.data.responses import read_responses
@@ -53,13 +54,25 @@ def checks(cfg: RunConfig) -> list:
     return [common.target_folder]
 
 
-def estimate_bytes(ctx) -> int | None:
-    responses = ctx.run.stage_dir("generate") / "responses.jsonl"
-    # Token ids (4 B) + mask (1 B) per token, about one token per 4 bytes of JSON text.
-    return int(responses.stat().st_size / 4 * 5) if responses.exists() else None
+BYTES_PER_TOKEN = 5  # int32 token id + uint8 loss mask
 
 
-def run(ctx) -> dict:
+def estimate(ctx: StageContext, sizes: Sizes | None) -> Estimate:
+    """The token store. Pre-flight counts about one token per 4 bytes of the responses' JSON text."""
+    if sizes is None:
+        responses = ctx.run.stage_dir("generate") / "responses.jsonl"
+        return Estimate(bytes=int(responses.stat().st_size / 4 * BYTES_PER_TOKEN) if responses.exists() else None)
+    est = Estimate()
+    n, t = sizes.samples, sizes.mean_tokens
+    if n is not None and t is not None:
+        est.per_sample_bytes = t * BYTES_PER_TOKEN + 8
+        est.bytes = n * est.per_sample_bytes
+        est.how.append(f"{n:,.0f} × {t:,.0f} tok × {BYTES_PER_TOKEN} B (int32 id + uint8 mask)")
+    measured_time(est, sizes, "samples")
+    return est
+
+
+def run(ctx: StageContext) -> dict:
     cfg = ctx.cfg
     tokenizer = load_tokenizer(cfg.target.model, cfg.target.chat_template, cfg.target.trust_remote_code)
     responses_path = ctx.run.stage_dir("generate") / "responses.jsonl"
@@ -145,3 +158,15 @@ def run(ctx) -> dict:
     return {k: stats[k] for k in ("samples", "tokens", "assistant_tokens", "mean_length", "p95_length")} | {
         "dropped": sum(dropped.values())
     }
+
+
+STAGE = Stage(
+    name=NAME,
+    upstream=UPSTREAM,
+    reads="generate/responses.jsonl and the target's tokenizer and chat template",
+    writes="prepare/tokens.safetensors, prepare/stats.json",
+    params=params,
+    checks=checks,
+    run=run,
+    estimate=estimate,
+)

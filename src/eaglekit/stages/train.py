@@ -14,19 +14,20 @@ from __future__ import annotations
 from pathlib import Path
 
 from eaglekit.config import RunConfig
+from eaglekit.contract import Estimate, Sizes, Stage, StageContext
 from eaglekit.errors import EaglekitError
-from eaglekit.model.dflash import DFlashConfig
 from eaglekit.model.dflash_checkpoint import is_dflash_checkpoint, load_for_target
 from eaglekit.model.drafter import FLAGS, DrafterConfig, text_config
 from eaglekit.model.hub import cached_drafter, download_drafter, is_hub_id, local_folder
-from eaglekit.model.run_shapes import drafter_config, target_and_aux
+from eaglekit.model.run_shapes import drafter_config, parameter_counts, target_and_aux
 from eaglekit.model.target import target_identity
 from eaglekit.preflight import checks as common
 from eaglekit.preflight import disk, environment, fail, files, gpus, ok, skip, warn
+from eaglekit.preflight.checks import human_bytes
 from eaglekit.rundir import file_identity
 
 NAME = "train"
-UPSTREAM = "extract"  # the pipeline maps it to "vocab" in online mode
+UPSTREAM = "extract"  # in online mode the pipeline steps over the skipped extract, to vocab
 
 
 MIN_SAMPLES = 100  # fewer training samples than this make a drafter that cannot generalise
@@ -46,7 +47,7 @@ def params(cfg: RunConfig) -> dict:
     return p
 
 
-def packing(ctx):
+def packing(ctx: StageContext):
     from eaglekit.training.data import pack_length
 
     tc = ctx.cfg.train
@@ -64,7 +65,7 @@ def packing(ctx):
     )
 
 
-def anchor(ctx):
+def anchor(ctx: StageContext):
     tc = ctx.cfg.train
     if not tc.anchor_weight:
         return skip("anchor", "train.anchor_weight is 0: no pull toward the starting weights")
@@ -77,7 +78,7 @@ def anchor(ctx):
     return ok("anchor", f"L2-SP pull toward {tc.init_from}: anchor_weight {tc.anchor_weight}")
 
 
-def init_from_download(ctx):
+def init_from_download(ctx: StageContext):
     """A hub id in train.init_from is fetched now, before the stage starts, so nothing else runs while it downloads
     (resumed where an earlier attempt stopped: ``model/hub.py``)."""
     name, path = "init_from download", ctx.cfg.train.init_from
@@ -93,7 +94,7 @@ def init_from_download(ctx):
     return ok(name, f"{path} downloaded into {folder}")
 
 
-def init_from_compatible(ctx):
+def init_from_compatible(ctx: StageContext):
     """A drafter to finetune must fit the target: hidden sizes, vocab, aux layers, heads, positions, tokenizer."""
     from eaglekit.model import checkpoints
 
@@ -152,7 +153,7 @@ def _tokenizer_size(cfg: RunConfig) -> int | None:
         return None
 
 
-def drafter_shape(ctx):
+def drafter_shape(ctx: StageContext):
     """The drafter this run trains, derived from the target and train.draft: refused now rather than at step 0,
     and the MLA drafter suggested for DeepSeek-V3/Kimi targets."""
     from eaglekit.model.checkpoints import serving_problems, sglang_ignores
@@ -229,22 +230,6 @@ def checks(cfg: RunConfig) -> list:
     ]
 
 
-def parameter_counts(dc: DrafterConfig | DFlashConfig) -> tuple[int, int]:
-    """(all parameters, trainable ones) of a drafter: everything but the frozen [V, H] embedding trains."""
-    from math import prod
-
-    if isinstance(dc, DFlashConfig):  # the block-drafter family: the target's embedding and head stay frozen
-        from eaglekit.model.dflash_checkpoint import expected_state as block_state
-
-        trainable = sum(prod(shape) for shape in block_state(dc).values())
-        return trainable + 2 * dc.vocab_size * dc.hidden_size, trainable
-    from eaglekit.model.checkpoints import expected_state
-
-    weights = {k: prod(shape) for k, (shape, dtype) in expected_state(dc).items() if dtype is None}  # not d2t/t2d
-    total = sum(weights.values())
-    return total, total - weights["embed_tokens.weight"]
-
-
 def block_drafter_shape(cfg: RunConfig):
     from eaglekit.model.dflash import config_for_run
     from eaglekit.training.dflash import block_drafter_notes
@@ -264,15 +249,41 @@ def block_drafter_shape(cfg: RunConfig):
     return ok("drafter", detail)
 
 
-def estimate_bytes(ctx) -> int:
-    """Checkpoints: each holds the drafter (fp32) and training_state (weights + two Adam moments, fp32)."""
-    cfg = ctx.cfg
+def checkpoint_bytes(cfg: RunConfig) -> tuple[int, int, int]:
+    """(all the checkpoints, one checkpoint, the drafter's parameters): each checkpoint holds the drafter (fp32)
+    and training_state (weights + two Adam moments, fp32); best/ and the metrics and plots come on top."""
     total, trainable = parameter_counts(drafter_config(cfg))
     per_checkpoint = 4 * (total + 3 * trainable)
-    return per_checkpoint * (cfg.train.keep_last + 1) + 4 * total + (16 << 20)  # + best/ + metrics and plots
+    return per_checkpoint * (cfg.train.keep_last + 1) + 4 * total + (16 << 20), per_checkpoint, total
 
 
-def kept(ctx) -> str:
+def estimate(ctx: StageContext, sizes: Sizes | None) -> Estimate:
+    """The checkpoints; in a plan also the time at the training rate."""
+    cfg = ctx.cfg
+    if sizes is None:
+        return Estimate(bytes=checkpoint_bytes(cfg)[0])
+    est = Estimate()
+    if not (Path(cfg.target.model) / "config.json").is_file():
+        est.how.append("checkpoints: unknown without the target's config.json")
+    else:
+        try:
+            est.bytes, per, _ = checkpoint_bytes(cfg)
+            est.how.append(
+                f"{cfg.train.keep_last + 1} checkpoints × {human_bytes(per)} (fp32 weights + 2 Adam moments) + best/"
+            )
+        except Exception as err:  # noqa: BLE001 - a config eaglekit cannot derive a drafter from: pre-flight says why
+            est.how.append(f"checkpoints: unknown ({err})")
+    tokens, rate = sizes.tokens, sizes.train_tok_per_s
+    if tokens is not None and rate:
+        est.seconds = tokens * (1 - cfg.data.eval_fraction) * cfg.train.epochs / rate
+        est.how.append(
+            f"time: {tokens:,.0f} tok × {1 - cfg.data.eval_fraction:g} (train split) × {cfg.train.epochs:g} "
+            f"epochs ÷ {rate:,.0f} tok/s" + (" (max_steps may stop it earlier)" if cfg.train.max_steps else "")
+        )
+    return est
+
+
+def kept(ctx: StageContext) -> str:
     """What an interrupted or failed run leaves to resume from."""
     from eaglekit.training.checkpoint import Checkpoints
 
@@ -283,7 +294,7 @@ def kept(ctx) -> str:
     return f"checkpoint {latest} (a rerun resumes from it)" if latest else "no checkpoint yet (a rerun starts over)"
 
 
-def live_counts(stage_dir) -> dict:
+def live_counts(stage_dir: Path) -> dict:
     """What `status` shows while training runs or after it was stopped: the last logged step and checkpoint."""
     import json
 
@@ -304,7 +315,7 @@ def live_counts(stage_dir) -> dict:
     return counts
 
 
-def run(ctx) -> dict:
+def run(ctx: StageContext) -> dict:
     from eaglekit.training.loop import train
 
     counts = train(ctx.cfg, ctx.run, ctx.dir, ctx.resuming)
@@ -320,3 +331,17 @@ def run(ctx) -> dict:
             "by heart and will not generalise; generate more (data.max_samples)"
         )
     return counts
+
+
+STAGE = Stage(
+    name=NAME,
+    upstream=UPSTREAM,
+    reads="prepare/, vocab/, and extract/ (offline) or the live target (online)",
+    writes="train/checkpoints/, train/metrics.jsonl, train/summary.json, train/curves.png",
+    params=params,
+    checks=checks,
+    run=run,
+    estimate=estimate,
+    kept=kept,
+    live_counts=live_counts,
+)

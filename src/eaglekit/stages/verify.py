@@ -35,6 +35,7 @@ import torch
 
 from eaglekit import atomic
 from eaglekit.config import RunConfig
+from eaglekit.contract import Estimate, Sizes, Stage, StageContext
 from eaglekit.errors import EaglekitError, UsageError
 from eaglekit.preflight import checks as common
 from eaglekit.preflight import fail, ok, will_be_produced
@@ -92,7 +93,7 @@ def params(cfg: RunConfig) -> dict:
 # -------------------------------------------------------------------------------------------- checks
 
 
-def configured(ctx):
+def configured(ctx: StageContext):
     vc = ctx.cfg.verify
     if vc.engine:
         return ok(
@@ -109,7 +110,7 @@ def configured(ctx):
     )
 
 
-def engine_available(ctx):
+def engine_available(ctx: StageContext):
     from eaglekit.serving.engine import find_vllm_python, version
     from eaglekit.serving.speculation import detect
 
@@ -125,7 +126,7 @@ def engine_available(ctx):
     return ok("engine", "not configured")
 
 
-def exported_forms(ctx):
+def exported_forms(ctx: StageContext):
     if not ctx.cfg.verify.engine:
         return ok("exported forms", "served by your server")
     pending = will_be_produced(ctx, "exported forms", "export")
@@ -145,8 +146,10 @@ def checks(cfg: RunConfig) -> list:
     return [configured, engine_available, exported_forms, common.target_folder, drafter_checkpoint, prompts_available]
 
 
-def estimate_bytes(ctx) -> int:
-    return 16 << 20  # report, plot and the engines' logs
+def estimate(ctx: StageContext, sizes: Sizes | None) -> Estimate:
+    """Pre-flight: the report, plot and the engines' logs. A plan leaves verify unsized (as before the contract;
+    giving it these 16 MiB there too would change `eaglekit plan`'s verdicts)."""
+    return Estimate(bytes=16 << 20) if sizes is None else Estimate()
 
 
 # ------------------------------------------------------------------------------------------- offline
@@ -267,7 +270,7 @@ def verifier_is_target(verifier: str, target: str) -> bool:
         return False
 
 
-def served_by_eaglekit(ctx, offline: Offline) -> list[ServedRun]:
+def served_by_eaglekit(ctx: StageContext, offline: Offline) -> list[ServedRun]:
     from eaglekit.serving.engine import VllmServer, find_vllm_python, supports_flag
     from eaglekit.serving.speculation import VllmClient, vllm_batch
 
@@ -521,7 +524,7 @@ def trained_flags(checkpoint: Path) -> dict[str, bool]:
 # ---------------------------------------------------------------------------------------------- run
 
 
-def run(ctx) -> dict:
+def run(ctx: StageContext) -> dict:
     from eaglekit.serving.speculation import SglangClient, VllmClient, detect
 
     cfg, vc = ctx.cfg, ctx.cfg.verify
@@ -736,3 +739,16 @@ def report_markdown(report: dict, summary_only: bool = False) -> str:
         )
     lines += ["", "![served vs offline acceptance by position](acceptance.png)"]
     return "\n".join(lines) + "\n"
+
+
+STAGE = Stage(
+    name=NAME,
+    upstream=UPSTREAM,
+    reads="export/ and the evaluation prompts; serves them in vLLM (verify.engine) or asks verify.server",
+    writes="verify/report.json, verify/report.md, verify/acceptance.png, verify/logs/",
+    params=params,
+    checks=checks,
+    run=run,
+    runs_for=lambda cfg: bool(cfg.verify.engine or cfg.verify.server),
+    estimate=estimate,
+)

@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 
 from eaglekit import atomic
 from eaglekit.config import RunConfig
+from eaglekit.contract import Estimate, Sizes, Stage, StageContext, measured_time
 from eaglekit.data.tokens import TokenStore
 from eaglekit.data.vocab import VOCAB
 from eaglekit.errors import EaglekitError
@@ -39,7 +40,7 @@ def target_vocab_size(model_path: str) -> int:
     return int(size)
 
 
-def draft_vocab_fits(ctx):
+def draft_vocab_fits(ctx: StageContext):
     try:
         v = target_vocab_size(ctx.cfg.target.model)
     except (OSError, ValueError, EaglekitError) as err:
@@ -58,8 +59,12 @@ def checks(cfg: RunConfig) -> list:
     return [draft_vocab_fits]
 
 
-def estimate_bytes(ctx) -> int:
-    return ctx.cfg.vocab.draft_vocab_size * 8 + 4 * 1024 * 1024
+def estimate(ctx: StageContext, sizes: Sizes | None) -> Estimate:
+    size = ctx.cfg.vocab.draft_vocab_size
+    est = Estimate(bytes=size * 8 + (4 << 20), how=[f"d2t {size:,.0f} × 8 B + t2d and stats"])
+    if sizes is not None:
+        measured_time(est, sizes, "samples")
+    return est
 
 
 def select_draft_vocab(counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, int]:
@@ -75,7 +80,7 @@ def select_draft_vocab(counts: torch.Tensor, draft_vocab_size: int) -> tuple[tor
     return torch.sort(top).values, fill
 
 
-def run(ctx) -> dict:
+def run(ctx: StageContext) -> dict:
     cfg = ctx.cfg
     store = TokenStore(ctx.run.stage_dir("prepare") / "tokens.safetensors")
     vocab_size = target_vocab_size(cfg.target.model)
@@ -116,3 +121,15 @@ def run(ctx) -> dict:
             f"filled {fill} slots with the lowest unused ids[/]"
         )
     return {"draft_vocab_size": len(selected), "coverage": round(coverage, 4), "filled": fill}
+
+
+STAGE = Stage(
+    name=NAME,
+    upstream=UPSTREAM,
+    reads="prepare/tokens.safetensors",
+    writes="vocab/vocab.safetensors (d2t, t2d), vocab/stats.json",
+    params=params,
+    checks=checks,
+    run=run,
+    estimate=estimate,
+)

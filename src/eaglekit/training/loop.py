@@ -54,6 +54,7 @@ from eaglekit.training.checkpoint import (
 from eaglekit.training.data import Loader, RunBatches
 from eaglekit.training.dflash import block_objective, build_block_drafter, trains_block_drafter
 from eaglekit.training.features import Features
+from eaglekit.training.fused import compile_drafter, step_kernels
 from eaglekit.training.init import build_drafter, say
 from eaglekit.training.metrics import Metrics, Window
 from eaglekit.training.objective import TTT, wrap
@@ -94,6 +95,10 @@ def train(cfg: RunConfig, run: RunDir, out_dir: Path, resuming: bool) -> dict[st
     store = TokenStore(run.stage_dir("prepare") / "tokens.safetensors")
     drafter, features, notes = drafter_and_features(cfg, run.path, device)
     autocast = autocast_for(tc.dtype, device)
+    kernels = step_kernels(tc.attention, tc.head_loss, device)
+    if tc.compile:
+        compile_drafter(drafter)
+    notes["step_kernels"] = kernels.describe() + (", drafter compiled" if tc.compile else "")
     # the objective of the drafter's family and its figures per draft position: EAGLE-3's TTT steps, or a DFlash
     # block's mask slots (training/dflash.py; weighted alike in the held-out loss)
     objective: nn.Module
@@ -101,7 +106,7 @@ def train(cfg: RunConfig, run: RunDir, out_dir: Path, resuming: bool) -> dict[st
         objective = block_objective(drafter, tc.draft)
         positions, decay = drafter.config.block_size - 1, 1.0
     else:
-        objective = TTT(drafter, tc.ttt_steps, tc.ttt_decay, tc.anchor_weight)
+        objective = TTT(drafter, tc.ttt_steps, tc.ttt_decay, tc.anchor_weight, kernels)
         positions, decay = tc.ttt_steps, tc.ttt_decay
     model = wrap(objective, tc.distributed, device)
     params = [p for p in model.parameters() if p.requires_grad]

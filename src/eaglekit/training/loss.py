@@ -18,6 +18,7 @@ so dL/dW exists once, not once per step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,8 @@ import torch
 # transient memory of a step depend on how many rows the step has; on a GPU the matmuls want more rows.
 CHUNK_ELEMENTS = {"cpu": 1 << 22}
 CHUNK_ELEMENTS_DEFAULT = 1 << 25
+
+ChunkFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
 
 
 @dataclass
@@ -43,12 +46,14 @@ def head_soft_cross_entropy(
     slots: torch.Tensor,
     row_weight: torch.Tensor,
     chunk_rows: int | None = None,
+    chunk_fn: ChunkFn | None = None,
 ) -> HeadLoss:
     """Σ_m row_weight[m] · H(target_p[slots[m]], softmax(x[m] @ weight.T)), without [M, Vd] kept for backward.
 
     x [M, H] the normed draft hidden states; weight [Vd, H] the draft head; target_p [P, Vd] target
     probabilities (rows sum to 1) and target_argmax [P]; slots [M] the target row of each x row;
-    row_weight [M]. The matmuls run in the autocast dtype when autocast is on (as ``lm_head`` would),
+    row_weight [M]. ``chunk_fn`` computes one chunk (default ``soft_cross_entropy_chunk``; the GPU path passes
+    it compiled). The matmuls run in the autocast dtype when autocast is on (as ``lm_head`` would),
     softmax and loss in float32 (float64 for float64 inputs).
     """
     device_type = x.device.type
@@ -71,13 +76,45 @@ def head_soft_cross_entropy(
         chunk_rows,
         grad and x.requires_grad,
         grad and weight.requires_grad,
+        chunk_fn or soft_cross_entropy_chunk,
     )
     return HeadLoss(loss=loss, ce=ce, correct=correct)
 
 
+def soft_cross_entropy_chunk(
+    xc: torch.Tensor,
+    w_mm: torch.Tensor,
+    target_p: torch.Tensor,
+    target_argmax: torch.Tensor,
+    slots: torch.Tensor,
+    row_weight: torch.Tensor,
+    need_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One chunk of rows: (soft cross-entropy [c], argmax hit [c], dL/dlogits [c, Vd] in xc's dtype or None).
+
+    Its own function so that a GPU can run it compiled (``training/fused.py``: the elementwise work over the
+    [c, Vd] logits fused into few kernels) with the very same math. ``row_weight`` is in the compute dtype.
+    """
+    compute = row_weight.dtype
+    logits = (xc @ w_mm.T).to(compute)  # [c, Vd], the only chunk of logits alive
+    correct = logits.argmax(-1) == target_argmax[slots]
+    p = target_p[slots].to(compute)
+    p_sum = p.sum(-1)
+    lse = torch.logsumexp(logits, dim=-1)
+    # H(p, q) = Σ_v p_v (lse - z_v) = lse · Σp - p·z
+    ce = lse * p_sum - (p * logits).sum(-1)
+    if not need_grad:
+        return ce, correct, None
+    # dH/dz = Σp · softmax(z) - p, scaled by the row's weight in the total
+    dz = logits.sub_(lse[:, None]).exp_().mul_(p_sum[:, None]).sub_(p).mul_(row_weight[:, None])
+    return ce, correct, dz.to(xc.dtype)
+
+
 class _HeadSoftCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, target_p, target_argmax, slots, row_weight, matmul_dtype, chunk_rows, need_dx, need_dw):
+    def forward(
+        ctx, x, weight, target_p, target_argmax, slots, row_weight, matmul_dtype, chunk_rows, need_dx, need_dw, chunk_fn
+    ):
         compute = torch.promote_types(torch.promote_types(x.dtype, weight.dtype), torch.float32)
         m = x.shape[0]
         w_mm = weight.to(matmul_dtype)
@@ -89,23 +126,14 @@ class _HeadSoftCrossEntropy(torch.autograd.Function):
         for r0 in range(0, m, chunk_rows):
             r1 = min(r0 + chunk_rows, m)
             xc = x[r0:r1].to(matmul_dtype)
-            logits = (xc @ w_mm.T).to(compute)  # [c, Vd], the only chunk of logits alive
-            s = slots[r0:r1]
-            correct[r0:r1] = logits.argmax(-1) == target_argmax[s]
-            p = target_p[s].to(compute)
-            p_sum = p.sum(-1)
-            lse = torch.logsumexp(logits, dim=-1)
-            # H(p, q) = Σ_v p_v (lse - z_v) = lse · Σp - p·z
-            ce[r0:r1] = lse * p_sum - (p * logits).sum(-1)
-            if need_dx or need_dw:
-                # dH/dz = Σp · softmax(z) - p, scaled by the row's weight in the total
-                dz = logits.sub_(lse[:, None]).exp_().mul_(p_sum[:, None]).sub_(p).mul_(row_weight[r0:r1, None])
-                dz = dz.to(matmul_dtype)
-                if need_dx:
-                    dx[r0:r1] = (dz @ w_mm).to(x.dtype)
-                if need_dw:
-                    dw += (dz.T @ xc).to(dw.dtype)
-            del logits, p
+            ce[r0:r1], correct[r0:r1], dz = chunk_fn(
+                xc, w_mm, target_p, target_argmax, slots[r0:r1], row_weight[r0:r1], need_dx or need_dw
+            )
+            if dx is not None:
+                dx[r0:r1] = (dz @ w_mm).to(x.dtype)
+            if dw is not None:
+                dw += (dz.T @ xc).to(dw.dtype)
+            del dz
         loss = (ce * row_weight).sum()
         ctx.save_for_backward(dx, dw)
         ctx.weight_dtype = weight.dtype
@@ -117,4 +145,4 @@ class _HeadSoftCrossEntropy(torch.autograd.Function):
         dx, dw = ctx.saved_tensors
         grad_x = None if dx is None else dx * d_loss.to(dx.dtype)
         grad_w = None if dw is None else (dw * d_loss.to(dw.dtype)).to(ctx.weight_dtype)
-        return grad_x, grad_w, None, None, None, None, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None, None, None, None, None

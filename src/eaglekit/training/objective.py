@@ -13,6 +13,7 @@ from torch import nn
 
 from eaglekit.model.drafter import Eagle3Drafter
 from eaglekit.training import distributed as dist
+from eaglekit.training.fused import REFERENCE, StepKernels
 from eaglekit.training.ttt import ttt_loss
 
 
@@ -28,9 +29,17 @@ class TTT(nn.Module):
     anchor_weight / 2 · ||θ - θ0||² over the trainable parameters, θ0 as they are when this module is built.
     """
 
-    def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float, anchor_weight: float = 0.0):
+    def __init__(
+        self,
+        drafter: Eagle3Drafter,
+        steps: int,
+        decay: float,
+        anchor_weight: float = 0.0,
+        kernels: StepKernels = REFERENCE,
+    ):
         super().__init__()
         self.drafter, self.steps, self.decay, self.anchor_weight = drafter, steps, decay, anchor_weight
+        self.kernels = kernels  # the fused GPU kernels or the reference (training/fused.py)
         # not buffers: FSDP must not shard them, checkpoints must not hold them (they are the init_from weights)
         self.anchor = (
             {name: p.detach().clone() for name, p in drafter.named_parameters() if p.requires_grad}
@@ -52,6 +61,7 @@ class TTT(nn.Module):
             target_in_draft,
             position_ids=position_ids,
             normalizer=(lambda count: dist.all_reduce_sum(count.clone())) if world > 1 else None,
+            kernels=self.kernels,
         )
         loss = out.loss * world
         if out.count_k[0] == 0:  # nothing counted on this rank: touch every parameter so DDP's reduction completes

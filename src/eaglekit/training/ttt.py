@@ -23,6 +23,9 @@ counts only targets inside its own document.
 
 The draft head and its soft cross-entropy run once, over the rows of every step, through
 ``training/loss.py`` (no [N, Vd] tensor kept for backward).
+
+This file is the reference (and the CPU path); ``kernels`` (training/fused.py) swaps in the fused GPU
+attention of training/attention.py and a compiled head loss, tested equal to it.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ import torch.nn.functional as F
 from eaglekit.errors import UsageError
 from eaglekit.model.drafter import Eagle3Drafter
 from eaglekit.model.layers import repeat_kv, sdpa
+from eaglekit.training.attention import causal_attention, span_attention
+from eaglekit.training.fused import REFERENCE, StepKernels
 from eaglekit.training.loss import head_soft_cross_entropy
 
 # Blocks of _PrefixAttention: at most this many score elements (rows x keys x heads), bounding the transient
@@ -182,6 +187,7 @@ def ttt_loss(
     target_in_draft: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
     normalizer: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    kernels: StepKernels = REFERENCE,
 ) -> TTTOutput:
     """The TTT loss of one right-padded batch.
 
@@ -201,6 +207,7 @@ def ttt_loss(
         and (if given) target_in_draft[t+1+k]. Padding must be on the right.
     Loss_k = soft cross-entropy summed over counted (t, k), divided by ``normalizer(count_k)`` (default:
     count_k itself, i.e. the mean; under DDP the count of every rank); loss = sum_k decay^k * loss_k.
+    ``kernels`` picks the fused GPU kernels (training/fused.py); the default is this file's reference.
     """
     _check_inputs(
         drafter, aux_hidden, input_ids, target_logits, loss_mask, attention_mask, target_in_draft, steps, position_ids
@@ -247,7 +254,17 @@ def ttt_loss(
         embeds = drafter.embed_tokens(F.pad(input_ids[:, 1:], (0, 1)))
     cos, sin = drafter.rotary(positions, feature.dtype)
     q, k0, v0 = layer.qkv(embeds, feature, cos, sin)  # [B, L, heads, hd]
-    if packed:  # a causal attention inside each document: keys doc_start..t of the flat rows
+    if packed and kernels.attention == "flex":
+        flat = torch.arange(b * length, device=device)
+        attn = span_attention(
+            q.reshape(b * length, n_heads, hd),
+            k0.reshape(b * length, n_kv, hd),
+            v0.reshape(b * length, n_kv, dv),
+            flat_doc_start,
+            flat,
+            scale,
+        ).view(b, length, n_heads, dv)
+    elif packed:  # a causal attention inside each document: keys doc_start..t of the flat rows
         flat = torch.arange(b * length, device=device)
         attn, _ = _PrefixAttention.apply(
             q.reshape(b * length, n_heads, hd),
@@ -258,6 +275,8 @@ def ttt_loss(
             scale,
         )
         attn = attn.view(b, length, n_heads, dv)
+    elif kernels.attention != "reference":
+        attn = causal_attention(q, k0, v0, scale)
     else:
         attn = sdpa(
             q.transpose(1, 2),
@@ -279,7 +298,7 @@ def ttt_loss(
     for k in range(1, steps):
         keep = needed[k].reshape(-1)[rows]
         rows, h = rows[keep], drafter.next_feature(h[keep])
-        if diag_k is not None:
+        if diag_k is not None and diag_v is not None:
             diag_k, diag_v = diag_k[:, keep], diag_v[:, keep]
         with torch.no_grad():
             embeds = drafter.embed_tokens(ids_flat[rows + 1 + k])
@@ -288,14 +307,19 @@ def ttt_loss(
         diag_k = kk[None] if diag_k is None else torch.cat([diag_k, kk[None]])
         diag_v = vk[None] if diag_v is None else torch.cat([diag_v, vk[None]])
 
-        out_prefix, lse_prefix = _PrefixAttention.apply(q, k0, v0, flat_doc_start[rows], rows, scale)
         n = rows.numel()
-        lse_prefix = lse_prefix.view(n, n_kv, groups)  # float32 or wider, like the merge below
-        diag_scores = torch.einsum("nkgd,snkd->snkg", q.view(n, n_kv, groups, hd), diag_k).to(lse_prefix.dtype) * scale
-        lse_all = torch.logsumexp(torch.cat([lse_prefix[None], diag_scores]), dim=0)  # [N, nKV, g]
-        attn = torch.exp(lse_prefix - lse_all)[..., None] * out_prefix.view(n, n_kv, groups, dv) + torch.einsum(
-            "snkg,snkd->nkgd", torch.exp(diag_scores - lse_all), diag_v.to(lse_all.dtype)
-        )
+        if kernels.attention == "flex":  # one kernel over the step-0 span and the chain's own keys
+            attn = span_attention(q, k0, v0, flat_doc_start[rows], rows, scale, diag_k, diag_v)
+        else:
+            out_prefix, lse_prefix = _PrefixAttention.apply(q, k0, v0, flat_doc_start[rows], rows, scale)
+            lse_prefix = lse_prefix.view(n, n_kv, groups)  # float32 or wider, like the merge below
+            diag_scores = (
+                torch.einsum("nkgd,snkd->snkg", q.view(n, n_kv, groups, hd), diag_k).to(lse_prefix.dtype) * scale
+            )
+            lse_all = torch.logsumexp(torch.cat([lse_prefix[None], diag_scores]), dim=0)  # [N, nKV, g]
+            attn = torch.exp(lse_prefix - lse_all)[..., None] * out_prefix.view(n, n_kv, groups, dv) + torch.einsum(
+                "snkg,snkd->nkgd", torch.exp(diag_scores - lse_all), diag_v.to(lse_all.dtype)
+            )
         h = layer.finish(attn.reshape(n, n_heads, dv).to(h.dtype), h)
         sel = counted[k].reshape(-1)[rows]
         head_rows.append(h[sel])
@@ -313,6 +337,7 @@ def ttt_loss(
         target_argmax,
         torch.cat(head_slots),
         per_step[step_of_row],
+        chunk_fn=kernels.head_chunk,
     )
 
     sums = torch.zeros(steps, dtype=compute, device=device).index_add_(0, step_of_row, head.ce)

@@ -1,0 +1,75 @@
+"""Which kernels a TTT step runs: the reference (CPU, and the definition) or the fused GPU path.
+
+``ttt_loss`` takes a ``StepKernels``; ``step_kernels`` builds one from the train config for a device:
+  attention   "reference": ttt.py's own attention (blockwise, exact, any device);
+              "sdpa": unpacked step 0 through scaled_dot_product_attention (FlashAttention), the rest reference;
+              "flex": also packed step 0 and every draft step through flex attention (``training/attention.py``).
+              "auto": flex on CUDA, reference elsewhere.
+  head_loss   "reference": loss.py's chunk function as it is; "compiled": the same function through
+              ``torch.compile``, so the elementwise work over each [rows, Vd] chunk of logits (log-sum-exp, the
+              soft cross-entropy, argmax, the gradient of the logits) runs as a few fused kernels instead of a
+              dozen passes over memory. It compiles whatever ``soft_cross_entropy_chunk`` computes, so a loss
+              defined there is fused too. "auto": compiled on CUDA, reference elsewhere.
+``compile_drafter`` (train.compile) compiles the drafter's per-step pieces (the fc fusion, the layer before and
+after attention) so their norms, RoPE and SwiGLU fuse around the GEMMs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from eaglekit.errors import UsageError
+from eaglekit.model.drafter import Eagle3Drafter
+from eaglekit.training.loss import ChunkFn, soft_cross_entropy_chunk
+
+AttentionKind = Literal["reference", "sdpa", "flex"]
+
+
+@dataclass(frozen=True)
+class StepKernels:
+    attention: AttentionKind = "reference"
+    head_chunk: ChunkFn | None = None  # loss.py's chunk function, compiled; None: as it is
+
+    def describe(self) -> str:
+        return f"attention {self.attention}, head loss {'compiled' if self.head_chunk else 'reference'}"
+
+
+REFERENCE = StepKernels()
+
+
+def compiled_chunk(backend: str = "inductor") -> ChunkFn:
+    """loss.py's soft_cross_entropy_chunk under torch.compile (dynamic: the last chunk of a step is shorter)."""
+    return torch.compile(soft_cross_entropy_chunk, dynamic=True, backend=backend)
+
+
+def step_kernels(attention: str, head_loss: str, device: torch.device) -> StepKernels:
+    """The kernels of train.attention and train.head_loss on ``device`` ("auto": fused on CUDA)."""
+    cuda = device.type == "cuda"
+    if attention == "auto":
+        attention = "flex" if cuda else "reference"
+    if head_loss == "auto":
+        head_loss = "compiled" if cuda else "reference"
+    if attention == "flex" and not cuda:
+        raise UsageError(
+            f"train.attention is flex but training runs on {device.type}: flex attention has no backward there",
+            "set train.attention to auto, reference or sdpa",
+        )
+    if attention not in ("reference", "sdpa", "flex"):
+        raise UsageError(f"train.attention {attention!r} is not one of auto, reference, sdpa, flex", "fix the config")
+    if head_loss not in ("reference", "compiled"):
+        raise UsageError(f"train.head_loss {head_loss!r} is not one of auto, reference, compiled", "fix the config")
+    return StepKernels(attention, compiled_chunk() if head_loss == "compiled" else None)  # type: ignore[arg-type]
+
+
+def compile_drafter(drafter: Eagle3Drafter, backend: str = "inductor") -> Eagle3Drafter:
+    """Compile, in place, the drafter methods ttt_loss calls per step; parameters and state dict stay as they are.
+
+    dynamic: the rows of every draft step change from batch to batch.
+    """
+    layer = drafter.midlayer
+    for owner, name in ((drafter, "fuse"), (drafter, "next_feature"), (layer, "qkv"), (layer, "finish")):
+        setattr(owner, name, torch.compile(getattr(owner, name), dynamic=True, backend=backend))
+    return drafter
