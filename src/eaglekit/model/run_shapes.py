@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from eaglekit.config import RunConfig
-from eaglekit.model.drafter import DrafterConfig
+from eaglekit.model.dflash import DFlashConfig, config_for_run
+from eaglekit.model.drafter import DrafterConfig, text_config
 from eaglekit.model.target import aux_layer_ids, target_hf_config
 
 
@@ -16,16 +17,23 @@ def target_and_aux(cfg: RunConfig) -> tuple[Any, list[int]]:
     return hf, aux_layer_ids(cfg.target, hf.num_hidden_layers)
 
 
-def drafter_config(cfg: RunConfig) -> DrafterConfig:
+def drafter_config(cfg: RunConfig) -> DrafterConfig | DFlashConfig:
     """The drafter a fresh training run builds: shaped after the target, ``train.draft`` overriding."""
     hf, aux = target_and_aux(cfg)
+    if cfg.train.draft.architecture == "dflash":  # the block-drafter family (model/dflash.py)
+        return config_for_run(cfg, hf, aux, int(text_config(hf).vocab_size))
     return DrafterConfig.from_target_config(hf, cfg.vocab.draft_vocab_size, aux, **cfg.train.draft.model_dump())
 
 
-def parameter_counts(dc: DrafterConfig) -> tuple[int, int]:
+def parameter_counts(dc: DrafterConfig | DFlashConfig) -> tuple[int, int]:
     """(all parameters, trainable ones) of a drafter: everything but the frozen [V, H] embedding trains."""
     from math import prod
 
+    if isinstance(dc, DFlashConfig):  # the block-drafter family: the target's embedding and head stay frozen
+        from eaglekit.model.dflash_checkpoint import expected_state as block_state
+
+        trainable = sum(prod(shape) for shape in block_state(dc).values())
+        return trainable + 2 * dc.vocab_size * dc.hidden_size, trainable
     from eaglekit.model.checkpoints import expected_state
 
     weights = {k: prod(shape) for k, (shape, dtype) in expected_state(dc).items() if dtype is None}  # not d2t/t2d

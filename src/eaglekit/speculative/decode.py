@@ -44,7 +44,8 @@ class Proposer(Protocol):
     ``aux`` argument below), or None when it needs no target states.
     """
 
-    aux_layer_ids: list[int] | None
+    @property
+    def aux_layer_ids(self) -> list[int] | None: ...
 
     def reset(self, ids: list[int], aux: torch.Tensor | None) -> None:
         """Start a sequence: ``ids`` = prompt + first token; ``aux`` [len(ids)-1, 3Ht] = target states of ids[:-1]."""

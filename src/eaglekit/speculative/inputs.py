@@ -15,6 +15,7 @@ import torch
 
 from eaglekit.config import RunConfig
 from eaglekit.errors import EaglekitError, UsageError
+from eaglekit.model.dflash_checkpoint import is_dflash_checkpoint
 from eaglekit.progress import console
 
 SMALL_MODEL_PARAMETERS = 50_000_000
@@ -38,8 +39,10 @@ def load_checked_drafter(cfg: RunConfig):
             else "train it: `eaglekit run CONFIG --until train` (it writes train/checkpoints/best)"
         )
         raise EaglekitError(f"drafter checkpoint {path} does not exist", remedy)
-    drafter, info = load_drafter(path)
     hf, aux = target_and_aux(cfg)
+    if is_dflash_checkpoint(path):  # the block-drafter family (model/dflash_checkpoint.py)
+        return (*load_block_drafter(cfg, path, aux), hf, aux)
+    drafter, info = load_drafter(path)
     problems = check_compatible(drafter.config, hf, aux)
     if problems:
         raise EaglekitError(
@@ -47,6 +50,20 @@ def load_checked_drafter(cfg: RunConfig):
             "evaluate a drafter trained for this target (evaluate.checkpoint), or retrain",
         )
     return drafter, info, hf, aux
+
+
+def load_block_drafter(cfg: RunConfig, path: Path, aux: list[int]):
+    """(DFlash drafter with the target's embedding and head, checkpoint info), refused when its taps differ."""
+    from eaglekit.model.checkpoints import CheckpointInfo
+    from eaglekit.model.dflash_checkpoint import FORM, load_for_target
+
+    drafter = load_for_target(path, cfg.target.model, cfg.target.trust_remote_code)
+    if drafter.config.aux_layer_ids != list(aux):
+        raise EaglekitError(
+            f"drafter {path} taps target layers {drafter.config.aux_layer_ids}, this config {aux}",
+            f"set target.aux_layers: {drafter.config.aux_layer_ids}, or retrain",
+        )
+    return drafter, CheckpointInfo(FORM, path, missing_embeddings=False, aux_layer_ids=list(aux))
 
 
 def load_starting_drafter(cfg: RunConfig, hf, aux):
@@ -61,6 +78,8 @@ def load_starting_drafter(cfg: RunConfig, hf, aux):
             f"train.init_from {path} does not exist (evaluate measures the finetune against it)",
             "restore that drafter folder, or remove train.init_from",
         )
+    if is_dflash_checkpoint(path):
+        return load_block_drafter(cfg, Path(path), aux)
     drafter, info = load_drafter(path)
     problems = check_compatible(drafter.config, hf, aux)
     if problems:
@@ -140,8 +159,8 @@ class DecodingInputs:
     """What a decode loop against the target needs: the checked drafter (on the target's device and dtype),
     its aux layers, the stop ids, and the prompts' token ids."""
 
-    drafter: object
-    info: object
+    drafter: Any  # an Eagle3Drafter or a DFlashDrafter: the proposer is picked by proposer_for
+    info: CheckpointInfo
     aux: list[int]
     stop_ids: set[int]
     prompts: list[tuple[str, list[int]]]  # (id, prompt token ids)
@@ -229,6 +248,8 @@ def drafter_architecture(cfg: RunConfig) -> str:
     if init_from:
         folders.append(cached_drafter(init_from) if is_hub_id(init_from) else Path(init_from))
     for folder in folders:
+        if folder is not None and is_dflash_checkpoint(folder):
+            return "dflash"
         if folder is not None and (folder / "config.json").exists():
             try:
                 return read_config(folder)[1].architecture
@@ -240,6 +261,8 @@ def drafter_architecture(cfg: RunConfig) -> str:
 def written_forms(cfg: RunConfig) -> list[str]:
     """The forms export writes with this config (verify serves these by default)."""
     requested: list[str] = list(dict.fromkeys(cfg.export.formats))
+    if drafter_architecture(cfg) == "dflash":  # the block-drafter family has one form, vLLM's
+        return ["dflash"]
     if drafter_architecture(cfg) == "mla":
         return [f for f in requested if f != "speculators"] or requested
     return requested

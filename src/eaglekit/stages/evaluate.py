@@ -34,7 +34,8 @@ from eaglekit.preflight.drafter import drafter_checkpoint, prompts_available
 from eaglekit.progress import Meter, console
 from eaglekit.rundir import file_identity
 from eaglekit.speculative.benchmark import suites_markdown
-from eaglekit.speculative.decode import DecodeStats, EagleProposer, generate
+from eaglekit.speculative.block import proposer_for
+from eaglekit.speculative.decode import DecodeStats, generate
 from eaglekit.speculative.inputs import (
     decode_threads,
     decoding_inputs,
@@ -166,8 +167,8 @@ def evaluate(ctx: StageContext, target, device: torch.device) -> dict:
     temperatures = list(dict.fromkeys(ec.temperatures))
     methods = [m for m in METHODS if m != "eagle_start" or start]
     new_proposer = {
-        "eagle": lambda: EagleProposer(drafter, aux),
-        "eagle_start": lambda: EagleProposer(start_drafter, aux),
+        "eagle": lambda: proposer_for(drafter, aux),
+        "eagle_start": lambda: proposer_for(start_drafter, aux),
         "ngram": lambda: NgramProposer(ec.ngram_min, ec.ngram_max),
     }
 
@@ -191,7 +192,7 @@ def evaluate(ctx: StageContext, target, device: torch.device) -> dict:
     def measure(prompts: list[tuple[str, list[int]]], methods: list[str], label: str) -> dict:
         """Prompt by prompt, plain decoding and then every method and K: the timings compared share a time window."""
         baselines, results = [], []
-        checks = {pid: [] for pid, _ in prompts}  # per prompt: the speculative runs that differed from plain greedy
+        checks: dict[str, list] = {pid: [] for pid, _ in prompts}  # per prompt: the speculative runs that differed from plain greedy
         plain_tokens: dict[str, int] = {}
         total = len(temperatures) * len(prompts) * (1 + len(methods) * len(ks))
         with Meter(label, total=total, unit="runs") as meter:
@@ -242,7 +243,7 @@ def evaluate(ctx: StageContext, target, device: torch.device) -> dict:
                 sets.insert(0, ("held-out split of generate/responses.jsonl", len(heldout), extra["results"]))
         finetune = finetune_comparison(str(cfg.train.init_from), sets)
 
-    suites = measure_suites(ctx, target, inputs, lambda: EagleProposer(drafter, aux), ks, temperatures)
+    suites = measure_suites(ctx, target, inputs, lambda: proposer_for(drafter, aux), ks, temperatures)
 
     greedy_checked = 0 in temperatures
     lossless = all(not c for c in checks.values()) if greedy_checked else None

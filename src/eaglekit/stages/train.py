@@ -16,6 +16,7 @@ from pathlib import Path
 from eaglekit.config import RunConfig
 from eaglekit.contract import Estimate, Sizes, Stage, StageContext
 from eaglekit.errors import EaglekitError
+from eaglekit.model.dflash_checkpoint import is_dflash_checkpoint, load_for_target
 from eaglekit.model.drafter import FLAGS, DrafterConfig, text_config
 from eaglekit.model.hub import cached_drafter, download_drafter, is_hub_id, local_folder
 from eaglekit.model.run_shapes import drafter_config, parameter_counts, target_and_aux
@@ -109,6 +110,19 @@ def init_from_compatible(ctx: StageContext):
             f"train.init_from {path} does not exist",
             "point it at a drafter folder (legacy or speculators form), or a hub id org/name",
         )
+    if is_dflash_checkpoint(folder):  # the block-drafter family: its export re-imported (training/dflash.py)
+        try:
+            block = load_for_target(folder, ctx.cfg.target.model, ctx.cfg.target.trust_remote_code)
+            _, aux = target_and_aux(ctx.cfg)
+        except EaglekitError as err:
+            return fail("init_from", f"{path}: {err.message}", err.remedy or "check the drafter folder")
+        if block.config.aux_layer_ids != aux:
+            return fail(
+                "init_from",
+                f"{path} taps target layers {block.config.aux_layer_ids}, this run {aux}",
+                f"set target.aux_layers: {block.config.aux_layer_ids}",
+            )
+        return ok("init_from", f"{path}: dflash drafter, {block.config.num_hidden_layers} layers, fits the target")
     try:
         drafter, _info = checkpoints.load_drafter(folder)
         hf, aux = target_and_aux(ctx.cfg)
@@ -155,6 +169,8 @@ def drafter_shape(ctx: StageContext):
                 "remove train.draft, or train a new drafter",
             )
         return skip("drafter", "finetuning train.init_from (its own shape)")
+    if cfg.train.draft.architecture == "dflash":  # the block-drafter family (training/dflash.py)
+        return block_drafter_shape(cfg)
     try:
         hf, aux = target_and_aux(cfg)
         # a draft vocab larger than the target's is the vocab stage's failure: not named twice
@@ -212,6 +228,25 @@ def checks(cfg: RunConfig) -> list:
         anchor,
         disk.write_rate,
     ]
+
+
+def block_drafter_shape(cfg: RunConfig):
+    from eaglekit.model.dflash import config_for_run
+    from eaglekit.training.dflash import block_drafter_notes
+
+    try:
+        hf, aux = target_and_aux(cfg)
+        dc = config_for_run(cfg, hf, aux, int(text_config(hf).vocab_size))
+    except EaglekitError as err:
+        return fail("drafter", err.message, err.remedy or "fix train.draft")
+    detail = (
+        f"dflash: {dc.num_hidden_layers} layers, block {dc.block_size}, mask token {dc.mask_token_id}, "
+        f"heads {dc.num_attention_heads} / kv {dc.num_key_value_heads} x {dc.head_dim}, aux layers {aux}"
+    )
+    notes = block_drafter_notes(cfg, hf)
+    if notes:
+        return warn("drafter", detail + "; " + "; ".join(notes), "see README: Choosing a drafter family")
+    return ok("drafter", detail)
 
 
 def checkpoint_bytes(cfg: RunConfig) -> tuple[int, int, int]:

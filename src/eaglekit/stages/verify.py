@@ -204,7 +204,8 @@ def offline_figures(cfg: RunConfig, ks: list[int]) -> Offline:
     """Decode the prompts with the trained checkpoint and the HF target (freed again before any engine starts:
     both would want the same accelerator)."""
     from eaglekit.model.target import load_target
-    from eaglekit.speculative.decode import EagleProposer, generate
+    from eaglekit.speculative.block import proposer_for
+    from eaglekit.speculative.decode import generate
     from eaglekit.speculative.inputs import decode_threads, decoding_inputs
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -226,7 +227,7 @@ def offline_figures(cfg: RunConfig, ks: list[int]) -> Offline:
                             target,
                             ids,
                             limit,
-                            proposer=EagleProposer(inputs.drafter, inputs.aux),
+                            proposer=proposer_for(inputs.drafter, inputs.aux),
                             k=k,
                             stop_ids=set(stop),
                             engine_accounting=True,
@@ -279,7 +280,8 @@ class ServedRun:
 
 def vllm_launch(cfg: RunConfig, form: str, folder: Path, k: int) -> tuple[str, list[str], str]:
     """(model, flags, description) that serve ``folder`` with K drafts: the commands export printed."""
-    spec = json.dumps({"method": "eagle3", "model": str(folder.resolve()), "num_speculative_tokens": k})
+    method = "dflash" if form == "dflash" else "eagle3"  # the block-drafter family's one form
+    spec = json.dumps({"method": method, "model": str(folder.resolve()), "num_speculative_tokens": k})
     model = cfg.target.model
     if form == "speculators":
         raw = json.loads((folder / "config.json").read_text())

@@ -19,6 +19,8 @@ from eaglekit import atomic
 from eaglekit.errors import EaglekitError
 from eaglekit.interrupt import StopRequest
 from eaglekit.model import checkpoints
+from eaglekit.model.dflash import DFlashConfig
+from eaglekit.model.dflash_checkpoint import save_from_state
 from eaglekit.model.drafter import DrafterConfig, Eagle3Drafter
 from eaglekit.training import distributed as dist
 from eaglekit.training.metrics import reduce_device
@@ -84,7 +86,10 @@ def without_frozen_embedding(msd: dict, drafter: Eagle3Drafter) -> dict:
     return {k: v for k, v in msd.items() if not (frozen and k == "embed_tokens.weight")}
 
 
-def save_drafter(drafter_cfg: DrafterConfig, msd: dict, out: Path) -> None:
+def save_drafter(drafter_cfg: DrafterConfig | DFlashConfig, msd: dict, out: Path) -> None:
+    if isinstance(drafter_cfg, DFlashConfig):  # the block-drafter family: the form its export writes
+        save_from_state(drafter_cfg, msd, out)
+        return
     cpu = Eagle3Drafter(drafter_cfg)
     cpu.load_state_dict(msd)
     checkpoints.save_legacy(cpu, out)

@@ -33,6 +33,7 @@ from eaglekit.config import RunConfig
 from eaglekit.data.tokens import TokenStore
 from eaglekit.data.vocab import load_vocab
 from eaglekit.interrupt import StopRequest
+from eaglekit.model.dflash import DFlashDrafter
 from eaglekit.model.drafter import Eagle3Drafter
 from eaglekit.model.target import aux_layer_ids, embedding_and_head, load_target, target_hf_config
 from eaglekit.plots import training_curves
@@ -51,6 +52,7 @@ from eaglekit.training.checkpoint import (
     without_frozen_embedding,
 )
 from eaglekit.training.data import Loader, RunBatches
+from eaglekit.training.dflash import block_objective, build_block_drafter, trains_block_drafter
 from eaglekit.training.features import Features
 from eaglekit.training.fused import compile_drafter, step_kernels
 from eaglekit.training.init import build_drafter, say
@@ -97,7 +99,16 @@ def train(cfg: RunConfig, run: RunDir, out_dir: Path, resuming: bool) -> dict[st
     if tc.compile:
         compile_drafter(drafter)
     notes["step_kernels"] = kernels.describe() + (", drafter compiled" if tc.compile else "")
-    model = wrap(TTT(drafter, tc.ttt_steps, tc.ttt_decay, tc.anchor_weight, kernels), tc.distributed, device)
+    # the objective of the drafter's family and its figures per draft position: EAGLE-3's TTT steps, or a DFlash
+    # block's mask slots (training/dflash.py; weighted alike in the held-out loss)
+    objective: nn.Module
+    if isinstance(drafter, DFlashDrafter):
+        objective = block_objective(drafter, tc.draft)
+        positions, decay = drafter.config.block_size - 1, 1.0
+    else:
+        objective = TTT(drafter, tc.ttt_steps, tc.ttt_decay, tc.anchor_weight, kernels)
+        positions, decay = tc.ttt_steps, tc.ttt_decay
+    model = wrap(objective, tc.distributed, device)
     params = [p for p in model.parameters() if p.requires_grad]
     optim = build_optimizer(tc, params)
     batches = RunBatches(
@@ -106,7 +117,7 @@ def train(cfg: RunConfig, run: RunDir, out_dir: Path, resuming: bool) -> dict[st
     )  # fmt: skip
     total_steps = batches.total_steps(tc)
     sched = build_scheduler(tc, optim, total_steps)
-    held_out = HeldOut(model, drafter, features, batches, autocast, fsdp, tc.ttt_steps, tc.ttt_decay)
+    held_out = HeldOut(model, drafter, features, batches, autocast, fsdp, positions, decay)
 
     metrics = Metrics(out_dir / "metrics.jsonl", out_dir / "tensorboard")
     progress = Progress()
@@ -124,7 +135,7 @@ def train(cfg: RunConfig, run: RunDir, out_dir: Path, resuming: bool) -> dict[st
     say(run_line(cfg, batches, n_trainable, total_steps, features.store is None))
 
     last_eval = held_out(0, metrics, ckpts, progress) if progress.step == 0 else None
-    window = Window(tc.ttt_steps, progress.window)
+    window = Window(positions, progress.window)
     t0, local_tokens = time.monotonic(), 0
     model.train()
     # Ctrl-C / SIGTERM finish the step in progress and write a checkpoint before stopping (a second one stops at once)
@@ -162,7 +173,7 @@ def train(cfg: RunConfig, run: RunDir, out_dir: Path, resuming: bool) -> dict[st
                     loss=round(r["loss"], 4), acc_0=round(r["acc_k"][0], 4),
                     tok_s=round(local_tokens * world / max(elapsed, 1e-9)),
                 )  # fmt: skip
-                window = Window(tc.ttt_steps)
+                window = Window(positions)
             if done % tc.eval_every == 0 or done == total_steps:
                 last_eval = held_out(done, metrics, ckpts, progress)
                 if last_eval:
@@ -216,10 +227,15 @@ def drafter_and_features(cfg: RunConfig, run_path: Path, device: torch.device) -
     embed, head = embedding_and_head(
         cfg.target.model if target_model is None else target_model, cfg.target.trust_remote_code
     )
-    drafter, notes = build_drafter(cfg, hf_config, d2t, t2d, embed, head, aux_ids)
+    if trains_block_drafter(cfg):  # the DFlash family drafts over the whole vocabulary: its features cover it all
+        drafter, notes = build_block_drafter(cfg, hf_config, embed, head, aux_ids)
+        t2d = torch.ones(head.shape[0], dtype=torch.bool)
+    else:
+        drafter, notes = build_drafter(cfg, hf_config, d2t, t2d, embed, head, aux_ids)
+        t2d = drafter.t2d.cpu()
     drafter = drafter.to(device)
     aux_dtype = torch.bfloat16 if uses_bf16(cfg.train.dtype, device) else torch.float32
-    features = Features(run_path, drafter.t2d.cpu(), device, aux_ids, aux_dtype, target_model, head)
+    features = Features(run_path, t2d, device, aux_ids, aux_dtype, target_model, head)
     return drafter, features, notes
 
 

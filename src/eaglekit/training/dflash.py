@@ -1,0 +1,273 @@
+"""DFlash's training objective: anchored blocks, cross-entropy against the target's argmax, D-PACE position weights.
+
+As speculators 0.9.0 ships it (``models/dflash/core.py``, ``attention.py``, ``utils.py``, ``losses/utils.py``):
+
+- anchors: up to ``max_anchors`` positions per row, drawn at random among the loss-masked tokens and sorted. The
+  block of anchor a holds the anchor token at position a (the bonus token at serving time) and mask tokens at
+  a+1 .. a+B-1.
+- attention: a block sees the context (the target's states) of its own document strictly before a, and all of its
+  own block (non-causal); no other block. This is what vLLM's proposer builds when it drafts after token a.
+- labels: slot k of the block is trained to the target's argmax at position a+k-1 (its prediction of token a+k);
+  the anchor slot is not trained. A slot past its document's end or outside the loss mask does not count (the
+  peer lets a block run into the next packed document; here it stops at the document's end).
+- loss: per-slot cross-entropy, weighted by D-PACE (default): with q_k = exp(-CE_k) and s_k = (1-α) q_k + α, slot k
+  weighs Σ_{m≥k} Π_{i≤m} s_i — the expected number of accepted tokens that depend on slot k. The alternative
+  ``exp-decay`` weighs slot k by exp(-(k-1)/γ) (DFlash's original). The sum is divided by the number of slots.
+
+Metrics: accuracy per block slot, and the block τ measured in training (1 + the run of correct slots from slot 1,
+per anchor) — which can differ from serving's (SpecForge#835): ``evaluate`` decodes for the figure that counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eaglekit.model.dflash import DFlashDrafter
+from eaglekit.training.ttt import TTTOutput  # the loop's per-position figures (the loop reads no more of TTT)
+
+WEIGHTINGS = ("dpace", "exp-decay")
+
+
+@dataclass
+class BlockOutput:
+    loss: torch.Tensor  # scalar, with grad
+    correct: torch.Tensor  # [B_size] slots whose argmax equals the label (slot 0, the anchor, stays 0)
+    counted: torch.Tensor  # [B_size] slots that count
+    accepted_run: torch.Tensor  # scalar: Σ over valid anchors of the run of correct slots from slot 1
+    anchors: torch.Tensor  # scalar: valid anchors
+    slot_loss: torch.Tensor  # [B_size] mean cross-entropy per slot over the slots that count (unweighted)
+
+    @property
+    def block_tau(self) -> float:
+        return 1.0 + float(self.accepted_run) / max(1, int(self.anchors))
+
+
+def select_anchors(
+    loss_mask: torch.Tensor, max_anchors: int, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, L] -> anchors [B, A] (sorted positions) and valid [B, A]; A = min(max_anchors, most candidates in a row)."""
+    rows = []
+    for row in loss_mask.bool().cpu():
+        candidates = row.nonzero().flatten()
+        order = torch.randperm(candidates.numel(), generator=generator)[:max_anchors]
+        rows.append(candidates[order].sort().values)
+    width = max(1, max(r.numel() for r in rows))
+    anchors = torch.zeros(len(rows), width, dtype=torch.long)
+    valid = torch.zeros(len(rows), width, dtype=torch.bool)
+    for b, r in enumerate(rows):
+        anchors[b, : r.numel()], valid[b, : r.numel()] = r, True
+    return anchors.to(loss_mask.device), valid.to(loss_mask.device)
+
+
+def document_ids(attention_mask: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
+    """[B, L]: which document each position belongs to (packed rows restart position_ids at 0); padding is -1."""
+    docs = torch.zeros_like(attention_mask) if position_ids is None else (position_ids == 0).long().cumsum(-1) - 1
+    return torch.where(attention_mask.bool(), docs, torch.full_like(docs, -1))
+
+
+def block_attention_mask(docs: torch.Tensor, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[B, A*bs, L + A*bs] bool: block j sees its document before anchors[j], and its own block (non-causal)."""
+    b, length = docs.shape
+    n_q = anchors.shape[1] * block_size
+    q_anchor = anchors.repeat_interleave(block_size, dim=1)  # [B, Q]
+    q_doc = docs.gather(1, q_anchor)
+    kv_pos = torch.arange(length, device=docs.device)
+    context = (docs[:, None, :] == q_doc[:, :, None]) & (q_doc[:, :, None] >= 0) & (kv_pos < q_anchor[:, :, None])
+    block = torch.arange(n_q, device=docs.device) // block_size
+    own = (block[:, None] == block[None, :]).expand(b, n_q, n_q)
+    return torch.cat([context, own], dim=-1)
+
+
+def position_weights(
+    ce: torch.Tensor, counted: torch.Tensor, weighting: str, dpace_alpha: float, gamma: float
+) -> torch.Tensor:
+    """[N, bs] per-slot weights (no grad). ``counted`` [N, bs] bool."""
+    with torch.no_grad():
+        if weighting == "dpace":
+            smooth = (1.0 - dpace_alpha) * torch.exp(-ce.float()) + dpace_alpha
+            smooth = torch.where(counted, smooth, torch.ones_like(smooth))
+            prefix = torch.cumprod(smooth, dim=-1) * counted
+            return prefix.flip(-1).cumsum(-1).flip(-1) * counted
+        if weighting == "exp-decay":
+            slot = torch.arange(ce.shape[-1], device=ce.device, dtype=torch.float32)
+            return torch.exp(-(slot - 1).clamp_min(0) / gamma).expand_as(ce) * counted
+    raise ValueError(f"unknown position weighting {weighting!r} (one of {WEIGHTINGS})")
+
+
+def block_loss(
+    drafter: DFlashDrafter,
+    aux: torch.Tensor,
+    target_argmax: torch.Tensor,
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+    *,
+    max_anchors: int = 512,
+    weighting: str = "dpace",
+    dpace_alpha: float = 0.5,
+    gamma: float = 4.0,
+    generator: torch.Generator | None = None,
+) -> BlockOutput:
+    """The DFlash loss of one batch (module docstring). aux [B, L, n*Ht]; target_argmax [B, L]: the target's argmax
+    over its whole vocabulary at each position (its next token); the rest [B, L]; ``position_ids`` for packed rows."""
+    bs = drafter.config.block_size
+    device = drafter.fc.weight.device
+    aux, target_argmax = aux.to(device), target_argmax.to(device)
+    input_ids, loss_mask, attention_mask = input_ids.to(device), loss_mask.to(device), attention_mask.to(device)
+    b, length = input_ids.shape
+    positions = (
+        torch.arange(length, device=device).expand(b, length) if position_ids is None else position_ids.to(device)
+    )
+    docs = document_ids(attention_mask, None if position_ids is None else positions)
+    anchors, valid = select_anchors(loss_mask * attention_mask, max_anchors, generator)
+    n_anchors = anchors.shape[1]
+
+    slot = torch.arange(bs, device=device)
+    index = anchors[:, :, None] + slot  # [B, A, bs]: the position each slot stands for
+    inside = index < length
+    index = index.clamp_max(length - 1)
+    flat = index.flatten(1)
+    same_doc = docs.gather(1, flat).view_as(index) == docs.gather(1, anchors)[:, :, None]
+    counted = valid[:, :, None] & inside & same_doc & loss_mask.bool().gather(1, flat).view_as(index) & (slot > 0)
+
+    labels = target_argmax.gather(1, (index - 1).clamp_min(0).flatten(1)).view_as(index)  # a+k-1 predicts a+k
+
+    query_ids = torch.full_like(index, drafter.config.mask_token_id)
+    query_ids[:, :, 0] = input_ids.gather(1, anchors)
+    query_positions = positions.gather(1, anchors)[:, :, None] + slot
+    context = drafter.context(aux)
+    kv = drafter.context_kv(context, positions)
+    mask = block_attention_mask(docs, anchors, bs)
+    logits = drafter(query_ids.flatten(1), query_positions.flatten(1), kv, mask)  # [B, A*bs, V]
+
+    ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view(b * n_anchors, bs)
+    counted = counted.view(b * n_anchors, bs)
+    weights = position_weights(ce, counted, weighting, dpace_alpha, gamma)
+    loss = (ce * weights).sum() / counted.sum().clamp_min(1)
+
+    hit = (logits.argmax(-1).view_as(index) == labels).view(b * n_anchors, bs) & counted
+    run = torch.cumprod(hit[:, 1:].long(), dim=-1).sum(-1)  # a slot that does not count ends the run
+    return BlockOutput(
+        loss=loss,
+        correct=hit.sum(0).detach(),
+        counted=counted.sum(0).detach(),
+        accepted_run=run.sum().detach(),
+        anchors=valid.sum().detach(),
+        slot_loss=((ce * counted).sum(0) / counted.sum(0).clamp_min(1)).detach(),
+    )
+
+
+def target_argmax(last_hidden: torch.Tensor, head: torch.Tensor, rows: int = 4096) -> torch.Tensor:
+    """[..., Ht] final-normed states -> the target's argmax [...] over its whole vocabulary, a few rows at a time."""
+    flat = last_hidden.reshape(-1, last_hidden.shape[-1])
+    out = [(part.to(head.dtype) @ head.T).argmax(-1) for part in flat.split(rows)]
+    return torch.cat(out).view(last_hidden.shape[:-1])
+
+
+class BlockObjective(nn.Module):
+    """``block_loss`` as a module's forward, so DDP / FSDP see a forward pass (their gradient sync hooks onto it).
+
+    It takes the training loop's inputs (``training/loop.py``'s ``Features``, built over the whole vocabulary
+    for this family, so ``target_logits`` argmax is the target's next token) and answers with the loop's
+    per-position figures: position k is block slot k+1 (``loss_k``, ``acc_k``, ``count_k``)."""
+
+    def __init__(self, drafter: DFlashDrafter, max_anchors: int, weighting: str, dpace_alpha: float, gamma: float):
+        super().__init__()
+        if weighting not in WEIGHTINGS:
+            raise ValueError(f"unknown position weighting {weighting!r} (one of {WEIGHTINGS})")
+        self.drafter = drafter
+        self.max_anchors, self.weighting, self.dpace_alpha, self.gamma = max_anchors, weighting, dpace_alpha, gamma
+
+    @property
+    def positions(self) -> int:
+        return self.drafter.config.block_size - 1
+
+    def forward(
+        self, aux, input_ids, target_logits, loss_mask, attention_mask, target_in_draft=None, position_ids=None
+    ):
+        out = block_loss(
+            self.drafter,
+            aux,
+            target_logits.argmax(-1),
+            input_ids,
+            loss_mask,
+            attention_mask,
+            position_ids,
+            max_anchors=self.max_anchors,
+            weighting=self.weighting,
+            dpace_alpha=self.dpace_alpha,
+            gamma=self.gamma,
+        )
+        counted = out.counted[1:].tolist()
+        acc = [c / n if n else 0.0 for c, n in zip(out.correct[1:].tolist(), counted, strict=True)]
+        loss_k = [float(out.slot_loss[k]) for k in range(1, self.positions + 1)]
+        return out.loss, TTTOutput(loss=out.loss, loss_k=loss_k, acc_k=acc, count_k=[int(n) for n in counted])
+
+
+# ---------------------------------------------------------------------------------- the family in the training loop
+
+
+def trains_block_drafter(cfg) -> bool:
+    """Whether a run trains a DFlash drafter: asked for, or finetuning an exported one (``train.init_from``)."""
+    from eaglekit.model.dflash_checkpoint import is_dflash_checkpoint
+
+    init_from = cfg.train.init_from
+    return cfg.train.draft.architecture == "dflash" or bool(init_from and is_dflash_checkpoint(init_from))
+
+
+def build_block_drafter(cfg, hf_config, embed: torch.Tensor, head: torch.Tensor, aux_ids: list[int]):
+    """(drafter, notes) for ``train.draft.architecture: dflash``: fresh from the target's config, or ``train.init_from``
+    an exported DFlash drafter (``export/dflash/``) re-imported to finetune."""
+    from eaglekit.model.dflash import config_for_run
+    from eaglekit.model.dflash_checkpoint import load_dflash
+
+    if cfg.train.init_from:
+        drafter = load_dflash(cfg.train.init_from, embed, head).float()
+        if drafter.config.aux_layer_ids != list(aux_ids):
+            from eaglekit.errors import UsageError
+
+            raise UsageError(
+                f"train.init_from {cfg.train.init_from} taps target layers {drafter.config.aux_layer_ids}, "
+                f"this run {list(aux_ids)}",
+                f"set target.aux_layers: {drafter.config.aux_layer_ids}",
+            )
+        return drafter, {"draft_vocab": "the target's (dflash)", "init_from": cfg.train.init_from}
+    dcfg = config_for_run(cfg, hf_config, aux_ids, int(embed.shape[0]))
+    drafter = DFlashDrafter(dcfg)
+    drafter.take_target(embed, head)
+    return drafter, {"draft_vocab": "the target's (dflash)", "mask_token_id": dcfg.mask_token_id}
+
+
+def block_drafter_notes(cfg, hf_config) -> list[str]:
+    """What pre-flight says about serving this family with this target (warnings; empty when none apply)."""
+    from eaglekit.model.drafter import text_config
+
+    notes = []
+    if getattr(text_config(hf_config), "kv_lora_rank", None):
+        notes.append(
+            "the target uses multi-head latent attention: DFlash's non-causal draft on an MLA target is reported "
+            "not to run on stock vLLM (z-lab/dflash#62, Kimi-K2.5); vLLM 0.32 added non-causal MLA backends, not "
+            "verified here — verify on your engine before a long run"
+        )
+    if not cfg.train.draft.shared_k_norm:
+        notes.append(
+            "train.draft.shared_k_norm is false: vLLM 0.32's CPU build would serve this drafter with other drafts "
+            "(it applies layer 0's k_norm to every layer's context keys); GPU engines are not affected"
+        )
+    return notes
+
+
+def block_objective(drafter: DFlashDrafter, draft) -> BlockObjective:
+    """The objective with ``train.draft``'s options (speculators' DFlash defaults where unset)."""
+    return BlockObjective(
+        drafter,
+        max_anchors=draft.max_anchors or 512,
+        weighting=draft.position_weighting or "dpace",
+        dpace_alpha=draft.dpace_alpha if draft.dpace_alpha is not None else 0.5,
+        gamma=draft.decay_gamma if draft.decay_gamma is not None else 4.0,
+    )
