@@ -1,4 +1,4 @@
-"""The draft head and the soft cross-entropy of TTT, fused so no [N, Vd] tensor is kept for backward.
+"""The draft head and the loss of TTT, fused so no [N, Vd] tensor is kept for backward.
 
 Every TTT step ends in ``lm_head`` over the draft vocabulary and a soft cross-entropy against the
 target's distribution. Written plainly (``F.cross_entropy(lm_head(x), target_p)``) autograd keeps two
@@ -12,6 +12,9 @@ with respect to x and to the head's weight. Backward only scales those by the in
 for backward: dL/dx [N, H] and dL/dW [Vd, H] — no more matmuls than the plain version (the logits'
 forward, dx and dW), and only one chunk of logits alive at a time.
 
+The loss itself is one of the divergences of ``training/losses.py`` (``train.loss``; default forward KL, whose value
+is reported as the soft cross-entropy): each supplies its rows' value and dL/dlogits per chunk.
+
 All TTT steps go through one call (their rows concatenated, each row weighted by decay^k / count_k),
 so dL/dW exists once, not once per step.
 """
@@ -22,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from eaglekit.training.losses import divergence
+
 # Rows per chunk: at most this many logits at once (4 Mi elements = 16 MiB in fp32). Larger chunks make the
 # transient memory of a step depend on how many rows the step has; on a GPU the matmuls want more rows.
 CHUNK_ELEMENTS = {"cpu": 1 << 22}
@@ -30,9 +35,14 @@ CHUNK_ELEMENTS_DEFAULT = 1 << 25
 
 @dataclass
 class HeadLoss:
-    loss: torch.Tensor  # scalar: sum over rows of row_weight * soft cross-entropy (differentiable)
-    ce: torch.Tensor  # [M] each row's soft cross-entropy (no grad)
+    loss: torch.Tensor  # scalar: sum over rows of row_weight * the row's loss (differentiable)
+    value: torch.Tensor  # [M] each row's loss (no grad): the soft cross-entropy for kl_div
     correct: torch.Tensor  # [M] bool: the draft's argmax equals the target's
+
+    @property
+    def ce(self) -> torch.Tensor:
+        """The rows' loss under its historical name (it is the soft cross-entropy for the default loss)."""
+        return self.value
 
 
 def head_soft_cross_entropy(
@@ -43,8 +53,12 @@ def head_soft_cross_entropy(
     slots: torch.Tensor,
     row_weight: torch.Tensor,
     chunk_rows: int | None = None,
+    loss: str = "kl_div",
+    lk_eta: float = 3.0,
 ) -> HeadLoss:
-    """Σ_m row_weight[m] · H(target_p[slots[m]], softmax(x[m] @ weight.T)), without [M, Vd] kept for backward.
+    """Σ_m row_weight[m] · L(target_p[slots[m]], softmax(x[m] @ weight.T)), without [M, Vd] kept for backward.
+
+    L is the divergence ``loss`` names (``training/losses.py``; default the soft cross-entropy H(p, q)).
 
     x [M, H] the normed draft hidden states; weight [Vd, H] the draft head; target_p [P, Vd] target
     probabilities (rows sum to 1) and target_argmax [P]; slots [M] the target row of each x row;
@@ -60,7 +74,7 @@ def head_soft_cross_entropy(
         elements = CHUNK_ELEMENTS.get(device_type, CHUNK_ELEMENTS_DEFAULT)
         chunk_rows = max(1, elements // max(1, weight.shape[0]))
     grad = torch.is_grad_enabled()
-    loss, ce, correct = _HeadSoftCrossEntropy.apply(
+    total, value, correct = _HeadLoss.apply(
         x,
         weight,
         target_p,
@@ -71,17 +85,33 @@ def head_soft_cross_entropy(
         chunk_rows,
         grad and x.requires_grad,
         grad and weight.requires_grad,
+        loss,
+        lk_eta,
     )
-    return HeadLoss(loss=loss, ce=ce, correct=correct)
+    return HeadLoss(loss=total, value=value, correct=correct)
 
 
-class _HeadSoftCrossEntropy(torch.autograd.Function):
+class _HeadLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, target_p, target_argmax, slots, row_weight, matmul_dtype, chunk_rows, need_dx, need_dw):
+    def forward(
+        ctx,
+        x,
+        weight,
+        target_p,
+        target_argmax,
+        slots,
+        row_weight,
+        matmul_dtype,
+        chunk_rows,
+        need_dx,
+        need_dw,
+        kind,
+        eta,
+    ):
         compute = torch.promote_types(torch.promote_types(x.dtype, weight.dtype), torch.float32)
         m = x.shape[0]
         w_mm = weight.to(matmul_dtype)
-        ce = torch.empty(m, dtype=compute, device=x.device)
+        value = torch.empty(m, dtype=compute, device=x.device)
         correct = torch.empty(m, dtype=torch.bool, device=x.device)
         dx = torch.empty_like(x) if need_dx else None
         dw = torch.zeros_like(weight, dtype=torch.promote_types(weight.dtype, torch.float32)) if need_dw else None
@@ -93,28 +123,23 @@ class _HeadSoftCrossEntropy(torch.autograd.Function):
             s = slots[r0:r1]
             correct[r0:r1] = logits.argmax(-1) == target_argmax[s]
             p = target_p[s].to(compute)
-            p_sum = p.sum(-1)
-            lse = torch.logsumexp(logits, dim=-1)
-            # H(p, q) = Σ_v p_v (lse - z_v) = lse · Σp - p·z
-            ce[r0:r1] = lse * p_sum - (p * logits).sum(-1)
-            if need_dx or need_dw:
-                # dH/dz = Σp · softmax(z) - p, scaled by the row's weight in the total
-                dz = logits.sub_(lse[:, None]).exp_().mul_(p_sum[:, None]).sub_(p).mul_(row_weight[r0:r1, None])
-                dz = dz.to(matmul_dtype)
+            value[r0:r1], dz = divergence(kind, logits, p, eta, need_grad=need_dx or need_dw)
+            if dz is not None:
+                dz = dz.mul_(row_weight[r0:r1, None]).to(matmul_dtype)
                 if need_dx:
                     dx[r0:r1] = (dz @ w_mm).to(x.dtype)
                 if need_dw:
                     dw += (dz.T @ xc).to(dw.dtype)
             del logits, p
-        loss = (ce * row_weight).sum()
+        loss = (value * row_weight).sum()
         ctx.save_for_backward(dx, dw)
         ctx.weight_dtype = weight.dtype
-        ctx.mark_non_differentiable(ce, correct)
-        return loss, ce, correct
+        ctx.mark_non_differentiable(value, correct)
+        return loss, value, correct
 
     @staticmethod
-    def backward(ctx, d_loss, _d_ce, _d_correct):
+    def backward(ctx, d_loss, _d_value, _d_correct):
         dx, dw = ctx.saved_tensors
         grad_x = None if dx is None else dx * d_loss.to(dx.dtype)
         grad_w = None if dw is None else (dw * d_loss.to(dw.dtype)).to(ctx.weight_dtype)
-        return grad_x, grad_w, None, None, None, None, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None, None, None, None, None, None

@@ -27,7 +27,7 @@ The draft head and its soft cross-entropy run once, over the rows of every step,
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -46,8 +46,10 @@ BLOCK_ROWS = 256
 
 @dataclass
 class TTTOutput:
-    loss: torch.Tensor  # scalar, sum_k decay^k * (summed soft cross-entropy of step k) / normalizer(count_k)
-    loss_k: list[float]  # per step: mean soft cross-entropy over this batch's counted positions (0.0 where none)
+    loss: torch.Tensor  # scalar, sum_k w_k * (summed loss of step k) / normalizer(count_k)
+    loss_k: list[
+        float
+    ]  # per step: mean loss (soft cross-entropy for kl_div) over this batch's counted positions (0.0 where none)
     acc_k: list[float]  # per step: share of counted positions where draft argmax == target argmax
     count_k: list[int]  # per step: counted positions
     anchor: float = 0.0  # ||θ - θ0||² when the training loop pulls toward starting weights (train.anchor_weight)
@@ -182,6 +184,9 @@ def ttt_loss(
     target_in_draft: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
     normalizer: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    loss: str = "kl_div",
+    lk_eta: float = 3.0,
+    step_weights: Sequence[float] | None = None,
 ) -> TTTOutput:
     """The TTT loss of one right-padded batch.
 
@@ -199,8 +204,9 @@ def ttt_loss(
         embedding of token t+1+k goes in, RoPE position position_ids[t]+k, target softmax(target_logits[t+1+k]).
       - (t, k) is counted where token t+2+k exists in t's document, is not padding, has loss_mask 1,
         and (if given) target_in_draft[t+1+k]. Padding must be on the right.
-    Loss_k = soft cross-entropy summed over counted (t, k), divided by ``normalizer(count_k)`` (default:
-    count_k itself, i.e. the mean; under DDP the count of every rank); loss = sum_k decay^k * loss_k.
+    Loss_k = the divergence ``loss`` (``training/losses.py``; default kl_div, reported as the soft cross-entropy)
+    summed over counted (t, k), divided by ``normalizer(count_k)`` (default: count_k itself, i.e. the mean; under
+    DDP the count of every rank); loss = sum_k w_k * loss_k with w_k = ``step_weights[k]`` when given, else decay^k.
     """
     _check_inputs(
         drafter, aux_hidden, input_ids, target_logits, loss_mask, attention_mask, target_in_draft, steps, position_ids
@@ -304,7 +310,13 @@ def ttt_loss(
     # The head and loss of every step in one pass: row weight decay^k / denominator_k.
     sizes = [r.shape[0] for r in head_rows]
     step_of_row = torch.repeat_interleave(torch.arange(steps, device=device), torch.tensor(sizes, device=device))
-    per_step = torch.tensor([decay**k for k in range(steps)], dtype=compute, device=device)
+    weights = list(step_weights) if step_weights is not None else [decay**k for k in range(steps)]
+    if len(weights) != steps:
+        raise UsageError(
+            f"ttt_loss: {len(weights)} step weights for {steps} TTT steps",
+            "give train.step_weights one weight per step",
+        )
+    per_step = torch.tensor(weights, dtype=compute, device=device)
     per_step = torch.where(denominator > 0, per_step / denominator.clamp(min=1).to(compute), 0.0)
     head = head_soft_cross_entropy(
         drafter.norm(torch.cat(head_rows)),
@@ -313,9 +325,11 @@ def ttt_loss(
         target_argmax,
         torch.cat(head_slots),
         per_step[step_of_row],
+        loss=loss,
+        lk_eta=lk_eta,
     )
 
-    sums = torch.zeros(steps, dtype=compute, device=device).index_add_(0, step_of_row, head.ce)
+    sums = torch.zeros(steps, dtype=compute, device=device).index_add_(0, step_of_row, head.value)
     hits = torch.zeros(steps, dtype=compute, device=device).index_add_(0, step_of_row, head.correct.to(compute))
     counts = count_k.tolist()
     loss_k = [s / c if c else 0.0 for s, c in zip(sums.double().tolist(), counts, strict=False)]
