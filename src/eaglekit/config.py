@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from eaglekit.errors import UsageError
 
@@ -171,6 +171,35 @@ class TrainConfig(Section):
     draft: DraftModelConfig = Field(default_factory=DraftModelConfig)
     ttt_steps: int = Field(7, ge=1)
     ttt_decay: float = Field(0.8, gt=0.0)
+    step_weights: list[float] | None = Field(
+        None,
+        description="loss weight of each TTT step, one per step (speculators: [1, 1, 1] at 3 steps); "
+        "None: ttt_decay**k (EAGLE / SpecForge: 0.8**k at 7 steps)",
+    )
+    loss: Literal["kl_div", "rkl", "jsd", "tv", "nla", "lk_hybrid"] = Field(
+        "kl_div",
+        description="divergence between the target's and the draft's distributions (training/losses.py): "
+        "kl_div forward KL (EAGLE's; logged as soft cross-entropy), rkl reverse KL, jsd Jensen-Shannon, "
+        "tv total variation (1 - acceptance rate), nla -log(acceptance rate) and lk_hybrid the LK losses "
+        "of arXiv 2602.23881",
+    )
+    lk_eta: float = Field(
+        3.0, gt=0.0, description="lk_hybrid: weight exp(-lk_eta * acceptance) on KL, the rest on TV (3.0: the paper's)"
+    )
+    noise: Literal["none", "uniform", "gaussian"] = Field(
+        "none",
+        description="noise added to the target's hidden states (the drafter's input features) in training only, "
+        "so the drafter sees features as imperfect as its own later steps; uniform: U(-noise_scale, "
+        "noise_scale), gaussian: N(0, noise_scale^2)",
+    )
+    noise_scale: float = Field(0.05, ge=0.0, description="the noise's half-width (uniform) or standard deviation")
+    optimizer: Literal["adamw", "muon"] = Field(
+        "adamw",
+        description="adamw on every parameter, or muon (torch.optim.Muon: momentum 0.95, weight decay "
+        "muon_weight_decay, 5 Newton-Schulz steps, update RMS matched to AdamW's) on the drafter's 2-D "
+        "weights and AdamW on the rest (norms, embeddings, head), as speculators ships",
+    )
+    muon_weight_decay: float = Field(0.1, ge=0.0, description="optimizer muon: weight decay of the Muon group")
     lr: float = Field(1e-4, gt=0.0)
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
     warmup_steps: int = Field(50, ge=0)
@@ -212,6 +241,14 @@ class TrainConfig(Section):
         "drafter's), as speculators does; false trains it too. A head with no rows to start from "
         "(the target's are another width, or init_lm_head_from_target false) always trains",
     )
+
+    @model_validator(mode="after")
+    def _one_weight_per_step(self) -> TrainConfig:
+        if self.step_weights is not None and len(self.step_weights) != self.ttt_steps:
+            raise ValueError(
+                f"step_weights has {len(self.step_weights)} weights for ttt_steps {self.ttt_steps}: give one per step"
+            )
+        return self
 
 
 class EvaluateConfig(Section):

@@ -91,16 +91,18 @@ def train(cfg: RunConfig, run: RunDir, out_dir: Path, resuming: bool) -> dict[st
     store = TokenStore(run.stage_dir("prepare") / "tokens.safetensors")
     drafter, features, notes = drafter_and_features(cfg, run.path, device)
     autocast = autocast_for(tc.dtype, device)
-    model = wrap(TTT(drafter, tc.ttt_steps, tc.ttt_decay, tc.anchor_weight), tc.distributed, device)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optim = build_optimizer(tc, params)
+    objective = TTT.from_config(drafter, tc)
+    model = wrap(objective, tc.distributed, device)
+    named_params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    params = [p for _, p in named_params]
+    optim = build_optimizer(tc, named_params)
     batches = RunBatches(
         cfg, store, features.blocks(store, store.lengths.tolist(), cfg.extract.shard_tokens), features.store,
         world, dist.rank(),
     )  # fmt: skip
     total_steps = batches.total_steps(tc)
     sched = build_scheduler(tc, optim, total_steps)
-    held_out = HeldOut(model, drafter, features, batches, autocast, fsdp, tc.ttt_steps, tc.ttt_decay)
+    held_out = HeldOut(model, drafter, features, batches, autocast, fsdp, tc.ttt_steps, objective.step_weights)
 
     metrics = Metrics(out_dir / "metrics.jsonl", out_dir / "tensorboard")
     progress = Progress()
@@ -318,9 +320,9 @@ class HeldOut:
     drafter of the highest τ so far)."""
 
     def __init__(self, model: nn.Module, drafter: Eagle3Drafter, features: Features, batches: RunBatches, autocast,
-                 fsdp: bool, steps: int, decay: float):  # fmt: skip
+                 fsdp: bool, steps: int, step_weights: list[float]):  # fmt: skip
         self.model, self.drafter, self.features, self.data = model, drafter, features, batches
-        self.autocast, self.fsdp, self.steps, self.decay = autocast, fsdp, steps, decay
+        self.autocast, self.fsdp, self.steps, self.step_weights = autocast, fsdp, steps, step_weights
         self.batches = batches.held_out()
         if not self.batches:
             say(
@@ -352,7 +354,7 @@ class HeldOut:
         self.model.train()
         r = window.reduced()
         return {
-            "loss": sum(loss * self.decay**k for k, loss in enumerate(r["loss_k"])),
+            "loss": sum(loss * w for w, loss in zip(self.step_weights, r["loss_k"], strict=True)),
             "loss_k": r["loss_k"],
             "acc_k": r["acc_k"],
             "tau": simulated_acceptance_length(r["acc_k"]),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from eaglekit.config import TrainConfig
 from eaglekit.model.drafter import Eagle3Drafter
 from eaglekit.training import distributed as dist
 from eaglekit.training.ttt import ttt_loss
@@ -24,11 +25,27 @@ class TTT(nn.Module):
 
     ``anchor_weight`` > 0 adds the L2-SP pull toward the starting weights (Li et al. 2018):
     anchor_weight / 2 · ||θ - θ0||² over the trainable parameters, θ0 as they are when this module is built.
+
+    The recipe levers (``train.loss``, ``train.step_weights``, ``train.noise``) come in through ``from_config``;
+    the noise is added to the target's hidden states in training mode only, so held-out figures see clean features.
     """
 
-    def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float, anchor_weight: float = 0.0):
+    def __init__(
+        self,
+        drafter: Eagle3Drafter,
+        steps: int,
+        decay: float,
+        anchor_weight: float = 0.0,
+        loss: str = "kl_div",
+        lk_eta: float = 3.0,
+        step_weights: list[float] | None = None,
+        noise: str = "none",
+        noise_scale: float = 0.0,
+    ):
         super().__init__()
         self.drafter, self.steps, self.decay, self.anchor_weight = drafter, steps, decay, anchor_weight
+        self.loss, self.lk_eta, self.noise, self.noise_scale = loss, lk_eta, noise, noise_scale
+        self.step_weights = list(step_weights) if step_weights is not None else [decay**k for k in range(steps)]
         # not buffers: FSDP must not shard them, checkpoints must not hold them (they are the init_from weights)
         self.anchor = (
             {name: p.detach().clone() for name, p in drafter.named_parameters() if p.requires_grad}
@@ -36,8 +53,17 @@ class TTT(nn.Module):
             else {}
         )
 
+    @classmethod
+    def from_config(cls, drafter: Eagle3Drafter, tc: TrainConfig) -> TTT:
+        return cls(
+            drafter, tc.ttt_steps, tc.ttt_decay, tc.anchor_weight, tc.loss, tc.lk_eta, tc.step_weights, tc.noise,
+            tc.noise_scale,
+        )  # fmt: skip
+
     def forward(self, aux, input_ids, target_logits, loss_mask, attention_mask, target_in_draft, position_ids=None):
         world = dist.world_size() if dist.active() else 1
+        if self.training and self.noise != "none" and self.noise_scale > 0:
+            aux = aux + feature_noise(aux, self.noise, self.noise_scale)
         out = ttt_loss(
             self.drafter,
             aux,
@@ -50,6 +76,9 @@ class TTT(nn.Module):
             target_in_draft,
             position_ids=position_ids,
             normalizer=(lambda count: dist.all_reduce_sum(count.clone())) if world > 1 else None,
+            loss=self.loss,
+            lk_eta=self.lk_eta,
+            step_weights=self.step_weights,
         )
         loss = out.loss * world
         if out.count_k[0] == 0:  # nothing counted on this rank: touch every parameter so DDP's reduction completes
@@ -60,6 +89,16 @@ class TTT(nn.Module):
             out.anchor = float(pull.detach())
             loss = loss + 0.5 * self.anchor_weight * pull
         return loss, out
+
+
+def feature_noise(aux: torch.Tensor, kind: str, scale: float) -> torch.Tensor:
+    """Noise for the hidden states: U(-scale, scale) or N(0, scale²), in their dtype, from the global RNG (seeded
+    and checkpointed by the loop, so a resumed run draws what an uninterrupted one would)."""
+    if kind == "uniform":
+        return (torch.rand_like(aux) * 2 - 1) * scale
+    if kind == "gaussian":
+        return torch.randn_like(aux) * scale
+    raise ValueError(f"unknown noise kind {kind!r}; expected none, uniform or gaussian")
 
 
 def wrap(module: TTT, mode: str, device: torch.device) -> nn.Module:
