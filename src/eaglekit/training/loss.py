@@ -126,9 +126,9 @@ class _HeadLoss(torch.autograd.Function):
             value[r0:r1], dz = divergence(kind, logits, p, eta, need_grad=need_dx or need_dw)
             if dz is not None:
                 dz = dz.mul_(row_weight[r0:r1, None]).to(matmul_dtype)
-                if need_dx:
+                if dx is not None:
                     dx[r0:r1] = (dz @ w_mm).to(x.dtype)
-                if need_dw:
+                if dw is not None:
                     dw += (dz.T @ xc).to(dw.dtype)
             del logits, p
         loss = (value * row_weight).sum()

@@ -71,7 +71,7 @@ class Together(torch.optim.Optimizer):
         self.param_groups = [group for part in parts for group in part.param_groups]
 
     @torch.no_grad()
-    def step(self, closure=None):  # type: ignore[override]
+    def step(self, closure=None):
         loss = closure() if closure is not None else None
         for part in self.parts:
             part.step()
@@ -81,10 +81,10 @@ class Together(torch.optim.Optimizer):
         for part in self.parts:
             part.zero_grad(set_to_none=set_to_none)
 
-    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+    def state_dict(self) -> dict[str, Any]:
         return {"parts": [part.state_dict() for part in self.parts]}
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         saved = state_dict.get("parts")
         if saved is None or len(saved) != len(self.parts):
             raise UsageError(

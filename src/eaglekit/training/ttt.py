@@ -281,11 +281,13 @@ def ttt_loss(
     k0, v0 = k0.reshape(b * length, n_kv, hd), v0.reshape(b * length, n_kv, dv)
     pos_flat = positions.reshape(-1)
     rows = torch.arange(b * length, device=device)
-    diag_k = diag_v = None  # [steps so far, N, nKV, hd]: the keys of steps 1..k of each chain
+    # [steps so far, N, nKV, hd]: the keys (and values) of steps 1..k of each chain
+    diag_k: torch.Tensor | None = None
+    diag_v: torch.Tensor | None = None
     for k in range(1, steps):
         keep = needed[k].reshape(-1)[rows]
         rows, h = rows[keep], drafter.next_feature(h[keep])
-        if diag_k is not None:
+        if diag_k is not None and diag_v is not None:
             diag_k, diag_v = diag_k[:, keep], diag_v[:, keep]
         with torch.no_grad():
             embeds = drafter.embed_tokens(ids_flat[rows + 1 + k])
