@@ -51,7 +51,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SPECULATORS_PYTHON = ROOT / "benchmarks" / ".venv-speculators" / "bin" / "python"
-ABLATIONS = ("betas", "decay", "clip", "trained-head", "frozen-head", "input-mask")
+LOSS_LEVERS = ("kl_div", "rkl", "jsd", "tv", "nla", "lk_hybrid")  # train.loss
+ABLATIONS = ("betas", "decay", "clip", "trained-head", "frozen-head", "input-mask", "noise", "muon", "equal-weights")
+ABLATIONS += LOSS_LEVERS
 sys.path.insert(0, str(ROOT / "src"))
 
 
@@ -122,7 +124,10 @@ def ablate(cfg, changes: list[str]) -> None:
     ``trained-head`` trains lm_head too (train.freeze_lm_head false: eaglekit's default until this race showed it
     costs τ); ``frozen-head`` keeps it frozen (the default now, as speculators); ``input-mask`` counts a
     prediction only where its input token is in the loss mask too, as speculators does: the first token of a
-    reply, which the target's prefill always makes and no drafter is asked for, drops out of the loss."""
+    reply, which the target's prefill always makes and no drafter is asked for, drops out of the loss.
+    The recipe levers (train keys): a loss name (``lk_hybrid``, ``nla``, ``tv``, ``rkl``, ``jsd``) sets
+    train.loss; ``noise`` uniform ±0.05 hidden-state noise; ``muon`` train.optimizer muon; ``equal-weights``
+    every TTT step weighted 1 (speculators' default) instead of decay^k."""
     import torch
 
     from eaglekit.training import objective
@@ -138,6 +143,14 @@ def ablate(cfg, changes: list[str]) -> None:
         cfg.train.freeze_lm_head = True
     if "trained-head" in changes:
         cfg.train.freeze_lm_head = False
+    for loss in set(changes) & set(LOSS_LEVERS):
+        cfg.train.loss = loss
+    if "noise" in changes:
+        cfg.train.noise, cfg.train.noise_scale = "uniform", 0.05
+    if "muon" in changes:
+        cfg.train.optimizer = "muon"
+    if "equal-weights" in changes:
+        cfg.train.step_weights = [1.0] * cfg.train.ttt_steps
     if "input-mask" in changes:  # a prediction counts only where its input token is masked in too (speculators)
         import torch.nn.functional as F
 
@@ -236,7 +249,7 @@ def vllm_taus(
         )
         with server:
 
-            def ask(messages):
+            def ask(messages, server=server):
                 r = httpx.post(
                     f"{server.url}/chat/completions",
                     timeout=600,
@@ -296,7 +309,7 @@ def speculators_child(job: dict) -> None:
     for i in train_idx:
         _, ids, mask = store[i]
         pre_norm = {}
-        handle = final_norm.register_forward_pre_hook(lambda m, a: pre_norm.__setitem__("h", a[0]))
+        handle = final_norm.register_forward_pre_hook(lambda m, a, pre_norm=pre_norm: pre_norm.__setitem__("h", a[0]))
         try:
             f = features(ids[None].long(), with_logits=False)
         finally:
