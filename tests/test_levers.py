@@ -122,3 +122,24 @@ def test_a_run_with_every_lever_trains(tmp_path, tiny_target):
     losses = [r["loss"] for r in metrics(cfg) if r["kind"] == "train"]
     assert all(math.isfinite(loss) for loss in losses)
     assert losses[-1] < losses[0]
+
+
+def test_tau_watch_warns_then_stops_on_falling_tau_under_falling_loss():
+    from eaglekit.training.early_stop import WARN_AFTER, TauWatch
+
+    # τ rises with the loss falling, then falls three times while the loss still falls
+    evals = [(3.0, 2.0), (3.2, 1.8), (3.1, 1.7), (3.0, 1.6), (2.9, 1.5), (2.8, 1.4)]
+    watch = TauWatch(patience=3)
+    decisions = [watch.update(tau, loss) for tau, loss in evals]
+    assert [stop for _, stop in decisions] == [False, False, False, False, True, True]
+    assert "stopping" in (decisions[4][0] or "")
+
+    warn_only = TauWatch(patience=None)
+    decisions = [warn_only.update(tau, loss) for tau, loss in evals]
+    assert not any(stop for _, stop in decisions)
+    warnings = [message for message, _ in decisions if message]
+    assert len(warnings) == 1 and "early_stop_patience" in warnings[0] and WARN_AFTER == 3
+
+    # τ falling because the loss rose too (a bad stretch, not overfitting) never counts
+    diverging = TauWatch(patience=1)
+    assert [diverging.update(t, loss)[1] for t, loss in [(3.0, 1.0), (2.9, 1.1), (2.8, 1.2)]] == [False] * 3

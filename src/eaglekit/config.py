@@ -200,6 +200,12 @@ class TrainConfig(Section):
         "weights and AdamW on the rest (norms, embeddings, head), as speculators ships",
     )
     muon_weight_decay: float = Field(0.1, ge=0.0, description="optimizer muon: weight decay of the Muon group")
+    early_stop_patience: int | None = Field(
+        None,
+        ge=1,
+        description="end the run after this many held-out evaluations in a row in which simulated τ fell while the "
+        "held-out loss fell (training/early_stop.py); None: only warn, after 3",
+    )
     lr: float = Field(1e-4, gt=0.0)
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
     warmup_steps: int = Field(50, ge=0)

@@ -50,6 +50,7 @@ from eaglekit.training.checkpoint import (
     without_frozen_embedding,
 )
 from eaglekit.training.data import Loader, RunBatches
+from eaglekit.training.early_stop import TauWatch
 from eaglekit.training.features import Features
 from eaglekit.training.init import build_drafter, say
 from eaglekit.training.metrics import Metrics, Window
@@ -121,6 +122,7 @@ def train(cfg: RunConfig, run: RunDir, out_dir: Path, resuming: bool) -> dict[st
 
     last_eval = held_out(0, metrics, ckpts, progress) if progress.step == 0 else None
     window = Window(tc.ttt_steps, progress.window)
+    watch = TauWatch(tc.early_stop_patience)  # starts afresh on resume: it needs patience evaluations again
     t0, local_tokens = time.monotonic(), 0
     model.train()
     # Ctrl-C / SIGTERM finish the step in progress and write a checkpoint before stopping (a second one stops at once)
@@ -159,17 +161,24 @@ def train(cfg: RunConfig, run: RunDir, out_dir: Path, resuming: bool) -> dict[st
                     tok_s=round(local_tokens * world / max(elapsed, 1e-9)),
                 )  # fmt: skip
                 window = Window(tc.ttt_steps)
+            overfit = False
             if done % tc.eval_every == 0 or done == total_steps:
                 last_eval = held_out(done, metrics, ckpts, progress)
                 if last_eval:
                     meter.fields.update(held_out_tau=round(last_eval["tau"], 3))
+                    warning, overfit = watch.update(last_eval["tau"], last_eval["loss"])
+                    if warning:
+                        say(f"[yellow]train: step {done}: {warning}[/]")
             stopping, timed = checkpoint_due(stop, last_save, tc.save_every_minutes)
-            if done % tc.save_every == 0 or done == total_steps or stopping or timed:
+            if done % tc.save_every == 0 or done == total_steps or stopping or timed or overfit:
                 progress.window = window.state()
                 seconds = progress.seconds_before + time.monotonic() - t0
                 save_checkpoint(ckpts, model, drafter, optim, sched, fsdp, progress, batches.per_epoch, tc, seconds)
                 last_save = time.monotonic()
             meter.update(1)
+            if overfit:
+                total_steps = done  # the run ends here: summary and counts say so
+                break
             if stopping:
                 say(f"train: stopped after step {done} of {total_steps}; checkpoint step-{done} is written")
                 metrics.close()
