@@ -143,3 +143,18 @@ def test_tau_watch_warns_then_stops_on_falling_tau_under_falling_loss():
     # τ falling because the loss rose too (a bad stretch, not overfitting) never counts
     diverging = TauWatch(patience=1)
     assert [diverging.update(t, loss)[1] for t, loss in [(3.0, 1.0), (2.9, 1.1), (2.8, 1.2)]] == [False] * 3
+
+
+def test_sequence_normalization_is_the_mean_of_each_sequences_mean():
+    # rows of different lengths (rows 2 and 3 are padded): per token the long rows weigh more, per sequence not
+    aux, ids, logits, loss_mask, attention, _ = batch()
+    model = TTT(drafter(), steps=3, decay=0.8, normalization="sequence")
+    together = model(aux, ids, logits, loss_mask, attention, None)[0]
+    alone = [
+        TTT(drafter(), steps=3, decay=0.8)(aux[i : i + 1], ids[i : i + 1], logits[i : i + 1], loss_mask[i : i + 1],
+                                           attention[i : i + 1], None)[0]
+        for i in range(4)
+    ]  # fmt: skip
+    torch.testing.assert_close(together, torch.stack(alone).mean())
+    per_token = TTT(drafter(), steps=3, decay=0.8)(aux, ids, logits, loss_mask, attention, None)[0]
+    assert not torch.allclose(per_token, together)

@@ -186,6 +186,12 @@ class TrainConfig(Section):
     lk_eta: float = Field(
         3.0, gt=0.0, description="lk_hybrid: weight exp(-lk_eta * acceptance) on KL, the rest on TV (3.0: the paper's)"
     )
+    loss_normalization: Literal["token", "sequence"] = Field(
+        "token",
+        description="token: each TTT step's loss is the mean over its counted positions (long sequences weigh "
+        "more); sequence: the mean over documents of each document's mean (DeepSpec's remedy). Under DDP both "
+        "count every rank's positions / documents",
+    )
     noise: Literal["none", "uniform", "gaussian"] = Field(
         "none",
         description="noise added to the target's hidden states (the drafter's input features) in training only, "

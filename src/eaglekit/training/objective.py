@@ -19,8 +19,9 @@ class TTT(nn.Module):
     """ttt_loss as a module's forward, so DDP / FSDP see a forward pass (their gradient sync hooks onto it).
 
     Under torchrun the loss of each TTT step is the sum over every rank's counted positions divided by their
-    global count: each rank divides its own sum by the all-reduced count and multiplies by the world size,
-    which the gradient averaging of DDP / FSDP divides out again. So ranks holding fewer counted positions
+    global count (``train.loss_normalization: sequence``: the sum of each document's mean over every rank's
+    documents, divided by their global number): each rank divides its own sum by the all-reduced count and
+    multiplies by the world size, which the gradient averaging of DDP / FSDP divides out again. So ranks holding fewer counted positions
     weigh less, as they would in one process on the whole batch.
 
     ``anchor_weight`` > 0 adds the L2-SP pull toward the starting weights (Li et al. 2018):
@@ -41,10 +42,12 @@ class TTT(nn.Module):
         step_weights: list[float] | None = None,
         noise: str = "none",
         noise_scale: float = 0.0,
+        normalization: str = "token",
     ):
         super().__init__()
         self.drafter, self.steps, self.decay, self.anchor_weight = drafter, steps, decay, anchor_weight
         self.loss, self.lk_eta, self.noise, self.noise_scale = loss, lk_eta, noise, noise_scale
+        self.normalization = normalization
         self.step_weights = list(step_weights) if step_weights is not None else [decay**k for k in range(steps)]
         # not buffers: FSDP must not shard them, checkpoints must not hold them (they are the init_from weights)
         self.anchor = (
@@ -57,7 +60,7 @@ class TTT(nn.Module):
     def from_config(cls, drafter: Eagle3Drafter, tc: TrainConfig) -> TTT:
         return cls(
             drafter, tc.ttt_steps, tc.ttt_decay, tc.anchor_weight, tc.loss, tc.lk_eta, tc.step_weights, tc.noise,
-            tc.noise_scale,
+            tc.noise_scale, tc.loss_normalization,
         )  # fmt: skip
 
     def forward(self, aux, input_ids, target_logits, loss_mask, attention_mask, target_in_draft, position_ids=None):
@@ -79,6 +82,7 @@ class TTT(nn.Module):
             loss=self.loss,
             lk_eta=self.lk_eta,
             step_weights=self.step_weights,
+            normalization=self.normalization,
         )
         loss = out.loss * world
         if out.count_k[0] == 0:  # nothing counted on this rank: touch every parameter so DDP's reduction completes
