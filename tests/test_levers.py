@@ -158,3 +158,42 @@ def test_sequence_normalization_is_the_mean_of_each_sequences_mean():
     torch.testing.assert_close(together, torch.stack(alone).mean())
     per_token = TTT(drafter(), steps=3, decay=0.8)(aux, ids, logits, loss_mask, attention, None)[0]
     assert not torch.allclose(per_token, together)
+
+
+def sequence_halves_worker(rank: int, world: int, port: int, out: str) -> None:
+    from test_train_ddp import torchrun_env, unequal_batch
+
+    from eaglekit.training import distributed as dist
+    from eaglekit.training.data import rank_share
+    from eaglekit.training.objective import wrap
+
+    torch.set_num_threads(1)
+    torchrun_env(rank, world, port)
+    dist.init()
+    model = wrap(TTT(drafter(), steps=3, decay=0.8, normalization="sequence"), "ddp", torch.device("cpu"))
+    rows = rank_share(list(range(4)), dist.rank(), dist.world_size())
+    loss, _ = model(*[t[rows] if t is not None else None for t in unequal_batch()])
+    loss.backward()
+    grads = {
+        n.removeprefix("module.drafter."): p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
+    }
+    torch.save({"loss": loss.detach(), "grads": grads}, f"{out}/rank{rank}.pt")
+    dist.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def test_sequence_normalization_under_ddp_equals_one_process(tmp_path):
+    # the ranks hold sequences of very different lengths; each sequence still weighs the same in the total
+    import torch.multiprocessing as mp
+    from test_train_ddp import free_port, unequal_batch
+
+    mp.spawn(sequence_halves_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    single = TTT(drafter(), steps=3, decay=0.8, normalization="sequence")
+    loss, _ = single(*unequal_batch())
+    loss.backward()
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    torch.testing.assert_close((ranks[0]["loss"] + ranks[1]["loss"]) / 2, loss.detach(), rtol=1e-10, atol=1e-12)
+    for name, p in single.named_parameters():
+        if p.grad is not None:
+            for r in ranks:
+                torch.testing.assert_close(r["grads"][name.removeprefix("drafter.")], p.grad, rtol=1e-9, atol=1e-12)
