@@ -78,3 +78,25 @@ def test_verify_runs_only_when_an_engine_or_a_server_is_set(tmp_path):
         parse_config({**base, "verify": {"engine": "vllm", "server": "http://h:8000"}}, base_dir=tmp_path)
     with pytest.raises(UsageError, match="verify.engine"):
         parse_config({**base, "verify": {"engine": "sglang"}}, base_dir=tmp_path)
+
+
+@pytest.mark.parametrize(
+    "typed, stored",
+    [("bf16", "bfloat16"), ("BF16", "bfloat16"), ("torch.bfloat16", "bfloat16"), ("fp16", "float16"),
+     ("half", "float16"), ("fp32", "float32"), ("float", "float32"), ("bfloat16", "bfloat16")],
+)  # fmt: skip
+def test_dtype_aliases_are_accepted_and_normalised(tmp_path, typed, stored):
+    base = {"run_dir": "runs/x", "target": {"model": "m"}, "data": {"prompts": "p.jsonl"}}
+    cfg = parse_config(
+        {**base, "target": {"model": "m", "dtype": typed}, "train": {"dtype": typed if stored != "float16" else "fp32"},
+         "extract": {"dtype": typed}},
+        base_dir=tmp_path,
+    )  # fmt: skip
+    assert cfg.target.dtype == stored and cfg.extract.dtype == stored
+    assert cfg.to_yaml().count(f"dtype: {stored}") >= 2  # the normalised name is what a saved config holds
+
+
+def test_an_unknown_dtype_names_the_key_and_the_choices(tmp_path):
+    with pytest.raises(UsageError) as err:
+        parse_config({"run_dir": "r", "target": {"model": "m"}, "data": {"prompts": "p"}, "extract": {"dtype": "int4"}})
+    assert "extract.dtype" in str(err.value) and "fp8" in str(err.value)

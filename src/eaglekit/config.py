@@ -8,14 +8,38 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, overload
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from eaglekit.errors import UsageError
 
 STAGES = ("generate", "prepare", "vocab", "extract", "train", "evaluate", "export", "verify")
+
+
+# What users type for a dtype, and the name eaglekit (and torch) uses for it.
+DTYPE_ALIASES = {
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "half": "float16",
+    "fp32": "float32",
+    "float": "float32",
+    "e4m3": "fp8",
+    "float8": "fp8",
+    "float8_e4m3fn": "fp8",
+}
+
+
+def _dtype_alias(value: Any) -> Any:
+    if isinstance(value, str):
+        name = value.strip().lower().removeprefix("torch.")
+        return DTYPE_ALIASES.get(name, name)
+    return value
+
+
+# A dtype key accepts the aliases users type (bf16, fp16, fp32, ...) and stores eaglekit's name for it.
+DtypeAlias = BeforeValidator(_dtype_alias)
 
 
 class Section(BaseModel):
@@ -27,7 +51,7 @@ class TargetConfig(Section):
     chat_template: str | None = Field(None, description="Jinja template or path to one, overriding the tokenizer's")
     trust_remote_code: bool = False
     aux_layers: list[int] | None = Field(None, description="HF hidden_states indices; default [2, N//2, N-3]")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    dtype: Annotated[Literal["auto", "float32", "bfloat16", "float16"], DtypeAlias] = "auto"
     device_map: str | None = Field(None, description="e.g. 'auto' to shard a large target over the GPUs")
 
 
@@ -122,7 +146,7 @@ class ExtractConfig(Section):
     backend: Literal["hf", "vllm"] = Field(
         "hf", description="hf: the target in this process (transformers); vllm: hidden states from vLLM servers"
     )
-    dtype: Literal["bfloat16", "fp8", "float16", "float32"] = Field(
+    dtype: Annotated[Literal["bfloat16", "fp8", "float16", "float32"], DtypeAlias] = Field(
         "bfloat16",
         description="feature storage: fp8 is e4m3 with a power-of-two scale per token and state (half of bf16)",
     )
@@ -244,7 +268,7 @@ class TrainConfig(Section):
         "adds anchor_weight/2 * ||θ - θ0||² to the loss",
     )
     seed: int = 0
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    dtype: Annotated[Literal["auto", "float32", "bfloat16"], DtypeAlias] = "auto"
     distributed: Literal["ddp", "fsdp"] = "ddp"
     init_lm_head_from_target: bool = True
     freeze_lm_head: bool = Field(
@@ -275,8 +299,15 @@ class EvaluateConfig(Section):
     checkpoint: str | None = Field(None, description="drafter to evaluate; default: this run's best")
 
 
+ExportForm = Literal["eagle3", "speculators"]
+
+
+def _both_forms() -> list[ExportForm]:
+    return ["eagle3", "speculators"]
+
+
 class ExportConfig(Section):
-    formats: list[Literal["eagle3", "speculators"]] = Field(default_factory=lambda: ["eagle3", "speculators"])
+    formats: list[ExportForm] = Field(default_factory=_both_forms)
     verifier: str | None = Field(None, description="hub id of the target, required by vLLM's speculators form")
     num_speculative_tokens: int = Field(3, ge=1)
     include_embeddings: bool = True
@@ -375,6 +406,10 @@ def _looks_like_hub_id(value: str) -> bool:
     return len(parts) == 2 and all(parts) and not value.startswith((".", "/", "~"))
 
 
+@overload
+def _resolve(base: Path, value: str, *, hub_ok: bool = False) -> str: ...
+@overload
+def _resolve(base: Path, value: None, *, hub_ok: bool = False) -> None: ...
 def _resolve(base: Path, value: str | None, *, hub_ok: bool = False) -> str | None:
     """Resolve a path against the config's folder. A hub id (``org/name``) that is not a local folder stays as is."""
     if value is None:

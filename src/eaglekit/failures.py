@@ -24,6 +24,10 @@ from eaglekit.errors import DISK_ERRNOS, EaglekitError, io_failure
 from eaglekit.interrupt import Terminated
 from eaglekit.rundir import RunDir, now_iso, tool_versions
 
+# The attribute of an interrupt (KeyboardInterrupt, SystemExit) that carries the line the CLI prints for it;
+# built-in exceptions have no field of their own for it.
+NOTE_ATTRIBUTE = "eaglekit_note"
+
 
 class StageCrashed(EaglekitError):
     """An exception no check foresaw, reported in a few lines; ``original`` keeps it for ``--debug``."""
@@ -81,12 +85,12 @@ def record(ctx, module: ModuleType, err: BaseException, seconds: float) -> BaseE
             "state": "incomplete",
             "error": f"interrupted ({'SIGTERM' if isinstance(err, Terminated) else 'SIGINT'})",
         }
-        err.eaglekit_note = f"{stage} interrupted: {kept}; rerun the same command to resume"
+        setattr(err, NOTE_ATTRIBUTE, f"{stage} interrupted: {kept}; rerun the same command to resume")
         out: BaseException = err
     elif isinstance(err, SystemExit):
         event |= {"state": "incomplete", "error": f"exit {err.code}"}
         out = err
-    elif disk is not None:
+    elif disk is not None and disk.errno is not None:  # io_failure gives only errnos of DISK_ERRNOS
         what, fix = DISK_ERRNOS[disk.errno]
         space = disk_situation(ctx, module, disk.filename) if disk.errno in (errno.ENOSPC, errno.EDQUOT) else ""
         message = f"{stage}: {what} writing {disk.filename or ctx.dir} ({disk.strerror}); {kept}" + (
@@ -119,7 +123,7 @@ def record(ctx, module: ModuleType, err: BaseException, seconds: float) -> BaseE
         if isinstance(out, EaglekitError):
             out.message = f"{out.message}; {note}"
         else:
-            out.eaglekit_note = f"{getattr(out, 'eaglekit_note', stage + ' stopped')}; {note}"
+            setattr(out, NOTE_ATTRIBUTE, f"{getattr(out, NOTE_ATTRIBUTE, stage + ' stopped')}; {note}")
     return out
 
 

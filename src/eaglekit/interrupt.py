@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import signal
 import threading
+from collections.abc import Callable
 from types import FrameType
 
 
@@ -39,7 +40,7 @@ class StopRequest:
     def __init__(self, on_request=None):
         self.signum: int | None = None
         self.on_request = on_request  # called once with the signal's name, e.g. to say what happens next
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, Callable[[int, FrameType | None], object] | int | None] = {}
 
     @property
     def requested(self) -> bool:

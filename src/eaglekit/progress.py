@@ -11,7 +11,15 @@ import time
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 console = Console(stderr=True, highlight=False, soft_wrap=True)
 
@@ -36,7 +44,7 @@ class Meter:
         self._t0 = time.monotonic()
         self._last_log = self._t0
         self._progress: Progress | None = None
-        self._task = None
+        self._task: TaskID | None = None
 
     def __enter__(self) -> Meter:
         if console.is_terminal:
@@ -88,7 +96,7 @@ class Meter:
     def update(self, n: int = 1, **fields: Any) -> None:
         self.done += n
         self.fields.update(fields)
-        if self._progress is not None:
+        if self._progress is not None and self._task is not None:
             self._progress.update(
                 self._task, completed=self.done, rate=f"{self.rate:.2f} {self.unit}/s", extra=self._extra()
             )

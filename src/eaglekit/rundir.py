@@ -71,10 +71,8 @@ def tool_versions() -> dict[str, str]:
 
     versions = {"python": sys.version.split()[0], "eaglekit": __version__}
     for pkg in ("torch", "transformers", "tokenizers", "safetensors"):
-        try:
+        with contextlib.suppress(md.PackageNotFoundError):
             versions[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            pass
     return versions
 
 
@@ -297,7 +295,11 @@ class RunDir:
     def is_done(self, stage: str, fingerprint: str) -> bool:
         """Finished with ``fingerprint`` and its folder still holds those outputs (removing the folder undoes it)."""
         marker = self.read_marker(stage)
-        return self.done_fingerprint(stage) == fingerprint and bool(marker) and marker.get("fingerprint") == fingerprint
+        return (
+            self.done_fingerprint(stage) == fingerprint
+            and marker is not None
+            and marker.get("fingerprint") == fingerprint
+        )
 
     def folder_state(self, stage: str, fingerprint: str) -> str:
         """What the stage's folder holds, for a run with ``fingerprint``:

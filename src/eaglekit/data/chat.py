@@ -178,7 +178,9 @@ def render_sample(
     prompt = _render(tokenizer, prompt_messages, True, template_kwargs)
     full = _render(tokenizer, [*prompt_messages, reply], False, template_kwargs)
     if not full.startswith(prompt):
-        at = next((i for i, (a, b) in enumerate(zip(prompt, full, strict=False)) if a != b), min(len(prompt), len(full)))
+        at = next(
+            (i for i, (a, b) in enumerate(zip(prompt, full, strict=False)) if a != b), min(len(prompt), len(full))
+        )
         raise EaglekitError(
             "the chat template is not prefix-consistent: the generation prompt is not the start of the rendered "
             f"conversation (they differ at character {at}: prompt has {prompt[at : at + 40]!r}, conversation has "

@@ -302,7 +302,9 @@ def _columns(path: Path, names: list[str]) -> list[str]:
 
 
 @functools.lru_cache(maxsize=4)
-def _load_prompts_cached(path: str, max_samples: int | None, on_bad_row: str, stamp: tuple) -> PromptSet:
+def _load_prompts_cached(
+    path: str, max_samples: int | None, on_bad_row: Literal["fail", "skip"], stamp: tuple
+) -> PromptSet:
     return load_prompts(path, max_samples, on_bad_row)
 
 

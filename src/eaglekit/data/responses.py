@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
 import os
 import time
@@ -44,7 +45,7 @@ def make_record(
 ) -> tuple[dict[str, Any], list[str]]:
     """A response record from a chat ``message`` (as a server returns it); also returns the fields it carried."""
     reasoning, content, source, seen = extract_reasoning(message)
-    record = {
+    record: dict[str, Any] = {  # one JSON line
         "id": prompt_id,
         "messages": messages,
         "reasoning": reasoning,
@@ -131,7 +132,8 @@ class ResponseStore:
         self.done_ids: set[str] = set()
         self.errors: dict[str, dict] = {}  # id -> its last error, for ids not done
         self.duplicates_on_disk = 0
-        self._f = self._ef = None
+        self._f: io.FileIO | None = None
+        self._ef: io.FileIO | None = None
         self._unsynced = 0
         self._last_sync = time.monotonic()
 
@@ -164,12 +166,19 @@ class ResponseStore:
             for _, row in _lines(self.errors_path):
                 if row["id"] not in self.done_ids:
                     self.errors[row["id"]] = row
-        self._f = open(self.path, "ab", buffering=0)
-        self._ef = open(self.errors_path, "ab", buffering=0)
+        # Both files stay open for the store's life (appends, periodic fsync) until close().
+        self._f = open(self.path, "ab", buffering=0)  # noqa: SIM115
+        self._ef = open(self.errors_path, "ab", buffering=0)  # noqa: SIM115
         return self
 
+    def _opened(self) -> tuple[io.FileIO, io.FileIO]:
+        """(responses.jsonl, errors.jsonl), open for appending."""
+        if self._f is None or self._ef is None:
+            raise RuntimeError(f"ResponseStore {self.folder}: open() it first (or use it as a context manager)")
+        return self._f, self._ef
+
     @staticmethod
-    def _append(f, path: Path, line: str) -> None:
+    def _append(f: io.FileIO, path: Path, line: str) -> None:
         """Append ``line`` whole or not at all: what a failed write (a full disk) put down is cut back off."""
         end = os.fstat(f.fileno()).st_size
         view = memoryview(line.encode("utf-8"))
@@ -187,7 +196,9 @@ class ResponseStore:
         rid = record["id"]
         if rid in self.done_ids:
             return False
-        self._append(self._f, self.path, json.dumps(record, ensure_ascii=False) + "\n")  # in the OS's hands now
+        self._append(
+            self._opened()[0], self.path, json.dumps(record, ensure_ascii=False) + "\n"
+        )  # in the OS's hands now
         self.done_ids.add(rid)
         self.errors.pop(rid, None)
         self._unsynced += 1
@@ -197,14 +208,15 @@ class ResponseStore:
 
     def add_error(self, rid: str, reason: str, attempts: int) -> None:
         row = {"id": rid, "reason": reason, "attempts": attempts, "ts": now_iso()}
-        self._append(self._ef, self.errors_path, json.dumps(row, ensure_ascii=False) + "\n")
+        self._append(self._opened()[1], self.errors_path, json.dumps(row, ensure_ascii=False) + "\n")
         self.errors[rid] = row
 
     def forget_errors(self) -> int:
         """Clear errors.jsonl so its samples are tried again (``--retry-failed``); returns how many there were."""
         n = len(self.errors)
-        self._ef.truncate(0)
-        os.fsync(self._ef.fileno())
+        _, errors_file = self._opened()
+        errors_file.truncate(0)
+        os.fsync(errors_file.fileno())
         self.errors.clear()
         return n
 

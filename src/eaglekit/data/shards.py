@@ -27,6 +27,7 @@ once its sidecar does. ``index.json`` lists every shard and is written last, by 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -35,6 +36,7 @@ import struct
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -93,8 +95,12 @@ class Rows:
         # Asynchronous only towards an accelerator: a non-blocking copy to the CPU may still be running when
         # the writer thread reads it.
         async_ok = torch.device(device).type != "cpu"
-        move = lambda t: None if t is None else t.to(device, non_blocking=async_ok)  # noqa: E731
-        return Rows(move(self.aux), move(self.last_hidden), move(self.scale_exp))
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, non_blocking=async_ok)
+
+        scale_exp = None if self.scale_exp is None else move(self.scale_exp)
+        return Rows(move(self.aux), move(self.last_hidden), scale_exp)
 
     @property
     def nbytes(self) -> int:
@@ -166,7 +172,9 @@ def plan_shards(lengths: list[int], shard_tokens: int) -> list[list[int]]:
 
 def plan_batches(samples: list[int], lengths: list[int], batch_tokens: int) -> list[list[int]]:
     """Consecutive samples (already sorted by length) per batch: padded size at most ``batch_tokens``."""
-    batches, current, width = [], [], 0
+    batches: list[list[int]] = []
+    current: list[int] = []
+    width = 0
     for i in samples:
         w = max(width, lengths[i])
         if current and w * (len(current) + 1) > batch_tokens:
@@ -249,30 +257,38 @@ class ShardWriter:
         for n in lengths:
             self.starts.append(self.starts[-1] + n)
         self.header = header_bytes(ids, self.tokens, hidden, dtype, extra_meta)
-        self.layout = {}  # tensor name -> (file offset of its data, bytes per token)
+        self.layout: dict[str, tuple[int, int]] = {}  # tensor name -> (file offset of its data, bytes per token)
         base = len(self.header)
         for name, dt, shape in _tensors(len(ids), self.tokens, hidden, dtype):
             self.layout[name] = (base, _nbytes(dt, shape[1:]))
             base += _nbytes(dt, shape)
         self.written = [False] * len(ids)
         self.bytes_written = 0
-        self._ctx = self._f = None
+        self._ctx: contextlib.AbstractContextManager[Path] | None = None
+        self._f: BinaryIO | None = None
 
     def open(self) -> ShardWriter:
         self._ctx = atomic.atomic_path(self.path)
         tmp = self._ctx.__enter__()
-        self._f = open(tmp, "r+b")
+        # The file stays open across write() calls until commit() or abort() closes it.
+        self._f = open(tmp, "r+b")  # noqa: SIM115
         self._f.write(self.header)
         self._f.seek(self.layout["offsets"][0])
         self._f.write(torch.tensor(self.starts, dtype=torch.int64).numpy().tobytes())
         self._tmp = tmp
         return self
 
+    def _opened(self) -> tuple[contextlib.AbstractContextManager[Path], BinaryIO]:
+        if self._ctx is None or self._f is None:
+            raise RuntimeError(f"ShardWriter {self.path.name}: open() it first (or use it as a context manager)")
+        return self._ctx, self._f
+
     def write(self, j: int, rows: Rows) -> None:
         """Sample ``j`` (its position in this shard): rows as ``encode`` made them, ``lengths[j]`` tokens."""
         n = self.lengths[j]
         expect = {"aux": (n, 3 * self.hidden), "last_hidden": (n, self.hidden), "scale_exp": (n, STATES)}
         tensors = {"aux": rows.aux, "last_hidden": rows.last_hidden, "scale_exp": rows.scale_exp}
+        _, f = self._opened()
         for name in self.layout:
             if name == "offsets":
                 continue
@@ -285,8 +301,8 @@ class ShardWriter:
                 )
             base, per_token = self.layout[name]
             data = t.detach().to("cpu").contiguous().view(torch.uint8).numpy()
-            self._f.seek(base + self.starts[j] * per_token)
-            self._f.write(data.tobytes())
+            f.seek(base + self.starts[j] * per_token)
+            f.write(data.tobytes())
             self.bytes_written += data.nbytes
         self.written[j] = True
 
@@ -296,9 +312,10 @@ class ShardWriter:
             missing = self.ids[self.written.index(False)]
             self.abort()
             raise EaglekitError(f"{self.path.name}: sample {missing!r} was never written (a bug in the extract loop)")
-        self._f.close()
+        ctx, f = self._opened()
+        f.close()
         self.bytes, self.sha256 = os.path.getsize(self._tmp), sha256_file(self._tmp)
-        self._ctx.__exit__(None, None, None)  # fsync, rename, fsync the folder
+        ctx.__exit__(None, None, None)  # fsync, rename, fsync the folder
         entry = self.entry()
         atomic.write_json(sidecar_path(self.path), entry)
         return entry
@@ -307,10 +324,8 @@ class ShardWriter:
         if self._f is not None and not self._f.closed:
             self._f.close()
         if self._ctx is not None:
-            try:
+            with contextlib.suppress(RuntimeError):
                 self._ctx.__exit__(RuntimeError, RuntimeError("aborted"), None)
-            except RuntimeError:
-                pass
             self._ctx = None
 
     def __enter__(self) -> ShardWriter:

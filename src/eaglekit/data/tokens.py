@@ -13,6 +13,7 @@ import os
 from array import array
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -73,7 +74,7 @@ class TokenStore:
             raise EaglekitError(
                 f"token store not found: {self.path}", "prepare the tokens: `eaglekit run CONFIG --until prepare`"
             )
-        self._file = None
+        self._file: safe_open | None = None
         meta = self._open().metadata() or {}
         if meta.get("format") != FORMAT:
             self._corrupt(f"not an eaglekit token store (format {meta.get('format')!r})")
@@ -99,7 +100,7 @@ class TokenStore:
             self._corrupt("the offsets, ids and token arrays do not agree")
         self.lengths = offsets[1:] - offsets[:-1]
 
-    def _open(self):
+    def _open(self) -> safe_open:
         if self._file is None:
             try:
                 self._file = safe_open(str(self.path), framework="pt")
@@ -107,7 +108,7 @@ class TokenStore:
                 self._corrupt(f"unreadable safetensors file ({err})")
         return self._file
 
-    def _corrupt(self, what: str):
+    def _corrupt(self, what: str) -> NoReturn:
         raise EaglekitError(f"{self.path}: {what}: the file is truncated or corrupt", REMEDY)
 
     def __getstate__(self):  # DataLoader workers re-open the file themselves

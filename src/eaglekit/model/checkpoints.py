@@ -77,20 +77,27 @@ def layer_prefix(cfg: DrafterConfig, form: str) -> str:
 def _attention_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
     h2, n = 2 * cfg.hidden_size, cfg.num_attention_heads
     if cfg.architecture == "llama":
-        q, kv = n * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-        return {"q_proj": (q, h2), "k_proj": (kv, h2), "v_proj": (kv, h2), "o_proj": (cfg.hidden_size, q)}
-    qk, rope = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.qk_rope_head_dim
-    q = (
-        {"q_a_proj": (cfg.q_lora_rank, h2), "q_a_layernorm": (cfg.q_lora_rank,), "q_b_proj": (n * qk, cfg.q_lora_rank)}
-        if cfg.q_lora_rank
+        n_kv, head_dim = cfg.llama_heads
+        q_width, kv_width = n * head_dim, n_kv * head_dim
+        return {
+            "q_proj": (q_width, h2),
+            "k_proj": (kv_width, h2),
+            "v_proj": (kv_width, h2),
+            "o_proj": (cfg.hidden_size, q_width),
+        }
+    mla = cfg.mla_shape
+    qk, rope = mla.qk_nope_head_dim + mla.qk_rope_head_dim, mla.qk_rope_head_dim
+    q: dict[str, tuple[int, ...]] = (
+        {"q_a_proj": (mla.q_lora_rank, h2), "q_a_layernorm": (mla.q_lora_rank,), "q_b_proj": (n * qk, mla.q_lora_rank)}
+        if mla.q_lora_rank
         else {"q_proj": (n * qk, h2)}
     )
     return {
         **q,
-        "kv_a_proj_with_mqa": (cfg.kv_lora_rank + rope, h2),
-        "kv_a_layernorm": (cfg.kv_lora_rank,),
-        "kv_b_proj": (n * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
-        "o_proj": (cfg.hidden_size, n * cfg.v_head_dim),
+        "kv_a_proj_with_mqa": (mla.kv_lora_rank + rope, h2),
+        "kv_a_layernorm": (mla.kv_lora_rank,),
+        "kv_b_proj": (n * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank),
+        "o_proj": (cfg.hidden_size, n * mla.v_head_dim),
     }
 
 
@@ -362,6 +369,12 @@ def _read_json(path: Path) -> dict:
     return data
 
 
+def _eagle_config(raw: dict) -> dict:
+    """The legacy form's ``eagle_config`` section (where vLLM and SGLang read aux ids and flags), {} if absent."""
+    section = raw.get("eagle_config")
+    return section if isinstance(section, dict) else {}
+
+
 def _config_from_layer(
     layer: dict, top: dict, source: Path, aux_layer_ids: list[int] | None, flags: dict[str, bool]
 ) -> DrafterConfig:
@@ -378,21 +391,12 @@ def _config_from_layer(
     hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
     theta, scaling = rope_from_config(text_config(layer))
     vocab = int(need("vocab_size"))
-    if layer.get("kv_lora_rank"):  # DeepSeek-V2/V3-shaped: multi-head latent attention
-        q_lora = layer.get("q_lora_rank")
-        shape = dict(
-            architecture="mla",
-            num_key_value_heads=None,
-            head_dim=None,
-            q_lora_rank=int(q_lora) if q_lora else None,
-            kv_lora_rank=int(need("kv_lora_rank")),
-            **{k: int(need(k)) for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")},
-        )
-    else:
-        shape = dict(
-            num_key_value_heads=int(layer.get("num_key_value_heads") or heads),
-            head_dim=int(layer.get("head_dim") or hidden // heads),
-        )
+    mla = bool(layer.get("kv_lora_rank"))  # DeepSeek-V2/V3-shaped: multi-head latent attention
+
+    def mla_width(key: str) -> int | None:
+        return int(need(key)) if mla else None
+
+    q_lora = layer.get("q_lora_rank")
     try:
         return DrafterConfig(
             hidden_size=hidden,
@@ -407,8 +411,18 @@ def _config_from_layer(
             target_hidden_size=int(top.get("target_hidden_size") or hidden),
             aux_layer_ids=aux_layer_ids,
             hidden_act=layer.get("hidden_act", "silu"),
-            **shape,
-            **flags,
+            architecture="mla" if mla else "llama",
+            num_key_value_heads=None if mla else int(layer.get("num_key_value_heads") or heads),
+            head_dim=None if mla else int(layer.get("head_dim") or hidden // heads),
+            q_lora_rank=int(q_lora) if mla and q_lora else None,
+            kv_lora_rank=mla_width("kv_lora_rank"),
+            qk_nope_head_dim=mla_width("qk_nope_head_dim"),
+            qk_rope_head_dim=mla_width("qk_rope_head_dim"),
+            v_head_dim=mla_width("v_head_dim"),
+            fc_norm=flags["fc_norm"],
+            norm_before_fc=flags["norm_before_fc"],
+            norm_output=flags["norm_output"],
+            norm_before_residual=flags["norm_before_residual"],
         )
     except UsageError as err:
         raise UsageError(f"{source}: {err.message}", err.remedy) from None
@@ -441,7 +455,7 @@ def read_config(path: Path) -> tuple[str, DrafterConfig, str | None]:
             "point at a drafter checkpoint, not at the target model",
         )
     aux = raw.get("eagle_aux_hidden_state_layer_ids")  # vLLM's key, HF indices
-    eagle_config = raw.get("eagle_config") if isinstance(raw.get("eagle_config"), dict) else {}
+    eagle_config = _eagle_config(raw)
     sglang_aux = eagle_config.get("eagle_aux_hidden_state_layer_ids")
     if not aux and sglang_aux:
         aux = [int(i) + 1 for i in sglang_aux]  # SGLang's key: output-of-layer ids, one less
@@ -513,15 +527,16 @@ def canonical_keys(state: dict[str, torch.Tensor], cfg: DrafterConfig, form: str
             if key.startswith(old):
                 key = new + key.removeprefix(old)
         fused = next((f for f in FUSED_A if key.endswith(f)), None)
+        mla = cfg.mla_shape if cfg.architecture == "mla" else None
         if (
             fused
-            and cfg.architecture == "mla"
-            and cfg.q_lora_rank
-            and value.shape[0] == (cfg.q_lora_rank + cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+            and mla is not None
+            and mla.q_lora_rank
+            and value.shape[0] == (mla.q_lora_rank + mla.kv_lora_rank + mla.qk_rope_head_dim)
         ):
             base = key.removesuffix(fused)
             out[base + "self_attn.q_a_proj.weight"], out[base + "self_attn.kv_a_proj_with_mqa.weight"] = value.split(
-                [cfg.q_lora_rank, cfg.kv_lora_rank + cfg.qk_rope_head_dim]
+                [mla.q_lora_rank, mla.kv_lora_rank + mla.qk_rope_head_dim]
             )
             continue
         out[key] = value
@@ -673,7 +688,7 @@ def served_settings(path: str | Path, engine: str, target_layers: int) -> Served
         norm = False
     else:
         raise ValueError(f"unknown engine {engine!r}")
-    eagle_config = raw.get("eagle_config") if isinstance(raw.get("eagle_config"), dict) else {}
+    eagle_config = _eagle_config(raw)
     mla = bool(layer.get("kv_lora_rank"))
     flags = {
         "fc_norm": bool(raw.get("fc_norm") or (engine == "sglang" and raw.get("use_aux_norm"))),

@@ -26,15 +26,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 from eaglekit.errors import UsageError
-from eaglekit.model.layers import Eagle3Block, RMSNorm, Rotary, apply_rope, repeat_kv, sdpa
+from eaglekit.model.layers import AttentionProjections, Eagle3Block, RMSNorm, Rotary, apply_rope, repeat_kv, sdpa
 from eaglekit.model.mla import MLALayer, check_rope, deepseek_rope
 
 ARCHITECTURES = ("llama", "mla")
@@ -68,6 +69,16 @@ def rope_from_config(cfg: Any) -> tuple[float, dict | None]:
     if scaling.get("rope_type", scaling.get("type", "default")) == "default":
         return theta, None
     return theta, scaling
+
+
+class MLAShape(NamedTuple):
+    """The latent-attention widths of an ``mla`` drafter, all set (DrafterConfig checks them on construction)."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
 
 
 @dataclass
@@ -155,27 +166,42 @@ class DrafterConfig:
         if self.hidden_act != "silu":
             raise UsageError(f"drafter config: hidden_act '{self.hidden_act}' is not supported", "use 'silu'")
 
-    def _check_llama(self, positive) -> None:
+    @property
+    def llama_heads(self) -> tuple[int, int]:
+        """(num_key_value_heads, head_dim) of a ``llama`` drafter, which has both (checked on construction)."""
+        if self.num_key_value_heads is None or self.head_dim is None:
+            raise ValueError(f"an {self.architecture} drafter has no num_key_value_heads/head_dim")
+        return self.num_key_value_heads, self.head_dim
+
+    @property
+    def mla_shape(self) -> MLAShape:
+        """The latent-attention widths of an ``mla`` drafter, which has them all (checked on construction)."""
+        kv, nope, rope, v = self.kv_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
+        if kv is None or nope is None or rope is None or v is None:
+            raise ValueError(f"a {self.architecture} drafter has no latent-attention widths")
+        return MLAShape(self.q_lora_rank, kv, nope, rope, v)
+
+    def _check_llama(self, positive: Callable[..., None]) -> None:
         positive("num_key_value_heads", "head_dim")
+        n_kv, head_dim = self.llama_heads
         stray = [n for n in MLA_FIELDS if getattr(self, n) is not None]
         if stray:
             raise UsageError(
                 f"drafter config: {stray} apply to architecture mla, this drafter is llama",
                 "remove them, or set train.draft.architecture: mla",
             )
-        if self.num_attention_heads % self.num_key_value_heads:
+        if self.num_attention_heads % n_kv:
             raise UsageError(
                 f"drafter config: num_attention_heads ({self.num_attention_heads}) is not a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})",
                 "pick a divisor of num_attention_heads for num_key_value_heads",
             )
-        if self.head_dim % 2:
-            raise UsageError(
-                f"drafter config: head_dim must be even for RoPE, got {self.head_dim}", "use an even head_dim"
-            )
+        if head_dim % 2:
+            raise UsageError(f"drafter config: head_dim must be even for RoPE, got {head_dim}", "use an even head_dim")
 
-    def _check_mla(self, positive) -> None:
+    def _check_mla(self, positive: Callable[..., None]) -> None:
         positive("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        rope_dim = self.mla_shape.qk_rope_head_dim
         if self.q_lora_rank is not None:
             positive("q_lora_rank")
         stray = [n for n in ("num_key_value_heads", "head_dim") if getattr(self, n) is not None]
@@ -185,9 +211,9 @@ class DrafterConfig:
                 "shaped by qk_nope_head_dim, qk_rope_head_dim and v_head_dim",
                 "remove them, or set train.draft.architecture: llama",
             )
-        if self.qk_rope_head_dim % 2:
+        if rope_dim % 2:
             raise UsageError(
-                f"drafter config: qk_rope_head_dim must be even for RoPE, got {self.qk_rope_head_dim}",
+                f"drafter config: qk_rope_head_dim must be even for RoPE, got {rope_dim}",
                 "use an even qk_rope_head_dim",
             )
         if self.norm_before_fc:
@@ -341,8 +367,9 @@ def rope_inv_freq(cfg: DrafterConfig) -> tuple[torch.Tensor, float]:
     """Inverse frequencies (float64) and the cos/sin scale of the Llama layer's RoPE, as the target computes them."""
     scaling = cfg.rope_scaling or {}
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    _, head_dim = cfg.llama_heads
     if rope_type == "default":
-        return 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim), 1.0
+        return 1.0 / cfg.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim), 1.0
     # Every scaled variant (linear, llama3, yarn, ...) comes from transformers so it matches the target exactly.
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -353,36 +380,38 @@ def rope_inv_freq(cfg: DrafterConfig) -> tuple[torch.Tensor, float]:
             f"supported: default, {', '.join(ROPE_INIT_FUNCTIONS)}",
         )
     hf = LlamaConfig(
-        hidden_size=cfg.num_attention_heads * cfg.head_dim,
+        hidden_size=cfg.num_attention_heads * head_dim,
         num_attention_heads=cfg.num_attention_heads,
-        head_dim=cfg.head_dim,
+        head_dim=head_dim,
         max_position_embeddings=cfg.max_position_embeddings,
-        rope_theta=cfg.rope_theta,
+        rope_theta=cfg.rope_theta,  # type: ignore[call-arg]  # transformers 5's signature omits the v4 keys it still takes
         rope_scaling={**scaling, "rope_type": rope_type},
     )
     inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, "cpu")
     return inv_freq.to(torch.float64), float(attention_scaling)
 
 
-class Attention(nn.Module):
+class Attention(AttentionProjections):
     """Holds the projections; the attention itself is done by the caller (inference cache or TTT)."""
 
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
-        h, hd = cfg.hidden_size, cfg.head_dim
+        h, (n_kv, hd) = cfg.hidden_size, cfg.llama_heads
         self.q_proj = nn.Linear(2 * h, cfg.num_attention_heads * hd, bias=False)
-        self.k_proj = nn.Linear(2 * h, cfg.num_key_value_heads * hd, bias=False)
-        self.v_proj = nn.Linear(2 * h, cfg.num_key_value_heads * hd, bias=False)
+        self.k_proj = nn.Linear(2 * h, n_kv * hd, bias=False)
+        self.v_proj = nn.Linear(2 * h, n_kv * hd, bias=False)
         self.o_proj = nn.Linear(cfg.num_attention_heads * hd, h, bias=False)
 
 
 class Eagle3Layer(Eagle3Block):
     """The EAGLE-3 decoder layer with Llama (MHA/GQA) attention, split around the attention (``layers.py``)."""
 
+    self_attn: Attention
+
     def __init__(self, cfg: DrafterConfig):
         super().__init__(cfg)
         self.self_attn = Attention(cfg)
-        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.n_heads, (self.n_kv, self.head_dim) = cfg.num_attention_heads, cfg.llama_heads
         self.v_dim = self.head_dim
         self.scale = 1.0 / math.sqrt(self.head_dim)
 
@@ -420,11 +449,15 @@ class DraftKVCache:
         """Keep the first ``n`` positions (drop rejected drafts)."""
         if n < 0:
             raise ValueError(f"cannot crop a KV cache to {n} positions")
-        if self.k is not None and n < self.length:
+        if self.k is not None and self.v is not None and n < self.length:
             self.k, self.v = self.k[:, :, :n], self.v[:, :, :n]
 
 
 class Eagle3Drafter(nn.Module):
+    midlayer: Eagle3Layer | MLALayer
+    d2t: torch.Tensor  # buffers (register_buffer), declared so that their type is known
+    t2d: torch.Tensor
+
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
         self.config = cfg
@@ -460,7 +493,9 @@ class Eagle3Drafter(nn.Module):
         if self.input_norm is not None:
             aux_hidden = self.input_norm(aux_hidden)
         if self.fc_norm is not None:
-            aux_hidden = torch.cat([norm(x) for norm, x in zip(self.fc_norm, aux_hidden.chunk(3, dim=-1), strict=False)], dim=-1)
+            aux_hidden = torch.cat(
+                [norm(x) for norm, x in zip(self.fc_norm, aux_hidden.chunk(3, dim=-1), strict=False)], dim=-1
+            )
         return self.fc(aux_hidden)
 
     def next_feature(self, hidden_out: torch.Tensor) -> torch.Tensor:

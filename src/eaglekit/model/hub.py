@@ -14,6 +14,7 @@ when called, as the hub client reads them.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
@@ -82,6 +83,7 @@ def download_drafter(value: str) -> Path:
     repo, revision = split_id(value)
     kwargs = _hub_kwargs()
     t0 = time.monotonic()
+    transport_errors: tuple[type[Exception], ...] = (HfHubHTTPError, OSError, *httpx_errors())
     console.print(
         f"init_from: downloading {value} into the Hugging Face cache (drafter files only; an interrupted "
         "download resumes where it stopped)"
@@ -89,6 +91,11 @@ def download_drafter(value: str) -> Path:
     try:
         api = HfApi(endpoint=kwargs["endpoint"])
         commit = api.repo_info(repo, revision=revision).sha
+        if commit is None:  # the hub names every revision's commit; an endpoint that does not cannot be pinned
+            raise UsageError(
+                f"train.init_from {value}: the hub endpoint gave no commit for {repo} at {revision or 'main'}",
+                "point init_from at a downloaded folder, or use the Hugging Face hub",
+            )
         files = [
             f
             for f in api.list_repo_tree(repo, revision=commit, recursive=True)
@@ -121,7 +128,7 @@ def download_drafter(value: str) -> Path:
             f"train.init_from {value} is not in the Hugging Face cache and HF_HUB_OFFLINE is set",
             "unset HF_HUB_OFFLINE for the download, or download it elsewhere and point init_from at the folder",
         ) from None
-    except (HfHubHTTPError, OSError, *httpx_errors()) as err:  # network down, disk full, hub error
+    except transport_errors as err:  # network down, disk full, hub error
         raise EaglekitError(
             f"train.init_from {value}: download failed: {err}",
             "rerun the same command: complete files are kept and a partial one continues where it stopped",
@@ -177,10 +184,8 @@ def httpx_errors() -> tuple[type[Exception], ...]:
     """The transport errors of the hub client's HTTP library (httpx, or the httpx2 fork recent versions use)."""
     out: list[type[Exception]] = []
     for name in ("httpx2", "httpx"):
-        try:
+        with contextlib.suppress(ImportError, AttributeError):
             out.append(__import__(name).HTTPError)
-        except (ImportError, AttributeError):
-            pass
     return tuple(out)
 
 

@@ -115,8 +115,16 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, **kwar
 # ------------------------------------------------------------------------------------------ layer skeleton
 
 
+class AttentionProjections(nn.Module):
+    """The attention's projections (the subclass adds q/k/v); the attention itself is done by the caller."""
+
+    o_proj: nn.Linear
+
+
 class Eagle3Block(nn.Module):
     """The EAGLE-3 decoder layer without its attention projections (``self_attn``, set by the subclass)."""
+
+    self_attn: AttentionProjections
 
     def __init__(self, cfg):
         super().__init__()

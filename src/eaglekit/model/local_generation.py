@@ -39,7 +39,7 @@ class LocalGenerator:
                 f"cannot load the target {t.model}: {err}", "set target.model to a complete Hugging Face model folder"
             ) from None
         if t.device_map is None and torch.cuda.is_available():
-            self.model.to("cuda")
+            self.model.to("cuda")  # type: ignore[arg-type]  # transformers' decorated .to() stub takes the model as argument
         self.model.eval()
         self.stop_ids = sorted(end_of_turn_token_ids(self.tokenizer))
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stop_ids[0]

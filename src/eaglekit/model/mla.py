@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from eaglekit.errors import UsageError
-from eaglekit.model.layers import Eagle3Block, RMSNorm, apply_rope_interleaved
+from eaglekit.model.layers import AttentionProjections, Eagle3Block, RMSNorm, apply_rope_interleaved
 
 
 def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -50,7 +50,7 @@ def check_rope(scaling: dict | None) -> None:
             "MLA drafters serve any rope scaling as DeepSeek YaRN)",
             "use train.draft.architecture: llama for this target, or a target with YaRN or no scaling",
         )
-    if kind == "yarn":
+    if scaling is not None and kind == "yarn":
         missing = [k for k in ("factor", "original_max_position_embeddings") if scaling.get(k) is None]
         if missing:
             raise UsageError(
@@ -84,7 +84,7 @@ def deepseek_rope(cfg) -> tuple[torch.Tensor, float, float]:
     return inv_freq, cos_sin_scale, yarn_get_mscale(factor, mscale_all_dim) ** 2
 
 
-class MLAAttention(nn.Module):
+class MLAAttention(AttentionProjections):
     """The projections of multi-head latent attention over the 2H-wide EAGLE-3 input."""
 
     def __init__(self, cfg):
@@ -104,6 +104,8 @@ class MLAAttention(nn.Module):
 
 
 class MLALayer(Eagle3Block):
+    self_attn: MLAAttention
+
     def __init__(self, cfg):
         super().__init__(cfg)
         self.self_attn = MLAAttention(cfg)

@@ -97,24 +97,40 @@ def load_target(target_cfg: TargetConfig, device: torch.device | str | None = No
             "for custom architectures)",
         ) from None
     if not target_cfg.device_map and device is not None:
-        model.to(device)
+        model.to(device)  # type: ignore[arg-type]  # transformers' decorated .to() stub takes the model as argument
     model.eval().requires_grad_(False)
     return model
 
 
-def decoder_parts(model) -> tuple[nn.Module, nn.ModuleList, nn.Module, nn.Module]:
+def decoder_parts(model: nn.Module) -> tuple[nn.Module, nn.ModuleList, nn.Module, nn.Linear]:
     """(inner model, decoder layers, final norm, lm_head) of a Llama/Qwen-style HF causal LM."""
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     norm = getattr(inner, "norm", None)
     head = getattr(model, "lm_head", None)
-    if not isinstance(layers, nn.ModuleList) or norm is None or head is None:
+    if (
+        not isinstance(inner, nn.Module)
+        or not isinstance(layers, nn.ModuleList)
+        or not isinstance(norm, nn.Module)
+        or not isinstance(head, nn.Linear)
+    ):
         raise EaglekitError(
             f"cannot find the decoder layers of {type(model).__name__}: eaglekit expects "
             "model.model.layers, model.model.norm and model.lm_head (Llama/Qwen/Mistral layout)",
             "use a target with that layout, or add its layout to eaglekit.model.target.decoder_parts",
         )
     return inner, layers, norm, head
+
+
+def input_embedding(inner: nn.Module) -> nn.Embedding:
+    """The token embedding (``embed_tokens``) of a decoder's inner model (``decoder_parts``)."""
+    embed = getattr(inner, "embed_tokens", None)
+    if not isinstance(embed, nn.Embedding):
+        raise EaglekitError(
+            f"cannot find the token embedding of {type(inner).__name__}: eaglekit expects model.model.embed_tokens",
+            "use a target with the Llama/Qwen/Mistral layout",
+        )
+    return embed
 
 
 def draft_logits(
@@ -162,7 +178,7 @@ class TargetFeatures:
 
     @property
     def hidden_size(self) -> int:
-        return self.norm.weight.shape[0]
+        return self.lm_head.in_features
 
     @torch.no_grad()
     def __call__(
@@ -185,7 +201,7 @@ class TargetFeatures:
 
         handles = [self.layers[i].register_forward_pre_hook(tap(i), with_kwargs=True) for i in set(self.aux_layer_ids)]
         try:
-            device = self.inner.embed_tokens.weight.device
+            device = input_embedding(self.inner).weight.device
             if position_ids is not None:
                 out = self.inner(input_ids=input_ids.to(device), position_ids=position_ids.to(device), use_cache=False)
             else:
@@ -327,8 +343,8 @@ class FinalNorm:
 def embedding_and_head(source: nn.Module | str, trust_remote_code: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(embed_tokens.weight [V, Ht], lm_head.weight [V, Ht]) of a loaded target, or read from its folder / hub id."""
     if isinstance(source, nn.Module):
-        inner, _, _, head = decoder_parts(source)
-        return inner.embed_tokens.weight.detach(), head.weight.detach()
+        inner, _, _, lm_head = decoder_parts(source)
+        return input_embedding(inner).weight.detach(), lm_head.weight.detach()
     tensors = read_target_tensors(source, ["model.embed_tokens.weight", "lm_head.weight"])
     quantized = _quantized_head_error(source, list(target_tensor_names(source)))
     if quantized is not None:

@@ -19,6 +19,7 @@ read by attribute (``servers``, ``concurrency``, ``timeout``, ``max_retries``, `
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import email.utils
 import json
 import os
@@ -117,8 +118,20 @@ class ChatClient:
         self._changed = asyncio.Event()
         return self
 
-    async def __aexit__(self, *exc) -> None:
-        await self._http.aclose()
+    async def __aexit__(self, *exc: object) -> None:
+        await self._session()[0].aclose()
+
+    def _session(self) -> tuple[httpx.AsyncClient, asyncio.Event]:
+        """The HTTP client and the slot-release event, which exist inside ``async with`` only."""
+        if self._http is None or self._changed is None:
+            raise RuntimeError("ChatClient is used outside `async with ChatClient(...)`")
+        return self._http, self._changed
+
+    def _wake_waiters(self) -> None:
+        """Wake every request waiting for a slot; each re-checks the servers."""
+        changed = self._session()[1]
+        changed.set()
+        changed.clear()
 
     def scrub(self, text: str) -> str:
         return text.replace(self.api_key, "***") if self.api_key else text
@@ -152,8 +165,9 @@ class ChatClient:
                 server.inflight += 1
                 return server, server.out_since is not None
             wake = now + 1.0
-            if all(s.out_since is not None for s in self.servers):
-                since = max(s.out_since for s in self.servers)
+            out_since = [s.out_since for s in self.servers if s.out_since is not None]
+            if len(out_since) == len(self.servers):  # every server is out of rotation
+                since = max(out_since)
                 if now - since >= self.cfg.outage_timeout:
                     raise EaglekitError(
                         f"no server left: every server has been out of rotation for {self.cfg.outage_timeout:g}s; "
@@ -162,10 +176,8 @@ class ChatClient:
                         "to resume; completed samples are on disk",
                     )
                 wake = min([s.retry_at for s in self.servers if s.inflight == 0] + [since + self.cfg.outage_timeout])
-            try:
-                await asyncio.wait_for(self._changed.wait(), timeout=max(0.01, wake - now))
-            except asyncio.TimeoutError:
-                pass
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._session()[1].wait(), timeout=max(0.01, wake - now))
 
     def _release(self, server: Server, probe: bool, ok: bool, error: _AttemptFailed | None = None) -> None:
         server.inflight -= 1
@@ -190,8 +202,7 @@ class ChatClient:
                     f"[yellow]{server.url} taken out of rotation after {server.failures} failures in a row "
                     f"({self.scrub(error.reason)}); probing it again in {server.probe_interval:g}s[/]"
                 )
-        self._changed.set()  # wake every waiter; each re-checks the servers
-        self._changed.clear()
+        self._wake_waiters()
 
     def take_out(self, url: str, reason: str) -> None:
         """Take a server out of rotation now, though its HTTP answer was fine: what it produced is unusable
@@ -209,14 +220,13 @@ class ChatClient:
         else:
             server.probe_interval = min(server.probe_interval * 2, MAX_PROBE_INTERVAL)
             server.retry_at = now + server.probe_interval
-        self._changed.set()
-        self._changed.clear()
+        self._wake_waiters()
 
     # --- one request ------------------------------------------------------------------------------
 
     async def _attempt(self, server: Server, path: str, body: dict, check) -> dict[str, Any]:
         try:
-            resp = await self._http.post(server.url + path, json=body)
+            resp = await self._session()[0].post(server.url + path, json=body)
         except httpx.TimeoutException:
             raise _AttemptFailed(f"timed out after {self.cfg.timeout:g}s", retry=True, server_fault=True) from None
         except httpx.HTTPError as err:  # connection refused/reset, protocol errors: the server's side

@@ -13,6 +13,7 @@ an error that quotes the end of that log.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -291,8 +292,6 @@ if __name__ == "__main__":  # python -m eaglekit.serving.engine MODEL [vllm flag
     server = VllmServer(find_vllm_python(), sys.argv[1], sys.argv[2:], Path("vllm.log"))
     with server:
         print(json.dumps({"url": server.url, "log": str(server.log_path)}), flush=True)
-        try:
-            while server.process.poll() is None:
+        with contextlib.suppress(KeyboardInterrupt):
+            while server.process is not None and server.process.poll() is None:
                 time.sleep(1)
-        except KeyboardInterrupt:
-            pass

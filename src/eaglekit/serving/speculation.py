@@ -242,12 +242,14 @@ def sglang_batch(
 ) -> tuple[dict[str, Served], Counters]:
     """Per-request meta_info summed over the batch (SGLang has no drafts-per-position counter of its own: the
     histogram of accepted drafts per pass gives it: position i accepted in every pass that accepted more than i)."""
-    served, counters = {}, Counters(0, [0] * k, emitted=0, verify_passes=0)
+    served: dict[str, Served] = {}
+    counters = Counters(0, [0] * k)
+    emitted = verify_passes = 0
     for pid, ids in prompts:
         s = client.greedy(ids, max_tokens, stop_ids)
         served[pid] = s
-        counters.emitted += len(s.tokens)
-        counters.verify_passes += s.verify_passes or 0
+        emitted += len(s.tokens)
+        verify_passes += s.verify_passes or 0
         if s.histogram:
             counters.drafts += sum(s.histogram)
             for j, passes in enumerate(s.histogram):
@@ -255,4 +257,5 @@ def sglang_batch(
                     counters.accepted[i] += passes
         if progress:
             progress()
+    counters.emitted, counters.verify_passes = emitted, verify_passes
     return served, counters

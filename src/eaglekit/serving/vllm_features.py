@@ -28,6 +28,7 @@ file never appears or is torn (its server died while writing) is sent again, pos
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import json
 import os
@@ -251,10 +252,8 @@ class FeatureClient:
 
     def _wait_written(self, path: Path) -> None:
         lock = Path(str(path) + ".lock")
-        try:
+        with contextlib.suppress(FileNotFoundError):  # no lock: the server runs with use_synchronization_lock false
             self._wait_for_lock(lock)
-        except FileNotFoundError:  # no lock: the server runs with use_synchronization_lock false
-            pass
 
     def _read(self, path: Path, token_ids: list[int], reply, tries: int, consume=None) -> Captured:
         """Load, check, convert, delete, then ``consume`` (runs in a worker thread once the write has ended)."""
@@ -314,7 +313,9 @@ class FeatureClient:
                     return
                 except BlockingIOError:
                     if time.monotonic() > deadline:
-                        raise _Retry(f"its hidden-states file was still being written after {self.vcfg.timeout:g}s")
+                        raise _Retry(
+                            f"its hidden-states file was still being written after {self.vcfg.timeout:g}s"
+                        ) from None
                     time.sleep(delay)
                     delay = min(delay * 2, 0.05)
         finally:

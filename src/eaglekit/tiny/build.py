@@ -32,7 +32,6 @@ from transformers import (
     GenerationConfig,
     LlamaConfig,
     LlamaForCausalLM,
-    PreTrainedConfig,
     PreTrainedTokenizerFast,
 )
 
@@ -78,12 +77,14 @@ COMPLETION = re.compile(r"<think>\n(.+?)\n</think>\n\n(.+?)<\|im_end\|>(?:<\|end
 ARCHITECTURES = ("llama", "deepseek_v3")
 
 
-def model_config(tokenizer: PreTrainedTokenizerFast, arch: str = "llama") -> PreTrainedConfig:
+def model_config(tokenizer: PreTrainedTokenizerFast, arch: str = "llama") -> LlamaConfig | DeepseekV3Config:
     # 8 layers so that the default aux taps [2, N//2, N-3] = [2, 4, 5] are distinct layers
     if arch == "deepseek_v3":
         # MLA + routed experts (4, two per token, one shared), the first layer dense as in DeepSeek-V3; the router
         # fields vLLM reads (noaux_tc: the gate has an e_score_correction_bias) are DeepSeek-V3's.
-        return DeepseekV3Config(
+        # transformers 5's typed signature omits the keys it still takes through **kwargs (rope_theta,
+        # topk_method, scoring_func): hence the ignore.
+        return DeepseekV3Config(  # type: ignore[call-arg]
             vocab_size=len(tokenizer),
             hidden_size=64,
             intermediate_size=128,
@@ -126,7 +127,7 @@ def model_config(tokenizer: PreTrainedTokenizerFast, arch: str = "llama") -> Pre
         head_dim=HIDDEN_SIZE // 4,
         max_position_embeddings=1024,
         rms_norm_eps=1e-6,
-        rope_theta=10000.0,
+        rope_theta=10000.0,  # type: ignore[call-arg]  # transformers 5 takes it through **kwargs, unlisted
         tie_word_embeddings=False,
         bos_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -169,7 +170,9 @@ def train_tokenizer(texts: list[str]) -> PreTrainedTokenizerFast:
 def encode(tokenizer: PreTrainedTokenizerFast, tasks: list[Task], rng: random.Random) -> list[tuple[list[int], int]]:
     """Token ids of each full conversation and where its assistant turn starts (the loss covers only that)."""
     systems = [rng.choice(SYSTEM_PROMPTS) if rng.random() < 0.25 else None for _ in tasks]
-    full = tokenizer.apply_chat_template([conversation(t, s) for t, s in zip(tasks, systems, strict=False)], tokenize=False)
+    full = tokenizer.apply_chat_template(
+        [conversation(t, s) for t, s in zip(tasks, systems, strict=False)], tokenize=False
+    )
     prompts = tokenizer.apply_chat_template(
         [conversation(t, s, with_answer=False) for t, s in zip(tasks, systems, strict=False)],
         tokenize=False,
@@ -262,7 +265,9 @@ def heldout_scores(model, tokenizer, n: int, seed: int = HELDOUT_SEED) -> dict:
         "well_formed": sum(p is not None for p in parsed) / n,
         "accuracy": sum(right) / n,
         "accuracy_by_kind": {
-            k: round(sum(r for r, t in zip(right, tasks, strict=False) if t.kind == k) / sum(t.kind == k for t in tasks), 3)
+            k: round(
+                sum(r for r, t in zip(right, tasks, strict=False) if t.kind == k) / sum(t.kind == k for t in tasks), 3
+            )
             for k in kinds
         },
     }
@@ -310,9 +315,8 @@ def build_tiny_target(
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            model = (DeepseekV3ForCausalLM if arch == "deepseek_v3" else LlamaForCausalLM)(
-                model_config(tokenizer, arch)
-            )
+            config = model_config(tokenizer, arch)
+            model = DeepseekV3ForCausalLM(config) if isinstance(config, DeepseekV3Config) else LlamaForCausalLM(config)
             model.generation_config = GenerationConfig(
                 bos_token_id=tokenizer.pad_token_id,
                 eos_token_id=tokenizer.eos_token_id,
@@ -387,7 +391,8 @@ def ensure_tiny_target(cache_dir: Path | None = None, arch: str = "llama") -> Pa
         return model_dir
     try:
         root.mkdir(parents=True, exist_ok=True)
-        lock = open(root / f".{name}.lock", "a")
+        # opened here so that an unwritable cache gets its own message; the `with lock` below closes it
+        lock = open(root / f".{name}.lock", "a")  # noqa: SIM115
     except OSError as e:
         raise UsageError(
             f"cannot write the eaglekit cache at {root}: {e.strerror}", "set EAGLEKIT_CACHE to a writable folder"

@@ -29,7 +29,49 @@ HELDOUT_BUCKETS = 8
 VOWELS = "aeiou"
 WORDS = sorted(
     set(
-        ["apple", "banana", "cherry", "orange", "lemon", "melon", "grape", "mango", "peach", "pear", "plum", "kiwi", "tomato", "potato", "carrot", "onion", "bottle", "window", "garden", "letter", "paper", "pencil", "rabbit", "turtle", "monkey", "parrot", "kitten", "puppy", "dragon", "castle", "mirror", "butter", "coffee", "summer", "winter", "river", "forest", "island", "planet", "rocket", "school"]
+        [
+            "apple",
+            "banana",
+            "cherry",
+            "orange",
+            "lemon",
+            "melon",
+            "grape",
+            "mango",
+            "peach",
+            "pear",
+            "plum",
+            "kiwi",
+            "tomato",
+            "potato",
+            "carrot",
+            "onion",
+            "bottle",
+            "window",
+            "garden",
+            "letter",
+            "paper",
+            "pencil",
+            "rabbit",
+            "turtle",
+            "monkey",
+            "parrot",
+            "kitten",
+            "puppy",
+            "dragon",
+            "castle",
+            "mirror",
+            "butter",
+            "coffee",
+            "summer",
+            "winter",
+            "river",
+            "forest",
+            "island",
+            "planet",
+            "rocket",
+            "school",
+        ]
     )
 )
 SYSTEM_PROMPTS = [

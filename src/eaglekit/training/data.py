@@ -38,7 +38,8 @@ PACK_WINDOW = 4096  # samples packed together (first-fit in random order): rows 
 
 def split_indices(store: TokenStore, eval_fraction: float) -> tuple[list[int], list[int]]:
     """(train, held-out) sample indices, decided by each sample's id (the same split in every stage)."""
-    train, held = [], []
+    train: list[int] = []
+    held: list[int] = []
     for i, sid in enumerate(store.ids):
         (held if is_held_out(sid, eval_fraction) else train).append(i)
     return train, held
@@ -147,9 +148,16 @@ class Batch:
     def tokens(self) -> int:
         return int(self.attention_mask.sum())
 
-    def to(self, device) -> Batch:
-        move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
-        return Batch(**{f.name: move(getattr(self, f.name)) for f in fields(self)})
+    def to(self, device: torch.device) -> Batch:
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device, non_blocking=True)
+
+        return Batch(
+            self.input_ids.to(device, non_blocking=True),
+            self.attention_mask.to(device, non_blocking=True),
+            self.loss_mask.to(device, non_blocking=True),
+            *(move(getattr(self, f.name)) for f in fields(self)[3:]),
+        )
 
 
 def pad(rows: list[torch.Tensor], value=0) -> torch.Tensor:
@@ -205,11 +213,11 @@ class Loader:
         self._queue: queue.Queue | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        self._next = None
+        self._next: int | None = None
 
     def get(self, u: int) -> Batch:
         if self._queue is None or u != self._next:
-            self._start(u)
+            self._queue = self._start(u)
         item = self._queue.get()
         self._next = u + 1
         if isinstance(item, BaseException):
@@ -217,7 +225,8 @@ class Loader:
             raise item
         return item
 
-    def _start(self, u: int) -> None:
+    def _start(self, u: int) -> queue.Queue:
+        """Restart the read-ahead at micro-batch u; returns the queue it fills."""
         self.close()
         self._stop = threading.Event()
         self._queue = queue.Queue(maxsize=self.ahead)
@@ -225,6 +234,7 @@ class Loader:
             target=self._run, args=(u, self._queue, self._stop), daemon=True, name="eaglekit-loader"
         )
         self._thread.start()
+        return self._queue
 
     def _run(self, u: int, out: queue.Queue, stop: threading.Event) -> None:
         while not stop.is_set():

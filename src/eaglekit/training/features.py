@@ -25,35 +25,41 @@ class Features:
         device: torch.device,
         aux_ids: list[int],
         aux_dtype: torch.dtype,
-        target_model=None,
+        target_model: torch.nn.Module | None = None,
         head: torch.Tensor | None = None,
     ):
         self.device, self.aux_dtype = device, aux_dtype
-        self.store = None if target_model is not None else FeatureStore(run_dir / "extract")
+        self.store: FeatureStore | None = None
+        self.target: TargetFeatures | None = None
+        self.head: TargetHead | None = None
         if target_model is not None:
             self.target = TargetFeatures(target_model, aux_ids, t2d)
-        else:
-            if self.store.index.get("aux_layer_ids") not in (None, aux_ids):
-                raise EaglekitError(
-                    f"the offline features tap layers {self.store.index['aux_layer_ids']}, this config {aux_ids}",
-                    "rerun extraction: `eaglekit run CONFIG --from extract --force`",
-                )
-            weight = head.to(device, torch.float32 if device.type == "cpu" else head.dtype)
-            self.head = TargetHead(weight, t2d)
+            return
+        if head is None:
+            raise ValueError("offline features need the target's lm_head to rebuild its distribution")
+        self.store = FeatureStore(run_dir / "extract")
+        if self.store.index.get("aux_layer_ids") not in (None, aux_ids):
+            raise EaglekitError(
+                f"the offline features tap layers {self.store.index['aux_layer_ids']}, this config {aux_ids}",
+                "rerun extraction: `eaglekit run CONFIG --from extract --force`",
+            )
+        self.head = TargetHead(head.to(device, torch.float32 if device.type == "cpu" else head.dtype), t2d)
 
     def __call__(self, batch: Batch) -> tuple:
         """(aux, input_ids, target_logits, loss_mask, attention_mask, target_in_draft, position_ids) on the device."""
         b = batch.to(self.device)
-        if self.store is None:
+        if self.target is not None:
             f = self.target(b.input_ids, b.attention_mask, position_ids=b.position_ids)
             if b.position_ids is not None and not self.packing_checked:
                 self.check_packed_features(b, f)
+            assert f.target_logits is not None and f.target_in_draft is not None  # asked with_logits (the default)
             aux, logits, in_draft = (
                 f.aux.to(self.device),
                 f.target_logits.to(self.device),
                 f.target_in_draft.to(self.device),
             )
         else:  # stored rows (bf16, or fp8 with its scales) are decoded on the device: half the bytes travel
+            assert self.head is not None and b.aux is not None and b.last_hidden is not None  # offline rows carry both
             aux, last = decode(Rows(b.aux, b.last_hidden, b.scale_exp), self.head.weight.dtype)
             logits, in_draft = self.head(last)
         return aux.to(self.aux_dtype), b.input_ids, logits, b.loss_mask, b.attention_mask, in_draft, b.position_ids
@@ -64,6 +70,7 @@ class Features:
         transformers keeps packed documents apart by reading position_ids; a model whose attention ignores
         them (custom code) would let every document attend the ones before it, silently.
         """
+        assert self.target is not None and b.position_ids is not None  # called on packed online rows only
         for row in range(b.position_ids.shape[0]):
             starts = (b.position_ids[row] == 0).nonzero().squeeze(1).tolist()
             real = int(b.attention_mask[row].sum())

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from eaglekit import atomic
 from eaglekit.config import RunConfig
@@ -139,7 +140,7 @@ def train(cfg: RunConfig, run: RunDir, out_dir: Path, resuming: bool) -> dict[st
         Meter(meter_name, total=total_steps, unit="step", initial=progress.step) as meter,
     ):
         for step in range(progress.step, total_steps):
-            lr = sched.get_last_lr()[0]
+            lr = float(sched.get_last_lr()[0])
             grad_norm, tokens = optimizer_step(model, loader, features, window, step, tc, autocast, params)
             optim.step()
             sched.step()
@@ -266,8 +267,8 @@ def optimizer_step(
     for a in range(tc.grad_accum):
         batch = loader.get(step * tc.grad_accum + a)
         inputs = features(batch)
-        last_micro = a == tc.grad_accum - 1 or not hasattr(model, "no_sync")
-        with contextlib.nullcontext() if last_micro else model.no_sync():
+        # DDP syncs gradients on the last micro-batch of the step only
+        with model.no_sync() if isinstance(model, DDP) and a < tc.grad_accum - 1 else contextlib.nullcontext():
             with autocast():
                 loss, out = model(*inputs)
             (loss / tc.grad_accum).backward()

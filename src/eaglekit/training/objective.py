@@ -6,6 +6,8 @@ family with another objective (a block drafter, say) supplies its own module wit
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -89,7 +91,7 @@ class TTT(nn.Module):
             loss = loss + sum(p.sum() for p in self.drafter.parameters() if p.requires_grad) * 0.0
         if self.anchor:
             params = dict(self.drafter.named_parameters())
-            pull = sum(((params[name] - start) ** 2).sum() for name, start in self.anchor.items())
+            pull = sum((((params[name] - start) ** 2).sum() for name, start in self.anchor.items()), torch.zeros(()))
             out.anchor = float(pull.detach())
             loss = loss + 0.5 * self.anchor_weight * pull
         return loss, out
@@ -112,7 +114,7 @@ def wrap(module: TTT, mode: str, device: torch.device) -> nn.Module:
         from torch.distributed.fsdp import fully_shard
 
         # One unit: the drafter is one layer, and TTT calls its parts directly rather than through forward().
-        return fully_shard(module, reshard_after_forward=False)
+        return cast(nn.Module, fully_shard(module, reshard_after_forward=False))  # the module, its class extended
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     return DDP(module, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
