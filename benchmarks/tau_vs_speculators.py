@@ -307,8 +307,8 @@ def speculators_child(job: dict) -> None:
 
     from eaglekit.config import TargetConfig
     from eaglekit.data.tokens import TokenStore
+    from eaglekit.data.vocab import load_vocab
     from eaglekit.model.target import TargetFeatures, aux_layer_ids, decoder_parts, load_target
-    from eaglekit.stages.vocab import load_vocab
     from eaglekit.training.data import split_indices
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
