@@ -521,9 +521,15 @@ def isolated(name: str, seed: int, run) -> dict:
         return {"error": f"{type(err).__name__}: {err}"}
 
 
-def eaglekit_run(cfg, args, side: str, seed: int, use_vllm: bool) -> dict:
+def seeded(cfg, seed: int):
+    """The race's config at this training seed: both sides' evaluate runs check it against the train stage's."""
     cfg = cfg.model_copy(deep=True)
     cfg.train.seed = seed
+    return cfg
+
+
+def eaglekit_run(cfg, args, side: str, seed: int, use_vllm: bool) -> dict:
+    cfg = seeded(cfg, seed)
     ckpt, seconds = train_eaglekit(cfg)
     rep = evaluate(cfg, ckpt, f"{side}-seed{seed}", args.out)
     name = f"{side}-seed{seed}"
@@ -533,6 +539,7 @@ def eaglekit_run(cfg, args, side: str, seed: int, use_vllm: bool) -> dict:
 
 def speculators_run(cfg, args, seed: int, use_vllm: bool) -> dict:
     name = speculators_name(args, args.opponent, seed)
+    cfg = seeded(cfg, seed)
     ckpt, seconds = train_speculators(cfg, args.out, args, args.opponent, seed)
     rep = speculators_report(cfg, ckpt, args, name)
     served = vllm_taus(cfg, ckpt, name, args.out, args.ks, args.max_new_tokens, args.vllm_python) if use_vllm else {}
