@@ -33,6 +33,12 @@ since this race: trained, it cost eaglekit 11 % of τ at K=5; --ablate trained-h
     .venv/bin/python benchmarks/tau_vs_speculators.py --lr 1e-3       # another learning rate, same data (reused)
     .venv/bin/python benchmarks/tau_vs_speculators.py --reuse-speculators   # retrain eaglekit's side only
     .venv/bin/python benchmarks/tau_vs_speculators.py --reuse-speculators --no-vllm --ablate trained-head
+    .venv/bin/python benchmarks/tau_vs_speculators.py --seeds 3 --opponent shipped   # speculators as it ships
+    .venv/bin/python benchmarks/tau_vs_speculators.py --seeds 3 --reuse-speculators --ablate lk_hybrid
+
+--seeds N trains each side N times (training seeds --seed, --seed+1, ...; the data stays the same) and reports the
+mean and a 95 % bootstrap interval over seeds per K for each side and for the ratio. A side that fails is reported
+as failed and the race goes on.
 
 It needs benchmarks/.venv-speculators (bash benchmarks/setup_speculators.sh); without it, it says so and stops.
 """
@@ -51,7 +57,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SPECULATORS_PYTHON = ROOT / "benchmarks" / ".venv-speculators" / "bin" / "python"
-ABLATIONS = ("betas", "decay", "clip", "trained-head", "frozen-head", "input-mask")
+# speculators as it ships (its CLI's defaults, speculators/train/config/schema.py, 0.9.0): 3 TTT steps weighted
+# equally, Muon on the 2-D weights (its lr = --lr), AdamW (weight decay 0.01) on the rest, a linear schedule, lr 1e-3.
+# "matched": the race's settings on both sides (--ttt-steps, --decay, --lr, cosine), AdamW.
+OPPONENTS = {
+    "shipped": {"ttt_steps": 3, "decay": 1.0, "optimizer": "muon", "scheduler": "linear", "lr": 1e-3},
+    "matched": {},
+}
+LOSS_LEVERS = ("kl_div", "rkl", "jsd", "tv", "nla", "lk_hybrid")  # train.loss
+ABLATIONS = ("betas", "decay", "clip", "trained-head", "frozen-head", "input-mask", "noise", "muon", "equal-weights")
+ABLATIONS += LOSS_LEVERS
 sys.path.insert(0, str(ROOT / "src"))
 
 
@@ -122,7 +137,10 @@ def ablate(cfg, changes: list[str]) -> None:
     ``trained-head`` trains lm_head too (train.freeze_lm_head false: eaglekit's default until this race showed it
     costs τ); ``frozen-head`` keeps it frozen (the default now, as speculators); ``input-mask`` counts a
     prediction only where its input token is in the loss mask too, as speculators does: the first token of a
-    reply, which the target's prefill always makes and no drafter is asked for, drops out of the loss."""
+    reply, which the target's prefill always makes and no drafter is asked for, drops out of the loss.
+    The recipe levers (train keys): a loss name (``lk_hybrid``, ``nla``, ``tv``, ``rkl``, ``jsd``) sets
+    train.loss; ``noise`` uniform ±0.05 hidden-state noise; ``muon`` train.optimizer muon; ``equal-weights``
+    every TTT step weighted 1 (speculators' default) instead of decay^k."""
     import torch
 
     from eaglekit.training import objective
@@ -138,6 +156,14 @@ def ablate(cfg, changes: list[str]) -> None:
         cfg.train.freeze_lm_head = True
     if "trained-head" in changes:
         cfg.train.freeze_lm_head = False
+    for loss in set(changes) & set(LOSS_LEVERS):
+        cfg.train.loss = loss
+    if "noise" in changes:
+        cfg.train.noise, cfg.train.noise_scale = "uniform", 0.05
+    if "muon" in changes:
+        cfg.train.optimizer = "muon"
+    if "equal-weights" in changes:
+        cfg.train.step_weights = [1.0] * cfg.train.ttt_steps
     if "input-mask" in changes:  # a prediction counts only where its input token is masked in too (speculators)
         import torch.nn.functional as F
 
@@ -153,8 +179,12 @@ def train_eaglekit(cfg) -> tuple[Path, float]:
     return Path(cfg.run_dir) / "train" / "checkpoints" / f"step-{cfg.train.max_steps}", time.monotonic() - t0
 
 
-def train_speculators(cfg, out: Path, args) -> tuple[Path, float]:
-    folder = out / f"speculators-lr{args.lr:g}"
+def speculators_name(args, opponent: str, seed: int) -> str:
+    return f"speculators-{opponent}-lr{args.lr:g}-seed{seed}"
+
+
+def train_speculators(cfg, out: Path, args, opponent: str, seed: int) -> tuple[Path, float]:
+    folder = out / speculators_name(args, opponent, seed)
     if args.reuse_speculators and (folder / "final").exists():
         return folder / "final", float("nan")
     shutil.rmtree(folder, ignore_errors=True)
@@ -169,8 +199,11 @@ def train_speculators(cfg, out: Path, args) -> tuple[Path, float]:
         "warmup": args.warmup,
         "ttt_steps": args.ttt_steps,
         "decay": args.decay,
+        "optimizer": "adamw",
+        "scheduler": "cosine",
         "intermediate": args.intermediate,
-        "seed": args.seed,
+        "seed": seed,
+        **OPPONENTS[opponent],
     }
     t0 = time.monotonic()
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": str(args.threads)}
@@ -189,10 +222,9 @@ def evaluate(cfg, checkpoint: Path, name: str, out: Path) -> dict:
     return report
 
 
-def speculators_report(cfg, checkpoint: Path, args) -> dict:
+def speculators_report(cfg, checkpoint: Path, args, name: str) -> dict:
     """evaluate's report on the speculators drafter; with --reuse-speculators the one already in --out when it
     measured this same drafter with these settings (evaluate is deterministic: the same prompts give the same τ)."""
-    name = f"speculators-lr{args.lr:g}"
     saved = args.out / f"report-{name}.json"
     if args.reuse_speculators and saved.exists():
         report = json.loads(saved.read_text())
@@ -236,7 +268,7 @@ def vllm_taus(
         )
         with server:
 
-            def ask(messages):
+            def ask(messages, server=server):
                 r = httpx.post(
                     f"{server.url}/chat/completions",
                     timeout=600,
@@ -275,8 +307,8 @@ def speculators_child(job: dict) -> None:
 
     from eaglekit.config import TargetConfig
     from eaglekit.data.tokens import TokenStore
+    from eaglekit.data.vocab import load_vocab
     from eaglekit.model.target import TargetFeatures, aux_layer_ids, decoder_parts, load_target
-    from eaglekit.stages.vocab import load_vocab
     from eaglekit.training.data import split_indices
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -296,7 +328,7 @@ def speculators_child(job: dict) -> None:
     for i in train_idx:
         _, ids, mask = store[i]
         pre_norm = {}
-        handle = final_norm.register_forward_pre_hook(lambda m, a: pre_norm.__setitem__("h", a[0]))
+        handle = final_norm.register_forward_pre_hook(lambda m, a, pre_norm=pre_norm: pre_norm.__setitem__("h", a[0]))
         try:
             f = features(ids[None].long(), with_logits=False)
         finally:
@@ -366,7 +398,9 @@ def speculators_child(job: dict) -> None:
         save_path=job["out"],
         train_call_kwargs=train_kwargs,
         val_call_kwargs=val_kwargs,
-        scheduler_type="cosine",
+        scheduler_type=job["scheduler"],
+        optimizer=job["optimizer"],
+        muon_lr=job["lr"],  # its CLI's default: the Muon group at --lr
         scheduler_warmup_steps=job["warmup"],
         max_steps=job["steps"],
         hidden_states_dtype=torch.float32,
@@ -386,25 +420,6 @@ def speculators_child(job: dict) -> None:
 # ---------------------------------------------------------------------------------------------------- main
 
 
-def table(reports: dict[str, dict], ks: list[int], temperatures: list[float]) -> tuple[str, list[dict]]:
-    tau = {
-        name: {(r["k"], r["temperature"]): r["tau"] for r in rep["results"] if r["method"] == "eagle"}
-        for name, rep in reports.items()
-    }
-    ngram = {(r["k"], r["temperature"]): r["tau"] for r in reports["eaglekit"]["results"] if r["method"] == "ngram"}
-    rows, lines = [], ["| K | T | τ eaglekit | τ speculators | ratio | τ n-gram |", "|---|---|---|---|---|---|"]
-    for t in temperatures:
-        for k in ks:
-            a, b = tau["eaglekit"][k, t], tau["speculators"][k, t]
-            rows.append(
-                {"k": k, "temperature": t, "eaglekit": a, "speculators": b, "ratio": a / b, "ngram": ngram.get((k, t))}
-            )
-            lines.append(
-                f"| {k} | {t:g} | {a:.3f} | {b:.3f} | **x{a / b:.3f}** | {ngram.get((k, t), float('nan')):.3f} |"
-            )
-    return "\n".join(lines), rows
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, default=Path("/tmp/eaglekit-tau-race"))
@@ -422,7 +437,14 @@ def main() -> None:
     p.add_argument("--temperatures", type=lambda s: [float(x) for x in s.split(",")], default=[0.0, 1.0])
     p.add_argument("--eval-prompts", type=int, default=40)
     p.add_argument("--max-new-tokens", type=int, default=160)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="the data's seed and the first training seed")
+    p.add_argument("--seeds", type=int, default=1, help="train each side this many times (seeds --seed, --seed+1, …)")
+    p.add_argument(
+        "--opponent",
+        choices=sorted(OPPONENTS),
+        default="matched",
+        help="speculators as it ships (its defaults) or matched to the race's settings",
+    )
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--speculators-python", type=Path, default=SPECULATORS_PYTHON)
     p.add_argument(
@@ -459,59 +481,133 @@ def main() -> None:
     if unknown:
         sys.exit(f"--ablate {','.join(sorted(unknown))}: not one of {', '.join(ABLATIONS)}")
     ablate(cfg, args.ablate)
-    side = (
-        f"eaglekit-lr{args.lr:g}" + (f"-seed{args.seed}" if args.seed else "") + "".join(f"-{a}" for a in args.ablate)
-    )
-    eaglekit_ckpt, eaglekit_s = train_eaglekit(cfg)
-    speculators_ckpt, speculators_s = train_speculators(cfg, args.out, args)
-    reports = {
-        "eaglekit": evaluate(cfg, eaglekit_ckpt, side, args.out),
-        "speculators": speculators_report(cfg, speculators_ckpt, args),
-    }
-    text, rows = table(reports, args.ks, args.temperatures)
-    vllm = {}
-    if args.vllm_python.exists() and not args.no_vllm:
-        vllm = {
-            name: vllm_taus(cfg, ckpt, folder, args.out, args.ks, args.max_new_tokens, args.vllm_python)
-            for name, folder, ckpt in (
-                ("eaglekit", side, eaglekit_ckpt),
-                ("speculators", f"speculators-lr{args.lr:g}", speculators_ckpt),
-            )
-        }
-        text += "\n\nThe same drafters served by the real vLLM (temperature 0, τ = 1 + accepted / drafts):\n\n"
-        text += "| K | τ eaglekit | τ speculators | ratio |\n|---|---|---|---|\n"
-        text += "\n".join(
-            f"| {k} | {vllm['eaglekit'][k]:.3f} | {vllm['speculators'][k]:.3f} | "
-            f"**x{vllm['eaglekit'][k] / vllm['speculators'][k]:.3f}** |"
-            for k in args.ks
+    side = f"eaglekit-lr{args.lr:g}" + "".join(f"-{a}" for a in args.ablate)
+    use_vllm = args.vllm_python.exists() and not args.no_vllm
+    seeds = [args.seed + i for i in range(args.seeds)]
+    # per side, per seed: τ per (K, T) from evaluate, τ per K served by vLLM, or the error that side hit
+    runs: dict[str, dict[int, dict]] = {side: {}, args.opponent: {}}
+    for seed in seeds:
+        runs[side][seed] = isolated(side, seed, lambda seed=seed: eaglekit_run(cfg, args, side, seed, use_vllm))
+        runs[args.opponent][seed] = isolated(
+            args.opponent, seed, lambda seed=seed: speculators_run(cfg, args, seed, use_vllm)
         )
-    elif args.no_vllm:
-        text += "\n\n(--no-vllm: the real-engine part is left out)"
-    else:
-        text += (
-            f"\n\n(no vLLM at {args.vllm_python}: the real-engine part is left out; scripts/setup_vllm.sh makes one)"
-        )
+    text = report(runs, side, args, use_vllm)
     store_tokens = json.loads((Path(cfg.run_dir) / "prepare" / "stats.json").read_text())
     print(
         f"\nτ race on the tiny target: {args.steps} steps x {args.seq} packed tokens, lr {args.lr:g} "
-        f"(warmup {args.warmup}, cosine to 0), K_train {args.ttt_steps}, decay {args.decay}; "
-        f"{reports['eaglekit']['prompts']} held-out prompts, up to {args.max_new_tokens} new tokens\n"
-        f"training time: eaglekit {eaglekit_s:.0f} s, speculators {speculators_s:.0f} s (features included)\n"
+        f"(warmup {args.warmup}, cosine to 0), K_train {args.ttt_steps}, decay {args.decay}; opponent speculators "
+        f"{args.opponent} {OPPONENTS[args.opponent]}; seeds {seeds}; up to {args.max_new_tokens} new tokens\n"
     )
     print(text)
-    (args.out / f"race-{side}.json").write_text(
+    (args.out / f"race-{side}-vs-{args.opponent}.json").write_text(
         json.dumps(
             {
                 "argv": sys.argv,
                 "args": {k: str(v) for k, v in vars(args).items()},
-                "rows": rows,
                 "prepare": store_tokens,
-                "vllm": {side: {str(k): t for k, t in taus.items()} for side, taus in vllm.items()},
-                "train_seconds": {"eaglekit": eaglekit_s, "speculators": speculators_s},
+                "runs": {name: {str(seed): run for seed, run in by_seed.items()} for name, by_seed in runs.items()},
             },
             indent=1,
         )
     )
+
+
+def isolated(name: str, seed: int, run) -> dict:
+    """One side's run; a failure is reported in the table and the race goes on."""
+    try:
+        return run()
+    except Exception as err:  # noqa: BLE001 - any failure of one side is a result to report
+        print(f"{name} seed {seed} failed: {type(err).__name__}: {err}", flush=True)
+        return {"error": f"{type(err).__name__}: {err}"}
+
+
+def seeded(cfg, seed: int):
+    """The race's config at this training seed: both sides' evaluate runs check it against the train stage's."""
+    cfg = cfg.model_copy(deep=True)
+    cfg.train.seed = seed
+    return cfg
+
+
+def eaglekit_run(cfg, args, side: str, seed: int, use_vllm: bool) -> dict:
+    cfg = seeded(cfg, seed)
+    ckpt, seconds = train_eaglekit(cfg)
+    rep = evaluate(cfg, ckpt, f"{side}-seed{seed}", args.out)
+    name = f"{side}-seed{seed}"
+    served = vllm_taus(cfg, ckpt, name, args.out, args.ks, args.max_new_tokens, args.vllm_python) if use_vllm else {}
+    return taus(rep) | {"vllm": served, "seconds": seconds}
+
+
+def speculators_run(cfg, args, seed: int, use_vllm: bool) -> dict:
+    name = speculators_name(args, args.opponent, seed)
+    cfg = seeded(cfg, seed)
+    ckpt, seconds = train_speculators(cfg, args.out, args, args.opponent, seed)
+    rep = speculators_report(cfg, ckpt, args, name)
+    served = vllm_taus(cfg, ckpt, name, args.out, args.ks, args.max_new_tokens, args.vllm_python) if use_vllm else {}
+    return taus(rep) | {"vllm": served, "seconds": seconds}
+
+
+def taus(rep: dict) -> dict:
+    return {
+        "tau": {f"{r['k']}@{r['temperature']:g}": r["tau"] for r in rep["results"] if r["method"] == "eagle"},
+        "ngram": {f"{r['k']}@{r['temperature']:g}": r["tau"] for r in rep["results"] if r["method"] == "ngram"},
+        "prompts": rep["prompts"],
+    }
+
+
+def bootstrap(a: list[float], b: list[float] | None = None, draws: int = 4000) -> tuple[float, float, float]:
+    """Mean of ``a`` (or ratio of the means of ``a`` and ``b``) and its 95 % percentile-bootstrap interval over
+    seeds, each side's seeds resampled on their own. With one seed the interval is the value itself."""
+    import random
+
+    rng = random.Random(0)
+
+    def stat(x, y):
+        return sum(x) / len(x) / (sum(y) / len(y)) if y is not None else sum(x) / len(x)
+
+    point = stat(a, b)
+    samples = sorted(
+        stat(rng.choices(a, k=len(a)), rng.choices(b, k=len(b)) if b is not None else None) for _ in range(draws)
+    )
+    return point, samples[int(0.025 * draws)], samples[int(0.975 * draws) - 1]
+
+
+def report(runs: dict[str, dict[int, dict]], side: str, args, use_vllm: bool) -> str:
+    """Mean and 95 % interval per K (and T) of each side and of the ratio. The interval is over training seeds
+    only: evaluate reports τ summed over its prompts, so prompts are not resampled."""
+    ok = {name: [r for r in by_seed.values() if "error" not in r] for name, by_seed in runs.items()}
+    lines = []
+    for name, by_seed in runs.items():
+        for seed, r in by_seed.items():
+            if "error" in r:
+                lines.append(f"{name} seed {seed}: FAILED ({r['error']})")
+
+    def fmt(v):
+        return f"{v[0]:.3f} [{v[1]:.3f}, {v[2]:.3f}]"
+
+    opponent = args.opponent
+    head = f"| K | T | τ {side} | τ speculators {opponent} | ratio | τ n-gram |"
+    lines += ["", f"n = {len(ok[side])} / {len(ok[opponent])} seeds; mean [95 % interval]", "", head]
+    lines.append("|---|---|---|---|---|---|")
+    for t in args.temperatures:
+        for k in args.ks:
+            key = f"{k}@{t:g}"
+            a = [r["tau"][key] for r in ok[side] if key in r["tau"]]
+            b = [r["tau"][key] for r in ok[opponent] if key in r["tau"]]
+            ngram = next((r["ngram"].get(key) for r in ok[side] + ok[opponent] if r["ngram"].get(key)), None)
+            cells = [fmt(bootstrap(a)) if a else "-", fmt(bootstrap(b)) if b else "-"]
+            cells.append(f"**x{fmt(bootstrap(a, b))}**" if a and b else "-")
+            lines.append(f"| {k} | {t:g} | {' | '.join(cells)} | {ngram if ngram is None else round(ngram, 3)} |")
+    if use_vllm:
+        lines += ["", "Served by the real vLLM (temperature 0, τ = 1 + accepted / drafts):", ""]
+        lines += [f"| K | τ {side} | τ speculators {opponent} | ratio |", "|---|---|---|---|"]
+        for k in args.ks:
+            a = [r["vllm"][k] for r in ok[side] if k in r["vllm"]]
+            b = [r["vllm"][k] for r in ok[opponent] if k in r["vllm"]]
+            ratio = f"**x{fmt(bootstrap(a, b))}**" if a and b else "-"
+            lines.append(f"| {k} | {fmt(bootstrap(a)) if a else '-'} | {fmt(bootstrap(b)) if b else '-'} | {ratio} |")
+    else:
+        lines.append("\n(the real-engine part is left out: --no-vllm, or no vLLM at --vllm-python)")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
 from eaglekit.errors import UsageError
@@ -233,6 +233,47 @@ class TrainConfig(Section):
     draft: DraftModelConfig = Field(default_factory=DraftModelConfig)
     ttt_steps: int = Field(7, ge=1)
     ttt_decay: float = Field(0.8, gt=0.0)
+    step_weights: list[float] | None = Field(
+        None,
+        description="loss weight of each TTT step, one per step (speculators: [1, 1, 1] at 3 steps); "
+        "None: ttt_decay**k (EAGLE / SpecForge: 0.8**k at 7 steps)",
+    )
+    loss: Literal["kl_div", "rkl", "jsd", "tv", "nla", "lk_hybrid"] = Field(
+        "kl_div",
+        description="divergence between the target's and the draft's distributions (training/losses.py): "
+        "kl_div forward KL (EAGLE's; logged as soft cross-entropy), rkl reverse KL, jsd Jensen-Shannon, "
+        "tv total variation (1 - acceptance rate), nla -log(acceptance rate) and lk_hybrid the LK losses "
+        "of arXiv 2602.23881",
+    )
+    lk_eta: float = Field(
+        3.0, gt=0.0, description="lk_hybrid: weight exp(-lk_eta * acceptance) on KL, the rest on TV (3.0: the paper's)"
+    )
+    loss_normalization: Literal["token", "sequence"] = Field(
+        "token",
+        description="token: each TTT step's loss is the mean over its counted positions (long sequences weigh "
+        "more); sequence: the mean over documents of each document's mean (DeepSpec's remedy). Under DDP both "
+        "count every rank's positions / documents",
+    )
+    noise: Literal["none", "uniform", "gaussian"] = Field(
+        "none",
+        description="noise added to the target's hidden states (the drafter's input features) in training only, "
+        "so the drafter sees features as imperfect as its own later steps; uniform: U(-noise_scale, "
+        "noise_scale), gaussian: N(0, noise_scale^2)",
+    )
+    noise_scale: float = Field(0.05, ge=0.0, description="the noise's half-width (uniform) or standard deviation")
+    optimizer: Literal["adamw", "muon"] = Field(
+        "adamw",
+        description="adamw on every parameter, or muon (torch.optim.Muon: momentum 0.95, weight decay "
+        "muon_weight_decay, 5 Newton-Schulz steps, update RMS matched to AdamW's) on the drafter's 2-D "
+        "weights and AdamW on the rest (norms, embeddings, head), as speculators ships",
+    )
+    muon_weight_decay: float = Field(0.1, ge=0.0, description="optimizer muon: weight decay of the Muon group")
+    early_stop_patience: int | None = Field(
+        None,
+        ge=1,
+        description="end the run after this many held-out evaluations in a row in which simulated τ fell while the "
+        "held-out loss fell (training/early_stop.py); None: only warn, after 3",
+    )
     lr: float = Field(1e-4, gt=0.0)
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
     warmup_steps: int = Field(50, ge=0)
@@ -288,6 +329,14 @@ class TrainConfig(Section):
     compile: bool = Field(
         False, description="torch.compile the drafter's layer for the TTT step (fuses norms, RoPE, SwiGLU)"
     )
+
+    @model_validator(mode="after")
+    def _one_weight_per_step(self) -> TrainConfig:
+        if self.step_weights is not None and len(self.step_weights) != self.ttt_steps:
+            raise ValueError(
+                f"step_weights has {len(self.step_weights)} weights for ttt_steps {self.ttt_steps}: give one per step"
+            )
+        return self
 
 
 class SuiteConfig(Section):

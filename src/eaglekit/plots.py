@@ -32,8 +32,8 @@ def _series(ax, xs: list, ys: list, style: str = "-", **kw) -> None:
 
 
 def training_curves(rows: list[dict], path: Path) -> Figure:
-    """Train and held-out TTT loss (log scale: the first steps' loss is many times the rest), and accuracy per TTT
-    step, against the optimizer step (rows of train/metrics.jsonl)."""
+    """Train and held-out TTT loss (log scale: the first steps' loss is many times the rest) with held-out simulated
+    τ, and accuracy per TTT step, against the optimizer step (rows of train/metrics.jsonl)."""
     train = [r for r in rows if r.get("kind") == "train"]
     held = [r for r in rows if r.get("kind") == "eval"]
     fig = Figure(figsize=(11, 4))
@@ -43,8 +43,14 @@ def training_curves(rows: list[dict], path: Path) -> Figure:
         _series(ax_loss, [r["step"] for r in held], [r["loss"] for r in held], "o-", label="held-out")
     if all(r["loss"] > 0 for r in train + held) and (train or held):
         ax_loss.set_yscale("log")
-    ax_loss.set(xlabel="step", ylabel="TTT loss", title="loss")
-    ax_loss.legend()
+    ax_loss.set(xlabel="step", ylabel="TTT loss", title="loss and held-out τ")
+    ax_loss.legend(loc="upper left")
+    if held and all("tau" in r for r in held):
+        # on the loss's panel: τ falling while the loss still falls is overfitting (train.early_stop_patience)
+        ax_tau = ax_loss.twinx()
+        _series(ax_tau, [r["step"] for r in held], [r["tau"] for r in held], "o--", color="C3", label="held-out τ")
+        ax_tau.set(ylabel="simulated τ")
+        ax_tau.legend(loc="upper right")
     source = held or train
     for k in range(len(source[0]["acc_k"]) if source else 0):
         _series(ax_acc, [r["step"] for r in source], [r["acc_k"][k] for r in source], label=f"acc_{k}")

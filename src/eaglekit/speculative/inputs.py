@@ -9,12 +9,13 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import torch
 
 from eaglekit.config import RunConfig
 from eaglekit.errors import EaglekitError, UsageError
+from eaglekit.model.checkpoints import CheckpointInfo
 from eaglekit.model.dflash_checkpoint import is_dflash_checkpoint
 from eaglekit.progress import console
 

@@ -192,7 +192,9 @@ def evaluate(ctx: StageContext, target, device: torch.device) -> dict:
     def measure(prompts: list[tuple[str, list[int]]], methods: list[str], label: str) -> dict:
         """Prompt by prompt, plain decoding and then every method and K: the timings compared share a time window."""
         baselines, results = [], []
-        checks: dict[str, list] = {pid: [] for pid, _ in prompts}  # per prompt: the speculative runs that differed from plain greedy
+        checks: dict[str, list] = {
+            pid: [] for pid, _ in prompts
+        }  # per prompt: the speculative runs that differed from plain greedy
         plain_tokens: dict[str, int] = {}
         total = len(temperatures) * len(prompts) * (1 + len(methods) * len(ks))
         with Meter(label, total=total, unit="runs") as meter:

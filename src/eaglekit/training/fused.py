@@ -8,7 +8,7 @@
   head_loss   "reference": loss.py's chunk function as it is; "compiled": the same function through
               ``torch.compile``, so the elementwise work over each [rows, Vd] chunk of logits (log-sum-exp, the
               soft cross-entropy, argmax, the gradient of the logits) runs as a few fused kernels instead of a
-              dozen passes over memory. It compiles whatever ``soft_cross_entropy_chunk`` computes, so a loss
+              dozen passes over memory. It compiles whatever ``head_loss_chunk`` computes, so a loss
               defined there is fused too. "auto": compiled on CUDA, reference elsewhere.
 ``compile_drafter`` (train.compile) compiles the drafter's per-step pieces (the fc fusion, the layer before and
 after attention) so their norms, RoPE and SwiGLU fuse around the GEMMs.
@@ -23,7 +23,7 @@ import torch
 
 from eaglekit.errors import UsageError
 from eaglekit.model.drafter import Eagle3Drafter
-from eaglekit.training.loss import ChunkFn, soft_cross_entropy_chunk
+from eaglekit.training.loss import ChunkFn, head_loss_chunk
 
 AttentionKind = Literal["reference", "sdpa", "flex"]
 
@@ -41,8 +41,8 @@ REFERENCE = StepKernels()
 
 
 def compiled_chunk(backend: str = "inductor") -> ChunkFn:
-    """loss.py's soft_cross_entropy_chunk under torch.compile (dynamic: the last chunk of a step is shorter)."""
-    return torch.compile(soft_cross_entropy_chunk, dynamic=True, backend=backend)
+    """loss.py's head_loss_chunk under torch.compile (dynamic: the last chunk of a step is shorter)."""
+    return torch.compile(head_loss_chunk, dynamic=True, backend=backend)
 
 
 def step_kernels(attention: str, head_loss: str, device: torch.device) -> StepKernels:

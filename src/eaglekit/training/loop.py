@@ -53,6 +53,7 @@ from eaglekit.training.checkpoint import (
 )
 from eaglekit.training.data import Loader, RunBatches
 from eaglekit.training.dflash import block_objective, build_block_drafter, trains_block_drafter
+from eaglekit.training.early_stop import TauWatch
 from eaglekit.training.features import Features
 from eaglekit.training.fused import compile_drafter, step_kernels
 from eaglekit.training.init import build_drafter, say
@@ -104,20 +105,22 @@ def train(cfg: RunConfig, run: RunDir, out_dir: Path, resuming: bool) -> dict[st
     objective: nn.Module
     if isinstance(drafter, DFlashDrafter):
         objective = block_objective(drafter, tc.draft)
-        positions, decay = drafter.config.block_size - 1, 1.0
+        positions = drafter.config.block_size - 1
+        weights = [1.0] * positions
     else:
-        objective = TTT(drafter, tc.ttt_steps, tc.ttt_decay, tc.anchor_weight, kernels)
-        positions, decay = tc.ttt_steps, tc.ttt_decay
+        objective = TTT.from_config(drafter, tc, kernels)
+        positions, weights = tc.ttt_steps, objective.step_weights
     model = wrap(objective, tc.distributed, device)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optim = build_optimizer(tc, params)
+    named_params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    params = [p for _, p in named_params]
+    optim = build_optimizer(tc, named_params)
     batches = RunBatches(
         cfg, store, features.blocks(store, store.lengths.tolist(), cfg.extract.shard_tokens), features.store,
         world, dist.rank(),
     )  # fmt: skip
     total_steps = batches.total_steps(tc)
     sched = build_scheduler(tc, optim, total_steps)
-    held_out = HeldOut(model, drafter, features, batches, autocast, fsdp, positions, decay)
+    held_out = HeldOut(model, drafter, features, batches, autocast, fsdp, positions, weights)
 
     metrics = Metrics(out_dir / "metrics.jsonl", out_dir / "tensorboard")
     progress = Progress()
@@ -136,6 +139,7 @@ def train(cfg: RunConfig, run: RunDir, out_dir: Path, resuming: bool) -> dict[st
 
     last_eval = held_out(0, metrics, ckpts, progress) if progress.step == 0 else None
     window = Window(positions, progress.window)
+    watch = TauWatch(tc.early_stop_patience)  # starts afresh on resume: it needs patience evaluations again
     t0, local_tokens = time.monotonic(), 0
     model.train()
     # Ctrl-C / SIGTERM finish the step in progress and write a checkpoint before stopping (a second one stops at once)
@@ -174,17 +178,24 @@ def train(cfg: RunConfig, run: RunDir, out_dir: Path, resuming: bool) -> dict[st
                     tok_s=round(local_tokens * world / max(elapsed, 1e-9)),
                 )  # fmt: skip
                 window = Window(positions)
+            overfit = False
             if done % tc.eval_every == 0 or done == total_steps:
                 last_eval = held_out(done, metrics, ckpts, progress)
                 if last_eval:
                     meter.fields.update(held_out_tau=round(last_eval["tau"], 3))
+                    warning, overfit = watch.update(last_eval["tau"], last_eval["loss"])
+                    if warning:
+                        say(f"[yellow]train: step {done}: {warning}[/]")
             stopping, timed = checkpoint_due(stop, last_save, tc.save_every_minutes)
-            if done % tc.save_every == 0 or done == total_steps or stopping or timed:
+            if done % tc.save_every == 0 or done == total_steps or stopping or timed or overfit:
                 progress.window = window.state()
                 seconds = progress.seconds_before + time.monotonic() - t0
                 save_checkpoint(ckpts, model, drafter, optim, sched, fsdp, progress, batches.per_epoch, tc, seconds)
                 last_save = time.monotonic()
             meter.update(1)
+            if overfit:
+                total_steps = done  # the run ends here: summary and counts say so
+                break
             if stopping:
                 say(f"train: stopped after step {done} of {total_steps}; checkpoint step-{done} is written")
                 metrics.close()
@@ -340,9 +351,9 @@ class HeldOut:
     drafter of the highest τ so far)."""
 
     def __init__(self, model: nn.Module, drafter: Eagle3Drafter, features: Features, batches: RunBatches, autocast,
-                 fsdp: bool, steps: int, decay: float):  # fmt: skip
+                 fsdp: bool, steps: int, step_weights: list[float]):  # fmt: skip
         self.model, self.drafter, self.features, self.data = model, drafter, features, batches
-        self.autocast, self.fsdp, self.steps, self.decay = autocast, fsdp, steps, decay
+        self.autocast, self.fsdp, self.steps, self.step_weights = autocast, fsdp, steps, step_weights
         self.batches = batches.held_out()
         if not self.batches:
             say(
@@ -374,7 +385,7 @@ class HeldOut:
         self.model.train()
         r = window.reduced()
         return {
-            "loss": sum(loss * self.decay**k for k, loss in enumerate(r["loss_k"])),
+            "loss": sum(loss * w for w, loss in zip(self.step_weights, r["loss_k"], strict=True)),
             "loss_k": r["loss_k"],
             "acc_k": r["acc_k"],
             "tau": simulated_acceptance_length(r["acc_k"]),

@@ -1,4 +1,4 @@
-"""The draft head and the soft cross-entropy of TTT, fused so no [N, Vd] tensor is kept for backward.
+"""The draft head and the loss of TTT, fused so no [N, Vd] tensor is kept for backward.
 
 Every TTT step ends in ``lm_head`` over the draft vocabulary and a soft cross-entropy against the
 target's distribution. Written plainly (``F.cross_entropy(lm_head(x), target_p)``) autograd keeps two
@@ -12,6 +12,9 @@ with respect to x and to the head's weight. Backward only scales those by the in
 for backward: dL/dx [N, H] and dL/dW [Vd, H] — no more matmuls than the plain version (the logits'
 forward, dx and dW), and only one chunk of logits alive at a time.
 
+The loss itself is one of the divergences of ``training/losses.py`` (``train.loss``; default forward KL, whose value
+is reported as the soft cross-entropy): each supplies its rows' value and dL/dlogits per chunk.
+
 All TTT steps go through one call (their rows concatenated, each row weighted by decay^k / count_k),
 so dL/dW exists once, not once per step.
 """
@@ -23,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from eaglekit.training.losses import divergence
+
 # Rows per chunk: at most this many logits at once (4 Mi elements = 16 MiB in fp32). Larger chunks make the
 # transient memory of a step depend on how many rows the step has; on a GPU the matmuls want more rows.
 CHUNK_ELEMENTS = {"cpu": 1 << 22}
@@ -33,9 +38,14 @@ ChunkFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
 
 @dataclass
 class HeadLoss:
-    loss: torch.Tensor  # scalar: sum over rows of row_weight * soft cross-entropy (differentiable)
-    ce: torch.Tensor  # [M] each row's soft cross-entropy (no grad)
+    loss: torch.Tensor  # scalar: sum over rows of row_weight * the row's loss (differentiable)
+    value: torch.Tensor  # [M] each row's loss (no grad): the soft cross-entropy for kl_div
     correct: torch.Tensor  # [M] bool: the draft's argmax equals the target's
+
+    @property
+    def ce(self) -> torch.Tensor:
+        """The rows' loss under its historical name (it is the soft cross-entropy for the default loss)."""
+        return self.value
 
 
 def head_soft_cross_entropy(
@@ -46,13 +56,17 @@ def head_soft_cross_entropy(
     slots: torch.Tensor,
     row_weight: torch.Tensor,
     chunk_rows: int | None = None,
+    loss: str = "kl_div",
+    lk_eta: float = 3.0,
     chunk_fn: ChunkFn | None = None,
 ) -> HeadLoss:
-    """Σ_m row_weight[m] · H(target_p[slots[m]], softmax(x[m] @ weight.T)), without [M, Vd] kept for backward.
+    """Σ_m row_weight[m] · L(target_p[slots[m]], softmax(x[m] @ weight.T)), without [M, Vd] kept for backward.
+
+    L is the divergence ``loss`` names (``training/losses.py``; default the soft cross-entropy H(p, q)).
 
     x [M, H] the normed draft hidden states; weight [Vd, H] the draft head; target_p [P, Vd] target
     probabilities (rows sum to 1) and target_argmax [P]; slots [M] the target row of each x row;
-    row_weight [M]. ``chunk_fn`` computes one chunk (default ``soft_cross_entropy_chunk``; the GPU path passes
+    row_weight [M]. ``chunk_fn`` computes one chunk (default ``head_loss_chunk``; the GPU path passes
     it compiled). The matmuls run in the autocast dtype when autocast is on (as ``lm_head`` would),
     softmax and loss in float32 (float64 for float64 inputs).
     """
@@ -65,7 +79,7 @@ def head_soft_cross_entropy(
         elements = CHUNK_ELEMENTS.get(device_type, CHUNK_ELEMENTS_DEFAULT)
         chunk_rows = max(1, elements // max(1, weight.shape[0]))
     grad = torch.is_grad_enabled()
-    loss, ce, correct = _HeadSoftCrossEntropy.apply(
+    total, value, correct = _HeadLoss.apply(
         x,
         weight,
         target_p,
@@ -76,12 +90,14 @@ def head_soft_cross_entropy(
         chunk_rows,
         grad and x.requires_grad,
         grad and weight.requires_grad,
-        chunk_fn or soft_cross_entropy_chunk,
+        loss,
+        lk_eta,
+        chunk_fn or head_loss_chunk,
     )
-    return HeadLoss(loss=loss, ce=ce, correct=correct)
+    return HeadLoss(loss=total, value=value, correct=correct)
 
 
-def soft_cross_entropy_chunk(
+def head_loss_chunk(
     xc: torch.Tensor,
     w_mm: torch.Tensor,
     target_p: torch.Tensor,
@@ -89,36 +105,46 @@ def soft_cross_entropy_chunk(
     slots: torch.Tensor,
     row_weight: torch.Tensor,
     need_grad: bool,
+    kind: str = "kl_div",
+    eta: float = 3.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """One chunk of rows: (soft cross-entropy [c], argmax hit [c], dL/dlogits [c, Vd] in xc's dtype or None).
+    """One chunk of rows: (each row's loss [c], argmax hit [c], dL/dlogits [c, Vd] in xc's dtype or None).
 
     Its own function so that a GPU can run it compiled (``training/fused.py``: the elementwise work over the
-    [c, Vd] logits fused into few kernels) with the very same math. ``row_weight`` is in the compute dtype.
+    [c, Vd] logits fused into few kernels) with the very same math, whichever divergence ``kind`` names.
+    ``row_weight`` is in the compute dtype.
     """
-    compute = row_weight.dtype
-    logits = (xc @ w_mm.T).to(compute)  # [c, Vd], the only chunk of logits alive
+    logits = (xc @ w_mm.T).to(row_weight.dtype)  # [c, Vd], the only chunk of logits alive
     correct = logits.argmax(-1) == target_argmax[slots]
-    p = target_p[slots].to(compute)
-    p_sum = p.sum(-1)
-    lse = torch.logsumexp(logits, dim=-1)
-    # H(p, q) = Σ_v p_v (lse - z_v) = lse · Σp - p·z
-    ce = lse * p_sum - (p * logits).sum(-1)
-    if not need_grad:
-        return ce, correct, None
-    # dH/dz = Σp · softmax(z) - p, scaled by the row's weight in the total
-    dz = logits.sub_(lse[:, None]).exp_().mul_(p_sum[:, None]).sub_(p).mul_(row_weight[:, None])
-    return ce, correct, dz.to(xc.dtype)
+    p = target_p[slots].to(row_weight.dtype)
+    value, dz = divergence(kind, logits, p, eta, need_grad=need_grad)
+    if dz is None:
+        return value, correct, None
+    return value, correct, dz.mul_(row_weight[:, None]).to(xc.dtype)
 
 
-class _HeadSoftCrossEntropy(torch.autograd.Function):
+class _HeadLoss(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx, x, weight, target_p, target_argmax, slots, row_weight, matmul_dtype, chunk_rows, need_dx, need_dw, chunk_fn
+        ctx,
+        x,
+        weight,
+        target_p,
+        target_argmax,
+        slots,
+        row_weight,
+        matmul_dtype,
+        chunk_rows,
+        need_dx,
+        need_dw,
+        kind,
+        eta,
+        chunk_fn,
     ):
         compute = torch.promote_types(torch.promote_types(x.dtype, weight.dtype), torch.float32)
         m = x.shape[0]
         w_mm = weight.to(matmul_dtype)
-        ce = torch.empty(m, dtype=compute, device=x.device)
+        value = torch.empty(m, dtype=compute, device=x.device)
         correct = torch.empty(m, dtype=torch.bool, device=x.device)
         dx = torch.empty_like(x) if need_dx else None
         dw = torch.zeros_like(weight, dtype=torch.promote_types(weight.dtype, torch.float32)) if need_dw else None
@@ -126,23 +152,24 @@ class _HeadSoftCrossEntropy(torch.autograd.Function):
         for r0 in range(0, m, chunk_rows):
             r1 = min(r0 + chunk_rows, m)
             xc = x[r0:r1].to(matmul_dtype)
-            ce[r0:r1], correct[r0:r1], dz = chunk_fn(
-                xc, w_mm, target_p, target_argmax, slots[r0:r1], row_weight[r0:r1], need_dx or need_dw
+            value[r0:r1], correct[r0:r1], dz = chunk_fn(
+                xc, w_mm, target_p, target_argmax, slots[r0:r1], row_weight[r0:r1], need_dx or need_dw, kind, eta
             )
-            if dx is not None:
-                dx[r0:r1] = (dz @ w_mm).to(x.dtype)
-            if dw is not None:
-                dw += (dz.T @ xc).to(dw.dtype)
+            if dz is not None:
+                if dx is not None:
+                    dx[r0:r1] = (dz @ w_mm).to(x.dtype)
+                if dw is not None:
+                    dw += (dz.T @ xc).to(dw.dtype)
             del dz
-        loss = (ce * row_weight).sum()
+        loss = (value * row_weight).sum()
         ctx.save_for_backward(dx, dw)
         ctx.weight_dtype = weight.dtype
-        ctx.mark_non_differentiable(ce, correct)
-        return loss, ce, correct
+        ctx.mark_non_differentiable(value, correct)
+        return loss, value, correct
 
     @staticmethod
-    def backward(ctx, d_loss, _d_ce, _d_correct):
+    def backward(ctx, d_loss, _d_value, _d_correct):
         dx, dw = ctx.saved_tensors
         grad_x = None if dx is None else dx * d_loss.to(dx.dtype)
         grad_w = None if dw is None else (dw * d_loss.to(dw.dtype)).to(ctx.weight_dtype)
-        return grad_x, grad_w, None, None, None, None, None, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None, None, None, None, None, None, None

@@ -30,7 +30,7 @@ attention of training/attention.py and a compiled head loss, tested equal to it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -51,8 +51,10 @@ BLOCK_ROWS = 256
 
 @dataclass
 class TTTOutput:
-    loss: torch.Tensor  # scalar, sum_k decay^k * (summed soft cross-entropy of step k) / normalizer(count_k)
-    loss_k: list[float]  # per step: mean soft cross-entropy over this batch's counted positions (0.0 where none)
+    loss: torch.Tensor  # scalar, sum_k w_k * (summed loss of step k) / normalizer(count_k)
+    loss_k: list[
+        float
+    ]  # per step: mean loss (soft cross-entropy for kl_div) over this batch's counted positions (0.0 where none)
     acc_k: list[float]  # per step: share of counted positions where draft argmax == target argmax
     count_k: list[int]  # per step: counted positions
     anchor: float = 0.0  # ||θ - θ0||² when the training loop pulls toward starting weights (train.anchor_weight)
@@ -187,6 +189,10 @@ def ttt_loss(
     target_in_draft: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
     normalizer: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    loss: str = "kl_div",
+    lk_eta: float = 3.0,
+    step_weights: Sequence[float] | None = None,
+    normalization: str = "token",
     kernels: StepKernels = REFERENCE,
 ) -> TTTOutput:
     """The TTT loss of one right-padded batch.
@@ -205,8 +211,12 @@ def ttt_loss(
         embedding of token t+1+k goes in, RoPE position position_ids[t]+k, target softmax(target_logits[t+1+k]).
       - (t, k) is counted where token t+2+k exists in t's document, is not padding, has loss_mask 1,
         and (if given) target_in_draft[t+1+k]. Padding must be on the right.
-    Loss_k = soft cross-entropy summed over counted (t, k), divided by ``normalizer(count_k)`` (default:
-    count_k itself, i.e. the mean; under DDP the count of every rank); loss = sum_k decay^k * loss_k.
+    Loss_k = the divergence ``loss`` (``training/losses.py``; default kl_div, reported as the soft cross-entropy)
+    summed over counted (t, k), divided by ``normalizer(count_k)`` (default: count_k itself, i.e. the mean; under
+    DDP the count of every rank); loss = sum_k w_k * loss_k with w_k = ``step_weights[k]`` when given, else decay^k.
+    ``normalization="sequence"``: each document's positions at step k are averaged first, then the documents
+    (``normalizer`` then counts documents with a counted position, not positions), so long sequences do not
+    dominate. The reported loss_k / acc_k stay per-position means either way.
     ``kernels`` picks the fused GPU kernels (training/fused.py); the default is this file's reference.
     """
     _check_inputs(
@@ -234,7 +244,21 @@ def ttt_loss(
         counted[k, :, : length - 2 - k] = usable[:, 2 + k :] & (doc_start[:, 2 + k :] == doc_start[:, : length - 2 - k])
     needed = counted.flip(0).cumsum(0).flip(0) > 0
     count_k = counted.reshape(steps, -1).sum(-1)
-    denominator = count_k if normalizer is None else normalizer(count_k)
+    flat_doc_start = (torch.arange(b, device=device)[:, None] * length + doc_start).reshape(-1)
+    position_weight = None  # [steps, B*L]: each counted position's share of its step's loss before the normalizer
+    if normalization == "sequence":
+        per_doc = torch.zeros(steps, b * length, dtype=torch.float64, device=device).index_add_(
+            1, flat_doc_start, counted.reshape(steps, -1).double()
+        )
+        position_weight = 1.0 / per_doc[:, flat_doc_start].clamp(min=1)
+        units = (per_doc > 0).sum(-1)
+    elif normalization == "token":
+        units = count_k
+    else:
+        raise UsageError(
+            f"ttt_loss: normalization {normalization!r}", "set train.loss_normalization to token or sequence"
+        )
+    denominator = units if normalizer is None else normalizer(units)
 
     # Every step's targets are target_logits[j] for positions j with usable[j+1]: softmax those once.
     compute = torch.promote_types(drafter.lm_head.weight.dtype, torch.float32)
@@ -245,8 +269,7 @@ def ttt_loss(
         target_rows = target_logits.reshape(b * length, -1)[target_pos]
         target_p, target_argmax = torch.softmax(target_rows.to(compute), dim=-1), target_rows.argmax(-1)
     ids_flat = input_ids.reshape(-1)
-    flat_doc_start = (torch.arange(b, device=device)[:, None] * length + doc_start).reshape(-1)
-    head_rows, head_slots = [], []  # per step: the counted rows' pre-norm outputs and their targets
+    head_rows, head_slots, head_pos = [], [], []  # per step: the counted rows' pre-norm outputs and their targets
 
     # Step 0: every position is a key for later steps, so it runs on the whole [B, L].
     feature = drafter.fuse(aux_hidden)
@@ -289,12 +312,15 @@ def ttt_loss(
     rows0 = counted[0].reshape(-1).nonzero().squeeze(1)
     head_rows.append(h[rows0])
     head_slots.append(slot[rows0 + 1])
+    head_pos.append(rows0)
 
     # Steps >= 1 on the packed chains that still count; chain f = b*L + t sees step-0 keys doc start .. f.
     k0, v0 = k0.reshape(b * length, n_kv, hd), v0.reshape(b * length, n_kv, dv)
     pos_flat = positions.reshape(-1)
     rows = torch.arange(b * length, device=device)
-    diag_k = diag_v = None  # [steps so far, N, nKV, hd]: the keys of steps 1..k of each chain
+    # [steps so far, N, nKV, hd]: the keys (and values) of steps 1..k of each chain
+    diag_k: torch.Tensor | None = None
+    diag_v: torch.Tensor | None = None
     for k in range(1, steps):
         keep = needed[k].reshape(-1)[rows]
         rows, h = rows[keep], drafter.next_feature(h[keep])
@@ -324,23 +350,35 @@ def ttt_loss(
         sel = counted[k].reshape(-1)[rows]
         head_rows.append(h[sel])
         head_slots.append(slot[rows[sel] + 1 + k])
+        head_pos.append(rows[sel])
 
     # The head and loss of every step in one pass: row weight decay^k / denominator_k.
     sizes = [r.shape[0] for r in head_rows]
     step_of_row = torch.repeat_interleave(torch.arange(steps, device=device), torch.tensor(sizes, device=device))
-    per_step = torch.tensor([decay**k for k in range(steps)], dtype=compute, device=device)
+    weights = list(step_weights) if step_weights is not None else [decay**k for k in range(steps)]
+    if len(weights) != steps:
+        raise UsageError(
+            f"ttt_loss: {len(weights)} step weights for {steps} TTT steps",
+            "give train.step_weights one weight per step",
+        )
+    per_step = torch.tensor(weights, dtype=compute, device=device)
     per_step = torch.where(denominator > 0, per_step / denominator.clamp(min=1).to(compute), 0.0)
+    row_weight = per_step[step_of_row]
+    if position_weight is not None:
+        row_weight = row_weight * position_weight[step_of_row, torch.cat(head_pos)].to(compute)
     head = head_soft_cross_entropy(
         drafter.norm(torch.cat(head_rows)),
         drafter.lm_head.weight,
         target_p,
         target_argmax,
         torch.cat(head_slots),
-        per_step[step_of_row],
+        row_weight,
+        loss=loss,
+        lk_eta=lk_eta,
         chunk_fn=kernels.head_chunk,
     )
 
-    sums = torch.zeros(steps, dtype=compute, device=device).index_add_(0, step_of_row, head.ce)
+    sums = torch.zeros(steps, dtype=compute, device=device).index_add_(0, step_of_row, head.value)
     hits = torch.zeros(steps, dtype=compute, device=device).index_add_(0, step_of_row, head.correct.to(compute))
     counts = count_k.tolist()
     loss_k = [s / c if c else 0.0 for s, c in zip(sums.double().tolist(), counts, strict=False)]
