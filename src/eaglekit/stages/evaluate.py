@@ -161,7 +161,7 @@ def evaluate(ctx: StageContext, target, device: torch.device) -> dict:
         inputs.dtype,
     )
     start = load_starting_drafter(cfg, inputs.hf, aux)
-    start_drafter = on_target(*start, target, device) if start else None
+    start_drafter = on_target(start[0], start[1], target, device) if start else None
 
     ks = sorted(set(ec.num_speculative_tokens))
     temperatures = list(dict.fromkeys(ec.temperatures))

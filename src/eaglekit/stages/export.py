@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import shlex
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -249,8 +250,9 @@ def run(ctx: StageContext) -> dict:
         )
     if sglang_aux:  # an MLA drafter: its plain form goes without eagle_config, for vLLM alone
         warnings.append(f"no SGLang command: {sglang_aux}; vLLM reads the top-level hidden_states indices verbatim")
-    if "speculators" in formats and local_verifier_warning(cfg):
-        warnings.append(local_verifier_warning(cfg))
+    verifier_warning = local_verifier_warning(cfg) if "speculators" in formats else None
+    if verifier_warning:
+        warnings.append(verifier_warning)
     if info.missing_embeddings and xc.include_embeddings:
         embed, _ = embedding_and_head(cfg.target.model, cfg.target.trust_remote_code)
         drafter.embed_tokens.weight.data.copy_(embed.to(drafter.embed_tokens.weight.dtype))
@@ -359,7 +361,7 @@ def model_card(
     formats: list[str],
     commands: list[tuple[str, str]],
     warnings: list[str],
-    inherited: list[str] = (),
+    inherited: Sequence[str] = (),
 ) -> str:
     cfg, c = ctx.cfg, drafter.config
     events = ctx.run.last_events()

@@ -339,7 +339,7 @@ def served_by_eaglekit(ctx: StageContext, offline: Offline) -> list[ServedRun]:
 def served_by_user(cfg: RunConfig, offline: Offline, engine: str, client, k: int) -> ServedRun:
     from eaglekit.serving.speculation import sglang_batch, vllm_batch
 
-    run = ServedRun("served", k, engine, cfg.verify.server, {}, Counters())
+    run = ServedRun("served", k, engine, cfg.verify.server or "", {}, Counters())
     with Meter("verify: served", total=len(offline.all_prompts()), unit="requests") as meter:
         if engine == "sglang":
             send_batches(
@@ -371,8 +371,8 @@ def compare(run: ServedRun, offline: Offline, cfg: RunConfig) -> dict:
     vc = cfg.verify
     mine, theirs = offline.counters(run.k), run.counters
     if run.engine == "sglang":  # SGLang's own τ: completion tokens per verify pass, the prefill's token included
-        tau_served = theirs.emitted / theirs.verify_passes if theirs.verify_passes else 1.0
-        tau_offline = mine.emitted / mine.verify_passes if mine.verify_passes else 1.0
+        tau_served = (theirs.emitted or 0) / theirs.verify_passes if theirs.verify_passes else 1.0
+        tau_offline = (mine.emitted or 0) / mine.verify_passes if mine.verify_passes else 1.0
         has_positions = theirs.drafts > 0
         speculating = bool(theirs.verify_passes)
     else:
@@ -636,7 +636,7 @@ def run(ctx: StageContext) -> dict:
         runs = [served_by_user(cfg, offline, engine, user_client, ks[0])]
         folders = {
             "served": Path(user_client.draft_model_path)
-            if engine == "sglang" and user_client.draft_model_path
+            if isinstance(user_client, SglangClient) and user_client.draft_model_path
             else cfg.run_path / "export" / ("eagle3" if engine == "sglang" else forms(cfg)[0])
         }
     else:
