@@ -29,7 +29,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from eaglekit import atomic
-from eaglekit.config import RunConfig
+from eaglekit.config import RunConfig, TrainConfig
 from eaglekit.data.tokens import TokenStore
 from eaglekit.data.vocab import load_vocab
 from eaglekit.interrupt import StopRequest
@@ -96,20 +96,7 @@ def train(cfg: RunConfig, run: RunDir, out_dir: Path, resuming: bool) -> dict[st
     store = TokenStore(run.stage_dir("prepare") / "tokens.safetensors")
     drafter, features, notes = drafter_and_features(cfg, run.path, device)
     autocast = autocast_for(tc.dtype, device)
-    kernels = step_kernels(tc.attention, tc.head_loss, device)
-    if tc.compile:
-        compile_drafter(drafter)
-    notes["step_kernels"] = kernels.describe() + (", drafter compiled" if tc.compile else "")
-    # the objective of the drafter's family and its figures per draft position: EAGLE-3's TTT steps, or a DFlash
-    # block's mask slots (training/dflash.py; weighted alike in the held-out loss)
-    objective: nn.Module
-    if isinstance(drafter, DFlashDrafter):
-        objective = block_objective(drafter, tc.draft)
-        positions = drafter.config.block_size - 1
-        weights = [1.0] * positions
-    else:
-        objective = TTT.from_config(drafter, tc, kernels)
-        positions, weights = tc.ttt_steps, objective.step_weights
+    objective, positions, weights, notes["step_kernels"] = objective_for(drafter, tc, device)
     model = wrap(objective, tc.distributed, device)
     named_params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     params = [p for _, p in named_params]
@@ -248,6 +235,22 @@ def drafter_and_features(cfg: RunConfig, run_path: Path, device: torch.device) -
     aux_dtype = torch.bfloat16 if uses_bf16(cfg.train.dtype, device) else torch.float32
     features = Features(run_path, t2d, device, aux_ids, aux_dtype, target_model, head)
     return drafter, features, notes
+
+
+def objective_for(
+    drafter: Eagle3Drafter | DFlashDrafter, tc: TrainConfig, device: torch.device
+) -> tuple[nn.Module, int, list[float], str]:
+    """The objective of the drafter's family, how many figures it reports per draft position and their weights in
+    the held-out loss, and the kernels it runs: EAGLE-3's TTT steps (the GPU's fused kernels where they apply), or a
+    DFlash block's mask slots (training/dflash.py, weighted alike)."""
+    if isinstance(drafter, DFlashDrafter):
+        positions = drafter.config.block_size - 1
+        return block_objective(drafter, tc.draft), positions, [1.0] * positions, "block objective"
+    kernels = step_kernels(tc.attention, tc.head_loss, device)
+    if tc.compile:
+        compile_drafter(drafter)
+    ttt = TTT.from_config(drafter, tc, kernels)
+    return ttt, tc.ttt_steps, ttt.step_weights, kernels.describe() + (", drafter compiled" if tc.compile else "")
 
 
 def uses_bf16(dtype: str, device: torch.device) -> bool:

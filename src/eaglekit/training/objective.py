@@ -111,7 +111,7 @@ def feature_noise(aux: torch.Tensor, kind: str, scale: float) -> torch.Tensor:
     raise ValueError(f"unknown noise kind {kind!r}; expected none, uniform or gaussian")
 
 
-def wrap(module: TTT, mode: str, device: torch.device) -> nn.Module:
+def wrap(module: nn.Module, mode: str, device: torch.device) -> nn.Module:
     if not dist.active():
         return module
     if mode == "fsdp":
