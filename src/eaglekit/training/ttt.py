@@ -177,6 +177,251 @@ def _check_inputs(
             )
 
 
+@dataclass
+class _Positions:
+    """Which (chain, step) pairs count, and how each step's summed loss is normalised."""
+
+    positions: torch.Tensor  # [B, L] RoPE position of each position inside its document
+    flat_doc_start: torch.Tensor  # [B*L] flat index where each position's document starts
+    packed: bool  # some row holds more than one document
+    usable: torch.Tensor  # [B, L] token j may be a prediction target
+    counted: torch.Tensor  # [steps, B, L] chain t counts at step k
+    needed: torch.Tensor  # [steps, B, L] chain t counts at step k or later
+    count_k: torch.Tensor  # [steps] counted positions
+    position_weight: torch.Tensor | None  # [steps, B*L] share of its step's loss before the normalizer
+    denominator: torch.Tensor  # [steps] what each step's summed loss is divided by
+
+
+@dataclass
+class _HeadRows:
+    """Per step: the counted chains' pre-norm outputs, their target slots and their flat positions."""
+
+    rows: list[torch.Tensor]
+    slots: list[torch.Tensor]
+    pos: list[torch.Tensor]
+
+    def add(self, h: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor) -> None:
+        self.rows.append(h)
+        self.slots.append(slots)
+        self.pos.append(pos)
+
+
+def _positions(
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    target_in_draft: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+    steps: int,
+    normalization: str,
+    normalizer: Callable[[torch.Tensor], torch.Tensor] | None,
+) -> _Positions:
+    """The masks of the batch: counted (chain, step) pairs, the chains still needed, and each step's normaliser."""
+    b, length = input_ids.shape
+    device = input_ids.device
+    positions = torch.arange(length, device=device).expand(b, length) if position_ids is None else position_ids
+    # doc_start[b, t]: where t's document starts in its row (0 for every t of an unpacked row)
+    doc_start = torch.arange(length, device=device) - positions
+    packed = bool(doc_start.any())
+
+    # usable[b, j]: token j may be a prediction target.
+    usable = loss_mask.bool()
+    if attention_mask is not None:
+        usable = usable & attention_mask.bool()
+    if target_in_draft is not None:
+        usable = usable & F.pad(target_in_draft.bool()[:, :-1], (1, 0), value=False)
+    # counted[k, b, t] = usable[b, t+2+k] and t+2+k in t's document; needed[k] = chain t counts at step k or later.
+    counted = torch.zeros(steps, b, length, dtype=torch.bool, device=device)
+    for k in range(min(steps, length - 2)):
+        counted[k, :, : length - 2 - k] = usable[:, 2 + k :] & (doc_start[:, 2 + k :] == doc_start[:, : length - 2 - k])
+    needed = counted.flip(0).cumsum(0).flip(0) > 0
+    count_k = counted.reshape(steps, -1).sum(-1)
+    flat_doc_start = (torch.arange(b, device=device)[:, None] * length + doc_start).reshape(-1)
+    position_weight = None
+    if normalization == "sequence":
+        per_doc = torch.zeros(steps, b * length, dtype=torch.float64, device=device).index_add_(
+            1, flat_doc_start, counted.reshape(steps, -1).double()
+        )
+        position_weight = 1.0 / per_doc[:, flat_doc_start].clamp(min=1)
+        units = (per_doc > 0).sum(-1)
+    elif normalization == "token":
+        units = count_k
+    else:
+        raise UsageError(
+            f"ttt_loss: normalization {normalization!r}", "set train.loss_normalization to token or sequence"
+        )
+    denominator = units if normalizer is None else normalizer(units)
+    return _Positions(
+        positions=positions,
+        flat_doc_start=flat_doc_start,
+        packed=packed,
+        usable=usable,
+        counted=counted,
+        needed=needed,
+        count_k=count_k,
+        position_weight=position_weight,
+        denominator=denominator,
+    )
+
+
+def _targets(
+    target_logits: torch.Tensor, usable: torch.Tensor, compute: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Target probabilities and argmax of every position j with usable[j+1], and slot[j]: j's row in them (or -1)."""
+    # Every step's targets are target_logits[j] for positions j with usable[j+1]: softmax those once.
+    b, length = usable.shape
+    device = usable.device
+    target_pos = F.pad(usable[:, 1:], (0, 1), value=False).reshape(-1).nonzero().squeeze(1)
+    slot = torch.full((b * length,), -1, dtype=torch.long, device=device)
+    slot[target_pos] = torch.arange(target_pos.numel(), device=device)
+    with torch.no_grad():
+        target_rows = target_logits.reshape(b * length, -1)[target_pos]
+        target_p, target_argmax = torch.softmax(target_rows.to(compute), dim=-1), target_rows.argmax(-1)
+    return target_p, target_argmax, slot
+
+
+def _step0(
+    drafter: Eagle3Drafter, aux_hidden: torch.Tensor, input_ids: torch.Tensor, at: _Positions, kernels: StepKernels
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Step 0 on the whole [B, L]: pre-norm outputs [B*L, H] and the keys, values [B, L, nKV, hd] of every position."""
+    layer = drafter.midlayer
+    b, length = input_ids.shape
+    n_heads, n_kv, hd, dv = layer.n_heads, layer.n_kv, layer.head_dim, layer.v_dim  # dv != hd for MLA
+    scale = drafter.attention_scale
+    feature = drafter.fuse(aux_hidden)
+    with torch.no_grad():
+        embeds = drafter.embed_tokens(F.pad(input_ids[:, 1:], (0, 1)))
+    cos, sin = drafter.rotary(at.positions, feature.dtype)
+    q, k0, v0 = layer.qkv(embeds, feature, cos, sin)  # [B, L, heads, hd]
+    if at.packed and kernels.attention == "flex":
+        flat = torch.arange(b * length, device=input_ids.device)
+        attn = span_attention(
+            q.reshape(b * length, n_heads, hd),
+            k0.reshape(b * length, n_kv, hd),
+            v0.reshape(b * length, n_kv, dv),
+            at.flat_doc_start,
+            flat,
+            scale,
+        ).view(b, length, n_heads, dv)
+    elif at.packed:  # a causal attention inside each document: keys doc_start..t of the flat rows
+        flat = torch.arange(b * length, device=input_ids.device)
+        attn, _ = _PrefixAttention.apply(
+            q.reshape(b * length, n_heads, hd),
+            k0.reshape(b * length, n_kv, hd),
+            v0.reshape(b * length, n_kv, dv),
+            at.flat_doc_start,
+            flat,
+            scale,
+        )
+        attn = attn.view(b, length, n_heads, dv)
+    elif kernels.attention != "reference":
+        attn = causal_attention(q, k0, v0, scale)
+    else:
+        attn = sdpa(
+            q.transpose(1, 2),
+            repeat_kv(k0.transpose(1, 2), n_heads // n_kv),
+            repeat_kv(v0.transpose(1, 2), n_heads // n_kv),
+            scale,
+            is_causal=True,
+        ).transpose(1, 2)
+    return layer.finish(attn, feature).reshape(b * length, -1), k0, v0
+
+
+def _chain_attention(
+    q: torch.Tensor,
+    k0: torch.Tensor,
+    v0: torch.Tensor,
+    starts: torch.Tensor,
+    rows: torch.Tensor,
+    diag_k: torch.Tensor,
+    diag_v: torch.Tensor,
+    scale: float,
+    kernels: StepKernels,
+) -> torch.Tensor:
+    """Attention of chains ``rows`` (q [N, nH, hd]) over step-0 keys starts..rows and their own keys of steps 1..k."""
+    if kernels.attention == "flex":  # one kernel over the step-0 span and the chain's own keys
+        return span_attention(q, k0, v0, starts, rows, scale, diag_k, diag_v)
+    n, n_heads, hd = q.shape
+    n_kv, dv = k0.shape[1], v0.shape[-1]
+    groups = n_heads // n_kv
+    out_prefix, lse_prefix = _PrefixAttention.apply(q, k0, v0, starts, rows, scale)
+    lse_prefix = lse_prefix.view(n, n_kv, groups)  # float32 or wider, like the merge below
+    diag_scores = torch.einsum("nkgd,snkd->snkg", q.view(n, n_kv, groups, hd), diag_k).to(lse_prefix.dtype) * scale
+    lse_all = torch.logsumexp(torch.cat([lse_prefix[None], diag_scores]), dim=0)  # [N, nKV, g]
+    return torch.exp(lse_prefix - lse_all)[..., None] * out_prefix.view(n, n_kv, groups, dv) + torch.einsum(
+        "snkg,snkd->nkgd", torch.exp(diag_scores - lse_all), diag_v.to(lse_all.dtype)
+    )
+
+
+def _draft_steps(
+    drafter: Eagle3Drafter,
+    h: torch.Tensor,
+    k0: torch.Tensor,
+    v0: torch.Tensor,
+    input_ids: torch.Tensor,
+    at: _Positions,
+    slot: torch.Tensor,
+    steps: int,
+    kernels: StepKernels,
+    head: _HeadRows,
+) -> None:
+    """Steps >= 1 on the packed chains that still count, adding each step's counted rows to ``head``."""
+    layer = drafter.midlayer
+    b, length = input_ids.shape
+    n_heads, n_kv, hd, dv = layer.n_heads, layer.n_kv, layer.head_dim, layer.v_dim
+    # Chain f = b*L + t sees step-0 keys doc start .. f.
+    k0, v0 = k0.reshape(b * length, n_kv, hd), v0.reshape(b * length, n_kv, dv)
+    ids_flat = input_ids.reshape(-1)
+    pos_flat = at.positions.reshape(-1)
+    rows = torch.arange(b * length, device=input_ids.device)
+    # [steps so far, N, nKV, hd]: the keys (and values) of steps 1..k of each chain
+    diag_k: torch.Tensor | None = None
+    diag_v: torch.Tensor | None = None
+    for k in range(1, steps):
+        keep = at.needed[k].reshape(-1)[rows]
+        rows, h = rows[keep], drafter.next_feature(h[keep])
+        if diag_k is not None and diag_v is not None:
+            diag_k, diag_v = diag_k[:, keep], diag_v[:, keep]
+        with torch.no_grad():
+            embeds = drafter.embed_tokens(ids_flat[rows + 1 + k])
+        cos, sin = drafter.rotary(pos_flat[rows] + k, h.dtype)
+        q, kk, vk = layer.qkv(embeds, h, cos, sin)  # q [N, nH, hd], kk/vk [N, nKV, hd]
+        diag_k = kk[None] if diag_k is None else torch.cat([diag_k, kk[None]])
+        diag_v = vk[None] if diag_v is None else torch.cat([diag_v, vk[None]])
+        attn = _chain_attention(
+            q, k0, v0, at.flat_doc_start[rows], rows, diag_k, diag_v, drafter.attention_scale, kernels
+        )
+        h = layer.finish(attn.reshape(rows.numel(), n_heads, dv).to(h.dtype), h)
+        sel = at.counted[k].reshape(-1)[rows]
+        head.add(h[sel], slot[rows[sel] + 1 + k], rows[sel])
+
+
+def _row_weights(
+    head: _HeadRows,
+    at: _Positions,
+    steps: int,
+    decay: float,
+    step_weights: Sequence[float] | None,
+    compute: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each head row's step and its weight w_k / denominator_k (times its document share under "sequence")."""
+    device = at.count_k.device
+    sizes = [r.shape[0] for r in head.rows]
+    step_of_row = torch.repeat_interleave(torch.arange(steps, device=device), torch.tensor(sizes, device=device))
+    weights = list(step_weights) if step_weights is not None else [decay**k for k in range(steps)]
+    if len(weights) != steps:
+        raise UsageError(
+            f"ttt_loss: {len(weights)} step weights for {steps} TTT steps",
+            "give train.step_weights one weight per step",
+        )
+    per_step = torch.tensor(weights, dtype=compute, device=device)
+    per_step = torch.where(at.denominator > 0, per_step / at.denominator.clamp(min=1).to(compute), 0.0)
+    row_weight = per_step[step_of_row]
+    if at.position_weight is not None:
+        row_weight = row_weight * at.position_weight[step_of_row, torch.cat(head.pos)].to(compute)
+    return step_of_row, row_weight
+
+
 def ttt_loss(
     drafter: Eagle3Drafter,
     aux_hidden: torch.Tensor,
@@ -222,168 +467,40 @@ def ttt_loss(
     _check_inputs(
         drafter, aux_hidden, input_ids, target_logits, loss_mask, attention_mask, target_in_draft, steps, position_ids
     )
-    layer = drafter.midlayer
-    b, length = input_ids.shape
-    device = input_ids.device
-    n_heads, n_kv, hd, dv = layer.n_heads, layer.n_kv, layer.head_dim, layer.v_dim  # dv != hd for MLA
-    groups, scale = n_heads // n_kv, drafter.attention_scale
-    positions = torch.arange(length, device=device).expand(b, length) if position_ids is None else position_ids
-    # doc_start[b, t]: where t's document starts in its row (0 for every t of an unpacked row)
-    doc_start = torch.arange(length, device=device) - positions
-    packed = bool(doc_start.any())
-
-    # usable[b, j]: token j may be a prediction target.
-    usable = loss_mask.bool()
-    if attention_mask is not None:
-        usable = usable & attention_mask.bool()
-    if target_in_draft is not None:
-        usable = usable & F.pad(target_in_draft.bool()[:, :-1], (1, 0), value=False)
-    # counted[k, b, t] = usable[b, t+2+k] and t+2+k in t's document; needed[k] = chain t counts at step k or later.
-    counted = torch.zeros(steps, b, length, dtype=torch.bool, device=device)
-    for k in range(min(steps, length - 2)):
-        counted[k, :, : length - 2 - k] = usable[:, 2 + k :] & (doc_start[:, 2 + k :] == doc_start[:, : length - 2 - k])
-    needed = counted.flip(0).cumsum(0).flip(0) > 0
-    count_k = counted.reshape(steps, -1).sum(-1)
-    flat_doc_start = (torch.arange(b, device=device)[:, None] * length + doc_start).reshape(-1)
-    position_weight = None  # [steps, B*L]: each counted position's share of its step's loss before the normalizer
-    if normalization == "sequence":
-        per_doc = torch.zeros(steps, b * length, dtype=torch.float64, device=device).index_add_(
-            1, flat_doc_start, counted.reshape(steps, -1).double()
-        )
-        position_weight = 1.0 / per_doc[:, flat_doc_start].clamp(min=1)
-        units = (per_doc > 0).sum(-1)
-    elif normalization == "token":
-        units = count_k
-    else:
-        raise UsageError(
-            f"ttt_loss: normalization {normalization!r}", "set train.loss_normalization to token or sequence"
-        )
-    denominator = units if normalizer is None else normalizer(units)
-
-    # Every step's targets are target_logits[j] for positions j with usable[j+1]: softmax those once.
+    at = _positions(
+        input_ids, loss_mask, attention_mask, target_in_draft, position_ids, steps, normalization, normalizer
+    )
     compute = torch.promote_types(drafter.lm_head.weight.dtype, torch.float32)
-    target_pos = F.pad(usable[:, 1:], (0, 1), value=False).reshape(-1).nonzero().squeeze(1)
-    slot = torch.full((b * length,), -1, dtype=torch.long, device=device)
-    slot[target_pos] = torch.arange(target_pos.numel(), device=device)
-    with torch.no_grad():
-        target_rows = target_logits.reshape(b * length, -1)[target_pos]
-        target_p, target_argmax = torch.softmax(target_rows.to(compute), dim=-1), target_rows.argmax(-1)
-    ids_flat = input_ids.reshape(-1)
-    head_rows, head_slots, head_pos = [], [], []  # per step: the counted rows' pre-norm outputs and their targets
+    target_p, target_argmax, slot = _targets(target_logits, at.usable, compute)
 
     # Step 0: every position is a key for later steps, so it runs on the whole [B, L].
-    feature = drafter.fuse(aux_hidden)
-    with torch.no_grad():
-        embeds = drafter.embed_tokens(F.pad(input_ids[:, 1:], (0, 1)))
-    cos, sin = drafter.rotary(positions, feature.dtype)
-    q, k0, v0 = layer.qkv(embeds, feature, cos, sin)  # [B, L, heads, hd]
-    if packed and kernels.attention == "flex":
-        flat = torch.arange(b * length, device=device)
-        attn = span_attention(
-            q.reshape(b * length, n_heads, hd),
-            k0.reshape(b * length, n_kv, hd),
-            v0.reshape(b * length, n_kv, dv),
-            flat_doc_start,
-            flat,
-            scale,
-        ).view(b, length, n_heads, dv)
-    elif packed:  # a causal attention inside each document: keys doc_start..t of the flat rows
-        flat = torch.arange(b * length, device=device)
-        attn, _ = _PrefixAttention.apply(
-            q.reshape(b * length, n_heads, hd),
-            k0.reshape(b * length, n_kv, hd),
-            v0.reshape(b * length, n_kv, dv),
-            flat_doc_start,
-            flat,
-            scale,
-        )
-        attn = attn.view(b, length, n_heads, dv)
-    elif kernels.attention != "reference":
-        attn = causal_attention(q, k0, v0, scale)
-    else:
-        attn = sdpa(
-            q.transpose(1, 2),
-            repeat_kv(k0.transpose(1, 2), groups),
-            repeat_kv(v0.transpose(1, 2), groups),
-            scale,
-            is_causal=True,
-        ).transpose(1, 2)
-    h = layer.finish(attn, feature).reshape(b * length, -1)
-    rows0 = counted[0].reshape(-1).nonzero().squeeze(1)
-    head_rows.append(h[rows0])
-    head_slots.append(slot[rows0 + 1])
-    head_pos.append(rows0)
-
-    # Steps >= 1 on the packed chains that still count; chain f = b*L + t sees step-0 keys doc start .. f.
-    k0, v0 = k0.reshape(b * length, n_kv, hd), v0.reshape(b * length, n_kv, dv)
-    pos_flat = positions.reshape(-1)
-    rows = torch.arange(b * length, device=device)
-    # [steps so far, N, nKV, hd]: the keys (and values) of steps 1..k of each chain
-    diag_k: torch.Tensor | None = None
-    diag_v: torch.Tensor | None = None
-    for k in range(1, steps):
-        keep = needed[k].reshape(-1)[rows]
-        rows, h = rows[keep], drafter.next_feature(h[keep])
-        if diag_k is not None and diag_v is not None:
-            diag_k, diag_v = diag_k[:, keep], diag_v[:, keep]
-        with torch.no_grad():
-            embeds = drafter.embed_tokens(ids_flat[rows + 1 + k])
-        cos, sin = drafter.rotary(pos_flat[rows] + k, h.dtype)
-        q, kk, vk = layer.qkv(embeds, h, cos, sin)  # q [N, nH, hd], kk/vk [N, nKV, hd]
-        diag_k = kk[None] if diag_k is None else torch.cat([diag_k, kk[None]])
-        diag_v = vk[None] if diag_v is None else torch.cat([diag_v, vk[None]])
-
-        n = rows.numel()
-        if kernels.attention == "flex":  # one kernel over the step-0 span and the chain's own keys
-            attn = span_attention(q, k0, v0, flat_doc_start[rows], rows, scale, diag_k, diag_v)
-        else:
-            out_prefix, lse_prefix = _PrefixAttention.apply(q, k0, v0, flat_doc_start[rows], rows, scale)
-            lse_prefix = lse_prefix.view(n, n_kv, groups)  # float32 or wider, like the merge below
-            diag_scores = (
-                torch.einsum("nkgd,snkd->snkg", q.view(n, n_kv, groups, hd), diag_k).to(lse_prefix.dtype) * scale
-            )
-            lse_all = torch.logsumexp(torch.cat([lse_prefix[None], diag_scores]), dim=0)  # [N, nKV, g]
-            attn = torch.exp(lse_prefix - lse_all)[..., None] * out_prefix.view(n, n_kv, groups, dv) + torch.einsum(
-                "snkg,snkd->nkgd", torch.exp(diag_scores - lse_all), diag_v.to(lse_all.dtype)
-            )
-        h = layer.finish(attn.reshape(n, n_heads, dv).to(h.dtype), h)
-        sel = counted[k].reshape(-1)[rows]
-        head_rows.append(h[sel])
-        head_slots.append(slot[rows[sel] + 1 + k])
-        head_pos.append(rows[sel])
+    h, k0, v0 = _step0(drafter, aux_hidden, input_ids, at, kernels)
+    head = _HeadRows([], [], [])
+    rows0 = at.counted[0].reshape(-1).nonzero().squeeze(1)
+    head.add(h[rows0], slot[rows0 + 1], rows0)
+    _draft_steps(drafter, h, k0, v0, input_ids, at, slot, steps, kernels, head)
 
     # The head and loss of every step in one pass: row weight decay^k / denominator_k.
-    sizes = [r.shape[0] for r in head_rows]
-    step_of_row = torch.repeat_interleave(torch.arange(steps, device=device), torch.tensor(sizes, device=device))
-    weights = list(step_weights) if step_weights is not None else [decay**k for k in range(steps)]
-    if len(weights) != steps:
-        raise UsageError(
-            f"ttt_loss: {len(weights)} step weights for {steps} TTT steps",
-            "give train.step_weights one weight per step",
-        )
-    per_step = torch.tensor(weights, dtype=compute, device=device)
-    per_step = torch.where(denominator > 0, per_step / denominator.clamp(min=1).to(compute), 0.0)
-    row_weight = per_step[step_of_row]
-    if position_weight is not None:
-        row_weight = row_weight * position_weight[step_of_row, torch.cat(head_pos)].to(compute)
-    head = head_soft_cross_entropy(
-        drafter.norm(torch.cat(head_rows)),
+    step_of_row, row_weight = _row_weights(head, at, steps, decay, step_weights, compute)
+    result = head_soft_cross_entropy(
+        drafter.norm(torch.cat(head.rows)),
         drafter.lm_head.weight,
         target_p,
         target_argmax,
-        torch.cat(head_slots),
+        torch.cat(head.slots),
         row_weight,
         loss=loss,
         lk_eta=lk_eta,
         chunk_fn=kernels.head_chunk,
     )
 
-    sums = torch.zeros(steps, dtype=compute, device=device).index_add_(0, step_of_row, head.value)
-    hits = torch.zeros(steps, dtype=compute, device=device).index_add_(0, step_of_row, head.correct.to(compute))
-    counts = count_k.tolist()
+    device = input_ids.device
+    sums = torch.zeros(steps, dtype=compute, device=device).index_add_(0, step_of_row, result.value)
+    hits = torch.zeros(steps, dtype=compute, device=device).index_add_(0, step_of_row, result.correct.to(compute))
+    counts = at.count_k.tolist()
     loss_k = [s / c if c else 0.0 for s, c in zip(sums.double().tolist(), counts, strict=False)]
     acc_k = [a / c if c else 0.0 for a, c in zip(hits.tolist(), counts, strict=False)]
-    return TTTOutput(loss=head.loss, loss_k=loss_k, acc_k=acc_k, count_k=counts)
+    return TTTOutput(loss=result.loss, loss_k=loss_k, acc_k=acc_k, count_k=counts)
 
 
 def simulated_acceptance_length(acc_k: list[float]) -> float:
