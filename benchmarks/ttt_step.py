@@ -458,7 +458,7 @@ def profile_step(step, device: str) -> dict[str, float]:
 
     import eaglekit.training.loss as loss_module
 
-    head = loss_module._HeadSoftCrossEntropy
+    head = loss_module._HeadLoss
     forward = head.forward
 
     def labelled(*args, **kwargs):  # the head + loss (any chunk function) inside a named range
