@@ -66,6 +66,7 @@ OPPONENTS = {
 }
 LOSS_LEVERS = ("kl_div", "rkl", "jsd", "tv", "nla", "lk_hybrid")  # train.loss
 ABLATIONS = ("betas", "decay", "clip", "trained-head", "frozen-head", "input-mask", "noise", "muon", "equal-weights")
+ABLATIONS += ("sequence-norm", "lr1e-3", "decay0.9")
 ABLATIONS += LOSS_LEVERS
 sys.path.insert(0, str(ROOT / "src"))
 
@@ -75,7 +76,7 @@ def data_config(out: Path, args) -> dict:
 
     return {
         "run_dir": str(out / "run"),
-        "target": {"model": str(ensure_tiny_target())},
+        "target": {"model": str(ensure_tiny_target(corpus=args.target))},
         "data": {"prompts": str(out / "prompts.jsonl"), "eval_fraction": args.eval_fraction},
         "generate": {"backend": "local", "max_tokens": 200, "temperature": 0.0, "batch_size": 48},
         "prepare": {"max_length": 384},
@@ -140,7 +141,9 @@ def ablate(cfg, changes: list[str]) -> None:
     reply, which the target's prefill always makes and no drafter is asked for, drops out of the loss.
     The recipe levers (train keys): a loss name (``lk_hybrid``, ``nla``, ``tv``, ``rkl``, ``jsd``) sets
     train.loss; ``noise`` uniform ±0.05 hidden-state noise; ``muon`` train.optimizer muon; ``equal-weights``
-    every TTT step weighted 1 (speculators' default) instead of decay^k."""
+    every TTT step weighted 1 (speculators' default) instead of decay^k; ``sequence-norm`` train.loss_normalization
+    sequence; ``lr1e-3`` eaglekit's lr alone 1e-3 (the opponent keeps --lr, so its drafters are reused);
+    ``decay0.9`` TTT step weights 0.9^k (ModelOpt's)."""
     import torch
 
     from eaglekit.training import objective
@@ -162,6 +165,12 @@ def ablate(cfg, changes: list[str]) -> None:
         cfg.train.noise, cfg.train.noise_scale = "uniform", 0.05
     if "muon" in changes:
         cfg.train.optimizer = "muon"
+    if "sequence-norm" in changes:
+        cfg.train.loss_normalization = "sequence"
+    if "lr1e-3" in changes:
+        cfg.train.lr = 1e-3
+    if "decay0.9" in changes:
+        cfg.train.ttt_decay = 0.9
     if "equal-weights" in changes:
         cfg.train.step_weights = [1.0] * cfg.train.ttt_steps
     if "input-mask" in changes:  # a prediction counts only where its input token is masked in too (speculators)
@@ -423,6 +432,13 @@ def speculators_child(job: dict) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, default=Path("/tmp/eaglekit-tau-race"))
+    p.add_argument(
+        "--target",
+        choices=["tasks", "chatty"],
+        default="tasks",
+        help="the tiny target (near its ceiling: τ≈4.5 of 6 at K=5) or its chatty twin (remarks between reasoning "
+        "lines: unsaturated, as on real chat)",
+    )
     p.add_argument("--prompts", type=int, default=1600, help="tiny-target prompts to generate from")
     p.add_argument("--eval-fraction", type=float, default=0.05)
     p.add_argument("--draft-vocab", type=int, default=200)
@@ -494,7 +510,7 @@ def main() -> None:
     text = report(runs, side, args, use_vllm)
     store_tokens = json.loads((Path(cfg.run_dir) / "prepare" / "stats.json").read_text())
     print(
-        f"\nτ race on the tiny target: {args.steps} steps x {args.seq} packed tokens, lr {args.lr:g} "
+        f"\nτ race on the tiny target ({args.target} corpus): {args.steps} steps x {args.seq} packed tokens, lr {args.lr:g} "
         f"(warmup {args.warmup}, cosine to 0), K_train {args.ttt_steps}, decay {args.decay}; opponent speculators "
         f"{args.opponent} {OPPONENTS[args.opponent]}; seeds {seeds}; up to {args.max_new_tokens} new tokens\n"
     )

@@ -209,3 +209,51 @@ def test_ensure_builds_once_under_concurrency(tmp_path, monkeypatch):
     assert results == [tmp_path / f"tiny-target-{tiny_build.RECIPE_VERSION}"] * 3
     monkeypatch.setenv("EAGLEKIT_CACHE", str(tmp_path))
     assert ensure_tiny_target() == results[0] and len(calls) == 1  # cached: no second build
+
+
+def test_chatty_corpus_adds_remarks_to_the_same_tasks():
+    plain, chatty = sample_tasks(200, seed=3), sample_tasks(200, seed=3, corpus="chatty")
+    assert [(t.prompt, t.answer, t.kind) for t in plain] == [(t.prompt, t.answer, t.kind) for t in chatty]
+    remarks = 0
+    for p, c in zip(plain, chatty, strict=True):
+        extra = [line for line in c.reasoning.split("\n") if line not in p.reasoning.split("\n")]
+        # the plain lines stay in order; every added line is a remark with two words of the corpus
+        assert [line for line in c.reasoning.split("\n") if line not in extra] == p.reasoning.split("\n")
+        for line in extra:
+            assert len([w for w in re.findall(r"[a-z]+", line) if w in WORDS]) == 2, line
+        remarks += len(extra)
+    lines = sum(len(p.reasoning.split("\n")) for p in plain)
+    assert 0.4 < remarks / lines < 0.8  # REMARK_RATE 0.6
+    assert len({c.reasoning for c in chatty}) > len({p.reasoning for p in plain})
+    assert sample_tasks(50, seed=3, corpus="chatty") == chatty[:50]
+    with pytest.raises(UsageError, match="corpus"):
+        sample_tasks(1, seed=0, corpus="noisy")
+
+
+def test_chatty_target_builds_and_caches_apart(tmp_path, monkeypatch):
+    built = []
+
+    def fake_build(out_dir, arch="llama", corpus="tasks", **_):
+        built.append(corpus)
+        with atomic_dir(out_dir) as tmp:
+            manifest = {"recipe_version": tiny_build.RECIPE_VERSION, "steps": tiny_build.DEFAULT_STEPS, "seed": 0}
+            write_json(tmp / "eaglekit_tiny.json", manifest | {"arch": arch, "corpus": corpus})
+        return out_dir
+
+    monkeypatch.setattr(tiny_build, "build_tiny_target", fake_build)
+    plain = ensure_tiny_target(tmp_path)
+    chatty = ensure_tiny_target(tmp_path, corpus="chatty")
+    assert plain.name == f"tiny-target-{tiny_build.RECIPE_VERSION}"
+    assert chatty.name == f"tiny-chatty-{tiny_build.RECIPE_VERSION}"
+    assert ensure_tiny_target(tmp_path, corpus="chatty") == chatty and built == ["tasks", "chatty"]
+    with pytest.raises(UsageError, match="corpus"):
+        ensure_tiny_target(tmp_path, corpus="noisy")
+
+
+def test_chatty_build_really_trains(tmp_path):
+    out = build_tiny_target(tmp_path / "chatty", steps=6, heldout=0, corpus="chatty")
+    manifest = json.loads((out / "eaglekit_tiny.json").read_text())
+    assert manifest["corpus"] == "chatty" and manifest["steps"] == 6
+    tok = AutoTokenizer.from_pretrained(out)
+    remark = "Maybe the kiwi likes the castle."
+    assert tok.decode(tok(remark, add_special_tokens=False)["input_ids"]) == remark

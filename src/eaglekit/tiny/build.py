@@ -38,7 +38,7 @@ from transformers import (
 from eaglekit.atomic import atomic_dir, write_json, write_text
 from eaglekit.errors import UsageError
 from eaglekit.progress import Meter
-from eaglekit.tiny.corpus import SYSTEM_PROMPTS, Task, sample_tasks
+from eaglekit.tiny.corpus import CORPORA, SYSTEM_PROMPTS, Corpus, Task, sample_tasks
 
 # Bump whenever the corpus, the tokenizer or the training changes: it names the cache folder.
 RECIPE_VERSION = "v2"
@@ -285,12 +285,18 @@ def build_threads() -> int:
 
 
 def build_tiny_target(
-    out_dir: Path, seed: int = 0, steps: int | None = None, heldout: int = 96, arch: str = "llama"
+    out_dir: Path,
+    seed: int = 0,
+    steps: int | None = None,
+    heldout: int = 96,
+    arch: str = "llama",
+    corpus: Corpus = "tasks",
 ) -> Path:
     """Train the tiny target from ``seed`` and write it to ``out_dir`` atomically; returns ``out_dir``.
 
     ``heldout`` prompts are answered greedily after training to record accuracy in the manifest (0 skips that).
     ``arch``: "llama", or "deepseek_v3" for the DeepSeek-V3-shaped variant (module docstring).
+    ``corpus``: "tasks", or "chatty" for the unsaturated variant (corpus.py's docstring).
     """
     steps = DEFAULT_STEPS if steps is None else steps
     if steps < 1:
@@ -306,10 +312,10 @@ def build_tiny_target(
     tokenizer = train_tokenizer(
         [
             template.render(messages=conversation(t, SYSTEM_PROMPTS[i % len(SYSTEM_PROMPTS)]))
-            for i, t in enumerate(sample_tasks(2000, seed, split="train"))
+            for i, t in enumerate(sample_tasks(2000, seed, split="train", corpus=corpus))
         ]
     )
-    rows = encode(tokenizer, sample_tasks(steps * BATCH_SIZE, seed, split="train"), rng)
+    rows = encode(tokenizer, sample_tasks(steps * BATCH_SIZE, seed, split="train", corpus=corpus), rng)
     caller_threads = torch.get_num_threads()
     torch.set_num_threads(build_threads())  # the weights do not depend on it (the tests build with 1 and 2)
     try:
@@ -342,6 +348,7 @@ def build_tiny_target(
             {
                 "recipe_version": RECIPE_VERSION,
                 "arch": arch,
+                "corpus": corpus,
                 "seed": seed,
                 "steps": steps,
                 "batch_size": BATCH_SIZE,
@@ -363,7 +370,7 @@ def cache_root(cache_dir: Path | None = None) -> Path:
     return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "eaglekit"
 
 
-def is_built(model_dir: Path, arch: str = "llama") -> bool:
+def is_built(model_dir: Path, arch: str = "llama", corpus: Corpus = "tasks") -> bool:
     """True when ``model_dir`` holds a finished build of the current recipe (atomic_dir only ever renames in whole builds)."""
     try:
         manifest = json.loads((model_dir / MANIFEST).read_text())
@@ -374,20 +381,24 @@ def is_built(model_dir: Path, arch: str = "llama") -> bool:
         and manifest.get("steps") == DEFAULT_STEPS
         and manifest.get("seed") == 0
         and manifest.get("arch", "llama") == arch
+        and manifest.get("corpus", "tasks") == corpus
     )
 
 
-def ensure_tiny_target(cache_dir: Path | None = None, arch: str = "llama") -> Path:
-    """The cached tiny target (``cache_root()/tiny-target-<version>``, or ``tiny-deepseek-v3-<version>``),
-    built on first use.
+def ensure_tiny_target(cache_dir: Path | None = None, arch: str = "llama", corpus: Corpus = "tasks") -> Path:
+    """The cached tiny target (``cache_root()/tiny-target-<version>``, or ``tiny-deepseek-v3-<version>``, or
+    ``tiny-chatty-<version>`` for the chatty corpus), built on first use.
 
     Concurrent callers (parallel test processes) serialise on a lock file: one builds, the others wait
     and then find the finished folder.
     """
     root = cache_root(cache_dir)
-    name = f"tiny-target-{RECIPE_VERSION}" if arch == "llama" else f"tiny-{arch.replace('_', '-')}-{RECIPE_VERSION}"
+    if corpus not in CORPORA:
+        raise UsageError(f"unknown tiny-target corpus {corpus!r}", f"use one of {', '.join(CORPORA)}")
+    variant = [corpus] * (corpus != "tasks") + [arch.replace("_", "-")] * (arch != "llama")
+    name = "-".join(["tiny", *variant, RECIPE_VERSION]) if variant else f"tiny-target-{RECIPE_VERSION}"
     model_dir = root / name
-    if is_built(model_dir, arch):
+    if is_built(model_dir, arch, corpus):
         return model_dir
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -399,8 +410,8 @@ def ensure_tiny_target(cache_dir: Path | None = None, arch: str = "llama") -> Pa
         ) from e
     with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not is_built(model_dir, arch):
-            build_tiny_target(model_dir, arch=arch)
+        if not is_built(model_dir, arch, corpus):
+            build_tiny_target(model_dir, arch=arch, corpus=corpus)
     return model_dir
 
 

@@ -9,6 +9,12 @@ The procedures are chosen for what an 8-layer, 128-wide model learns from ~16k s
 single token up (a digit by its place, a letter, "is 5 in the list?") and small memorised tables.
 Copying a multi-digit string in order is what it learns last, so no step asks for it.
 
+The ``chatty`` corpus is the same tasks with free remarks between the reasoning's lines ("Maybe the
+kiwi likes the castle."): slots the target learns as near-uniform choices. Greedy decoding then picks
+whichever option the target's logits favour by a hair in that context, a choice no one-layer drafter
+can foresee past its first step, so drafters trained on it accept about as much as on real chat
+(the τ race's second, unsaturated target), not the near-ceiling of the plain corpus.
+
 Train and held-out prompts are disjoint by construction: a prompt belongs to the held-out split when
 a stable hash of its text falls in one bucket out of ``HELDOUT_BUCKETS``, so no seed can ever put a
 held-out prompt into training.
@@ -25,6 +31,8 @@ from typing import Literal
 from eaglekit.errors import UsageError
 
 Split = Literal["train", "heldout"]
+Corpus = Literal["tasks", "chatty"]
+CORPORA: tuple[Corpus, ...] = ("tasks", "chatty")
 HELDOUT_BUCKETS = 8
 VOWELS = "aeiou"
 WORDS = sorted(
@@ -219,20 +227,43 @@ TASK_MAKERS: list[Callable[[random.Random], Task]] = [
 ]
 
 
+# A remark follows a reasoning line with this probability; its four slots are drawn independently.
+REMARK_RATE = 0.6
+REMARK_OPENERS = ["Maybe", "I think", "Note that", "Well,", "It seems", "Of course", "Clearly", "Perhaps"]
+REMARK_VERBS = ["likes", "sees", "needs", "finds", "keeps", "wants", "holds", "meets"]
+
+
+def with_remarks(task: Task, rng: random.Random) -> Task:
+    """``task`` with a remark after some of its reasoning lines (the prompt and the answer unchanged)."""
+    lines = []
+    for line in task.reasoning.split("\n"):
+        lines.append(line)
+        if rng.random() < REMARK_RATE:
+            opener, verb = rng.choice(REMARK_OPENERS), rng.choice(REMARK_VERBS)
+            lines.append(f"{opener} the {rng.choice(WORDS)} {verb} the {rng.choice(WORDS)}.")
+    return Task(task.kind, task.prompt, "\n".join(lines), task.answer)
+
+
 def split_of(prompt: str) -> Split:
     """The split a prompt belongs to, from a hash of its text (stable across runs and machines)."""
     bucket = int.from_bytes(hashlib.blake2b(prompt.encode(), digest_size=8).digest(), "little") % HELDOUT_BUCKETS
     return "heldout" if bucket == 0 else "train"
 
 
-def sample_tasks(n: int, seed: int, split: Split = "train") -> list[Task]:
-    """``n`` tasks, the kinds in a fixed rotation, deterministic in ``seed``, all from ``split``."""
+def sample_tasks(n: int, seed: int, split: Split = "train", corpus: Corpus = "tasks") -> list[Task]:
+    """``n`` tasks, the kinds in a fixed rotation, deterministic in ``seed``, all from ``split``; ``chatty``
+    adds remarks to the same tasks (its own random stream, so the tasks are those of the plain corpus)."""
     if split not in ("train", "heldout"):
         raise UsageError(f"sample_tasks: unknown split {split!r}", "use split='train' or split='heldout'")
+    if corpus not in CORPORA:
+        raise UsageError(f"sample_tasks: unknown corpus {corpus!r}", f"use one of {', '.join(CORPORA)}")
     rng = random.Random(f"eaglekit-tiny/{split}/{seed}")
     tasks: list[Task] = []
     while len(tasks) < n:
         task = TASK_MAKERS[len(tasks) % len(TASK_MAKERS)](rng)
         if split_of(task.prompt) == split:
             tasks.append(task)
+    if corpus == "chatty":
+        remarks = random.Random(f"eaglekit-tiny/remarks/{split}/{seed}")
+        tasks = [with_remarks(task, remarks) for task in tasks]
     return tasks
