@@ -476,6 +476,11 @@ def main() -> None:
         help="keep the speculators drafter already trained in --out at this lr (its side takes ~20 min)",
     )
     p.add_argument(
+        "--reuse-eaglekit",
+        action="store_true",
+        help="reuse eaglekit's evaluate reports already in --out for the same side and seed (with --no-vllm)",
+    )
+    p.add_argument(
         "--ablate",
         type=lambda s: [x for x in s.split(",") if x],
         default=[],
@@ -546,9 +551,15 @@ def seeded(cfg, seed: int):
 
 def eaglekit_run(cfg, args, side: str, seed: int, use_vllm: bool) -> dict:
     cfg = seeded(cfg, seed)
-    ckpt, seconds = train_eaglekit(cfg)
-    rep = evaluate(cfg, ckpt, f"{side}-seed{seed}", args.out)
     name = f"{side}-seed{seed}"
+    saved = args.out / f"report-{name}.json"
+    if args.reuse_eaglekit and saved.exists() and not use_vllm:
+        # training is deterministic in the seed on this machine (the same data and seed gave the same τ to
+        # four decimals in two race folders), so another opponent can be raced without retraining this side
+        print(f"eaglekit: evaluate's report reused ({saved})", flush=True)
+        return taus(json.loads(saved.read_text())) | {"vllm": {}, "seconds": float("nan")}
+    ckpt, seconds = train_eaglekit(cfg)
+    rep = evaluate(cfg, ckpt, name, args.out)
     served = vllm_taus(cfg, ckpt, name, args.out, args.ks, args.max_new_tokens, args.vllm_python) if use_vllm else {}
     return taus(rep) | {"vllm": served, "seconds": seconds}
 
