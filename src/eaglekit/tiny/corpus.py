@@ -9,11 +9,13 @@ The procedures are chosen for what an 8-layer, 128-wide model learns from ~16k s
 single token up (a digit by its place, a letter, "is 5 in the list?") and small memorised tables.
 Copying a multi-digit string in order is what it learns last, so no step asks for it.
 
-The ``chatty`` corpus is the same tasks with free remarks between the reasoning's lines ("Maybe the
-kiwi likes the castle."): slots the target learns as near-uniform choices. Greedy decoding then picks
-whichever option the target's logits favour by a hair in that context, a choice no one-layer drafter
-can foresee past its first step, so drafters trained on it accept about as much as on real chat
-(the τ race's second, unsaturated target), not the near-ceiling of the plain corpus.
+The ``chatty`` corpus is the same tasks with a free remark after every line of the reasoning ("Maybe
+the kiwi likes the castle."): four slots the target learns as near-uniform choices. Greedy decoding
+then picks whichever option the target's logits favour by a hair in that context, a choice no one-layer
+drafter can foresee past its first step, so drafters trained on it accept about as much as on real chat
+(the τ race's second, unsaturated target), not the near-ceiling of the plain corpus. A remark follows
+every line, not some: were it optional, "no remark" would be the single likeliest continuation and
+greedy decoding would never make one.
 
 Train and held-out prompts are disjoint by construction: a prompt belongs to the held-out split when
 a stable hash of its text falls in one bucket out of ``HELDOUT_BUCKETS``, so no seed can ever put a
@@ -227,20 +229,17 @@ TASK_MAKERS: list[Callable[[random.Random], Task]] = [
 ]
 
 
-# A remark follows a reasoning line with this probability; its four slots are drawn independently.
-REMARK_RATE = 0.6
+# The four slots of a remark are drawn independently: 8 x 41 x 8 x 41 remarks.
 REMARK_OPENERS = ["Maybe", "I think", "Note that", "Well,", "It seems", "Of course", "Clearly", "Perhaps"]
 REMARK_VERBS = ["likes", "sees", "needs", "finds", "keeps", "wants", "holds", "meets"]
 
 
 def with_remarks(task: Task, rng: random.Random) -> Task:
-    """``task`` with a remark after some of its reasoning lines (the prompt and the answer unchanged)."""
+    """``task`` with a remark after each of its reasoning lines (the prompt and the answer unchanged)."""
     lines = []
     for line in task.reasoning.split("\n"):
-        lines.append(line)
-        if rng.random() < REMARK_RATE:
-            opener, verb = rng.choice(REMARK_OPENERS), rng.choice(REMARK_VERBS)
-            lines.append(f"{opener} the {rng.choice(WORDS)} {verb} the {rng.choice(WORDS)}.")
+        opener, verb = rng.choice(REMARK_OPENERS), rng.choice(REMARK_VERBS)
+        lines += [line, f"{opener} the {rng.choice(WORDS)} {verb} the {rng.choice(WORDS)}."]
     return Task(task.kind, task.prompt, "\n".join(lines), task.answer)
 
 
