@@ -174,7 +174,6 @@ def speculators_child(job: dict) -> None:
     from speculators.train.data import BaseDataset, CollateFn
     from speculators.train.trainer import Trainer, TrainerConfig
     from torch.utils.data import DataLoader
-    from transformers import AutoConfig, Qwen3Config
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     torch.manual_seed(job["seed"])
@@ -204,37 +203,12 @@ def speculators_child(job: dict) -> None:
         def __len__(self):
             return len(samples)
 
-    hf = AutoConfig.from_pretrained(job["target"])
-    layer = Qwen3Config(
-        vocab_size=hf.vocab_size,
-        hidden_size=hf.hidden_size,
-        intermediate_size=hf.intermediate_size,
-        num_hidden_layers=job["layers"],
-        num_attention_heads=hf.num_attention_heads,
-        num_key_value_heads=hf.num_key_value_heads,
-        head_dim=hf.head_dim,
-        max_position_embeddings=hf.max_position_embeddings,
-        rms_norm_eps=hf.rms_norm_eps,
-        rope_parameters=dict(hf.rope_parameters),
-        hidden_act="silu",
-        tie_word_embeddings=False,
-        attention_bias=False,
-        layer_types=["full_attention"] * job["layers"],
-    )
-    model = DFlashDraftModel.from_training_args(
-        verifier_config=layer,
-        verifier_name_or_path=job["target"],
-        target_layer_ids=job["aux"],
-        draft_vocab_size=hf.vocab_size,  # the full verifier vocabulary: no t2d / d2t
-        block_size=job["block"],
-        mask_token_id=job["mask_token_id"],
-        draft_attn_impl="eager",  # flex attention has no CPU backward
-    )
-    assert not model.uses_sliding_window_attn, "every draft layer must be full attention (vLLM's and eaglekit's)"
+    model = speculators_model(job)
+    hidden = model.config.transformer_layer_config.hidden_size
     loader = DataLoader(
         Samples(max_len=packed, hidden_states_dtype=torch.float32),
         batch_sampler=[list(range(s * rows, (s + 1) * rows)) for s in range(len(batches))],  # eaglekit's steps
-        collate_fn=CollateFn(packed, hf.hidden_size, num_target_layers=len(job["aux"]), dtype=torch.float32),
+        collate_fn=CollateFn(packed, hidden, num_target_layers=len(job["aux"]), dtype=torch.float32),
     )
     train_kwargs, val_kwargs = DFlashDraftModel.get_trainer_kwargs(
         loss_fn="ce",
@@ -268,6 +242,42 @@ def speculators_child(job: dict) -> None:
     summary = {"steps": trainer.global_step, "tail_loss": tail_mean(losses), "forward_check": check}
     (Path(job["out"]) / "summary.json").write_text(json.dumps(summary, indent=1))
     print(f"speculators child: {json.dumps(summary)}", flush=True)
+
+
+def speculators_model(job: dict):
+    """speculators' DFlashDraftModel as its CLI builds it (``from_training_args``), on a Qwen3 layer config of the
+    target's shape with --layers layers, the full verifier vocabulary (no t2d / d2t) and the race's mask token."""
+    from speculators.models.dflash import DFlashDraftModel
+    from transformers import AutoConfig, Qwen3Config
+
+    hf = AutoConfig.from_pretrained(job["target"])
+    layer = Qwen3Config(
+        vocab_size=hf.vocab_size,
+        hidden_size=hf.hidden_size,
+        intermediate_size=hf.intermediate_size,
+        num_hidden_layers=job["layers"],
+        num_attention_heads=hf.num_attention_heads,
+        num_key_value_heads=hf.num_key_value_heads,
+        head_dim=hf.head_dim,
+        max_position_embeddings=hf.max_position_embeddings,
+        rms_norm_eps=hf.rms_norm_eps,
+        rope_parameters=dict(hf.rope_parameters),
+        hidden_act="silu",
+        tie_word_embeddings=False,
+        attention_bias=False,
+        layer_types=["full_attention"] * job["layers"],
+    )
+    model = DFlashDraftModel.from_training_args(
+        verifier_config=layer,
+        verifier_name_or_path=job["target"],
+        target_layer_ids=job["aux"],
+        draft_vocab_size=hf.vocab_size,
+        block_size=job["block"],
+        mask_token_id=job["mask_token_id"],
+        draft_attn_impl="eager",  # flex attention has no CPU backward
+    )
+    assert not model.uses_sliding_window_attn, "every draft layer must be full attention (vLLM's and eaglekit's)"
+    return model
 
 
 def forward_check(model, batch: dict, job: dict) -> dict:
