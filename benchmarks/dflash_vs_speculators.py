@@ -54,6 +54,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SPECULATORS_PYTHON = ROOT / "benchmarks" / ".venv-speculators" / "bin" / "python"
 sys.path.insert(0, str(ROOT / "src"))
+# AdamW betas, weight decay, gradient clip: eaglekit's train stage defaults, and speculators' Trainer's (an ablation
+# of eaglekit's side: --eaglekit-optimizer speculators)
+OPTIMIZERS = {"eaglekit": ((0.9, 0.95), 0.0, 0.5), "speculators": ((0.9, 0.999), 0.01, 1.0)}
 
 
 # --------------------------------------------------------------------------------------------- the shared data
@@ -110,7 +113,8 @@ def train_eaglekit(drafter, batches: list[dict], args, seed: int) -> tuple[float
     from eaglekit.training.dflash import block_loss
 
     params = [p for p in drafter.parameters() if p.requires_grad]
-    optim = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    betas, decay, clip = OPTIMIZERS[args.eaglekit_optimizer]
+    optim = torch.optim.AdamW(params, lr=args.lr, betas=betas, weight_decay=decay)
     generator = torch.Generator().manual_seed(seed)
     losses = []
     t0 = time.perf_counter()
@@ -127,7 +131,7 @@ def train_eaglekit(drafter, batches: list[dict], args, seed: int) -> tuple[float
         )
         optim.zero_grad()
         out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 0.5)
+        torch.nn.utils.clip_grad_norm_(params, clip)
         optim.step()
         losses.append(float(out.loss.detach()))
     return time.perf_counter() - t0, tail_mean(losses)
@@ -354,6 +358,8 @@ def main() -> None:
     p.add_argument("--ks", type=int, nargs="+", default=[1, 3, 7], help="drafts per block at measure time")
     p.add_argument("--prompts", type=int, default=12, help="held-out prompts to decode")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "dflash_vs_speculators")
+    p.add_argument("--eaglekit-optimizer", choices=sorted(OPTIMIZERS), default="eaglekit", help="eaglekit's side")
+    p.add_argument("--no-speculators", action="store_true", help="train eaglekit's side only (an ablation)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--speculators-python", type=Path, default=SPECULATORS_PYTHON)
     p.add_argument("--speculators-child", help=argparse.SUPPRESS)
@@ -421,9 +427,13 @@ def main() -> None:
         batches_file = args.out / f"batches-seed{seed}.pt"
         torch.save(batches, batches_file)
         runs["eaglekit"][seed] = isolated("eaglekit", seed, lambda b=batches, s=seed: eaglekit_run(b, s))
-        runs["speculators"][seed] = isolated("speculators", seed, lambda f=batches_file, s=seed: speculators_run(f, s))
-        for side in runs:
-            print(f"{side} seed {seed}: {json.dumps(runs[side][seed])}", flush=True)
+        if not args.no_speculators:
+            runs["speculators"][seed] = isolated(
+                "speculators", seed, lambda f=batches_file, s=seed: speculators_run(f, s)
+            )
+        for side, by_seed in runs.items():
+            if seed in by_seed:
+                print(f"{side} seed {seed}: {json.dumps(by_seed[seed])}", flush=True)
         batches_file.unlink()
     print(
         f"\nDFlash race on the tiny target: {args.steps} steps x {args.batch} rows, lr {args.lr:g} constant, "
