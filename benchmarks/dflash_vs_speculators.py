@@ -34,6 +34,8 @@ measured by eaglekit's block decoding (speculative/block.py, vLLM's DFlash propo
 
     .venv/bin/python benchmarks/dflash_vs_speculators.py --steps 5 --seeds 1      # smoke, ~2 min
     .venv/bin/python benchmarks/dflash_vs_speculators.py                          # 3 seeds, ~35 min on one core
+    .venv/bin/python benchmarks/dflash_vs_speculators.py --no-speculators --eaglekit-optimizer speculators
+                                    # eaglekit's side alone with speculators' AdamW settings and clip (~5 min)
 
 --seeds N trains each side N times (seeds 0..N-1; each seed also picks the batches' order) and reports the mean
 and a 95 % bootstrap interval over seeds per K for each side and for the ratio. A side that fails is reported as
