@@ -47,6 +47,7 @@ Prints figures and a JSON summary (--out/lockstep-*.json); asserts nothing.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import time
@@ -59,6 +60,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from eaglekit import atomic  # noqa: E402
 
 NOISE = 1e-4  # relative difference that fp32 reordering stays below (module docstring: why)
 LR_NOISE = 1e-9
@@ -575,21 +577,18 @@ def main() -> None:
 
     drafters = {"speculators": spec_drafter(spec_model, Eagle3Drafter(lockstep.drafter.config))}
     drafters |= {f"eaglekit-{s.name}": s.drafter for s in sides}
-    held = held_out_taus(cfg, args, drafters, target, t2d, aux_ids)
-    taus = evaluate_taus(cfg, args, drafters, spec_model) if args.tau else {}
-    summary = {
-        "argv": sys.argv,
-        "noise": NOISE,
-        "first_divergence": first,
-        "held_out": held,
-        "evaluate_tau": taus,
-        "steps": rows,
-    }
-    from eaglekit import atomic
-
     tag = "-".join(["lockstep", *args.put_back, *(["resync"] if args.resync else [])])
-    atomic.write_json(args.out / f"{tag}-steps{args.steps}.json", summary)
-    print(f"summary: {args.out / f'{tag}-steps{args.steps}.json'}", flush=True)
+    summary_path = args.out / f"{tag}-steps{args.steps}.json"
+    summary = {"argv": sys.argv, "noise": NOISE, "first_divergence": first, "steps": rows}
+    atomic.write_json(summary_path, summary)  # written again as each slower figure below arrives
+    if args.tau:
+        saved = save_drafters(args.out, drafters, spec_model)
+    summary["held_out"] = held_out_taus(cfg, args, drafters, target, t2d, aux_ids)
+    atomic.write_json(summary_path, summary)
+    if args.tau:
+        summary["evaluate_tau"] = evaluate_taus(cfg, args, saved)
+        atomic.write_json(summary_path, summary)
+    print(f"summary: {summary_path}", flush=True)
 
 
 def spec_drafter(spec_model, drafter):
@@ -623,27 +622,49 @@ def held_out_taus(cfg, args, drafters: dict, target, t2d, aux_ids) -> dict:
     return out
 
 
-def evaluate_taus(cfg, args, drafters: dict, spec_model) -> dict:
-    """Each drafter saved (speculators' in its own form, eaglekit's in the legacy form) and measured by eaglekit's
-    evaluate stage, as the race measures its drafters."""
-    from tau_vs_speculators import evaluate, taus
-
+def save_drafters(out: Path, drafters: dict, spec_model) -> dict[str, Path]:
+    """Each drafter in a folder of --out: speculators' in its own form (save_pretrained), eaglekit's in the legacy one."""
     from eaglekit.model.checkpoints import save_legacy
 
-    cfg = eaglekit_config(cfg, args, None)
-    cfg.evaluate.num_samples, cfg.evaluate.num_speculative_tokens = args.eval_prompts, args.ks
-    cfg.evaluate.temperatures, cfg.evaluate.max_new_tokens = args.temperatures, args.max_new_tokens
-    out = {}
+    folders = {}
     for name, drafter in drafters.items():
-        folder = args.out / f"lockstep-{name}"
+        folders[name] = out / f"lockstep-{name}"
         if name == "speculators":
-            spec_model.save_pretrained(folder)
+            spec_model.save_pretrained(folders[name])
         else:
-            save_legacy(drafter, folder)
-        out[name] = taus(evaluate(cfg, folder, f"lockstep-{name}", args.out))["tau"]
-    print("\nevaluate τ (eaglekit's evaluate stage, held-out prompts):", flush=True)
+            save_legacy(drafter, folders[name])
+    return folders
+
+
+def evaluate_taus(cfg, args, folders: dict[str, Path]) -> dict:
+    """τ of each saved drafter from eaglekit's evaluate stage, as the race measures its drafters. Its pre-flight is
+    skipped: it wants the run's train stage finished, and the lockstep trains outside it (the drafter is
+    evaluate.checkpoint). A drafter whose evaluation fails is reported and the others are measured."""
+    from tau_vs_speculators import taus
+
+    from eaglekit.pipeline import run_stage
+    from eaglekit.rundir import RunDir
+
+    cfg = cfg.model_copy(deep=True)
+    ev = cfg.evaluate
+    ev.num_samples, ev.num_speculative_tokens, ev.temperatures = args.eval_prompts, args.ks, args.temperatures
+    ev.max_new_tokens = args.max_new_tokens
+    out: dict[str, dict] = {}
+    for name, folder in folders.items():
+        ev.checkpoint = str(folder)
+        try:
+            with RunDir(cfg.run_dir).lock:
+                run_stage(cfg, "evaluate", force=True, skip_preflight=True)
+            report = json.loads((Path(cfg.run_dir) / "evaluate" / "report.json").read_text())
+        except Exception as err:  # noqa: BLE001 - one drafter's failure is a result; the others are still measured
+            print(f"evaluate {name}: failed: {type(err).__name__}: {err}", flush=True)
+            out[name] = {"error": f"{type(err).__name__}: {err}"}
+            continue
+        atomic.write_json(args.out / f"report-lockstep-{name}.json", report)
+        out[name] = taus(report)["tau"]
+    print("\nevaluate τ (eaglekit's evaluate stage on the held-out prompts):", flush=True)
     for name, by_key in out.items():
-        print(f"  {name:<22} " + "  ".join(f"K={key} {tau:.3f}" for key, tau in by_key.items()), flush=True)
+        print(f"  {name:<22} " + "  ".join(f"K={key} {tau}" for key, tau in by_key.items()), flush=True)
     return out
 
 
