@@ -20,8 +20,13 @@ step.
                own starts at 1/warmup). Loss mask: speculators' — a prediction counts where its input token is in the
                loss mask — and no target-in-draft filter (speculators has none).
   compare      after every step: loss, gradient norm before clipping, the lr applied, every gradient (after
-               clipping) and every parameter, as the relative difference ||a - b|| / ||b||. The first step and
-               tensor beyond float noise is printed when it happens; a table row every --compare-every steps.
+               clipping) and every parameter, as the relative difference ||a - b|| / ||b||. speculators' loss is
+               the KL divergence, eaglekit's value the soft cross-entropy (KL + the targets' entropy, the same
+               gradient): the entropy term is added to speculators' for the comparison. Two lockstep drafters:
+               "resynced" is given speculators' weights and AdamW state after every step, so what it differs by is
+               that one step's own difference — the first step and tensor beyond float noise is judged on it and
+               printed when it happens; "lockstep" runs free from the shared start, and its drift (rounding
+               differences grown over the run) is the last column. A table row every --compare-every steps.
                Float noise (fp32): the two sides compute the same sums in other orders (dense eager attention
                against a blocked prefix attention merged by log-sum-exp, a per-step against a one-pass head), so each
                value carries rounding of ~1e-7 relative per operation, summed over ~2,000 positions and 200 logits:
@@ -34,8 +39,9 @@ step.
                ``schedule`` (its warmup), ``batches`` (its own packing and order, training/data.py),
                ``init`` (its own initialisation at the seed). Their losses join the table.
   measure      at the end, held-out simulated τ of every drafter (the train stage's held-out figure,
-               training/loop.HeldOut); --tau also saves them and runs eaglekit's evaluate stage on each, as the race
-               does (evaluate writes into --out's run directory, under its lock).
+               training/loop.HeldOut); --tau also saves them (--out/lockstep-NAME) and runs eaglekit's evaluate stage on
+               each, as the race does, its pre-flight skipped (it wants a finished train stage; evaluate writes
+               into --out's run directory, under its lock).
 
     PYTHONPATH=src OMP_NUM_THREADS=1 benchmarks/.venv-speculators/bin/python benchmarks/lockstep.py --steps 50
     ... benchmarks/lockstep.py --steps 300 --compare-every 25 --put-back mask,optimizer,schedule,batches,init
@@ -86,12 +92,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--decay", type=float, default=0.8)
     p.add_argument("--seed", type=int, default=0, help="the data's seed (new --out) and the training seed")
     p.add_argument("--compare-every", type=int, default=10, help="a table row every this many steps")
-    p.add_argument(
-        "--resync",
-        action="store_true",
-        help="after each comparison copy speculators' weights and AdamW state into the lockstep drafter: every "
-        "step then starts equal, so a difference is that step's own, not one grown from earlier noise",
-    )
     p.add_argument(
         "--put-back",
         type=lambda s: [x for x in s.split(",") if x],
@@ -500,23 +500,27 @@ def main() -> None:
 
     embed, head = embedding_and_head(target)
     sides: list[EaglekitSide] = []
-    for put_back in [None, *args.put_back]:
+    for put_back in [None, None, *args.put_back]:
         ek_cfg = eaglekit_config(cfg, args, put_back)
         if put_back == "init":  # the train stage's own start: seeded, then built (training/loop.py)
             seed_everything(args.seed)
         drafter: Eagle3Drafter = build_drafter(ek_cfg, hf, d2t, t2d, embed, head, aux_ids)[0]
         if put_back != "init":
             load_speculators_weights(drafter, spec_model)
-        sides.append(EaglekitSide(put_back or "lockstep", drafter, ek_cfg, args, put_back))
-    lockstep = sides[0]
+        name = put_back or ("lockstep" if not sides else "resynced")
+        sides.append(EaglekitSide(name, drafter, ek_cfg, args, put_back))
+    # "resynced" starts every step from speculators' weights and AdamW state, so its difference is that step's own
+    # (what the first divergence is judged on); "lockstep" runs free, so its drift is rounding grown over the run.
+    lockstep, resynced, put_backs = sides[0], sides[1], sides[2:]
     print(
         f"lockstep: {args.steps} steps of up to {args.seq} packed tokens, {len(train_idx)} train samples, "
         f"{len(trainer.train_loader)} speculators batches per epoch; eaglekit drafters: "
-        f"{', '.join(s.name for s in sides)}; noise threshold {NOISE:g} relative{', resync' if args.resync else ''}",
+        f"{', '.join(s.name for s in sides)}; noise threshold {NOISE:g} relative (judged on 'resynced')",
         flush=True,
     )
-    head_row = f"{'step':>5} {'lr':>9} {'loss spec':>10} {'loss ek':>10} {'Δloss':>8} {'Δ|g|':>8} "
-    head_row += f"{'worst Δgrad':>30} {'worst Δparam':>30}" + "".join(f" {'loss ' + s.name:>14}" for s in sides[1:])
+    head_row = f"{'step':>5} {'lr':>9} {'loss spec':>10} {'Δloss':>8} {'Δ|g|':>8} {'worst Δgrad (one step)':>30} "
+    head_row += f"{'worst Δparam (one step)':>30} {'drift (free run)':>30}"
+    head_row += "".join(f" {'loss ' + s.name:>14}" for s in put_backs)
     print(head_row, flush=True)
 
     rows: list[dict] = []
@@ -528,9 +532,11 @@ def main() -> None:
         row = [train_idx[i] for i in recorded.fetched]
         recorded.fetched.clear()
         figures = {s.name: s.step(samples, s.row(step, row)) for s in sides}
-        loss, grad_norm, lr = figures["lockstep"]
-        grads, params = tensor_differences(lockstep, spec_model)
+        loss, grad_norm, lr = figures["resynced"]
+        grads, params = tensor_differences(resynced, spec_model)
+        drift = tensor_differences(lockstep, spec_model)[1]
         worst_grad, worst_param = max(grads, key=grads.__getitem__), max(params, key=params.__getitem__)
+        worst_drift = max(drift, key=drift.__getitem__)
         r = {
             "step": step + 1,
             "lr": [recorded.lr, lr],
@@ -540,7 +546,9 @@ def main() -> None:
             "d_grad_norm": abs(grad_norm - recorded.grad_norm) / max(recorded.grad_norm, 1e-30),
             "d_grad": grads,
             "d_param": params,
-            "put_back_loss": {s.name: figures[s.name][0] for s in sides[1:]},
+            "drift_param": drift,
+            "drift_loss": abs(figures["lockstep"][0] - recorded.loss) / max(abs(recorded.loss), 1e-30),
+            "put_back_loss": {s.name: figures[s.name][0] for s in put_backs},
         }
         rows.append(r)
         over = [(f"lr ({recorded.lr:.6g} vs {lr:.6g})", abs(lr - recorded.lr) / max(abs(recorded.lr), 1e-30), LR_NOISE)]
@@ -557,13 +565,14 @@ def main() -> None:
                 flush=True,
             )
         if (step + 1) % args.compare_every == 0 or step == 0 or step + 1 == args.steps:
-            line = f"{step + 1:>5} {lr:>9.3g} {recorded.loss:>10.5f} {loss:>10.5f} {r['d_loss']:>8.1e} "
-            line += f"{r['d_grad_norm']:>8.1e} {worst_grad[-21:]:>21} {grads[worst_grad]:>8.1e} "
-            line += f"{worst_param[-21:]:>21} {params[worst_param]:>8.1e}"
-            line += "".join(f" {figures[s.name][0]:>14.5f}" for s in sides[1:])
+            line = f"{step + 1:>5} {lr:>9.3g} {recorded.loss:>10.5f} {r['d_loss']:>8.1e} {r['d_grad_norm']:>8.1e} "
+            line += (
+                f"{worst_grad[-21:]:>21} {grads[worst_grad]:>8.1e} {worst_param[-21:]:>21} {params[worst_param]:>8.1e} "
+            )
+            line += f"{worst_drift[-21:]:>21} {drift[worst_drift]:>8.1e}"
+            line += "".join(f" {figures[s.name][0]:>14.5f}" for s in put_backs)
             print(line, flush=True)
-        if args.resync:
-            resync(lockstep, spec_model, spec_optim)
+        resync(resynced, spec_model, spec_optim)
         for s in sides:
             s.zero_grad()
 
@@ -576,8 +585,8 @@ def main() -> None:
         print(f"no divergence beyond {NOISE:g} relative in {trainer.global_step} steps", flush=True)
 
     drafters = {"speculators": spec_drafter(spec_model, Eagle3Drafter(lockstep.drafter.config))}
-    drafters |= {f"eaglekit-{s.name}": s.drafter for s in sides}
-    tag = "-".join(["lockstep", *args.put_back, *(["resync"] if args.resync else [])])
+    drafters |= {f"eaglekit-{s.name}": s.drafter for s in [lockstep, *put_backs]}
+    tag = "-".join(["lockstep", *args.put_back])
     summary_path = args.out / f"{tag}-steps{args.steps}.json"
     summary = {"argv": sys.argv, "noise": NOISE, "first_divergence": first, "steps": rows}
     atomic.write_json(summary_path, summary)  # written again as each slower figure below arrives
