@@ -52,9 +52,10 @@ for extra in torchaudio torchvision; do
   fi
 done
 
-# eaglekit itself, without its dependencies (they would move transformers), plus what its training code imports.
+# eaglekit itself, without its dependencies (they would move transformers), plus what its training code imports
+# (matplotlib: training/loop.py draws the curves; benchmarks/lockstep.py reads its held-out figure).
 "${PIP[@]}" --no-deps -e .
-"${PIP[@]}" -c "$WORK/pins.txt" pyyaml
+"${PIP[@]}" -c "$WORK/pins.txt" pyyaml matplotlib
 
 "$PY" - <<'EOF'
 from importlib.metadata import version
