@@ -18,10 +18,11 @@ from torch import nn
 from eaglekit import atomic
 from eaglekit.errors import EaglekitError
 from eaglekit.interrupt import StopRequest
-from eaglekit.model import checkpoints
+from eaglekit.model import checkpoints, dspark_checkpoint
 from eaglekit.model.dflash import DFlashConfig
 from eaglekit.model.dflash_checkpoint import save_from_state
 from eaglekit.model.drafter import DrafterConfig, Eagle3Drafter
+from eaglekit.model.dspark import DSparkConfig
 from eaglekit.training import distributed as dist
 from eaglekit.training.metrics import reduce_device
 
@@ -87,7 +88,10 @@ def without_frozen_embedding(msd: dict, drafter: Eagle3Drafter) -> dict:
 
 
 def save_drafter(drafter_cfg: DrafterConfig | DFlashConfig, msd: dict, out: Path) -> None:
-    if isinstance(drafter_cfg, DFlashConfig):  # the block-drafter family: the form its export writes
+    if isinstance(drafter_cfg, DSparkConfig):  # the block-drafter family: the form its export writes
+        dspark_checkpoint.save_from_state(drafter_cfg, msd, out)
+        return
+    if isinstance(drafter_cfg, DFlashConfig):
         save_from_state(drafter_cfg, msd, out)
         return
     cpu = Eagle3Drafter(drafter_cfg)
