@@ -293,3 +293,69 @@ def test_exported_config_has_the_keys_vllm_reads(tmp_path, trained):
     assert config["markov_rank"] == 32 and config["markov_head_type"] == "vanilla"
     assert config["sample_from_anchor"] is True and config["dspark_bonus_anchor"] is False
     assert config["enable_confidence_head"] is False and config["block_size"] == BLOCK
+
+
+# ---------------------------------------------------------------------------------------------- pre-flight, plan
+
+
+def block_run_config(tmp_path: Path, target: Path, **draft):
+    from eaglekit.config import parse_config
+
+    data = {"run_dir": "run", "target": {"model": str(target)}, "data": {"prompts": "p.jsonl"}}
+    return parse_config(data | {"train": {"draft": draft}}, base_dir=tmp_path)
+
+
+def test_preflight_and_plan_size_the_dspark_drafter(tmp_path, tiny_target):
+    from eaglekit.model.run_shapes import drafter_config, parameter_counts
+    from eaglekit.stages.train import block_drafter_shape
+
+    dspark = block_run_config(tmp_path, tiny_target, architecture="dspark", num_layers=2, markov_rank=16)
+    dflash = block_run_config(tmp_path, tiny_target, architecture="dflash", num_layers=2)
+    spark_cfg = drafter_config(dspark)
+    assert isinstance(spark_cfg, DSparkConfig) and spark_cfg.markov_rank == 16
+    (_, spark), (_, flash) = parameter_counts(spark_cfg), parameter_counts(drafter_config(dflash))
+    assert spark - flash == 2 * spark_cfg.vocab_size * 16  # the Markov head: markov_w1 and markov_w2 train
+    check = block_drafter_shape(dspark)
+    assert check.status == "ok" and check.detail.startswith("dspark: 2 layers") and "Markov rank 16" in check.detail
+
+
+@pytest.mark.parametrize("family", ["dflash", "dspark"])
+def test_preflight_refuses_a_block_drafter_on_an_mla_target(tmp_path, tiny_target, family):
+    """Non-causal block drafts on a target with multi-head latent attention: refused by name (z-lab/dflash#62)."""
+    from transformers import DeepseekV3Config
+
+    from eaglekit.stages.train import block_drafter_shape
+
+    mla = tmp_path / "mla-target"
+    DeepseekV3Config(
+        vocab_size=514, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32,
+        qk_rope_head_dim=16, v_head_dim=32, max_position_embeddings=1024,
+    ).save_pretrained(mla)  # fmt: skip
+    check = block_drafter_shape(block_run_config(tmp_path, mla, architecture=family, mask_token_id=0))
+    assert check.status == "fail", check
+    assert "multi-head latent attention" in check.detail and "z-lab/dflash#62" in check.detail
+    assert "architecture: mla" in check.remedy
+
+
+def test_verify_preflight_names_the_cpu_builds_refusal(tmp_path, tiny_target, vllm_python):
+    """vLLM's own words, from its source: the check quotes what the CPU build's V1 runner says (and why)."""
+    from eaglekit.contract import StageContext
+    from eaglekit.rundir import RunDir
+    from eaglekit.stages.verify import DSPARK_ON_CPU, engine_serves_forms
+
+    source = (vllm_python.parent.parent / "lib").glob("python*/site-packages/vllm/config/vllm.py")
+    text = next(source).read_text()
+    assert 'unsupported.append("dspark speculative decoding")' in text
+    assert 'f"Model Runner V1 does not support: {' in text and '"Model Runner V2 requires Triton."' in text
+    assert "Model Runner V1 does not support: dspark speculative decoding" in DSPARK_ON_CPU
+
+    cfg = block_run_config(tmp_path, tiny_target, architecture="dspark")
+    cfg.verify.engine, cfg.verify.python = "vllm", str(vllm_python)
+    check = engine_serves_forms(StageContext(cfg=cfg, run=RunDir(cfg.run_dir), stage="verify", fingerprint=""))
+    assert check.status == "fail" and DSPARK_ON_CPU in check.detail and "GPU" in check.remedy
+    cfg.train.draft.architecture = "dflash"
+    assert (
+        engine_serves_forms(StageContext(cfg=cfg, run=RunDir(cfg.run_dir), stage="verify", fingerprint="")).status
+        == "ok"
+    )
