@@ -181,13 +181,17 @@ class ExtractConfig(Section):
         return self.mode == "offline"
 
 
+BLOCK_ARCHITECTURES = ("dflash", "dspark")  # the block-drafter family's train.draft.architecture values
+
+
 class DraftModelConfig(Section):
     """The drafter's layer and flags; every shape defaults to the target's (README: "The drafter")."""
 
-    architecture: Literal["llama", "mla", "dflash"] | None = Field(
+    architecture: Literal["llama", "mla", "dflash", "dspark"] | None = Field(
         None,
         description="llama (MHA/GQA, the default) or mla (DeepSeek-V3/Kimi latent attention): an EAGLE-3 drafter; "
-        "dflash: a block drafter (several Qwen3-style layers drafting a block in one pass, model/dflash.py)",
+        "dflash: a block drafter (several Qwen3-style layers drafting a block in one pass, model/dflash.py); "
+        "dspark: DFlash's backbone drafting from the anchor, plus a Markov head over the block (model/dspark.py)",
     )
     hidden_size: int | None = None
     intermediate_size: int | None = None
@@ -205,21 +209,29 @@ class DraftModelConfig(Section):
     norm_output: bool | None = Field(None, description="next draft steps take the normed output (EAGLE 3.1)")
     norm_before_fc: bool | None = Field(None, description="one RMSNorm over the concatenated aux states (llama only)")
     norm_before_residual: bool | None = Field(None, description="the layer's residual is the normed feature")
-    # architecture dflash (block drafter; defaults are speculators 0.9.0's DFlash recipe). Its target layers are
-    # target.aux_layers; it drafts over the full target vocabulary with the target's embedding and head.
-    block_size: int | None = Field(None, ge=2, description="dflash: anchor + mask slots per block (default 16)")
+    # architecture dflash and dspark (block drafters; defaults are speculators 0.9.0's DFlash recipe). Their target
+    # layers are target.aux_layers; they draft over the full target vocabulary with the target's embedding and head.
+    block_size: int | None = Field(
+        None, ge=2, description="dflash: anchor + mask slots per block; dspark: the drafts per block (default 16)"
+    )
     num_layers: int | None = Field(None, ge=1, description="dflash: draft decoder layers (default 5)")
     mask_token_id: int | None = Field(
         None, ge=0, description="dflash: the mask slots' token (default: the tokenizer's mask, else pad, else eos)"
     )
     max_anchors: int | None = Field(None, ge=1, description="dflash: anchored blocks per row and step (default 512)")
     position_weighting: Literal["dpace", "exp-decay"] | None = Field(
-        None, description="dflash: per-slot loss weights, D-PACE (default) or DFlash's exp(-(k-1)/gamma)"
+        None,
+        description="dflash: per-slot loss weights, D-PACE (default) or DFlash's exp(-(k-1)/gamma) "
+        "(dspark: exp(-k/gamma), its anchor slot drafts)",
     )
     dpace_alpha: float | None = Field(None, gt=0.0, le=1.0, description="dflash: D-PACE smoothing (default 0.5)")
     decay_gamma: float | None = Field(None, gt=0.0, description="dflash: exp-decay gamma (default 4.0)")
     shared_k_norm: bool | None = Field(
         None, description="dflash: one k_norm for all layers, as vLLM 0.32's CPU build applies (README: block drafters)"
+    )
+    # architecture dspark only
+    markov_rank: int | None = Field(
+        None, ge=1, description="dspark: rank of the Markov head's transition bias over the vocabulary (default 256)"
     )
 
 

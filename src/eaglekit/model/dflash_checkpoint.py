@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shlex
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -74,9 +75,12 @@ def expected_state(cfg: DFlashConfig) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def validate_state(state: dict[str, torch.Tensor], cfg: DFlashConfig, where: str) -> None:
-    """Refuse a state whose keys or shapes differ from ``expected_state`` (vLLM would load it half or not at all)."""
-    expected = expected_state(cfg)
+def validate_state(
+    state: dict[str, torch.Tensor], cfg: DFlashConfig, where: str, expected: dict[str, tuple[int, ...]] | None = None
+) -> None:
+    """Refuse a state whose keys or shapes differ from ``expected`` (default: ``expected_state``; vLLM would load it
+    half or not at all)."""
+    expected = expected_state(cfg) if expected is None else expected
     problems = [f"missing key {k}" for k in sorted(set(expected) - set(state))]
     problems += [f"unexpected key {k}" for k in sorted(set(state) - set(expected))]
     problems += [
@@ -86,7 +90,7 @@ def validate_state(state: dict[str, torch.Tensor], cfg: DFlashConfig, where: str
     ]
     if problems:
         raise EaglekitError(
-            f"{where} does not match its DFlash config: " + "; ".join(problems),
+            f"{where} does not match its {type(cfg).__name__.removesuffix('Config')} config: " + "; ".join(problems),
             "the weights and config.json disagree; re-export the drafter",
         )
 
@@ -144,10 +148,19 @@ def vllm_config(cfg: DFlashConfig, dtype: torch.dtype) -> dict[str, Any]:
 
 def save_dflash(drafter: DFlashDrafter, out_dir: str | Path) -> None:
     """Write the vLLM form (module docstring), validated key by key."""
-    # clone: a shared k_norm is one tensor under every layer's name, and safetensors refuses shared storage
-    state = {k: v.detach().cpu().clone() for k, v in drafter.state_dict().items() if k not in SHARED}
+    state = exported_state(drafter)
     validate_state(state, drafter.config, f"the DFlash drafter for {out_dir}")
-    config = vllm_config(drafter.config, drafter.fc.weight.dtype)
+    write_folder(out_dir, vllm_config(drafter.config, drafter.fc.weight.dtype), drafter, state)
+
+
+def exported_state(drafter: DFlashDrafter) -> dict[str, torch.Tensor]:
+    """The drafter's weights without the target's shared ones, on the CPU."""
+    # clone: a shared k_norm is one tensor under every layer's name, and safetensors refuses shared storage
+    return {k: v.detach().cpu().clone() for k, v in drafter.state_dict().items() if k not in SHARED}
+
+
+def write_folder(out_dir: str | Path, config: dict, drafter: DFlashDrafter, state: dict[str, torch.Tensor]) -> None:
+    """config.json (vLLM's), eaglekit.json (the drafter config) and model.safetensors, written at once."""
     with atomic_dir(out_dir) as tmp:
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
         (tmp / "eaglekit.json").write_text(json.dumps(drafter.config.to_dict(), indent=2) + "\n", encoding="utf-8")
@@ -180,6 +193,11 @@ def read_dflash_config(path: Path) -> DFlashConfig:
             f"dflash_config missing {missing})",
             "point train.init_from at a folder eaglekit export wrote under export/dflash/",
         )
+    return backbone_config(c, dflash["target_layer_ids"], dflash["mask_token_id"])
+
+
+def backbone_config(c: dict, target_layer_ids: list[int], mask_token_id: int) -> DFlashConfig:
+    """The Qwen3 draft layers of a vLLM block-drafter config.json; target_layer_ids are vLLM's (aux id - 1)."""
     rope = c.get("rope_parameters") or {}
     return DFlashConfig(
         hidden_size=c["hidden_size"],
@@ -194,9 +212,9 @@ def read_dflash_config(path: Path) -> DFlashConfig:
         max_position_embeddings=c["max_position_embeddings"],
         vocab_size=c["vocab_size"],
         target_hidden_size=c.get("target_hidden_size") or c["hidden_size"],
-        aux_layer_ids=[i + 1 for i in dflash["target_layer_ids"]],
+        aux_layer_ids=[i + 1 for i in target_layer_ids],
         block_size=c.get("block_size", 16),
-        mask_token_id=dflash["mask_token_id"],
+        mask_token_id=mask_token_id,
     )
 
 
@@ -205,15 +223,28 @@ def load_dflash(
 ) -> DFlashDrafter:
     """Re-import an exported drafter (to finetune or evaluate it), with the target's embedding and head."""
     path = Path(path)
-    cfg = read_dflash_config(path)
+    return load_weights_into(path, read_dflash_config(path), DFlashDrafter, expected_state, embed, head, dtype)
+
+
+def load_weights_into(
+    path: Path,
+    cfg: DFlashConfig,
+    drafter_class: type[DFlashDrafter],
+    expected: Callable[[Any], dict[str, tuple[int, ...]]],
+    embed: torch.Tensor,
+    head: torch.Tensor,
+    dtype: torch.dtype | None,
+) -> Any:
+    """A block drafter of ``drafter_class`` built from ``cfg`` and the weights of ``path``, checked key by key
+    against ``expected(cfg)``, with the target's embedding and head (the block families' one loader)."""
     state, _ = read_weights(path)
     state = {k: v for k, v in state.items() if k not in SHARED}
-    validate_state(state, cfg, f"{path}/model.safetensors")
+    validate_state(state, cfg, f"{path}/model.safetensors", expected(cfg))
     if not (path / "eaglekit.json").is_file():  # vLLM's config does not say it; equal weights do
         cfg = dataclasses.replace(
             cfg, shared_k_norm=cfg.num_hidden_layers > 1 and cpu_build_problem(state, cfg) is None
         )
-    drafter = DFlashDrafter(cfg)
+    drafter = drafter_class(cfg)
     drafter.load_state_dict(state, strict=False)
     drafter.take_target(embed, head)
     return drafter.to(dtype) if dtype is not None else drafter
@@ -236,6 +267,6 @@ def load_for_target(path: str | Path, target_model: str, trust_remote_code: bool
     return load_dflash(path, embed, head)
 
 
-def serve_command(target: str, folder: Path, k: int) -> str:
-    spec = json.dumps({"method": "dflash", "model": str(folder.resolve()), "num_speculative_tokens": k})
+def serve_command(target: str, folder: Path, k: int, method: str = "dflash") -> str:
+    spec = json.dumps({"method": method, "model": str(folder.resolve()), "num_speculative_tokens": k})
     return f"vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(spec)}"

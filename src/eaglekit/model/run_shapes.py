@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from eaglekit.config import RunConfig
-from eaglekit.model.dflash import DFlashConfig, config_for_run
+from eaglekit.model import dflash, dspark
+from eaglekit.model.dflash import DFlashConfig
 from eaglekit.model.drafter import DrafterConfig, text_config
 from eaglekit.model.target import aux_layer_ids, target_hf_config
 
@@ -21,7 +22,9 @@ def drafter_config(cfg: RunConfig) -> DrafterConfig | DFlashConfig:
     """The drafter a fresh training run builds: shaped after the target, ``train.draft`` overriding."""
     hf, aux = target_and_aux(cfg)
     if cfg.train.draft.architecture == "dflash":  # the block-drafter family (model/dflash.py)
-        return config_for_run(cfg, hf, aux, int(text_config(hf).vocab_size))
+        return dflash.config_for_run(cfg, hf, aux, int(text_config(hf).vocab_size))
+    if cfg.train.draft.architecture == "dspark":  # DFlash's backbone and a Markov head (model/dspark.py)
+        return dspark.config_for_run(cfg, hf, aux, int(text_config(hf).vocab_size))
     return DrafterConfig.from_target_config(hf, cfg.vocab.draft_vocab_size, aux, **cfg.train.draft.model_dump())
 
 
@@ -30,9 +33,14 @@ def parameter_counts(dc: DrafterConfig | DFlashConfig) -> tuple[int, int]:
     from math import prod
 
     if isinstance(dc, DFlashConfig):  # the block-drafter family: the target's embedding and head stay frozen
-        from eaglekit.model.dflash_checkpoint import expected_state as block_state
+        from eaglekit.model import dflash_checkpoint, dspark_checkpoint
 
-        trainable = sum(prod(shape) for shape in block_state(dc).values())
+        exported = (
+            dspark_checkpoint.expected_state(dc)
+            if isinstance(dc, dspark.DSparkConfig)
+            else dflash_checkpoint.expected_state(dc)
+        )
+        trainable = sum(prod(shape) for shape in exported.values())
         return trainable + 2 * dc.vocab_size * dc.hidden_size, trainable
     from eaglekit.model.checkpoints import expected_state
 

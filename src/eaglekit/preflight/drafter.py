@@ -17,7 +17,8 @@ def drafter_checkpoint(ctx: StageContext):
     except EaglekitError as err:
         return fail("drafter checkpoint", err.message, err.remedy or "check the drafter folder")
     c = drafter.config
-    vocab = f"{c.vocab_size} (the target's)" if info.form == "dflash" else f"{c.draft_vocab_size}/{c.vocab_size}"
+    block = info.form in ("dflash", "dspark")  # block drafters draft over the whole target vocabulary
+    vocab = f"{c.vocab_size} (the target's)" if block else f"{c.draft_vocab_size}/{c.vocab_size}"
     return ok(
         "drafter checkpoint",
         f"{info.path} ({info.form} form): hidden {c.hidden_size}, draft vocab {vocab}, aux layers {aux}; fits the target",

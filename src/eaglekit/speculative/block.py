@@ -14,6 +14,11 @@ with the target, keeps the accepted prefix and the bonus token, exactly as for E
 K may be smaller than the trained block (block_size - 1 mask slots): vLLM then builds K+1 queries, and so does
 this proposer; serving with a K the drafter was not trained at changes what the queries see, and that is what
 ``evaluate`` measures per K.
+
+A DSpark drafter (``model/dspark.py``) is proposed for as vLLM 0.32's ``DSparkSpeculator`` does it
+(``v1/worker/gpu/spec_decode/dspark/speculator.py``, anchor sampling): the same cached context, K queries
+``[last emitted token, mask × (K-1)]`` at positions n..n+K-1, every query drafting (query n+i proposes the token at
+n+i+1), sampled left to right with the Markov bias of the previous draft (the last emitted token for the first).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from eaglekit.model.dflash import DFlashDrafter
+from eaglekit.model.dspark import DSparkDrafter
 from eaglekit.speculative.decode import EagleProposer
 
 
@@ -69,6 +75,23 @@ class BlockProposer:
         return logits[0, 1:].argmax(-1).tolist(), None
 
 
+class DSparkProposer(BlockProposer):
+    """Block drafting from the anchor with the Markov head's left-to-right sampling (module docstring)."""
+
+    drafter: DSparkDrafter
+
+    @torch.no_grad()
+    def propose(
+        self, k: int, temperature: float, generator: torch.Generator | None
+    ) -> tuple[list[int], torch.Tensor | None]:
+        assert self.kv is not None, "reset() first"
+        ids = torch.tensor([[self.last] + [self.mask_token_id] * (k - 1)], device=self.device)
+        positions = torch.arange(self.length, self.length + k, device=self.device)[None]
+        return self.drafter.draft_block(self.drafter(ids, positions, self.kv)[0], self.last), None
+
+
 def proposer_for(drafter, aux_layer_ids: list[int] | None = None) -> BlockProposer | EagleProposer:
-    """The proposer of a drafter's family: block drafting for DFlash, chain drafting for EAGLE-3."""
+    """The proposer of a drafter's family: block drafting for DFlash and DSpark, chain drafting for EAGLE-3."""
+    if isinstance(drafter, DSparkDrafter):
+        return DSparkProposer(drafter)
     return BlockProposer(drafter) if isinstance(drafter, DFlashDrafter) else EagleProposer(drafter, aux_layer_ids)

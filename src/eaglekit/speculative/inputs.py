@@ -16,7 +16,7 @@ import torch
 from eaglekit.config import RunConfig
 from eaglekit.errors import EaglekitError, UsageError
 from eaglekit.model.checkpoints import CheckpointInfo
-from eaglekit.model.dflash_checkpoint import is_dflash_checkpoint
+from eaglekit.model.dspark_checkpoint import block_form
 from eaglekit.progress import console
 
 SMALL_MODEL_PARAMETERS = 50_000_000
@@ -41,7 +41,7 @@ def load_checked_drafter(cfg: RunConfig):
         )
         raise EaglekitError(f"drafter checkpoint {path} does not exist", remedy)
     hf, aux = target_and_aux(cfg)
-    if is_dflash_checkpoint(path):  # the block-drafter family (model/dflash_checkpoint.py)
+    if block_form(path):  # the block-drafter family (model/dflash_checkpoint.py, model/dspark_checkpoint.py)
         return (*load_block_drafter(cfg, path, aux), hf, aux)
     drafter, info = load_drafter(path)
     problems = check_compatible(drafter.config, hf, aux)
@@ -54,17 +54,18 @@ def load_checked_drafter(cfg: RunConfig):
 
 
 def load_block_drafter(cfg: RunConfig, path: Path, aux: list[int]):
-    """(DFlash drafter with the target's embedding and head, checkpoint info), refused when its taps differ."""
+    """(DFlash or DSpark drafter with the target's embedding and head, checkpoint info), refused when its taps
+    differ."""
     from eaglekit.model.checkpoints import CheckpointInfo
-    from eaglekit.model.dflash_checkpoint import FORM, load_for_target
+    from eaglekit.model.dspark_checkpoint import load_block_for_target
 
-    drafter = load_for_target(path, cfg.target.model, cfg.target.trust_remote_code)
+    drafter = load_block_for_target(path, cfg.target.model, cfg.target.trust_remote_code)
     if drafter.config.aux_layer_ids != list(aux):
         raise EaglekitError(
             f"drafter {path} taps target layers {drafter.config.aux_layer_ids}, this config {aux}",
             f"set target.aux_layers: {drafter.config.aux_layer_ids}, or retrain",
         )
-    return drafter, CheckpointInfo(FORM, path, missing_embeddings=False, aux_layer_ids=list(aux))
+    return drafter, CheckpointInfo(drafter.family, path, missing_embeddings=False, aux_layer_ids=list(aux))
 
 
 def load_starting_drafter(cfg: RunConfig, hf, aux):
@@ -79,7 +80,7 @@ def load_starting_drafter(cfg: RunConfig, hf, aux):
             f"train.init_from {path} does not exist (evaluate measures the finetune against it)",
             "restore that drafter folder, or remove train.init_from",
         )
-    if is_dflash_checkpoint(path):
+    if block_form(path):
         return load_block_drafter(cfg, Path(path), aux)
     drafter, info = load_drafter(path)
     problems = check_compatible(drafter.config, hf, aux)
@@ -239,8 +240,8 @@ def decoding_inputs(
 
 
 def drafter_architecture(cfg: RunConfig) -> str:
-    """llama or mla: the trained checkpoint's when it exists, else train.init_from's (a folder, or a hub id already
-    in the cache), else train.draft.architecture. Decides the forms export writes before the drafter is loaded."""
+    """llama, mla, dflash or dspark: the trained checkpoint's when it exists, else train.init_from's (a folder, or a
+    hub id already in the cache), else train.draft.architecture. Decides the forms export writes before the drafter is loaded."""
     from eaglekit.model.checkpoints import read_config
     from eaglekit.model.hub import cached_drafter, is_hub_id
 
@@ -249,8 +250,9 @@ def drafter_architecture(cfg: RunConfig) -> str:
     if init_from:
         folders.append(cached_drafter(init_from) if is_hub_id(init_from) else Path(init_from))
     for folder in folders:
-        if folder is not None and is_dflash_checkpoint(folder):
-            return "dflash"
+        form = block_form(folder) if folder is not None else None
+        if form:
+            return form
         if folder is not None and (folder / "config.json").exists():
             try:
                 return read_config(folder)[1].architecture
@@ -262,8 +264,8 @@ def drafter_architecture(cfg: RunConfig) -> str:
 def written_forms(cfg: RunConfig) -> list[str]:
     """The forms export writes with this config (verify serves these by default)."""
     requested: list[str] = list(dict.fromkeys(cfg.export.formats))
-    if drafter_architecture(cfg) == "dflash":  # the block-drafter family has one form, vLLM's
-        return ["dflash"]
+    if drafter_architecture(cfg) in ("dflash", "dspark"):  # a block-drafter family has one form, vLLM's
+        return [drafter_architecture(cfg)]
     if drafter_architecture(cfg) == "mla":
         return [f for f in requested if f != "speculators"] or requested
     return requested

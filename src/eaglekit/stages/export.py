@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from eaglekit import atomic
-from eaglekit.config import RunConfig
+from eaglekit.config import BLOCK_ARCHITECTURES, RunConfig
 from eaglekit.contract import Estimate, Sizes, Stage, StageContext, measured_time
 from eaglekit.data.eval_report import report_markdown
 from eaglekit.errors import EaglekitError
@@ -63,8 +63,8 @@ def local_verifier_warning(cfg: RunConfig) -> str | None:
 
 
 def verifier_known(ctx: StageContext):
-    if drafter_architecture(ctx.cfg) == "dflash":
-        return ok("verifier", "DFlash drafter: the dflash form names no verifier (vLLM is given the target)")
+    if drafter_architecture(ctx.cfg) in BLOCK_ARCHITECTURES:
+        return ok("verifier", "block drafter: its vLLM form names no verifier (vLLM is given the target)")
     if "speculators" not in (ctx.options.get("formats") or ctx.cfg.export.formats):
         return ok("verifier", "speculators form not requested")
     if drafter_architecture(ctx.cfg) == "mla":
@@ -103,8 +103,8 @@ def sglang_aux_problem(cfg: RunConfig, formats: list[str]) -> str | None:
 
 
 def sglang_aux_layers(ctx: StageContext):
-    if drafter_architecture(ctx.cfg) == "dflash":
-        return ok("SGLang aux layers", "DFlash drafter: no SGLang form")
+    if drafter_architecture(ctx.cfg) in BLOCK_ARCHITECTURES:
+        return ok("SGLang aux layers", "block drafter: no SGLang form")
     formats: list[str] = ctx.options.get("formats") or list(ctx.cfg.export.formats)
     problem = sglang_aux_problem(ctx.cfg, formats)
     if problem and drafter_architecture(ctx.cfg) == "mla":
@@ -228,7 +228,7 @@ def run(ctx: StageContext) -> dict:
     from eaglekit.model.target import embedding_and_head
 
     cfg, xc = ctx.cfg, ctx.cfg.export
-    if drafter_architecture(cfg) == "dflash":  # the block-drafter family: one form, vLLM's
+    if drafter_architecture(cfg) in BLOCK_ARCHITECTURES:  # the block-drafter family: one form, vLLM's
         return export_block_drafter(ctx)
     requested = list(dict.fromkeys(ctx.options.get("formats") or xc.formats))
     sglang_aux = sglang_aux_problem(cfg, requested)
@@ -300,47 +300,60 @@ def run(ctx: StageContext) -> dict:
 
 
 def export_block_drafter(ctx) -> dict:
-    """A DFlash drafter in the form vLLM 0.32 serves (``model/dflash_checkpoint.py``), re-read and compared."""
+    """A DFlash or DSpark drafter in the form vLLM 0.32 serves (``model/dflash_checkpoint.py``,
+    ``model/dspark_checkpoint.py``), re-read and compared."""
     from eaglekit.data.chat import load_tokenizer
-    from eaglekit.model.dflash_checkpoint import FORM, cpu_build_problem, load_for_target, save_dflash, serve_command
+    from eaglekit.model import dflash_checkpoint, dspark_checkpoint
+    from eaglekit.model.dspark import DSparkDrafter
 
     cfg = ctx.cfg
     drafter, info, _, _ = load_checked_drafter(cfg)
-    dest = ctx.dir / FORM
+    dspark = isinstance(drafter, DSparkDrafter)
+    form = dspark_checkpoint.FORM if dspark else dflash_checkpoint.FORM
+    dest = ctx.dir / form
     with atomic.atomic_dir(dest) as tmp:
-        save_dflash(drafter, tmp)
-        load_cfg = cfg.target.model, cfg.target.trust_remote_code
-        again = load_for_target(tmp, *load_cfg)
+        if dspark:
+            dspark_checkpoint.save_dspark(drafter, tmp)
+        else:
+            dflash_checkpoint.save_dflash(drafter, tmp)
+        again = dspark_checkpoint.load_block_for_target(tmp, cfg.target.model, cfg.target.trust_remote_code)
         mine, read = drafter.state_dict(), again.state_dict()
         if mine.keys() != read.keys() or any(not torch.equal(mine[k], read[k].to(mine[k])) for k in mine):
             raise EaglekitError(f"export: {dest} does not read back as the drafter written", "report this bug")
         load_tokenizer(cfg.target.model, cfg.target.chat_template, cfg.target.trust_remote_code).save_pretrained(tmp)
-    commands = [("vLLM (method dflash)", serve_command(verifier_id(cfg), dest, cfg.export.num_speculative_tokens))]
+    k = cfg.export.num_speculative_tokens
+    commands = [(f"vLLM (method {form})", dflash_checkpoint.serve_command(verifier_id(cfg), dest, k, method=form))]
     warnings = []
-    if cfg.export.num_speculative_tokens > drafter.config.block_size - 1:
+    trained = drafter.config.block_size - (0 if dspark else 1)  # DSpark's anchor slot drafts too
+    if k > trained:
         warnings.append(
-            f"export.num_speculative_tokens {cfg.export.num_speculative_tokens} exceeds the {drafter.config.block_size - 1} "
-            "mask slots the drafter was trained with"
+            f"export.num_speculative_tokens {k} exceeds the {trained} draft slots the drafter was trained with"
         )
-    problem = cpu_build_problem(drafter.state_dict(), drafter.config)
+    problem = None if dspark else dflash_checkpoint.cpu_build_problem(drafter.state_dict(), drafter.config)
     if problem:
         warnings.append(
             f"on vLLM's CPU build: {problem} (train with train.draft.shared_k_norm: true to serve it there)"
         )
+    if dspark:
+        warnings.append(
+            "vLLM's CPU build does not serve DSpark (its V1 model runner refuses the method); serve it with a GPU "
+            "build of vLLM >= 0.32"
+        )
     atomic.write_text(
         ctx.dir / "README.md",
-        f"# DFlash drafter\n\nFrom {info.path}; {drafter.config.num_hidden_layers} layers, block "
+        f"# {'DSpark' if dspark else 'DFlash'} drafter\n\n"
+        f"From {info.path}; {drafter.config.num_hidden_layers} layers, block "
         f"{drafter.config.block_size}, aux layers {drafter.config.aux_layer_ids}.\n\n"
         + "".join(f"{what}:\n\n    {command}\n\n" for what, command in commands)
         + "".join(f"- warning: {w}\n" for w in warnings),
     )
-    console.print(f"export: {FORM} form written to {dest} (keys, shapes and weights checked)")
+    console.print(f"export: {form} form written to {dest} (keys, shapes and weights checked)")
     for what, command in commands:
         console.print(f"[bold]{what}[/]:")
         console.print(command, markup=False, soft_wrap=True)
     for w in warnings:
         console.print(f"[yellow]export: {w}[/]")
-    return {"formats": [FORM], FORM: str(dest), "warnings": len(warnings)}
+    return {"formats": [form], form: str(dest), "warnings": len(warnings)}
 
 
 def run_warnings(ctx: StageContext) -> list[str]:

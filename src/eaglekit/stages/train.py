@@ -13,11 +13,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from eaglekit.config import RunConfig
+from eaglekit.config import BLOCK_ARCHITECTURES, RunConfig
 from eaglekit.contract import Estimate, Sizes, Stage, StageContext
 from eaglekit.errors import EaglekitError
-from eaglekit.model.dflash_checkpoint import is_dflash_checkpoint, load_for_target
+from eaglekit.model.dflash import DFlashConfig
 from eaglekit.model.drafter import FLAGS, DrafterConfig, text_config
+from eaglekit.model.dspark import DSparkConfig
+from eaglekit.model.dspark_checkpoint import block_form, load_block_for_target
 from eaglekit.model.hub import cached_drafter, download_drafter, is_hub_id, local_folder
 from eaglekit.model.run_shapes import drafter_config, parameter_counts, target_and_aux
 from eaglekit.model.target import target_identity
@@ -110,9 +112,10 @@ def init_from_compatible(ctx: StageContext):
             f"train.init_from {path} does not exist",
             "point it at a drafter folder (legacy or speculators form), or a hub id org/name",
         )
-    if is_dflash_checkpoint(folder):  # the block-drafter family: its export re-imported (training/dflash.py)
+    form = block_form(folder)
+    if form:  # the block-drafter family: its export re-imported (training/dflash.py)
         try:
-            block = load_for_target(folder, ctx.cfg.target.model, ctx.cfg.target.trust_remote_code)
+            block = load_block_for_target(folder, ctx.cfg.target.model, ctx.cfg.target.trust_remote_code)
             _, aux = target_and_aux(ctx.cfg)
         except EaglekitError as err:
             return fail("init_from", f"{path}: {err.message}", err.remedy or "check the drafter folder")
@@ -122,7 +125,7 @@ def init_from_compatible(ctx: StageContext):
                 f"{path} taps target layers {block.config.aux_layer_ids}, this run {aux}",
                 f"set target.aux_layers: {block.config.aux_layer_ids}",
             )
-        return ok("init_from", f"{path}: dflash drafter, {block.config.num_hidden_layers} layers, fits the target")
+        return ok("init_from", f"{path}: {form} drafter, {block.config.num_hidden_layers} layers, fits the target")
     try:
         drafter, _info = checkpoints.load_drafter(folder)
         hf, aux = target_and_aux(ctx.cfg)
@@ -169,7 +172,7 @@ def drafter_shape(ctx: StageContext):
                 "remove train.draft, or train a new drafter",
             )
         return skip("drafter", "finetuning train.init_from (its own shape)")
-    if cfg.train.draft.architecture == "dflash":  # the block-drafter family (training/dflash.py)
+    if cfg.train.draft.architecture in BLOCK_ARCHITECTURES:  # the block-drafter family (training/dflash.py)
         return block_drafter_shape(cfg)
     try:
         hf, aux = target_and_aux(cfg)
@@ -231,19 +234,29 @@ def checks(cfg: RunConfig) -> list:
 
 
 def block_drafter_shape(cfg: RunConfig):
-    from eaglekit.model.dflash import config_for_run
-    from eaglekit.training.dflash import block_drafter_notes
+    from eaglekit.training.dflash import block_drafter_notes, mla_target_problem
 
     try:
         hf, aux = target_and_aux(cfg)
-        dc = config_for_run(cfg, hf, aux, int(text_config(hf).vocab_size))
+        dc = drafter_config(cfg)
+        assert isinstance(dc, DFlashConfig)  # the block families' config (DSpark's extends DFlash's)
     except EaglekitError as err:
         return fail("drafter", err.message, err.remedy or "fix train.draft")
+    family = cfg.train.draft.architecture
+    markov = f", Markov rank {dc.markov_rank}" if isinstance(dc, DSparkConfig) else ""
     detail = (
-        f"dflash: {dc.num_hidden_layers} layers, block {dc.block_size}, mask token {dc.mask_token_id}, "
-        f"heads {dc.num_attention_heads} / kv {dc.num_key_value_heads} x {dc.head_dim}, aux layers {aux}"
+        f"{family}: {dc.num_hidden_layers} layers, block {dc.block_size}, mask token {dc.mask_token_id}, "
+        f"heads {dc.num_attention_heads} / kv {dc.num_key_value_heads} x {dc.head_dim}{markov}, aux layers {aux}"
     )
-    notes = block_drafter_notes(cfg, hf)
+    problem = mla_target_problem(hf)
+    if problem:
+        return fail(
+            "drafter",
+            f"{detail}: {problem}",
+            "train an EAGLE-3 drafter for this target (train.draft.architecture: mla, the shape published for "
+            "Kimi-K2.5/K2.6), or serve on an engine that runs non-causal drafts on MLA targets",
+        )
+    notes = block_drafter_notes(cfg)
     if notes:
         return warn("drafter", detail + "; " + "; ".join(notes), "see README: Choosing a drafter family")
     return ok("drafter", detail)

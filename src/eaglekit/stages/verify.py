@@ -38,7 +38,7 @@ from eaglekit.config import RunConfig
 from eaglekit.contract import Estimate, Sizes, Stage, StageContext
 from eaglekit.errors import EaglekitError, UsageError
 from eaglekit.preflight import checks as common
-from eaglekit.preflight import fail, ok, will_be_produced
+from eaglekit.preflight import fail, ok, skip, will_be_produced
 from eaglekit.preflight.drafter import drafter_checkpoint, prompts_available
 from eaglekit.progress import Meter, console
 from eaglekit.rundir import file_identity
@@ -142,8 +142,47 @@ def exported_forms(ctx: StageContext):
     return ok("exported forms", ", ".join(forms(ctx.cfg)))
 
 
+# vLLM 0.32 serves DSpark only in its V2 model runner; the V1 runner refuses it at config time with
+# "Model Runner V1 does not support: dspark speculative decoding" (vllm/config/vllm.py:2979 and :3202), and the
+# CPU build runs V1 because V2 needs Triton, which has no CPU backend (vllm/config/vllm.py:726 and :3190).
+DSPARK_ON_CPU = (
+    "vLLM's CPU build cannot serve a DSpark drafter: vLLM 0.32 refuses it with \"Model Runner V1 does not support: "
+    'dspark speculative decoding" (DSpark is implemented only in the V2 model runner, which needs Triton, and '
+    "Triton has no CPU backend)"
+)
+
+
+def engine_serves_forms(ctx: StageContext):
+    """A form the configured engine cannot serve is named here, before an engine starts for it."""
+    from eaglekit.serving.engine import find_vllm_python, is_cpu_build
+
+    vc = ctx.cfg.verify
+    if vc.engine != "vllm" or "dspark" not in forms(ctx.cfg):
+        return ok("engine serves the forms", "nothing this engine is known to refuse")
+    try:
+        python = find_vllm_python(vc.python)
+    except EaglekitError:
+        return skip("engine serves the forms", "no vLLM found (the engine check says why)")
+    if is_cpu_build(python):
+        return fail(
+            "engine serves the forms",
+            f"{DSPARK_ON_CPU}; the exported drafter is {ctx.cfg.run_path / 'export' / 'dspark'}",
+            "verify it on a GPU machine (verify.python: a CUDA build of vLLM >= 0.32, which runs the V2 model "
+            "runner), or drop the verify section on this machine; evaluate's figures are eaglekit's offline decoding",
+        )
+    return ok("engine serves the forms", f"dspark: {python} is not the CPU build (its V2 model runner serves it)")
+
+
 def checks(cfg: RunConfig) -> list:
-    return [configured, engine_available, exported_forms, common.target_folder, drafter_checkpoint, prompts_available]
+    return [
+        configured,
+        engine_available,
+        exported_forms,
+        engine_serves_forms,
+        common.target_folder,
+        drafter_checkpoint,
+        prompts_available,
+    ]
 
 
 def estimate(ctx: StageContext, sizes: Sizes | None) -> Estimate:
@@ -280,7 +319,7 @@ class ServedRun:
 
 def vllm_launch(cfg: RunConfig, form: str, folder: Path, k: int) -> tuple[str, list[str], str]:
     """(model, flags, description) that serve ``folder`` with K drafts: the commands export printed."""
-    method = "dflash" if form == "dflash" else "eagle3"  # the block-drafter family's one form
+    method = form if form in ("dflash", "dspark") else "eagle3"  # a block-drafter family's one form is its method
     spec = json.dumps({"method": method, "model": str(folder.resolve()), "num_speculative_tokens": k})
     model = cfg.target.model
     if form == "speculators":

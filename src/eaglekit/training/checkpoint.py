@@ -18,10 +18,11 @@ from torch import nn
 from eaglekit import atomic
 from eaglekit.errors import EaglekitError
 from eaglekit.interrupt import StopRequest
-from eaglekit.model import checkpoints
+from eaglekit.model import checkpoints, dspark_checkpoint
 from eaglekit.model.dflash import DFlashConfig
 from eaglekit.model.dflash_checkpoint import save_from_state
 from eaglekit.model.drafter import DrafterConfig, Eagle3Drafter
+from eaglekit.model.dspark import DSparkConfig
 from eaglekit.training import distributed as dist
 from eaglekit.training.metrics import reduce_device
 
@@ -87,12 +88,18 @@ def without_frozen_embedding(msd: dict, drafter: Eagle3Drafter) -> dict:
 
 
 def save_drafter(drafter_cfg: DrafterConfig | DFlashConfig, msd: dict, out: Path) -> None:
-    if isinstance(drafter_cfg, DFlashConfig):  # the block-drafter family: the form its export writes
-        save_from_state(drafter_cfg, msd, out)
-        return
-    cpu = Eagle3Drafter(drafter_cfg)
-    cpu.load_state_dict(msd)
-    checkpoints.save_legacy(cpu, out)
+    # Building the CPU copy initialises its weights from the global RNG: forked, so that writing a checkpoint does
+    # not move the RNG the run goes on drawing from (a block drafter's anchors, the feature noise), which the
+    # checkpoint stored before this draw and a resumed run restores.
+    with torch.random.fork_rng(devices=[]):
+        if isinstance(drafter_cfg, DSparkConfig):  # the block-drafter family: the form its export writes
+            dspark_checkpoint.save_from_state(drafter_cfg, msd, out)
+        elif isinstance(drafter_cfg, DFlashConfig):
+            save_from_state(drafter_cfg, msd, out)
+        else:
+            cpu = Eagle3Drafter(drafter_cfg)
+            cpu.load_state_dict(msd)
+            checkpoints.save_legacy(cpu, out)
 
 
 class Checkpoints:

@@ -16,6 +16,12 @@ As speculators 0.9.0 ships it (``models/dflash/core.py``, ``attention.py``, ``ut
 
 Metrics: accuracy per block slot, and the block τ measured in training (1 + the run of correct slots from slot 1,
 per anchor) — which can differ from serving's (SpecForge#835): ``evaluate`` decodes for the figure that counts.
+
+DSpark (``model/dspark.py``, speculators' ``models/dspark/core.py`` and ``metrics.py``) trains the same blocks with
+anchor sampling: slot k is trained to the target's argmax at a+k (its prediction of token a+k+1), the anchor slot
+included, and its logits carry the Markov bias of the token at a+k (teacher-forced: the sequence's own token, the
+one the label is conditioned on). Its exp-decay weighs slot k by exp(-k/γ); its τ counts the run from slot 0.
+speculators adds a confidence-head loss, which eaglekit does not train (``model/dspark.py``).
 """
 
 from __future__ import annotations
@@ -26,7 +32,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eaglekit.config import BLOCK_ARCHITECTURES
 from eaglekit.model.dflash import DFlashDrafter
+from eaglekit.model.dspark import DSparkDrafter
 from eaglekit.training.ttt import TTTOutput  # the loop's per-position figures (the loop reads no more of TTT)
 
 WEIGHTINGS = ("dpace", "exp-decay")
@@ -35,9 +43,9 @@ WEIGHTINGS = ("dpace", "exp-decay")
 @dataclass
 class BlockOutput:
     loss: torch.Tensor  # scalar, with grad
-    correct: torch.Tensor  # [B_size] slots whose argmax equals the label (slot 0, the anchor, stays 0)
+    correct: torch.Tensor  # [B_size] slots whose argmax equals the label (DFlash's slot 0, the anchor, stays 0)
     counted: torch.Tensor  # [B_size] slots that count
-    accepted_run: torch.Tensor  # scalar: Σ over valid anchors of the run of correct slots from slot 1
+    accepted_run: torch.Tensor  # scalar: Σ over valid anchors of the run of correct slots from the first drafting one
     anchors: torch.Tensor  # scalar: valid anchors
     slot_loss: torch.Tensor  # [B_size] mean cross-entropy per slot over the slots that count (unweighted)
 
@@ -83,9 +91,10 @@ def block_attention_mask(docs: torch.Tensor, anchors: torch.Tensor, block_size: 
 
 
 def position_weights(
-    ce: torch.Tensor, counted: torch.Tensor, weighting: str, dpace_alpha: float, gamma: float
+    ce: torch.Tensor, counted: torch.Tensor, weighting: str, dpace_alpha: float, gamma: float, first_slot: int = 1
 ) -> torch.Tensor:
-    """[N, bs] per-slot weights (no grad). ``counted`` [N, bs] bool."""
+    """[N, bs] per-slot weights (no grad). ``counted`` [N, bs] bool; ``first_slot``: the first slot that drafts
+    (1 for DFlash, 0 for DSpark), where exp-decay starts at weight 1."""
     with torch.no_grad():
         if weighting == "dpace":
             smooth = (1.0 - dpace_alpha) * torch.exp(-ce.float()) + dpace_alpha
@@ -94,7 +103,7 @@ def position_weights(
             return prefix.flip(-1).cumsum(-1).flip(-1) * counted
         if weighting == "exp-decay":
             slot = torch.arange(ce.shape[-1], device=ce.device, dtype=torch.float32)
-            return torch.exp(-(slot - 1).clamp_min(0) / gamma).expand_as(ce) * counted
+            return torch.exp(-(slot - first_slot).clamp_min(0) / gamma).expand_as(ce) * counted
     raise ValueError(f"unknown position weighting {weighting!r} (one of {WEIGHTINGS})")
 
 
@@ -113,9 +122,12 @@ def block_loss(
     gamma: float = 4.0,
     generator: torch.Generator | None = None,
 ) -> BlockOutput:
-    """The DFlash loss of one batch (module docstring). aux [B, L, n*Ht]; target_argmax [B, L]: the target's argmax
-    over its whole vocabulary at each position (its next token); the rest [B, L]; ``position_ids`` for packed rows."""
+    """The DFlash (or DSpark) loss of one batch (module docstring). aux [B, L, n*Ht]; target_argmax [B, L]: the
+    target's argmax over its whole vocabulary at each position (its next token); the rest [B, L]; ``position_ids``
+    for packed rows."""
     bs = drafter.config.block_size
+    markov = drafter.markov_head if isinstance(drafter, DSparkDrafter) else None
+    first = first_drafting_slot(drafter)
     device = drafter.fc.weight.device
     aux, target_argmax = aux.to(device), target_argmax.to(device)
     input_ids, loss_mask, attention_mask = input_ids.to(device), loss_mask.to(device), attention_mask.to(device)
@@ -128,14 +140,14 @@ def block_loss(
     n_anchors = anchors.shape[1]
 
     slot = torch.arange(bs, device=device)
-    index = anchors[:, :, None] + slot  # [B, A, bs]: the position each slot stands for
+    index = anchors[:, :, None] + slot + (1 - first)  # [B, A, bs]: the position of the token each slot predicts
     inside = index < length
     index = index.clamp_max(length - 1)
     flat = index.flatten(1)
     same_doc = docs.gather(1, flat).view_as(index) == docs.gather(1, anchors)[:, :, None]
-    counted = valid[:, :, None] & inside & same_doc & loss_mask.bool().gather(1, flat).view_as(index) & (slot > 0)
+    counted = valid[:, :, None] & inside & same_doc & loss_mask.bool().gather(1, flat).view_as(index) & (slot >= first)
 
-    labels = target_argmax.gather(1, (index - 1).clamp_min(0).flatten(1)).view_as(index)  # a+k-1 predicts a+k
+    labels = target_argmax.gather(1, (index - 1).clamp_min(0).flatten(1)).view_as(index)  # t-1 predicts t
 
     query_ids = torch.full_like(index, drafter.config.mask_token_id)
     query_ids[:, :, 0] = input_ids.gather(1, anchors)
@@ -144,14 +156,16 @@ def block_loss(
     kv = drafter.context_kv(context, positions)
     mask = block_attention_mask(docs, anchors, bs)
     logits = drafter(query_ids.flatten(1), query_positions.flatten(1), kv, mask)  # [B, A*bs, V]
+    if markov is not None:  # each slot's bias from the token at its own position (index - 1; the anchor at slot 0)
+        logits = logits + markov(input_ids.gather(1, (index - 1).flatten(1)))
 
     ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view(b * n_anchors, bs)
     counted = counted.view(b * n_anchors, bs)
-    weights = position_weights(ce, counted, weighting, dpace_alpha, gamma)
+    weights = position_weights(ce, counted, weighting, dpace_alpha, gamma, first)
     loss = (ce * weights).sum() / counted.sum().clamp_min(1)
 
     hit = (logits.argmax(-1).view_as(index) == labels).view(b * n_anchors, bs) & counted
-    run = torch.cumprod(hit[:, 1:].long(), dim=-1).sum(-1)  # a slot that does not count ends the run
+    run = torch.cumprod(hit[:, first:].long(), dim=-1).sum(-1)  # a slot that does not count ends the run
     return BlockOutput(
         loss=loss,
         correct=hit.sum(0).detach(),
@@ -160,6 +174,12 @@ def block_loss(
         anchors=valid.sum().detach(),
         slot_loss=((ce * counted).sum(0) / counted.sum(0).clamp_min(1)).detach(),
     )
+
+
+def first_drafting_slot(drafter: DFlashDrafter) -> int:
+    """The first block slot that drafts: DSpark's anchor predicts the next token (anchor sampling), DFlash's does
+    not (its mask slots sit at the positions they predict)."""
+    return 0 if isinstance(drafter, DSparkDrafter) else 1
 
 
 def target_argmax(last_hidden: torch.Tensor, head: torch.Tensor, rows: int = 4096) -> torch.Tensor:
@@ -174,7 +194,8 @@ class BlockObjective(nn.Module):
 
     It takes the training loop's inputs (``training/loop.py``'s ``Features``, built over the whole vocabulary
     for this family, so ``target_logits`` argmax is the target's next token) and answers with the loop's
-    per-position figures: position k is block slot k+1 (``loss_k``, ``acc_k``, ``count_k``)."""
+    per-position figures: position k is the k-th drafting slot (``loss_k``, ``acc_k``, ``count_k``): DFlash's slot
+    k+1, DSpark's slot k."""
 
     def __init__(self, drafter: DFlashDrafter, max_anchors: int, weighting: str, dpace_alpha: float, gamma: float):
         super().__init__()
@@ -185,7 +206,8 @@ class BlockObjective(nn.Module):
 
     @property
     def positions(self) -> int:
-        return self.drafter.config.block_size - 1
+        """Draft positions per block: every slot but DFlash's anchor."""
+        return self.drafter.config.block_size - first_drafting_slot(self.drafter)
 
     def forward(
         self, aux, input_ids, target_logits, loss_mask, attention_mask, target_in_draft=None, position_ids=None
@@ -203,9 +225,10 @@ class BlockObjective(nn.Module):
             dpace_alpha=self.dpace_alpha,
             gamma=self.gamma,
         )
-        counted = out.counted[1:].tolist()
-        acc = [c / n if n else 0.0 for c, n in zip(out.correct[1:].tolist(), counted, strict=True)]
-        loss_k = [float(out.slot_loss[k]) for k in range(1, self.positions + 1)]
+        first = first_drafting_slot(self.drafter)
+        counted = out.counted[first:].tolist()
+        acc = [c / n if n else 0.0 for c, n in zip(out.correct[first:].tolist(), counted, strict=True)]
+        loss_k = [float(out.slot_loss[k]) for k in range(first, first + self.positions)]
         return out.loss, TTTOutput(loss=out.loss, loss_k=loss_k, acc_k=acc, count_k=[int(n) for n in counted])
 
 
@@ -213,21 +236,25 @@ class BlockObjective(nn.Module):
 
 
 def trains_block_drafter(cfg) -> bool:
-    """Whether a run trains a DFlash drafter: asked for, or finetuning an exported one (``train.init_from``)."""
-    from eaglekit.model.dflash_checkpoint import is_dflash_checkpoint
+    """Whether a run trains a block drafter (DFlash or DSpark): asked for, or finetuning an exported one
+    (``train.init_from``)."""
+    from eaglekit.model.dspark_checkpoint import block_form
 
     init_from = cfg.train.init_from
-    return cfg.train.draft.architecture == "dflash" or bool(init_from and is_dflash_checkpoint(init_from))
+    return cfg.train.draft.architecture in BLOCK_ARCHITECTURES or bool(init_from and block_form(init_from))
 
 
 def build_block_drafter(cfg, hf_config, embed: torch.Tensor, head: torch.Tensor, aux_ids: list[int]):
-    """(drafter, notes) for ``train.draft.architecture: dflash``: fresh from the target's config, or ``train.init_from``
-    an exported DFlash drafter (``export/dflash/``) re-imported to finetune."""
-    from eaglekit.model.dflash import config_for_run
+    """(drafter, notes) for ``train.draft.architecture: dflash`` or ``dspark``: fresh from the target's config, or
+    ``train.init_from`` an exported one (``export/dflash/``, ``export/dspark/``) re-imported to finetune."""
+    from eaglekit.model import dflash, dspark
     from eaglekit.model.dflash_checkpoint import load_dflash
+    from eaglekit.model.dspark_checkpoint import is_dspark_checkpoint, load_dspark
 
+    drafter: DFlashDrafter
     if cfg.train.init_from:
-        drafter = load_dflash(cfg.train.init_from, embed, head).float()
+        load = load_dspark if is_dspark_checkpoint(cfg.train.init_from) else load_dflash
+        drafter = load(cfg.train.init_from, embed, head).float()
         if drafter.config.aux_layer_ids != list(aux_ids):
             from eaglekit.errors import UsageError
 
@@ -236,30 +263,38 @@ def build_block_drafter(cfg, hf_config, embed: torch.Tensor, head: torch.Tensor,
                 f"this run {list(aux_ids)}",
                 f"set target.aux_layers: {drafter.config.aux_layer_ids}",
             )
-        return drafter, {"draft_vocab": "the target's (dflash)", "init_from": cfg.train.init_from}
-    dcfg = config_for_run(cfg, hf_config, aux_ids, int(embed.shape[0]))
-    drafter = DFlashDrafter(dcfg)
+        return drafter, {"draft_vocab": f"the target's ({drafter.family})", "init_from": cfg.train.init_from}
+    if cfg.train.draft.architecture == "dspark":
+        drafter = DSparkDrafter(dspark.config_for_run(cfg, hf_config, aux_ids, int(embed.shape[0])))
+    else:
+        drafter = DFlashDrafter(dflash.config_for_run(cfg, hf_config, aux_ids, int(embed.shape[0])))
     drafter.take_target(embed, head)
-    return drafter, {"draft_vocab": "the target's (dflash)", "mask_token_id": dcfg.mask_token_id}
+    return drafter, {"draft_vocab": f"the target's ({drafter.family})", "mask_token_id": drafter.config.mask_token_id}
 
 
-def block_drafter_notes(cfg, hf_config) -> list[str]:
-    """What pre-flight says about serving this family with this target (warnings; empty when none apply)."""
+def block_drafter_notes(cfg) -> list[str]:
+    """What pre-flight warns about serving this family (empty when nothing applies); the refusals are
+    ``mla_target_problem``'s."""
+    if cfg.train.draft.shared_k_norm or cfg.train.draft.architecture == "dspark":
+        return []  # DSpark: the CPU build does not serve it at all (verify says so), its k_norm does not matter
+    return [
+        "train.draft.shared_k_norm is false: vLLM 0.32's CPU build would serve this drafter with other drafts "
+        "(it applies layer 0's k_norm to every layer's context keys); GPU engines are not affected"
+    ]
+
+
+def mla_target_problem(hf_config) -> str | None:
+    """Why a block drafter cannot be served on this target, or None: its draft layers attend non-causally, and
+    stock vLLM cannot serve a non-causal draft on a target with multi-head latent attention (z-lab/dflash#62,
+    Kimi-K2.5)."""
     from eaglekit.model.drafter import text_config
 
-    notes = []
-    if getattr(text_config(hf_config), "kv_lora_rank", None):
-        notes.append(
-            "the target uses multi-head latent attention: DFlash's non-causal draft on an MLA target is reported "
-            "not to run on stock vLLM (z-lab/dflash#62, Kimi-K2.5); vLLM 0.32 added non-causal MLA backends, not "
-            "verified here — verify on your engine before a long run"
-        )
-    if not cfg.train.draft.shared_k_norm:
-        notes.append(
-            "train.draft.shared_k_norm is false: vLLM 0.32's CPU build would serve this drafter with other drafts "
-            "(it applies layer 0's k_norm to every layer's context keys); GPU engines are not affected"
-        )
-    return notes
+    if not getattr(text_config(hf_config), "kv_lora_rank", None):
+        return None
+    return (
+        "the target uses multi-head latent attention (DeepSeek-V3/Kimi): stock vLLM cannot serve a non-causal "
+        "block draft (DFlash, DSpark) on an MLA target (z-lab/dflash#62, Kimi-K2.5)"
+    )
 
 
 def block_objective(drafter: DFlashDrafter, draft) -> BlockObjective:

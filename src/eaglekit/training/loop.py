@@ -225,7 +225,7 @@ def drafter_and_features(cfg: RunConfig, run_path: Path, device: torch.device) -
     embed, head = embedding_and_head(
         cfg.target.model if target_model is None else target_model, cfg.target.trust_remote_code
     )
-    if trains_block_drafter(cfg):  # the DFlash family drafts over the whole vocabulary: its features cover it all
+    if trains_block_drafter(cfg):  # block drafters draft over the whole vocabulary: their features cover it all
         drafter, notes = build_block_drafter(cfg, hf_config, embed, head, aux_ids)
         t2d = torch.ones(head.shape[0], dtype=torch.bool)
     else:
@@ -243,9 +243,9 @@ def objective_for(
     """The objective of the drafter's family, how many figures it reports per draft position and their weights in
     the held-out loss, and the kernels it runs: EAGLE-3's TTT steps (the GPU's fused kernels where they apply), or a
     DFlash block's mask slots (training/dflash.py, weighted alike)."""
-    if isinstance(drafter, DFlashDrafter):
-        positions = drafter.config.block_size - 1
-        return block_objective(drafter, tc.draft), positions, [1.0] * positions, "block objective"
+    if isinstance(drafter, DFlashDrafter):  # DFlash or DSpark
+        objective = block_objective(drafter, tc.draft)
+        return objective, objective.positions, [1.0] * objective.positions, f"{drafter.family} block objective"
     kernels = step_kernels(tc.attention, tc.head_loss, device)
     if tc.compile:
         compile_drafter(drafter)
