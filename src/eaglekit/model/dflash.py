@@ -274,6 +274,11 @@ class DFlashDrafter(nn.Module):
         self.lm_head = nn.Linear(h, cfg.vocab_size, bias=False)
         for shared in (self.embed_tokens.weight, self.lm_head.weight):
             shared.requires_grad_(False)
+        # normal(0, 0.02) as EAGLE-3's layer and speculators' DFlash start (HF's initializer_range), not torch's
+        # fan-in uniform: the race against speculators' trainer measured the difference (benchmarks/RESULTS.md)
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=0.02)
         # the target's RoPE, computed as EAGLE-3's layer computes it (it reads only the fields both configs share)
         self.rotary = Rotary(*rope_inv_freq(cfg))  # type: ignore[arg-type]
 
