@@ -1,14 +1,17 @@
-"""Block drafter against chain drafter: eaglekit's DFlash and eaglekit's EAGLE-3, same data, same budget.
+"""Block drafters against the chain drafter: eaglekit's DFlash, DSpark and EAGLE-3, same data, same budget.
 
 data      the tiny target's task corpus (train split), rendered with its chat template, loss on the assistant
           turn; features online from the tiny target (aux layers [2, 4, 5], the same taps for both drafters).
 budget    --steps AdamW steps of --batch rows, lr --lr (constant), per seed; the same batches in the same order.
 dflash    eaglekit's DFlash (training/dflash.py): --layers layers, block --block, CE with D-PACE, full vocabulary.
+dspark    eaglekit's DSpark (model/dspark.py): DFlash's backbone with anchor sampling (block --block - 1, so it
+          drafts as many tokens per round as DFlash) and the Markov head (rank --markov-rank), exp-decay weights.
 eagle3    eaglekit's EAGLE-3 (training/ttt.py): one Llama layer, TTT --ttt steps, decay 0.8, full vocabulary.
 measure   eaglekit's draft → verify loop (speculative/decode.py) on --prompts held-out prompts at temperature 0:
           τ (tokens per target pass) per K and acceptance per draft position.
 cost      drafter layer-passes per verify round: EAGLE-3 runs its layer K times (one query each); DFlash runs
-          its layers once over K+1 queries (the context's keys/values are projected once per verified token).
+          its layers once over K+1 queries, DSpark once over K (the context's keys/values are projected once per
+          verified token); DSpark's Markov head adds K small lookups.
 
   .venv/bin/python benchmarks/dflash_vs_eagle3.py                        # 3 seeds, ~4 min on 2 CPU cores
   .venv/bin/python benchmarks/dflash_vs_eagle3.py --seeds 0 --steps 60   # a quick look
@@ -31,9 +34,10 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from eaglekit.model.dflash import DFlashConfig, DFlashDrafter, default_mask_token_id  # noqa: E402
 from eaglekit.model.drafter import DrafterConfig, Eagle3Drafter, build_d2t_t2d  # noqa: E402
+from eaglekit.model.dspark import DSparkConfig, DSparkDrafter  # noqa: E402
 from eaglekit.model.target import TargetFeatures, default_aux_layers, draft_logits  # noqa: E402
-from eaglekit.speculative.block import BlockProposer  # noqa: E402
-from eaglekit.speculative.decode import EagleProposer, generate  # noqa: E402
+from eaglekit.speculative.block import proposer_for  # noqa: E402
+from eaglekit.speculative.decode import generate  # noqa: E402
 from eaglekit.tiny import ensure_tiny_target, sample_tasks  # noqa: E402
 from eaglekit.tiny.build import batch_tensors, encode  # noqa: E402
 from eaglekit.training.dflash import block_loss, target_argmax  # noqa: E402
@@ -44,12 +48,18 @@ def build(kind: str, model, tok, aux: list[int], args, seed: int):
     torch.manual_seed(seed)
     vocab = model.config.vocab_size
     embed, head = model.get_input_embeddings().weight, model.lm_head.weight
-    if kind == "dflash":
+    if kind in ("dflash", "dspark"):
         mask = default_mask_token_id(tok, vocab)
-        cfg = DFlashConfig.from_target_config(
-            model.config, aux, mask, num_hidden_layers=args.layers, block_size=args.block, shared_k_norm=True
-        )
-        drafter = DFlashDrafter(cfg)
+        shape = dict(num_hidden_layers=args.layers, shared_k_norm=True)
+        if kind == "dspark":
+            config = DSparkConfig.from_target_config(
+                model.config, aux, mask, block_size=args.block - 1, markov_rank=args.markov_rank, **shape
+            )
+            drafter: DFlashDrafter = DSparkDrafter(config)
+        else:
+            drafter = DFlashDrafter(
+                DFlashConfig.from_target_config(model.config, aux, mask, block_size=args.block, **shape)
+            )
         drafter.take_target(embed, head)
         return drafter
     eagle = Eagle3Drafter(DrafterConfig.from_target_config(model.config, draft_vocab_size=vocab, aux_layer_ids=aux))
@@ -74,7 +84,7 @@ def train(kind: str, drafter, features: TargetFeatures, rows, head: torch.Tensor
         ids, labels, attention = batch_tensors(picked, 0)
         loss_mask = (labels != -100).long()
         f = features(ids, attention, with_logits=False)
-        if kind == "dflash":
+        if kind in ("dflash", "dspark"):
             argmax = target_argmax(f.last_hidden, head)
             loss = block_loss(drafter, f.aux, argmax, ids, loss_mask, attention, generator=generator).loss
         else:
@@ -90,8 +100,7 @@ def train(kind: str, drafter, features: TargetFeatures, rows, head: torch.Tensor
 def measure(kind: str, drafter, model, prompts, k: int, stop: set[int]) -> tuple[float, list[float]]:
     total = None
     for prompt in prompts:
-        proposer = BlockProposer(drafter) if kind == "dflash" else EagleProposer(drafter)
-        stats = generate(model, prompt, 96, proposer=proposer, k=k, stop_ids=stop).stats
+        stats = generate(model, prompt, 96, proposer=proposer_for(drafter), k=k, stop_ids=stop).stats
         total = stats if total is None else total + stats
     assert total is not None
     return total.tau, total.acceptance_by_position()
@@ -106,6 +115,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--block", type=int, default=8)
     parser.add_argument("--ttt", type=int, default=7)
+    parser.add_argument("--markov-rank", type=int, default=32, help="DSpark's Markov head rank (speculators: 256)")
+    parser.add_argument("--drafters", nargs="+", default=["dflash", "dspark", "eagle3"])
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 3, 7])
     parser.add_argument("--prompts", type=int, default=12)
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "dflash_vs_eagle3.json")
@@ -126,7 +137,7 @@ def main() -> None:
 
     results: dict[str, dict] = {"args": vars(args) | {"out": str(args.out)}, "runs": []}
     for seed in args.seeds:
-        for kind in ("dflash", "eagle3"):
+        for kind in args.drafters:
             drafter = build(kind, model, tok, aux, args, seed)
             seconds = train(kind, drafter, features, rows, head, args, seed)
             drafter.eval()
@@ -141,11 +152,12 @@ def main() -> None:
 
     print("\n| drafter | K | τ T=0 (mean ± sd over seeds) | layer-passes per round |")
     print("|---|---|---|---|")
-    for kind in ("dflash", "eagle3"):
+    for kind in args.drafters:
         for k in args.ks:
             taus = [r["tau"] for r in results["runs"] if r["drafter"] == kind and r["k"] == k]
             sd = statistics.stdev(taus) if len(taus) > 1 else 0.0
-            cost = f"{args.layers} (one pass, {k + 1} queries)" if kind == "dflash" else f"{k} (one query each)"
+            queries = {"dflash": k + 1, "dspark": k}.get(kind)
+            cost = f"{args.layers} (one pass, {queries} queries)" if queries else f"{k} (one query each)"
             print(f"| {kind} | {k} | {statistics.mean(taus):.3f} ± {sd:.3f} | {cost} |")
 
 
