@@ -175,3 +175,40 @@ def test_train_stage_under_two_ranks(tmp_path, tiny_target):
         if e["stage"] == "train"
     ]
     assert [e["event"] for e in events] == ["start", "end"] and events[-1]["state"] == "done"
+
+
+@pytest.mark.parametrize("family", ["dflash", "dspark"])
+def test_block_drafter_train_stage_under_two_ranks(tmp_path, tiny_target, family):
+    """The block families go through the same loop under torchrun: rank 0 writes, both ranks end on one drafter."""
+    from safetensors.torch import load_file
+    from test_extract import prepared_run
+
+    from eaglekit.model.dspark_checkpoint import block_form
+
+    cfg = prepared_run(
+        tmp_path,
+        tiny_target,
+        n=32,
+        train={
+            "batch_size": 2,
+            "max_steps": 4,
+            "eval_every": 2,
+            "save_every": 2,
+            "log_every": 1,
+            "eval_samples": 4,
+            "warmup_steps": 1,
+            "draft": {"architecture": family, "num_layers": 1, "block_size": 4, "shared_k_norm": True},
+        },
+    )
+    config = Path(cfg.run_dir) / "config.yaml"
+    config.write_text(cfg.to_yaml())
+    mp.spawn(stage_worker, args=(2, free_port(), str(config)), nprocs=2, join=True)
+
+    out = Path(cfg.run_dir) / "train"
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["kind"] == "train"] == [1, 2, 3, 4]
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step-4"
+    assert block_form(out / "checkpoints" / "step-4") == family
+    late, early = (load_file(str(out / "checkpoints" / f"step-{n}" / "model.safetensors")) for n in (4, 2))
+    assert not torch.equal(late["fc.weight"], early["fc.weight"])  # it trained between the checkpoints
+    assert ("markov_head.markov_w1.weight" in late) == (family == "dspark")
