@@ -188,7 +188,7 @@ def test_build_is_deterministic_whatever_the_threads(tmp_path, monkeypatch):
 def test_ensure_builds_once_under_concurrency(tmp_path, monkeypatch):
     calls = []
 
-    def fake_build(out_dir, seed=0, steps=None, arch="llama"):
+    def fake_build(out_dir, seed=0, steps=None, arch="llama", corpus="tasks"):
         calls.append(out_dir)
         time.sleep(0.3)  # long enough for the other caller to reach the lock
         with atomic_dir(out_dir) as tmp:
