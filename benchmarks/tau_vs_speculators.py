@@ -78,7 +78,7 @@ def data_config(out: Path, args) -> dict:
         "run_dir": str(out / "run"),
         "target": {"model": str(ensure_tiny_target(corpus=args.target))},
         "data": {"prompts": str(out / "prompts.jsonl"), "eval_fraction": args.eval_fraction},
-        "generate": {"backend": "local", "max_tokens": 200, "temperature": 0.0, "batch_size": 48},
+        "generate": {"backend": "local", "max_tokens": 200, "temperature": args.generate_temperature, "batch_size": 48},
         "prepare": {"max_length": 384},
         "vocab": {"draft_vocab_size": args.draft_vocab},
         "train": {
@@ -440,6 +440,13 @@ def main() -> None:
         "lines: unsaturated, as on real chat)",
     )
     p.add_argument("--prompts", type=int, default=1600, help="tiny-target prompts to generate from")
+    p.add_argument(
+        "--generate-temperature",
+        type=float,
+        default=0.0,
+        help="the target's sampling temperature for the training replies (1.0 with --target chatty --temperatures 1: "
+        "the target's remarks are sampled, as a chat target's replies are, so drafters are not saturated)",
+    )
     p.add_argument("--eval-fraction", type=float, default=0.05)
     p.add_argument("--draft-vocab", type=int, default=200)
     p.add_argument("--intermediate", type=int, default=256, help="the drafter's MLP width")
