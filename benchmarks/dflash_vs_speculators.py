@@ -177,8 +177,9 @@ def speculators_child(job: dict) -> None:
     import torch
     from speculators.models.dflash import DFlashDraftModel
     from speculators.train import trainer as trainer_module
-    from speculators.train.data import BaseDataset, CollateFn
+    from speculators.train.data import CollateFn
     from speculators.train.trainer import Trainer, TrainerConfig
+    from tau_vs_speculators import in_memory_dataset, trainer_on_cpu
     from torch.utils.data import DataLoader
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -199,20 +200,14 @@ def speculators_child(job: dict) -> None:
     rows = batches[0]["input_ids"].shape[0]
     packed = max(int(b["attention_mask"].sum()) for b in batches)
 
-    class Samples(BaseDataset):
-        def _compute_approx_lengths(self):
-            return [len(s["input_ids"]) for s in samples]
-
-        def _get_raw_data(self, index):
-            return {k: v.clone() for k, v in samples[index].items()}
-
-        def __len__(self):
-            return len(samples)
-
     model = speculators_model(job)
     hidden = model.config.transformer_layer_config.hidden_size
     loader = DataLoader(
-        Samples(max_len=packed, hidden_states_dtype=torch.float32),
+        in_memory_dataset(
+            [len(s["input_ids"]) for s in samples],
+            lambda index: {k: v.clone() for k, v in samples[index].items()},
+            packed,
+        ),
         batch_sampler=[list(range(s * rows, (s + 1) * rows)) for s in range(len(batches))],  # eaglekit's steps
         collate_fn=CollateFn(packed, hidden, num_target_layers=len(job["aux"]), dtype=torch.float32),
     )
@@ -223,9 +218,7 @@ def speculators_child(job: dict) -> None:
         dpace_alpha=0.5,
         max_anchors=job["anchors"],
     )
-    trainer_module.get_local_rank = lambda: "cpu"  # its trainer moves the model and batches to cuda:LOCAL_RANK
-    reset = trainer_module._StepTimer.reset  # its step profiler synchronizes an accelerator: off on the CPU
-    trainer_module._StepTimer.reset = lambda self, enabled: reset(self, False)
+    trainer_on_cpu(trainer_module)
     losses: list[float] = []
     model.register_forward_hook(lambda m, a, out: losses.append(float(out[1].detach())))
     config = TrainerConfig(

@@ -203,58 +203,26 @@ def speculators_trainer(cfg, args, samples: TargetSamples, train_idx: list[int],
     from speculators.models.eagle3 import Eagle3DraftModel
     from speculators.models.eagle3.data import shift_batch
     from speculators.train import trainer as trainer_module
-    from speculators.train.data import BaseDataset
     from speculators.train.dataloader import _setup_dataloader
     from speculators.train.trainer import Trainer, TrainerConfig
-    from transformers import LlamaConfig
+    from tau_vs_speculators import in_memory_dataset, speculators_eagle3, trainer_on_cpu
 
     recorded = Recorded()
     lengths = [len(samples.store[i][1]) for i in train_idx]
 
-    class Samples(BaseDataset):
-        def _compute_approx_lengths(self):
-            return lengths
+    def fetch(index):
+        recorded.fetched.append(index)
+        s = samples[train_idx[index]]
+        return {
+            "hidden_states": s.aux.clone(),
+            "input_ids": s.ids.clone(),
+            "verifier_last_hidden_states": s.last_hidden.clone(),
+            "loss_mask": s.mask.clone(),
+        }
 
-        def _get_raw_data(self, index):
-            recorded.fetched.append(index)
-            s = samples[train_idx[index]]
-            return {
-                "hidden_states": s.aux.clone(),
-                "input_ids": s.ids.clone(),
-                "verifier_last_hidden_states": s.last_hidden.clone(),
-                "loss_mask": s.mask.clone(),
-            }
-
-        def __len__(self):
-            return len(train_idx)
-
-    layer = LlamaConfig(
-        vocab_size=hf.vocab_size,
-        hidden_size=hf.hidden_size,
-        intermediate_size=args.intermediate,
-        num_hidden_layers=1,
-        num_attention_heads=hf.num_attention_heads,
-        num_key_value_heads=hf.num_key_value_heads,
-        head_dim=hf.head_dim,
-        max_position_embeddings=hf.max_position_embeddings,
-        rms_norm_eps=hf.rms_norm_eps,
-        rope_parameters=dict(hf.rope_parameters),
-        hidden_act="silu",
-        tie_word_embeddings=False,
-    )
-    model = Eagle3DraftModel.from_training_args(
-        verifier_config=layer,
-        t2d=t2d,
-        d2t=d2t,
-        verifier_name_or_path=cfg.target.model,
-        target_layer_ids=aux_ids,
-        draft_vocab_size=int(d2t.numel()),
-        norm_before_residual=False,
-        ttt_steps=args.ttt_steps,
-        draft_attn_impl="eager",
-    )  # flex attention has no CPU backward
+    model = speculators_eagle3(hf, args.intermediate, cfg.target.model, aux_ids, d2t, t2d, args.ttt_steps)
     loader = _setup_dataloader(
-        Samples(max_len=args.seq, hidden_states_dtype=torch.float32),
+        in_memory_dataset(lengths, fetch, args.seq),
         args.seq,
         hf.hidden_size,
         num_workers=0,
@@ -264,9 +232,7 @@ def speculators_trainer(cfg, args, samples: TargetSamples, train_idx: list[int],
     train_kwargs, val_kwargs = Eagle3DraftModel.get_trainer_kwargs(
         loss_fn="kl_div", loss_implementation="eager", ttt_steps=args.ttt_steps, ttt_step_loss_decay=args.decay
     )
-    trainer_module.get_local_rank = lambda: "cpu"  # its trainer moves the model and batches to cuda:LOCAL_RANK
-    reset = trainer_module._StepTimer.reset  # its step profiler synchronizes an accelerator: off on the CPU
-    trainer_module._StepTimer.reset = lambda self, enabled: reset(self, False)
+    trainer_on_cpu(trainer_module)
     trainer_module.tqdm = lambda iterable, **kw: iterable  # its progress bar: this script's table replaces it
     config = TrainerConfig(
         lr=args.lr,

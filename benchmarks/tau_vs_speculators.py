@@ -301,6 +301,67 @@ def vllm_taus(
 
 
 # ----------------------------------------------------------------------------------- the speculators child
+# (these run in benchmarks/.venv-speculators; lockstep.py and dflash_vs_speculators.py build on them too)
+
+
+def speculators_eagle3(hf, intermediate: int, target: str, aux_ids, d2t, t2d, ttt_steps: int):
+    """speculators' EAGLE-3 drafter as its CLI builds it (``from_training_args``): one Llama layer shaped like the
+    tiny target's, the race's MLP width, eager attention (its flex attention has no CPU backward)."""
+    from speculators.models.eagle3 import Eagle3DraftModel
+    from transformers import LlamaConfig
+
+    layer = LlamaConfig(
+        vocab_size=hf.vocab_size,
+        hidden_size=hf.hidden_size,
+        intermediate_size=intermediate,
+        num_hidden_layers=1,
+        num_attention_heads=hf.num_attention_heads,
+        num_key_value_heads=hf.num_key_value_heads,
+        head_dim=hf.head_dim,
+        max_position_embeddings=hf.max_position_embeddings,
+        rms_norm_eps=hf.rms_norm_eps,
+        rope_parameters=dict(hf.rope_parameters),
+        hidden_act="silu",
+        tie_word_embeddings=False,
+    )
+    return Eagle3DraftModel.from_training_args(
+        verifier_config=layer,
+        t2d=t2d,
+        d2t=d2t,
+        verifier_name_or_path=target,
+        target_layer_ids=aux_ids,
+        draft_vocab_size=int(d2t.numel()),
+        norm_before_residual=False,
+        ttt_steps=ttt_steps,
+        draft_attn_impl="eager",
+    )
+
+
+def in_memory_dataset(lengths: list[int], raw, max_len: int):
+    """speculators' ``BaseDataset`` over samples this process holds: ``raw(index)`` gives one sample's tensors
+    (hidden_states, input_ids, verifier_last_hidden_states, loss_mask); ``lengths`` feed its multipack sampler."""
+    import torch
+    from speculators.train.data import BaseDataset
+
+    class InMemory(BaseDataset):
+        def _compute_approx_lengths(self):
+            return lengths
+
+        def _get_raw_data(self, index):
+            return raw(index)
+
+        def __len__(self):
+            return len(lengths)
+
+    return InMemory(max_len=max_len, hidden_states_dtype=torch.float32)
+
+
+def trainer_on_cpu(trainer_module) -> None:
+    """speculators' Trainer on the CPU: it moves the model and batches to cuda:LOCAL_RANK, and its step profiler
+    synchronizes an accelerator."""
+    trainer_module.get_local_rank = lambda: "cpu"
+    reset = trainer_module._StepTimer.reset
+    trainer_module._StepTimer.reset = lambda self, enabled: reset(self, False)
 
 
 def speculators_child(job: dict) -> None:
@@ -309,10 +370,9 @@ def speculators_child(job: dict) -> None:
     from speculators.models.eagle3 import Eagle3DraftModel
     from speculators.models.eagle3.data import shift_batch
     from speculators.train import trainer as trainer_module
-    from speculators.train.data import BaseDataset
     from speculators.train.dataloader import _setup_dataloader
     from speculators.train.trainer import Trainer, TrainerConfig
-    from transformers import AutoConfig, LlamaConfig
+    from transformers import AutoConfig
 
     from eaglekit.config import TargetConfig
     from eaglekit.data.tokens import TokenStore
@@ -352,43 +412,13 @@ def speculators_child(job: dict) -> None:
         )
     print(f"speculators child: features of {len(samples)} training samples", flush=True)
 
-    class Samples(BaseDataset):
-        def _compute_approx_lengths(self):
-            return [len(s["input_ids"]) for s in samples]
-
-        def _get_raw_data(self, index):
-            return {k: v.clone() for k, v in samples[index].items()}
-
-        def __len__(self):
-            return len(samples)
-
-    layer = LlamaConfig(
-        vocab_size=hf.vocab_size,
-        hidden_size=hf.hidden_size,
-        intermediate_size=job["intermediate"],
-        num_hidden_layers=1,
-        num_attention_heads=hf.num_attention_heads,
-        num_key_value_heads=hf.num_key_value_heads,
-        head_dim=hf.head_dim,
-        max_position_embeddings=hf.max_position_embeddings,
-        rms_norm_eps=hf.rms_norm_eps,
-        rope_parameters=dict(hf.rope_parameters),
-        hidden_act="silu",
-        tie_word_embeddings=False,
-    )
-    model = Eagle3DraftModel.from_training_args(
-        verifier_config=layer,
-        t2d=t2d,
-        d2t=d2t,
-        verifier_name_or_path=job["target"],
-        target_layer_ids=aux_ids,
-        draft_vocab_size=int(d2t.numel()),
-        norm_before_residual=False,
-        ttt_steps=job["ttt_steps"],
-        draft_attn_impl="eager",
-    )  # flex attention has no CPU backward
+    model = speculators_eagle3(hf, job["intermediate"], job["target"], aux_ids, d2t, t2d, job["ttt_steps"])
     loader = _setup_dataloader(
-        Samples(max_len=job["seq"], hidden_states_dtype=torch.float32),
+        in_memory_dataset(
+            [len(s["input_ids"]) for s in samples],
+            lambda index: {k: v.clone() for k, v in samples[index].items()},
+            job["seq"],
+        ),
         job["seq"],
         hf.hidden_size,
         num_workers=0,
@@ -398,9 +428,7 @@ def speculators_child(job: dict) -> None:
     train_kwargs, val_kwargs = Eagle3DraftModel.get_trainer_kwargs(
         loss_fn="kl_div", loss_implementation="eager", ttt_steps=job["ttt_steps"], ttt_step_loss_decay=job["decay"]
     )
-    trainer_module.get_local_rank = lambda: "cpu"  # its trainer moves the model and batches to cuda:LOCAL_RANK
-    reset = trainer_module._StepTimer.reset  # its step profiler synchronizes an accelerator: off on the CPU
-    trainer_module._StepTimer.reset = lambda self, enabled: reset(self, False)
+    trainer_on_cpu(trainer_module)
     config = TrainerConfig(
         lr=job["lr"],
         num_epochs=math.ceil(job["steps"] / len(loader)),
