@@ -250,9 +250,10 @@ def speculators_report(cfg, checkpoint: Path, args, name: str) -> dict:
 
 
 def vllm_taus(
-    cfg, checkpoint: Path, name: str, out: Path, ks: list[int], max_tokens: int, python: Path
+    cfg, checkpoint: Path, name: str, out: Path, ks: list[int], max_tokens: int, python: Path, temperature: float = 0.0
 ) -> dict[int, float]:
-    """τ per K of ``checkpoint`` served by the real vLLM beside the tiny target (greedy, the held-out prompts)."""
+    """τ per K of ``checkpoint`` served by the real vLLM beside the tiny target (the held-out prompts, sampled at
+    ``temperature``: vLLM's own rejection sampler decides what is accepted)."""
     from concurrent.futures import ThreadPoolExecutor
 
     import httpx
@@ -285,7 +286,7 @@ def vllm_taus(
                         "model": cfg.target.model,
                         "messages": messages,
                         "max_tokens": max_tokens,
-                        "temperature": 0.0,
+                        "temperature": temperature,
                     },
                 )
                 r.raise_for_status()
@@ -487,6 +488,7 @@ def main() -> None:
     p.add_argument("--ks", type=lambda s: [int(x) for x in s.split(",")], default=[1, 3, 5])
     p.add_argument("--temperatures", type=lambda s: [float(x) for x in s.split(",")], default=[0.0, 1.0])
     p.add_argument("--eval-prompts", type=int, default=40)
+    p.add_argument("--served-temperature", type=float, default=0.0, help="the sampling temperature served by vLLM")
     p.add_argument("--max-new-tokens", type=int, default=160)
     p.add_argument("--seed", type=int, default=0, help="the data's seed and the first training seed")
     p.add_argument("--seeds", type=int, default=1, help="train each side this many times (seeds --seed, --seed+1, …)")
@@ -513,7 +515,7 @@ def main() -> None:
     p.add_argument(
         "--reuse-eaglekit",
         action="store_true",
-        help="reuse eaglekit's evaluate reports already in --out for the same side and seed (with --no-vllm)",
+        help="reuse eaglekit's evaluate reports (and, to serve, its checkpoints) already in --out for the same side and seed",
     )
     p.add_argument(
         "--ablate",
@@ -587,15 +589,22 @@ def seeded(cfg, seed: int):
 def eaglekit_run(cfg, args, side: str, seed: int, use_vllm: bool) -> dict:
     cfg = seeded(cfg, seed)
     name = f"{side}-seed{seed}"
-    saved = args.out / f"report-{name}.json"
-    if args.reuse_eaglekit and saved.exists() and not use_vllm:
+    saved, kept = args.out / f"report-{name}.json", args.out / f"{name}-checkpoint"
+    if args.reuse_eaglekit and saved.exists() and (kept.exists() or not use_vllm):
         # training is deterministic in the seed on this machine (the same data and seed gave the same τ to
         # four decimals in two race folders), so another opponent can be raced without retraining this side
         print(f"eaglekit: evaluate's report reused ({saved})", flush=True)
-        return taus(json.loads(saved.read_text())) | {"vllm": {}, "seconds": float("nan")}
-    ckpt, seconds = train_eaglekit(cfg)
-    rep = evaluate(cfg, ckpt, name, args.out)
-    served = vllm_taus(cfg, ckpt, name, args.out, args.ks, args.max_new_tokens, args.vllm_python) if use_vllm else {}
+        rep, ckpt, seconds = json.loads(saved.read_text()), kept, float("nan")
+    else:
+        ckpt, seconds = train_eaglekit(cfg)
+        rep = evaluate(cfg, ckpt, name, args.out)
+        shutil.rmtree(kept, ignore_errors=True)
+        shutil.copytree(ckpt, kept)  # the run directory's checkpoint is the next seed's; this one is kept to serve
+    served = (
+        vllm_taus(cfg, ckpt, name, args.out, args.ks, args.max_new_tokens, args.vllm_python, args.served_temperature)
+        if use_vllm
+        else {}
+    )
     return taus(rep) | {"vllm": served, "seconds": seconds}
 
 
@@ -604,7 +613,11 @@ def speculators_run(cfg, args, seed: int, use_vllm: bool) -> dict:
     cfg = seeded(cfg, seed)
     ckpt, seconds = train_speculators(cfg, args.out, args, args.opponent, seed)
     rep = speculators_report(cfg, ckpt, args, name)
-    served = vllm_taus(cfg, ckpt, name, args.out, args.ks, args.max_new_tokens, args.vllm_python) if use_vllm else {}
+    served = (
+        vllm_taus(cfg, ckpt, name, args.out, args.ks, args.max_new_tokens, args.vllm_python, args.served_temperature)
+        if use_vllm
+        else {}
+    )
     return taus(rep) | {"vllm": served, "seconds": seconds}
 
 
@@ -660,7 +673,11 @@ def report(runs: dict[str, dict[int, dict]], side: str, args, use_vllm: bool) ->
             cells.append(f"**x{fmt(bootstrap(a, b))}**" if a and b else "-")
             lines.append(f"| {k} | {t:g} | {' | '.join(cells)} | {ngram if ngram is None else round(ngram, 3)} |")
     if use_vllm:
-        lines += ["", "Served by the real vLLM (temperature 0, τ = 1 + accepted / drafts):", ""]
+        lines += [
+            "",
+            f"Served by the real vLLM (temperature {args.served_temperature:g}, τ = 1 + accepted / drafts):",
+            "",
+        ]
         lines += [f"| K | τ {side} | τ speculators {opponent} | ratio |", "|---|---|---|---|"]
         for k in args.ks:
             a = [r["vllm"][k] for r in ok[side] if k in r["vllm"]]

@@ -5,23 +5,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import random
 import subprocess
 
 import pytest
 import torch
+from block_drafters import heldout_prompts, one_round_two_ways, train_block_drafter
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from eaglekit.errors import EaglekitError, UsageError
 from eaglekit.model.dflash import DFlashConfig, DFlashDrafter, default_mask_token_id
 from eaglekit.model.dflash_checkpoint import expected_state, load_dflash, read_dflash_config, save_dflash
-from eaglekit.model.target import TargetFeatures, default_aux_layers
+from eaglekit.model.target import default_aux_layers
 from eaglekit.speculative.block import BlockProposer
 from eaglekit.speculative.decode import generate
-from eaglekit.tiny import sample_tasks
-from eaglekit.tiny.build import batch_tensors, encode
-from eaglekit.training.dflash import block_attention_mask, block_loss, document_ids, position_weights, target_argmax
+from eaglekit.training.dflash import block_attention_mask, document_ids, position_weights
 
 BLOCK = 4
 
@@ -80,27 +78,8 @@ def trained(target):
     cfg = DFlashConfig.from_target_config(
         model.config, aux, mask_id, num_hidden_layers=2, block_size=BLOCK, shared_k_norm=True
     )
-    drafter = DFlashDrafter(cfg)
-    drafter.take_target(model.get_input_embeddings().weight, model.lm_head.weight)
-    features = TargetFeatures(model, aux)
-    rows = encode(tok, sample_tasks(256, 0), random.Random(0))
-    optim = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-3)
-    generator = torch.Generator().manual_seed(0)
-    taus = []
-    for step in range(120):
-        ids, labels, attention = batch_tensors([rows[(step * 8 + i) % len(rows)] for i in range(8)], 0)
-        f = features(ids, attention, with_logits=False)
-        argmax = target_argmax(f.last_hidden, model.lm_head.weight)
-        out = block_loss(drafter, f.aux, argmax, ids, (labels != -100).long(), attention, generator=generator)
-        optim.zero_grad()
-        out.loss.backward()
-        optim.step()
-        taus.append(out.block_tau)
-    return drafter.eval(), taus
-
-
-def heldout_prompts(tok, n: int) -> list[list[int]]:
-    return [ids[:start] for ids, start in encode(tok, sample_tasks(n, 1, "heldout"), random.Random(1))]
+    drafter, taus, _ = train_block_drafter(model, tok, DFlashDrafter(cfg))
+    return drafter, taus
 
 
 def test_training_raises_the_block_acceptance(trained):
@@ -129,22 +108,8 @@ def test_block_proposer_drafts_what_one_uncached_forward_drafts(target, trained)
     model, tok = target
     drafter, _ = trained
     prompt = heldout_prompts(tok, 1)[0]
-    features = TargetFeatures(model, drafter.config.aux_layer_ids)
-    out = generate(model, prompt, 20)
-    proposer = BlockProposer(drafter)
-    head = prompt + out.tokens[:1]
-    proposer.reset(head, features(torch.tensor([prompt]), with_logits=False).aux[0])
-    proposer.update(
-        out.tokens[1:6], features(torch.tensor([head[:-1] + out.tokens[:5]]), with_logits=False).aux[0, len(prompt) :]
-    )
-    cached, _ = proposer.propose(3, 0.0, None)
-
-    ids = prompt + out.tokens[:5]
-    context = drafter.context(features(torch.tensor([ids]), with_logits=False).aux)
-    kv = drafter.context_kv(context, torch.arange(len(ids))[None])
-    query = torch.tensor([[out.tokens[5]] + [drafter.config.mask_token_id] * 3])
-    logits = drafter(query, torch.arange(len(ids), len(ids) + 4)[None], kv)
-    assert cached == logits[0, 1:].argmax(-1).tolist()
+    cached, logits, _ = one_round_two_ways(model, drafter, BlockProposer(drafter), prompt, drafts=3, masks=3)
+    assert cached == logits[1:].argmax(-1).tolist()
 
 
 # ------------------------------------------------------------------------------------------------------- export

@@ -80,21 +80,26 @@ def test_run_trains_evaluates_exports_and_verifies_a_dflash_drafter(dflash_run):
 
 
 def test_an_exported_dflash_drafter_is_reimported_for_finetuning(dflash_run, tiny_target):
-    """Finetuned from offline feature shards with packed rows: the data paths EAGLE-3 has, for the block family."""
-    root, first = dflash_run
-    cfg = dflash_config(
-        root / "finetune", tiny_target, max_steps=30, init_from=str(first / "export" / "dflash"), packing=True
+    start, finetuned = finetune_from_export(*dflash_run, tiny_target, dflash_config, "dflash")
+    assert start[3] > 2.0  # it arrived with its trained weights, not re-initialised
+    assert finetuned[3] > 0.9 * start[3]  # packed offline rows kept what the drafter knew
+
+
+def finetune_from_export(root: Path, first: Path, tiny_target, make_config, form: str):
+    """Finetune the drafter exported to first/export/FORM from offline feature shards with packed rows (the data
+    paths EAGLE-3 has, for the block families); returns evaluate's τ per K at T=0 of the re-imported starting
+    drafter (measured beside the finetuned one) and of the finetuned one."""
+    cfg = make_config(
+        root / "finetune", tiny_target, max_steps=30, init_from=str(first / "export" / form), packing=True
     )
     cfg["train"].pop("draft")  # init_from keeps the exported drafter's own shape
     cfg["extract"] = {"mode": "offline"}
     proc = run(cfg, root / "finetune-cfg")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((root / "finetune" / "evaluate" / "report.json").read_text())
-    methods = {r["method"] for r in report["results"]}
-    assert "eagle_start" in methods  # the re-imported starting drafter is measured beside the finetuned one
-    start = {r["k"]: r["tau"] for r in report["results"] if r["method"] == "eagle_start"}
-    assert start[3] > 2.0  # it arrived with its trained weights, not re-initialised
-    assert report["lossless"]
+    assert report["lossless"] and report["checkpoint_form"] == form
     assert list((root / "finetune" / "extract").glob("shard-*.safetensors"))  # trained from the offline shards
+    start = {r["k"]: r["tau"] for r in report["results"] if r["method"] == "eagle_start"}
     finetuned = {r["k"]: r["tau"] for r in report["results"] if r["method"] == "eagle" and r["temperature"] == 0}
-    assert finetuned[3] > 0.9 * start[3]  # packed offline rows kept what the drafter knew
+    assert start and finetuned
+    return start, finetuned

@@ -4,12 +4,12 @@ decoding as vLLM's DSpark speculator does it (lossless at T=0), and the export c
 from __future__ import annotations
 
 import json
-import random
 import subprocess
 from pathlib import Path
 
 import pytest
 import torch
+from block_drafters import heldout_prompts, one_round_two_ways, train_block_drafter
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -17,12 +17,10 @@ from eaglekit.errors import EaglekitError
 from eaglekit.model.dflash import DFlashConfig, DFlashDrafter, default_mask_token_id
 from eaglekit.model.dspark import DSparkConfig, DSparkDrafter
 from eaglekit.model.dspark_checkpoint import expected_state, load_dspark, read_dspark_config, save_dspark
-from eaglekit.model.target import TargetFeatures, default_aux_layers
+from eaglekit.model.target import default_aux_layers
 from eaglekit.speculative.block import DSparkProposer, proposer_for
 from eaglekit.speculative.decode import generate
-from eaglekit.tiny import sample_tasks
-from eaglekit.tiny.build import batch_tensors, encode
-from eaglekit.training.dflash import block_loss, position_weights, target_argmax
+from eaglekit.training.dflash import block_loss, position_weights
 
 BLOCK = 4  # DSpark drafts all 4 slots of a block (anchor sampling)
 
@@ -83,28 +81,7 @@ def trained(target):
     cfg = DSparkConfig.from_target_config(
         model.config, aux, mask_id, num_hidden_layers=2, block_size=BLOCK, markov_rank=32
     )
-    drafter = DSparkDrafter(cfg)
-    drafter.take_target(model.get_input_embeddings().weight, model.lm_head.weight)
-    features = TargetFeatures(model, aux)
-    rows = encode(tok, sample_tasks(256, 0), random.Random(0))
-    optim = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-3)
-    generator = torch.Generator().manual_seed(0)
-    taus, losses = [], []
-    for step in range(120):
-        ids, labels, attention = batch_tensors([rows[(step * 8 + i) % len(rows)] for i in range(8)], 0)
-        f = features(ids, attention, with_logits=False)
-        argmax = target_argmax(f.last_hidden, model.lm_head.weight)
-        out = block_loss(drafter, f.aux, argmax, ids, (labels != -100).long(), attention, generator=generator)
-        optim.zero_grad()
-        out.loss.backward()
-        optim.step()
-        taus.append(out.block_tau)
-        losses.append(float(out.loss.detach()))
-    return drafter.eval(), taus, losses
-
-
-def heldout_prompts(tok, n: int) -> list[list[int]]:
-    return [ids[:start] for ids, start in encode(tok, sample_tasks(n, 1, "heldout"), random.Random(1))]
+    return train_block_drafter(model, tok, DSparkDrafter(cfg))
 
 
 def test_training_lowers_the_loss_and_raises_the_block_acceptance(trained):
@@ -136,23 +113,9 @@ def test_proposer_drafts_from_k_queries_left_to_right_with_the_markov_bias(targe
     model, tok = target
     drafter, _, _ = trained
     prompt = heldout_prompts(tok, 1)[0]
-    features = TargetFeatures(model, drafter.config.aux_layer_ids)
-    out = generate(model, prompt, 20)
-    proposer = proposer_for(drafter)
-    head = prompt + out.tokens[:1]
-    proposer.reset(head, features(torch.tensor([prompt]), with_logits=False).aux[0])
-    proposer.update(
-        out.tokens[1:6], features(torch.tensor([head[:-1] + out.tokens[:5]]), with_logits=False).aux[0, len(prompt) :]
-    )
-    cached, _ = proposer.propose(3, 0.0, None)
-
-    ids = prompt + out.tokens[:5]
-    context = drafter.context(features(torch.tensor([ids]), with_logits=False).aux)
-    kv = drafter.context_kv(context, torch.arange(len(ids))[None])
-    query = torch.tensor([[out.tokens[5]] + [drafter.config.mask_token_id] * 2])
-    base = drafter(query, torch.arange(len(ids), len(ids) + 3)[None], kv)[0]
+    cached, base, last = one_round_two_ways(model, drafter, proposer_for(drafter), prompt, drafts=3, masks=2)
     w1, w2 = drafter.markov_head.markov_w1.weight, drafter.markov_head.markov_w2.weight
-    prev, want = out.tokens[5], []
+    prev, want = last, []
     for i in range(3):
         prev = int((base[i] + w2 @ w1[prev]).argmax())
         want.append(prev)

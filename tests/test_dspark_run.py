@@ -7,18 +7,12 @@ an uninterrupted one."""
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import torch
-from conftest import subprocess_env
-from safetensors.torch import load_file
-from test_dflash_run import dflash_config, run
+from test_dflash_run import dflash_config, finetune_from_export, run
 from test_extract import prepared_run
-from test_train import KILLED_RUN, metrics, train
+from test_train import kill_9_then_resume
 
 pytestmark = pytest.mark.slow  # trains drafters, starts vLLM's config machinery
 
@@ -70,21 +64,8 @@ def test_verify_on_the_cpu_build_is_a_named_refusal(dspark_run, tiny_target, vll
 
 
 def test_an_exported_dspark_drafter_is_reimported_for_finetuning(dspark_run, tiny_target):
-    """Finetuned from offline feature shards with packed rows: the data paths EAGLE-3 and DFlash have."""
-    root, first = dspark_run
-    cfg = dspark_config(
-        root / "finetune", tiny_target, max_steps=30, init_from=str(first / "export" / "dspark"), packing=True
-    )
-    cfg["train"].pop("draft")  # init_from keeps the exported drafter's own shape
-    cfg["extract"] = {"mode": "offline"}
-    proc = run(cfg, root / "finetune-cfg")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    report = json.loads((root / "finetune" / "evaluate" / "report.json").read_text())
-    start = {r["k"]: r["tau"] for r in report["results"] if r["method"] == "eagle_start"}
+    start, finetuned = finetune_from_export(*dspark_run, tiny_target, dspark_config, "dspark")
     assert start[4] > 2.0  # it arrived with its trained weights, not re-initialised
-    assert report["lossless"] and report["checkpoint_form"] == "dspark"
-    assert list((root / "finetune" / "extract").glob("shard-*.safetensors"))  # trained from the offline shards
-    finetuned = {r["k"]: r["tau"] for r in report["results"] if r["method"] == "eagle" and r["temperature"] == 0}
     assert finetuned[4] > 0.9 * start[4]  # packed offline rows kept what the drafter knew
 
 
@@ -101,31 +82,5 @@ def test_kill_9_resume_of_a_block_drafter_equals_an_uninterrupted_run(tmp_path, 
     }  # fmt: skip
     whole = prepared_run(tmp_path / "whole", tiny_target, n=32, train=settings)
     killed = prepared_run(tmp_path / "killed", tiny_target, n=32, train=settings)
-    train(whole)
-
-    config = Path(killed.run_dir) / "config.yaml"
-    config.write_text(killed.to_yaml())
-    proc = subprocess.run(
-        [sys.executable, "-c", KILLED_RUN, str(config), "5"],
-        capture_output=True,
-        text=True,
-        env=subprocess_env() | {"OMP_NUM_THREADS": "1"},
-        timeout=600,
-    )
-    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
-    ckpts = Path(killed.run_dir) / "train" / "checkpoints"
-    assert (ckpts / "latest").read_text().strip() == "step-3"
-
-    row = train(killed)  # `eaglekit train CONFIG` again: resumes from step 3
-    assert row["counts"]["steps"] == 7
-    a, b = metrics(whole), metrics(killed)
-    assert [(r["kind"], r["step"]) for r in a] == [(r["kind"], r["step"]) for r in b]  # no step logged twice
-    for ra, rb in zip(a, b, strict=True):
-        for key in ("loss", "loss_k", "acc_k", "tau", "lr", "grad_norm"):
-            if key in ra:
-                assert ra[key] == pytest.approx(rb[key], rel=1e-6, abs=1e-6), (ra["kind"], ra["step"], key)
-    wa = load_file(str(Path(whole.run_dir) / "train/checkpoints/step-7/model.safetensors"))
-    wb = load_file(str(ckpts / "step-7" / "model.safetensors"))
+    _, wa, wb = kill_9_then_resume(whole, killed, ("loss", "loss_k", "acc_k", "tau", "lr", "grad_norm"))
     assert wa.keys() == wb.keys() and (family != "dspark" or "markov_head.markov_w1.weight" in wa)
-    for key in wa:
-        torch.testing.assert_close(wa[key], wb[key], rtol=1e-6, atol=1e-6)
