@@ -66,7 +66,7 @@ OPPONENTS = {
 }
 LOSS_LEVERS = ("kl_div", "rkl", "jsd", "tv", "nla", "lk_hybrid")  # train.loss
 ABLATIONS = ("betas", "decay", "clip", "trained-head", "frozen-head", "input-mask", "noise", "muon", "equal-weights")
-ABLATIONS += ("sequence-norm", "lr1e-3", "decay0.9")
+ABLATIONS += ("sequence-norm", "lr1e-3", "decay0.9", "noise0.5")
 ABLATIONS += LOSS_LEVERS
 sys.path.insert(0, str(ROOT / "src"))
 
@@ -140,7 +140,8 @@ def ablate(cfg, changes: list[str]) -> None:
     prediction only where its input token is in the loss mask too, as speculators does: the first token of a
     reply, which the target's prefill always makes and no drafter is asked for, drops out of the loss.
     The recipe levers (train keys): a loss name (``lk_hybrid``, ``nla``, ``tv``, ``rkl``, ``jsd``) sets
-    train.loss; ``noise`` uniform ±0.05 hidden-state noise; ``muon`` train.optimizer muon; ``equal-weights``
+    train.loss; ``noise`` uniform ±0.05 hidden-state noise, ``noise0.5`` ±0.5 (the tiny target's features have a
+    std of 7-9, so ±0.05 is 0.4 % of it); ``muon`` train.optimizer muon; ``equal-weights``
     every TTT step weighted 1 (speculators' default) instead of decay^k; ``sequence-norm`` train.loss_normalization
     sequence; ``lr1e-3`` eaglekit's lr alone 1e-3 (the opponent keeps --lr, so its drafters are reused);
     ``decay0.9`` TTT step weights 0.9^k (ModelOpt's)."""
@@ -163,6 +164,8 @@ def ablate(cfg, changes: list[str]) -> None:
         cfg.train.loss = loss
     if "noise" in changes:
         cfg.train.noise, cfg.train.noise_scale = "uniform", 0.05
+    if "noise0.5" in changes:  # the tiny target's features have std 7-9: ±0.05 is 0.4 % of it, ±0.5 4 %
+        cfg.train.noise, cfg.train.noise_scale = "uniform", 0.5
     if "muon" in changes:
         cfg.train.optimizer = "muon"
     if "sequence-norm" in changes:
