@@ -152,72 +152,77 @@ def run(ctx: StageContext) -> dict:
 def evaluate(ctx: StageContext, target, device: torch.device) -> dict:
     cfg, ec = ctx.cfg, ctx.cfg.evaluate
     inputs = decoding_inputs(cfg, target, device, ec.max_new_tokens)
-    drafter, info, aux, stop_ids, prompts, dtype = (
-        inputs.drafter,
-        inputs.info,
-        inputs.aux,
-        inputs.stop_ids,
-        inputs.prompts,
-        inputs.dtype,
-    )
+    drafter, aux = inputs.drafter, inputs.aux
     start = load_starting_drafter(cfg, inputs.hf, aux)
     start_drafter = on_target(start[0], start[1], target, device) if start else None
-
-    ks = sorted(set(ec.num_speculative_tokens))
-    temperatures = list(dict.fromkeys(ec.temperatures))
-    methods = [m for m in METHODS if m != "eagle_start" or start]
     new_proposer = {
         "eagle": lambda: proposer_for(drafter, aux),
         "eagle_start": lambda: proposer_for(start_drafter, aux),
         "ngram": lambda: NgramProposer(ec.ngram_min, ec.ngram_max),
     }
+    decoding = Decoding(target, ec, inputs.stop_ids, new_proposer)
+    decoding.warm_up(inputs.prompts[0][1])
 
-    def decode(ids: list[int], i: int, temperature: float, method: str | None = None, k: int = 0):
-        generator = torch.Generator().manual_seed(ec.seed * 1_000_003 + i)
+    main = decoding.measure(inputs.prompts, [m for m in METHODS if m != "eagle_start" or start], "evaluate: decode")
+    finetune = finetune_section(ctx, inputs, decoding, main["results"]) if start else None
+    suites = measure_suites(ctx, target, inputs, new_proposer["eagle"], decoding.ks, decoding.temperatures)
+    report = build_report(ctx, inputs, device, decoding, main, finetune, suites)
+    write_report(ctx, report, main["checks"], suites)
+    return counts(report)
+
+
+class Decoding:
+    """Plain and speculative decoding of prompts with the target, each method's proposer made fresh per run; a
+    prompt's sampling generator is seeded by its index, so every method and K at a temperature sees the same draws
+    from the target that plain decoding does."""
+
+    def __init__(self, target, ec, stop_ids, new_proposer: dict):
+        self.target, self.ec, self.stop_ids, self.new_proposer = target, ec, stop_ids, new_proposer
+        self.ks = sorted(set(ec.num_speculative_tokens))
+        self.temperatures = list(dict.fromkeys(ec.temperatures))
+
+    def decode(self, ids: list[int], i: int, temperature: float, method: str | None = None, k: int = 0):
+        generator = torch.Generator().manual_seed(self.ec.seed * 1_000_003 + i)
         return generate(
-            target,
+            self.target,
             ids,
-            ec.max_new_tokens,
-            proposer=new_proposer[method]() if method else None,
+            self.ec.max_new_tokens,
+            proposer=self.new_proposer[method]() if method else None,
             k=k,
             temperature=temperature,
             generator=generator,
-            stop_ids=stop_ids,
+            stop_ids=self.stop_ids,
         )
 
-    # the first calls pay one-time costs (allocator, kernels); keep them out of the timings
-    for proposer in (None, new_proposer["eagle"]()):
-        generate(target, prompts[0][1], 8, proposer=proposer, k=max(ks))
+    def warm_up(self, ids: list[int]) -> None:
+        """The first calls pay one-time costs (allocator, kernels); this keeps them out of the timings."""
+        for proposer in (None, self.new_proposer["eagle"]()):
+            generate(self.target, ids, 8, proposer=proposer, k=max(self.ks))
 
-    def measure(prompts: list[tuple[str, list[int]]], methods: list[str], label: str) -> dict:
-        """Prompt by prompt, plain decoding and then every method and K: the timings compared share a time window."""
+    def measure(self, prompts: list[tuple[str, list[int]]], methods: list[str], label: str) -> dict:
+        """Prompt by prompt, plain decoding and then every method and K: the timings compared share a time window.
+        Returns the plain baselines and the result rows per temperature, the speculative runs that differed from
+        plain greedy output (per prompt) and each prompt's number of greedy tokens."""
         baselines, results = [], []
-        checks: dict[str, list] = {
-            pid: [] for pid, _ in prompts
-        }  # per prompt: the speculative runs that differed from plain greedy
+        checks: dict[str, list] = {pid: [] for pid, _ in prompts}
         plain_tokens: dict[str, int] = {}
-        total = len(temperatures) * len(prompts) * (1 + len(methods) * len(ks))
+        total = len(self.temperatures) * len(prompts) * (1 + len(methods) * len(self.ks))
         with Meter(label, total=total, unit="runs") as meter:
-            for temperature in temperatures:
+            for temperature in self.temperatures:
                 plain = DecodeStats()
-                spec = {(m, k): DecodeStats(drafted=[0] * k, accepted=[0] * k) for m in methods for k in ks}
+                spec = {(m, k): DecodeStats(drafted=[0] * k, accepted=[0] * k) for m in methods for k in self.ks}
                 for i, (pid, ids) in enumerate(prompts):
-                    reference = decode(ids, i, temperature)
+                    reference = self.decode(ids, i, temperature)
                     plain = plain + reference.stats
                     if temperature == 0:
                         plain_tokens[pid] = len(reference.tokens)
                     meter.update(1, T=temperature)
                     for method, k in spec:
-                        out = decode(ids, i, temperature, method, k)
+                        out = self.decode(ids, i, temperature, method, k)
                         spec[method, k] = spec[method, k] + out.stats
                         if temperature == 0 and out.tokens != reference.tokens:
-                            checks[pid].append(
-                                {
-                                    "method": method,
-                                    "k": k,
-                                    "first_difference": first_difference(out.tokens, reference.tokens),
-                                }
-                            )
+                            difference = first_difference(out.tokens, reference.tokens)
+                            checks[pid].append({"method": method, "k": k, "first_difference": difference})
                         meter.update(1, method=method, K=k, tau=round(spec[method, k].tau, 3))
                 baselines.append(
                     {
@@ -230,40 +235,42 @@ def evaluate(ctx: StageContext, target, device: torch.device) -> dict:
                 results += [result_row(method, k, temperature, stats, plain) for (method, k), stats in spec.items()]
         return {"baselines": baselines, "results": results, "checks": checks, "plain_tokens": plain_tokens}
 
-    main = measure(prompts, methods, "evaluate: decode")
-    results, checks = main["results"], main["checks"]
-    finetune = None
-    if start:
-        sets = [(ec.prompts or "held-out split of generate/responses.jsonl", len(prompts), results)]
-        if ec.prompts:  # production-like prompts were given: the finetuning data's own held-out split too
-            try:
-                heldout, _ = tokenize_prompts(cfg, inputs.tokenizer, inputs.hf, heldout_prompts(cfg), ec.max_new_tokens)
-            except UsageError as err:
-                console.print(f"[yellow]evaluate: the finetune is compared on evaluate.prompts only: {err.message}[/]")
-            else:
-                extra = measure(heldout, ["eagle", "eagle_start"], "evaluate: finetune vs start, held-out split")
-                sets.insert(0, ("held-out split of generate/responses.jsonl", len(heldout), extra["results"]))
-        finetune = finetune_comparison(str(cfg.train.init_from), sets)
 
-    suites = measure_suites(ctx, target, inputs, lambda: proposer_for(drafter, aux), ks, temperatures)
+def finetune_section(ctx: StageContext, inputs, decoding: Decoding, results: list[dict]) -> dict:
+    """The finetuned drafter against the one it started from, on evaluate's prompts and, when those are
+    ``evaluate.prompts`` (e.g. production-like traffic), on the finetuning data's own held-out split too."""
+    cfg, ec = ctx.cfg, ctx.cfg.evaluate
+    sets = [(ec.prompts or "held-out split of generate/responses.jsonl", len(inputs.prompts), results)]
+    if ec.prompts:
+        try:
+            heldout, _ = tokenize_prompts(cfg, inputs.tokenizer, inputs.hf, heldout_prompts(cfg), ec.max_new_tokens)
+        except UsageError as err:
+            console.print(f"[yellow]evaluate: the finetune is compared on evaluate.prompts only: {err.message}[/]")
+        else:
+            extra = decoding.measure(heldout, ["eagle", "eagle_start"], "evaluate: finetune vs start, held-out split")
+            sets.insert(0, ("held-out split of generate/responses.jsonl", len(heldout), extra["results"]))
+    return finetune_comparison(str(cfg.train.init_from), sets)
 
-    greedy_checked = 0 in temperatures
-    lossless = all(not c for c in checks.values()) if greedy_checked else None
+
+def build_report(ctx: StageContext, inputs, device, decoding: Decoding, main: dict, finetune, suites) -> dict:
+    cfg, ec = ctx.cfg, ctx.cfg.evaluate
+    checks, results = main["checks"], main["results"]
+    greedy_checked = 0 in decoding.temperatures
     report = {
-        "checkpoint": str(info.path),
-        "checkpoint_form": info.form,
+        "checkpoint": str(inputs.info.path),
+        "checkpoint_form": inputs.info.form,
         "target": cfg.target.model,
         "device": str(device),
-        "dtype": str(dtype).replace("torch.", ""),
+        "dtype": str(inputs.dtype).replace("torch.", ""),
         "prompts_source": ec.prompts or "generate/responses.jsonl (held-out split)",
-        "prompts": len(prompts),
+        "prompts": len(inputs.prompts),
         "prompts_skipped_too_long": inputs.skipped_too_long,
         "max_new_tokens": ec.max_new_tokens,
-        "num_speculative_tokens": ks,
-        "temperatures": temperatures,
+        "num_speculative_tokens": decoding.ks,
+        "temperatures": decoding.temperatures,
         "ngram": {"min": ec.ngram_min, "max": ec.ngram_max},
         "draft_selection": "argmax, verified as a point mass (as vLLM and SGLang)",
-        "lossless": lossless,
+        "lossless": all(not c for c in checks.values()) if greedy_checked else None,
         "lossless_checks": [
             {
                 "id": pid,
@@ -271,7 +278,7 @@ def evaluate(ctx: StageContext, target, device: torch.device) -> dict:
                 "lossless": not checks[pid] if greedy_checked else None,
                 "differences": checks[pid],
             }
-            for pid, _ in prompts
+            for pid, _ in inputs.prompts
         ],
         "baseline": main["baselines"],
         "results": results,
@@ -282,16 +289,20 @@ def evaluate(ctx: StageContext, target, device: torch.device) -> dict:
     report["warnings"] = degenerate(report, ec.num_samples, cfg.data.eval_fraction)
     if suites:
         report["warnings"] += suites["warnings"]
+    return report
+
+
+def write_report(ctx: StageContext, report: dict, checks: dict[str, list], suites) -> None:
     for warning in report["warnings"]:
         ctx.warn(warning)
-    out = ctx.dir
+    out, results = ctx.dir, report["results"]
     atomic.write_json(out / "report.json", report)
     atomic.write_text(out / "report.md", report_markdown(report) + (f"\n{suites_markdown(suites)}" if suites else ""))
     plots.acceptance_by_position(results, out / "acceptance_by_position.png")
     plots.tau_vs_k(results, out / "tau_vs_k.png")
     if suites:
         plots.suite_tau(suites["rows"], out / "suites_tau.png")
-    if lossless is False:
+    if report["lossless"] is False:
         bad = [pid for pid, c in checks.items() if c]
         console.print(
             f"[bold red]evaluate: speculative greedy output differs from plain greedy output on {len(bad)} "
@@ -300,7 +311,6 @@ def evaluate(ctx: StageContext, target, device: torch.device) -> dict:
     console.print(report_markdown(report, tables_only=True))
     if suites:
         console.print(suites_markdown(suites))
-    return counts(report)
 
 
 def training_template_kwargs(ctx) -> dict | None:
