@@ -471,8 +471,8 @@ def main() -> None:
         "--target",
         choices=["tasks", "chatty"],
         default="tasks",
-        help="the tiny target (near its ceiling: τ≈4.5 of 6 at K=5) or its chatty twin (remarks between reasoning "
-        "lines: unsaturated, as on real chat)",
+        help="the tiny target (near its ceiling: τ≈4.5 of 6 at K=5) or its chatty twin (sampled remarks between "
+        "reasoning lines: unsaturated as on real chat with --generate-temperature 1 --temperatures 1)",
     )
     p.add_argument("--prompts", type=int, default=1600, help="tiny-target prompts to generate from")
     p.add_argument(

@@ -10,12 +10,14 @@ single token up (a digit by its place, a letter, "is 5 in the list?") and small 
 Copying a multi-digit string in order is what it learns last, so no step asks for it.
 
 The ``chatty`` corpus is the same tasks with a free remark after every line of the reasoning ("Maybe
-the kiwi likes the castle."): four slots the target learns as near-uniform choices. Greedy decoding
-then picks whichever option the target's logits favour by a hair in that context, a choice no one-layer
-drafter can foresee past its first step, so drafters trained on it accept about as much as on real chat
-(the τ race's second, unsaturated target), not the near-ceiling of the plain corpus. A remark follows
-every line, not some: were it optional, "no remark" would be the single likeliest continuation and
-greedy decoding would never make one.
+the kiwi likes the castle."): four slots the target learns as near-uniform choices, so its replies have real
+entropy, as a chat model's do. Sampled (temperature 1, for the training replies and when decoding), each remark
+is a fresh draw that no drafter can foresee past its first token, and drafters accept about as much as on real
+chat (τ ≈ 3.4 at K=5; the τ race's second target, `benchmarks/tau_vs_speculators.py --target chatty
+--generate-temperature 1`). Greedy decoding does not show it: it picks whichever remark the target's logits
+favour by a hair, the same one after every line of a reply, which a drafter copies from the context after its
+first occurrence (τ ≈ 4.3 at K=5, near the plain corpus's 4.5). A remark follows every line, not some: were it
+optional, "no remark" would be the single likeliest continuation and greedy decoding would never make one.
 
 Train and held-out prompts are disjoint by construction: a prompt belongs to the held-out split when
 a stable hash of its text falls in one bucket out of ``HELDOUT_BUCKETS``, so no seed can ever put a
