@@ -628,11 +628,20 @@ def speculators_run(cfg, args, seed: int, use_vllm: bool) -> dict:
 
 
 def taus(rep: dict) -> dict:
+    eagle = [r for r in rep["results"] if r["method"] == "eagle"]
     return {
-        "tau": {f"{r['k']}@{r['temperature']:g}": r["tau"] for r in rep["results"] if r["method"] == "eagle"},
+        "tau": {f"{r['k']}@{r['temperature']:g}": r["tau"] for r in eagle},
         "ngram": {f"{r['k']}@{r['temperature']:g}": r["tau"] for r in rep["results"] if r["method"] == "ngram"},
+        "conditional": {f"{r['k']}@{r['temperature']:g}": conditional_acceptance(r) for r in eagle},
         "prompts": rep["prompts"],
     }
+
+
+def conditional_acceptance(row: dict) -> list[float]:
+    """Per draft position, the share accepted among the rounds that reached it (position i-1 accepted): where
+    acceptance by position (the share of all rounds) compounds the positions before, this isolates each one."""
+    reached = [row["rounds"]] + row["accepted"][:-1]
+    return [a / n if n else float("nan") for a, n in zip(row["accepted"], reached, strict=True)]
 
 
 def bootstrap(a: list[float], b: list[float] | None = None, draws: int = 4000) -> tuple[float, float, float]:
@@ -678,6 +687,18 @@ def report(runs: dict[str, dict[int, dict]], side: str, args, use_vllm: bool) ->
             cells = [fmt(bootstrap(a)) if a else "-", fmt(bootstrap(b)) if b else "-"]
             cells.append(f"**x{fmt(bootstrap(a, b))}**" if a and b else "-")
             lines.append(f"| {k} | {t:g} | {' | '.join(cells)} | {ngram if ngram is None else round(ngram, 3)} |")
+    k, t = max(args.ks), args.temperatures[-1]
+    key = f"{k}@{t:g}"
+    lines += [
+        "",
+        f"Acceptance at each draft position given the one before accepted (K={k}, T={t:g}), mean over seeds:",
+        "",
+    ]
+    lines += ["| side | " + " | ".join(f"pos {i + 1}" for i in range(k)) + " |", "|---|" + "---|" * k]
+    for name in (side, opponent):
+        rows = [r["conditional"][key] for r in ok[name] if key in r.get("conditional", {})]
+        if rows:
+            lines.append(f"| {name} | " + " | ".join(f"{sum(c) / len(c):.3f}" for c in zip(*rows, strict=True)) + " |")
     if use_vllm:
         lines += [
             "",
