@@ -66,7 +66,7 @@ OPPONENTS = {
 }
 LOSS_LEVERS = ("kl_div", "rkl", "jsd", "tv", "nla", "lk_hybrid")  # train.loss
 ABLATIONS = ("betas", "decay", "clip", "trained-head", "frozen-head", "input-mask", "noise", "muon", "equal-weights")
-ABLATIONS += ("sequence-norm", "lr1e-3", "decay0.9", "noise0.5", "eagle3.1")
+ABLATIONS += ("sequence-norm", "lr1e-3", "decay0.9", "noise0.5", "eagle3.1", "ttt7")
 ABLATIONS += LOSS_LEVERS
 sys.path.insert(0, str(ROOT / "src"))
 
@@ -144,7 +144,8 @@ def ablate(cfg, changes: list[str]) -> None:
     std of 7-9, so ±0.05 is 0.4 % of it); ``muon`` train.optimizer muon; ``equal-weights``
     every TTT step weighted 1 (speculators' default) instead of decay^k; ``sequence-norm`` train.loss_normalization
     sequence; ``lr1e-3`` eaglekit's lr alone 1e-3 (the opponent keeps --lr, so its drafters are reused);
-    ``decay0.9`` TTT step weights 0.9^k (ModelOpt's); ``eagle3.1`` the drafter's EAGLE 3.1 flags fc_norm and
+    ``decay0.9`` TTT step weights 0.9^k (ModelOpt's); ``ttt7`` 7 TTT steps (eaglekit's train.ttt_steps default, EAGLE's
+    and SpecForge's depth) instead of the race's --ttt-steps; ``eagle3.1`` the drafter's EAGLE 3.1 flags fc_norm and
     norm_output (both read by vLLM)."""
     import torch
 
@@ -175,6 +176,8 @@ def ablate(cfg, changes: list[str]) -> None:
         cfg.train.lr = 1e-3
     if "decay0.9" in changes:
         cfg.train.ttt_decay = 0.9
+    if "ttt7" in changes:
+        cfg.train.ttt_steps = 7
     if "eagle3.1" in changes:
         cfg.train.draft.fc_norm, cfg.train.draft.norm_output = True, True
     if "equal-weights" in changes:
