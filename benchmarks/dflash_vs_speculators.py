@@ -247,22 +247,12 @@ def speculators_model(job: dict):
     """speculators' DFlashDraftModel as its CLI builds it (``from_training_args``), on a Qwen3 layer config of the
     target's shape with --layers layers, the full verifier vocabulary (no t2d / d2t) and the race's mask token."""
     from speculators.models.dflash import DFlashDraftModel
+    from tau_vs_speculators import draft_layer_shape
     from transformers import AutoConfig, Qwen3Config
 
     hf = AutoConfig.from_pretrained(job["target"])
     layer = Qwen3Config(
-        vocab_size=hf.vocab_size,
-        hidden_size=hf.hidden_size,
-        intermediate_size=hf.intermediate_size,
-        num_hidden_layers=job["layers"],
-        num_attention_heads=hf.num_attention_heads,
-        num_key_value_heads=hf.num_key_value_heads,
-        head_dim=hf.head_dim,
-        max_position_embeddings=hf.max_position_embeddings,
-        rms_norm_eps=hf.rms_norm_eps,
-        rope_parameters=dict(hf.rope_parameters),
-        hidden_act="silu",
-        tie_word_embeddings=False,
+        **draft_layer_shape(hf, hf.intermediate_size, job["layers"]),
         attention_bias=False,
         layer_types=["full_attention"] * job["layers"],
     )

@@ -320,20 +320,7 @@ def speculators_eagle3(hf, intermediate: int, target: str, aux_ids, d2t, t2d, tt
     from speculators.models.eagle3 import Eagle3DraftModel
     from transformers import LlamaConfig
 
-    layer = LlamaConfig(
-        vocab_size=hf.vocab_size,
-        hidden_size=hf.hidden_size,
-        intermediate_size=intermediate,
-        num_hidden_layers=1,
-        num_attention_heads=hf.num_attention_heads,
-        num_key_value_heads=hf.num_key_value_heads,
-        head_dim=hf.head_dim,
-        max_position_embeddings=hf.max_position_embeddings,
-        rms_norm_eps=hf.rms_norm_eps,
-        rope_parameters=dict(hf.rope_parameters),
-        hidden_act="silu",
-        tie_word_embeddings=False,
-    )
+    layer = LlamaConfig(**draft_layer_shape(hf, intermediate, layers=1))
     return Eagle3DraftModel.from_training_args(
         verifier_config=layer,
         t2d=t2d,
@@ -345,6 +332,24 @@ def speculators_eagle3(hf, intermediate: int, target: str, aux_ids, d2t, t2d, tt
         ttt_steps=ttt_steps,
         draft_attn_impl="eager",
     )
+
+
+def draft_layer_shape(hf, intermediate: int, layers: int) -> dict:
+    """A speculators draft layer config's settings (LlamaConfig or Qwen3Config) shaped like the target ``hf``."""
+    return {
+        "vocab_size": hf.vocab_size,
+        "hidden_size": hf.hidden_size,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
+        "num_attention_heads": hf.num_attention_heads,
+        "num_key_value_heads": hf.num_key_value_heads,
+        "head_dim": hf.head_dim,
+        "max_position_embeddings": hf.max_position_embeddings,
+        "rms_norm_eps": hf.rms_norm_eps,
+        "rope_parameters": dict(hf.rope_parameters),
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+    }
 
 
 def in_memory_dataset(lengths: list[int], raw, max_len: int):
