@@ -369,6 +369,7 @@ def eaglekit_config(cfg, args, put_back: str | None):
     tc.optimizer, tc.freeze_lm_head, tc.seed, tc.batch_size, tc.grad_accum = "adamw", True, args.seed, 1, 1
     tc.packing, tc.pack_length, tc.loss_normalization, tc.noise = True, args.seq, "token", "none"
     tc.draft.intermediate_size = args.intermediate
+    tc.draft.fc_norm = tc.draft.norm_output = False  # speculators' drafter is the plain EAGLE-3 form
     defaults = TrainConfig.model_fields
     own = put_back == "optimizer"
     tc.weight_decay = defaults["weight_decay"].default if own else SPECULATORS_DECAY

@@ -66,7 +66,7 @@ OPPONENTS = {
 }
 LOSS_LEVERS = ("kl_div", "rkl", "jsd", "tv", "nla", "lk_hybrid")  # train.loss
 ABLATIONS = ("betas", "decay", "clip", "trained-head", "frozen-head", "input-mask", "noise", "muon", "equal-weights")
-ABLATIONS += ("sequence-norm", "lr1e-3", "decay0.9", "noise0.5", "eagle3.1", "ttt7")
+ABLATIONS += ("sequence-norm", "lr1e-3", "decay0.9", "noise0.5", "eagle3.1", "ttt7", "plain")
 ABLATIONS += LOSS_LEVERS
 sys.path.insert(0, str(ROOT / "src"))
 
@@ -146,7 +146,7 @@ def ablate(cfg, changes: list[str]) -> None:
     sequence; ``lr1e-3`` eaglekit's lr alone 1e-3 (the opponent keeps --lr, so its drafters are reused);
     ``decay0.9`` TTT step weights 0.9^k (ModelOpt's); ``ttt7`` 7 TTT steps (eaglekit's train.ttt_steps default, EAGLE's
     and SpecForge's depth) instead of the race's --ttt-steps; ``eagle3.1`` the drafter's EAGLE 3.1 flags fc_norm and
-    norm_output (both read by vLLM)."""
+    norm_output (both read by vLLM; the default since this race); ``plain`` both off (the default before)."""
     import torch
 
     from eaglekit.training import objective
@@ -180,6 +180,8 @@ def ablate(cfg, changes: list[str]) -> None:
         cfg.train.ttt_steps = 7
     if "eagle3.1" in changes:
         cfg.train.draft.fc_norm, cfg.train.draft.norm_output = True, True
+    if "plain" in changes:  # the plain EAGLE-3 form: eaglekit's default until this race picked EAGLE 3.1's flags
+        cfg.train.draft.fc_norm, cfg.train.draft.norm_output = False, False
     if "equal-weights" in changes:
         cfg.train.step_weights = [1.0] * cfg.train.ttt_steps
     if "input-mask" in changes:  # a prediction counts only where its input token is masked in too (speculators)

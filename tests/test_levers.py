@@ -197,3 +197,28 @@ def test_sequence_normalization_under_ddp_equals_one_process(tmp_path):
         if p.grad is not None:
             for r in ranks:
                 torch.testing.assert_close(r["grads"][name.removeprefix("drafter.")], p.grad, rtol=1e-9, atol=1e-12)
+
+
+def test_a_fresh_llama_drafter_has_the_eagle31_flags_unless_set(tiny_target):
+    """The race picked EAGLE 3.1's fc_norm and norm_output for the default Llama drafter; a setting given is kept,
+    norm_before_fc (exclusive with fc_norm) keeps fc_norm off, and the MLA drafter (not raced) keeps both off."""
+    from eaglekit.config import parse_config
+    from eaglekit.model.run_shapes import drafter_config
+
+    def built(**draft):
+        cfg = parse_config(
+            {
+                "run_dir": "/tmp/unused",
+                "target": {"model": str(tiny_target)},
+                "data": {"prompts": "p.jsonl"},
+                "vocab": {"draft_vocab_size": 200},
+                "train": {"draft": draft},
+            }
+        )
+        c = drafter_config(cfg)
+        return c.fc_norm, c.norm_output, c.norm_before_fc
+
+    assert built() == (True, True, False)
+    assert built(fc_norm=False, norm_output=False) == (False, False, False)
+    assert built(norm_before_fc=True) == (False, True, True)
+    assert built(architecture="mla")[:2] == (False, False)

@@ -204,9 +204,14 @@ class DraftModelConfig(Section):
     qk_nope_head_dim: int | None = Field(None, ge=1, description="mla: per-head query/key width without RoPE")
     qk_rope_head_dim: int | None = Field(None, ge=1, description="mla: per-head query/key width with RoPE")
     v_head_dim: int | None = Field(None, ge=1, description="mla: per-head value width")
-    # EAGLE 3.1 and related flags (default false), named as vLLM, SGLang and speculators name them
-    fc_norm: bool | None = Field(None, description="an RMSNorm per aux hidden state before fc (EAGLE 3.1)")
-    norm_output: bool | None = Field(None, description="next draft steps take the normed output (EAGLE 3.1)")
+    # EAGLE 3.1 and related flags, named as vLLM, SGLang and speculators name them. Unset, a fresh Llama drafter
+    # has fc_norm and norm_output on (model/run_shapes.draft_settings: the τ race's pick); the others are off.
+    fc_norm: bool | None = Field(
+        None, description="an RMSNorm per aux hidden state before fc (EAGLE 3.1; default on for architecture llama)"
+    )
+    norm_output: bool | None = Field(
+        None, description="next draft steps take the normed output (EAGLE 3.1; default on for architecture llama)"
+    )
     norm_before_fc: bool | None = Field(None, description="one RMSNorm over the concatenated aux states (llama only)")
     norm_before_residual: bool | None = Field(None, description="the layer's residual is the normed feature")
     # architecture dflash and dspark (block drafters; defaults are speculators 0.9.0's DFlash recipe). Their target

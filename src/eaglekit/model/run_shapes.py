@@ -25,7 +25,22 @@ def drafter_config(cfg: RunConfig) -> DrafterConfig | DFlashConfig:
         return dflash.config_for_run(cfg, hf, aux, int(text_config(hf).vocab_size))
     if cfg.train.draft.architecture == "dspark":  # DFlash's backbone and a Markov head (model/dspark.py)
         return dspark.config_for_run(cfg, hf, aux, int(text_config(hf).vocab_size))
-    return DrafterConfig.from_target_config(hf, cfg.vocab.draft_vocab_size, aux, **cfg.train.draft.model_dump())
+    return DrafterConfig.from_target_config(hf, cfg.vocab.draft_vocab_size, aux, **draft_settings(cfg))
+
+
+def draft_settings(cfg: RunConfig) -> dict[str, Any]:
+    """``train.draft`` as a fresh EAGLE-3 drafter is built from it: the EAGLE 3.1 flags ``fc_norm`` and
+    ``norm_output`` are on unless set, for the Llama drafter — the τ race measured them ahead of the plain
+    form on every seed (benchmarks/RESULTS.md, "The lever table"), and vLLM and SGLang read both. fc_norm stays
+    off when norm_before_fc is asked for (one norm before fc or the other). The MLA drafter keeps them off unless
+    set: it was not raced with them."""
+    settings = cfg.train.draft.model_dump()
+    if (settings.get("architecture") or "llama") == "llama":
+        if settings.get("fc_norm") is None and not settings.get("norm_before_fc"):
+            settings["fc_norm"] = True
+        if settings.get("norm_output") is None:
+            settings["norm_output"] = True
+    return settings
 
 
 def parameter_counts(dc: DrafterConfig | DFlashConfig) -> tuple[int, int]:

@@ -21,7 +21,7 @@ from eaglekit.model.drafter import FLAGS, DrafterConfig, text_config
 from eaglekit.model.dspark import DSparkConfig
 from eaglekit.model.dspark_checkpoint import block_form, load_block_for_target
 from eaglekit.model.hub import cached_drafter, download_drafter, is_hub_id, local_folder
-from eaglekit.model.run_shapes import drafter_config, parameter_counts, target_and_aux
+from eaglekit.model.run_shapes import draft_settings, drafter_config, parameter_counts, target_and_aux
 from eaglekit.model.target import target_identity
 from eaglekit.preflight import checks as common
 from eaglekit.preflight import disk, environment, fail, files, gpus, ok, skip, warn
@@ -178,7 +178,7 @@ def drafter_shape(ctx: StageContext):
         hf, aux = target_and_aux(cfg)
         # a draft vocab larger than the target's is the vocab stage's failure: not named twice
         draft_vocab = min(cfg.vocab.draft_vocab_size, int(getattr(text_config(hf), "vocab_size", None) or 1 << 62))
-        dc = DrafterConfig.from_target_config(hf, draft_vocab, aux, **explicit)
+        dc = DrafterConfig.from_target_config(hf, draft_vocab, aux, **draft_settings(cfg))
     except EaglekitError as err:
         return fail("drafter", err.message, err.remedy or "fix train.draft")
     _, trainable = parameter_counts(dc)

@@ -14,6 +14,7 @@ import torch
 from eaglekit.model import checkpoints
 from eaglekit.model.drafter import DrafterConfig, Eagle3Drafter
 from eaglekit.model.hub import drafter_folder
+from eaglekit.model.run_shapes import draft_settings
 from eaglekit.progress import console
 from eaglekit.training import distributed as dist
 
@@ -29,7 +30,7 @@ def new_drafter(
 ) -> Eagle3Drafter:
     """A drafter shaped after the target (``train.draft`` overrides), with the target's embedding frozen in."""
     dcfg = DrafterConfig.from_target_config(
-        hf_config, draft_vocab_size=int(d2t.numel()), aux_layer_ids=aux_ids, **cfg.train.draft.model_dump()
+        hf_config, draft_vocab_size=int(d2t.numel()), aux_layer_ids=aux_ids, **draft_settings(cfg)
     )
     drafter = Eagle3Drafter(dcfg)
     drafter.d2t.copy_(d2t)
