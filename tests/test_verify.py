@@ -102,14 +102,24 @@ def _flip_norm(raw: dict) -> None:
     raw["norm_before_residual"] = not raw["norm_before_residual"]
 
 
+def _flip_norm_output(raw: dict) -> None:
+    raw["norm_output"] = not raw["norm_output"]
+
+
 @pytest.mark.parametrize(
-    "form,edit,cause",
+    "form,edit,cause,costs_tau",
     [
-        ("eagle3", _lowest_aux, "aux-layer ids"),
-        ("speculators", _flip_norm, "norm_before_residual"),
+        ("eagle3", _lowest_aux, "aux-layer ids", True),
+        ("speculators", _flip_norm_output, "EAGLE 3.1 flags", True),
+        # the demo's drafter has EAGLE 3.1's fc_norm, so its fc output is already at the norm's scale and a flipped
+        # norm_before_residual costs nothing measurable on these prompts (it cost 1.791 vs 3.018 at K=3 with the
+        # plain form): verify fails on the config alone and names it
+        ("speculators", _flip_norm, "norm_before_residual", False),
     ],
 )
-def test_verify_fails_on_a_wrong_config_and_names_the_cause(vllm_python, demo_run, tmp_path, cli, form, edit, cause):
+def test_verify_fails_on_a_wrong_config_and_names_the_cause(
+    vllm_python, demo_run, tmp_path, cli, form, edit, cause, costs_tau
+):
     run_dir, _, _ = demo_run
     config = _exported_run(tmp_path, run_dir, form, {"engine": "vllm"})
     _edit_exported(tmp_path, form, edit)
@@ -121,11 +131,11 @@ def test_verify_fails_on_a_wrong_config_and_names_the_cause(vllm_python, demo_ru
     report = json.loads((out / "report.json").read_text())
     assert report["verdict"] == "FAIL"
     (r,) = report["runs"]
-    assert r["form"] == form and not r["passed"]
-    # the served drafter accepts less than the trained one, by more than the tolerance (measured on these prompts:
-    # norm_before_residual flipped, 1.791 vs 3.018 at K=3)
-    assert r["tau"]["served"] < r["tau"]["offline"]
-    assert r["tau"]["relative_difference"] > report["tolerance"]["tau_relative"]
+    assert r["form"] == form
+    if costs_tau:  # the served drafter accepts less than the trained one, by more than the tolerance
+        assert not r["passed"]
+        assert r["tau"]["served"] < r["tau"]["offline"]
+        assert r["tau"]["relative_difference"] > report["tolerance"]["tau_relative"]
     suspects = [row["cause"] for row in report["diagnosis"][form] if row["status"] == "suspect"]
     assert suspects == [cause]
     md = (out / "report.md").read_text()
