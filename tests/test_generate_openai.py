@@ -399,6 +399,9 @@ def start_cli(config: Path) -> subprocess.Popen:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # the CLI as a user's shell starts it: SIGINT at its default, whatever this test process inherited (an
+        # ignored SIGINT passes to children, and Python then leaves it ignored: the run would finish, exit 0)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
 
 
@@ -414,7 +417,7 @@ def wait_for_lines(path: Path, n: int, proc: subprocess.Popen, limit: float = 60
 
 def test_ctrl_c_and_kill_9_mid_run_then_resume_gives_every_id_once(tmp_path, servers):
     n = 120
-    fake = servers(delay=0.05)  # ~3 s a run: a loaded machine still signals it before it ends
+    fake = servers(delay=0.05)  # ~3 s a run: the signals land mid-run
     config = write_config(
         tmp_path / "config.yaml", config_dict(tmp_path, [fake.url], n=n, gate_samples=10, concurrency=2)
     )
