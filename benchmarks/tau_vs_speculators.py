@@ -265,6 +265,7 @@ def vllm_taus(
 ) -> dict[int, float]:
     """τ per K of ``checkpoint`` served by the real vLLM beside the tiny target (the held-out prompts, sampled at
     ``temperature``: vLLM's own rejection sampler decides what is accepted)."""
+    import hashlib
     from concurrent.futures import ThreadPoolExecutor
 
     import httpx
@@ -273,11 +274,24 @@ def vllm_taus(
     from eaglekit.serving.engine import VllmServer, metric_sum
     from eaglekit.speculative.inputs import eval_prompts
 
+    prompts = [messages for _, messages in eval_prompts(cfg)]
+    # the same drafter's files served with the same settings: another opponent's race reuses what was measured
+    files = sorted(p for p in checkpoint.rglob("*") if p.is_file())
+    setting = {
+        "drafter": hashlib.sha256(b"".join(p.read_bytes() for p in files)).hexdigest(),
+        "ks": ks,
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "prompts": hashlib.sha256(json.dumps(prompts).encode()).hexdigest(),
+    }
+    measured = out / f"vllm-{name}" / "served.json"
+    if measured.exists() and json.loads(measured.read_text())["setting"] == setting:
+        print(f"vLLM {name}: served τ reused ({measured})", flush=True)
+        return {int(k): v for k, v in json.loads(measured.read_text())["taus"].items()}
     exported = out / f"vllm-{name}" / "eagle3"
     shutil.rmtree(exported, ignore_errors=True)  # a drafter retrained under the same name is exported anew
     drafter, _ = load_drafter(checkpoint)
     save_legacy(drafter, exported)
-    prompts = [messages for _, messages in eval_prompts(cfg)]
     taus = {}
     for k in ks:
         spec = json.dumps({"method": "eagle3", "model": str(exported), "num_speculative_tokens": k})
@@ -309,6 +323,7 @@ def vllm_taus(
         accepted = metric_sum(m, "vllm:spec_decode_num_accepted_tokens_total")
         taus[k] = 1 + accepted / drafts if drafts else float("nan")
         print(f"vLLM {name} K={k}: {int(drafts)} drafts, {int(accepted)} accepted, τ {taus[k]:.3f}", flush=True)
+    measured.write_text(json.dumps({"setting": setting, "taus": taus}, indent=1))
     return taus
 
 
@@ -563,7 +578,7 @@ def main() -> None:
     for seed in seeds:
         runs[side][seed] = isolated(side, seed, lambda seed=seed: eaglekit_run(cfg, args, side, seed, use_vllm))
         runs[args.opponent][seed] = isolated(
-            args.opponent, seed, lambda seed=seed: speculators_run(cfg, args, seed, use_vllm)
+            args.opponent, seed, lambda seed=seed: speculators_run(cfg, args, seed, use_vllm, seeds)
         )
     text = report(runs, side, args, use_vllm)
     store_tokens = json.loads((Path(cfg.run_dir) / "prepare" / "stats.json").read_text())
@@ -602,6 +617,21 @@ def seeded(cfg, seed: int):
     return cfg
 
 
+def trained_config(cfg, seeds: list[int], seed: int):
+    """The race's config at the training seed the run directory's train stage holds, ``seed``'s where that one
+    matches. evaluate reads the target and the held-out prompts, not the train stage's seed, but its pre-flight
+    requires the train stage done with the config it is given: with --reuse-eaglekit that stage may hold another
+    seed's drafter, and evaluating the opponent's drafter under that seed's config measures the same thing."""
+    from eaglekit.pipeline import fingerprint
+    from eaglekit.rundir import RunDir
+
+    done = RunDir(cfg.run_dir).done_fingerprint("train")
+    for s in [seed] + [s for s in seeds if s != seed]:
+        if fingerprint(seeded(cfg, s), "train") == done:
+            return seeded(cfg, s)
+    return seeded(cfg, seed)  # evaluate's pre-flight says the train stage is stale and how to redo it
+
+
 def eaglekit_run(cfg, args, side: str, seed: int, use_vllm: bool) -> dict:
     cfg = seeded(cfg, seed)
     name = f"{side}-seed{seed}"
@@ -624,11 +654,10 @@ def eaglekit_run(cfg, args, side: str, seed: int, use_vllm: bool) -> dict:
     return taus(rep) | {"vllm": served, "seconds": seconds}
 
 
-def speculators_run(cfg, args, seed: int, use_vllm: bool) -> dict:
+def speculators_run(cfg, args, seed: int, use_vllm: bool, seeds: list[int]) -> dict:
     name = speculators_name(args, args.opponent, seed)
-    cfg = seeded(cfg, seed)
-    ckpt, seconds = train_speculators(cfg, args.out, args, args.opponent, seed)
-    rep = speculators_report(cfg, ckpt, args, name)
+    ckpt, seconds = train_speculators(seeded(cfg, seed), args.out, args, args.opponent, seed)
+    rep = speculators_report(trained_config(cfg, seeds, seed), ckpt, args, name)
     served = (
         vllm_taus(cfg, ckpt, name, args.out, args.ks, args.max_new_tokens, args.vllm_python, args.served_temperature)
         if use_vllm
