@@ -65,9 +65,27 @@ OPPONENTS = {
     "matched": {},
 }
 LOSS_LEVERS = ("kl_div", "rkl", "jsd", "tv", "nla", "lk_hybrid")  # train.loss
-ABLATIONS = ("betas", "decay", "clip", "trained-head", "frozen-head", "input-mask", "noise", "muon", "equal-weights")
-ABLATIONS += ("sequence-norm", "lr1e-3", "decay0.9", "noise0.5", "eagle3.1", "ttt7", "plain")
-ABLATIONS += LOSS_LEVERS
+# --ablate: one of eaglekit's training settings changed (the race's "why", not a product setting), as the train keys
+# it sets; "betas", "equal-weights" and "input-mask" are changes no single key makes (see ablate)
+LEVERS: dict[str, dict] = {
+    "decay": {"weight_decay": 0.01},  # speculators' AdamW weight decay
+    "clip": {"grad_clip": 1.0},  # speculators' gradient clip
+    "trained-head": {"freeze_lm_head": False},  # eaglekit's default until this race showed it costs τ
+    "frozen-head": {"freeze_lm_head": True},  # the default now, as speculators
+    # the tiny target's features have a std of 7-9: speculators' ±0.05 is 0.4 % of it, ±0.5 4 %
+    "noise": {"noise": "uniform", "noise_scale": 0.05},
+    "noise0.5": {"noise": "uniform", "noise_scale": 0.5},
+    "muon": {"optimizer": "muon"},
+    "sequence-norm": {"loss_normalization": "sequence"},
+    "lr1e-3": {"lr": 1e-3},  # eaglekit's lr alone (the opponent keeps --lr, so its drafters are reused)
+    "decay0.9": {"ttt_decay": 0.9},  # ModelOpt's TTT step weights
+    "ttt7": {"ttt_steps": 7},  # eaglekit's train.ttt_steps default, EAGLE's and SpecForge's depth
+    # EAGLE 3.1's flags, both read by vLLM (the default since this race); "plain": both off (the default before)
+    "eagle3.1": {"draft": {"fc_norm": True, "norm_output": True}},
+    "plain": {"draft": {"fc_norm": False, "norm_output": False}},
+    **{loss: {"loss": loss} for loss in LOSS_LEVERS},
+}
+ABLATIONS = ("betas", "equal-weights", "input-mask", *LEVERS)
 sys.path.insert(0, str(ROOT / "src"))
 
 
@@ -133,58 +151,28 @@ def make_data(out: Path, args):
 
 
 def ablate(cfg, changes: list[str]) -> None:
-    """Change one of eaglekit's training settings at a time (the race's "why", not a product setting):
-    toward speculators' ``betas`` AdamW betas 0.9/0.999, ``decay`` weight decay 0.01, ``clip`` gradient clip 1.0;
-    ``trained-head`` trains lm_head too (train.freeze_lm_head false: eaglekit's default until this race showed it
-    costs τ); ``frozen-head`` keeps it frozen (the default now, as speculators); ``input-mask`` counts a
-    prediction only where its input token is in the loss mask too, as speculators does: the first token of a
-    reply, which the target's prefill always makes and no drafter is asked for, drops out of the loss.
-    The recipe levers (train keys): a loss name (``lk_hybrid``, ``nla``, ``tv``, ``rkl``, ``jsd``) sets
-    train.loss; ``noise`` uniform ±0.05 hidden-state noise, ``noise0.5`` ±0.5 (the tiny target's features have a
-    std of 7-9, so ±0.05 is 0.4 % of it); ``muon`` train.optimizer muon; ``equal-weights``
-    every TTT step weighted 1 (speculators' default) instead of decay^k; ``sequence-norm`` train.loss_normalization
-    sequence; ``lr1e-3`` eaglekit's lr alone 1e-3 (the opponent keeps --lr, so its drafters are reused);
-    ``decay0.9`` TTT step weights 0.9^k (ModelOpt's); ``ttt7`` 7 TTT steps (eaglekit's train.ttt_steps default, EAGLE's
-    and SpecForge's depth) instead of the race's --ttt-steps; ``eagle3.1`` the drafter's EAGLE 3.1 flags fc_norm and
-    norm_output (both read by vLLM; the default since this race); ``plain`` both off (the default before)."""
+    """Apply ``changes`` (names from ``ABLATIONS``) to the race's config, in order. Beside the train keys of
+    ``LEVERS``: ``betas`` AdamW betas 0.9/0.999 (speculators'); ``equal-weights`` every TTT step weighted 1
+    (speculators' default) instead of decay^k; ``input-mask`` counts a prediction only where its input token is in
+    the loss mask too, as speculators does: the first token of a reply, which the target's prefill always makes and
+    no drafter is asked for, drops out of the loss."""
     import torch
 
     from eaglekit.training import objective
 
+    for change in changes:
+        for key, value in LEVERS.get(change, {}).items():
+            if isinstance(value, dict):
+                for sub, v in value.items():
+                    setattr(getattr(cfg.train, key), sub, v)
+            else:
+                setattr(cfg.train, key, value)
     if "betas" in changes:
         adamw = torch.optim.AdamW
         torch.optim.AdamW = lambda params, **kw: adamw(params, **{**kw, "betas": (0.9, 0.999)})
-    if "decay" in changes:
-        cfg.train.weight_decay = 0.01
-    if "clip" in changes:
-        cfg.train.grad_clip = 1.0
-    if "frozen-head" in changes:
-        cfg.train.freeze_lm_head = True
-    if "trained-head" in changes:
-        cfg.train.freeze_lm_head = False
-    for loss in set(changes) & set(LOSS_LEVERS):
-        cfg.train.loss = loss
-    if "noise" in changes:
-        cfg.train.noise, cfg.train.noise_scale = "uniform", 0.05
-    if "noise0.5" in changes:  # the tiny target's features have std 7-9: ±0.05 is 0.4 % of it, ±0.5 4 %
-        cfg.train.noise, cfg.train.noise_scale = "uniform", 0.5
-    if "muon" in changes:
-        cfg.train.optimizer = "muon"
-    if "sequence-norm" in changes:
-        cfg.train.loss_normalization = "sequence"
-    if "lr1e-3" in changes:
-        cfg.train.lr = 1e-3
-    if "decay0.9" in changes:
-        cfg.train.ttt_decay = 0.9
-    if "ttt7" in changes:
-        cfg.train.ttt_steps = 7
-    if "eagle3.1" in changes:
-        cfg.train.draft.fc_norm, cfg.train.draft.norm_output = True, True
-    if "plain" in changes:  # the plain EAGLE-3 form: eaglekit's default until this race picked EAGLE 3.1's flags
-        cfg.train.draft.fc_norm, cfg.train.draft.norm_output = False, False
     if "equal-weights" in changes:
         cfg.train.step_weights = [1.0] * cfg.train.ttt_steps
-    if "input-mask" in changes:  # a prediction counts only where its input token is masked in too (speculators)
+    if "input-mask" in changes:
         import torch.nn.functional as F
 
         ttt_loss = objective.ttt_loss

@@ -343,3 +343,32 @@ def test_export_refuses_serving_settings_other_than_the_targets(
     with pytest.raises(EaglekitError, match=named):
         pipeline.run_stage(cfg, "export", skip_preflight=True, formats=["eagle3"])
     assert not (cfg.run_path / "export" / "eagle3").exists()
+
+
+def test_evaluate_reports_speculative_output_that_differs_from_plain(
+    tmp_path, tiny_target, drafter_dir, prompts_file, monkeypatch, capsys
+):
+    """A verification bug (here: the last greedy token of every eagle run replaced) is what the lossless check is
+    for: the report says lossless false, names each prompt and run with its first differing position, and the
+    stage prints it."""
+    from eaglekit.stages import evaluate as stage
+
+    real = stage.generate
+
+    def wrong_last_token(target, ids, max_new_tokens, proposer=None, **kw):
+        out = real(target, ids, max_new_tokens, proposer=proposer, **kw)
+        if proposer is not None and not isinstance(proposer, stage.NgramProposer) and kw.get("temperature") == 0:
+            out.tokens[-1] = (out.tokens[-1] + 1) % target.config.vocab_size
+        return out
+
+    monkeypatch.setattr(stage, "generate", wrong_last_token)
+    cfg = load_config(make_config(tmp_path, tiny_target, drafter_dir, prompts_file))
+    pipeline.run_stage(cfg, "evaluate", skip_preflight=True)
+    report = json.loads((cfg.run_path / "evaluate" / "report.json").read_text())
+    assert report["lossless"] is False
+    for check in report["lossless_checks"]:
+        assert check["lossless"] is False
+        assert [(d["method"], d["k"]) for d in check["differences"]] == [("eagle", 1), ("eagle", 3)]
+        assert all(d["first_difference"] == check["new_tokens"] - 1 for d in check["differences"])
+    printed = capsys.readouterr().err
+    assert "differs from plain greedy output on 3 prompts" in " ".join(printed.split())

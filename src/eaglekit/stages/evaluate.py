@@ -167,7 +167,7 @@ def evaluate(ctx: StageContext, target, device: torch.device) -> dict:
     finetune = finetune_section(ctx, inputs, decoding, main["results"]) if start else None
     suites = measure_suites(ctx, target, inputs, new_proposer["eagle"], decoding.ks, decoding.temperatures)
     report = build_report(ctx, inputs, device, decoding, main, finetune, suites)
-    write_report(ctx, report, main["checks"], suites)
+    write_report(ctx, report)
     return counts(report)
 
 
@@ -292,7 +292,8 @@ def build_report(ctx: StageContext, inputs, device, decoding: Decoding, main: di
     return report
 
 
-def write_report(ctx: StageContext, report: dict, checks: dict[str, list], suites) -> None:
+def write_report(ctx: StageContext, report: dict) -> None:
+    suites = report["suites"]
     for warning in report["warnings"]:
         ctx.warn(warning)
     out, results = ctx.dir, report["results"]
@@ -303,7 +304,7 @@ def write_report(ctx: StageContext, report: dict, checks: dict[str, list], suite
     if suites:
         plots.suite_tau(suites["rows"], out / "suites_tau.png")
     if report["lossless"] is False:
-        bad = [pid for pid, c in checks.items() if c]
+        bad = [c["id"] for c in report["lossless_checks"] if c["differences"]]
         console.print(
             f"[bold red]evaluate: speculative greedy output differs from plain greedy output on {len(bad)} "
             f"prompts (e.g. {bad[0]}); see report.json lossless_checks[/]"
