@@ -6,7 +6,8 @@ budget    --steps AdamW steps of --batch rows, lr --lr (constant), per seed; the
 dflash    eaglekit's DFlash (training/dflash.py): --layers layers, block --block, CE with D-PACE, full vocabulary.
 dspark    eaglekit's DSpark (model/dspark.py): DFlash's backbone with anchor sampling (block --block - 1, so it
           drafts as many tokens per round as DFlash) and the Markov head (rank --markov-rank), exp-decay weights.
-eagle3    eaglekit's EAGLE-3 (training/ttt.py): one Llama layer, TTT --ttt steps, decay 0.8, full vocabulary.
+eagle3    eaglekit's EAGLE-3 (training/ttt.py): one Llama layer with EAGLE 3.1's fc_norm + norm_output (eaglekit's
+          default; --eagle3-form plain without), TTT --ttt steps, decay 0.8, full vocabulary.
 measure   eaglekit's draft → verify loop (speculative/decode.py) on --prompts held-out prompts at temperature 0:
           τ (tokens per target pass) per K and acceptance per draft position.
 cost      drafter layer-passes per verify round: EAGLE-3 runs its layer K times (one query each); DFlash runs
@@ -62,7 +63,14 @@ def build(kind: str, model, tok, aux: list[int], args, seed: int):
             )
         drafter.take_target(embed, head)
         return drafter
-    eagle = Eagle3Drafter(DrafterConfig.from_target_config(model.config, draft_vocab_size=vocab, aux_layer_ids=aux))
+    flags = (
+        args.eagle3_form == "3.1"
+    )  # EAGLE 3.1's fc_norm + norm_output: eaglekit's default (the τ race's lever table)
+    eagle = Eagle3Drafter(
+        DrafterConfig.from_target_config(
+            model.config, draft_vocab_size=vocab, aux_layer_ids=aux, fc_norm=flags, norm_output=flags
+        )
+    )
     d2t, t2d = build_d2t_t2d(torch.arange(vocab), vocab)
     eagle.d2t.copy_(d2t)
     eagle.t2d.copy_(t2d)
@@ -115,6 +123,12 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--block", type=int, default=8)
     parser.add_argument("--ttt", type=int, default=7)
+    parser.add_argument(
+        "--eagle3-form",
+        choices=["3.1", "plain"],
+        default="3.1",
+        help="EAGLE-3 with EAGLE 3.1's fc_norm + norm_output (eaglekit's default) or the plain form",
+    )
     parser.add_argument("--markov-rank", type=int, default=32, help="DSpark's Markov head rank (speculators: 256)")
     parser.add_argument("--drafters", nargs="+", default=["dflash", "dspark", "eagle3"])
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 3, 7])
