@@ -193,7 +193,8 @@ def speculators_name(args, opponent: str, seed: int) -> str:
 
 def train_speculators(cfg, out: Path, args, opponent: str, seed: int) -> tuple[Path, float]:
     folder = out / speculators_name(args, opponent, seed)
-    if args.reuse_speculators and (folder / "final").exists():
+    # speculators' trainer writes final/ also when stopped (beside interrupted/): only a finished run is reused
+    if args.reuse_speculators and (folder / "final").exists() and not (folder / "interrupted").exists():
         return folder / "final", float("nan")
     shutil.rmtree(folder, ignore_errors=True)
     job = {
