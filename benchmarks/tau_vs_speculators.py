@@ -576,25 +576,38 @@ def main() -> None:
         runs[args.opponent][seed] = isolated(
             args.opponent, seed, lambda seed=seed: speculators_run(cfg, args, seed, use_vllm, seeds)
         )
+        # the table so far after every seed: a race stopped part way still leaves what it measured
+        write_race(cfg, args, side, seeds, runs, use_vllm, final=seed == seeds[-1])
+
+
+def write_race(cfg, args, side: str, seeds: list[int], runs: dict, use_vllm: bool, final: bool) -> None:
+    """race-SIDE-vs-OPPONENT.json (every run's figures) and .md (the table) in --out, atomically; the table is
+    printed once the last seed is done."""
+    from eaglekit import atomic
+
     text = report(runs, side, args, use_vllm)
     store_tokens = json.loads((Path(cfg.run_dir) / "prepare" / "stats.json").read_text())
-    print(
-        f"\nτ race on the tiny target ({args.target} corpus): {args.steps} steps x {args.seq} packed tokens, lr {args.lr:g} "
+    done = sorted({seed for by_seed in runs.values() for seed in by_seed})
+    title = (
+        f"τ race on the tiny target ({args.target} corpus): {args.steps} steps x {args.seq} packed tokens, lr {args.lr:g} "
         f"(warmup {args.warmup}, cosine to 0), K_train {args.ttt_steps}, decay {args.decay}; opponent speculators "
-        f"{args.opponent} {OPPONENTS[args.opponent]}; seeds {seeds}; up to {args.max_new_tokens} new tokens\n"
+        f"{args.opponent} {OPPONENTS[args.opponent]}; seeds {done}"
+        + ("" if final else f" of {seeds}")
+        + f"; up to {args.max_new_tokens} new tokens"
     )
-    print(text)
-    (args.out / f"race-{side}-vs-{args.opponent}.json").write_text(
-        json.dumps(
-            {
-                "argv": sys.argv,
-                "args": {k: str(v) for k, v in vars(args).items()},
-                "prepare": store_tokens,
-                "runs": {name: {str(seed): run for seed, run in by_seed.items()} for name, by_seed in runs.items()},
-            },
-            indent=1,
-        )
+    stem = f"race-{side}-vs-{args.opponent}"  # not Path.with_suffix: "lr0.003" holds a dot
+    atomic.write_text(args.out / f"{stem}.md", f"{title}\n\n{text}\n")
+    atomic.write_json(
+        args.out / f"{stem}.json",
+        {
+            "argv": sys.argv,
+            "args": {k: str(v) for k, v in vars(args).items()},
+            "prepare": store_tokens,
+            "runs": {name: {str(seed): run for seed, run in by_seed.items()} for name, by_seed in runs.items()},
+        },
     )
+    if final:
+        print(f"\n{title}\n\n{text}")
 
 
 def isolated(name: str, seed: int, run) -> dict:
