@@ -467,6 +467,9 @@ def speculators_child(job: dict) -> None:
     )
     trainer = Trainer(model, config, loader, None)
     trainer.run_training()
+    if trainer.global_step < job["steps"]:
+        # its graceful shutdown saves interrupted/ and returns as if done: a part-trained drafter is no result
+        sys.exit(f"speculators child: stopped at step {trainer.global_step} of {job['steps']}; final/ not written")
     print(
         f"speculators child: {trainer.global_step} steps of {job['seq']} packed tokens "
         f"({len(loader)} batches per epoch)",
