@@ -139,8 +139,9 @@ def test_demo_offline_extracts_then_trains_from_the_shards(demo_run, tmp_path, t
 README_METHODS = {"eaglekit drafter": "eagle", "n-gram (vLLM `ngram`)": "ngram"}
 
 
-def readme_tau_table() -> dict[tuple[str, int, float], float]:
-    """{(method, K, temperature): τ} from the README's demo table (a header row starting `| method | K |`)."""
+def readme_tau_table() -> dict[tuple[str, int, float], tuple[float, float]]:
+    """{(method, K, temperature): (low, high)} from the README's demo table (a header row starting `| method | K |`);
+    a cell is one τ or a range "low–high" (the figures of the kinds of CPU the demo was run on)."""
     table, header = {}, None
     for line in (REPO / "README.md").read_text().splitlines():
         if not line.startswith("|"):
@@ -152,19 +153,31 @@ def readme_tau_table() -> dict[tuple[str, int, float], float]:
         elif header and cells[0] in README_METHODS:
             for name, value in zip(header[2:], cells[2:], strict=False):
                 temperature = float(re.search(r"T=([\d.]+)", name).group(1))
-                table[(README_METHODS[cells[0]], int(cells[1]), temperature)] = float(value)
+                low, _, high = value.partition("–")
+                table[(README_METHODS[cells[0]], int(cells[1]), temperature)] = (float(low), float(high or low))
     return table
 
 
+def test_readme_tau_table_parses_single_figures_and_ranges(monkeypatch, tmp_path):
+    (tmp_path / "README.md").write_text(
+        "| method | K | τ T=0 |\n|---|---|---|\n| eaglekit drafter | 3 | 3.28–3.61 |\n| n-gram (vLLM `ngram`) | 5 | 1.11 |\n"
+    )
+    monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
+    assert readme_tau_table() == {("eagle", 3, 0.0): (3.28, 3.61), ("ngram", 5, 0.0): (1.11, 1.11)}
+
+
 def test_readme_tau_table_is_what_this_code_measures(demo_run):
-    """The figures the README shows come from a run of the current code: the demo's own report, within noise."""
+    """The figures the README shows come from a run of the current code: the demo's own report, within noise. The
+    tiny target's weights depend on the CPU's kernels (AVX2 and AVX-512 paths round differently, and 4,000 training
+    steps amplify it), so the README gives the range measured on the CPUs the demo ran on."""
     run_dir, _, _ = demo_run
     report = json.loads((run_dir / "evaluate" / "report.json").read_text())
     measured = {(r["method"], r["k"], r["temperature"]): r["tau"] for r in report["results"]}
     table = readme_tau_table()
     assert table, "the README has a τ table"
-    for key, claimed in table.items():
+    for key, (low, high) in table.items():
         assert key in measured, f"the README shows {key}, which the demo does not measure"
-        assert abs(claimed - measured[key]) <= 0.1 + 0.03 * measured[key], (
-            f"README says τ {claimed} for {key}; the demo measures {measured[key]}: refresh the README's table"
+        noise = 0.1 + 0.03 * measured[key]
+        assert low - noise <= measured[key] <= high + noise, (
+            f"README says τ {low}–{high} for {key}; the demo measures {measured[key]}: refresh the README's table"
         )

@@ -355,6 +355,8 @@ def build_tiny_target(
                 "final_loss": round(final_loss, 4),
                 "build_seconds": round(build_seconds, 1),
                 "torch_threads": threads_used,
+                # the weights depend on the kernels this picks (AVX2 and AVX-512 round differently), not on threads
+                "cpu_capability": torch.backends.cpu.get_cpu_capability(),
                 **scores,
             },
         )
