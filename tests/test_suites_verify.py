@@ -48,7 +48,9 @@ def test_verify_reports_served_and_offline_tau_per_suite(vllm_python, tmp_path, 
     assert set(suites) == {("mt_bench", "off"), ("gsm8k", "off")} and run["checks"]["suites"] is True
     assert suites["mt_bench", "off"]["prompts"] == 4  # two questions, two turns each
     for s in suites.values():
-        assert s["served_tau"] > 1.0, "the engine speculates on the suite's prompts"
+        # τ itself depends on the tiny target, whose weights depend on the CPU's kernels (on an AVX2-only EPYC
+        # the drafter accepts nothing on the two GSM8K prompts): that the engine drafted is what this test owns
+        assert s["served_drafts"] > 0, "the engine speculates on the suite's prompts"
         assert abs(s["served_tau"] - s["offline_tau"]) <= report["tolerance"]["tau_relative"] * s["offline_tau"]
     md = (cfg.run_path / "verify" / "report.md").read_text()
     assert "| mt_bench | off | eagle3 | 3 | 4 |" in md

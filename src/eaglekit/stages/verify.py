@@ -504,10 +504,13 @@ def compare_suite(run: ServedRun, offline: Offline, group: tuple[str, str], tole
     else:
         served, offline_tau = theirs.tau, mine.tau
     relative = abs(served - offline_tau) / offline_tau if offline_tau else 0.0
+    # verify passes that carried drafts: the proof the engine speculated at all, even where nothing was accepted
+    served_drafts = (theirs.verify_passes or 0) if run.engine == "sglang" else theirs.drafts
     return {
         "suite": group[0],
         "mode": group[1],
         "prompts": len(prompts),
+        "served_drafts": served_drafts,
         "served_tau": round(served, 4),
         "offline_tau": round(offline_tau, 4),
         "relative_difference": round(relative, 4),
