@@ -26,6 +26,37 @@ def tiny_target() -> Path:
     return ensure_tiny_target()
 
 
+_tiny_target_build: subprocess.Popen | None = None
+
+
+@pytest.hookimpl(trylast=True)  # after -m / -k have deselected
+def pytest_collection_modifyitems(config, items) -> None:
+    """Files that need the tiny target run last, and its first build (5-15 minutes on one core) starts at once in a
+    process of its own: the tests that do not need it fill the other core meanwhile, where otherwise every worker
+    would wait on the build's lock. Each file keeps its order (whole files go to one xdist worker)."""
+    global _tiny_target_build
+    needs = {item.path for item in items if "tiny_target" in getattr(item, "fixturenames", ())}
+    items.sort(key=lambda item: item.path in needs)
+    from eaglekit.tiny.build import cached_target_dir, is_built
+
+    first_process = os.environ.get("PYTEST_XDIST_WORKER", "gw0") == "gw0"  # one build for all workers
+    if needs and first_process and not is_built(cached_target_dir()):
+        # ensure_tiny_target's lock makes the tests that need the target wait for this build, not start their own
+        _tiny_target_build = subprocess.Popen(
+            [sys.executable, "-c", "from eaglekit.tiny import ensure_tiny_target; ensure_tiny_target()"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+
+
+def pytest_unconfigure(config) -> None:
+    """A run that stops early (-x, Ctrl-C) leaves no build behind; its lock goes with it, and the next caller of
+    ensure_tiny_target builds from scratch (atomic_dir only ever renames in whole builds)."""
+    if _tiny_target_build is not None and _tiny_target_build.poll() is None:
+        _tiny_target_build.terminate()
+        _tiny_target_build.wait()
+
+
 @pytest.fixture(scope="session")
 def tiny_deepseek_target(tmp_path_factory) -> Path:
     """A DeepSeek-V3-shaped tiny target (MLA + 4 routed experts) on the tiny target's tokenizer and corpus, trained

@@ -372,6 +372,13 @@ def cache_root(cache_dir: Path | None = None) -> Path:
     return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "eaglekit"
 
 
+def cached_target_dir(cache_dir: Path | None = None, arch: str = "llama", corpus: Corpus = "tasks") -> Path:
+    """The folder ``ensure_tiny_target`` builds into and returns (built or not)."""
+    variant = [corpus] * (corpus != "tasks") + [arch.replace("_", "-")] * (arch != "llama")
+    name = "-".join(["tiny", *variant, RECIPE_VERSION]) if variant else f"tiny-target-{RECIPE_VERSION}"
+    return cache_root(cache_dir) / name
+
+
 def is_built(model_dir: Path, arch: str = "llama", corpus: Corpus = "tasks") -> bool:
     """True when ``model_dir`` holds a finished build of the current recipe (atomic_dir only ever renames in whole builds)."""
     try:
@@ -397,9 +404,8 @@ def ensure_tiny_target(cache_dir: Path | None = None, arch: str = "llama", corpu
     root = cache_root(cache_dir)
     if corpus not in CORPORA:
         raise UsageError(f"unknown tiny-target corpus {corpus!r}", f"use one of {', '.join(CORPORA)}")
-    variant = [corpus] * (corpus != "tasks") + [arch.replace("_", "-")] * (arch != "llama")
-    name = "-".join(["tiny", *variant, RECIPE_VERSION]) if variant else f"tiny-target-{RECIPE_VERSION}"
-    model_dir = root / name
+    model_dir = cached_target_dir(cache_dir, arch, corpus)
+    name = model_dir.name
     if is_built(model_dir, arch, corpus):
         return model_dir
     try:
