@@ -498,14 +498,15 @@ def compare_suite(run: ServedRun, offline: Offline, group: tuple[str, str], tole
     """One suite in one reasoning mode: the engine's τ on its batch against eaglekit's on the same prompts."""
     prompts = offline.suites[group]
     mine, theirs = offline.counters(run.k, prompts), run.suite_counters[group]
+    # served_drafts, the verify passes that carried drafts: the proof the engine speculated at all, even where
+    # nothing was accepted
     if run.engine == "sglang":
         served = theirs.emitted / theirs.verify_passes if theirs.emitted and theirs.verify_passes else 1.0
         offline_tau = mine.emitted / mine.verify_passes if mine.emitted and mine.verify_passes else 1.0
+        served_drafts = theirs.verify_passes or 0
     else:
-        served, offline_tau = theirs.tau, mine.tau
+        served, offline_tau, served_drafts = theirs.tau, mine.tau, theirs.drafts
     relative = abs(served - offline_tau) / offline_tau if offline_tau else 0.0
-    # verify passes that carried drafts: the proof the engine speculated at all, even where nothing was accepted
-    served_drafts = (theirs.verify_passes or 0) if run.engine == "sglang" else theirs.drafts
     return {
         "suite": group[0],
         "mode": group[1],

@@ -401,11 +401,10 @@ def ensure_tiny_target(cache_dir: Path | None = None, arch: str = "llama", corpu
     Concurrent callers (parallel test processes) serialise on a lock file: one builds, the others wait
     and then find the finished folder.
     """
-    root = cache_root(cache_dir)
     if corpus not in CORPORA:
         raise UsageError(f"unknown tiny-target corpus {corpus!r}", f"use one of {', '.join(CORPORA)}")
     model_dir = cached_target_dir(cache_dir, arch, corpus)
-    name = model_dir.name
+    root, name = model_dir.parent, model_dir.name
     if is_built(model_dir, arch, corpus):
         return model_dir
     try:
