@@ -169,20 +169,35 @@ def test_write_prompts_rejects_unknown_shape(tmp_path):
 
 @pytest.mark.slow
 def test_build_is_deterministic_whatever_the_threads(tmp_path, monkeypatch):
-    monkeypatch.setattr(tiny_build, "build_threads", lambda: 1)
+    monkeypatch.setattr(tiny_build, "build_threads", lambda own_threads=0: 1)
     a = build_tiny_target(tmp_path / "a", seed=3, steps=3, heldout=0)
-    monkeypatch.setattr(tiny_build, "build_threads", lambda: 2)
+    monkeypatch.setattr(tiny_build, "build_threads", lambda own_threads=0: 2)
     b = build_tiny_target(tmp_path / "b", seed=3, steps=3, heldout=0)
     c = build_tiny_target(tmp_path / "c", seed=4, steps=3, heldout=0)
-    wa, wb, wc = (load_file(d / "model.safetensors") for d in (a, b, c))
-    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    # the thread count changing as the build goes (every step here: 2, 1, 2, ...) changes nothing either
+    flips = iter([2, 1] * 4)
+    monkeypatch.setattr(tiny_build, "build_threads", lambda own_threads=0: next(flips))
+    monkeypatch.setattr(tiny_build, "THREADS_RECHECK_STEPS", 1)
+    d = build_tiny_target(tmp_path / "d", seed=3, steps=3, heldout=0)
+    wa, wb, wc, wd = (load_file(folder / "model.safetensors") for folder in (a, b, c, d))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) and torch.equal(wa[k], wd[k]) for k in wa)
     assert not all(torch.equal(wa[k], wc[k]) for k in wa)
     assert (a / "tokenizer.json").read_bytes() == (b / "tokenizer.json").read_bytes()
     manifest = json.loads((a / "eaglekit_tiny.json").read_text())
     assert manifest["seed"] == 3 and manifest["steps"] == 3
     assert not list(tmp_path.glob(".*"))  # no temp folder left behind
     with pytest.raises(UsageError, match="steps"):
-        build_tiny_target(tmp_path / "d", steps=0)
+        build_tiny_target(tmp_path / "e", steps=0)
+
+
+def test_build_threads_leave_a_core_busy_with_other_work_alone(monkeypatch):
+    monkeypatch.setattr(tiny_build.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(tiny_build.os, "getloadavg", lambda: (2.0, 2.0, 2.0))
+    assert tiny_build.build_threads() == 1  # two busy cores, none of them ours: still one thread
+    assert tiny_build.build_threads(own_threads=2) == 2  # the load is the build's own two threads
+    assert tiny_build.build_threads(own_threads=1) == 1  # one thread of ours, something else on the other core
+    monkeypatch.setattr(tiny_build.os, "getloadavg", lambda: (1.0, 1.0, 1.0))
+    assert tiny_build.build_threads(own_threads=1) == 2  # the other core went idle
 
 
 def test_ensure_builds_once_under_concurrency(tmp_path, monkeypatch):
@@ -256,3 +271,4 @@ def test_chatty_build_really_trains(tmp_path):
     tok = AutoTokenizer.from_pretrained(out)
     remark = "Maybe the kiwi likes the castle."
     assert tok.decode(tok(remark, add_special_tokens=False)["input_ids"]) == remark
+

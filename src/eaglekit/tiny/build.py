@@ -49,6 +49,8 @@ DEFAULT_STEPS = 4000
 # Small batches, many steps: at a fixed budget of tokens the tiny model learned far more from more
 # updates (batches of 4 x 3600 steps: 37% of held-out answers right; 16 x 900 steps: 12%).
 BATCH_SIZE = 4
+# How often the build re-decides its thread count (build_threads), in steps: ~20 s of training
+THREADS_RECHECK_STEPS = 100
 LEARNING_RATE = 2e-3
 VOCAB_SIZE = 512
 HIDDEN_SIZE = 128
@@ -219,6 +221,9 @@ def train(model, batches: list[list[tuple[list[int], int]]], pad_id: int) -> flo
     model.train()
     with Meter("tiny target: train", total=steps, unit="step", log_every=10.0) as meter:
         for step in range(steps):
+            if step and step % THREADS_RECHECK_STEPS == 0:
+                # the build often starts beside other work (setup, test workers) that ends before it does
+                torch.set_num_threads(build_threads(own_threads=torch.get_num_threads()))
             input_ids, labels, mask = batch_tensors(batches[step], pad_id)
             loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
             loss.backward()
@@ -273,14 +278,16 @@ def heldout_scores(model, tokenizer, n: int, seed: int = HELDOUT_SEED) -> dict:
     }
 
 
-def build_threads() -> int:
+def build_threads(own_threads: int = 0) -> int:
     """Threads for training: one per idle core, at most two, at least one (whatever the caller set).
 
     The matrices are tiny, so threads must never wait on each other: on an idle 2-core machine two
     threads made a step 1.5x faster than one, while on the same machine busy with other jobs two threads
     made each step about six times slower than one. More than two were not measured.
+    ``own_threads``: threads this process already runs, which the load average counts as busy cores.
     """
-    idle = (os.cpu_count() or 1) - os.getloadavg()[0]
+    others = max(0.0, os.getloadavg()[0] - own_threads)
+    idle = (os.cpu_count() or 1) - others
     return max(1, min(2, round(idle)))
 
 
