@@ -6,13 +6,17 @@
 #   bash scripts/setup.sh          eaglekit in .venv
 #   bash scripts/setup.sh --vllm   and a real vLLM (CPU build) in .venv-vllm, for the engine tests and
 #                                  `eaglekit verify` (scripts/setup_vllm.sh; ~3 minutes the first time)
+#   ... --tiny-target              and the built-in tiny target the demo and the tests use (`eaglekit tiny-target`:
+#                                  5-15 minutes the first time, cached), built while vLLM installs
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WITH_VLLM=0
+WITH_TINY=0
 for arg in "$@"; do
   case "$arg" in
     --vllm) WITH_VLLM=1 ;;
-    *) echo "usage: bash scripts/setup.sh [--vllm]" >&2; exit 2 ;;
+    --tiny-target) WITH_TINY=1 ;;
+    *) echo "usage: bash scripts/setup.sh [--vllm] [--tiny-target]" >&2; exit 2 ;;
   esac
 done
 PYTHON=${PYTHON:-python3}
@@ -26,7 +30,18 @@ if ! python -c "import torch" >/dev/null 2>&1; then
 fi
 python -m pip install -q -e ".[test]"
 echo "eaglekit installed in .venv ($(python -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'))"
+deactivate
+BUILD_PID=
+if [ "$WITH_TINY" = 1 ]; then
+  # in the background: the build trains on one core while pip fills the other, then takes both (tiny/build.py)
+  .venv/bin/eaglekit tiny-target &
+  BUILD_PID=$!
+  trap 'kill "$BUILD_PID" 2>/dev/null || true' EXIT  # a failed vLLM install leaves no build behind
+fi
 if [ "$WITH_VLLM" = 1 ]; then
-  deactivate
   bash scripts/setup_vllm.sh
+fi
+if [ -n "$BUILD_PID" ] && ! wait "$BUILD_PID"; then
+  echo "error: building the tiny target failed (its message is above); \`.venv/bin/eaglekit tiny-target\` retries it" >&2
+  exit 1
 fi

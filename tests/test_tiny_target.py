@@ -272,3 +272,22 @@ def test_chatty_build_really_trains(tmp_path):
     remark = "Maybe the kiwi likes the castle."
     assert tok.decode(tok(remark, add_special_tokens=False)["input_ids"]) == remark
 
+
+def test_tiny_target_command_without_a_folder_builds_the_cached_one(cli, tmp_path, monkeypatch):
+    built = []
+
+    def fake_build(out_dir, arch="llama", corpus="tasks", **_):
+        built.append(out_dir)
+        with atomic_dir(out_dir) as tmp:
+            manifest = {"recipe_version": tiny_build.RECIPE_VERSION, "steps": tiny_build.DEFAULT_STEPS, "seed": 0}
+            write_json(tmp / "eaglekit_tiny.json", manifest)
+        return out_dir
+
+    monkeypatch.setattr(tiny_build, "build_tiny_target", fake_build)
+    monkeypatch.setenv("EAGLEKIT_CACHE", str(tmp_path))
+    result = cli("tiny-target", "--json")
+    assert result.code == 0, result.err
+    assert json.loads(result.out)["path"] == str(tmp_path / f"tiny-target-{tiny_build.RECIPE_VERSION}")
+    assert cli("tiny-target").code == 0 and len(built) == 1  # the second call finds the cached build
+    refused = cli("tiny-target", "--seed", "3")
+    assert refused.code == 2 and "OUT_DIR" in refused.err and len(built) == 1

@@ -380,18 +380,25 @@ def demo_cmd(
 
 @command("tiny-target")
 def tiny_target_cmd(
-    out_dir: Path = typer.Argument(..., metavar="OUT_DIR", help="folder to write the model into", show_default=False),
-    seed: int = typer.Option(0, help="training seed"),
+    out_dir: Path | None = typer.Argument(
+        None,
+        metavar="[OUT_DIR]",
+        help="folder to write the model into; left out, the cached one the demo and the tests use (built once)",
+        show_default=False,
+    ),
+    seed: int = typer.Option(0, help="training seed (the cached target is seed 0)"),
     as_json: bool = JsonOpt,
 ) -> None:
     """Write the built-in tiny target (a trained reasoning-style Llama) in Hugging Face format."""
-    from eaglekit.tiny import build_tiny_target
+    from eaglekit.tiny import build_tiny_target, ensure_tiny_target
 
-    path = build_tiny_target(out_dir, seed=seed)
+    if out_dir is None and seed != 0:
+        raise UsageError(f"--seed {seed}: the cached tiny target is seed 0", "name an OUT_DIR to build another seed")
+    path = build_tiny_target(out_dir, seed=seed) if out_dir is not None else ensure_tiny_target()
     if as_json:
         emit_json({"path": str(path)})
     else:
-        console.print(f"tiny target written to {path}")
+        console.print(f"tiny target written to {path}" if out_dir is not None else f"tiny target ready in {path}")
 
 
 # ------------------------------------------------------------------------------------------- errors
