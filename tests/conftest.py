@@ -27,16 +27,28 @@ def tiny_target() -> Path:
 
 
 _tiny_target_build: subprocess.Popen | None = None
+# The files that take longest (their fixtures train drafters or run the demo: 400-950 s each on 2 cores, --durations),
+# first among those that need the tiny target, so that no worker ends alone on one. test_verify.py reads the demo run
+# test_demo.py makes: it comes after the others, by when that run is done.
+LONG_FILES = ("test_demo.py", "test_dspark_run.py", "test_dflash_run.py", "test_verify.py")
 
 
 @pytest.hookimpl(trylast=True)  # after -m / -k have deselected
 def pytest_collection_modifyitems(config, items) -> None:
-    """Files that need the tiny target run last, and its first build (5-15 minutes on one core) starts at once in a
-    process of its own: the tests that do not need it fill the other core meanwhile, where otherwise every worker
-    would wait on the build's lock. Each file keeps its order (whole files go to one xdist worker)."""
+    """Files that need the tiny target run last (the longest of them first), and its first build (5-15 minutes on one
+    core) starts at once in a process of its own: the tests that do not need it fill the other core meanwhile, where
+    otherwise every worker would wait on the build's lock. Each file keeps its order (whole files go to one xdist
+    worker)."""
     global _tiny_target_build
     needs = {item.path for item in items if "tiny_target" in getattr(item, "fixturenames", ())}
-    items.sort(key=lambda item: item.path in needs)
+
+    def rank(item) -> int:
+        if item.path not in needs:
+            return 0
+        name = item.path.name
+        return 1 + (LONG_FILES.index(name) if name in LONG_FILES else len(LONG_FILES))
+
+    items.sort(key=rank)
     from eaglekit.tiny.build import cached_target_dir, is_built
 
     first_process = os.environ.get("PYTEST_XDIST_WORKER", "gw0") == "gw0"  # one build for all workers
@@ -90,21 +102,32 @@ def vllm_python() -> Path:
 
 @pytest.fixture(scope="session")
 def demo_run(tmp_path_factory, tiny_target):
-    """`eaglekit demo` run once per session: (run dir, its --json document, its stderr). With the vLLM venv
-    present the demo ends with `verify` in the real engine. Shared by the demo and verify tests."""
+    """`eaglekit demo` run once per test session: (run dir, its --json document, its stderr). With the vLLM venv
+    present the demo ends with `verify` in the real engine. Shared by the demo and verify tests, across pytest-xdist
+    workers too (the run takes minutes): the first worker to need it runs it under a lock in the folder the workers
+    share, the others wait for it and read the same run."""
+    import fcntl
     import json
-    import subprocess
 
-    run_dir = tmp_path_factory.mktemp("demo") / "run"
-    proc = subprocess.run(
-        [sys.executable, "-m", "eaglekit.cli", "demo", "--run-dir", str(run_dir), "--json"],
-        capture_output=True,
-        text=True,
-        timeout=2400,
-        env=subprocess_env(),
-    )
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    return run_dir, json.loads(proc.stdout), proc.stderr
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # pytest-N/, above each worker's popen-gwK/
+    run_dir, saved = shared / "demo" / "run", shared / "demo" / "result.json"
+    run_dir.parent.mkdir(exist_ok=True)
+    with open(shared / "demo.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not saved.exists():
+            proc = subprocess.run(
+                [sys.executable, "-m", "eaglekit.cli", "demo", "--run-dir", str(run_dir), "--json"],
+                capture_output=True,
+                text=True,
+                timeout=2400,
+                env=subprocess_env(),
+            )
+            assert proc.returncode == 0, proc.stderr[-5000:]
+            saved.write_text(json.dumps({"stdout": proc.stdout, "stderr": proc.stderr}))
+    result = json.loads(saved.read_text())
+    return run_dir, json.loads(result["stdout"]), result["stderr"]
 
 
 @dataclass
