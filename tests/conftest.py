@@ -27,28 +27,16 @@ def tiny_target() -> Path:
 
 
 _tiny_target_build: subprocess.Popen | None = None
-# The files that take longest (their fixtures train drafters or run the demo: 400-950 s each on 2 cores, --durations),
-# first among those that need the tiny target, so that no worker ends alone on one. test_verify.py reads the demo run
-# test_demo.py makes: it comes after the others, by when that run is done.
-LONG_FILES = ("test_demo.py", "test_dspark_run.py", "test_dflash_run.py", "test_verify.py")
 
 
 @pytest.hookimpl(trylast=True)  # after -m / -k have deselected
 def pytest_collection_modifyitems(config, items) -> None:
-    """Files that need the tiny target run last (the longest of them first), and its first build (5-15 minutes on one
-    core) starts at once in a process of its own: the tests that do not need it fill the other core meanwhile, where
-    otherwise every worker would wait on the build's lock. Each file keeps its order (whole files go to one xdist
-    worker)."""
+    """Files that need the tiny target run last, and its first build (5-15 minutes on one core) starts at once in a
+    process of its own: the tests that do not need it fill the other core meanwhile, where otherwise every worker
+    would wait on the build's lock. Each file keeps its order (whole files go to one xdist worker)."""
     global _tiny_target_build
     needs = {item.path for item in items if "tiny_target" in getattr(item, "fixturenames", ())}
-
-    def rank(item) -> int:
-        if item.path not in needs:
-            return 0
-        name = item.path.name
-        return 1 + (LONG_FILES.index(name) if name in LONG_FILES else len(LONG_FILES))
-
-    items.sort(key=rank)
+    items.sort(key=lambda item: item.path in needs)
     from eaglekit.tiny.build import cached_target_dir, is_built
 
     first_process = os.environ.get("PYTEST_XDIST_WORKER", "gw0") == "gw0"  # one build for all workers
