@@ -200,18 +200,21 @@ def test_build_threads_leave_a_core_busy_with_other_work_alone(monkeypatch):
     assert tiny_build.build_threads(own_threads=1) == 2  # the other core went idle
 
 
+def finished_build_manifest(out_dir, arch="llama", corpus="tasks"):
+    """A stand-in for build_tiny_target that takes no minutes: the folder with the manifest is_built reads, no model."""
+    with atomic_dir(out_dir) as tmp:
+        manifest = {"recipe_version": tiny_build.RECIPE_VERSION, "steps": tiny_build.DEFAULT_STEPS, "seed": 0}
+        write_json(tmp / tiny_build.MANIFEST, manifest | {"arch": arch, "corpus": corpus})
+    return out_dir
+
+
 def test_ensure_builds_once_under_concurrency(tmp_path, monkeypatch):
     calls = []
 
     def fake_build(out_dir, seed=0, steps=None, arch="llama", corpus="tasks"):
         calls.append(out_dir)
         time.sleep(0.3)  # long enough for the other caller to reach the lock
-        with atomic_dir(out_dir) as tmp:
-            write_json(
-                tmp / tiny_build.MANIFEST,
-                {"recipe_version": tiny_build.RECIPE_VERSION, "seed": 0, "steps": tiny_build.DEFAULT_STEPS},
-            )
-        return out_dir
+        return finished_build_manifest(out_dir, arch, corpus)
 
     monkeypatch.setattr(tiny_build, "build_tiny_target", fake_build)
     results = []
@@ -249,10 +252,7 @@ def test_chatty_target_builds_and_caches_apart(tmp_path, monkeypatch):
 
     def fake_build(out_dir, arch="llama", corpus="tasks", **_):
         built.append(corpus)
-        with atomic_dir(out_dir) as tmp:
-            manifest = {"recipe_version": tiny_build.RECIPE_VERSION, "steps": tiny_build.DEFAULT_STEPS, "seed": 0}
-            write_json(tmp / "eaglekit_tiny.json", manifest | {"arch": arch, "corpus": corpus})
-        return out_dir
+        return finished_build_manifest(out_dir, arch, corpus)
 
     monkeypatch.setattr(tiny_build, "build_tiny_target", fake_build)
     plain = ensure_tiny_target(tmp_path)
@@ -278,10 +278,7 @@ def test_tiny_target_command_without_a_folder_builds_the_cached_one(cli, tmp_pat
 
     def fake_build(out_dir, arch="llama", corpus="tasks", **_):
         built.append(out_dir)
-        with atomic_dir(out_dir) as tmp:
-            manifest = {"recipe_version": tiny_build.RECIPE_VERSION, "steps": tiny_build.DEFAULT_STEPS, "seed": 0}
-            write_json(tmp / "eaglekit_tiny.json", manifest)
-        return out_dir
+        return finished_build_manifest(out_dir, arch, corpus)
 
     monkeypatch.setattr(tiny_build, "build_tiny_target", fake_build)
     monkeypatch.setenv("EAGLEKIT_CACHE", str(tmp_path))
