@@ -205,7 +205,7 @@ def test_vllm_loads_every_exported_weight_into_its_dspark_model(tmp_path, tiny_t
     for p in drafter.parameters():  # distinct values everywhere, so a weight loaded into the wrong slot shows
         torch.nn.init.normal_(p)
     save_dspark(drafter, tmp_path / "dspark")
-    env = {"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", **cpu_environment(vllm_python, tmp_path / "cache")}
+    env = {"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", **cpu_environment(vllm_python)}
     probe = subprocess.run(
         [str(vllm_python), "-c", LOADER_PROBE, str(tiny_target), str(tmp_path / "dspark"), str(free_port())],
         capture_output=True,

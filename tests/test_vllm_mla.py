@@ -109,7 +109,7 @@ def test_vllm_cpu_rotates_the_strided_mla_query_wrong(vllm_python, tmp_path):
 
     from eaglekit.serving.engine import cpu_environment
 
-    env = {"PATH": "/usr/bin:/bin", **cpu_environment(vllm_python, tmp_path / "cache")}
+    env = {"PATH": "/usr/bin:/bin", **cpu_environment(vllm_python)}
     out = subprocess.run(
         [str(vllm_python), "-c", ROPE_CHECK], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path
     )

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import gc
 import json
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -371,7 +370,6 @@ def served_by_eaglekit(ctx: StageContext, offline: Offline) -> list[ServedRun]:
                     ),
                 )
             runs.append(run)
-    shutil.rmtree(logs / "vllm-cache", ignore_errors=True)  # compile caches of the engines started above
     return runs
 
 
