@@ -14,8 +14,11 @@ import torch
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-# Tests use tiny models: intra-op threads only add overhead there (and contention on a 2-core runner).
+# Tests use tiny models: intra-op threads only add overhead there (and contention on a 2-core runner). The
+# processes they start inherit it: an `eaglekit run` child left on torch's default takes both cores, and two of
+# them, one per test worker, took 277 s for a block drafter's 120 training steps that take 116 s on one thread.
 torch.set_num_threads(1)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).parent))  # test fixtures such as fake_vllm import by name
 
 
