@@ -90,7 +90,7 @@ def finetune_from_export(root: Path, first: Path, tiny_target, make_config, form
     paths EAGLE-3 has, for the block families); returns evaluate's τ per K at T=0 of the re-imported starting
     drafter (measured beside the finetuned one) and of the finetuned one."""
     cfg = make_config(
-        root / "finetune", tiny_target, max_steps=30, init_from=str(first / "export" / form), packing=True
+        root / "finetune", tiny_target, max_steps=12, init_from=str(first / "export" / form), packing=True
     )
     cfg["train"].pop("draft")  # init_from keeps the exported drafter's own shape
     cfg["extract"] = {"mode": "offline"}
