@@ -32,18 +32,64 @@ def tiny_target() -> Path:
 _tiny_target_build: subprocess.Popen | None = None
 
 
+# The files that take longest on 2 cores (--durations; their fixtures train drafters, run the demo or start vLLM),
+# longest first, so that no worker ends alone on one while the other idles. test_verify.py and test_suites_verify.py
+# read the run test_demo.py makes: they come after other long files, by when that run is done.
+LONG_FILES = (
+    "test_demo.py",  # ~510 s: the shared demo run, then the offline demo
+    "test_dspark_run.py",  # ~270 s
+    "test_dflash_run.py",  # ~255 s
+    "test_vllm_mla.py",  # ~210 s
+    "test_verify.py",  # ~260 s: three verify runs in vLLM
+    "test_suites_verify.py",
+    "test_dflash.py",
+    "test_dspark.py",
+    "test_train.py",
+    "test_finetune.py",
+    "test_train_ddp.py",
+    "test_extract.py",
+    "test_extract_vllm.py",
+    "test_mla_run.py",
+    "test_vllm_engine.py",
+    "test_capture_check_vllm.py",
+)
+
+
+# Every xdist worker must collect the same order, so whether the tiny target still has to be built is decided once,
+# before the workers start (they inherit the environment), not by each worker looking at the cache a moment apart.
+TINY_TARGET_PENDING = "EAGLEKIT_TESTS_TINY_TARGET_PENDING"
+
+
+def pytest_configure(config) -> None:
+    if "PYTEST_XDIST_WORKER" not in os.environ:  # the controller, or a run without workers
+        from eaglekit.tiny.build import cached_target_dir, is_built
+
+        os.environ[TINY_TARGET_PENDING] = "0" if is_built(cached_target_dir()) else "1"
+
+
 @pytest.hookimpl(trylast=True)  # after -m / -k have deselected
 def pytest_collection_modifyitems(config, items) -> None:
-    """Files that need the tiny target run last, and its first build (5-15 minutes on one core) starts at once in a
-    process of its own: the tests that do not need it fill the other core meanwhile, where otherwise every worker
-    would wait on the build's lock. Each file keeps its order (whole files go to one xdist worker)."""
+    """The order the files go to the xdist workers in (scripts/check.sh passes --no-loadscope-reorder; xdist's
+    default sends the files with most tests first, which left the long files of few tests for last): LONG_FILES
+    first, longest first, then the others with most tests first. Each file keeps its own order (whole files go to
+    one worker). Where the tiny target is not built yet, its files go last and its first build (5-15 minutes on
+    one core) starts at once in a process of its own: the other tests fill the second core meanwhile, where
+    otherwise every worker would wait on the build's lock."""
     global _tiny_target_build
     needs = {item.path for item in items if "tiny_target" in getattr(item, "fixturenames", ())}
-    items.sort(key=lambda item: item.path in needs)
-    from eaglekit.tiny.build import cached_target_dir, is_built
+    building = bool(needs) and os.environ[TINY_TARGET_PENDING] == "1"
+    counts: dict[Path, int] = {}
+    for item in items:
+        counts[item.path] = counts.get(item.path, 0) + 1
 
+    def rank(item) -> tuple[bool, int, int]:
+        name = item.path.name
+        long_rank = LONG_FILES.index(name) if name in LONG_FILES else len(LONG_FILES)
+        return (building and item.path in needs, long_rank, -counts[item.path])
+
+    items.sort(key=rank)
     first_process = os.environ.get("PYTEST_XDIST_WORKER", "gw0") == "gw0"  # one build for all workers
-    if needs and first_process and not is_built(cached_target_dir()):
+    if building and first_process:
         # ensure_tiny_target's lock makes the tests that need the target wait for this build, not start their own
         _tiny_target_build = subprocess.Popen(
             [sys.executable, "-c", "from eaglekit.tiny import ensure_tiny_target; ensure_tiny_target()"],
