@@ -69,8 +69,8 @@ def is_cpu_build(python: Path) -> bool:
 
 
 # What the CPU build needs to start quickly and run predictably on a small machine; a variable already set in
-# the environment wins. Measured on 2 cores, the tiny target with an EAGLE-3 drafter: ready in 107 s as vLLM
-# starts by default, 34 s with these.
+# the environment wins. The tiny target with an EAGLE-3 drafter on 2 cores answers in 32 s with these against
+# 117 s with vLLM's defaults (medians, benchmarks/engine_start.py).
 CPU_DEFAULTS = {
     "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache, not a fraction of the machine's memory
     # The worker runs inside the engine-core process instead of a third spawned process that imports vLLM
