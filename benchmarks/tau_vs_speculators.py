@@ -40,6 +40,12 @@ since this race: trained, it cost eaglekit 11 % of τ at K=5; --ablate trained-h
 mean and a 95 % bootstrap interval over seeds per K for each side and for the ratio. A side that fails is reported
 as failed and the race goes on.
 
+Every finished side and seed is appended to benchmarks/race-ledger.jsonl (--ledger) with the settings it ran under,
+the tiny target's weights by hash among them (they differ between CPU kinds, and with them the target's replies).
+With --reuse-eaglekit / --reuse-speculators a side and seed that the ledger holds under the same settings is read
+from it instead of run: a race spread over several sessions, whose run folders are lost when a machine is
+replaced, adds up on any machine whose tiny target is the same, and the ledger is the raw record behind RESULTS.md.
+
 It needs benchmarks/.venv-speculators (bash benchmarks/setup_speculators.sh); without it, it says so and stops.
 """
 
@@ -57,6 +63,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SPECULATORS_PYTHON = ROOT / "benchmarks" / ".venv-speculators" / "bin" / "python"
+LEDGER = ROOT / "benchmarks" / "race-ledger.jsonl"  # every finished side and seed, kept in git (see --ledger)
 # speculators as it ships (its CLI's defaults, speculators/train/config/schema.py, 0.9.0): 3 TTT steps weighted
 # equally, Muon on the 2-D weights (its lr = --lr), AdamW (weight decay 0.01) on the rest, a linear schedule, lr 1e-3.
 # "matched": the race's settings on both sides (--ttt-steps, --decay, --lr, cosine), AdamW.
@@ -125,7 +132,7 @@ def data_config(out: Path, args) -> dict:
     }
 
 
-def run_stage(cfg, stage: str, again: bool = False) -> dict:
+def run_stage(cfg, stage: str, again: bool = False, skip_preflight: bool = False) -> dict:
     """Run one stage of the race's run directory; ``again``: from scratch even when done with the same inputs (a
     done stage is skipped otherwise, and the code under test is no input)."""
     from eaglekit.pipeline import run_stage as run
@@ -134,7 +141,7 @@ def run_stage(cfg, stage: str, again: bool = False) -> dict:
     if again:
         shutil.rmtree(Path(cfg.run_dir) / stage, ignore_errors=True)
     with RunDir(cfg.run_dir).lock:
-        return run(cfg, stage, force=again)
+        return run(cfg, stage, force=again, skip_preflight=skip_preflight)
 
 
 def make_data(out: Path, args):
@@ -223,9 +230,16 @@ def train_speculators(cfg, out: Path, args, opponent: str, seed: int) -> tuple[P
 
 
 def evaluate(cfg, checkpoint: Path, name: str, out: Path) -> dict:
+    from eaglekit.rundir import RunDir
+
     cfg = cfg.model_copy(deep=True)
     cfg.evaluate.checkpoint = str(checkpoint)
-    run_stage(cfg, "evaluate", again=True)
+    # eaglekit's side read from the ledger left no train stage here, and evaluate's pre-flight asks for one done
+    # with this config: the drafter measured is evaluate.checkpoint either way, so that check has nothing to say
+    untrained = RunDir(cfg.run_dir).done_fingerprint("train") is None
+    if untrained:
+        print(f"evaluate {name}: no train stage in {cfg.run_dir} (eaglekit's side from the ledger): pre-flight skipped")
+    run_stage(cfg, "evaluate", again=True, skip_preflight=untrained)
     report = json.loads((Path(cfg.run_dir) / "evaluate" / "report.json").read_text())
     (out / f"report-{name}.json").write_text(json.dumps(report, indent=1))
     return report
@@ -553,6 +567,15 @@ def main() -> None:
         default=[],
         help=f"eaglekit's side trains with other settings: some of {','.join(ABLATIONS)}",
     )
+    p.add_argument(
+        "--ledger",
+        type=Path,
+        default=LEDGER,
+        help="every finished side and seed is appended here with the settings it ran under (the tiny target's weights "
+        "by hash); with --reuse-eaglekit / --reuse-speculators a side and seed this file already holds under the same "
+        "settings is not run again, so a race spread over sessions whose run folders were lost still adds up "
+        "(committed beside RESULTS.md; /dev/null keeps nothing)",
+    )
     p.add_argument("--speculators-child", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.speculators_child:
@@ -575,10 +598,14 @@ def main() -> None:
     # per side, per seed: τ per (K, T) from evaluate, τ per K served by vLLM, or the error that side hit
     runs: dict[str, dict[int, dict]] = {side: {}, args.opponent: {}}
     for seed in seeds:
-        runs[side][seed] = isolated(side, seed, lambda seed=seed: eaglekit_run(cfg, args, side, seed, use_vllm))
-        runs[args.opponent][seed] = isolated(
-            args.opponent, seed, lambda seed=seed: speculators_run(cfg, args, seed, use_vllm, seeds)
+        runs[side][seed] = from_ledger(cfg, args, side, seed, use_vllm, args.reuse_eaglekit) or isolated(
+            side, seed, lambda seed=seed: eaglekit_run(cfg, args, side, seed, use_vllm)
         )
+        to_ledger(cfg, args, side, seed, runs[side][seed])
+        runs[args.opponent][seed] = from_ledger(
+            cfg, args, args.opponent, seed, use_vllm, args.reuse_speculators
+        ) or isolated(args.opponent, seed, lambda seed=seed: speculators_run(cfg, args, seed, use_vllm, seeds))
+        to_ledger(cfg, args, args.opponent, seed, runs[args.opponent][seed])
         # the table so far after every seed: a race stopped part way still leaves what it measured
         write_race(cfg, args, side, seeds, runs, use_vllm, final=seed == seeds[-1])
 
@@ -611,6 +638,88 @@ def write_race(cfg, args, side: str, seeds: list[int], runs: dict, use_vllm: boo
     )
     if final:
         print(f"\n{title}\n\n{text}")
+
+
+def ledger_settings(cfg, args, name: str) -> dict:
+    """What one side's τ at one seed depends on: the tiny target's weights (they differ between CPU kinds, so
+    do its replies), the data, the race's shared settings and the side's own recipe: eaglekit's train config
+    as the ablations left it (its defaults included, so a changed default is another entry), or the opponent's
+    settings."""
+    import hashlib
+
+    weights = hashlib.sha256()
+    for path in sorted(Path(cfg.target.model).glob("*.safetensors")):
+        weights.update(path.read_bytes())
+    shared = [
+        "target",
+        "generate_temperature",
+        "prompts",
+        "eval_fraction",
+        "draft_vocab",
+        "intermediate",
+        "steps",
+        "seq",
+        "lr",
+        "warmup",
+        "ttt_steps",
+        "decay",
+        "eval_prompts",
+        "max_new_tokens",
+        "served_temperature",
+    ]
+    if name in OPPONENTS:
+        recipe = {"speculators": OPPONENTS[name]}
+    else:
+        train = cfg.train.model_dump(mode="json", exclude={"seed"})
+        recipe = {"eaglekit": train, "ablate": args.ablate}
+    return {
+        "target_weights": weights.hexdigest(),
+        "data_seed": args.seed,
+        **{key: getattr(args, key) for key in shared},
+        "side": name,
+        **recipe,
+    }
+
+
+def from_ledger(cfg, args, name: str, seed: int, use_vllm: bool, reuse: bool) -> dict | None:
+    """The run the ledger holds for this side and seed under the same settings, measured at every K and
+    temperature asked (served too where vLLM is used); None where there is none or reuse was not asked."""
+    if not reuse or not args.ledger.is_file():
+        return None
+    settings = ledger_settings(cfg, args, name)
+    wanted = {f"{k}@{t:g}" for k in args.ks for t in args.temperatures}
+    for line in reversed(args.ledger.read_text().splitlines()):
+        entry = json.loads(line)
+        run = entry["run"]
+        if entry["seed"] != seed or entry["settings"] != settings or "error" in run:
+            continue
+        served = {int(k): v for k, v in run.get("vllm", {}).items()}
+        if wanted <= set(run["tau"]) and (not use_vllm or set(args.ks) <= set(served)):
+            print(f"{name} seed {seed}: reused from {args.ledger} ({entry['date']}, {entry['commit'][:8]})", flush=True)
+            return run | {"vllm": served, "from_ledger": True}
+    return None
+
+
+def to_ledger(cfg, args, name: str, seed: int, run: dict) -> None:
+    """Append one finished side and seed (not a failed one, nor one read from the ledger) as one JSON line."""
+    if "error" in run or run.get("from_ledger") or str(args.ledger) == os.devnull:
+        return
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
+    cpu = next((ln.split(":", 1)[1].strip() for ln in cpuinfo if ln.startswith("model name")), "?")
+    flags = next((ln.split(":", 1)[1].split() for ln in cpuinfo if ln.startswith("flags")), [])
+    entry = {
+        "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+        "commit": commit.strip() or "?",
+        "cpu": cpu + (" avx512" if "avx512f" in flags else ""),  # MKL's kernels, so the tiny target, differ by it
+        "seed": seed,
+        "settings": ledger_settings(cfg, args, name),
+        "run": run,
+    }
+    with open(args.ledger, "a") as f:  # one line per write: a race stopped part way leaves whole lines
+        f.write(json.dumps(entry) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def isolated(name: str, seed: int, run) -> dict:
