@@ -46,6 +46,9 @@ if ! python -c "import torch" >/dev/null 2>&1; then
   python -m pip install -q "torch==2.13.0"
 fi
 python -m pip install -q -e ".[test]"
+# pip compiles what it installs, but an editable install leaves eaglekit itself as source; where
+# PYTHONDONTWRITEBYTECODE is set (as on the CI machines) every process would compile its modules again (~1 s each)
+python -m compileall -q src
 echo "eaglekit installed in .venv ($(python -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'))"
 deactivate
 BUILD_PID=
