@@ -641,19 +641,25 @@ def write_race(cfg, args, side: str, seeds: list[int], runs: dict, use_vllm: boo
 
 
 def ledger_settings(cfg, args, name: str) -> dict:
-    """What one side's τ at one seed depends on: the tiny target's weights (they differ between CPU kinds, so
-    do its replies), the data, the race's shared settings and the side's own recipe: eaglekit's train config
-    as the ablations left it (its defaults included, so a changed default is another entry), or the opponent's
-    settings."""
+    """What one side's τ at one seed depends on: the data the trainers read (the prepared tokens and the draft
+    vocabulary, by hash: they hold the target's replies, which differ with its weights, so between CPU kinds), the
+    target's weights, the CPU's kernels and threads, the race's shared settings and the side's own recipe:
+    eaglekit's train config as the ablations left it (its defaults included, so a changed default is another
+    entry), or the opponent's settings."""
     import hashlib
 
-    weights = hashlib.sha256()
-    for path in sorted(Path(cfg.target.model).glob("*.safetensors")):
-        weights.update(path.read_bytes())
+    import torch
+
+    def digest(paths) -> str:
+        h = hashlib.sha256()
+        for path in paths:
+            h.update(path.read_bytes())
+        return h.hexdigest()
+
+    run = Path(cfg.run_dir)
     shared = [
         "target",
         "generate_temperature",
-        "prompts",
         "eval_fraction",
         "draft_vocab",
         "intermediate",
@@ -666,6 +672,7 @@ def ledger_settings(cfg, args, name: str) -> dict:
         "eval_prompts",
         "max_new_tokens",
         "served_temperature",
+        "threads",
     ]
     if name in OPPONENTS:
         recipe = {"speculators": OPPONENTS[name]}
@@ -673,8 +680,9 @@ def ledger_settings(cfg, args, name: str) -> dict:
         train = cfg.train.model_dump(mode="json", exclude={"seed"})
         recipe = {"eaglekit": train, "ablate": args.ablate}
     return {
-        "target_weights": weights.hexdigest(),
-        "data_seed": args.seed,
+        "target_weights": digest(sorted(Path(cfg.target.model).glob("*.safetensors"))),
+        "data": digest([run / "prepare" / "tokens.safetensors", run / "vocab" / "vocab.safetensors"]),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         **{key: getattr(args, key) for key in shared},
         "side": name,
         **recipe,
@@ -683,41 +691,55 @@ def ledger_settings(cfg, args, name: str) -> dict:
 
 def from_ledger(cfg, args, name: str, seed: int, use_vllm: bool, reuse: bool) -> dict | None:
     """The run the ledger holds for this side and seed under the same settings, measured at every K and
-    temperature asked (served too where vLLM is used); None where there is none or reuse was not asked."""
+    temperature asked (served too where vLLM is used), the last such line first; None where there is none or
+    reuse was not asked. A line that does not parse (a write cut short, a merge gone wrong) is passed over."""
     if not reuse or not args.ledger.is_file():
         return None
     settings = ledger_settings(cfg, args, name)
     wanted = {f"{k}@{t:g}" for k in args.ks for t in args.temperatures}
-    for line in reversed(args.ledger.read_text().splitlines()):
-        entry = json.loads(line)
-        run = entry["run"]
-        if entry["seed"] != seed or entry["settings"] != settings or "error" in run:
+    for number, line in reversed(list(enumerate(args.ledger.read_text().splitlines(), 1))):
+        try:
+            entry = json.loads(line)
+            run, matches = entry["run"], entry["seed"] == seed and entry["settings"] == settings
+        except (ValueError, KeyError, TypeError):
+            print(f"{args.ledger}:{number}: not a ledger entry, passed over", flush=True)
             continue
-        served = {int(k): v for k, v in run.get("vllm", {}).items()}
+        if not matches or "error" in run:
+            continue
+        served = {int(k): v for k, v in run.get("vllm", {}).items() if v is not None}
         if wanted <= set(run["tau"]) and (not use_vllm or set(args.ks) <= set(served)):
-            print(f"{name} seed {seed}: reused from {args.ledger} ({entry['date']}, {entry['commit'][:8]})", flush=True)
+            print(f"{name} seed {seed}: reused from {args.ledger}:{number} ({entry['date']})", flush=True)
             return run | {"vllm": served, "from_ledger": True}
     return None
 
 
 def to_ledger(cfg, args, name: str, seed: int, run: dict) -> None:
-    """Append one finished side and seed (not a failed one, nor one read from the ledger) as one JSON line."""
-    if "error" in run or run.get("from_ledger") or str(args.ledger) == os.devnull:
+    """Append one side and seed trained and measured in this run as one JSON line. Not a failed one, nor one read
+    from the ledger, nor one reused from --out's folders (its seconds are NaN): those were matched on the side's
+    name and seed only, not on every setting, so they may be of other settings than this run's."""
+    if "error" in run or run.get("from_ledger") or math.isnan(run["seconds"]) or str(args.ledger) == os.devnull:
         return
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
     cpuinfo = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
     cpu = next((ln.split(":", 1)[1].strip() for ln in cpuinfo if ln.startswith("model name")), "?")
-    flags = next((ln.split(":", 1)[1].split() for ln in cpuinfo if ln.startswith("flags")), [])
+
+    def strict(value):  # NaN (a K with no drafts) as null: the file stays JSON that every reader takes
+        if isinstance(value, dict):
+            return {k: strict(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [strict(v) for v in value]
+        return None if isinstance(value, float) and math.isnan(value) else value
+
     entry = {
         "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
         "commit": commit.strip() or "?",
-        "cpu": cpu + (" avx512" if "avx512f" in flags else ""),  # MKL's kernels, so the tiny target, differ by it
+        "cpu": cpu,
         "seed": seed,
         "settings": ledger_settings(cfg, args, name),
-        "run": run,
+        "run": strict(run),
     }
     with open(args.ledger, "a") as f:  # one line per write: a race stopped part way leaves whole lines
-        f.write(json.dumps(entry) + "\n")
+        f.write(json.dumps(entry, allow_nan=False) + "\n")
         f.flush()
         os.fsync(f.fileno())
 

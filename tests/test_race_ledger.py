@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import torch
 from safetensors.torch import save_file
 
@@ -26,13 +27,16 @@ def race_module():
     return module
 
 
-def race(tmp_path: Path, weight: float = 1.0, **changes):
+def race(tmp_path: Path, weight: float = 1.0, tokens: int = 7, **changes):
     """A config and the race's arguments as main() parses them, around a stand-in target whose weights are one
-    tensor of ``weight``."""
-    target = tmp_path / f"target-{weight}"
-    target.mkdir(exist_ok=True)
+    tensor of ``weight`` and a run folder whose prepared data is one tensor of ``tokens``."""
+    target, run = tmp_path / f"target-{weight}", tmp_path / f"run-{tokens}"
+    for folder in (target, run / "prepare", run / "vocab"):
+        folder.mkdir(parents=True, exist_ok=True)
     save_file({"w": torch.full((4,), weight)}, str(target / "model.safetensors"))
-    cfg = SimpleNamespace(target=SimpleNamespace(model=str(target)), train=TrainConfig(seed=3))
+    save_file({"input_ids": torch.full((8,), tokens)}, str(run / "prepare" / "tokens.safetensors"))
+    save_file({"d2t": torch.arange(4)}, str(run / "vocab" / "vocab.safetensors"))
+    cfg = SimpleNamespace(target=SimpleNamespace(model=str(target)), run_dir=str(run), train=TrainConfig(seed=3))
     args = argparse.Namespace(
         target="tasks",
         generate_temperature=0.0,
@@ -49,6 +53,7 @@ def race(tmp_path: Path, weight: float = 1.0, **changes):
         eval_prompts=40,
         max_new_tokens=160,
         served_temperature=0.0,
+        threads=1,
         seed=0,
         ks=[1, 3],
         temperatures=[0.0],
@@ -87,12 +92,16 @@ def test_a_finished_seed_is_read_back_under_the_same_settings_only(tmp_path):
     assert m.from_ledger(cfg, args, "shipped", 1, use_vllm=True, reuse=True) is None
     other_machine, _ = race(tmp_path, weight=1.0001)
     assert m.from_ledger(other_machine, args, "eaglekit-lr0.003", 1, use_vllm=True, reuse=True) is None
+    other_replies, _ = race(tmp_path, tokens=8)
+    assert m.from_ledger(other_replies, args, "eaglekit-lr0.003", 1, use_vllm=True, reuse=True) is None
+    _, two_threads = race(tmp_path, threads=2)
+    assert m.from_ledger(cfg, two_threads, "eaglekit-lr0.003", 1, use_vllm=True, reuse=True) is None
     _, longer = race(tmp_path, steps=600)
     assert m.from_ledger(cfg, longer, "eaglekit-lr0.003", 1, use_vllm=True, reuse=True) is None
-    other_recipe = SimpleNamespace(target=cfg.target, train=TrainConfig(seed=3, loss="nla"))
+    other_recipe = SimpleNamespace(**{**vars(cfg), "train": TrainConfig(seed=3, loss="nla")})
     assert m.from_ledger(other_recipe, args, "eaglekit-lr0.003", 1, use_vllm=True, reuse=True) is None
     # the training seed is the ledger line's own field, not part of the recipe
-    reseeded = SimpleNamespace(target=cfg.target, train=TrainConfig(seed=1))
+    reseeded = SimpleNamespace(**{**vars(cfg), "train": TrainConfig(seed=1)})
     assert m.from_ledger(reseeded, args, "eaglekit-lr0.003", 1, use_vllm=True, reuse=True) is not None
 
     # a run that did not measure all that is asked is run again
@@ -107,18 +116,35 @@ def test_served_figures_are_needed_where_vllm_is_used_and_the_last_line_wins(tmp
     assert m.from_ledger(cfg, args, "matched", 0, use_vllm=True, reuse=True) is None
     assert m.from_ledger(cfg, args, "matched", 0, use_vllm=False, reuse=True) is not None
     m.to_ledger(cfg, args, "matched", 0, RUN)
-    assert m.from_ledger(cfg, args, "matched", 0, use_vllm=True, reuse=True)["vllm"] == {1: 1.92, 3: 3.65}
+    m.to_ledger(cfg, args, "matched", 0, RUN | {"tau": {"1@0": 1.7, "3@0": 2.9}})
+    again = m.from_ledger(cfg, args, "matched", 0, use_vllm=True, reuse=True)
+    assert again["tau"]["3@0"] == 2.9 and again["vllm"] == {1: 1.92, 3: 3.65}
 
 
-def test_failed_and_reused_runs_are_not_appended(tmp_path):
+def test_only_runs_trained_here_are_appended_and_the_file_stays_strict_json(tmp_path):
     m = race_module()
     cfg, args = race(tmp_path)
     m.to_ledger(cfg, args, "matched", 0, {"error": "RuntimeError: out of memory"})
+    # reused from --out's folders (matched there on name and seed only): seconds are NaN
+    m.to_ledger(cfg, args, "matched", 0, RUN | {"seconds": float("nan")})
     assert not args.ledger.exists()
-    m.to_ledger(cfg, args, "matched", 0, RUN)
-    reused = m.from_ledger(cfg, args, "matched", 0, use_vllm=True, reuse=True)
+    m.to_ledger(cfg, args, "matched", 0, RUN | {"vllm": {1: float("nan"), 3: 3.65}})  # K=1 drew nothing
+    reused = m.from_ledger(cfg, args, "matched", 0, use_vllm=False, reuse=True)
     m.to_ledger(cfg, args, "matched", 0, reused)
     lines = args.ledger.read_text().splitlines()
     assert len(lines) == 1
-    entry = json.loads(lines[0])
+    entry = json.loads(lines[0], parse_constant=lambda c: pytest.fail(f"{c} in the ledger: not strict JSON"))
     assert entry["seed"] == 0 and entry["settings"]["side"] == "matched" and entry["cpu"]
+    assert entry["run"]["vllm"] == {"1": None, "3": 3.65}
+    # a served K without a figure is not a served figure
+    assert m.from_ledger(cfg, args, "matched", 0, use_vllm=True, reuse=True) is None
+
+
+def test_a_line_that_does_not_parse_is_passed_over(tmp_path, capsys):
+    m = race_module()
+    cfg, args = race(tmp_path)
+    m.to_ledger(cfg, args, "matched", 0, RUN)
+    with open(args.ledger, "a") as f:
+        f.write('{"date": "2026-12-05 12:00", "seed": 0, "settings": {"side": "mat\n<<<<<<< HEAD\n')
+    assert m.from_ledger(cfg, args, "matched", 0, use_vllm=True, reuse=True)["tau"] == RUN["tau"]
+    assert "ledger.jsonl:2: not a ledger entry" in capsys.readouterr().out
