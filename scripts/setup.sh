@@ -29,6 +29,8 @@ stop_background() {
   done
 }
 trap stop_background EXIT
+trap 'exit 130' INT  # a signal ends the script through its EXIT trap (bash skips that trap when killed outright)
+trap 'exit 143' TERM HUP
 VLLM_PID=
 if [ "$WITH_VLLM" = 1 ]; then
   # beside .venv's install: the two environments share nothing, each pip keeps one core busy, and the tiny
@@ -62,7 +64,9 @@ if [ -n "$VLLM_PID" ] && ! wait "$VLLM_PID"; then
   echo "error: installing vLLM into ${VLLM_VENV:-.venv-vllm} failed (its message is above); \`bash scripts/setup_vllm.sh\` retries it" >&2
   exit 1
 fi
+BACKGROUND=(${BUILD_PID:+"$BUILD_PID"})  # the install is waited for: its pid may be another process's by now
 if [ -n "$BUILD_PID" ] && ! wait "$BUILD_PID"; then
   echo "error: building the tiny target failed (its message is above); \`.venv/bin/eaglekit tiny-target\` retries it" >&2
   exit 1
 fi
+BACKGROUND=()
