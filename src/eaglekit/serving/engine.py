@@ -70,7 +70,8 @@ def is_cpu_build(python: Path) -> bool:
 
 # What the CPU build needs to start quickly and run predictably on a small machine; a variable already set in
 # the environment wins. The tiny target with an EAGLE-3 drafter on 2 cores answers in 32 s with these against
-# 117 s with vLLM's defaults (medians, benchmarks/engine_start.py).
+# 117 s with vLLM's defaults on an AVX2-only EPYC, 14 s against 33 s on an AVX-512 one (medians,
+# benchmarks/engine_start.py).
 CPU_DEFAULTS = {
     "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache, not a fraction of the machine's memory
     # The worker runs inside the engine-core process instead of a third spawned process that imports vLLM
