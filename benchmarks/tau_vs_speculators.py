@@ -263,6 +263,16 @@ def speculators_report(cfg, checkpoint: Path, args, name: str) -> dict:
     return evaluate(cfg, checkpoint, name, args.out)
 
 
+def files_sha256(paths) -> str:
+    """One sha256 over the files' bytes in the order given: what a drafter, the target or the data is, by content."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for path in paths:
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
 def vllm_taus(
     cfg, checkpoint: Path, name: str, out: Path, ks: list[int], max_tokens: int, python: Path, temperature: float = 0.0
 ) -> dict[int, float]:
@@ -281,7 +291,7 @@ def vllm_taus(
     # the same drafter's files served with the same settings: another opponent's race reuses what was measured
     files = sorted(p for p in checkpoint.rglob("*") if p.is_file())
     setting = {
-        "drafter": hashlib.sha256(b"".join(p.read_bytes() for p in files)).hexdigest(),
+        "drafter": files_sha256(files),
         "ks": ks,
         "max_tokens": max_tokens,
         "temperature": temperature,
@@ -646,15 +656,7 @@ def ledger_settings(cfg, args, name: str) -> dict:
     target's weights, the CPU's kernels and threads, the race's shared settings and the side's own recipe:
     eaglekit's train config as the ablations left it (its defaults included, so a changed default is another
     entry), or the opponent's settings."""
-    import hashlib
-
     import torch
-
-    def digest(paths) -> str:
-        h = hashlib.sha256()
-        for path in paths:
-            h.update(path.read_bytes())
-        return h.hexdigest()
 
     run = Path(cfg.run_dir)
     shared = [
@@ -680,8 +682,8 @@ def ledger_settings(cfg, args, name: str) -> dict:
         train = cfg.train.model_dump(mode="json", exclude={"seed"})
         recipe = {"eaglekit": train, "ablate": args.ablate}
     return {
-        "target_weights": digest(sorted(Path(cfg.target.model).glob("*.safetensors"))),
-        "data": digest([run / "prepare" / "tokens.safetensors", run / "vocab" / "vocab.safetensors"]),
+        "target_weights": files_sha256(sorted(Path(cfg.target.model).glob("*.safetensors"))),
+        "data": files_sha256([run / "prepare" / "tokens.safetensors", run / "vocab" / "vocab.safetensors"]),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         **{key: getattr(args, key) for key in shared},
         "side": name,

@@ -6,6 +6,7 @@ import contextlib
 import os
 import subprocess
 import sys
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,9 +79,7 @@ def pytest_collection_modifyitems(config, items) -> None:
     global _tiny_target_build
     needs = {item.path for item in items if "tiny_target" in getattr(item, "fixturenames", ())}
     building = bool(needs) and os.environ[TINY_TARGET_PENDING] == "1"
-    counts: dict[Path, int] = {}
-    for item in items:
-        counts[item.path] = counts.get(item.path, 0) + 1
+    counts = Counter(item.path for item in items)
 
     def rank(item) -> tuple[bool, int, int]:
         name = item.path.name

@@ -155,10 +155,8 @@ def test_demo_offline_extracts_then_trains_from_the_shards(demo_run, tmp_path, t
 
     offline, online = first_rows(run_dir), first_rows(online_dir)
     assert offline["train"]["tokens"] == online["train"]["tokens"]  # the same samples
-    for kind in (
-        "eval",
-        "train",
-    ):  # within bf16's rounding of the features (measured: 3e-6 at step 0, 1.3e-5 at step 10)
+    # within bf16's rounding of the features (measured: 3e-6 at step 0, 1.3e-5 at step 10)
+    for kind in ("eval", "train"):
         relative = abs(offline[kind]["loss"] - online[kind]["loss"]) / online[kind]["loss"]
         print(kind, "relative loss difference, bf16 shards against the live target", f"{relative:.1e}")
         assert relative < 1e-3, (kind, offline[kind]["loss"], online[kind]["loss"])
