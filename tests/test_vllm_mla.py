@@ -75,6 +75,9 @@ def test_vllm_serves_the_mla_drafter_at_the_offline_acceptance(tmp_path, vllm_py
     )
 
     assert report["verdict"] == "PASS" and (run["form"], run["k"]) == ("eagle3", K)
+    # eaglekit named vLLM's reference MLA backend (on a CPU with AMX tiles vLLM would take its AMX kernels, which
+    # refuse these shapes), and the report says which backend served
+    assert run["attention_backends"] and set(run["attention_backends"]) <= {"CPU_MLA"}, run["attention_backends"]
     # Lossless at temperature 0: vLLM's speculative output is the target's own greedy output, token for token.
     assert run["greedy"]["identical"] == run["greedy"]["prompts"] == N_PROMPTS
     # vLLM really drafted with the MLA drafter, and accepted what eaglekit measured offline (within verify's
@@ -116,3 +119,54 @@ def test_vllm_cpu_rotates_the_strided_mla_query_wrong(vllm_python, tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     errors = json.loads(out.stdout.strip().splitlines()[-1])
     assert max(errors) > 0.1, errors  # if this fails, vLLM fixed its kernel: drop CPU_ROPE_WORKAROUND
+
+
+def test_an_attention_backend_that_cannot_start_is_named(vllm_python, tiny_deepseek_target, tmp_path):
+    """vLLM's AMX MLA kernels refuse the tiny DeepSeek-V3 target's shapes ("invalid weight input features 16"):
+    asked for on a CPU with AMX tiles, the start fails with an error that names the backend and the remedy, not
+    only the log's tail. (Without AMX vLLM falls back to CPU_MLA and starts: nothing to fail there.)"""
+    import torch
+
+    from eaglekit.errors import EaglekitError
+    from eaglekit.serving.engine import VllmServer
+
+    if not torch.cpu._is_amx_tile_supported():
+        pytest.skip("this CPU has no AMX tiles: vLLM does not take its AMX MLA backend here")
+    args = ["--attention-backend", "AMX_MLA", "--max-model-len", "512", *CPU_ROPE_WORKAROUND]
+    server = VllmServer(vllm_python, str(tiny_deepseek_target), args, tmp_path / "vllm.log", startup_timeout=600)
+    with pytest.raises(EaglekitError) as err, server:
+        pass
+    assert "could not start its attention backend AMX_MLA" in err.value.message, err.value.message
+    assert "--attention-backend" in (err.value.remedy or "") and "CPU_MLA" in (err.value.remedy or "")
+
+
+def test_the_cpu_build_gets_the_reference_mla_backend_unless_one_is_named(vllm_python, tiny_deepseek_target, tmp_path):
+    from eaglekit.serving.engine import VllmServer
+
+    plain = tmp_path / "llama"
+    plain.mkdir()
+    (plain / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    mla_drafter = json.dumps({"method": "eagle3", "model": str(tiny_deepseek_target), "num_speculative_tokens": 3})
+    command = VllmServer(vllm_python, str(tiny_deepseek_target)).command()
+    assert command[command.index("--attention-backend") + 1] == "CPU_MLA"
+    assert "--attention-backend" not in VllmServer(vllm_python, str(plain)).command()
+    # an MLA drafter gets it in its speculative config: vLLM never lets a drafter inherit the target's backend
+    with_drafter = VllmServer(vllm_python, str(plain), ["--speculative-config", mla_drafter]).command()
+    spec = json.loads(with_drafter[with_drafter.index("--speculative-config") + 1])
+    assert spec["attention_backend"] == "CPU_MLA" and "--attention-backend" not in with_drafter
+    named = VllmServer(vllm_python, str(tiny_deepseek_target), ["--attention-backend", "AMX_MLA"]).command()
+    assert named.count("--attention-backend") == 1 and "CPU_MLA" not in named
+
+
+def test_a_backend_failure_is_read_from_the_log():
+    from eaglekit.serving.engine import attention_backend_failure
+
+    log = """INFO [cpu.py:163] Using AMX_MLA backend.
+Traceback (most recent call last):
+  File "/v/vllm/v1/attention/backends/mla/amx_mla.py", line 412, in process_weights_after_loading
+    self.w = convert_weight_packed(w)
+RuntimeError: invalid weight input features 16
+"""
+    assert attention_backend_failure(log) == "AMX_MLA (RuntimeError: invalid weight input features 16)"
+    other = 'Traceback (most recent call last):\n  File "/v/vllm/config.py"\nValueError: no such model\n'
+    assert attention_backend_failure(other) is None

@@ -14,6 +14,7 @@ an error that quotes the end of that log.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import re
@@ -93,6 +94,65 @@ def cpu_environment(python: Path) -> dict[str, str]:
     return env
 
 
+# vLLM's CPU build takes its AMX MLA kernels wherever the CPU has AMX tiles (Intel Xeons since Sapphire Rapids;
+# `vllm/platforms/cpu.py: get_attn_backend_cls`) and its reference MLA backend elsewhere. The AMX kernels refuse
+# small MLA shapes while packing the weights (`amx_mla.py: convert_weight_packed`: "invalid weight input features
+# 16", the engine exits before it is ready), and the reference backend is the one eaglekit's offline figures are
+# compared with on every CPU. So eaglekit names it for an MLA model unless the command names a backend itself: for
+# the target with `--attention-backend`, for the drafter in the speculative config (vLLM never lets a drafter
+# inherit the target's backend: `v1/spec_decode/llm_base_proposer.py`, `SpeculativeConfig.attention_backend`).
+ATTENTION_BACKEND_FLAG = "--attention-backend"
+CPU_MLA_BACKEND = "CPU_MLA"
+_BACKEND_IN_LOG = re.compile(r"Using (\w+) backend")
+# What a failing attention backend leaves in vLLM's log: its own files in the traceback, or the kernels' words.
+_BACKEND_FAILURE = re.compile(r"attention/backends/|invalid weight input features")
+
+
+def is_mla_model(folder: str | os.PathLike) -> bool:
+    """Whether a model folder's ``config.json`` describes multi-head latent attention (DeepSeek-V2/V3, Kimi)."""
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and config.get("kv_lora_rank") is not None
+
+
+def with_reference_mla_backend(model: str | None, args: list[str]) -> list[str]:
+    """``args`` with vLLM's reference MLA backend named for an MLA target and an MLA drafter (CPU build)."""
+    args = list(args)
+    if model and is_mla_model(model) and not names_attention_backend(args):
+        args += [ATTENTION_BACKEND_FLAG, CPU_MLA_BACKEND]
+    for i, flag in enumerate(args[:-1]):
+        if flag != "--speculative-config":
+            continue
+        with contextlib.suppress(ValueError):
+            spec = json.loads(args[i + 1])
+            if isinstance(spec, dict) and is_mla_model(spec.get("model") or "") and not spec.get("attention_backend"):
+                args[i + 1] = json.dumps({**spec, "attention_backend": CPU_MLA_BACKEND})
+    return args
+
+
+def names_attention_backend(args: list[str]) -> bool:
+    return any(a == ATTENTION_BACKEND_FLAG or a.startswith(ATTENTION_BACKEND_FLAG + "=") for a in args) or any(
+        "backend" in a for flag, a in zip(args, args[1:], strict=False) if flag in ("--attention-config", "-ac")
+    )
+
+
+def backends_in_log(text: str) -> list[str]:
+    """The attention backends vLLM said it uses ("Using CPU_MLA backend."), in order, each once."""
+    return list(dict.fromkeys(_BACKEND_IN_LOG.findall(text)))
+
+
+def attention_backend_failure(log_text: str) -> str | None:
+    """The attention backend that stopped vLLM's start, with the error's last line, when the log shows one."""
+    if not _BACKEND_FAILURE.search(log_text) or "Traceback" not in log_text:
+        return None
+    errors = [line.strip() for line in log_text.splitlines() if re.match(r"\s*\w*(Error|Exception)\b.*:", line)]
+    backends = backends_in_log(log_text)
+    backend = backends[-1] if backends else "its default"
+    return f"{backend} ({errors[-1] if errors else 'see the log'})"
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
@@ -134,6 +194,8 @@ class VllmServer:
                 args.append("--enforce-eager")
             if not any(a == "--dtype" or a.startswith("--dtype=") for a in args):
                 args += ["--dtype", "float32"]
+            if supports_flag(self.python, ATTENTION_BACKEND_FLAG):
+                args = with_reference_mla_backend(self.model, args)
         return [
             str(self.python),
             "-m",
@@ -169,6 +231,16 @@ class VllmServer:
             )
         return self
 
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def attention_backends(self) -> list[str]:
+        """The attention backends this server's log says vLLM chose (for the report: they differ by CPU)."""
+        return backends_in_log(self.log_text())
+
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
@@ -181,6 +253,15 @@ class VllmServer:
         while True:
             code = self.process.poll() if self.process else None
             if code is not None:
+                failed = attention_backend_failure(self.log_text())
+                if failed:
+                    raise EaglekitError(
+                        f"vLLM could not start its attention backend {failed} for {self.model}; the end of "
+                        f"{self.log_path}:\n{self.log_tail()}",
+                        f"name another backend in the engine's flags (verify.engine_args: [{ATTENTION_BACKEND_FLAG}, "
+                        f"NAME]; on vLLM's CPU build {CPU_MLA_BACKEND} serves any MLA shape), or serve a model whose "
+                        "shapes the backend takes",
+                    )
                 raise EaglekitError(
                     f"vLLM exited with code {code} before it was ready; the end of {self.log_path}:\n{self.log_tail()}",
                     "read the log above: a flag the installed vLLM does not know, a model folder it "
@@ -285,6 +366,7 @@ def version(python: Path) -> str:
     return out.stdout.strip() or "unknown"
 
 
+@functools.lru_cache(maxsize=32)
 def supports_flag(python: Path, flag: str) -> bool:
     """Whether the installed vLLM knows a command-line flag, read from its ``engine/arg_utils.py`` (finding the
     package does not import it: seconds instead of the half minute vLLM takes to import)."""

@@ -314,6 +314,7 @@ class ServedRun:
     counters: Counters
     log: str | None = None
     suite_counters: dict[tuple[str, str], Counters] = field(default_factory=dict)
+    attention_backends: list[str] = field(default_factory=list)  # as vLLM's log names them (they differ by CPU)
 
 
 def vllm_launch(cfg: RunConfig, form: str, folder: Path, k: int) -> tuple[str, list[str], str]:
@@ -362,6 +363,7 @@ def served_by_eaglekit(ctx: StageContext, offline: Offline) -> list[ServedRun]:
             with server, Meter(f"verify: {form} K={k} served", total=total, unit="requests") as meter:
                 client = VllmClient(server.url, vc.timeout)
                 run = ServedRun(form, k, "vllm", launch, {}, Counters(), str(log))
+                run.attention_backends = server.attention_backends()
                 send_batches(
                     run,
                     offline,
@@ -456,6 +458,7 @@ def compare(run: ServedRun, offline: Offline, cfg: RunConfig) -> dict:
         "engine": run.engine,
         "launch": run.launch,
         "log": run.log,
+        "attention_backends": run.attention_backends,
         "suites": suites,
         "tau": {
             "served": round(tau_served, 4),
@@ -833,7 +836,9 @@ def report_markdown(report: dict, summary_only: bool = False) -> str:
             "",
             f"## {r['form']}, K={r['k']}",
             "",
-            f"Started as: `{r['launch']}`" + (f" (log `{r['log']}`)" if r["log"] else ""),
+            f"Started as: `{r['launch']}`"
+            + (f" (log `{r['log']}`)" if r["log"] else "")
+            + (f"; attention backend {', '.join(r['attention_backends'])}" if r.get("attention_backends") else ""),
             "",
         ]
         if r["positions"]:
