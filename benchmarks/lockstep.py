@@ -333,7 +333,7 @@ class EaglekitSide:
         """The step's packed row: speculators' (token-store indices), or eaglekit's own order."""
         if self.own_batches is None:
             return speculators_row
-        epoch, pos = divmod(step, self.own_batches.per_epoch)
+        epoch, pos = self.own_batches.position(step)
         if self.epoch_rows[0] != epoch:
             self.epoch_rows = (epoch, self.own_batches.epoch(epoch))
         return self.epoch_rows[1][pos][0]  # one row per step (batch_size 1)

@@ -202,3 +202,70 @@ def test_packed_rows_are_random_mixtures_not_length_bands():
     rows = [row for batch in packed_batches(list(range(400)), lengths, 1, 1000, seed=0, epoch=0) for row in batch]
     mixed = sum(len({lengths[i] for i in row}) == 2 for row in rows)
     assert mixed > 0.8 * len(rows)
+
+
+def run_batches(tmp_path, lengths, world: int, rank: int, *, packing=True, seed=3, batch_size=2, row_tokens=256):
+    """RunBatches over a token store of samples of ``lengths`` (a tenth held out), as the train stage builds it."""
+    from types import SimpleNamespace
+
+    from eaglekit.data.tokens import TokenStore, write_token_store
+    from eaglekit.training.data import RunBatches
+
+    path = tmp_path / "tokens.safetensors"
+    if not path.exists():
+        write_token_store(path, [(f"s{i}", [i % 97] * n, [1] * n) for i, n in enumerate(lengths)])
+    cfg = SimpleNamespace(
+        train=SimpleNamespace(
+            packing=packing, seed=seed, batch_size=batch_size, eval_samples=None, pack_length=row_tokens,
+            max_steps=None, grad_accum=1,
+        ),
+        prepare=SimpleNamespace(max_length=row_tokens),
+        data=SimpleNamespace(eval_fraction=0.1),
+    )  # fmt: skip
+    return RunBatches(cfg, TokenStore(path), [list(range(len(lengths)))], None, world, rank)
+
+
+SKEWED = [int(x) for x in (torch.rand(300, generator=torch.Generator().manual_seed(5)) ** 3 * 250 + 6)]
+
+
+@pytest.mark.parametrize(("world", "seed"), [(1, 0), (2, 3)])
+def test_packed_epochs_count_their_own_rows_and_see_every_sample_once(tmp_path, world, seed):
+    """First-fit packing of each epoch's reshuffled order makes its own number of rows; the run walks each epoch's
+    real batches (the count of epoch 0 standing for all of them crashed on an epoch with fewer rows and skipped the
+    extra rows of one with more), and every training sample is seen exactly once per epoch over all ranks."""
+    ranks = [run_batches(tmp_path, SKEWED, world, r, seed=seed) for r in range(world)]
+    epochs = 6
+    counts = [ranks[0].epoch_count(e) for e in range(epochs)]
+    # else this tests nothing: later epochs pack into fewer rows than epoch 0 (the crash) and, with one rank, into
+    # more (the rows that were silently skipped)
+    assert min(counts) < counts[0] and (world > 1 or max(counts) > counts[0]), counts
+    total = ranks[0].micro_batches_for(epochs)
+    assert total == sum(counts)
+    seen: list[list[int]] = [[] for _ in range(epochs)]
+    for u in range(total):
+        epoch, pos = ranks[0].position(u)
+        for r in ranks:
+            assert r.position(u) == (epoch, pos)
+            seen[epoch].extend(i for row in r.share(r._batches_of(epoch)[pos]) for i in row)
+            batch = r.micro_batch(u, r.store, None)  # what the loader collates: no IndexError at any boundary
+            assert batch.input_ids.shape[0] == len(r.share(r._batches_of(epoch)[pos]))
+    for epoch in range(epochs):
+        assert sorted(seen[epoch]) == sorted(ranks[0].train_idx), f"epoch {epoch}"
+    # a run resumed in the middle of a later epoch (a fresh RunBatches, as after a restart) lands on the same rows
+    later = total - counts[-1] // 2
+    fresh = run_batches(tmp_path, SKEWED, world, 0, seed=seed)
+    assert fresh.position(later) == ranks[0].position(later)
+    assert fresh.share(fresh._batches_of(fresh.position(later)[0])[fresh.position(later)[1]]) == ranks[0].share(
+        ranks[0]._batches_of(ranks[0].position(later)[0])[ranks[0].position(later)[1]]
+    )
+    assert fresh.epoch_progress(later) == pytest.approx(epochs - 1 + (counts[-1] - counts[-1] // 2) / counts[-1])
+
+
+def test_unpacked_batches_keep_a_short_last_batch_under_ddp(tmp_path):
+    """Without packing, an epoch whose samples do not divide into ranks' batches keeps its last samples (joined to
+    the batch before) instead of dropping them."""
+    lengths = [20 + i % 13 for i in range(61)]
+    ranks = [run_batches(tmp_path, lengths, 2, r, packing=False, batch_size=4) for r in range(2)]
+    for epoch in range(3):
+        seen = [i for r in ranks for b in r.epoch(epoch) for i in r.share(b)]
+        assert sorted(seen) == sorted(ranks[0].train_idx)

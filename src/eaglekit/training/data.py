@@ -1,9 +1,11 @@
 """Training batches: the train / held-out split, length-bucketed batches in a deterministic order, padding.
 
 The order of every epoch is a function of (seed, epoch) and the data's blocks alone, and micro-batch ``u``
-of the whole run is batch ``u % per_epoch`` of epoch ``u // per_epoch`` — so a resumed run finds its data
-position from the step it restores, with nothing to replay. Under torchrun each global batch holds
-``batch_size × world`` samples and rank r takes every world-th of them.
+of the whole run is found by counting each epoch's own batches (``RunBatches.position``): packing a reshuffled
+order gives each epoch its own number of rows, so no epoch's count stands for another's. A resumed run finds its
+data position from the step it restores, with nothing to replay. Under torchrun each global batch holds
+``batch_size × world`` samples (or rows) and rank r takes every world-th of them; an epoch's last batch, when it
+is too short to give every rank one, joins the batch before it, so every sample is seen once per epoch.
 
 Blocks are the feature shards (offline) or the same plan of the token store (online, so both modes see
 one order): an epoch visits the blocks in a shuffled order, each block's samples shuffled, and shuffles
@@ -128,6 +130,18 @@ def packed_batches(
     rng.shuffle(rows)
     batches = [rows[j : j + global_rows] for j in range(0, len(rows), global_rows)]
     return batches
+
+
+def keep_every_sample(batches: list[list], world: int) -> list[list]:
+    """The epoch's batches, each one too short to give every one of ``world`` ranks an entry joined to a neighbour
+    (dropping it would leave its samples out of the epoch); an epoch with fewer entries than ranks makes no batch."""
+    kept: list[list] = []
+    for batch in batches:
+        if kept and (len(batch) < world or len(kept[-1]) < world):
+            kept[-1] = kept[-1] + batch
+        else:
+            kept.append(batch)
+    return [b for b in kept if len(b) >= world]
 
 
 def rank_share(batch: list, rank: int, world: int) -> list:
@@ -284,7 +298,10 @@ class RunBatches:
             )
         self.global_batch = tc.batch_size * world
         self.row_tokens = pack_length(cfg) if tc.packing else 0
-        self.per_epoch = len(self.epoch(0))
+        self._epoch_cache: dict[int, list[list]] = {}
+        self._counts: list[int] = []  # batches in epoch 0, 1, ... as far as asked
+        self._count_lock = threading.Lock()
+        self.per_epoch = self.epoch_count(0)  # epoch 0's: what the run line reports; later epochs may differ (packing)
         if self.per_epoch == 0:
             raise EaglekitError(
                 f"{len(self.train_idx)} training samples make no batch for {world} processes",
@@ -293,7 +310,6 @@ class RunBatches:
         if tc.eval_samples and len(held_idx) > tc.eval_samples:
             held_idx = sorted(random.Random(tc.seed).sample(held_idx, tc.eval_samples))
         self.held_idx = held_idx
-        self._epoch_cache: dict[int, list[list]] = {}
 
     def epoch(self, epoch: int) -> list[list]:
         """Each global batch: sample indices, or (packing) rows of sample indices; at least one entry per rank."""
@@ -303,7 +319,37 @@ class RunBatches:
             )
         else:
             batches = epoch_batches(self.train_idx, self.lengths, self.global_batch, self.seed, epoch, self.blocks)
-        return [b for b in batches if len(b) >= self.world]
+        return keep_every_sample(batches, self.world)
+
+    def epoch_count(self, epoch: int) -> int:
+        """Global batches in ``epoch`` (packed epochs differ: first-fit of another order makes other rows)."""
+        with self._count_lock:  # the loader's thread and the loop's both ask
+            while len(self._counts) <= epoch:
+                self._counts.append(len(self.epoch(len(self._counts))))
+            return self._counts[epoch]
+
+    def position(self, u: int) -> tuple[int, int]:
+        """(epoch, batch within it) of micro-batch ``u`` of the run, counting each epoch's own batches."""
+        epoch = 0
+        while u >= self.epoch_count(epoch):
+            u -= self.epoch_count(epoch)
+            epoch += 1
+        return epoch, u
+
+    def epoch_progress(self, u: int) -> float:
+        """Epochs done after ``u`` micro-batches, e.g. 2.25: a quarter into the third."""
+        epoch, pos = self.position(u)
+        return epoch + pos / self.epoch_count(epoch)
+
+    def micro_batches_for(self, epochs: float) -> int:
+        """Micro-batches in the first ``epochs`` epochs (a fraction takes that share of the last one)."""
+        whole = int(epochs)
+        return sum(self.epoch_count(e) for e in range(whole)) + round((epochs - whole) * self.epoch_count(whole))
+
+    def _batches_of(self, epoch: int) -> list[list]:
+        if epoch not in self._epoch_cache:
+            self._epoch_cache = {epoch: self.epoch(epoch)}  # one epoch kept: the one being read
+        return self._epoch_cache[epoch]
 
     def held_out(self) -> list[list]:
         """The held-out batches, in one fixed order (every evaluation sees the same rows)."""
@@ -314,7 +360,7 @@ class RunBatches:
         return [b for b in batches if len(b) >= self.world]
 
     def total_steps(self, tc) -> int:
-        return tc.max_steps or max(1, math.ceil(tc.epochs * self.per_epoch / tc.grad_accum))
+        return tc.max_steps or max(1, math.ceil(self.micro_batches_for(tc.epochs) / tc.grad_accum))
 
     def collate(self, entries: list, tokens: TokenStore | None = None, features: FeatureStore | None = None) -> Batch:
         """This rank's entries as a batch, read from ``tokens``/``features`` (the loader thread passes its copies)."""
@@ -327,7 +373,5 @@ class RunBatches:
 
     def micro_batch(self, u: int, tokens: TokenStore, features: FeatureStore | None) -> Batch:
         """Micro-batch u of the run for this rank (called by the Loader's read-ahead thread)."""
-        epoch, pos = divmod(u, self.per_epoch)
-        if epoch not in self._epoch_cache:
-            self._epoch_cache = {epoch: self.epoch(epoch)}
-        return self.collate(self.share(self._epoch_cache[epoch][pos]), tokens, features)
+        epoch, pos = self.position(u)
+        return self.collate(self.share(self._batches_of(epoch)[pos]), tokens, features)

@@ -156,9 +156,7 @@ def train(cfg: RunConfig, run: RunDir, out_dir: Path, resuming: bool) -> dict[st
                 progress.tokens += r["tokens"]
                 elapsed = time.monotonic() - t0
                 metrics.write(
-                    train_row(
-                        r, done, batches.per_epoch, tc, lr, grad_norm, progress, progress.seconds_before + elapsed
-                    )
+                    train_row(r, done, batches, tc, lr, grad_norm, progress, progress.seconds_before + elapsed)
                 )
                 meter.fields.update(
                     loss=round(r["loss"], 4), acc_0=round(r["acc_k"][0], 4),
@@ -177,7 +175,7 @@ def train(cfg: RunConfig, run: RunDir, out_dir: Path, resuming: bool) -> dict[st
             if done % tc.save_every == 0 or done == total_steps or stopping or timed or overfit:
                 progress.window = window.state()
                 seconds = progress.seconds_before + time.monotonic() - t0
-                save_checkpoint(ckpts, model, drafter, optim, sched, fsdp, progress, batches.per_epoch, tc, seconds)
+                save_checkpoint(ckpts, model, drafter, optim, sched, fsdp, progress, batches, tc, seconds)
                 last_save = time.monotonic()
             meter.update(1)
             if overfit:
@@ -301,13 +299,13 @@ def optimizer_step(
     return float(torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)), tokens
 
 
-def train_row(r: dict, done: int, per_epoch: int, tc, lr: float, grad_norm: float, progress: Progress,
+def train_row(r: dict, done: int, batches: RunBatches, tc, lr: float, grad_norm: float, progress: Progress,
               seconds: float) -> dict:  # fmt: skip
     """One line of train/metrics.jsonl for the window that ends at step ``done``."""
     return {
         "kind": "train",
         "step": done,
-        "epoch": round(done * tc.grad_accum / per_epoch, 4),
+        "epoch": round(batches.epoch_progress(done * tc.grad_accum), 4),
         "loss": r["loss"],
         "loss_k": r["loss_k"],
         "acc_k": r["acc_k"],
@@ -320,10 +318,11 @@ def train_row(r: dict, done: int, per_epoch: int, tc, lr: float, grad_norm: floa
 
 
 def save_checkpoint(ckpts: Checkpoints, model: nn.Module, drafter: Eagle3Drafter, optim, sched, fsdp: bool,
-                    progress: Progress, per_epoch: int, tc, seconds: float) -> None:  # fmt: skip
+                    progress: Progress, batches: RunBatches, tc, seconds: float) -> None:  # fmt: skip
     """step-N/ with everything an exact resume needs (gathered on every rank under FSDP; rank 0 writes)."""
     msd, osd = model_state(model, drafter, fsdp), optim_state(model, optim, fsdp)
     done = progress.step
+    epoch, data_position = batches.position(done * tc.grad_accum)
     if dist.is_main():
         ckpts.save(
             done,
@@ -334,8 +333,8 @@ def save_checkpoint(ckpts: Checkpoints, model: nn.Module, drafter: Eagle3Drafter
                 "optimizer": osd,
                 "scheduler": sched.state_dict(),
                 "step": done,
-                "epoch": done * tc.grad_accum // per_epoch,
-                "data_position": done * tc.grad_accum % per_epoch,
+                "epoch": epoch,
+                "data_position": data_position,
                 "best_tau": progress.best_tau,
                 "window": progress.window,
                 "tokens": progress.tokens,
