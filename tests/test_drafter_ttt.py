@@ -128,8 +128,10 @@ def reference_qkv(drafter, emb, feature, positions):
     return torch.cat([q_nope, rotate_pairs(q_rope)], -1), torch.cat([k_nope, k_rope], -1), v
 
 
-def reference_ttt(drafter, aux, ids, target_logits, loss_mask, attention_mask, steps, decay, in_draft):
-    """Each step: full attention over [step-0 keys, step-1 keys, ...] with an explicit boolean mask."""
+def reference_ttt(drafter, aux, ids, target_logits, loss_mask, attention_mask, steps, decay, in_draft, window=None):
+    """Each step: full attention over [step-0 keys, step-1 keys, ...] with an explicit boolean mask. ``window``: the
+    query of chain t at step k sits at position t + k and sees the positions after t + k - window, as vLLM serves a
+    sliding-window drafter."""
     cfg, layer = drafter.config, drafter.midlayer
     eps = cfg.rms_norm_eps
     b, length = ids.shape
@@ -149,8 +151,10 @@ def reference_ttt(drafter, aux, ids, target_logits, loss_mask, attention_mask, s
         mask = torch.zeros(length, (k + 1) * length, dtype=torch.bool)
         for t in range(length):
             mask[t, : t + 1] = True
+            if window is not None:
+                mask[t, : max(0, t + k - window + 1)] = False
             for j in range(1, k + 1):
-                mask[t, j * length + t] = True
+                mask[t, j * length + t] = window is None or t + j > t + k - window
         scores = torch.einsum("bthd,bshd->bhts", q, torch.cat(keys, 1)) * drafter.attention_scale
         probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
         attn = torch.einsum("bhts,bshd->bthd", probs, torch.cat(values, 1)).reshape(b, length, -1)

@@ -238,6 +238,22 @@ class DraftModelConfig(Section):
     markov_rank: int | None = Field(
         None, ge=1, description="dspark: rank of the Markov head's transition bias over the vocabulary (default 256)"
     )
+    # long context (README: "Long context")
+    sliding_window: int | None = Field(
+        None,
+        ge=2,
+        description="llama: the drafter attends the last N positions only (vLLM's sliding_window: the query's own "
+        "position and the N-1 before it), in training, evaluate's decoding and the exported config (layer_types)",
+    )
+
+    @model_validator(mode="after")
+    def _window_applies(self) -> DraftModelConfig:
+        if self.sliding_window is not None and (self.architecture or "llama") != "llama":
+            raise ValueError(
+                f"sliding_window applies to architecture llama; eaglekit does not train a windowed "
+                f"{self.architecture} drafter yet (remove train.draft.sliding_window)"
+            )
+        return self
 
 
 class TrainConfig(Section):
@@ -395,6 +411,11 @@ class EvaluateConfig(Section):
     )
     chat_template_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="more chat template arguments, as vLLM's chat_template_kwargs"
+    )
+    context_lengths: list[Annotated[int, Field(ge=1)]] | None = Field(
+        None,
+        description="the context lengths (tokens) the drafter will be served at; pre-flight warns when they lie far "
+        "beyond the training documents (default: the target's max_position_embeddings, vLLM's default max_model_len)",
     )
 
     @field_validator("suites", mode="before")

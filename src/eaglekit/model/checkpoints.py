@@ -192,8 +192,16 @@ def _layer_config(cfg: DrafterConfig) -> dict[str, Any]:
             "head_dim": cfg.head_dim,
             "mlp_bias": False,
         }
+    # vLLM's llama.py gives draft layer i the window config.sliding_window when config.layer_types[i] (counted
+    # from the drafter's first layer) is "sliding_attention"; without layer_types it serves full attention
+    window = (
+        {"layer_types": ["sliding_attention"], "sliding_window": cfg.sliding_window}
+        if cfg.sliding_window is not None
+        else {}
+    )
     return {
         **shape,
+        **window,
         "num_hidden_layers": 1,
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
@@ -423,9 +431,19 @@ def _config_from_layer(
             norm_before_fc=flags["norm_before_fc"],
             norm_output=flags["norm_output"],
             norm_before_residual=flags["norm_before_residual"],
+            sliding_window=layer_window(layer),
         )
     except UsageError as err:
         raise UsageError(f"{source}: {err.message}", err.remedy) from None
+
+
+def layer_window(layer: dict) -> int | None:
+    """The sliding window vLLM applies to the one draft layer of a config: ``sliding_window`` where
+    ``layer_types[0]`` is "sliding_attention" (a window without layer_types is not applied)."""
+    types = layer.get("layer_types")
+    if isinstance(types, list) and types and types[0] == "sliding_attention" and layer.get("sliding_window"):
+        return int(layer["sliding_window"])
+    return None
 
 
 def read_config(path: Path) -> tuple[str, DrafterConfig, str | None]:

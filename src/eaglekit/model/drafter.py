@@ -109,6 +109,8 @@ class DrafterConfig:
     norm_before_fc: bool = False
     norm_output: bool = False
     norm_before_residual: bool = False
+    # the query's position and the sliding_window - 1 before it (vLLM's convention); None: every earlier position
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         def positive(*names: str) -> None:
@@ -162,6 +164,21 @@ class DrafterConfig:
                     f"drafter config: EAGLE-3 fuses exactly 3 aux hidden states, got aux_layer_ids="
                     f"{self.aux_layer_ids}",
                     "give three HF hidden_states indices, e.g. [2, N//2, N-3]",
+                )
+        if self.sliding_window is not None:
+            if (
+                isinstance(self.sliding_window, bool)
+                or not isinstance(self.sliding_window, int)
+                or self.sliding_window < 2
+            ):
+                raise UsageError(
+                    f"drafter config: 'sliding_window' must be an integer of at least 2, got {self.sliding_window!r}",
+                    "set train.draft.sliding_window to the number of positions the drafter attends (e.g. 2048)",
+                )
+            if self.architecture != "llama":
+                raise UsageError(
+                    f"drafter config: a sliding window applies to architecture llama, not {self.architecture}",
+                    "remove train.draft.sliding_window",
                 )
         if self.hidden_act != "silu":
             raise UsageError(f"drafter config: hidden_act '{self.hidden_act}' is not supported", "use 'silu'")
@@ -525,11 +542,13 @@ class Eagle3Drafter(nn.Module):
             k, v = cache.append(k, v)
         groups = layer.n_heads // layer.n_kv
         k, v = repeat_kv(k, groups), repeat_kv(v, groups)
-        if past == 0:
+        window = self.config.sliding_window
+        if past == 0 and window is None:
             attn = sdpa(q, k, v, layer.scale, is_causal=True)
-        else:
+        else:  # cache slot s holds position s: query past + i sees slots past + i - window < s <= past + i
             t_new, s = q.shape[2], k.shape[2]
-            mask = torch.arange(s, device=q.device)[None, :] <= past + torch.arange(t_new, device=q.device)[:, None]
+            offset = torch.arange(s, device=q.device)[None, :] - (past + torch.arange(t_new, device=q.device))[:, None]
+            mask = (offset <= 0) if window is None else (offset <= 0) & (offset > -window)
             attn = sdpa(q, k, v, layer.scale, attn_mask=mask)
         hidden_out = layer.finish(attn.transpose(1, 2), hidden)
         return self.lm_head(self.norm(hidden_out)), self.next_feature(hidden_out)

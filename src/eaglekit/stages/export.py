@@ -198,6 +198,16 @@ def same_logits(source, written_dir: Path) -> None:
         )
 
 
+def exported_window(folder: Path) -> int | None:
+    """The sliding window an exported EAGLE-3 folder's config.json asks vLLM for (None: full attention)."""
+    from eaglekit.model.checkpoints import layer_window
+
+    try:
+        return layer_window(json.loads((folder / "config.json").read_text()))
+    except (OSError, ValueError):
+        return None
+
+
 def serve_commands(cfg: RunConfig, dirs: dict[str, Path], sglang: bool = True) -> list[tuple[str, str]]:
     """(what, command) pairs for the written forms; ``sglang`` False when SGLang would serve the drafter wrong."""
     k = cfg.export.num_speculative_tokens
@@ -208,12 +218,15 @@ def serve_commands(cfg: RunConfig, dirs: dict[str, Path], sglang: bool = True) -
         spec = json.dumps({"method": "eagle3", "model": d, "num_speculative_tokens": k}, separators=(",", ":"))
         out.append(("vLLM, legacy form", f"vllm serve {target} --speculative-config {shlex.quote(spec)}"))
     if "eagle3" in dirs and sglang:
+        # SGLang takes a drafter's window from its command line, not from the checkpoint (sglang#24664)
+        window = exported_window(dirs["eagle3"])
         out.append(
             (
                 "SGLang, legacy form (chain of K drafts: topk 1, K+1 draft tokens)",
                 f"python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE3 "
                 f"--speculative-draft-model-path {shlex.quote(d)} --speculative-num-steps {k} "
-                f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}",
+                f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}"
+                + (f" --speculative-draft-window-size {window}" if window else ""),
             )
         )
     if "speculators" in dirs:

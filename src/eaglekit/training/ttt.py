@@ -86,14 +86,18 @@ class _PrefixAttention(torch.autograd.Function):
             out[:, :, r0:r1] = p @ vp[:, None, s0:s1]
         ctx.save_for_backward(qp, kp, vp, out, lse, lo, hi)
         ctx.blocks, ctx.scale, ctx.dtypes = blocks, scale, (q.dtype, k.dtype, v.dtype)
-        return (out.permute(2, 0, 1, 3).reshape(n, n_heads, -1).to(q.dtype), lse.permute(2, 0, 1).reshape(n, n_heads))
+        # explicit widths: a step that no chain reaches (every document shorter than the chain) has n = 0
+        return (
+            out.permute(2, 0, 1, 3).reshape(n, n_heads, v.shape[-1]).to(q.dtype),
+            lse.permute(2, 0, 1).reshape(n, n_heads),
+        )
 
     @staticmethod
     def backward(ctx, d_out, d_lse):
         qp, kp, vp, out, lse, lo, hi = ctx.saved_tensors
         n_kv, groups, n, hd = qp.shape
         scale = ctx.scale
-        do = d_out.to(qp.dtype).view(n, n_kv, groups, -1).permute(1, 2, 0, 3)
+        do = d_out.to(qp.dtype).view(n, n_kv, groups, d_out.shape[-1]).permute(1, 2, 0, 3)
         dl = torch.zeros_like(lse) if d_lse is None else d_lse.to(qp.dtype).view(n, n_kv, groups).permute(1, 2, 0)
         # dS = P * (dP - rowsum(dO * O) + dLSE): the softmax backward with the log-sum-exp output folded in.
         delta = (do * out).sum(-1) - dl
@@ -190,6 +194,15 @@ class _Positions:
     count_k: torch.Tensor  # [steps] counted positions
     position_weight: torch.Tensor | None  # [steps, B*L] share of its step's loss before the normalizer
     denominator: torch.Tensor  # [steps] what each step's summed loss is divided by
+    window: int | None = None  # the drafter's sliding window (positions a query sees, its own included)
+
+    def first_key(self, rows: torch.Tensor, step: int) -> torch.Tensor:
+        """The first step-0 key (flat index) that chain ``rows`` sees at draft step ``step``: its document's start,
+        or, with a window, the oldest position inside it — the query sits at position t + step, as in serving."""
+        start = self.flat_doc_start[rows]
+        if self.window is None:
+            return start
+        return torch.maximum(start, rows + step - self.window + 1)
 
 
 @dataclass
@@ -293,23 +306,24 @@ def _step0(
         embeds = drafter.embed_tokens(F.pad(input_ids[:, 1:], (0, 1)))
     cos, sin = drafter.rotary(at.positions, feature.dtype)
     q, k0, v0 = layer.qkv(embeds, feature, cos, sin)  # [B, L, heads, hd]
-    if at.packed and kernels.attention == "flex":
+    spans = at.packed or at.window is not None  # keys first_key..t of the flat rows, not a plain causal mask
+    if spans and kernels.attention == "flex":
         flat = torch.arange(b * length, device=input_ids.device)
         attn = span_attention(
             q.reshape(b * length, n_heads, hd),
             k0.reshape(b * length, n_kv, hd),
             v0.reshape(b * length, n_kv, dv),
-            at.flat_doc_start,
+            at.first_key(flat, 0),
             flat,
             scale,
         ).view(b, length, n_heads, dv)
-    elif at.packed:  # a causal attention inside each document: keys doc_start..t of the flat rows
+    elif spans:  # a causal attention inside each document (and window)
         flat = torch.arange(b * length, device=input_ids.device)
         attn, _ = _PrefixAttention.apply(
             q.reshape(b * length, n_heads, hd),
             k0.reshape(b * length, n_kv, hd),
             v0.reshape(b * length, n_kv, dv),
-            at.flat_doc_start,
+            at.first_key(flat, 0),
             flat,
             scale,
         )
@@ -389,7 +403,7 @@ def _draft_steps(
         diag_k = kk[None] if diag_k is None else torch.cat([diag_k, kk[None]])
         diag_v = vk[None] if diag_v is None else torch.cat([diag_v, vk[None]])
         attn = _chain_attention(
-            q, k0, v0, at.flat_doc_start[rows], rows, diag_k, diag_v, drafter.attention_scale, kernels
+            q, k0, v0, at.first_key(rows, k), rows, diag_k, diag_v, drafter.attention_scale, kernels
         )
         h = layer.finish(attn.reshape(rows.numel(), n_heads, dv).to(h.dtype), h)
         sel = at.counted[k].reshape(-1)[rows]
@@ -470,6 +484,13 @@ def ttt_loss(
     at = _positions(
         input_ids, loss_mask, attention_mask, target_in_draft, position_ids, steps, normalization, normalizer
     )
+    at.window = drafter.config.sliding_window
+    if at.window is not None and at.window <= steps:
+        raise UsageError(
+            f"ttt_loss: a sliding window of {at.window} positions is shorter than the {steps} TTT steps: the last "
+            "steps' own draft keys would leave the window",
+            "use a window longer than train.ttt_steps (windows are hundreds to thousands of positions)",
+        )
     compute = torch.promote_types(drafter.lm_head.weight.dtype, torch.float32)
     target_p, target_argmax, slot = _targets(target_logits, at.usable, compute)
 
