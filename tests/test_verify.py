@@ -53,8 +53,9 @@ def test_verify_passes_on_the_demo_drafter_in_both_forms(vllm_python, demo_run, 
     assert row["state"] == "done" and row["counts"]["verdict"] == "PASS"
 
 
-def _exported_run(tmp_path: Path, run_dir: Path, form: str, verify: dict) -> Path:
-    """A run that exports the demo's trained drafter in ``form`` (export done), with ``verify`` configured."""
+def _exported_run(tmp_path: Path, run_dir: Path, form: str, verify: dict, checkpoint: Path | None = None) -> Path:
+    """A run that exports the demo's trained drafter (or ``checkpoint``) in ``form`` (export done), with ``verify``
+    configured."""
     from eaglekit.tiny import write_prompts
 
     demo = load_config(run_dir / "config.yaml")
@@ -66,7 +67,7 @@ def _exported_run(tmp_path: Path, run_dir: Path, form: str, verify: dict) -> Pat
             "target": {"model": demo.target.model},
             "data": {"prompts": str(prompts)},
             "evaluate": {
-                "checkpoint": str(run_dir / "train" / "checkpoints" / "best"),
+                "checkpoint": str(checkpoint or run_dir / "train" / "checkpoints" / "best"),
                 "prompts": str(prompts),
                 "num_samples": 8,
                 "max_new_tokens": 96,
@@ -183,3 +184,28 @@ def test_verify_reads_sglang_meta_info_and_names_sglangs_aux_convention(demo_run
 
 def _set_verify(config: Path, verify: dict) -> None:
     write_config(config, {**yaml.safe_load(config.read_text()), "verify": verify})
+
+
+def test_verify_serves_a_sliding_window_drafter_at_its_offline_acceptance(vllm_python, demo_run, tmp_path, cli):
+    """The demo's drafter with a 16-position sliding window (train.draft.sliding_window; the demo's prompts and
+    replies run to hundreds of tokens, so the window bites): export writes it as vLLM reads it (layer_types), vLLM's
+    CPU build serves it, and every draft position's acceptance equals eaglekit's windowed offline decoding."""
+    run_dir, _, _ = demo_run
+    windowed = tmp_path / "windowed"
+    shutil.copytree(run_dir / "train" / "checkpoints" / "best", windowed)
+    raw = json.loads((windowed / "config.json").read_text())
+    raw.update(layer_types=["sliding_attention"], sliding_window=16)
+    (windowed / "config.json").write_text(json.dumps(raw, indent=2))
+    config = _exported_run(tmp_path, run_dir, "eagle3", {"engine": "vllm"}, checkpoint=windowed)
+    exported = json.loads((tmp_path / "run" / "export" / "eagle3" / "config.json").read_text())
+    assert (exported["layer_types"], exported["sliding_window"]) == (["sliding_attention"], 16)
+    result = cli("verify", config)
+    assert result.code == 0, result.err[-3000:]
+    report = json.loads((tmp_path / "run" / "verify" / "report.json").read_text())
+    (r,) = report["runs"]
+    print(f"windowed: tau served {r['tau']['served']} offline {r['tau']['offline']}; positions {r['positions']}")
+    assert report["verdict"] == "PASS" and r["checks"]["positions"] and r["greedy"]["identical"] == report["prompts"]
+    assert r["rounds"] and r["rounds"]["compared"] == report["prompts"]
+    full = json.loads((run_dir / "verify" / "report.json").read_text())
+    full_tau = next(x for x in full["runs"] if x["form"] == "eagle3")["tau"]["offline"]
+    assert r["tau"]["offline"] < full_tau, "the window changes what the drafter sees: it drafts otherwise"

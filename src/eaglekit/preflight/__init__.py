@@ -14,6 +14,7 @@ The checks, one family per file:
     gpus.py         every GPU through NVML: memory, processes, ECC, uniformity
     processes.py    other processes using the run directory without its lock
     environment.py  software versions, devices vs what the config asks
+    context.py      the context the drafter is served at vs the length of the documents it trains on
 
 A stage's checks see a context (``eaglekit.contract.StageContext``): ``cfg``, ``run``, ``stage``, ``dir``,
 ``stage_def`` (the stage's declaration) and ``estimate()`` (its estimate from its inputs on disk), ``upstream``

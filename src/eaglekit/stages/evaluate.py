@@ -30,6 +30,7 @@ from eaglekit.data.eval_report import METHODS, report_markdown
 from eaglekit.errors import EaglekitError, UsageError
 from eaglekit.preflight import checks as common
 from eaglekit.preflight import environment, fail, files, gpus, ok, skip
+from eaglekit.preflight.context import serving_context
 from eaglekit.preflight.drafter import drafter_checkpoint, prompts_available
 from eaglekit.progress import Meter, console
 from eaglekit.rundir import file_identity
@@ -87,6 +88,7 @@ def checks(cfg: RunConfig) -> list:
         starting_drafter,
         prompts_available,
         benchmark_suites,
+        serving_context,
     ]
 
 

@@ -26,6 +26,7 @@ from eaglekit.model.target import target_identity
 from eaglekit.preflight import checks as common
 from eaglekit.preflight import disk, environment, fail, files, gpus, ok, skip, warn
 from eaglekit.preflight.checks import human_bytes
+from eaglekit.preflight.context import serving_context
 from eaglekit.rundir import file_identity
 
 NAME = "train"
@@ -229,6 +230,7 @@ def checks(cfg: RunConfig) -> list:
         files.init_from_files,
         init_from_compatible,
         anchor,
+        serving_context,
         disk.write_rate,
     ]
 
