@@ -43,6 +43,7 @@ so a change to the TTT step is measured against its predecessor in the same run.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import importlib.util
 import json
@@ -180,7 +181,13 @@ def ttt_loss_at(ref: str):
 
 
 def variant_kernels(variant: str, device: str) -> tuple[StepKernels, bool]:
-    """(kernels, compile the drafter) of an eaglekit variant: reference, fused or compiled (see the docstring)."""
+    """(kernels, compile the drafter) of an eaglekit variant: reference, fused or compiled (see the docstring); a
+    ``-checkpointed`` suffix (or ``checkpointed`` alone: the reference's) recomputes each TTT step in backward
+    (train.activation_checkpointing)."""
+    if variant == "checkpointed" or variant.endswith("-checkpointed"):
+        base = variant.removesuffix("checkpointed").removesuffix("-") or "reference"
+        kernels, compile_it = variant_kernels(base, device)
+        return dataclasses.replace(kernels, checkpoint_steps=True), compile_it
     if variant == "reference":
         return REFERENCE, False
     if variant not in ("fused", "compiled"):

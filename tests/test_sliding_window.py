@@ -130,3 +130,30 @@ def test_a_batch_no_chain_of_which_reaches_the_last_steps_trains(window):
                    target_in_draft=doc[4][None])  # fmt: skip
     assert out.count_k[0] > 0 and out.count_k[-1] == 0
     assert all(g.isfinite().all() for g in grads(drafter, out.loss).values())
+
+
+@pytest.mark.parametrize("variant", ["llama", "mla-yarn", "llama-eagle3.1"])
+@pytest.mark.parametrize("window", [None, WINDOW])
+def test_recomputed_ttt_steps_give_the_same_loss_and_gradients_float64(variant, window):
+    """train.activation_checkpointing: every TTT step's layer recomputed in backward gives the loss and gradients
+    of the step that kept its activations (packed rows, so step 0 runs the span attention too)."""
+    from test_drafter_ttt import VARIANTS
+
+    from eaglekit.training.fused import REFERENCE, StepKernels
+
+    if window is not None and variant.startswith("mla"):
+        pytest.skip("windows are a llama key")
+    cfg = tiny_config(sliding_window=window, **VARIANTS[variant])
+    drafter = make_drafter(cfg)
+    aux, ids, logits, loss_mask, attention, in_draft, positions = lay_out(
+        documents(cfg, [9, 12, 4, 7]), [[0, 1], [2, 3]]
+    )
+    outs, grad_sets = [], []
+    for kernels in (REFERENCE, StepKernels(checkpoint_steps=True)):
+        out = ttt_loss(drafter, aux, ids, logits, loss_mask, attention, steps=4, target_in_draft=in_draft,
+                       position_ids=positions, kernels=kernels)  # fmt: skip
+        outs.append(out)
+        grad_sets.append(grads(drafter, out.loss))
+    assert outs[0].loss.item() == outs[1].loss.item() and outs[0].loss_k == outs[1].loss_k
+    for name in grad_sets[0]:
+        torch.testing.assert_close(grad_sets[1][name], grad_sets[0][name], rtol=1e-12, atol=1e-14, msg=name)

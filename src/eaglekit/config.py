@@ -348,6 +348,12 @@ class TrainConfig(Section):
         "drafter's), as speculators does; false trains it too. A head with no rows to start from "
         "(the target's are another width, or init_lm_head_from_target false) always trains",
     )
+    activation_checkpointing: bool = Field(
+        False,
+        description="recompute each TTT step's decoder layer in backward instead of keeping its activations: for "
+        "rows of tens of thousands of tokens (README: Long context; `eaglekit plan` gives the memory either way), "
+        "about a third more step time",
+    )
     attention: Literal["auto", "reference", "sdpa", "flex"] = Field(
         "auto",
         description="the TTT step's attention kernels: flex (fused flex attention for the draft steps and packed "

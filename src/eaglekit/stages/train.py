@@ -28,6 +28,7 @@ from eaglekit.preflight import disk, environment, fail, files, gpus, ok, skip, w
 from eaglekit.preflight.checks import human_bytes
 from eaglekit.preflight.context import serving_context
 from eaglekit.rundir import file_identity
+from eaglekit.training.memory import StepMemory, step_memory
 
 NAME = "train"
 UPSTREAM = "extract"  # in online mode the pipeline steps over the skipped extract, to vocab
@@ -231,6 +232,7 @@ def checks(cfg: RunConfig) -> list:
         init_from_compatible,
         anchor,
         serving_context,
+        step_memory_check,
         disk.write_rate,
     ]
 
@@ -264,6 +266,70 @@ def block_drafter_shape(cfg: RunConfig):
     return ok("drafter", detail)
 
 
+def row_tokens(cfg: RunConfig) -> int:
+    """The most tokens one micro-batch can hold on one GPU: rows of prepare.max_length (or train.pack_length)."""
+    from eaglekit.training.data import pack_length
+
+    return cfg.train.batch_size * pack_length(cfg)
+
+
+def step_memory_both(cfg: RunConfig) -> tuple[StepMemory, StepMemory] | None:
+    """One training step's memory on a GPU (bf16 autocast) at the longest micro-batch, without and with
+    train.activation_checkpointing; None for a block drafter (not modelled) or a finetune (its own shape)."""
+    if cfg.train.draft.architecture in BLOCK_ARCHITECTURES or cfg.train.init_from:
+        return None
+    dc = drafter_config(cfg)
+    if not isinstance(dc, DrafterConfig):
+        return None
+    total, trainable = parameter_counts(dc)
+    n = row_tokens(cfg)
+    return tuple(  # type: ignore[return-value]
+        step_memory(dc, n, cfg.train.ttt_steps, trainable=trainable, frozen=total - trainable, checkpoint=ckpt)
+        for ckpt in (False, True)
+    )
+
+
+def memory_line(m: StepMemory, tokens: int) -> str:
+    return (
+        f"{human_bytes(m.total)} (weights and AdamW {human_bytes(m.weights)}, the row's features and target "
+        f"{human_bytes(m.batch)}, kept activations {human_bytes(m.activations)} = {m.per_token / 1e3:,.1f} kB/token "
+        f"x {tokens:,}, transient {human_bytes(m.transient)})"
+    )
+
+
+def step_memory_check(ctx: StageContext):
+    """The step's GPU memory at the longest micro-batch against the GPUs': refused before the run, with remedies."""
+    cfg = ctx.cfg
+    found = gpus.inventory()
+    if isinstance(found, str) or not found:
+        return skip("step memory", "no GPU: the step's memory is not checked (`eaglekit plan` gives it)")
+    both = step_memory_both(cfg)
+    if both is None:
+        return skip("step memory", "modelled for a fresh EAGLE-3 drafter only")
+    plain, recomputed = both
+    chosen = recomputed if cfg.train.activation_checkpointing else plain
+    smallest = min(gpus.visible(found) or found, key=lambda g: g.total)
+    on_gpu = gpus.need_per_gpu(ctx, [smallest]) if not cfg.extract.offline and not cfg.target.device_map else None
+    target = on_gpu[0] if on_gpu else 0  # online: the target shares the GPU
+    tokens = row_tokens(cfg)
+    detail = f"{tokens:,} tokens a micro-batch: {memory_line(chosen, tokens)}" + (
+        f" + the target's {human_bytes(target)}" if target else ""
+    )
+    if chosen.total + target <= smallest.total:
+        return ok("step memory", f"{detail}; GPU {smallest.index} has {human_bytes(smallest.total)}")
+    remedies = []
+    if not cfg.train.activation_checkpointing and recomputed.total + target <= smallest.total:
+        remedies.append(f"train.activation_checkpointing: true ({human_bytes(recomputed.total)} a step)")
+    remedies.append("shorter rows (prepare.max_length / train.pack_length) or train.batch_size: 1")
+    if target:
+        remedies.append("offline features (extract.mode: offline), so the target is not on the GPU while training")
+    return fail(
+        "step memory",
+        f"{detail} does not fit GPU {smallest.index}'s {human_bytes(smallest.total)}",
+        "; or ".join(remedies),
+    )
+
+
 def checkpoint_bytes(cfg: RunConfig) -> tuple[int, int, int]:
     """(all the checkpoints, one checkpoint, the drafter's parameters): each checkpoint holds the drafter (fp32)
     and training_state (weights + two Adam moments, fp32); best/ and the metrics and plots come on top."""
@@ -288,6 +354,14 @@ def estimate(ctx: StageContext, sizes: Sizes | None) -> Estimate:
             )
         except Exception as err:  # noqa: BLE001 - a config eaglekit cannot derive a drafter from: pre-flight says why
             est.how.append(f"checkpoints: unknown ({err})")
+    try:
+        both = step_memory_both(cfg)
+    except Exception as err:  # noqa: BLE001 - as above: pre-flight names the drafter's problem
+        both, est.how = None, [*est.how, f"GPU memory of a step: unknown ({err})"]
+    if both is not None:
+        n = row_tokens(cfg)
+        est.how.append(f"GPU memory of a step at {n:,} tokens (bf16): {memory_line(both[0], n)}")
+        est.how.append(f"  with train.activation_checkpointing: {human_bytes(both[1].total)}")
     tokens, rate = sizes.tokens, sizes.train_tok_per_s
     if tokens is not None and rate:
         est.seconds = tokens * (1 - cfg.data.eval_fraction) * cfg.train.epochs / rate

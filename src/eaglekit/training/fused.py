@@ -32,9 +32,13 @@ AttentionKind = Literal["reference", "sdpa", "flex"]
 class StepKernels:
     attention: AttentionKind = "reference"
     head_chunk: ChunkFn | None = None  # loss.py's chunk function, compiled; None: as it is
+    # recompute each TTT step's layer in backward instead of keeping its activations (train.activation_checkpointing)
+    checkpoint_steps: bool = False
 
     def describe(self) -> str:
-        return f"attention {self.attention}, head loss {'compiled' if self.head_chunk else 'reference'}"
+        return f"attention {self.attention}, head loss {'compiled' if self.head_chunk else 'reference'}" + (
+            ", TTT steps recomputed in backward" if self.checkpoint_steps else ""
+        )
 
 
 REFERENCE = StepKernels()
@@ -45,7 +49,7 @@ def compiled_chunk(backend: str = "inductor") -> ChunkFn:
     return torch.compile(head_loss_chunk, dynamic=True, backend=backend)
 
 
-def step_kernels(attention: str, head_loss: str, device: torch.device) -> StepKernels:
+def step_kernels(attention: str, head_loss: str, device: torch.device, checkpoint_steps: bool = False) -> StepKernels:
     """The kernels of train.attention and train.head_loss on ``device`` ("auto": fused on CUDA)."""
     cuda = device.type == "cuda"
     if attention == "auto":
@@ -61,7 +65,8 @@ def step_kernels(attention: str, head_loss: str, device: torch.device) -> StepKe
         raise UsageError(f"train.attention {attention!r} is not one of auto, reference, sdpa, flex", "fix the config")
     if head_loss not in ("reference", "compiled"):
         raise UsageError(f"train.head_loss {head_loss!r} is not one of auto, reference, compiled", "fix the config")
-    return StepKernels(attention, compiled_chunk() if head_loss == "compiled" else None)  # type: ignore[arg-type]
+    chunk = compiled_chunk() if head_loss == "compiled" else None
+    return StepKernels(attention, chunk, checkpoint_steps)  # type: ignore[arg-type]
 
 
 def compile_drafter(drafter: Eagle3Drafter, backend: str = "inductor") -> Eagle3Drafter:

@@ -244,7 +244,7 @@ def objective_for(
     if isinstance(drafter, DFlashDrafter):  # DFlash or DSpark
         objective = block_objective(drafter, tc.draft)
         return objective, objective.positions, [1.0] * objective.positions, f"{drafter.family} block objective"
-    kernels = step_kernels(tc.attention, tc.head_loss, device)
+    kernels = step_kernels(tc.attention, tc.head_loss, device, tc.activation_checkpointing)
     if tc.compile:
         compile_drafter(drafter)
     ttt = TTT.from_config(drafter, tc, kernels)

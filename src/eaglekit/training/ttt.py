@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from eaglekit.errors import UsageError
 from eaglekit.model.drafter import Eagle3Drafter
@@ -293,6 +294,15 @@ def _targets(
     return target_p, target_argmax, slot
 
 
+def _layer_pass(kernels: StepKernels, body: Callable[..., tuple], *inputs: torch.Tensor) -> tuple:
+    """``body(*inputs)``: one TTT step's layer. With ``kernels.checkpoint_steps`` its activations are not kept for
+    backward but recomputed there (only the inputs and outputs stay), so a step costs O(rows x H) instead of the
+    layer's full width per row."""
+    if kernels.checkpoint_steps and torch.is_grad_enabled():
+        return checkpoint(body, *inputs, use_reentrant=False)
+    return body(*inputs)
+
+
 def _step0(
     drafter: Eagle3Drafter, aux_hidden: torch.Tensor, input_ids: torch.Tensor, at: _Positions, kernels: StepKernels
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -301,44 +311,48 @@ def _step0(
     b, length = input_ids.shape
     n_heads, n_kv, hd, dv = layer.n_heads, layer.n_kv, layer.head_dim, layer.v_dim  # dv != hd for MLA
     scale = drafter.attention_scale
-    feature = drafter.fuse(aux_hidden)
     with torch.no_grad():
         embeds = drafter.embed_tokens(F.pad(input_ids[:, 1:], (0, 1)))
-    cos, sin = drafter.rotary(at.positions, feature.dtype)
-    q, k0, v0 = layer.qkv(embeds, feature, cos, sin)  # [B, L, heads, hd]
     spans = at.packed or at.window is not None  # keys first_key..t of the flat rows, not a plain causal mask
-    if spans and kernels.attention == "flex":
-        flat = torch.arange(b * length, device=input_ids.device)
-        attn = span_attention(
-            q.reshape(b * length, n_heads, hd),
-            k0.reshape(b * length, n_kv, hd),
-            v0.reshape(b * length, n_kv, dv),
-            at.first_key(flat, 0),
-            flat,
-            scale,
-        ).view(b, length, n_heads, dv)
-    elif spans:  # a causal attention inside each document (and window)
-        flat = torch.arange(b * length, device=input_ids.device)
-        attn, _ = _PrefixAttention.apply(
-            q.reshape(b * length, n_heads, hd),
-            k0.reshape(b * length, n_kv, hd),
-            v0.reshape(b * length, n_kv, dv),
-            at.first_key(flat, 0),
-            flat,
-            scale,
-        )
-        attn = attn.view(b, length, n_heads, dv)
-    elif kernels.attention != "reference":
-        attn = causal_attention(q, k0, v0, scale)
-    else:
-        attn = sdpa(
-            q.transpose(1, 2),
-            repeat_kv(k0.transpose(1, 2), n_heads // n_kv),
-            repeat_kv(v0.transpose(1, 2), n_heads // n_kv),
-            scale,
-            is_causal=True,
-        ).transpose(1, 2)
-    return layer.finish(attn, feature).reshape(b * length, -1), k0, v0
+    flat = torch.arange(b * length, device=input_ids.device)
+
+    def body(aux_hidden: torch.Tensor, embeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        feature = drafter.fuse(aux_hidden)
+        cos, sin = drafter.rotary(at.positions, feature.dtype)
+        q, k0, v0 = layer.qkv(embeds, feature, cos, sin)  # [B, L, heads, hd]
+        if spans and kernels.attention == "flex":
+            attn = span_attention(
+                q.reshape(b * length, n_heads, hd),
+                k0.reshape(b * length, n_kv, hd),
+                v0.reshape(b * length, n_kv, dv),
+                at.first_key(flat, 0),
+                flat,
+                scale,
+            ).view(b, length, n_heads, dv)
+        elif spans:  # a causal attention inside each document (and window)
+            attn, _ = _PrefixAttention.apply(
+                q.reshape(b * length, n_heads, hd),
+                k0.reshape(b * length, n_kv, hd),
+                v0.reshape(b * length, n_kv, dv),
+                at.first_key(flat, 0),
+                flat,
+                scale,
+            )
+            attn = attn.view(b, length, n_heads, dv)
+        elif kernels.attention != "reference":
+            attn = causal_attention(q, k0, v0, scale)
+        else:
+            attn = sdpa(
+                q.transpose(1, 2),
+                repeat_kv(k0.transpose(1, 2), n_heads // n_kv),
+                repeat_kv(v0.transpose(1, 2), n_heads // n_kv),
+                scale,
+                is_causal=True,
+            ).transpose(1, 2)
+        return layer.finish(attn, feature).reshape(b * length, -1), k0, v0
+
+    h, k0, v0 = _layer_pass(kernels, body, aux_hidden, embeds)
+    return h, k0, v0
 
 
 def _chain_attention(
@@ -388,24 +402,44 @@ def _draft_steps(
     ids_flat = input_ids.reshape(-1)
     pos_flat = at.positions.reshape(-1)
     rows = torch.arange(b * length, device=input_ids.device)
-    # [steps so far, N, nKV, hd]: the keys (and values) of steps 1..k of each chain
-    diag_k: torch.Tensor | None = None
-    diag_v: torch.Tensor | None = None
+    # the keys and values steps 1..k made, each in the rows of its own step: a step gathers its chains' from them
+    # (chains only drop out, and rows stay sorted), so nothing grows with the step count but the steps' own keys
+    own_k: list[torch.Tensor] = []
+    own_v: list[torch.Tensor] = []
+    own_rows: list[torch.Tensor] = []
     for k in range(1, steps):
         keep = at.needed[k].reshape(-1)[rows]
-        rows, h = rows[keep], drafter.next_feature(h[keep])
-        if diag_k is not None and diag_v is not None:
-            diag_k, diag_v = diag_k[:, keep], diag_v[:, keep]
-        with torch.no_grad():
-            embeds = drafter.embed_tokens(ids_flat[rows + 1 + k])
-        cos, sin = drafter.rotary(pos_flat[rows] + k, h.dtype)
-        q, kk, vk = layer.qkv(embeds, h, cos, sin)  # q [N, nH, hd], kk/vk [N, nKV, hd]
-        diag_k = kk[None] if diag_k is None else torch.cat([diag_k, kk[None]])
-        diag_v = vk[None] if diag_v is None else torch.cat([diag_v, vk[None]])
-        attn = _chain_attention(
-            q, k0, v0, at.first_key(rows, k), rows, diag_k, diag_v, drafter.attention_scale, kernels
-        )
-        h = layer.finish(attn.reshape(rows.numel(), n_heads, dv).to(h.dtype), h)
+        rows = rows[keep]
+        gather = [torch.searchsorted(earlier, rows) for earlier in own_rows]
+        first_key, next_ids = at.first_key(rows, k), ids_flat[rows + 1 + k]
+
+        # Everything the step reads is bound now, not looked up when backward recomputes it (the loop has moved on
+        # by then); its inputs are the previous step's output and the earlier steps' keys, which are kept anyway.
+        def body(
+            h_prev: torch.Tensor,
+            *own: torch.Tensor,
+            keep: torch.Tensor = keep,
+            chain_rows: torch.Tensor = rows,
+            gather: list[torch.Tensor] = gather,
+            first: torch.Tensor = first_key,
+            token_ids: torch.Tensor = next_ids,
+            step: int = k,
+        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            keys, values = own[: len(gather)], own[len(gather) :]
+            feature = drafter.next_feature(h_prev[keep])
+            with torch.no_grad():
+                embeds = drafter.embed_tokens(token_ids)
+            cos, sin = drafter.rotary(pos_flat[chain_rows] + step, feature.dtype)
+            q, kk, vk = layer.qkv(embeds, feature, cos, sin)  # q [N, nH, hd], kk/vk [N, nKV, hd]
+            diag_k = torch.stack([key[i] for key, i in zip(keys, gather, strict=True)] + [kk])
+            diag_v = torch.stack([value[i] for value, i in zip(values, gather, strict=True)] + [vk])
+            attn = _chain_attention(q, k0, v0, first, chain_rows, diag_k, diag_v, drafter.attention_scale, kernels)
+            return layer.finish(attn.reshape(chain_rows.numel(), n_heads, dv).to(feature.dtype), feature), kk, vk
+
+        h, kk, vk = _layer_pass(kernels, body, h, *own_k, *own_v)
+        own_k.append(kk)
+        own_v.append(vk)
+        own_rows.append(rows)
         sel = at.counted[k].reshape(-1)[rows]
         head.add(h[sel], slot[rows[sel] + 1 + k], rows[sel])
 

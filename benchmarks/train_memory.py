@@ -1,0 +1,166 @@
+"""Training benchmark: the memory model of `plan` and the train pre-flight (``training/memory.py``) against the
+measured peak of real TTT steps, with and without ``train.activation_checkpointing``.
+
+For each shape and row length it builds the drafter (EAGLE-3, Llama layer, EAGLE 3.1 flags), runs a warm step on a
+short row (so that gradients and AdamW's moments exist), then one step on the full row, and reports the peak
+memory of that step (CUDA: max_memory_allocated from an empty device, weights included; CPU: the process's peak
+resident growth over the warm state, in a subprocess of its own) against the model's figure for the same part.
+Prints one JSON line per case and a table; asserts nothing.
+
+    python benchmarks/train_memory.py                                   # CPU, H=256/512, rows 2K-8K, fp32
+    python benchmarks/train_memory.py --device cuda --shape kimi --lengths 8192,16384,65536 --modes checkpointed
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from eaglekit.model.drafter import DrafterConfig, Eagle3Drafter
+from eaglekit.training.fused import step_kernels
+from eaglekit.training.memory import step_memory
+from eaglekit.training.ttt import ttt_loss
+
+SHAPES = {
+    # hidden, intermediate, heads, kv heads, head dim, target vocab, draft vocab
+    "small": (256, 768, 4, 2, 64, 32000, 8192),
+    "medium": (512, 1536, 8, 4, 64, 32000, 8192),
+    "llama8b": (4096, 14336, 32, 8, 128, 128256, 32000),
+    # Kimi-K2.5's drafter as a Llama layer at the target's width (README: plan's Kimi case)
+    "kimi": (7168, 18432, 64, 64, 112, 163840, 32000),
+}
+STEPS = 7
+
+
+def config(shape: str, max_len: int) -> DrafterConfig:
+    h, i, heads, kv, hd, vocab, draft = SHAPES[shape]
+    return DrafterConfig(
+        hidden_size=h, intermediate_size=i, num_attention_heads=heads, num_key_value_heads=kv, head_dim=hd,
+        rms_norm_eps=1e-6, rope_theta=1e4, rope_scaling=None, max_position_embeddings=max(max_len, 4096),
+        vocab_size=vocab, draft_vocab_size=draft, target_hidden_size=h, aux_layer_ids=None, fc_norm=True,
+        norm_output=True,
+    )  # fmt: skip
+
+
+def run_case(shape: str, length: int, checkpoint: bool, device: str) -> dict:
+    """One case in this process: the measured peak (bytes) and the model's."""
+    cfg = config(shape, length)
+    dev = torch.device(device)
+    bf16 = dev.type == "cuda"
+    torch.manual_seed(0)
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    drafter = Eagle3Drafter(cfg).to(dev)
+    drafter.lm_head.weight.requires_grad_(False)  # train.freeze_lm_head's default
+    trainable = [p for p in drafter.parameters() if p.requires_grad]
+    n_trainable = sum(p.numel() for p in trainable)
+    n_frozen = sum(p.numel() for p in drafter.parameters()) - n_trainable
+    opt = torch.optim.AdamW(trainable, lr=1e-5)
+    kernels = step_kernels("auto", "auto", dev, checkpoint)
+    store = torch.bfloat16 if bf16 else torch.float32
+
+    def step(n: int) -> None:
+        g = torch.Generator(device="cpu").manual_seed(n)
+        aux = torch.randn(1, n, 3 * cfg.target_hidden_size, generator=g).to(dev, store)
+        last = torch.randn(1, n, cfg.target_hidden_size, generator=g).to(dev, store)
+        ids = torch.randint(0, cfg.vocab_size, (1, n), generator=g).to(dev)
+        with torch.no_grad():  # the target's logits over the draft vocabulary, from its final state (offline)
+            logits = (last @ drafter.lm_head.weight.to(store).T).to(store)
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16):
+            out = ttt_loss(drafter, aux, ids, logits, torch.ones_like(ids), steps=STEPS, kernels=kernels)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step(256)  # warm: gradients and AdamW's moments exist, kernels compiled
+    gc.collect()
+    model = step_memory(cfg, length, STEPS, trainable=n_trainable, frozen=n_frozen, checkpoint=checkpoint, bf16=bf16,
+                        device_type=dev.type)  # fmt: skip
+    t0 = time.monotonic()
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        step(length)
+        torch.cuda.synchronize()
+        measured = torch.cuda.max_memory_allocated()
+        predicted = model.total
+    else:  # the growth over the warm state: weights and optimizer state are already there
+        Path("/proc/self/clear_refs").write_text("5")
+        base = _status_bytes("VmRSS")
+        step(length)
+        measured = _status_bytes("VmHWM") - base
+        predicted = model.total - model.weights
+    seconds = time.monotonic() - t0
+    return {
+        "shape": shape, "length": length, "checkpointing": checkpoint, "device": device,
+        "measured_bytes": int(measured), "model_bytes": int(predicted), "ratio": round(measured / predicted, 4),
+        "model_parts": {k: getattr(model, k) for k in ("weights", "batch", "activations", "transient")},
+        "kept_per_token": round(model.per_token), "step_seconds": round(seconds, 2),
+    }  # fmt: skip
+
+
+def _status_bytes(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--shape", default="small,medium", help=f"comma-separated: {', '.join(SHAPES)}")
+    p.add_argument("--lengths", default="2048,8192")
+    p.add_argument("--modes", default="plain,checkpointed")
+    p.add_argument("--json", help="also append each case's JSON line to this file")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:  # one CPU case in a fresh process: nothing else this process allocated blurs its peak
+        shape, length, mode = args.child.split(":")
+        print(json.dumps(run_case(shape, int(length), mode == "checkpointed", "cpu")))
+        return
+    rows = []
+    for shape in args.shape.split(","):
+        for length in (int(x) for x in args.lengths.split(",")):
+            for mode in args.modes.split(","):
+                try:
+                    if args.device == "cpu":
+                        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}  # freed memory goes back to the OS
+                        out = subprocess.run([sys.executable, __file__, "--child", f"{shape}:{length}:{mode}"],
+                                             env=env, capture_output=True, text=True, check=True)  # fmt: skip
+                        row = json.loads(out.stdout.strip().splitlines()[-1])
+                    else:
+                        row = run_case(shape, length, mode == "checkpointed", args.device)
+                except (RuntimeError, subprocess.CalledProcessError, torch.OutOfMemoryError) as err:
+                    text = getattr(err, "stderr", None) or str(err)
+                    row = {"shape": shape, "length": length, "checkpointing": mode == "checkpointed",
+                           "error": text.strip().splitlines()[-1][:300]}  # fmt: skip
+                    if args.device != "cpu":
+                        torch.cuda.empty_cache()
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+                if args.json:
+                    with open(args.json, "a") as f:
+                        f.write(json.dumps(row) + "\n")
+    print(f"\n{'shape':8} {'L':>7} {'mode':13} {'measured':>10} {'model':>10} {'ratio':>6}")
+    for r in rows:
+        mode = "checkpointed" if r["checkpointing"] else "plain"
+        if "error" in r:
+            print(f"{r['shape']:8} {r['length']:>7} {mode:13} {r['error']}")
+        else:
+            gb = lambda b: f"{b / 1e9:.2f} GB"  # noqa: E731
+            print(f"{r['shape']:8} {r['length']:>7} {mode:13} {gb(r['measured_bytes']):>10} "
+                  f"{gb(r['model_bytes']):>10} {r['ratio']:>6.3f}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

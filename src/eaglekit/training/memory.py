@@ -1,0 +1,146 @@
+"""The memory of one EAGLE-3 training step at a given row length: what `plan` and the train pre-flight compare with
+a GPU's memory, so that a row length that cannot fit is refused before the run, with its remedy.
+
+A step holds the drafter's weights, gradients and AdamW moments, the row's features and target distribution, the
+activations TTT keeps for backward, and the largest transient of the step. The activations grow linearly in the
+row's tokens (no L x L matrix: benchmarks/RESULTS.md, "ttt_memory.py"); their bytes per token depend on the drafter's
+widths, its flags and the implementation. Rather than a hand-written count that drifts from the code, they are
+measured from it: ``ttt_loss`` runs on two short rows of small drafters of the same family, flags and head widths,
+autograd's saved-tensor hooks add up what is kept, and, since every kept tensor is [rows, width] for one of the
+layer's widths (hidden, intermediate, target hidden, head counts, latent ranks), the slope per token of one drafter
+per width, doubled, gives the bytes per token at any width. This costs a fraction of a second once per shape.
+``benchmarks/train_memory.py`` checks the result against the measured peak of real steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from eaglekit.model.drafter import DrafterConfig, Eagle3Drafter
+from eaglekit.training.fused import StepKernels
+from eaglekit.training.loss import CHUNK_ELEMENTS, CHUNK_ELEMENTS_DEFAULT
+from eaglekit.training.ttt import BLOCK_ELEMENTS, BLOCK_ROWS, ttt_loss
+
+# The widths a calibration drafter scales, per architecture; head widths stay the real ones (every kept tensor is
+# linear in these with the head widths fixed).
+SCALED = {
+    "llama": ("hidden_size", "intermediate_size", "target_hidden_size", "num_attention_heads", "num_key_value_heads"),
+    "mla": ("hidden_size", "intermediate_size", "target_hidden_size", "num_attention_heads", "q_lora_rank",
+            "kv_lora_rank"),
+}  # fmt: skip
+BASE = {"hidden_size": 64, "intermediate_size": 64, "target_hidden_size": 64, "num_attention_heads": 2,
+        "num_key_value_heads": 1, "q_lora_rank": 32, "kv_lora_rank": 32}  # fmt: skip
+ROWS = (64, 128)  # two row lengths: their difference is the per-token slope, free of per-step constants
+ADAMW_BYTES = 16  # fp32 master weight, its gradient and AdamW's two moments
+
+
+@dataclass
+class StepMemory:
+    """Bytes of one training step on one GPU, by part."""
+
+    weights: int  # trainable parameters with gradients and optimizer state, frozen parameters
+    batch: int  # the row's aux features, its target logits and their softmax
+    activations: int  # what the TTT steps keep for backward
+    transient: int  # the largest temporary: a recomputed step, a head-loss chunk, an attention block
+    per_token: float  # kept activation bytes per token of the row (all TTT steps)
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.batch + self.activations + self.transient
+
+
+def _calibration_config(cfg: DrafterConfig, **widths: int) -> DrafterConfig:
+    fields: dict[str, Any] = {name: BASE[name] for name in SCALED[cfg.architecture]} | widths
+    if cfg.architecture == "mla" and cfg.q_lora_rank is None:
+        fields.pop("q_lora_rank")
+    window = None if cfg.sliding_window is None else min(cfg.sliding_window, ROWS[0] // 2)
+    return dataclasses.replace(
+        cfg, vocab_size=64, draft_vocab_size=64, aux_layer_ids=None, sliding_window=window, **fields
+    )
+
+
+def _kept_bytes(cfg: DrafterConfig, rows: int, steps: int, checkpoint: bool, bf16: bool) -> int:
+    """Bytes ttt_loss keeps for backward on one row of ``rows`` tokens (parameters and inputs not counted)."""
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter(cfg)
+    params = {p.untyped_storage().data_ptr() for p in drafter.parameters()}
+    g = torch.Generator().manual_seed(0)
+    aux = torch.randn(1, rows, 3 * cfg.target_hidden_size, generator=g)
+    ids = torch.randint(0, cfg.vocab_size, (1, rows), generator=g)
+    logits = torch.randn(1, rows, cfg.draft_vocab_size, generator=g)
+    inputs = {t.untyped_storage().data_ptr() for t in (aux, logits)}
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params and storage.data_ptr() not in inputs:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
+        ttt_loss(drafter, aux, ids, logits, torch.ones_like(ids), steps=steps,
+                 kernels=StepKernels(checkpoint_steps=checkpoint))  # fmt: skip
+    return sum(kept.values())
+
+
+def kept_bytes_per_token(cfg: DrafterConfig, steps: int, checkpoint: bool, bf16: bool) -> float:
+    """The activation bytes a TTT step of ``steps`` keeps per token of the row, at ``cfg``'s widths."""
+    return _kept_per_token(json.dumps(dataclasses.asdict(cfg), sort_keys=True), steps, checkpoint, bf16)
+
+
+@functools.lru_cache(maxsize=64)
+def _kept_per_token(cfg_json: str, steps: int, checkpoint: bool, bf16: bool) -> float:
+    cfg = DrafterConfig.from_dict(json.loads(cfg_json))
+
+    def slope(c: DrafterConfig) -> float:
+        short, long = (_kept_bytes(c, n, steps, checkpoint, bf16) for n in ROWS)
+        return (long - short) / (ROWS[1] - ROWS[0])
+
+    base = _calibration_config(cfg)
+    at_base = slope(base)
+    total = at_base
+    for name in SCALED[cfg.architecture]:
+        if getattr(base, name) is None:
+            continue
+        doubled = slope(_calibration_config(cfg, **{name: 2 * getattr(base, name)}))
+        per_unit = (doubled - at_base) / getattr(base, name)
+        total += per_unit * (getattr(cfg, name) - getattr(base, name))
+    return max(total, 0.0)
+
+
+def step_memory(
+    cfg: DrafterConfig,
+    row_tokens: int,
+    steps: int,
+    *,
+    trainable: int,
+    frozen: int,
+    checkpoint: bool = False,
+    bf16: bool = True,
+    device_type: str = "cuda",
+) -> StepMemory:
+    """The memory of one step on rows of ``row_tokens`` tokens (a micro-batch's tokens on this GPU), for a drafter
+    with ``trainable`` and ``frozen`` parameters; ``bf16``: autocast as on a GPU (train.dtype auto), else fp32."""
+    act = 2 if bf16 else 4
+    per_token = kept_bytes_per_token(cfg, steps, checkpoint, bf16)
+    # weights: fp32 master + grad + AdamW for the trainable part, the frozen embedding and head in fp32; autocast
+    # keeps a bf16 copy of each weight it casts for the step
+    weights = ADAMW_BYTES * trainable + 4 * frozen + (2 * (trainable + frozen) if bf16 else 0)
+    # the row's aux states and final state (the storage dtype), its target logits over the draft vocabulary and their
+    # fp32 softmax
+    batch = row_tokens * (4 * cfg.target_hidden_size * act + cfg.draft_vocab_size * (act + 4))
+    # the largest temporary: a head-loss chunk (logits, dL/dlogits, the target rows) or a block of the prefix
+    # attention's scores, on top of one TTT step's activations over the row — recomputed in backward with
+    # checkpointing, their gradients in flight without
+    chunk = CHUNK_ELEMENTS.get(device_type, CHUNK_ELEMENTS_DEFAULT)
+    block = min(BLOCK_ELEMENTS, BLOCK_ROWS * row_tokens * cfg.num_attention_heads)
+    one_step = kept_bytes_per_token(cfg, 1, False, bf16) * row_tokens
+    transient = int(3 * 4 * max(chunk, block) + one_step)
+    return StepMemory(weights, batch, int(per_token * row_tokens), transient, per_token)
