@@ -352,7 +352,7 @@ class TrainConfig(Section):
         False,
         description="recompute each TTT step's decoder layer in backward instead of keeping its activations: for "
         "rows of tens of thousands of tokens (README: Long context; `eaglekit plan` gives the memory either way), "
-        "about a third more step time",
+        "about 40 % more step time",
     )
     attention: Literal["auto", "reference", "sdpa", "flex"] = Field(
         "auto",

@@ -52,6 +52,7 @@ def report_markdown(report: dict, tables_only: bool = False) -> str:
             if r:
                 rates = " | ".join(f"{a:.2f}" for a in r["acceptance_by_position"])
                 lines.append(f"| {METHOD_NAMES[method]} | {t:g} | {rates} |")
+    lines += context_table(results, report.get("context_groups") or [])
     lossless = report["lossless"]
     checked = report["lossless_checks"]
     verdict = (
@@ -80,3 +81,27 @@ def report_markdown(report: dict, tables_only: bool = False) -> str:
     if not tables_only:
         lines += ["", "![acceptance by position](acceptance_by_position.png) ![tau vs K](tau_vs_k.png)"]
     return "\n".join(lines) + "\n"
+
+
+def context_table(results: list[dict], groups: list[str]) -> list[str]:
+    """τ by the context length each verify pass started at, for the drafter's rows: drafters trained on short rows
+    lose acceptance far beyond them. Empty when every pass fell in one group."""
+    rows = [r for r in results if r["method"] != "ngram" and len(r.get("tau_by_context") or {}) > 1]
+    if not rows:
+        return []
+    lines = [
+        "",
+        "τ by context length (the context each verify pass started at; passes counted in brackets):",
+        "",
+        "| method | K | T | " + " | ".join(groups) + " |",
+        "|" + "---|" * (3 + len(groups)),
+    ]
+    for r in rows:
+        cells = [
+            f"{r['tau_by_context'][g]['tau']:.3f} ({r['tau_by_context'][g]['rounds']})"
+            if g in r["tau_by_context"]
+            else "–"
+            for g in groups
+        ]
+        lines.append(f"| {METHOD_NAMES[r['method']]} | {r['k']} | {r['temperature']:g} | " + " | ".join(cells) + " |")
+    return lines

@@ -36,7 +36,7 @@ from eaglekit.progress import Meter, console
 from eaglekit.rundir import file_identity
 from eaglekit.speculative.benchmark import suites_markdown
 from eaglekit.speculative.block import proposer_for
-from eaglekit.speculative.decode import DecodeStats, generate
+from eaglekit.speculative.decode import CONTEXT_BUCKETS, DecodeStats, generate, tau_by_context
 from eaglekit.speculative.inputs import (
     decode_threads,
     decoding_inputs,
@@ -142,6 +142,13 @@ def result_row(method: str, k: int, temperature: float, stats: DecodeStats, plai
     }
 
 
+def by_context(generations: list) -> dict[str, dict[str, float]]:
+    """τ per context-length group (< 1K, 1-4K, 4-16K, > 16K) of the verify passes that drafted."""
+    return {
+        label: {"rounds": g["rounds"], "tau": round(g["tau"], 4)} for label, g in tau_by_context(generations).items()
+    }
+
+
 def run(ctx: StageContext) -> dict:
     from eaglekit.model.target import load_target
 
@@ -213,6 +220,7 @@ class Decoding:
             for temperature in self.temperatures:
                 plain = DecodeStats()
                 spec = {(m, k): DecodeStats(drafted=[0] * k, accepted=[0] * k) for m in methods for k in self.ks}
+                runs: dict[tuple[str, int], list] = {key: [] for key in spec}  # for τ by context length
                 for i, (pid, ids) in enumerate(prompts):
                     reference = self.decode(ids, i, temperature)
                     plain = plain + reference.stats
@@ -222,6 +230,7 @@ class Decoding:
                     for method, k in spec:
                         out = self.decode(ids, i, temperature, method, k)
                         spec[method, k] = spec[method, k] + out.stats
+                        runs[method, k].append(out)
                         if temperature == 0 and out.tokens != reference.tokens:
                             difference = first_difference(out.tokens, reference.tokens)
                             checks[pid].append({"method": method, "k": k, "first_difference": difference})
@@ -234,7 +243,10 @@ class Decoding:
                         "tokens_per_second": round(plain.tokens_per_second, 2),
                     }
                 )
-                results += [result_row(method, k, temperature, stats, plain) for (method, k), stats in spec.items()]
+                results += [
+                    result_row(method, k, temperature, stats, plain) | {"tau_by_context": by_context(runs[method, k])}
+                    for (method, k), stats in spec.items()
+                ]
         return {"baselines": baselines, "results": results, "checks": checks, "plain_tokens": plain_tokens}
 
 
@@ -284,6 +296,7 @@ def build_report(ctx: StageContext, inputs, device, decoding: Decoding, main: di
         ],
         "baseline": main["baselines"],
         "results": results,
+        "context_groups": [label for label, _ in CONTEXT_BUCKETS],  # the order of each row's tau_by_context
         "comparison": comparison(results),
         "finetune": finetune,
         "suites": suites,
