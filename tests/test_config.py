@@ -171,3 +171,39 @@ def test_the_path_keys_are_the_schema_s_and_nothing_else_is_touched(tmp_path):
             "evaluate.prompts", "evaluate.checkpoint", "verify.python"} <= marked  # fmt: skip
     cfg = parse_config({**BASE, "generate": {"model": "served/id"}, "export": {"verifier": "org/m"}}, base_dir=tmp_path)
     assert (cfg.generate.model, cfg.export.verifier) == ("served/id", "org/m")  # ids, not paths
+
+
+@pytest.mark.parametrize(
+    ("train", "named"),
+    [
+        ({"draft": {"architecture": "dflash"}, "loss": "jsd"}, "loss: EAGLE-3's training-time-test settings"),
+        ({"draft": {"architecture": "dspark"}, "anchor_weight": 5.0, "noise": "uniform"}, "noise, anchor_weight"),
+        ({"draft": {"architecture": "dflash"}, "activation_checkpointing": True}, "activation_checkpointing"),
+        ({"draft": {"block_size": 8}}, "architecture llama does not read block_size (dflash, dspark)"),
+        ({"draft": {"architecture": "mla", "head_dim": 64}}, "architecture mla does not read head_dim"),
+        ({"draft": {"architecture": "dflash", "markov_rank": 64}}, "does not read markov_rank (dspark)"),
+        ({"draft": {"architecture": "dflash", "fc_norm": True}}, "architecture dflash does not read fc_norm"),
+    ],
+)
+def test_a_key_the_drafter_family_does_not_read_is_refused_when_the_config_loads(train, named):
+    """Silently ignored before: a block drafter's objective reads none of TTT's settings, and each family reads only
+    its own train.draft keys."""
+    from eaglekit.config import parse_config
+
+    data = {"run_dir": "run", "target": {"model": "t"}, "data": {"prompts": "p.jsonl"}, "train": train}
+    with pytest.raises(Exception) as err:
+        parse_config(data, base_dir=Path("."))
+    assert named in str(err.value)
+
+
+def test_the_families_own_keys_and_ttt_defaults_still_load():
+    from eaglekit.config import parse_config
+
+    for train in (
+        {"draft": {"architecture": "dflash", "block_size": 8, "num_key_value_heads": 2}, "ttt_steps": 7},
+        {"draft": {"architecture": "dspark", "markov_rank": 64}},
+        {"draft": {"architecture": "mla", "kv_lora_rank": 64, "fc_norm": True}},
+        {"draft": {"sliding_window": 2048, "head_dim": 64}, "loss": "jsd"},
+    ):
+        data = {"run_dir": "run", "target": {"model": "t"}, "data": {"prompts": "p.jsonl"}, "train": train}
+        parse_config(data, base_dir=Path("."))

@@ -184,6 +184,25 @@ class ExtractConfig(Section):
 BLOCK_ARCHITECTURES = ("dflash", "dspark")  # the block-drafter family's train.draft.architecture values
 
 
+# The train.draft keys each drafter family reads (the others do nothing for it, so setting one is an error).
+_SHAPE = ("architecture", "intermediate_size", "num_attention_heads")
+_EAGLE3_FLAGS = ("fc_norm", "norm_output", "norm_before_residual")
+_BLOCK = ("block_size", "num_layers", "mask_token_id", "max_anchors", "position_weighting", "dpace_alpha",
+          "decay_gamma", "shared_k_norm", "num_key_value_heads", "head_dim", "hidden_size")  # fmt: skip
+DRAFT_KEYS: dict[str, frozenset[str]] = {
+    "llama": frozenset(
+        _SHAPE + _EAGLE3_FLAGS + ("hidden_size", "num_key_value_heads", "head_dim", "norm_before_fc", "sliding_window")
+    ),  # fmt: skip
+    "mla": frozenset(
+        _SHAPE
+        + _EAGLE3_FLAGS
+        + ("hidden_size", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+    ),  # fmt: skip
+    "dflash": frozenset(_SHAPE + _BLOCK),
+    "dspark": frozenset(_SHAPE + _BLOCK + ("markov_rank",)),
+}
+
+
 class DraftModelConfig(Section):
     """The drafter's layer and flags; every shape defaults to the target's (README: "The drafter")."""
 
@@ -247,13 +266,25 @@ class DraftModelConfig(Section):
     )
 
     @model_validator(mode="after")
-    def _window_applies(self) -> DraftModelConfig:
-        if self.sliding_window is not None and (self.architecture or "llama") != "llama":
+    def _keys_of_its_family(self) -> DraftModelConfig:
+        """A key the chosen architecture does not read would do nothing: it is refused, named with the family."""
+        architecture = self.architecture or "llama"
+        stray = [name for name in sorted(self.model_fields_set) if name not in DRAFT_KEYS[architecture]]
+        stray = [name for name in stray if getattr(self, name) is not None]
+        if stray:
+            owners = {name: [a for a, keys in DRAFT_KEYS.items() if name in keys] for name in stray}
+            listed = "; ".join(f"{name} ({', '.join(owners[name])})" for name in stray)
             raise ValueError(
-                f"sliding_window applies to architecture llama; eaglekit does not train a windowed "
-                f"{self.architecture} drafter yet (remove train.draft.sliding_window)"
+                f"architecture {architecture} does not read {listed}: remove "
+                + ("it" if len(stray) == 1 else "them")
+                + f" or set the architecture that reads {'it' if len(stray) == 1 else 'them'}"
             )
         return self
+
+
+# train keys only EAGLE-3's TTT objective reads (training/objective.py, training/ttt.py)
+TTT_ONLY_KEYS = ("ttt_steps", "ttt_decay", "step_weights", "loss", "lk_eta", "loss_normalization", "noise",
+                 "noise_scale", "anchor_weight", "attention", "head_loss", "compile", "activation_checkpointing")  # fmt: skip
 
 
 class TrainConfig(Section):
@@ -374,6 +405,26 @@ class TrainConfig(Section):
         if self.step_weights is not None and len(self.step_weights) != self.ttt_steps:
             raise ValueError(
                 f"step_weights has {len(self.step_weights)} weights for ttt_steps {self.ttt_steps}: give one per step"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _ttt_keys_need_ttt(self) -> TrainConfig:
+        """The TTT objective's settings do nothing for a block drafter (its objective is training/dflash.py's):
+        one set away from its default is refused rather than ignored."""
+        architecture = self.draft.architecture
+        if architecture not in BLOCK_ARCHITECTURES:
+            return self
+        set_keys = [
+            name
+            for name in TTT_ONLY_KEYS
+            if name in self.model_fields_set and getattr(self, name) != type(self).model_fields[name].default
+        ]
+        if set_keys:
+            raise ValueError(
+                f"{', '.join(set_keys)}: EAGLE-3's training-time-test settings; architecture {architecture} trains "
+                "its block objective (cross-entropy on the target's argmax, train.draft.position_weighting), which "
+                "does not read them: remove them"
             )
         return self
 
