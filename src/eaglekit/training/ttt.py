@@ -537,8 +537,12 @@ def ttt_loss(
 
     # The head and loss of every step in one pass: row weight decay^k / denominator_k.
     step_of_row, row_weight = _row_weights(head, at, steps, decay, step_weights, compute)
+    rows = torch.cat(head.rows)
+    head.rows.clear()  # the per-step pieces are in ``rows`` now
+    # checkpointed, the final norm keeps only its input (its float32 internals are recomputed in backward)
+    (normed,) = _layer_pass(kernels, lambda x: (drafter.norm(x),), rows)
     result = head_soft_cross_entropy(
-        drafter.norm(torch.cat(head.rows)),
+        normed,
         drafter.lm_head.weight,
         target_p,
         target_argmax,
