@@ -6,17 +6,24 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
 import torch
-from test_extract import offline
+from safetensors.torch import load_file, save_file
+from test_extract import offline, prepared_run
+from test_train import QUICK, metrics, train
 
 from eaglekit.data import shards as sh
+from eaglekit.errors import EaglekitError
 from eaglekit.pipeline import make_context, run_stage
 from eaglekit.preflight import files
+from eaglekit.preflight.drafter import drafter_checkpoint
 from eaglekit.rundir import RunDir
-from eaglekit.stages import extract, train
+from eaglekit.stages import extract
+from eaglekit.stages import train as train_stage
+from eaglekit.training.objective import TTT
 
 pytestmark = pytest.mark.slow  # builds, trains or serves models
 
@@ -41,7 +48,7 @@ def test_a_shard_whose_bytes_changed_fails_trains_preflight_and_extract_redoes_o
         run_stage(cfg, "extract", skip_preflight=True)
     out = Path(cfg.run_dir) / "extract"
     shards = sorted(out.glob("shard-*.safetensors"))
-    assert len(shards) >= 3 and files.feature_shard_contents in train.checks(cfg)
+    assert len(shards) >= 3 and files.feature_shard_contents in train_stage.checks(cfg)
 
     hashed: list[str] = []
     real_sha = sh.sha256_file
@@ -80,3 +87,80 @@ def test_a_shard_whose_bytes_changed_fails_trains_preflight_and_extract_redoes_o
     assert real_sha(bad) == json.loads(sh.sidecar_path(bad).read_text())["sha256"]
     assert extract.damaged(make_context(cfg, "extract")) is None
     assert files.feature_shard_contents(make_context(cfg, "train")).status == "ok"
+
+
+# ----------------------------------------------------------------------------------------- non-finite
+
+
+GUARDED = {**QUICK, "max_steps": 6, "save_every": 2, "eval_every": 2, "log_every": 1}
+
+
+def ledger_end(cfg, stage: str) -> dict:
+    events = [json.loads(line) for line in (Path(cfg.run_dir) / "ledger.jsonl").read_text().splitlines()]
+    return [e for e in events if e["stage"] == stage and e["event"] == "end"][-1]
+
+
+def test_a_nan_loss_stops_training_before_its_step_and_the_last_checkpoint_stays_the_resume_point(
+    tmp_path, tiny_target, monkeypatch
+):
+    cfg = prepared_run(tmp_path, tiny_target, n=32, train=GUARDED)
+    forward, training_calls = TTT.forward, []
+
+    def nan_at_step_3(self, *args, **kwargs):
+        loss, out = forward(self, *args, **kwargs)
+        if self.training:
+            training_calls.append(1)
+            if len(training_calls) == 3:
+                loss = loss * float("nan")
+        return loss, out
+
+    monkeypatch.setattr(TTT, "forward", nan_at_step_3)
+    with pytest.raises(EaglekitError) as stopped:
+        train(cfg)
+    message = stopped.value.message
+    assert "step 3: the loss is nan" in message and "lr " in message, message
+    assert "checkpoint step-2 stays the resume point" in message
+    assert "train.lr" in stopped.value.remedy and "resume from step-2" in stopped.value.remedy
+    ckpts = Path(cfg.run_dir) / "train" / "checkpoints"
+    assert (ckpts / "latest").read_text().strip() == "step-2"
+    assert sorted(p.name for p in ckpts.glob("step-*")) == ["step-2"]  # nothing of step 3 was saved
+    assert all(torch.isfinite(t).all() for t in load_file(str(ckpts / "step-2" / "model.safetensors")).values())
+    assert [r["step"] for r in metrics(cfg) if r["kind"] == "train"] == [1, 2]
+    assert ledger_end(cfg, "train")["state"] == "failed" and "the loss is nan" in ledger_end(cfg, "train")["error"]
+
+    # a passing fault: the rerun resumes from step-2 and finishes
+    monkeypatch.undo()
+    row = train(cfg)
+    assert row["counts"]["steps"] == 6 and (ckpts / "latest").read_text().strip() == "step-6"
+
+
+def test_a_huge_learning_rate_stops_at_the_first_non_finite_step(tmp_path, tiny_target):
+    """lr 1e30 (finite, so the config accepts it): the first updates blow the weights up; the step that turns
+    them, its loss or its gradient non-finite is named, and nothing non-finite is saved."""
+    cfg = prepared_run(tmp_path, tiny_target, n=32, train={**GUARDED, "lr": 1e30, "warmup_steps": 0, "save_every": 1})
+    with pytest.raises(EaglekitError) as stopped:
+        train(cfg)
+    message = stopped.value.message
+    assert re.search(r"train: step \d+: .* \(lr \d(\.\d+)?e\+(29|30) at this step\)", message), message
+    assert any(what in message for what in ("the loss is", "the gradient norm is", "non-finite weights"))
+    ckpts = Path(cfg.run_dir) / "train" / "checkpoints"
+    for folder in ckpts.glob("step-*"):
+        weights = load_file(str(folder / "model.safetensors"))
+        assert all(torch.isfinite(t).all() for t in weights.values()), folder.name
+
+
+def test_evaluate_and_export_refuse_a_drafter_with_non_finite_weights(tmp_path, tiny_target):
+    cfg = prepared_run(tmp_path, tiny_target, n=32, train={**QUICK, "max_steps": 2, "eval_every": 2})
+    train(cfg)
+    best = Path(cfg.run_dir) / "train" / "checkpoints" / "best"
+    for stage in ("evaluate", "export"):
+        assert drafter_checkpoint(make_context(cfg, stage)).status == "ok"
+    weights = load_file(str(best / "model.safetensors"))
+    weights["fc.weight"][0, :3] = float("nan")
+    weights["fc.weight"][1, 0] = float("inf")
+    save_file(weights, str(best / "model.safetensors"), metadata={"format": "pt"})
+    for stage in ("evaluate", "export"):
+        result = drafter_checkpoint(make_context(cfg, stage))
+        assert result.status == "fail" and "non-finite" in result.detail, result.detail
+        assert f"fc.weight (4 of {weights['fc.weight'].numel():,} values)" in result.detail
+        assert "train.lr" in result.remedy
