@@ -4,9 +4,14 @@ EaglekitError that names the file, step, tensor or rank, and the remedy."""
 
 from __future__ import annotations
 
+import datetime
 import json
+import multiprocessing
 import os
 import re
+import signal
+import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from test_extract import offline, prepared_run
 from test_train import QUICK, metrics, train
+from test_train_ddp import free_port, torchrun_env
 
 from eaglekit.data import shards as sh
 from eaglekit.errors import EaglekitError
@@ -100,13 +106,11 @@ def ledger_end(cfg, stage: str) -> dict:
     return [e for e in events if e["stage"] == stage and e["event"] == "end"][-1]
 
 
-def test_a_nan_loss_stops_training_before_its_step_and_the_last_checkpoint_stays_the_resume_point(
-    tmp_path, tiny_target, monkeypatch
-):
-    cfg = prepared_run(tmp_path, tiny_target, n=32, train=GUARDED)
-    forward, training_calls = TTT.forward, []
+def nan_at_step_3(forward):
+    """The objective's forward, its loss NaN on the third training micro-batch (step 3 with grad_accum 1)."""
+    training_calls = []
 
-    def nan_at_step_3(self, *args, **kwargs):
+    def patched(self, *args, **kwargs):
         loss, out = forward(self, *args, **kwargs)
         if self.training:
             training_calls.append(1)
@@ -114,7 +118,14 @@ def test_a_nan_loss_stops_training_before_its_step_and_the_last_checkpoint_stays
                 loss = loss * float("nan")
         return loss, out
 
-    monkeypatch.setattr(TTT, "forward", nan_at_step_3)
+    return patched
+
+
+def test_a_nan_loss_stops_training_before_its_step_and_the_last_checkpoint_stays_the_resume_point(
+    tmp_path, tiny_target, monkeypatch
+):
+    cfg = prepared_run(tmp_path, tiny_target, n=32, train=GUARDED)
+    monkeypatch.setattr(TTT, "forward", nan_at_step_3(TTT.forward))
     with pytest.raises(EaglekitError) as stopped:
         train(cfg)
     message = stopped.value.message
@@ -164,3 +175,136 @@ def test_evaluate_and_export_refuse_a_drafter_with_non_finite_weights(tmp_path, 
         assert result.status == "fail" and "non-finite" in result.detail, result.detail
         assert f"fc.weight (4 of {weights['fc.weight'].numel():,} values)" in result.detail
         assert "train.lr" in result.remedy
+
+
+# ------------------------------------------------------------------------------------- distributed faults
+
+TWO_RANKS = {**GUARDED, "batch_size": 2, "eval_samples": 4, "warmup_steps": 1}
+
+
+def two_rank_worker(rank: int, port: int, config: str, reports: str, fault: str) -> None:
+    """One torchrun rank of the train stage, writing the error it stopped on to ``reports``/rank{rank}.json.
+    Rank 1 only: ``kill``: it is killed (SIGKILL: no cleanup) as it starts step 3; ``nan``: its loss of step 3 is
+    NaN (the other rank's is finite)."""
+    from eaglekit.config import load_config
+    from eaglekit.pipeline import run_stage_as_worker
+    from eaglekit.training import loop
+
+    torch.set_num_threads(1)
+    torchrun_env(rank, 2, port)
+    cfg = load_config(config)
+    if rank == 1 and fault == "kill":
+        step = loop.optimizer_step
+
+        def killed_at_step_3(model, loader, features, window, index, *rest):
+            if index == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return step(model, loader, features, window, index, *rest)
+
+        loop.optimizer_step = killed_at_step_3
+    if rank == 1 and fault == "nan":
+        TTT.forward = nan_at_step_3(TTT.forward)
+    try:
+        if rank == 0:
+            with RunDir(cfg.run_dir).lock:
+                run_stage(cfg, "train")
+        else:
+            run_stage_as_worker(cfg, "train")
+    except EaglekitError as err:
+        said = {"type": type(err).__name__, "message": err.message, "remedy": err.remedy}
+        (Path(reports) / f"rank{rank}.json").write_text(json.dumps(said))
+
+
+def run_two_ranks(tmp_path, tiny_target, fault: str) -> tuple[object, list, dict]:
+    """(the config, the two processes, what each rank stopped on)."""
+    cfg = prepared_run(tmp_path, tiny_target, n=32, train=TWO_RANKS)
+    config = Path(cfg.run_dir) / "config.yaml"
+    config.write_text(cfg.to_yaml())
+    spawn, port = multiprocessing.get_context("spawn"), free_port()
+    args = (port, str(config), str(tmp_path), fault)
+    ranks = [spawn.Process(target=two_rank_worker, args=(r, *args)) for r in (0, 1)]
+    for p in ranks:
+        p.start()
+    for p in ranks:
+        p.join(timeout=300)
+    for p in ranks:
+        if p.is_alive():
+            p.kill()
+    reports = {
+        r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1) if (tmp_path / f"rank{r}.json").exists()
+    }
+    return cfg, ranks, reports
+
+
+def test_a_nan_loss_on_one_rank_stops_both_ranks_before_the_step(tmp_path, tiny_target):
+    cfg, ranks, said = run_two_ranks(tmp_path, tiny_target, "nan")
+    # rank 0's own loss is finite: it stops because the ranks share a flag (alone, it would see only a NaN
+    # gradient norm after DDP's all-reduce, or wait forever in the next collective)
+    assert "step 3: the loss is not finite on another rank" in said[0]["message"], said
+    assert "step 3: the loss is nan" in said[1]["message"]
+    assert all(s["type"] == "NonFiniteTraining" for s in said.values())
+    ckpts = Path(cfg.run_dir) / "train" / "checkpoints"
+    assert (ckpts / "latest").read_text().strip() == "step-2" and not (ckpts / "step-3").exists()
+
+
+def test_a_peer_rank_killed_mid_training_is_named_an_infrastructure_fault_on_the_survivor(tmp_path, tiny_target):
+    cfg, ranks, said = run_two_ranks(tmp_path, tiny_target, "kill")
+    assert ranks[1].exitcode == -signal.SIGKILL
+    message = said[0]["message"]
+    # before: "train stopped on an unexpected error: RuntimeError: [...gloo...] Connection reset by peer ..."
+    assert said[0]["type"] == "InfrastructureFault" and "unexpected" not in message, message
+    assert f"train: rank 0 of 2 (local rank 0 on {socket.gethostname()})" in message
+    assert "a peer rank died" in message and re.search("Connection (closed|reset) by peer", message), message
+    assert "infrastructure fault, not an eaglekit bug" in message
+    latest = (Path(cfg.run_dir) / "train" / "checkpoints" / "latest").read_text().strip()
+    assert latest == "step-2" and f"checkpoint {Path(cfg.run_dir) / 'train' / 'checkpoints' / latest}" in message
+    assert "rerun the same command on every node" in said[0]["remedy"]
+    end = ledger_end(cfg, "train")
+    assert end["state"] == "failed" and end["reason"] == "infrastructure fault"
+
+
+def test_a_node_that_never_joins_is_named(tmp_path, tiny_target, monkeypatch):
+    """World size 2 with only rank 0 started: init times out waiting for the other rank."""
+    from eaglekit.training import distributed
+
+    cfg = prepared_run(tmp_path, tiny_target, n=32, train=TWO_RANKS)
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    monkeypatch.setattr(distributed, "TIMEOUT", datetime.timedelta(seconds=2))
+    with pytest.raises(EaglekitError) as stopped:
+        train(cfg)
+    message = stopped.value.message
+    assert type(stopped.value).__name__ == "InfrastructureFault" and "unexpected" not in message, message
+    assert "rank 0 of 2 (local rank 0" in message and "not every rank joined" in message
+    assert "1/2 clients joined" in message and "no checkpoint yet" in message
+
+
+def hanging_peer_worker(rank: int, port: int, report: str) -> None:
+    """Two ranks in barriers; rank 1 stops answering after the first: rank 0's barrier times out."""
+    from eaglekit.training import distributed
+
+    torchrun_env(rank, 2, port)
+    distributed.TIMEOUT = datetime.timedelta(seconds=3)
+    distributed.init()
+    distributed.barrier()
+    if rank == 1:
+        time.sleep(8)
+        return
+    try:
+        distributed.barrier()
+    except RuntimeError as err:
+        found = distributed.fault(err)
+        Path(report).write_text(json.dumps(found and [found.kind, found.what, found.detail]))
+
+
+def test_a_collective_that_times_out_is_named(tmp_path):
+    spawn, report = multiprocessing.get_context("spawn"), tmp_path / "rank0.json"
+    port = free_port()
+    ranks = [spawn.Process(target=hanging_peer_worker, args=(r, port, str(report))) for r in (0, 1)]
+    for p in ranks:
+        p.start()
+    for p in ranks:
+        p.join(timeout=60)
+    kind, what, detail = json.loads(report.read_text())
+    assert kind == "timeout" and "another rank stopped answering" in what and "Timed out" in detail

@@ -9,6 +9,7 @@ shard of the weights; a rank that stopped alone would leave the others waiting i
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -41,7 +42,7 @@ def _stop(step: int, what: str, lr: float, ckpts: Checkpoints) -> NonFiniteTrain
     kept = f"checkpoint {latest} stays the resume point" if latest else "no checkpoint was written yet"
     again = f"rerun the same command to resume from {latest}" if latest else "rerun the same command"
     return NonFiniteTraining(
-        f"train: step {step}: {what} (lr {lr:.3g} at this step); nothing of this step was applied or saved; {kept}",
+        f"train: step {step}: {what} (lr {lr:.3g} at this step); nothing of this step was saved; {kept}",
         f"lower train.lr (a new lr is a new run: add --force) or raise train.warmup_steps, and check the data for "
         f"extreme samples; if it came from a passing fault, {again}",
     )
@@ -53,20 +54,22 @@ def refuse_non_finite_step(step: int, loss: float, grad_norm: float, lr: float, 
     bad_loss, bad_grad = _any_rank([not math.isfinite(loss), not math.isfinite(grad_norm)])
     if bad_loss:
         value = f"{loss}" if not math.isfinite(loss) else "not finite on another rank"
-        raise _stop(step, f"the loss is {value}", lr, ckpts)
+        raise _stop(step, f"the loss is {value}: stopped before the optimizer applied it", lr, ckpts)
     if bad_grad:
-        raise _stop(step, f"the gradient norm is {grad_norm}", lr, ckpts)
+        raise _stop(step, f"the gradient norm is {grad_norm}: stopped before the optimizer applied it", lr, ckpts)
 
 
-def refuse_non_finite_weights(step: int, named_params: list[tuple[str, torch.Tensor]], lr: float,
+def refuse_non_finite_weights(step: int, named_params: Sequence[tuple[str, torch.Tensor]], lr: float,
                               ckpts: Checkpoints) -> None:  # fmt: skip
     """Raise after step ``step``'s update when it left any weight NaN or Inf (a finite gradient times a huge lr
     overflows), before a checkpoint or best/ could save it."""
     if not named_params:
         return
-    local = [p.to_local() if hasattr(p, "to_local") else p for _, p in named_params]  # FSDP: this rank's shard
+    sharded = any(hasattr(p, "to_local") for _, p in named_params)  # FSDP: each rank holds a shard
+    local = [p.to_local() if hasattr(p, "to_local") else p for _, p in named_params]
     counts = torch.stack([(~torch.isfinite(p.detach())).sum() for p in local]).to(reduce_device(), torch.float64)
-    dist.all_reduce_sum(counts)
+    if sharded:  # DDP's replicas are equal: every rank decides alike without a collective
+        dist.all_reduce_sum(counts)
     bad = [(name, int(n)) for (name, _), n in zip(named_params, counts.tolist(), strict=True) if n]
     if bad:
         listed = ", ".join(f"{name.removeprefix('module.')} ({n:,} values)" for name, n in bad[:3])
