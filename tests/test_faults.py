@@ -160,6 +160,27 @@ def test_a_huge_learning_rate_stops_at_the_first_non_finite_step(tmp_path, tiny_
         assert all(torch.isfinite(t).all() for t in weights.values()), folder.name
 
 
+def test_an_update_that_leaves_a_weight_non_finite_is_named_before_it_is_saved(tmp_path):
+    """A finite gradient times a huge lr can overflow a weight: the check after the optimizer names the tensor."""
+    from eaglekit.training.checkpoint import STATE, Checkpoints
+    from eaglekit.training.guard import NonFiniteTraining, refuse_non_finite_weights
+
+    ckpts = Checkpoints(tmp_path / "checkpoints", 2)
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "step-4").mkdir()
+    (tmp_path / "checkpoints" / "step-4" / STATE).write_bytes(b"")
+    (tmp_path / "checkpoints" / "latest").write_text("step-4\n")
+    finite = [("module.drafter.norm.weight", torch.ones(8)), ("module.drafter.fc.weight", torch.ones(4, 8))]
+    refuse_non_finite_weights(5, finite, 1e-3, ckpts)
+    overflowed = finite[1][1].clone()
+    overflowed[0, :2] = torch.tensor(3e38) * 10  # fp32 overflows to inf
+    with pytest.raises(NonFiniteTraining) as stopped:
+        refuse_non_finite_weights(5, [finite[0], ("module.drafter.fc.weight", overflowed)], 1e30, ckpts)
+    message = stopped.value.message
+    assert "step 5: the update left non-finite weights: drafter.fc.weight (2 values)" in message, message
+    assert "lr 1e+30" in message and "checkpoint step-4 stays the resume point" in message
+
+
 def test_evaluate_and_export_refuse_a_drafter_with_non_finite_weights(tmp_path, tiny_target):
     cfg = prepared_run(tmp_path, tiny_target, n=32, train={**QUICK, "max_steps": 2, "eval_every": 2})
     train(cfg)
@@ -215,9 +236,9 @@ def two_rank_worker(rank: int, port: int, config: str, reports: str, fault: str)
         (Path(reports) / f"rank{rank}.json").write_text(json.dumps(said))
 
 
-def run_two_ranks(tmp_path, tiny_target, fault: str) -> tuple[object, list, dict]:
+def run_two_ranks(tmp_path, tiny_target, fault: str, mode: str = "ddp") -> tuple[object, list, dict]:
     """(the config, the two processes, what each rank stopped on)."""
-    cfg = prepared_run(tmp_path, tiny_target, n=32, train=TWO_RANKS)
+    cfg = prepared_run(tmp_path, tiny_target, n=32, train={**TWO_RANKS, "distributed": mode})
     config = Path(cfg.run_dir) / "config.yaml"
     config.write_text(cfg.to_yaml())
     spawn, port = multiprocessing.get_context("spawn"), free_port()
@@ -236,8 +257,9 @@ def run_two_ranks(tmp_path, tiny_target, fault: str) -> tuple[object, list, dict
     return cfg, ranks, reports
 
 
-def test_a_nan_loss_on_one_rank_stops_both_ranks_before_the_step(tmp_path, tiny_target):
-    cfg, ranks, said = run_two_ranks(tmp_path, tiny_target, "nan")
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_a_nan_loss_on_one_rank_stops_both_ranks_before_the_step(tmp_path, tiny_target, mode):
+    cfg, ranks, said = run_two_ranks(tmp_path, tiny_target, "nan", mode)
     # rank 0's own loss is finite: it stops because the ranks share a flag (alone, it would see only a NaN
     # gradient norm after DDP's all-reduce, or wait forever in the next collective)
     assert "step 3: the loss is not finite on another rank" in said[0]["message"], said
