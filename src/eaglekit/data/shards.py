@@ -40,6 +40,7 @@ import os
 import random
 import struct
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
@@ -51,6 +52,7 @@ from safetensors import SafetensorError, safe_open
 
 from eaglekit import atomic
 from eaglekit.errors import EaglekitError
+from eaglekit.progress import Meter
 
 FORMAT = "eaglekit.features"
 VERSION = "2"
@@ -68,7 +70,9 @@ _ST_DTYPE = {
     torch.int8: "I8",
     torch.float8_e4m3fn: "F8_E4M3",
 }
-DIGEST_CACHE = ".sha256-cache.json"  # a dot name: not a shard or a sidecar to any glob of this module
+DIGEST_CACHE = ".sha256-cache.json"
+SHOW_HASHING_MB = 2000  # hashing more than this shows a progress meter
+CACHE_WRITE_SECONDS = 30.0  # a dot name: not a shard or a sidecar to any glob of this module
 REMEDY = (
     "delete the named shard and its .json sidecar, then `eaglekit run CONFIG --from extract`: extract "
     "re-extracts only the missing shards (the others are kept) and the stages after it go on"
@@ -433,7 +437,8 @@ def verify_contents(folder: Path, files: list[str], workers: int = 4) -> tuple[l
     """Hash each listed shard (that has a sidecar) against its sidecar's sha256: (mismatches, bytes hashed now).
 
     Unchanged shards take their digest from the cache; the others are read in ``workers`` threads (hashlib
-    releases the GIL), and the cache is rewritten (atomically) after each, so a stopped check keeps its work.
+    releases the GIL), and the cache is rewritten (atomically) every ``CACHE_WRITE_SECONDS`` and at the end, so
+    a stopped check keeps most of its work.
     """
     folder = Path(folder)
     cache = dict(read_digest_cache(folder))
@@ -446,21 +451,40 @@ def verify_contents(folder: Path, files: list[str], workers: int = 4) -> tuple[l
             digests[name] = known
         elif shard.is_file():
             todo.append(shard)
-    lock, hashed = threading.Lock(), 0
+    lock, hashed, written = threading.Lock(), 0, time.monotonic()
 
     def one(shard: Path) -> None:
-        nonlocal hashed
+        nonlocal hashed, written
         key = _file_key(shard)
         digest = sha256_file(shard)
         with lock:
             digests[shard.name], hashed = digest, hashed + key[0]
             if _file_key(shard) == key:  # not rewritten while it was read
                 cache[shard.name] = {"key": key, "sha256": digest}
+            if time.monotonic() - written > CACHE_WRITE_SECONDS:
                 atomic.write_json(_cache_path(folder), cache)
+                written = time.monotonic()
 
-    with ThreadPoolExecutor(max_workers=max(1, min(workers, len(todo)))) as pool:
-        for future in as_completed([pool.submit(one, shard) for shard in todo]):
-            future.result()
+    if todo:
+        megabytes = [shard.stat().st_size // 1_000_000 for shard in todo]
+        shown = sum(megabytes) >= SHOW_HASHING_MB  # minutes to hours for terabytes: shown as it goes
+        with (
+            (
+                Meter("sha256 of feature shards", total=sum(megabytes), unit="MB")
+                if shown
+                else contextlib.nullcontext()
+            ) as meter,
+            ThreadPoolExecutor(max_workers=min(workers, len(todo))) as pool,
+        ):
+            futures = {pool.submit(one, shard): mb for shard, mb in zip(todo, megabytes, strict=True)}
+            try:
+                for future in as_completed(futures):
+                    future.result()
+                    if meter is not None:
+                        meter.update(futures[future])
+            finally:  # what was read back is kept, also when stopped
+                with lock:
+                    atomic.write_json(_cache_path(folder), cache)
     mismatches = []
     for name in files:
         expected = _recorded_sha256(folder / name)
