@@ -330,3 +330,42 @@ def test_a_collective_that_times_out_is_named(tmp_path):
         p.join(timeout=60)
     kind, what, detail = json.loads(report.read_text())
     assert kind == "timeout" and "another rank stopped answering" in what and "Timed out" in detail
+
+
+@pytest.mark.parametrize(
+    "error, kind",
+    [
+        (  # NCCL, a peer process gone (what DistBackendError says on a GPU node)
+            torch.distributed.DistBackendError(
+                "NCCL error in: ProcessGroupNCCL.cpp:3356, remote process exited or there was a network error, NCCL "
+                "version 2.21.5\nncclRemoteError: A call failed possibly due to a network error or a remote process "
+                "exiting prematurely."
+            ),
+            "peer",
+        ),
+        (
+            torch.distributed.DistBackendError(
+                "[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=8, OpType=ALLREDUCE, "
+                "NumelIn=1, Timeout(ms)=600000) ran for 600011 milliseconds before timing out."
+            ),
+            "timeout",
+        ),
+        (
+            torch.distributed.DistNetworkError(
+                "The client socket has timed out after 900000ms while trying to connect to (10.0.0.1, 29500)."
+            ),
+            "init",
+        ),
+        # a CUDA fault inside NCCL, and an ordinary bug, are not the machines': they stay unexpected errors
+        (torch.distributed.DistBackendError("NCCL error: ncclUnhandledCudaError: Call to CUDA function failed."), None),
+        (RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x8 and 9x8)"), None),
+    ],
+)
+def test_distributed_faults_are_told_from_bugs(error, kind):
+    from eaglekit.training import distributed
+
+    try:
+        raise RuntimeError("wrapped") from error  # found behind a cause too
+    except RuntimeError as wrapped:
+        found = distributed.fault(wrapped)
+    assert (found.kind if found else None) == kind

@@ -128,8 +128,7 @@ FAULTS = (
             "remote process exited",
             "ncclremoteerror",
             "communicator was aborted",
-            "nccl error",
-            "ncclsystemerror",
+            "ncclsystemerror",  # a socket or system call of NCCL's failed (not ncclUnhandledCudaError: a CUDA fault)
         ),
     ),
 )
