@@ -2,8 +2,10 @@
 disk and what to do — and the ledger `end` event that `eaglekit status` reads.
 
 A Ctrl-C or SIGTERM leaves the stage *incomplete* (a rerun resumes); a disk fault (full, I/O error, permission)
-names the file, what is kept and the free space against the plan; the stage's own EaglekitError passes through;
-anything else is an unexpected error: a short message, and the full traceback in RUN_DIR/logs.
+names the file, what is kept and the free space against the plan; a distributed fault (a peer rank that died, a
+collective that timed out, a node that never joined) names this rank and says it is the machines', not eaglekit's;
+the stage's own EaglekitError passes through; anything else is an unexpected error: a short message, and the full
+traceback in RUN_DIR/logs.
 """
 
 from __future__ import annotations
@@ -23,10 +25,42 @@ from eaglekit.contract import StageContext
 from eaglekit.errors import DISK_ERRNOS, EaglekitError, io_failure
 from eaglekit.interrupt import Terminated
 from eaglekit.rundir import RunDir, now_iso, tool_versions
+from eaglekit.training import distributed
 
 # The attribute of an interrupt (KeyboardInterrupt, SystemExit) that carries the line the CLI prints for it;
 # built-in exceptions have no field of their own for it.
 NOTE_ATTRIBUTE = "eaglekit_note"
+
+
+class InfrastructureFault(EaglekitError):
+    """A fault of the machines or the network between them that stopped a distributed stage; ``original`` keeps
+    torch's exception for ``--debug``."""
+
+    def __init__(self, message: str, remedy: str, original: BaseException):
+        super().__init__(message, remedy)
+        self.original = original
+
+
+REMEDIES = {
+    "peer": "find why the other rank stopped (its own output, `dmesg` for the OOM killer, the scheduler's report on "
+    "its node)",
+    "timeout": "find where the other ranks stopped (their output; `py-spy dump --pid PID` on a hung one)",
+    "init": "start every node's torchrun with the same --nnodes and rendezvous address, reachable from every node",
+}
+
+
+def infrastructure_fault(ctx: StageContext, err: BaseException) -> InfrastructureFault | None:
+    """The message for a distributed fault behind ``err`` (this rank, what happened, what a rerun resumes from),
+    or None when ``err`` is not one."""
+    found = distributed.fault(err)
+    if found is None:
+        return None
+    return InfrastructureFault(
+        f"{ctx.stage}: {distributed.identity()}: {found.what} ({found.detail}); this is an infrastructure fault, "
+        f"not an eaglekit bug; {kept_outputs(ctx)}",
+        f"{REMEDIES[found.kind]}, then rerun the same command on every node: it resumes from what is kept",
+        original=err,
+    )
 
 
 class StageCrashed(EaglekitError):
@@ -99,6 +133,9 @@ def record(ctx: StageContext, err: BaseException, seconds: float) -> BaseExcepti
     elif isinstance(err, EaglekitError):
         event |= {"state": "failed", "error": err.message}
         out = err
+    elif (fault := infrastructure_fault(ctx, err)) is not None:
+        event |= {"state": "failed", "error": fault.message, "reason": "infrastructure fault"}
+        out = fault
     else:
         log = write_traceback(ctx.run, stage, err)
         message = f"{stage} stopped on an unexpected error: {type(err).__name__}: {first_line(err)}"

@@ -265,7 +265,13 @@ def run_stage_as_worker(cfg: RunConfig, stage: str, **options: Any) -> dict[str,
     ctx = make_context(cfg, stage, **options)
     if ctx.run.is_done(stage, ctx.fingerprint) and ctx.stage_def.damaged(ctx) is None:
         return {"stage": stage, "state": "done", "skipped": True}  # rank 0 skips it too: no collective to wait in
-    counts = ctx.stage_def.run(ctx) or {}
+    try:
+        counts = ctx.stage_def.run(ctx) or {}
+    except Exception as err:  # this rank's view of a distributed fault is named too; rank 0 writes the ledger
+        fault = failures.infrastructure_fault(ctx, err)
+        if fault is None:
+            raise
+        raise fault from err
     return {"stage": stage, "state": "done", "counts": counts, "rank": int(os.environ.get("RANK", "0"))}
 
 

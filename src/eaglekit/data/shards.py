@@ -23,17 +23,26 @@ Commit protocol: rows go to a temp file beside the shard; it is fsynced and rena
 its sidecar ``shard-00000.json`` (ids, lengths, bytes, sha256) is written atomically — a shard exists
 once its sidecar does. ``index.json`` lists every shard and is written last, by one process.
 ``FeatureStore`` reads the index alone at start-up and memory-maps a shard when a sample of it is read.
+
+Content integrity: a shard's bytes are read back and hashed against its sidecar's sha256 before training reads
+it (pre-flight) and before extract resumes after it. What was read back is cached in ``.sha256-cache.json``
+beside the shards, keyed by each file's (size, mtime_ns, inode), so a rerun rehashes only shards written since.
+A shard whose cached digest differs from its sidecar's is not complete: extract re-extracts it, and only it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
 import random
 import struct
+import threading
+import time
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -43,6 +52,7 @@ from safetensors import SafetensorError, safe_open
 
 from eaglekit import atomic
 from eaglekit.errors import EaglekitError
+from eaglekit.progress import Meter
 
 FORMAT = "eaglekit.features"
 VERSION = "2"
@@ -60,6 +70,9 @@ _ST_DTYPE = {
     torch.int8: "I8",
     torch.float8_e4m3fn: "F8_E4M3",
 }
+DIGEST_CACHE = ".sha256-cache.json"
+SHOW_HASHING_MB = 2000  # hashing more than this shows a progress meter
+CACHE_WRITE_SECONDS = 30.0  # a dot name: not a shard or a sidecar to any glob of this module
 REMEDY = (
     "delete the named shard and its .json sidecar, then `eaglekit run CONFIG --from extract`: extract "
     "re-extracts only the missing shards (the others are kept) and the stages after it go on"
@@ -349,18 +362,154 @@ class ShardWriter:
         }
 
 
+# ----------------------------------------------------------------------------------- content integrity
+
+
+def _file_key(path: Path) -> list[int]:
+    """What must be unchanged for a cached digest to still be the file's: a rewrite (extract's temp file and
+    rename) gives a new inode and mtime, a copy a new inode."""
+    st = path.stat()
+    return [st.st_size, st.st_mtime_ns, st.st_ino]
+
+
+def _cache_path(folder: Path) -> Path:
+    return Path(folder) / DIGEST_CACHE
+
+
+@functools.lru_cache(maxsize=8)
+def _read_cache(path_str: str, _key: tuple[int, ...]) -> dict[str, dict]:
+    try:
+        cache = json.loads(Path(path_str).read_text())
+    except (OSError, ValueError):
+        return {}
+    return cache if isinstance(cache, dict) else {}
+
+
+def read_digest_cache(folder: Path) -> dict[str, dict]:
+    """{shard file name: {"key": [size, mtime_ns, inode], "sha256": what its bytes hashed to}} (read once per
+    change of the cache file: complete_shard asks it for every shard)."""
+    path = _cache_path(folder)
+    try:
+        key = tuple(_file_key(path))
+    except OSError:
+        return {}
+    return _read_cache(str(path), key)
+
+
+def cached_digest(shard: Path, cache: dict[str, dict]) -> str | None:
+    """The sha256 the shard's bytes had when last read back, if the file is unchanged since."""
+    found = cache.get(shard.name)
+    try:
+        return found["sha256"] if found and found.get("key") == _file_key(shard) else None
+    except OSError:
+        return None
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """A shard whose bytes do not hash to the sha256 its sidecar recorded when extract wrote it."""
+
+    file: str
+    expected: str
+    actual: str
+
+    def __str__(self) -> str:
+        return f"{self.file}: sha256 {self.actual}, its sidecar records {self.expected}"
+
+
+def _recorded_sha256(shard: Path) -> str | None:
+    try:
+        return json.loads(sidecar_path(shard).read_text()).get("sha256")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def known_mismatch(shard: Path, cache: dict[str, dict] | None = None) -> Mismatch | None:
+    """A mismatch that an earlier read-back found and the file still has (no hashing)."""
+    actual = cached_digest(shard, read_digest_cache(shard.parent) if cache is None else cache)
+    expected = _recorded_sha256(shard)
+    if actual is None or expected is None or actual == expected:
+        return None
+    return Mismatch(shard.name, expected, actual)
+
+
+def verify_contents(folder: Path, files: list[str], workers: int = 4) -> tuple[list[Mismatch], int]:
+    """Hash each listed shard (that has a sidecar) against its sidecar's sha256: (mismatches, bytes hashed now).
+
+    Unchanged shards take their digest from the cache; the others are read in ``workers`` threads (hashlib
+    releases the GIL), and the cache is rewritten (atomically) every ``CACHE_WRITE_SECONDS`` and at the end, so
+    a stopped check keeps most of its work.
+    """
+    folder = Path(folder)
+    cache = dict(read_digest_cache(folder))
+    digests: dict[str, str] = {}
+    todo: list[Path] = []
+    for name in files:
+        shard = folder / name
+        known = cached_digest(shard, cache)
+        if known is not None:
+            digests[name] = known
+        elif shard.is_file():
+            todo.append(shard)
+    lock, hashed, written = threading.Lock(), 0, time.monotonic()
+
+    def one(shard: Path) -> None:
+        nonlocal hashed, written
+        key = _file_key(shard)
+        digest = sha256_file(shard)
+        with lock:
+            digests[shard.name], hashed = digest, hashed + key[0]
+            if _file_key(shard) == key:  # not rewritten while it was read
+                cache[shard.name] = {"key": key, "sha256": digest}
+            if time.monotonic() - written > CACHE_WRITE_SECONDS:
+                atomic.write_json(_cache_path(folder), cache)
+                written = time.monotonic()
+
+    if todo:
+        megabytes = [shard.stat().st_size // 1_000_000 for shard in todo]
+        shown = sum(megabytes) >= SHOW_HASHING_MB  # minutes to hours for terabytes: shown as it goes
+        with (
+            (
+                Meter("sha256 of feature shards", total=sum(megabytes), unit="MB")
+                if shown
+                else contextlib.nullcontext()
+            ) as meter,
+            ThreadPoolExecutor(max_workers=min(workers, len(todo))) as pool,
+        ):
+            futures = {pool.submit(one, shard): mb for shard, mb in zip(todo, megabytes, strict=True)}
+            try:
+                for future in as_completed(futures):
+                    future.result()
+                    if meter is not None:
+                        meter.update(futures[future])
+            finally:  # what was read back is kept, also when stopped
+                with lock:
+                    atomic.write_json(_cache_path(folder), cache)
+    mismatches = []
+    for name in files:
+        expected = _recorded_sha256(folder / name)
+        if name in digests and expected is not None and digests[name] != expected:
+            mismatches.append(Mismatch(name, expected, digests[name]))
+    return mismatches, hashed
+
+
 def complete_shard(shard: Path) -> dict | None:
-    """The sidecar entry of a finished shard whose file has the recorded size, else None."""
+    """The sidecar entry of a finished shard whose file has the recorded size and is not known to differ from
+    its sha256 (a read-back found it so: see verify_contents), else None."""
     try:
         entry = json.loads(sidecar_path(shard).read_text())
     except (OSError, ValueError):
         return None
-    return entry if shard.is_file() and shard.stat().st_size == entry.get("bytes") else None
+    if not shard.is_file() or shard.stat().st_size != entry.get("bytes"):
+        return None
+    read_back = cached_digest(shard, read_digest_cache(shard.parent))
+    return None if read_back is not None and read_back != entry.get("sha256") else entry
 
 
 def validate_shards(folder: Path, full_sha: bool = True) -> tuple[list[dict], list[str]]:
-    """Check every shard that has a sidecar: (entries that are sound, a message per damaged shard)."""
-    good, problems = [], []
+    """Check every shard that has a sidecar: (entries that are sound, a message per damaged shard). Sizes
+    always; with ``full_sha`` the bytes against the sidecar's sha256 too (verify_contents, cached)."""
+    sized, problems = [], []
     for side in sorted(Path(folder).glob("shard-*.json")):
         shard = side.with_suffix(".safetensors")
         try:
@@ -375,13 +524,13 @@ def validate_shards(folder: Path, full_sha: bool = True) -> tuple[list[dict], li
                 f"{shard.name} is truncated or damaged: {shard.stat().st_size} bytes, "
                 f"the index says {entry.get('bytes')}"
             )
-        elif full_sha and sha256_file(shard) != entry.get("sha256"):
-            problems.append(
-                f"{shard.name} has sha256 {sha256_file(shard)[:12]}…, the index says {entry.get('sha256', '')[:12]}…"
-            )
         else:
-            good.append(entry)
-    return good, problems
+            sized.append(entry)
+    if not full_sha:
+        return sized, problems
+    differ = {m.file: m for m in verify_contents(Path(folder), [e["file"] for e in sized])[0]}
+    problems += [str(differ[e["file"]]) for e in sized if e["file"] in differ]
+    return [e for e in sized if e["file"] not in differ], problems
 
 
 def write_index(folder: Path, shards: list[dict], meta: dict) -> None:

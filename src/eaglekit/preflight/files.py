@@ -8,7 +8,9 @@ and at most 100 MB, a JSON object, every tensor's span = its element count × it
 contiguous from 0, and the last one ending at the file's end.
 
 Checked: the target's weights, a drafter to finetune (``train.init_from``) or to evaluate
-(``evaluate.checkpoint``), and the feature shards ``extract`` wrote, before ``train`` reads them.
+(``evaluate.checkpoint``), and the feature shards ``extract`` wrote, before ``train`` reads them: their headers
+and sizes, then (``feature_shard_contents``) their bytes against the sha256 extract recorded — the one check here
+that reads whole files, once per shard (``data/shards.verify_contents`` caches what it read back).
 """
 
 from __future__ import annotations
@@ -449,3 +451,47 @@ def feature_shards(ctx: StageContext) -> CheckResult:
         f"{len(entries)} shards, {human_bytes(total)}, {index.get('tokens', '?')} tokens: headers and sizes "
         "match the index",
     )
+
+
+def feature_shard_contents(ctx: StageContext) -> CheckResult:
+    """Before offline training: every shard's bytes hash to the sha256 its sidecar recorded when extract wrote it
+    (a bit flipped on disk or in a copy keeps the size). Hashed once; a rerun rehashes only changed shards."""
+    from eaglekit.data import shards as sh
+
+    name = "feature shard contents"
+    if not ctx.cfg.extract.offline:
+        return skip(name, "online mode: no stored features")
+    pending = will_be_produced(ctx, name, "extract")
+    if pending:
+        return pending
+    folder = ctx.run.stage_dir("extract")
+    try:
+        entries = json.loads((folder / sh.INDEX).read_text())["shards"]
+    except (OSError, ValueError, KeyError):
+        return skip(name, f"no readable {sh.INDEX} (see 'feature shards')")
+    sized = [
+        e["file"]
+        for e in entries
+        if (folder / e["file"]).is_file() and (folder / e["file"]).stat().st_size == e.get("bytes")
+    ]
+    if len(sized) < len(entries):
+        return skip(
+            name, f"{len(entries) - len(sized)} shards are missing or not their recorded size (see 'feature shards')"
+        )
+    mismatches, hashed = sh.verify_contents(folder, sized)
+    if mismatches:
+        more = f" (and {len(mismatches) - 3} more)" if len(mismatches) > 3 else ""
+        return fail(
+            name,
+            f"{len(mismatches)} of {len(entries)} shards in {folder} differ from what extract wrote: "
+            + "; ".join(str(m) for m in mismatches[:3])
+            + more,
+            f"`eaglekit run CONFIG --from extract`: extract sees the mismatch and re-extracts only "
+            f"{'that shard' if len(mismatches) == 1 else 'those shards'} (the others are kept), then the stages "
+            "after it go on",
+        )
+    total = sum(e.get("bytes", 0) for e in entries)
+    now = (
+        f"{human_bytes(hashed)} hashed now, the rest unchanged since read back" if hashed < total else "all hashed now"
+    )
+    return ok(name, f"{len(entries)} shards, {human_bytes(total)}: sha256 matches each sidecar ({now})")

@@ -42,7 +42,9 @@ def load_checked_drafter(cfg: RunConfig):
         raise EaglekitError(f"drafter checkpoint {path} does not exist", remedy)
     hf, aux = target_and_aux(cfg)
     if block_form(path):  # the block-drafter family (model/dflash_checkpoint.py, model/dspark_checkpoint.py)
-        return (*load_block_drafter(cfg, path, aux), hf, aux)
+        drafter, info = load_block_drafter(cfg, path, aux)
+        refuse_non_finite(drafter, path)
+        return drafter, info, hf, aux
     drafter, info = load_drafter(path)
     problems = check_compatible(drafter.config, hf, aux)
     if problems:
@@ -50,7 +52,27 @@ def load_checked_drafter(cfg: RunConfig):
             f"drafter {path} does not fit the target {cfg.target.model}: " + "; ".join(problems),
             "evaluate a drafter trained for this target (evaluate.checkpoint), or retrain",
         )
+    refuse_non_finite(drafter, path)
     return drafter, info, hf, aux
+
+
+def refuse_non_finite(drafter: torch.nn.Module, path: Path) -> None:
+    """A checkpoint with NaN or Inf weights drafts garbage and would be measured and shipped as such: refused,
+    naming each such tensor and how many of its values are not finite."""
+    bad = [
+        (name, int((~torch.isfinite(t)).sum()), t.numel())
+        for name, t in drafter.state_dict().items()
+        if t.is_floating_point() and not bool(torch.isfinite(t).all())
+    ]
+    if not bad:
+        return
+    listed = ", ".join(f"{name} ({n:,} of {total:,} values)" for name, n, total in bad[:5])
+    more = f" and {len(bad) - 5} more tensors" if len(bad) > 5 else ""
+    raise EaglekitError(
+        f"drafter {path} holds non-finite weights (NaN or Inf): {listed}{more}",
+        "use a checkpoint from before training diverged (evaluate.checkpoint: a train/checkpoints/step-N folder), "
+        "or retrain with a lower train.lr",
+    )
 
 
 def load_block_drafter(cfg: RunConfig, path: Path, aux: list[int]):

@@ -125,29 +125,42 @@ def estimate_bytes(ctx: StageContext) -> int | None:
 
 
 def existing_shards(ctx: StageContext):
-    """When resuming, the shards already written must match their sidecars (size always, sha256 when affordable)."""
+    """When resuming, the shards already written must match their sidecars: size always, sha256 when affordable
+    (cached: a shard read back once is not rehashed). A shard whose bytes differ from its sha256 is re-extracted."""
     if not ctx.resuming or not any(ctx.dir.glob("shard-*.json")):
         return skip("existing shards", "nothing to resume")
     total = sum(p.stat().st_size for p in ctx.dir.glob("shard-*.safetensors"))
     full = total <= FULL_SHA_LIMIT
-    good, problems = sh.validate_shards(ctx.dir, full_sha=full)
+    sized, problems = sh.validate_shards(ctx.dir, full_sha=False)
     if problems:
         return fail("existing shards", f"{len(problems)} damaged: " + "; ".join(problems[:5]), sh.REMEDY)
+    if full:
+        differ = sh.verify_contents(ctx.dir, [e["file"] for e in sized])[0]
+    else:  # what an earlier read-back (train's pre-flight) found
+        differ = [m for m in (sh.known_mismatch(ctx.dir / e["file"]) for e in sized) if m is not None]
     how = "size and sha256" if full else f"size only (sha256 skipped above {human_bytes(FULL_SHA_LIMIT)})"
+    redo = f"; {len(differ)} whose bytes differ from their sha256 are re-extracted: {differ[0]}" if differ else ""
     return ok(
-        "existing shards", f"{len(good)} complete shards ({human_bytes(total)}) verified by {how}; resuming after them"
+        "existing shards",
+        f"{len(sized) - len(differ)} complete shards ({human_bytes(total)}) verified by {how}; resuming after "
+        f"them{redo}",
     )
 
 
 def damaged(ctx: StageContext) -> str | None:
-    """A finished extract whose shard was deleted or cut short (say, to repair it) is rerun: it re-extracts only
-    that. Checked without hashing (sizes, and the sidecar's sha256 against the index's): a shard counts as
-    present once its sidecar does, so a shard the index lists but whose sidecar is gone is redone too."""
+    """A finished extract whose shard was deleted or cut short (say, to repair it), or whose bytes a read-back
+    found to differ from their sha256 (train's pre-flight), is rerun: it re-extracts only that shard. Checked
+    without hashing (sizes, the digests read back before, and the sidecar's sha256 against the index's): a shard
+    counts as present once its sidecar does, so a shard the index lists but whose sidecar is gone is redone too."""
     try:
         shards = json.loads((ctx.dir / sh.INDEX).read_text())["shards"]
     except (OSError, ValueError, KeyError):
         return f"{ctx.dir / sh.INDEX} is missing or unreadable"
+    cache = sh.read_digest_cache(ctx.dir)
     for entry in shards:
+        differ = sh.known_mismatch(ctx.dir / entry["file"], cache)
+        if differ is not None:
+            return f"shard {differ}"
         found = sh.complete_shard(ctx.dir / entry["file"])
         if found is None:
             return f"shard {entry['file']} or its sidecar is missing, or the shard is not the size its sidecar records"

@@ -217,7 +217,7 @@ def drafter_shape(ctx: StageContext):
 def checks(cfg: RunConfig) -> list:
     from eaglekit.preflight.gpus import target_placement
 
-    online = [target_placement] if not cfg.extract.offline else [files.feature_shards]
+    online = [target_placement] if not cfg.extract.offline else [files.feature_shards, files.feature_shard_contents]
     return [
         common.target_folder,
         files.target_weights,

@@ -3,11 +3,19 @@
 Under ``torchrun`` (RANK / WORLD_SIZE / LOCAL_RANK in the environment) ``init()`` starts the process group —
 nccl on GPUs, gloo on CPU. Without it every helper degrades to the single-process case, so the stages
 read the same either way. Only rank 0 writes files, the ledger and the run lock.
+
+A fault of the machines rather than of eaglekit — a peer rank that died, a collective that timed out, a node that
+never joined — surfaces as whatever torch.distributed raised (gloo's RuntimeErrors name no type of their own);
+``fault`` recognises it, so that the stage stops with a message that says so and names this rank
+(``failures.infrastructure_fault``).
 """
 
 from __future__ import annotations
 
+import datetime
 import os
+import socket
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,15 +49,20 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
+# How long init waits for every rank to join and a collective for every rank to arrive; None: torch's defaults
+# (10 minutes for NCCL, 30 for gloo). Tests shorten it.
+TIMEOUT: datetime.timedelta | None = None
+
+
 def init() -> None:
     """Start the process group when launched by torchrun and not started yet."""
     if not launched() or active():
         return
     if torch.cuda.is_available():
         torch.cuda.set_device(device())
-        dist.init_process_group("nccl", device_id=device())
+        dist.init_process_group("nccl", device_id=device(), timeout=TIMEOUT)
     else:
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", timeout=TIMEOUT)
 
 
 def barrier() -> None:
@@ -70,3 +83,77 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     if active():
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t
+
+
+# ------------------------------------------------------------------------------------------------- faults
+
+
+def identity() -> str:
+    """This process as the launcher named it: its rank, local rank and host."""
+    env = os.environ
+    world = f" of {env['WORLD_SIZE']}" if "WORLD_SIZE" in env else ""
+    return f"rank {env.get('RANK', '?')}{world} (local rank {env.get('LOCAL_RANK', '?')} on {socket.gethostname()})"
+
+
+@dataclass(frozen=True)
+class Fault:
+    """What a torch.distributed failure says happened: ``kind`` is "peer", "timeout" or "init"."""
+
+    kind: str
+    what: str  # in words, for the message
+    detail: str  # the backend's own first line
+
+
+# (kind, what happened in words, phrases of gloo's, NCCL's and the TCP store's messages), first match wins
+FAULTS = (
+    (
+        "init",
+        "the process group did not form: not every rank joined before the timeout (a node that never started its "
+        "torchrun, a wrong MASTER_ADDR/MASTER_PORT, a firewall between the nodes)",
+        ("waiting for clients", "clients joined", "trying to connect to", "socket has timed out"),
+    ),
+    (
+        "timeout",
+        "a collective timed out: another rank stopped answering (hung, stalled on I/O, or far slower than this one)",
+        ("timed out", "timeout", "watchdog caught collective"),
+    ),
+    (
+        "peer",
+        "a peer rank died (killed, out of memory, crashed, or its node was lost)",
+        (
+            "connection closed by peer",
+            "connection reset by peer",
+            "remote worker crashing",
+            "broken pipe",
+            "remote process exited",
+            "ncclremoteerror",
+            "communicator was aborted",
+            "ncclsystemerror",  # a socket or system call of NCCL's failed (not ncclUnhandledCudaError: a CUDA fault)
+        ),
+    ),
+)
+
+
+def fault(err: BaseException | None) -> Fault | None:
+    """The distributed fault behind ``err`` (following its causes), or None when it is not one."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        text = str(err)
+        backend = isinstance(err, dist.DistError) or any(
+            mark in text for mark in ("gloo", "NCCL", "nccl", "ProcessGroup", "c10d")
+        )
+        if backend:
+            lower = text.lower()
+            for kind, what, phrases in FAULTS:
+                if any(p in lower for p in phrases):
+                    return Fault(kind, what, _first_line(text))
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def _first_line(text: str, limit: int = 240) -> str:
+    line = (text.strip().splitlines() or [""])[0]
+    line = line.split("] ", 1)[1] if line.startswith("[") and "] " in line else line  # gloo's source location
+    line = line.split(" This is typically caused by", 1)[0]  # gloo's advice, which the message replaces
+    return line if len(line) <= limit else line[: limit - 1] + "…"

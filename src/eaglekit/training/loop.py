@@ -56,6 +56,7 @@ from eaglekit.training.dflash import block_objective, build_block_drafter, train
 from eaglekit.training.early_stop import TauWatch
 from eaglekit.training.features import Features
 from eaglekit.training.fused import compile_drafter, step_kernels
+from eaglekit.training.guard import refuse_non_finite_step, refuse_non_finite_weights
 from eaglekit.training.init import build_drafter, say
 from eaglekit.training.metrics import Metrics, Window
 from eaglekit.training.objective import TTT, wrap
@@ -144,8 +145,10 @@ def train(cfg: RunConfig, run: RunDir, out_dir: Path, resuming: bool) -> dict[st
     ):
         for step in range(progress.step, total_steps):
             lr = float(sched.get_last_lr()[0])
-            grad_norm, tokens = optimizer_step(model, loader, features, window, step, tc, autocast, params)
+            grad_norm, tokens, loss = optimizer_step(model, loader, features, window, step, tc, autocast, params)
+            refuse_non_finite_step(step + 1, loss, grad_norm, lr, ckpts)
             optim.step()
+            refuse_non_finite_weights(step + 1, named_params, lr, ckpts)
             sched.step()
             optim.zero_grad(set_to_none=True)
             done, local_tokens = step + 1, local_tokens + tokens
@@ -282,10 +285,11 @@ def run_line(cfg: RunConfig, batches: RunBatches, n_trainable: int, total_steps:
 
 def optimizer_step(
     model: nn.Module, loader: Loader, features: Features, window: Window, step: int, tc, autocast, params: list
-) -> tuple[float, int]:
+) -> tuple[float, int, float]:
     """Forward and backward over the step's grad_accum micro-batches (DDP syncs on the last one), then the gradient
-    clip. Returns (gradient norm before clipping, tokens this rank saw); the caller steps the optimizer."""
-    tokens = 0
+    clip. Returns (gradient norm before clipping, tokens this rank saw, its summed loss); the caller steps the
+    optimizer."""
+    tokens, loss_sum = 0, 0.0
     for a in range(tc.grad_accum):
         batch = loader.get(step * tc.grad_accum + a)
         inputs = features(batch)
@@ -294,9 +298,10 @@ def optimizer_step(
             with autocast():
                 loss, out = model(*inputs)
             (loss / tc.grad_accum).backward()
-        window.add(out, float(loss.detach()), batch.tokens)
-        tokens += batch.tokens
-    return float(torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)), tokens
+        value = float(loss.detach())
+        window.add(out, value, batch.tokens)
+        tokens, loss_sum = tokens + batch.tokens, loss_sum + value
+    return float(torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)), tokens, loss_sum
 
 
 def train_row(r: dict, done: int, batches: RunBatches, tc, lr: float, grad_norm: float, progress: Progress,
