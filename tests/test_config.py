@@ -183,6 +183,7 @@ def test_the_path_keys_are_the_schema_s_and_nothing_else_is_touched(tmp_path):
         ({"draft": {"architecture": "mla", "head_dim": 64}}, "architecture mla does not read head_dim"),
         ({"draft": {"architecture": "dflash", "markov_rank": 64}}, "does not read markov_rank (dspark)"),
         ({"draft": {"architecture": "dflash", "fc_norm": True}}, "architecture dflash does not read fc_norm"),
+        ({"draft": {"architecture": "dflash", "hidden_size": 128}}, "architecture dflash does not read hidden_size"),
     ],
 )
 def test_a_key_the_drafter_family_does_not_read_is_refused_when_the_config_loads(train, named):
@@ -200,7 +201,9 @@ def test_the_families_own_keys_and_ttt_defaults_still_load():
     from eaglekit.config import parse_config
 
     for train in (
-        {"draft": {"architecture": "dflash", "block_size": 8, "num_key_value_heads": 2}, "ttt_steps": 7},
+        # the demo's config switched to a block drafter (README): ttt_steps 4 stays, and does nothing there
+        {"draft": {"architecture": "dflash", "block_size": 8, "num_key_value_heads": 2}, "ttt_steps": 4},
+        {"draft": {"architecture": "mla", "norm_before_fc": False}},  # a flag left off asks nothing
         {"draft": {"architecture": "dspark", "markov_rank": 64}},
         {"draft": {"architecture": "mla", "kv_lora_rank": 64, "fc_norm": True}},
         {"draft": {"sliding_window": 2048, "head_dim": 64}, "loss": "jsd"},

@@ -45,3 +45,22 @@ def test_evaluate_reports_tau_by_context_length_when_the_prompts_span_groups():
     one_group = {**row, "tau_by_context": {"<1k": by["<1k"]}}
     assert context_table([one_group], groups) == []  # nothing to compare: no table
     assert context_table([{**row, "method": "ngram"}], groups) == []
+
+
+def test_the_window_remedy_is_offered_where_a_window_can_be_trained(tmp_path, tiny_target):
+    cfg = prepared_run(tmp_path, tiny_target, n=24)
+    cfg.evaluate.context_lengths = [32768]
+    cfg.train.draft.architecture = "dflash"  # eaglekit trains windows for llama EAGLE-3 drafters only
+    check = serving_context(make_context(cfg, "train"))
+    assert check.status == "warn" and "sliding_window" not in check.remedy and "longer documents" in check.remedy
+
+
+def test_the_memory_model_calibrates_windows_for_long_ttt_chains():
+    """A window far longer than the calibration rows and a TTT chain of 40 steps: the calibration drafter keeps a
+    window longer than the chain, as ttt_loss requires (it refused it before)."""
+    from test_drafter_ttt import tiny_config
+
+    from eaglekit.training.memory import step_memory
+
+    m = step_memory(tiny_config(sliding_window=4096), 16384, 40, trainable=1000, frozen=1000, bf16=False)
+    assert m.per_token > 0 and m.total > m.activations > 0

@@ -158,6 +158,21 @@ def test_the_cpu_build_gets_the_reference_mla_backend_unless_one_is_named(vllm_p
     assert named.count("--attention-backend") == 1 and "CPU_MLA" not in named
 
 
+def test_a_backend_the_command_names_in_any_spelling_is_left_alone():
+    from eaglekit.serving.engine import names_attention_backend
+
+    for args in (
+        ["--attention-backend", "FLASH_ATTN"],
+        ["--attention-backend=FLASH_ATTN"],
+        ["--attention-config", '{"backend": "FLASH_ATTN"}'],
+        ["--attention-config.backend", "FLASH_ATTN"],
+        ["-ac.backend=FLASH_ATTN"],
+        ['--attention-config={"backend": "FLASH_ATTN"}'],
+    ):
+        assert names_attention_backend(args), args
+    assert not names_attention_backend(["--attention-config", '{"flash_attn_version": 2}', "--dtype", "float32"])
+
+
 def test_a_backend_failure_is_read_from_the_log():
     from eaglekit.serving.engine import attention_backend_failure
 

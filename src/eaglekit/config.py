@@ -188,7 +188,7 @@ BLOCK_ARCHITECTURES = ("dflash", "dspark")  # the block-drafter family's train.d
 _SHAPE = ("architecture", "intermediate_size", "num_attention_heads")
 _EAGLE3_FLAGS = ("fc_norm", "norm_output", "norm_before_residual")
 _BLOCK = ("block_size", "num_layers", "mask_token_id", "max_anchors", "position_weighting", "dpace_alpha",
-          "decay_gamma", "shared_k_norm", "num_key_value_heads", "head_dim", "hidden_size")  # fmt: skip
+          "decay_gamma", "shared_k_norm", "num_key_value_heads", "head_dim")  # fmt: skip
 DRAFT_KEYS: dict[str, frozenset[str]] = {
     "llama": frozenset(
         _SHAPE + _EAGLE3_FLAGS + ("hidden_size", "num_key_value_heads", "head_dim", "norm_before_fc", "sliding_window")
@@ -270,7 +270,7 @@ class DraftModelConfig(Section):
         """A key the chosen architecture does not read would do nothing: it is refused, named with the family."""
         architecture = self.architecture or "llama"
         stray = [name for name in sorted(self.model_fields_set) if name not in DRAFT_KEYS[architecture]]
-        stray = [name for name in stray if getattr(self, name) is not None]
+        stray = [name for name in stray if getattr(self, name) not in (None, False)]  # false flags ask nothing
         if stray:
             owners = {name: [a for a, keys in DRAFT_KEYS.items() if name in keys] for name in stray}
             listed = "; ".join(f"{name} ({', '.join(owners[name])})" for name in stray)
@@ -283,8 +283,10 @@ class DraftModelConfig(Section):
 
 
 # train keys only EAGLE-3's TTT objective reads (training/objective.py, training/ttt.py)
-TTT_ONLY_KEYS = ("ttt_steps", "ttt_decay", "step_weights", "loss", "lk_eta", "loss_normalization", "noise",
-                 "noise_scale", "anchor_weight", "attention", "head_loss", "compile", "activation_checkpointing")  # fmt: skip
+# (ttt_steps, ttt_decay and the step's kernels are left out: a config switched from EAGLE-3, as the demo's, has them,
+# and they change nothing a block drafter learns)
+TTT_ONLY_KEYS = ("step_weights", "loss", "lk_eta", "loss_normalization", "noise", "noise_scale", "anchor_weight",
+                 "activation_checkpointing")  # fmt: skip
 
 
 class TrainConfig(Section):

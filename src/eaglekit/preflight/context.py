@@ -9,8 +9,12 @@ target's ``max_position_embeddings``, which vLLM serves up to unless told otherw
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from eaglekit.contract import StageContext
 from eaglekit.data.tokens import TokenStore
+from eaglekit.model.checkpoints import layer_window
 from eaglekit.model.target import target_hf_config
 from eaglekit.preflight import CheckResult, ok, skip, warn, will_be_produced
 
@@ -42,7 +46,7 @@ def serving_context(ctx: StageContext) -> CheckResult:
         source = "the target's max_position_embeddings"
         if not served:
             return skip(NAME, "the target's config has no max_position_embeddings; set evaluate.context_lengths")
-    window = cfg.train.draft.sliding_window
+    window, windowable = drafter_window(cfg)
     trained = f"documents of up to {p95:,} tokens (95th percentile; the longest {longest:,})"
     if window is not None:
         if p95 < window:
@@ -62,8 +66,26 @@ def serving_context(ctx: StageContext) -> CheckResult:
             f"the drafter trains on {trained} and will be served at up to {served:,} ({source}), {ratio:.0f}x "
             "longer: drafters trained short lose most of their acceptance far past their training length (τ 2.30 "
             "at 2K context, 1.09 at 16K: speculators#684)",
-            f"train.draft.sliding_window: {min(2048, max(p95, 2)):,} (a window the training documents fill; "
-            "README: Long context), or train on longer documents, or set evaluate.context_lengths to the "
-            "contexts you serve",
+            (
+                f"train.draft.sliding_window: {min(2048, max(p95, 2)):,} (a window the training documents fill; "
+                "README: Long context), or train on longer documents"
+                if windowable
+                else "train on longer documents (eaglekit trains windows for fresh llama EAGLE-3 drafters only)"
+            )
+            + ", or set evaluate.context_lengths to the contexts you serve",
         )
     return ok(NAME, f"trained on {trained}; served at up to {served:,} ({source})")
+
+
+def drafter_window(cfg) -> tuple[int | None, bool]:
+    """(the sliding window the trained drafter will have, whether train.draft.sliding_window can give it one): a
+    finetune keeps its own (read from a local init_from's config.json), a fresh drafter takes train.draft's."""
+    if cfg.train.init_from:
+        config = Path(cfg.train.init_from) / "config.json"
+        try:
+            raw = json.loads(config.read_text())
+        except (OSError, ValueError):
+            return None, False
+        layer = raw.get("transformer_layer_config") if isinstance(raw.get("transformer_layer_config"), dict) else raw
+        return layer_window(layer), False
+    return cfg.train.draft.sliding_window, (cfg.train.draft.architecture or "llama") == "llama"

@@ -133,9 +133,16 @@ def with_reference_mla_backend(model: str | None, args: list[str]) -> list[str]:
 
 
 def names_attention_backend(args: list[str]) -> bool:
-    return any(a == ATTENTION_BACKEND_FLAG or a.startswith(ATTENTION_BACKEND_FLAG + "=") for a in args) or any(
-        "backend" in a for flag, a in zip(args, args[1:], strict=False) if flag in ("--attention-config", "-ac")
-    )
+    """Whether the command names an attention backend itself: --attention-backend, or a backend in
+    --attention-config / -ac (as JSON, --attention-config.backend X, or -ac.backend=X)."""
+    for i, arg in enumerate(args):
+        if arg == ATTENTION_BACKEND_FLAG or arg.startswith(ATTENTION_BACKEND_FLAG + "="):
+            return True
+        if arg.startswith(("--attention-config", "-ac")):
+            value = args[i + 1] if i + 1 < len(args) and "=" not in arg else ""
+            if "backend" in arg or "backend" in value:
+                return True
+    return False
 
 
 def backends_in_log(text: str) -> list[str]:

@@ -267,10 +267,14 @@ def block_drafter_shape(cfg: RunConfig):
 
 
 def row_tokens(cfg: RunConfig) -> int:
-    """The most tokens one micro-batch can hold on one GPU: rows of prepare.max_length (or train.pack_length)."""
+    """The most tokens one micro-batch can hold on one GPU: rows of prepare.max_length (or train.pack_length); under
+    torchrun an epoch's short last batch joins the one before it, so a rank may get one row more."""
+    import os
+
     from eaglekit.training.data import pack_length
 
-    return cfg.train.batch_size * pack_length(cfg)
+    extra = 1 if int(os.environ.get("WORLD_SIZE", "1")) > 1 else 0
+    return (cfg.train.batch_size + extra) * pack_length(cfg)
 
 
 def step_memory_both(cfg: RunConfig) -> tuple[StepMemory, StepMemory] | None:
@@ -282,6 +286,8 @@ def step_memory_both(cfg: RunConfig) -> tuple[StepMemory, StepMemory] | None:
     if not isinstance(dc, DrafterConfig):
         return None
     total, trainable = parameter_counts(dc)
+    if cfg.train.freeze_lm_head:  # the draft head keeps its rows: no gradient, no AdamW moments
+        trainable -= dc.draft_vocab_size * dc.hidden_size
     n = row_tokens(cfg)
     return tuple(  # type: ignore[return-value]
         step_memory(dc, n, cfg.train.ttt_steps, trainable=trainable, frozen=total - trainable, checkpoint=ckpt)

@@ -332,6 +332,12 @@ class RunBatches:
         """(epoch, batch within it) of micro-batch ``u`` of the run, counting each epoch's own batches."""
         epoch = 0
         while u >= self.epoch_count(epoch):
+            if self.epoch_count(epoch) == 0:
+                raise EaglekitError(
+                    f"epoch {epoch} of the training data makes no batch for {self.world} processes (packing gave "
+                    "fewer rows than processes)",
+                    "add data, use fewer processes, or shorter rows (train.pack_length)",
+                )
             u -= self.epoch_count(epoch)
             epoch += 1
         return epoch, u

@@ -36,7 +36,7 @@ SCALED = {
 }  # fmt: skip
 BASE = {"hidden_size": 64, "intermediate_size": 64, "target_hidden_size": 64, "num_attention_heads": 2,
         "num_key_value_heads": 1, "q_lora_rank": 32, "kv_lora_rank": 32}  # fmt: skip
-ROWS = (64, 128)  # two row lengths: their difference is the per-token slope, free of per-step constants
+ROWS = (96, 192)  # two row lengths: their difference is the per-token slope, free of per-step constants
 ADAMW_BYTES = 16  # fp32 master weight, its gradient and AdamW's two moments
 
 
@@ -55,11 +55,12 @@ class StepMemory:
         return self.weights + self.batch + self.activations + self.transient
 
 
-def _calibration_config(cfg: DrafterConfig, **widths: int) -> DrafterConfig:
+def _calibration_config(cfg: DrafterConfig, steps: int, **widths: int) -> DrafterConfig:
     fields: dict[str, Any] = {name: BASE[name] for name in SCALED[cfg.architecture]} | widths
     if cfg.architecture == "mla" and cfg.q_lora_rank is None:
         fields.pop("q_lora_rank")
-    window = None if cfg.sliding_window is None else min(cfg.sliding_window, ROWS[0] // 2)
+    # a window inside the calibration rows (so it is exercised) and longer than the TTT chain (as ttt_loss needs)
+    window = None if cfg.sliding_window is None else min(cfg.sliding_window, max(ROWS[0] // 2, steps + 1))
     return dataclasses.replace(
         cfg, vocab_size=64, draft_vocab_size=64, aux_layer_ids=None, sliding_window=window, **fields
     )
@@ -103,13 +104,13 @@ def _kept_per_token(cfg_json: str, steps: int, checkpoint: bool, bf16: bool) -> 
         short, long = (_kept_bytes(c, n, steps, checkpoint, bf16) for n in ROWS)
         return (long - short) / (ROWS[1] - ROWS[0])
 
-    base = _calibration_config(cfg)
+    base = _calibration_config(cfg, steps)
     at_base = slope(base)
     total = at_base
     for name in SCALED[cfg.architecture]:
         if getattr(base, name) is None:
             continue
-        doubled = slope(_calibration_config(cfg, **{name: 2 * getattr(base, name)}))
+        doubled = slope(_calibration_config(cfg, steps, **{name: 2 * getattr(base, name)}))
         per_unit = (doubled - at_base) / getattr(base, name)
         total += per_unit * (getattr(cfg, name) - getattr(base, name))
     return max(total, 0.0)
