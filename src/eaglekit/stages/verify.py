@@ -20,6 +20,10 @@ Two ways to reach an engine (``verify`` runs only when one is set):
 * ``verify.server: URL`` — a vLLM or SGLang server you started with the command ``export`` printed; K is
   the server's. SGLang must draft a chain (``--speculative-eagle-topk 1``).
 
+The two are implementations of ``ServedEngine`` (``EaglekitVllm``, ``UserServer``), chosen once by
+``served_engine``; the diagnosis is one function per cause (``DIAGNOSIS``); the report is rendered by
+``eaglekit.data.verify_report``.
+
 Writes ``verify/report.json``, ``report.md``, ``acceptance.png`` and the engines' logs (``logs/``).
 """
 
@@ -234,7 +238,7 @@ class Offline:
 def engine_stop_ids(cfg: RunConfig, stop_ids: set[int]) -> list[int]:
     """The end-of-turn ids plus the generation config's EOS ids, which engines stop at by default: the set
     sent with every request and used offline, so that both stop at the same tokens."""
-    from transformers import GenerationConfig  # lazy: transformers takes seconds to import, `verify --help` none
+    from transformers import GenerationConfig  # lazy: seconds to import; `verify --help` skips it
 
     ids = set(stop_ids)
     try:
