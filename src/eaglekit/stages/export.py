@@ -237,7 +237,7 @@ def serve_commands(cfg: RunConfig, dirs: dict[str, Path], sglang: bool = True) -
 
 def run(ctx: StageContext) -> dict:
     from eaglekit.data.chat import load_tokenizer
-    from eaglekit.model.checkpoints import save_legacy, save_speculators, sglang_ignores
+    from eaglekit.model.checkpoints import sglang_ignores
     from eaglekit.model.target import embedding_and_head
 
     cfg, xc = ctx.cfg, ctx.cfg.export
@@ -271,8 +271,29 @@ def run(ctx: StageContext) -> dict:
         drafter.embed_tokens.weight.data.copy_(embed.to(drafter.embed_tokens.weight.dtype))
     drafter.eval()
     tokenizer = load_tokenizer(cfg.target.model, cfg.target.chat_template, cfg.target.trust_remote_code)
-    verifier = verifier_id(cfg)
+    dirs = write_forms(ctx, drafter, hf, tokenizer, formats, warnings)
+    commands = serve_commands(cfg, dirs, sglang=not (ignored or sglang_aux))
+    inherited = run_warnings(ctx)
+    if inherited:
+        ctx.warn(
+            f"exported a drafter from a run with {len(inherited)} warning{'s' * (len(inherited) > 1)} (written "
+            "anyway; export/README.md states them): " + " | ".join(inherited)
+        )
+    atomic.write_text(ctx.dir / "README.md", model_card(ctx, drafter, info, list(dirs), commands, warnings, inherited))
+    for what, command in commands:
+        console.print(f"[bold]{what}[/]:")
+        console.print(command, markup=False, soft_wrap=True)
+    for w in warnings:
+        console.print(f"[yellow]export: {w}[/]")
+    return {"formats": list(dirs), **{form: str(d) for form, d in dirs.items()}, "warnings": len(warnings)}
 
+
+def write_forms(ctx: StageContext, drafter, hf, tokenizer, formats: list[str], warnings: list[str]) -> dict[str, Path]:
+    """Each form in its folder, swapped in whole once its keys, shapes and logits are checked; a form's warning
+    is added to ``warnings``."""
+    from eaglekit.model.checkpoints import save_legacy, save_speculators
+
+    xc, verifier = ctx.cfg.export, verifier_id(ctx.cfg)
     dirs: dict[str, Path] = {}
     for form in formats:
         dest = ctx.dir / form
@@ -295,21 +316,7 @@ def run(ctx: StageContext) -> dict:
             same_logits(drafter, tmp)
         dirs[form] = dest
         console.print(f"export: {form} form written to {dest} (keys, shapes and logits checked)")
-
-    commands = serve_commands(cfg, dirs, sglang=not (ignored or sglang_aux))
-    inherited = run_warnings(ctx)
-    if inherited:
-        ctx.warn(
-            f"exported a drafter from a run with {len(inherited)} warning{'s' * (len(inherited) > 1)} (written "
-            "anyway; export/README.md states them): " + " | ".join(inherited)
-        )
-    atomic.write_text(ctx.dir / "README.md", model_card(ctx, drafter, info, list(dirs), commands, warnings, inherited))
-    for what, command in commands:
-        console.print(f"[bold]{what}[/]:")
-        console.print(command, markup=False, soft_wrap=True)
-    for w in warnings:
-        console.print(f"[yellow]export: {w}[/]")
-    return {"formats": list(dirs), **{form: str(d) for form, d in dirs.items()}, "warnings": len(warnings)}
+    return dirs
 
 
 def export_block_drafter(ctx) -> dict:
@@ -390,21 +397,36 @@ def model_card(
     inherited: Sequence[str] = (),
 ) -> str:
     cfg, c = ctx.cfg, drafter.config
-    events = ctx.run.last_events()
-
-    def stage_counts(stage: str) -> str:
-        counts = (events.get(stage, {}).get("end") or {}).get("counts") or {}
-        return ", ".join(f"{k} {v}" for k, v in counts.items() if not isinstance(v, (dict, list))) or "not recorded"
-
-    summary_path = cfg.run_path / "train" / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     report_path = cfg.run_path / "evaluate" / "report.json"
     report = json.loads(report_path.read_text()) if report_path.exists() else None
+    lines = card_header(cfg, c, info)
+    if inherited:
+        lines += [
+            "## Warnings: read before serving",
+            "",
+            "The run that made this drafter recorded these warnings; it was exported anyway:",
+            "",
+        ]
+        lines += [f"- {w}" for w in inherited] + [""]
+    lines += data_and_training(ctx)
+    lines += [
+        "## Acceptance (eaglekit evaluate, KV-cached draft → verify with the HF target)",
+        "",
+        "τ is what vLLM and SGLang should report at equal K (chain drafting, topk 1, up to numerics); the "
+        "speedups are those of eaglekit's Hugging Face loop on the evaluation machine, not a serving engine's.",
+        "",
+    ]
+    lines += [report_markdown(report, tables_only=True)] if report else ["No evaluation report found."]
+    lines += serve_section(cfg, c, formats, commands)
+    if warnings:
+        lines += ["", "Warnings:", ""] + [f"- {w}" for w in warnings]
+    return "\n".join(lines) + "\n"
+
+
+def card_header(cfg: RunConfig, c, info) -> list[str]:
+    """The model card's title: the target, the drafter's shape, the checkpoint it came from."""
     hub = verifier_id(cfg)
-    trained = (f"{summary.get('steps')} steps, {summary.get('tokens')} tokens" if summary else "not recorded") + (
-        f", held-out simulated τ {summary['tau']:.3f}" if isinstance(summary.get("tau"), (int, float)) else ""
-    )
-    lines = [
+    return [
         "# EAGLE-3 drafter",
         "",
         f"Target: `{cfg.target.model}`" + (f" (hub id `{hub}`)" if hub and hub != cfg.target.model else ""),
@@ -417,29 +439,34 @@ def model_card(
         f"Source checkpoint: `{info.path}`.",
         "",
     ]
-    if inherited:
-        lines += [
-            "## Warnings: read before serving",
-            "",
-            "The run that made this drafter recorded these warnings; it was exported anyway:",
-            "",
-        ]
-        lines += [f"- {w}" for w in inherited] + [""]
-    lines += [
+
+
+def data_and_training(ctx: StageContext) -> list[str]:
+    """What the ledger recorded of generate and prepare, and train's summary."""
+    cfg, events = ctx.cfg, ctx.run.last_events()
+
+    def stage_counts(stage: str) -> str:
+        counts = (events.get(stage, {}).get("end") or {}).get("counts") or {}
+        return ", ".join(f"{k} {v}" for k, v in counts.items() if not isinstance(v, (dict, list))) or "not recorded"
+
+    summary_path = cfg.run_path / "train" / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    trained = (f"{summary.get('steps')} steps, {summary.get('tokens')} tokens" if summary else "not recorded") + (
+        f", held-out simulated τ {summary['tau']:.3f}" if isinstance(summary.get("tau"), (int, float)) else ""
+    )
+    return [
         "## Data and training",
         "",
         f"- generate: {stage_counts('generate')}",
         f"- prepare: {stage_counts('prepare')}",
         f"- train: {trained}",
         "",
-        "## Acceptance (eaglekit evaluate, KV-cached draft → verify with the HF target)",
-        "",
-        "τ is what vLLM and SGLang should report at equal K (chain drafting, topk 1, up to numerics); the "
-        "speedups are those of eaglekit's Hugging Face loop on the evaluation machine, not a serving engine's.",
-        "",
     ]
-    lines += [report_markdown(report, tables_only=True)] if report else ["No evaluation report found."]
-    lines += ["", "## Serve", ""]
+
+
+def serve_section(cfg: RunConfig, c, formats: list[str], commands: list[tuple[str, str]]) -> list[str]:
+    """The commands that serve the written forms, and what each form's folder holds."""
+    lines = ["", "## Serve", ""]
     for what, command in commands:
         lines += [f"{what}:", "", "```bash", command, "```", ""]
     if cfg.target.chat_template:
@@ -456,10 +483,7 @@ def model_card(
         ),
         "speculators": "speculators config (`speculators_model_type: eagle3`), `layers.0.` keys",
     }
-    lines += [f"- `{f}/`: {described[f]}" for f in formats]
-    if warnings:
-        lines += ["", "Warnings:", ""] + [f"- {w}" for w in warnings]
-    return "\n".join(lines) + "\n"
+    return lines + [f"- `{f}/`: {described[f]}" for f in formats]
 
 
 def describe_layer(c) -> str:

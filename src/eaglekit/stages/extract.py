@@ -266,58 +266,72 @@ def run(ctx: StageContext) -> dict:
             elif target is not None:  # backend hf with shards to do
                 _extract_hf(cfg, target, store, lengths, plan, todo, sink, meter)
         rates = sink.report(sum(shard_tokens[n] for n in todo))
-    source = "the servers" if backend == "vllm" else "the target"
     if todo:
-        console.print(
-            f"extract{f' (rank {rank})' if world > 1 else ''}: {source} {rates['compute_tokens_per_s']:.0f} "
-            f"tok/s, disk {rates['disk_mb_per_s']:.0f} MB/s; bottleneck: "
-            + (
-                f"the disk ({source} waited on it {rates['compute_waited_on_disk']:.0%} of the time)"
-                if rates["bottleneck"] == "disk"
-                else f"{source} (the writer was idle {rates['disk_idle']:.0%} of the time)"
-            )
-        )
-
+        print_rates(rates, backend, f" (rank {rank})" if world > 1 else "")
     distributed.barrier()
     counts = {}
     if distributed.is_main():
-        found = [sh.complete_shard(ctx.dir / sh.shard_name(n)) for n in range(len(plan))]
-        missing = [sh.shard_name(n) for n, e in enumerate(found) if e is None]
-        entries = [e for e in found if e is not None]
-        if missing:
-            raise EaglekitError(
-                f"extract: {len(missing)} shards are missing or damaged after the run, e.g. {missing[0]}",
-                "rerun the same command: it re-extracts only those",
-            )
-        sh.write_index(
-            ctx.dir,
-            entries,
-            {
-                "hidden_size": hidden,
-                "aux_layer_ids": aux_ids,
-                "dtype": dtype,
-                "backend": backend,
-                "target": cfg.target.model,
-                "bytes_per_token": sh.bytes_per_token(hidden, dtype),
-            },
+        counts = write_index(ctx, len(plan), hidden, aux_ids, meter.rate, rates if todo else None)
+    distributed.barrier()
+    return counts
+
+
+def print_rates(rates: dict, backend: str, who: str) -> None:
+    """This rank's feature and disk rates, and which of them held the other back."""
+    source = "the servers" if backend == "vllm" else "the target"
+    console.print(
+        f"extract{who}: {source} {rates['compute_tokens_per_s']:.0f} "
+        f"tok/s, disk {rates['disk_mb_per_s']:.0f} MB/s; bottleneck: "
+        + (
+            f"the disk ({source} waited on it {rates['compute_waited_on_disk']:.0%} of the time)"
+            if rates["bottleneck"] == "disk"
+            else f"{source} (the writer was idle {rates['disk_idle']:.0%} of the time)"
         )
-        index = json.loads((ctx.dir / sh.INDEX).read_text())
-        counts = {
-            "shards": len(entries),
-            "samples": index["samples"],
-            "tokens": index["tokens"],
-            "bytes": index["bytes"],
+    )
+
+
+def write_index(
+    ctx: StageContext, shards: int, hidden: int, aux_ids: list[int], rate: float, rates: dict | None
+) -> dict:
+    """Rank 0, once every rank is done: the index over all shards (refused while one is missing or damaged), and
+    the stage's counts (``rates``: this rank's, when it extracted)."""
+    cfg, dtype, backend = ctx.cfg, ctx.cfg.extract.dtype, ctx.cfg.extract.backend
+    found = [sh.complete_shard(ctx.dir / sh.shard_name(n)) for n in range(shards)]
+    missing = [sh.shard_name(n) for n, e in enumerate(found) if e is None]
+    entries = [e for e in found if e is not None]
+    if missing:
+        raise EaglekitError(
+            f"extract: {len(missing)} shards are missing or damaged after the run, e.g. {missing[0]}",
+            "rerun the same command: it re-extracts only those",
+        )
+    sh.write_index(
+        ctx.dir,
+        entries,
+        {
+            "hidden_size": hidden,
+            "aux_layer_ids": aux_ids,
             "dtype": dtype,
             "backend": backend,
-            "tokens_per_s": round(meter.rate, 1),
-        }
-        if todo:
-            counts |= {k: rates[k] for k in ("compute_tokens_per_s", "disk_mb_per_s", "bottleneck")}
-        console.print(
-            f"extract: {counts['shards']} shards, {counts['tokens']} tokens, {human_bytes(counts['bytes'])} "
-            f"({dtype}, {index['bytes'] / max(index['tokens'], 1):.0f} bytes per token)"
-        )
-    distributed.barrier()
+            "target": cfg.target.model,
+            "bytes_per_token": sh.bytes_per_token(hidden, dtype),
+        },
+    )
+    index = json.loads((ctx.dir / sh.INDEX).read_text())
+    counts = {
+        "shards": len(entries),
+        "samples": index["samples"],
+        "tokens": index["tokens"],
+        "bytes": index["bytes"],
+        "dtype": dtype,
+        "backend": backend,
+        "tokens_per_s": round(rate, 1),
+    }
+    if rates is not None:
+        counts |= {k: rates[k] for k in ("compute_tokens_per_s", "disk_mb_per_s", "bottleneck")}
+    console.print(
+        f"extract: {counts['shards']} shards, {counts['tokens']} tokens, {human_bytes(counts['bytes'])} "
+        f"({dtype}, {index['bytes'] / max(index['tokens'], 1):.0f} bytes per token)"
+    )
     return counts
 
 
@@ -388,13 +402,7 @@ def _extract_vllm(ctx: StageContext, norm, store, plan, todo, sink, meter, aux_i
                     )
                     meter.update(len(ids), shard=f"{n + 1}/{len(plan)}")
                 except RequestFailed as err:
-                    failures.append(
-                        EaglekitError(
-                            f"extract: sample {store.ids[i]!r} failed after {err.attempts} attempts: {err.reason}",
-                            "check the servers (`eaglekit preflight CONFIG --stage extract`), then rerun the same command: "
-                            "committed shards are kept",
-                        )
-                    )
+                    failures.append(sample_failed(store.ids[i], err))
                 except Exception as err:  # the first failure stops the run (a cancellation just ends the task)
                     failures.append(err)
                 finally:
@@ -423,6 +431,15 @@ def _extract_vllm(ctx: StageContext, norm, store, plan, todo, sink, meter, aux_i
                 raise failures[0]
 
     asyncio.run(extract_all())
+
+
+def sample_failed(sample_id: str, err) -> EaglekitError:
+    """A sample the servers failed ``err.attempts`` times: the run stops, what it committed is kept."""
+    return EaglekitError(
+        f"extract: sample {sample_id!r} failed after {err.attempts} attempts: {err.reason}",
+        "check the servers (`eaglekit preflight CONFIG --stage extract`), then rerun the same command: "
+        "committed shards are kept",
+    )
 
 
 # ---------------------------------------------------------------------------------------- vLLM helpers
@@ -540,9 +557,7 @@ def feature_smoke(ctx: StageContext) -> list:
     self-check (``eaglekit.preflight.capture``): every next-token log-prob of a few samples rebuilt from the
     rows eaglekit would write, against the server's ``prompt_logprobs``."""
     from eaglekit.model.target import embedding_and_head
-    from eaglekit.preflight.capture import check_capture, parse_prompt_logprobs
-    from eaglekit.serving.client import RequestFailed
-    from eaglekit.serving.vllm_features import FeatureClient, server_layer_ids
+    from eaglekit.serving.vllm_features import server_layer_ids
 
     cfg, v = ctx.cfg, ctx.cfg.extract.vllm
     assert v is not None, "declared for extract.backend vllm only"
@@ -554,8 +569,6 @@ def feature_smoke(ctx: StageContext) -> list:
     if len(store) == 0:
         return [skip("feature smoke request", "no prepared samples")]
     shortest = store.lengths.argsort(stable=True)[:SELF_CHECK_SAMPLES].tolist()
-    i = shortest[0]
-    ids = store[i][1].tolist()
     try:
         hf = target_hf_config(cfg.target)
         layer_ids = server_layer_ids(aux_layer_ids(cfg.target, hf.num_hidden_layers), hf.num_hidden_layers)
@@ -565,80 +578,89 @@ def feature_smoke(ctx: StageContext) -> list:
         return [fail("feature smoke request", err.message, err.remedy or "check target.model")]
     results = []
     for url in v.servers:
-        name = f"feature smoke request {url}"
-        one = v.model_copy(update={"servers": [url], "concurrency": 1, "max_retries": min(v.max_retries, 1)})
-
-        async def ask(one=one):
-            async with FeatureClient(
-                one,
-                feature_api_key(cfg),
-                served_model(cfg),
-                layer_ids,
-                hf.hidden_size,
-                norm,
-                f"eksmoke{os.getpid()}",
-                self_check=SELF_CHECK_LOGPROBS,
-            ) as client:
-                return [await client.capture(j, store[j][1].tolist()) for j in shortest]
-
-        try:
-            caps = asyncio.run(ask())
-            cap = caps[0]
-        except RequestFailed as err:
-            results.append(
-                fail(
-                    name,
-                    f"sample {store.ids[i]!r} failed after {err.attempts} attempts: {err.reason}",
-                    "fix what the server says; `eaglekit preflight CONFIG --stage extract` tries again",
-                )
-            )
-            continue
-        except EaglekitError as err:
-            results.append(fail(name, err.message, err.remedy or "see the message"))
-            continue
-        logits = cap.last_hidden[-1].float() @ head.float().T
-        top = logits.topk(min(5, logits.numel())).indices.tolist()
-        detail = (
-            f"{len(ids)} tokens, states {list(cap.aux.shape)} + {list(cap.last_hidden.shape)} "
-            f"({cap.aux.dtype}); the server's next token {cap.generated}, ours {top[0]}"
-        )
-        if cap.generated is None:
-            results.append(ok(name, detail + " (the server returned no token ids; next-token check skipped)"))
-        elif cap.generated == top[0]:
-            results.append(ok(name, detail))
-        elif cap.generated in top:
-            results.append(
-                CheckResult(
-                    name,
-                    "warn",
-                    detail + ": within our top 5 (a near-tie, bf16 numerics)",
-                    "fine for training when it happens rarely",
-                )
-            )
-        else:
-            results.append(
-                fail(
-                    name,
-                    detail + ": the captured final state does not predict the server's token",
-                    "the server's layer ids or model differ from this config, or the target's final norm "
-                    "is not a plain RMSNorm: restart it with `eaglekit serve-command CONFIG`",
-                )
-            )
-        checked = [
-            check_capture(
-                f"capture self-check {url}",
-                c.states,
-                layer_ids,
-                c.last_hidden,
-                norm,
-                head,
-                parse_prompt_logprobs(c.prompt_logprobs),
-            )
-            for c in caps
-            if c.states is not None
-        ]
-        results.append(next((r for r in checked if r.status == "fail"), checked[-1]))
+        results += smoke_server(ctx, url, store, shortest, layer_ids, hf.hidden_size, norm, head)
     return results
+
+
+def smoke_server(ctx: StageContext, url: str, store, shortest: list[int], layer_ids, hidden, norm, head) -> list:
+    """The smoke request to one server: the next-token check on the shortest sample, then the capture self-check
+    on the ``shortest`` few (or one failure, when a request fails)."""
+    from eaglekit.preflight.capture import check_capture, parse_prompt_logprobs
+    from eaglekit.serving.client import RequestFailed
+    from eaglekit.serving.vllm_features import FeatureClient
+
+    cfg, v = ctx.cfg, ctx.cfg.extract.vllm
+    assert v is not None, "declared for extract.backend vllm only"
+    name = f"feature smoke request {url}"
+    one = v.model_copy(update={"servers": [url], "concurrency": 1, "max_retries": min(v.max_retries, 1)})
+
+    async def ask():
+        async with FeatureClient(
+            one,
+            feature_api_key(cfg),
+            served_model(cfg),
+            layer_ids,
+            hidden,
+            norm,
+            f"eksmoke{os.getpid()}",
+            self_check=SELF_CHECK_LOGPROBS,
+        ) as client:
+            return [await client.capture(j, store[j][1].tolist()) for j in shortest]
+
+    try:
+        caps = asyncio.run(ask())
+    except RequestFailed as err:
+        return [
+            fail(
+                name,
+                f"sample {store.ids[shortest[0]]!r} failed after {err.attempts} attempts: {err.reason}",
+                "fix what the server says; `eaglekit preflight CONFIG --stage extract` tries again",
+            )
+        ]
+    except EaglekitError as err:
+        return [fail(name, err.message, err.remedy or "see the message")]
+    next_token = next_token_check(name, len(store[shortest[0]][1].tolist()), caps[0], head)
+    checked = [
+        check_capture(
+            f"capture self-check {url}",
+            c.states,
+            layer_ids,
+            c.last_hidden,
+            norm,
+            head,
+            parse_prompt_logprobs(c.prompt_logprobs),
+        )
+        for c in caps
+        if c.states is not None
+    ]
+    return [next_token, next((r for r in checked if r.status == "fail"), checked[-1])]
+
+
+def next_token_check(name: str, tokens: int, cap, head) -> CheckResult:
+    """The server's next token against ours: its captured final state through the target's norm and lm_head."""
+    logits = cap.last_hidden[-1].float() @ head.float().T
+    top = logits.topk(min(5, logits.numel())).indices.tolist()
+    detail = (
+        f"{tokens} tokens, states {list(cap.aux.shape)} + {list(cap.last_hidden.shape)} "
+        f"({cap.aux.dtype}); the server's next token {cap.generated}, ours {top[0]}"
+    )
+    if cap.generated is None:
+        return ok(name, detail + " (the server returned no token ids; next-token check skipped)")
+    if cap.generated == top[0]:
+        return ok(name, detail)
+    if cap.generated in top:
+        return CheckResult(
+            name,
+            "warn",
+            detail + ": within our top 5 (a near-tie, bf16 numerics)",
+            "fine for training when it happens rarely",
+        )
+    return fail(
+        name,
+        detail + ": the captured final state does not predict the server's token",
+        "the server's layer ids or model differ from this config, or the target's final norm "
+        "is not a plain RMSNorm: restart it with `eaglekit serve-command CONFIG`",
+    )
 
 
 def estimate(ctx: StageContext, sizes: Sizes | None) -> Estimate:

@@ -297,9 +297,8 @@ async def generate_openai(cfg: RunConfig, pending: list[PromptRecord], collector
 
 
 def run(ctx: StageContext) -> dict:
-    cfg, g = ctx.cfg, ctx.cfg.generate
-    prompt_set = run_prompts(cfg)
-    mode, why = target_reasoning_mode(cfg)
+    prompt_set = run_prompts(ctx.cfg)
+    mode, why = target_reasoning_mode(ctx.cfg)
     with ResponseStore(ctx.dir) as store:
         retried = store.forget_errors() if ctx.options.get("retry_failed") else 0
         existing = sum(p.id in store.done_ids for p in prompt_set.records)
@@ -315,43 +314,70 @@ def run(ctx: StageContext) -> dict:
             + (f", retrying {retried} failed" if retried else "")
             + f"; reasoning {mode} ({why})"
         )
-        capacity = g.concurrency * max(1, len(g.servers))
         notes: list[str] = []
-        with Meter("generate", total=len(prompt_set.records), unit="req", initial=existing) as meter:
-            collector = Collector(
-                store,
-                meter,
-                mode,
-                g.gate_samples,
-                g.gate_max_empty_share,
-                max_failures_in_a_row=max(g.gate_samples, 2 * capacity),
-                backend=g.backend,
-            )
-            try:
-                if pending and g.backend == "local":
-                    from eaglekit.model.local_generation import generate_local
-
-                    generate_local(cfg, pending, collector.add)
-                elif pending:
-                    asyncio.run(generate_openai(cfg, pending, collector, notes))
-                collector.finish()
-            except KeyboardInterrupt:
-                held = len(collector.held)
-                console.print(
-                    f"[yellow]generate: interrupted; {len(store.done_ids)} samples are on disk"
-                    + (f" ({held} completions still held for the reasoning gate were dropped)" if held else "")
-                    + "; rerun the same command to resume[/]"
-                )
-                raise
-            finally:
-                if collector.gate is not None:
-                    ctx.ledger_extra["gate"] = collector.gate
-                ctx.ledger_extra["rates"] = collector.rates()
-                if notes:
-                    ctx.ledger_extra["servers"] = notes
+        collector = collect(ctx, store, pending, mode, len(prompt_set.records), existing, notes)
 
     summary = summarize(ctx.dir)
-    rates = ctx.ledger_extra["rates"]
+    print_summary(summary, collector, ctx.ledger_extra["rates"], notes, store)
+    return {
+        **summary,
+        "new": collector.counts["new"],
+        "skipped_existing": existing,
+        "skipped_failed": len(skipped_failed),
+        "prompt_duplicates": prompt_set.duplicates,
+        "bad_rows": len(prompt_set.bad_rows),
+    }
+
+
+def collect(
+    ctx: StageContext,
+    store: ResponseStore,
+    pending: list[PromptRecord],
+    mode: str,
+    total: int,
+    existing: int,
+    notes: list[str],
+) -> Collector:
+    """The pending prompts' responses into ``store`` through the reasoning gate; the gate, the rates and the
+    servers' notes go to the ledger even when interrupted."""
+    cfg, g = ctx.cfg, ctx.cfg.generate
+    capacity = g.concurrency * max(1, len(g.servers))
+    with Meter("generate", total=total, unit="req", initial=existing) as meter:
+        collector = Collector(
+            store,
+            meter,
+            mode,
+            g.gate_samples,
+            g.gate_max_empty_share,
+            max_failures_in_a_row=max(g.gate_samples, 2 * capacity),
+            backend=g.backend,
+        )
+        try:
+            if pending and g.backend == "local":
+                from eaglekit.model.local_generation import generate_local
+
+                generate_local(cfg, pending, collector.add)
+            elif pending:
+                asyncio.run(generate_openai(cfg, pending, collector, notes))
+            collector.finish()
+        except KeyboardInterrupt:
+            held = len(collector.held)
+            console.print(
+                f"[yellow]generate: interrupted; {len(store.done_ids)} samples are on disk"
+                + (f" ({held} completions still held for the reasoning gate were dropped)" if held else "")
+                + "; rerun the same command to resume[/]"
+            )
+            raise
+        finally:
+            if collector.gate is not None:
+                ctx.ledger_extra["gate"] = collector.gate
+            ctx.ledger_extra["rates"] = collector.rates()
+            if notes:
+                ctx.ledger_extra["servers"] = notes
+    return collector
+
+
+def print_summary(summary: dict, collector: Collector, rates: dict, notes: list[str], store: ResponseStore) -> None:
     for note in notes:
         console.print(f"[yellow]generate: {note}[/]")
     console.print(
@@ -366,14 +392,6 @@ def run(ctx: StageContext) -> dict:
             f"[yellow]generate: {summary['failed']} samples failed (reasons in {store.errors_path}); "
             f"retry them with `eaglekit generate CONFIG --retry-failed`[/]"
         )
-    return {
-        **summary,
-        "new": collector.counts["new"],
-        "skipped_existing": existing,
-        "skipped_failed": len(skipped_failed),
-        "prompt_duplicates": prompt_set.duplicates,
-        "bad_rows": len(prompt_set.bad_rows),
-    }
 
 
 def data_flags(counts: dict) -> list[str]:

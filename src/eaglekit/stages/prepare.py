@@ -77,47 +77,7 @@ def run(ctx: StageContext) -> dict:
     tokenizer = load_tokenizer(cfg.target.model, cfg.target.chat_template, cfg.target.trust_remote_code)
     responses_path = ctx.run.stage_dir("generate") / "responses.jsonl"
     rows = list(read_responses(responses_path))
-    max_len = cfg.prepare.max_length
-    # The template must render exactly as it did for the server (e.g. enable_thinking), or the masks drift.
-    template_kwargs = cfg.generate.extra_body.get("chat_template_kwargs") or None
-    dropped = {"length_stopped": 0, "overlong": 0, "empty": 0}
-    truncated = 0
-    exact_ids = 0  # replies whose generated token ids differ from a re-tokenization of their text
-    samples = []
-    with Meter("prepare", total=len(rows), unit="samples") as meter:
-        for row in rows:
-            meter.update(1)
-            if row.get("finish_reason") == "length" and not cfg.prepare.keep_length_stopped:
-                dropped["length_stopped"] += 1
-                continue
-            if not (row.get("content") or row.get("reasoning")):
-                dropped["empty"] += 1
-                continue
-            try:
-                sample = render_sample(
-                    tokenizer,
-                    row["messages"],
-                    row.get("reasoning") or "",
-                    row.get("content") or "",
-                    template_kwargs=template_kwargs,
-                )
-            except EaglekitError as err:
-                raise EaglekitError(f"{responses_path}: sample {row['id']}: {err.message}", err.remedy) from None
-            ids, mask, replaced = use_generated_tokens(
-                tokenizer, sample.input_ids, sample.loss_mask, row.get("completion_token_ids")
-            )
-            exact_ids += replaced
-            if len(ids) > max_len:
-                if cfg.prepare.overlong == "drop":
-                    dropped["overlong"] += 1
-                    continue
-                ids, mask = ids[:max_len], mask[:max_len]
-                truncated += 1
-            if not any(mask):
-                dropped["empty"] += 1
-                continue
-            samples.append((row["id"], ids, mask))
-
+    samples, dropped, truncated, exact_ids = tokenize_responses(cfg, tokenizer, rows, responses_path)
     if not samples:
         raise EaglekitError(
             f"prepare: none of {len(rows)} responses in {responses_path} made a training sample (dropped: {dropped})",
@@ -158,6 +118,54 @@ def run(ctx: StageContext) -> dict:
     return {k: stats[k] for k in ("samples", "tokens", "assistant_tokens", "mean_length", "p95_length")} | {
         "dropped": sum(dropped.values())
     }
+
+
+def tokenize_responses(
+    cfg: RunConfig, tokenizer, rows: list[dict], responses_path: Path
+) -> tuple[list[tuple[str, list[int], list[int]]], dict[str, int], int, int]:
+    """(id, token ids, loss mask) of each response that makes a training sample, the dropped ones by cause, the
+    number truncated, and the number whose generated token ids replaced a re-tokenization of their text."""
+    max_len = cfg.prepare.max_length
+    # The template must render exactly as it did for the server (e.g. enable_thinking), or the masks drift.
+    template_kwargs = cfg.generate.extra_body.get("chat_template_kwargs") or None
+    dropped = {"length_stopped": 0, "overlong": 0, "empty": 0}
+    truncated = 0
+    exact_ids = 0  # replies whose generated token ids differ from a re-tokenization of their text
+    samples = []
+    with Meter("prepare", total=len(rows), unit="samples") as meter:
+        for row in rows:
+            meter.update(1)
+            if row.get("finish_reason") == "length" and not cfg.prepare.keep_length_stopped:
+                dropped["length_stopped"] += 1
+                continue
+            if not (row.get("content") or row.get("reasoning")):
+                dropped["empty"] += 1
+                continue
+            try:
+                sample = render_sample(
+                    tokenizer,
+                    row["messages"],
+                    row.get("reasoning") or "",
+                    row.get("content") or "",
+                    template_kwargs=template_kwargs,
+                )
+            except EaglekitError as err:
+                raise EaglekitError(f"{responses_path}: sample {row['id']}: {err.message}", err.remedy) from None
+            ids, mask, replaced = use_generated_tokens(
+                tokenizer, sample.input_ids, sample.loss_mask, row.get("completion_token_ids")
+            )
+            exact_ids += replaced
+            if len(ids) > max_len:
+                if cfg.prepare.overlong == "drop":
+                    dropped["overlong"] += 1
+                    continue
+                ids, mask = ids[:max_len], mask[:max_len]
+                truncated += 1
+            if not any(mask):
+                dropped["empty"] += 1
+                continue
+            samples.append((row["id"], ids, mask))
+    return samples, dropped, truncated, exact_ids
 
 
 STAGE = Stage(

@@ -20,6 +20,10 @@ Two ways to reach an engine (``verify`` runs only when one is set):
 * ``verify.server: URL`` — a vLLM or SGLang server you started with the command ``export`` printed; K is
   the server's. SGLang must draft a chain (``--speculative-eagle-topk 1``).
 
+The two are implementations of ``ServedEngine`` (``EaglekitVllm``, ``UserServer``), chosen once by
+``served_engine``; the diagnosis is one function per cause (``DIAGNOSIS``); the report is rendered by
+``eaglekit.data.verify_report``.
+
 Writes ``verify/report.json``, ``report.md``, ``acceptance.png`` and the engines' logs (``logs/``).
 """
 
@@ -29,38 +33,52 @@ import gc
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
+from safetensors import safe_open
 
 from eaglekit import atomic
 from eaglekit.config import RunConfig
 from eaglekit.contract import Estimate, Sizes, Stage, StageContext
+from eaglekit.data.suites import load_suite
+from eaglekit.data.verify_report import CAUSES, failure_message, report_markdown, verdict_counts
 from eaglekit.errors import EaglekitError, UsageError
+from eaglekit.model.checkpoints import ServedSettings, read_config, served_settings
+from eaglekit.model.drafter import FLAGS, rope_from_config, text_config
+from eaglekit.model.target import embedding_and_head, load_target, target_hf_config
 from eaglekit.preflight import checks as common
 from eaglekit.preflight import fail, ok, skip, will_be_produced
 from eaglekit.preflight.drafter import drafter_checkpoint, prompts_available
 from eaglekit.progress import Meter, console
 from eaglekit.rundir import file_identity
-from eaglekit.serving.speculation import Counters, Served
-from eaglekit.speculative.inputs import first_difference
+from eaglekit.serving.engine import VllmServer, find_vllm_python, is_cpu_build, supports_flag
+from eaglekit.serving.engine import version as engine_version
+from eaglekit.serving.speculation import (
+    Counters,
+    Served,
+    SglangClient,
+    VllmClient,
+    detect,
+    sglang_batch,
+    vllm_batch,
+)
+from eaglekit.speculative.inputs import (
+    checkpoint_path,
+    decode_threads,
+    decoding_inputs,
+    first_difference,
+    written_forms,
+)
 
 NAME = "verify"
 UPSTREAM = "export"
-# In order of how often each has made a served drafter collapse (sglang#25454, #32334; vllm#43671, ...).
-CAUSES = (
-    "aux-layer ids",
-    "norm_before_residual",
-    "rope / max_position_embeddings",
-    "d2t offsets",
-    "embedding sharing",
-    "EAGLE 3.1 flags",
-)
 DETAILED_METRICS_FLAG = "--per-request-spec-decode-metrics"
 
 
 def forms(cfg: RunConfig) -> list[str]:
-    from eaglekit.speculative.inputs import written_forms  # an MLA drafter's export has the plain form only
-
+    """The exported forms verify serves: verify.formats, else those export wrote (an MLA drafter's: the plain
+    form only)."""
     return list(dict.fromkeys(cfg.verify.formats or written_forms(cfg)))
 
 
@@ -110,14 +128,11 @@ def configured(ctx: StageContext):
 
 
 def engine_available(ctx: StageContext):
-    from eaglekit.serving.engine import find_vllm_python, version
-    from eaglekit.serving.speculation import detect
-
     vc = ctx.cfg.verify
     try:
         if vc.engine == "vllm":
             python = find_vllm_python(vc.python)
-            return ok("engine", f"vLLM at {python} ({version(python)})")
+            return ok("engine", f"vLLM at {python} ({engine_version(python)})")
         if vc.server:
             return ok("engine", f"{detect(vc.server)} answers at {vc.server}")
     except EaglekitError as err:
@@ -153,8 +168,6 @@ DSPARK_ON_CPU = (
 
 def engine_serves_forms(ctx: StageContext):
     """A form the configured engine cannot serve is named here, before an engine starts for it."""
-    from eaglekit.serving.engine import find_vllm_python, is_cpu_build
-
     vc = ctx.cfg.verify
     if vc.engine != "vllm" or "dspark" not in forms(ctx.cfg):
         return ok("engine serves the forms", "nothing this engine is known to refuse")
@@ -225,7 +238,7 @@ class Offline:
 def engine_stop_ids(cfg: RunConfig, stop_ids: set[int]) -> list[int]:
     """The end-of-turn ids plus the generation config's EOS ids, which engines stop at by default: the set
     sent with every request and used offline, so that both stop at the same tokens."""
-    from transformers import GenerationConfig
+    from transformers import GenerationConfig  # lazy: seconds to import; `verify --help` skips it
 
     ids = set(stop_ids)
     try:
@@ -241,10 +254,8 @@ def engine_stop_ids(cfg: RunConfig, stop_ids: set[int]) -> list[int]:
 def offline_figures(cfg: RunConfig, ks: list[int]) -> Offline:
     """Decode the prompts with the trained checkpoint and the HF target (freed again before any engine starts:
     both would want the same accelerator)."""
-    from eaglekit.model.target import load_target
-    from eaglekit.speculative.block import proposer_for
-    from eaglekit.speculative.decode import generate
-    from eaglekit.speculative.inputs import decode_threads, decoding_inputs
+    from eaglekit.speculative.block import proposer_for  # lazy: imports transformers
+    from eaglekit.speculative.decode import generate  # lazy: imports transformers
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     target = load_target(cfg.target, device if not cfg.target.device_map else None)
@@ -282,8 +293,11 @@ def offline_figures(cfg: RunConfig, ks: list[int]) -> Offline:
 def suite_prompt_groups(cfg: RunConfig, target, inputs, stop: set[int], limit: int) -> dict:
     """``verify.suites`` (default ``evaluate.suites``) in each of evaluate's reasoning modes, turn by turn, as
     evaluate renders them: (suite, mode) -> [(id, prompt ids)]."""
-    from eaglekit.data.suites import load_suite
-    from eaglekit.speculative.benchmark import reasoning_modes, suite_prompts, template_kwargs
+    from eaglekit.speculative.benchmark import (  # lazy: imports transformers
+        reasoning_modes,
+        suite_prompts,
+        template_kwargs,
+    )
 
     suites = cfg.verify.suites if cfg.verify.suites is not None else cfg.evaluate.suites
     served = cfg.generate.extra_body.get("chat_template_kwargs")
@@ -340,57 +354,120 @@ def verifier_is_target(verifier: str, target: str) -> bool:
         return False
 
 
-def served_by_eaglekit(ctx: StageContext, offline: Offline) -> list[ServedRun]:
-    from eaglekit.serving.engine import VllmServer, find_vllm_python, supports_flag
-    from eaglekit.serving.speculation import VllmClient, vllm_batch
+class ServedEngine(Protocol):
+    """An engine verify measures, chosen once (``served_engine``): the vLLM eaglekit starts for each exported form
+    and K, or the server the user started."""
 
-    cfg, vc = ctx.cfg, ctx.cfg.verify
-    python = find_vllm_python(vc.python)
-    detailed = [DETAILED_METRICS_FLAG, "detailed"] if supports_flag(python, DETAILED_METRICS_FLAG) else []
-    logs = ctx.dir / "logs"
-    runs = []
-    for form in forms(cfg):
-        folder = cfg.run_path / "export" / form
-        for k in speculative_tokens(cfg):
-            model, args, launch = vllm_launch(cfg, form, folder, k)
-            log = logs / f"vllm-{form}-k{k}.log"
-            log.unlink(missing_ok=True)
-            console.print(f"verify: starting vLLM — {launch}; log {log}")
-            server = VllmServer(
-                python, model, args + detailed + list(vc.engine_args), log, startup_timeout=vc.startup_timeout
-            )
-            total = len(offline.all_prompts())
-            with server, Meter(f"verify: {form} K={k} served", total=total, unit="requests") as meter:
-                client = VllmClient(server.url, vc.timeout)
-                run = ServedRun(form, k, "vllm", launch, {}, Counters(), str(log))
-                run.attention_backends = server.attention_backends()
-                send_batches(
-                    run,
-                    offline,
-                    lambda ps, client=client: vllm_batch(
-                        client, ps, max_new_tokens(cfg), offline.stop_ids, meter.update
-                    ),
-                )
-            runs.append(run)
-    return runs
+    name: str  # "vllm" | "sglang": whose counters and config conventions the report compares with
+    version: str | None  # the engine's version, where eaglekit knows it
+    ks: list[int]  # the K's measured, known before the offline decode
+
+    def runs(self, offline: Offline) -> list[ServedRun]:
+        """Every prompt of ``offline`` served at temperature 0, once per form and K."""
+        ...
+
+    def folders(self) -> dict[str, Path]:
+        """Each run's form -> the drafter folder the engine reads (what the diagnosis reads as the engine does)."""
+        ...
 
 
-def served_by_user(cfg: RunConfig, offline: Offline, engine: str, client, k: int) -> ServedRun:
-    from eaglekit.serving.speculation import sglang_batch, vllm_batch
+def served_engine(ctx: StageContext) -> ServedEngine:
+    vc = ctx.cfg.verify
+    if vc.server:  # a running server wins over verify.engine: it is what the user asked to check
+        return UserServer(ctx.cfg, vc.server)
+    if vc.engine:
+        return EaglekitVllm(ctx)
+    raise UsageError(
+        "verify: neither verify.engine nor verify.server is set",
+        "set verify.engine: vllm, or verify.server: URL of a server you started",
+    )
 
-    run = ServedRun("served", k, engine, cfg.verify.server or "", {}, Counters())
-    with Meter("verify: served", total=len(offline.all_prompts()), unit="requests") as meter:
-        if engine == "sglang":
-            send_batches(
-                run,
-                offline,
-                lambda ps: sglang_batch(client, ps, max_new_tokens(cfg), offline.stop_ids, k, meter.update),
-            )
-        else:
+
+class EaglekitVllm:
+    """verify.engine: vLLM from verify.python's environment, started on a free loopback port for each exported
+    form and K, and stopped after."""
+
+    name = "vllm"
+
+    def __init__(self, ctx: StageContext):
+        self.ctx, self.cfg = ctx, ctx.cfg
+        self.python = find_vllm_python(ctx.cfg.verify.python)
+        self.version: str | None = engine_version(self.python)
+        self.ks = speculative_tokens(ctx.cfg)
+
+    def folders(self) -> dict[str, Path]:
+        return {form: self.cfg.run_path / "export" / form for form in forms(self.cfg)}
+
+    def runs(self, offline: Offline) -> list[ServedRun]:
+        supported = supports_flag(self.python, DETAILED_METRICS_FLAG)
+        detailed = [DETAILED_METRICS_FLAG, "detailed"] if supported else []
+        return [
+            self.serve(form, folder, k, offline, detailed) for form, folder in self.folders().items() for k in self.ks
+        ]
+
+    def serve(self, form: str, folder: Path, k: int, offline: Offline, detailed: list[str]) -> ServedRun:
+        """One engine start: ``folder`` served with K drafts, every prompt sent, the engine stopped after."""
+        cfg, vc = self.cfg, self.cfg.verify
+        model, args, launch = vllm_launch(cfg, form, folder, k)
+        log = self.ctx.dir / "logs" / f"vllm-{form}-k{k}.log"
+        log.unlink(missing_ok=True)
+        console.print(f"verify: starting vLLM — {launch}; log {log}")
+        server = VllmServer(
+            self.python, model, args + detailed + list(vc.engine_args), log, startup_timeout=vc.startup_timeout
+        )
+        total = len(offline.all_prompts())
+        with server, Meter(f"verify: {form} K={k} served", total=total, unit="requests") as meter:
+            client = VllmClient(server.url, vc.timeout)
+            run = ServedRun(form, k, "vllm", launch, {}, Counters(), str(log))
+            run.attention_backends = server.attention_backends()
             send_batches(
                 run, offline, lambda ps: vllm_batch(client, ps, max_new_tokens(cfg), offline.stop_ids, meter.update)
             )
-    return run
+        return run
+
+
+class UserServer:
+    """verify.server: a vLLM or SGLang server the user started with the command export printed; K is the
+    server's, asked before anything else."""
+
+    version: str | None = None
+
+    def __init__(self, cfg: RunConfig, url: str):
+        vc = cfg.verify
+        self.cfg, self.url = cfg, url
+        self.name = detect(url)
+        self.client = SglangClient(url, vc.timeout) if self.name == "sglang" else VllmClient(url, vc.timeout)
+        k = self.client.num_speculative_tokens()
+        if not k:
+            raise EaglekitError(
+                f"the vLLM server at {url} registers no speculative-decoding counters: it does not speculate",
+                "start it with the command `eaglekit export` printed",
+            )
+        if vc.num_speculative_tokens and k not in vc.num_speculative_tokens:
+            raise UsageError(
+                f"the server at {url} drafts K={k}, verify.num_speculative_tokens asks for {vc.num_speculative_tokens}",
+                "restart the server with that K, or drop the key (a running server's K is the one verified)",
+            )
+        self.ks = [k]
+
+    def folders(self) -> dict[str, Path]:
+        """SGLang names its draft folder; otherwise the export this config wrote, as the served one."""
+        client, export = self.client, self.cfg.run_path / "export"
+        if isinstance(client, SglangClient) and client.draft_model_path:
+            return {"served": Path(client.draft_model_path)}
+        return {"served": export / ("eagle3" if self.name == "sglang" else forms(self.cfg)[0])}
+
+    def runs(self, offline: Offline) -> list[ServedRun]:
+        client, k, limit = self.client, self.ks[0], max_new_tokens(self.cfg)
+        run = ServedRun("served", k, self.name, self.url, {}, Counters())
+        with Meter("verify: served", total=len(offline.all_prompts()), unit="requests") as meter:
+            if isinstance(client, SglangClient):
+                send_batches(
+                    run, offline, lambda ps: sglang_batch(client, ps, limit, offline.stop_ids, k, meter.update)
+                )
+            else:
+                send_batches(run, offline, lambda ps: vllm_batch(client, ps, limit, offline.stop_ids, meter.update))
+        return [run]
 
 
 def send_batches(run: ServedRun, offline: Offline, batch) -> None:
@@ -409,33 +486,11 @@ def compare(run: ServedRun, offline: Offline, cfg: RunConfig) -> dict:
     accepted count of every verify pass, each against eaglekit's offline figures."""
     vc = cfg.verify
     mine, theirs = offline.counters(run.k), run.counters
-    if run.engine == "sglang":  # SGLang's own τ: completion tokens per verify pass, the prefill's token included
-        tau_served = (theirs.emitted or 0) / theirs.verify_passes if theirs.verify_passes else 1.0
-        tau_offline = (mine.emitted or 0) / mine.verify_passes if mine.verify_passes else 1.0
-        has_positions = theirs.drafts > 0
-        speculating = bool(theirs.verify_passes)
-    else:
-        tau_served, tau_offline = theirs.tau, mine.tau
-        has_positions = True
-        speculating = theirs.drafts > 0
-    positions = (
-        [
-            {"position": i + 1, "served": round(s, 4), "offline": round(o, 4), "difference": round(s - o, 4)}
-            for i, (s, o) in enumerate(zip(theirs.rates(), mine.rates(), strict=False))
-        ]
-        if has_positions
-        else []
-    )
-    differing = [
-        {
-            "id": pid,
-            "first_difference": first_difference(run.served[pid].tokens, offline.plain[pid]),
-            "served_tokens": len(run.served[pid].tokens),
-            "plain_tokens": len(offline.plain[pid]),
-        }
-        for pid, _ in offline.prompts
-        if run.served[pid].tokens != offline.plain[pid]
-    ]
+    sglang = run.engine == "sglang"
+    tau_served, tau_offline = (sglang_tau(theirs), sglang_tau(mine)) if sglang else (theirs.tau, mine.tau)
+    speculating = bool(theirs.verify_passes) if sglang else theirs.drafts > 0
+    positions = position_rates(theirs, mine) if theirs.drafts > 0 or not sglang else []
+    differing = greedy_differences(run, offline)
     per_round = [
         (pid, run.served[pid].accepted_per_round, offline.eagle[run.k][pid].accepted_per_round)
         for pid, _ in offline.prompts
@@ -464,22 +519,10 @@ def compare(run: ServedRun, offline: Offline, cfg: RunConfig) -> dict:
             "served": round(tau_served, 4),
             "offline": round(tau_offline, 4),
             "relative_difference": round(relative, 4),
-            "definition": "completion tokens / verify passes (SGLang)"
-            if run.engine == "sglang"
-            else "1 + accepted / drafts (vLLM)",
+            "definition": "completion tokens / verify passes (SGLang)" if sglang else "1 + accepted / drafts (vLLM)",
         },
-        "served": {
-            "drafts": theirs.drafts,
-            "accepted": theirs.accepted,
-            "verify_passes": theirs.verify_passes,
-            "emitted": theirs.emitted,
-        },
-        "offline": {
-            "drafts": mine.drafts,
-            "accepted": mine.accepted,
-            "verify_passes": mine.verify_passes,
-            "emitted": mine.emitted,
-        },
+        "served": counter_figures(theirs),
+        "offline": counter_figures(mine),
         "positions": positions,
         "largest_position_difference": round(worst, 4),
         "greedy": {
@@ -492,6 +535,41 @@ def compare(run: ServedRun, offline: Offline, cfg: RunConfig) -> dict:
         else None,
         "checks": checks,
         "passed": all(checks.values()),
+    }
+
+
+def sglang_tau(counters: Counters) -> float:
+    """SGLang's own τ: completion tokens per verify pass, the prefill's token included."""
+    return (counters.emitted or 0) / counters.verify_passes if counters.verify_passes else 1.0
+
+
+def position_rates(theirs: Counters, mine: Counters) -> list[dict]:
+    return [
+        {"position": i + 1, "served": round(s, 4), "offline": round(o, 4), "difference": round(s - o, 4)}
+        for i, (s, o) in enumerate(zip(theirs.rates(), mine.rates(), strict=False))
+    ]
+
+
+def greedy_differences(run: ServedRun, offline: Offline) -> list[dict]:
+    """The evaluation prompts whose served output is not plain greedy decoding's, with the first token that differs."""
+    return [
+        {
+            "id": pid,
+            "first_difference": first_difference(run.served[pid].tokens, offline.plain[pid]),
+            "served_tokens": len(run.served[pid].tokens),
+            "plain_tokens": len(offline.plain[pid]),
+        }
+        for pid, _ in offline.prompts
+        if run.served[pid].tokens != offline.plain[pid]
+    ]
+
+
+def counter_figures(counters: Counters) -> dict:
+    return {
+        "drafts": counters.drafts,
+        "accepted": counters.accepted,
+        "verify_passes": counters.verify_passes,
+        "emitted": counters.emitted,
     }
 
 
@@ -522,38 +600,58 @@ def compare_suite(run: ServedRun, offline: Offline, group: tuple[str, str], tole
     }
 
 
+@dataclass
+class EngineReading:
+    """What ``engine`` reads from a served ``folder``, beside what the drafter was trained with: what every cause
+    of the diagnosis looks at."""
+
+    cfg: RunConfig
+    folder: Path
+    engine: str
+    aux: list[int]  # the aux layers the drafter was trained on
+    hf: Any  # the target's text config
+    found: ServedSettings
+    trained: dict[str, bool]  # the trained checkpoint's drafter flags
+
+
 def diagnose(cfg: RunConfig, folder: Path, engine: str, aux: list[int]) -> list[dict]:
     """The usual causes, most frequent first, each checked against what ``engine`` reads from ``folder``."""
-    from safetensors import safe_open
-
-    from eaglekit.model.checkpoints import served_settings
-    from eaglekit.model.drafter import rope_from_config, text_config
-    from eaglekit.model.target import embedding_and_head, target_hf_config
-    from eaglekit.speculative.inputs import checkpoint_path
-
     hf = text_config(target_hf_config(cfg.target))
-    layers = int(hf.num_hidden_layers)
-    found = served_settings(folder, engine, layers)
-    trained = trained_flags(checkpoint_path(cfg))
-    rows = []
+    found = served_settings(folder, engine, int(hf.num_hidden_layers))
+    reading = EngineReading(cfg, folder, engine, list(aux), hf, found, trained_flags(checkpoint_path(cfg)))
+    return [cause(reading) for cause in DIAGNOSIS]
 
-    def row(cause: str, suspect: bool, detail: str) -> None:
-        rows.append({"cause": cause, "status": "suspect" if suspect else "ok", "detail": detail})
 
-    wrong = [ids for ids in found.aux_layer_ids if ids != list(aux)]
-    row(
-        CAUSES[0],
+def cause_row(cause: str, suspect: bool, detail: str) -> dict:
+    return {"cause": cause, "status": "suspect" if suspect else "ok", "detail": detail}
+
+
+AUX_LAYER_IDS, NORM_BEFORE_RESIDUAL, ROPE, D2T_OFFSETS, EMBEDDING_SHARING, EAGLE31_FLAGS = CAUSES
+
+
+def aux_layer_ids(r: EngineReading) -> dict:
+    wrong = [ids for ids in r.found.aux_layer_ids if ids != r.aux]
+    return cause_row(
+        AUX_LAYER_IDS,
         bool(wrong),
-        f"{engine} captures hidden_states {' or '.join(map(str, found.aux_layer_ids))} "
-        f"(from {folder.name}/config.json); the drafter was trained on {list(aux)}",
+        f"{r.engine} captures hidden_states {' or '.join(map(str, r.found.aux_layer_ids))} "
+        f"(from {r.folder.name}/config.json); the drafter was trained on {r.aux}",
     )
-    row(
-        CAUSES[1],
-        found.norm_before_residual != trained["norm_before_residual"],
-        f"{engine} reads norm_before_residual = {str(found.norm_before_residual).lower()}"
-        + (" (the key is absent: vLLM's default for this form)" if found.norm_before_residual_defaulted else "")
-        + f"; the drafter was trained with {str(trained['norm_before_residual']).lower()}",
+
+
+def norm_before_residual(r: EngineReading) -> dict:
+    found, trained = r.found.norm_before_residual, r.trained["norm_before_residual"]
+    return cause_row(
+        NORM_BEFORE_RESIDUAL,
+        found != trained,
+        f"{r.engine} reads norm_before_residual = {str(found).lower()}"
+        + (" (the key is absent: vLLM's default for this form)" if r.found.norm_before_residual_defaulted else "")
+        + f"; the drafter was trained with {str(trained).lower()}",
     )
+
+
+def rope_settings(r: EngineReading) -> dict:
+    found, hf = r.found, r.hf
     theta, scaling = rope_from_config(hf)
     mismatch = []
     if found.max_position_embeddings != int(hf.max_position_embeddings):
@@ -564,75 +662,83 @@ def diagnose(cfg: RunConfig, folder: Path, engine: str, aux: list[int]) -> list[
         mismatch.append(f"rope_theta {found.rope_theta} (target {theta})")
     if (found.rope_scaling or None) != (scaling or None):
         mismatch.append(f"rope_scaling {found.rope_scaling} (target {scaling})")
-    row(
-        CAUSES[2],
+    return cause_row(
+        ROPE,
         bool(mismatch),
         "; ".join(mismatch)
         or f"max_position_embeddings {found.max_position_embeddings}, rope_theta {found.rope_theta:g} — the target's",
     )
-    weights = folder / "model.safetensors"
-    with safe_open(str(weights), "pt") as f:
-        keys = set(f.keys())
-        d2t = f.get_tensor("d2t") if "d2t" in keys else None
-        embed = f.get_tensor("embed_tokens.weight") if "embed_tokens.weight" in keys else None
-    source_weights = checkpoint_path(cfg) / "model.safetensors"
-    trained_d2t = None
-    if source_weights.exists():
-        with safe_open(str(source_weights), "pt") as f:
-            trained_d2t = f.get_tensor("d2t") if "d2t" in set(f.keys()) else None
+
+
+def d2t_offsets(r: EngineReading) -> dict:
+    d2t = tensor_or_none(r.folder / "model.safetensors", "d2t")
+    source_weights = checkpoint_path(r.cfg) / "model.safetensors"
+    trained_d2t = tensor_or_none(source_weights, "d2t") if source_weights.exists() else None
     if d2t is None or trained_d2t is None:
-        row(
-            CAUSES[3],
+        return cause_row(
+            D2T_OFFSETS,
             d2t is None and trained_d2t is not None,
             "no d2t in the served weights: the engine maps draft ids to target ids as the identity"
             if d2t is None
             else "the trained checkpoint has no d2t to compare with (full draft vocabulary)",
         )
-    else:
-        same = d2t.shape == trained_d2t.shape and torch.equal(d2t, trained_d2t)
-        row(
-            CAUSES[3],
-            not same,
-            "d2t equals the trained checkpoint's"
-            if same
-            else "d2t differs from the trained checkpoint's: draft ids map to other target tokens",
-        )
+    same = d2t.shape == trained_d2t.shape and torch.equal(d2t, trained_d2t)
+    return cause_row(
+        D2T_OFFSETS,
+        not same,
+        "d2t equals the trained checkpoint's"
+        if same
+        else "d2t differs from the trained checkpoint's: draft ids map to other target tokens",
+    )
+
+
+def embedding_sharing(r: EngineReading) -> dict:
+    embed = tensor_or_none(r.folder / "model.safetensors", "embed_tokens.weight")
     if embed is None:
-        row(CAUSES[4], False, "no embed_tokens in the served weights: the engine shares the target's")
-    else:
-        target_embed, _ = embedding_and_head(cfg.target.model, cfg.target.trust_remote_code)
-        same = embed.shape == target_embed.shape and torch.equal(embed.to(target_embed.dtype), target_embed)
-        row(
-            CAUSES[4],
-            not same,
-            "embed_tokens equals the target's (vLLM shares the target's)"
-            if same
-            else "embed_tokens differs from the target's: the engine embeds draft inputs with the drafter's own copy",
+        return cause_row(
+            EMBEDDING_SHARING, False, "no embed_tokens in the served weights: the engine shares the target's"
         )
-    others = ("fc_norm", "norm_output", "norm_before_fc")
+    target_embed, _ = embedding_and_head(r.cfg.target.model, r.cfg.target.trust_remote_code)
+    same = embed.shape == target_embed.shape and torch.equal(embed.to(target_embed.dtype), target_embed)
+    return cause_row(
+        EMBEDDING_SHARING,
+        not same,
+        "embed_tokens equals the target's (vLLM shares the target's)"
+        if same
+        else "embed_tokens differs from the target's: the engine embeds draft inputs with the drafter's own copy",
+    )
+
+
+def eagle31_flags(r: EngineReading) -> dict:
+    flags, others = r.found.flags, ("fc_norm", "norm_output", "norm_before_fc")
     differ = [
-        f"{name} {str(found.flags[name]).lower()} (trained {str(trained[name]).lower()})"
+        f"{name} {str(flags[name]).lower()} (trained {str(r.trained[name]).lower()})"
         for name in others
-        if found.flags[name] != trained[name]
+        if flags[name] != r.trained[name]
     ]
-    row(
-        CAUSES[5],
+    return cause_row(
+        EAGLE31_FLAGS,
         bool(differ),
-        f"{engine} reads "
+        f"{r.engine} reads "
         + (
             "; ".join(differ)
             if differ
-            else ", ".join(f"{name} {str(found.flags[name]).lower()}" for name in others) + " — as trained"
+            else ", ".join(f"{name} {str(flags[name]).lower()}" for name in others) + " — as trained"
         ),
     )
-    return rows
+
+
+# The causes in CAUSES' order, as the pre-flight checks are: one function each, ``diagnose`` runs them all.
+DIAGNOSIS = (aux_layer_ids, norm_before_residual, rope_settings, d2t_offsets, embedding_sharing, eagle31_flags)
+
+
+def tensor_or_none(weights: Path, name: str) -> torch.Tensor | None:
+    with safe_open(str(weights), "pt") as f:
+        return f.get_tensor(name) if name in set(f.keys()) else None
 
 
 def trained_flags(checkpoint: Path) -> dict[str, bool]:
     """The drafter flags of the trained checkpoint (all false when it cannot be read: the drafter check says why)."""
-    from eaglekit.model.checkpoints import read_config
-    from eaglekit.model.drafter import FLAGS
-
     try:
         drafter = read_config(checkpoint)[1]
     except EaglekitError:
@@ -644,63 +750,45 @@ def trained_flags(checkpoint: Path) -> dict[str, bool]:
 
 
 def run(ctx: StageContext) -> dict:
-    from eaglekit.serving.speculation import SglangClient, VllmClient, detect
+    engine = served_engine(ctx)  # before the offline decode: a server that cannot be verified says so at once
+    offline = offline_figures(ctx.cfg, engine.ks)
+    report = build_report(ctx.cfg, engine, offline, engine.runs(offline))
+    out = ctx.dir
+    atomic.write_json(out / "report.json", report)
+    atomic.write_text(out / "report.md", report_markdown(report))
+    from eaglekit import plots  # lazy: matplotlib
 
-    cfg, vc = ctx.cfg, ctx.cfg.verify
-    if not (vc.engine or vc.server):
-        raise UsageError(
-            "verify: neither verify.engine nor verify.server is set",
-            "set verify.engine: vllm, or verify.server: URL of a server you started",
+    plots.served_vs_offline(report["runs"], out / "acceptance.png")
+    console.print(report_markdown(report, summary_only=True))
+    counts = verdict_counts(report)
+    if report["verdict"] != "PASS":
+        ctx.ledger_extra["counts"] = counts  # status shows the verdict of a failed verify too
+        raise EaglekitError(
+            failure_message(report),
+            f"read {out / 'report.md'}; fix the exported config (or "
+            "re-export), then rerun `eaglekit verify CONFIG` (a new "
+            "measurement replaces this report)",
         )
-    user_client, engine, version = None, "vllm", None
-    if vc.server:  # K is the server's: ask it first
-        engine = detect(vc.server)
-        user_client = SglangClient(vc.server, vc.timeout) if engine == "sglang" else VllmClient(vc.server, vc.timeout)
-        ks = [user_client.num_speculative_tokens()]
-        if not ks[0]:
-            raise EaglekitError(
-                f"the vLLM server at {vc.server} registers no speculative-decoding counters: it does not speculate",
-                "start it with the command `eaglekit export` printed",
-            )
-        if vc.num_speculative_tokens and ks[0] not in vc.num_speculative_tokens:
-            raise UsageError(
-                f"the server at {vc.server} drafts K={ks[0]}, verify.num_speculative_tokens asks for "
-                f"{vc.num_speculative_tokens}",
-                "restart the server with that K, or drop the key (a running server's K is the one verified)",
-            )
-    else:
-        from eaglekit.serving.engine import find_vllm_python
-        from eaglekit.serving.engine import version as engine_version
+    return counts
 
-        ks = speculative_tokens(cfg)
-        version = engine_version(find_vllm_python(vc.python))
 
-    offline = offline_figures(cfg, ks)
-    if vc.server:
-        runs = [served_by_user(cfg, offline, engine, user_client, ks[0])]
-        folders = {
-            "served": Path(user_client.draft_model_path)
-            if isinstance(user_client, SglangClient) and user_client.draft_model_path
-            else cfg.run_path / "export" / ("eagle3" if engine == "sglang" else forms(cfg)[0])
-        }
-    else:
-        runs = served_by_eaglekit(ctx, offline)
-        folders = {form: cfg.run_path / "export" / form for form in forms(cfg)}
-
+def build_report(cfg: RunConfig, engine: ServedEngine, offline: Offline, runs: list[ServedRun]) -> dict:
+    """verify/report.json: each run against the offline figures, and each served folder's diagnosis."""
+    vc = cfg.verify
     results = [compare(r, offline, cfg) for r in runs]
     diagnosis = {
-        name: diagnose(cfg, folder, engine, offline.aux)
-        for name, folder in folders.items()
+        name: diagnose(cfg, folder, engine.name, offline.aux)
+        for name, folder in engine.folders().items()
         if (folder / "config.json").exists()
     }
     # A served config that differs from the trained drafter fails even when these prompts happen not to show it
     # (on the tiny target adjacent layers are alike: aux ids shifted by one may cost nothing measurable).
     differs = any(row["status"] == "suspect" for rows in diagnosis.values() for row in rows)
     passed = all(r["passed"] for r in results) and not differs
-    report = {
+    return {
         "verdict": "PASS" if passed else "FAIL",
-        "engine": engine,
-        "engine_version": version,
+        "engine": engine.name,
+        "engine_version": engine.version,
         "server": vc.server,
         "target": cfg.target.model,
         "offline_dtype": offline.dtype,
@@ -717,167 +805,6 @@ def run(ctx: StageContext) -> dict:
         "runs": results,
         "diagnosis": diagnosis,
     }
-    out = ctx.dir
-    atomic.write_json(out / "report.json", report)
-    atomic.write_text(out / "report.md", report_markdown(report))
-    from eaglekit import plots
-
-    plots.served_vs_offline(results, out / "acceptance.png")
-    console.print(report_markdown(report, summary_only=True))
-    counts = verdict_counts(report)
-    if not passed:
-        ctx.ledger_extra["counts"] = counts  # status shows the verdict of a failed verify too
-        raise EaglekitError(
-            failure_message(report),
-            f"read {out / 'report.md'}; fix the exported config (or "
-            "re-export), then rerun `eaglekit verify CONFIG` (a new "
-            "measurement replaces this report)",
-        )
-    return counts
-
-
-def verdict_counts(report: dict) -> dict:
-    counts = {"verdict": report["verdict"], "engine": report["engine"], "prompts": report["prompts"]}
-    for r in report["runs"]:
-        counts[f"tau_{r['form']}_k{r['k']}"] = f"served {r['tau']['served']:.3f} / offline {r['tau']['offline']:.3f}"
-        for s in r.get("suites") or []:
-            counts[f"tau_{r['form']}_k{r['k']}_{s['suite']}_{s['mode']}"] = (
-                f"served {s['served_tau']:.3f} / offline {s['offline_tau']:.3f}"
-            )
-    return counts
-
-
-def likely_causes(report: dict) -> list[dict]:
-    """The diagnosis rows of all served folders, suspects first, each group in the usual order."""
-    rows = [dict(row, folder=name) for name, rows in report["diagnosis"].items() for row in rows]
-    return sorted(rows, key=lambda r: (r["status"] != "suspect", CAUSES.index(r["cause"])))
-
-
-def failure_message(report: dict) -> str:
-    bad = [r for r in report["runs"] if not r["passed"]]
-    parts = []
-    for r in bad:
-        failed = [name for name, good in r["checks"].items() if not good]
-        parts.append(
-            f"{r['form']} K={r['k']}: τ served {r['tau']['served']:.3f} vs offline {r['tau']['offline']:.3f}, "
-            f"largest position difference {r['largest_position_difference']:.3f}, greedy identical "
-            f"{r['greedy']['identical']}/{r['greedy']['prompts']} (failed: {', '.join(failed)})"
-        )
-    suspects = [r for r in likely_causes(report) if r["status"] == "suspect"]
-    if suspects:
-        cause = "; ".join(f"{s['cause']} ({s['folder']}): {s['detail']}" for s in suspects)
-        if not bad:
-            taus = ", ".join(
-                f"{r['form']} K={r['k']} τ served {r['tau']['served']:.3f} vs offline {r['tau']['offline']:.3f}"
-                for r in report["runs"]
-            )
-            return (
-                f"verify: FAIL — acceptance agrees on these {report['prompts']} prompts ({taus}), but the engine "
-                f"reads a config that differs from the trained drafter. Likely cause: {cause}"
-            )
-        return f"verify: FAIL — {' | '.join(parts)}. Likely cause: {cause}"
-    return (
-        f"verify: FAIL — {' | '.join(parts)}. The exported config.json reads as trained; check in order: "
-        + ", ".join(CAUSES)
-        + ", then the engine's numerics (dtype) and version"
-    )
-
-
-def report_markdown(report: dict, summary_only: bool = False) -> str:
-    tol = report["tolerance"]
-    engine = report.get("engine_version") or report["engine"]
-    lines = (
-        []
-        if summary_only
-        else [
-            "# Verify: served acceptance against offline acceptance",
-            "",
-            f"**{report['verdict']}** — {engine}, "
-            + (f"server {report['server']}" if report["server"] else "started by eaglekit for each form and K")
-            + f"; {report['prompts']} prompts sent as token ids, up to {report['max_new_tokens']} new tokens, T=0; "
-            f"offline: eaglekit's decode loop with the trained checkpoint ({report['offline_dtype']}), counted as "
-            "the engine counts.",
-            "",
-            f"Pass: |τ served − τ offline| ≤ {tol['tau_relative']:.0%} of τ offline, every draft position within "
-            f"{tol['position']:.2f}, served greedy output = plain greedy decoding on at least "
-            f"{1 - tol['greedy_share']:.0%} of the prompts, and the engine reads the config the drafter was trained "
-            "with (no suspect in the diagnosis below).",
-            "",
-        ]
-    )
-    lines += [
-        "| form | K | τ served | τ offline | largest position Δ | greedy identical | result |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for r in report["runs"]:
-        lines.append(
-            f"| {r['form']} | {r['k']} | {r['tau']['served']:.3f} | {r['tau']['offline']:.3f} | "
-            f"{r['largest_position_difference']:.3f} | {r['greedy']['identical']}/{r['greedy']['prompts']} | "
-            f"{'pass' if r['passed'] else '**FAIL**'} |"
-        )
-    suite_rows = [(r, s) for r in report["runs"] for s in r.get("suites") or []]
-    if suite_rows:
-        lines += [
-            "",
-            "Per benchmark suite (served = offline within the τ tolerance; each suite sent as a batch of its own):",
-            "",
-            "| suite | mode | form | K | prompts | τ served | τ offline | relative Δ | result |",
-            "|---|---|---|---|---|---|---|---|---|",
-        ]
-        lines += [
-            f"| {s['suite']} | {s['mode']} | {r['form']} | {r['k']} | {s['prompts']} | {s['served_tau']:.3f} | "
-            f"{s['offline_tau']:.3f} | {s['relative_difference']:.2%} | {'pass' if s['passed'] else '**FAIL**'} |"
-            for r, s in suite_rows
-        ]
-    if summary_only:
-        return "\n".join([f"verify: **{report['verdict']}**", ""] + lines) + "\n"
-    for r in report["runs"]:
-        lines += [
-            "",
-            f"## {r['form']}, K={r['k']}",
-            "",
-            f"Started as: `{r['launch']}`"
-            + (f" (log `{r['log']}`)" if r["log"] else "")
-            + (f"; attention backend {', '.join(r['attention_backends'])}" if r.get("attention_backends") else ""),
-            "",
-        ]
-        if r["positions"]:
-            lines += ["| draft position | served acceptance | offline acceptance | difference |", "|---|---|---|---|"]
-            lines += [
-                f"| {p['position']} | {p['served']:.3f} | {p['offline']:.3f} | {p['difference']:+.3f} |"
-                for p in r["positions"]
-            ]
-        lines += [
-            "",
-            f"Drafts (verify passes with drafts): served {r['served']['drafts']}, offline "
-            f"{r['offline']['drafts']}; accepted per position: served {r['served']['accepted']}, offline "
-            f"{r['offline']['accepted']}.",
-        ]
-        if r["rounds"]:
-            lines.append(
-                f"Per request, the accepted count of every verify pass equals eaglekit's on "
-                f"{r['rounds']['identical']}/{r['rounds']['compared']} prompts."
-            )
-        for d in r["greedy"]["differing"][:5]:
-            lines.append(
-                f"- prompt {d['id']}: served output differs from plain greedy decoding at token {d['first_difference']}"
-            )
-    lines += [
-        "",
-        "## The exported config as the engine reads it",
-        "",
-        "Likely causes of a served drafter accepting less than offline, in order:",
-        "",
-        "| folder | cause | status | detail |",
-        "|---|---|---|---|",
-    ]
-    for row in likely_causes(report):
-        lines.append(
-            f"| {row['folder']} | {row['cause']} | {'**suspect**' if row['status'] == 'suspect' else 'ok'} "
-            f"| {row['detail']} |"
-        )
-    lines += ["", "![served vs offline acceptance by position](acceptance.png)"]
-    return "\n".join(lines) + "\n"
 
 
 STAGE = Stage(
