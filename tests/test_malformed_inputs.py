@@ -268,7 +268,7 @@ def test_prompts_past_the_targets_context_are_counted_before_generate(tmp_path, 
     (check,) = [c for c in json.loads(r.out)["stages"]["generate"] if c["name"] == "prompt length"]
     assert r.code == 0 and check["status"] == "warn", check
     assert check["detail"].startswith(
-        "2 of 4 prompts have more tokens than 1,024 (the target's max_position_embeddings"
+        f"{tmp_path / 'prompts.jsonl'}: 2 of 4 prompts have more tokens than 1,024 (the target's max_position_embeddings"
     )
     assert "e.g. 'p3' with" in check["detail"] and check["remedy"]
 
@@ -277,7 +277,7 @@ def test_all_prompts_past_the_context_fail_generate_before_it_starts(tmp_path, c
     config = long_prompts_config(tmp_path, tiny_target, [400, 500])
     r = cli("generate", config)
     assert r.code == 1 and "Traceback" not in r.out + r.err
-    assert "prompt length: 2 of 2 prompts have more tokens than 1,024" in r.err
+    assert f"prompt length: {tmp_path / 'prompts.jsonl'}: 2 of 2 prompts have more tokens than 1,024" in r.err
     assert not (tmp_path / "run" / "generate" / "responses.jsonl").exists()
 
 

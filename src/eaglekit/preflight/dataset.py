@@ -187,7 +187,8 @@ def prompt_length(ctx: StageContext) -> CheckResult:
         else "the target cannot read them whole, so their replies fail or ramble"
     )
     detail = (
-        f"{len(over):,} of {len(records):,} prompts have more tokens than {limit:,} ({why}), e.g. '{rid}' with "
+        f"{ctx.cfg.data.prompts}: {len(over):,} of {len(records):,} prompts have more tokens than {limit:,} ({why}), "
+        f"e.g. '{rid}' with "
         f"{longest:,} ({how}): {consequence}"
     )
     remedy = "drop the longest prompts from data.prompts" + (", or raise prepare.max_length" if by_prepare else "")
