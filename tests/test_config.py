@@ -235,6 +235,8 @@ OUT_OF_BOUNDS = [
     ("train.draft.hidden_size", -64, "greater than or equal to 1"),
     ("target.aux_layers", [2, -1, 5], "greater than or equal to 0"),
     ("run_dir", "", "at least 1 character"),
+    ("target.model", "", "at least 1 character"),
+    ("data.prompts", "", "at least 1 character"),
     ("run_dir", "   ", "blank"),
 ]
 

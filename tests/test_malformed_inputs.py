@@ -292,3 +292,28 @@ def test_the_prompt_bound_is_prepare_max_length_when_smaller(tmp_path, cli, tiny
         and "1 of 2 prompts have more tokens than 64 (prepare.max_length 64)" in check["detail"]
     )
     assert "raise prepare.max_length" in check["remedy"]
+
+
+def test_a_prompt_the_chat_template_refuses_is_named_by_its_line(tmp_path, cli, tiny_target):
+    template = (tiny_target / "chat_template.jinja").read_text()
+    guard = "{%- if messages | selectattr('role', 'equalto', 'system') | list | length > 1 %}"
+    (tmp_path / "t.jinja").write_text(guard + "{{ raise_exception('one system turn at most') }}{%- endif %}" + template)
+    config = long_prompts_config(tmp_path, tiny_target, [1])
+    two_systems = [
+        {"role": "system", "content": "s1"},
+        {"role": "system", "content": "s2"},
+        {"role": "user", "content": "q"},
+    ]
+    with open(tmp_path / "prompts.jsonl", "a") as f:
+        f.write(json.dumps({"id": "two systems", "messages": two_systems}) + "\n")
+    write_config(
+        config,
+        {**yaml.safe_load(config.read_text()), "target": {"model": str(tiny_target), "chat_template": "t.jinja"}},
+    )
+    r = cli("preflight", config, "--stage", "generate", "--json")
+    (check,) = [c for c in json.loads(r.out)["stages"]["generate"] if c["name"] == "prompt_length"]
+    assert r.code == 1 and check["status"] == "fail"
+    assert (
+        check["detail"]
+        == f"{tmp_path / 'prompts.jsonl'}:2: the target's chat template refuses this prompt (one system turn at most)"
+    )

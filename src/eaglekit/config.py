@@ -101,7 +101,9 @@ class ServerPoolConfig(Section):
 
 
 class TargetConfig(Section):
-    model: Annotated[str, PATH_OR_HUB_ID] = Field(description="Hugging Face folder or hub id of the target model")
+    model: Annotated[str, PATH_OR_HUB_ID] = Field(
+        min_length=1, description="Hugging Face folder or hub id of the target model"
+    )
     chat_template: Annotated[str | None, TEMPLATE_OR_PATH] = Field(
         None, description="Jinja template or path to one, overriding the tokenizer's"
     )
@@ -115,7 +117,7 @@ class TargetConfig(Section):
 
 class DataConfig(Section):
     prompts: Annotated[str, PATH] = Field(
-        description="JSONL (ShareGPT/OpenAI messages), Parquet, or a datasets saved folder"
+        min_length=1, description="JSONL (ShareGPT/OpenAI messages), Parquet, or a datasets saved folder"
     )
     max_samples: int | None = Field(None, ge=1)
     on_bad_row: Literal["fail", "skip"] = "fail"
@@ -169,8 +171,9 @@ class VllmFeaturesConfig(ServerPoolConfig):
 
     model: str | None = Field(None, description="served model id (default: the target path, vLLM's default id)")
     storage_path: Annotated[str, PATH] = Field(
+        min_length=1,
         description="the servers' shared_storage_path, as this machine sees it (a shared "
-        "folder: the servers write each request's hidden states there)"
+        "folder: the servers write each request's hidden states there)",
     )
     connector: Literal["stock", "cpu"] = Field(
         "stock",

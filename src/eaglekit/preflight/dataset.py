@@ -145,9 +145,7 @@ def prompt_token_counts(cfg, records: list) -> tuple[list[tuple[int, str]], str,
         return estimated, f"estimated at {CHARS_PER_TOKEN:g} characters per token", False
     kwargs = cfg.generate.extra_body.get("chat_template_kwargs") or {}
     head = by_chars[:TOKENIZED_PROMPTS]
-    texts = [
-        tokenizer.apply_chat_template(r.messages, tokenize=False, add_generation_prompt=True, **kwargs) for r in head
-    ]
+    texts = [_rendered(tokenizer, r, kwargs) for r in head]
     ids = tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"] if texts else []
     counted = [(len(x), r.id) for x, r in zip(ids, head, strict=True)]
     rest = by_chars[TOKENIZED_PROMPTS:]
@@ -159,6 +157,21 @@ def prompt_token_counts(cfg, records: list) -> tuple[list[tuple[int, str]], str,
         f"the {len(head):,} longest tokenised; the other {len(rest):,} estimated at {per_char:.2f} tokens per character"
     )
     return sorted(counted, reverse=True), how, False
+
+
+def _rendered(tokenizer, record, template_kwargs: dict) -> str:
+    """The prompt as generate sends it to the target; a row the chat template refuses is named by its line."""
+    from jinja2 import TemplateError
+
+    try:
+        return tokenizer.apply_chat_template(
+            record.messages, tokenize=False, add_generation_prompt=True, **template_kwargs
+        )
+    except TemplateError as err:
+        raise EaglekitError(
+            f"{record.source}: the target's chat template refuses this prompt ({err})",
+            "fix that row's turns (e.g. roles that must alternate), or set target.chat_template",
+        ) from None
 
 
 def prompt_length(ctx: StageContext) -> CheckResult:
