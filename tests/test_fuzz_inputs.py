@@ -63,8 +63,9 @@ class Key:
     low: float | None = None  # the bound a value must reach: ge (inclusive) or gt (exclusive)
     low_inclusive: bool = True
     high: float | None = None
+    high_inclusive: bool = True
     item: Key | None = None  # a list's items
-    min_items: int = 0
+    min_length: int = 0
 
 
 def _bounds(metadata: list) -> dict:
@@ -76,10 +77,12 @@ def _bounds(metadata: list) -> dict:
             out |= {"low": m.ge, "low_inclusive": True}
         elif isinstance(m, Gt):
             out |= {"low": m.gt, "low_inclusive": False}
-        elif isinstance(m, (Le, Lt)):
-            out["high"] = m.le if isinstance(m, Le) else m.lt
+        elif isinstance(m, Le):
+            out |= {"high": m.le, "high_inclusive": True}
+        elif isinstance(m, Lt):
+            out |= {"high": m.lt, "high_inclusive": False}
         elif isinstance(m, MinLen):
-            out["min_items"] = m.min_length
+            out["min_length"] = m.min_length
     return out
 
 
@@ -97,7 +100,7 @@ def _key(path: tuple[str, ...], annotation: Any, metadata: list) -> Key | None:
         (item,) = typing.get_args(annotation)
         if isinstance(item, type) and issubclass(item, BaseModel):
             return Key(path, "sections")
-        return Key(path, "list", item=_key((*path, "0"), item, []), min_items=bounds.get("min_items", 0))
+        return Key(path, "list", item=_key((*path, "0"), item, []), min_length=bounds.get("min_length", 0))
     if typing.get_origin(annotation) is dict:
         return Key(path, "dict")
     kind = {int: "int", float: "float", bool: "bool", str: "str"}.get(annotation)
@@ -151,13 +154,15 @@ def refused(key: Key) -> st.SearchStrategy:
     if key.kind == "int":
         options = [huge_ints, words, fractions, containers]
         options += [below(key)] if key.low is not None else []
-        options += [st.integers(min_value=int(key.high), max_value=2**40)] if key.high is not None else []
+        if key.high is not None:
+            options.append(st.integers(min_value=int(key.high) + key.high_inclusive, max_value=2**40))
     elif key.kind == "float":
         options = [st.sampled_from([float("inf"), float("-inf"), float("nan")]), beyond_floats, containers]
         options += [words.filter(lambda w: w.lower() not in ("inf", "nan", "infinity"))]
         options += [below(key)] if key.low is not None else []
         if key.high is not None:
-            options.append(st.floats(min_value=key.high + 1e-6, max_value=1e12, allow_nan=False))
+            first = key.high + 1e-6 if key.high_inclusive else key.high
+            options.append(st.floats(min_value=first, max_value=1e12, allow_nan=False))
     elif key.kind == "bool":
         options = [
             words.filter(lambda w: w.lower() not in BOOL_WORDS),
@@ -166,14 +171,14 @@ def refused(key: Key) -> st.SearchStrategy:
         ]
     elif key.kind == "str":
         options = [st.integers(), containers, st.floats(allow_nan=False, allow_infinity=False)]
-        options += [st.just("")] if key.min_items else []  # a path that must name something
+        options += [st.just("")] if key.min_length else []  # a path that must name something
     elif key.kind == "literal":
         named = {str(c) for c in key.choices} | set(DTYPE_ALIASES)
         options = [words.filter(lambda w: w.strip().lower() not in named and w not in named), st.integers(), containers]
     elif key.kind == "list":
         assert key.item is not None
         options = [words, st.integers(), refused(key.item).map(lambda v: [v])]
-        options += [st.just([])] if key.min_items else []
+        options += [st.just([])] if key.min_length else []
     elif key.kind == "dict":
         options = [words, st.integers(), st.just([1, 2])]
     else:  # a list of sections

@@ -4,8 +4,9 @@ Every row becomes a PromptRecord whose messages end with the LAST user turn: the
 are dropped because generation writes a fresh reply; earlier assistant turns stay as multi-turn context.
 A bad row either stops the load with a UsageError naming ``file:line`` (``on_bad_row="fail"``) or is
 counted in ``bad_rows`` (``"skip"``). Problems with the file as a whole (missing, empty, unreadable, no
-conversation column) always raise. Sources are ``file:N`` for JSONL lines (1-based, as an editor counts)
-and ``file:row N`` for JSON lists, Parquet and datasets folders (0-based, as ``ds[N]`` indexes).
+conversation column) always raise. A JSONL line longer than MAX_LINE_BYTES or nested deeper than
+MAX_JSON_DEPTH is a bad row, named like any other. Sources are ``file:N`` for JSONL lines (1-based, as an
+editor counts) and ``file:row N`` for JSON lists, Parquet and datasets folders (0-based, as ``ds[N]`` indexes).
 """
 
 from __future__ import annotations

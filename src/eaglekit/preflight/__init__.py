@@ -1,9 +1,9 @@
 """Pre-flight: establish a stage's ground truth before it starts a long run.
 
 A check is a small function ``check(ctx) -> CheckResult`` (or a list of them). Each stage declares the
-checks it needs; the runner times them, turns an unexpected exception into a ``fail`` that says so,
-and the stage refuses to start on any ``fail`` — printing a table that says what to do. Results go
-into the ledger with the stage run. ``eaglekit preflight CONFIG`` runs them alone.
+checks it needs; the runner times them, turns an unexpected exception into a ``fail`` naming the check,
+its input and the exception in one line (the traceback goes to RUN_DIR/logs), and the stage refuses to
+start on any ``fail`` — printing a table that says what to do. Results go into the ledger with the stage run. ``eaglekit preflight CONFIG`` runs them alone.
 
 The checks, one family per file:
 
