@@ -210,3 +210,88 @@ def test_the_families_own_keys_and_ttt_defaults_still_load():
     ):
         data = {"run_dir": "run", "target": {"model": "t"}, "data": {"prompts": "p.jsonl"}, "train": train}
         parse_config(data, base_dir=Path("."))
+
+
+# Each value means nothing for its key; before the bounds, every one of them was accepted (inf passes `gt=0`, K 0 and
+# negative temperatures had no bound, a seed past numpy's range stopped train with "Seed must be between 0 and
+# 2**32 - 1", a zero head count was a ZeroDivisionError inside a pre-flight check).
+OUT_OF_BOUNDS = [
+    ("train.lr", float("inf"), "finite"),
+    ("train.lr", float("nan"), "finite"),
+    ("train.grad_clip", float("inf"), "finite"),
+    ("generate.timeout", float("inf"), "finite"),
+    ("generate.temperature", float("inf"), "finite"),
+    ("train.step_weights", [1.0, float("nan")], "finite"),
+    ("evaluate.num_speculative_tokens", [3, 0], "greater than or equal to 1"),
+    ("evaluate.num_speculative_tokens", [], "at least 1 item"),
+    ("evaluate.temperatures", [0.0, -0.5], "greater than or equal to 0"),
+    ("evaluate.temperatures", [float("inf")], "finite"),
+    ("verify.num_speculative_tokens", [-2], "greater than or equal to 1"),
+    ("train.seed", 2**32, "less than 4294967296"),
+    ("evaluate.seed", -1, "greater than or equal to 0"),
+    ("generate.seed", 2**70, "less than 4294967296"),
+    ("generate.max_tokens", 2**64, "64 bits"),
+    ("train.draft.num_attention_heads", 0, "greater than or equal to 1"),
+    ("train.draft.hidden_size", -64, "greater than or equal to 1"),
+    ("target.aux_layers", [2, -1, 5], "greater than or equal to 0"),
+    ("run_dir", "", "at least 1 character"),
+    ("target.model", "", "at least 1 character"),
+    ("data.prompts", "", "at least 1 character"),
+    ("run_dir", "   ", "blank"),
+]
+
+
+def _with(key: str, value) -> dict:
+    data = yaml.safe_load(yaml.safe_dump(BASE))
+    *sections, leaf = key.split(".")
+    node = data
+    for s in sections:
+        node = node.setdefault(s, {})
+    node[leaf] = value
+    return data
+
+
+@pytest.mark.parametrize("key, value, says", OUT_OF_BOUNDS, ids=[f"{k}={v!r}" for k, v, _ in OUT_OF_BOUNDS])
+def test_values_without_meaning_are_refused_by_name(tmp_path, key, value, says):
+    with pytest.raises(UsageError) as e:
+        load_config(write_config(tmp_path / "c.yaml", _with(key, value)))
+    named = [line for line in e.value.message.splitlines() if line.startswith(f"  - '{key}")]
+    assert len(named) == 1 and says in named[0], e.value.message
+
+
+def test_bounds_leave_the_edges_that_mean_something(tmp_path):
+    edges = {
+        **BASE,
+        "generate": {"temperature": 0.0, "seed": 2**32 - 1},
+        "evaluate": {"num_speculative_tokens": [1], "temperatures": [0.0]},
+        "train": {"lr": 1e-12, "seed": 0, "draft": {"num_attention_heads": 1}},
+    }
+    cfg = load_config(write_config(tmp_path / "c.yaml", edges))
+    assert cfg.generate.seed == 2**32 - 1 and cfg.evaluate.num_speculative_tokens == [1]
+
+
+def test_a_huge_value_is_quoted_short(tmp_path):
+    data = {**BASE, "generate": {"max_tokens": 10**300}, "target": {"model": "m", "device_map": ["x" * 10_000]}}
+    with pytest.raises(UsageError) as e:
+        load_config(write_config(tmp_path / "c.yaml", data))
+    assert "an integer of 997 bits" in e.value.message
+    assert max(len(line) for line in e.value.message.splitlines()) < 200
+
+
+@pytest.mark.parametrize("layout", ["run_dir is a file", "run_dir is under a file"])
+def test_run_dir_must_be_able_to_be_a_directory(tmp_path, layout):
+    (tmp_path / "taken").write_text("not a folder")
+    run_dir = "taken" if layout == "run_dir is a file" else "taken/run"
+    with pytest.raises(UsageError) as e:
+        load_config(write_config(tmp_path / "c.yaml", {**BASE, "run_dir": run_dir}))
+    assert f"{tmp_path / 'taken'} is a file" in e.value.message
+
+
+def test_yaml_numbers_and_nesting_python_cannot_read_are_named(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(f"run_dir: run\ngenerate: {{seed: {'9' * 5000}}}\n")
+    with pytest.raises(UsageError, match="a value YAML cannot read"):
+        load_config(path)
+    path.write_text("run_dir: " + "[" * 50_000 + "]" * 50_000 + "\n")
+    with pytest.raises(UsageError, match="nested deeper"):
+        load_config(path)

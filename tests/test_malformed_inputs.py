@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 from conftest import write_config
 
 GOOD_PROMPT = {"conversations": [{"from": "human", "value": "What is 2 + 2?"}]}
@@ -191,3 +192,128 @@ def test_malformed_input_gives_a_clear_error(tmp_path, cli, case):
 
 def test_there_are_at_least_twenty_cases():
     assert len(CASES) >= 20
+
+
+def tiny_copy(tiny_target: Path, root: Path, **config_changes) -> Path:
+    """A copy of the real tiny target whose config.json carries ``config_changes``."""
+    import shutil
+
+    target = root / "target-copy"
+    shutil.copytree(tiny_target, target)
+    doc = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**doc, **config_changes}))
+    return target
+
+
+def test_a_check_that_crashes_is_one_failed_line_naming_check_and_input(tmp_path, cli, tiny_target):
+    # a target config.json with no attention heads: the drafter's shape check divides by them
+    target = tiny_copy(tiny_target, tmp_path, num_attention_heads=0)
+    (tmp_path / "prompts.jsonl").write_text(OK + "\n")
+    cfg = {"run_dir": "run", "target": {"model": str(target)}, "data": {"prompts": "prompts.jsonl"}}
+    config = write_config(tmp_path / "c.yaml", cfg)
+    r = cli("preflight", config, "--stage", "train", "--json")
+    assert r.code == 1 and "Traceback" not in r.out + r.err
+    (crashed,) = [c for c in json.loads(r.out)["stages"]["train"] if c["name"] == "drafter_shape"]
+    assert crashed["status"] == "fail"
+    assert crashed["detail"] == (
+        f"check drafter_shape could not run on {config} (stage train): ZeroDivisionError: integer modulo by zero"
+    )
+    log = Path(crashed["remedy"].rsplit(" ", 1)[-1])
+    assert log.parent == tmp_path / "run" / "logs" and "ZeroDivisionError" in log.read_text()
+    r = cli("train", config)  # the stage refuses with the same line, not a traceback
+    assert r.code == 1 and "Traceback" not in r.out + r.err
+    assert "drafter_shape: check drafter_shape could not run on" in r.err
+
+
+def test_a_check_keeps_the_message_of_an_error_it_foresaw(tmp_path):
+    from eaglekit import pipeline, preflight
+    from eaglekit.config import parse_config
+    from eaglekit.errors import UsageError
+
+    cfg = parse_config(base(tmp_path), source="c.yaml", base_dir=tmp_path)
+    ctx = pipeline.make_context(cfg, "prepare")
+
+    def foreseen(ctx):
+        raise UsageError("prompts.jsonl:3: no user turn", "fix that row")
+
+    def unforeseen(ctx):
+        raise KeyError("max_position_embeddings")
+
+    first, second = preflight.run_checks(ctx, [foreseen, unforeseen])
+    assert (first.status, first.detail, first.remedy) == ("fail", "prompts.jsonl:3: no user turn", "fix that row")
+    assert second.status == "fail" and second.detail == (
+        "check unforeseen could not run on the run config (stage prepare): KeyError: 'max_position_embeddings'"
+    )
+    assert "report it" in second.remedy
+
+
+def long_prompts_config(root: Path, tiny_target: Path, lengths: list[int]) -> Path:
+    rows = [
+        {"id": f"p{i}", "messages": [{"role": "user", "content": "two plus two " * n}]} for i, n in enumerate(lengths)
+    ]
+    (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = {
+        "run_dir": "run",
+        "target": {"model": str(tiny_target)},
+        "data": {"prompts": "prompts.jsonl"},
+        "preflight": {"disk_probe_mb": 0},
+    }
+    return write_config(root / "c.yaml", cfg)
+
+
+def test_prompts_past_the_targets_context_are_counted_before_generate(tmp_path, cli, tiny_target):
+    # the tiny target's max_position_embeddings is 1024, below prepare.max_length's 2048
+    config = long_prompts_config(tmp_path, tiny_target, [1, 400, 2, 500])
+    r = cli("preflight", config, "--stage", "generate", "--json")
+    (check,) = [c for c in json.loads(r.out)["stages"]["generate"] if c["name"] == "prompt length"]
+    assert r.code == 0 and check["status"] == "warn", check
+    assert check["detail"].startswith(
+        f"{tmp_path / 'prompts.jsonl'}: 2 of 4 prompts have more tokens than 1,024 (the target's max_position_embeddings"
+    )
+    assert "e.g. 'p3' with" in check["detail"] and check["remedy"]
+
+
+def test_all_prompts_past_the_context_fail_generate_before_it_starts(tmp_path, cli, tiny_target):
+    config = long_prompts_config(tmp_path, tiny_target, [400, 500])
+    r = cli("generate", config)
+    assert r.code == 1 and "Traceback" not in r.out + r.err
+    assert f"prompt length: {tmp_path / 'prompts.jsonl'}: 2 of 2 prompts have more tokens than 1,024" in r.err
+    assert not (tmp_path / "run" / "generate" / "responses.jsonl").exists()
+
+
+def test_the_prompt_bound_is_prepare_max_length_when_smaller(tmp_path, cli, tiny_target):
+    config = long_prompts_config(tmp_path, tiny_target, [1, 30])
+    data = yaml.safe_load(config.read_text())
+    write_config(config, {**data, "prepare": {"max_length": 64}})
+    r = cli("preflight", config, "--stage", "generate", "--json")
+    (check,) = [c for c in json.loads(r.out)["stages"]["generate"] if c["name"] == "prompt length"]
+    assert (
+        check["status"] == "warn"
+        and "1 of 2 prompts have more tokens than 64 (prepare.max_length 64)" in check["detail"]
+    )
+    assert "raise prepare.max_length" in check["remedy"]
+
+
+def test_a_prompt_the_chat_template_refuses_is_named_by_its_line(tmp_path, cli, tiny_target):
+    template = (tiny_target / "chat_template.jinja").read_text()
+    guard = "{%- if messages | selectattr('role', 'equalto', 'system') | list | length > 1 %}"
+    (tmp_path / "t.jinja").write_text(guard + "{{ raise_exception('one system turn at most') }}{%- endif %}" + template)
+    config = long_prompts_config(tmp_path, tiny_target, [1])
+    two_systems = [
+        {"role": "system", "content": "s1"},
+        {"role": "system", "content": "s2"},
+        {"role": "user", "content": "q"},
+    ]
+    with open(tmp_path / "prompts.jsonl", "a") as f:
+        f.write(json.dumps({"id": "two systems", "messages": two_systems}) + "\n")
+    write_config(
+        config,
+        {**yaml.safe_load(config.read_text()), "target": {"model": str(tiny_target), "chat_template": "t.jinja"}},
+    )
+    r = cli("preflight", config, "--stage", "generate", "--json")
+    (check,) = [c for c in json.loads(r.out)["stages"]["generate"] if c["name"] == "prompt_length"]
+    assert r.code == 1 and check["status"] == "fail"
+    assert (
+        check["detail"]
+        == f"{tmp_path / 'prompts.jsonl'}:2: the target's chat template refuses this prompt (one system turn at most)"
+    )

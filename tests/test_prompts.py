@@ -315,3 +315,61 @@ def test_bad_file_fails_naming_it(tmp_path, name, make, message):
         assert str(path) in err.value.message and err.value.remedy
     with pytest.raises(UsageError, match=message):
         peek_prompts(path)
+
+
+# --- lines no prompt file should hold ------------------------------------------------------------------------------
+
+DEEP = "[" * 200_000 + "]" * 200_000  # json.loads raised RecursionError on it
+
+
+@pytest.mark.parametrize(
+    "line, reason",
+    [
+        (DEEP, "JSON nested deeper than 100 levels"),
+        (
+            '{"messages": [{"role": "user", "content": "q", "meta": '
+            + "{}" * 0
+            + '{"a": ' * 150
+            + "1"
+            + "}" * 151
+            + "]}",
+            "JSON nested deeper than 100 levels",
+        ),
+        ('{"id": ' + "7" * 5000 + ', "messages": [{"role": "user", "content": "q"}]}', "unreadable JSON"),
+        ('{"messages": [{"role": "user", "content": "half a pair \\ud800"}]}', "lone surrogate"),
+        ('{"id": "\\udfff", "messages": [{"role": "user", "content": "q"}]}', "lone surrogate"),
+    ],
+    ids=["deep list", "deep metadata", "5000-digit id", "surrogate content", "surrogate id"],
+)
+def test_lines_past_the_parsers_limits_are_bad_rows_with_their_line(tmp_path, line, reason):
+    path = write_jsonl(tmp_path / "p.jsonl", [*GOOD, line, {"messages": [{"role": "user", "content": "after"}]}])
+    with pytest.raises(UsageError) as err:
+        load_prompts(path)
+    assert err.value.message.startswith(f"{path}:3: ") and reason in err.value.message
+    ps = load_prompts(path, on_bad_row="skip")
+    assert [r.messages[0]["content"] for r in ps.records] == ["first", "second", "after"]
+    assert [b.source for b in ps.bad_rows] == [f"{path}:3"]
+
+
+def test_brackets_inside_strings_do_not_count_as_nesting(tmp_path):
+    text = "[{" * 300 + '"\\' + "}]" * 10  # an escaped quote and backslash inside the string, too
+    path = write_jsonl(tmp_path / "p.jsonl", [{"messages": [{"role": "user", "content": text}]}])
+    assert load_prompts(path).records[0].messages[0]["content"] == text
+
+
+def test_a_line_past_the_size_bound_is_a_bad_row_read_past(tmp_path):
+    from eaglekit.data.prompts import MAX_LINE_BYTES
+
+    huge = json.dumps({"messages": [{"role": "user", "content": "x" * MAX_LINE_BYTES}]})
+    path = write_jsonl(tmp_path / "p.jsonl", [GOOD[0], huge, GOOD[1]])
+    with pytest.raises(UsageError, match=r"p\.jsonl:2: line longer than 16 MiB"):
+        load_prompts(path)
+    ps = load_prompts(path, on_bad_row="skip")
+    assert [r.id for r in ps.records] == ["7", "8"] and ps.bad_rows[0].source == f"{path}:2"
+
+
+def test_a_json_list_nested_too_deep_names_its_line(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text("[\n" + json.dumps(GOOD[0]) + ",\n" + DEEP + "\n]\n")
+    with pytest.raises(UsageError, match=r"p\.json:3: JSON nested deeper than 100 levels"):
+        load_prompts(path)

@@ -56,8 +56,27 @@ PATH_OR_HUB_ID = ConfigPath(hub_ok=True)
 TEMPLATE_OR_PATH = ConfigPath(inline_prefix="{")
 
 
+# torch.manual_seed, random.seed and numpy's legacy np.random.seed (train seeds all three) all take this range.
+SEED_LIMIT = 2**32
+Seed = Annotated[int, Field(ge=0, lt=SEED_LIMIT, description="0 <= seed < 2**32 (numpy's seed range)")]
+INT64_LIMIT = 2**63  # torch tensors, numpy and the JSON servers take hold integers in 64 bits
+NonNegativeInt = Annotated[int, Field(ge=0)]
+PositiveInt = Annotated[int, Field(ge=1)]
+NonNegativeFloat = Annotated[float, Field(ge=0.0)]
+
+
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # inf and nan mean nothing for any float key (a rate, a share, a timeout); `gt=0` alone lets inf through
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _fits_64_bits(cls, value: Any) -> Any:
+        # a count past 2**63 passes every `ge` but overflows the first tensor or seed it reaches
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, int) and not isinstance(item, bool) and not -INT64_LIMIT <= item < INT64_LIMIT:
+                raise ValueError("must fit in 64 bits (below 2**63)")
+        return value
 
 
 class ServerPoolConfig(Section):
@@ -82,19 +101,23 @@ class ServerPoolConfig(Section):
 
 
 class TargetConfig(Section):
-    model: Annotated[str, PATH_OR_HUB_ID] = Field(description="Hugging Face folder or hub id of the target model")
+    model: Annotated[str, PATH_OR_HUB_ID] = Field(
+        min_length=1, description="Hugging Face folder or hub id of the target model"
+    )
     chat_template: Annotated[str | None, TEMPLATE_OR_PATH] = Field(
         None, description="Jinja template or path to one, overriding the tokenizer's"
     )
     trust_remote_code: bool = False
-    aux_layers: list[int] | None = Field(None, description="HF hidden_states indices; default [2, N//2, N-3]")
+    aux_layers: list[NonNegativeInt] | None = Field(
+        None, description="HF hidden_states indices; default [2, N//2, N-3]"
+    )
     dtype: Annotated[Literal["auto", "float32", "bfloat16", "float16"], DtypeAlias] = "auto"
     device_map: str | None = Field(None, description="e.g. 'auto' to shard a large target over the GPUs")
 
 
 class DataConfig(Section):
     prompts: Annotated[str, PATH] = Field(
-        description="JSONL (ShareGPT/OpenAI messages), Parquet, or a datasets saved folder"
+        min_length=1, description="JSONL (ShareGPT/OpenAI messages), Parquet, or a datasets saved folder"
     )
     max_samples: int | None = Field(None, ge=1)
     on_bad_row: Literal["fail", "skip"] = "fail"
@@ -116,7 +139,7 @@ class GenerateConfig(ServerPoolConfig):
     gate_samples: int = Field(20, ge=1, description="completions checked by the reasoning gate")
     gate_max_empty_share: float = Field(0.1, ge=0.0, le=1.0)
     batch_size: int = Field(8, ge=1, description="local backend: prompts per generate() call")
-    seed: int = 0
+    seed: Seed = 0
     extra_body: dict[str, Any] = Field(default_factory=dict)
     return_token_ids: bool = True
 
@@ -148,8 +171,9 @@ class VllmFeaturesConfig(ServerPoolConfig):
 
     model: str | None = Field(None, description="served model id (default: the target path, vLLM's default id)")
     storage_path: Annotated[str, PATH] = Field(
+        min_length=1,
         description="the servers' shared_storage_path, as this machine sees it (a shared "
-        "folder: the servers write each request's hidden states there)"
+        "folder: the servers write each request's hidden states there)",
     )
     connector: Literal["stock", "cpu"] = Field(
         "stock",
@@ -212,11 +236,11 @@ class DraftModelConfig(Section):
         "dflash: a block drafter (several Qwen3-style layers drafting a block in one pass, model/dflash.py); "
         "dspark: DFlash's backbone drafting from the anchor, plus a Markov head over the block (model/dspark.py)",
     )
-    hidden_size: int | None = None
-    intermediate_size: int | None = None
-    num_attention_heads: int | None = None
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
+    hidden_size: int | None = Field(None, ge=1)
+    intermediate_size: int | None = Field(None, ge=1)
+    num_attention_heads: int | None = Field(None, ge=1)
+    num_key_value_heads: int | None = Field(None, ge=1)
+    head_dim: int | None = Field(None, ge=1)
     # architecture mla (default: the target's when it is DeepSeek-V3/Kimi-shaped, else DeepSeek-V3's proportions)
     q_lora_rank: int | None = Field(None, ge=1, description="mla: rank of the compressed query")
     kv_lora_rank: int | None = Field(None, ge=1, description="mla: rank of the latent that keys and values expand from")
@@ -299,7 +323,7 @@ class TrainConfig(Section):
     draft: DraftModelConfig = Field(default_factory=DraftModelConfig)
     ttt_steps: int = Field(7, ge=1)
     ttt_decay: float = Field(0.8, gt=0.0)
-    step_weights: list[float] | None = Field(
+    step_weights: list[NonNegativeFloat] | None = Field(
         None,
         description="loss weight of each TTT step, one per step (speculators: [1, 1, 1] at 3 steps); "
         "None: ttt_decay**k (EAGLE / SpecForge: 0.8**k at 7 steps)",
@@ -371,7 +395,7 @@ class TrainConfig(Section):
         description="L2-SP pull toward the starting weights (init_from): "
         "adds anchor_weight/2 * ||θ - θ0||² to the loss",
     )
-    seed: int = 0
+    seed: Seed = 0
     dtype: Annotated[Literal["auto", "float32", "bfloat16"], DtypeAlias] = "auto"
     distributed: Literal["ddp", "fsdp"] = "ddp"
     init_lm_head_from_target: bool = True
@@ -453,12 +477,12 @@ def _suite_list(value: Any) -> Any:
 class EvaluateConfig(Section):
     prompts: Annotated[str | None, PATH] = Field(None, description="default: the held-out split of this run's data")
     num_samples: int = Field(8, ge=1, description="prompts decoded per method, K and temperature")
-    num_speculative_tokens: list[int] = Field(default_factory=lambda: [1, 3, 5, 7])
-    temperatures: list[float] = Field(default_factory=lambda: [0.0, 1.0])
+    num_speculative_tokens: list[PositiveInt] = Field(default_factory=lambda: [1, 3, 5, 7], min_length=1)
+    temperatures: list[NonNegativeFloat] = Field(default_factory=lambda: [0.0, 1.0], min_length=1)
     max_new_tokens: int = Field(128, ge=1)
     ngram_min: int = Field(1, ge=1)
     ngram_max: int = Field(4, ge=1)
-    seed: int = 0
+    seed: Seed = 0
     checkpoint: Annotated[str | None, PATH] = Field(None, description="drafter to evaluate; default: this run's best")
     suites: list[SuiteConfig] = Field(
         default_factory=list, description="benchmark suites measured too, e.g. [mt_bench, gsm8k]; one table each"
@@ -522,8 +546,8 @@ class VerifyConfig(Section):
     formats: list[Literal["eagle3", "speculators"]] | None = Field(
         None, description="exported forms to serve (engine: vllm); default: those export wrote"
     )
-    num_speculative_tokens: list[int] | None = Field(
-        None, description="K values to serve (engine: vllm); default: [export.num_speculative_tokens]"
+    num_speculative_tokens: list[PositiveInt] | None = Field(
+        None, min_length=1, description="K values to serve (engine: vllm); default: [export.num_speculative_tokens]"
     )
     num_samples: int | None = Field(None, ge=1, description="prompts sent; default evaluate.num_samples")
     max_new_tokens: int | None = Field(None, ge=1, description="default evaluate.max_new_tokens")
@@ -566,7 +590,7 @@ class PreflightConfig(Section):
 
 
 class RunConfig(Section):
-    run_dir: Annotated[str, PATH]
+    run_dir: Annotated[str, PATH] = Field(min_length=1)
     target: TargetConfig
     data: DataConfig
     generate: GenerateConfig = Field(default_factory=GenerateConfig)
@@ -581,6 +605,13 @@ class RunConfig(Section):
 
     # Where the config was read from; not a key of the file.
     source: Path | None = Field(None, exclude=True)
+
+    @field_validator("run_dir")
+    @classmethod
+    def _names_a_folder(cls, value: str) -> str:
+        if not value.strip():  # a blank path would be the current directory
+            raise ValueError("must name a directory (it is blank)")
+        return value
 
     @property
     def run_path(self) -> Path:
@@ -640,8 +671,16 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
                 f'as a boolean; quote the value, e.g. "off")'
             )
         else:
-            lines.append(f"  - '{key}': {e['msg']} (got {e.get('input')!r})")
+            lines.append(f"  - '{key}': {e['msg'].removeprefix('Value error, ')} (got {_shown(e.get('input'))})")
     return "\n".join(lines)
+
+
+def _shown(value: Any, limit: int = 80) -> str:
+    """A value as the error line quotes it: cut short, since a config key can hold a megabyte string."""
+    if isinstance(value, int) and value.bit_length() > 64:
+        return f"an integer of {value.bit_length()} bits"
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def parse_config(data: Any, source: str = "<config>", base_dir: Path | None = None) -> RunConfig:
@@ -655,6 +694,13 @@ def parse_config(data: Any, source: str = "<config>", base_dir: Path | None = No
     except ValidationError as err:
         raise UsageError(_format_validation_error(err, source), "fix the named keys") from None
     _resolve_paths(cfg, base_dir or Path.cwd())
+    blocking = next((p for p in (cfg.run_path, *cfg.run_path.parents) if p.exists() or p.is_symlink()), None)
+    if blocking is not None and not blocking.is_dir():
+        raise UsageError(
+            f"{source}: run_dir {cfg.run_dir} cannot be a directory: {blocking} is "
+            + ("a broken symlink" if blocking.is_symlink() and not blocking.exists() else "a file"),
+            "set run_dir to a new or existing directory",
+        )
     if cfg.extract.backend == "vllm":
         if cfg.extract.mode != "offline":
             raise UsageError(
@@ -704,6 +750,12 @@ def load_config(path: str | os.PathLike) -> RunConfig:
         ) from None
     except UnicodeDecodeError:
         raise UsageError(f"{path}: not a UTF-8 text file", "pass the YAML run config") from None
+    except ValueError as err:  # YAML's int() of a number longer than Python converts (4300 digits)
+        raise UsageError(f"{path}: a value YAML cannot read ({err})", "fix that value") from None
+    except RecursionError:
+        raise UsageError(
+            f"{path}: nested deeper than the YAML reader can follow", "a run config is sections of keys: flatten it"
+        ) from None
     cfg = parse_config(data, source=str(path), base_dir=path.resolve().parent)
     cfg.source = path.resolve()
     return cfg

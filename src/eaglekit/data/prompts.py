@@ -4,8 +4,9 @@ Every row becomes a PromptRecord whose messages end with the LAST user turn: the
 are dropped because generation writes a fresh reply; earlier assistant turns stay as multi-turn context.
 A bad row either stops the load with a UsageError naming ``file:line`` (``on_bad_row="fail"``) or is
 counted in ``bad_rows`` (``"skip"``). Problems with the file as a whole (missing, empty, unreadable, no
-conversation column) always raise. Sources are ``file:N`` for JSONL lines (1-based, as an editor counts)
-and ``file:row N`` for JSON lists, Parquet and datasets folders (0-based, as ``ds[N]`` indexes).
+conversation column) always raise. A JSONL line longer than MAX_LINE_BYTES or nested deeper than
+MAX_JSON_DEPTH is a bad row, named like any other. Sources are ``file:N`` for JSONL lines (1-based, as an
+editor counts) and ``file:row N`` for JSON lists, Parquet and datasets folders (0-based, as ``ds[N]`` indexes).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +35,11 @@ ROLES = {
     "bing": "assistant",
 }
 CONVERSATION_KEYS = ("conversations", "messages")
+# A JSONL line past this is no prompt (16 MiB is ~4M tokens, beyond any model's context): it is a bad row, read
+# past in chunks, never held whole. A prompt row nests ~5 deep (row, turns, turn, content parts, part); past the
+# depth bound Python's JSON parser would recurse towards a RecursionError.
+MAX_LINE_BYTES = 16 << 20
+MAX_JSON_DEPTH = 100
 SKIP_REMEDY = (
     "fix or remove that row, or set `data.on_bad_row: skip` in the config "
     "to skip bad rows (they are counted and reported)"
@@ -149,6 +156,8 @@ def _parse_row(row: Any, source: str) -> PromptRecord:
     raw_id = row.get("id")
     if raw_id is None or raw_id == "":
         sample_id = _messages_hash(messages)[:16]
+    elif isinstance(raw_id, str) and not _is_text(raw_id):
+        raise _BadRow("'id' holds a lone surrogate escape (e.g. \\ud800), which is no text")
     elif isinstance(raw_id, (str, int)) and not isinstance(raw_id, bool):
         sample_id = str(raw_id)
     else:
@@ -169,7 +178,18 @@ def _text(content: Any, where: str) -> str:
         raise _BadRow(f"{where} content must be a string, got {_kind(content)}")
     if not content.strip():
         raise _BadRow(f"{where} has empty content")
+    if not _is_text(content):
+        raise _BadRow(f"{where} content holds a lone surrogate escape (e.g. \\ud800), which is no text")
     return content
+
+
+def _is_text(value: str) -> bool:
+    # JSON may escape half of a UTF-16 pair; such a string cannot be written as UTF-8 (nor hashed, nor tokenised)
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _messages_hash(messages: list[dict]) -> str:
@@ -215,8 +235,16 @@ def _iter_json(path: Path) -> Iterator[tuple[str, Any]]:
     if head.startswith(b"\xef\xbb\xbf"):
         head = head[3:].lstrip()
     if head.startswith(b"["):  # a JSON list of rows: must be parsed whole
+        whole = path.read_bytes()
+        too_deep = _too_deep_at(whole, MAX_JSON_DEPTH + 1)  # + 1: the list holding the rows
+        if too_deep is not None:
+            line = whole.count(b"\n", 0, too_deep) + 1
+            raise UsageError(
+                f"{path}:{line}: JSON nested deeper than {MAX_JSON_DEPTH} levels",
+                "a prompt row nests a few levels (turns, content parts): fix or remove that row",
+            )
         try:
-            rows = json.loads(path.read_text(encoding="utf-8-sig"))
+            rows = json.loads(whole.decode("utf-8-sig"))
         except UnicodeDecodeError:
             raise UsageError(f"{path}: not UTF-8 text", "re-encode the file as UTF-8") from None
         except json.JSONDecodeError as err:
@@ -224,20 +252,61 @@ def _iter_json(path: Path) -> Iterator[tuple[str, Any]]:
                 f"{path}:{err.lineno}:{err.colno}: not valid JSON ({err.msg})",
                 "fix the JSON syntax there, or write one conversation per line (JSONL)",
             ) from None
+        except ValueError as err:  # a number past Python's int() limit of 4300 digits
+            raise UsageError(f"{path}: unreadable JSON ({err})", "fix or remove that number") from None
         for i, row in enumerate(rows):
             yield f"{path}:row {i}", row
         return
     with open(path, "rb") as f:  # JSONL, line by line so a huge file is never held whole
-        for lineno, raw in enumerate(f, start=1):
+        for lineno, raw in enumerate(_bounded_lines(f), start=1):
+            source = f"{path}:{lineno}"
+            if raw is None:
+                yield source, _BadRow(f"line longer than {MAX_LINE_BYTES >> 20} MiB (no prompt is that long)")
+                continue
             if not raw.strip():
                 continue
-            source = f"{path}:{lineno}"
+            if _too_deep_at(raw, MAX_JSON_DEPTH) is not None:
+                yield source, _BadRow(f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
+                continue
             try:
                 yield source, json.loads(raw.decode("utf-8-sig" if lineno == 1 else "utf-8"))
             except UnicodeDecodeError:
                 yield source, _BadRow("line is not UTF-8 text")
             except json.JSONDecodeError as err:
                 yield source, _BadRow(f"not valid JSON ({err.msg} at column {err.colno})")
+            except ValueError as err:  # a number past Python's int() limit of 4300 digits
+                yield source, _BadRow(f"unreadable JSON ({err})")
+
+
+def _bounded_lines(f) -> Iterator[bytes | None]:
+    """The lines of a binary file; None for a line longer than MAX_LINE_BYTES, which is read past, not kept."""
+    while raw := f.readline(MAX_LINE_BYTES + 1):
+        if len(raw) > MAX_LINE_BYTES:
+            while raw and not raw.endswith(b"\n"):
+                raw = f.readline(1 << 20)
+            yield None
+        else:
+            yield raw
+
+
+# The parts of JSON text that matter for nesting: whole strings (their brackets do not count) and brackets.
+_JSON_NESTING = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]')
+
+
+def _too_deep_at(raw: bytes, limit: int) -> int | None:
+    """The offset where ``raw``'s JSON nests deeper than ``limit``; None where it does not."""
+    if raw.count(b"[") + raw.count(b"{") <= limit:  # the common case, without a scan
+        return None
+    depth = 0
+    for m in _JSON_NESTING.finditer(raw):
+        token = m.group()
+        if token in (b"[", b"{"):
+            depth += 1
+            if depth > limit:
+                return m.start()
+        elif token in (b"]", b"}"):
+            depth -= 1
+    return None
 
 
 def _iter_parquet(path: Path) -> Iterator[tuple[str, Any]]:

@@ -1,9 +1,9 @@
 """Pre-flight: establish a stage's ground truth before it starts a long run.
 
 A check is a small function ``check(ctx) -> CheckResult`` (or a list of them). Each stage declares the
-checks it needs; the runner times them, turns an unexpected exception into a ``fail`` that says so,
-and the stage refuses to start on any ``fail`` — printing a table that says what to do. Results go
-into the ledger with the stage run. ``eaglekit preflight CONFIG`` runs them alone.
+checks it needs; the runner times them, turns an unexpected exception into a ``fail`` naming the check,
+its input and the exception in one line (the traceback goes to RUN_DIR/logs), and the stage refuses to
+start on any ``fail`` — printing a table that says what to do. Results go into the ledger with the stage run. ``eaglekit preflight CONFIG`` runs them alone.
 
 The checks, one family per file:
 
@@ -86,21 +86,39 @@ def run_checks(ctx: StageContext, checks: Iterable[Check]) -> list[CheckResult]:
         try:
             out = check(ctx)
         except EaglekitError as err:  # a problem the code foresaw and explains: a plain fail, no traceback
-            out = fail(getattr(check, "__name__", "check"), err.message, err.remedy or "")
-        except Exception as err:  # a check that crashes must not crash the pre-flight silently
-            name = getattr(check, "__name__", "check")
-            out = fail(
-                name,
-                f"the check itself raised {type(err).__name__}: {err}",
-                "this is a bug in eaglekit or an unexpected input; the traceback is in the ledger",
-            )
-            out.detail += "\n" + traceback.format_exc(limit=3)
+            out = fail(_check_name(check), err.message, err.remedy or "")
+        except Exception as err:  # a check that crashes must not crash the pre-flight, nor show a traceback
+            out = could_not_run(ctx, check, err)
         outs = out if isinstance(out, list) else [out]
         elapsed = (time.monotonic() - t0) / max(len(outs), 1)
         for r in outs:
             r.seconds = round(elapsed, 3)
         results.extend(outs)
     return results
+
+
+def _check_name(check: Check) -> str:
+    return getattr(check, "__name__", type(check).__name__)
+
+
+def could_not_run(ctx: StageContext, check: Check, err: Exception) -> CheckResult:
+    """The ``fail`` of a check that raised what it did not foresee: the check, its input and the exception in one
+    line; the traceback goes to a log under the run directory, as the CLI keeps an unexpected error's."""
+    name = _check_name(check)
+    text = str(err).strip()
+    first = text.splitlines()[0][:300] if text else "(no message)"
+    source = ctx.cfg.source or "the run config"
+    trace = "".join(traceback.format_exception(type(err), err, err.__traceback__))
+    try:
+        log = str(ctx.run.write_log(f"preflight-{ctx.stage}-{name}-{time.strftime('%Y%m%d-%H%M%S')}.log", trace))
+    except OSError as log_err:
+        log = f"nowhere ({ctx.run.path / 'logs'}: {log_err.strerror or log_err})"
+    return fail(
+        name,
+        f"check {name} could not run on {source} (stage {ctx.stage}): {type(err).__name__}: {first}",
+        f"look at the input that check reads for a value out of the ordinary; if it is valid, it is a bug in "
+        f"eaglekit: please report it with the traceback, which is in {log}",
+    )
 
 
 def failed(results: Iterable[CheckResult]) -> list[CheckResult]:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from eaglekit.contract import StageContext
 from eaglekit.errors import EaglekitError
-from eaglekit.preflight import CheckResult, fail, ok, warn
+from eaglekit.preflight import CheckResult, fail, ok, skip, warn
 
 SAMPLE_ROWS = 1000
 EXACT_COUNT_LIMIT = 2 << 30  # JSONL files up to this size have their lines counted exactly
@@ -103,3 +103,108 @@ def prompts(ctx: StageContext) -> CheckResult:
             "than rows; deduplicate the file or add rows if you need that many",
         )
     return ok(name, summary)
+
+
+TOKENIZED_PROMPTS = 2000  # the longest prompts (by characters) tokenised exactly; ~1 s with a fast tokenizer
+
+
+def context_limit(cfg) -> tuple[int, str]:
+    """The most tokens a prompt may have: the target's max_position_embeddings (when its folder is here), or
+    prepare.max_length where that is smaller (prepare drops or cuts a longer sample); and where it comes from."""
+    from eaglekit.model.target import target_hf_config
+
+    limit, why = cfg.prepare.max_length, f"prepare.max_length {cfg.prepare.max_length}"
+    if Path(cfg.target.model).is_dir():
+        try:
+            context = getattr(target_hf_config(cfg.target), "max_position_embeddings", None)
+        except EaglekitError:
+            context = None  # the target folder check says why
+        if isinstance(context, int) and 0 < context < limit:
+            limit, why = context, f"the target's max_position_embeddings {context}"
+    return limit, why
+
+
+def prompt_token_counts(cfg, records: list) -> tuple[list[tuple[int, str]], str, bool]:
+    """(tokens, id) per prompt, longest first, how they were counted, and whether every count is exact (rendered with
+    the chat template and tokenised as generate does it). Past TOKENIZED_PROMPTS, the shorter prompts (by characters)
+    are estimated at the tokenised ones' highest tokens per character; without the target's tokenizer here, every
+    count is estimated from characters."""
+    from eaglekit.data.chat import local_target_tokenizer
+    from eaglekit.preflight.servers import CHARS_PER_TOKEN
+
+    def chars(r) -> int:
+        return sum(len(m["content"]) for m in r.messages)
+
+    by_chars = sorted(records, key=lambda r: -chars(r))
+    try:
+        tokenizer = local_target_tokenizer(cfg)
+    except EaglekitError:
+        tokenizer = None  # the reasoning check names the tokenizer's problem
+    if tokenizer is None:
+        estimated = [(int(chars(r) / CHARS_PER_TOKEN) + 8 * len(r.messages), r.id) for r in by_chars]
+        return estimated, f"estimated at {CHARS_PER_TOKEN:g} characters per token", False
+    kwargs = cfg.generate.extra_body.get("chat_template_kwargs") or {}
+    head = by_chars[:TOKENIZED_PROMPTS]
+    texts = [_rendered(tokenizer, r, kwargs) for r in head]
+    ids = tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"] if texts else []
+    counted = [(len(x), r.id) for x, r in zip(ids, head, strict=True)]
+    rest = by_chars[TOKENIZED_PROMPTS:]
+    if not rest:
+        return sorted(counted, reverse=True), "tokenised with the target's tokenizer and chat template", True
+    per_char = max(n / max(chars(r), 1) for (n, _), r in zip(counted, head, strict=True))
+    counted += [(int(chars(r) * per_char), r.id) for r in rest]
+    how = (
+        f"the {len(head):,} longest tokenised; the other {len(rest):,} estimated at {per_char:.2f} tokens per character"
+    )
+    return sorted(counted, reverse=True), how, False
+
+
+def _rendered(tokenizer, record, template_kwargs: dict) -> str:
+    """The prompt as generate sends it to the target; a row the chat template refuses is named by its line."""
+    from jinja2 import TemplateError
+
+    try:
+        return tokenizer.apply_chat_template(
+            record.messages, tokenize=False, add_generation_prompt=True, **template_kwargs
+        )
+    except TemplateError as err:
+        raise EaglekitError(
+            f"{record.source}: the target's chat template refuses this prompt ({err})",
+            "fix that row's turns (e.g. roles that must alternate), or set target.chat_template",
+        ) from None
+
+
+def prompt_length(ctx: StageContext) -> CheckResult:
+    """Prompts with more tokens than the target's context (or prepare.max_length, if smaller): the target cannot
+    answer them whole and prepare drops or cuts their samples. Some is a warning, all (counted exactly) a failure."""
+    from eaglekit.data.prompts import run_prompts
+
+    name = "prompt length"
+    try:
+        records = run_prompts(ctx.cfg).records
+    except EaglekitError:
+        return skip(name, "the prompts do not load (see the prompts checks)")
+    if not records:
+        return skip(name, "no prompts")
+    limit, why = context_limit(ctx.cfg)
+    counts, how, exact = prompt_token_counts(ctx.cfg, records)
+    over = [(n, rid) for n, rid in counts if n > limit]
+    longest, rid = counts[0]
+    if not over:
+        return ok(name, f"longest prompt {longest:,} tokens ({how}) ≤ {limit:,} ({why})")
+    by_prepare = why.startswith("prepare")
+    consequence = (
+        f"prepare {'drops' if ctx.cfg.prepare.overlong == 'drop' else 'cuts'} longer samples, so their replies are "
+        "generated in vain"
+        if by_prepare
+        else "the target cannot read them whole, so their replies fail or ramble"
+    )
+    detail = (
+        f"{ctx.cfg.data.prompts}: {len(over):,} of {len(records):,} prompts have more tokens than {limit:,} ({why}), "
+        f"e.g. '{rid}' with "
+        f"{longest:,} ({how}): {consequence}"
+    )
+    remedy = "drop the longest prompts from data.prompts" + (", or raise prepare.max_length" if by_prepare else "")
+    if exact and len(over) == len(records):
+        return fail(name, detail, remedy)
+    return warn(name, detail, remedy)

@@ -80,6 +80,7 @@ def checks(cfg: RunConfig) -> list:
         return [
             dataset.prompts,
             server_checks.prompts_loaded,
+            dataset.prompt_length,
             common.target_folder,
             files.target_weights,
             environment.software,
@@ -90,6 +91,7 @@ def checks(cfg: RunConfig) -> list:
     return [
         dataset.prompts,
         server_checks.prompts_loaded,
+        dataset.prompt_length,
         server_checks.reasoning_mode,
         server_checks.api_key,
         server_checks.servers,
