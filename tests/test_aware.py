@@ -3,17 +3,25 @@ target resolved to its cached snapshot, and a draft vocabulary that another run'
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import shutil
+from pathlib import Path
 from types import SimpleNamespace
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from safetensors.torch import load_file, save_file
 
+from eaglekit import pipeline
 from eaglekit.config import parse_config
 from eaglekit.data.suites import load_suite
+from eaglekit.data.tokens import write_token_store
 from eaglekit.errors import UsageError
-from eaglekit.stages import evaluate
+from eaglekit.preflight import checks, files
+from eaglekit.stages import evaluate, train
+from eaglekit.stages import vocab as vocab_stage
 
 # ------------------------------------------------------------------------------ suites checked before training
 
@@ -110,3 +118,143 @@ def test_the_check_is_part_of_evaluates_preflight(tmp_path):
     assert evaluate.benchmark_suites in evaluate.checks(cfg)
     with pytest.raises(UsageError, match="turns"):
         load_suite("mt_bench", path=str(write_jsonl(tmp_path / "x.jsonl", [{"q": "a"}])))
+
+
+# ------------------------------------------------------------------------------ a hub id as the target
+
+REPO = "acme/tiny-target"
+
+
+@pytest.fixture
+def hub_target(tmp_path, tiny_target, monkeypatch) -> Path:
+    """The tiny target published with its weights in two shards, downloaded by huggingface_hub into a fresh cache
+    (HF_HOME) from a local hub; afterwards HF_HUB_OFFLINE is set, as on a machine without network. Returns the
+    snapshot folder."""
+    from huggingface_hub import snapshot_download
+    from local_hub import LocalHub
+
+    repo = tmp_path / "published"
+    repo.mkdir()
+    for f in tiny_target.iterdir():
+        if f.suffix in (".json", ".jinja"):
+            shutil.copy(f, repo / f.name)
+    tensors = load_file(str(tiny_target / "model.safetensors"))
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for shard, keys in shards.items():
+        save_file({k: tensors[k] for k in keys}, str(repo / shard), metadata={"format": "pt"})
+    weight_map = {k: shard for shard, keys in shards.items() for k in keys}
+    (repo / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    with LocalHub({REPO: repo}) as hub:
+        snapshot = Path(snapshot_download(REPO, endpoint=hub.url, cache_dir=str(tmp_path / "hf" / "hub")))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return snapshot
+
+
+def target_cfg(tmp_path, model: str, **vocab):
+    return parse_config(
+        {"run_dir": "run", "target": {"model": model}, "data": {"prompts": "p.jsonl"}, "vocab": vocab},
+        base_dir=tmp_path,
+    )
+
+
+def test_a_hub_id_target_in_the_cache_gets_through_vocab(tmp_path, hub_target, tiny_target):
+    cfg = target_cfg(tmp_path, REPO, draft_vocab_size=32)
+    ctx = SimpleNamespace(cfg=cfg)
+    vocab_size = json.loads((tiny_target / "config.json").read_text())["vocab_size"]
+    check = vocab_stage.draft_vocab_fits(ctx)
+    assert check.status == "ok" and f"32 of {vocab_size}" in check.detail
+    assert vocab_stage.target_vocab_size(REPO) == vocab_size
+    folder, weights = checks.target_folder(ctx), files.target_weights(ctx)
+    assert folder.status == "ok" and str(hub_target) in folder.detail
+    assert weights[0].status == "ok" and "2 safetensors files" in weights[0].detail
+
+    # the vocab stage itself reads the target's config from the snapshot
+    run = tmp_path / "run"
+    write_token_store(run / "prepare" / "tokens.safetensors", [("a", [1, 2, 3, 2], [0, 1, 1, 1])])
+    vocab_stage.run(pipeline.make_context(cfg, "vocab"))
+    assert json.loads((run / "vocab" / "stats.json").read_text())["target_vocab_size"] == vocab_size
+
+
+def test_a_half_downloaded_hub_cache_is_named_before_any_stage(tmp_path, hub_target):
+    ctx = SimpleNamespace(cfg=target_cfg(tmp_path, REPO))
+    link = hub_target / "model-00002-of-00002.safetensors"
+    blob = link.resolve()
+    link.unlink()  # what an interrupted huggingface_hub download leaves: no link yet, the blob still .incomplete
+    blob.rename(blob.with_name(blob.name + ".incomplete"))
+
+    weights = files.target_weights(ctx)[0]
+    assert weights.status == "fail"
+    assert ".incomplete" in weights.detail and "model-00002-of-00002.safetensors" in weights.detail
+    folder = checks.target_folder(ctx)
+    assert folder.status == "fail" and "misses 1 of 2 weight shards" in folder.detail
+
+    blob.with_name(blob.name + ".incomplete").unlink()  # the shard simply absent: still named
+    weights = files.target_weights(ctx)[0]
+    assert weights.status == "fail" and "1 of 2 shards" in weights.detail and "model-00002" in weights.detail
+
+
+def test_a_hub_id_not_in_the_cache_offline_is_named(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    check = vocab_stage.draft_vocab_fits(SimpleNamespace(cfg=target_cfg(tmp_path, "acme/absent-model")))
+    assert check.status == "fail"
+    assert "not in the Hugging Face cache" in check.detail and "HF_HUB_OFFLINE" in check.detail
+    assert "hf download acme/absent-model" in check.remedy
+
+
+# ------------------------------------------------------------------------------ a foreign draft vocabulary
+
+
+def built_run(tmp_path, name: str, tiny_target, samples):
+    cfg = parse_config(
+        {
+            "run_dir": name,
+            "target": {"model": str(tiny_target)},
+            "data": {"prompts": "p.jsonl"},
+            "vocab": {"draft_vocab_size": 16},
+        },
+        base_dir=tmp_path,
+    )
+    write_token_store(tmp_path / name / "prepare" / "tokens.safetensors", samples)
+    vocab_stage.run(pipeline.make_context(cfg, "vocab"))
+    return cfg
+
+
+def test_another_runs_vocabulary_is_refused_before_training(tmp_path, tiny_target):
+    ours = built_run(tmp_path, "ours", tiny_target, [("a", list(range(40)), [1] * 40)])
+    theirs = built_run(tmp_path, "theirs", tiny_target, [("b", list(range(60, 100)), [1] * 40)])
+    ctx = pipeline.make_context(ours, "train")
+    assert train.draft_vocab_origin(ctx).status == "ok"
+
+    shutil.copy(tmp_path / "theirs" / "vocab" / "vocab.safetensors", tmp_path / "ours" / "vocab" / "vocab.safetensors")
+    check = train.draft_vocab_origin(ctx)
+    assert check.status == "fail"
+    assert str(tmp_path / "theirs" / "prepare" / "tokens.safetensors") in check.detail  # whose tokens it counted
+    assert str(tmp_path / "ours" / "prepare" / "tokens.safetensors") in check.detail
+    assert "eaglekit vocab CONFIG --force" in check.remedy
+    assert draft_vocab_origin_in_preflight(ctx).status == "fail"
+
+    # ahead of `eaglekit run`, a vocab stage that will run first rebuilds it: nothing to refuse yet
+    assert train.draft_vocab_origin(dataclasses.replace(ctx, pending=("vocab",))).status == "skip"
+    assert theirs.vocab == ours.vocab
+
+
+def test_a_vocabulary_built_with_other_settings_or_without_a_record(tmp_path, tiny_target):
+    ours = built_run(tmp_path, "ours", tiny_target, [("a", list(range(40)), [1] * 40)])
+    smaller = ours.model_copy(update={"vocab": ours.vocab.model_copy(update={"draft_vocab_size": 8})})
+    check = train.draft_vocab_origin(pipeline.make_context(smaller, "train"))
+    assert check.status == "fail" and "draft_vocab_size 16 (now 8)" in check.detail
+
+    path = tmp_path / "ours" / "vocab" / "vocab.safetensors"
+    save_file(load_file(str(path)), str(path))  # as an older eaglekit wrote it: no record of its origin
+    check = train.draft_vocab_origin(pipeline.make_context(ours, "train"))
+    assert check.status == "warn" and "records no origin" in check.detail
+
+
+def draft_vocab_origin_in_preflight(ctx):
+    return next(r for r in pipeline.run_preflight(ctx) if r.name == "draft vocabulary")

@@ -115,8 +115,10 @@ WEIGHT_FILES = (
 
 def target_folder(ctx: StageContext) -> CheckResult:
     """The target has its config, tokenizer and (complete) weights — the same files from_pretrained reads."""
+    from eaglekit.model.hub import model_folder
+
     model = ctx.cfg.target.model
-    path = Path(model)
+    path = model_folder(model) or Path(model)  # a hub id in the cache: its snapshot, checked as a folder
     if not path.exists():
         if "/" in model and not model.startswith((".", "/")):
             hub = (
