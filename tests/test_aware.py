@@ -58,6 +58,10 @@ def test_mt_bench_reads_fastchats_question_jsonl(tmp_path):
     assert [i.id for i in items] == ["mt_bench:81", "mt_bench:111"]
     result = suites_check(tmp_path, [{"name": "mt_bench", "path": str(path)}])
     assert result.status == "ok" and "mt_bench: 2 prompts read" in result.detail
+    # the folder of FastChat's repository, its answers and judgments beside the questions
+    write_jsonl(path.parent / "model_answer" / "vicuna.jsonl", [{"question_id": 81, "choices": [{"turns": ["x"]}]}])
+    write_jsonl(path.parent / "reference_answer" / "gpt-4.jsonl", [{"question_id": 111, "answer_id": "a"}])
+    assert load_suite("mt_bench", path=str(path.parent)) == items
 
 
 def test_a_cloned_hub_dataset_folder_is_read_by_its_split_and_config(tmp_path):

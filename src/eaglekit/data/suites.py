@@ -218,6 +218,8 @@ def _rows_from_clone(path: Path, spec: SuiteSpec) -> tuple[Any, str]:
     from datasets.data_files import DataFilesDict, get_data_patterns
 
     base = path / spec.config if spec.config and (path / spec.config).is_dir() else path
+    if (base / "question.jsonl").is_file():  # FastChat's llm_judge/data/<bench>/: the answers lie in subfolders
+        return _rows_from_path(base / "question.jsonl", spec)
     try:
         patterns = get_data_patterns(str(base))
         by_split = {
