@@ -209,6 +209,9 @@ def test_a_hub_id_not_in_the_cache_offline_is_named(tmp_path, monkeypatch):
     assert check.status == "fail"
     assert "not in the Hugging Face cache" in check.detail and "HF_HUB_OFFLINE" in check.detail
     assert "hf download acme/absent-model" in check.remedy
+    folder = checks.target_folder(SimpleNamespace(cfg=target_cfg(tmp_path, "acme/absent-model")))
+    assert folder.status == "fail" and "HF_HUB_OFFLINE" in folder.detail
+    assert str(tmp_path / "hf" / "hub" / "models--acme--absent-model") in folder.detail
 
 
 # ------------------------------------------------------------------------------ a foreign draft vocabulary
