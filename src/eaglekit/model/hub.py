@@ -206,3 +206,83 @@ def drafter_folder(value: str) -> Path:
             "run the train stage with its pre-flight (it downloads the drafter first), or `eaglekit preflight CONFIG`",
         )
     return path
+
+
+# ------------------------------------------------------------------------------------- a hub id as the target
+
+
+def hub_offline() -> bool:
+    """``HF_HUB_OFFLINE`` as the hub client reads it, read when called."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "on", "yes", "true")
+
+
+def cache_storage(repo: str) -> Path:
+    """The cache folder of model ``repo`` (``models--org--name``), where huggingface_hub keeps it."""
+    from huggingface_hub import constants
+
+    return Path(_hub_kwargs()["cache_dir"] or constants.HF_HUB_CACHE) / f"models--{repo.replace('/', '--')}"
+
+
+def cached_snapshot(value: str) -> Path | None:
+    """The snapshot folder of hub id ``value`` in the cache, complete or not (the folder checks name what it
+    lacks), or None when the cache holds no snapshot of that revision. Read from the cache's layout, never the
+    network: ``refs/<branch>`` names the commit, ``snapshots/<commit>/`` links each file to its blob."""
+    repo, revision = split_id(value)
+    storage = cache_storage(repo)
+    ref = storage / "refs" / (revision or "main")
+    try:
+        commit = ref.read_text().strip() if ref.is_file() else revision
+    except OSError:
+        return None
+    snapshot = storage / "snapshots" / commit if commit else None
+    return snapshot if snapshot is not None and snapshot.is_dir() else None
+
+
+def model_folder(value: str) -> Path | None:
+    """The local folder of ``target.model``: the path itself, or the cached snapshot of a hub id (None when that is
+    not in the cache). Never downloads."""
+    return cached_snapshot(value) if is_hub_id(value) else Path(value)
+
+
+def model_file(value: str, name: str) -> Path:
+    """File ``name`` (``config.json``) of ``target.model``: from the folder, or a hub id's cached snapshot; a hub id
+    not in the cache fetches just that file, as ``from_pretrained`` would, unless ``HF_HUB_OFFLINE`` is set."""
+    folder = model_folder(value)
+    if folder is not None and (folder / name).exists():
+        return folder / name
+    if not is_hub_id(value):
+        return Path(value) / name  # the caller's read names the missing file
+    if folder is not None:
+        raise UsageError(
+            f"target.model {value}: its cached snapshot {folder} has no {name}",
+            f"finish the download: `hf download {split_id(value)[0]}` (or point target.model at a complete folder)",
+        )
+    repo, revision = split_id(value)
+    if hub_offline():
+        raise UsageError(
+            f"target.model {value} is a hub id that is not in the Hugging Face cache ({cache_storage(repo)}), "
+            "and HF_HUB_OFFLINE is set",
+            f"download it where the hub is reachable (`hf download {repo}`), or point target.model at its folder",
+        )
+    from huggingface_hub import hf_hub_download
+
+    kwargs = _hub_kwargs()
+    try:
+        return Path(
+            hf_hub_download(repo, name, revision=revision, endpoint=kwargs["endpoint"], cache_dir=kwargs["cache_dir"])
+        )
+    except Exception as err:  # network, auth, a repository without the file: the user's choices are the same
+        raise UsageError(
+            f"target.model {value}: cannot fetch {name} from the hub ({type(err).__name__}: {err})",
+            f"check the id and the network (HF_ENDPOINT / HF_TOKEN), or download it first (`hf download {repo}`)",
+        ) from None
+
+
+def incomplete_downloads(value: str) -> list[str]:
+    """The interrupted downloads of hub id ``value`` in the cache: ``blobs/*.incomplete`` (huggingface_hub's)
+    and ``blobs/*.part`` (this module's), each with the bytes it holds."""
+    if not is_hub_id(value):
+        return []
+    blobs = cache_storage(split_id(value)[0]) / "blobs"
+    partial = sorted(blobs.glob("*.incomplete")) + sorted(blobs.glob("*.part")) if blobs.is_dir() else []
+    return [f"{p} ({p.stat().st_size:,} bytes, an interrupted download)" for p in partial]

@@ -115,21 +115,25 @@ WEIGHT_FILES = (
 
 def target_folder(ctx: StageContext) -> CheckResult:
     """The target has its config, tokenizer and (complete) weights — the same files from_pretrained reads."""
+    from eaglekit.model.hub import cache_storage, hub_offline, is_hub_id, model_folder, split_id
+
     model = ctx.cfg.target.model
-    path = Path(model)
+    path = model_folder(model) or Path(model)  # a hub id in the cache: its snapshot, checked as a folder
     if not path.exists():
-        if "/" in model and not model.startswith((".", "/")):
-            hub = (
-                Path(os.environ.get("HF_HOME", Path.home() / ".cache/huggingface"))
-                / "hub"
-                / ("models--" + model.replace("/", "--"))
-            )
-            if hub.exists():
-                return ok("target folder", f"{model} is in the local Hugging Face cache")
+        if is_hub_id(model):
+            storage = cache_storage(split_id(model)[0])
+            if hub_offline():
+                return fail(
+                    "target folder",
+                    f"{model} is a hub id with no snapshot in the Hugging Face cache ({storage}) and HF_HUB_OFFLINE "
+                    "is set",
+                    f"download it where the hub is reachable (`hf download {split_id(model)[0]}`), or point "
+                    "target.model at its folder",
+                )
             return warn(
                 "target folder",
-                f"{model} is a hub id not in the local cache; it will be downloaded",
-                "download it ahead of a long run (huggingface-cli download) and point target.model at the folder",
+                f"{model} is a hub id with no snapshot in the local cache ({storage}); it will be downloaded",
+                "download it ahead of a long run (`hf download`) and point target.model at the folder",
             )
         return fail("target folder", f"{model} does not exist", "set target.model to a Hugging Face model folder")
     missing = []

@@ -285,10 +285,13 @@ def weights_result(name: str, weights: Weights, what: str) -> CheckResult:
 
 def target_weights(ctx: StageContext) -> list[CheckResult]:
     """The target's weight files are whole, and the tensors the drafter copies from it are dense."""
-    folder = Path(ctx.cfg.target.model)
-    if not folder.is_dir():
-        return [skip("target weights", f"{folder} is not a local folder (see 'target folder')")]
+    from eaglekit.model.hub import incomplete_downloads, model_folder
+
+    folder = model_folder(ctx.cfg.target.model)  # a hub id: its cached snapshot
+    if folder is None or not folder.is_dir():
+        return [skip("target weights", f"{folder or ctx.cfg.target.model} is not a local folder (see 'target folder')")]
     weights = read_weights(folder)
+    weights.problems[:0] = incomplete_downloads(ctx.cfg.target.model)
     result = weights_result("target weights", weights, "the target")
     if result.status == "fail" or weights.kind in ("pickle", "none"):
         return [result]

@@ -93,12 +93,14 @@ def checks(cfg: RunConfig) -> list:
 
 
 def benchmark_suites(ctx):
-    """evaluate.suites (and verify.suites) name known suites, and their local copies exist: found before training."""
-    from eaglekit.data.suites import SUITES, suite_names
+    """evaluate.suites (and verify.suites) name known suites, and their local copies read as evaluate reads them
+    (the same reader, their columns checked): a copy in another layout is found before training, not after it."""
+    from eaglekit.data.suites import SUITES, load_suite, suite_names
 
     suites = ctx.cfg.evaluate.suites + (ctx.cfg.verify.suites or [])
     if not suites:
         return skip("benchmark suites", "none configured (evaluate.suites)")
+    read = []
     for suite in suites:
         if suite.name not in SUITES:
             return fail("benchmark suites", f"unknown suite {suite.name!r}", f"use one of: {suite_names()}")
@@ -108,8 +110,14 @@ def benchmark_suites(ctx):
                 f"suite {suite.name}: local copy {suite.path} not found",
                 f"download {SUITES[suite.name].hub_id} there, or remove the path to load it from the hub",
             )
+        if suite.path:  # a hub suite is not fetched here: pre-flight stays offline and quick
+            try:
+                items = load_suite(suite.name, suite.num_samples or ctx.cfg.evaluate.num_samples, suite.path)
+            except UsageError as err:
+                return fail("benchmark suites", f"suite {suite.name}: {err.message}", err.remedy or "")
+            read.append(f"{suite.name}: {len(items)} prompts read")
     names = ", ".join(f"{s.name} ({s.path or SUITES[s.name].hub_id})" for s in suites)
-    return ok("benchmark suites", names)
+    return ok("benchmark suites", names + (f"; {', '.join(read)}" if read else ""))
 
 
 def estimate(ctx: StageContext, sizes: Sizes | None) -> Estimate:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from eaglekit.config import BLOCK_ARCHITECTURES, RunConfig
 from eaglekit.contract import Estimate, Sizes, Stage, StageContext
+from eaglekit.data.vocab import vocab_origin
 from eaglekit.errors import EaglekitError
 from eaglekit.model.dflash import DFlashConfig
 from eaglekit.model.drafter import FLAGS, DrafterConfig, text_config
@@ -23,8 +24,8 @@ from eaglekit.model.dspark_checkpoint import block_form, load_block_for_target
 from eaglekit.model.hub import cached_drafter, download_drafter, is_hub_id, local_folder
 from eaglekit.model.run_shapes import draft_settings, drafter_config, parameter_counts, target_and_aux
 from eaglekit.model.target import target_identity
+from eaglekit.preflight import CheckResult, disk, environment, fail, files, gpus, ok, skip, warn
 from eaglekit.preflight import checks as common
-from eaglekit.preflight import disk, environment, fail, files, gpus, ok, skip, warn
 from eaglekit.preflight.checks import human_bytes
 from eaglekit.preflight.context import serving_context
 from eaglekit.rundir import file_identity
@@ -80,6 +81,13 @@ def anchor(ctx: StageContext):
             "set train.init_from to the drafter to finetune, or anchor_weight: 0",
         )
     return ok("anchor", f"L2-SP pull toward {tc.init_from}: anchor_weight {tc.anchor_weight}")
+
+
+def draft_vocab_origin(ctx: StageContext):
+    """The vocabulary in vocab/ was built from this run's prepared tokens (not copied in from another run)."""
+    if {"prepare", "vocab"} & set(ctx.pending):
+        return skip("draft vocabulary", "vocab will be rebuilt from this run's tokens before train")
+    return CheckResult("draft vocabulary", *vocab_origin(ctx.run.path, ctx.cfg.vocab.model_dump()))
 
 
 def init_from_download(ctx: StageContext):
@@ -227,6 +235,7 @@ def checks(cfg: RunConfig) -> list:
         *online,
         packing,
         drafter_shape,
+        draft_vocab_origin,
         init_from_download,
         files.init_from_files,
         init_from_compatible,

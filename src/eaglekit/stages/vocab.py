@@ -2,14 +2,14 @@
 
 Reads ``prepare/tokens.safetensors``; writes ``vocab/vocab.safetensors`` with ``d2t`` (int64 [Vd],
 ``target_id = draft_id + d2t[draft_id]``) and ``t2d`` (bool [V]), the two buffers every EAGLE-3
-checkpoint carries, and ``vocab/stats.json`` with the coverage: the share of assistant tokens the
-drafter can propose at all (an upper bound on its acceptance).
+checkpoint carries, and in its metadata what it was built from (the tokens' sha256 and the settings, which
+train's pre-flight compares with the run's own), and ``vocab/stats.json`` with the coverage: the share of
+assistant tokens the drafter can propose at all (an upper bound on its acceptance).
 """
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
@@ -18,9 +18,10 @@ from eaglekit import atomic
 from eaglekit.config import RunConfig
 from eaglekit.contract import Estimate, Sizes, Stage, StageContext, measured_time
 from eaglekit.data.tokens import TokenStore
-from eaglekit.data.vocab import VOCAB
+from eaglekit.data.vocab import PREPARED_TOKENS, VOCAB, built_from
 from eaglekit.errors import EaglekitError
 from eaglekit.model.drafter import build_d2t_t2d
+from eaglekit.model.hub import model_file
 from eaglekit.preflight import fail, ok
 from eaglekit.progress import console
 
@@ -32,18 +33,22 @@ def params(cfg: RunConfig) -> dict:
     return cfg.vocab.model_dump()
 
 
-def target_vocab_size(model_path: str) -> int:
-    config = json.loads((Path(model_path) / "config.json").read_text())
+def target_vocab_size(model: str) -> int:
+    """The vocab size in ``target.model``'s config.json: a folder, or a hub id's snapshot in the local cache."""
+    path = model_file(model, "config.json")
+    config = json.loads(path.read_text())
     size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
     if not size:
-        raise EaglekitError(f"{model_path}/config.json has no vocab_size", "point target.model at a causal LM folder")
+        raise EaglekitError(f"{path} has no vocab_size", "point target.model at a causal LM folder")
     return int(size)
 
 
 def draft_vocab_fits(ctx: StageContext):
     try:
         v = target_vocab_size(ctx.cfg.target.model)
-    except (OSError, ValueError, EaglekitError) as err:
+    except EaglekitError as err:
+        return fail("draft vocab size", f"cannot read the target's vocab size: {err.message}", err.remedy or "")
+    except (OSError, ValueError) as err:
         return fail("draft vocab size", f"cannot read the target's vocab size: {err}", "check target.model")
     vd = ctx.cfg.vocab.draft_vocab_size
     if vd > v:
@@ -82,7 +87,8 @@ def select_draft_vocab(counts: torch.Tensor, draft_vocab_size: int) -> tuple[tor
 
 def run(ctx: StageContext) -> dict:
     cfg = ctx.cfg
-    store = TokenStore(ctx.run.stage_dir("prepare") / "tokens.safetensors")
+    store = TokenStore(ctx.run.path / PREPARED_TOKENS)
+    origin = built_from(ctx.run.path, params(cfg))  # kept in the file, so a copy elsewhere is told from its own
     vocab_size = target_vocab_size(cfg.target.model)
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for i in range(len(store)):
@@ -103,7 +109,11 @@ def run(ctx: StageContext) -> dict:
         save_file(
             {"d2t": d2t, "t2d": t2d},
             str(tmp),
-            metadata={"draft_vocab_size": str(len(selected)), "vocab_size": str(vocab_size)},
+            metadata={
+                "draft_vocab_size": str(len(selected)),
+                "vocab_size": str(vocab_size),
+                "built_from": json.dumps(origin),
+            },
         )
     stats = {
         "draft_vocab_size": len(selected),
@@ -112,6 +122,7 @@ def run(ctx: StageContext) -> dict:
         "assistant_tokens": total,
         "coverage": round(coverage, 6),
         "filled_with_unused_ids": fill,
+        "built_from": origin,
     }
     atomic.write_json(ctx.dir / "stats.json", stats)
     console.print(f"vocab: {len(selected)} draft tokens cover {coverage:.2%} of {total} assistant tokens")
