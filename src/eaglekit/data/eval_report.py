@@ -97,11 +97,13 @@ def context_table(results: list[dict], groups: list[str]) -> list[str]:
         "|" + "---|" * (3 + len(groups)),
     ]
     for r in rows:
-        cells = [
-            f"{r['tau_by_context'][g]['tau']:.3f} ({r['tau_by_context'][g]['rounds']})"
-            if g in r["tau_by_context"]
-            else "–"
-            for g in groups
-        ]
+        cells = context_cells(r["tau_by_context"], groups, digits=3)
         lines.append(f"| {METHOD_NAMES[r['method']]} | {r['k']} | {r['temperature']:g} | " + " | ".join(cells) + " |")
     return lines
+
+
+def context_cells(by_context: dict, groups: list[str], digits: int = 2) -> list[str]:
+    """One table cell per context group: "τ (verify passes)", or "–" where no pass started in it."""
+    return [
+        f"{by_context[g]['tau']:.{digits}f} ({by_context[g]['rounds']})" if g in by_context else "–" for g in groups
+    ]

@@ -16,6 +16,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from eaglekit.data.eval_report import context_cells
 from eaglekit.data.suites import SuiteItem
 from eaglekit.speculative.decode import CONTEXT_BUCKETS, DecodeStats, Generation, Proposer, generate, tau_by_context
 from eaglekit.speculative.inputs import prompt_ids
@@ -184,12 +185,7 @@ def suites_markdown(section: dict) -> str:
         "|" + "---|" * (8 + len(labels)),
     ]
     for r in rows:
-        context = [
-            f"{r['tau_by_context'][label]['tau']:.2f} ({r['tau_by_context'][label]['rounds']})"
-            if label in r["tau_by_context"]
-            else "–"
-            for label in labels
-        ]
+        context = context_cells(r["tau_by_context"], labels)
         turns = ", ".join(f"turn {t}: {tau:.2f}" for t, tau in r["tau_by_turn"].items())
         lines.append(
             f"| {r['suite']}{f' ({turns})' if turns else ''} | {r['mode']} | {r['k']} | {r['temperature']:g} | "
