@@ -333,6 +333,13 @@ def test_check_compatible():
     problems = ck.check_compatible(cfg, target, [1, 4, 5], tokenizer_vocab_size=51)
     assert problems == [p for p in problems if p.startswith(("aux layers", "vocab_size"))] and len(problems) == 2
     assert "[1, 4, 5]" in problems[-1] and "tokenizer has 51" in problems[0]
+    # a long-context target's RoPE scaling the drafter lacks (speculators#574) is named; the target's own is fine
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 500000.0}
+    scaled = LlamaConfig(**{**target.to_dict(), "rope_parameters": yarn})
+    (problem,) = ck.check_compatible(cfg, scaled, [2, 4, 5])
+    assert problem.startswith("rope_scaling") and "yarn" in problem
+    same = dataclasses.replace(cfg, rope_scaling={k: v for k, v in yarn.items() if k != "rope_theta"})
+    assert ck.check_compatible(same, scaled, [2, 4, 5]) == []
 
 
 # ------------------------------------------------------------------------------------------ EAGLE 3.1 flags

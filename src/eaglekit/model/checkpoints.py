@@ -595,6 +595,14 @@ def load_drafter(path: str | Path, dtype: torch.dtype | None = None) -> tuple[Ea
 # ------------------------------------------------------------------------------------------ compatibility
 
 
+def _scaling_kind(scaling: dict | None) -> tuple:
+    """What a RoPE scaling does to positions: its type, factor and original context (None: plain RoPE)."""
+    if not scaling:
+        return ()
+    kind = scaling.get("rope_type", scaling.get("type"))
+    return (kind, scaling.get("factor"), scaling.get("original_max_position_embeddings"))
+
+
 def check_compatible(
     drafter_cfg: DrafterConfig,
     target_hf_config: Any,
@@ -633,9 +641,16 @@ def check_compatible(
             f"max_position_embeddings: the drafter's is {drafter_cfg.max_position_embeddings}, the "
             f"target's {tc.max_position_embeddings}"
         )
-    theta, _ = rope_from_config(tc)
+    theta, scaling = rope_from_config(tc)
     if drafter_cfg.rope_theta != theta:
         problems.append(f"rope_theta: the drafter's is {drafter_cfg.rope_theta}, the target's {theta}")
+    # A drafter without the target's RoPE scaling rotates long positions otherwise than it was served with
+    # (speculators#574: the scaling was dropped on export)
+    if _scaling_kind(drafter_cfg.rope_scaling) != _scaling_kind(scaling):
+        problems.append(
+            f"rope_scaling: the drafter's is {drafter_cfg.rope_scaling}, the target's {scaling} (positions past "
+            "the original context rotate otherwise)"
+        )
     wanted = list(aux_layer_ids) if aux_layer_ids is not None else [2, n_layers // 2, n_layers - 3]
     have = drafter_cfg.aux_layer_ids if drafter_cfg.aux_layer_ids is not None else [2, n_layers // 2, n_layers - 3]
     if len(wanted) != 3:
