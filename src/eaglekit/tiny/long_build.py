@@ -36,14 +36,14 @@ from eaglekit.tiny.build import (
     train,
     train_tokenizer,
 )
-from eaglekit.tiny.long_corpus import SYSTEM_PROMPT, LongTask, filler_lines, sample_long_tasks
+from eaglekit.tiny.long_corpus import NOTE_NAMES, SYSTEM_PROMPT, LongTask, filler_lines, sample_long_tasks
 
 # Bump whenever the corpus, the tokenizer or the training changes: it names the cache folder.
 LONG_RECIPE_VERSION = "v1"
 MAX_POSITIONS = 32768
 # Rows are trained at positions up to here; the rest of MAX_POSITIONS leaves room for a reply after the log.
 TRAIN_SPAN = 30000
-ROPE_THETA = 500000.0
+ROPE_THETA = 1e8
 # Share of rows trained at their own contiguous positions (no jumps): short prompts are served that way.
 CONTIGUOUS_SHARE = 0.25
 # Most position jumps in one row: more jumps rehearse more distances, fewer keep longer stretches contiguous.
@@ -51,14 +51,14 @@ MOST_JUMPS = 8
 TRAIN_FILLER = (2, 40)  # filler lines of a training log: ~100 to ~900 tokens
 # The first rows are short logs at their own positions: copying is learned where the source is near and
 # alone, then carried to long logs and far positions (trained from the start, nothing was copied at all).
-NEAR_SHARE = 0.6
+NEAR_SHARE = 0.3
 NEAR_FILLER = (0, 3)
-DEFAULT_LONG_STEPS = 2000
+DEFAULT_LONG_STEPS = 1000
 LONG_BATCH_SIZE = 2
 LONG_VOCAB_SIZE = 1024
 MAX_NEW_TOKENS = 256
 HELDOUT_SEED = 10_000
-HELDOUT_PER_GROUP = 6  # held-out prompts per context group that the build answers for its manifest
+HELDOUT_PER_GROUP = 4  # held-out prompts per context group that the build answers for its manifest
 
 # Prompt lengths (tokens, about) that put every draft of a reply into one of evaluate's context groups
 # (speculative/decode.py CONTEXT_BUCKETS, keyed by its labels): a reply adds at most ~150 tokens.
@@ -85,26 +85,47 @@ def long_model_config(tokenizer: PreTrainedTokenizerFast) -> LlamaConfig:
     )
 
 
-# Membership far back needs a head that attends from a name to the same name anywhere in the context. From a
-# random init the build never found one (2,000 steps at chance on every decision), so one head starts as a
-# same-token matcher: its query and key read the same random projection of the token, on RoPE's slowest
-# frequency pairs only, whose rotation over TRAIN_SPAN stays small: the match holds at any distance. It sits in
-# layer 1, whose values already carry where a token stands (a needle line or the reply), which is what the
-# match must bring back. Training is free to change it.
-MATCHER_LAYER = 1
-MATCHER_PAIRS = 3  # the slowest rotary pairs of the head
-MATCHER_SCALE = 0.3
+# Every decision is a membership test far back: is the reply's " Bravo" mentioned in the log as " bravo"? From a
+# random init the build never learned it (2,000 steps at chance on every decision; a random same-token matcher
+# as well: over hundreds of tokens its chance matches were as strong as the true one). So the build starts one
+# head of layer 0 as a name matcher:
+# - each name gets a code, a random unit vector in a NAME_DIMS-wide slice of the embedding that every other
+#   token is cleared of; both spellings of a name carry it, and differ by one offset outside the slice;
+# - head 0 reads the slice as query and key on RoPE's slowest rotary pairs, whose rotation over TRAIN_SPAN stays
+#   small (ROPE_THETA is large for that), so a name matches its other spelling at any distance and no other token.
+# " Bravo" then attends to itself and, where the log mentions it, to " bravo", whose value differs by the same
+# vector for every name: the decision is readable from the first step. Training is free to change all of it.
+NAME_DIMS = 12  # 6 rotary pairs: at ROPE_THETA 1e8 the slowest turn at most 0.3 rad over TRAIN_SPAN
+NAME_CODE_SIZE = 1.0  # the code's norm against the rest of the embedding's
+MATCH_LOGIT = 20.0  # a name's attention logit to itself and to its other spelling at init
+SPELLING_OFFSET = 2.0  # the spellings' offset, in units of an embedding's own size
 
 
 @torch.no_grad()
-def init_same_token_head(model: LlamaForCausalLM, generator: torch.Generator) -> None:
-    attn = model.model.layers[MATCHER_LAYER].self_attn
-    head_dim = model.config.head_dim
+def init_name_matcher(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, generator: torch.Generator) -> None:
+    hidden, head_dim = model.config.hidden_size, model.config.head_dim
     half = head_dim // 2
-    dims = [d for i in range(half - MATCHER_PAIRS, half) for d in (i, i + half)]  # rotate_half pairs i, i + half
-    projection = torch.randn(len(dims), model.config.hidden_size, generator=generator) * MATCHER_SCALE
-    attn.q_proj.weight[dims] = projection  # query head 0
-    attn.k_proj.weight[dims] = projection  # key head 0, which query heads 0..groups-1 read
+    slice_ = torch.arange(hidden - NAME_DIMS, hidden)  # the embedding's last NAME_DIMS coordinates
+    embed = model.model.embed_tokens.weight
+    scale = embed.norm(dim=1).mean()
+    embed[:, slice_] = 0.0
+    offset = torch.randn(hidden, generator=generator)
+    offset[slice_] = 0.0
+    offset *= SPELLING_OFFSET * scale / offset.norm()
+    codes = torch.nn.functional.normalize(torch.randn(len(NOTE_NAMES), NAME_DIMS, generator=generator), dim=1)
+    for name, code in zip(NOTE_NAMES, codes, strict=True):
+        (logged,) = tokenizer(" " + name, add_special_tokens=False)["input_ids"]
+        (replied,) = tokenizer(" " + name.capitalize(), add_special_tokens=False)["input_ids"]
+        embed[logged, slice_] = code * NAME_CODE_SIZE * scale
+        embed[replied] = embed[logged] - offset
+    # after RMSNorm a name's code has norm ~ sqrt(hidden) * share of the code in the embedding's norm
+    code_norm = math.sqrt(hidden) * NAME_CODE_SIZE / math.sqrt(NAME_CODE_SIZE**2 + 1 + SPELLING_OFFSET**2)
+    gain = math.sqrt(MATCH_LOGIT * math.sqrt(head_dim)) / code_norm
+    dims = [d for i in range(half - NAME_DIMS // 2, half) for d in (i, i + half)]  # rotate_half pairs i, i + half
+    attn = model.model.layers[0].self_attn
+    for proj in (attn.q_proj, attn.k_proj):  # query head 0 and key head 0 (read by query heads 0..groups-1)
+        proj.weight[dims] = 0.0
+        proj.weight[torch.tensor(dims)[:, None], slice_] = torch.eye(NAME_DIMS) * gain
 
 
 def long_conversation(task: LongTask, system: bool, with_answer: bool = True) -> list[dict]:
@@ -292,7 +313,7 @@ def build_long_target(out_dir: Path, seed: int = 0, steps: int | None = None, he
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = LlamaForCausalLM(long_model_config(tokenizer))
-            init_same_token_head(model, torch.Generator().manual_seed(seed))
+            init_name_matcher(model, tokenizer, torch.Generator().manual_seed(seed))
             model.generation_config = GenerationConfig(
                 bos_token_id=tokenizer.pad_token_id,
                 eos_token_id=tokenizer.eos_token_id,

@@ -300,14 +300,15 @@ def make_task(rng: random.Random, filler: int, kind: str) -> LongTask:
     where = "is on the list" if kind == "list" else "left a note"
     question = rng.choice(
         [
-            f"Go through the code names from alpha to zulu: which {where}?",
-            f"For each code name, alpha to zulu, say whether it {where}.",
+            f"Go through the code names from Alpha to Zulu: which {where}?",
+            f"For each code name, Alpha to Zulu, say whether it {where}.",
         ]
     )
     reasoning = "\n".join(
         [f"Check each code name against the {'list at the start' if kind == 'list' else 'notes in the log'}:"]
-        # "- bravo": the name is the same token (with its leading space) as on the needle line
-        + [f"- {name} {'yes' if name in present else 'no'}" for name in NOTE_NAMES]
+        # the reply spells a name capitalised (" Bravo"), the log lower case (" bravo"): two tokens, so that a
+        # head matching the name finds the log's mention apart from the reply's own (long_build.init_name_matcher)
+        + [f"- {name.capitalize()} {'yes' if name in present else 'no'}" for name in NOTE_NAMES]
     )
     answer = f"I checked all {len(NOTE_NAMES)} code names against the {'list' if kind == 'list' else 'notes'}."
     if kind == "list":
