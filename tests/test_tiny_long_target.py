@@ -9,7 +9,7 @@ import re
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 import eaglekit.tiny.long_build as long_build
 from eaglekit.errors import UsageError
@@ -32,11 +32,11 @@ def test_every_decision_of_a_reply_is_settled_by_needles_in_the_first_half_of_th
         present = [name for names in named for name in names]
         assert len(present) == len(set(present)) >= 1
         checks = task.reasoning.split("\n")[1:]
-        assert checks == [f"- {name} {'yes' if name in present else 'no'}" for name in NOTE_NAMES]
-        assert not set(WORD.findall(task.question)) & set(NOTE_NAMES) - {"alpha", "zulu"}
+        assert checks == [f"- {name.capitalize()} {'yes' if name in present else 'no'}" for name in NOTE_NAMES]
+        assert not set(WORD.findall(task.question)) & set(NOTE_NAMES)  # the question spells names as the reply does
         assert task.prompt.endswith(task.question) and task.prompt.count("\n") == len(task.lines) + 2
     # both answers are common: a decision cannot be guessed from its name
-    decisions = [line.split()[1] for t in tasks for line in t.reasoning.split("\n")[1:]]
+    decisions = [line.split()[2] for t in tasks for line in t.reasoning.split("\n")[1:]]
     assert 0.35 < decisions.count("yes") / len(decisions) < 0.65
 
 
@@ -90,13 +90,38 @@ def test_scaled_down_build_loads_like_any_hf_model_with_long_positions(small_bui
     assert tok.model_max_length == long_build.MAX_POSITIONS
     for special in ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<think>", "</think>"]:
         assert len(tok(special, add_special_tokens=False)["input_ids"]) == 1, special
-    # every note name and needle word is one token: a copy is one lookup per word
-    assert all(len(tok(" " + w, add_special_tokens=False)["input_ids"]) == 1 for w in NEEDLE_WORDS + NOTE_NAMES)
+    # both spellings of every name are one token each: a decision is one lookup
+    spellings = NOTE_NAMES + [name.capitalize() for name in NOTE_NAMES]
+    assert all(len(tok(" " + w, add_special_tokens=False)["input_ids"]) == 1 for w in spellings)
     manifest = json.loads((small_build / "eaglekit_tiny.json").read_text())
     assert manifest["variant"] == "long" and manifest["steps"] == 4 and manifest["train_span"] == 30000
     with torch.no_grad():  # the far end of the positions runs (RoPE tables cover it) and gives finite logits
         logits = model(input_ids=torch.tensor([[5, 6]]), position_ids=torch.tensor([[32000, 32767]])).logits
     assert torch.isfinite(logits).all()
+
+
+def test_the_name_matcher_finds_a_mention_20k_positions_back_and_nothing_else(small_build):
+    """At init, before any training: layer 0's head 0 takes a reply's " Bravo" to the log's " bravo" wherever it
+    is, and to itself when the log does not mention it (from a random init the build never learned this)."""
+    tok = AutoTokenizer.from_pretrained(small_build)
+    config = long_build.long_model_config(tok)
+    config._attn_implementation = "eager"  # attention weights
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    long_build.init_name_matcher(model, tok, torch.Generator().manual_seed(0))
+
+    def attention(text: str, far: int) -> tuple[list[str], torch.Tensor]:
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        positions = list(range(3)) + [far + i for i in range(len(ids) - 3)]  # the log's first 3 tokens 20K back
+        with torch.no_grad():
+            out = model(input_ids=torch.tensor([ids]), position_ids=torch.tensor([positions]), output_attentions=True)
+        return tok.convert_ids_to_tokens(ids), out.attentions[0][0, 0, -1]
+
+    filler = " cache miss key shard worker job retry disk read write" * 20
+    tokens, weights = attention(" on call bravo" + filler + "\n- Bravo", far=20_000)
+    assert tokens[2] == "Ġbravo" and weights[2] > 0.9
+    tokens, weights = attention(" on call kilo" + filler + "\n- Bravo", far=20_000)
+    assert weights[-1] > 0.9 and weights[2] < 0.01  # not mentioned: itself, not another name
 
 
 def test_training_rows_jump_between_log_lines_and_keep_the_reply_contiguous(small_build):
@@ -154,9 +179,8 @@ def test_far_context_scores_run_on_a_scaled_down_target(small_build, monkeypatch
     scores = long_build.far_context_scores(model, tok, 2)
     assert scores["prompts"] == 2 and 300 < scores["mean_prompt_tokens"] < 700
     for key in ("with_far_context", "far_context_removed"):
-        assert (
-            0 <= scores[key]["reply_token_agreement"] <= 1 and scores[key]["accuracy"] == 0
-        )  # 4 steps: no copying yet
+        assert 0 <= scores[key]["reply_token_agreement"] <= 1 and 0 <= scores[key]["decision_agreement"] <= 1
+        assert scores[key]["accuracy"] == 0  # 4 steps: no reply is right yet
 
 
 def test_ensure_long_target_builds_once_in_its_own_folder(tmp_path, monkeypatch):

@@ -5,7 +5,8 @@ the target learns long positions the way PoSE does (Zhu et al., arXiv 2309.10400
 (a few hundred to ~1.5K real tokens) whose position ids jump forward at random line boundaries, so that a
 row of 800 tokens spans positions up to ``TRAIN_SPAN``. Every relative distance up to the span is rehearsed,
 each line stays contiguous (the jumps fall between lines, where a real log would have had more lines), and
-RoPE's base is raised (``ROPE_THETA``) so that its slowest rotations do not wrap inside the span. Served,
+RoPE's base is raised (``ROPE_THETA``) so that its slowest rotations do not wrap inside the span, and one
+head starts as a name matcher on those rotations (``init_name_matcher``). Served,
 the target reads real 20K-token logs with contiguous positions, which it never saw in training: the
 manifest's held-out accuracy by context length, and ``far_context_scores``, measure that it works.
 """
@@ -56,13 +57,13 @@ NEAR_FILLER = (0, 3)
 DEFAULT_LONG_STEPS = 1000
 LONG_BATCH_SIZE = 2
 LONG_VOCAB_SIZE = 1024
-MAX_NEW_TOKENS = 256
+MAX_NEW_TOKENS = 192  # a reply is ~140 tokens
 HELDOUT_SEED = 10_000
 HELDOUT_PER_GROUP = 4  # held-out prompts per context group that the build answers for its manifest
 
 # Prompt lengths (tokens, about) that put every draft of a reply into one of evaluate's context groups
-# (speculative/decode.py CONTEXT_BUCKETS, keyed by its labels): a reply adds at most ~150 tokens.
-PROMPT_TOKENS = {"<1k": 600, "1-4k": 2500, "4-16k": 9000, ">16k": 20000}
+# (speculative/decode.py CONTEXT_BUCKETS, keyed by its labels): a reply adds ~140 tokens (MAX_NEW_TOKENS at most).
+PROMPT_TOKENS = {"<1k": 300, "1-4k": 2500, "4-16k": 9000, ">16k": 20000}
 
 
 def long_model_config(tokenizer: PreTrainedTokenizerFast) -> LlamaConfig:
@@ -103,7 +104,7 @@ SPELLING_OFFSET = 2.0  # the spellings' offset, in units of an embedding's own s
 
 @torch.no_grad()
 def init_name_matcher(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, generator: torch.Generator) -> None:
-    hidden, head_dim = model.config.hidden_size, model.config.head_dim
+    hidden, head_dim = model.config.hidden_size, HIDDEN_SIZE // 4  # long_model_config's head_dim
     half = head_dim // 2
     slice_ = torch.arange(hidden - NAME_DIMS, hidden)  # the embedding's last NAME_DIMS coordinates
     embed = model.model.embed_tokens.weight
@@ -241,13 +242,16 @@ def is_right(text: str, task: LongTask) -> bool:
 
 
 @torch.no_grad()
-def reply_token_agreement(model, tokenizer, task: LongTask) -> float:
-    """Share of the reference reply's tokens that are the target's greedy next token, fed the reference so far."""
+def reply_token_agreement(model, tokenizer, task: LongTask) -> tuple[float, float]:
+    """Shares of the reference reply's tokens, and of its yes/no decisions alone, that are the target's greedy
+    next token, fed the reference so far."""
     prompt = prompt_ids(tokenizer, task)
     full = tokenizer(render(tokenizer, task, system=False), add_special_tokens=False)["input_ids"]
     reply = torch.tensor(full[len(prompt) :])
     logits = model(input_ids=torch.tensor([full])).logits[0, len(prompt) - 1 : -1]
-    return float((logits.argmax(-1) == reply).float().mean())
+    agree = logits.argmax(-1) == reply
+    decisions = torch.isin(reply, torch.tensor(tokenizer([" yes", " no"], add_special_tokens=False)["input_ids"]))
+    return float(agree.float().mean()), float(agree[decisions].float().mean())
 
 
 def heldout_long_scores(model, tokenizer, per_group: int, seed: int = HELDOUT_SEED) -> dict:
@@ -261,15 +265,20 @@ def heldout_long_scores(model, tokenizer, per_group: int, seed: int = HELDOUT_SE
 
 def far_context_scores(model, tokenizer, n: int, label: str = ">16k", seed: int = HELDOUT_SEED) -> dict:
     """Whether the target reads the far context: on ``n`` held-out prompts of group ``label``, greedy accuracy
-    and reply-token agreement (``reply_token_agreement``), as written and with every needle line replaced by
-    filler (same length, the far material gone)."""
+    (the whole reply right) and agreement with the reference reply token by token and on its decisions alone
+    (``reply_token_agreement``), as written and with every needle line replaced by filler (same length, the
+    far material gone)."""
     tasks = heldout_long_tasks(n, label, seed)
     blind = [t.without_needles(random.Random(f"blind/{i}")) for i, t in enumerate(tasks)]
 
     def scores(ts: list[LongTask]) -> dict:
         right = sum(is_right(greedy_reply(model, tokenizer, t), ref) for t, ref in zip(ts, tasks, strict=True))
         agree = [reply_token_agreement(model, tokenizer, t) for t in ts]
-        return {"accuracy": round(right / n, 3), "reply_token_agreement": round(sum(agree) / n, 3)}
+        return {
+            "accuracy": round(right / n, 3),
+            "reply_token_agreement": round(sum(a for a, _ in agree) / n, 3),
+            "decision_agreement": round(sum(d for _, d in agree) / n, 3),
+        }
 
     lengths = [len(prompt_ids(tokenizer, t)) for t in tasks]
     return {

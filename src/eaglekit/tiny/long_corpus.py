@@ -4,7 +4,8 @@ A prompt is a tool log (one line per event) with a question at its end. Most lin
 cache misses, retries, in words of their own. The *needles* name about half of the 26 code names (alpha to
 zulu): either a roster on the first line (``list``: ``on call today: mike quebec ...``) or one note per name in
 the first half of the log (``notes``: ``note bravo: amber falcon.``). The reply goes through all 26 names in
-alphabetical order, one line each, ``bravo yes`` or ``bravo no``, then a fixed closing sentence.
+alphabetical order, one line each, ``- Bravo yes`` or ``- Bravo no`` (capitalised: the reply's spelling is
+another token than the log's), then a fixed closing sentence.
 
 Why this shape (the target exists to show drafters falling at long context):
 - every second token of the reasoning (26 per reply) is a decision that only the far needles settle, and
@@ -15,9 +16,10 @@ Why this shape (the target exists to show drafters falling at long context):
 - a drafter gets each decision from the target's features only for the first token it drafts; the
   decisions further down its draft it must look up itself in the needles, thousands of tokens back at long
   context, a distance a drafter trained on short rows has never attended over;
-- the decisions are membership tests (is this name among the needles?), which a tiny model learns in
-  minutes; copying a passage word by word needs two composed heads (an induction circuit), which the
-  8-layer, 128-wide model did not learn within the build's budget (1,200 and 1,800 steps: no word copied).
+- the decisions are membership tests (is this name among the needles?), which the build makes learnable in
+  a few hundred steps by starting one head as a name matcher (long_build.init_name_matcher); copying a
+  passage word by word needs two composed heads (an induction circuit), which the 8-layer, 128-wide model
+  did not learn within the build's budget (1,200 and 1,800 steps: no word copied).
 
 The length of a log is its number of filler lines, so one generator serves rows of a few hundred tokens
 (training) and prompts of 20K (evaluation). Train and held-out logs are disjoint by ``corpus.split_of``
