@@ -1,4 +1,4 @@
-"""The long-context tiny target: logs whose replies copy far-back notes, PoSE positions, prompt sets per context
+"""The long-context tiny target: logs whose replies check names against far-back needles, PoSE positions, prompt sets per context
 group, and a scaled-down build (a few steps) that loads like any HF model and is cached apart from the tiny target."""
 
 from __future__ import annotations

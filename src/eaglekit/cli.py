@@ -390,7 +390,7 @@ def tiny_target_cmd(
     long: bool = typer.Option(
         False,
         "--long",
-        help="the long-context variant: 32K positions, replies that copy notes from far back in a tool log",
+        help="the long-context variant: 32K positions, replies that check names against a tool log's far-back notes",
     ),
     as_json: bool = JsonOpt,
 ) -> None:
