@@ -387,18 +387,25 @@ def tiny_target_cmd(
         show_default=False,
     ),
     seed: int = typer.Option(0, help="training seed (the cached target is seed 0)"),
+    long: bool = typer.Option(
+        False,
+        "--long",
+        help="the long-context variant: 32K positions, replies that check names against a tool log's far-back notes",
+    ),
     as_json: bool = JsonOpt,
 ) -> None:
     """Write the built-in tiny target (a trained reasoning-style Llama) in Hugging Face format."""
-    from eaglekit.tiny import build_tiny_target, ensure_tiny_target
+    from eaglekit.tiny import build_long_target, build_tiny_target, ensure_long_target, ensure_tiny_target
 
+    what = "long-context tiny target" if long else "tiny target"
     if out_dir is None and seed != 0:
-        raise UsageError(f"--seed {seed}: the cached tiny target is seed 0", "name an OUT_DIR to build another seed")
-    path = build_tiny_target(out_dir, seed=seed) if out_dir is not None else ensure_tiny_target()
+        raise UsageError(f"--seed {seed}: the cached {what} is seed 0", "name an OUT_DIR to build another seed")
+    build, ensure = (build_long_target, ensure_long_target) if long else (build_tiny_target, ensure_tiny_target)
+    path = build(out_dir, seed=seed) if out_dir is not None else ensure()
     if as_json:
         emit_json({"path": str(path)})
     else:
-        console.print(f"tiny target written to {path}" if out_dir is not None else f"tiny target ready in {path}")
+        console.print(f"{what} written to {path}" if out_dir is not None else f"{what} ready in {path}")
 
 
 # ------------------------------------------------------------------------------------------- errors

@@ -20,6 +20,7 @@ import os
 import random
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
@@ -145,7 +146,9 @@ def conversation(task: Task, system: str | None = None, with_answer: bool = True
     return messages
 
 
-def train_tokenizer(texts: list[str]) -> PreTrainedTokenizerFast:
+def train_tokenizer(
+    texts: list[str], vocab_size: int = VOCAB_SIZE, model_max_length: int = 1024
+) -> PreTrainedTokenizerFast:
     """Byte-level BPE (any text encodes) where every digit is one token of its own, so arithmetic is learnable."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -156,7 +159,7 @@ def train_tokenizer(texts: list[str]) -> PreTrainedTokenizerFast:
     )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
+        vocab_size=vocab_size,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         special_tokens=[PAD, IM_START, IM_END],
         show_progress=False,
@@ -164,7 +167,9 @@ def train_tokenizer(texts: list[str]) -> PreTrainedTokenizerFast:
     tok.train_from_iterator(texts, trainer)
     # Like Qwen3, the think tags are single tokens but not "special": decoding keeps them in the text.
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in (THINK, END_THINK)])
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=IM_END, pad_token=PAD, model_max_length=1024)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=IM_END, pad_token=PAD, model_max_length=model_max_length
+    )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
 
@@ -209,8 +214,11 @@ def batches(rows: list[tuple[list[int], int]], rng: random.Random) -> list[list[
     return out
 
 
-def train(model, batches: list[list[tuple[list[int], int]]], pad_id: int) -> float:
-    """AdamW with warmup and cosine decay, one step per batch; returns the mean loss of the last tenth of the steps."""
+def train(model, batches: list, pad_id: int, model_inputs: Callable[[list], dict] | None = None) -> float:
+    """AdamW with warmup and cosine decay, one step per batch; returns the mean loss of the last tenth of the steps.
+
+    ``model_inputs``: the model's keyword arguments for a batch (labels included); left out, ``batches`` hold
+    (ids, assistant start) rows and ``batch_tensors`` pads them."""
     steps = len(batches)
     opt = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, betas=(0.9, 0.95), weight_decay=0.01, fused=True)
     warmup = max(1, steps // 20)
@@ -224,8 +232,11 @@ def train(model, batches: list[list[tuple[list[int], int]]], pad_id: int) -> flo
             if step and step % THREADS_RECHECK_STEPS == 0:
                 # the build often starts beside other work (setup, test workers) that ends before it does
                 torch.set_num_threads(build_threads(own_threads=torch.get_num_threads()))
-            input_ids, labels, mask = batch_tensors(batches[step], pad_id)
-            loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
+            if model_inputs is None:
+                input_ids, labels, mask = batch_tensors(batches[step], pad_id)
+                loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
+            else:
+                loss = model(**model_inputs(batches[step])).loss
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
@@ -403,16 +414,25 @@ def is_built(model_dir: Path, arch: str = "llama", corpus: Corpus = "tasks") -> 
 
 def ensure_tiny_target(cache_dir: Path | None = None, arch: str = "llama", corpus: Corpus = "tasks") -> Path:
     """The cached tiny target (``cache_root()/tiny-target-<version>``, or ``tiny-deepseek-v3-<version>``, or
-    ``tiny-chatty-<version>`` for the chatty corpus), built on first use.
+    ``tiny-chatty-<version>`` for the chatty corpus), built on first use (``build_once``)."""
+    if corpus not in CORPORA:
+        raise UsageError(f"unknown tiny-target corpus {corpus!r}", f"use one of {', '.join(CORPORA)}")
+    model_dir = cached_target_dir(cache_dir, arch, corpus)
+    return build_once(
+        model_dir,
+        lambda: is_built(model_dir, arch, corpus),
+        lambda: build_tiny_target(model_dir, arch=arch, corpus=corpus),
+    )
+
+
+def build_once(model_dir: Path, built: Callable[[], bool], build: Callable[[], object]) -> Path:
+    """``model_dir`` once ``built()`` holds, calling ``build()`` first where it does not.
 
     Concurrent callers (parallel test processes) serialise on a lock file: one builds, the others wait
     and then find the finished folder.
     """
-    if corpus not in CORPORA:
-        raise UsageError(f"unknown tiny-target corpus {corpus!r}", f"use one of {', '.join(CORPORA)}")
-    model_dir = cached_target_dir(cache_dir, arch, corpus)
     root, name = model_dir.parent, model_dir.name
-    if is_built(model_dir, arch, corpus):
+    if built():
         return model_dir
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -424,8 +444,8 @@ def ensure_tiny_target(cache_dir: Path | None = None, arch: str = "llama", corpu
         ) from e
     with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not is_built(model_dir, arch, corpus):
-            build_tiny_target(model_dir, arch=arch, corpus=corpus)
+        if not built():
+            build()
     return model_dir
 
 
