@@ -353,6 +353,30 @@ def build_tiny_target(
     finally:
         torch.set_num_threads(caller_threads)
     build_seconds = time.monotonic() - t0
+    save_target(
+        out_dir,
+        model,
+        tokenizer,
+        {
+            "recipe_version": RECIPE_VERSION,
+            "arch": arch,
+            "corpus": corpus,
+            "seed": seed,
+            "steps": steps,
+            "batch_size": BATCH_SIZE,
+            "final_loss": round(final_loss, 4),
+            "build_seconds": round(build_seconds, 1),
+            "torch_threads": threads_used,
+            # the weights depend on the kernels this picks (AVX2 and AVX-512 round differently), not on threads
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            **scores,
+        },
+    )
+    return out_dir
+
+
+def save_target(out_dir: Path, model, tokenizer, manifest: dict) -> None:
+    """A built target, atomically: weights, tokenizer with the chat template, and the build's manifest."""
     with atomic_dir(out_dir) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
@@ -361,24 +385,7 @@ def build_tiny_target(
         tok_config = json.loads(config_path.read_text())
         tok_config["chat_template"] = CHAT_TEMPLATE
         write_json(config_path, tok_config)
-        write_json(
-            tmp / MANIFEST,
-            {
-                "recipe_version": RECIPE_VERSION,
-                "arch": arch,
-                "corpus": corpus,
-                "seed": seed,
-                "steps": steps,
-                "batch_size": BATCH_SIZE,
-                "final_loss": round(final_loss, 4),
-                "build_seconds": round(build_seconds, 1),
-                "torch_threads": threads_used,
-                # the weights depend on the kernels this picks (AVX2 and AVX-512 round differently), not on threads
-                "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-                **scores,
-            },
-        )
-    return out_dir
+        write_json(tmp / MANIFEST, manifest)
 
 
 def cache_root(cache_dir: Path | None = None) -> Path:

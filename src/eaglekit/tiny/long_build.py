@@ -24,7 +24,7 @@ import jinja2
 import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from eaglekit.atomic import atomic_dir, write_json, write_text
+from eaglekit.atomic import write_text
 from eaglekit.errors import UsageError
 from eaglekit.tiny.build import (
     CHAT_TEMPLATE,
@@ -35,6 +35,7 @@ from eaglekit.tiny.build import (
     build_threads,
     cache_root,
     parse_completion,
+    save_target,
     train,
     train_tokenizer,
 )
@@ -338,31 +339,26 @@ def build_long_target(out_dir: Path, seed: int = 0, steps: int | None = None, he
     finally:
         torch.set_num_threads(caller_threads)
     build_seconds = time.monotonic() - t0
-    with atomic_dir(out_dir) as tmp:
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        config_path = tmp / "tokenizer_config.json"
-        tok_config = json.loads(config_path.read_text())
-        tok_config["chat_template"] = CHAT_TEMPLATE
-        write_json(config_path, tok_config)
-        write_json(
-            tmp / MANIFEST,
-            {
-                "recipe_version": LONG_RECIPE_VERSION,
-                "variant": "long",
-                "arch": "llama",
-                "seed": seed,
-                "steps": steps,
-                "batch_size": LONG_BATCH_SIZE,
-                "train_span": TRAIN_SPAN,
-                "final_loss": round(final_loss, 4),
-                "train_seconds": round(train_seconds, 1),
-                "build_seconds": round(build_seconds, 1),
-                "torch_threads": threads_used,
-                "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-                **scores,
-            },
-        )
+    save_target(
+        out_dir,
+        model,
+        tokenizer,
+        {
+            "recipe_version": LONG_RECIPE_VERSION,
+            "variant": "long",
+            "arch": "llama",
+            "seed": seed,
+            "steps": steps,
+            "batch_size": LONG_BATCH_SIZE,
+            "train_span": TRAIN_SPAN,
+            "final_loss": round(final_loss, 4),
+            "train_seconds": round(train_seconds, 1),
+            "build_seconds": round(build_seconds, 1),
+            "torch_threads": threads_used,
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            **scores,
+        },
+    )
     return out_dir
 
 
