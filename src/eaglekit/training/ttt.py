@@ -294,6 +294,11 @@ def _targets(
     return target_p, target_argmax, slot
 
 
+def _prefix_attention(q, k, v, lo, hi, scale) -> torch.Tensor:
+    """_PrefixAttention's output alone (span_attention's signature, for step 0's packed or windowed rows)."""
+    return _PrefixAttention.apply(q, k, v, lo, hi, scale)[0]
+
+
 def _layer_pass(kernels: StepKernels, body: Callable[..., tuple], *inputs: torch.Tensor) -> tuple:
     """``body(*inputs)``: one TTT step's layer. With ``kernels.checkpoint_steps`` its activations are not kept for
     backward but recomputed there (only the inputs and outputs stay), so a step costs O(rows x H) instead of the
@@ -320,8 +325,9 @@ def _step0(
         feature = drafter.fuse(aux_hidden)
         cos, sin = drafter.rotary(at.positions, feature.dtype)
         q, k0, v0 = layer.qkv(embeds, feature, cos, sin)  # [B, L, heads, hd]
-        if spans and kernels.attention == "flex":
-            attn = span_attention(
+        if spans:  # a causal attention inside each document (and window): the fused kernel or the reference
+            span = span_attention if kernels.attention == "flex" else _prefix_attention
+            attn = span(
                 q.reshape(b * length, n_heads, hd),
                 k0.reshape(b * length, n_kv, hd),
                 v0.reshape(b * length, n_kv, dv),
@@ -329,16 +335,6 @@ def _step0(
                 flat,
                 scale,
             ).view(b, length, n_heads, dv)
-        elif spans:  # a causal attention inside each document (and window)
-            attn, _ = _PrefixAttention.apply(
-                q.reshape(b * length, n_heads, hd),
-                k0.reshape(b * length, n_kv, hd),
-                v0.reshape(b * length, n_kv, dv),
-                at.first_key(flat, 0),
-                flat,
-                scale,
-            )
-            attn = attn.view(b, length, n_heads, dv)
         elif kernels.attention != "reference":
             attn = causal_attention(q, k0, v0, scale)
         else:
