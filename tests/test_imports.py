@@ -14,7 +14,7 @@ PACKAGE = Path(eaglekit.__file__).parent
 LAYERS = [
     {"errors", "atomic", "config", "progress", "interrupt", "rundir", "plots", "contract"},
     {"data", "model", "tiny"},
-    {"serving", "speculative", "training"},
+    {"serving", "speculative", "training", "drafters"},
     {"preflight"},
     {"stages"},
     {"planning", "status", "failures", "pipeline"},

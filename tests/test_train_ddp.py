@@ -183,7 +183,7 @@ def test_block_drafter_train_stage_under_two_ranks(tmp_path, tiny_target, family
     from safetensors.torch import load_file
     from test_extract import prepared_run
 
-    from eaglekit.model.dspark_checkpoint import block_form
+    from eaglekit.drafters.registry import family_of_folder
 
     cfg = prepared_run(
         tmp_path,
@@ -208,7 +208,7 @@ def test_block_drafter_train_stage_under_two_ranks(tmp_path, tiny_target, family
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["kind"] == "train"] == [1, 2, 3, 4]
     assert (out / "checkpoints" / "latest").read_text().strip() == "step-4"
-    assert block_form(out / "checkpoints" / "step-4") == family
+    assert family_of_folder(out / "checkpoints" / "step-4").name == family
     late, early = (load_file(str(out / "checkpoints" / f"step-{n}" / "model.safetensors")) for n in (4, 2))
     assert not torch.equal(late["fc.weight"], early["fc.weight"])  # it trained between the checkpoints
     assert ("markov_head.markov_w1.weight" in late) == (family == "dspark")

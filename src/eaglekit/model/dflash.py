@@ -257,6 +257,7 @@ class DFlashDrafter(nn.Module):
     """The block drafter; ``embed_tokens`` and ``lm_head`` are the target's, frozen (module docstring)."""
 
     family = "dflash"
+    first_drafting_slot = 1  # the anchor slot holds the bonus token; the mask slots sit at what they predict
 
     def __init__(self, cfg: DFlashConfig):
         super().__init__()
@@ -287,6 +288,10 @@ class DFlashDrafter(nn.Module):
         with torch.no_grad():
             self.embed_tokens.weight.copy_(embed.to(self.embed_tokens.weight))
             self.lm_head.weight.copy_(head.to(self.lm_head.weight))
+
+    def slot_bias(self, prev_ids: torch.Tensor) -> torch.Tensor | None:
+        """What a slot's logits add, given the token before it (DSpark's Markov bias); DFlash adds nothing."""
+        return None
 
     def context(self, aux: torch.Tensor) -> torch.Tensor:
         """Target aux states [..., len(aux)*Ht] -> the context features [..., H] the layers read keys/values from."""

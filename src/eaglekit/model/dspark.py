@@ -74,11 +74,15 @@ class DSparkDrafter(DFlashDrafter):
     """DFlash's backbone (``forward`` gives the base logits of every query) and the Markov head."""
 
     family = "dspark"
+    first_drafting_slot = 0  # anchor sampling: the anchor slot predicts the next token
     config: DSparkConfig
 
     def __init__(self, cfg: DSparkConfig):
         super().__init__(cfg)
         self.markov_head = MarkovHead(cfg.vocab_size, cfg.markov_rank)
+
+    def slot_bias(self, prev_ids: torch.Tensor) -> torch.Tensor:
+        return self.markov_head(prev_ids)
 
     @torch.no_grad()
     def draft_block(self, base_logits: torch.Tensor, anchor: int) -> list[int]:

@@ -128,17 +128,3 @@ def load_for_target(path: str | Path, target_model: str, trust_remote_code: bool
 
 def serve_command(target: str, folder: Path, k: int) -> str:
     return block.serve_command(target, folder, k, method="dspark")
-
-
-def block_form(path: str | Path) -> str | None:
-    """The block-drafter form a folder holds (``dflash``, ``dspark``), or None: the stages' one switch on it."""
-    if is_dspark_checkpoint(path):
-        return FORM
-    return block.FORM if block.is_dflash_checkpoint(path) else None
-
-
-def load_block_for_target(path: str | Path, target_model: str, trust_remote_code: bool = False) -> DFlashDrafter:
-    """The block drafter (DFlash or DSpark) of an exported folder, with the target's embedding and head."""
-    if is_dspark_checkpoint(path):
-        return load_for_target(path, target_model, trust_remote_code)
-    return block.load_for_target(path, target_model, trust_remote_code)

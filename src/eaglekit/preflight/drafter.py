@@ -1,10 +1,13 @@
-"""Pre-flight checks of the trained drafter and of the evaluation prompts (evaluate, export and verify declare them)."""
+"""Pre-flight checks of the trained drafter and of the evaluation prompts (evaluate, export and verify declare them),
+and ``as_check``: a drafter family's verdict (``drafters/family.Verdict``) as a pre-flight check."""
 
 from __future__ import annotations
 
 from eaglekit.contract import StageContext
+from eaglekit.drafters.family import Verdict
+from eaglekit.drafters.registry import family_of_drafter
 from eaglekit.errors import EaglekitError
-from eaglekit.preflight import fail, ok, will_be_produced
+from eaglekit.preflight import CheckResult, fail, ok, will_be_produced
 from eaglekit.speculative.inputs import eval_prompts, load_checked_drafter
 
 
@@ -17,12 +20,16 @@ def drafter_checkpoint(ctx: StageContext):
     except EaglekitError as err:
         return fail("drafter checkpoint", err.message, err.remedy or "check the drafter folder")
     c = drafter.config
-    block = info.form in ("dflash", "dspark")  # block drafters draft over the whole target vocabulary
-    vocab = f"{c.vocab_size} (the target's)" if block else f"{c.draft_vocab_size}/{c.vocab_size}"
+    vocab = family_of_drafter(drafter).vocab_line(c)
     return ok(
         "drafter checkpoint",
         f"{info.path} ({info.form} form): hidden {c.hidden_size}, draft vocab {vocab}, aux layers {aux}; fits the target",
     )
+
+
+def as_check(name: str, verdict: Verdict) -> CheckResult:
+    """A drafter family's verdict as the pre-flight check ``name``."""
+    return CheckResult(name, verdict.level, verdict.detail, verdict.remedy)
 
 
 def prompts_available(ctx: StageContext):

@@ -27,7 +27,6 @@ import torch
 
 from eaglekit.model.dflash import DFlashDrafter
 from eaglekit.model.dspark import DSparkDrafter
-from eaglekit.speculative.decode import EagleProposer
 
 
 class BlockProposer:
@@ -88,10 +87,3 @@ class DSparkProposer(BlockProposer):
         ids = torch.tensor([[self.last] + [self.mask_token_id] * (k - 1)], device=self.device)
         positions = torch.arange(self.length, self.length + k, device=self.device)[None]
         return self.drafter.draft_block(self.drafter(ids, positions, self.kv)[0], self.last), None
-
-
-def proposer_for(drafter, aux_layer_ids: list[int] | None = None) -> BlockProposer | EagleProposer:
-    """The proposer of a drafter's family: block drafting for DFlash and DSpark, chain drafting for EAGLE-3."""
-    if isinstance(drafter, DSparkDrafter):
-        return DSparkProposer(drafter)
-    return BlockProposer(drafter) if isinstance(drafter, DFlashDrafter) else EagleProposer(drafter, aux_layer_ids)

@@ -14,9 +14,11 @@ from typing import Any, cast
 import torch
 
 from eaglekit.config import RunConfig
+from eaglekit.drafters.family import DrafterFamily
+from eaglekit.drafters.registry import family_named, family_of_folder
 from eaglekit.errors import EaglekitError, UsageError
 from eaglekit.model.checkpoints import CheckpointInfo
-from eaglekit.model.dspark_checkpoint import block_form
+from eaglekit.model.run_shapes import target_and_aux
 from eaglekit.progress import console
 
 SMALL_MODEL_PARAMETERS = 50_000_000
@@ -29,9 +31,6 @@ def checkpoint_path(cfg: RunConfig) -> Path:
 
 def load_checked_drafter(cfg: RunConfig):
     """(drafter, checkpoint info, target HF config, aux layer ids), or an EaglekitError naming what does not fit."""
-    from eaglekit.model.checkpoints import check_compatible, load_drafter
-    from eaglekit.model.run_shapes import target_and_aux
-
     path = checkpoint_path(cfg)
     if not path.exists():
         remedy = (
@@ -41,12 +40,9 @@ def load_checked_drafter(cfg: RunConfig):
         )
         raise EaglekitError(f"drafter checkpoint {path} does not exist", remedy)
     hf, aux = target_and_aux(cfg)
-    if block_form(path):  # the block-drafter family (model/dflash_checkpoint.py, model/dspark_checkpoint.py)
-        drafter, info = load_block_drafter(cfg, path, aux)
-        refuse_non_finite(drafter, path)
-        return drafter, info, hf, aux
-    drafter, info = load_drafter(path)
-    problems = check_compatible(drafter.config, hf, aux)
+    family = family_of_folder(path) or family_named(None)  # none of theirs: the default's loader says why
+    drafter, info = family.load_checkpoint(cfg, path, aux)
+    problems = family.fit_problems(drafter, hf, aux)
     if problems:
         raise EaglekitError(
             f"drafter {path} does not fit the target {cfg.target.model}: " + "; ".join(problems),
@@ -75,25 +71,8 @@ def refuse_non_finite(drafter: torch.nn.Module, path: Path) -> None:
     )
 
 
-def load_block_drafter(cfg: RunConfig, path: Path, aux: list[int]):
-    """(DFlash or DSpark drafter with the target's embedding and head, checkpoint info), refused when its taps
-    differ."""
-    from eaglekit.model.checkpoints import CheckpointInfo
-    from eaglekit.model.dspark_checkpoint import load_block_for_target
-
-    drafter = load_block_for_target(path, cfg.target.model, cfg.target.trust_remote_code)
-    if drafter.config.aux_layer_ids != list(aux):
-        raise EaglekitError(
-            f"drafter {path} taps target layers {drafter.config.aux_layer_ids}, this config {aux}",
-            f"set target.aux_layers: {drafter.config.aux_layer_ids}, or retrain",
-        )
-    return drafter, CheckpointInfo(drafter.family, path, missing_embeddings=False, aux_layer_ids=list(aux))
-
-
 def load_starting_drafter(cfg: RunConfig, hf, aux):
     """The drafter ``train.init_from`` names, as it was before finetuning (None when training started fresh)."""
-    from eaglekit.model.checkpoints import check_compatible, load_drafter
-
     path = cfg.train.init_from
     if not path:
         return None
@@ -102,10 +81,9 @@ def load_starting_drafter(cfg: RunConfig, hf, aux):
             f"train.init_from {path} does not exist (evaluate measures the finetune against it)",
             "restore that drafter folder, or remove train.init_from",
         )
-    if block_form(path):
-        return load_block_drafter(cfg, Path(path), aux)
-    drafter, info = load_drafter(path)
-    problems = check_compatible(drafter.config, hf, aux)
+    family = family_of_folder(path) or family_named(None)
+    drafter, info = family.load_checkpoint(cfg, Path(path), aux)
+    problems = family.fit_problems(drafter, hf, aux)
     if problems:
         raise EaglekitError(
             f"train.init_from {path} does not fit the target: " + "; ".join(problems),
@@ -183,7 +161,7 @@ class DecodingInputs:
     """What a decode loop against the target needs: the checked drafter (on the target's device and dtype),
     its aux layers, the stop ids, and the prompts' token ids."""
 
-    drafter: Any  # an Eagle3Drafter or a DFlashDrafter: the proposer is picked by proposer_for
+    drafter: Any  # its family's model: drafters.registry.proposer_for picks the proposer
     info: CheckpointInfo
     aux: list[int]
     stop_ids: set[int]
@@ -261,33 +239,19 @@ def decoding_inputs(
     )
 
 
-def drafter_architecture(cfg: RunConfig) -> str:
-    """llama, mla, dflash or dspark: the trained checkpoint's when it exists, else train.init_from's (a folder, or a
-    hub id already in the cache), else train.draft.architecture. Decides the forms export writes before the drafter is loaded."""
-    from eaglekit.model.checkpoints import read_config
+def drafter_family(cfg: RunConfig) -> DrafterFamily:
+    """The family of the drafter evaluate and export read: the trained checkpoint's when it exists, else
+    train.init_from's (a folder, or a hub id already in the cache), else train.draft.architecture's. Decides the
+    forms export writes before the drafter is loaded."""
     from eaglekit.model.hub import cached_drafter, is_hub_id
 
     folders: list[Path | None] = [checkpoint_path(cfg)]
     init_from = cfg.train.init_from
     if init_from:
         folders.append(cached_drafter(init_from) if is_hub_id(init_from) else Path(init_from))
-    for folder in folders:
-        form = block_form(folder) if folder is not None else None
-        if form:
-            return form
-        if folder is not None and (folder / "config.json").exists():
-            try:
-                return read_config(folder)[1].architecture
-            except EaglekitError:
-                pass  # the drafter checks say what is wrong with it
-    return cfg.train.draft.architecture or "llama"
+    return next(filter(None, map(family_of_folder, folders)), None) or family_named(cfg.train.draft.architecture)
 
 
 def written_forms(cfg: RunConfig) -> list[str]:
     """The forms export writes with this config (verify serves these by default)."""
-    requested: list[str] = list(dict.fromkeys(cfg.export.formats))
-    if drafter_architecture(cfg) in ("dflash", "dspark"):  # a block-drafter family has one form, vLLM's
-        return [drafter_architecture(cfg)]
-    if drafter_architecture(cfg) == "mla":
-        return [f for f in requested if f != "speculators"] or requested
-    return requested
+    return drafter_family(cfg).written_forms(list(dict.fromkeys(cfg.export.formats)))

@@ -27,6 +27,7 @@ from eaglekit import atomic, plots
 from eaglekit.config import RunConfig
 from eaglekit.contract import Estimate, Sizes, Stage, StageContext, measured_time
 from eaglekit.data.eval_report import METHODS, report_markdown
+from eaglekit.drafters.registry import proposer_for
 from eaglekit.errors import EaglekitError, UsageError
 from eaglekit.preflight import checks as common
 from eaglekit.preflight import environment, fail, files, gpus, ok, skip
@@ -35,7 +36,6 @@ from eaglekit.preflight.drafter import drafter_checkpoint, prompts_available
 from eaglekit.progress import Meter, console
 from eaglekit.rundir import file_identity
 from eaglekit.speculative.benchmark import suites_markdown
-from eaglekit.speculative.block import proposer_for
 from eaglekit.speculative.decode import CONTEXT_BUCKETS, DecodeStats, generate, tau_by_context
 from eaglekit.speculative.inputs import (
     decode_threads,

@@ -13,23 +13,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from eaglekit.config import BLOCK_ARCHITECTURES, RunConfig
+from eaglekit.config import RunConfig
 from eaglekit.contract import Estimate, Sizes, Stage, StageContext
 from eaglekit.data.vocab import vocab_origin
+from eaglekit.drafters.registry import family_named, family_of_folder, parameter_counts
 from eaglekit.errors import EaglekitError
-from eaglekit.model.dflash import DFlashConfig
-from eaglekit.model.drafter import FLAGS, DrafterConfig, text_config
-from eaglekit.model.dspark import DSparkConfig
-from eaglekit.model.dspark_checkpoint import block_form, load_block_for_target
 from eaglekit.model.hub import cached_drafter, download_drafter, is_hub_id, local_folder
-from eaglekit.model.run_shapes import draft_settings, drafter_config, parameter_counts, target_and_aux
 from eaglekit.model.target import target_identity
 from eaglekit.preflight import CheckResult, disk, environment, fail, files, gpus, ok, skip, warn
 from eaglekit.preflight import checks as common
 from eaglekit.preflight.checks import human_bytes
 from eaglekit.preflight.context import serving_context
+from eaglekit.preflight.drafter import as_check
 from eaglekit.rundir import file_identity
-from eaglekit.training.memory import StepMemory, step_memory
+from eaglekit.training.memory import StepMemory
 
 NAME = "train"
 UPSTREAM = "extract"  # in online mode the pipeline steps over the skipped extract, to vocab
@@ -107,9 +104,8 @@ def init_from_download(ctx: StageContext):
 
 
 def init_from_compatible(ctx: StageContext):
-    """A drafter to finetune must fit the target: hidden sizes, vocab, aux layers, heads, positions, tokenizer."""
-    from eaglekit.model import checkpoints
-
+    """A drafter to finetune must fit the target (its family says how: hidden sizes, vocab, aux layers, heads,
+    positions, tokenizer)."""
     path = ctx.cfg.train.init_from
     if not path:
         return skip("init_from", "training a new drafter")
@@ -122,55 +118,13 @@ def init_from_compatible(ctx: StageContext):
             f"train.init_from {path} does not exist",
             "point it at a drafter folder (legacy or speculators form), or a hub id org/name",
         )
-    form = block_form(folder)
-    if form:  # the block-drafter family: its export re-imported (training/dflash.py)
-        try:
-            block = load_block_for_target(folder, ctx.cfg.target.model, ctx.cfg.target.trust_remote_code)
-            _, aux = target_and_aux(ctx.cfg)
-        except EaglekitError as err:
-            return fail("init_from", f"{path}: {err.message}", err.remedy or "check the drafter folder")
-        if block.config.aux_layer_ids != aux:
-            return fail(
-                "init_from",
-                f"{path} taps target layers {block.config.aux_layer_ids}, this run {aux}",
-                f"set target.aux_layers: {block.config.aux_layer_ids}",
-            )
-        return ok("init_from", f"{path}: {form} drafter, {block.config.num_hidden_layers} layers, fits the target")
-    try:
-        drafter, _info = checkpoints.load_drafter(folder)
-        hf, aux = target_and_aux(ctx.cfg)
-        problems = checkpoints.check_compatible(drafter.config, hf, aux, tokenizer_vocab_size=_tokenizer_size(ctx.cfg))
-    except EaglekitError as err:
-        return fail("init_from", f"{path}: {err.message}", err.remedy or "check the drafter folder")
-    if problems:
-        return fail(
-            "init_from",
-            f"{path} does not fit the target {ctx.cfg.target.model}: " + "; ".join(problems),
-            "finetune a drafter made for this target, or train a new one (remove train.init_from)",
-        )
-    vocab = "remapped onto this run's draft vocab" if ctx.cfg.train.remap_vocab else "its own draft vocab kept"
-    where = f" (cached in {folder})" if str(folder) != path else ""
-    return ok(
-        "init_from",
-        f"{path}{where} fits the target ({drafter.config.architecture} drafter, "
-        f"{drafter.config.draft_vocab_size} draft tokens, {vocab})",
-    )
-
-
-def _tokenizer_size(cfg: RunConfig) -> int | None:
-    try:
-        from transformers import AutoTokenizer
-
-        return len(AutoTokenizer.from_pretrained(cfg.target.model, trust_remote_code=cfg.target.trust_remote_code))
-    except (OSError, ValueError):
-        return None
+    family = family_of_folder(folder) or family_named(None)  # none of theirs: the default's loader says why
+    return as_check("init_from", family.finetune_check(ctx.cfg, folder, path))
 
 
 def drafter_shape(ctx: StageContext):
-    """The drafter this run trains, derived from the target and train.draft: refused now rather than at step 0,
-    and the MLA drafter suggested for DeepSeek-V3/Kimi targets."""
-    from eaglekit.model.checkpoints import serving_problems, sglang_ignores
-
+    """The drafter this run trains, derived from the target and train.draft by its family: refused now rather
+    than at step 0 (and a better family suggested where there is one)."""
     cfg = ctx.cfg
     explicit = {k: v for k, v in cfg.train.draft.model_dump().items() if v is not None}
     if cfg.train.init_from:
@@ -182,44 +136,7 @@ def drafter_shape(ctx: StageContext):
                 "remove train.draft, or train a new drafter",
             )
         return skip("drafter", "finetuning train.init_from (its own shape)")
-    if cfg.train.draft.architecture in BLOCK_ARCHITECTURES:  # the block-drafter family (training/dflash.py)
-        return block_drafter_shape(cfg)
-    try:
-        hf, aux = target_and_aux(cfg)
-        # a draft vocab larger than the target's is the vocab stage's failure: not named twice
-        draft_vocab = min(cfg.vocab.draft_vocab_size, int(getattr(text_config(hf), "vocab_size", None) or 1 << 62))
-        dc = DrafterConfig.from_target_config(hf, draft_vocab, aux, **draft_settings(cfg))
-    except EaglekitError as err:
-        return fail("drafter", err.message, err.remedy or "fix train.draft")
-    _, trainable = parameter_counts(dc)
-    shape = (
-        f"mla: q_lora_rank {dc.q_lora_rank}, kv_lora_rank {dc.kv_lora_rank}, heads {dc.num_attention_heads} x "
-        f"(nope {dc.qk_nope_head_dim} + rope {dc.qk_rope_head_dim}, v {dc.v_head_dim})"
-        if dc.architecture == "mla"
-        else f"llama: heads {dc.num_attention_heads} / kv {dc.num_key_value_heads} x {dc.head_dim}"
-    )
-    flags = [name for name in FLAGS if getattr(dc, name)]
-    detail = f"{shape}, hidden {dc.hidden_size}, {trainable / 1e6:.2f}M trainable" + (
-        f", {', '.join(flags)}" if flags else ""
-    )
-    problems = serving_problems(dc)
-    if problems:
-        return fail("drafter", detail + ": " + "; ".join(problems), "set train.draft.q_lora_rank")
-    if getattr(text_config(hf), "kv_lora_rank", None) and dc.architecture != "mla" and "architecture" not in explicit:
-        return warn(
-            "drafter",
-            detail + f"; the target {cfg.target.model} uses multi-head latent attention (DeepSeek-V3/Kimi)",
-            "consider train.draft.architecture: mla, the drafter shape published for Kimi-K2.5/K2.6 (its KV "
-            "cache is the target's small latent); set architecture: llama to keep this one",
-        )
-    ignored = sglang_ignores(dc)
-    if ignored:
-        return warn(
-            "drafter",
-            detail + f"; SGLang does not read {', '.join(ignored)} (vLLM does)",
-            "serve this drafter with vLLM, or drop those flags to serve it with SGLang too",
-        )
-    return ok("drafter", detail)
+    return as_check("drafter", family_named(cfg.train.draft.architecture).shape_check(cfg))
 
 
 def checks(cfg: RunConfig) -> list:
@@ -246,35 +163,6 @@ def checks(cfg: RunConfig) -> list:
     ]
 
 
-def block_drafter_shape(cfg: RunConfig):
-    from eaglekit.training.dflash import block_drafter_notes, mla_target_problem
-
-    try:
-        hf, aux = target_and_aux(cfg)
-        dc = drafter_config(cfg)
-        assert isinstance(dc, DFlashConfig)  # the block families' config (DSpark's extends DFlash's)
-    except EaglekitError as err:
-        return fail("drafter", err.message, err.remedy or "fix train.draft")
-    family = cfg.train.draft.architecture
-    markov = f", Markov rank {dc.markov_rank}" if isinstance(dc, DSparkConfig) else ""
-    detail = (
-        f"{family}: {dc.num_hidden_layers} layers, block {dc.block_size}, mask token {dc.mask_token_id}, "
-        f"heads {dc.num_attention_heads} / kv {dc.num_key_value_heads} x {dc.head_dim}{markov}, aux layers {aux}"
-    )
-    problem = mla_target_problem(hf)
-    if problem:
-        return fail(
-            "drafter",
-            f"{detail}: {problem}",
-            "train an EAGLE-3 drafter for this target (train.draft.architecture: mla, the shape published for "
-            "Kimi-K2.5/K2.6), or serve on an engine that runs non-causal drafts on MLA targets",
-        )
-    notes = block_drafter_notes(cfg)
-    if notes:
-        return warn("drafter", detail + "; " + "; ".join(notes), "see README: Choosing a drafter family")
-    return ok("drafter", detail)
-
-
 def row_tokens(cfg: RunConfig) -> int:
     """The most tokens one micro-batch can hold on one GPU: rows of prepare.max_length (or train.pack_length); under
     torchrun an epoch's short last batch joins the one before it, so a rank may get one row more."""
@@ -288,20 +176,10 @@ def row_tokens(cfg: RunConfig) -> int:
 
 def step_memory_both(cfg: RunConfig) -> tuple[StepMemory, StepMemory] | None:
     """One training step's memory on a GPU (bf16 autocast) at the longest micro-batch, without and with
-    train.activation_checkpointing; None for a block drafter (not modelled) or a finetune (its own shape)."""
-    if cfg.train.draft.architecture in BLOCK_ARCHITECTURES or cfg.train.init_from:
+    train.activation_checkpointing; None for a family that does not model it or a finetune (its own shape)."""
+    if cfg.train.init_from:
         return None
-    dc = drafter_config(cfg)
-    if not isinstance(dc, DrafterConfig):
-        return None
-    total, trainable = parameter_counts(dc)
-    if cfg.train.freeze_lm_head:  # the draft head keeps its rows: no gradient, no AdamW moments
-        trainable -= dc.draft_vocab_size * dc.hidden_size
-    n = row_tokens(cfg)
-    return tuple(  # type: ignore[return-value]
-        step_memory(dc, n, cfg.train.ttt_steps, trainable=trainable, frozen=total - trainable, checkpoint=ckpt)
-        for ckpt in (False, True)
-    )
+    return family_named(cfg.train.draft.architecture).step_memory(cfg, row_tokens(cfg))
 
 
 def memory_line(m: StepMemory, tokens: int) -> str:
@@ -348,7 +226,7 @@ def step_memory_check(ctx: StageContext):
 def checkpoint_bytes(cfg: RunConfig) -> tuple[int, int, int]:
     """(all the checkpoints, one checkpoint, the drafter's parameters): each checkpoint holds the drafter (fp32)
     and training_state (weights + two Adam moments, fp32); best/ and the metrics and plots come on top."""
-    total, trainable = parameter_counts(drafter_config(cfg))
+    total, trainable = parameter_counts(cfg)
     per_checkpoint = 4 * (total + 3 * trainable)
     return per_checkpoint * (cfg.train.keep_last + 1) + 4 * total + (16 << 20), per_checkpoint, total
 

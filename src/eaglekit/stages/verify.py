@@ -43,6 +43,7 @@ from eaglekit.config import RunConfig
 from eaglekit.contract import Estimate, Sizes, Stage, StageContext
 from eaglekit.data.suites import load_suite
 from eaglekit.data.verify_report import CAUSES, failure_message, report_markdown, verdict_counts
+from eaglekit.drafters.registry import proposer_for, vllm_method
 from eaglekit.errors import EaglekitError, UsageError
 from eaglekit.model.checkpoints import ServedSettings, read_config, served_settings
 from eaglekit.model.drafter import FLAGS, rope_from_config, text_config
@@ -254,7 +255,6 @@ def engine_stop_ids(cfg: RunConfig, stop_ids: set[int]) -> list[int]:
 def offline_figures(cfg: RunConfig, ks: list[int]) -> Offline:
     """Decode the prompts with the trained checkpoint and the HF target (freed again before any engine starts:
     both would want the same accelerator)."""
-    from eaglekit.speculative.block import proposer_for  # lazy: imports transformers
     from eaglekit.speculative.decode import generate  # lazy: imports transformers
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -333,7 +333,7 @@ class ServedRun:
 
 def vllm_launch(cfg: RunConfig, form: str, folder: Path, k: int) -> tuple[str, list[str], str]:
     """(model, flags, description) that serve ``folder`` with K drafts: the commands export printed."""
-    method = form if form in ("dflash", "dspark") else "eagle3"  # a block-drafter family's one form is its method
+    method = vllm_method(form)
     spec = json.dumps({"method": method, "model": str(folder.resolve()), "num_speculative_tokens": k})
     model = cfg.target.model
     if form == "speculators":

@@ -10,19 +10,17 @@ import random
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
 from eaglekit import atomic
+from eaglekit.drafters.family import DrafterFamily
 from eaglekit.errors import EaglekitError
 from eaglekit.interrupt import StopRequest
-from eaglekit.model import checkpoints, dspark_checkpoint
-from eaglekit.model.dflash import DFlashConfig
-from eaglekit.model.dflash_checkpoint import save_from_state
-from eaglekit.model.drafter import DrafterConfig, Eagle3Drafter
-from eaglekit.model.dspark import DSparkConfig
+from eaglekit.model.drafter import Eagle3Drafter
 from eaglekit.training import distributed as dist
 from eaglekit.training.metrics import reduce_device
 
@@ -87,24 +85,20 @@ def without_frozen_embedding(msd: dict, drafter: Eagle3Drafter) -> dict:
     return {k: v for k, v in msd.items() if not (frozen and k == "embed_tokens.weight")}
 
 
-def save_drafter(drafter_cfg: DrafterConfig | DFlashConfig, msd: dict, out: Path) -> None:
-    # Building the CPU copy initialises its weights from the global RNG: forked, so that writing a checkpoint does
-    # not move the RNG the run goes on drawing from (a block drafter's anchors, the feature noise), which the
-    # checkpoint stored before this draw and a resumed run restores.
-    with torch.random.fork_rng(devices=[]):
-        if isinstance(drafter_cfg, DSparkConfig):  # the block-drafter family: the form its export writes
-            dspark_checkpoint.save_from_state(drafter_cfg, msd, out)
-        elif isinstance(drafter_cfg, DFlashConfig):
-            save_from_state(drafter_cfg, msd, out)
-        else:
-            cpu = Eagle3Drafter(drafter_cfg)
-            cpu.load_state_dict(msd)
-            checkpoints.save_legacy(cpu, out)
-
-
 class Checkpoints:
-    def __init__(self, folder: Path, keep_last: int):
-        self.folder, self.keep_last = folder, keep_last
+    """``family`` writes the drafter of each checkpoint (in the form its export writes); without one, the
+    checkpoints are only read."""
+
+    def __init__(self, folder: Path, keep_last: int, family: DrafterFamily | None = None):
+        self.folder, self.keep_last, self.family = folder, keep_last, family
+
+    def save_drafter(self, drafter_cfg: Any, msd: dict, out: Path) -> None:
+        assert self.family is not None, "Checkpoints(family=...) to write"
+        # Building the CPU copy initialises its weights from the global RNG: forked, so that writing a checkpoint
+        # does not move the RNG the run goes on drawing from (a block drafter's anchors, the feature noise), which
+        # the checkpoint stored before this draw and a resumed run restores.
+        with torch.random.fork_rng(devices=[]):
+            self.family.save_checkpoint(drafter_cfg, msd, out)
 
     def clean_partial(self) -> None:
         """Remove what a kill during a checkpoint write left behind (atomic_dir's temp and backup folders)."""
@@ -129,10 +123,10 @@ class Checkpoints:
             )
         return path
 
-    def save(self, step: int, drafter_cfg: DrafterConfig, msd: dict, state: dict) -> Path:
+    def save(self, step: int, drafter_cfg: Any, msd: dict, state: dict) -> Path:
         path = self.folder / f"step-{step}"
         with atomic.atomic_dir(path) as tmp:
-            save_drafter(drafter_cfg, msd, tmp)
+            self.save_drafter(drafter_cfg, msd, tmp)
             torch.save(state, tmp / STATE)
         atomic.write_text(self.folder / "latest", path.name + "\n")
         steps = sorted(int(p.name.split("-")[1]) for p in self.folder.glob("step-*") if p.is_dir())
@@ -140,9 +134,9 @@ class Checkpoints:
             shutil.rmtree(self.folder / f"step-{old}", ignore_errors=True)
         return path
 
-    def save_best(self, step: int, drafter_cfg: DrafterConfig, msd: dict, figures: dict) -> None:
+    def save_best(self, step: int, drafter_cfg: Any, msd: dict, figures: dict) -> None:
         with atomic.atomic_dir(self.folder / "best") as tmp:
-            save_drafter(drafter_cfg, msd, tmp)
+            self.save_drafter(drafter_cfg, msd, tmp)
             atomic.write_json(tmp / "best.json", {"step": step, **figures})
 
 

@@ -32,9 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eaglekit.config import BLOCK_ARCHITECTURES
 from eaglekit.model.dflash import DFlashDrafter
-from eaglekit.model.dspark import DSparkDrafter
 from eaglekit.training.ttt import TTTOutput  # the loop's per-position figures (the loop reads no more of TTT)
 
 WEIGHTINGS = ("dpace", "exp-decay")
@@ -126,8 +124,7 @@ def block_loss(
     target's argmax over its whole vocabulary at each position (its next token); the rest [B, L]; ``position_ids``
     for packed rows."""
     bs = drafter.config.block_size
-    markov = drafter.markov_head if isinstance(drafter, DSparkDrafter) else None
-    first = first_drafting_slot(drafter)
+    first = drafter.first_drafting_slot
     device = drafter.fc.weight.device
     aux, target_argmax = aux.to(device), target_argmax.to(device)
     input_ids, loss_mask, attention_mask = input_ids.to(device), loss_mask.to(device), attention_mask.to(device)
@@ -156,8 +153,9 @@ def block_loss(
     kv = drafter.context_kv(context, positions)
     mask = block_attention_mask(docs, anchors, bs)
     logits = drafter(query_ids.flatten(1), query_positions.flatten(1), kv, mask)  # [B, A*bs, V]
-    if markov is not None:  # each slot's bias from the token at its own position (index - 1; the anchor at slot 0)
-        logits = logits + markov(input_ids.gather(1, (index - 1).flatten(1)))
+    bias = drafter.slot_bias(input_ids.gather(1, (index - 1).flatten(1)))  # from the token before each slot's label
+    if bias is not None:  # (index - 1: the token at the slot's own position; the anchor at slot 0)
+        logits = logits + bias
 
     ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view(b * n_anchors, bs)
     counted = counted.view(b * n_anchors, bs)
@@ -174,12 +172,6 @@ def block_loss(
         anchors=valid.sum().detach(),
         slot_loss=((ce * counted).sum(0) / counted.sum(0).clamp_min(1)).detach(),
     )
-
-
-def first_drafting_slot(drafter: DFlashDrafter) -> int:
-    """The first block slot that drafts: DSpark's anchor predicts the next token (anchor sampling), DFlash's does
-    not (its mask slots sit at the positions they predict)."""
-    return 0 if isinstance(drafter, DSparkDrafter) else 1
 
 
 def target_argmax(last_hidden: torch.Tensor, head: torch.Tensor, rows: int = 4096) -> torch.Tensor:
@@ -207,7 +199,7 @@ class BlockObjective(nn.Module):
     @property
     def positions(self) -> int:
         """Draft positions per block: every slot but DFlash's anchor."""
-        return self.drafter.config.block_size - first_drafting_slot(self.drafter)
+        return self.drafter.config.block_size - self.drafter.first_drafting_slot
 
     def forward(
         self, aux, input_ids, target_logits, loss_mask, attention_mask, target_in_draft=None, position_ids=None
@@ -225,84 +217,8 @@ class BlockObjective(nn.Module):
             dpace_alpha=self.dpace_alpha,
             gamma=self.gamma,
         )
-        first = first_drafting_slot(self.drafter)
+        first = self.drafter.first_drafting_slot
         counted = out.counted[first:].tolist()
         acc = [c / n if n else 0.0 for c, n in zip(out.correct[first:].tolist(), counted, strict=True)]
         loss_k = [float(out.slot_loss[k]) for k in range(first, first + self.positions)]
         return out.loss, TTTOutput(loss=out.loss, loss_k=loss_k, acc_k=acc, count_k=[int(n) for n in counted])
-
-
-# ---------------------------------------------------------------------------------- the family in the training loop
-
-
-def trains_block_drafter(cfg) -> bool:
-    """Whether a run trains a block drafter (DFlash or DSpark): asked for, or finetuning an exported one
-    (``train.init_from``)."""
-    from eaglekit.model.dspark_checkpoint import block_form
-
-    init_from = cfg.train.init_from
-    return cfg.train.draft.architecture in BLOCK_ARCHITECTURES or bool(init_from and block_form(init_from))
-
-
-def build_block_drafter(cfg, hf_config, embed: torch.Tensor, head: torch.Tensor, aux_ids: list[int]):
-    """(drafter, notes) for ``train.draft.architecture: dflash`` or ``dspark``: fresh from the target's config, or
-    ``train.init_from`` an exported one (``export/dflash/``, ``export/dspark/``) re-imported to finetune."""
-    from eaglekit.model import dflash, dspark
-    from eaglekit.model.dflash_checkpoint import load_dflash
-    from eaglekit.model.dspark_checkpoint import is_dspark_checkpoint, load_dspark
-
-    drafter: DFlashDrafter
-    if cfg.train.init_from:
-        load = load_dspark if is_dspark_checkpoint(cfg.train.init_from) else load_dflash
-        drafter = load(cfg.train.init_from, embed, head).float()
-        if drafter.config.aux_layer_ids != list(aux_ids):
-            from eaglekit.errors import UsageError
-
-            raise UsageError(
-                f"train.init_from {cfg.train.init_from} taps target layers {drafter.config.aux_layer_ids}, "
-                f"this run {list(aux_ids)}",
-                f"set target.aux_layers: {drafter.config.aux_layer_ids}",
-            )
-        return drafter, {"draft_vocab": f"the target's ({drafter.family})", "init_from": cfg.train.init_from}
-    if cfg.train.draft.architecture == "dspark":
-        drafter = DSparkDrafter(dspark.config_for_run(cfg, hf_config, aux_ids, int(embed.shape[0])))
-    else:
-        drafter = DFlashDrafter(dflash.config_for_run(cfg, hf_config, aux_ids, int(embed.shape[0])))
-    drafter.take_target(embed, head)
-    return drafter, {"draft_vocab": f"the target's ({drafter.family})", "mask_token_id": drafter.config.mask_token_id}
-
-
-def block_drafter_notes(cfg) -> list[str]:
-    """What pre-flight warns about serving this family (empty when nothing applies); the refusals are
-    ``mla_target_problem``'s."""
-    if cfg.train.draft.shared_k_norm or cfg.train.draft.architecture == "dspark":
-        return []  # DSpark: the CPU build does not serve it at all (verify says so), its k_norm does not matter
-    return [
-        "train.draft.shared_k_norm is false: vLLM 0.32's CPU build would serve this drafter with other drafts "
-        "(it applies layer 0's k_norm to every layer's context keys); GPU engines are not affected"
-    ]
-
-
-def mla_target_problem(hf_config) -> str | None:
-    """Why a block drafter cannot be served on this target, or None: its draft layers attend non-causally, and
-    stock vLLM cannot serve a non-causal draft on a target with multi-head latent attention (z-lab/dflash#62,
-    Kimi-K2.5)."""
-    from eaglekit.model.drafter import text_config
-
-    if not getattr(text_config(hf_config), "kv_lora_rank", None):
-        return None
-    return (
-        "the target uses multi-head latent attention (DeepSeek-V3/Kimi): stock vLLM cannot serve a non-causal "
-        "block draft (DFlash, DSpark) on an MLA target (z-lab/dflash#62, Kimi-K2.5)"
-    )
-
-
-def block_objective(drafter: DFlashDrafter, draft) -> BlockObjective:
-    """The objective with ``train.draft``'s options (speculators' DFlash defaults where unset)."""
-    return BlockObjective(
-        drafter,
-        max_anchors=draft.max_anchors or 512,
-        weighting=draft.position_weighting or "dpace",
-        dpace_alpha=draft.dpace_alpha if draft.dpace_alpha is not None else 0.5,
-        gamma=draft.decay_gamma if draft.decay_gamma is not None else 4.0,
-    )

@@ -14,7 +14,6 @@ import torch
 from eaglekit.model import checkpoints
 from eaglekit.model.drafter import DrafterConfig, Eagle3Drafter
 from eaglekit.model.hub import drafter_folder
-from eaglekit.model.run_shapes import draft_settings
 from eaglekit.progress import console
 from eaglekit.training import distributed as dist
 
@@ -26,11 +25,19 @@ def say(message: str) -> None:
 
 
 def new_drafter(
-    cfg, hf_config, d2t: torch.Tensor, t2d: torch.Tensor, embed: torch.Tensor, head: torch.Tensor, aux_ids: list[int]
+    cfg,
+    hf_config,
+    d2t: torch.Tensor,
+    t2d: torch.Tensor,
+    embed: torch.Tensor,
+    head: torch.Tensor,
+    aux_ids: list[int],
+    settings: dict,
 ) -> Eagle3Drafter:
-    """A drafter shaped after the target (``train.draft`` overrides), with the target's embedding frozen in."""
+    """A drafter shaped after the target (``settings``: train.draft as its family reads it), with the target's
+    embedding frozen in."""
     dcfg = DrafterConfig.from_target_config(
-        hf_config, draft_vocab_size=int(d2t.numel()), aux_layer_ids=aux_ids, **draft_settings(cfg)
+        hf_config, draft_vocab_size=int(d2t.numel()), aux_layer_ids=aux_ids, **settings
     )
     drafter = Eagle3Drafter(dcfg)
     drafter.d2t.copy_(d2t)
@@ -88,10 +95,11 @@ def remap_vocab(
     return out, int((~kept).sum())
 
 
-def build_drafter(cfg, hf_config, d2t, t2d, embed, head, aux_ids) -> tuple[Eagle3Drafter, dict]:
-    """Fresh, or ``train.init_from`` (its own d2t/t2d unless ``train.remap_vocab``); also says where the vocab came from."""
+def build_drafter(cfg, hf_config, d2t, t2d, embed, head, aux_ids, settings: dict) -> tuple[Eagle3Drafter, dict]:
+    """Fresh (shaped by ``settings``), or ``train.init_from`` (its own d2t/t2d unless ``train.remap_vocab``); also
+    says where the vocab came from."""
     if not cfg.train.init_from:
-        drafter = new_drafter(cfg, hf_config, d2t, t2d, embed, head, aux_ids)
+        drafter = new_drafter(cfg, hf_config, d2t, t2d, embed, head, aux_ids, settings)
         has_rows = cfg.train.init_lm_head_from_target and head.shape[1] == drafter.config.hidden_size
         return drafter, {"draft_vocab": "vocab stage", "lm_head": freeze_head(drafter, cfg, has_rows)}
     drafter, _info = checkpoints.load_drafter(drafter_folder(cfg.train.init_from))  # a hub id: pre-flight fetched it

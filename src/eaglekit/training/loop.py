@@ -1,9 +1,10 @@
 """The training loop of the train stage: build the drafter, run its objective on the target's features, evaluate,
 checkpoint.
 
-Reads top to bottom: the drafter (``training/init.py``: fresh from the target's config, or finetuned from
-``train.init_from``), the feature source (``training/features.py``: the live target, or offline shards plus the
-target's lm_head), the objective (``training/objective.py``: EAGLE-3's training-time test), the optimizer and
+Reads top to bottom: the drafter's family (``drafters/registry.family_of_run``), which builds the drafter (fresh
+from the target's config, or finetuned from ``train.init_from``) and its objective (EAGLE-3's training-time test,
+a block drafter's anchored blocks), the feature source (``training/features.py``: the live target, or offline
+shards plus the target's lm_head), the optimizer and
 schedule (``training/optim.py``), the data order (``training/data.py``), then the loop — micro-batches, an optimizer
 step, logging (``training/metrics.py``), held-out evaluation, checkpoints (``training/checkpoint.py``).
 
@@ -29,11 +30,12 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from eaglekit import atomic
-from eaglekit.config import RunConfig, TrainConfig
+from eaglekit.config import RunConfig
 from eaglekit.data.tokens import TokenStore
 from eaglekit.data.vocab import load_vocab
+from eaglekit.drafters.family import DrafterFamily
+from eaglekit.drafters.registry import family_of_run
 from eaglekit.interrupt import StopRequest
-from eaglekit.model.dflash import DFlashDrafter
 from eaglekit.model.drafter import Eagle3Drafter
 from eaglekit.model.target import aux_layer_ids, embedding_and_head, load_target, target_hf_config
 from eaglekit.plots import training_curves
@@ -52,12 +54,10 @@ from eaglekit.training.checkpoint import (
     without_frozen_embedding,
 )
 from eaglekit.training.data import Loader, RunBatches
-from eaglekit.training.dflash import block_objective, build_block_drafter, trains_block_drafter
 from eaglekit.training.early_stop import TauWatch
 from eaglekit.training.features import Features
-from eaglekit.training.fused import compile_drafter, step_kernels
 from eaglekit.training.guard import refuse_non_finite_step, refuse_non_finite_weights
-from eaglekit.training.init import build_drafter, say
+from eaglekit.training.init import say
 from eaglekit.training.metrics import Metrics, Window
 from eaglekit.training.objective import TTT, wrap
 from eaglekit.training.optim import build_optimizer, build_scheduler
@@ -89,16 +89,18 @@ def train(cfg: RunConfig, run: RunDir, out_dir: Path, resuming: bool) -> dict[st
     dist.init()
     device, world = dist.device(), dist.world_size()
     fsdp = dist.active() and tc.distributed == "fsdp"
-    ckpts = Checkpoints(out_dir / "checkpoints", tc.keep_last)
+    family = family_of_run(cfg)
+    ckpts = Checkpoints(out_dir / "checkpoints", tc.keep_last, family)
     # rank 0 decides whether this resumes (the run directory is its to read); the others follow
     resume_from = dist.broadcast(ckpts.resume_point(resuming) if dist.is_main() else None)
     seed_everything(tc.seed)
 
     store = TokenStore(run.stage_dir("prepare") / "tokens.safetensors")
-    drafter, features, notes = drafter_and_features(cfg, run.path, device)
+    drafter, features, notes = drafter_and_features(cfg, family, run.path, device)
     autocast = autocast_for(tc.dtype, device)
-    objective, positions, weights, notes["step_kernels"] = objective_for(drafter, tc, device)
-    model = wrap(objective, tc.distributed, device)
+    objective = family.objective(drafter, tc, device)
+    positions, weights, notes["step_kernels"] = objective.positions, objective.weights, objective.kernels
+    model = wrap(objective.module, tc.distributed, device)
     named_params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     params = [p for _, p in named_params]
     optim = build_optimizer(tc, named_params)
@@ -216,7 +218,9 @@ def seed_everything(seed: int) -> None:
     np.random.seed(seed)
 
 
-def drafter_and_features(cfg: RunConfig, run_path: Path, device: torch.device) -> tuple[Eagle3Drafter, Features, dict]:
+def drafter_and_features(
+    cfg: RunConfig, family: DrafterFamily, run_path: Path, device: torch.device
+) -> tuple[Eagle3Drafter, Features, dict]:
     """The drafter on the device, the source of its training inputs (the live target online, the shards offline)
     and the notes on where its vocabulary and head came from (for the ledger)."""
     d2t, t2d = load_vocab(run_path)
@@ -226,32 +230,11 @@ def drafter_and_features(cfg: RunConfig, run_path: Path, device: torch.device) -
     embed, head = embedding_and_head(
         cfg.target.model if target_model is None else target_model, cfg.target.trust_remote_code
     )
-    if trains_block_drafter(cfg):  # block drafters draft over the whole vocabulary: their features cover it all
-        drafter, notes = build_block_drafter(cfg, hf_config, embed, head, aux_ids)
-        t2d = torch.ones(head.shape[0], dtype=torch.bool)
-    else:
-        drafter, notes = build_drafter(cfg, hf_config, d2t, t2d, embed, head, aux_ids)
-        t2d = drafter.t2d.cpu()
-    drafter = drafter.to(device)
+    built = family.build(cfg, hf_config, d2t, t2d, embed, head, aux_ids)
+    drafter = built.drafter.to(device)
     aux_dtype = torch.bfloat16 if uses_bf16(cfg.train.dtype, device) else torch.float32
-    features = Features(run_path, t2d, device, aux_ids, aux_dtype, target_model, head)
-    return drafter, features, notes
-
-
-def objective_for(
-    drafter: Eagle3Drafter | DFlashDrafter, tc: TrainConfig, device: torch.device
-) -> tuple[nn.Module, int, list[float], str]:
-    """The objective of the drafter's family, how many figures it reports per draft position and their weights in
-    the held-out loss, and the kernels it runs: EAGLE-3's TTT steps (the GPU's fused kernels where they apply), or a
-    DFlash block's mask slots (training/dflash.py, weighted alike)."""
-    if isinstance(drafter, DFlashDrafter):  # DFlash or DSpark
-        objective = block_objective(drafter, tc.draft)
-        return objective, objective.positions, [1.0] * objective.positions, f"{drafter.family} block objective"
-    kernels = step_kernels(tc.attention, tc.head_loss, device, tc.activation_checkpointing)
-    if tc.compile:
-        compile_drafter(drafter)
-    ttt = TTT.from_config(drafter, tc, kernels)
-    return ttt, tc.ttt_steps, ttt.step_weights, kernels.describe() + (", drafter compiled" if tc.compile else "")
+    features = Features(run_path, built.feature_ids, device, aux_ids, aux_dtype, target_model, head)
+    return drafter, features, built.notes  # type: ignore[return-value]
 
 
 def uses_bf16(dtype: str, device: torch.device) -> bool:

@@ -1,0 +1,249 @@
+"""The DFlash family: a block drafter (several Qwen3-style layers drafting a block in one non-causal pass) over the
+target's whole vocabulary, with the target's embedding and head frozen in.
+
+Its parts: the model and its config (``model/dflash.py``), its one export form, vLLM's (``model/dflash_checkpoint.py``),
+the objective (``training/dflash.py``), the proposer (``speculative/block.py``). DSpark (``drafters/dspark.py``)
+extends this family as its model extends DFlash's.
+"""
+
+from __future__ import annotations
+
+from math import prod
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eaglekit import atomic
+from eaglekit.config import DRAFT_KEYS, RunConfig, TrainConfig
+from eaglekit.contract import StageContext
+from eaglekit.data.chat import load_tokenizer
+from eaglekit.drafters.family import Built, Objective, Verdict, verifier_id
+from eaglekit.errors import EaglekitError, UsageError
+from eaglekit.model import dflash, dflash_checkpoint
+from eaglekit.model.checkpoints import CheckpointInfo
+from eaglekit.model.dflash import DFlashConfig, DFlashDrafter
+from eaglekit.model.drafter import text_config
+from eaglekit.model.run_shapes import target_and_aux
+from eaglekit.progress import console
+from eaglekit.training.dflash import BlockObjective
+from eaglekit.training.memory import StepMemory
+
+NO_SGLANG = "block drafter: no SGLang form"
+
+
+class DFlashFamily:
+    name = "dflash"
+    title = "DFlash"
+    forms: tuple[str, ...] = (dflash_checkpoint.FORM,)
+    draft_keys = DRAFT_KEYS["dflash"]
+    drafter_class: type[DFlashDrafter] = DFlashDrafter
+
+    # ---- its form on disk (model/dflash_checkpoint.py)
+    def expected_state(self, dc: Any) -> dict[str, tuple[int, ...]]:
+        return dflash_checkpoint.expected_state(dc)
+
+    def save_exported(self, drafter: Any, out: Path) -> None:
+        dflash_checkpoint.save_dflash(drafter, out)
+
+    def load_exported(self, path: str | Path, embed: torch.Tensor, head: torch.Tensor) -> DFlashDrafter:
+        return dflash_checkpoint.load_dflash(path, embed, head)
+
+    def load_for_target(self, cfg: RunConfig, path: str | Path) -> DFlashDrafter:
+        return dflash_checkpoint.load_for_target(path, cfg.target.model, cfg.target.trust_remote_code)
+
+    def reads_folder(self, folder: Path) -> bool:
+        return dflash_checkpoint.is_dflash_checkpoint(folder)
+
+    def save_checkpoint(self, dc: Any, state: dict[str, torch.Tensor], out: Path) -> None:
+        dflash_checkpoint.save_from_state(dc, state, out)  # the form its export writes
+
+    # ---- the drafter a fresh run builds
+    def drafter_config(self, cfg: RunConfig, hf: Any, aux: list[int]) -> DFlashConfig:
+        return dflash.config_for_run(cfg, hf, aux, int(text_config(hf).vocab_size))
+
+    def parameter_counts(self, dc: DFlashConfig) -> tuple[int, int]:
+        """The target's embedding and head stay frozen: everything its export holds trains."""
+        trainable = sum(prod(shape) for shape in self.expected_state(dc).values())
+        return trainable + 2 * dc.vocab_size * dc.hidden_size, trainable
+
+    def step_memory(self, cfg: RunConfig, tokens: int) -> tuple[StepMemory, StepMemory] | None:
+        return None  # not modelled
+
+    # ---- pre-flight
+    def shape_check(self, cfg: RunConfig) -> Verdict:
+        try:
+            hf, aux = target_and_aux(cfg)
+            dc = self.drafter_config(cfg, hf, aux)
+        except EaglekitError as err:
+            return Verdict("fail", err.message, err.remedy or "fix train.draft")
+        detail = (
+            f"{self.name}: {dc.num_hidden_layers} layers, block {dc.block_size}, mask token {dc.mask_token_id}, "
+            f"heads {dc.num_attention_heads} / kv {dc.num_key_value_heads} x {dc.head_dim}{self.shape_extra(dc)}, "
+            f"aux layers {aux}"
+        )
+        problem = mla_target_problem(hf)
+        if problem:
+            return Verdict(
+                "fail",
+                f"{detail}: {problem}",
+                "train an EAGLE-3 drafter for this target (train.draft.architecture: mla, the shape published for "
+                "Kimi-K2.5/K2.6), or serve on an engine that runs non-causal drafts on MLA targets",
+            )
+        notes = self.serving_notes(cfg)
+        if notes:
+            return Verdict("warn", detail + "; " + "; ".join(notes), "see README: Choosing a drafter family")
+        return Verdict("ok", detail)
+
+    def shape_extra(self, dc: Any) -> str:
+        return ""
+
+    def serving_notes(self, cfg: RunConfig) -> list[str]:
+        """What pre-flight warns about serving this drafter (empty when nothing applies)."""
+        if cfg.train.draft.shared_k_norm:
+            return []
+        return [
+            "train.draft.shared_k_norm is false: vLLM 0.32's CPU build would serve this drafter with other drafts "
+            "(it applies layer 0's k_norm to every layer's context keys); GPU engines are not affected"
+        ]
+
+    def finetune_check(self, cfg: RunConfig, folder: Path, path: str) -> Verdict:
+        try:
+            drafter = self.load_for_target(cfg, folder)
+            _, aux = target_and_aux(cfg)
+        except EaglekitError as err:
+            return Verdict("fail", f"{path}: {err.message}", err.remedy or "check the drafter folder")
+        if drafter.config.aux_layer_ids != aux:
+            return Verdict(
+                "fail",
+                f"{path} taps target layers {drafter.config.aux_layer_ids}, this run {aux}",
+                f"set target.aux_layers: {drafter.config.aux_layer_ids}",
+            )
+        return Verdict("ok", f"{path}: {self.name} drafter, {drafter.config.num_hidden_layers} layers, fits the target")
+
+    # ---- training
+    def build(self, cfg, hf, d2t, t2d, embed, head, aux) -> Built:
+        """Fresh from the target's config, or ``train.init_from`` an exported one (``export/dflash/``) re-imported
+        to finetune. It drafts over the whole vocabulary: its features cover it all."""
+        drafter: DFlashDrafter
+        if cfg.train.init_from:
+            drafter = self.load_exported(cfg.train.init_from, embed, head).float()
+            if drafter.config.aux_layer_ids != list(aux):
+                raise UsageError(
+                    f"train.init_from {cfg.train.init_from} taps target layers {drafter.config.aux_layer_ids}, "
+                    f"this run {list(aux)}",
+                    f"set target.aux_layers: {drafter.config.aux_layer_ids}",
+                )
+            notes = {"draft_vocab": f"the target's ({self.name})", "init_from": cfg.train.init_from}
+        else:
+            drafter = self.drafter_class(self.drafter_config(cfg, hf, aux))
+            drafter.take_target(embed, head)
+            notes = {"draft_vocab": f"the target's ({self.name})", "mask_token_id": drafter.config.mask_token_id}
+        return Built(drafter, torch.ones(head.shape[0], dtype=torch.bool), notes)
+
+    def objective(self, drafter, tc: TrainConfig, device: torch.device) -> Objective:
+        """The block objective with ``train.draft``'s options (speculators' DFlash defaults where unset); its
+        draft positions are weighted alike."""
+        draft = tc.draft
+        module = BlockObjective(
+            drafter,
+            max_anchors=draft.max_anchors or 512,
+            weighting=draft.position_weighting or "dpace",
+            dpace_alpha=draft.dpace_alpha if draft.dpace_alpha is not None else 0.5,
+            gamma=draft.decay_gamma if draft.decay_gamma is not None else 4.0,
+        )
+        return Objective(module, module.positions, [1.0] * module.positions, f"{self.name} block objective")
+
+    # ---- decoding
+    def load_checkpoint(self, cfg: RunConfig, path: Path, aux: list[int]) -> tuple[DFlashDrafter, CheckpointInfo]:
+        """The drafter with the target's embedding and head, refused when its taps differ."""
+        drafter = self.load_for_target(cfg, path)
+        if drafter.config.aux_layer_ids != list(aux):
+            raise EaglekitError(
+                f"drafter {path} taps target layers {drafter.config.aux_layer_ids}, this config {aux}",
+                f"set target.aux_layers: {drafter.config.aux_layer_ids}, or retrain",
+            )
+        return drafter, CheckpointInfo(self.name, path, missing_embeddings=False, aux_layer_ids=list(aux))
+
+    def fit_problems(self, drafter: Any, hf: Any, aux: list[int]) -> list[str]:
+        return []  # its taps are checked as it loads; embedding and head are the target's
+
+    def vocab_line(self, dc: Any) -> str:
+        return f"{dc.vocab_size} (the target's)"
+
+    def proposer(self, drafter: Any, aux: list[int] | None) -> Any:
+        from eaglekit.speculative.block import BlockProposer  # lazy: imports transformers
+
+        return BlockProposer(drafter)
+
+    # ---- export
+    def written_forms(self, requested: list[str]) -> list[str]:
+        return list(self.forms)  # one form, vLLM's
+
+    def vllm_method(self, form: str) -> str:
+        return form  # its one form is its method
+
+    def verifier_check(self, cfg: RunConfig, formats: list[str]) -> Verdict:
+        return Verdict("ok", "block drafter: its vLLM form names no verifier (vLLM is given the target)")
+
+    def sglang_check(self, cfg: RunConfig, formats: list[str]) -> Verdict:
+        return Verdict("ok", NO_SGLANG)
+
+    def export_warnings(self, drafter: Any) -> list[str]:
+        problem = dflash_checkpoint.cpu_build_problem(drafter.state_dict(), drafter.config)
+        if not problem:
+            return []
+        return [f"on vLLM's CPU build: {problem} (train with train.draft.shared_k_norm: true to serve it there)"]
+
+    def export(self, ctx: StageContext, drafter: Any, info: CheckpointInfo, hf: Any) -> dict:
+        """The drafter in the form vLLM 0.32 serves, re-read and compared."""
+        cfg = ctx.cfg
+        form = self.forms[0]
+        dest = ctx.dir / form
+        with atomic.atomic_dir(dest) as tmp:
+            self.save_exported(drafter, tmp)
+            again = self.load_for_target(cfg, tmp)
+            mine, read = drafter.state_dict(), again.state_dict()
+            if mine.keys() != read.keys() or any(not torch.equal(mine[k], read[k].to(mine[k])) for k in mine):
+                raise EaglekitError(f"export: {dest} does not read back as the drafter written", "report this bug")
+            tokenizer = load_tokenizer(cfg.target.model, cfg.target.chat_template, cfg.target.trust_remote_code)
+            tokenizer.save_pretrained(tmp)
+        k = cfg.export.num_speculative_tokens
+        commands = [(f"vLLM (method {form})", dflash_checkpoint.serve_command(verifier_id(cfg), dest, k, method=form))]
+        warnings = []
+        trained = drafter.config.block_size - drafter.first_drafting_slot
+        if k > trained:
+            warnings.append(
+                f"export.num_speculative_tokens {k} exceeds the {trained} draft slots the drafter was trained with"
+            )
+        warnings += self.export_warnings(drafter)
+        atomic.write_text(
+            ctx.dir / "README.md",
+            f"# {self.title} drafter\n\n"
+            f"From {info.path}; {drafter.config.num_hidden_layers} layers, block "
+            f"{drafter.config.block_size}, aux layers {drafter.config.aux_layer_ids}.\n\n"
+            + "".join(f"{what}:\n\n    {command}\n\n" for what, command in commands)
+            + "".join(f"- warning: {w}\n" for w in warnings),
+        )
+        console.print(f"export: {form} form written to {dest} (keys, shapes and weights checked)")
+        for what, command in commands:
+            console.print(f"[bold]{what}[/]:")
+            console.print(command, markup=False, soft_wrap=True)
+        for w in warnings:
+            console.print(f"[yellow]export: {w}[/]")
+        return {"formats": [form], form: str(dest), "warnings": len(warnings)}
+
+
+def mla_target_problem(hf_config: Any) -> str | None:
+    """Why a block drafter cannot be served on this target, or None: its draft layers attend non-causally, and
+    stock vLLM cannot serve a non-causal draft on a target with multi-head latent attention (z-lab/dflash#62,
+    Kimi-K2.5)."""
+    if not getattr(text_config(hf_config), "kv_lora_rank", None):
+        return None
+    return (
+        "the target uses multi-head latent attention (DeepSeek-V3/Kimi): stock vLLM cannot serve a non-causal "
+        "block draft (DFlash, DSpark) on an MLA target (z-lab/dflash#62, Kimi-K2.5)"
+    )
+
+
+DFLASH = DFlashFamily()

@@ -1,0 +1,68 @@
+"""The DSpark family: DFlash's backbone drafting from the anchor, plus a Markov head over the block. A sibling of
+DFlash: its model (``model/dspark.py``) subclasses DFlash's, its form (``model/dspark_checkpoint.py``) is written
+through DFlash's writer, and this family extends DFlash's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eaglekit.config import DRAFT_KEYS, RunConfig
+from eaglekit.drafters.dflash import DFlashFamily
+from eaglekit.model import dspark, dspark_checkpoint
+from eaglekit.model.drafter import text_config
+from eaglekit.model.dspark import DSparkConfig, DSparkDrafter
+
+# vLLM 0.32's CPU build refuses the method before an engine starts (stages/verify.py says so too)
+NOT_ON_CPU = (
+    "vLLM's CPU build does not serve DSpark (its V1 model runner refuses the method); serve it with a GPU "
+    "build of vLLM >= 0.32"
+)
+
+
+class DSparkFamily(DFlashFamily):
+    name = "dspark"
+    title = "DSpark"
+    forms = (dspark_checkpoint.FORM,)
+    draft_keys = DRAFT_KEYS["dspark"]
+    drafter_class = DSparkDrafter
+
+    def expected_state(self, dc: Any) -> dict[str, tuple[int, ...]]:
+        return dspark_checkpoint.expected_state(dc)
+
+    def save_exported(self, drafter: Any, out: Path) -> None:
+        dspark_checkpoint.save_dspark(drafter, out)
+
+    def load_exported(self, path: str | Path, embed: torch.Tensor, head: torch.Tensor) -> DSparkDrafter:
+        return dspark_checkpoint.load_dspark(path, embed, head)
+
+    def load_for_target(self, cfg: RunConfig, path: str | Path) -> DSparkDrafter:
+        return dspark_checkpoint.load_for_target(path, cfg.target.model, cfg.target.trust_remote_code)
+
+    def reads_folder(self, folder: Path) -> bool:
+        return dspark_checkpoint.is_dspark_checkpoint(folder)
+
+    def save_checkpoint(self, dc: Any, state: dict[str, torch.Tensor], out: Path) -> None:
+        dspark_checkpoint.save_from_state(dc, state, out)
+
+    def drafter_config(self, cfg: RunConfig, hf: Any, aux: list[int]) -> DSparkConfig:
+        return dspark.config_for_run(cfg, hf, aux, int(text_config(hf).vocab_size))
+
+    def shape_extra(self, dc: Any) -> str:
+        return f", Markov rank {dc.markov_rank}"
+
+    def serving_notes(self, cfg: RunConfig) -> list[str]:
+        return []  # the CPU build does not serve it at all (verify says so): its k_norm does not matter there
+
+    def proposer(self, drafter: Any, aux: list[int] | None) -> Any:
+        from eaglekit.speculative.block import DSparkProposer  # lazy: imports transformers
+
+        return DSparkProposer(drafter)
+
+    def export_warnings(self, drafter: Any) -> list[str]:
+        return [NOT_ON_CPU]
+
+
+DSPARK = DSparkFamily()

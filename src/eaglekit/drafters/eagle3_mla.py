@@ -1,0 +1,34 @@
+"""EAGLE-3 with a DeepSeek-V3/Kimi layer (multi-head latent attention): the drafter shape published for
+Kimi-K2.5/K2.6. It has the plain form only (no speculators form: ``model/checkpoints.NO_MLA_SPECULATORS``)."""
+
+from __future__ import annotations
+
+from eaglekit.config import DRAFT_KEYS
+from eaglekit.drafters.eagle3 import Eagle3Family
+from eaglekit.model.checkpoints import NO_MLA_SPECULATORS
+from eaglekit.model.drafter import DrafterConfig
+
+
+class Eagle3MlaFamily(Eagle3Family):
+    name = "mla"
+    title = "MLA"
+    forms = ("eagle3",)
+    draft_keys = DRAFT_KEYS["mla"]
+    card_form = "plain DeepSeek-V2 config (`Eagle3DeepseekV2ForCausalLM`), `layers.0.` keys"
+    no_speculators = "MLA drafter: only the plain form is written (no speculators form for MLA)"
+    no_speculators_reason = NO_MLA_SPECULATORS
+
+    def shape_line(self, dc: DrafterConfig) -> str:
+        return (
+            f"mla: q_lora_rank {dc.q_lora_rank}, kv_lora_rank {dc.kv_lora_rank}, heads {dc.num_attention_heads} x "
+            f"(nope {dc.qk_nope_head_dim} + rope {dc.qk_rope_head_dim}, v {dc.v_head_dim})"
+        )
+
+    def layer_line(self, dc: DrafterConfig) -> str:
+        return (
+            f"multi-head latent attention: {dc.num_attention_heads} heads, q_lora_rank {dc.q_lora_rank}, "
+            f"kv_lora_rank {dc.kv_lora_rank}, qk {dc.qk_nope_head_dim}+{dc.qk_rope_head_dim}, v {dc.v_head_dim}"
+        )
+
+
+EAGLE3_MLA = Eagle3MlaFamily()

@@ -1,0 +1,155 @@
+"""What a drafter family supplies, through one typed interface, to the stages, the training loop, checkpointing and
+decoding; none of them tests which family it holds (``drafters/registry.py`` finds it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+import torch
+from torch import nn
+
+from eaglekit.config import RunConfig, TrainConfig
+from eaglekit.contract import StageContext
+from eaglekit.model.checkpoints import CheckpointInfo
+from eaglekit.training.memory import StepMemory
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A family's pre-flight answer; the stage that declares the check names it (``preflight.drafter.as_check``)."""
+
+    level: Literal["ok", "warn", "fail", "skip"]
+    detail: str
+    remedy: str = ""
+
+
+@dataclass
+class Built:
+    """The drafter a training run starts from, the target ids its features cover, and the notes for the ledger."""
+
+    drafter: nn.Module
+    feature_ids: torch.Tensor  # [V] bool over the target's vocabulary: the draft vocabulary, or all of it
+    notes: dict[str, Any]
+
+
+@dataclass
+class Objective:
+    """The training objective of a family as the loop runs it."""
+
+    module: nn.Module  # its forward takes the loop's batch and returns (loss, per-position figures)
+    positions: int  # figures it reports per draft position
+    weights: list[float]  # their weights in the held-out loss
+    kernels: str  # what it runs, for the ledger
+
+
+class DrafterFamily(Protocol):
+    """A drafter family: EAGLE-3 (Llama or MLA attention), DFlash, DSpark. Registered once in
+    ``drafters/registry.FAMILIES``."""
+
+    @property
+    def name(self) -> str:
+        """Its train.draft.architecture value; also its name in messages."""
+        ...
+
+    @property
+    def forms(self) -> tuple[str, ...]:
+        """The export forms it can write (folder names under export/), the first the main one."""
+        ...
+
+    @property
+    def draft_keys(self) -> frozenset[str]:
+        """The train.draft keys it reads (config.DRAFT_KEYS[name]): setting another is refused as the config loads."""
+        ...
+
+    @property
+    def drafter_class(self) -> type[nn.Module]:
+        """The model it builds and loads."""
+        ...
+
+    # ---- the drafter a fresh run builds, shaped after the target (plan, pre-flight and train size the same one)
+    def drafter_config(self, cfg: RunConfig, hf: Any, aux: list[int]) -> Any: ...
+
+    def parameter_counts(self, dc: Any) -> tuple[int, int]:
+        """(all parameters, trainable ones)."""
+        ...
+
+    def step_memory(self, cfg: RunConfig, tokens: int) -> tuple[StepMemory, StepMemory] | None:
+        """One step's GPU memory at ``tokens`` a micro-batch, without and with activation checkpointing; None when
+        the family has no model of it."""
+        ...
+
+    # ---- pre-flight
+    def shape_check(self, cfg: RunConfig) -> Verdict:
+        """The drafter this run would train, refused now rather than at step 0."""
+        ...
+
+    def reads_folder(self, folder: Path) -> bool:
+        """Whether a drafter folder holds this family's checkpoint (a trained or exported one)."""
+        ...
+
+    def finetune_check(self, cfg: RunConfig, folder: Path, path: str) -> Verdict:
+        """Whether the drafter in ``folder`` (train.init_from ``path``) can be finetuned on this target."""
+        ...
+
+    # ---- training
+    def build(
+        self,
+        cfg: RunConfig,
+        hf: Any,
+        d2t: torch.Tensor,
+        t2d: torch.Tensor,
+        embed: torch.Tensor,
+        head: torch.Tensor,
+        aux: list[int],
+    ) -> Built:
+        """Fresh from the target's config, or train.init_from's drafter."""
+        ...
+
+    def objective(self, drafter: nn.Module, tc: TrainConfig, device: torch.device) -> Objective: ...
+
+    def save_checkpoint(self, dc: Any, state: dict[str, torch.Tensor], out: Path) -> None:
+        """A training checkpoint's drafter, in the form evaluate and export read back."""
+        ...
+
+    # ---- decoding
+    def load_checkpoint(self, cfg: RunConfig, path: Path, aux: list[int]) -> tuple[Any, CheckpointInfo]:
+        """A drafter folder of this family, ready to decode with the target (refused when it taps other layers)."""
+        ...
+
+    def fit_problems(self, drafter: Any, hf: Any, aux: list[int]) -> list[str]:
+        """What keeps a loaded drafter from drafting for this target (empty when it fits)."""
+        ...
+
+    def vocab_line(self, dc: Any) -> str:
+        """Its draft vocabulary in words, for pre-flight."""
+        ...
+
+    def proposer(self, drafter: Any, aux: list[int] | None) -> Any:
+        """The ``speculative.decode.Proposer`` that drafts with it."""
+        ...
+
+    # ---- export
+    def written_forms(self, requested: list[str]) -> list[str]:
+        """The forms export writes when ``requested`` (export.formats) are asked for."""
+        ...
+
+    def vllm_method(self, form: str) -> str:
+        """vLLM's --speculative-config method for one of its forms."""
+        ...
+
+    def verifier_check(self, cfg: RunConfig, formats: list[str]) -> Verdict: ...
+
+    def sglang_check(self, cfg: RunConfig, formats: list[str]) -> Verdict: ...
+
+    def export(self, ctx: StageContext, drafter: Any, info: CheckpointInfo, hf: Any) -> dict:
+        """Write the checked drafter (``speculative.inputs.load_checked_drafter``) in its forms under ``ctx.dir``;
+        the counts for the ledger."""
+        ...
+
+
+def verifier_id(cfg: RunConfig) -> str:
+    """What an export names as verifier: export.verifier, else the target itself (its hub id, or its local folder,
+    which is only valid on this machine)."""
+    return cfg.export.verifier or cfg.target.model

@@ -1,0 +1,73 @@
+"""The drafter families eaglekit trains, one line each (as vLLM registers its speculative models): the one place
+the stages, the training loop, checkpointing and decoding learn which family a config or a folder holds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from eaglekit.config import RunConfig
+from eaglekit.drafters.dflash import DFLASH
+from eaglekit.drafters.dspark import DSPARK
+from eaglekit.drafters.eagle3_llama import EAGLE3_LLAMA
+from eaglekit.drafters.eagle3_mla import EAGLE3_MLA
+from eaglekit.drafters.family import DrafterFamily
+from eaglekit.errors import UsageError
+from eaglekit.model.run_shapes import target_and_aux
+
+FAMILIES: dict[str, DrafterFamily] = {
+    "llama": EAGLE3_LLAMA,  # EAGLE-3, Llama layer: the default
+    "mla": EAGLE3_MLA,  # EAGLE-3, DeepSeek-V3/Kimi layer
+    "dflash": DFLASH,  # block drafter
+    "dspark": DSPARK,  # DFlash's backbone and a Markov head
+}
+DEFAULT = "llama"  # train.draft.architecture unset
+
+
+def family_named(name: str | None) -> DrafterFamily:
+    """The family a train.draft.architecture value names (None: the default)."""
+    try:
+        return FAMILIES[name or DEFAULT]
+    except KeyError:
+        raise UsageError(
+            f"train.draft.architecture '{name}' is not a drafter family", f"use one of {', '.join(FAMILIES)}"
+        ) from None
+
+
+def family_of_folder(folder: str | Path | None) -> DrafterFamily | None:
+    """The family whose checkpoint a drafter folder holds, or None (no folder, or none of theirs)."""
+    if folder is None:
+        return None
+    return next((family for family in FAMILIES.values() if family.reads_folder(Path(folder))), None)
+
+
+def family_of_run(cfg: RunConfig) -> DrafterFamily:
+    """The family a training run trains: train.init_from's when it names a folder of one, else the configured one."""
+    return family_of_folder(cfg.train.init_from) or family_named(cfg.train.draft.architecture)
+
+
+def fresh_drafter_config(cfg: RunConfig) -> Any:
+    """The drafter config a fresh training run builds: shaped after the target, ``train.draft`` overriding."""
+    hf, aux = target_and_aux(cfg)
+    return family_named(cfg.train.draft.architecture).drafter_config(cfg, hf, aux)
+
+
+def parameter_counts(cfg: RunConfig) -> tuple[int, int]:
+    """(all parameters, trainable ones) of the drafter a fresh training run builds."""
+    return family_named(cfg.train.draft.architecture).parameter_counts(fresh_drafter_config(cfg))
+
+
+def family_of_drafter(drafter: Any) -> DrafterFamily:
+    """The family of a loaded drafter (the first that builds its class: the EAGLE-3 families share theirs)."""
+    return next(f for f in FAMILIES.values() if type(drafter) is f.drafter_class)
+
+
+def proposer_for(drafter: Any, aux: list[int] | None = None) -> Any:
+    """The ``speculative.decode.Proposer`` that drafts with a loaded drafter."""
+    return family_of_drafter(drafter).proposer(drafter, aux)
+
+
+def vllm_method(form: str) -> str:
+    """vLLM's --speculative-config method for an exported form."""
+    family = next((f for f in FAMILIES.values() if form in f.forms), EAGLE3_LLAMA)
+    return family.vllm_method(form)
