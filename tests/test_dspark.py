@@ -13,12 +13,13 @@ from block_drafters import heldout_prompts, one_round_two_ways, train_block_draf
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from eaglekit.drafters.registry import proposer_for
 from eaglekit.errors import EaglekitError
 from eaglekit.model.dflash import DFlashConfig, DFlashDrafter, default_mask_token_id
 from eaglekit.model.dspark import DSparkConfig, DSparkDrafter
 from eaglekit.model.dspark_checkpoint import expected_state, load_dspark, read_dspark_config, save_dspark
 from eaglekit.model.target import default_aux_layers
-from eaglekit.speculative.block import DSparkProposer, proposer_for
+from eaglekit.speculative.block import DSparkProposer
 from eaglekit.speculative.decode import generate
 from eaglekit.training.dflash import block_loss, position_weights
 
@@ -269,17 +270,17 @@ def block_run_config(tmp_path: Path, target: Path, **draft):
 
 
 def test_preflight_and_plan_size_the_dspark_drafter(tmp_path, tiny_target):
-    from eaglekit.model.run_shapes import drafter_config, parameter_counts
-    from eaglekit.stages.train import block_drafter_shape
+    from eaglekit.drafters.dspark import DSPARK
+    from eaglekit.drafters.registry import fresh_drafter_config, parameter_counts
 
     dspark = block_run_config(tmp_path, tiny_target, architecture="dspark", num_layers=2, markov_rank=16)
     dflash = block_run_config(tmp_path, tiny_target, architecture="dflash", num_layers=2)
-    spark_cfg = drafter_config(dspark)
+    spark_cfg = fresh_drafter_config(dspark)
     assert isinstance(spark_cfg, DSparkConfig) and spark_cfg.markov_rank == 16
-    (_, spark), (_, flash) = parameter_counts(spark_cfg), parameter_counts(drafter_config(dflash))
+    (_, spark), (_, flash) = parameter_counts(dspark), parameter_counts(dflash)
     assert spark - flash == 2 * spark_cfg.vocab_size * 16  # the Markov head: markov_w1 and markov_w2 train
-    check = block_drafter_shape(dspark)
-    assert check.status == "ok" and check.detail.startswith("dspark: 2 layers") and "Markov rank 16" in check.detail
+    check = DSPARK.shape_check(dspark)
+    assert check.level == "ok" and check.detail.startswith("dspark: 2 layers") and "Markov rank 16" in check.detail
 
 
 @pytest.mark.parametrize("family", ["dflash", "dspark"])
@@ -287,7 +288,7 @@ def test_preflight_refuses_a_block_drafter_on_an_mla_target(tmp_path, tiny_targe
     """Non-causal block drafts on a target with multi-head latent attention: refused by name (z-lab/dflash#62)."""
     from transformers import DeepseekV3Config
 
-    from eaglekit.stages.train import block_drafter_shape
+    from eaglekit.drafters.registry import family_named
 
     mla = tmp_path / "mla-target"
     DeepseekV3Config(
@@ -295,8 +296,8 @@ def test_preflight_refuses_a_block_drafter_on_an_mla_target(tmp_path, tiny_targe
         num_attention_heads=4, num_key_value_heads=4, q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32,
         qk_rope_head_dim=16, v_head_dim=32, max_position_embeddings=1024,
     ).save_pretrained(mla)  # fmt: skip
-    check = block_drafter_shape(block_run_config(tmp_path, mla, architecture=family, mask_token_id=0))
-    assert check.status == "fail", check
+    check = family_named(family).shape_check(block_run_config(tmp_path, mla, architecture=family, mask_token_id=0))
+    assert check.level == "fail", check
     assert "multi-head latent attention" in check.detail and "z-lab/dflash#62" in check.detail
     assert "architecture: mla" in check.remedy
 

@@ -203,7 +203,7 @@ def test_a_fresh_llama_drafter_has_the_eagle31_flags_unless_set(tiny_target):
     """The race picked EAGLE 3.1's fc_norm and norm_output for the default Llama drafter; a setting given is kept,
     norm_before_fc (exclusive with fc_norm) keeps fc_norm off, and the MLA drafter (not raced) keeps both off."""
     from eaglekit.config import parse_config
-    from eaglekit.model.run_shapes import drafter_config
+    from eaglekit.drafters.registry import fresh_drafter_config
 
     def built(**draft):
         cfg = parse_config(
@@ -215,7 +215,7 @@ def test_a_fresh_llama_drafter_has_the_eagle31_flags_unless_set(tiny_target):
                 "train": {"draft": draft},
             }
         )
-        c = drafter_config(cfg)
+        c = fresh_drafter_config(cfg)
         return c.fc_norm, c.norm_output, c.norm_before_fc
 
     assert built() == (True, True, False)

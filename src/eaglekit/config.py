@@ -208,7 +208,9 @@ class ExtractConfig(Section):
 BLOCK_ARCHITECTURES = ("dflash", "dspark")  # the block-drafter family's train.draft.architecture values
 
 
-# The train.draft keys each drafter family reads (the others do nothing for it, so setting one is an error).
+# The train.draft keys each drafter family reads (the others do nothing for it, so setting one is an error), by its
+# name in drafters/registry.FAMILIES: the families' names as the config knows them (config is below the families'
+# layer and cannot ask the registry; tests/test_drafter_registry.py holds the two tables to the same names).
 _SHAPE = ("architecture", "intermediate_size", "num_attention_heads")
 _EAGLE3_FLAGS = ("fc_norm", "norm_output", "norm_before_residual")
 _BLOCK = ("block_size", "num_layers", "mask_token_id", "max_anchors", "position_weighting", "dpace_alpha",
@@ -230,7 +232,7 @@ DRAFT_KEYS: dict[str, frozenset[str]] = {
 class DraftModelConfig(Section):
     """The drafter's layer and flags; every shape defaults to the target's (README: "The drafter")."""
 
-    architecture: Literal["llama", "mla", "dflash", "dspark"] | None = Field(
+    architecture: str | None = Field(
         None,
         description="llama (MHA/GQA, the default) or mla (DeepSeek-V3/Kimi latent attention): an EAGLE-3 drafter; "
         "dflash: a block drafter (several Qwen3-style layers drafting a block in one pass, model/dflash.py); "
@@ -288,6 +290,13 @@ class DraftModelConfig(Section):
         description="llama: the drafter attends the last N positions only (vLLM's sliding_window: the query's own "
         "position and the N-1 before it), in training, evaluate's decoding and the exported config (layer_types)",
     )
+
+    @field_validator("architecture")
+    @classmethod
+    def _a_drafter_family(cls, value: str | None) -> str | None:
+        if value is not None and value not in DRAFT_KEYS:
+            raise ValueError(f"'{value}' is not a drafter family: one of {', '.join(DRAFT_KEYS)}")
+        return value
 
     @model_validator(mode="after")
     def _keys_of_its_family(self) -> DraftModelConfig:

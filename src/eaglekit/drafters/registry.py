@@ -15,6 +15,8 @@ from eaglekit.drafters.family import DrafterFamily
 from eaglekit.errors import UsageError
 from eaglekit.model.run_shapes import target_and_aux
 
+# in the order a drafter folder is recognised (family_of_folder): a family whose folders another family's reader
+# also accepts goes before that family
 FAMILIES: dict[str, DrafterFamily] = {
     "llama": EAGLE3_LLAMA,  # EAGLE-3, Llama layer: the default
     "mla": EAGLE3_MLA,  # EAGLE-3, DeepSeek-V3/Kimi layer

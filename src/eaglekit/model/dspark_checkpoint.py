@@ -32,7 +32,6 @@ import torch
 
 from eaglekit.errors import UsageError
 from eaglekit.model import dflash_checkpoint as block
-from eaglekit.model.dflash import DFlashDrafter
 from eaglekit.model.dspark import DSparkConfig, DSparkDrafter
 
 ARCHITECTURE = "Qwen3DSparkModel"

@@ -153,8 +153,10 @@ def block_loss(
     kv = drafter.context_kv(context, positions)
     mask = block_attention_mask(docs, anchors, bs)
     logits = drafter(query_ids.flatten(1), query_positions.flatten(1), kv, mask)  # [B, A*bs, V]
-    bias = drafter.slot_bias(input_ids.gather(1, (index - 1).flatten(1)))  # from the token before each slot's label
-    if bias is not None:  # (index - 1: the token at the slot's own position; the anchor at slot 0)
+    # DSpark's Markov bias from the token at each slot's own position (index - 1; the anchor at slot 0, so never
+    # below 0 where a bias applies: the clamp only keeps DFlash's anchor slot, which has none, inside the row)
+    bias = drafter.slot_bias(input_ids.gather(1, (index - 1).clamp_min(0).flatten(1)))
+    if bias is not None:
         logits = logits + bias
 
     ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view(b * n_anchors, bs)

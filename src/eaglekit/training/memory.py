@@ -27,13 +27,9 @@ from eaglekit.training.fused import StepKernels
 from eaglekit.training.loss import CHUNK_ELEMENTS, CHUNK_ELEMENTS_DEFAULT
 from eaglekit.training.ttt import BLOCK_ELEMENTS, BLOCK_ROWS, ttt_loss
 
-# The widths a calibration drafter scales, per architecture; head widths stay the real ones (every kept tensor is
-# linear in these with the head widths fixed).
-SCALED = {
-    "llama": ("hidden_size", "intermediate_size", "target_hidden_size", "num_attention_heads", "num_key_value_heads"),
-    "mla": ("hidden_size", "intermediate_size", "target_hidden_size", "num_attention_heads", "q_lora_rank",
-            "kv_lora_rank"),
-}  # fmt: skip
+# The widths a calibration drafter scales, those of them the drafter's layer has (a Llama layer its K/V heads, a
+# latent-attention layer its q and kv ranks; q_lora_rank None is a layer without one); head widths stay the real
+# ones (every kept tensor is linear in these with the head widths fixed).
 BASE = {"hidden_size": 64, "intermediate_size": 64, "target_hidden_size": 64, "num_attention_heads": 2,
         "num_key_value_heads": 1, "q_lora_rank": 32, "kv_lora_rank": 32}  # fmt: skip
 ROWS = (96, 192)  # two row lengths: their difference is the per-token slope, free of per-step constants
@@ -56,9 +52,7 @@ class StepMemory:
 
 
 def _calibration_config(cfg: DrafterConfig, steps: int, **widths: int) -> DrafterConfig:
-    fields: dict[str, Any] = {name: BASE[name] for name in SCALED[cfg.architecture]} | widths
-    if cfg.architecture == "mla" and cfg.q_lora_rank is None:
-        fields.pop("q_lora_rank")
+    fields: dict[str, Any] = {name: width for name, width in BASE.items() if getattr(cfg, name) is not None} | widths
     # a window inside the calibration rows (so it is exercised) and longer than the TTT chain (as ttt_loss needs)
     window = None if cfg.sliding_window is None else min(cfg.sliding_window, max(ROWS[0] // 2, steps + 1))
     return dataclasses.replace(
@@ -107,7 +101,7 @@ def _kept_per_token(cfg_json: str, steps: int, checkpoint: bool, bf16: bool) -> 
     base = _calibration_config(cfg, steps)
     at_base = slope(base)
     total = at_base
-    for name in SCALED[cfg.architecture]:
+    for name in BASE:
         if getattr(base, name) is None:
             continue
         doubled = slope(_calibration_config(cfg, steps, **{name: 2 * getattr(base, name)}))

@@ -1,0 +1,134 @@
+"""The drafter-family registry: each family is its module and one line in drafters/registry.FAMILIES (with its
+train.draft keys in config.DRAFT_KEYS), and the stages, the training loop, checkpointing and decoding find it
+there — a family registered only in memory trains, checkpoints and exports through them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_extract import prepared_run
+
+from eaglekit import config
+from eaglekit.config import DraftModelConfig, parse_config
+from eaglekit.drafters import registry
+from eaglekit.drafters.eagle3_llama import Eagle3LlamaFamily
+from eaglekit.drafters.family import Built, DrafterFamily, Objective, Verdict
+from eaglekit.errors import UsageError
+from eaglekit.model import checkpoints
+from eaglekit.pipeline import run_stage
+from eaglekit.rundir import RunDir
+
+MARK = "toy.json"
+
+
+class ToyFamily(Eagle3LlamaFamily):
+    """A family of its own name, form and folder mark; its layer is borrowed from the Llama family (what it
+    builds is not the point: who asks it is). It notes every call the pipeline makes on it."""
+
+    name = "toy"
+    title = "Toy"
+    forms = ("toy",)
+    draft_keys = frozenset({"architecture", "intermediate_size"})
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def draft_settings(self, cfg) -> dict[str, Any]:
+        return {**super().draft_settings(cfg), "architecture": "llama"}  # the layer it borrows
+
+    def build(self, cfg, hf, d2t, t2d, embed, head, aux) -> Built:
+        self.calls.append("build")
+        return super().build(cfg, hf, d2t, t2d, embed, head, aux)
+
+    def objective(self, drafter, tc, device) -> Objective:
+        self.calls.append("objective")
+        return super().objective(drafter, tc, device)
+
+    def save_checkpoint(self, dc: Any, state: dict, out: Path) -> None:
+        self.calls.append("save_checkpoint")
+        super().save_checkpoint(dc, state, out)
+        (out / MARK).write_text(json.dumps({"family": self.name}))
+
+    def reads_folder(self, folder: Path) -> bool:
+        return (Path(folder) / MARK).is_file()
+
+    def load_checkpoint(self, cfg, path: Path, aux: list[int]):
+        self.calls.append("load_checkpoint")
+        return super().load_checkpoint(cfg, path, aux)
+
+    def written_forms(self, requested: list[str]) -> list[str]:
+        return list(self.forms)
+
+    def vllm_method(self, form: str) -> str:
+        return "toy"
+
+    def verifier_check(self, cfg, formats: list[str]) -> Verdict:
+        return Verdict("ok", "toy: no verifier")
+
+    def sglang_check(self, cfg, formats: list[str]) -> Verdict:
+        return Verdict("ok", "toy: no SGLang form")
+
+    def export(self, ctx, drafter, info, hf) -> dict:
+        self.calls.append("export")
+        dest = ctx.dir / "toy"
+        checkpoints.save_legacy(drafter, dest)
+        (dest / MARK).write_text(json.dumps({"family": self.name}))
+        return {"formats": ["toy"], "toy": str(dest)}
+
+
+@pytest.fixture
+def toy(monkeypatch) -> ToyFamily:
+    """The toy family registered for one test: its line in the registry (first: its folders are Llama ones too,
+    and the table's order is the order folders are recognised in) and its keys in the config."""
+    family = ToyFamily()
+    monkeypatch.setattr(registry, "FAMILIES", {family.name: family, **registry.FAMILIES})
+    monkeypatch.setitem(config.DRAFT_KEYS, family.name, family.draft_keys)
+    return family
+
+
+def test_the_registry_and_the_config_know_the_same_families():
+    assert list(registry.FAMILIES) == list(config.DRAFT_KEYS)
+    for name, family in registry.FAMILIES.items():
+        assert family.name == name and family.draft_keys == config.DRAFT_KEYS[name]
+        assert set(family.draft_keys) <= set(DraftModelConfig.model_fields), name
+    assert registry.family_named(None) is registry.FAMILIES["llama"]  # architecture unset: llama
+    with pytest.raises(UsageError, match="not a drafter family"):
+        registry.family_named("toy")
+
+
+def test_a_family_in_the_table_is_one_the_config_accepts_with_its_own_keys(toy):
+    base = {"run_dir": "r", "target": {"model": "m"}, "data": {"prompts": "p.jsonl"}}
+    cfg = parse_config({**base, "train": {"draft": {"architecture": "toy", "intermediate_size": 64}}})
+    assert registry.family_named(cfg.train.draft.architecture) is toy
+    with pytest.raises(UsageError, match=r"architecture toy does not read block_size \(dflash, dspark\)"):
+        parse_config({**base, "train": {"draft": {"architecture": "toy", "block_size": 4}}})
+    with pytest.raises(UsageError, match="'toy2' is not a drafter family"):
+        parse_config({**base, "train": {"draft": {"architecture": "toy2"}}})
+
+
+def test_a_family_registered_in_memory_trains_checkpoints_and_exports(tmp_path, tiny_target, toy):
+    """train and export run the toy family's build, objective, checkpoint writer, loader and export: nothing in
+    them names it."""
+    family: DrafterFamily = toy  # the interface, structurally (mypy holds the real families to it in registry.py)
+    assert family.forms == ("toy",)
+    train = {"ttt_steps": 2, "batch_size": 4, "lr": 1e-3, "warmup_steps": 1, "max_steps": 2, "eval_every": 2,
+             "save_every": 2, "eval_samples": 4, "draft": {"architecture": "toy", "intermediate_size": 64}}  # fmt: skip
+    cfg = prepared_run(tmp_path, tiny_target, n=24, train=train)
+    with RunDir(cfg.run_dir).lock:
+        trained = run_stage(cfg, "train", skip_preflight=True)
+        best = Path(cfg.run_dir) / "train" / "checkpoints" / "best"
+        assert trained["counts"]["steps"] == 2
+        assert toy.calls[:2] == ["build", "objective"] and "save_checkpoint" in toy.calls
+        assert registry.family_of_folder(best) is toy  # the checkpoint is the toy family's, by its own mark
+        assert registry.family_of_run(cfg) is toy
+        exported = run_stage(cfg, "export", skip_preflight=True)
+    assert toy.calls[-2:] == ["load_checkpoint", "export"]
+    assert exported["counts"]["formats"] == ["toy"]
+    folder = Path(cfg.run_dir) / "export" / "toy"
+    assert registry.family_of_folder(folder) is toy
+    drafter, _ = checkpoints.load_drafter(folder)
+    assert drafter.config.intermediate_size == 64  # the shape the config asked of it
+    assert registry.vllm_method("toy") == "toy"
