@@ -71,7 +71,8 @@ class ToyFamily(Eagle3LlamaFamily):
     def sglang_check(self, cfg, formats: list[str]) -> Verdict:
         return Verdict("ok", "toy: no SGLang form")
 
-    def export(self, ctx, drafter, info, hf) -> dict:
+    def export(self, ctx, load) -> dict:
+        drafter, _info, _hf, _aux = load(ctx.cfg)
         self.calls.append("export")
         dest = ctx.dir / "toy"
         checkpoints.save_legacy(drafter, dest)

@@ -18,7 +18,7 @@ from eaglekit import atomic
 from eaglekit.config import DRAFT_KEYS, RunConfig, TrainConfig
 from eaglekit.contract import StageContext
 from eaglekit.data.chat import load_tokenizer
-from eaglekit.drafters.family import Built, Objective, Verdict, verifier_id
+from eaglekit.drafters.family import Built, LoadChecked, Objective, Verdict, verifier_id
 from eaglekit.errors import EaglekitError, UsageError
 from eaglekit.model import dflash, dflash_checkpoint
 from eaglekit.model.checkpoints import CheckpointInfo
@@ -195,9 +195,10 @@ class DFlashFamily:
             return []
         return [f"on vLLM's CPU build: {problem} (train with train.draft.shared_k_norm: true to serve it there)"]
 
-    def export(self, ctx: StageContext, drafter: Any, info: CheckpointInfo, hf: Any) -> dict:
+    def export(self, ctx: StageContext, load: LoadChecked) -> dict:
         """The drafter in the form vLLM 0.32 serves, re-read and compared."""
         cfg = ctx.cfg
+        drafter, info, _, _ = load(cfg)
         form = self.forms[0]
         dest = ctx.dir / form
         with atomic.atomic_dir(dest) as tmp:

@@ -23,7 +23,7 @@ from eaglekit.config import RunConfig, TrainConfig
 from eaglekit.contract import StageContext
 from eaglekit.data.chat import load_tokenizer
 from eaglekit.data.eval_report import report_markdown
-from eaglekit.drafters.family import Built, Objective, Verdict, verifier_id
+from eaglekit.drafters.family import Built, LoadChecked, Objective, Verdict, verifier_id
 from eaglekit.errors import EaglekitError
 from eaglekit.model import checkpoints
 from eaglekit.model.checkpoints import CheckpointInfo
@@ -217,8 +217,8 @@ class Eagle3Family:
 
     title: str
 
-    def export(self, ctx: StageContext, drafter: Any, info: CheckpointInfo, hf: Any) -> dict:
-        return export_eagle3(self, ctx, drafter, info, hf)
+    def export(self, ctx: StageContext, load: LoadChecked) -> dict:
+        return export_eagle3(self, ctx, load)
 
 
 def _tokenizer_size(cfg: RunConfig) -> int | None:
@@ -344,7 +344,7 @@ def serve_commands(cfg: RunConfig, dirs: dict[str, Path], sglang: bool = True) -
     return out
 
 
-def export_eagle3(family: Eagle3Family, ctx: StageContext, drafter: Any, info: CheckpointInfo, hf: Any) -> dict:
+def export_eagle3(family: Eagle3Family, ctx: StageContext, load: LoadChecked) -> dict:
     """The plain form and, where the family has it, the speculators form; each checked key by key and logit by
     logit, with the serve commands and the model card."""
     cfg, xc = ctx.cfg, ctx.cfg.export
@@ -352,6 +352,7 @@ def export_eagle3(family: Eagle3Family, ctx: StageContext, drafter: Any, info: C
     sglang_aux = sglang_aux_problem(cfg, requested)
     if sglang_aux and "speculators" in family.forms:  # the speculators form serves it on vLLM instead
         raise EaglekitError(f"export: {sglang_aux}", SGLANG_AUX_REMEDY)
+    drafter, info, hf, _ = load(cfg)
     problems = serving_problems(drafter.config, hf)
     if problems:
         raise EaglekitError(

@@ -1,12 +1,12 @@
 """EAGLE-3 with a DeepSeek-V3/Kimi layer (multi-head latent attention): the drafter shape published for
-Kimi-K2.5/K2.6. It has the plain form only (no speculators form: ``model/checkpoints.NO_MLA_SPECULATORS``)."""
+Kimi-K2.5/K2.6. It has the plain form only (no speculators form: ``model/mla.NO_MLA_SPECULATORS``)."""
 
 from __future__ import annotations
 
 from eaglekit.config import DRAFT_KEYS
 from eaglekit.drafters.eagle3 import Eagle3Family
-from eaglekit.model.checkpoints import NO_MLA_SPECULATORS
 from eaglekit.model.drafter import DrafterConfig
+from eaglekit.model.mla import NO_MLA_SPECULATORS
 
 
 class Eagle3MlaFamily(Eagle3Family):

@@ -3,6 +3,7 @@ decoding; none of them tests which family it holds (``drafters/registry.py`` fin
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -14,6 +15,9 @@ from eaglekit.config import RunConfig, TrainConfig
 from eaglekit.contract import StageContext
 from eaglekit.model.checkpoints import CheckpointInfo
 from eaglekit.training.memory import StepMemory
+
+# the checked drafter of a run: (drafter, checkpoint info, the target's HF config, aux layer ids)
+LoadChecked = Callable[[RunConfig], tuple[Any, CheckpointInfo, Any, list[int]]]
 
 
 @dataclass(frozen=True)
@@ -143,9 +147,9 @@ class DrafterFamily(Protocol):
 
     def sglang_check(self, cfg: RunConfig, formats: list[str]) -> Verdict: ...
 
-    def export(self, ctx: StageContext, drafter: Any, info: CheckpointInfo, hf: Any) -> dict:
-        """Write the checked drafter (``speculative.inputs.load_checked_drafter``) in its forms under ``ctx.dir``;
-        the counts for the ledger."""
+    def export(self, ctx: StageContext, load: LoadChecked) -> dict:
+        """Write the checked drafter (``load``: ``speculative.inputs.load_checked_drafter``, called once the family
+        has refused what it refuses without it) in its forms under ``ctx.dir``; the counts for the ledger."""
         ...
 
 

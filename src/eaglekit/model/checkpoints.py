@@ -55,50 +55,17 @@ from eaglekit.errors import EaglekitError, UsageError
 from eaglekit.model.drafter import FLAGS, DrafterConfig, Eagle3Drafter, rope_from_config, text_config
 
 LEGACY, SPECULATORS = "legacy", "speculators"
-LEGACY_ARCHITECTURE = "LlamaForCausalLMEagle3"
-MLA_ARCHITECTURE = "Eagle3DeepseekV2ForCausalLM"
 SPECULATORS_ARCHITECTURE = "Eagle3Speculator"
 OPTIONAL_KEYS = ("embed_tokens.weight",)
-NO_MLA_SPECULATORS = (
-    "an MLA drafter has no speculators form: vLLM's speculators reader (vllm/transformers_utils/"
-    "configs/speculators/algos.py, update_eagle3) accepts transformer_layer_config.model_type "
-    "llama and qwen3 only and raises 'Unsupported model_type deepseek_v2 for Eagle3 speculator'"
-)
 
 
 # ------------------------------------------------------------------------------------------ the contract
 
 
 def layer_prefix(cfg: DrafterConfig, form: str) -> str:
-    """The decoder layer's key prefix on disk: ``midlayer.`` for the plain Llama form, else ``layers.0.``."""
-    return "midlayer." if form == LEGACY and cfg.architecture == "llama" else "layers.0."
-
-
-def _attention_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
-    h2, n = 2 * cfg.hidden_size, cfg.num_attention_heads
-    if cfg.architecture == "llama":
-        n_kv, head_dim = cfg.llama_heads
-        q_width, kv_width = n * head_dim, n_kv * head_dim
-        return {
-            "q_proj": (q_width, h2),
-            "k_proj": (kv_width, h2),
-            "v_proj": (kv_width, h2),
-            "o_proj": (cfg.hidden_size, q_width),
-        }
-    mla = cfg.mla_shape
-    qk, rope = mla.qk_nope_head_dim + mla.qk_rope_head_dim, mla.qk_rope_head_dim
-    q: dict[str, tuple[int, ...]] = (
-        {"q_a_proj": (mla.q_lora_rank, h2), "q_a_layernorm": (mla.q_lora_rank,), "q_b_proj": (n * qk, mla.q_lora_rank)}
-        if mla.q_lora_rank
-        else {"q_proj": (n * qk, h2)}
-    )
-    return {
-        **q,
-        "kv_a_proj_with_mqa": (mla.kv_lora_rank + rope, h2),
-        "kv_a_layernorm": (mla.kv_lora_rank,),
-        "kv_b_proj": (n * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank),
-        "o_proj": (cfg.hidden_size, n * mla.v_head_dim),
-    }
+    """The decoder layer's key prefix on disk: the layer kind's in the plain form (``midlayer.`` for Llama's),
+    else ``layers.0.``."""
+    return cfg.layer.legacy_prefix if form == LEGACY else "layers.0."
 
 
 def expected_state(cfg: DrafterConfig, form: str = LEGACY) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
@@ -108,7 +75,7 @@ def expected_state(cfg: DrafterConfig, form: str = LEGACY) -> dict[str, tuple[tu
         "hidden_norm.weight": (h,),
         "input_layernorm.weight": (h,),
         "post_attention_layernorm.weight": (h,),
-        **{f"self_attn.{name}.weight": shape for name, shape in _attention_shapes(cfg).items()},
+        **{f"self_attn.{name}.weight": shape for name, shape in cfg.layer.attention_shapes(cfg).items()},
         "mlp.gate_proj.weight": (i, h),
         "mlp.up_proj.weight": (i, h),
         "mlp.down_proj.weight": (h, i),
@@ -140,8 +107,8 @@ def validate_state_dict(
     """
     if form not in (LEGACY, SPECULATORS):
         raise ValueError(f"unknown checkpoint form {form!r}")
-    if form == SPECULATORS and cfg.architecture == "mla":
-        raise EaglekitError(f"{where}: {NO_MLA_SPECULATORS}", "use the plain form (export.formats: [eagle3])")
+    if form == SPECULATORS and cfg.layer.no_speculators:
+        raise EaglekitError(f"{where}: {cfg.layer.no_speculators}", "use the plain form (export.formats: [eagle3])")
     expected = expected_state(cfg, form)
     optional = set(OPTIONAL_KEYS) | ({"d2t", "t2d"} if cfg.draft_vocab_size == cfg.vocab_size else set())
     missing = sorted(set(expected) - set(state) - optional)
@@ -175,23 +142,7 @@ def validate_state_dict(
 
 def _layer_config(cfg: DrafterConfig) -> dict[str, Any]:
     """The config of the one decoder layer (Llama or DeepSeek-V3 shaped), shared by both forms."""
-    if cfg.architecture == "mla":
-        shape = {
-            "model_type": "deepseek_v2",
-            "num_key_value_heads": cfg.num_attention_heads,
-            **{
-                name: getattr(cfg, name)
-                for name in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
-            },
-            "rope_interleave": True,
-        }
-    else:
-        shape = {
-            "model_type": "llama",
-            "num_key_value_heads": cfg.num_key_value_heads,
-            "head_dim": cfg.head_dim,
-            "mlp_bias": False,
-        }
+    shape = cfg.layer.layer_config(cfg)
     # vLLM's llama.py gives draft layer i the window config.sliding_window when config.layer_types[i] (counted
     # from the drafter's first layer) is "sliding_attention"; without layer_types it serves full attention
     window = (
@@ -241,9 +192,8 @@ def sglang_aux_layer_ids(aux_layer_ids: list[int]) -> list[int] | None:
 
 
 def legacy_config(cfg: DrafterConfig) -> dict[str, Any]:
-    architecture = MLA_ARCHITECTURE if cfg.architecture == "mla" else LEGACY_ARCHITECTURE
     out = {
-        "architectures": [architecture],
+        "architectures": [cfg.layer.legacy_architecture],
         **_layer_config(cfg),
         "draft_vocab_size": cfg.draft_vocab_size,
         **_flags(cfg),
@@ -264,8 +214,8 @@ def speculators_config(
     verifier_architectures: list[str] | None,
     num_speculative_tokens: int,
 ) -> dict[str, Any]:
-    if cfg.architecture == "mla":
-        raise EaglekitError(NO_MLA_SPECULATORS, "write the plain form (export.formats: [eagle3])")
+    if cfg.layer.no_speculators:
+        raise EaglekitError(cfg.layer.no_speculators, "write the plain form (export.formats: [eagle3])")
     out: dict[str, Any] = {
         "architectures": [SPECULATORS_ARCHITECTURE],
         "speculators_model_type": "eagle3",
@@ -299,13 +249,7 @@ def sglang_ignores(cfg: DrafterConfig) -> list[str]:
 
 def serving_problems(cfg: DrafterConfig) -> list[str]:
     """What keeps both engines from loading this drafter at all."""
-    if cfg.architecture == "mla" and not cfg.q_lora_rank:
-        return [
-            "q_lora_rank is null (one q_proj): vLLM's deepseek_eagle3.py maps kv_a_proj_with_mqa onto "
-            "fused_qkv_a_proj, which exists only with q_lora_rank, and SGLang's kimi_k25_eagle3.py raises "
-            "'Eagle3 MLA layer requires q_lora_rank in the draft config'"
-        ]
-    return []
+    return cfg.layer.serving_problems(cfg)
 
 
 def _export_state(drafter: Eagle3Drafter, form: str, include_embeddings: bool) -> dict[str, torch.Tensor]:
@@ -545,16 +489,11 @@ def canonical_keys(state: dict[str, torch.Tensor], cfg: DrafterConfig, form: str
             if key.startswith(old):
                 key = new + key.removeprefix(old)
         fused = next((f for f in FUSED_A if key.endswith(f)), None)
-        mla = cfg.mla_shape if cfg.architecture == "mla" else None
-        if (
-            fused
-            and mla is not None
-            and mla.q_lora_rank
-            and value.shape[0] == (mla.q_lora_rank + mla.kv_lora_rank + mla.qk_rope_head_dim)
-        ):
+        split = cfg.layer.fused_a_split(cfg)
+        if fused and split is not None and value.shape[0] == sum(split):
             base = key.removesuffix(fused)
             out[base + "self_attn.q_a_proj.weight"], out[base + "self_attn.kv_a_proj_with_mqa.weight"] = value.split(
-                [mla.q_lora_rank, mla.kv_lora_rank + mla.qk_rope_head_dim]
+                list(split)
             )
             continue
         out[key] = value

@@ -29,17 +29,15 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import nn
 
 from eaglekit.errors import UsageError
 from eaglekit.model.layers import AttentionProjections, Eagle3Block, RMSNorm, Rotary, apply_rope, repeat_kv, sdpa
-from eaglekit.model.mla import MLALayer, check_rope, deepseek_rope
+from eaglekit.model.mla import MLA_FIELDS, MLA_LAYER, MLALayer
 
-ARCHITECTURES = ("llama", "mla")
-MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 FLAGS = ("fc_norm", "norm_before_fc", "norm_output", "norm_before_residual")
 __all__ = ["DrafterConfig", "Eagle3Drafter", "DraftKVCache", "build_d2t_t2d", "apply_rope", "repeat_kv"]
 
@@ -131,15 +129,12 @@ class DrafterConfig:
             "draft_vocab_size",
             "target_hidden_size",
         )
-        if self.architecture not in ARCHITECTURES:
+        if self.architecture not in LAYERS:
             raise UsageError(
-                f"drafter config: architecture '{self.architecture}' is not one of {list(ARCHITECTURES)}",
+                f"drafter config: architecture '{self.architecture}' is not one of {list(LAYERS)}",
                 "set train.draft.architecture to llama or mla",
             )
-        if self.architecture == "llama":
-            self._check_llama(positive)
-        else:
-            self._check_mla(positive)
+        self.layer.check(self, positive)
         for name in FLAGS:
             if not isinstance(getattr(self, name), bool):
                 raise UsageError(
@@ -175,13 +170,18 @@ class DrafterConfig:
                     f"drafter config: 'sliding_window' must be an integer of at least 2, got {self.sliding_window!r}",
                     "set train.draft.sliding_window to the number of positions the drafter attends (e.g. 2048)",
                 )
-            if self.architecture != "llama":
+            if not self.layer.windowed:
                 raise UsageError(
                     f"drafter config: a sliding window applies to architecture llama, not {self.architecture}",
                     "remove train.draft.sliding_window",
                 )
         if self.hidden_act != "silu":
             raise UsageError(f"drafter config: hidden_act '{self.hidden_act}' is not supported", "use 'silu'")
+
+    @property
+    def layer(self) -> Eagle3LayerKind:
+        """Its decoder layer's kind (``LAYERS``): what the model, the checks and the forms on disk take from it."""
+        return LAYERS[self.architecture]
 
     @property
     def llama_heads(self) -> tuple[int, int]:
@@ -197,49 +197,6 @@ class DrafterConfig:
         if kv is None or nope is None or rope is None or v is None:
             raise ValueError(f"a {self.architecture} drafter has no latent-attention widths")
         return MLAShape(self.q_lora_rank, kv, nope, rope, v)
-
-    def _check_llama(self, positive: Callable[..., None]) -> None:
-        positive("num_key_value_heads", "head_dim")
-        n_kv, head_dim = self.llama_heads
-        stray = [n for n in MLA_FIELDS if getattr(self, n) is not None]
-        if stray:
-            raise UsageError(
-                f"drafter config: {stray} apply to architecture mla, this drafter is llama",
-                "remove them, or set train.draft.architecture: mla",
-            )
-        if self.num_attention_heads % n_kv:
-            raise UsageError(
-                f"drafter config: num_attention_heads ({self.num_attention_heads}) is not a multiple of "
-                f"num_key_value_heads ({self.num_key_value_heads})",
-                "pick a divisor of num_attention_heads for num_key_value_heads",
-            )
-        if head_dim % 2:
-            raise UsageError(f"drafter config: head_dim must be even for RoPE, got {head_dim}", "use an even head_dim")
-
-    def _check_mla(self, positive: Callable[..., None]) -> None:
-        positive("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
-        rope_dim = self.mla_shape.qk_rope_head_dim
-        if self.q_lora_rank is not None:
-            positive("q_lora_rank")
-        stray = [n for n in ("num_key_value_heads", "head_dim") if getattr(self, n) is not None]
-        if stray:
-            raise UsageError(
-                f"drafter config: {stray} apply to architecture llama; an MLA drafter's heads are "
-                "shaped by qk_nope_head_dim, qk_rope_head_dim and v_head_dim",
-                "remove them, or set train.draft.architecture: llama",
-            )
-        if rope_dim % 2:
-            raise UsageError(
-                f"drafter config: qk_rope_head_dim must be even for RoPE, got {rope_dim}",
-                "use an even qk_rope_head_dim",
-            )
-        if self.norm_before_fc:
-            raise UsageError(
-                "drafter config: norm_before_fc (input_norm) does not exist in the MLA drafters of vLLM "
-                "(deepseek_eagle3.py) and SGLang (kimi_k25_eagle3.py)",
-                "use fc_norm (one norm per aux hidden state) instead",
-            )
-        check_rope(self.rope_scaling)
 
     @classmethod
     def from_target_config(
@@ -300,35 +257,7 @@ class DrafterConfig:
             aux_layer_ids=[int(i) for i in aux_layer_ids],
         )
         head_width = int(getattr(tc, "head_dim", None) or hidden // heads)
-        if overrides.get("architecture", "llama") == "mla":
-            stray = sorted({"num_key_value_heads", "head_dim"} & set(overrides))
-            if stray:
-                raise UsageError(
-                    f"train.draft: {stray} apply to architecture llama; an MLA drafter's heads are shaped "
-                    "by qk_nope_head_dim, qk_rope_head_dim and v_head_dim",
-                    f"remove {stray}",
-                )
-            if getattr(tc, "kv_lora_rank", None):
-                fields.update({name: getattr(tc, name, None) for name in MLA_FIELDS})
-                fields["q_lora_rank"] = fields["q_lora_rank"] or 12 * fields["qk_nope_head_dim"]
-            else:
-                d = int(getattr(tc, "v_head_dim", None) or head_width)
-                fields.update(
-                    q_lora_rank=12 * d,
-                    kv_lora_rank=4 * d,
-                    qk_nope_head_dim=d,
-                    qk_rope_head_dim=max(2, d // 4 * 2),
-                    v_head_dim=d,
-                )
-            fields.update(num_key_value_heads=None, head_dim=None)
-        else:
-            fields.update(
-                num_key_value_heads=int(getattr(tc, "num_key_value_heads", None) or heads), head_dim=head_width
-            )
-            if ("hidden_size" in overrides or "num_attention_heads" in overrides) and "head_dim" not in overrides:
-                overrides["head_dim"] = overrides.get("hidden_size", hidden) // overrides.get(
-                    "num_attention_heads", heads
-                )
+        LAYERS.get(overrides.get("architecture", "llama"), LLAMA_LAYER).target_shapes(fields, tc, overrides, head_width)
         fields.update(overrides)
         return cls(**fields)
 
@@ -470,6 +399,122 @@ class DraftKVCache:
             self.k, self.v = self.k[:, :, :n], self.v[:, :, :n]
 
 
+class Eagle3LayerKind(Protocol):
+    """What an EAGLE-3 drafter takes from the kind of its one decoder layer: Llama (``LLAMA_LAYER``, below) or
+    multi-head latent attention (``mla.MLA_LAYER``)."""
+
+    @property
+    def windowed(self) -> bool:
+        """Whether it attends a sliding window (train.draft.sliding_window)."""
+        ...
+
+    @property
+    def legacy_architecture(self) -> str:
+        """The plain form's config.json architectures[0]."""
+        ...
+
+    @property
+    def legacy_prefix(self) -> str:
+        """The plain form's decoder-layer key prefix."""
+        ...
+
+    @property
+    def no_speculators(self) -> str | None:
+        """Why it has no speculators form (None: it has one)."""
+        ...
+
+    def check(self, cfg: DrafterConfig, positive: Callable[..., None]) -> None:
+        """Refuse a config whose layer shape this kind cannot build."""
+        ...
+
+    def target_shapes(self, fields: dict[str, Any], tc: Any, overrides: dict[str, Any], head_width: int) -> None:
+        """Its layer's widths in ``fields``, from the target's text config ``tc`` (``overrides`` as given)."""
+        ...
+
+    def build(self, cfg: DrafterConfig) -> tuple[Eagle3Layer | MLALayer, Rotary]: ...
+
+    def attention_shapes(self, cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
+        """Projection name -> weight shape of its attention (``self_attn.NAME.weight``)."""
+        ...
+
+    def layer_config(self, cfg: DrafterConfig) -> dict[str, Any]:
+        """The config.json keys that shape its layer (both forms)."""
+        ...
+
+    def serving_problems(self, cfg: DrafterConfig) -> list[str]:
+        """What keeps both engines from loading it at all."""
+        ...
+
+    def fused_a_split(self, cfg: DrafterConfig) -> tuple[int, int] | None:
+        """The rows of a fused down-projection the engines may write, split as (q, kv); None: it has none."""
+        ...
+
+
+class LlamaLayerKind:
+    """A Llama decoder layer (MHA/GQA), served as vLLM's and SGLang's ``LlamaForCausalLMEagle3``."""
+
+    windowed = True
+    legacy_architecture = "LlamaForCausalLMEagle3"
+    legacy_prefix = "midlayer."
+    no_speculators: str | None = None
+
+    def check(self, cfg: DrafterConfig, positive: Callable[..., None]) -> None:
+        positive("num_key_value_heads", "head_dim")
+        n_kv, head_dim = cfg.llama_heads
+        stray = [n for n in MLA_FIELDS if getattr(cfg, n) is not None]
+        if stray:
+            raise UsageError(
+                f"drafter config: {stray} apply to architecture mla, this drafter is llama",
+                "remove them, or set train.draft.architecture: mla",
+            )
+        if cfg.num_attention_heads % n_kv:
+            raise UsageError(
+                f"drafter config: num_attention_heads ({cfg.num_attention_heads}) is not a multiple of "
+                f"num_key_value_heads ({cfg.num_key_value_heads})",
+                "pick a divisor of num_attention_heads for num_key_value_heads",
+            )
+        if head_dim % 2:
+            raise UsageError(f"drafter config: head_dim must be even for RoPE, got {head_dim}", "use an even head_dim")
+
+    def target_shapes(self, fields: dict[str, Any], tc: Any, overrides: dict[str, Any], head_width: int) -> None:
+        heads, hidden = fields["num_attention_heads"], fields["hidden_size"]
+        fields.update(num_key_value_heads=int(getattr(tc, "num_key_value_heads", None) or heads), head_dim=head_width)
+        if ("hidden_size" in overrides or "num_attention_heads" in overrides) and "head_dim" not in overrides:
+            overrides["head_dim"] = overrides.get("hidden_size", hidden) // overrides.get("num_attention_heads", heads)
+
+    def build(self, cfg: DrafterConfig) -> tuple[Eagle3Layer, Rotary]:
+        return Eagle3Layer(cfg), Rotary(*rope_inv_freq(cfg))
+
+    def attention_shapes(self, cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
+        h2, n = 2 * cfg.hidden_size, cfg.num_attention_heads
+        n_kv, head_dim = cfg.llama_heads
+        q_width, kv_width = n * head_dim, n_kv * head_dim
+        return {
+            "q_proj": (q_width, h2),
+            "k_proj": (kv_width, h2),
+            "v_proj": (kv_width, h2),
+            "o_proj": (cfg.hidden_size, q_width),
+        }
+
+    def layer_config(self, cfg: DrafterConfig) -> dict[str, Any]:
+        return {
+            "model_type": "llama",
+            "num_key_value_heads": cfg.num_key_value_heads,
+            "head_dim": cfg.head_dim,
+            "mlp_bias": False,
+        }
+
+    def serving_problems(self, cfg: DrafterConfig) -> list[str]:
+        return []
+
+    def fused_a_split(self, cfg: DrafterConfig) -> tuple[int, int] | None:
+        return None
+
+
+LLAMA_LAYER = LlamaLayerKind()
+LAYERS: dict[str, Eagle3LayerKind] = {"llama": LLAMA_LAYER, "mla": MLA_LAYER}  # train.draft.architecture
+
+
 class Eagle3Drafter(nn.Module):
     midlayer: Eagle3Layer | MLALayer
     d2t: torch.Tensor  # buffers (register_buffer), declared so that their type is known
@@ -484,12 +529,7 @@ class Eagle3Drafter(nn.Module):
         self.input_norm = RMSNorm(3 * ht, eps) if cfg.norm_before_fc else None
         self.fc_norm = nn.ModuleList([RMSNorm(ht, eps) for _ in range(3)]) if cfg.fc_norm else None
         self.fc = nn.Linear(3 * ht, cfg.hidden_size, bias=False)
-        if cfg.architecture == "mla":
-            self.midlayer = MLALayer(cfg)
-            self.rotary = Rotary(*deepseek_rope(cfg)[:2])
-        else:
-            self.midlayer = Eagle3Layer(cfg)
-            self.rotary = Rotary(*rope_inv_freq(cfg))
+        self.midlayer, self.rotary = cfg.layer.build(cfg)
         self.norm = RMSNorm(cfg.hidden_size, eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
         d2t, t2d = build_d2t_t2d(torch.arange(cfg.draft_vocab_size), cfg.vocab_size)

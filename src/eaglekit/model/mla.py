@@ -26,12 +26,14 @@ Other scalings (llama3, linear, ...) would be served as something else, so they 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 from eaglekit.errors import UsageError
-from eaglekit.model.layers import AttentionProjections, Eagle3Block, RMSNorm, apply_rope_interleaved
+from eaglekit.model.layers import AttentionProjections, Eagle3Block, RMSNorm, Rotary, apply_rope_interleaved
 
 
 def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -128,3 +130,119 @@ class MLALayer(Eagle3Block):
         q_rope = apply_rope_interleaved(q_rope, cos, sin)
         k_rope = apply_rope_interleaved(k_rope.unsqueeze(-2), cos, sin).expand_as(q_rope)
         return torch.cat([q_nope, q_rope], dim=-1), torch.cat([k_nope, k_rope], dim=-1), v
+
+
+MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+NO_MLA_SPECULATORS = (
+    "an MLA drafter has no speculators form: vLLM's speculators reader (vllm/transformers_utils/"
+    "configs/speculators/algos.py, update_eagle3) accepts transformer_layer_config.model_type "
+    "llama and qwen3 only and raises 'Unsupported model_type deepseek_v2 for Eagle3 speculator'"
+)
+
+
+class MlaLayerKind:
+    """The EAGLE-3 drafter's layer kind with latent attention (``model/drafter.Eagle3LayerKind``), served as
+    vLLM's and SGLang's ``Eagle3DeepseekV2ForCausalLM``."""
+
+    windowed = False
+    legacy_architecture = "Eagle3DeepseekV2ForCausalLM"
+    legacy_prefix = "layers.0."
+    no_speculators: str | None = NO_MLA_SPECULATORS
+
+    def check(self, cfg: Any, positive: Callable[..., None]) -> None:
+        positive("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        rope_dim = cfg.mla_shape.qk_rope_head_dim
+        if cfg.q_lora_rank is not None:
+            positive("q_lora_rank")
+        stray = [n for n in ("num_key_value_heads", "head_dim") if getattr(cfg, n) is not None]
+        if stray:
+            raise UsageError(
+                f"drafter config: {stray} apply to architecture llama; an MLA drafter's heads are "
+                "shaped by qk_nope_head_dim, qk_rope_head_dim and v_head_dim",
+                "remove them, or set train.draft.architecture: llama",
+            )
+        if rope_dim % 2:
+            raise UsageError(
+                f"drafter config: qk_rope_head_dim must be even for RoPE, got {rope_dim}",
+                "use an even qk_rope_head_dim",
+            )
+        if cfg.norm_before_fc:
+            raise UsageError(
+                "drafter config: norm_before_fc (input_norm) does not exist in the MLA drafters of vLLM "
+                "(deepseek_eagle3.py) and SGLang (kimi_k25_eagle3.py)",
+                "use fc_norm (one norm per aux hidden state) instead",
+            )
+        check_rope(cfg.rope_scaling)
+
+    def target_shapes(self, fields: dict[str, Any], tc: Any, overrides: dict[str, Any], head_width: int) -> None:
+        """The target's latent-attention shapes when it has them (DeepSeek-V3, Kimi-K2), else DeepSeek-V3's
+        proportions of the target's head width d; q_lora_rank always set (``DrafterConfig.from_target_config``)."""
+        stray = sorted({"num_key_value_heads", "head_dim"} & set(overrides))
+        if stray:
+            raise UsageError(
+                f"train.draft: {stray} apply to architecture llama; an MLA drafter's heads are shaped "
+                "by qk_nope_head_dim, qk_rope_head_dim and v_head_dim",
+                f"remove {stray}",
+            )
+        if getattr(tc, "kv_lora_rank", None):
+            fields.update({name: getattr(tc, name, None) for name in MLA_FIELDS})
+            fields["q_lora_rank"] = fields["q_lora_rank"] or 12 * fields["qk_nope_head_dim"]
+        else:
+            d = int(getattr(tc, "v_head_dim", None) or head_width)
+            fields.update(
+                q_lora_rank=12 * d,
+                kv_lora_rank=4 * d,
+                qk_nope_head_dim=d,
+                qk_rope_head_dim=max(2, d // 4 * 2),
+                v_head_dim=d,
+            )
+        fields.update(num_key_value_heads=None, head_dim=None)
+
+    def build(self, cfg: Any) -> tuple[MLALayer, Rotary]:
+        return MLALayer(cfg), Rotary(*deepseek_rope(cfg)[:2])
+
+    def attention_shapes(self, cfg: Any) -> dict[str, tuple[int, ...]]:
+        h2, n, mla = 2 * cfg.hidden_size, cfg.num_attention_heads, cfg.mla_shape
+        qk, rope = mla.qk_nope_head_dim + mla.qk_rope_head_dim, mla.qk_rope_head_dim
+        q: dict[str, tuple[int, ...]] = (
+            {
+                "q_a_proj": (mla.q_lora_rank, h2),
+                "q_a_layernorm": (mla.q_lora_rank,),
+                "q_b_proj": (n * qk, mla.q_lora_rank),
+            }
+            if mla.q_lora_rank
+            else {"q_proj": (n * qk, h2)}
+        )
+        return {
+            **q,
+            "kv_a_proj_with_mqa": (mla.kv_lora_rank + rope, h2),
+            "kv_a_layernorm": (mla.kv_lora_rank,),
+            "kv_b_proj": (n * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank),
+            "o_proj": (cfg.hidden_size, n * mla.v_head_dim),
+        }
+
+    def layer_config(self, cfg: Any) -> dict[str, Any]:
+        return {
+            "model_type": "deepseek_v2",
+            "num_key_value_heads": cfg.num_attention_heads,
+            **{name: getattr(cfg, name) for name in MLA_FIELDS},
+            "rope_interleave": True,
+        }
+
+    def serving_problems(self, cfg: Any) -> list[str]:
+        if cfg.q_lora_rank:
+            return []
+        return [
+            "q_lora_rank is null (one q_proj): vLLM's deepseek_eagle3.py maps kv_a_proj_with_mqa onto "
+            "fused_qkv_a_proj, which exists only with q_lora_rank, and SGLang's kimi_k25_eagle3.py raises "
+            "'Eagle3 MLA layer requires q_lora_rank in the draft config'"
+        ]
+
+    def fused_a_split(self, cfg: Any) -> tuple[int, int] | None:
+        """vLLM's fused_qkv_a_proj and SGLang's fused_qkv_a_proj_with_mqa: q_a_proj's rows, then
+        kv_a_proj_with_mqa's."""
+        mla = cfg.mla_shape
+        return (mla.q_lora_rank, mla.kv_lora_rank + mla.qk_rope_head_dim) if mla.q_lora_rank else None
+
+
+MLA_LAYER = MlaLayerKind()

@@ -81,8 +81,7 @@ def drafter_bytes(cfg: RunConfig) -> int | None:
 def run(ctx: StageContext) -> dict:
     """The drafter's family writes its forms (``drafters/``: EAGLE-3's plain and speculators forms, a block
     drafter's vLLM form), each checked against the drafter it came from."""
-    drafter, info, hf, _ = load_checked_drafter(ctx.cfg)
-    return drafter_family(ctx.cfg).export(ctx, drafter, info, hf)
+    return drafter_family(ctx.cfg).export(ctx, load_checked_drafter)
 
 
 STAGE = Stage(
