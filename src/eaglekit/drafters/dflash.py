@@ -36,6 +36,7 @@ class DFlashFamily:
     name = "dflash"
     title = "DFlash"
     forms: tuple[str, ...] = (dflash_checkpoint.FORM,)
+    windowed = False
     draft_keys = DRAFT_KEYS["dflash"]
     drafter_class: type[DFlashDrafter] = DFlashDrafter
 

@@ -15,6 +15,7 @@ class Eagle3LlamaFamily(Eagle3Family):
     name = "llama"
     title = "Llama"
     forms = ("eagle3", "speculators")
+    windowed = True
     draft_keys = DRAFT_KEYS["llama"]
     card_form = "legacy flat Llama config (`LlamaForCausalLMEagle3`), `midlayer.` keys"
 

@@ -68,6 +68,11 @@ class DrafterFamily(Protocol):
         ...
 
     @property
+    def windowed(self) -> bool:
+        """Whether train.draft.sliding_window gives it a sliding window (in training, decoding and its export)."""
+        ...
+
+    @property
     def drafter_class(self) -> type[nn.Module]:
         """The model it builds and loads."""
         ...

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from eaglekit.contract import StageContext
 from eaglekit.data.tokens import TokenStore
+from eaglekit.drafters.registry import family_named
 from eaglekit.model.checkpoints import layer_window
 from eaglekit.model.target import target_hf_config
 from eaglekit.preflight import CheckResult, ok, skip, warn, will_be_produced
@@ -88,4 +89,4 @@ def drafter_window(cfg) -> tuple[int | None, bool]:
             return None, False
         layer = raw.get("transformer_layer_config") if isinstance(raw.get("transformer_layer_config"), dict) else raw
         return layer_window(layer), False
-    return cfg.train.draft.sliding_window, (cfg.train.draft.architecture or "llama") == "llama"
+    return cfg.train.draft.sliding_window, family_named(cfg.train.draft.architecture).windowed
