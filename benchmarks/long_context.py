@@ -54,7 +54,11 @@ def config(target: Path, train_file: Path, eval_file: Path, run_dir: Path, windo
                   "save_every": steps, "ttt_steps": 4, "seed": seed, "draft": draft},
         "evaluate": {"prompts": str(eval_file), "num_samples": 10_000, "num_speculative_tokens": ks,
                      "temperatures": [0.0], "max_new_tokens": 96},
-        "export": {"verifier": None},
+        "export": {"verifier": None, "formats": ["eagle3"]},
+        # --served: vLLM's CPU build serves the exported drafter on the same prompts; verify places each served
+        # pass by the context it drafted from (vLLM's per-request counts), beside eaglekit's offline decoding
+        "verify": {"engine": "vllm", "formats": ["eagle3"], "num_speculative_tokens": ks, "tau_tolerance": 1.0,
+                   "position_tolerance": 1.0, "greedy_tolerance": 1.0},
     }  # fmt: skip
 
 
@@ -92,6 +96,21 @@ def print_tables(rows: list[tuple[str, int, dict]], ks: list[int]) -> None:
             print(f"| {window_text} | {len(runs)} | {tau} | " + " | ".join(cells) + f" | {ratio} |")
 
 
+def print_served(runs: list[tuple[str, int, dict]]) -> None:
+    """Served (vLLM) beside offline τ per context group, each run and K, from verify's reports."""
+    print("\n| window | seed | K | " + " | ".join(f"{g} served / offline" for g in GROUPS) + " |")
+    print("|" + "---|" * (3 + len(GROUPS)))
+    for window_text, seed, run in runs:
+        by = run.get("tau_by_context") or {}
+        cells = [
+            f"{by[g]['served']['tau']:.3f} / {by[g]['offline']['tau']:.3f}"
+            if g in by and by[g]["served"] and by[g]["offline"]
+            else "–"
+            for g in GROUPS
+        ]
+        print(f"| {window_text} | {seed} | {run['k']} | " + " | ".join(cells) + " |")
+
+
 def kept(by: dict) -> float:
     return by[">16k"]["tau"] / by["<1k"]["tau"] if ">16k" in by and "<1k" in by else float("nan")
 
@@ -105,13 +124,15 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--train-prompts", type=int, default=160)
     p.add_argument("--per-group", type=int, default=3)
+    p.add_argument("--served", action="store_true", help="also serve each drafter in vLLM (verify) per group")
     args = p.parse_args()
     ks = [int(k) for k in args.k.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
     target = ensure_long_target()
     train_file, eval_file = write_prompts(args.out, args.train_prompts, args.per_group)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    rows = []
+    cli = [sys.executable, "-c", "import sys; from eaglekit.cli import main; sys.argv[0] = 'eaglekit'; main()"]
+    rows, served = [], []
     for window_text in args.windows.split(","):
         window = None if window_text == "none" else int(window_text)
         for seed in (int(s) for s in args.seeds.split(",")):
@@ -121,18 +142,22 @@ def main() -> None:
             if not report_path.exists():  # a finished run is read again, so seeds run apart aggregate here
                 path.write_text(yaml.safe_dump(config(target, train_file, eval_file, args.out / name, window, seed,
                                                       ks, args.steps)))  # fmt: skip
-                cli = [
-                    sys.executable,
-                    "-c",
-                    "import sys; from eaglekit.cli import main; sys.argv[0] = 'eaglekit'; main()",
-                ]
                 subprocess.run([*cli, "run", str(path), "--until", "evaluate"], env=env, check=True)
             report = json.loads(report_path.read_text())
             for row in (r for r in report["results"] if r["method"] == "eagle" and r["k"] in ks):
                 rows.append((window_text, seed, row))
                 print(json.dumps({"window": window_text, "seed": seed, "k": row["k"], "tau": row["tau"],
                                   "tau_by_context": row["tau_by_context"]}), flush=True)  # fmt: skip
+            served_path = args.out / name / "verify" / "report.json"
+            if args.served and not served_path.exists():
+                subprocess.run([*cli, "run", str(path), "--until", "export"], env=env, check=True)
+                subprocess.run([*cli, "verify", str(path)], env=env, check=False)  # its figures, pass or fail
+            if args.served:
+                for run in json.loads(served_path.read_text())["runs"]:
+                    served.append((window_text, seed, run))
     print_tables(rows, ks)
+    if served:
+        print_served(served)
 
 
 if __name__ == "__main__":
