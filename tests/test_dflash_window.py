@@ -348,3 +348,16 @@ def test_vllm_serves_a_windowed_dflash_drafter_at_its_offline_acceptance(tmp_pat
     }
     print(rounds)
     assert rounds["windowed"] != rounds["full"], "the window changes what the drafter sees: it drafts otherwise"
+
+
+@pytest.mark.parametrize("architecture", ["dflash", "dspark"])
+def test_train_draft_sliding_window_builds_a_windowed_block_drafter(tiny_target, architecture):
+    """The run config's key reaches the drafter train builds (and plan and pre-flight size)."""
+    from eaglekit.config import parse_config
+    from eaglekit.demo import demo_config
+    from eaglekit.model.run_shapes import drafter_config
+
+    raw = demo_config(tiny_target)
+    raw["train"]["draft"] = {"architecture": architecture, "sliding_window": 64, "mask_token_id": 0}
+    cfg = drafter_config(parse_config(raw))
+    assert isinstance(cfg, DSparkConfig if architecture == "dspark" else DFlashConfig) and cfg.sliding_window == 64
