@@ -36,7 +36,7 @@ class DFlashFamily:
     name = "dflash"
     title = "DFlash"
     forms: tuple[str, ...] = (dflash_checkpoint.FORM,)
-    windowed = False
+    windowed = True  # a causal window over its context (model/dflash.py)
     draft_keys = DRAFT_KEYS["dflash"]
     drafter_class: type[DFlashDrafter] = DFlashDrafter
 

@@ -71,7 +71,7 @@ def serving_context(ctx: StageContext) -> CheckResult:
                 f"train.draft.sliding_window: {min(2048, max(p95, 2)):,} (a window the training documents fill; "
                 "README: Long context), or train on longer documents"
                 if windowable
-                else "train on longer documents (eaglekit trains windows for fresh llama EAGLE-3 drafters only)"
+                else "train on longer documents (eaglekit trains windows for fresh llama EAGLE-3 and block drafters only)"
             )
             + ", or set evaluate.context_lengths to the contexts you serve",
         )
