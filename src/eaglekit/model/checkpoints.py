@@ -52,7 +52,7 @@ from safetensors.torch import load_file, save_file
 
 from eaglekit.atomic import atomic_dir
 from eaglekit.errors import EaglekitError, UsageError
-from eaglekit.model.drafter import FLAGS, DrafterConfig, Eagle3Drafter, rope_from_config, text_config
+from eaglekit.model.drafter import FLAGS, LAYERS, DrafterConfig, Eagle3Drafter, rope_from_config, text_config
 
 LEGACY, SPECULATORS = "legacy", "speculators"
 SPECULATORS_ARCHITECTURE = "Eagle3Speculator"
@@ -343,12 +343,8 @@ def _config_from_layer(
     hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
     theta, scaling = rope_from_config(text_config(layer))
     vocab = int(need("vocab_size"))
-    mla = bool(layer.get("kv_lora_rank"))  # DeepSeek-V2/V3-shaped: multi-head latent attention
-
-    def mla_width(key: str) -> int | None:
-        return int(need(key)) if mla else None
-
-    q_lora = layer.get("q_lora_rank")
+    # the first layer kind that reads the config's layer shape (MLA's: a kv_lora_rank; Llama's: any other)
+    kind = next(kind for kind in reversed(LAYERS.values()) if kind.reads_layer(layer))
     try:
         return DrafterConfig(
             hidden_size=hidden,
@@ -363,14 +359,7 @@ def _config_from_layer(
             target_hidden_size=int(top.get("target_hidden_size") or hidden),
             aux_layer_ids=aux_layer_ids,
             hidden_act=layer.get("hidden_act", "silu"),
-            architecture="mla" if mla else "llama",
-            num_key_value_heads=None if mla else int(layer.get("num_key_value_heads") or heads),
-            head_dim=None if mla else int(layer.get("head_dim") or hidden // heads),
-            q_lora_rank=int(q_lora) if mla and q_lora else None,
-            kv_lora_rank=mla_width("kv_lora_rank"),
-            qk_nope_head_dim=mla_width("qk_nope_head_dim"),
-            qk_rope_head_dim=mla_width("qk_rope_head_dim"),
-            v_head_dim=mla_width("v_head_dim"),
+            **kind.fields_from_layer(layer, need),
             fc_norm=flags["fc_norm"],
             norm_before_fc=flags["norm_before_fc"],
             norm_output=flags["norm_output"],

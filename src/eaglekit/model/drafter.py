@@ -431,6 +431,15 @@ class Eagle3LayerKind(Protocol):
         """Its layer's widths in ``fields``, from the target's text config ``tc`` (``overrides`` as given)."""
         ...
 
+    def reads_layer(self, layer: dict) -> bool:
+        """Whether a checkpoint's layer config (config.json, or its transformer_layer_config) is of this kind."""
+        ...
+
+    def fields_from_layer(self, layer: dict, need: Callable[[str], Any]) -> dict[str, Any]:
+        """The DrafterConfig fields of its kind read from a checkpoint's layer config (``need``: a key that must
+        be there)."""
+        ...
+
     def build(self, cfg: DrafterConfig) -> tuple[Eagle3Layer | MLALayer, Rotary]: ...
 
     def attention_shapes(self, cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
@@ -481,6 +490,17 @@ class LlamaLayerKind:
         fields.update(num_key_value_heads=int(getattr(tc, "num_key_value_heads", None) or heads), head_dim=head_width)
         if ("hidden_size" in overrides or "num_attention_heads" in overrides) and "head_dim" not in overrides:
             overrides["head_dim"] = overrides.get("hidden_size", hidden) // overrides.get("num_attention_heads", heads)
+
+    def reads_layer(self, layer: dict) -> bool:
+        return True  # the plain layer: any config no other kind claims
+
+    def fields_from_layer(self, layer: dict, need: Callable[[str], Any]) -> dict[str, Any]:
+        hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
+        return {
+            "architecture": "llama",
+            "num_key_value_heads": int(layer.get("num_key_value_heads") or heads),
+            "head_dim": int(layer.get("head_dim") or hidden // heads),
+        }
 
     def build(self, cfg: DrafterConfig) -> tuple[Eagle3Layer, Rotary]:
         return Eagle3Layer(cfg), Rotary(*rope_inv_freq(cfg))

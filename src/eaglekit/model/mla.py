@@ -198,6 +198,19 @@ class MlaLayerKind:
             )
         fields.update(num_key_value_heads=None, head_dim=None)
 
+    def reads_layer(self, layer: dict) -> bool:
+        return bool(layer.get("kv_lora_rank"))  # DeepSeek-V2/V3-shaped
+
+    def fields_from_layer(self, layer: dict, need: Callable[[str], Any]) -> dict[str, Any]:
+        q_lora = layer.get("q_lora_rank")
+        return {
+            "architecture": "mla",
+            "num_key_value_heads": None,
+            "head_dim": None,
+            "q_lora_rank": int(q_lora) if q_lora else None,
+            **{name: int(need(name)) for name in MLA_FIELDS[1:]},
+        }
+
     def build(self, cfg: Any) -> tuple[MLALayer, Rotary]:
         return MLALayer(cfg), Rotary(*deepseek_rope(cfg)[:2])
 
