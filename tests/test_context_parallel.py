@@ -6,6 +6,8 @@ packed documents, a sliding window, sequence normalisation, checkpointed steps, 
 from __future__ import annotations
 
 import dataclasses
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -168,3 +170,41 @@ def test_data_parallel_times_context_parallel_equals_one_process(tmp_path, mode)
     for name, grad in expected.items():
         for r in ranks:  # averaged over the 4 ranks: every rank holds the whole batch's gradient
             torch.testing.assert_close(r["grads"][name], grad, rtol=1e-10, atol=1e-12, msg=f"{mode} {name}")
+
+
+def test_train_stage_splits_rows_across_two_ranks(tmp_path, tiny_target):
+    """`eaglekit train` under torchrun with train.context_parallel 2 on offline features: the two ranks train one
+    run on the rows a single process would see, to its loss (the first step's exactly; the second's after one AdamW
+    update in fp32) and its token count."""
+    from test_extract import prepared_run
+    from test_train_ddp import stage_worker
+
+    from eaglekit.config import parse_config
+    from eaglekit.pipeline import run_stage
+    from eaglekit.rundir import RunDir
+
+    train = {"ttt_steps": 2, "batch_size": 1, "packing": True, "pack_length": 320, "max_steps": 2, "eval_every": 2,
+             "save_every": 2, "log_every": 1, "eval_samples": 4, "warmup_steps": 1,
+             "draft": {"sliding_window": 48}}  # fmt: skip
+    cfg = prepared_run(tmp_path, tiny_target, n=32, extract={"mode": "offline"}, train=train)
+    with RunDir(cfg.run_dir).lock:
+        run_stage(cfg, "extract", skip_preflight=True)
+        run_stage(cfg, "train", skip_preflight=True)
+    out = Path(cfg.run_dir) / "train"
+    single = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    shutil.rmtree(out)  # context_parallel leaves the train fingerprint as it is: the finished run would be kept
+
+    split = parse_config({**cfg.model_dump(mode="json", exclude={"source"}),
+                          "train": {**train, "context_parallel": 2}})  # fmt: skip
+    config = Path(cfg.run_dir) / "config.yaml"
+    config.write_text(split.to_yaml())
+    mp.spawn(stage_worker, args=(2, free_port(), str(config)), nprocs=2, join=True)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["kind"] == "train"] == [1, 2]  # one writer
+    assert [r["kind"] for r in rows] == [r["kind"] for r in single]
+    for r, s in zip(rows, single, strict=True):
+        assert r.get("tokens") == s.get("tokens")  # each row's tokens counted once, not once per rank
+        tight = r["kind"] == "eval" and r["step"] == 0 or r["step"] == 1
+        torch.testing.assert_close(r["loss"], s["loss"], rtol=1e-5 if tight else 1e-3, atol=0)
+    ledger = [json.loads(line) for line in (Path(cfg.run_dir) / "ledger.jsonl").read_text().splitlines()]
+    assert [e["state"] for e in ledger if e["stage"] == "train" and e["event"] == "end"] == ["done", "done"]

@@ -39,8 +39,9 @@ MIN_SAMPLES = 100  # fewer training samples than this make a drafter that cannot
 
 
 def params(cfg: RunConfig) -> dict:
-    # when checkpoints are written does not change the drafter: editing it must not make a run stale
-    p = cfg.train.model_dump(exclude={"save_every_minutes"})
+    # when checkpoints are written does not change the drafter, nor how many ranks split each row (the step is the
+    # same computed either way, tests/test_context_parallel.py): editing them must not make a run stale
+    p = cfg.train.model_dump(exclude={"save_every_minutes", "context_parallel"})
     p["target"] = target_identity(cfg.target)
     p["eval_fraction"] = cfg.data.eval_fraction
     p["features"] = cfg.extract.mode
