@@ -208,3 +208,36 @@ def test_train_stage_splits_rows_across_two_ranks(tmp_path, tiny_target):
         torch.testing.assert_close(r["loss"], s["loss"], rtol=1e-5 if tight else 1e-3, atol=0)
     ledger = [json.loads(line) for line in (Path(cfg.run_dir) / "ledger.jsonl").read_text().splitlines()]
     assert [e["state"] for e in ledger if e["stage"] == "train" and e["event"] == "end"] == ["done", "done"]
+
+
+def test_preflight_names_ranks_for_a_row_too_long_for_one_gpu(tmp_path, tiny_target, monkeypatch):
+    """A 128K-token row that fits no GPU even checkpointed: the step-memory check refuses it and names the ranks
+    per row that fit (the per-rank memory of the model); configured with them, it passes, per rank."""
+    import sys
+
+    from fake_nvml import GB, fake_pynvml, gpu
+    from test_preflight_gpus import make_ctx
+
+    from eaglekit.stages.train import step_memory_both, step_memory_check
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    train = {"packing": True, "pack_length": 131072, "batch_size": 1, "activation_checkpointing": True}
+    vocab = {"draft_vocab_size": 200}
+    ctx = make_ctx(tmp_path, tiny_target, stage="train", train=train, vocab=vocab)
+    one = step_memory_both(ctx.cfg)
+    four = step_memory_both(ctx.cfg, 4)
+    two = step_memory_both(ctx.cfg, 2)
+    assert one and two and four
+    assert four[1].total < two[1].total < one[1].total
+    # a rank of 4 keeps a quarter of the activations, and the whole row's step-0 keys and values
+    assert four[1].activations == pytest.approx(one[1].activations / 4, rel=1e-3) and four[1].gathered > 0
+    monkeypatch.setitem(
+        sys.modules, "pynvml", fake_pynvml([gpu(0, used=0, total=(four[1].total + two[1].total) / 2 / GB)])
+    )
+    refused = step_memory_check(ctx)
+    assert refused.status == "fail" and "does not fit" in refused.detail
+    assert "train.context_parallel: 4" in refused.remedy and "sliding_window" in refused.remedy
+
+    split = make_ctx(tmp_path, tiny_target, stage="train", train={**train, "context_parallel": 4}, vocab=vocab)
+    fits = step_memory_check(split)
+    assert fits.status == "ok" and "a rank of 4 splitting each row" in fits.detail
