@@ -51,7 +51,9 @@ class StepMemory:
     activations: int  # what the TTT steps keep for backward
     transient: int  # the largest temporary: a recomputed step, a head-loss chunk, an attention block
     per_token: float  # kept activation bytes per token of the row (all TTT steps)
-    gathered: int = 0  # context parallel: the other ranks' step-0 keys and values, kept for the draft steps
+    gathered: int = (
+        0  # context parallel: the other ranks' step-0 keys and values, kept (and copied) for the draft steps
+    )
     context_parallel: int = 1  # ranks splitting each row: the figures above are one rank's
 
     @property
@@ -153,23 +155,27 @@ def step_memory(
     # checkpointing, their gradients in flight without
     chunk = CHUNK_ELEMENTS.get(device_type, CHUNK_ELEMENTS_DEFAULT)
     block = min(BLOCK_ELEMENTS, BLOCK_ROWS * row_tokens * cfg.num_attention_heads)
-    one_step = kept_bytes_per_token(cfg, 1, False, bf16) * own
+    others = row_tokens - own  # positions of the other ranks, whose step-0 keys and values this rank holds
+    kv = key_value_elements(cfg)
+    # every TTT step's span attention keeps a float32 copy of the keys and values it reads (the whole row's): on one
+    # GPU that is in per_token; under context parallelism the other ranks' part comes on top. Checkpointed, only
+    # the gathered keys stay (the copies are made again in backward, one step at a time: transient)
+    copies = 0 if checkpoint else steps
+    one_step = kept_bytes_per_token(cfg, 1, False, bf16) * own + (others * kv * 4 if checkpoint else 0)
     transient = int(3 * 4 * max(chunk, block) + one_step)
-    gathered = (row_tokens - own) * key_value_bytes(cfg, bf16)
+    gathered = others * kv * (act + 4 * copies)
     return StepMemory(
         weights, batch, int(per_token * own), transient, per_token, gathered, context_parallel=context_parallel
     )
 
 
-def key_value_bytes(cfg: DrafterConfig, bf16: bool) -> int:
-    """Bytes of one position's step-0 key and value, as the layer makes them (MLA: per head, decompressed)."""
+def key_value_elements(cfg: DrafterConfig) -> int:
+    """Elements of one position's step-0 key and value, as the layer makes them (MLA: per head, decompressed)."""
     if cfg.architecture == "mla":
         mla = cfg.mla_shape
-        width = cfg.num_attention_heads * (mla.qk_nope_head_dim + mla.qk_rope_head_dim + mla.v_head_dim)
-    else:
-        n_kv, head_dim = cfg.llama_heads
-        width = 2 * n_kv * head_dim
-    return width * (2 if bf16 else 4)
+        return cfg.num_attention_heads * (mla.qk_nope_head_dim + mla.qk_rope_head_dim + mla.v_head_dim)
+    n_kv, head_dim = cfg.llama_heads
+    return 2 * n_kv * head_dim
 
 
 def ranks_to_fit(fits: Callable[[StepMemory], bool], memory: Callable[[int], StepMemory], most: int = 64) -> int | None:

@@ -24,6 +24,11 @@ counts only targets inside its own document.
 The draft head and its soft cross-entropy run once, over the rows of every step, through
 ``training/loss.py`` (no [N, Vd] tensor kept for backward).
 
+Context parallelism (``kernels.context``, training/context_parallel.py) splits every row's positions over ranks:
+each runs step 0 on its own positions, all-gathers the step-0 keys and values (the only keys another rank's chains
+read: a chain's draft keys stay where it lives), and computes the chains that start in its positions. Flat indices
+stay global (b*L + t), so document starts, the window and causality are the same spans as in one process.
+
 This file is the reference (and the CPU path); ``kernels`` (training/fused.py) swaps in the fused GPU
 attention of training/attention.py and a compiled head loss, tested equal to it.
 """
@@ -552,6 +557,10 @@ def ttt_loss(
     (``normalizer`` then counts documents with a counted position, not positions), so long sequences do not
     dominate. The reported loss_k / acc_k stay per-position means either way.
     ``kernels`` picks the fused GPU kernels (training/fused.py); the default is this file's reference.
+    With ``kernels.context`` (context parallelism) ``aux_hidden``, ``target_logits`` and ``target_in_draft`` hold this
+    rank's rows [start, stop) of each row (``ContextShard``: its positions and a halo of ``steps`` targets), the rest
+    stays whole; the loss and figures are this rank's chains' (their losses over every rank's count), so the ranks'
+    losses and gradients add up to the single process's.
     """
     shard = None if kernels.context is None else kernels.context.shard(input_ids.shape[1], steps)
     _check_inputs(
