@@ -241,3 +241,20 @@ def test_preflight_names_ranks_for_a_row_too_long_for_one_gpu(tmp_path, tiny_tar
     split = make_ctx(tmp_path, tiny_target, stage="train", train={**train, "context_parallel": 4}, vocab=vocab)
     fits = step_memory_check(split)
     assert fits.status == "ok" and "a rank of 4 splitting each row" in fits.detail
+
+
+def test_what_cannot_split_a_row_is_refused_with_its_reason():
+    from eaglekit.config import parse_config
+    from eaglekit.errors import UsageError
+    from eaglekit.training import distributed as dist
+
+    base = {"run_dir": "run", "target": {"model": "t"}, "data": {"prompts": "p.jsonl"}, "extract": {"mode": "offline"}}
+    parse_config({**base, "train": {"context_parallel": 2}})  # EAGLE-3 on offline features: accepted
+    for family in ("dflash", "dspark"):
+        with pytest.raises(UsageError, match=f"context_parallel 2: .*architecture {family}'s block objective"):
+            parse_config({**base, "train": {"context_parallel": 2, "draft": {"architecture": family}}})
+    with pytest.raises(UsageError, match="context_parallel is 2 with online features.*extract.mode: offline"):
+        parse_config({**base, "extract": {"mode": "online"}, "train": {"context_parallel": 2}})
+    assert dist.context_group(1) is None
+    with pytest.raises(UsageError, match="context_parallel is 2 but training runs on 1 process .not under torchrun"):
+        dist.context_group(2)

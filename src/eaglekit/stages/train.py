@@ -283,7 +283,8 @@ def row_tokens(cfg: RunConfig) -> int:
 
     from eaglekit.training.data import pack_length
 
-    extra = 1 if int(os.environ.get("WORLD_SIZE", "1")) > 1 else 0
+    groups = int(os.environ.get("WORLD_SIZE", "1")) // cfg.train.context_parallel  # ranks reading different rows
+    extra = 1 if groups > 1 else 0
     return (cfg.train.batch_size + extra) * pack_length(cfg)
 
 
