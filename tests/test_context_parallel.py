@@ -115,7 +115,7 @@ def test_two_ranks_splitting_each_row_equal_one_process(tmp_path):
             )
 
 
-def ddp_worker(rank: int, world: int, port: int, out: str, mode: str) -> None:
+def ddp_worker(rank: int, world: int, port: int, out: str, mode: str, normalization: str) -> None:
     from eaglekit.training import distributed as dist
     from eaglekit.training.data import rank_share
     from eaglekit.training.objective import TTT, wrap
@@ -132,8 +132,9 @@ def ddp_worker(rank: int, world: int, port: int, out: str, mode: str) -> None:
     mine = [t[rows] if t is not None else None for t in whole]
     heavy = (0, 2, 5)  # aux, target logits, in-draft: this rank's positions only
     inputs = [shard.inputs(t) if i in heavy else t for i, t in enumerate(mine)]
-    model = wrap(TTT(drafter({"sliding_window": 5}), STEPS, 0.8, kernels=StepKernels(context=context)), mode,
-                 torch.device("cpu"))  # fmt: skip
+    objective = TTT(drafter({"sliding_window": 5}), STEPS, 0.8, normalization=normalization,
+                    kernels=StepKernels(context=context))  # fmt: skip
+    model = wrap(objective, mode, torch.device("cpu"))
     loss, _ = model(*inputs)
     loss.backward()
     grads = {}
@@ -154,12 +155,14 @@ def four_rows():
     return tuple(torch.cat([x, y]) for x, y in zip(a, b, strict=True))
 
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
-def test_data_parallel_times_context_parallel_equals_one_process(tmp_path, mode):
+@pytest.mark.parametrize("mode, normalization", [("ddp", "sequence"), ("fsdp", "token")])
+def test_data_parallel_times_context_parallel_equals_one_process(tmp_path, mode, normalization):
+    """4 ranks: 2 data-parallel groups of 2 splitting each row; sequence normalisation counts each document once
+    over all of them."""
     from eaglekit.training.objective import TTT
 
-    mp.spawn(ddp_worker, args=(4, free_port(), str(tmp_path), mode), nprocs=4, join=True)
-    single = TTT(drafter({"sliding_window": 5}), STEPS, 0.8)
+    mp.spawn(ddp_worker, args=(4, free_port(), str(tmp_path), mode, normalization), nprocs=4, join=True)
+    single = TTT(drafter({"sliding_window": 5}), STEPS, 0.8, normalization=normalization)
     loss, _ = single(*four_rows())
     loss.backward()
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(4)]
