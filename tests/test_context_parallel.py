@@ -221,7 +221,9 @@ def test_preflight_names_ranks_for_a_row_too_long_for_one_gpu(tmp_path, tiny_tar
     from fake_nvml import GB, fake_pynvml, gpu
     from test_preflight_gpus import make_ctx
 
-    from eaglekit.stages.train import step_memory_both, step_memory_check
+    from eaglekit.contract import Sizes
+    from eaglekit.preflight.checks import human_bytes
+    from eaglekit.stages.train import estimate, step_memory_both, step_memory_check
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     train = {"packing": True, "pack_length": 131072, "batch_size": 1, "activation_checkpointing": True}
@@ -244,6 +246,11 @@ def test_preflight_names_ranks_for_a_row_too_long_for_one_gpu(tmp_path, tiny_tar
     split = make_ctx(tmp_path, tiny_target, stage="train", train={**train, "context_parallel": 4}, vocab=vocab)
     fits = step_memory_check(split)
     assert fits.status == "ok" and "a rank of 4 splitting each row" in fits.detail
+
+    # `plan` gives one rank's memory for a few splits of such a row
+    sizes = Sizes(None, None, None, None, None, None, None, None, "bfloat16")
+    [line] = [h for h in estimate(ctx, sizes).how if "train.context_parallel" in h]
+    assert f"N=4 {human_bytes(four[1].total)}" in line
 
 
 def test_what_cannot_split_a_row_is_refused_with_its_reason():
