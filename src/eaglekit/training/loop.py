@@ -288,7 +288,7 @@ class StepInputs:
 def run_line(cfg: RunConfig, batches: RunBatches, n_trainable: int, total_steps: int, online: bool, world: int) -> str:
     tc = cfg.train
     cp = tc.context_parallel
-    ranks = f" on {world} processes" + (f" ({world // cp} groups of {cp} splitting each row)" if cp > 1 else "")
+    ranks = f" on {world} processes" + (f" (each row split over {cp} of them)" if cp > 1 else "")
     shape = (
         f"{batches.global_batch} rows of up to {batches.row_tokens} packed tokens"
         if tc.packing
