@@ -268,3 +268,44 @@ def test_what_cannot_split_a_row_is_refused_with_its_reason():
     assert dist.context_group(1) is None
     with pytest.raises(UsageError, match="context_parallel is 2 but training runs on 1 process .not under torchrun"):
         dist.context_group(2)
+
+
+def short_rows_worker(rank: int, world: int, port: int, out: str) -> None:
+    from eaglekit.training import distributed as dist
+
+    torch.set_num_threads(1)
+    torchrun_env(rank, world, port)
+    dist.init()
+    context = dist.context_group(world)
+    assert context is not None
+    results = {}
+    for length in SHORT:
+        aux, ids, logits, loss_mask, attention, in_draft, _ = short_row(length)
+        shard = context.shard(length, STEPS)
+        inputs = (shard.inputs(aux), ids, shard.inputs(logits), loss_mask, attention, shard.inputs(in_draft), None)
+        result, grads = step(drafter({}), inputs, "token", StepKernels(context=context))
+        results[length] = {"loss": result.loss.detach(), "grads": grads, "piece": (shard.start, shard.end)}
+    torch.save(results, Path(out) / f"rank{rank}.pt")
+    dist.barrier()
+    torch.distributed.destroy_process_group()
+
+
+SHORT = (1, 2, 4, 5)
+
+
+def short_row(length: int):
+    return tuple(t[:, :length] if t is not None else None for t in batch(False))
+
+
+def test_rows_shorter_than_the_ranks_leave_some_ranks_nothing(tmp_path):
+    """3 ranks on rows of 1-5 positions: pieces of 1 or 2, the last ranks' empty; the sum is still the whole."""
+    mp.spawn(short_rows_worker, args=(3, free_port(), str(tmp_path)), nprocs=3, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(3)]
+    assert [r[1]["piece"] for r in ranks] == [(0, 1), (1, 1), (1, 1)]
+    for length in SHORT:
+        single, grads = step(drafter({}), short_row(length), "token", StepKernels())
+        parts = [r[length] for r in ranks]
+        torch.testing.assert_close(sum(p["loss"] for p in parts), single.loss.detach(), rtol=1e-12, atol=1e-13)
+        for param, grad in grads.items():
+            got = sum(p["grads"][param] for p in parts if param in p["grads"])
+            torch.testing.assert_close(got, grad, rtol=1e-10, atol=1e-12, msg=f"{length} {param}")

@@ -330,7 +330,7 @@ def _targets(
     slot[target_pos] = torch.arange(target_pos.numel(), device=device)
     local = target_pos // length * (stop - start) + target_pos % length - start  # the row in target_logits
     with torch.no_grad():
-        target_rows = target_logits.reshape(b * (stop - start), -1)[local]
+        target_rows = target_logits.reshape(b * (stop - start), target_logits.shape[-1])[local]  # may be empty
         target_p, target_argmax = torch.softmax(target_rows.to(compute), dim=-1), target_rows.argmax(-1)
     return target_p, target_argmax, slot
 
@@ -395,7 +395,7 @@ def _step0(
                 scale,
                 is_causal=True,
             ).transpose(1, 2)
-        return layer.finish(attn, feature).reshape(b * n, -1), k0, v0
+        return layer.finish(attn, feature).flatten(0, 1), k0, v0  # [B*n, H]; n may be 0
 
     h, k0, v0 = _layer_pass(kernels, body, own, embeds)
     return h, k0, v0
