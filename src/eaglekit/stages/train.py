@@ -24,7 +24,7 @@ from eaglekit.model.dspark_checkpoint import block_form, load_block_for_target
 from eaglekit.model.hub import cached_drafter, download_drafter, is_hub_id, local_folder
 from eaglekit.model.run_shapes import draft_settings, drafter_config, parameter_counts, target_and_aux
 from eaglekit.model.target import target_identity
-from eaglekit.preflight import CheckResult, disk, environment, fail, files, gpus, ok, skip, warn
+from eaglekit.preflight import CheckResult, disk, environment, fail, feature_servers, files, gpus, ok, skip, warn
 from eaglekit.preflight import checks as common
 from eaglekit.preflight.checks import human_bytes
 from eaglekit.preflight.context import serving_context
@@ -44,6 +44,8 @@ def params(cfg: RunConfig) -> dict:
     p["target"] = target_identity(cfg.target)
     p["eval_fraction"] = cfg.data.eval_fraction
     p["features"] = cfg.extract.mode
+    if cfg.extract.streamed:  # the rows are encoded as extract would store them (fp8 rounds them)
+        p["feature_dtype"] = cfg.extract.dtype
     if not cfg.extract.offline:  # the data order's blocks (offline: the shards, in extract's fingerprint)
         p["data_blocks"] = cfg.extract.shard_tokens
     if cfg.train.init_from:
@@ -59,8 +61,8 @@ def packing(ctx: StageContext):
     if not tc.packing:
         return ok("packing", "off: length-bucketed, right-padded batches (train.packing: true packs samples into rows)")
     features = (
-        "offline features: each document extracted alone"
-        if ctx.cfg.extract.offline
+        f"{ctx.cfg.extract.mode} features: each document extracted alone"
+        if not ctx.cfg.extract.online
         else "online features: the target keeps documents apart by position_ids (checked on the first packed batch)"
     )
     return ok(
@@ -225,14 +227,20 @@ def drafter_shape(ctx: StageContext):
 def checks(cfg: RunConfig) -> list:
     from eaglekit.preflight.gpus import target_placement
 
-    online = [target_placement] if not cfg.extract.offline else [files.feature_shards, files.feature_shard_contents]
+    if cfg.extract.streamed:  # the servers compute the features: check them, and the spool's room
+        source = [feature_servers.feature_servers, feature_servers.feature_storage, feature_servers.spool_room,
+                  feature_servers.feature_smoke]  # fmt: skip
+    elif cfg.extract.offline:
+        source = [files.feature_shards, files.feature_shard_contents]
+    else:
+        source = [target_placement]
     return [
         common.target_folder,
         files.target_weights,
         environment.software,
         environment.devices,
         gpus.gpus,
-        *online,
+        *source,
         packing,
         drafter_shape,
         draft_vocab_origin,
@@ -324,7 +332,7 @@ def step_memory_check(ctx: StageContext):
     plain, recomputed = both
     chosen = recomputed if cfg.train.activation_checkpointing else plain
     smallest = min(gpus.visible(found) or found, key=lambda g: g.total)
-    on_gpu = gpus.need_per_gpu(ctx, [smallest]) if not cfg.extract.offline and not cfg.target.device_map else None
+    on_gpu = gpus.need_per_gpu(ctx, [smallest]) if cfg.extract.online and not cfg.target.device_map else None
     target = on_gpu[0] if on_gpu else 0  # online: the target shares the GPU
     tokens = row_tokens(cfg)
     detail = f"{tokens:,} tokens a micro-batch: {memory_line(chosen, tokens)}" + (
@@ -422,7 +430,8 @@ def live_counts(stage_dir: Path) -> dict:
 def run(ctx: StageContext) -> dict:
     from eaglekit.training.loop import train
 
-    counts = train(ctx.cfg, ctx.run, ctx.dir, ctx.resuming)
+    check = feature_servers.stream_capture_check(ctx.cfg) if ctx.cfg.extract.streamed else None
+    counts = train(ctx.cfg, ctx.run, ctx.dir, ctx.resuming, capture_check=check)
     tc = ctx.cfg.train
     if counts["steps"] < tc.warmup_steps:
         ctx.warn(
@@ -440,7 +449,7 @@ def run(ctx: StageContext) -> dict:
 STAGE = Stage(
     name=NAME,
     upstream=UPSTREAM,
-    reads="prepare/, vocab/, and extract/ (offline) or the live target (online)",
+    reads="prepare/, vocab/, and extract/ (offline), the live target (online) or the vLLM feature servers (stream)",
     writes="train/checkpoints/, train/metrics.jsonl, train/summary.json, train/curves.png",
     params=params,
     checks=checks,
