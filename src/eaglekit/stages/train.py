@@ -392,7 +392,48 @@ def estimate(ctx: StageContext, sizes: Sizes | None) -> Estimate:
             f"time: {tokens:,.0f} tok × {1 - cfg.data.eval_fraction:g} (train split) × {cfg.train.epochs:g} "
             f"epochs ÷ {rate:,.0f} tok/s" + (" (max_steps may stop it earlier)" if cfg.train.max_steps else "")
         )
+    if cfg.extract.streamed:
+        stream_estimate(cfg, sizes, est)
     return est
+
+
+def stream_estimate(cfg: RunConfig, sizes: Sizes, est: Estimate) -> None:
+    """extract.mode stream: the disk is the spool (not the dataset), the time the slower of the trainer and the
+    servers' feature rate (every epoch asks again unless extract.stream.cache_gb holds the whole train split)."""
+    from eaglekit.data.shards import bytes_per_token
+
+    s = cfg.extract.stream
+    spool = s.spool_gb * 1e9
+    if est.bytes is not None:
+        est.bytes += spool
+    est.how.append(
+        f"spool: {human_bytes(spool)} (extract.stream.spool_gb: the servers' request files in extract.vllm.storage_path"
+        ", counted as if on this volume); no feature shards"
+    )
+    tokens, served = sizes.tokens, sizes.extract_tok_per_s
+    if tokens is None or not served:
+        est.how.append("servers' feature rate: unknown (a pilot extract or stream measures it; --extract-tok-per-s)")
+        return
+    trained = tokens * (1 - cfg.data.eval_fraction)
+    cached = bool(sizes.hidden_size) and s.cache_gb * 1e9 >= trained * bytes_per_token(int(sizes.hidden_size or 0),
+                                                                                         sizes.dtype)  # fmt: skip
+    asked = trained * (1 if cached else cfg.train.epochs) + tokens * cfg.data.eval_fraction
+    server_seconds = asked / served
+    trainer_seconds = est.seconds
+    est.how.append(
+        f"servers: {asked:,.0f} tok asked ({'once, then from the cache' if cached else 'again every epoch'}) ÷ "
+        f"{served:,.0f} tok/s = {server_seconds / 3600:,.1f} h"
+    )
+    if trainer_seconds is None:
+        est.seconds = server_seconds
+        est.how.append("time: the servers' (the trainer's rate is unknown)")
+        return
+    est.seconds = max(trainer_seconds, server_seconds)
+    bound = "server-bound" if server_seconds > trainer_seconds else "trainer-bound"
+    est.how.append(
+        f"time: the slower of the trainer ({trainer_seconds / 3600:,.1f} h) and the servers "
+        f"({server_seconds / 3600:,.1f} h): {bound}"
+    )
 
 
 def kept(ctx: StageContext) -> str:
