@@ -139,8 +139,9 @@ def main() -> None:
             for name, extract in (("offline", offline), ("stream", stream)):
                 # offline: the shards extracted once, a fresh train over them each round
                 cfg = shards if name == "offline" else variant(root, base, data, f"{name}-{r}", extract, args.steps)
+                shutil.rmtree(Path(cfg.run_dir) / "train", ignore_errors=True)  # (what makes train run again)
                 with RunDir(cfg.run_dir).lock:
-                    counts = run_stage(cfg, "train", skip_preflight=True, force=True)["counts"]
+                    counts = run_stage(cfg, "train", skip_preflight=True)["counts"]
                 rate = counts["steps"] / counts["seconds"]
                 figures[name].append(rate)
                 line = f"round {r} {name}: {counts['steps']} steps in {counts['seconds']:.1f}s = {rate:.2f} steps/s"

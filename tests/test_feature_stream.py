@@ -218,3 +218,28 @@ def test_the_first_requests_carry_the_capture_self_check(run):
         stream.get(0)
     stream.close()
     assert seen == [5, 5, 5]
+
+
+def test_the_spool_budget_serves_in_order_and_a_cancelled_turn_passes_on():
+    async def scenario():
+        budget = st.SpoolBudget(100)
+        order = []
+
+        async def ask(name, n):
+            await budget.take(n)
+            order.append(name)
+
+        await budget.take(60)
+        big = asyncio.create_task(ask("big", 80))  # first in line, waits for room
+        small = asyncio.create_task(ask("small", 10))  # fits now, but its turn comes after big's
+        cancelled = asyncio.create_task(ask("cancelled", 10))
+        await asyncio.sleep(0.01)
+        assert order == []
+        cancelled.cancel()
+        await budget.give(60)
+        await asyncio.wait_for(asyncio.gather(big, small), 5)
+        await asyncio.wait_for(ask("after", 10), 5)  # the cancelled turn did not block the line
+        return order, budget
+
+    order, budget = asyncio.run(scenario())
+    assert order == ["big", "small", "after"] and budget.used == 100 and budget.peak == 100

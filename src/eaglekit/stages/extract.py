@@ -11,7 +11,8 @@ Two feature sources (``extract.backend``):
   vllm  running vLLM servers started with the ``extract_hidden_states`` method (``eaglekit serve-command
         CONFIG`` prints the command): each sample is sent as token ids with max_tokens 1, many in flight
         over all servers (``eaglekit.serving.vllm_features``).
-Either way the rows go to a background writer (``eaglekit.data.shard_sink``) so computing and writing
+(``extract.mode: stream`` runs no extract: train asks the same servers for each batch as it goes, through the
+same client; ``eaglekit.training.stream``.) Either way the rows go to a background writer (``eaglekit.data.shard_sink``) so computing and writing
 overlap; the stage reports both rates and which one limited it.
 
 Resumable shard by shard: the shard plan is a function of the token store and ``extract.shard_tokens``,

@@ -77,6 +77,7 @@ class SpoolBudget:
         self.limit, self.used, self.peak = limit, 0, 0
         self._tickets = itertools.count()
         self._serving = 0
+        self._abandoned: set[int] = set()
         self._changed = asyncio.Condition()
 
     async def take(self, n: int) -> None:
@@ -87,8 +88,20 @@ class SpoolBudget:
                 f"raise extract.stream.spool_gb to at least {math.ceil(n / GB * 10) / 10:g}",
             )
         ticket = next(self._tickets)
+
+        def turn() -> bool:
+            while self._serving in self._abandoned:  # a cancelled request's turn passes to the one behind it
+                self._abandoned.discard(self._serving)
+                self._serving += 1
+            return self._serving == ticket and self.used + n <= self.limit
+
         async with self._changed:
-            await self._changed.wait_for(lambda: self._serving == ticket and self.used + n <= self.limit)
+            try:
+                await self._changed.wait_for(turn)
+            except asyncio.CancelledError:
+                self._abandoned.add(ticket)
+                self._changed.notify_all()
+                raise
             self.used += n
             self._serving += 1
             self.peak = max(self.peak, self.used)
@@ -109,12 +122,25 @@ class Clock:
     queue_full: float = 0.0  # a batch ready and the queue full: the trainer is behind
     consumed: int = 0
     produced: int = 0
-    tokens: int = 0
+    tokens: int = 0  # the servers answered
     requests: int = 0
     retried: int = 0  # requests that needed more than one attempt (a dead, stalled or broken server)
     cached: int = 0
     spool_peak: int = 0  # bytes of this run's request files on disk, measured
     spool_reserved_peak: int = 0
+    in_flight: int = 0
+    servers_busy: float = 0.0  # seconds with at least one request in flight: the servers' rate is over these
+    busy_since: float = 0.0
+
+    def sent(self) -> None:
+        if self.in_flight == 0:
+            self.busy_since = time.monotonic()
+        self.in_flight += 1
+
+    def answered(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self.servers_busy += time.monotonic() - self.busy_since
 
 
 class FeatureStream:
@@ -201,12 +227,13 @@ class FeatureStream:
         c = self.clock
         elapsed = max(time.monotonic() - c.started, 1e-9) if c.started else 0.0
         trainer_busy = max(elapsed - c.trainer_waited, 1e-9)
-        server_busy = max(elapsed - c.queue_full, 1e-9)
+        servers_busy = max(c.servers_busy + (time.monotonic() - c.busy_since if c.in_flight else 0.0), 1e-9)
         return {
             "bound": "server-bound" if c.trainer_waited > c.queue_full else "trainer-bound",
             "trainer_micro_batches_per_s": round(c.consumed / trainer_busy, 3),
-            "server_micro_batches_per_s": round(c.produced / server_busy, 3),
-            "server_tokens_per_s": round(c.tokens / server_busy, 1),
+            "server_micro_batches_per_s": round(c.produced / servers_busy, 3),
+            "server_tokens_per_s": round(c.tokens / servers_busy, 1),
+            "servers_busy_s": round(servers_busy, 2),
             "trainer_waited_s": round(c.trainer_waited, 2),
             "queue_full_s": round(c.queue_full, 2),
             "seconds": round(elapsed, 2),
@@ -311,9 +338,7 @@ class FeatureStream:
         samples = flat(entries)
         rows = await asyncio.gather(*(self._rows(client, budget, i, u) for i in samples))
         features = {self.store.ids[i]: r for i, r in zip(samples, rows, strict=True)}
-        batch = self.batches.collate(entries, self.store, features)
-        self.clock.tokens += sum(len(r.last_hidden) for r in rows)
-        return batch
+        return self.batches.collate(entries, self.store, features)
 
     async def _rows(self, client, budget: SpoolBudget, i: int, u: int | None) -> Rows:
         sid = self.store.ids[i]
@@ -331,6 +356,7 @@ class FeatureStream:
         ids = self.store[i][1]
         need = SPOOL_SLACK + len(ids) * self.per_token
         await budget.take(need)
+        self.clock.sent()
         try:
             captured = await client.capture(next(self._names), ids.tolist(), self_check=logprobs)
         except RequestFailed as err:
@@ -348,8 +374,10 @@ class FeatureStream:
                 ) from None
             raise
         finally:
+            self.clock.answered()
             await budget.give(need)
         self.clock.requests += 1
+        self.clock.tokens += len(ids)
         self.clock.retried += captured.attempts > 1
         if captured.bytes > need:  # the server stores more per value than assumed: reserve what it really writes
             self.per_token = math.ceil((captured.bytes - SPOOL_SLACK) / max(len(ids), 1))
