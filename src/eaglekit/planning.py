@@ -389,6 +389,7 @@ def plan(cfg: RunConfig, **overrides: Any) -> dict[str, Any]:
     overall = "does not fit" if "does not fit" in verdicts else ("unknown" if "unknown" in verdicts else "fits")
     free, disk_rate = inputs["free_bytes"].value, inputs["write_bytes_per_s"].value
     known_times = [p.seconds for p in plans if not p.done and p.seconds is not None]
+    options = alternatives(cfg, inputs, plans) if overall == "does not fit" else []
     doc = {
         "run_dir": cfg.run_dir,
         "verdict": overall,
@@ -398,9 +399,9 @@ def plan(cfg: RunConfig, **overrides: Any) -> dict[str, Any]:
         "free_bytes": free,
         "seconds_known": sum(known_times),
         "stages_without_time": [p.stage for p in plans if not p.done and p.seconds is None],
-        "alternatives": alternatives(cfg, inputs, plans) if overall == "does not fit" else [],
+        "alternatives": options,
+        "recommendation": recommendation(options),
     }
-    doc["recommendation"] = recommendation(doc["alternatives"])
     return doc
 
 
