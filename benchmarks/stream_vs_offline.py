@@ -9,7 +9,8 @@ prepared run (the tiny corpus, ``--samples`` samples) is copied into each varian
 Rounds alternate offline / stream (a fresh train each); steps/s is ``steps / counts.seconds`` (the training loop's
 clock: the same held-out evaluations in both). The stream's report says who waited on whom and both rates.
 
-    .venv/bin/python benchmarks/stream_vs_offline.py --run runs/bench-stream     # ~8 minutes on 2 CPU cores
+    .venv/bin/python benchmarks/stream_vs_offline.py --run runs/bench-stream --rounds 5    # ~8 minutes, 2 CPU cores
+    .venv/bin/python benchmarks/stream_vs_offline.py --run runs/bench-stream --servers 1 --concurrency 1
 """
 
 from __future__ import annotations
@@ -91,6 +92,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--spool-gb", type=float, default=0.01)
+    parser.add_argument("--servers", type=int, default=2, help="feature servers (vLLM CPU instances)")
+    parser.add_argument("--concurrency", type=int, default=4, help="requests in flight per server")
     args = parser.parse_args()
 
     from eaglekit.pipeline import run_stage
@@ -112,7 +115,7 @@ def main() -> None:
     python = find_vllm_python()
     servers = [
         VllmServer(python, str(target), flags, root / f"vllm-{k}.log", env={"PYTHONPATH": str(plugin_dir())})
-        for k in (0, 1)
+        for k in range(args.servers)
     ]
     try:
         for s in servers:
@@ -124,7 +127,7 @@ def main() -> None:
             "storage_path": str(storage),
             "connector": "cpu",
             "model": servers[0].model,
-            "concurrency": 4,
+            "concurrency": args.concurrency,
             "timeout": 120,
         }
         offline = {"mode": "offline", "backend": "vllm", "shard_tokens": 4000, "vllm": vllm}

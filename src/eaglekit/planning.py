@@ -322,13 +322,16 @@ def alternatives(cfg: RunConfig, inputs: dict[str, Figure], plans: list[StagePla
     if cfg.extract.offline:
         alt = stage_plans(cfg, inputs, mode="stream")
         spool = cfg.extract.stream.spool_gb
+        train = next((p for p in alt if p.stage == "train"), None)
         out.append(
             option(
                 "stream features",
                 f"extract.mode: stream, extract.backend: vllm (train asks the vLLM feature servers for each batch's "
                 f"hidden states; disk: the spool, extract.stream.spool_gb: {spool:g})",
                 alt,
-                "; time: the slower of the trainer and the servers (train's arithmetic)",
+                f"; train {format_duration(train.seconds)}, {train.how[-1].removeprefix('time: ')}"
+                if train is not None and train.seconds is not None
+                else "; time: the slower of the trainer and the servers (a rate is unknown)",
             )
         )
         alt = stage_plans(cfg, inputs, mode="online")

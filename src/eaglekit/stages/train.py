@@ -401,6 +401,7 @@ def stream_estimate(cfg: RunConfig, sizes: Sizes, est: Estimate) -> None:
     """extract.mode stream: the disk is the spool (not the dataset), the time the slower of the trainer and the
     servers' feature rate (every epoch asks again unless extract.stream.cache_gb holds the whole train split)."""
     from eaglekit.data.shards import bytes_per_token
+    from eaglekit.progress import format_duration
 
     s = cfg.extract.stream
     spool = s.spool_gb * 1e9
@@ -422,7 +423,7 @@ def stream_estimate(cfg: RunConfig, sizes: Sizes, est: Estimate) -> None:
     trainer_seconds = est.seconds
     est.how.append(
         f"servers: {asked:,.0f} tok asked ({'once, then from the cache' if cached else 'again every epoch'}) ÷ "
-        f"{served:,.0f} tok/s = {server_seconds / 3600:,.1f} h"
+        f"{served:,.0f} tok/s = {format_duration(server_seconds)}"
     )
     if trainer_seconds is None:
         est.seconds = server_seconds
@@ -431,8 +432,8 @@ def stream_estimate(cfg: RunConfig, sizes: Sizes, est: Estimate) -> None:
     est.seconds = max(trainer_seconds, server_seconds)
     bound = "server-bound" if server_seconds > trainer_seconds else "trainer-bound"
     est.how.append(
-        f"time: the slower of the trainer ({trainer_seconds / 3600:,.1f} h) and the servers "
-        f"({server_seconds / 3600:,.1f} h): {bound}"
+        f"time: the slower of the trainer ({format_duration(trainer_seconds)}) and the servers "
+        f"({format_duration(server_seconds)}): {bound}"
     )
 
 

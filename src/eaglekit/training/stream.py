@@ -61,6 +61,11 @@ def request_prefix(run_dir: str | os.PathLike, rank: int) -> str:
     return f"eks{hashlib.sha1(str(run_dir).encode()).hexdigest()[:10]}-r{rank}"
 
 
+def in_units(n: float, scale: float) -> str:
+    """Bytes in GB, or in MB for a spool under 1 GB."""
+    return f"{n / GB:,.2f} GB" if scale >= GB else f"{n / 1e6:,.2f} MB"
+
+
 def flat(entries: list) -> list[int]:
     """The sample indices of a micro-batch's entries (samples, or packed rows of samples)."""
     return [i for entry in entries for i in (entry if isinstance(entry, list) else [entry])]
@@ -188,8 +193,9 @@ class FeatureStream:
     # --------------------------------------------------------------------------------- the trainer's side
 
     def get(self, u: int) -> Batch:
-        if not self.clock.started:
+        if not self.clock.started:  # both rates over the training window (not the held-out rows asked before it)
             self.clock.started = time.monotonic()
+            self.clock.servers_busy, self.clock.tokens = 0.0, 0
         if self._queue is None or u != self._next:
             self._queue = self._start(u)
         t = time.monotonic()
@@ -256,7 +262,8 @@ class FeatureStream:
         return (
             f"stream: {r['bound']} ({waited}); trainer {r['trainer_micro_batches_per_s']:g} micro-batches/s, servers "
             f"{r['server_micro_batches_per_s']:g} ({r['server_tokens_per_s']:,.0f} tok/s); spool peak "
-            f"{r['spool_peak_bytes'] / GB:.3f} of {self.spool_bytes / GB:g} GB; {r['requests']} requests, "
+            f"{in_units(r['spool_peak_bytes'], self.spool_bytes)} of {in_units(self.spool_bytes, self.spool_bytes)} "
+            f"(measured on disk); {r['requests']} requests, "
             f"{r['requests_retried']} retried, {r['reused_from_cache']} reused from the cache"
             + "".join(f"; {line}" for line in self.server_notes)
         )
