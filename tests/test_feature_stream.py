@@ -243,3 +243,29 @@ def test_the_spool_budget_serves_in_order_and_a_cancelled_turn_passes_on():
 
     order, budget = asyncio.run(scenario())
     assert order == ["big", "small", "after"] and budget.used == 100 and budget.peak == 100
+
+
+def test_every_server_gone_is_a_named_error_after_the_outage_timeout(run):
+    """The real FeatureClient and its pool against two ports nobody listens on: both go out of rotation, and once
+    extract.vllm.outage_timeout has passed the stream stops with FeatureServersGone (not a hang, not a traceback)."""
+    from eaglekit.config import VllmFeaturesConfig
+    from eaglekit.model.target import FinalNorm
+    from eaglekit.serving.engine import free_port
+    from eaglekit.serving.vllm_features import FeatureClient
+
+    batches, _, spool = run
+    vcfg = VllmFeaturesConfig(
+        servers=[f"http://127.0.0.1:{free_port()}/v1", f"http://127.0.0.1:{free_port()}/v1"],
+        storage_path=str(spool),
+        timeout=2,
+        max_retries=50,
+        retry_backoff=0.01,
+        probe_interval=0.2,
+        outage_timeout=1.0,
+    )
+    norm = FinalNorm(torch.ones(HIDDEN), 1e-6)
+    stream = stream_of(batches, None)
+    stream.open_client = lambda: FeatureClient(vcfg, None, "m", [2, 4, 5, 8], HIDDEN, norm, "p")
+    with pytest.raises(st.FeatureServersGone, match=r"stream: no server left: every server has been out of rotation"):
+        stream.get(0)
+    stream.close()

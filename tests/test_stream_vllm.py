@@ -15,10 +15,12 @@ import sys
 import textwrap
 import threading
 import time
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 from conftest import subprocess_env
+from json_http import JsonHandler
 from test_extract import prepared_run
 
 from eaglekit.pipeline import make_context, run_preflight, run_stage
@@ -206,6 +208,51 @@ def test_kill_9_of_the_trainer_resumes_to_the_same_losses(tmp_path, tiny_target,
     with RunDir(cfg.run_dir).lock:
         row = run_stage(cfg, "train", skip_preflight=True)
     assert row["counts"]["steps"] == TRAIN["max_steps"]
+    assert_same_losses(losses(cfg), losses(offline_run))
+    assert list(storage.iterdir()) == []
+
+
+class StalledServer:
+    """Lists the model, then never answers a completion (a hung engine): each request waits out the timeout."""
+
+    def __init__(self, model: str):
+        self.release, self.requests = threading.Event(), 0
+        owner = self
+
+        class Handler(JsonHandler):
+            def do_GET(self):
+                self.send_json(200, {"data": [{"id": model, "max_model_len": 1024}]})
+
+            def do_POST(self):
+                owner.requests += 1
+                owner.release.wait(120)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.release.set()
+        self.httpd.shutdown()
+
+
+def test_a_stalled_server_is_taken_out_and_its_requests_go_to_the_other(
+    tmp_path, tiny_target, two_servers, offline_run
+):
+    servers, storage = two_servers
+    stalled = StalledServer(servers[0].model)
+    try:
+        cfg = run_config(tmp_path, tiny_target, storage, servers, "stream")
+        cfg.extract.vllm.servers = [stalled.url, servers[0].url]
+        cfg.extract.vllm.timeout = 5
+        with RunDir(cfg.run_dir).lock:
+            row = run_stage(cfg, "train", skip_preflight=True)
+    finally:
+        stalled.close()
+    report = row["counts"]["stream"]
+    assert stalled.requests >= 1 and report["requests_retried"] >= 1
+    assert any(stalled.url in line and "timed out" in line for line in report["servers_out"]), report
     assert_same_losses(losses(cfg), losses(offline_run))
     assert list(storage.iterdir()) == []
 
