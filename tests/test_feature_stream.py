@@ -269,3 +269,36 @@ def test_every_server_gone_is_a_named_error_after_the_outage_timeout(run):
     with pytest.raises(st.FeatureServersGone, match=r"stream: no server left: every server has been out of rotation"):
         stream.get(0)
     stream.close()
+
+
+def test_held_out_rows_are_asked_per_batch_kept_when_they_fit_and_share_the_running_producer(run):
+    batches, store, spool = run
+    groups = [st.flat(batches.share(b)) for b in batches.held_out()]
+    held = [i for g in groups for i in g]
+    assert held
+
+    def read_all(rows):
+        for i in held:
+            assert torch.equal(rows[store.ids[i]].aux, features_of(store, i).aux)
+
+    client = FileClient(spool, "p")
+    stream = stream_of(batches, client)
+    kept = stream.held_out_rows([batches.share(b) for b in batches.held_out()])
+    read_all(kept)
+    read_all(kept)
+    assert len(client.asked) == len(held)  # asked once, then read from memory
+
+    client.asked.clear()
+    # too small to keep: one evaluation batch (here one sample) in memory at a time, asked again at each evaluation
+    asked_again = st.HeldOutRows(stream, [[i] for i in held], keep_bytes=1)
+    read_all(asked_again)
+    read_all(asked_again)
+    assert len(client.asked) == 2 * len(held)
+
+    try:
+        stream.get(0)  # the producer runs: a held-out read goes through its loop and client (one spool budget)
+        opened = client.opened
+        read_all(st.HeldOutRows(stream, groups, keep_bytes=1))
+        assert client.opened == opened
+    finally:
+        stream.close()

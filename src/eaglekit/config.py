@@ -200,7 +200,8 @@ class FeatureStreamConfig(Section):
         0.0,
         ge=0,
         description="epochs past the first: 0 requests every sample's features again; > 0 keeps up to this many GB "
-        "of encoded features in memory and reuses them (the rest is requested again)",
+        "of encoded features in memory and reuses them (the rest is requested again); the held-out rows are kept "
+        "between evaluations up to max(cache_gb, 1 GB), else requested again at each evaluation",
     )
 
 

@@ -112,8 +112,8 @@ def train(
     )  # fmt: skip
     total_steps = batches.total_steps(tc)
     stream = open_stream(cfg, run.path, batches, dist.rank(), capture_check) if cfg.extract.streamed else None
-    if stream is not None and batches.held_idx:  # asked once, kept in memory: every evaluation sees the same rows
-        batches.feature_store = stream.fetch(batches.held_idx)
+    if stream is not None:  # the held-out rows, asked per evaluation batch (kept in memory when they fit)
+        batches.feature_store = stream.held_out_rows([batches.share(b) for b in batches.held_out()])
     sched = build_scheduler(tc, optim, total_steps)
     held_out = HeldOut(model, drafter, features, batches, autocast, fsdp, positions, weights)
 

@@ -24,6 +24,7 @@ The stream measures who waits: the trainer on an empty queue (server-bound) or t
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import copy
 import hashlib
@@ -33,7 +34,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +48,7 @@ GB = 1e9
 SPOOL_SLACK = 4096  # a request file's safetensors header beyond its states (and its token ids, counted per token)
 SAMPLE_EVERY = 0.05  # seconds between two measurements of the spool's real size on disk
 NO_SERVER = "no server left"  # how serving.client's outage error begins
+HELD_OUT_KEPT = 1 << 30  # held-out rows kept in memory between evaluations up to this (or extract.stream.cache_gb)
 FIRST_CHECKED = 3  # the stream's first requests that carry the capture self-check
 CHECK_LOGPROBS = 5  # prompt_logprobs they ask per position (as extract's pre-flight smoke request)
 
@@ -189,6 +191,7 @@ class FeatureStream:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._next: int | None = None
+        self._running: tuple | None = None  # the producer's loop, client and spool budget while it runs
 
     # --------------------------------------------------------------------------------- the trainer's side
 
@@ -209,18 +212,31 @@ class FeatureStream:
         return item
 
     def fetch(self, indices: list[int]) -> dict[str, Rows]:
-        """The features of these samples now (the held-out set, asked once), outside the read-ahead."""
+        """The features of these samples now (held-out rows), beside the read-ahead: through the producer's own loop,
+        client and spool budget while it runs (one bound on the disk), else through a client of their own."""
+        running = self._running
+        if running is not None:
+            loop, client, budget = running
+            with contextlib.suppress(concurrent.futures.CancelledError, RuntimeError):  # the producer just ended
+                return asyncio.run_coroutine_threadsafe(self._fetch(client, budget, indices), loop).result()
 
-        async def all_of() -> dict[str, Rows]:
+        async def alone() -> dict[str, Rows]:
             async with self.open_client() as client:
-                self.leftovers_removed += client.remove_leftovers()
-                budget = SpoolBudget(self.spool_bytes)
-                if self.first_check is not None:
-                    await self._self_check(client, budget, indices)
-                rows = await asyncio.gather(*(self._rows(client, budget, i, None) for i in indices))
-            return {self.store.ids[i]: r for i, r in zip(indices, rows, strict=True)}
+                if not self.clock.started:  # nothing of this process is in flight yet: what is there is a killed run's
+                    self.leftovers_removed += client.remove_leftovers()
+                return await self._fetch(client, SpoolBudget(self.spool_bytes), indices)
 
-        return asyncio.run(all_of())
+        return asyncio.run(alone())
+
+    async def _fetch(self, client, budget: SpoolBudget, indices: list[int]) -> dict[str, Rows]:
+        if self.first_check is not None:
+            await self._self_check(client, budget, indices)
+        rows = await asyncio.gather(*(self._rows(client, budget, i, None) for i in indices))
+        return {self.store.ids[i]: r for i, r in zip(indices, rows, strict=True)}
+
+    def held_out_rows(self, entries: list[list]) -> HeldOutRows:
+        """The rows of the held-out batches (this rank's entries of each), asked when an evaluation reads them."""
+        return HeldOutRows(self, [flat(e) for e in entries], max(self.cache_bytes, HELD_OUT_KEPT))
 
     def close(self) -> None:
         if self._thread is not None:
@@ -298,6 +314,7 @@ class FeatureStream:
             budget = SpoolBudget(self.spool_bytes)
             sampler = asyncio.create_task(self._measure(client, budget, stop))
             pending: list[asyncio.Task] = []
+            self._running = (asyncio.get_running_loop(), client, budget)
             try:
                 if self.first_check is not None:
                     await self._self_check(client, budget, flat(self.batches.entries(u)))
@@ -316,6 +333,7 @@ class FeatureStream:
                             await asyncio.sleep(0.005)
                     self.clock.queue_full += time.monotonic() - t
             finally:
+                self._running = None
                 sampler.cancel()
                 for task in pending:
                     task.cancel()
@@ -389,6 +407,38 @@ class FeatureStream:
         if captured.bytes > need:  # the server stores more per value than assumed: reserve what it really writes
             self.per_token = math.ceil((captured.bytes - SPOOL_SLACK) / max(len(ids), 1))
         return captured
+
+
+class HeldOutRows(Mapping[str, Rows]):
+    """The held-out rows an evaluation reads, by sample id: asked from the servers one evaluation batch at a time and
+    kept while all of them fit in ``keep_bytes`` (then every later evaluation reads memory); a larger held-out set is
+    asked again at each evaluation, so its rows never all sit in memory at once (512 Kimi samples of 4,000 tokens
+    would be 117 GB)."""
+
+    def __init__(self, stream: FeatureStream, groups: list[list[int]], keep_bytes: int):
+        self.stream, self.groups, self.keep_bytes = stream, groups, keep_bytes
+        self.group_of = {stream.store.ids[i]: g for g, group in enumerate(groups) for i in group}
+        self.rows: dict[str, Rows] = {}
+        self.kept_bytes = 0
+        self.keep_all = True
+
+    def __getitem__(self, sample_id: str) -> Rows:
+        if sample_id not in self.rows:
+            fetched = self.stream.fetch(self.groups[self.group_of[sample_id]])
+            size = sum(rows_bytes(r) for r in fetched.values())
+            if self.keep_all and self.kept_bytes + size > self.keep_bytes:
+                self.keep_all = False
+            if not self.keep_all:
+                self.rows, self.kept_bytes = {}, 0
+            self.rows.update(fetched)
+            self.kept_bytes += size
+        return self.rows[sample_id]
+
+    def __iter__(self):
+        return iter(self.group_of)
+
+    def __len__(self) -> int:
+        return len(self.group_of)
 
 
 def server_bytes_per_token(states: int, hidden: int, torch_dtype: torch.dtype | None) -> int:
