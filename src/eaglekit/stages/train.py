@@ -1,6 +1,7 @@
 """train: fit the EAGLE-3 drafter with training-time test on the target's features.
 
-Reads ``prepare/tokens.safetensors``, ``vocab/vocab.safetensors`` and, in offline mode, ``extract/``;
+Reads ``prepare/tokens.safetensors``, ``vocab/vocab.safetensors`` and, in offline mode, ``extract/`` (in stream
+mode the vLLM feature servers instead: ``eaglekit.training.stream``);
 writes ``train/checkpoints/{step-N,best,latest}``, ``train/metrics.jsonl``, ``train/summary.json`` and
 ``train/curves.png``. The loop itself is ``eaglekit.training.loop``; this module is the stage's contract:
 what the outputs depend on, the checks before a long run, and the disk it needs.
