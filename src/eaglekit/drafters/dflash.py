@@ -26,6 +26,7 @@ from eaglekit.model.dflash import DFlashConfig, DFlashDrafter
 from eaglekit.model.drafter import text_config
 from eaglekit.model.run_shapes import target_and_aux
 from eaglekit.progress import console
+from eaglekit.training.context_parallel import ContextGroup
 from eaglekit.training.dflash import BlockObjective
 from eaglekit.training.memory import StepMemory
 
@@ -68,7 +69,9 @@ class DFlashFamily:
         trainable = sum(prod(shape) for shape in self.expected_state(dc).values())
         return trainable + 2 * dc.vocab_size * dc.hidden_size, trainable
 
-    def step_memory(self, cfg: RunConfig, tokens: int) -> tuple[StepMemory, StepMemory] | None:
+    def step_memory(
+        self, cfg: RunConfig, tokens: int, context_parallel: int = 1
+    ) -> tuple[StepMemory, StepMemory] | None:
         return None  # not modelled
 
     # ---- pre-flight
@@ -142,7 +145,9 @@ class DFlashFamily:
             notes = {"draft_vocab": f"the target's ({self.name})", "mask_token_id": drafter.config.mask_token_id}
         return Built(drafter, torch.ones(head.shape[0], dtype=torch.bool), notes)
 
-    def objective(self, drafter, tc: TrainConfig, device: torch.device) -> Objective:
+    def objective(
+        self, drafter: Any, tc: TrainConfig, device: torch.device, context: ContextGroup | None = None
+    ) -> Objective:
         """The block objective with ``train.draft``'s options (speculators' DFlash defaults where unset); its
         draft positions are weighted alike."""
         draft = tc.draft

@@ -31,6 +31,7 @@ from eaglekit.model.drafter import FLAGS, DrafterConfig, Eagle3Drafter, rope_fro
 from eaglekit.model.run_shapes import target_and_aux
 from eaglekit.model.target import embedding_and_head
 from eaglekit.progress import console
+from eaglekit.training.context_parallel import ContextGroup
 from eaglekit.training.fused import compile_drafter, step_kernels
 from eaglekit.training.init import build_drafter
 from eaglekit.training.memory import StepMemory, step_memory
@@ -60,13 +61,23 @@ class Eagle3Family:
         total = sum(weights.values())
         return total, total - weights["embed_tokens.weight"]
 
-    def step_memory(self, cfg: RunConfig, tokens: int) -> tuple[StepMemory, StepMemory] | None:
+    def step_memory(
+        self, cfg: RunConfig, tokens: int, context_parallel: int = 1
+    ) -> tuple[StepMemory, StepMemory] | None:
         dc = self.drafter_config(cfg, *target_and_aux(cfg))
         total, trainable = self.parameter_counts(dc)
         if cfg.train.freeze_lm_head:  # the draft head keeps its rows: no gradient, no AdamW moments
             trainable -= dc.draft_vocab_size * dc.hidden_size
         return tuple(  # type: ignore[return-value]
-            step_memory(dc, tokens, cfg.train.ttt_steps, trainable=trainable, frozen=total - trainable, checkpoint=c)
+            step_memory(
+                dc,
+                tokens,
+                cfg.train.ttt_steps,
+                trainable=trainable,
+                frozen=total - trainable,
+                checkpoint=c,
+                context_parallel=context_parallel,
+            )
             for c in (False, True)
         )
 
@@ -145,9 +156,11 @@ class Eagle3Family:
         drafter, notes = build_drafter(cfg, hf, d2t, t2d, embed, head, aux, self.draft_settings(cfg))
         return Built(drafter, drafter.t2d.cpu(), notes)
 
-    def objective(self, drafter: Any, tc: TrainConfig, device: torch.device) -> Objective:
+    def objective(
+        self, drafter: Any, tc: TrainConfig, device: torch.device, context: ContextGroup | None = None
+    ) -> Objective:
         """Training-time test over ``train.ttt_steps`` (the GPU's fused kernels where they apply)."""
-        kernels = step_kernels(tc.attention, tc.head_loss, device, tc.activation_checkpointing)
+        kernels = step_kernels(tc.attention, tc.head_loss, device, tc.activation_checkpointing, context)
         if tc.compile:
             compile_drafter(drafter)
         ttt = TTT.from_config(drafter, tc, kernels)

@@ -14,6 +14,7 @@ from torch import nn
 from eaglekit.config import RunConfig, TrainConfig
 from eaglekit.contract import StageContext
 from eaglekit.model.checkpoints import CheckpointInfo
+from eaglekit.training.context_parallel import ContextGroup
 from eaglekit.training.memory import StepMemory
 
 # the checked drafter of a run: (drafter, checkpoint info, the target's HF config, aux layer ids)
@@ -84,9 +85,11 @@ class DrafterFamily(Protocol):
         """(all parameters, trainable ones)."""
         ...
 
-    def step_memory(self, cfg: RunConfig, tokens: int) -> tuple[StepMemory, StepMemory] | None:
-        """One step's GPU memory at ``tokens`` a micro-batch, without and with activation checkpointing; None when
-        the family has no model of it."""
+    def step_memory(
+        self, cfg: RunConfig, tokens: int, context_parallel: int = 1
+    ) -> tuple[StepMemory, StepMemory] | None:
+        """One step's GPU memory at ``tokens`` a micro-batch (on one of ``context_parallel`` ranks splitting each
+        row), without and with activation checkpointing; None when the family has no model of it."""
         ...
 
     # ---- pre-flight
@@ -116,7 +119,11 @@ class DrafterFamily(Protocol):
         """Fresh from the target's config, or train.init_from's drafter."""
         ...
 
-    def objective(self, drafter: nn.Module, tc: TrainConfig, device: torch.device) -> Objective: ...
+    def objective(
+        self, drafter: nn.Module, tc: TrainConfig, device: torch.device, context: ContextGroup | None = None
+    ) -> Objective:
+        """Its objective on ``device`` (``context``: the ranks splitting each row under context parallelism)."""
+        ...
 
     def save_checkpoint(self, dc: Any, state: dict[str, torch.Tensor], out: Path) -> None:
         """A training checkpoint's drafter, in the form evaluate and export read back."""

@@ -442,6 +442,10 @@ class Eagle3LayerKind(Protocol):
 
     def build(self, cfg: DrafterConfig) -> tuple[Eagle3Layer | MLALayer, Rotary]: ...
 
+    def key_value_elements(self, cfg: DrafterConfig) -> int:
+        """Elements of one position's key and value, as the layer makes them."""
+        ...
+
     def attention_shapes(self, cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
         """Projection name -> weight shape of its attention (``self_attn.NAME.weight``)."""
         ...
@@ -504,6 +508,10 @@ class LlamaLayerKind:
 
     def build(self, cfg: DrafterConfig) -> tuple[Eagle3Layer, Rotary]:
         return Eagle3Layer(cfg), Rotary(*rope_inv_freq(cfg))
+
+    def key_value_elements(self, cfg: DrafterConfig) -> int:
+        n_kv, head_dim = cfg.llama_heads
+        return 2 * n_kv * head_dim
 
     def attention_shapes(self, cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
         h2, n = 2 * cfg.hidden_size, cfg.num_attention_heads

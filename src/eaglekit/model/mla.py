@@ -214,6 +214,11 @@ class MlaLayerKind:
     def build(self, cfg: Any) -> tuple[MLALayer, Rotary]:
         return MLALayer(cfg), Rotary(*deepseek_rope(cfg)[:2])
 
+    def key_value_elements(self, cfg: Any) -> int:
+        """Per head, decompressed."""
+        mla = cfg.mla_shape
+        return cfg.num_attention_heads * (mla.qk_nope_head_dim + mla.qk_rope_head_dim + mla.v_head_dim)
+
     def attention_shapes(self, cfg: Any) -> dict[str, tuple[int, ...]]:
         h2, n, mla = 2 * cfg.hidden_size, cfg.num_attention_heads, cfg.mla_shape
         qk, rope = mla.qk_nope_head_dim + mla.qk_rope_head_dim, mla.qk_rope_head_dim
