@@ -43,9 +43,9 @@ class ToyFamily(Eagle3LlamaFamily):
         self.calls.append("build")
         return super().build(cfg, hf, d2t, t2d, embed, head, aux)
 
-    def objective(self, drafter, tc, device) -> Objective:
+    def objective(self, drafter, tc, device, context=None) -> Objective:
         self.calls.append("objective")
-        return super().objective(drafter, tc, device)
+        return super().objective(drafter, tc, device, context)
 
     def save_checkpoint(self, dc: Any, state: dict, out: Path) -> None:
         self.calls.append("save_checkpoint")
