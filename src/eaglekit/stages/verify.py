@@ -50,10 +50,12 @@ from eaglekit.model.target import embedding_and_head, load_target, target_hf_con
 from eaglekit.preflight import checks as common
 from eaglekit.preflight import fail, ok, skip, will_be_produced
 from eaglekit.preflight.drafter import drafter_checkpoint, prompts_available
+from eaglekit.preflight.engine_features import served_features_read
 from eaglekit.progress import Meter, console
 from eaglekit.rundir import file_identity
 from eaglekit.serving.engine import VllmServer, find_vllm_python, is_cpu_build, supports_flag
 from eaglekit.serving.engine import version as engine_version
+from eaglekit.serving.engine_features import verify_check
 from eaglekit.serving.speculation import (
     Counters,
     Served,
@@ -191,6 +193,7 @@ def checks(cfg: RunConfig) -> list:
         engine_available,
         exported_forms,
         engine_serves_forms,
+        served_features_read,
         common.target_folder,
         drafter_checkpoint,
         prompts_available,
@@ -751,6 +754,8 @@ def trained_flags(checkpoint: Path) -> dict[str, bool]:
 
 def run(ctx: StageContext) -> dict:
     engine = served_engine(ctx)  # before the offline decode: a server that cannot be verified says so at once
+    for warning in verify_check(ctx.cfg, engine.folders()):  # refuses a feature the engine would drop
+        ctx.warn(warning)
     offline = offline_figures(ctx.cfg, engine.ks)
     report = build_report(ctx.cfg, engine, offline, engine.runs(offline))
     out = ctx.dir
