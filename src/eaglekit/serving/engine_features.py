@@ -48,6 +48,7 @@ class Reading:
     since_source: str = ""  # where ``since`` comes from
     probe: tuple[str, str] | None = None  # (file under the engine's package, text the file must contain)
     never: str = ""  # no release reads it: why (then every version drops it)
+    with_form: bool = False  # read by every release that serves the form at all (a version needs no check)
 
 
 _LLAMA_EAGLE3 = "model_executor/models/llama_eagle3.py"
@@ -65,7 +66,7 @@ READINGS: tuple[Reading, ...] = (
     Reading("norm_before_fc", VLLM, (EAGLE3,), "vllm#36545", "2026-03", None, "",
             (_LLAMA_EAGLE3, "norm_before_fc")),
     Reading("norm_before_residual", VLLM, (EAGLE3,), "llama_eagle3.py", "", None, "",
-            (_LLAMA_EAGLE3, "norm_before_residual")),
+            (_LLAMA_EAGLE3, "norm_before_residual"), with_form=True),
     # the MLA drafter built fc_norm's weights but never applied them in combine_hidden_states before #43482
     Reading("fc_norm", VLLM, (MLA,), "vllm#43482", "2026-05-26", "0.22.0",
             "inferred: merged 3 days before v0.22.0, whose notes list later PRs", (_DEEPSEEK_EAGLE3, "self.model.fc_norm")),
@@ -81,14 +82,14 @@ READINGS: tuple[Reading, ...] = (
     Reading("norm_before_fc", VLLM, (SPECULATORS,), "vllm#38111", "2026-03-25", "0.19.0", "v0.19.0 release notes",
             (_SPECULATORS_ALGOS, '"norm_before_fc"')),
     Reading("norm_before_residual", VLLM, (SPECULATORS,), "algos.py", "", None, "",
-            (_SPECULATORS_ALGOS, '"norm_before_residual"')),
+            (_SPECULATORS_ALGOS, '"norm_before_residual"'), with_form=True),
     # llama.py gives a draft layer config.sliding_window where layer_types names it "sliding_attention"
     Reading("sliding_window", VLLM, (EAGLE3, SPECULATORS), "vllm#47568 (qwen3); llama.py", "2026-07", None, "",
             ("model_executor/models/llama.py", "layer_types")),
     Reading("dflash", VLLM, (DFLASH,), "qwen3_dflash.py", "", None, "",
-            ("model_executor/models/qwen3_dflash.py", "dflash_config")),
+            ("model_executor/models/qwen3_dflash.py", "dflash_config"), with_form=True),
     Reading("dspark", VLLM, (DSPARK,), "vllm#46995", "2026-07", "0.25.0", "v0.25.0 release notes",
-            ("model_executor/models/qwen3_dspark.py", "markov")),
+            ("model_executor/models/qwen3_dspark.py", "markov"), with_form=True),
     Reading("fc_norm", SGLANG, (EAGLE3,), "sglang#24663 (a75b79e)", "2026-05-11", None, "",
             (_SGLANG_EAGLE3, "fc_norm")),
     Reading("norm_output", SGLANG, (EAGLE3,), "sglang#24663 (a75b79e)", "2026-05-11", None, "",
@@ -101,7 +102,7 @@ READINGS: tuple[Reading, ...] = (
     Reading("sliding_window", SGLANG, (EAGLE3,), "sglang#24664", "2026-05", None, "",
             ("srt/server_args.py", "speculative_draft_window_size")),
     Reading("dflash", SGLANG, (DFLASH,), "sglang#22077", "2026-04", None, "",
-            ("srt/server_args.py", "DFLASH")),
+            ("srt/server_args.py", "DFLASH"), with_form=True),
     # sglang#30261 tells its block-slot convention from speculators_model_type only; eaglekit writes vLLM's form
     Reading("dspark", SGLANG, (DSPARK,), "sglang#30261", "2026", never="SGLang's DSpark loader (sglang#30261) "
             "detects the block-slot convention only by speculators_model_type == \"dspark\", which vLLM's form "
@@ -133,7 +134,8 @@ def exported_features(config: dict) -> tuple[str, list[str]]:
     speculators = "speculators_model_type" in config
     layer = config.get("transformer_layer_config") if speculators else config
     layer = layer if isinstance(layer, dict) else {}
-    eagle = config.get("eagle_config") if isinstance(config.get("eagle_config"), dict) else {}
+    eagle = config.get("eagle_config")
+    eagle = eagle if isinstance(eagle, dict) else {}
     on = {
         "fc_norm": config.get("fc_norm") or config.get("use_aux_norm"),
         "norm_output": config.get("norm_output"),
@@ -274,6 +276,8 @@ def _assess_one(engine: Engine, r: Reading) -> Finding:
         if marker in text:
             return Finding(r, "reads", f"probed: {path} mentions {marker}")
         return Finding(r, "drops", f"probed: its {path} does not mention {marker}")
+    if r.with_form:
+        return Finding(r, "reads", "every release that serves this form reads it")
     if engine.version and r.since:
         if _version_tuple(engine.version) >= _version_tuple(r.since):
             return Finding(r, "reads", f"version {engine.version} >= {r.since}")
@@ -291,11 +295,12 @@ def describe(engine: Engine, form: str, finding: Finding) -> str:
 
 
 def remedy(engine: Engine, drops: list[Finding]) -> str:
-    pins = sorted({f.reading.since for f in drops if f.reading.since and not f.reading.never})
+    pins = sorted({f.reading.since for f in drops if f.reading.since and not f.reading.never}, key=_version_tuple)
+    name = "vLLM" if engine.name == VLLM else "SGLang"
     upgrade = (
-        f"upgrade {engine.name} to >= {pins[-1]}"
+        f"upgrade {name} to >= {pins[-1]}"
         if pins
-        else f"use a {engine.name} whose source reads it ({', '.join(sorted({f.reading.pr for f in drops}))})"
+        else f"use a {name} whose source reads it ({', '.join(sorted({f.reading.pr for f in drops}))})"
     )
     without = "; ".join(dict.fromkeys(WITHOUT[f.reading.feature] for f in drops))
     if all(f.reading.never for f in drops):
@@ -402,7 +407,7 @@ def check_published(folder: Path, say: Callable[[str], None], python: str | None
         raise UsageError(
             f"train.init_from {folder}: {convention[1]}; {SPECFORGE_NOTE}, so eaglekit would finetune it with the "
             "other feedback than it was trained with",
-            f"set \"norm_output\": false in {Path(folder) / 'config.json'} (what it was trained with), or use a "
+            f'set "norm_output": false in {Path(folder) / "config.json"} (what it was trained with), or use a '
             "checkpoint SpecForge made after #879",
         )
     if convention:
