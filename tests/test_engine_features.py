@@ -86,7 +86,7 @@ def run_config(tmp_path: Path, tiny_target: Path, checkpoint: Path, verify: dict
 REFUSAL = (
     "vLLM 0.21.0 at {venv} would serve the eagle3 form without fc_norm (probed: its "
     "model_executor/models/llama_eagle3.py does not mention fc_norm; read since vllm#42764, merged 2026-05-19; "
-    "first released in vllm 0.22.0 (v0.22.0 release notes))"
+    "first released in vLLM 0.22.0 (v0.22.0 release notes))"
 )
 
 
@@ -142,7 +142,7 @@ def test_a_version_string_alone_refuses_an_old_release_and_cannot_decide_an_unpi
     (vllm#38111, v0.19.0); SGLang's release with sglang#24663 is not pinned, so a version cannot decide: a warning."""
     old = features.Engine("vllm", "0.18.1", None, "http://gpu:8000")
     speculators = {"speculators_model_type": "eagle3", "transformer_layer_config": {}, "norm_before_fc": True}
-    with pytest.raises(EaglekitError, match=r"vllm#38111.*vllm 0\.19\.0") as refused:
+    with pytest.raises(EaglekitError, match=r"vllm#38111.*vLLM 0\.19\.0") as refused:
         features.check_forms(old, {"speculators": speculators}, "verify")
     assert "version 0.18.1 is older than 0.19.0" in refused.value.message
     assert features.check_forms(features.Engine("vllm", "0.32.0", None, "x"), {"s": speculators}, "verify") == []

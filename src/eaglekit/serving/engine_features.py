@@ -249,7 +249,8 @@ class Finding:
         r = self.reading
         if r.never:
             return "no release reads it"
-        release = f"first released in {r.engine} {r.since} ({r.since_source})" if r.since else "release not pinned"
+        name = "vLLM" if r.engine == VLLM else "SGLang"
+        release = f"first released in {name} {r.since} ({r.since_source})" if r.since else "release not pinned"
         return f"read since {r.pr}" + (f", merged {r.merged}" if r.merged else "") + f"; {release}"
 
 
@@ -288,6 +289,8 @@ def _assess_one(engine: Engine, r: Reading) -> Finding:
 
 def describe(engine: Engine, form: str, finding: Finding) -> str:
     r = finding.reading
+    if r.never:
+        return f"{engine.label} would serve the {form} form wrong: {r.never}"
     return (
         f"{engine.label} would serve the {form} form without {r.feature} ({finding.evidence}; {finding.minimum()}): "
         f"the drafter would run as if {r.feature} were off and accept far less than evaluated"

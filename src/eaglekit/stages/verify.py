@@ -742,26 +742,15 @@ def eagle31_flags(r: EngineReading) -> dict:
     )
 
 
-# The causes in CAUSES' order, as the pre-flight checks are: one function each, ``diagnose`` runs them all.
-DIAGNOSIS = (
-    aux_layer_ids,
-    norm_before_residual,
-    rope_settings,
-    d2t_offsets,
-    embedding_sharing,
-    eagle31_flags,
-    lambda r: engine_drops(r.cfg, r.folder),
-)
-
-
-def engine_drops(cfg: RunConfig, folder: Path) -> dict:
-    """Whether the measured engine reads every feature of the served config (serving/engine_features.py)."""
+def engine_drops(r: EngineReading | BlockReading) -> dict:
+    """Whether the measured engine reads every feature of the served config (serving/engine_features.py): the
+    cause of both families."""
     from eaglekit.serving import engine_features as features
 
-    engine = features.engine_for(cfg.verify.server, cfg.verify.python)
+    engine = features.engine_for(r.cfg.verify.server, r.cfg.verify.python)
     if engine is None:
         return cause_row(ENGINE_DROPS, False, "no engine to check against")
-    form, used = features.exported_features(read_json(folder / "config.json"))
+    form, used = features.exported_features(read_json(r.folder / "config.json"))
     findings = features.assess(engine, form, used)
     drops = [f for f in findings if f.status == "drops"]
     if drops:
@@ -773,6 +762,18 @@ def engine_drops(cfg: RunConfig, folder: Path) -> dict:
         False,
         f"{engine.label} reads {read}" + (f"; cannot tell for {', '.join(unknown)}" if unknown else ""),
     )
+
+
+# The causes in CAUSES' order, as the pre-flight checks are: one function each, ``diagnose`` runs them all.
+DIAGNOSIS = (
+    aux_layer_ids,
+    norm_before_residual,
+    rope_settings,
+    d2t_offsets,
+    embedding_sharing,
+    eagle31_flags,
+    engine_drops,
+)
 
 
 def read_json(path: Path) -> dict:
@@ -938,7 +939,7 @@ BLOCK_DIAGNOSIS = (
     block_rope,
     dspark_slots,
     known_engine_defect,
-    lambda r: engine_drops(r.cfg, r.folder),
+    engine_drops,
 )
 
 
