@@ -16,6 +16,10 @@ made the engine read it, and how eaglekit tells whether an engine has it:
   ``since_source`` says where that release comes from; where none could be pinned from the sources at hand
   (``since`` None), a version cannot decide and the check warns instead of refusing.
 
+SGLang's rows carry probes too, for an SGLang package eaglekit could read; it reaches SGLang only as a server today,
+so they decide by version, and warn (no SGLang release was pinned to its PRs from the sources at hand). A row with
+``never`` is refused on every version: no release reads the feature.
+
 A feature the engine would drop is a refusal naming the engine, the evidence, the PR and the first release with it.
 """
 
