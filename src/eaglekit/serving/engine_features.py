@@ -92,6 +92,10 @@ READINGS: tuple[Reading, ...] = (
             ("model_executor/models/llama.py", "layer_types")),
     Reading("dflash", VLLM, (DFLASH,), "qwen3_dflash.py", "", None, "",
             ("model_executor/models/qwen3_dflash.py", "dflash_config"), with_form=True),
+    # a windowed block drafter: every layer "sliding_attention" in layer_types, causal (qwen3_dflash.py's
+    # _resolve_layer_attention; DSpark's layers are DFlash's)
+    Reading("sliding_window", VLLM, (DFLASH, DSPARK), "vllm#46104 (SWA + DFlash)", "2026-07", "0.25.0",
+            "v0.25.0 release notes", ("model_executor/models/qwen3_dflash.py", "layer_types")),
     Reading("dspark", VLLM, (DSPARK,), "vllm#46995", "2026-07", "0.25.0", "v0.25.0 release notes",
             ("model_executor/models/qwen3_dspark.py", "markov"), with_form=True),
     Reading("fc_norm", SGLANG, (EAGLE3,), "sglang#24663 (a75b79e)", "2026-05-11", None, "",
@@ -131,10 +135,11 @@ WITHOUT = {
 def exported_features(config: dict) -> tuple[str, list[str]]:
     """(form, features) of an exported or published drafter's config.json, as the engines see it."""
     architectures = config.get("architectures") or []
+    window = ["sliding_window"] if _windowed(config) else []
     if "DFlashDraftModel" in architectures:
-        return DFLASH, [DFLASH]
+        return DFLASH, [DFLASH, *window]
     if "Qwen3DSparkModel" in architectures or config.get("speculators_model_type") == DSPARK:
-        return DSPARK, [DSPARK]
+        return DSPARK, [DSPARK, *window]
     speculators = "speculators_model_type" in config
     layer = config.get("transformer_layer_config") if speculators else config
     layer = layer if isinstance(layer, dict) else {}
@@ -164,7 +169,10 @@ def planned_forms(drafter_config: Any, formats: Iterable[str], k: int = 1) -> di
 
     if isinstance(drafter_config, DFlashConfig):
         dspark = type(drafter_config).__name__ == "DSparkConfig"
-        return {DSPARK if dspark else DFLASH: {"architectures": ["Qwen3DSparkModel" if dspark else "DFlashDraftModel"]}}
+        window = getattr(drafter_config, "sliding_window", None)  # block drafters have one on main since dflashwin
+        layers = {"layer_types": ["sliding_attention"], "sliding_window": window} if window else {}
+        architecture = "Qwen3DSparkModel" if dspark else "DFlashDraftModel"
+        return {DSPARK if dspark else DFLASH: {"architectures": [architecture], **layers}}
     out = {}
     for form in formats:
         if form == SPECULATORS:
