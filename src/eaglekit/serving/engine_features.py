@@ -169,7 +169,7 @@ def planned_forms(drafter_config: Any, formats: Iterable[str], k: int = 1) -> di
 
     if isinstance(drafter_config, DFlashConfig):
         dspark = type(drafter_config).__name__ == "DSparkConfig"
-        window = getattr(drafter_config, "sliding_window", None)  # block drafters have one on main since dflashwin
+        window = drafter_config.sliding_window
         layers = {"layer_types": ["sliding_attention"], "sliding_window": window} if window else {}
         architecture = "Qwen3DSparkModel" if dspark else "DFlashDraftModel"
         return {DSPARK if dspark else DFLASH: {"architectures": [architecture], **layers}}
