@@ -242,3 +242,34 @@ def test_a_dflash_drafters_diagnosis_names_block_causes_and_the_cpu_k_norm_defec
     suspects = {row["cause"]: row["detail"] for row in rows if row["status"] == "suspect"}
     assert "K [5] exceeds the 3 draft slots" in suspects["mask token / block size"]
     assert f"the drafter was trained on {aux}" in suspects["target_layer_ids"]
+
+
+def test_a_dspark_drafter_on_sglang_is_diagnosed_by_its_block_slot_convention(tmp_path, tiny_target):
+    """sglang#30261 tells DSpark's block-slot convention only by speculators_model_type: vLLM's form, which eaglekit
+    exports, has none, and the diagnosis says so instead of listing EAGLE's causes."""
+    from transformers import AutoConfig
+
+    from eaglekit.model.dflash import DFlashConfig
+    from eaglekit.model.dspark import DSparkConfig, DSparkDrafter
+    from eaglekit.model.dspark_checkpoint import save_dspark
+    from eaglekit.model.target import default_aux_layers
+    from eaglekit.stages.verify import diagnose
+
+    hf = AutoConfig.from_pretrained(tiny_target)
+    aux = default_aux_layers(hf.num_hidden_layers)
+    torch.manual_seed(0)
+    backbone = DFlashConfig.from_target_config(hf, aux, 0, num_hidden_layers=1, block_size=4)
+    drafter = DSparkDrafter(DSparkConfig(**backbone.to_dict(), markov_rank=4))
+    save_dspark(drafter, tmp_path / "drafter")
+    cfg = load_config(run_config(tmp_path, tiny_target, tmp_path / "drafter", {"engine": "vllm"}))
+    served = cfg.run_path / "export" / "dspark"
+    save_dspark(drafter, served)
+    rows = {row["cause"]: row for row in diagnose(cfg, served, "sglang", aux, [])}
+    assert "EAGLE 3.1 flags" not in rows and "aux-layer ids" not in rows
+    slots = rows["DSpark block-slot convention"]
+    assert (
+        slots["status"] == "suspect"
+        and "sglang#30261" in slots["detail"]
+        and "absent in this folder" in slots["detail"]
+    )
+    assert [c for c, row in rows.items() if row["status"] == "suspect"] == ["DSpark block-slot convention"]

@@ -910,13 +910,13 @@ def dspark_slots(r: BlockReading) -> dict:
         return cause_row(DSPARK_SLOTS, False, "DFlash: the anchor slot holds the verified token, the mask slots draft")
     if r.engine == "sglang":
         tagged = r.served.get("speculators_model_type") == "dspark"
+        found = "present" if tagged else "absent in this folder (vLLM's form): it drafts from the wrong slots"
         return cause_row(
             DSPARK_SLOTS,
             not tagged,
             "SGLang's DSpark loader (sglang#30261) tells its block-slot convention only by speculators_model_type "
-            + ("'dspark': present" if tagged else "'dspark', which this folder (vLLM's form) lacks: it drafts from the "
-               "wrong slots (acceptance about 1)"),
-        )  # fmt: skip
+            f"'dspark': {found}",
+        )
     anchor, bonus = r.served.get("sample_from_anchor", True), r.served.get("dspark_bonus_anchor", False)
     return cause_row(
         DSPARK_SLOTS,
