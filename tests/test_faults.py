@@ -21,6 +21,7 @@ from test_extract import offline, prepared_run
 from test_train import QUICK, metrics, train
 from test_train_ddp import free_port, torchrun_env
 
+from eaglekit import rundir
 from eaglekit.data import shards as sh
 from eaglekit.errors import EaglekitError
 from eaglekit.pipeline import make_context, run_stage
@@ -57,8 +58,8 @@ def test_a_shard_whose_bytes_changed_fails_trains_preflight_and_extract_redoes_o
     assert len(shards) >= 3 and files.feature_shard_contents in train_stage.checks(cfg)
 
     hashed: list[str] = []
-    real_sha = sh.sha256_file
-    monkeypatch.setattr(sh, "sha256_file", lambda path, *a: hashed.append(Path(path).name) or real_sha(path, *a))
+    real_sha = rundir.sha256_file  # the one hashing function of every content hash
+    monkeypatch.setattr(rundir, "sha256_file", lambda path, *a: hashed.append(Path(path).name) or real_sha(path, *a))
     first = files.feature_shard_contents(make_context(cfg, "train"))
     assert first.status == "ok" and "all hashed now" in first.detail, first.detail
     assert sorted(hashed) == [s.name for s in shards]
