@@ -23,7 +23,6 @@ from eaglekit.model.dspark import DSparkConfig
 from eaglekit.model.dspark_checkpoint import block_form, load_block_for_target
 from eaglekit.model.hub import cached_drafter, download_drafter, is_hub_id, local_folder
 from eaglekit.model.run_shapes import draft_settings, drafter_config, parameter_counts, target_and_aux
-from eaglekit.model.target import target_identity
 from eaglekit.preflight import CheckResult, disk, environment, fail, files, gpus, ok, skip, warn
 from eaglekit.preflight import checks as common
 from eaglekit.preflight.checks import human_bytes
@@ -41,7 +40,7 @@ MIN_SAMPLES = 100  # fewer training samples than this make a drafter that cannot
 def params(cfg: RunConfig) -> dict:
     # when checkpoints are written does not change the drafter: editing it must not make a run stale
     p = cfg.train.model_dump(exclude={"save_every_minutes"})
-    p["target"] = target_identity(cfg.target)
+    p |= files.read_identities(cfg, "target", "tokens", "vocab")
     p["eval_fraction"] = cfg.data.eval_fraction
     p["features"] = cfg.extract.mode
     if not cfg.extract.offline:  # the data order's blocks (offline: the shards, in extract's fingerprint)
