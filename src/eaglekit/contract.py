@@ -79,10 +79,12 @@ def measured_time(est: Estimate, sizes: Sizes, unit: str | None) -> None:
 @dataclass(frozen=True)
 class StaleCause:
     """Why a finished stage no longer matches the config: the first stage (in run order) whose own inputs or
-    parameters changed since it ran, what changed ("input: old → new"), the command that reruns from it, and the
+    parameters changed since it ran (``changed_in``) and what changed ("input: old → new"); the first stage
+    finished with other inputs (``stage``, usually the same one), the command that reruns from it, and the
     finished stages before it, which stay valid."""
 
     stage: str
+    changed_in: str
     changes: list[str]
     command: str
     kept: list[str]

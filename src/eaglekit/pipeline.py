@@ -340,18 +340,18 @@ def changed_parameters(run: RunDir, stage: str, cfg: RunConfig) -> list[str] | N
 
 def stale_cause(cfg: RunConfig, run: RunDir, stage: str) -> StaleCause | None:
     """Why finished ``stage`` is stale: the first stage up to it whose own parameters or inputs changed since it
-    finished (a target's weights, the tokens, a setting), with the command that reruns from there; None when no
-    stage's ledger entry says what changed."""
+    finished (a target's weights, the tokens, a setting), and the first stage finished with other inputs, from which
+    the command reruns; None when no stage's ledger entry says what changed."""
     memo: dict[str, str] = {}
     order = stages_for(cfg)
-    for s in order[: order.index(stage) + 1] if stage in order else []:
-        done = run.done_fingerprint(s)
-        if done is None or done == fingerprint(cfg, s, memo):
-            continue
+    upto = order[: order.index(stage) + 1] if stage in order else []
+    stale = [s for s in upto if run.done_fingerprint(s) not in (None, fingerprint(cfg, s, memo))]
+    for s in stale:
         changes = changed_parameters(run, s, cfg)
         if changes:
-            kept = [k for k in order[: order.index(s)] if run.is_done(k, fingerprint(cfg, k, memo))]
-            return StaleCause(s, changes, run_command(cfg, s), kept)
+            first = stale[0]
+            kept = [k for k in order[: order.index(first)] if run.is_done(k, fingerprint(cfg, k, memo))]
+            return StaleCause(first, s, changes, run_command(cfg, first), kept)
     return None
 
 

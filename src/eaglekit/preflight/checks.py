@@ -67,10 +67,9 @@ def upstream_done(ctx: StageContext) -> CheckResult:
         kept = f"{', '.join(cause.kept)} stay valid" if cause.kept else "no stage before it stays valid"
         return fail(
             "upstream",
-            f"stage '{up}' finished with other inputs than this config's (stale): since {cause.stage} ran, "
+            f"stage '{up}' finished with other inputs than this config's (stale): since {cause.changed_in} ran, "
             + "; ".join(cause.changes),
-            f"rerun from {cause.stage}, which read {'it' if len(cause.changes) == 1 else 'them'}: "
-            f"`{cause.command}` ({kept})",
+            f"rerun from {cause.stage}: `{cause.command}` ({kept})",
         )
     return ok("upstream", f"'{up}' done with this config's fingerprint")
 
