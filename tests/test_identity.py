@@ -6,6 +6,7 @@ stage that read it. One real offline run on a copy of the tiny target, copied pe
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 from pathlib import Path
@@ -75,6 +76,10 @@ def upstream(cfg, stage: str):
     return next(r for r in pipeline.run_preflight(pipeline.make_context(cfg, stage)) if r.name == "upstream")
 
 
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
 def flip_middle_byte(path: Path) -> None:
     with open(path, "r+b") as f:
         f.seek(path.stat().st_size // 2)
@@ -98,9 +103,9 @@ def test_a_healthy_copy_passes_and_a_rerun_hashes_nothing(copy, monkeypatch):
 def test_weights_changed_inside_a_shard_are_named_before_train_evaluate_and_export(copy):
     cfg = copy()
     shard = copy.root / "target" / "model.safetensors"
-    cheap, old = file_identity(shard), rundir.sha256_file(shard)
+    cheap, old = file_identity(shard), sha256(shard)
     flip_middle_byte(shard)  # same size, first and last MiB unchanged: the cheap identity does not see it
-    new = rundir.sha256_file(shard)
+    new = sha256(shard)
     assert file_identity(shard)["sha"] == cheap["sha"] and shard.stat().st_size == cheap["bytes"]
     for stage in CHECKED:
         result = upstream(cfg, stage)
@@ -125,7 +130,7 @@ def test_changed_aux_layers_are_named_with_old_and_new(copy):
 def test_replaced_tokens_and_vocabulary_are_named(copy):
     cfg = copy()
     vocab = copy.root / "run" / "vocab" / "vocab.safetensors"
-    old = rundir.sha256_file(vocab)
+    old = sha256(vocab)
     data = bytearray(vocab.read_bytes())
     data[-1] ^= 0x01  # a d2t entry changes; the file's origin record (its metadata) stays
     vocab.write_bytes(bytes(data))
@@ -150,4 +155,4 @@ def test_generate_records_the_local_targets_weights(copy):
     cfg.generate.backend = "local"
     shard = copy.root / "target" / "model.safetensors"
     weights = generate.params(cfg)["model"]["weights"]
-    assert weights == {"model.safetensors": rundir.sha256_file(shard)[:16]}
+    assert weights == {"model.safetensors": sha256(shard)[:16]}
