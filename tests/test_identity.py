@@ -156,3 +156,13 @@ def test_generate_records_the_local_targets_weights(copy):
     shard = copy.root / "target" / "model.safetensors"
     weights = generate.params(cfg)["model"]["weights"]
     assert weights == {"model.safetensors": sha256(shard)[:16]}
+
+
+def test_a_first_hash_shows_its_progress_and_a_rerun_does_not(copy, monkeypatch, capsys):
+    monkeypatch.setattr(rundir, "SHOW_HASHING_BYTES", 1)  # the tiny target's 5 MB count as large here
+    cfg = copy()  # a copy: new paths and inodes, so nothing is cached for it yet
+    capsys.readouterr()
+    assert upstream(cfg, "train").status == "ok"
+    assert "sha256 of the target's weights (hashed once; cached in" in capsys.readouterr().err
+    assert upstream(cfg, "train").status == "ok"
+    assert "sha256 of" not in capsys.readouterr().err
