@@ -7,9 +7,9 @@ of the file. The rules are safetensors' own (``SafeTensors::deserialize``): head
 and at most 100 MB, a JSON object, every tensor's span = its element count × its dtype's size, spans
 contiguous from 0, and the last one ending at the file's end.
 
-Also here: the content identities of what the later stages read (``target_identity``, ``tokens_identity``,
-``vocab_identity``): whole-file sha256, hashed once and cached in the run directory, that the stages record in
-their parameters — so a target whose weights change inside a shard, or tokens or a vocabulary replaced under the
+Also here: the content identities of what the later stages read (``read_identities``: the target's weights,
+the prepared tokens, the vocabulary): whole-file sha256, hashed once and cached in the run directory, that the
+stages record in their parameters — so a target whose weights change inside a shard, or tokens or a vocabulary replaced under the
 same name, makes the stages that read them stale, and pre-flight names the file, its old and new hash.
 
 Checked: the target's weights, a drafter to finetune (``train.init_from``) or to evaluate

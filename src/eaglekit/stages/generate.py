@@ -270,9 +270,9 @@ def served_prompt_check(cfg: RunConfig):
     kwargs = cfg.generate.extra_body.get("chat_template_kwargs") or {}
 
     def check(messages: list[dict], data: dict) -> str | None:
-        count = (data.get("usage") or {}).get("prompt_tokens")
         if tokenizer is None:
             return None
+        count = (data.get("usage") or {}).get("prompt_tokens")
         try:
             local = prompt_token_ids(tokenizer, messages, kwargs)
         except EaglekitError:

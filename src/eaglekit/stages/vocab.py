@@ -88,9 +88,8 @@ def select_draft_vocab(counts: torch.Tensor, draft_vocab_size: int) -> tuple[tor
 def run(ctx: StageContext) -> dict:
     cfg = ctx.cfg
     store = TokenStore(ctx.run.path / PREPARED_TOKENS)
-    origin = built_from(
-        ctx.run.path, cfg.vocab.model_dump()
-    )  # kept in the file, so a copy elsewhere is told from its own
+    # kept in the file, so a copy elsewhere is told from its own (the settings, without params' tokens hash)
+    origin = built_from(ctx.run.path, cfg.vocab.model_dump())
     vocab_size = target_vocab_size(cfg.target.model)
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for i in range(len(store)):
