@@ -302,3 +302,43 @@ def local_target_tokenizer(cfg):
     """The target's tokenizer (``target.*`` of a RunConfig) when it is a local folder, else None: never a download."""
     t = cfg.target
     return _load_tokenizer_cached(t.model, t.chat_template, t.trust_remote_code) if Path(t.model).is_dir() else None
+
+
+class ServedPrompts:
+    """A server's rendering of each prompt against the local one (the target's tokenizer and chat template, with
+    generate's ``chat_template_kwargs``), as generate's smoke request and every response judge it."""
+
+    def __init__(self, cfg):
+        try:
+            self.tokenizer = local_target_tokenizer(cfg)
+        except EaglekitError:
+            self.tokenizer = None  # the reasoning and prompt checks name the tokenizer's problem
+        self.kwargs = cfg.generate.extra_body.get("chat_template_kwargs") or {}
+
+    def local_ids(self, messages: list[dict]) -> list[int] | None:
+        """The prompt's ids as rendered here; None without the tokenizer or when the template refuses the prompt
+        (the prompt checks name that)."""
+        if self.tokenizer is None:
+            return None
+        try:
+            return prompt_token_ids(self.tokenizer, messages, self.kwargs)
+        except EaglekitError:
+            return None
+
+    def mismatch(self, local: list[int], response: dict, served_ids: list[int] | None = None) -> str | None:
+        """How the server's prompt differs from ``local``: by ``served_ids`` (e.g. from its /tokenize), else the ids
+        the response carries (vLLM's ``prompt_token_ids``), else its ``usage.prompt_tokens``."""
+        ids = served_ids if served_ids is not None else response_prompt_ids(response)
+        count = (response.get("usage") or {}).get("prompt_tokens")
+        return served_prompt_mismatch(self.tokenizer, local, count if isinstance(count, int) else None, ids)
+
+    def check(self, messages: list[dict], response: dict) -> str | None:
+        """A response's prompt against the local rendering (None also where nothing can be compared)."""
+        local = self.local_ids(messages)
+        return None if local is None else self.mismatch(local, response)
+
+
+def response_prompt_ids(response: dict) -> list[int] | None:
+    """The prompt's token ids a chat completion carries (vLLM's ``prompt_token_ids`` with return_token_ids)."""
+    ids = response.get("prompt_token_ids")
+    return ids if isinstance(ids, list) and all(type(t) is int for t in ids) else None

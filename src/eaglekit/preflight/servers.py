@@ -274,26 +274,19 @@ def served_template(ctx, root: str, key: str | None, messages: list[dict], data:
     """(how the server's rendering of the prompt differs from the local one, or None; what was compared). The
     server's own ids (``prompt_token_ids``, else its /tokenize on a mismatch of counts) show the first differing
     tokens; without them its ``usage.prompt_tokens`` is compared with the local count."""
-    from eaglekit.data.chat import prompt_token_ids, served_prompt_mismatch
-    from eaglekit.serving.client import response_prompt_ids, served_prompt_ids
+    from eaglekit.data.chat import ServedPrompts, response_prompt_ids
+    from eaglekit.serving.client import served_prompt_ids
 
-    try:
-        tokenizer = local_target_tokenizer(ctx.cfg)
-        kwargs = ctx.cfg.generate.extra_body.get("chat_template_kwargs") or {}
-        local = prompt_token_ids(tokenizer, messages, kwargs) if tokenizer is not None else None
-    except EaglekitError:
-        local = None  # the reasoning and prompt checks name the tokenizer's or template's problem
+    served = ServedPrompts(ctx.cfg)
+    local = served.local_ids(messages)
     if local is None:
         return None, "prompt tokens not compared (no local tokenizer of the target)"
-    served_ids = response_prompt_ids(data)
-    count = (data.get("usage") or {}).get("prompt_tokens")
-    count = count if isinstance(count, int) else None
-    if served_ids is None and count is None:
+    if response_prompt_ids(data) is None and not isinstance((data.get("usage") or {}).get("prompt_tokens"), int):
         return None, "prompt tokens not compared (the server reports none)"
-    problem = served_prompt_mismatch(tokenizer, local, count, served_ids)
-    if problem and served_ids is None:
-        ids = served_prompt_ids(root, key, ctx.cfg.generate.model, messages, kwargs)
-        problem = (served_prompt_mismatch(tokenizer, local, None, ids) if ids is not None else None) or problem
+    problem = served.mismatch(local, data)
+    if problem and response_prompt_ids(data) is None:  # the server's own ids, where it has /tokenize
+        ids = served_prompt_ids(root, key, ctx.cfg.generate.model, messages, served.kwargs)
+        problem = (served.mismatch(local, data, ids) if ids is not None else None) or problem
     return problem, (
         f"the prompt's {len(local)} tokens as rendered here" + ("" if problem else ", as the server renders it")
     )

@@ -363,9 +363,3 @@ def served_prompt_ids(
         return None
     tokens = data.get("tokens") if status == 200 and isinstance(data, dict) else None
     return tokens if isinstance(tokens, list) and all(type(t) is int for t in tokens) else None
-
-
-def response_prompt_ids(data: dict) -> list[int] | None:
-    """The prompt's token ids a chat completion carries (vLLM's ``prompt_token_ids`` with return_token_ids)."""
-    ids = data.get("prompt_token_ids")
-    return ids if isinstance(ids, list) and all(type(t) is int for t in ids) else None

@@ -24,7 +24,7 @@ from typing import Any
 
 from eaglekit.config import RunConfig
 from eaglekit.contract import Estimate, Sizes, Stage, StageContext
-from eaglekit.data.chat import TEMPLATE_REMEDY
+from eaglekit.data.chat import TEMPLATE_REMEDY, ServedPrompts
 from eaglekit.data.prompts import PromptRecord, run_prompts
 from eaglekit.data.reasoning import explain_missing_reasoning, target_reasoning_mode
 from eaglekit.data.responses import RESPONSES, ResponseStore, make_record, quick_counts, summarize
@@ -257,39 +257,12 @@ class Collector:
 # --- the backends' loops -----------------------------------------------------------------------------
 
 
-def served_prompt_check(cfg: RunConfig):
-    """``check(messages, response) -> problem or None``: the server's prompt token count (or ids) of a response
-    against the local rendering with the target's chat template; never a problem without the tokenizer here."""
-    from eaglekit.data.chat import local_target_tokenizer, prompt_token_ids, served_prompt_mismatch
-    from eaglekit.serving.client import response_prompt_ids
-
-    try:
-        tokenizer = local_target_tokenizer(cfg)
-    except EaglekitError:
-        tokenizer = None
-    kwargs = cfg.generate.extra_body.get("chat_template_kwargs") or {}
-
-    def check(messages: list[dict], data: dict) -> str | None:
-        if tokenizer is None:
-            return None
-        count = (data.get("usage") or {}).get("prompt_tokens")
-        try:
-            local = prompt_token_ids(tokenizer, messages, kwargs)
-        except EaglekitError:
-            return None
-        return served_prompt_mismatch(
-            tokenizer, local, count if isinstance(count, int) else None, response_prompt_ids(data)
-        )
-
-    return check
-
-
 async def generate_openai(cfg: RunConfig, pending: list[PromptRecord], collector: Collector, notes: list[str]) -> None:
     """Send every pending prompt; ``notes`` gets a line per server that was taken out of rotation."""
     from eaglekit.serving.client import ChatClient, RequestFailed, api_key_from_env
 
     queue = list(reversed(pending))
-    served_prompt = served_prompt_check(cfg)
+    served = ServedPrompts(cfg)  # each response's prompt tokens against the local rendering
 
     async with ChatClient(cfg.generate, api_key_from_env(cfg.generate.api_key_env, "generate.api_key_env")) as client:
 
@@ -303,7 +276,7 @@ async def generate_openai(cfg: RunConfig, pending: list[PromptRecord], collector
                     continue
                 choice = reply.data["choices"][0]
                 usage = reply.data.get("usage") or {}
-                collector.served_prompt(prompt.id, served_prompt(prompt.messages, reply.data))
+                collector.served_prompt(prompt.id, served.check(prompt.messages, reply.data))
                 collector.add(
                     *make_record(
                         prompt.id,
