@@ -272,8 +272,8 @@ def render_check(ctx, record: dict) -> str | None:
 
 def served_template(ctx, root: str, key: str | None, messages: list[dict], data: dict) -> tuple[str | None, str]:
     """(how the server's rendering of the prompt differs from the local one, or None; what was compared). The
-    server's own ids (``prompt_token_ids``, else its /tokenize on a mismatch of counts) show the first differing
-    tokens; without them its ``usage.prompt_tokens`` is compared with the local count."""
+    server's own ids — the response's ``prompt_token_ids``, else its /tokenize — show the first differing tokens
+    (also of renderings of equal length); a server with neither is judged by its ``usage.prompt_tokens``."""
     from eaglekit.data.chat import ServedPrompts, response_prompt_ids
     from eaglekit.serving.client import served_prompt_ids
 
@@ -281,14 +281,15 @@ def served_template(ctx, root: str, key: str | None, messages: list[dict], data:
     local = served.local_ids(messages)
     if local is None:
         return None, "prompt tokens not compared (no local tokenizer of the target)"
-    if response_prompt_ids(data) is None and not isinstance((data.get("usage") or {}).get("prompt_tokens"), int):
-        return None, "prompt tokens not compared (the server reports none)"
-    problem = served.mismatch(local, data)
-    if problem and response_prompt_ids(data) is None:  # the server's own ids, where it has /tokenize
+    ids = response_prompt_ids(data)
+    if ids is None:
         ids = served_prompt_ids(root, key, ctx.cfg.generate.model, messages, served.kwargs)
-        problem = (served.mismatch(local, data, ids) if ids is not None else None) or problem
-    return problem, (
-        f"the prompt's {len(local)} tokens as rendered here" + ("" if problem else ", as the server renders it")
+    if ids is None and not isinstance((data.get("usage") or {}).get("prompt_tokens"), int):
+        return None, "prompt tokens not compared (the server reports none)"
+    problem = served.mismatch(local, data, ids)
+    how = "token ids" if ids is not None else "token count"
+    return problem, f"the prompt's {len(local)} tokens as rendered here" + (
+        "" if problem else f", the server's {how} the same"
     )
 
 
