@@ -150,6 +150,20 @@ def test_replaced_tokens_and_vocabulary_are_named(copy):
     assert "--from vocab --force" in result.remedy and "(generate, prepare stay valid)" in result.remedy
 
 
+def test_responses_changed_after_prepare_are_named(copy):
+    cfg = copy()
+    responses = copy.root / "run" / "generate" / "responses.jsonl"
+    old = sha256(responses)
+    lines = responses.read_text().splitlines(keepends=True)
+    responses.write_text("".join(lines[:-1]))  # e.g. a sample dropped, or another run's file copied in
+    result = upstream(cfg, "train")
+    assert result.status == "fail"
+    assert f"since prepare ran, the generated responses (generate/responses.jsonl): sha256 {old[:12]} → " in (
+        result.detail
+    )
+    assert "`eaglekit run CONFIG --from prepare --force` (generate stays valid)" in result.remedy
+
+
 def test_generate_records_the_local_targets_weights(copy):
     cfg = copy()
     cfg.generate.backend = "local"

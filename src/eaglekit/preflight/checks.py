@@ -64,7 +64,11 @@ def upstream_done(ctx: StageContext) -> CheckResult:
                 f"stage '{up}' finished with other inputs or parameters than this config's (stale)",
                 f"rerun the stages up to it: `{ctx.command_to_reach(up)}`",
             )
-        kept = f"{', '.join(cause.kept)} stay valid" if cause.kept else "no stage before it stays valid"
+        kept = (
+            f"{', '.join(cause.kept)} stay{'s' * (len(cause.kept) == 1)} valid"
+            if cause.kept
+            else "no stage before it stays valid"
+        )
         return fail(
             "upstream",
             f"stage '{up}' finished with other inputs than this config's (stale): since {cause.changed_in} ran, "

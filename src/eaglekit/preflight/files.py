@@ -32,6 +32,7 @@ from typing import NamedTuple
 from eaglekit import rundir
 from eaglekit.config import RunConfig
 from eaglekit.contract import StageContext
+from eaglekit.data.responses import RESPONSES
 from eaglekit.data.vocab import PREPARED_TOKENS, VOCAB
 from eaglekit.preflight import CheckResult, fail, ok, skip, warn, will_be_produced
 from eaglekit.preflight.checks import human_bytes
@@ -335,6 +336,7 @@ INPUT_NAMES = (
     (re.compile(r"(target|model)\.weights\.(?P<file>.+)"), "the target's weights ({file})"),
     (re.compile(r"(target|model)\.files\.(?P<file>.+)"), "the target's {file}"),
     (re.compile(r"(target|model)\.(?P<field>aux_layers|dtype)"), "`target.{field}`"),
+    (re.compile(r"responses"), f"the generated responses (generate/{RESPONSES})"),
     (re.compile(r"tokens"), f"the prepared tokens ({PREPARED_TOKENS})"),
     (re.compile(r"vocab"), f"the vocabulary (vocab/{VOCAB})"),
 )
@@ -342,10 +344,13 @@ INPUT_NAMES = (
 
 def read_identities(cfg: RunConfig, *inputs: str) -> dict:
     """The parameters a stage records for what it reads of ``inputs``: "target" (its weights shard by shard, its
-    files and dtype, and ``target.aux_layers``), "tokens" (prepare's), "vocab" (the vocab stage's)."""
+    files and dtype, and ``target.aux_layers``), "responses" (generate's), "tokens" (prepare's), "vocab" (the vocab
+    stage's)."""
     out: dict = {}
     if "target" in inputs:
         out["target"] = {**target_identity(cfg), "aux_layers": cfg.target.aux_layers}
+    if "responses" in inputs:
+        out["responses"] = output_identity(cfg, Path("generate") / RESPONSES)
     if "tokens" in inputs:
         out["tokens"] = output_identity(cfg, PREPARED_TOKENS)
     if "vocab" in inputs:
