@@ -71,8 +71,8 @@ def upstream_done(ctx: StageContext) -> CheckResult:
         )
         return fail(
             "upstream",
-            f"stage '{up}' finished with other inputs than this config's (stale): since {cause.changed_in} ran, "
-            + "; ".join(cause.changes),
+            f"stage '{up}' finished with other inputs or parameters than this config's (stale): since "
+            f"{cause.changed_in} ran, " + "; ".join(cause.changes),
             f"rerun from {cause.stage}: `{cause.command}` ({kept})",
         )
     return ok("upstream", f"'{up}' done with this config's fingerprint")
