@@ -123,7 +123,7 @@ def test_changed_aux_layers_are_named_with_old_and_new(copy):
     cfg = copy(aux_layers=[1, 3, 6])
     result = upstream(cfg, "train")
     assert result.status == "fail"
-    assert "since extract ran, `target.aux_layers`: unset → [1, 3, 6]" in result.detail, result.detail
+    assert "since extract ran, `target.aux_layers`: unset (the default) → [1, 3, 6]" in result.detail, result.detail
     assert "--from extract --force" in result.remedy
 
 

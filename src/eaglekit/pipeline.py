@@ -363,7 +363,10 @@ def _change(stage: str, key: str, old: Any, new: Any) -> str:
         found = pattern.fullmatch(key)
         if found:
             hashed = isinstance(old, str | None) and isinstance(new, str | None) and "{field}" not in words
-            shown = [("sha256 " + v[:12] if v else "absent") if hashed else _short(v) for v in (old, new)]
+            shown = [
+                ("sha256 " + v[:12] if v else "absent") if hashed else "unset (the default)" if v is None else _short(v)
+                for v in (old, new)
+            ]
             return f"{words.format(**found.groupdict())}: {shown[0]} → {shown[1]}"
     return f"{stage}.{key}: {_short(old)} → {_short(new)}"
 
