@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 from fake_vllm import FakeVLLM
+from test_aware import REPO, hub_target  # noqa: F401 - the fixture: the tiny target in a hub cache, offline
 from test_generate_openai import MODEL, config_dict, preflight, run
 
 from eaglekit.config import parse_config
@@ -89,3 +90,12 @@ def test_a_matching_server_counts_no_mismatch(tmp_path, tiny_target, server):
     fake = server()
     out = run(config(tmp_path, tiny_target, fake.url, n=6), skip_preflight=True)
     assert out["counts"]["template_mismatch"] == 0 and not out["warnings"]
+
+
+def test_a_hub_id_target_in_the_cache_is_compared_too(tmp_path, hub_target, server):  # noqa: F811
+    fake = server(system_prompt=SYSTEM, tokenize=True)
+    data = config_dict(tmp_path, [fake.url], 4, return_token_ids=False)
+    data["target"] = {"model": REPO}  # read from its cached snapshot, offline
+    bad = failed(preflight(parse_config(data, base_dir=tmp_path)))
+    assert [r.name for r in bad] == [f"smoke request {fake.url}"]
+    assert "they first differ at token" in bad[0].detail

@@ -299,9 +299,15 @@ def _load_tokenizer_cached(model: str, template: str | None, trust_remote_code: 
 
 
 def local_target_tokenizer(cfg):
-    """The target's tokenizer (``target.*`` of a RunConfig) when it is a local folder, else None: never a download."""
+    """The target's tokenizer (``target.*`` of a RunConfig) when its files are here — a folder, or a hub id's cached
+    snapshot — else None: never a download."""
+    from eaglekit.model.hub import model_folder
+
     t = cfg.target
-    return _load_tokenizer_cached(t.model, t.chat_template, t.trust_remote_code) if Path(t.model).is_dir() else None
+    folder = model_folder(t.model)
+    if folder is None or not folder.is_dir():
+        return None
+    return _load_tokenizer_cached(str(folder), t.chat_template, t.trust_remote_code)
 
 
 class ServedPrompts:
