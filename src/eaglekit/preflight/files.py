@@ -499,7 +499,7 @@ def feature_shards(ctx: StageContext) -> CheckResult:
 
     name = "feature shards"
     if not ctx.cfg.extract.offline:
-        return skip(name, "online mode: no stored features")
+        return skip(name, f"{ctx.cfg.extract.mode} mode: no stored features")
     pending = will_be_produced(ctx, name, "extract")
     if pending:
         return pending
@@ -541,7 +541,7 @@ def feature_shard_contents(ctx: StageContext) -> CheckResult:
 
     name = "feature shard contents"
     if not ctx.cfg.extract.offline:
-        return skip(name, "online mode: no stored features")
+        return skip(name, f"{ctx.cfg.extract.mode} mode: no stored features")
     pending = will_be_produced(ctx, name, "extract")
     if pending:
         return pending
