@@ -26,6 +26,7 @@ from eaglekit.model.dflash import DFlashConfig, DFlashDrafter
 from eaglekit.model.drafter import text_config
 from eaglekit.model.run_shapes import target_and_aux
 from eaglekit.progress import console
+from eaglekit.serving.engine_features import export_check
 from eaglekit.training.context_parallel import ContextGroup
 from eaglekit.training.dflash import BlockObjective
 from eaglekit.training.memory import StepMemory
@@ -207,6 +208,7 @@ class DFlashFamily:
         drafter, info, _, _ = load(cfg)
         form = self.forms[0]
         dest = ctx.dir / form
+        export_check(cfg, drafter.config, [form])  # refuses a form the installed engine would serve wrong
         with atomic.atomic_dir(dest) as tmp:
             self.save_exported(drafter, tmp)
             again = self.load_for_target(cfg, tmp)

@@ -31,6 +31,7 @@ from eaglekit.model.drafter import FLAGS, DrafterConfig, Eagle3Drafter, rope_fro
 from eaglekit.model.run_shapes import target_and_aux
 from eaglekit.model.target import embedding_and_head
 from eaglekit.progress import console
+from eaglekit.serving.engine_features import export_check
 from eaglekit.training.context_parallel import ContextGroup
 from eaglekit.training.fused import compile_drafter, step_kernels
 from eaglekit.training.init import build_drafter
@@ -373,6 +374,7 @@ def export_eagle3(family: Eagle3Family, ctx: StageContext, load: LoadChecked) ->
             "retrain the drafter with this target's config (its RoPE settings are copied at train time)",
         )
     formats, warnings = forms_to_write(family, requested)
+    warnings += export_check(cfg, drafter.config, formats)  # refuses a feature the installed engine would drop
     ignored = checkpoints.sglang_ignores(drafter.config)
     if ignored:
         warnings.append(

@@ -127,3 +127,11 @@ def load_for_target(path: str | Path, target_model: str, trust_remote_code: bool
 
 def serve_command(target: str, folder: Path, k: int) -> str:
     return block.serve_command(target, folder, k, method="dspark")
+
+
+def block_form(path: str | Path) -> str | None:
+    """The block-drafter form a folder holds (``dflash``, ``dspark``), or None (verify and the engine-feature
+    checks still ask it; the pipeline's own code asks drafters/registry.family_of_folder)."""
+    if is_dspark_checkpoint(path):
+        return FORM
+    return block.FORM if block.is_dflash_checkpoint(path) else None

@@ -20,7 +20,6 @@ from eaglekit.data.vocab import vocab_origin
 from eaglekit.drafters.registry import family_named, family_of_folder, parameter_counts
 from eaglekit.errors import EaglekitError
 from eaglekit.model.hub import cached_drafter, download_drafter, is_hub_id, local_folder
-from eaglekit.model.target import target_identity
 from eaglekit.preflight import CheckResult, disk, environment, fail, feature_servers, files, gpus, ok, skip, warn
 from eaglekit.preflight import checks as common
 from eaglekit.preflight.checks import human_bytes
@@ -40,7 +39,7 @@ def params(cfg: RunConfig) -> dict:
     # when checkpoints are written does not change the drafter, nor how many ranks split each row (the step is the
     # same computed either way, tests/test_context_parallel.py): editing them must not make a run stale
     p = cfg.train.model_dump(exclude={"save_every_minutes", "context_parallel"})
-    p["target"] = target_identity(cfg.target)
+    p |= files.read_identities(cfg, "target", "tokens", "vocab")
     p["eval_fraction"] = cfg.data.eval_fraction
     p["features"] = cfg.extract.mode
     if cfg.extract.streamed:  # the rows are encoded as extract would store them (fp8 rounds them)
