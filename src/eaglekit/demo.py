@@ -36,7 +36,7 @@ def demo_config(target: Path, offline: bool = False) -> dict[str, Any]:
             "warmup_steps": 10,
             "eval_every": 60,
             "save_every": 60,
-            "ttt_steps": 4,
+            "ttt": {"steps": 4},
             "draft": {"intermediate_size": 256},
         },
         # Greedy only: the tiny target is all but deterministic on its own replies (measured on these 8 prompts:

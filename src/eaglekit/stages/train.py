@@ -72,15 +72,16 @@ def packing(ctx: StageContext):
 
 def anchor(ctx: StageContext):
     tc = ctx.cfg.train
-    if not tc.anchor_weight:
-        return skip("anchor", "train.anchor_weight is 0: no pull toward the starting weights")
+    weight = tc.ttt.anchor_weight
+    if not weight:
+        return skip("anchor", "train.ttt.anchor_weight is 0: no pull toward the starting weights")
     if not tc.init_from:
         return warn(
             "anchor",
-            f"train.anchor_weight {tc.anchor_weight} without train.init_from pulls toward the random initialisation",
+            f"train.ttt.anchor_weight {weight} without train.init_from pulls toward the random initialisation",
             "set train.init_from to the drafter to finetune, or anchor_weight: 0",
         )
-    return ok("anchor", f"L2-SP pull toward {tc.init_from}: anchor_weight {tc.anchor_weight}")
+    return ok("anchor", f"L2-SP pull toward {tc.init_from}: anchor_weight {weight}")
 
 
 def draft_vocab_origin(ctx: StageContext):
@@ -288,7 +289,7 @@ def row_tokens(cfg: RunConfig) -> int:
 
 def step_memory_both(cfg: RunConfig) -> tuple[StepMemory, StepMemory] | None:
     """One training step's memory on a GPU (bf16 autocast) at the longest micro-batch, without and with
-    train.activation_checkpointing; None for a block drafter (not modelled) or a finetune (its own shape)."""
+    train.ttt.activation_checkpointing; None for a block drafter (not modelled) or a finetune (its own shape)."""
     if cfg.train.draft.architecture in BLOCK_ARCHITECTURES or cfg.train.init_from:
         return None
     dc = drafter_config(cfg)
@@ -299,7 +300,7 @@ def step_memory_both(cfg: RunConfig) -> tuple[StepMemory, StepMemory] | None:
         trainable -= dc.draft_vocab_size * dc.hidden_size
     n = row_tokens(cfg)
     return tuple(  # type: ignore[return-value]
-        step_memory(dc, n, cfg.train.ttt_steps, trainable=trainable, frozen=total - trainable, checkpoint=ckpt)
+        step_memory(dc, n, cfg.train.ttt.steps, trainable=trainable, frozen=total - trainable, checkpoint=ckpt)
         for ckpt in (False, True)
     )
 
@@ -322,7 +323,7 @@ def step_memory_check(ctx: StageContext):
     if both is None:
         return skip("step memory", "modelled for a fresh EAGLE-3 drafter only")
     plain, recomputed = both
-    chosen = recomputed if cfg.train.activation_checkpointing else plain
+    chosen = recomputed if cfg.train.ttt.activation_checkpointing else plain
     smallest = min(gpus.visible(found) or found, key=lambda g: g.total)
     on_gpu = gpus.need_per_gpu(ctx, [smallest]) if not cfg.extract.offline and not cfg.target.device_map else None
     target = on_gpu[0] if on_gpu else 0  # online: the target shares the GPU
@@ -333,8 +334,8 @@ def step_memory_check(ctx: StageContext):
     if chosen.total + target <= smallest.total:
         return ok("step memory", f"{detail}; GPU {smallest.index} has {human_bytes(smallest.total)}")
     remedies = []
-    if not cfg.train.activation_checkpointing and recomputed.total + target <= smallest.total:
-        remedies.append(f"train.activation_checkpointing: true ({human_bytes(recomputed.total)} a step)")
+    if not cfg.train.ttt.activation_checkpointing and recomputed.total + target <= smallest.total:
+        remedies.append(f"train.ttt.activation_checkpointing: true ({human_bytes(recomputed.total)} a step)")
     remedies.append("shorter rows (prepare.max_length / train.pack_length) or train.batch_size: 1")
     if target:
         remedies.append("offline features (extract.mode: offline), so the target is not on the GPU while training")
@@ -376,7 +377,7 @@ def estimate(ctx: StageContext, sizes: Sizes | None) -> Estimate:
     if both is not None:
         n = row_tokens(cfg)
         est.how.append(f"GPU memory of a step at {n:,} tokens (bf16): {memory_line(both[0], n)}")
-        est.how.append(f"  with train.activation_checkpointing: {human_bytes(both[1].total)}")
+        est.how.append(f"  with train.ttt.activation_checkpointing: {human_bytes(both[1].total)}")
     tokens, rate = sizes.tokens, sizes.train_tok_per_s
     if tokens is not None and rate:
         est.seconds = tokens * (1 - cfg.data.eval_fraction) * cfg.train.epochs / rate

@@ -247,11 +247,11 @@ def objective_for(
     if isinstance(drafter, DFlashDrafter):  # DFlash or DSpark
         objective = block_objective(drafter, tc.draft)
         return objective, objective.positions, [1.0] * objective.positions, f"{drafter.family} block objective"
-    kernels = step_kernels(tc.attention, tc.head_loss, device, tc.activation_checkpointing)
-    if tc.compile:
+    kernels = step_kernels(tc.ttt.attention, tc.ttt.head_loss, device, tc.ttt.activation_checkpointing)
+    if tc.ttt.compile:
         compile_drafter(drafter)
-    ttt = TTT.from_config(drafter, tc, kernels)
-    return ttt, tc.ttt_steps, ttt.step_weights, kernels.describe() + (", drafter compiled" if tc.compile else "")
+    ttt = TTT(drafter, tc.ttt, kernels)
+    return ttt, tc.ttt.steps, ttt.step_weights, kernels.describe() + (", drafter compiled" if tc.ttt.compile else "")
 
 
 def uses_bf16(dtype: str, device: torch.device) -> bool:
@@ -318,7 +318,7 @@ def train_row(r: dict, done: int, batches: RunBatches, tc, lr: float, grad_norm:
         "grad_norm": grad_norm,
         "tokens": progress.tokens,
         "seconds": round(seconds, 2),
-        **({"anchor_distance": math.sqrt(r["anchor"])} if tc.anchor_weight else {}),
+        **({"anchor_distance": math.sqrt(r["anchor"])} if tc.ttt.anchor_weight else {}),
     }
 
 
