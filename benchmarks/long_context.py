@@ -49,7 +49,7 @@ def config(target: Path, train_file: Path, eval_file: Path, run_dir: Path, windo
         "prepare": {"max_length": 2048},
         "vocab": {"draft_vocab_size": 80},
         "train": {"max_steps": steps, "batch_size": 4, "lr": 3e-3, "warmup_steps": 10, "eval_every": steps,
-                  "save_every": steps, "ttt_steps": 4, "seed": seed, "draft": draft},
+                  "save_every": steps, "ttt": {"steps": 4}, "seed": seed, "draft": draft},
         "evaluate": {"prompts": str(eval_file), "num_samples": 10_000, "num_speculative_tokens": [k],
                      "temperatures": [0.0], "max_new_tokens": 96},
         "export": {"verifier": None},

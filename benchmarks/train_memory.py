@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from eaglekit.config import TTTConfig
 from eaglekit.model.drafter import DrafterConfig, Eagle3Drafter
 from eaglekit.training.fused import step_kernels
 from eaglekit.training.memory import step_memory
@@ -76,7 +77,9 @@ def run_case(shape: str, length: int, checkpoint: bool, device: str) -> dict:
         with torch.no_grad():  # the target's logits over the draft vocabulary, from its final state (offline)
             logits = (last @ drafter.lm_head.weight.to(store).T).to(store)
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16):
-            out = ttt_loss(drafter, aux, ids, logits, torch.ones_like(ids), steps=STEPS, kernels=kernels)
+            out = ttt_loss(
+                drafter, aux, ids, logits, torch.ones_like(ids), settings=TTTConfig(steps=STEPS), kernels=kernels
+            )
         out.loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

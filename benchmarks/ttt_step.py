@@ -46,6 +46,7 @@ import argparse
 import dataclasses
 import gc
 import importlib.util
+import inspect
 import json
 import os
 import statistics
@@ -58,6 +59,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # the working tree's eaglekit, installed or not
+from eaglekit.config import TTTConfig  # noqa: E402
 from eaglekit.model.drafter import DrafterConfig, Eagle3Drafter, build_d2t_t2d  # noqa: E402
 from eaglekit.training.fused import REFERENCE, StepKernels, compile_drafter, compiled_chunk, step_kernels  # noqa: E402
 from eaglekit.training.ttt import ttt_loss  # noqa: E402
@@ -199,6 +201,14 @@ def variant_kernels(variant: str, device: str) -> tuple[StepKernels, bool]:
     return kernels, variant == "compiled"
 
 
+def step_settings(loss_fn, steps: int) -> dict:
+    """The TTT settings as ``loss_fn`` takes them: one train.ttt section now, steps and decay at an older commit
+    (--baseline)."""
+    if "settings" in inspect.signature(loss_fn).parameters:
+        return {"settings": TTTConfig(steps=steps, decay=DECAY)}
+    return {"steps": steps, "decay": DECAY}
+
+
 def eaglekit_side(
     s: Shape,
     batch: dict,
@@ -231,8 +241,7 @@ def eaglekit_side(
             ids[:, :length],
             target_logits,
             loss_mask[:, :length],
-            steps=s.steps,
-            decay=DECAY,
+            **step_settings(loss_fn, s.steps),
             target_in_draft=in_draft,
             **({"kernels": kernels} if kernels is not REFERENCE else {}),  # --baseline's older ttt_loss lacks it
         )
@@ -559,8 +568,7 @@ def eaglekit_grads(s: Shape, batch: dict, device: str, dtype: torch.dtype, varia
         ids,
         target_logits,
         batch["loss_mask"].to(device),
-        steps=s.steps,
-        decay=DECAY,
+        settings=TTTConfig(steps=s.steps, decay=DECAY),
         target_in_draft=in_draft,
         position_ids=batch["position_ids"].to(device) if "position_ids" in batch else None,
         kernels=kernels,
