@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import warnings
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from eaglekit.config import (
     RunConfig,
     Section,
     ServerPoolConfig,
+    TTTConfig,
     VllmFeaturesConfig,
     load_config,
     parse_config,
@@ -361,3 +363,18 @@ def test_an_old_and_a_new_spelling_of_one_key_together_are_refused(tmp_path):
     both = {**BASE, "train": {"ttt_steps": 3, "ttt": {"steps": 5}}}
     with pytest.raises(UsageError, match=r"train.ttt_steps and train.ttt.steps are both set: keep train.ttt.steps"):
         load_config(write_config(tmp_path / "c.yaml", both))
+
+
+def test_a_config_eaglekit_wrote_before_loads_as_it_was(tmp_path):
+    """RUN_DIR/config.yaml of an earlier eaglekit is a full dump in the flat spelling, lk_eta 3.0 beside kl_div
+    included (here a real one: the train section the τ race recorded in benchmarks/race-ledger.jsonl)."""
+    ledger = Path(__file__).resolve().parents[1] / "benchmarks" / "race-ledger.jsonl"
+    written = json.loads(ledger.read_text().splitlines()[0])["settings"]["eaglekit"]
+    assert written["lk_eta"] == 3.0 and written["loss"] == "kl_div" and "ttt_steps" in written
+    with pytest.warns(ConfigDeprecation):
+        cfg = load_config(write_config(tmp_path / "c.yaml", {**BASE, "train": written}))
+    assert cfg.train.ttt == TTTConfig(steps=4)
+    with pytest.warns(ConfigDeprecation):  # and as a block drafter's: every TTT key at its default asks nothing
+        load_config(
+            write_config(tmp_path / "c.yaml", {**BASE, "train": {**written, "draft": {"architecture": "dflash"}}})
+        )

@@ -17,7 +17,7 @@ import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
-from eaglekit.divergences import KLDiv, LossChoice, loss_reference
+from eaglekit.divergences import KLDiv, LKHybrid, LossChoice, loss_reference
 from eaglekit.errors import UsageError
 
 # What users type for a dtype, and the name eaglekit (and torch) uses for it.
@@ -504,6 +504,10 @@ class TrainConfig(Section):
     @model_validator(mode="before")
     @classmethod
     def _old_spellings(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("lk_eta") == LKHybrid().eta and data.get("loss") != LKHybrid().name:
+            # a config eaglekit wrote before (RUN_DIR/config.yaml) holds the default lk_eta beside every loss: it
+            # asked nothing there, so it is dropped rather than refused as another loss's parameter
+            data = {key: value for key, value in data.items() if key != "lk_eta"}
         return move_old_spellings(data, TTT_MOVED, "train")
 
     @model_validator(mode="after")
