@@ -1,5 +1,5 @@
 """Training benchmark: the memory model of `plan` and the train pre-flight (``training/memory.py``) against the
-measured peak of real TTT steps, with and without ``train.activation_checkpointing``.
+measured peak of real TTT steps, with and without ``train.ttt.activation_checkpointing``.
 
 For each shape and row length it builds the drafter (EAGLE-3, Llama layer, EAGLE 3.1 flags), runs a warm step on a
 short row (so that gradients and AdamW's moments exist), then one step on the full row, and reports the peak

@@ -24,10 +24,10 @@ on CUDA torch.cuda.max_memory_allocated.
     python benchmarks/ttt_step.py --baseline d3cd37f --eaglekit-only          # this tree vs eaglekit's TTT at a commit
 
 eaglekit's kernels (``--variants``): "reference" (the side "eaglekit": ttt.py's own attention and loss.py's head
-loss, the CPU path), "fused" (training/fused.py's kernels for the device, as train.attention / train.head_loss
+loss, the CPU path), "fused" (training/fused.py's kernels for the device, as train.ttt.attention / train.ttt.head_loss
 auto pick them: flex attention and the compiled head loss on CUDA; on the CPU, which has no flex backward, SDPA
 for step 0 and the compiled head loss, so the CPU dry run goes through the same code), "compiled" (fused, and
-the drafter compiled as train.compile does). A side that fails is dropped with its error; the others go on.
+the drafter compiled as train.ttt.compile does). A side that fails is dropped with its error; the others go on.
 ``--speculators-mode`` picks speculators' own compiled path (default), the eager KL loss under its compiled
 model (eager-loss), or no compilation at all (eager: dynamo disabled in this process), and the output says
 which ran. ``--profile`` adds one profiled step per side, its device time grouped into attention, GEMMs, the
@@ -185,7 +185,7 @@ def ttt_loss_at(ref: str):
 def variant_kernels(variant: str, device: str) -> tuple[StepKernels, bool]:
     """(kernels, compile the drafter) of an eaglekit variant: reference, fused or compiled (see the docstring); a
     ``-checkpointed`` suffix (or ``checkpointed`` alone: the reference's) recomputes each TTT step in backward
-    (train.activation_checkpointing)."""
+    (train.ttt.activation_checkpointing)."""
     if variant == "checkpointed" or variant.endswith("-checkpointed"):
         base = variant.removesuffix("checkpointed").removesuffix("-") or "reference"
         kernels, compile_it = variant_kernels(base, device)
