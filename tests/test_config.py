@@ -345,9 +345,11 @@ NEW_TTT = {
 def test_the_old_flat_ttt_spellings_load_the_same_config_with_a_warning_naming_both(tmp_path):
     assert set(OLD_TRAIN) == set(TTT_MOVED)  # every moved key is exercised
     new = load_config(write_config(tmp_path / "new.yaml", {**BASE, "train": {"lr": 0.01, "ttt": NEW_TTT}}))
+    old_file = write_config(tmp_path / "old.yaml", {**BASE, "train": {"lr": 0.01, **OLD_TRAIN}})
     with pytest.warns(ConfigDeprecation) as caught:
-        old = load_config(write_config(tmp_path / "old.yaml", {**BASE, "train": {"lr": 0.01, **OLD_TRAIN}}))
+        old = load_config(old_file)
     assert old.train == new.train and old.train.ttt.loss.eta == 2.0  # type: ignore[attr-defined]
+    assert {w.filename for w in caught} == {str(old_file)}  # shown as the config file's, not config.py's
     said = sorted(str(w.message) for w in caught)
     assert said == sorted(
         f"train.{key} is an old spelling: write train.{TTT_MOVED[key]} (the old one still loads, for now)"

@@ -769,9 +769,15 @@ def parse_config(data: Any, source: str = "<config>", base_dir: Path | None = No
             "start from the config that `eaglekit demo` writes into its run directory",
         )
     try:
-        cfg = RunConfig.model_validate(data)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            cfg = RunConfig.model_validate(data)
     except ValidationError as err:
         raise UsageError(_format_validation_error(err, source), "fix the named keys") from None
+    finally:
+        for w in said:  # an old spelling is the config file's, not a line of config.py: shown under its name
+            at = (source, 0) if w.category is ConfigDeprecation else (w.filename, w.lineno)
+            warnings.warn_explicit(w.message, w.category, *at)
     _resolve_paths(cfg, base_dir or Path.cwd())
     blocking = next((p for p in (cfg.run_path, *cfg.run_path.parents) if p.exists() or p.is_symlink()), None)
     if blocking is not None and not blocking.is_dir():
