@@ -15,7 +15,7 @@ from eaglekit.config import TTTConfig
 from eaglekit.model.drafter import Eagle3Drafter
 from eaglekit.training import distributed as dist
 from eaglekit.training.fused import REFERENCE, StepKernels
-from eaglekit.training.ttt import DEFAULT_SETTINGS, ttt_loss
+from eaglekit.training.ttt import ttt_loss
 
 
 class TTT(nn.Module):
@@ -35,10 +35,9 @@ class TTT(nn.Module):
     The noise is added to the target's hidden states in training mode only, so held-out figures see clean features.
     """
 
-    def __init__(
-        self, drafter: Eagle3Drafter, settings: TTTConfig = DEFAULT_SETTINGS, kernels: StepKernels = REFERENCE
-    ):
+    def __init__(self, drafter: Eagle3Drafter, settings: TTTConfig | None = None, kernels: StepKernels = REFERENCE):
         super().__init__()
+        settings = TTTConfig() if settings is None else settings  # the config's defaults
         self.drafter, self.settings = drafter, settings
         self.step_weights = list(settings.weights)
         self.kernels = kernels  # the fused GPU kernels or the reference (training/fused.py)

@@ -457,10 +457,6 @@ def _row_weights(
     return step_of_row, row_weight
 
 
-# ttt_loss's settings when none are given: the config's defaults (7 steps, 0.8^k, kl_div, per token)
-DEFAULT_SETTINGS = TTTConfig()
-
-
 def ttt_loss(
     drafter: Eagle3Drafter,
     aux_hidden: torch.Tensor,
@@ -471,7 +467,7 @@ def ttt_loss(
     *,
     target_in_draft: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
-    settings: TTTConfig = DEFAULT_SETTINGS,
+    settings: TTTConfig | None = None,
     kernels: StepKernels = REFERENCE,
     normalizer: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> TTTOutput:
@@ -501,6 +497,7 @@ def ttt_loss(
     dominate. The reported loss_k / acc_k stay per-position means either way.
     ``kernels`` picks the fused GPU kernels (training/fused.py); the default is this file's reference.
     """
+    settings = TTTConfig() if settings is None else settings  # the config's defaults: 7 steps, 0.8^k, kl_div
     weights = settings.weights
     steps = len(weights)
     _check_inputs(
