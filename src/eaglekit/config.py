@@ -187,8 +187,33 @@ class VllmFeaturesConfig(ServerPoolConfig):
     timeout: float = Field(600.0, gt=0, description="seconds per request, and per wait for its file")
 
 
+class FeatureStreamConfig(Section):
+    """extract.mode stream: train asks the vLLM feature servers (extract.vllm) for each upcoming micro-batch's
+    hidden states instead of reading shards; nothing but the servers' in-flight request files is stored."""
+
+    spool_gb: float = Field(
+        4.0,
+        gt=0,
+        description="GB the servers' hidden-states files may take in extract.vllm.storage_path at once: requests "
+        "wait while the files of those in flight would pass it",
+    )
+    ahead: int = Field(4, ge=1, description="micro-batches assembled ahead of the optimizer (held in memory)")
+    cache_gb: float = Field(
+        0.0,
+        ge=0,
+        description="epochs past the first: 0 requests every sample's features again; > 0 keeps up to this many GB "
+        "of encoded features in memory and reuses them (the rest is requested again); the held-out rows are kept "
+        "between evaluations up to max(cache_gb, 1 GB), else requested again at each evaluation",
+    )
+
+
 class ExtractConfig(Section):
-    mode: Literal["online", "offline"] = "online"
+    mode: Literal["online", "offline", "stream"] = Field(
+        "online",
+        description="online: the target runs inside train; offline: extract stores every sample's features on disk "
+        "first; stream: train requests them from the vLLM servers (extract.backend vllm) as it goes, storing only a "
+        "bounded spool (extract.stream)",
+    )
     backend: Literal["hf", "vllm"] = Field(
         "hf", description="hf: the target in this process (transformers); vllm: hidden states from vLLM servers"
     )
@@ -200,11 +225,22 @@ class ExtractConfig(Section):
     batch_tokens: int = Field(8192, ge=1)
     writer_queue: int = Field(4, ge=1, description="batches waiting for the background shard writer at most")
     vllm: VllmFeaturesConfig | None = None
+    stream: FeatureStreamConfig = Field(default_factory=FeatureStreamConfig)
 
     @property
     def offline(self) -> bool:
         """Features are extracted to disk first (the extract stage runs); online, train runs the target itself."""
         return self.mode == "offline"
+
+    @property
+    def online(self) -> bool:
+        """The target runs inside train (neither shards nor servers)."""
+        return self.mode == "online"
+
+    @property
+    def streamed(self) -> bool:
+        """train requests the features from the vLLM servers as it goes (no extract stage, no shards)."""
+        return self.mode == "stream"
 
 
 BLOCK_ARCHITECTURES = ("dflash", "dspark")  # the block-drafter family's train.draft.architecture values
@@ -501,6 +537,14 @@ class TrainConfig(Section):
         "drafter's), as speculators does; false trains it too. A head with no rows to start from "
         "(the target's are another width, or init_lm_head_from_target false) always trains",
     )
+    context_parallel: int = Field(
+        1,
+        ge=1,
+        description="ranks that split each row's positions (training/context_parallel.py): each holds 1/N of the row's "
+        "features and activations and all-gathers the keys, so a row of tens of thousands of tokens trains across N "
+        "GPUs (README: Long context); under torchrun with a multiple of N processes (the rest is data parallel); "
+        "EAGLE-3 drafters, offline features",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -530,6 +574,17 @@ class TrainConfig(Section):
                 f"train.ttt's {', '.join(set_keys)}: EAGLE-3's training-time-test settings; architecture "
                 f"{architecture} trains its block objective (cross-entropy on the target's argmax, "
                 "train.draft.position_weighting), which does not read them: remove them"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _context_parallel_splits_ttt(self) -> TrainConfig:
+        if self.context_parallel > 1 and self.draft.architecture in BLOCK_ARCHITECTURES:
+            raise ValueError(
+                f"context_parallel {self.context_parallel}: splitting a row across ranks is built for EAGLE-3's TTT "
+                f"step; architecture {self.draft.architecture}'s block objective is not split (its anchored blocks "
+                "attend their context on every layer): set train.context_parallel: 1, and shorten rows "
+                "(prepare.max_length) or window the drafter (train.draft.sliding_window) instead"
             )
         return self
 
@@ -692,6 +747,17 @@ class RunConfig(Section):
             raise ValueError("must name a directory (it is blank)")
         return value
 
+    @model_validator(mode="after")
+    def _context_parallel_reads_offline_features(self) -> RunConfig:
+        if self.train.context_parallel > 1 and not self.extract.offline:
+            raise ValueError(
+                f"train.context_parallel is {self.train.context_parallel} with {self.extract.mode} features: every "
+                "rank would run (online) or request (stream) the target's features of the whole row, which is what "
+                "does not fit; set extract.mode: offline (each rank then reads only its share of the row's stored "
+                "features)"
+            )
+        return self
+
     @property
     def run_path(self) -> Path:
         return Path(self.run_dir)
@@ -744,6 +810,8 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
             lines.append(f"  - unknown key '{key}' (check the spelling; see the README's config reference)")
         elif e["type"] == "missing":
             lines.append(f"  - missing required key '{key}'")
+        elif not key:  # a check across sections (RunConfig's own validators): its message names the keys
+            lines.append(f"  - {e['msg'].removeprefix('Value error, ')}")
         elif isinstance(e.get("input"), bool):
             lines.append(
                 f"  - '{key}': {e['msg']} (got {e['input']!r}: YAML reads unquoted yes/no/on/off/true/false "
@@ -786,11 +854,18 @@ def parse_config(data: Any, source: str = "<config>", base_dir: Path | None = No
             + ("a broken symlink" if blocking.is_symlink() and not blocking.exists() else "a file"),
             "set run_dir to a new or existing directory",
         )
+    if cfg.extract.streamed and cfg.extract.backend != "vllm":
+        raise UsageError(
+            f"{source}: extract.mode is 'stream' but extract.backend is '{cfg.extract.backend}'",
+            "set extract.backend: vllm and extract.vllm (the features stream from vLLM servers), or extract.mode: "
+            "online to run the target inside train",
+        )
     if cfg.extract.backend == "vllm":
-        if cfg.extract.mode != "offline":
+        if cfg.extract.online:
             raise UsageError(
-                f"{source}: extract.backend is 'vllm' but extract.mode is '{cfg.extract.mode}'",
-                "set extract.mode: offline (vLLM writes features to disk; online training runs the target here)",
+                f"{source}: extract.backend is 'vllm' but extract.mode is 'online'",
+                "set extract.mode: offline (vLLM's features stored on disk first) or stream (requested as training "
+                "goes); online training runs the target here",
             )
         if cfg.extract.vllm is None or not cfg.extract.vllm.servers:
             raise UsageError(

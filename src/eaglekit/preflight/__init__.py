@@ -15,6 +15,8 @@ The checks, one family per file:
     processes.py    other processes using the run directory without its lock
     environment.py  software versions, devices vs what the config asks
     context.py      the context the drafter is served at vs the length of the documents it trains on
+    feature_servers.py  the vLLM feature servers (extract's vllm backend, train's stream): reach, storage, a smoke
+                    request with the capture self-check
 
 A stage's checks see a context (``eaglekit.contract.StageContext``): ``cfg``, ``run``, ``stage``, ``dir``,
 ``stage_def`` (the stage's declaration) and ``estimate()`` (its estimate from its inputs on disk), ``upstream``
