@@ -24,7 +24,6 @@ from eaglekit.model.dspark import DSparkConfig
 from eaglekit.model.dspark_checkpoint import block_form, load_block_for_target
 from eaglekit.model.hub import cached_drafter, download_drafter, is_hub_id, local_folder
 from eaglekit.model.run_shapes import draft_settings, drafter_config, parameter_counts, target_and_aux
-from eaglekit.model.target import target_identity
 from eaglekit.preflight import CheckResult, disk, environment, fail, feature_servers, files, gpus, ok, skip, warn
 from eaglekit.preflight import checks as common
 from eaglekit.preflight.checks import human_bytes
@@ -43,7 +42,7 @@ def params(cfg: RunConfig) -> dict:
     # when checkpoints are written does not change the drafter, nor how many ranks split each row (the step is the
     # same computed either way, tests/test_context_parallel.py): editing them must not make a run stale
     p = cfg.train.model_dump(exclude={"save_every_minutes", "context_parallel"})
-    p["target"] = target_identity(cfg.target)
+    p |= files.read_identities(cfg, "target", "tokens", "vocab")
     p["eval_fraction"] = cfg.data.eval_fraction
     p["features"] = cfg.extract.mode
     if cfg.extract.streamed:  # the rows are encoded as extract would store them (fp8 rounds them)
