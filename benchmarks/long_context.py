@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -36,8 +38,8 @@ def write_prompts(out: Path, train: int, per_group: int) -> tuple[Path, Path]:
     return Path(train_file), out / "eval.jsonl"
 
 
-def config(target: Path, train_file: Path, eval_file: Path, run_dir: Path, window: int | None, seed: int, k: int,
-           steps: int) -> dict:  # fmt: skip
+def config(target: Path, train_file: Path, eval_file: Path, run_dir: Path, window: int | None, seed: int,
+           ks: list[int], steps: int) -> dict:  # fmt: skip
     draft: dict = {"intermediate_size": 256}
     if window is not None:
         draft["sliding_window"] = window
@@ -50,10 +52,67 @@ def config(target: Path, train_file: Path, eval_file: Path, run_dir: Path, windo
         "vocab": {"draft_vocab_size": 80},
         "train": {"max_steps": steps, "batch_size": 4, "lr": 3e-3, "warmup_steps": 10, "eval_every": steps,
                   "save_every": steps, "ttt_steps": 4, "seed": seed, "draft": draft},
-        "evaluate": {"prompts": str(eval_file), "num_samples": 10_000, "num_speculative_tokens": [k],
+        "evaluate": {"prompts": str(eval_file), "num_samples": 10_000, "num_speculative_tokens": ks,
                      "temperatures": [0.0], "max_new_tokens": 96},
-        "export": {"verifier": None},
+        "export": {"verifier": None, "formats": ["eagle3"]},
+        # --served: vLLM's CPU build serves the exported drafter on the same prompts; verify places each served
+        # pass by the context it drafted from (vLLM's per-request counts), beside eaglekit's offline decoding
+        "verify": {"engine": "vllm", "formats": ["eagle3"], "num_speculative_tokens": ks, "tau_tolerance": 1.0,
+                   "position_tolerance": 1.0, "greedy_tolerance": 1.0},
     }  # fmt: skip
+
+
+def interval(values: list[float]) -> str:
+    """Mean ± the 95 % half-width of Student's t over the seeds (n − 1 degrees of freedom)."""
+    n = len(values)
+    mean = statistics.fmean(values)
+    if n < 2:
+        return f"{mean:.3f}"
+    t95 = {2: 12.706, 3: 4.303, 4: 3.182, 5: 2.776, 6: 2.571, 7: 2.447, 8: 2.365}.get(n, 2.262)
+    return f"{mean:.3f} ± {t95 * statistics.stdev(values) / math.sqrt(n):.3f}"
+
+
+def print_tables(rows: list[tuple[str, int, dict]], ks: list[int]) -> None:
+    """Per run, then per drafter over its seeds (mean ± 95 % interval): τ per context group and >16k / <1k."""
+    for k in ks:
+        print(f"\n| window | seed | τ K={k} | " + " | ".join(GROUPS) + " | >16k / <1k |")
+        print("|" + "---|" * (4 + len(GROUPS)))
+        by_window: dict[str, list[dict]] = {}
+        for window_text, seed, row in rows:
+            if row["k"] != k:
+                continue
+            by = row["tau_by_context"]
+            by_window.setdefault(window_text, []).append(row)
+            cells = [f"{by[g]['tau']:.3f} ({by[g]['rounds']})" if g in by else "–" for g in GROUPS]
+            print(f"| {window_text} | {seed} | {row['tau']:.3f} | " + " | ".join(cells) + f" | {kept(by):.2f} |")
+        print(f"\n| window | seeds | τ K={k} | " + " | ".join(GROUPS) + " | >16k / <1k |")
+        print("|" + "---|" * (4 + len(GROUPS)))
+        for window_text, runs in by_window.items():
+            cells = [
+                interval([r["tau_by_context"][g]["tau"] for r in runs if g in r["tau_by_context"]]) for g in GROUPS
+            ]
+            ratio = interval([kept(r["tau_by_context"]) for r in runs])
+            tau = interval([r["tau"] for r in runs])
+            print(f"| {window_text} | {len(runs)} | {tau} | " + " | ".join(cells) + f" | {ratio} |")
+
+
+def print_served(runs: list[tuple[str, int, dict]]) -> None:
+    """Served (vLLM) beside offline τ per context group, each run and K, from verify's reports."""
+    print("\n| window | seed | K | " + " | ".join(f"{g} served / offline" for g in GROUPS) + " |")
+    print("|" + "---|" * (3 + len(GROUPS)))
+    for window_text, seed, run in runs:
+        by = run.get("tau_by_context") or {}
+        cells = [
+            f"{by[g]['served']['tau']:.3f} / {by[g]['offline']['tau']:.3f}"
+            if g in by and by[g]["served"] and by[g]["offline"]
+            else "–"
+            for g in GROUPS
+        ]
+        print(f"| {window_text} | {seed} | {run['k']} | " + " | ".join(cells) + " |")
+
+
+def kept(by: dict) -> float:
+    return by[">16k"]["tau"] / by["<1k"]["tau"] if ">16k" in by and "<1k" in by else float("nan")
 
 
 def main() -> None:
@@ -61,37 +120,44 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--windows", default="none,256", help="comma-separated: none (full attention) or a window")
     p.add_argument("--seeds", default="0")
-    p.add_argument("--k", type=int, default=3)
+    p.add_argument("--k", default="3", help="comma-separated draft lengths evaluated on each trained drafter")
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--train-prompts", type=int, default=160)
     p.add_argument("--per-group", type=int, default=3)
+    p.add_argument("--served", action="store_true", help="also serve each drafter in vLLM (verify) per group")
     args = p.parse_args()
+    ks = [int(k) for k in args.k.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
     target = ensure_long_target()
     train_file, eval_file = write_prompts(args.out, args.train_prompts, args.per_group)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    rows = []
+    cli = [sys.executable, "-c", "import sys; from eaglekit.cli import main; sys.argv[0] = 'eaglekit'; main()"]
+    rows, served = [], []
     for window_text in args.windows.split(","):
         window = None if window_text == "none" else int(window_text)
         for seed in (int(s) for s in args.seeds.split(",")):
             name = f"window-{window_text}-seed-{seed}"
             path = args.out / f"{name}.yaml"
-            path.write_text(yaml.safe_dump(config(target, train_file, eval_file, args.out / name, window, seed,
-                                                  args.k, args.steps)))  # fmt: skip
-            cli = [sys.executable, "-c", "import sys; from eaglekit.cli import main; sys.argv[0] = 'eaglekit'; main()"]
-            subprocess.run([*cli, "run", str(path), "--until", "evaluate"], env=env, check=True)
-            report = json.loads((args.out / name / "evaluate" / "report.json").read_text())
-            row = next(r for r in report["results"] if r["method"] == "eagle")
-            rows.append((window_text, seed, row))
-            print(json.dumps({"window": window_text, "seed": seed, "tau": row["tau"],
-                              "tau_by_context": row["tau_by_context"]}), flush=True)  # fmt: skip
-    print(f"\n| window | seed | τ K={args.k} | " + " | ".join(GROUPS) + " | >16k / <1k |")
-    print("|" + "---|" * (4 + len(GROUPS)))
-    for window_text, seed, row in rows:
-        by = row["tau_by_context"]
-        cells = [f"{by[g]['tau']:.3f} ({by[g]['rounds']})" if g in by else "–" for g in GROUPS]
-        kept = by[">16k"]["tau"] / by["<1k"]["tau"] if ">16k" in by and "<1k" in by else float("nan")
-        print(f"| {window_text} | {seed} | {row['tau']:.3f} | " + " | ".join(cells) + f" | {kept:.2f} |")
+            report_path = args.out / name / "evaluate" / "report.json"
+            if not report_path.exists():  # a finished run is read again, so seeds run apart aggregate here
+                path.write_text(yaml.safe_dump(config(target, train_file, eval_file, args.out / name, window, seed,
+                                                      ks, args.steps)))  # fmt: skip
+                subprocess.run([*cli, "run", str(path), "--until", "evaluate"], env=env, check=True)
+            report = json.loads(report_path.read_text())
+            for row in (r for r in report["results"] if r["method"] == "eagle" and r["k"] in ks):
+                rows.append((window_text, seed, row))
+                print(json.dumps({"window": window_text, "seed": seed, "k": row["k"], "tau": row["tau"],
+                                  "tau_by_context": row["tau_by_context"]}), flush=True)  # fmt: skip
+            served_path = args.out / name / "verify" / "report.json"
+            if args.served and not served_path.exists():
+                subprocess.run([*cli, "run", str(path), "--until", "export"], env=env, check=True)
+                subprocess.run([*cli, "verify", str(path)], env=env, check=False)  # its figures, pass or fail
+            if args.served:
+                for run in json.loads(served_path.read_text())["runs"]:
+                    served.append((window_text, seed, run))
+    print_tables(rows, ks)
+    if served:
+        print_served(served)
 
 
 if __name__ == "__main__":

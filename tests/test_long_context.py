@@ -8,6 +8,7 @@ from test_extract import prepared_run
 
 from eaglekit.pipeline import make_context
 from eaglekit.preflight.context import serving_context
+from eaglekit.speculative.decode import DecodeStats, Generation
 
 
 def test_serving_far_beyond_the_training_documents_is_warned_before_training(tmp_path, tiny_target):
@@ -45,6 +46,68 @@ def test_evaluate_reports_tau_by_context_length_when_the_prompts_span_groups():
     one_group = {**row, "tau_by_context": {"<1k": by["<1k"]}}
     assert context_table([one_group], groups) == []  # nothing to compare: no table
     assert context_table([{**row, "method": "ngram"}], groups) == []
+
+
+def test_verify_places_each_served_pass_where_its_draft_starts_and_reports_tau_by_context():
+    """vLLM reports each request's accepted counts per pass; verify places the passes by context as eaglekit's own
+    decoding does (prompt, the prefill's token, then each pass's accepted drafts and token), so that a drafter
+    that falls served at long context is read apart from one that falls offline too."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from eaglekit.data.verify_report import context_table, verdict_counts
+    from eaglekit.serving.speculation import Counters, Served
+    from eaglekit.speculative.decode import generate, served_context_per_round
+    from eaglekit.stages.verify import Offline, ServedRun, served_tau_by_context
+
+    torch.manual_seed(0)
+    shape = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    target = LlamaForCausalLM(LlamaConfig(vocab_size=96, num_key_value_heads=2, head_dim=8, **shape)).eval()
+    prompt = torch.randint(0, 96, (1100,), generator=torch.Generator().manual_seed(1)).tolist()
+    plain = generate(target, prompt[:40], 24)
+
+    class HalfRight:  # proposes the greedy continuation with its first two drafts right
+        aux_layer_ids = None
+
+        def reset(self, ids, aux):
+            self.done = len(ids) - 40
+
+        def propose(self, k, temperature, generator):
+            truth = plain.tokens[self.done : self.done + k] + [0] * k
+            return [t if i < 2 else (t + 1) % 96 for i, t in enumerate(truth[:k])], None
+
+        def update(self, new_ids, aux):
+            self.done += len(new_ids)
+
+    gen = generate(target, prompt[:40], 24, proposer=HalfRight(), k=4, engine_accounting=True)
+    assert served_context_per_round(40, gen.accepted_per_round) == gen.context_per_round
+
+    # two prompts, one short and one past 1K: the served passes of the long one accept less than offline
+    short, long_ = (
+        gen,
+        Generation(tokens=[1], stats=DecodeStats(), accepted_per_round=[3, 3], context_per_round=[1101, 1105]),
+    )
+    offline = Offline(prompts=[("a", prompt[:40]), ("b", prompt)], stop_ids=[], aux=[])
+    offline.eagle[4] = {"a": short, "b": long_}
+    served = {"a": Served(gen.tokens, gen.accepted_per_round), "b": Served([1], [0, 1])}
+    run = ServedRun("eagle3", 4, "vllm", "vllm serve", served, Counters())
+    by = served_tau_by_context(run, offline)
+    assert by is not None and list(by) == ["<1k", "1-4k"]
+    assert by["<1k"]["served"] == by["<1k"]["offline"]
+    assert by["1-4k"]["served"] == {"rounds": 2, "tau": 1.5} and by["1-4k"]["offline"] == {"rounds": 2, "tau": 4.0}
+    report = {
+        "verdict": "FAIL",
+        "engine": "vllm",
+        "prompts": 2,
+        "runs": [
+            {"form": "eagle3", "k": 4, "tau_by_context": by, "tau": {"served": 2.0, "offline": 3.0}, "passed": False}
+        ],
+    }
+    assert verdict_counts(report)["tau_eagle3_k4_1-4k"] == "served 1.500 / offline 4.000"
+    assert "| eagle3 | 4 | 1-4k | 1.500 (2) | 4.000 (2) |" in context_table(report)
+    assert served_tau_by_context(ServedRun("eagle3", 4, "sglang", "x", served, Counters()), offline) is None
+    served["b"] = Served([1], None)  # an engine without per-request counts: nothing to place
+    assert served_tau_by_context(run, offline) is None
 
 
 def test_the_window_remedy_is_offered_where_a_window_can_be_trained(tmp_path, tiny_target):

@@ -19,6 +19,11 @@ def verdict_counts(report: dict) -> dict:
     counts = {"verdict": report["verdict"], "engine": report["engine"], "prompts": report["prompts"]}
     for r in report["runs"]:
         counts[f"tau_{r['form']}_k{r['k']}"] = f"served {r['tau']['served']:.3f} / offline {r['tau']['offline']:.3f}"
+        for label, g in (r.get("tau_by_context") or {}).items():
+            if g["served"] and g["offline"]:
+                counts[f"tau_{r['form']}_k{r['k']}_{label}"] = (
+                    f"served {g['served']['tau']:.3f} / offline {g['offline']['tau']:.3f}"
+                )
         for s in r.get("suites") or []:
             counts[f"tau_{r['form']}_k{r['k']}_{s['suite']}_{s['mode']}"] = (
                 f"served {s['served_tau']:.3f} / offline {s['offline_tau']:.3f}"
@@ -64,7 +69,7 @@ def failure_message(report: dict) -> str:
 
 def report_markdown(report: dict, summary_only: bool = False) -> str:
     """The whole report (report.md), or with ``summary_only`` the verdict and the τ tables the console shows."""
-    tables = runs_table(report) + suites_table(report)
+    tables = runs_table(report) + suites_table(report) + context_table(report)
     if summary_only:
         return "\n".join([f"verify: **{report['verdict']}**", ""] + tables) + "\n"
     lines = header(report) + tables
@@ -124,6 +129,25 @@ def suites_table(report: dict) -> list[str]:
         f"{s['offline_tau']:.3f} | {s['relative_difference']:.2%} | {'pass' if s['passed'] else '**FAIL**'} |"
         for r, s in suite_rows
     ]
+
+
+def context_table(report: dict) -> list[str]:
+    """τ by context group, served beside offline (vLLM's per-request metrics: the passes of each request placed
+    where they drafted), for the runs whose prompts span more than one group."""
+    rows = [(r, label, g) for r in report["runs"] for label, g in (r.get("tau_by_context") or {}).items()]
+    if not rows:
+        return []
+
+    def cell(figures: dict | None) -> str:
+        return f"{figures['tau']:.3f} ({figures['rounds']})" if figures else "–"
+
+    return [
+        "",
+        "By context length (τ, verify passes in brackets; a pass belongs to the group where its draft starts):",
+        "",
+        "| form | K | context | τ served | τ offline |",
+        "|---|---|---|---|---|",
+    ] + [f"| {r['form']} | {r['k']} | {label} | {cell(g['served'])} | {cell(g['offline'])} |" for r, label, g in rows]
 
 
 def run_section(r: dict) -> list[str]:

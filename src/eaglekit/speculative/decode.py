@@ -120,9 +120,25 @@ def context_bucket(position: int) -> str:
 
 def tau_by_context(generations: list[Generation]) -> dict[str, dict[str, float]]:
     """Per context bucket that has verify passes: their count and τ (1 + mean drafts accepted per pass)."""
+    return tau_by_context_of([(gen.accepted_per_round, gen.context_per_round) for gen in generations])
+
+
+def served_context_per_round(prompt_tokens: int, accepted_per_round: list[int]) -> list[int]:
+    """Where each verify pass of an engine's request drafted from, as ``generate`` counts it: after the prompt and
+    the prefill's token, each pass adds its accepted drafts and the target's own token. An engine reports only the
+    accepted counts per request (vLLM's per-request metrics); every pass of a speculating request drafts."""
+    contexts, position = [], prompt_tokens + 1
+    for n_acc in accepted_per_round:
+        contexts.append(position)
+        position += n_acc + 1
+    return contexts
+
+
+def tau_by_context_of(requests: list[tuple[list[int], list[int]]]) -> dict[str, dict[str, float]]:
+    """``tau_by_context`` over (accepted per pass, context per pass) of each request, offline or served."""
     accepted: dict[str, list[int]] = {}
-    for gen in generations:
-        for n_acc, position in zip(gen.accepted_per_round, gen.context_per_round, strict=True):
+    for per_round, contexts in requests:
+        for n_acc, position in zip(per_round, contexts, strict=True):
             accepted.setdefault(context_bucket(position), []).append(n_acc)
     return {
         label: {"rounds": len(accepted[label]), "tau": 1 + sum(accepted[label]) / len(accepted[label])}

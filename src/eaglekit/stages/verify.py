@@ -497,6 +497,7 @@ def compare(run: ServedRun, offline: Offline, cfg: RunConfig) -> dict:
         if run.served[pid].accepted_per_round is not None
     ]
     relative = abs(tau_served - tau_offline) / tau_offline if tau_offline else 0.0
+    by_context = served_tau_by_context(run, offline)
     worst = max((abs(p["difference"]) for p in positions), default=0.0)
     checks = {
         "speculating": speculating,
@@ -521,6 +522,7 @@ def compare(run: ServedRun, offline: Offline, cfg: RunConfig) -> dict:
             "relative_difference": round(relative, 4),
             "definition": "completion tokens / verify passes (SGLang)" if sglang else "1 + accepted / drafts (vLLM)",
         },
+        "tau_by_context": by_context,
         "served": counter_figures(theirs),
         "offline": counter_figures(mine),
         "positions": positions,
@@ -535,6 +537,38 @@ def compare(run: ServedRun, offline: Offline, cfg: RunConfig) -> dict:
         else None,
         "checks": checks,
         "passed": all(checks.values()),
+    }
+
+
+def served_tau_by_context(run: ServedRun, offline: Offline) -> dict | None:
+    """τ per context group, served beside offline, where the engine reports each request's passes (vLLM's
+    per-request metrics) and the evaluation prompts' passes fall in more than one group: a drafter that holds
+    offline at long context but falls served is read apart from one that falls in both."""
+    from eaglekit.speculative.decode import (  # lazy: imports transformers
+        CONTEXT_BUCKETS,
+        served_context_per_round,
+        tau_by_context_of,
+    )
+
+    rounds = {pid: run.served[pid].accepted_per_round for pid, _ in offline.prompts}
+    if run.engine != "vllm" or any(r is None for r in rounds.values()):
+        return None
+    served = tau_by_context_of(
+        [(rounds[pid] or [], served_context_per_round(len(ids), rounds[pid] or [])) for pid, ids in offline.prompts]
+    )
+    mine = tau_by_context_of(
+        [(gen.accepted_per_round, gen.context_per_round) for gen in (offline.eagle[run.k][pid] for pid in rounds)]
+    )
+    if len(set(served) | set(mine)) < 2:
+        return None
+
+    def figures(group: dict | None) -> dict | None:
+        return {"rounds": group["rounds"], "tau": round(group["tau"], 4)} if group else None
+
+    return {
+        label: {"served": figures(served.get(label)), "offline": figures(mine.get(label))}
+        for label, _ in CONTEXT_BUCKETS
+        if label in served or label in mine
     }
 
 
