@@ -56,7 +56,8 @@ def one_round_two_ways(model, drafter, proposer, prompt: list[int], drafts: int,
 
     ids = prompt + out.tokens[:5]
     context = drafter.context(features(torch.tensor([ids]), with_logits=False).aux)
-    kv = drafter.context_kv(context, torch.arange(len(ids))[None])
+    positions = torch.arange(len(ids))[None]
+    kv = drafter.context_kv(context, positions)
     query = torch.tensor([[out.tokens[5]] + [drafter.config.mask_token_id] * masks])
-    logits = drafter(query, torch.arange(len(ids), len(ids) + masks + 1)[None], kv)
+    logits = drafter(query, torch.arange(len(ids), len(ids) + masks + 1)[None], kv, context_positions=positions)
     return cached, logits[0], out.tokens[5]

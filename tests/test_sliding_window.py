@@ -108,13 +108,13 @@ def test_export_writes_the_window_as_vllm_reads_it_and_reads_it_back(tmp_path):
     assert "layer_types" not in json.loads((tmp_path / "plain" / "config.json").read_text())
 
 
-def test_sliding_window_is_a_llama_key():
+def test_sliding_window_is_a_llama_and_block_drafter_key():
     from eaglekit.config import DraftModelConfig
 
-    assert DraftModelConfig(sliding_window=2048).sliding_window == 2048
-    for architecture in ("mla", "dflash", "dspark"):
-        with pytest.raises(ValueError, match=f"architecture {architecture} does not read sliding_window"):
-            DraftModelConfig(architecture=architecture, sliding_window=2048)
+    for architecture in ("llama", "dflash", "dspark"):  # the block drafters: tests/test_dflash_window.py
+        assert DraftModelConfig(architecture=architecture, sliding_window=2048).sliding_window == 2048
+    with pytest.raises(ValueError, match="architecture mla does not read sliding_window"):
+        DraftModelConfig(architecture="mla", sliding_window=2048)
 
 
 @pytest.mark.parametrize("window", [None, WINDOW])

@@ -212,7 +212,7 @@ BLOCK_ARCHITECTURES = ("dflash", "dspark")  # the block-drafter family's train.d
 _SHAPE = ("architecture", "intermediate_size", "num_attention_heads")
 _EAGLE3_FLAGS = ("fc_norm", "norm_output", "norm_before_residual")
 _BLOCK = ("block_size", "num_layers", "mask_token_id", "max_anchors", "position_weighting", "dpace_alpha",
-          "decay_gamma", "shared_k_norm", "num_key_value_heads", "head_dim")  # fmt: skip
+          "decay_gamma", "shared_k_norm", "num_key_value_heads", "head_dim", "sliding_window")  # fmt: skip
 DRAFT_KEYS: dict[str, frozenset[str]] = {
     "llama": frozenset(
         _SHAPE + _EAGLE3_FLAGS + ("hidden_size", "num_key_value_heads", "head_dim", "norm_before_fc", "sliding_window")
@@ -286,8 +286,9 @@ class DraftModelConfig(Section):
     sliding_window: int | None = Field(
         None,
         ge=2,
-        description="llama: the drafter attends the last N positions only (vLLM's sliding_window: the query's own "
-        "position and the N-1 before it), in training, evaluate's decoding and the exported config (layer_types)",
+        description="llama, dflash, dspark: the drafter attends the last N positions only (vLLM's sliding_window: "
+        "the query's own position and the N-1 before it; a block drafter's block becomes causal, as vLLM and SGLang "
+        "serve a sliding DFlash layer), in training, evaluate's decoding and the exported config (layer_types)",
     )
 
     @model_validator(mode="after")

@@ -13,6 +13,14 @@ Read from vLLM 0.32 (``model_executor/models/qwen3_dflash.py``, ``v1/spec_decode
 The context feeds keys and values only; it is never a query and never goes through the layers, so serving
 caches its keys/values once per verified token (vLLM's ``precompute_and_store_context_kv``).
 
+A sliding window (``sliding_window`` W) limits every layer to the keys at most W-1 positions before the query
+*and makes the block causal*: the query at position p sees the context and the block's keys at positions
+p-W+1 .. p. That is how both engines serve a DFlash layer whose ``layer_types`` entry is "sliding_attention":
+vLLM 0.32's ``qwen3_dflash._resolve_layer_attention`` gives it ``per_layer_sliding_window = sliding_window`` and
+``_dflash_layer_causal`` makes it causal (its CPU kernel, probed, masks 0 <= p - k < W); SGLang's
+``models/dflash.py`` gives it ``AttentionType.DECODER`` with ``window_left = sliding_window - 1``
+(``dflash_utils.get_dflash_attention_sliding_window_size``). Without a window the block is non-causal, as above.
+
 Parameter names are vLLM's checkpoint keys (``DFlashQwen3ForCausalLM.load_weights`` prefixes ``model.``; q/k/v
 and gate/up are stacked by its ``hf_to_vllm_mapper``), so ``state_dict()`` minus the shared tensors is the export:
 
@@ -68,6 +76,8 @@ class DFlashConfig:
     # one k_norm weight for every layer: what vLLM 0.32's CPU build serves correctly (``dflash_checkpoint.py``,
     # "The CPU build"); a GPU engine applies each layer's own
     shared_k_norm: bool = False
+    # every layer attends the keys at most sliding_window - 1 positions before its query, causally (module docstring)
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim"):
@@ -85,6 +95,12 @@ class DFlashConfig:
             )
         if not self.aux_layer_ids:
             raise UsageError("dflash: no aux_layer_ids", "set target.aux_layers")
+        window = self.sliding_window
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 2):
+            raise UsageError(
+                f"dflash: 'sliding_window' must be an integer of at least 2, got {window!r}",
+                "set train.draft.sliding_window to the number of positions the drafter attends (e.g. 2048)",
+            )
         if self.num_attention_heads % self.num_key_value_heads:
             raise UsageError(
                 f"dflash: num_attention_heads ({self.num_attention_heads}) is not a multiple of "
@@ -195,7 +211,15 @@ def config_for_run(cfg: Any, hf_config: Any, aux_layer_ids: list[int], vocab_siz
         num_attention_heads=draft.num_attention_heads,
         num_key_value_heads=draft.num_key_value_heads,
         head_dim=draft.head_dim,
+        sliding_window=draft.sliding_window,
     )
+
+
+def window_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int) -> torch.Tensor:
+    """[B, Q] and [B, K] positions -> [B, Q, K] bool: the key is at most ``window`` - 1 positions before the query
+    (itself included), the causal sliding window both engines apply to a sliding DFlash layer (module docstring)."""
+    offset = query_positions[:, :, None] - key_positions[:, None, :]
+    return (offset >= 0) & (offset < window)
 
 
 class DFlashAttention(nn.Module):
@@ -303,8 +327,17 @@ class DFlashDrafter(nn.Module):
         query_positions: torch.Tensor,
         context_kv: list[tuple[torch.Tensor, torch.Tensor]],
         mask: torch.Tensor | None = None,
+        context_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """query_ids/positions [B, Q] -> logits [B, Q, V] (fp32). ``mask`` None: every query sees everything."""
+        """query_ids/positions [B, Q] -> logits [B, Q, V] (fp32). ``mask`` [B, Q, C+Q] None: every query sees
+        everything; a sliding window narrows it further, by the context's positions [B, C] (required then)."""
+        window = self.config.sliding_window
+        if window is not None:
+            if context_positions is None:
+                raise ValueError("a windowed DFlash drafter needs the context's positions")
+            keys = torch.cat([context_positions.expand(query_positions.shape[0], -1), query_positions], dim=1)
+            windowed = window_mask(query_positions, keys.to(query_positions.device), window)
+            mask = windowed if mask is None else mask & windowed
         h = self.embed_tokens(query_ids)
         cos, sin = self.rotary(query_positions, h.dtype)
         for layer, kv in zip(self.layers, context_kv, strict=True):

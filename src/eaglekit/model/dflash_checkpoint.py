@@ -6,9 +6,15 @@ The form (z-lab's DFlash checkpoints; ``model_executor/models/qwen3_dflash.py``,
   [DFlashDraftModel]`` (registry: ``qwen3_dflash.DFlashQwen3ForCausalLM``), ``target_hidden_size`` (fc's input is
   len(target_layer_ids) × it), ``block_size``, and ``dflash_config`` = {``mask_token_id``, ``target_layer_ids``}.
   ``target_layer_ids`` name decoder-layer outputs: vLLM adds 1 to get its aux-hidden-state ids
-  (``eagle3_utils.get_eagle3_aux_layers_from_config``), which are eaglekit's HF hidden_states indices. No
-  ``layer_types`` and no ``dflash_config.use_swa``: every layer is full attention and non-causal, the only pattern
-  vLLM's V1 runner (the CPU build's) serves; a mix of sliding and full layers needs the V2 runner.
+  (``eagle3_utils.get_eagle3_aux_layers_from_config``), which are eaglekit's HF hidden_states indices. Without a
+  window: no ``layer_types`` (Qwen3Config makes every layer "full_attention") and no ``dflash_config.use_swa``:
+  every layer is full attention and non-causal. With ``sliding_window`` W: ``layer_types`` "sliding_attention" for
+  every layer, ``sliding_window: W`` and ``use_sliding_window: true`` (without it transformers' Qwen3Config drops
+  the window, and vLLM then refuses "DFlash sliding attention requires a window size"). vLLM 0.32
+  (``qwen3_dflash._resolve_layer_attention``) and SGLang (``models/dflash.py``) both serve such a layer windowed
+  and causal, as eaglekit trains it (``model/dflash.py``). eaglekit writes one pattern for all layers: a mix of
+  sliding and full layers needs vLLM's V2 runner, which the CPU build lacks. ``dflash_config.use_swa`` (vLLM's
+  other spelling, a *non-causal* window) is not written, and refused on import.
 - ``model.safetensors``: exactly ``expected_state`` — the keys ``DFlashQwen3ForCausalLM.load_weights`` routes
   into the model (it prefixes ``model.`` to every name but lm_head, and ``hf_to_vllm_mapper`` stacks q/k/v into
   ``qkv_proj`` and gate/up into ``gate_up_proj``). ``embed_tokens`` and ``lm_head`` are left out: the drafter
@@ -142,8 +148,47 @@ def vllm_config(cfg: DFlashConfig, dtype: torch.dtype) -> dict[str, Any]:
             "mask_token_id": cfg.mask_token_id,
             "target_layer_ids": [i - 1 for i in cfg.aux_layer_ids],
         },
+        **window_config(cfg),
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
+
+
+def window_config(cfg: DFlashConfig) -> dict[str, Any]:
+    """The keys that make vLLM and SGLang serve every draft layer with the drafter's window (module docstring)."""
+    if cfg.sliding_window is None:
+        return {}
+    return {
+        "layer_types": ["sliding_attention"] * cfg.num_hidden_layers,
+        "use_sliding_window": True,
+        "sliding_window": cfg.sliding_window,
+    }
+
+
+def read_window(c: dict, where: str) -> int | None:
+    """The window a vLLM block-drafter config.json serves every layer with, read as ``_resolve_layer_attention``
+    reads it (None: full attention); a pattern eaglekit does not train is refused by name."""
+    dflash = c.get("dflash_config") or {}
+    types = c.get("layer_types") or []
+    sliding = bool(types) and all(t == "sliding_attention" for t in types)
+    # Qwen3Config keeps sliding_window only under use_sliding_window; vLLM prefers dflash_config.swa_window_size
+    window = dflash.get("swa_window_size", c.get("sliding_window") if c.get("use_sliding_window") else None)
+    causal = c.get("is_causal", dflash.get("causal"))
+    problem = None
+    if "sliding_attention" in types and not sliding:
+        problem = f"mixes sliding and full layers (layer_types {types})"
+    elif dflash.get("use_swa") and not sliding:
+        problem = "sets dflash_config.use_swa (every layer windowed but non-causal)"
+    elif causal is not None and bool(causal) != sliding:
+        problem = f"makes {'sliding' if sliding else 'full'} layers {'causal' if causal else 'non-causal'}"
+    elif sliding and window is None:
+        problem = "has sliding layers but no window (sliding_window with use_sliding_window: true)"
+    if problem:
+        raise UsageError(
+            f"{where} {problem}: eaglekit trains every layer full and non-causal, or sliding and causal (vLLM's "
+            "qwen3_dflash._resolve_layer_attention reads layer_types so)",
+            "export the drafter with eaglekit, or use one whose layers are all full_attention or all sliding_attention",
+        )
+    return int(window) if sliding and window is not None else None
 
 
 def save_dflash(drafter: DFlashDrafter, out_dir: str | Path) -> None:
@@ -193,10 +238,10 @@ def read_dflash_config(path: Path) -> DFlashConfig:
             f"dflash_config missing {missing})",
             "point train.init_from at a folder eaglekit export wrote under export/dflash/",
         )
-    return backbone_config(c, dflash["target_layer_ids"], dflash["mask_token_id"])
+    return backbone_config(c, dflash["target_layer_ids"], dflash["mask_token_id"], f"{path}/config.json")
 
 
-def backbone_config(c: dict, target_layer_ids: list[int], mask_token_id: int) -> DFlashConfig:
+def backbone_config(c: dict, target_layer_ids: list[int], mask_token_id: int, where: str) -> DFlashConfig:
     """The Qwen3 draft layers of a vLLM block-drafter config.json; target_layer_ids are vLLM's (aux id - 1)."""
     rope = c.get("rope_parameters") or {}
     return DFlashConfig(
@@ -215,6 +260,7 @@ def backbone_config(c: dict, target_layer_ids: list[int], mask_token_id: int) ->
         aux_layer_ids=[i + 1 for i in target_layer_ids],
         block_size=c.get("block_size", 16),
         mask_token_id=mask_token_id,
+        sliding_window=read_window(c, where),
     )
 
 

@@ -97,7 +97,7 @@ def read_dspark_config(path: Path) -> DSparkConfig:
             f"{c.get('markov_head_type')!r}",
             "use a drafter with sample_from_anchor: true and markov_head_type: vanilla",
         )
-    backbone = block.backbone_config(c, c["target_layer_ids"], c["mask_token_id"])
+    backbone = block.backbone_config(c, c["target_layer_ids"], c["mask_token_id"], f"{path}/config.json")
     return DSparkConfig(**backbone.to_dict(), markov_rank=int(c["markov_rank"]))
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from eaglekit.config import BLOCK_ARCHITECTURES
 from eaglekit.contract import StageContext
 from eaglekit.data.tokens import TokenStore
 from eaglekit.model.checkpoints import layer_window
@@ -70,7 +71,7 @@ def serving_context(ctx: StageContext) -> CheckResult:
                 f"train.draft.sliding_window: {min(2048, max(p95, 2)):,} (a window the training documents fill; "
                 "docs/long-context.md), or train on longer documents"
                 if windowable
-                else "train on longer documents (eaglekit trains windows for fresh llama EAGLE-3 drafters only)"
+                else "train on longer documents (eaglekit trains windows for fresh llama EAGLE-3 and block drafters only)"
             )
             + ", or set evaluate.context_lengths to the contexts you serve",
         )
@@ -88,4 +89,4 @@ def drafter_window(cfg) -> tuple[int | None, bool]:
             return None, False
         layer = raw.get("transformer_layer_config") if isinstance(raw.get("transformer_layer_config"), dict) else raw
         return layer_window(layer), False
-    return cfg.train.draft.sliding_window, (cfg.train.draft.architecture or "llama") == "llama"
+    return cfg.train.draft.sliding_window, (cfg.train.draft.architecture or "llama") in ("llama", *BLOCK_ARCHITECTURES)

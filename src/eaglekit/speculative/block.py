@@ -11,6 +11,9 @@ with the target, keeps the accepted prefix and the bonus token, exactly as for E
   drafts greedily and verifies drafts as point masses (``generate``'s q = None): at T > 0 a draft d is accepted
   with probability p(d), and a rejection resamples from p without d.
 
+A windowed drafter (``sliding_window`` W) keeps only the last W-1 context positions cached: no query of a later
+round can see an older one (vLLM's sliding-window KV cache manager frees them too).
+
 K may be smaller than the trained block (block_size - 1 mask slots): vLLM then builds K+1 queries, and so does
 this proposer; serving with a K the drafter was not trained at changes what the queries see, and that is what
 ``evaluate`` measures per K.
@@ -42,7 +45,8 @@ class BlockProposer:
 
     def reset(self, ids: list[int], aux: torch.Tensor | None) -> None:
         self.kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-        self.length = 0  # context positions cached
+        self.length = 0  # context positions verified
+        self.first = 0  # the first of them still cached
         self.last = ids[-1]
         self._extend(aux)
 
@@ -63,16 +67,27 @@ class BlockProposer:
             pairs = zip(self.kv, kv, strict=True)
             self.kv = [(torch.cat([k0, k1], 1), torch.cat([v0, v1], 1)) for (k0, v0), (k1, v1) in pairs]
         self.length += aux.shape[0]
+        window = self.drafter.config.sliding_window
+        drop = self.length - self.first - (window - 1) if window is not None else 0
+        if drop > 0:
+            self.kv = [(k[:, drop:], v[:, drop:]) for k, v in self.kv]
+            self.first += drop
+
+    @torch.no_grad()
+    def block_logits(self, ids: list[int]) -> torch.Tensor:
+        """The drafter's logits [Q, V] for the queries ``ids`` at positions n, n+1, ... after the cached context."""
+        assert self.kv is not None, "reset() first"
+        query = torch.tensor([ids], device=self.device)
+        positions = torch.arange(self.length, self.length + len(ids), device=self.device)[None]
+        context = torch.arange(self.first, self.length, device=self.device)[None]
+        return self.drafter(query, positions, self.kv, context_positions=context)[0]
 
     @torch.no_grad()
     def propose(
         self, k: int, temperature: float, generator: torch.Generator | None
     ) -> tuple[list[int], torch.Tensor | None]:
-        assert self.kv is not None, "reset() first"
-        ids = torch.tensor([[self.last] + [self.mask_token_id] * k], device=self.device)
-        positions = torch.arange(self.length, self.length + k + 1, device=self.device)[None]
-        logits = self.drafter(ids, positions, self.kv)
-        return logits[0, 1:].argmax(-1).tolist(), None
+        logits = self.block_logits([self.last] + [self.mask_token_id] * k)
+        return logits[1:].argmax(-1).tolist(), None
 
 
 class DSparkProposer(BlockProposer):
@@ -84,10 +99,9 @@ class DSparkProposer(BlockProposer):
     def propose(
         self, k: int, temperature: float, generator: torch.Generator | None
     ) -> tuple[list[int], torch.Tensor | None]:
-        assert self.kv is not None, "reset() first"
-        ids = torch.tensor([[self.last] + [self.mask_token_id] * (k - 1)], device=self.device)
-        positions = torch.arange(self.length, self.length + k, device=self.device)[None]
-        return self.drafter.draft_block(self.drafter(ids, positions, self.kv)[0], self.last), None
+        return self.drafter.draft_block(
+            self.block_logits([self.last] + [self.mask_token_id] * (k - 1)), self.last
+        ), None
 
 
 def proposer_for(drafter, aux_layer_ids: list[int] | None = None) -> BlockProposer | EagleProposer:

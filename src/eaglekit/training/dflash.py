@@ -6,7 +6,9 @@ As speculators 0.9.0 ships it (``models/dflash/core.py``, ``attention.py``, ``ut
   block of anchor a holds the anchor token at position a (the bonus token at serving time) and mask tokens at
   a+1 .. a+B-1.
 - attention: a block sees the context (the target's states) of its own document strictly before a, and all of its
-  own block (non-causal); no other block. This is what vLLM's proposer builds when it drafts after token a.
+  own block (non-causal); no other block. This is what vLLM's proposer builds when it drafts after token a. With
+  ``sliding_window`` W the drafter narrows it to the keys at most W-1 positions before each query, causally
+  (``model/dflash.py``: how vLLM and SGLang serve a sliding DFlash layer).
 - labels: slot k of the block is trained to the target's argmax at position a+k-1 (its prediction of token a+k);
   the anchor slot is not trained. A slot past its document's end or outside the loss mask does not count (the
   peer lets a block run into the next packed document; here it stops at the document's end).
@@ -155,7 +157,7 @@ def block_loss(
     context = drafter.context(aux)
     kv = drafter.context_kv(context, positions)
     mask = block_attention_mask(docs, anchors, bs)
-    logits = drafter(query_ids.flatten(1), query_positions.flatten(1), kv, mask)  # [B, A*bs, V]
+    logits = drafter(query_ids.flatten(1), query_positions.flatten(1), kv, mask, positions)  # [B, A*bs, V]
     if markov is not None:  # each slot's bias from the token at its own position (index - 1; the anchor at slot 0)
         logits = logits + markov(input_ids.gather(1, (index - 1).flatten(1)))
 
