@@ -208,16 +208,16 @@ def test_preflight_fails_when_the_targets_head_does_not_predict_the_servers_toke
 def test_capture_self_check_names_a_final_norm_applied_twice(tmp_path, tiny_target, feature_server, monkeypatch):
     """The rows are the server's final state normed twice: the check rebuilds vLLM's prompt_logprobs with the
     norm applied once and says that the rows were not made so."""
-    import eaglekit.stages.extract as extract_stage
+    import eaglekit.preflight.feature_servers as feature_servers
     from eaglekit.model.target import FinalNorm
 
     class TwiceNorm(FinalNorm):
         def __call__(self, x):
             return super().__call__(super().__call__(x))
 
-    read = extract_stage.read_final_norm
+    read = feature_servers.read_final_norm
     monkeypatch.setattr(
-        extract_stage, "read_final_norm", lambda t: (lambda n: TwiceNorm(n.weight, n.eps, n.offset))(read(t))
+        feature_servers, "read_final_norm", lambda t: (lambda n: TwiceNorm(n.weight, n.eps, n.offset))(read(t))
     )
     server, storage = feature_server
     cfg = vllm_run(tmp_path, tiny_target, storage, [server.url], server.model)
@@ -267,11 +267,11 @@ def test_the_file_is_read_after_its_lock_checked_converted_and_deleted(tmp_path)
     writer = threading.Thread(target=write_then_release)
     t0 = time.monotonic()
     writer.start()
-    client._wait_written(client._local(path, "server"))
+    client.transport.wait_ready(client.transport.locate({"hidden_states_path": str(path)}, "server"))
     assert time.monotonic() - t0 >= 0.25 and path.exists()
     writer.join()
     seen = []
-    cap = client._read(path, [7, 8, 9], _Reply(), 1, consume=seen.append)
+    cap = client._read(path, [7, 8, 9], _Reply(), 1, seen.append, 0)
     assert seen == [cap]
     assert torch.equal(cap.aux, torch.cat([states[:, 2], states[:, 0], states[:, 1]], dim=-1))
     final = states[:, 3]
@@ -284,12 +284,14 @@ def test_other_tokens_and_other_layers_are_named_errors(tmp_path):
     path = tmp_path / "a.safetensors"
     save_file({"hidden_states": torch.zeros(3, 4, 4), "token_ids": torch.tensor([7, 8, 10])}, str(path))
     with pytest.raises(TokenMismatch, match="first difference at position 2"):
-        client._read(path, [7, 8, 9], _Reply(), 1)
+        client._read(path, [7, 8, 9], _Reply(), 1, None, 0)
     save_file({"hidden_states": torch.zeros(3, 3, 4), "token_ids": torch.tensor([7, 8, 9])}, str(path))
     with pytest.raises(ServerSetupError, match=r"shape \(3, 3, 4\); this config needs \[3, 4, 4\]"):
-        client._read(path, [7, 8, 9], _Reply(), 1)
+        client._read(path, [7, 8, 9], _Reply(), 1, None, 0)
     with pytest.raises(EaglekitError, match="not in .* here"):
-        client._local(Path("/server/side/elsewhere.safetensors"), "server")
+        client.transport.locate({"hidden_states_path": "/server/side/elsewhere.safetensors"}, "server")
+    with pytest.raises(ServerSetupError, match="without kv_transfer_params.hidden_states_path"):
+        client.transport.locate({}, "server")
 
 
 def test_serve_command_names_the_layers_connector_and_storage():

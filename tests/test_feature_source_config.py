@@ -35,6 +35,17 @@ def test_vllm_backend_config_is_checked(tmp_path):
         load_config(write_config(tmp_path / "c.yaml", {**BASE, "extract": {"dtype": "int4"}}))
 
 
+def test_stream_mode_needs_the_vllm_backend_and_a_positive_spool(tmp_path):
+    stream = {"mode": "stream", "backend": "vllm", "vllm": VLLM, "stream": {"spool_gb": 2, "cache_gb": 1}}
+    cfg = load_config(write_config(tmp_path / "c.yaml", {**BASE, "extract": stream}))
+    assert cfg.extract.streamed and not cfg.extract.offline and not cfg.extract.online
+    assert cfg.extract.stream.spool_gb == 2 and cfg.extract.stream.ahead == 4
+    with pytest.raises(UsageError, match="extract.mode is 'stream' but extract.backend is 'hf'"):
+        load_config(write_config(tmp_path / "c.yaml", {**BASE, "extract": {"mode": "stream"}}))
+    with pytest.raises(UsageError, match="extract.stream.spool_gb"):
+        load_config(write_config(tmp_path / "c.yaml", {**BASE, "extract": {**stream, "stream": {"spool_gb": 0}}}))
+
+
 def test_the_final_norm_read_by_name_is_the_models_own(tiny_target):
     norm = read_final_norm(TargetConfig(model=str(tiny_target)))
     model = load_target(TargetConfig(model=str(tiny_target)))

@@ -209,3 +209,41 @@ def test_sizes_parse_in_decimal_and_binary_units(cli, tmp_path):
         parse_bytes("lots")
     r = cli("plan", kimi_config(tmp_path), "--free-bytes", "lots")
     assert r.code == 2 and "--free-bytes" in r.err
+
+
+def test_streaming_is_recommended_where_offline_features_do_not_fit(tmp_path, cli):
+    """The 25,000 × 4,000 Kimi run on 2.8 TB: streaming from vLLM servers fits (disk: the spool, not 5.7 TB of
+    features) and is the recommendation; with the config in stream mode the plan fits, train's disk is the spool
+    and its time the slower of the trainer and the servers."""
+    for sub in ("a", "b"):
+        (tmp_path / sub).mkdir()
+    flags = ["--samples", "25000", "--mean-tokens", "4000", "--free-bytes", "2.8TB"]
+    rates = ["--extract-tok-per-s", "20000", "--train-tok-per-s", "50000"]
+    r = cli("plan", kimi_config(tmp_path / "a"), *flags, *rates, "--json")
+    doc = json.loads(r.out)
+    stream = {a["option"]: a for a in doc["alternatives"]}["stream features"]
+    assert stream["verdict"] == "fits" and stream["peak_bytes"] < 0.02 * doc["peak_bytes"]  # checkpoints and the spool
+    assert "extract.mode: stream" in stream["how"] and "spool_gb: 4" in stream["how"]
+    assert doc["recommendation"].startswith("stream features: extract.mode: stream")
+
+    streamed = kimi_config(
+        tmp_path / "b",
+        extract={
+            "mode": "stream",
+            "backend": "vllm",
+            "stream": {"spool_gb": 200},
+            "vllm": {"servers": ["http://127.0.0.1:1/v1"], "storage_path": "/shared/hs"},
+        },
+    )
+    r = cli("plan", streamed, *flags, *rates, "--json")
+    assert r.code == 0, r.out
+    doc = json.loads(r.out)
+    assert doc["verdict"] == "fits" and "extract" not in [s["stage"] for s in doc["stages"]]
+    train = stage(doc, "train")
+    assert train["bytes"] >= 200e9 and any(line.startswith("spool: 200.0 GB") for line in train["how"])
+    tokens = 25000 * 4000
+    servers = (tokens * 0.95 * 1 + tokens * 0.05) / 20000  # one epoch (the default) asked, plus the held-out rows
+    assert train["seconds"] == pytest.approx(max(tokens * 0.95 / 50000, servers), rel=1e-6)
+    assert any("server-bound" in line for line in train["how"])
+    r = cli("plan", streamed, *flags, *rates)
+    assert "time 1h23m" in r.err  # the servers: 10^8 tokens ÷ 20,000 tok/s; the trainer alone would take 32 min

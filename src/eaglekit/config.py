@@ -185,8 +185,33 @@ class VllmFeaturesConfig(ServerPoolConfig):
     timeout: float = Field(600.0, gt=0, description="seconds per request, and per wait for its file")
 
 
+class FeatureStreamConfig(Section):
+    """extract.mode stream: train asks the vLLM feature servers (extract.vllm) for each upcoming micro-batch's
+    hidden states instead of reading shards; nothing but the servers' in-flight request files is stored."""
+
+    spool_gb: float = Field(
+        4.0,
+        gt=0,
+        description="GB the servers' hidden-states files may take in extract.vllm.storage_path at once: requests "
+        "wait while the files of those in flight would pass it",
+    )
+    ahead: int = Field(4, ge=1, description="micro-batches assembled ahead of the optimizer (held in memory)")
+    cache_gb: float = Field(
+        0.0,
+        ge=0,
+        description="epochs past the first: 0 requests every sample's features again; > 0 keeps up to this many GB "
+        "of encoded features in memory and reuses them (the rest is requested again); the held-out rows are kept "
+        "between evaluations up to max(cache_gb, 1 GB), else requested again at each evaluation",
+    )
+
+
 class ExtractConfig(Section):
-    mode: Literal["online", "offline"] = "online"
+    mode: Literal["online", "offline", "stream"] = Field(
+        "online",
+        description="online: the target runs inside train; offline: extract stores every sample's features on disk "
+        "first; stream: train requests them from the vLLM servers (extract.backend vllm) as it goes, storing only a "
+        "bounded spool (extract.stream)",
+    )
     backend: Literal["hf", "vllm"] = Field(
         "hf", description="hf: the target in this process (transformers); vllm: hidden states from vLLM servers"
     )
@@ -198,11 +223,22 @@ class ExtractConfig(Section):
     batch_tokens: int = Field(8192, ge=1)
     writer_queue: int = Field(4, ge=1, description="batches waiting for the background shard writer at most")
     vllm: VllmFeaturesConfig | None = None
+    stream: FeatureStreamConfig = Field(default_factory=FeatureStreamConfig)
 
     @property
     def offline(self) -> bool:
         """Features are extracted to disk first (the extract stage runs); online, train runs the target itself."""
         return self.mode == "offline"
+
+    @property
+    def online(self) -> bool:
+        """The target runs inside train (neither shards nor servers)."""
+        return self.mode == "online"
+
+    @property
+    def streamed(self) -> bool:
+        """train requests the features from the vLLM servers as it goes (no extract stage, no shards)."""
+        return self.mode == "stream"
 
 
 BLOCK_ARCHITECTURES = ("dflash", "dspark")  # the block-drafter family's train.draft.architecture values
@@ -703,11 +739,18 @@ def parse_config(data: Any, source: str = "<config>", base_dir: Path | None = No
             + ("a broken symlink" if blocking.is_symlink() and not blocking.exists() else "a file"),
             "set run_dir to a new or existing directory",
         )
+    if cfg.extract.streamed and cfg.extract.backend != "vllm":
+        raise UsageError(
+            f"{source}: extract.mode is 'stream' but extract.backend is '{cfg.extract.backend}'",
+            "set extract.backend: vllm and extract.vllm (the features stream from vLLM servers), or extract.mode: "
+            "online to run the target inside train",
+        )
     if cfg.extract.backend == "vllm":
-        if cfg.extract.mode != "offline":
+        if cfg.extract.online:
             raise UsageError(
-                f"{source}: extract.backend is 'vllm' but extract.mode is '{cfg.extract.mode}'",
-                "set extract.mode: offline (vLLM writes features to disk; online training runs the target here)",
+                f"{source}: extract.backend is 'vllm' but extract.mode is 'online'",
+                "set extract.mode: offline (vLLM's features stored on disk first) or stream (requested as training "
+                "goes); online training runs the target here",
             )
         if cfg.extract.vllm is None or not cfg.extract.vllm.servers:
             raise UsageError(

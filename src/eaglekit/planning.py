@@ -12,8 +12,9 @@ fits / does not fit / unknown — with the arithmetic shown. Every figure says w
     counted    counted in the files (the prompts' rows), or probed (free space, write rate)
     assumed    a stand-in, said as such (e.g. every sample as long as prepare.max_length)
 
-When the run does not fit, the alternatives are computed: online features (nothing stored), 8-bit features,
-and how many samples would fit.
+When the run does not fit, the alternatives are computed: streamed features (``extract.mode: stream``: the disk is
+the spool, the time the slower of the trainer and the vLLM servers), online features (nothing stored), 8-bit
+features, and how many samples would fit; the first that fits is recommended.
 """
 
 from __future__ import annotations
@@ -169,13 +170,16 @@ def gather_inputs(
         Figure(None, "unknown: run a pilot generate or pass --gen-tok-per-s"),
     )
     ext_counts = ext.get("counts") or {}
+    trn_counts = trn.get("counts") or {}
+    streamed = (trn_counts.get("stream") or {}).get("server_tokens_per_s")  # a streamed pilot's servers
     inputs["extract_tok_per_s"] = _pick(
         extract_tok_per_s,
         "--extract-tok-per-s",
-        (ext_counts.get("tokens_per_s"), f"extract of this run, {ext_counts.get('tokens', '?')} tokens ({_when(ext)})"),
+        (ext_counts.get("tokens_per_s"), f"extract of this run, {ext_counts.get('tokens', '?')} tokens ({_when(ext)})")
+        if ext_counts.get("tokens_per_s") or not streamed
+        else (streamed, f"the servers' feature rate in this run's streamed train ({_when(trn)})"),
         Figure(None, "unknown: run a pilot extract or pass --extract-tok-per-s"),
     )
-    trn_counts = trn.get("counts") or {}
     trained = (
         trn_counts["tokens"] / trn_counts["seconds"] if trn_counts.get("tokens") and trn_counts.get("seconds") else None
     )
@@ -226,7 +230,7 @@ def stage_plans(
     figures = {name: fig.value for name, fig in inputs.items()}
     plans = []
     for stage in pipeline.stages_for(planned):
-        ctx = pipeline.make_context(cfg, stage)
+        ctx = pipeline.make_context(planned, stage)  # an alternative's mode reaches the stages' estimates
         sizes = Sizes(
             samples=figures["samples"],
             mean_tokens=figures["mean_tokens"],
@@ -316,6 +320,20 @@ def alternatives(cfg: RunConfig, inputs: dict[str, Figure], plans: list[StagePla
         }
 
     if cfg.extract.offline:
+        alt = stage_plans(cfg, inputs, mode="stream")
+        spool = cfg.extract.stream.spool_gb
+        train = next((p for p in alt if p.stage == "train"), None)
+        out.append(
+            option(
+                "stream features",
+                f"extract.mode: stream, extract.backend: vllm (train asks the vLLM feature servers for each batch's "
+                f"hidden states; disk: the spool, extract.stream.spool_gb: {spool:g})",
+                alt,
+                f"; train {format_duration(train.seconds)}, {train.how[-1].removeprefix('time: ')}"
+                if train is not None and train.seconds is not None
+                else "; time: the slower of the trainer and the servers (a rate is unknown)",
+            )
+        )
         alt = stage_plans(cfg, inputs, mode="online")
         forward = inputs["extract_tok_per_s"].value
         extra = ""
@@ -374,6 +392,7 @@ def plan(cfg: RunConfig, **overrides: Any) -> dict[str, Any]:
     overall = "does not fit" if "does not fit" in verdicts else ("unknown" if "unknown" in verdicts else "fits")
     free, disk_rate = inputs["free_bytes"].value, inputs["write_bytes_per_s"].value
     known_times = [p.seconds for p in plans if not p.done and p.seconds is not None]
+    options = alternatives(cfg, inputs, plans) if overall == "does not fit" else []
     doc = {
         "run_dir": cfg.run_dir,
         "verdict": overall,
@@ -383,9 +402,17 @@ def plan(cfg: RunConfig, **overrides: Any) -> dict[str, Any]:
         "free_bytes": free,
         "seconds_known": sum(known_times),
         "stages_without_time": [p.stage for p in plans if not p.done and p.seconds is None],
-        "alternatives": alternatives(cfg, inputs, plans) if overall == "does not fit" else [],
+        "alternatives": options,
+        "recommendation": recommendation(options),
     }
     return doc
+
+
+def recommendation(options: list[dict[str, Any]]) -> str | None:
+    """The first alternative that fits, in the order they are listed: streaming before online features (a large
+    target cannot run inside the training process), both before fewer samples."""
+    best = next((a for a in options if a["verdict"] == "fits" and a["peak_bytes"] is not None), None)
+    return None if best is None else f"{best['option']}: {best['how']} ({best['detail']})"
 
 
 def render(doc: dict[str, Any]):
@@ -437,6 +464,8 @@ def render(doc: dict[str, Any]):
     if doc["stages_without_time"]:
         summary += f" (+ {', '.join(doc['stages_without_time'])}: no rate yet)"
     lines.append(Text(summary, style=style[doc["verdict"]]))
+    if doc.get("recommendation"):
+        lines.append(Text(f"recommended: {doc['recommendation']}", style="green"))
     if doc["alternatives"]:
         alt = Table(title="alternatives", show_lines=False)
         for col in ("option", "how", "result"):

@@ -17,6 +17,8 @@ The checks, one family per file (docs/preflight.md: "What each check family catc
     servers.py      generate's servers: reachable, the model served, context length, health, one real request
     capture.py      extract's capture self-check: captured states rebuild the target's own log-probabilities
     context.py      the context the drafter is served at vs the length of the documents it trains on
+    feature_servers.py  the vLLM feature servers (extract's vllm backend, train's stream): reach, storage, a smoke
+                    request with the capture self-check
     drafter.py      the trained drafter fits the target, and the evaluation prompts (evaluate, export, verify)
 
 Checks only one stage needs live in that stage's module; a stage lists the checks it runs in its ``checks(cfg)``.

@@ -421,7 +421,7 @@ def feature_shards(ctx: StageContext) -> CheckResult:
 
     name = "feature shards"
     if not ctx.cfg.extract.offline:
-        return skip(name, "online mode: no stored features")
+        return skip(name, f"{ctx.cfg.extract.mode} mode: no stored features")
     pending = will_be_produced(ctx, name, "extract")
     if pending:
         return pending
@@ -463,7 +463,7 @@ def feature_shard_contents(ctx: StageContext) -> CheckResult:
 
     name = "feature shard contents"
     if not ctx.cfg.extract.offline:
-        return skip(name, "online mode: no stored features")
+        return skip(name, f"{ctx.cfg.extract.mode} mode: no stored features")
     pending = will_be_produced(ctx, name, "extract")
     if pending:
         return pending

@@ -165,7 +165,7 @@ def need_per_gpu(ctx: StageContext, used: list[GPU]) -> tuple[int, str] | None:
     loads_target = (
         ctx.stage in TARGET_STAGES
         or (ctx.stage == "generate" and cfg.generate.backend == "local")
-        or (ctx.stage == "train" and not cfg.extract.offline)
+        or (ctx.stage == "train" and cfg.extract.online)
     )
     if not loads_target or not used or not Path(cfg.target.model).is_dir():
         return None

@@ -36,12 +36,14 @@ import shlex
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 
-from eaglekit.errors import EaglekitError
+from eaglekit.config import RunConfig, VllmFeaturesConfig
+from eaglekit.errors import EaglekitError, UsageError
 from eaglekit.model.target import FinalNorm
-from eaglekit.serving.client import ChatClient, RequestFailed
+from eaglekit.serving.client import ChatClient, RequestFailed, api_key_from_env
 
 STOCK_CONNECTOR = "ExampleHiddenStatesConnector"
 CPU_CONNECTOR = "EaglekitHiddenStatesConnector"
@@ -52,6 +54,21 @@ CONVERT_SLOTS = 4  # samples loaded, converted and handed to the writer at once
 def plugin_dir() -> Path:
     """The folder to put on vLLM's PYTHONPATH for the CPU connector."""
     return Path(__file__).resolve().parent / "vllm_plugin"
+
+
+def vllm_settings(cfg: RunConfig) -> VllmFeaturesConfig:
+    """extract.vllm, which parse_config requires whenever extract.backend is vllm."""
+    if cfg.extract.vllm is None:
+        raise UsageError("extract.backend is 'vllm' but extract.vllm is not set", "add extract.vllm: {servers: [...]}")
+    return cfg.extract.vllm
+
+
+def served_model(cfg: RunConfig) -> str:
+    return vllm_settings(cfg).model or cfg.target.model
+
+
+def feature_api_key(cfg: RunConfig) -> str | None:
+    return api_key_from_env(vllm_settings(cfg).api_key_env, "extract.vllm.api_key_env")
 
 
 def server_layer_ids(aux_ids: list[int], num_layers: int) -> list[int]:
@@ -80,6 +97,7 @@ def speculative_config(layer_ids: list[int]) -> dict:
 
 
 def kv_transfer_config(storage_path: str, connector: str) -> dict:
+    """The servers' side of the file spool (``FileSpool``): vLLM's hidden-states connector writing to a folder."""
     cfg = {
         "kv_connector": STOCK_CONNECTOR if connector == "stock" else CPU_CONNECTOR,
         "kv_role": "kv_producer",
@@ -152,96 +170,93 @@ class Captured:
     # and the server's prompt_logprobs
     states: torch.Tensor | None = None
     prompt_logprobs: list | None = None
+    bytes: int = 0  # what the transport held for it (the file's size on the spool)
 
 
 class _Retry(Exception):
     """The request went through but its file did not arrive whole: send it again."""
 
 
-class FeatureClient:
-    """``async with FeatureClient(vcfg, key, layer_ids, hidden, norm, prefix) as c: await c.capture(i, ids)``."""
+class FeatureTransport(Protocol):
+    """How one request's captured states travel from a server to this process, and are released on the way.
 
-    def __init__(
-        self,
-        vcfg,
-        api_key: str | None,
-        model: str,
-        layer_ids: list[int],
-        hidden_size: int,
-        norm: FinalNorm,
-        request_prefix: str,
-        self_check: int = 0,
-    ):
-        self.vcfg, self.model, self.layer_ids, self.hidden, self.norm = vcfg, model, layer_ids, hidden_size, norm
-        self.self_check = self_check  # > 0: ask for that many prompt_logprobs per position and keep the raw states
-        self.positions = stacked_positions(layer_ids)
-        self.storage = Path(vcfg.storage_path)
-        self.prefix = request_prefix
-        self.client = ChatClient(vcfg, api_key)
-        self._slots = asyncio.Semaphore(CONVERT_SLOTS)
+    The server's half is vLLM's KV connector (``--kv-transfer-config``); this half finds what the reply's
+    ``kv_transfer_params`` point at, waits until it is whole, loads it and frees it. ``FileSpool`` (vLLM's
+    shipped connector: a file per request on shared storage) is the one implementation; an engine-grade
+    transport (Mooncake's store, NIXL) would be another, with its own connector on the servers.
+    """
 
-    async def __aenter__(self) -> FeatureClient:
-        await self.client.__aenter__()
-        return self
+    def locate(self, params: dict, server: str) -> Any:
+        """Where the reply's states are (raises ServerSetupError when the reply names none)."""
+        ...
 
-    async def __aexit__(self, *exc) -> None:
-        await self.client.__aexit__(*exc)
+    def wait_ready(self, where: Any) -> None:
+        """Blocking: until the server has finished sending (raises ``_Retry`` past the request timeout)."""
+        ...
 
-    def remove_leftovers(self) -> int:
-        """Delete files of this run's earlier, killed attempts (their requests carry our prefix)."""
+    def receive(self, where: Any) -> tuple[dict[str, torch.Tensor], int]:
+        """Blocking: load and release. Returns the tensors and the bytes they held on the transport; raises
+        ``_Retry`` when they did not arrive whole (the server died while sending)."""
+        ...
+
+    def held_bytes(self, prefix: str) -> int:
+        """Bytes the requests with this id prefix hold on the transport now (not yet received)."""
+        ...
+
+    def remove_leftovers(self, prefix: str) -> int:
+        """Release what earlier, killed attempts with this prefix left behind; returns how many items."""
+        ...
+
+
+class FileSpool:
+    """The file transport: ``{storage}/{engine request id}.safetensors`` and its ``.lock`` (see the module)."""
+
+    def __init__(self, storage: Path, timeout: float):
+        self.storage, self.timeout = Path(storage), timeout
+
+    def locate(self, params: dict, server: str) -> Path:
+        remote = params.get("hidden_states_path")
+        if not remote:
+            raise ServerSetupError(
+                f"{server} answered without kv_transfer_params.hidden_states_path: it was not started as "
+                "a feature source (the extract_hidden_states method and a hidden-states KV connector)",
+                "start it with the command `eaglekit serve-command CONFIG` prints",
+            )
+        return self._local(Path(remote), server)
+
+    def wait_ready(self, where: Path) -> None:
+        with contextlib.suppress(FileNotFoundError):  # no lock: the server runs with use_synchronization_lock false
+            self._wait_for_lock(Path(str(where) + ".lock"))
+
+    def receive(self, where: Path) -> tuple[dict[str, torch.Tensor], int]:
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        lock = Path(str(where) + ".lock")
+        try:
+            size = where.stat().st_size
+            return load_file(str(where)), size
+        except (OSError, SafetensorError) as err:  # the server died while writing: the lock is free, the file is not
+            raise _Retry(
+                f"its hidden-states file {where.name} is missing or torn ({type(err).__name__}: {err})"
+            ) from None
+        finally:
+            where.unlink(missing_ok=True)
+            lock.unlink(missing_ok=True)
+
+    def held_bytes(self, prefix: str) -> int:
+        total = 0
+        for p in self.storage.glob(f"cmpl-{prefix}-*"):
+            with contextlib.suppress(FileNotFoundError):  # read and deleted meanwhile
+                total += p.stat().st_size
+        return total
+
+    def remove_leftovers(self, prefix: str) -> int:
         n = 0
-        for p in self.storage.glob(f"cmpl-{self.prefix}-*"):
+        for p in self.storage.glob(f"cmpl-{prefix}-*"):
             p.unlink(missing_ok=True)
             n += 1
         return n
-
-    def _body(self, index: int, token_ids: list[int], attempt: list[int]) -> dict:
-        attempt[0] += 1
-        body = {
-            "model": self.model,
-            "prompt": token_ids,
-            "max_tokens": 1,
-            "temperature": 0.0,
-            "return_token_ids": True,
-            "request_id": f"{self.prefix}-{index}-{attempt[0]}",
-        }
-        if self.self_check:
-            body["prompt_logprobs"] = self.self_check
-        return body
-
-    @staticmethod
-    def _check(data: dict) -> None:
-        data["choices"][0]  # noqa: B018  (a completion, not an error object)
-
-    async def capture(self, index: int, token_ids: list[int], consume=None) -> Captured:
-        """The hidden states of one prepared sample; raises RequestFailed when its retries are spent.
-
-        ``consume(captured)`` (e.g. encode and hand to the shard writer) runs in the same worker thread as the
-        load, under one of ``CONVERT_SLOTS``: a sample's states (229 MB for 4,000 tokens of a 7168-wide
-        target in bf16) are in memory only a few at a time, however many requests are in flight.
-        """
-        attempt, tries = [0], 0
-        while True:
-            tries += 1
-            reply = await self.client.post("/completions", lambda: self._body(index, token_ids, attempt), self._check)
-            params = reply.data.get("kv_transfer_params") or {}
-            remote = params.get("hidden_states_path")
-            if not remote:
-                raise ServerSetupError(
-                    f"{reply.server} answered without kv_transfer_params.hidden_states_path: it was not started as "
-                    "a feature source (the extract_hidden_states method and a hidden-states KV connector)",
-                    "start it with the command `eaglekit serve-command CONFIG` prints",
-                )
-            path = self._local(Path(remote), reply.server)
-            try:
-                await asyncio.to_thread(self._wait_written, path)
-                async with self._slots:
-                    return await asyncio.to_thread(self._read, path, token_ids, reply, tries, consume)
-            except _Retry as why:
-                self.client.take_out(reply.server, str(why))  # a server that died while writing, or its storage
-                if tries > self.vcfg.max_retries:
-                    raise RequestFailed(f"{reply.server}: {why}", tries) from None
-                await asyncio.sleep(min(30.0, self.vcfg.retry_backoff * 2 ** (tries - 1)))
 
     def _local(self, remote: Path, server: str) -> Path:
         """The request's file as this machine sees it (the servers may mount the shared folder elsewhere)."""
@@ -259,29 +274,117 @@ class FeatureClient:
             )
         return path
 
-    def _wait_written(self, path: Path) -> None:
-        lock = Path(str(path) + ".lock")
-        with contextlib.suppress(FileNotFoundError):  # no lock: the server runs with use_synchronization_lock false
-            self._wait_for_lock(lock)
-
-    def _read(self, path: Path, token_ids: list[int], reply, tries: int, consume=None) -> Captured:
-        """Load, check, convert, delete, then ``consume`` (runs in a worker thread once the write has ended)."""
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-
-        lock = Path(str(path) + ".lock")
+    def _wait_for_lock(self, lock: Path) -> None:
+        """Block until the server's writer releases the lock (LOCK_SH, polled so a dead server cannot hang us)."""
+        deadline = time.monotonic() + self.timeout
+        delay = 0.002
+        fd = os.open(lock, os.O_RDONLY)
         try:
-            data = load_file(str(path))
-        except (OSError, SafetensorError) as err:  # the server died while writing: the lock is free, the file is not
-            raise _Retry(
-                f"its hidden-states file {path.name} is missing or torn ({type(err).__name__}: {err})"
-            ) from None
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                    return
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise _Retry(
+                            f"its hidden-states file was still being written after {self.timeout:g}s"
+                        ) from None
+                    time.sleep(delay)
+                    delay = min(delay * 2, 0.05)
         finally:
-            path.unlink(missing_ok=True)
-            lock.unlink(missing_ok=True)
+            os.close(fd)
+
+
+class FeatureClient:
+    """``async with FeatureClient(vcfg, key, layer_ids, hidden, norm, prefix) as c: await c.capture(i, ids)``."""
+
+    def __init__(
+        self,
+        vcfg,
+        api_key: str | None,
+        model: str,
+        layer_ids: list[int],
+        hidden_size: int,
+        norm: FinalNorm,
+        request_prefix: str,
+        self_check: int = 0,
+        transport: FeatureTransport | None = None,
+    ):
+        self.vcfg, self.model, self.layer_ids, self.hidden, self.norm = vcfg, model, layer_ids, hidden_size, norm
+        self.self_check = self_check  # > 0: ask for that many prompt_logprobs per position and keep the raw states
+        self.positions = stacked_positions(layer_ids)
+        self.transport: FeatureTransport = transport or FileSpool(Path(vcfg.storage_path), vcfg.timeout)
+        self.prefix = request_prefix
+        self.client = ChatClient(vcfg, api_key)
+        self._slots = asyncio.Semaphore(CONVERT_SLOTS)
+
+    async def __aenter__(self) -> FeatureClient:
+        await self.client.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.client.__aexit__(*exc)
+
+    def remove_leftovers(self) -> int:
+        """Delete files of this run's earlier, killed attempts (their requests carry our prefix)."""
+        return self.transport.remove_leftovers(self.prefix)
+
+    def held_bytes(self) -> int:
+        """Bytes this client's requests hold on the transport now (the spool's files not yet read)."""
+        return self.transport.held_bytes(self.prefix)
+
+    def _body(self, index: int, token_ids: list[int], attempt: list[int], logprobs: int) -> dict:
+        attempt[0] += 1
+        body = {
+            "model": self.model,
+            "prompt": token_ids,
+            "max_tokens": 1,
+            "temperature": 0.0,
+            "return_token_ids": True,
+            "request_id": f"{self.prefix}-{index}-{attempt[0]}",
+        }
+        if logprobs:
+            body["prompt_logprobs"] = logprobs
+        return body
+
+    @staticmethod
+    def _check(data: dict) -> None:
+        data["choices"][0]  # noqa: B018  (a completion, not an error object)
+
+    async def capture(self, index: int, token_ids: list[int], consume=None, self_check: int | None = None) -> Captured:
+        """The hidden states of one prepared sample; raises RequestFailed when its retries are spent.
+
+        ``index`` names the request (unique among this client's requests in flight); ``self_check`` overrides the
+        client's for this request (the stream checks its first few requests only).
+
+        ``consume(captured)`` (e.g. encode and hand to the shard writer) runs in the same worker thread as the
+        load, under one of ``CONVERT_SLOTS``: a sample's states (229 MB for 4,000 tokens of a 7168-wide
+        target in bf16) are in memory only a few at a time, however many requests are in flight.
+        """
+        attempt, tries = [0], 0
+        logprobs = self.self_check if self_check is None else self_check
+        while True:
+            tries += 1
+            reply = await self.client.post(
+                "/completions", lambda: self._body(index, token_ids, attempt, logprobs), self._check
+            )
+            where = self.transport.locate(reply.data.get("kv_transfer_params") or {}, reply.server)
+            try:
+                await asyncio.to_thread(self.transport.wait_ready, where)
+                async with self._slots:
+                    return await asyncio.to_thread(self._read, where, token_ids, reply, tries, consume, logprobs)
+            except _Retry as why:
+                self.client.take_out(reply.server, str(why))  # a server that died while writing, or its storage
+                if tries > self.vcfg.max_retries:
+                    raise RequestFailed(f"{reply.server}: {why}", tries) from None
+                await asyncio.sleep(min(30.0, self.vcfg.retry_backoff * 2 ** (tries - 1)))
+
+    def _read(self, where, token_ids: list[int], reply, tries: int, consume, logprobs: int) -> Captured:
+        """Load, check, convert, release, then ``consume`` (runs in a worker thread once the write has ended)."""
+        data, size = self.transport.receive(where)
         states, got = data.get("hidden_states"), data.get("token_ids")
         if states is None or got is None:
-            raise _Retry(f"{path.name} lacks hidden_states or token_ids")
+            raise _Retry(f"{getattr(where, 'name', where)} lacks hidden_states or token_ids")
         want = torch.tensor(token_ids, dtype=torch.long)
         if got.shape != want.shape or not torch.equal(got.long(), want):
             first = next((k for k in range(min(len(got), len(want))) if int(got[k]) != int(want[k])), None)
@@ -302,33 +405,13 @@ class FeatureClient:
             )
         aux = torch.cat([states[:, p] for p in self.positions[:-1]], dim=-1)
         last = self.norm(states[:, self.positions[-1]])
-        raw = states[:, self.positions] if self.self_check else None
+        raw = states[:, self.positions] if logprobs else None
         del states, data
         choice = reply.data["choices"][0]
         generated = (choice.get("token_ids") or [None])[0]
-        captured = Captured(aux, last, generated, reply.server, reply.attempts + tries - 1)
-        if self.self_check:
+        captured = Captured(aux, last, generated, reply.server, reply.attempts + tries - 1, bytes=size)
+        if logprobs:
             captured.states, captured.prompt_logprobs = raw, choice.get("prompt_logprobs")
         if consume is not None:
             consume(captured)
         return captured
-
-    def _wait_for_lock(self, lock: Path) -> None:
-        """Block until the server's writer releases the lock (LOCK_SH, polled so a dead server cannot hang us)."""
-        deadline = time.monotonic() + self.vcfg.timeout
-        delay = 0.002
-        fd = os.open(lock, os.O_RDONLY)
-        try:
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                    return
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        raise _Retry(
-                            f"its hidden-states file was still being written after {self.vcfg.timeout:g}s"
-                        ) from None
-                    time.sleep(delay)
-                    delay = min(delay * 2, 0.05)
-        finally:
-            os.close(fd)

@@ -11,7 +11,8 @@ Two feature sources (``extract.backend``):
   vllm  running vLLM servers started with the ``extract_hidden_states`` method (``eaglekit serve-command
         CONFIG`` prints the command): each sample is sent as token ids with max_tokens 1, many in flight
         over all servers (``eaglekit.serving.vllm_features``).
-Either way the rows go to a background writer (``eaglekit.data.shard_sink``) so computing and writing
+(``extract.mode: stream`` runs no extract: train asks the same servers for each batch as it goes, through the
+same client; ``eaglekit.training.stream``.) Either way the rows go to a background writer (``eaglekit.data.shard_sink``) so computing and writing
 overlap; the stage reports both rates and which one limited it.
 
 Resumable shard by shard: the shard plan is a function of the token store and ``extract.shard_tokens``,
@@ -30,12 +31,12 @@ from pathlib import Path
 
 import torch
 
-from eaglekit.config import RunConfig, VllmFeaturesConfig
+from eaglekit.config import RunConfig
 from eaglekit.contract import Estimate, Sizes, Stage, StageContext
 from eaglekit.data import shards as sh
 from eaglekit.data.shard_sink import ShardSink
 from eaglekit.data.tokens import TokenStore
-from eaglekit.errors import EaglekitError, UsageError
+from eaglekit.errors import EaglekitError
 from eaglekit.model.target import (
     TargetFeatures,
     aux_layer_ids,
@@ -44,17 +45,16 @@ from eaglekit.model.target import (
     target_hf_config,
     target_identity,
 )
-from eaglekit.preflight import CheckResult, disk, environment, fail, files, gpus, ok, skip, will_be_produced
 from eaglekit.preflight import checks as common
+from eaglekit.preflight import disk, environment, fail, files, gpus, ok, skip
 from eaglekit.preflight.checks import human_bytes
+from eaglekit.preflight.feature_servers import feature_servers, feature_smoke, feature_storage
 from eaglekit.progress import Meter, console
 from eaglekit.training import distributed
 from eaglekit.training.data import pad
 
 NAME = "extract"
 UPSTREAM = "vocab"  # needs only prepare's tokens; "vocab" keeps the chain linear
-SELF_CHECK_SAMPLES = 3  # the shortest prepared samples sent by the capture self-check
-SELF_CHECK_LOGPROBS = 5  # prompt_logprobs asked per position: the prompt's token and the server's top 5
 FULL_SHA_LIMIT = 64 << 30  # pre-flight re-hashes existing shards up to this many bytes; beyond, sizes only
 
 
@@ -375,7 +375,7 @@ def _extract_hf(cfg, target: TargetFeatures, store, lengths, plan, todo, sink, m
 def _extract_vllm(ctx: StageContext, norm, store, plan, todo, sink, meter, aux_ids, n_layers, hidden) -> None:
     """vLLM servers: every sample of the pending shards in flight (bounded), rows written as they arrive."""
     from eaglekit.serving.client import RequestFailed
-    from eaglekit.serving.vllm_features import FeatureClient, server_layer_ids
+    from eaglekit.serving.vllm_features import FeatureClient, feature_api_key, served_model, server_layer_ids
 
     cfg, v = ctx.cfg, ctx.cfg.extract.vllm
     assert v is not None, "run only with extract.backend vllm, which the config requires extract.vllm for"
@@ -445,26 +445,9 @@ def sample_failed(sample_id: str, err) -> EaglekitError:
 # ---------------------------------------------------------------------------------------- vLLM helpers
 
 
-def vllm_settings(cfg: RunConfig) -> VllmFeaturesConfig:
-    """extract.vllm, which parse_config requires whenever extract.backend is vllm."""
-    if cfg.extract.vllm is None:
-        raise UsageError("extract.backend is 'vllm' but extract.vllm is not set", "add extract.vllm: {servers: [...]}")
-    return cfg.extract.vllm
-
-
-def served_model(cfg: RunConfig) -> str:
-    return vllm_settings(cfg).model or cfg.target.model
-
-
-def feature_api_key(cfg: RunConfig) -> str | None:
-    from eaglekit.serving.client import api_key_from_env
-
-    return api_key_from_env(vllm_settings(cfg).api_key_env, "extract.vllm.api_key_env")
-
-
 def vllm_serve_command(cfg: RunConfig) -> str:
     """The command that starts one feature server for this config (the same for every server)."""
-    from eaglekit.serving.vllm_features import serve_command, server_layer_ids
+    from eaglekit.serving.vllm_features import serve_command, served_model, server_layer_ids
 
     if cfg.extract.vllm is None:
         raise EaglekitError(
@@ -477,190 +460,6 @@ def vllm_serve_command(cfg: RunConfig) -> str:
     longest = int(TokenStore(tokens).lengths.max()) + 1 if os.path.exists(tokens) else None
     v = cfg.extract.vllm
     return serve_command(cfg.target.model, ids, v.storage_path, v.connector, served_model(cfg), longest)
-
-
-def _longest_sample(ctx: StageContext) -> int | None:
-    path = ctx.run.stage_dir("prepare") / "tokens.safetensors"
-    return int(TokenStore(path).lengths.max()) if path.exists() else None
-
-
-def feature_servers(ctx: StageContext) -> list:
-    """Every feature server answers, serves the model, and has a context for the longest sample plus one token."""
-    from eaglekit.preflight.servers import server_info
-
-    cfg, v = ctx.cfg, ctx.cfg.extract.vllm
-    assert v is not None, "declared for extract.backend vllm only, which the config requires extract.vllm for"
-    try:
-        key = feature_api_key(cfg)
-    except EaglekitError as err:
-        return [fail("feature servers", err.message, err.remedy or "")]
-    model, longest = served_model(cfg), _longest_sample(ctx)
-    results = []
-    for url in v.servers:
-        info = server_info(url, key, model)
-        name = f"feature server {info['url']}"
-        if info["error"]:
-            results.append(
-                fail(name, info["error"], info["remedy"] + "; the command to start it: `eaglekit serve-command CONFIG`")
-            )
-            continue
-        if not any(m.get("id") == model for m in info["models"]):
-            served = ", ".join(str(m.get("id")) for m in info["models"]) or "nothing"
-            results.append(
-                fail(
-                    name,
-                    f"does not serve '{model}'; it serves: {served}",
-                    "set extract.vllm.model to the served id, or start the server for this target",
-                )
-            )
-            continue
-        limit = info["max_model_len"]
-        if limit and longest and longest + 1 > limit:
-            results.append(
-                fail(
-                    name,
-                    f"max_model_len {limit} < the longest prepared sample ({longest} tokens) + 1",
-                    f"restart it with --max-model-len {longest + 1} (or more)",
-                )
-            )
-            continue
-        results.append(
-            ok(name, f"serves {model} (max_model_len {limit or '?'}); {info['version'] or 'version unknown'}")
-        )
-    return results
-
-
-def feature_storage(ctx: StageContext):
-    """The servers' shared_storage_path is a folder here that eaglekit can read and clean up."""
-    assert ctx.cfg.extract.vllm is not None, "declared for extract.backend vllm only"
-    path = ctx.cfg.extract.vllm.storage_path
-    if not os.path.isdir(path):
-        return fail(
-            "feature storage",
-            f"extract.vllm.storage_path {path} is not a folder here",
-            "create it on storage both this machine and the servers reach (the same folder the servers' "
-            "shared_storage_path names), and set it to this machine's path of it",
-        )
-    if not os.access(path, os.R_OK | os.W_OK | os.X_OK):
-        return fail(
-            "feature storage",
-            f"{path} is not readable and writable here",
-            "eaglekit reads each request's file there and deletes it: fix the permissions",
-        )
-    return ok("feature storage", f"{path} (each request's file is deleted once its rows are in a shard)")
-
-
-def feature_smoke(ctx: StageContext) -> list:
-    """One real request per server through the run's own code path, then the server's own next token is
-    checked against the captured final state through the target's norm and lm_head — which proves the layer
-    ids, the pre-norm final state and the token alignment in one go. The same requests carry the capture
-    self-check (``eaglekit.preflight.capture``): every next-token log-prob of a few samples rebuilt from the
-    rows eaglekit would write, against the server's ``prompt_logprobs``."""
-    from eaglekit.model.target import embedding_and_head
-    from eaglekit.serving.vllm_features import server_layer_ids
-
-    cfg, v = ctx.cfg, ctx.cfg.extract.vllm
-    assert v is not None, "declared for extract.backend vllm only"
-    path = ctx.run.stage_dir("prepare") / "tokens.safetensors"
-    pending = will_be_produced(ctx, "feature smoke request", "prepare")
-    if pending or not path.exists():  # (not pending and missing: the upstream check fails and says why)
-        return [pending or skip("feature smoke request", "no prepared tokens yet")]
-    store = TokenStore(path)
-    if len(store) == 0:
-        return [skip("feature smoke request", "no prepared samples")]
-    shortest = store.lengths.argsort(stable=True)[:SELF_CHECK_SAMPLES].tolist()
-    try:
-        hf = target_hf_config(cfg.target)
-        layer_ids = server_layer_ids(aux_layer_ids(cfg.target, hf.num_hidden_layers), hf.num_hidden_layers)
-        norm = read_final_norm(cfg.target)
-        _, head = embedding_and_head(cfg.target.model, cfg.target.trust_remote_code)
-    except EaglekitError as err:  # the target's norm or lm_head cannot be read by name
-        return [fail("feature smoke request", err.message, err.remedy or "check target.model")]
-    results = []
-    for url in v.servers:
-        results += smoke_server(ctx, url, store, shortest, layer_ids, hf.hidden_size, norm, head)
-    return results
-
-
-def smoke_server(ctx: StageContext, url: str, store, shortest: list[int], layer_ids, hidden, norm, head) -> list:
-    """The smoke request to one server: the next-token check on the shortest sample, then the capture self-check
-    on the ``shortest`` few (or one failure, when a request fails)."""
-    from eaglekit.preflight.capture import check_capture, parse_prompt_logprobs
-    from eaglekit.serving.client import RequestFailed
-    from eaglekit.serving.vllm_features import FeatureClient
-
-    cfg, v = ctx.cfg, ctx.cfg.extract.vllm
-    assert v is not None, "declared for extract.backend vllm only"
-    name = f"feature smoke request {url}"
-    one = v.model_copy(update={"servers": [url], "concurrency": 1, "max_retries": min(v.max_retries, 1)})
-
-    async def ask():
-        async with FeatureClient(
-            one,
-            feature_api_key(cfg),
-            served_model(cfg),
-            layer_ids,
-            hidden,
-            norm,
-            f"eksmoke{os.getpid()}",
-            self_check=SELF_CHECK_LOGPROBS,
-        ) as client:
-            return [await client.capture(j, store[j][1].tolist()) for j in shortest]
-
-    try:
-        caps = asyncio.run(ask())
-    except RequestFailed as err:
-        return [
-            fail(
-                name,
-                f"sample {store.ids[shortest[0]]!r} failed after {err.attempts} attempts: {err.reason}",
-                "fix what the server says; `eaglekit preflight CONFIG --stage extract` tries again",
-            )
-        ]
-    except EaglekitError as err:
-        return [fail(name, err.message, err.remedy or "see the message")]
-    next_token = next_token_check(name, len(store[shortest[0]][1].tolist()), caps[0], head)
-    checked = [
-        check_capture(
-            f"capture self-check {url}",
-            c.states,
-            layer_ids,
-            c.last_hidden,
-            norm,
-            head,
-            parse_prompt_logprobs(c.prompt_logprobs),
-        )
-        for c in caps
-        if c.states is not None
-    ]
-    return [next_token, next((r for r in checked if r.status == "fail"), checked[-1])]
-
-
-def next_token_check(name: str, tokens: int, cap, head) -> CheckResult:
-    """The server's next token against ours: its captured final state through the target's norm and lm_head."""
-    logits = cap.last_hidden[-1].float() @ head.float().T
-    top = logits.topk(min(5, logits.numel())).indices.tolist()
-    detail = (
-        f"{tokens} tokens, states {list(cap.aux.shape)} + {list(cap.last_hidden.shape)} "
-        f"({cap.aux.dtype}); the server's next token {cap.generated}, ours {top[0]}"
-    )
-    if cap.generated is None:
-        return ok(name, detail + " (the server returned no token ids; next-token check skipped)")
-    if cap.generated == top[0]:
-        return ok(name, detail)
-    if cap.generated in top:
-        return CheckResult(
-            name,
-            "warn",
-            detail + ": within our top 5 (a near-tie, bf16 numerics)",
-            "fine for training when it happens rarely",
-        )
-    return fail(
-        name,
-        detail + ": the captured final state does not predict the server's token",
-        "the server's layer ids or model differ from this config, or the target's final norm "
-        "is not a plain RMSNorm: restart it with `eaglekit serve-command CONFIG`",
-    )
 
 
 def estimate(ctx: StageContext, sizes: Sizes | None) -> Estimate:

@@ -1,6 +1,7 @@
 """train: fit the EAGLE-3 drafter with training-time test on the target's features.
 
-Reads ``prepare/tokens.safetensors``, ``vocab/vocab.safetensors`` and, in offline mode, ``extract/``;
+Reads ``prepare/tokens.safetensors``, ``vocab/vocab.safetensors`` and, in offline mode, ``extract/`` (in stream
+mode the vLLM feature servers instead: ``eaglekit.training.stream``);
 writes ``train/checkpoints/{step-N,best,latest}``, ``train/metrics.jsonl``, ``train/summary.json`` and
 ``train/curves.png``. The loop itself is ``eaglekit.training.loop``; this module is the stage's contract:
 what the outputs depend on, the checks before a long run, and the disk it needs.
@@ -24,7 +25,7 @@ from eaglekit.model.dspark_checkpoint import block_form, load_block_for_target
 from eaglekit.model.hub import cached_drafter, download_drafter, is_hub_id, local_folder
 from eaglekit.model.run_shapes import draft_settings, drafter_config, parameter_counts, target_and_aux
 from eaglekit.model.target import target_identity
-from eaglekit.preflight import CheckResult, disk, environment, fail, files, gpus, ok, skip, warn
+from eaglekit.preflight import CheckResult, disk, environment, fail, feature_servers, files, gpus, ok, skip, warn
 from eaglekit.preflight import checks as common
 from eaglekit.preflight.checks import human_bytes
 from eaglekit.preflight.context import serving_context
@@ -44,6 +45,8 @@ def params(cfg: RunConfig) -> dict:
     p["target"] = target_identity(cfg.target)
     p["eval_fraction"] = cfg.data.eval_fraction
     p["features"] = cfg.extract.mode
+    if cfg.extract.streamed:  # the rows are encoded as extract would store them (fp8 rounds them)
+        p["feature_dtype"] = cfg.extract.dtype
     if not cfg.extract.offline:  # the data order's blocks (offline: the shards, in extract's fingerprint)
         p["data_blocks"] = cfg.extract.shard_tokens
     if cfg.train.init_from:
@@ -59,8 +62,8 @@ def packing(ctx: StageContext):
     if not tc.packing:
         return ok("packing", "off: length-bucketed, right-padded batches (train.packing: true packs samples into rows)")
     features = (
-        "offline features: each document extracted alone"
-        if ctx.cfg.extract.offline
+        f"{ctx.cfg.extract.mode} features: each document extracted alone"
+        if not ctx.cfg.extract.online
         else "online features: the target keeps documents apart by position_ids (checked on the first packed batch)"
     )
     return ok(
@@ -225,14 +228,20 @@ def drafter_shape(ctx: StageContext):
 def checks(cfg: RunConfig) -> list:
     from eaglekit.preflight.gpus import target_placement
 
-    online = [target_placement] if not cfg.extract.offline else [files.feature_shards, files.feature_shard_contents]
+    if cfg.extract.streamed:  # the servers compute the features: check them, and the spool's room
+        source = [feature_servers.feature_servers, feature_servers.feature_storage, feature_servers.spool_room,
+                  feature_servers.feature_smoke]  # fmt: skip
+    elif cfg.extract.offline:
+        source = [files.feature_shards, files.feature_shard_contents]
+    else:
+        source = [target_placement]
     return [
         common.target_folder,
         files.target_weights,
         environment.software,
         environment.devices,
         gpus.gpus,
-        *online,
+        *source,
         packing,
         drafter_shape,
         draft_vocab_origin,
@@ -324,7 +333,7 @@ def step_memory_check(ctx: StageContext):
     plain, recomputed = both
     chosen = recomputed if cfg.train.activation_checkpointing else plain
     smallest = min(gpus.visible(found) or found, key=lambda g: g.total)
-    on_gpu = gpus.need_per_gpu(ctx, [smallest]) if not cfg.extract.offline and not cfg.target.device_map else None
+    on_gpu = gpus.need_per_gpu(ctx, [smallest]) if cfg.extract.online and not cfg.target.device_map else None
     target = on_gpu[0] if on_gpu else 0  # online: the target shares the GPU
     tokens = row_tokens(cfg)
     detail = f"{tokens:,} tokens a micro-batch: {memory_line(chosen, tokens)}" + (
@@ -384,7 +393,49 @@ def estimate(ctx: StageContext, sizes: Sizes | None) -> Estimate:
             f"time: {tokens:,.0f} tok × {1 - cfg.data.eval_fraction:g} (train split) × {cfg.train.epochs:g} "
             f"epochs ÷ {rate:,.0f} tok/s" + (" (max_steps may stop it earlier)" if cfg.train.max_steps else "")
         )
+    if cfg.extract.streamed:
+        stream_estimate(cfg, sizes, est)
     return est
+
+
+def stream_estimate(cfg: RunConfig, sizes: Sizes, est: Estimate) -> None:
+    """extract.mode stream: the disk is the spool (not the dataset), the time the slower of the trainer and the
+    servers' feature rate (every epoch asks again unless extract.stream.cache_gb holds the whole train split)."""
+    from eaglekit.data.shards import bytes_per_token
+    from eaglekit.progress import format_duration
+
+    s = cfg.extract.stream
+    spool = s.spool_gb * 1e9
+    if est.bytes is not None:
+        est.bytes += spool
+    est.how.append(
+        f"spool: {human_bytes(spool)} (extract.stream.spool_gb: the servers' request files in extract.vllm.storage_path"
+        ", counted as if on this volume); no feature shards"
+    )
+    tokens, served = sizes.tokens, sizes.extract_tok_per_s
+    if tokens is None or not served:
+        est.how.append("servers' feature rate: unknown (a pilot extract or stream measures it; --extract-tok-per-s)")
+        return
+    trained = tokens * (1 - cfg.data.eval_fraction)
+    cached = bool(sizes.hidden_size) and s.cache_gb * 1e9 >= trained * bytes_per_token(int(sizes.hidden_size or 0),
+                                                                                         sizes.dtype)  # fmt: skip
+    asked = trained * (1 if cached else cfg.train.epochs) + tokens * cfg.data.eval_fraction
+    server_seconds = asked / served
+    trainer_seconds = est.seconds
+    est.how.append(
+        f"servers: {asked:,.0f} tok asked ({'once, then from the cache' if cached else 'again every epoch'}) ÷ "
+        f"{served:,.0f} tok/s = {format_duration(server_seconds)}"
+    )
+    if trainer_seconds is None:
+        est.seconds = server_seconds
+        est.how.append("time: the servers' (the trainer's rate is unknown)")
+        return
+    est.seconds = max(trainer_seconds, server_seconds)
+    bound = "server-bound" if server_seconds > trainer_seconds else "trainer-bound"
+    est.how.append(
+        f"time: the slower of the trainer ({format_duration(trainer_seconds)}) and the servers "
+        f"({format_duration(server_seconds)}): {bound}"
+    )
 
 
 def kept(ctx: StageContext) -> str:
@@ -422,7 +473,8 @@ def live_counts(stage_dir: Path) -> dict:
 def run(ctx: StageContext) -> dict:
     from eaglekit.training.loop import train
 
-    counts = train(ctx.cfg, ctx.run, ctx.dir, ctx.resuming)
+    check = feature_servers.stream_capture_check(ctx.cfg) if ctx.cfg.extract.streamed else None
+    counts = train(ctx.cfg, ctx.run, ctx.dir, ctx.resuming, capture_check=check)
     tc = ctx.cfg.train
     if counts["steps"] < tc.warmup_steps:
         ctx.warn(
@@ -440,7 +492,7 @@ def run(ctx: StageContext) -> dict:
 STAGE = Stage(
     name=NAME,
     upstream=UPSTREAM,
-    reads="prepare/, vocab/, and extract/ (offline) or the live target (online)",
+    reads="prepare/, vocab/, and extract/ (offline), the live target (online) or the vLLM feature servers (stream)",
     writes="train/checkpoints/, train/metrics.jsonl, train/summary.json, train/curves.png",
     params=params,
     checks=checks,

@@ -24,18 +24,19 @@ import math
 import queue
 import random
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 
 import torch
 
-from eaglekit.data.shards import FeatureStore
+from eaglekit.data.shards import FeatureStore, Rows
 from eaglekit.data.split import is_held_out
 from eaglekit.data.tokens import TokenStore
 from eaglekit.errors import EaglekitError
 
 BUCKET_BATCHES = 64  # batches per length bucket: sorted inside, shuffled between
 PACK_WINDOW = 4096  # samples packed together (first-fit in random order): rows close when their window ends
+FeatureRows = FeatureStore | Mapping[str, Rows]  # stored features by sample id: shards, or those a stream fetched
 
 
 def split_indices(store: TokenStore, eval_fraction: float) -> tuple[list[int], list[int]]:
@@ -183,7 +184,7 @@ def pad(rows: list[torch.Tensor], value=0) -> torch.Tensor:
     return out
 
 
-def collate_packed(store: TokenStore, rows: list[list[int]], features: FeatureStore | None = None) -> Batch:
+def collate_packed(store: TokenStore, rows: list[list[int]], features: FeatureRows | None = None) -> Batch:
     """Rows of samples laid end to end, right-padded; ``position_ids`` count 0.. within each sample (and on into
     the padding, which nothing attends)."""
     samples = [[store[i] for i in row] for row in rows]
@@ -206,7 +207,7 @@ def collate_packed(store: TokenStore, rows: list[list[int]], features: FeatureSt
     return batch
 
 
-def collate(store: TokenStore, indices: list[int], features: FeatureStore | None = None) -> Batch:
+def collate(store: TokenStore, indices: list[int], features: FeatureRows | None = None) -> Batch:
     """One sample per row, right-padded; no position ids (each row is one document)."""
     batch = collate_packed(store, [[i] for i in indices], features)
     batch.position_ids = None
@@ -282,7 +283,7 @@ class RunBatches:
         cfg,
         store: TokenStore,
         blocks: list[list[int]],
-        feature_store: FeatureStore | None,
+        feature_store: FeatureRows | None,
         world: int,
         rank: int,
     ):
@@ -368,7 +369,7 @@ class RunBatches:
     def total_steps(self, tc) -> int:
         return tc.max_steps or max(1, math.ceil(self.micro_batches_for(tc.epochs) / tc.grad_accum))
 
-    def collate(self, entries: list, tokens: TokenStore | None = None, features: FeatureStore | None = None) -> Batch:
+    def collate(self, entries: list, tokens: TokenStore | None = None, features: FeatureRows | None = None) -> Batch:
         """This rank's entries as a batch, read from ``tokens``/``features`` (the loader thread passes its copies)."""
         if tokens is None:
             tokens, features = self.store, self.feature_store
@@ -377,7 +378,11 @@ class RunBatches:
     def share(self, entries: list) -> list:
         return rank_share(entries, self.rank, self.world)
 
+    def entries(self, u: int) -> list:
+        """This rank's entries of micro-batch u of the run: sample indices, or (packing) rows of them."""
+        epoch, pos = self.position(u)
+        return self.share(self._batches_of(epoch)[pos])
+
     def micro_batch(self, u: int, tokens: TokenStore, features: FeatureStore | None) -> Batch:
         """Micro-batch u of the run for this rank (called by the Loader's read-ahead thread)."""
-        epoch, pos = self.position(u)
-        return self.collate(self.share(self._batches_of(epoch)[pos]), tokens, features)
+        return self.collate(self.entries(u), tokens, features)

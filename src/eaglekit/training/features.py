@@ -1,4 +1,5 @@
-"""Where the TTT inputs of a batch come from: the live target (online), or offline shards plus the target's head."""
+"""Where the TTT inputs of a batch come from: the live target (online), or stored rows plus the target's head — read
+from offline shards, or streamed from the vLLM servers (``training/stream.py`` assembles those batches)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ class Features:
         aux_dtype: torch.dtype,
         target_model: torch.nn.Module | None = None,
         head: torch.Tensor | None = None,
+        streamed: bool = False,
     ):
         self.device, self.aux_dtype = device, aux_dtype
         self.store: FeatureStore | None = None
@@ -37,13 +39,15 @@ class Features:
             return
         if head is None:
             raise ValueError("offline features need the target's lm_head to rebuild its distribution")
+        self.head = TargetHead(head.to(device, torch.float32 if device.type == "cpu" else head.dtype), t2d)
+        if streamed:  # the batches arrive with their rows (training/stream.py); the data order is the online one
+            return
         self.store = FeatureStore(run_dir / "extract")
         if self.store.index.get("aux_layer_ids") not in (None, aux_ids):
             raise EaglekitError(
                 f"the offline features tap layers {self.store.index['aux_layer_ids']}, this config {aux_ids}",
                 "rerun extraction: `eaglekit run CONFIG --from extract --force`",
             )
-        self.head = TargetHead(head.to(device, torch.float32 if device.type == "cpu" else head.dtype), t2d)
 
     def __call__(self, batch: Batch) -> tuple:
         """(aux, input_ids, target_logits, loss_mask, attention_mask, target_in_draft, position_ids) on the device."""
@@ -58,7 +62,7 @@ class Features:
                 f.target_logits.to(self.device),
                 f.target_in_draft.to(self.device),
             )
-        else:  # stored rows (bf16, or fp8 with its scales) are decoded on the device: half the bytes travel
+        else:  # stored or streamed rows (bf16, or fp8 with its scales) are decoded on the device: half the bytes travel
             assert self.head is not None and b.aux is not None and b.last_hidden is not None  # offline rows carry both
             aux, last = decode(Rows(b.aux, b.last_hidden, b.scale_exp), self.head.weight.dtype)
             logits, in_draft = self.head(last)
@@ -91,7 +95,8 @@ class Features:
                 return
 
     def blocks(self, store: TokenStore, lengths: list[int], shard_tokens: int) -> list[list[int]]:
-        """Token-store indices per data block: the feature shards offline, the same plan online (one data order)."""
+        """Token-store indices per data block: the feature shards offline, the same plan online and streamed (one data
+        order for all three)."""
         if self.store is None:
             return plan_shards(lengths, shard_tokens)
         position = {sid: i for i, sid in enumerate(store.ids)}

@@ -61,6 +61,7 @@ from eaglekit.training.init import build_drafter, say
 from eaglekit.training.metrics import Metrics, Window
 from eaglekit.training.objective import TTT, wrap
 from eaglekit.training.optim import build_optimizer, build_scheduler
+from eaglekit.training.stream import FeatureStream, open_stream
 from eaglekit.training.ttt import simulated_acceptance_length
 
 # Names the tests and benchmarks reach through this module (they patch Metrics.write to kill a run mid-way).
@@ -82,9 +83,12 @@ class Progress:
         return cls(state["step"], state["best_tau"], state["tokens"], state["seconds"], state["window"])
 
 
-def train(cfg: RunConfig, run: RunDir, out_dir: Path, resuming: bool) -> dict[str, Any]:
+def train(
+    cfg: RunConfig, run: RunDir, out_dir: Path, resuming: bool, capture_check: Callable | None = None
+) -> dict[str, Any]:
     """Train the drafter into ``out_dir`` (the train stage's folder); ``resuming``: continue its latest checkpoint.
-    Returns the counts the ledger and `eaglekit status` show."""
+    Returns the counts the ledger and `eaglekit status` show. ``capture_check``: the capture self-check a streamed
+    run makes on its first requests (``training/stream.open_stream``)."""
     tc = cfg.train
     dist.init()
     device, world = dist.device(), dist.world_size()
@@ -107,6 +111,9 @@ def train(cfg: RunConfig, run: RunDir, out_dir: Path, resuming: bool) -> dict[st
         world, dist.rank(),
     )  # fmt: skip
     total_steps = batches.total_steps(tc)
+    stream = open_stream(cfg, run.path, batches, dist.rank(), capture_check) if cfg.extract.streamed else None
+    if stream is not None:  # the held-out rows, asked per evaluation batch (kept in memory when they fit)
+        batches.feature_store = stream.held_out_rows([batches.share(b) for b in batches.held_out()])
     sched = build_scheduler(tc, optim, total_steps)
     held_out = HeldOut(model, drafter, features, batches, autocast, fsdp, positions, weights)
 
@@ -123,7 +130,7 @@ def train(cfg: RunConfig, run: RunDir, out_dir: Path, resuming: bool) -> dict[st
     elif dist.is_main():
         metrics.path.unlink(missing_ok=True)
     n_trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
-    say(run_line(cfg, batches, n_trainable, total_steps, features.store is None))
+    say(run_line(cfg, batches, n_trainable, total_steps))
 
     last_eval = held_out(0, metrics, ckpts, progress) if progress.step == 0 else None
     window = Window(positions, progress.window)
@@ -140,7 +147,7 @@ def train(cfg: RunConfig, run: RunDir, out_dir: Path, resuming: bool) -> dict[st
     meter_name = "train" if dist.is_main() else f"train (rank {dist.rank()})"
     with (
         stop,
-        contextlib.closing(Loader(batches.micro_batch, store, features.store)) as loader,
+        contextlib.closing(stream or Loader(batches.micro_batch, store, features.store)) as loader,
         Meter(meter_name, total=total_steps, unit="step", initial=progress.step) as meter,
     ):
         for step in range(progress.step, total_steps):
@@ -190,6 +197,9 @@ def train(cfg: RunConfig, run: RunDir, out_dir: Path, resuming: bool) -> dict[st
                 stop.stop()
     metrics.close()
     seconds = progress.seconds_before + time.monotonic() - t0
+    if stream is not None:
+        notes["stream"] = stream.report()
+        say(stream.summary())
 
     if last_eval is None and held_out.batches:  # resumed after the final checkpoint: its eval is in the log
         logged = next((r for r in reversed(metrics.rows()) if r["kind"] == "eval" and r["step"] == total_steps), None)
@@ -222,7 +232,7 @@ def drafter_and_features(cfg: RunConfig, run_path: Path, device: torch.device) -
     d2t, t2d = load_vocab(run_path)
     hf_config = target_hf_config(cfg.target)
     aux_ids = aux_layer_ids(cfg.target, hf_config.num_hidden_layers)
-    target_model = load_target(cfg.target, device) if not cfg.extract.offline else None
+    target_model = load_target(cfg.target, device) if cfg.extract.online else None
     embed, head = embedding_and_head(
         cfg.target.model if target_model is None else target_model, cfg.target.trust_remote_code
     )
@@ -234,7 +244,7 @@ def drafter_and_features(cfg: RunConfig, run_path: Path, device: torch.device) -
         t2d = drafter.t2d.cpu()
     drafter = drafter.to(device)
     aux_dtype = torch.bfloat16 if uses_bf16(cfg.train.dtype, device) else torch.float32
-    features = Features(run_path, t2d, device, aux_ids, aux_dtype, target_model, head)
+    features = Features(run_path, t2d, device, aux_ids, aux_dtype, target_model, head, cfg.extract.streamed)
     return drafter, features, notes
 
 
@@ -265,7 +275,7 @@ def autocast_for(dtype: str, device: torch.device) -> Callable[[], contextlib.Ab
     return contextlib.nullcontext
 
 
-def run_line(cfg: RunConfig, batches: RunBatches, n_trainable: int, total_steps: int, online: bool) -> str:
+def run_line(cfg: RunConfig, batches: RunBatches, n_trainable: int, total_steps: int) -> str:
     tc, world = cfg.train, batches.world
     shape = (
         f"{batches.global_batch} rows of up to {batches.row_tokens} packed tokens"
@@ -276,7 +286,7 @@ def run_line(cfg: RunConfig, batches: RunBatches, n_trainable: int, total_steps:
         f"train: {n_trainable / 1e6:.2f}M trainable parameters, {len(batches.train_idx)} train / "
         f"{len(batches.held_idx)} held-out samples, {batches.per_epoch} batches of {shape} per epoch, "
         f"{total_steps} steps{f' on {world} processes' if world > 1 else ''} "
-        f"({'online' if online else 'offline'} features)"
+        f"({cfg.extract.mode} features)"
     )
 
 
@@ -284,7 +294,14 @@ def run_line(cfg: RunConfig, batches: RunBatches, n_trainable: int, total_steps:
 
 
 def optimizer_step(
-    model: nn.Module, loader: Loader, features: Features, window: Window, step: int, tc, autocast, params: list
+    model: nn.Module,
+    loader: Loader | FeatureStream,
+    features: Features,
+    window: Window,
+    step: int,
+    tc,
+    autocast,
+    params: list,
 ) -> tuple[float, int, float]:
     """Forward and backward over the step's grad_accum micro-batches (DDP syncs on the last one), then the gradient
     clip. Returns (gradient norm before clipping, tokens this rank saw, its summed loss); the caller steps the
