@@ -1,5 +1,6 @@
 """Training benchmark: the memory model of `plan` and the train pre-flight (``training/memory.py``) against the
-measured peak of real TTT steps, with and without ``train.activation_checkpointing``.
+measured peak of real TTT steps, with and without ``train.activation_checkpointing``, and (``--context-parallel N``,
+CPU) one rank's peak when N gloo ranks split the row (``train.context_parallel``) against the model's per-rank figure.
 
 For each shape and row length it builds the drafter (EAGLE-3, Llama layer, EAGLE 3.1 flags), runs a warm step on a
 short row (so that gradients and AdamW's moments exist), then one step on the full row, and reports the peak
@@ -9,6 +10,7 @@ Prints one JSON line per case and a table; asserts nothing.
 
     python benchmarks/train_memory.py                                   # CPU, H=256/512, rows 2K-8K, fp32
     python benchmarks/train_memory.py --device cuda --shape kimi --lengths 8192,16384,65536 --modes checkpointed
+    python benchmarks/train_memory.py --context-parallel 2 --lengths 8192,16384      # CPU, 2 gloo ranks per row
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pathlib import Path
 import torch
 
 from eaglekit.model.drafter import DrafterConfig, Eagle3Drafter
+from eaglekit.training.context_parallel import ContextGroup
 from eaglekit.training.fused import step_kernels
 from eaglekit.training.memory import step_memory
 from eaglekit.training.ttt import ttt_loss
@@ -50,9 +53,10 @@ def config(shape: str, max_len: int) -> DrafterConfig:
     )  # fmt: skip
 
 
-def run_case(shape: str, length: int, checkpoint: bool, device: str) -> dict:
-    """One case in this process: the measured peak (bytes) and the model's."""
+def run_case(shape: str, length: int, checkpoint: bool, device: str, context: ContextGroup | None = None) -> dict:
+    """One case in this process: the measured peak (bytes) and the model's; with ``context``, this rank's share."""
     cfg = config(shape, length)
+    ranks = 1 if context is None else context.size
     dev = torch.device(device)
     bf16 = dev.type == "cuda"
     torch.manual_seed(0)
@@ -65,13 +69,14 @@ def run_case(shape: str, length: int, checkpoint: bool, device: str) -> dict:
     n_trainable = sum(p.numel() for p in trainable)
     n_frozen = sum(p.numel() for p in drafter.parameters()) - n_trainable
     opt = torch.optim.AdamW(trainable, lr=1e-5)
-    kernels = step_kernels("auto", "auto", dev, checkpoint)
+    kernels = step_kernels("auto", "auto", dev, checkpoint, context)
     store = torch.bfloat16 if bf16 else torch.float32
 
     def step(n: int) -> None:
         g = torch.Generator(device="cpu").manual_seed(n)
-        aux = torch.randn(1, n, 3 * cfg.target_hidden_size, generator=g).to(dev, store)
-        last = torch.randn(1, n, cfg.target_hidden_size, generator=g).to(dev, store)
+        rows = n if context is None else (lambda s: s.stop - s.start)(context.shard(n, STEPS))  # its share and halo
+        aux = torch.randn(1, rows, 3 * cfg.target_hidden_size, generator=g).to(dev, store)
+        last = torch.randn(1, rows, cfg.target_hidden_size, generator=g).to(dev, store)
         ids = torch.randint(0, cfg.vocab_size, (1, n), generator=g).to(dev)
         with torch.no_grad():  # the target's logits over the draft vocabulary, from its final state (offline)
             logits = (last @ drafter.lm_head.weight.to(store).T).to(store)
@@ -84,7 +89,7 @@ def run_case(shape: str, length: int, checkpoint: bool, device: str) -> dict:
     step(256)  # warm: gradients and AdamW's moments exist, kernels compiled
     gc.collect()
     model = step_memory(cfg, length, STEPS, trainable=n_trainable, frozen=n_frozen, checkpoint=checkpoint, bf16=bf16,
-                        device_type=dev.type)  # fmt: skip
+                        device_type=dev.type, context_parallel=ranks)  # fmt: skip
     t0 = time.monotonic()
     if dev.type == "cuda":
         torch.cuda.synchronize()
@@ -101,11 +106,40 @@ def run_case(shape: str, length: int, checkpoint: bool, device: str) -> dict:
         predicted = model.total - model.weights
     seconds = time.monotonic() - t0
     return {
-        "shape": shape, "length": length, "checkpointing": checkpoint, "device": device,
+        "shape": shape, "length": length, "checkpointing": checkpoint, "device": device, "context_parallel": ranks,
         "measured_bytes": int(measured), "model_bytes": int(predicted), "ratio": round(measured / predicted, 4),
-        "model_parts": {k: getattr(model, k) for k in ("weights", "batch", "activations", "transient")},
+        "model_parts": {k: getattr(model, k) for k in ("weights", "batch", "activations", "gathered", "transient")},
         "kept_per_token": round(model.per_token), "step_seconds": round(seconds, 2),
     }  # fmt: skip
+
+
+def context_case(shape: str, length: int, checkpoint: bool, ranks: int) -> dict:
+    """One CPU case on ``ranks`` gloo processes splitting the row: the rank with the highest measured peak."""
+    import socket
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as out:
+        mp.spawn(_rank_case, args=(ranks, port, out, shape, length, checkpoint), nprocs=ranks, join=True)
+        rows = [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(ranks)]
+    return max(rows, key=lambda r: r["measured_bytes"])
+
+
+def _rank_case(rank: int, ranks: int, port: int, out: str, shape: str, length: int, checkpoint: bool) -> None:
+    from eaglekit.training import distributed as dist
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(ranks), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))  # fmt: skip
+    torch.set_num_threads(1)
+    dist.init()
+    row = run_case(shape, length, checkpoint, "cpu", dist.context_group(ranks))
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps({**row, "rank": rank}))
+    dist.barrier()
+    torch.distributed.destroy_process_group()
 
 
 def _status_bytes(field: str) -> int:
@@ -121,13 +155,19 @@ def main() -> None:
     p.add_argument("--shape", default="small,medium", help=f"comma-separated: {', '.join(SHAPES)}")
     p.add_argument("--lengths", default="2048,8192")
     p.add_argument("--modes", default="plain,checkpointed")
+    p.add_argument("--context-parallel", type=int, default=1, help="CPU: gloo ranks splitting each row")
     p.add_argument("--json", help="also append each case's JSON line to this file")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:  # one CPU case in a fresh process: nothing else this process allocated blurs its peak
-        shape, length, mode = args.child.split(":")
-        print(json.dumps(run_case(shape, int(length), mode == "checkpointed", "cpu")))
+        shape, length, mode, ranks = args.child.split(":")
+        if int(ranks) > 1:
+            print(json.dumps(context_case(shape, int(length), mode == "checkpointed", int(ranks))))
+        else:
+            print(json.dumps(run_case(shape, int(length), mode == "checkpointed", "cpu")))
         return
+    if args.context_parallel > 1 and args.device != "cpu":
+        p.error("--context-parallel measures gloo ranks on the CPU; on GPUs train under torchrun instead")
     rows = []
     for shape in args.shape.split(","):
         for length in (int(x) for x in args.lengths.split(",")):
@@ -135,7 +175,8 @@ def main() -> None:
                 try:
                     if args.device == "cpu":
                         env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}  # freed memory goes back to the OS
-                        out = subprocess.run([sys.executable, __file__, "--child", f"{shape}:{length}:{mode}"],
+                        case = f"{shape}:{length}:{mode}:{args.context_parallel}"
+                        out = subprocess.run([sys.executable, __file__, "--child", case],
                                              env=env, capture_output=True, text=True, check=True)  # fmt: skip
                         row = json.loads(out.stdout.strip().splitlines()[-1])
                     else:
@@ -151,7 +192,8 @@ def main() -> None:
                 if args.json:
                     with open(args.json, "a") as f:
                         f.write(json.dumps(row) + "\n")
-    print(f"\n{'shape':8} {'L':>7} {'mode':13} {'measured':>10} {'model':>10} {'ratio':>6}")
+    print(f"\n{'shape':8} {'L':>7} {'mode':13} {'measured':>10} {'model':>10} {'ratio':>6}"
+          + (f"   (one of {args.context_parallel} ranks per row)" if args.context_parallel > 1 else ""))  # fmt: skip
     for r in rows:
         mode = "checkpointed" if r["checkpointing"] else "plain"
         if "error" in r:

@@ -16,7 +16,11 @@ Faults are injected by the number of the chat request (1-based) or for every req
 (the connection is reset mid-response), ``malformed`` (a 200 whose body is not JSON), ``length``
 (cut at max_tokens: ``finish_reason: length``), ``400``. ``strict`` refuses vLLM's ``return_token_ids``
 with a 422, as transformers serve does. Answers are derived from the prompt, so a test
-can check every record against its prompt. ``python tests/fake_vllm.py`` serves one from the command line.
+can check every record against its prompt.
+
+Prompt tokens are counted by words, or — given ``tokenizer`` (a model folder) — as vLLM counts them: the chat
+template rendered with the generation prompt and tokenized, after a ``system_prompt`` turn when one is set (a
+server that renders prompts another way than the target's template); ``tokenize`` serves vLLM's ``/tokenize``. ``python tests/fake_vllm.py`` serves one from the command line.
 """
 
 from __future__ import annotations
@@ -66,6 +70,9 @@ class FakeVLLM:
         api_key: str | None = None,
         strict: bool = False,
         health_status: int = 200,
+        tokenizer: str | None = None,
+        system_prompt: str | None = None,
+        tokenize: bool = False,
     ):
         assert shape in SHAPES, shape
         self.model, self.shape, self.max_model_len, self.version = model, shape, max_model_len, version
@@ -73,6 +80,12 @@ class FakeVLLM:
         self.retry_after, self.slow_seconds, self.delay, self.api_key = retry_after, slow_seconds, delay, api_key
         self.strict = strict  # refuse fields vLLM alone knows, as transformers serve does (422)
         self.health_status = health_status  # vLLM answers 503 on /health once its engine died
+        self.tokenizer = None
+        if tokenizer is not None:
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+        self.system_prompt, self.tokenize = system_prompt, tokenize
         self.requests: list[dict[str, Any]] = []  # chat requests: n, t, headers, body, fault
         self._lock = threading.Lock()
         self._httpd: ThreadingHTTPServer | None = None
@@ -132,11 +145,28 @@ class FakeVLLM:
             return {"role": "assistant", "content": content, "thinking": reasoning}
         return {"role": "assistant", "content": content, "reasoning": None}
 
+    def prompt_ids(self, body: dict) -> list[int] | None:
+        """The prompt's token ids as this server renders it (None without a tokenizer: counted by words)."""
+        if self.tokenizer is None:
+            return None
+        messages = body.get("messages") or []
+        if self.system_prompt:
+            messages = [{"role": "system", "content": self.system_prompt}, *messages]
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, **(body.get("chat_template_kwargs") or {})
+        )
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
     def completion(self, body: dict, fault: str | None) -> tuple[int, dict]:
         if body.get("model") != self.model:
             return 404, {"error": {"message": f"The model `{body.get('model')}` does not exist.", "code": 404}}
         messages = body.get("messages") or []
-        prompt_tokens = sum(count_tokens(m.get("content") or "") for m in messages) + 3 * len(messages)
+        ids = self.prompt_ids(body)
+        prompt_tokens = (
+            len(ids)
+            if ids is not None
+            else sum(count_tokens(m.get("content") or "") for m in messages) + 3 * len(messages)
+        )
         max_tokens = int(body.get("max_tokens") or 16)
         if prompt_tokens + max_tokens > self.max_model_len:
             return 400, {
@@ -171,7 +201,7 @@ class FakeVLLM:
         }
         if body.get("return_token_ids"):
             choice["token_ids"] = [len(w) for w in f"{reasoning} {content}".split()]
-            out["prompt_token_ids"] = list(range(prompt_tokens))
+            out["prompt_token_ids"] = ids if ids is not None else list(range(prompt_tokens))
         return 200, out
 
 
@@ -220,6 +250,10 @@ class _Handler(JsonHandler):
     def do_POST(self) -> None:
         fake = self.server_state
         raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        if self.path == "/tokenize" and fake.tokenize and fake.tokenizer is not None:
+            ids = fake.prompt_ids(json.loads(raw))
+            self.send_json(200, {"count": len(ids), "max_model_len": fake.max_model_len, "tokens": ids})
+            return
         if self.path != "/v1/chat/completions":
             self.send_json(404, {"detail": "Not Found"})
             return

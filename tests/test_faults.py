@@ -21,6 +21,7 @@ from test_extract import offline, prepared_run
 from test_train import QUICK, metrics, train
 from test_train_ddp import free_port, torchrun_env
 
+from eaglekit import rundir
 from eaglekit.data import shards as sh
 from eaglekit.errors import EaglekitError
 from eaglekit.pipeline import make_context, run_stage
@@ -56,10 +57,11 @@ def test_a_shard_whose_bytes_changed_fails_trains_preflight_and_extract_redoes_o
     shards = sorted(out.glob("shard-*.safetensors"))
     assert len(shards) >= 3 and files.feature_shard_contents in train_stage.checks(cfg)
 
+    ctx = make_context(cfg, "train")  # its fingerprint hashes the vocabulary, once
     hashed: list[str] = []
-    real_sha = sh.sha256_file
-    monkeypatch.setattr(sh, "sha256_file", lambda path, *a: hashed.append(Path(path).name) or real_sha(path, *a))
-    first = files.feature_shard_contents(make_context(cfg, "train"))
+    real_sha = rundir.sha256_file  # the one hashing function of every content hash
+    monkeypatch.setattr(rundir, "sha256_file", lambda path, *a: hashed.append(Path(path).name) or real_sha(path, *a))
+    first = files.feature_shard_contents(ctx)
     assert first.status == "ok" and "all hashed now" in first.detail, first.detail
     assert sorted(hashed) == [s.name for s in shards]
     # the cache (in the run directory) spares a rerun the hashing: nothing is read again

@@ -342,7 +342,7 @@ def test_smoke_request_catches_a_reply_cut_before_its_answer(tmp_path, servers):
 
 
 def test_smoke_request_renders_the_record_with_the_target_template(tmp_path, servers, tiny_target):
-    fake = servers()
+    fake = servers(tokenizer=str(tiny_target))  # renders prompts with the target's template, as vLLM does
     data = config_dict(tmp_path, [fake.url])
     data["target"]["model"] = str(tiny_target)
     del data["generate"]["reasoning"]  # default: required, because the tiny template has think tags
@@ -358,7 +358,7 @@ def test_smoke_request_fails_when_the_template_would_drop_the_reasoning(tmp_path
         "{{ m.content.split('</think>')[-1].lstrip('\n') }}{% else %}{{ m.content }}{% endif %}<|im_end|>\n"
         "{%- endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
-    fake = servers()
+    fake = servers(tokenizer=str(tiny_target))
     data = config_dict(tmp_path, [fake.url])
     data["target"] = {"model": str(tiny_target), "chat_template": dropping}
     bad = failed(preflight(parse_config(data, base_dir=tmp_path)))

@@ -463,6 +463,14 @@ class TrainConfig(Section):
     compile: bool = Field(
         False, description="torch.compile the drafter's layer for the TTT step (fuses norms, RoPE, SwiGLU)"
     )
+    context_parallel: int = Field(
+        1,
+        ge=1,
+        description="ranks that split each row's positions (training/context_parallel.py): each holds 1/N of the row's "
+        "features and activations and all-gathers the keys, so a row of tens of thousands of tokens trains across N "
+        "GPUs (docs/long-context.md); under torchrun with a multiple of N processes (the rest is data parallel); "
+        "EAGLE-3 drafters, offline features",
+    )
 
     @model_validator(mode="after")
     def _one_weight_per_step(self) -> TrainConfig:
@@ -489,6 +497,17 @@ class TrainConfig(Section):
                 f"{', '.join(set_keys)}: EAGLE-3's training-time-test settings; architecture {architecture} trains "
                 "its block objective (cross-entropy on the target's argmax, train.draft.position_weighting), which "
                 "does not read them: remove them"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _context_parallel_splits_ttt(self) -> TrainConfig:
+        if self.context_parallel > 1 and self.draft.architecture in BLOCK_ARCHITECTURES:
+            raise ValueError(
+                f"context_parallel {self.context_parallel}: splitting a row across ranks is built for EAGLE-3's TTT "
+                f"step; architecture {self.draft.architecture}'s block objective is not split (its anchored blocks "
+                "attend their context on every layer): set train.context_parallel: 1, and shorten rows "
+                "(prepare.max_length) or window the drafter (train.draft.sliding_window) instead"
             )
         return self
 
@@ -651,6 +670,17 @@ class RunConfig(Section):
             raise ValueError("must name a directory (it is blank)")
         return value
 
+    @model_validator(mode="after")
+    def _context_parallel_reads_offline_features(self) -> RunConfig:
+        if self.train.context_parallel > 1 and not self.extract.offline:
+            raise ValueError(
+                f"train.context_parallel is {self.train.context_parallel} with {self.extract.mode} features: every "
+                "rank would run (online) or request (stream) the target's features of the whole row, which is what "
+                "does not fit; set extract.mode: offline (each rank then reads only its share of the row's stored "
+                "features)"
+            )
+        return self
+
     @property
     def run_path(self) -> Path:
         return Path(self.run_dir)
@@ -703,6 +733,8 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
             lines.append(f"  - unknown key '{key}' (check the spelling; see docs/config.md)")
         elif e["type"] == "missing":
             lines.append(f"  - missing required key '{key}'")
+        elif not key:  # a check across sections (RunConfig's own validators): its message names the keys
+            lines.append(f"  - {e['msg'].removeprefix('Value error, ')}")
         elif isinstance(e.get("input"), bool):
             lines.append(
                 f"  - '{key}': {e['msg']} (got {e['input']!r}: YAML reads unquoted yes/no/on/off/true/false "

@@ -76,6 +76,20 @@ def measured_time(est: Estimate, sizes: Sizes, unit: str | None) -> None:
         est.how.append(f"time: as measured in this run ({seconds:.0f} s)")
 
 
+@dataclass(frozen=True)
+class StaleCause:
+    """Why a finished stage no longer matches the config: the first stage (in run order) whose own inputs or
+    parameters changed since it ran (``changed_in``) and what changed ("input: old → new"); the first stage
+    finished with other inputs (``stage``, usually the same one), the command that reruns from it, and the
+    finished stages before it, which stay valid."""
+
+    stage: str
+    changed_in: str
+    changes: list[str]
+    command: str
+    kept: list[str]
+
+
 @dataclass
 class StageContext:
     cfg: RunConfig
@@ -99,6 +113,7 @@ class StageContext:
     # The pipeline's answers to "which command finishes stage S" and "what changed since this stage last ran".
     reach: Callable[[str], str] = lambda stage: f"eaglekit run CONFIG --until {stage}"
     changes: Callable[[], list[str] | None] = lambda: None
+    stale_cause: Callable[[str], StaleCause | None] = lambda stage: None
     is_worker_rank: bool = False
     _estimate: Estimate | None = field(default=None, repr=False)
 

@@ -26,7 +26,7 @@ from typing import Any
 
 from eaglekit import atomic, failures, preflight, rundir
 from eaglekit.config import RunConfig
-from eaglekit.contract import Stage, StageContext
+from eaglekit.contract import Stage, StageContext, StaleCause
 from eaglekit.errors import EaglekitError, UsageError
 from eaglekit.progress import console
 from eaglekit.rundir import RunDir, content_identity, digest, tool_versions
@@ -88,6 +88,7 @@ def make_context(cfg: RunConfig, stage: str, force: bool = False, **options: Any
         upstream_fingerprint=fingerprint(cfg, up, memo) if up else None,
         reach=lambda target: command_to_reach(cfg, target),
         changes=lambda: changed_parameters(run, stage, cfg),
+        stale_cause=lambda done: stale_cause(cfg, run, done),
         is_worker_rank=is_worker_rank(),
     )
 
@@ -324,17 +325,50 @@ def command_to_reach(cfg: RunConfig, stage: str, config: str = "CONFIG") -> str:
 
 def changed_parameters(run: RunDir, stage: str, cfg: RunConfig) -> list[str] | None:
     """What differs between the parameters the stage last finished with (its ledger entry) and ``cfg``'s, as
-    "key: old → new" lines; empty when only an upstream stage changed; None when the ledger does not say."""
+    "input: old → new" lines; empty when only an upstream stage changed; None when the ledger does not say."""
     done = [start for start, end in run.attempts(stage) if end and end.get("state") == "done"]
     if not done or "params" not in done[-1]:
         return None
     old = _flatten(done[-1]["params"])
     new = _flatten(json.loads(json.dumps(stage_of(stage).params(cfg), default=str)))
     return [
-        f"{stage}.{k}: {_short(old.get(k))} → {_short(new.get(k))}"
+        _change(stage, k, old.get(k), new.get(k))
         for k in sorted(set(old) | set(new))
         if content_identity(old.get(k)) != content_identity(new.get(k))
     ]
+
+
+def stale_cause(cfg: RunConfig, run: RunDir, stage: str) -> StaleCause | None:
+    """Why finished ``stage`` is stale: the first stage up to it whose own parameters or inputs changed since it
+    finished (a target's weights, the tokens, a setting), and the first stage finished with other inputs, from which
+    the command reruns; None when no stage's ledger entry says what changed."""
+    memo: dict[str, str] = {}
+    order = stages_for(cfg)
+    upto = order[: order.index(stage) + 1] if stage in order else []
+    stale = [s for s in upto if run.done_fingerprint(s) not in (None, fingerprint(cfg, s, memo))]
+    for s in stale:
+        changes = changed_parameters(run, s, cfg)
+        if changes:
+            first = stale[0]
+            kept = [k for k in order[: order.index(first)] if run.is_done(k, fingerprint(cfg, k, memo))]
+            return StaleCause(first, s, changes, run_command(cfg, first), kept)
+    return None
+
+
+def _change(stage: str, key: str, old: Any, new: Any) -> str:
+    """One changed parameter in words: a recorded input by its name (preflight/files.INPUT_NAMES), a hash short."""
+    from eaglekit.preflight.files import INPUT_NAMES
+
+    for pattern, words in INPUT_NAMES:
+        found = pattern.fullmatch(key)
+        if found:
+            hashed = isinstance(old, str | None) and isinstance(new, str | None) and "{field}" not in words
+            shown = [
+                ("sha256 " + v[:12] if v else "absent") if hashed else "unset (the default)" if v is None else _short(v)
+                for v in (old, new)
+            ]
+            return f"{words.format(**found.groupdict())}: {shown[0]} → {shown[1]}"
+    return f"{stage}.{key}: {_short(old)} → {_short(new)}"
 
 
 def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
@@ -351,6 +385,8 @@ def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def _short(v: Any) -> str:
+    if v is None:
+        return "unset"
     if isinstance(v, dict) and "path" in v:
         return f"{v['path']} ({'missing' if v.get('missing') else v.get('sha', '?')})"
     text = json.dumps(v, default=str) if not isinstance(v, str) else v

@@ -27,18 +27,23 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import fcntl
+import functools
 import hashlib
 import json
 import os
 import socket
 import sys
+import threading
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from eaglekit import atomic
 from eaglekit.errors import EaglekitError
+from eaglekit.progress import Meter
 
 LEDGER = "ledger.jsonl"
 LOCK = ".lock"
@@ -116,6 +121,118 @@ def content_identity(obj: Any) -> Any:
     if isinstance(obj, list):
         return [content_identity(v) for v in obj]
     return obj
+
+
+# ------------------------------------------------------------------------------------------ content hashes
+# One mechanism for every whole-file hash eaglekit keeps: a file's sha256, computed once and cached in a JSON file
+# beside what it belongs to (extract's feature shards in extract/, the target's weights and the run's tokens and
+# vocabulary in RUN_DIR), keyed by the file's (size, mtime_ns, inode): a rewrite gives a new inode and mtime, a
+# copy a new inode, so a cached digest is the file's as long as that key holds.
+
+DIGEST_CACHE = ".sha256-cache.json"
+SHOW_HASHING_BYTES = 2_000_000_000  # hashing more than this shows a progress meter
+CACHE_WRITE_SECONDS = 30.0  # a long hashing run saves what it read this often, so a stopped one keeps its work
+
+
+def sha256_file(path: str | os.PathLike, block: int = 16 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(block):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def file_key(path: str | os.PathLike) -> list[int]:
+    """What must be unchanged for a cached digest to still be the file's (see above)."""
+    st = os.stat(path)
+    return [st.st_size, st.st_mtime_ns, st.st_ino]
+
+
+@functools.lru_cache(maxsize=16)
+def _read_cache(path_str: str, _key: tuple[int, ...]) -> dict[str, dict]:
+    try:
+        cache = json.loads(Path(path_str).read_text())
+    except (OSError, ValueError):
+        return {}
+    return cache if isinstance(cache, dict) else {}
+
+
+def read_digest_cache(cache_file: Path) -> dict[str, dict]:
+    """{name: {"key": [size, mtime_ns, inode], "sha256": what its bytes hashed to}}, read once per change of the
+    cache file (fingerprints and complete_shard ask it often)."""
+    try:
+        key = tuple(file_key(cache_file))
+    except OSError:
+        return {}
+    return _read_cache(str(cache_file), key)
+
+
+def cached_digest(cache: dict[str, dict], name: str, path: Path) -> str | None:
+    """The sha256 ``path``'s bytes had when last hashed under ``name``, if the file is unchanged since."""
+    found = cache.get(name)
+    try:
+        return found["sha256"] if found and found.get("key") == file_key(path) else None
+    except OSError:
+        return None
+
+
+def hash_files(cache_file: Path, files: dict[str, Path], what: str, workers: int = 4) -> tuple[dict[str, str], int]:
+    """The sha256 of each file (by name; a missing file is left out) and the bytes hashed now.
+
+    Unchanged files take their digest from ``cache_file``; the others are read in ``workers`` threads (hashlib
+    releases the GIL), shown as ``what`` when they are large, and the cache is rewritten (atomically) every
+    ``CACHE_WRITE_SECONDS`` and at the end, so a stopped run keeps most of its work.
+    """
+    cache = dict(read_digest_cache(cache_file))
+    digests: dict[str, str] = {}
+    todo: list[tuple[str, Path]] = []
+    for name, path in files.items():
+        known = cached_digest(cache, name, path)
+        if known is not None:
+            digests[name] = known
+        elif path.is_file():
+            todo.append((name, path))
+    if not todo:
+        return digests, 0
+    lock, hashed, written = threading.Lock(), 0, time.monotonic()
+
+    def one(name: str, path: Path) -> None:
+        nonlocal hashed, written
+        key = file_key(path)
+        digest = sha256_file(path)
+        with lock:
+            digests[name], hashed = digest, hashed + key[0]
+            if file_key(path) == key:  # not rewritten while it was read
+                cache[name] = {"key": key, "sha256": digest}
+            if time.monotonic() - written > CACHE_WRITE_SECONDS:
+                atomic.write_json(cache_file, cache)
+                written = time.monotonic()
+
+    cache_file.parent.mkdir(parents=True, exist_ok=True)
+    megabytes = [path.stat().st_size // 1_000_000 for _, path in todo]
+    shown = sum(megabytes) * 1_000_000 >= SHOW_HASHING_BYTES  # minutes to hours for terabytes: shown as it goes
+    with (
+        Meter(f"sha256 of {what}", total=sum(megabytes), unit="MB") if shown else contextlib.nullcontext() as meter,
+        ThreadPoolExecutor(max_workers=min(workers, len(todo))) as pool,
+    ):
+        futures = {pool.submit(one, name, path): mb for (name, path), mb in zip(todo, megabytes, strict=True)}
+        try:
+            for future in as_completed(futures):
+                future.result()
+                if meter is not None:
+                    meter.update(futures[future])
+        finally:  # what was read is kept, also when stopped
+            with lock:
+                atomic.write_json(cache_file, cache)
+    return digests, hashed
+
+
+def run_digests(run_path: Path, paths: list[Path], what: str) -> dict[Path, str]:
+    """The sha256 of each existing file in ``paths`` (inputs of this run, inside or outside it), cached in the run
+    directory: a rerun re-reads only files that changed since."""
+    named = {str(p.resolve()): p for p in paths}
+    digests, _ = hash_files(Path(run_path) / DIGEST_CACHE, named, what)
+    return {p: digests[name] for name, p in named.items() if name in digests}
 
 
 def append_line(path: Path, line: str) -> None:

@@ -153,6 +153,53 @@ def _tokenize(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
 
 
+def prompt_token_ids(tokenizer, messages: list[dict], template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """The generation prompt's token ids as a server makes them: the chat template rendered with
+    ``add_generation_prompt``, tokenized with ``add_special_tokens=False`` (the template writes any BOS)."""
+    return _tokenize(tokenizer, _render(tokenizer, messages, True, template_kwargs or {}))
+
+
+SHOWN_TOKENS = 8  # tokens of each rendering shown from where they first differ
+
+
+def served_prompt_mismatch(
+    tokenizer, local_ids: list[int], served_count: int | None, served_ids: list[int] | None = None
+) -> str | None:
+    """How a server's rendering of a prompt differs from the local one (``local_ids``, from ``prompt_token_ids``),
+    judged by the token ids it returned (``prompt_token_ids``, its /tokenize) or else by its count
+    (``usage.prompt_tokens``); None when they agree or the server says neither."""
+    if served_ids is not None:
+        if list(served_ids) == local_ids:
+            return None
+        at = next((i for i, (a, b) in enumerate(zip(served_ids, local_ids, strict=False)) if a != b), None)
+        at = min(len(served_ids), len(local_ids)) if at is None else at
+
+        def shown(ids: list[int]) -> str:
+            pieces = [tokenizer.decode([i]) for i in ids[at : at + SHOWN_TOKENS]]
+            return (repr(pieces) if pieces else "[] (it ends there)") + ("…" if len(ids) > at + SHOWN_TOKENS else "")
+
+        return (
+            f"the server's prompt has {len(served_ids)} tokens, the local rendering with the target's chat template "
+            f"{len(local_ids)}; they first differ at token {at}: server {shown(list(served_ids))}, local "
+            f"{shown(local_ids)}"
+        )
+    if served_count is None or served_count == len(local_ids):
+        return None
+    more = served_count - len(local_ids)
+    return (
+        f"the server counts {served_count} prompt tokens (usage.prompt_tokens), the local rendering with the "
+        f"target's chat template {len(local_ids)} ({'+' if more > 0 else ''}{more}): the server renders the prompt "
+        "another way (an added system turn, another template revision)"
+    )
+
+
+TEMPLATE_REMEDY = (
+    "serve the target with the chat template that target.chat_template (or the tokenizer's own) holds — vLLM: "
+    "--chat-template FILE, and no system prompt added on the way — or set target.chat_template to the template the "
+    "server uses: training must see each prompt as the target saw it"
+)
+
+
 def render_sample(
     tokenizer,
     prompt_messages: list[dict],
@@ -175,7 +222,7 @@ def render_sample(
     elif reasoning.strip():
         reply["content"] = f"<think>\n{reasoning}\n</think>\n\n{content}"
 
-    prompt = _render(tokenizer, prompt_messages, True, template_kwargs)
+    prompt = _render(tokenizer, prompt_messages, True, template_kwargs)  # what prompt_token_ids tokenizes
     full = _render(tokenizer, [*prompt_messages, reply], False, template_kwargs)
     if not full.startswith(prompt):
         at = next(
@@ -252,6 +299,52 @@ def _load_tokenizer_cached(model: str, template: str | None, trust_remote_code: 
 
 
 def local_target_tokenizer(cfg):
-    """The target's tokenizer (``target.*`` of a RunConfig) when it is a local folder, else None: never a download."""
+    """The target's tokenizer (``target.*`` of a RunConfig) when its files are here — a folder, or a hub id's cached
+    snapshot — else None: never a download."""
+    from eaglekit.model.hub import model_folder
+
     t = cfg.target
-    return _load_tokenizer_cached(t.model, t.chat_template, t.trust_remote_code) if Path(t.model).is_dir() else None
+    folder = model_folder(t.model)
+    if folder is None or not folder.is_dir():
+        return None
+    return _load_tokenizer_cached(str(folder), t.chat_template, t.trust_remote_code)
+
+
+class ServedPrompts:
+    """A server's rendering of each prompt against the local one (the target's tokenizer and chat template, with
+    generate's ``chat_template_kwargs``), as generate's smoke request and every response judge it."""
+
+    def __init__(self, cfg):
+        try:
+            self.tokenizer = local_target_tokenizer(cfg)
+        except EaglekitError:
+            self.tokenizer = None  # the reasoning and prompt checks name the tokenizer's problem
+        self.kwargs = cfg.generate.extra_body.get("chat_template_kwargs") or {}
+
+    def local_ids(self, messages: list[dict]) -> list[int] | None:
+        """The prompt's ids as rendered here; None without the tokenizer or when the template refuses the prompt
+        (the prompt checks name that)."""
+        if self.tokenizer is None:
+            return None
+        try:
+            return prompt_token_ids(self.tokenizer, messages, self.kwargs)
+        except EaglekitError:
+            return None
+
+    def mismatch(self, local: list[int], response: dict, served_ids: list[int] | None = None) -> str | None:
+        """How the server's prompt differs from ``local``: by ``served_ids`` (e.g. from its /tokenize), else the ids
+        the response carries (vLLM's ``prompt_token_ids``), else its ``usage.prompt_tokens``."""
+        ids = served_ids if served_ids is not None else response_prompt_ids(response)
+        count = (response.get("usage") or {}).get("prompt_tokens")
+        return served_prompt_mismatch(self.tokenizer, local, count if isinstance(count, int) else None, ids)
+
+    def check(self, messages: list[dict], response: dict) -> str | None:
+        """A response's prompt against the local rendering (None also where nothing can be compared)."""
+        local = self.local_ids(messages)
+        return None if local is None else self.mismatch(local, response)
+
+
+def response_prompt_ids(response: dict) -> list[int] | None:
+    """The prompt's token ids a chat completion carries (vLLM's ``prompt_token_ids`` with return_token_ids)."""
+    ids = response.get("prompt_token_ids")
+    return ids if isinstance(ids, list) and all(type(t) is int for t in ids) else None

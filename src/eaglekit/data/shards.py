@@ -33,16 +33,11 @@ A shard whose cached digest differs from its sidecar's is not complete: extract 
 from __future__ import annotations
 
 import contextlib
-import functools
-import hashlib
 import json
 import os
 import random
 import struct
-import threading
-import time
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -50,9 +45,9 @@ from typing import BinaryIO
 import torch
 from safetensors import SafetensorError, safe_open
 
-from eaglekit import atomic
+from eaglekit import atomic, rundir
 from eaglekit.errors import EaglekitError
-from eaglekit.progress import Meter
+from eaglekit.rundir import sha256_file
 
 FORMAT = "eaglekit.features"
 VERSION = "2"
@@ -70,9 +65,7 @@ _ST_DTYPE = {
     torch.int8: "I8",
     torch.float8_e4m3fn: "F8_E4M3",
 }
-DIGEST_CACHE = ".sha256-cache.json"
-SHOW_HASHING_MB = 2000  # hashing more than this shows a progress meter
-CACHE_WRITE_SECONDS = 30.0  # a dot name: not a shard or a sidecar to any glob of this module
+DIGEST_CACHE = rundir.DIGEST_CACHE  # a dot name: not a shard or a sidecar to any glob of this module
 REMEDY = (
     "delete the named shard and its .json sidecar, then `eaglekit run CONFIG --from extract`: extract "
     "re-extracts only the missing shards (the others are kept) and the stages after it go on"
@@ -245,14 +238,6 @@ def shard_bytes(ids: list[str], tokens: int, hidden: int, dtype: str, extra_meta
     )
 
 
-def sha256_file(path: Path, block: int = 16 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(block):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 # --------------------------------------------------------------------------------------------- writing
 
 
@@ -363,46 +348,17 @@ class ShardWriter:
 
 
 # ----------------------------------------------------------------------------------- content integrity
-
-
-def _file_key(path: Path) -> list[int]:
-    """What must be unchanged for a cached digest to still be the file's: a rewrite (extract's temp file and
-    rename) gives a new inode and mtime, a copy a new inode."""
-    st = path.stat()
-    return [st.st_size, st.st_mtime_ns, st.st_ino]
-
-
-def _cache_path(folder: Path) -> Path:
-    return Path(folder) / DIGEST_CACHE
-
-
-@functools.lru_cache(maxsize=8)
-def _read_cache(path_str: str, _key: tuple[int, ...]) -> dict[str, dict]:
-    try:
-        cache = json.loads(Path(path_str).read_text())
-    except (OSError, ValueError):
-        return {}
-    return cache if isinstance(cache, dict) else {}
+# The run's one hash cache (rundir.hash_files), kept in the extract folder and keyed by shard file name.
 
 
 def read_digest_cache(folder: Path) -> dict[str, dict]:
-    """{shard file name: {"key": [size, mtime_ns, inode], "sha256": what its bytes hashed to}} (read once per
-    change of the cache file: complete_shard asks it for every shard)."""
-    path = _cache_path(folder)
-    try:
-        key = tuple(_file_key(path))
-    except OSError:
-        return {}
-    return _read_cache(str(path), key)
+    """{shard file name: {"key": [size, mtime_ns, inode], "sha256": what its bytes hashed to}}."""
+    return rundir.read_digest_cache(Path(folder) / DIGEST_CACHE)
 
 
 def cached_digest(shard: Path, cache: dict[str, dict]) -> str | None:
     """The sha256 the shard's bytes had when last read back, if the file is unchanged since."""
-    found = cache.get(shard.name)
-    try:
-        return found["sha256"] if found and found.get("key") == _file_key(shard) else None
-    except OSError:
-        return None
+    return rundir.cached_digest(cache, shard.name, shard)
 
 
 @dataclass(frozen=True)
@@ -435,56 +391,11 @@ def known_mismatch(shard: Path, cache: dict[str, dict] | None = None) -> Mismatc
 
 def verify_contents(folder: Path, files: list[str], workers: int = 4) -> tuple[list[Mismatch], int]:
     """Hash each listed shard (that has a sidecar) against its sidecar's sha256: (mismatches, bytes hashed now).
-
-    Unchanged shards take their digest from the cache; the others are read in ``workers`` threads (hashlib
-    releases the GIL), and the cache is rewritten (atomically) every ``CACHE_WRITE_SECONDS`` and at the end, so
-    a stopped check keeps most of its work.
-    """
+    Unchanged shards take their digest from the cache, the others are read (rundir.hash_files)."""
     folder = Path(folder)
-    cache = dict(read_digest_cache(folder))
-    digests: dict[str, str] = {}
-    todo: list[Path] = []
-    for name in files:
-        shard = folder / name
-        known = cached_digest(shard, cache)
-        if known is not None:
-            digests[name] = known
-        elif shard.is_file():
-            todo.append(shard)
-    lock, hashed, written = threading.Lock(), 0, time.monotonic()
-
-    def one(shard: Path) -> None:
-        nonlocal hashed, written
-        key = _file_key(shard)
-        digest = sha256_file(shard)
-        with lock:
-            digests[shard.name], hashed = digest, hashed + key[0]
-            if _file_key(shard) == key:  # not rewritten while it was read
-                cache[shard.name] = {"key": key, "sha256": digest}
-            if time.monotonic() - written > CACHE_WRITE_SECONDS:
-                atomic.write_json(_cache_path(folder), cache)
-                written = time.monotonic()
-
-    if todo:
-        megabytes = [shard.stat().st_size // 1_000_000 for shard in todo]
-        shown = sum(megabytes) >= SHOW_HASHING_MB  # minutes to hours for terabytes: shown as it goes
-        with (
-            (
-                Meter("sha256 of feature shards", total=sum(megabytes), unit="MB")
-                if shown
-                else contextlib.nullcontext()
-            ) as meter,
-            ThreadPoolExecutor(max_workers=min(workers, len(todo))) as pool,
-        ):
-            futures = {pool.submit(one, shard): mb for shard, mb in zip(todo, megabytes, strict=True)}
-            try:
-                for future in as_completed(futures):
-                    future.result()
-                    if meter is not None:
-                        meter.update(futures[future])
-            finally:  # what was read back is kept, also when stopped
-                with lock:
-                    atomic.write_json(_cache_path(folder), cache)
+    digests, hashed = rundir.hash_files(
+        folder / DIGEST_CACHE, {name: folder / name for name in files}, "feature shards", workers
+    )
     mismatches = []
     for name in files:
         expected = _recorded_sha256(folder / name)

@@ -13,6 +13,19 @@ CAUSES = (
     "embedding sharing",
     "EAGLE 3.1 flags",
 )
+# An engine release that loads the drafter but does not read one of its features (serving/engine_features.py).
+ENGINE_DROPS = "engine drops a trained feature"
+KNOWN_DEFECT = "known engine defect"
+# The block drafters' (DFlash, DSpark) own causes, in the order verify's BLOCK_DIAGNOSIS checks them.
+BLOCK_CAUSES = (
+    "target_layer_ids",
+    "mask token / block size",
+    CAUSES[2],  # rope / max_position_embeddings
+    "DSpark block-slot convention",
+    KNOWN_DEFECT,
+    ENGINE_DROPS,
+)
+ORDER = tuple(dict.fromkeys((*CAUSES, ENGINE_DROPS, *BLOCK_CAUSES)))
 
 
 def verdict_counts(report: dict) -> dict:
@@ -34,7 +47,7 @@ def verdict_counts(report: dict) -> dict:
 def likely_causes(report: dict) -> list[dict]:
     """The diagnosis rows of all served folders, suspects first, each group in the usual order."""
     rows = [dict(row, folder=name) for name, rows in report["diagnosis"].items() for row in rows]
-    return sorted(rows, key=lambda r: (r["status"] != "suspect", CAUSES.index(r["cause"])))
+    return sorted(rows, key=lambda r: (r["status"] != "suspect", ORDER.index(r["cause"])))
 
 
 def failure_message(report: dict) -> str:
@@ -60,9 +73,10 @@ def failure_message(report: dict) -> str:
                 f"reads a config that differs from the trained drafter. Likely cause: {cause}"
             )
         return f"verify: FAIL — {' | '.join(parts)}. Likely cause: {cause}"
+    checked = [cause for cause in ORDER if any(r["cause"] == cause for r in likely_causes(report))]
     return (
         f"verify: FAIL — {' | '.join(parts)}. The exported config.json reads as trained; check in order: "
-        + ", ".join(CAUSES)
+        + ", ".join(checked or CAUSES)
         + ", then the engine's numerics (dtype) and version"
     )
 

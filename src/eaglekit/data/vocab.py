@@ -8,7 +8,6 @@ is refused before training instead of training silently on a draft vocabulary ch
 
 from __future__ import annotations
 
-import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -17,8 +16,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from eaglekit import rundir
 from eaglekit.errors import EaglekitError
-from eaglekit.model.hub import sha256_of
 
 VOCAB = "vocab.safetensors"
 PREPARED_TOKENS = Path("prepare") / "tokens.safetensors"  # relative to the run directory
@@ -37,14 +36,10 @@ def load_vocab(run_dir: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def tokens_sha256(path: str | Path) -> str:
-    """The sha256 of a prepared token store, hashed once per process for each (size, mtime)."""
-    stat = Path(path).stat()
-    return _sha256(str(path), stat.st_size, stat.st_mtime_ns)
-
-
-@functools.lru_cache(maxsize=8)
-def _sha256(path: str, _size: int, _mtime_ns: int) -> str:
-    return sha256_of(Path(path))
+    """The sha256 of a prepared token store (``RUN_DIR/prepare/tokens.safetensors``), hashed once and cached in its
+    run directory by size, mtime and inode (rundir.run_digests)."""
+    path = Path(path)
+    return rundir.run_digests(path.parents[1], [path], "the prepared tokens")[path]
 
 
 def built_from(run_dir: str | Path, settings: dict[str, Any]) -> dict[str, Any]:

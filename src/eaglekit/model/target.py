@@ -48,19 +48,6 @@ def aux_layer_ids(target_cfg: TargetConfig, num_layers: int) -> list[int]:
     return ids
 
 
-def target_identity(target_cfg: TargetConfig) -> dict:
-    """What the features depend on: the target's config and weights (cheaply hashed), its dtype and taps."""
-    from eaglekit.rundir import file_identity
-
-    folder = Path(target_cfg.model)
-    files = [f for f in ("config.json", "model.safetensors.index.json", "model.safetensors") if (folder / f).is_file()]
-    return {
-        "model": [file_identity(folder / f) for f in files] if files else target_cfg.model,
-        "dtype": target_cfg.dtype,
-        "aux_layers": target_cfg.aux_layers,
-    }
-
-
 def target_hf_config(target_cfg: TargetConfig):
     """The target's (text) config, read without loading weights."""
     from transformers import AutoConfig

@@ -57,10 +57,23 @@ def upstream_done(ctx: StageContext) -> CheckResult:
             f"run the stages up to it: `{ctx.command_to_reach(up)}`",
         )
     if done != ctx.upstream_fingerprint:
+        cause = ctx.stale_cause(up)
+        if cause is None:
+            return fail(
+                "upstream",
+                f"stage '{up}' finished with other inputs or parameters than this config's (stale)",
+                f"rerun the stages up to it: `{ctx.command_to_reach(up)}`",
+            )
+        kept = (
+            f"{', '.join(cause.kept)} stay{'s' * (len(cause.kept) == 1)} valid"
+            if cause.kept
+            else "no stage before it stays valid"
+        )
         return fail(
             "upstream",
-            f"stage '{up}' finished with other inputs or parameters than this config's (stale)",
-            f"rerun the stages up to it: `{ctx.command_to_reach(up)}`",
+            f"stage '{up}' finished with other inputs or parameters than this config's (stale): since "
+            f"{cause.changed_in} ran, " + "; ".join(cause.changes),
+            f"rerun from {cause.stage}: `{cause.command}` ({kept})",
         )
     return ok("upstream", f"'{up}' done with this config's fingerprint")
 

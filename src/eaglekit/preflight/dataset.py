@@ -106,6 +106,9 @@ def prompts(ctx: StageContext) -> CheckResult:
 
 
 TOKENIZED_PROMPTS = 2000  # the longest prompts (by characters) tokenised exactly; ~1 s with a fast tokenizer
+# A prompt's tokens are estimated at one per 3 characters when the target tokenizer is not at hand
+# (English averages ~4; erring long makes the length checks strict rather than blind).
+CHARS_PER_TOKEN = 3.0
 
 
 def context_limit(cfg) -> tuple[int, str]:
@@ -130,7 +133,6 @@ def prompt_token_counts(cfg, records: list) -> tuple[list[tuple[int, str]], str,
     are estimated at the tokenised ones' highest tokens per character; without the target's tokenizer here, every
     count is estimated from characters."""
     from eaglekit.data.chat import local_target_tokenizer
-    from eaglekit.preflight.servers import CHARS_PER_TOKEN
 
     def chars(r) -> int:
         return sum(len(m["content"]) for m in r.messages)

@@ -7,6 +7,11 @@ of the file. The rules are safetensors' own (``SafeTensors::deserialize``): head
 and at most 100 MB, a JSON object, every tensor's span = its element count × its dtype's size, spans
 contiguous from 0, and the last one ending at the file's end.
 
+Also here: the content identities of what the later stages read (``read_identities``: the target's weights,
+the prepared tokens, the vocabulary): whole-file sha256, hashed once and cached in the run directory, that the
+stages record in their parameters — so a target whose weights change inside a shard, or tokens or a vocabulary replaced under the
+same name, makes the stages that read them stale, and pre-flight names the file, its old and new hash.
+
 Checked: the target's weights, a drafter to finetune (``train.init_from``) or to evaluate
 (``evaluate.checkpoint``), and the feature shards ``extract`` wrote, before ``train`` reads them: their headers
 and sizes, then (``feature_shard_contents``) their bytes against the sha256 extract recorded — the one check here
@@ -24,7 +29,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+from eaglekit import rundir
+from eaglekit.config import RunConfig
 from eaglekit.contract import StageContext
+from eaglekit.data.responses import RESPONSES
+from eaglekit.data.vocab import PREPARED_TOKENS, VOCAB
 from eaglekit.preflight import CheckResult, fail, ok, skip, warn, will_be_produced
 from eaglekit.preflight.checks import human_bytes
 
@@ -278,6 +287,75 @@ def weights_result(name: str, weights: Weights, what: str) -> CheckResult:
         f"{n} safetensors file{'s' if n != 1 else ''}, {tensors:,} tensors, {human_bytes(weights.bytes)}: "
         "every header matches its file's size",
     )
+
+
+# ---------------------------------------------------------------------------------- content identities
+
+SHORT_HASH = 16  # hex digits of a sha256 kept in parameters and shown in messages
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The target's weight files: the shards its index names (or its safetensors files), else its pickles."""
+    files = read_weights(folder).files
+    if files:
+        return [f for f in files if f.is_file()]  # a missing shard is the 'target weights' check's to name
+    return sorted(p for p in folder.iterdir() if p.suffix in (".bin", ".pt") and p.is_file())
+
+
+TARGET_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def target_identity(cfg: RunConfig) -> dict:
+    """The target as a stage that runs it depends on it: each weight file's sha256 (by name; a re-quantised or
+    re-downloaded shard of the same size is another target), its config and tokenizer files (cheaply: size and
+    first/last MiB) and its dtype. A hub id that is not in the cache is its name."""
+    from eaglekit.model.hub import model_folder
+
+    folder = model_folder(cfg.target.model)
+    if folder is None or not folder.is_dir():
+        return {"model": cfg.target.model, "dtype": cfg.target.dtype}
+    files = weight_files(folder)
+    shown = f"the target's weights (hashed once; cached in {cfg.run_path / rundir.DIGEST_CACHE})"
+    digests = rundir.run_digests(cfg.run_path, files, shown)
+    return {
+        "weights": {str(f.relative_to(folder)): digests.get(f, "missing")[:SHORT_HASH] for f in files},
+        "files": {name: rundir.file_identity(folder / name) for name in TARGET_FILES if (folder / name).is_file()},
+        "dtype": cfg.target.dtype,
+    }
+
+
+def output_identity(cfg: RunConfig, relative: str | Path) -> str | None:
+    """The sha256 of a stage output another stage reads; None while it does not exist."""
+    path = cfg.run_path / relative
+    return (rundir.run_digests(cfg.run_path, [path], str(relative)).get(path) or "")[:SHORT_HASH] or None
+
+
+# How each input read_identities records is named in messages, by its key among a stage's parameters (generate's
+# local target is its `model`); the pipeline's "what changed" lines use them.
+INPUT_NAMES = (
+    (re.compile(r"(target|model)\.weights\.(?P<file>.+)"), "the target's weights ({file})"),
+    (re.compile(r"(target|model)\.files\.(?P<file>.+)"), "the target's {file}"),
+    (re.compile(r"(target|model)\.(?P<field>aux_layers|dtype)"), "`target.{field}`"),
+    (re.compile(r"responses"), f"the generated responses (generate/{RESPONSES})"),
+    (re.compile(r"tokens"), f"the prepared tokens ({PREPARED_TOKENS})"),
+    (re.compile(r"vocab"), f"the vocabulary (vocab/{VOCAB})"),
+)
+
+
+def read_identities(cfg: RunConfig, *inputs: str) -> dict:
+    """The parameters a stage records for what it reads of ``inputs``: "target" (its weights shard by shard, its
+    files and dtype, and ``target.aux_layers``), "responses" (generate's), "tokens" (prepare's), "vocab" (the vocab
+    stage's)."""
+    out: dict = {}
+    if "target" in inputs:
+        out["target"] = {**target_identity(cfg), "aux_layers": cfg.target.aux_layers}
+    if "responses" in inputs:
+        out["responses"] = output_identity(cfg, Path("generate") / RESPONSES)
+    if "tokens" in inputs:
+        out["tokens"] = output_identity(cfg, PREPARED_TOKENS)
+    if "vocab" in inputs:
+        out["vocab"] = output_identity(cfg, Path("vocab") / VOCAB)
+    return out
 
 
 # ---------------------------------------------------------------------------------------- the target

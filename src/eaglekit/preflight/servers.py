@@ -14,7 +14,7 @@ from collections import Counter
 
 import httpx
 
-from eaglekit.data.chat import local_target_tokenizer
+from eaglekit.data.chat import TEMPLATE_REMEDY, local_target_tokenizer
 from eaglekit.data.prompts import run_prompts
 from eaglekit.data.reasoning import (
     explain_missing_reasoning,
@@ -24,11 +24,7 @@ from eaglekit.data.reasoning import (
 )
 from eaglekit.errors import EaglekitError, UsageError
 from eaglekit.preflight import CheckResult, fail, ok, skip, warn
-
-# A prompt's tokens are estimated at one per 3 characters when the target tokenizer is not at hand
-# (English averages ~4; erring long makes the context check strict rather than blind).
-CHARS_PER_TOKEN = 3.0
-TOKENIZED_LONGEST = 32  # the longest prompts (by characters) that are tokenised exactly
+from eaglekit.preflight.dataset import prompt_token_counts
 
 
 def _api_key(cfg) -> str | None:
@@ -196,27 +192,6 @@ def health(ctx) -> list[CheckResult]:
     return results
 
 
-def _prompt_lengths(ctx) -> tuple[list[tuple[int, str]], str]:
-    """(tokens, id) of the longest prompts, longest first, and how they were counted."""
-    records = run_prompts(ctx.cfg).records
-    by_chars = sorted(records, key=lambda r: -sum(len(m["content"]) for m in r.messages))
-    tokenizer = local_target_tokenizer(ctx.cfg)
-    if tokenizer is None:
-        return sorted(
-            (
-                (int(sum(len(m["content"]) for m in r.messages) / CHARS_PER_TOKEN) + 8 * len(r.messages), r.id)
-                for r in by_chars[:TOKENIZED_LONGEST]
-            ),
-            reverse=True,
-        ), f"estimated at {CHARS_PER_TOKEN:g} characters per token"
-    kwargs = ctx.cfg.generate.extra_body.get("chat_template_kwargs") or {}
-    counted = []
-    for r in by_chars[:TOKENIZED_LONGEST]:
-        text = tokenizer.apply_chat_template(r.messages, tokenize=False, add_generation_prompt=True, **kwargs)
-        counted.append((len(tokenizer(text, add_special_tokens=False)["input_ids"]), r.id))
-    return sorted(counted, reverse=True), "tokenised with the target's tokenizer and chat template"
-
-
 def context_length(ctx) -> CheckResult:
     """The longest planned prompt plus max_tokens fits every server's max_model_len."""
     g = ctx.cfg.generate
@@ -225,7 +200,7 @@ def context_length(ctx) -> CheckResult:
         return skip("context length", "no server reported max_model_len")
     limit, url = min(limits)
     try:
-        lengths, how = _prompt_lengths(ctx)
+        lengths, how, _ = prompt_token_counts(ctx.cfg, run_prompts(ctx.cfg).records)
     except EaglekitError:
         return skip("context length", "the prompts do not load (see the prompts checks)")
     if not lengths:
@@ -295,6 +270,29 @@ def render_check(ctx, record: dict) -> str | None:
     return None
 
 
+def served_template(ctx, root: str, key: str | None, messages: list[dict], data: dict) -> tuple[str | None, str]:
+    """(how the server's rendering of the prompt differs from the local one, or None; what was compared). The
+    server's own ids — the response's ``prompt_token_ids``, else its /tokenize — show the first differing tokens
+    (also of renderings of equal length); a server with neither is judged by its ``usage.prompt_tokens``."""
+    from eaglekit.data.chat import ServedPrompts, response_prompt_ids
+    from eaglekit.serving.client import served_prompt_ids
+
+    served = ServedPrompts(ctx.cfg)
+    local = served.local_ids(messages)
+    if local is None:
+        return None, "prompt tokens not compared (no local tokenizer of the target)"
+    ids = response_prompt_ids(data)
+    if ids is None:
+        ids = served_prompt_ids(root, key, ctx.cfg.generate.model, messages, served.kwargs)
+    if ids is None and not isinstance((data.get("usage") or {}).get("prompt_tokens"), int):
+        return None, "prompt tokens not compared (the server reports none)"
+    problem = served.mismatch(local, data, ids)
+    how = "token ids" if ids is not None else "token count"
+    return problem, f"the prompt's {len(local)} tokens as rendered here" + (
+        "" if problem else f", the server's {how} the same"
+    )
+
+
 def smoke(ctx) -> list[CheckResult]:
     """One real request per server through the run's own code path, and its record judged whole."""
     from eaglekit.data.responses import make_record
@@ -350,12 +348,17 @@ def smoke(ctx) -> list[CheckResult]:
         if not fails:
             problem = render_check(ctx, record)
             fails += [problem] if problem else []
+        root = info["url"][: -len("/v1")] if info["url"].endswith("/v1") else info["url"]
+        template, compared = served_template(ctx, root, key, prompt.messages, reply.data)
         detail = (
             f"reasoning from `{record['reasoning_source']}` ({len(record['reasoning'])} chars), answer "
             f"{len(record['content'])} chars, finish_reason {record['finish_reason']}, "
-            f"{record['completion_tokens']} tokens; fields sent: {', '.join(seen)}"
+            f"{record['completion_tokens']} tokens; {compared}; fields sent: {', '.join(seen)}"
         )
-        if fails:
+        if template:
+            problems = [f"prompt '{prompt.id}': {template}", *fails]
+            results.append(fail(name, "; ".join(problems) + f" [{detail}]", TEMPLATE_REMEDY))
+        elif fails:
             results.append(
                 fail(
                     name,

@@ -332,8 +332,34 @@ def api_key_from_env(name: str | None, key: str) -> str | None:
 def get_json(url: str, api_key: str | None, timeout: float = 10.0) -> tuple[int, Any]:
     """(status, parsed JSON or text) of a GET; raises httpx.HTTPError when the server cannot be reached."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    resp = httpx.get(url, headers=headers, timeout=timeout)
+    return _parsed(httpx.get(url, headers=headers, timeout=timeout))
+
+
+def post_json(url: str, body: dict, api_key: str | None, timeout: float = 10.0) -> tuple[int, Any]:
+    """(status, parsed JSON or text) of a POST of ``body``; raises httpx.HTTPError when the server cannot be
+    reached."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    return _parsed(httpx.post(url, json=body, headers=headers, timeout=timeout))
+
+
+def _parsed(resp: httpx.Response) -> tuple[int, Any]:
     try:
         return resp.status_code, resp.json()
     except json.JSONDecodeError:
         return resp.status_code, resp.text[:300]
+
+
+def served_prompt_ids(
+    root: str, api_key: str | None, model: str, messages: list[dict], template_kwargs: dict | None = None
+) -> list[int] | None:
+    """The token ids a server makes of a chat prompt, from its ``/tokenize`` (vLLM's: the chat template rendered
+    with the generation prompt); None where it has no such endpoint or answers in another shape."""
+    body: dict[str, Any] = {"model": model, "messages": messages, "add_generation_prompt": True}
+    if template_kwargs:
+        body["chat_template_kwargs"] = template_kwargs
+    try:
+        status, data = post_json(root.rstrip("/") + "/tokenize", body, api_key)
+    except httpx.HTTPError:
+        return None
+    tokens = data.get("tokens") if status == 200 and isinstance(data, dict) else None
+    return tokens if isinstance(tokens, list) and all(type(t) is int for t in tokens) else None

@@ -32,8 +32,10 @@ from eaglekit.preflight import checks as common
 from eaglekit.preflight import fail, ok, warn
 from eaglekit.preflight.checks import human_bytes
 from eaglekit.preflight.drafter import drafter_checkpoint
+from eaglekit.preflight.engine_features import exported_features_read
 from eaglekit.progress import console
 from eaglekit.rundir import file_identity
+from eaglekit.serving.engine_features import export_check
 from eaglekit.speculative.inputs import checkpoint_path, drafter_architecture, load_checked_drafter
 
 NAME = "export"
@@ -132,7 +134,7 @@ MLA_SGLANG_AUX_REMEDY = "serve it with vLLM; for SGLang train with target.aux_la
 
 
 def checks(cfg: RunConfig) -> list:
-    return [common.target_folder, drafter_checkpoint, verifier_known, sglang_aux_layers]
+    return [common.target_folder, drafter_checkpoint, verifier_known, sglang_aux_layers, exported_features_read]
 
 
 def estimate(ctx: StageContext, sizes: Sizes | None) -> Estimate:
@@ -255,6 +257,7 @@ def run(ctx: StageContext) -> dict:
             "retrain the drafter with this target's config (its RoPE settings are copied at train time)",
         )
     formats, warnings = forms_to_write(drafter.config.architecture, requested)
+    warnings += export_check(cfg, drafter.config, formats)  # refuses a feature the installed engine would drop
     ignored = sglang_ignores(drafter.config)
     if ignored:
         warnings.append(
@@ -331,6 +334,7 @@ def export_block_drafter(ctx) -> dict:
     dspark = isinstance(drafter, DSparkDrafter)
     form = dspark_checkpoint.FORM if dspark else dflash_checkpoint.FORM
     dest = ctx.dir / form
+    export_check(cfg, drafter.config, [form])  # refuses a form the installed engine would serve wrong
     with atomic.atomic_dir(dest) as tmp:
         if dspark:
             dspark_checkpoint.save_dspark(drafter, tmp)

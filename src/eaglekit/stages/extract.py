@@ -43,7 +43,6 @@ from eaglekit.model.target import (
     load_target,
     read_final_norm,
     target_hf_config,
-    target_identity,
 )
 from eaglekit.preflight import checks as common
 from eaglekit.preflight import disk, environment, fail, files, gpus, ok, skip
@@ -66,7 +65,7 @@ def params(cfg: RunConfig) -> dict:
         "backend": e.backend,
         "dtype": e.dtype,
         "shard_tokens": e.shard_tokens,
-        "target": target_identity(cfg.target),
+        **files.read_identities(cfg, "target", "tokens"),
         "format": sh.VERSION,
     }  # shards of another storage format are another stage's outputs (--force replaces them)
     if e.backend == "hf":

@@ -24,6 +24,7 @@ from typing import Any
 
 from eaglekit.config import RunConfig
 from eaglekit.contract import Estimate, Sizes, Stage, StageContext
+from eaglekit.data.chat import TEMPLATE_REMEDY, ServedPrompts
 from eaglekit.data.prompts import PromptRecord, run_prompts
 from eaglekit.data.reasoning import explain_missing_reasoning, target_reasoning_mode
 from eaglekit.data.responses import RESPONSES, ResponseStore, make_record, quick_counts, summarize
@@ -61,9 +62,7 @@ def params(cfg: RunConfig) -> dict:
         "max_samples": cfg.data.max_samples,
         "on_bad_row": cfg.data.on_bad_row,
         "backend": g.backend,
-        "model": file_identity(t.model)
-        if g.backend == "local" and Path(t.model).exists()
-        else (t.model if g.backend == "local" else g.model),
+        "model": files.target_identity(cfg) if g.backend == "local" else g.model,
         "temperature": g.temperature,
         "top_p": g.top_p,
         "max_tokens": g.max_tokens,
@@ -159,6 +158,7 @@ class Collector:
         self.counts: Counter = Counter()
         self.output_tokens = 0
         self.failures_in_a_row = 0
+        self.template_example: str | None = None  # the first prompt the server rendered another way
         self.t0 = time.monotonic()
 
     def add(self, record: dict, seen: list[str]) -> None:
@@ -183,6 +183,12 @@ class Collector:
                 "no_reasoning": self.counts["empty_reasoning"],
             },
         )
+
+    def served_prompt(self, rid: str, problem: str | None) -> None:
+        """Count a response whose prompt the server rendered otherwise than the target's chat template."""
+        if problem:
+            self.counts["template_mismatch"] += 1
+            self.template_example = self.template_example or f"prompt '{rid}': {problem}"
 
     def fail(self, rid: str, reason: str, attempts: int) -> None:
         self.store.add_error(rid, reason, attempts)
@@ -256,6 +262,7 @@ async def generate_openai(cfg: RunConfig, pending: list[PromptRecord], collector
     from eaglekit.serving.client import ChatClient, RequestFailed, api_key_from_env
 
     queue = list(reversed(pending))
+    served = ServedPrompts(cfg)  # each response's prompt tokens against the local rendering
 
     async with ChatClient(cfg.generate, api_key_from_env(cfg.generate.api_key_env, "generate.api_key_env")) as client:
 
@@ -269,6 +276,7 @@ async def generate_openai(cfg: RunConfig, pending: list[PromptRecord], collector
                     continue
                 choice = reply.data["choices"][0]
                 usage = reply.data.get("usage") or {}
+                collector.served_prompt(prompt.id, served.check(prompt.messages, reply.data))
                 collector.add(
                     *make_record(
                         prompt.id,
@@ -321,8 +329,16 @@ def run(ctx: StageContext) -> dict:
 
     summary = summarize(ctx.dir)
     print_summary(summary, collector, ctx.ledger_extra["rates"], notes, store)
+    mismatched = collector.counts["template_mismatch"]
+    if mismatched:
+        ctx.warn(
+            f"{mismatched} of {collector.counts['new']} responses came from a prompt the server rendered otherwise "
+            f"than the target's chat template ({collector.template_example}): training would learn on renderings "
+            f"the target did not see; {TEMPLATE_REMEDY}"
+        )
     return {
         **summary,
+        "template_mismatch": mismatched,
         "new": collector.counts["new"],
         "skipped_existing": existing,
         "skipped_failed": len(skipped_failed),
@@ -405,6 +421,11 @@ def data_flags(counts: dict) -> list[str]:
     if counts.get("leftover_think"):
         flags.append(
             f"{counts['leftover_think']} of {done} replies keep think tags in their content (reasoning not separated)"
+        )
+    if counts.get("template_mismatch"):
+        flags.append(
+            f"{counts['template_mismatch']} responses from prompts the server rendered otherwise than the target's "
+            "chat template"
         )
     if counts.get("failed"):
         flags.append(f"{counts['failed']} samples failed (`eaglekit generate CONFIG --retry-failed` retries them)")

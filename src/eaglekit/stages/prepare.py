@@ -19,6 +19,7 @@ from eaglekit.data.responses import read_responses
 from eaglekit.data.tokens import write_token_store
 from eaglekit.errors import EaglekitError
 from eaglekit.preflight import checks as common
+from eaglekit.preflight import files
 from eaglekit.progress import Meter, console
 from eaglekit.rundir import file_identity
 
@@ -47,7 +48,7 @@ def params(cfg: RunConfig) -> dict:
         if (Path(cfg.target.model) / f).exists()
     ]
     p["tokenizer"] = [file_identity(Path(cfg.target.model) / f) for f in tok_files] or cfg.target.model
-    return p
+    return p | files.read_identities(cfg, "responses")  # what generate wrote, retried samples included
 
 
 def checks(cfg: RunConfig) -> list:

@@ -24,13 +24,12 @@ from eaglekit.model.dspark import DSparkConfig
 from eaglekit.model.dspark_checkpoint import block_form, load_block_for_target
 from eaglekit.model.hub import cached_drafter, download_drafter, is_hub_id, local_folder
 from eaglekit.model.run_shapes import draft_settings, drafter_config, parameter_counts, target_and_aux
-from eaglekit.model.target import target_identity
 from eaglekit.preflight import CheckResult, disk, environment, fail, feature_servers, files, gpus, ok, skip, warn
 from eaglekit.preflight import checks as common
 from eaglekit.preflight.checks import human_bytes
 from eaglekit.preflight.context import serving_context
 from eaglekit.rundir import file_identity
-from eaglekit.training.memory import StepMemory, step_memory
+from eaglekit.training.memory import StepMemory, ranks_to_fit, step_memory
 
 NAME = "train"
 UPSTREAM = "extract"  # in online mode the pipeline steps over the skipped extract, to vocab
@@ -40,9 +39,10 @@ MIN_SAMPLES = 100  # fewer training samples than this make a drafter that cannot
 
 
 def params(cfg: RunConfig) -> dict:
-    # when checkpoints are written does not change the drafter: editing it must not make a run stale
-    p = cfg.train.model_dump(exclude={"save_every_minutes"})
-    p["target"] = target_identity(cfg.target)
+    # when checkpoints are written does not change the drafter, nor how many ranks split each row (the step is the
+    # same computed either way, tests/test_context_parallel.py): editing them must not make a run stale
+    p = cfg.train.model_dump(exclude={"save_every_minutes", "context_parallel"})
+    p |= files.read_identities(cfg, "target", "tokens", "vocab")
     p["eval_fraction"] = cfg.data.eval_fraction
     p["features"] = cfg.extract.mode
     if cfg.extract.streamed:  # the rows are encoded as extract would store them (fp8 rounds them)
@@ -291,13 +291,15 @@ def row_tokens(cfg: RunConfig) -> int:
 
     from eaglekit.training.data import pack_length
 
-    extra = 1 if int(os.environ.get("WORLD_SIZE", "1")) > 1 else 0
+    groups = int(os.environ.get("WORLD_SIZE", "1")) // cfg.train.context_parallel  # ranks reading different rows
+    extra = 1 if groups > 1 else 0
     return (cfg.train.batch_size + extra) * pack_length(cfg)
 
 
-def step_memory_both(cfg: RunConfig) -> tuple[StepMemory, StepMemory] | None:
+def step_memory_both(cfg: RunConfig, context_parallel: int | None = None) -> tuple[StepMemory, StepMemory] | None:
     """One training step's memory on a GPU (bf16 autocast) at the longest micro-batch, without and with
-    train.activation_checkpointing; None for a block drafter (not modelled) or a finetune (its own shape)."""
+    train.activation_checkpointing, on one of the ``context_parallel`` ranks splitting each row (default: the
+    config's train.context_parallel); None for a block drafter (not modelled) or a finetune (its own shape)."""
     if cfg.train.draft.architecture in BLOCK_ARCHITECTURES or cfg.train.init_from:
         return None
     dc = drafter_config(cfg)
@@ -307,17 +309,30 @@ def step_memory_both(cfg: RunConfig) -> tuple[StepMemory, StepMemory] | None:
     if cfg.train.freeze_lm_head:  # the draft head keeps its rows: no gradient, no AdamW moments
         trainable -= dc.draft_vocab_size * dc.hidden_size
     n = row_tokens(cfg)
+    ranks = cfg.train.context_parallel if context_parallel is None else context_parallel
     return tuple(  # type: ignore[return-value]
-        step_memory(dc, n, cfg.train.ttt_steps, trainable=trainable, frozen=total - trainable, checkpoint=ckpt)
+        step_memory(
+            dc,
+            n,
+            cfg.train.ttt_steps,
+            trainable=trainable,
+            frozen=total - trainable,
+            checkpoint=ckpt,
+            context_parallel=ranks,
+        )  # fmt: skip
         for ckpt in (False, True)
     )
 
 
 def memory_line(m: StepMemory, tokens: int) -> str:
+    ranks = m.context_parallel
+    own = -(-tokens // ranks)
+    split = f" a rank of {ranks} splitting each row" if ranks > 1 else ""
+    gathered = f", the row's gathered keys and values {human_bytes(m.gathered)}" if ranks > 1 else ""
     return (
-        f"{human_bytes(m.total)} (weights and AdamW {human_bytes(m.weights)}, the row's features and target "
+        f"{human_bytes(m.total)}{split} (weights and AdamW {human_bytes(m.weights)}, the row's features and target "
         f"{human_bytes(m.batch)}, kept activations {human_bytes(m.activations)} = {m.per_token / 1e3:,.1f} kB/token "
-        f"x {tokens:,}, transient {human_bytes(m.transient)})"
+        f"x {own:,}{gathered}, transient {human_bytes(m.transient)})"
     )
 
 
@@ -344,7 +359,21 @@ def step_memory_check(ctx: StageContext):
     remedies = []
     if not cfg.train.activation_checkpointing and recomputed.total + target <= smallest.total:
         remedies.append(f"train.activation_checkpointing: true ({human_bytes(recomputed.total)} a step)")
-    remedies.append("shorter rows (prepare.max_length / train.pack_length) or train.batch_size: 1")
+    ranks = ranks_to_fit(
+        lambda m: m.total <= smallest.total,
+        lambda n: step_memory_both(cfg, n)[1],  # type: ignore[index]  # modelled above: not None
+        most=64,
+    )
+    if ranks is not None and ranks > cfg.train.context_parallel:
+        per_rank = step_memory_both(cfg, ranks)[1]  # type: ignore[index]
+        remedies.append(
+            f"train.context_parallel: {ranks} with train.activation_checkpointing: true ({ranks} GPUs share each "
+            f"row, {human_bytes(per_rank.total)} a rank; under torchrun, with offline features)"
+        )
+    remedies.append(
+        "shorter rows (prepare.max_length / train.pack_length) or train.batch_size: 1, with a sliding window "
+        "(train.draft.sliding_window) so that the drafter keeps its acceptance past the rows it trained on"
+    )
     if target:
         remedies.append("offline features (extract.mode: offline), so the target is not on the GPU while training")
     return fail(
@@ -386,6 +415,12 @@ def estimate(ctx: StageContext, sizes: Sizes | None) -> Estimate:
         n = row_tokens(cfg)
         est.how.append(f"GPU memory of a step at {n:,} tokens (bf16): {memory_line(both[0], n)}")
         est.how.append(f"  with train.activation_checkpointing: {human_bytes(both[1].total)}")
+        if cfg.train.context_parallel == 1 and n >= 16384:  # what splitting long rows over GPUs would give
+            split = [(n, step_memory_both(cfg, n)) for n in (2, 4, 8)]
+            est.how.append(
+                "  with train.context_parallel (each row split over N GPUs), checkpointed, a rank: "
+                + ", ".join(f"N={n} {human_bytes(m[1].total)}" for n, m in split if m)
+            )
     tokens, rate = sizes.tokens, sizes.train_tok_per_s
     if tokens is not None and rate:
         est.seconds = tokens * (1 - cfg.data.eval_fraction) * cfg.train.epochs / rate

@@ -42,18 +42,28 @@ from eaglekit import atomic
 from eaglekit.config import RunConfig
 from eaglekit.contract import Estimate, Sizes, Stage, StageContext
 from eaglekit.data.suites import load_suite
-from eaglekit.data.verify_report import CAUSES, failure_message, report_markdown, verdict_counts
+from eaglekit.data.verify_report import (
+    BLOCK_CAUSES,
+    CAUSES,
+    ENGINE_DROPS,
+    failure_message,
+    report_markdown,
+    verdict_counts,
+)
 from eaglekit.errors import EaglekitError, UsageError
-from eaglekit.model.checkpoints import ServedSettings, read_config, served_settings
+from eaglekit.model.checkpoints import ServedSettings, read_config, read_weights, served_settings
 from eaglekit.model.drafter import FLAGS, rope_from_config, text_config
+from eaglekit.model.dspark_checkpoint import block_form
 from eaglekit.model.target import embedding_and_head, load_target, target_hf_config
 from eaglekit.preflight import checks as common
 from eaglekit.preflight import fail, ok, skip, will_be_produced
 from eaglekit.preflight.drafter import drafter_checkpoint, prompts_available
+from eaglekit.preflight.engine_features import served_features_read
 from eaglekit.progress import Meter, console
 from eaglekit.rundir import file_identity
 from eaglekit.serving.engine import VllmServer, find_vllm_python, is_cpu_build, supports_flag
 from eaglekit.serving.engine import version as engine_version
+from eaglekit.serving.engine_features import verify_check
 from eaglekit.serving.speculation import (
     Counters,
     Served,
@@ -191,6 +201,7 @@ def checks(cfg: RunConfig) -> list:
         engine_available,
         exported_forms,
         engine_serves_forms,
+        served_features_read,
         common.target_folder,
         drafter_checkpoint,
         prompts_available,
@@ -648,8 +659,11 @@ class EngineReading:
     trained: dict[str, bool]  # the trained checkpoint's drafter flags
 
 
-def diagnose(cfg: RunConfig, folder: Path, engine: str, aux: list[int]) -> list[dict]:
-    """The usual causes, most frequent first, each checked against what ``engine`` reads from ``folder``."""
+def diagnose(cfg: RunConfig, folder: Path, engine: str, aux: list[int], runs: list[dict] | None = None) -> list[dict]:
+    """The usual causes, most frequent first, each checked against what ``engine`` reads from ``folder``; ``runs``
+    are the compared runs that served it (what a known engine defect is recognised by)."""
+    if block_form(folder):  # DFlash and DSpark have causes of their own
+        return block_diagnosis(cfg, folder, engine, list(aux), runs or [])
     hf = text_config(target_hf_config(cfg.target))
     found = served_settings(folder, engine, int(hf.num_hidden_layers))
     reading = EngineReading(cfg, folder, engine, list(aux), hf, found, trained_flags(checkpoint_path(cfg)))
@@ -762,8 +776,205 @@ def eagle31_flags(r: EngineReading) -> dict:
     )
 
 
+def engine_drops(r: EngineReading | BlockReading) -> dict:
+    """Whether the measured engine reads every feature of the served config (serving/engine_features.py): the
+    cause of both families."""
+    from eaglekit.serving import engine_features as features
+
+    engine = features.engine_for(r.cfg.verify.server, r.cfg.verify.python)
+    if engine is None:
+        return cause_row(ENGINE_DROPS, False, "no engine to check against")
+    form, used = features.exported_features(read_json(r.folder / "config.json"))
+    findings = features.assess(engine, form, used)
+    drops = [f for f in findings if f.status == "drops"]
+    if drops:
+        return cause_row(ENGINE_DROPS, True, "; ".join(features.describe(engine, form, f) for f in drops))
+    unknown = [f"{f.reading.feature} ({f.evidence})" for f in findings if f.status == "unknown"]
+    read = ", ".join(f.reading.feature for f in findings if f.status == "reads") or "no feature the table names"
+    return cause_row(
+        ENGINE_DROPS,
+        False,
+        f"{engine.label} reads {read}" + (f"; cannot tell for {', '.join(unknown)}" if unknown else ""),
+    )
+
+
 # The causes in CAUSES' order, as the pre-flight checks are: one function each, ``diagnose`` runs them all.
-DIAGNOSIS = (aux_layer_ids, norm_before_residual, rope_settings, d2t_offsets, embedding_sharing, eagle31_flags)
+DIAGNOSIS = (
+    aux_layer_ids,
+    norm_before_residual,
+    rope_settings,
+    d2t_offsets,
+    embedding_sharing,
+    eagle31_flags,
+    engine_drops,
+)
+
+
+def read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+# ------------------------------------------------------------------------------ the block drafters' causes
+
+
+@dataclass
+class BlockReading:
+    """What the engine reads from a served DFlash or DSpark folder, beside the trained drafter and the runs."""
+
+    cfg: RunConfig
+    folder: Path
+    engine: str
+    aux: list[int]  # the aux layers the drafter was trained on
+    hf: Any  # the target's text config
+    served: dict  # the served config.json
+    trained: Any  # the trained checkpoint's DFlashConfig / DSparkConfig, None when unreadable
+    runs: list[dict]  # the compared runs of this folder
+    dspark: bool
+
+
+def block_diagnosis(cfg: RunConfig, folder: Path, engine: str, aux: list[int], runs: list[dict]) -> list[dict]:
+    from eaglekit.preflight.engine_features import block_drafter_config
+
+    try:
+        trained = block_drafter_config(checkpoint_path(cfg))
+    except EaglekitError:
+        trained = None
+    served = read_json(folder / "config.json")
+    reading = BlockReading(
+        cfg,
+        folder,
+        engine,
+        aux,
+        text_config(target_hf_config(cfg.target)),
+        served,
+        trained,
+        runs,
+        block_form(folder) == "dspark",
+    )
+    return [cause(reading) for cause in BLOCK_DIAGNOSIS]
+
+
+BLOCK_LAYER_IDS, MASK_AND_BLOCK, _, DSPARK_SLOTS, KNOWN_DEFECT, _ = BLOCK_CAUSES
+
+
+def block_layer_ids(r: BlockReading) -> dict:
+    ids = (r.served if r.dspark else r.served.get("dflash_config") or {}).get("target_layer_ids") or []
+    read = [int(i) + 1 for i in ids]  # decoder-layer outputs: vLLM adds 1 (eagle3_utils)
+    return cause_row(
+        BLOCK_LAYER_IDS,
+        read != r.aux,
+        f"{r.engine} captures hidden_states {read} (target_layer_ids {list(ids)} + 1, from {r.folder.name}/config.json); "
+        f"the drafter was trained on {r.aux}",
+    )
+
+
+def mask_and_block(r: BlockReading) -> dict:
+    mask = (r.served if r.dspark else r.served.get("dflash_config") or {}).get("mask_token_id")
+    block = r.served.get("block_size")
+    slots = int(block or 0) - (0 if r.dspark else 1)  # DSpark's anchor slot drafts too
+    problems = []
+    if r.trained is not None and mask != r.trained.mask_token_id:
+        problems.append(f"mask_token_id {mask} (trained {r.trained.mask_token_id})")
+    if r.trained is not None and block != r.trained.block_size:
+        problems.append(f"block_size {block} (trained {r.trained.block_size})")
+    over = sorted({run["k"] for run in r.runs if run["k"] > slots})
+    if over:
+        problems.append(f"K {over} exceeds the {slots} draft slots of a block of {block}")
+    return cause_row(
+        MASK_AND_BLOCK, bool(problems), "; ".join(problems) or f"mask_token_id {mask}, block_size {block} — as trained"
+    )
+
+
+def block_rope(r: BlockReading) -> dict:
+    theta, _ = rope_from_config(r.hf)
+    served_theta = float((r.served.get("rope_parameters") or {}).get("rope_theta", r.served.get("rope_theta", 0.0)))
+    served_max = r.served.get("max_position_embeddings")
+    mismatch = []
+    if served_max != int(r.hf.max_position_embeddings):
+        mismatch.append(f"max_position_embeddings {served_max} (target {r.hf.max_position_embeddings})")
+    if served_theta != theta:
+        mismatch.append(f"rope_theta {served_theta:g} (target {theta:g})")
+    return cause_row(
+        CAUSES[2],
+        bool(mismatch),
+        "; ".join(mismatch) or f"max_position_embeddings {served_max}, rope_theta {served_theta:g} — the target's",
+    )
+
+
+def dspark_slots(r: BlockReading) -> dict:
+    if not r.dspark:
+        return cause_row(DSPARK_SLOTS, False, "DFlash: the anchor slot holds the verified token, the mask slots draft")
+    if r.engine == "sglang":
+        tagged = r.served.get("speculators_model_type") == "dspark"
+        found = "present" if tagged else "absent in this folder (vLLM's form): it drafts from the wrong slots"
+        return cause_row(
+            DSPARK_SLOTS,
+            not tagged,
+            "SGLang's DSpark loader (sglang#30261) tells its block-slot convention only by speculators_model_type "
+            f"'dspark': {found}",
+        )
+    anchor, bonus = r.served.get("sample_from_anchor", True), r.served.get("dspark_bonus_anchor", False)
+    return cause_row(
+        DSPARK_SLOTS,
+        not anchor or bool(bonus),
+        f"sample_from_anchor {str(anchor).lower()}, dspark_bonus_anchor {str(bonus).lower()} (trained: true, false: "
+        "the anchor slot drafts)",
+    )
+
+
+def known_engine_defect(r: BlockReading) -> dict:
+    """vLLM 0.32's CPU build applies layer 0's k_norm to every DFlash layer's context keys (dflash_checkpoint.py):
+    named when the folder's weights trigger it on that build, and said to match when the served counts show it."""
+    from eaglekit.model.dflash_checkpoint import cpu_build_problem, read_dflash_config
+    from eaglekit.serving import engine_features as features
+
+    engine = features.engine_for(r.cfg.verify.server, r.cfg.verify.python) if r.engine == "vllm" else None
+    kernel = engine.source / "model_executor/models/qwen3_dflash.py" if engine and engine.source else None
+    stacked = kernel is not None and "_normalize_context_k" in kernel.read_text(errors="replace")
+    if r.dspark or not (engine and engine.cpu_build and stacked):
+        where = engine.label if engine else r.engine
+        return cause_row(KNOWN_DEFECT, False, f"no known defect of {where} applies to this drafter")
+    state, _ = read_weights(r.folder)
+    problem = cpu_build_problem(state, read_dflash_config(r.folder))
+    if problem is None:
+        return cause_row(KNOWN_DEFECT, False, f"{engine.label}: every layer shares k_norm, its kernel reads it exactly")
+    shown = [run for run in r.runs if shows_other_drafts(run)]
+    if r.runs and not shown:
+        return cause_row(KNOWN_DEFECT, False, f"{engine.label}: {problem}; the served counts do not show it here")
+    counts = "; ".join(
+        f"K={run['k']}: τ served {run['tau']['served']:.3f} vs offline {run['tau']['offline']:.3f}, greedy outputs "
+        f"identical {run['greedy']['identical']}/{run['greedy']['prompts']}"
+        for run in shown
+    )
+    return cause_row(
+        KNOWN_DEFECT,
+        True,
+        f"{engine.label}: {problem}"
+        + (f". The served counts match it (other drafts, the same greedy outputs): {counts}" if counts else "")
+        + ". Train with train.draft.shared_k_norm: true to serve it there, or verify on a GPU build",
+    )
+
+
+def shows_other_drafts(run: dict) -> bool:
+    """The served counts of a drafter served with other drafts than trained: acceptance (τ, a position, or the
+    accepted count of some verify pass) differs, while the greedy outputs do not (the target verifies every draft)."""
+    rounds = run.get("rounds") or {}
+    same = run["checks"]["tau"] and run["checks"]["positions"] and rounds.get("identical") == rounds.get("compared")
+    return bool(run["checks"]["greedy"]) and not same
+
+
+BLOCK_DIAGNOSIS = (
+    block_layer_ids,
+    mask_and_block,
+    block_rope,
+    dspark_slots,
+    known_engine_defect,
+    engine_drops,
+)
 
 
 def tensor_or_none(weights: Path, name: str) -> torch.Tensor | None:
@@ -785,6 +996,8 @@ def trained_flags(checkpoint: Path) -> dict[str, bool]:
 
 def run(ctx: StageContext) -> dict:
     engine = served_engine(ctx)  # before the offline decode: a server that cannot be verified says so at once
+    for warning in verify_check(ctx.cfg, engine.folders()):  # refuses a feature the engine would drop
+        ctx.warn(warning)
     offline = offline_figures(ctx.cfg, engine.ks)
     report = build_report(ctx.cfg, engine, offline, engine.runs(offline))
     out = ctx.dir
@@ -811,7 +1024,7 @@ def build_report(cfg: RunConfig, engine: ServedEngine, offline: Offline, runs: l
     vc = cfg.verify
     results = [compare(r, offline, cfg) for r in runs]
     diagnosis = {
-        name: diagnose(cfg, folder, engine.name, offline.aux)
+        name: diagnose(cfg, folder, engine.name, offline.aux, [r for r in results if r["form"] == name])
         for name, folder in engine.folders().items()
         if (folder / "config.json").exists()
     }

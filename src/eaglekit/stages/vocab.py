@@ -22,7 +22,7 @@ from eaglekit.data.vocab import PREPARED_TOKENS, VOCAB, built_from
 from eaglekit.errors import EaglekitError
 from eaglekit.model.drafter import build_d2t_t2d
 from eaglekit.model.hub import model_file
-from eaglekit.preflight import fail, ok
+from eaglekit.preflight import fail, files, ok
 from eaglekit.progress import console
 
 NAME = "vocab"
@@ -30,7 +30,7 @@ UPSTREAM = "prepare"
 
 
 def params(cfg: RunConfig) -> dict:
-    return cfg.vocab.model_dump()
+    return cfg.vocab.model_dump() | files.read_identities(cfg, "tokens")
 
 
 def target_vocab_size(model: str) -> int:
@@ -88,7 +88,8 @@ def select_draft_vocab(counts: torch.Tensor, draft_vocab_size: int) -> tuple[tor
 def run(ctx: StageContext) -> dict:
     cfg = ctx.cfg
     store = TokenStore(ctx.run.path / PREPARED_TOKENS)
-    origin = built_from(ctx.run.path, params(cfg))  # kept in the file, so a copy elsewhere is told from its own
+    # kept in the file, so a copy elsewhere is told from its own (the settings, without params' tokens hash)
+    origin = built_from(ctx.run.path, cfg.vocab.model_dump())
     vocab_size = target_vocab_size(cfg.target.model)
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for i in range(len(store)):

@@ -21,6 +21,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from eaglekit.errors import UsageError
+from eaglekit.training.context_parallel import ContextGroup
+
 
 def launched() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
@@ -83,6 +86,33 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     if active():
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t
+
+
+# ------------------------------------------------------------------------------------------ context parallel
+
+
+def context_group(size: int) -> ContextGroup | None:
+    """The ranks that split each row's positions with this one (train.context_parallel): ranks r*size .. r*size +
+    size - 1 form group r, so a node's GPUs share a row. None for size 1. Every rank must call it (it creates the
+    process groups)."""
+    if size == 1:
+        return None
+    world = world_size()
+    if not active() or world % size:
+        raise UsageError(
+            f"train.context_parallel is {size} but training runs on {world} process{'es' if world > 1 else ''}"
+            + ("" if active() else " (not under torchrun)"),
+            f"launch a multiple of {size} processes with torchrun (--nproc-per-node {size}), or set "
+            "train.context_parallel: 1",
+        )
+    group, _ = dist.new_subgroups(group_size=size)
+    return ContextGroup(group, rank() % size, size)
+
+
+def data_parallel(context: ContextGroup | None) -> tuple[int, int]:
+    """(the number of data-parallel groups, this rank's): the ranks of one context group read the same rows."""
+    size = 1 if context is None else context.size
+    return world_size() // size, rank() // size
 
 
 # ------------------------------------------------------------------------------------------------- faults

@@ -23,6 +23,7 @@ import torch
 
 from eaglekit.errors import UsageError
 from eaglekit.model.drafter import Eagle3Drafter
+from eaglekit.training.context_parallel import ContextGroup
 from eaglekit.training.loss import ChunkFn, head_loss_chunk
 
 AttentionKind = Literal["reference", "sdpa", "flex"]
@@ -34,10 +35,14 @@ class StepKernels:
     head_chunk: ChunkFn | None = None  # loss.py's chunk function, compiled; None: as it is
     # recompute each TTT step's layer in backward instead of keeping its activations (train.activation_checkpointing)
     checkpoint_steps: bool = False
+    # the ranks that split each row's positions (train.context_parallel, training/context_parallel.py); None: one
+    context: ContextGroup | None = None
 
     def describe(self) -> str:
-        return f"attention {self.attention}, head loss {'compiled' if self.head_chunk else 'reference'}" + (
-            ", TTT steps recomputed in backward" if self.checkpoint_steps else ""
+        return (
+            f"attention {self.attention}, head loss {'compiled' if self.head_chunk else 'reference'}"
+            + (", TTT steps recomputed in backward" if self.checkpoint_steps else "")
+            + (f", each row split over {self.context.size} ranks" if self.context else "")
         )
 
 
@@ -49,7 +54,13 @@ def compiled_chunk(backend: str = "inductor") -> ChunkFn:
     return torch.compile(head_loss_chunk, dynamic=True, backend=backend)
 
 
-def step_kernels(attention: str, head_loss: str, device: torch.device, checkpoint_steps: bool = False) -> StepKernels:
+def step_kernels(
+    attention: str,
+    head_loss: str,
+    device: torch.device,
+    checkpoint_steps: bool = False,
+    context: ContextGroup | None = None,
+) -> StepKernels:
     """The kernels of train.attention and train.head_loss on ``device`` ("auto": fused on CUDA)."""
     cuda = device.type == "cuda"
     if attention == "auto":
@@ -66,7 +77,7 @@ def step_kernels(attention: str, head_loss: str, device: torch.device, checkpoin
     if head_loss not in ("reference", "compiled"):
         raise UsageError(f"train.head_loss {head_loss!r} is not one of auto, reference, compiled", "fix the config")
     chunk = compiled_chunk() if head_loss == "compiled" else None
-    return StepKernels(attention, chunk, checkpoint_steps)  # type: ignore[arg-type]
+    return StepKernels(attention, chunk, checkpoint_steps, context)  # type: ignore[arg-type]
 
 
 def compile_drafter(drafter: Eagle3Drafter, backend: str = "inductor") -> Eagle3Drafter:

@@ -16,6 +16,7 @@ from eaglekit.model.drafter import DrafterConfig, Eagle3Drafter
 from eaglekit.model.hub import drafter_folder
 from eaglekit.model.run_shapes import draft_settings
 from eaglekit.progress import console
+from eaglekit.serving.engine_features import check_published
 from eaglekit.training import distributed as dist
 
 
@@ -94,6 +95,7 @@ def build_drafter(cfg, hf_config, d2t, t2d, embed, head, aux_ids) -> tuple[Eagle
         drafter = new_drafter(cfg, hf_config, d2t, t2d, embed, head, aux_ids)
         has_rows = cfg.train.init_lm_head_from_target and head.shape[1] == drafter.config.hidden_size
         return drafter, {"draft_vocab": "vocab stage", "lm_head": freeze_head(drafter, cfg, has_rows)}
+    check_published(drafter_folder(cfg.train.init_from), say, cfg.verify.python)  # SpecForge#879, engine drops
     drafter, _info = checkpoints.load_drafter(drafter_folder(cfg.train.init_from))  # a hub id: pre-flight fetched it
     drafter = drafter.float()
     if cfg.train.remap_vocab:

@@ -51,7 +51,8 @@ from eaglekit.training.checkpoint import (
     set_rng_state,
     without_frozen_embedding,
 )
-from eaglekit.training.data import Loader, RunBatches
+from eaglekit.training.context_parallel import ContextGroup
+from eaglekit.training.data import Batch, Loader, RunBatches
 from eaglekit.training.dflash import block_objective, build_block_drafter, trains_block_drafter
 from eaglekit.training.early_stop import TauWatch
 from eaglekit.training.features import Features
@@ -92,6 +93,8 @@ def train(
     tc = cfg.train
     dist.init()
     device, world = dist.device(), dist.world_size()
+    context = dist.context_group(tc.context_parallel)  # the ranks that split each row with this one (or None)
+    groups, group = dist.data_parallel(context)
     fsdp = dist.active() and tc.distributed == "fsdp"
     ckpts = Checkpoints(out_dir / "checkpoints", tc.keep_last)
     # rank 0 decides whether this resumes (the run directory is its to read); the others follow
@@ -101,21 +104,22 @@ def train(
     store = TokenStore(run.stage_dir("prepare") / "tokens.safetensors")
     drafter, features, notes = drafter_and_features(cfg, run.path, device)
     autocast = autocast_for(tc.dtype, device)
-    objective, positions, weights, notes["step_kernels"] = objective_for(drafter, tc, device)
+    objective, positions, weights, notes["step_kernels"] = objective_for(drafter, tc, device, context)
+    inputs_of = StepInputs(features, context, tc.ttt_steps)
     model = wrap(objective, tc.distributed, device)
     named_params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     params = [p for _, p in named_params]
     optim = build_optimizer(tc, named_params)
     batches = RunBatches(
         cfg, store, features.blocks(store, store.lengths.tolist(), cfg.extract.shard_tokens), features.store,
-        world, dist.rank(),
+        groups, group,
     )  # fmt: skip
     total_steps = batches.total_steps(tc)
     stream = open_stream(cfg, run.path, batches, dist.rank(), capture_check) if cfg.extract.streamed else None
     if stream is not None:  # the held-out rows, asked per evaluation batch (kept in memory when they fit)
         batches.feature_store = stream.held_out_rows([batches.share(b) for b in batches.held_out()])
     sched = build_scheduler(tc, optim, total_steps)
-    held_out = HeldOut(model, drafter, features, batches, autocast, fsdp, positions, weights)
+    held_out = HeldOut(model, drafter, inputs_of, batches, autocast, fsdp, positions, weights)
 
     metrics = Metrics(out_dir / "metrics.jsonl", out_dir / "tensorboard")
     progress = Progress()
@@ -130,7 +134,7 @@ def train(
     elif dist.is_main():
         metrics.path.unlink(missing_ok=True)
     n_trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
-    say(run_line(cfg, batches, n_trainable, total_steps))
+    say(run_line(cfg, batches, n_trainable, total_steps, world))
 
     last_eval = held_out(0, metrics, ckpts, progress) if progress.step == 0 else None
     window = Window(positions, progress.window)
@@ -152,7 +156,7 @@ def train(
     ):
         for step in range(progress.step, total_steps):
             lr = float(sched.get_last_lr()[0])
-            grad_norm, tokens, loss = optimizer_step(model, loader, features, window, step, tc, autocast, params)
+            grad_norm, tokens, loss = optimizer_step(model, loader, inputs_of, window, step, tc, autocast, params)
             refuse_non_finite_step(step + 1, loss, grad_norm, lr, ckpts)
             optim.step()
             refuse_non_finite_weights(step + 1, named_params, lr, ckpts)
@@ -249,7 +253,7 @@ def drafter_and_features(cfg: RunConfig, run_path: Path, device: torch.device) -
 
 
 def objective_for(
-    drafter: Eagle3Drafter | DFlashDrafter, tc: TrainConfig, device: torch.device
+    drafter: Eagle3Drafter | DFlashDrafter, tc: TrainConfig, device: torch.device, context: ContextGroup | None = None
 ) -> tuple[nn.Module, int, list[float], str]:
     """The objective of the drafter's family, how many figures it reports per draft position and their weights in
     the held-out loss, and the kernels it runs: EAGLE-3's TTT steps (the GPU's fused kernels where they apply), or a
@@ -257,7 +261,7 @@ def objective_for(
     if isinstance(drafter, DFlashDrafter):  # DFlash or DSpark
         objective = block_objective(drafter, tc.draft)
         return objective, objective.positions, [1.0] * objective.positions, f"{drafter.family} block objective"
-    kernels = step_kernels(tc.attention, tc.head_loss, device, tc.activation_checkpointing)
+    kernels = step_kernels(tc.attention, tc.head_loss, device, tc.activation_checkpointing, context)
     if tc.compile:
         compile_drafter(drafter)
     ttt = TTT.from_config(drafter, tc, kernels)
@@ -275,8 +279,26 @@ def autocast_for(dtype: str, device: torch.device) -> Callable[[], contextlib.Ab
     return contextlib.nullcontext
 
 
-def run_line(cfg: RunConfig, batches: RunBatches, n_trainable: int, total_steps: int) -> str:
-    tc, world = cfg.train, batches.world
+@dataclass
+class StepInputs:
+    """A batch's step inputs (its features) and the tokens this rank trains on: under context parallelism only its
+    share of each row (``training/context_parallel.py``), so a row split across ranks is read, and counted, once."""
+
+    features: Features
+    context: ContextGroup | None
+    steps: int
+
+    def __call__(self, batch: Batch) -> tuple:
+        return self.features(batch if self.context is None else self.context.cut(batch, self.steps))
+
+    def tokens(self, batch: Batch) -> int:
+        return batch.tokens if self.context is None else self.context.own_tokens(batch)
+
+
+def run_line(cfg: RunConfig, batches: RunBatches, n_trainable: int, total_steps: int, world: int) -> str:
+    tc = cfg.train
+    cp = tc.context_parallel
+    ranks = f" on {world} processes" + (f" (each row split over {cp} of them)" if cp > 1 else "")
     shape = (
         f"{batches.global_batch} rows of up to {batches.row_tokens} packed tokens"
         if tc.packing
@@ -285,7 +307,7 @@ def run_line(cfg: RunConfig, batches: RunBatches, n_trainable: int, total_steps:
     return (
         f"train: {n_trainable / 1e6:.2f}M trainable parameters, {len(batches.train_idx)} train / "
         f"{len(batches.held_idx)} held-out samples, {batches.per_epoch} batches of {shape} per epoch, "
-        f"{total_steps} steps{f' on {world} processes' if world > 1 else ''} "
+        f"{total_steps} steps{ranks if world > 1 else ''} "
         f"({cfg.extract.mode} features)"
     )
 
@@ -296,7 +318,7 @@ def run_line(cfg: RunConfig, batches: RunBatches, n_trainable: int, total_steps:
 def optimizer_step(
     model: nn.Module,
     loader: Loader | FeatureStream,
-    features: Features,
+    inputs_of: StepInputs,
     window: Window,
     step: int,
     tc,
@@ -309,15 +331,16 @@ def optimizer_step(
     tokens, loss_sum = 0, 0.0
     for a in range(tc.grad_accum):
         batch = loader.get(step * tc.grad_accum + a)
-        inputs = features(batch)
+        inputs = inputs_of(batch)
         # DDP syncs gradients on the last micro-batch of the step only
         with model.no_sync() if isinstance(model, DDP) and a < tc.grad_accum - 1 else contextlib.nullcontext():
             with autocast():
                 loss, out = model(*inputs)
             (loss / tc.grad_accum).backward()
         value = float(loss.detach())
-        window.add(out, value, batch.tokens)
-        tokens, loss_sum = tokens + batch.tokens, loss_sum + value
+        seen = inputs_of.tokens(batch)
+        window.add(out, value, seen)
+        tokens, loss_sum = tokens + seen, loss_sum + value
     return float(torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)), tokens, loss_sum
 
 
@@ -374,9 +397,9 @@ class HeldOut:
     """Held-out evaluation: the objective's figures on the held-out batches, simulated τ from them, and best/ (the
     drafter of the highest τ so far)."""
 
-    def __init__(self, model: nn.Module, drafter: Eagle3Drafter, features: Features, batches: RunBatches, autocast,
-                 fsdp: bool, steps: int, step_weights: list[float]):  # fmt: skip
-        self.model, self.drafter, self.features, self.data = model, drafter, features, batches
+    def __init__(self, model: nn.Module, drafter: Eagle3Drafter, inputs_of: StepInputs,
+                 batches: RunBatches, autocast, fsdp: bool, steps: int, step_weights: list[float]):  # fmt: skip
+        self.model, self.drafter, self.inputs_of, self.data = model, drafter, inputs_of, batches
         self.autocast, self.fsdp, self.steps, self.step_weights = autocast, fsdp, steps, step_weights
         self.batches = batches.held_out()
         if not self.batches:
@@ -402,7 +425,7 @@ class HeldOut:
         window = Window(self.steps)
         self.model.eval()
         for entries in self.batches:
-            inputs = self.features(self.data.collate(self.data.share(entries)))
+            inputs = self.inputs_of(self.data.collate(self.data.share(entries)))
             with self.autocast():
                 loss, out = self.model(*inputs)
             window.add(out, float(loss.detach()), 0)

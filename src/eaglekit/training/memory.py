@@ -17,6 +17,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,10 +51,14 @@ class StepMemory:
     activations: int  # what the TTT steps keep for backward
     transient: int  # the largest temporary: a recomputed step, a head-loss chunk, an attention block
     per_token: float  # kept activation bytes per token of the row (all TTT steps)
+    gathered: int = (
+        0  # context parallel: the other ranks' step-0 keys and values, kept (and copied) for the draft steps
+    )
+    context_parallel: int = 1  # ranks splitting each row: the figures above are one rank's
 
     @property
     def total(self) -> int:
-        return self.weights + self.batch + self.activations + self.transient
+        return self.weights + self.batch + self.activations + self.gathered + self.transient
 
 
 def _calibration_config(cfg: DrafterConfig, steps: int, **widths: int) -> DrafterConfig:
@@ -126,22 +132,57 @@ def step_memory(
     checkpoint: bool = False,
     bf16: bool = True,
     device_type: str = "cuda",
+    context_parallel: int = 1,
 ) -> StepMemory:
     """The memory of one step on rows of ``row_tokens`` tokens (a micro-batch's tokens on this GPU), for a drafter
-    with ``trainable`` and ``frozen`` parameters; ``bf16``: autocast as on a GPU (train.dtype auto), else fp32."""
+    with ``trainable`` and ``frozen`` parameters; ``bf16``: autocast as on a GPU (train.dtype auto), else fp32.
+
+    ``context_parallel`` ranks splitting the rows (training/context_parallel.py): one rank's memory. It keeps the
+    activations of its share of the tokens, holds the features of its share and a halo of ``steps`` target rows,
+    and keeps the whole row's step-0 keys and values (the all-gather's output, read by every draft step)."""
     act = 2 if bf16 else 4
     per_token = kept_bytes_per_token(cfg, steps, checkpoint, bf16)
+    own = math.ceil(row_tokens / context_parallel)
+    heavy = own if context_parallel == 1 else min(own + steps, row_tokens)  # features and targets: share and halo
     # weights: fp32 master + grad + AdamW for the trainable part, the frozen embedding and head in fp32; autocast
     # keeps a bf16 copy of each weight it casts for the step
     weights = ADAMW_BYTES * trainable + 4 * frozen + (2 * (trainable + frozen) if bf16 else 0)
     # the row's aux states and final state (the storage dtype), its target logits over the draft vocabulary and their
     # fp32 softmax
-    batch = row_tokens * (4 * cfg.target_hidden_size * act + cfg.draft_vocab_size * (act + 4))
+    batch = heavy * (4 * cfg.target_hidden_size * act + cfg.draft_vocab_size * (act + 4))
     # the largest temporary: a head-loss chunk (logits, dL/dlogits, the target rows) or a block of the prefix
     # attention's scores, on top of one TTT step's activations over the row — recomputed in backward with
     # checkpointing, their gradients in flight without
     chunk = CHUNK_ELEMENTS.get(device_type, CHUNK_ELEMENTS_DEFAULT)
     block = min(BLOCK_ELEMENTS, BLOCK_ROWS * row_tokens * cfg.num_attention_heads)
-    one_step = kept_bytes_per_token(cfg, 1, False, bf16) * row_tokens
+    others = row_tokens - own  # positions of the other ranks, whose step-0 keys and values this rank holds
+    kv = key_value_elements(cfg)
+    # every TTT step's span attention keeps a float32 copy of the keys and values it reads (the whole row's): on one
+    # GPU that is in per_token; under context parallelism the other ranks' part comes on top. Checkpointed, only
+    # the gathered keys stay (the copies are made again in backward, one step at a time: transient)
+    copies = 0 if checkpoint else steps
+    one_step = kept_bytes_per_token(cfg, 1, False, bf16) * own + (others * kv * 4 if checkpoint else 0)
     transient = int(3 * 4 * max(chunk, block) + one_step)
-    return StepMemory(weights, batch, int(per_token * row_tokens), transient, per_token)
+    gathered = others * kv * (act + 4 * copies)
+    return StepMemory(
+        weights, batch, int(per_token * own), transient, per_token, gathered, context_parallel=context_parallel
+    )
+
+
+def key_value_elements(cfg: DrafterConfig) -> int:
+    """Elements of one position's step-0 key and value, as the layer makes them (MLA: per head, decompressed)."""
+    if cfg.architecture == "mla":
+        mla = cfg.mla_shape
+        return cfg.num_attention_heads * (mla.qk_nope_head_dim + mla.qk_rope_head_dim + mla.v_head_dim)
+    n_kv, head_dim = cfg.llama_heads
+    return 2 * n_kv * head_dim
+
+
+def ranks_to_fit(fits: Callable[[StepMemory], bool], memory: Callable[[int], StepMemory], most: int = 64) -> int | None:
+    """The fewest ranks per row (powers of two up to ``most``) at which ``memory(ranks)`` ``fits``; None if none."""
+    ranks = 2
+    while ranks <= most:
+        if fits(memory(ranks)):
+            return ranks
+        ranks *= 2
+    return None

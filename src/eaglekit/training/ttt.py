@@ -24,6 +24,11 @@ counts only targets inside its own document.
 The draft head and its soft cross-entropy run once, over the rows of every step, through
 ``training/loss.py`` (no [N, Vd] tensor kept for backward).
 
+Context parallelism (``kernels.context``, training/context_parallel.py) splits every row's positions over ranks:
+each runs step 0 on its own positions, all-gathers the step-0 keys and values (the only keys another rank's chains
+read: a chain's draft keys stay where it lives), and computes the chains that start in its positions. Flat indices
+stay global (b*L + t), so document starts, the window and causality are the same spans as in one process.
+
 This file is the reference (and the CPU path); ``kernels`` (training/fused.py) swaps in the fused GPU
 attention of training/attention.py and a compiled head loss, tested equal to it.
 """
@@ -41,6 +46,7 @@ from eaglekit.errors import UsageError
 from eaglekit.model.drafter import Eagle3Drafter
 from eaglekit.model.layers import repeat_kv, sdpa
 from eaglekit.training.attention import causal_attention, span_attention
+from eaglekit.training.context_parallel import ContextShard
 from eaglekit.training.fused import REFERENCE, StepKernels
 from eaglekit.training.loss import head_soft_cross_entropy
 
@@ -145,19 +151,29 @@ def _scores(qp, kp, lo, hi, scale, r0, r1, s0, s1, lse=None):
 
 
 def _check_inputs(
-    drafter, aux_hidden, input_ids, target_logits, loss_mask, attention_mask, target_in_draft, steps, position_ids
+    drafter,
+    aux_hidden,
+    input_ids,
+    target_logits,
+    loss_mask,
+    attention_mask,
+    target_in_draft,
+    steps,
+    position_ids,
+    shard: ContextShard | None,
 ):
     cfg = drafter.config
     b, length = input_ids.shape
+    rows = length if shard is None else shard.stop - shard.start  # context parallel: this rank's rows and halo
     expect = {
-        "aux_hidden": (aux_hidden, (b, length, 3 * cfg.target_hidden_size)),
-        "target_logits": (target_logits, (b, length, cfg.draft_vocab_size)),
+        "aux_hidden": (aux_hidden, (b, rows, 3 * cfg.target_hidden_size)),
+        "target_logits": (target_logits, (b, rows, cfg.draft_vocab_size)),
         "loss_mask": (loss_mask, (b, length)),
     }
     if attention_mask is not None:
         expect["attention_mask"] = (attention_mask, (b, length))
     if target_in_draft is not None:
-        expect["target_in_draft"] = (target_in_draft, (b, length))
+        expect["target_in_draft"] = (target_in_draft, (b, rows))
     if position_ids is not None:
         expect["position_ids"] = (position_ids, (b, length))
     for name, (tensor, shape) in expect.items():
@@ -195,6 +211,8 @@ class _Positions:
     count_k: torch.Tensor  # [steps] counted positions
     position_weight: torch.Tensor | None  # [steps, B*L] share of its step's loss before the normalizer
     denominator: torch.Tensor  # [steps] what each step's summed loss is divided by
+    own_rows: torch.Tensor  # flat indices b*L + t of the chains this process computes: all of them, or its shard's
+    shard: ContextShard | None = None  # context parallel: this rank's positions of every row
     window: int | None = None  # the drafter's sliding window (positions a query sees, its own included)
 
     def first_key(self, rows: torch.Tensor, step: int) -> torch.Tensor:
@@ -229,8 +247,10 @@ def _positions(
     steps: int,
     normalization: str,
     normalizer: Callable[[torch.Tensor], torch.Tensor] | None,
+    shard: ContextShard | None = None,
 ) -> _Positions:
-    """The masks of the batch: counted (chain, step) pairs, the chains still needed, and each step's normaliser."""
+    """The masks of the batch: counted (chain, step) pairs, the chains still needed, and each step's normaliser.
+    With a context shard, only the shard's chains count here (target_in_draft covers its rows [start, stop))."""
     b, length = input_ids.shape
     device = input_ids.device
     positions = torch.arange(length, device=device).expand(b, length) if position_ids is None else position_ids
@@ -243,11 +263,17 @@ def _positions(
     if attention_mask is not None:
         usable = usable & attention_mask.bool()
     if target_in_draft is not None:
-        usable = usable & F.pad(target_in_draft.bool()[:, :-1], (1, 0), value=False)
+        in_draft = target_in_draft.bool()
+        if shard is not None:  # the shard's chains read in_draft[start+1 .. stop-1] only; the rest is never counted
+            in_draft = F.pad(in_draft, (shard.start, length - shard.stop), value=True)
+        usable = usable & F.pad(in_draft[:, :-1], (1, 0), value=False)
     # counted[k, b, t] = usable[b, t+2+k] and t+2+k in t's document; needed[k] = chain t counts at step k or later.
     counted = torch.zeros(steps, b, length, dtype=torch.bool, device=device)
     for k in range(min(steps, length - 2)):
         counted[k, :, : length - 2 - k] = usable[:, 2 + k :] & (doc_start[:, 2 + k :] == doc_start[:, : length - 2 - k])
+    if shard is not None:  # the other ranks' chains are theirs to count
+        counted[:, :, : shard.start] = False
+        counted[:, :, shard.end :] = False
     needed = counted.flip(0).cumsum(0).flip(0) > 0
     count_k = counted.reshape(steps, -1).sum(-1)
     flat_doc_start = (torch.arange(b, device=device)[:, None] * length + doc_start).reshape(-1)
@@ -256,15 +282,22 @@ def _positions(
         per_doc = torch.zeros(steps, b * length, dtype=torch.float64, device=device).index_add_(
             1, flat_doc_start, counted.reshape(steps, -1).double()
         )
+        if shard is not None:  # a document's positions may lie on several ranks: its count is theirs together
+            per_doc = shard.all_reduce(per_doc)
         position_weight = 1.0 / per_doc[:, flat_doc_start].clamp(min=1)
         units = (per_doc > 0).sum(-1)
+        if shard is not None and shard.context.rank:  # every rank of the group now sees every document: one counts
+            units = torch.zeros_like(units)
     elif normalization == "token":
         units = count_k
     else:
         raise UsageError(
             f"ttt_loss: normalization {normalization!r}", "set train.loss_normalization to token or sequence"
         )
-    denominator = units if normalizer is None else normalizer(units)
+    if normalizer is not None:
+        denominator = normalizer(units)
+    else:  # the whole batch's count: under context parallelism, the group's
+        denominator = units if shard is None else shard.all_reduce(units.clone())
     return _Positions(
         positions=positions,
         flat_doc_start=flat_doc_start,
@@ -275,21 +308,29 @@ def _positions(
         count_k=count_k,
         position_weight=position_weight,
         denominator=denominator,
+        own_rows=torch.arange(b * length, device=device) if shard is None else shard.own_rows(b, device),
+        shard=shard,
     )
 
 
 def _targets(
-    target_logits: torch.Tensor, usable: torch.Tensor, compute: torch.dtype
+    target_logits: torch.Tensor, usable: torch.Tensor, compute: torch.dtype, shard: ContextShard | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Target probabilities and argmax of every position j with usable[j+1], and slot[j]: j's row in them (or -1)."""
+    """Target probabilities and argmax of every position j with usable[j+1], and slot[j]: j's row in them (or -1).
+    With a context shard, target_logits holds rows [start, stop) of each row, and only those are taken."""
     # Every step's targets are target_logits[j] for positions j with usable[j+1]: softmax those once.
     b, length = usable.shape
     device = usable.device
-    target_pos = F.pad(usable[:, 1:], (0, 1), value=False).reshape(-1).nonzero().squeeze(1)
+    wanted = F.pad(usable[:, 1:], (0, 1), value=False)
+    start, stop = (0, length) if shard is None else (shard.start, shard.stop)
+    wanted[:, :start] = False
+    wanted[:, stop:] = False
+    target_pos = wanted.reshape(-1).nonzero().squeeze(1)
     slot = torch.full((b * length,), -1, dtype=torch.long, device=device)
     slot[target_pos] = torch.arange(target_pos.numel(), device=device)
+    local = target_pos // length * (stop - start) + target_pos % length - start  # the row in target_logits
     with torch.no_grad():
-        target_rows = target_logits.reshape(b * length, -1)[target_pos]
+        target_rows = target_logits.reshape(b * (stop - start), target_logits.shape[-1])[local]  # may be empty
         target_p, target_argmax = torch.softmax(target_rows.to(compute), dim=-1), target_rows.argmax(-1)
     return target_p, target_argmax, slot
 
@@ -311,30 +352,39 @@ def _layer_pass(kernels: StepKernels, body: Callable[..., tuple], *inputs: torch
 def _step0(
     drafter: Eagle3Drafter, aux_hidden: torch.Tensor, input_ids: torch.Tensor, at: _Positions, kernels: StepKernels
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Step 0 on the whole [B, L]: pre-norm outputs [B*L, H] and the keys, values [B, L, nKV, hd] of every position."""
+    """Step 0 on the whole [B, L] (or a context shard's [B, n] positions of it): pre-norm outputs [B*n, H] in the
+    order of ``at.own_rows``, and the keys, values [B, L, nKV, hd] of every position (gathered from the group)."""
     layer = drafter.midlayer
     b, length = input_ids.shape
     n_heads, n_kv, hd, dv = layer.n_heads, layer.n_kv, layer.head_dim, layer.v_dim  # dv != hd for MLA
     scale = drafter.attention_scale
+    shard = at.shard
+    start, end = (0, length) if shard is None else (shard.start, shard.end)
+    n = end - start
     with torch.no_grad():
-        embeds = drafter.embed_tokens(F.pad(input_ids[:, 1:], (0, 1)))
-    spans = at.packed or at.window is not None  # keys first_key..t of the flat rows, not a plain causal mask
-    flat = torch.arange(b * length, device=input_ids.device)
+        embeds = drafter.embed_tokens(F.pad(input_ids[:, 1:], (0, 1))[:, start:end])
+    positions = at.positions[:, start:end]
+    own = aux_hidden if shard is None else shard.own(aux_hidden)
+    # keys first_key..t of the flat rows, not a plain causal mask (a shard's queries sit at an offset in the keys)
+    spans = at.packed or at.window is not None or shard is not None
+    rows = at.own_rows
 
     def body(aux_hidden: torch.Tensor, embeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         feature = drafter.fuse(aux_hidden)
-        cos, sin = drafter.rotary(at.positions, feature.dtype)
-        q, k0, v0 = layer.qkv(embeds, feature, cos, sin)  # [B, L, heads, hd]
+        cos, sin = drafter.rotary(positions, feature.dtype)
+        q, k0, v0 = layer.qkv(embeds, feature, cos, sin)  # [B, n, heads, hd]
+        if shard is not None:  # every position's keys, for this shard's queries and every later step's
+            k0, v0 = shard.gather(k0), shard.gather(v0)
         if spans:  # a causal attention inside each document (and window): the fused kernel or the reference
             span = span_attention if kernels.attention == "flex" else _prefix_attention
             attn = span(
-                q.reshape(b * length, n_heads, hd),
+                q.reshape(b * n, n_heads, hd),
                 k0.reshape(b * length, n_kv, hd),
                 v0.reshape(b * length, n_kv, dv),
-                at.first_key(flat, 0),
-                flat,
+                at.first_key(rows, 0),
+                rows,
                 scale,
-            ).view(b, length, n_heads, dv)
+            ).view(b, n, n_heads, dv)
         elif kernels.attention != "reference":
             attn = causal_attention(q, k0, v0, scale)
         else:
@@ -345,9 +395,9 @@ def _step0(
                 scale,
                 is_causal=True,
             ).transpose(1, 2)
-        return layer.finish(attn, feature).reshape(b * length, -1), k0, v0
+        return layer.finish(attn, feature).flatten(0, 1), k0, v0  # [B*n, H]; n may be 0
 
-    h, k0, v0 = _layer_pass(kernels, body, aux_hidden, embeds)
+    h, k0, v0 = _layer_pass(kernels, body, own, embeds)
     return h, k0, v0
 
 
@@ -397,7 +447,7 @@ def _draft_steps(
     k0, v0 = k0.reshape(b * length, n_kv, hd), v0.reshape(b * length, n_kv, dv)
     ids_flat = input_ids.reshape(-1)
     pos_flat = at.positions.reshape(-1)
-    rows = torch.arange(b * length, device=input_ids.device)
+    rows = at.own_rows  # the chains whose step-0 outputs ``h`` holds, in its order
     # the keys and values steps 1..k made, each in the rows of its own step: a step gathers its chains' from them
     # (chains only drop out, and rows stay sorted), so nothing grows with the step count but the steps' own keys
     own_k: list[torch.Tensor] = []
@@ -507,12 +557,26 @@ def ttt_loss(
     (``normalizer`` then counts documents with a counted position, not positions), so long sequences do not
     dominate. The reported loss_k / acc_k stay per-position means either way.
     ``kernels`` picks the fused GPU kernels (training/fused.py); the default is this file's reference.
+    With ``kernels.context`` (context parallelism) ``aux_hidden``, ``target_logits`` and ``target_in_draft`` hold this
+    rank's rows [start, stop) of each row (``ContextShard``: its positions and a halo of ``steps`` targets), the rest
+    stays whole; the loss and figures are this rank's chains' (their losses over every rank's count), so the ranks'
+    losses and gradients add up to the single process's.
     """
+    shard = None if kernels.context is None else kernels.context.shard(input_ids.shape[1], steps)
     _check_inputs(
-        drafter, aux_hidden, input_ids, target_logits, loss_mask, attention_mask, target_in_draft, steps, position_ids
+        drafter,
+        aux_hidden,
+        input_ids,
+        target_logits,
+        loss_mask,
+        attention_mask,
+        target_in_draft,
+        steps,
+        position_ids,
+        shard,
     )
     at = _positions(
-        input_ids, loss_mask, attention_mask, target_in_draft, position_ids, steps, normalization, normalizer
+        input_ids, loss_mask, attention_mask, target_in_draft, position_ids, steps, normalization, normalizer, shard
     )
     at.window = drafter.config.sliding_window
     if at.window is not None and at.window <= steps:
@@ -522,13 +586,15 @@ def ttt_loss(
             "use a window longer than train.ttt_steps (windows are hundreds to thousands of positions)",
         )
     compute = torch.promote_types(drafter.lm_head.weight.dtype, torch.float32)
-    target_p, target_argmax, slot = _targets(target_logits, at.usable, compute)
+    target_p, target_argmax, slot = _targets(target_logits, at.usable, compute, shard)
 
-    # Step 0: every position is a key for later steps, so it runs on the whole [B, L].
+    # Step 0: every position is a key for later steps, so it runs on the whole [B, L] (context parallel: each rank
+    # on its positions, their keys gathered).
     h, k0, v0 = _step0(drafter, aux_hidden, input_ids, at, kernels)
     head = _HeadRows([], [], [])
-    rows0 = at.counted[0].reshape(-1).nonzero().squeeze(1)
-    head.add(h[rows0], slot[rows0 + 1], rows0)
+    sel0 = at.counted[0].reshape(-1)[at.own_rows]
+    rows0 = at.own_rows[sel0]
+    head.add(h[sel0], slot[rows0 + 1], rows0)
     _draft_steps(drafter, h, k0, v0, input_ids, at, slot, steps, kernels, head)
 
     # The head and loss of every step in one pass: row weight decay^k / denominator_k.
