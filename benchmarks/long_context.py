@@ -1,5 +1,5 @@
 """Long context: τ by context length on the long-context tiny target, for EAGLE-3 drafters trained on short rows,
-with and without a sliding window (README: "Long context").
+with and without a sliding window (docs/long-context.md).
 
 Writes, under --out, training prompts of evaluate's "<1k" group (the replies' rows stay under ~650 tokens: trained
 short) and evaluation prompts of every group (~450, ~2.6K, ~8.8K, ~19.9K tokens), then runs `eaglekit run --until

@@ -38,7 +38,7 @@ SHAPES = {
     "small": (256, 768, 4, 2, 64, 32000, 8192),
     "medium": (512, 1536, 8, 4, 64, 32000, 8192),
     "llama8b": (4096, 14336, 32, 8, 128, 128256, 32000),
-    # Kimi-K2.5's drafter as a Llama layer at the target's width (README: plan's Kimi case)
+    # Kimi-K2.5's drafter as a Llama layer at the target's width (docs/plan.md: "A Kimi-K2.5-sized plan")
     "kimi": (7168, 18432, 64, 64, 112, 163840, 32000),
 }
 STEPS = 7

@@ -266,7 +266,7 @@ DRAFT_KEYS: dict[str, frozenset[str]] = {
 
 
 class DraftModelConfig(Section):
-    """The drafter's layer and flags; every shape defaults to the target's (README: "The drafter")."""
+    """The drafter's layer and flags; every shape defaults to the target's (docs/config.md: "The drafter")."""
 
     architecture: Literal["llama", "mla", "dflash", "dspark"] | None = Field(
         None,
@@ -313,13 +313,14 @@ class DraftModelConfig(Section):
     dpace_alpha: float | None = Field(None, gt=0.0, le=1.0, description="dflash: D-PACE smoothing (default 0.5)")
     decay_gamma: float | None = Field(None, gt=0.0, description="dflash: exp-decay gamma (default 4.0)")
     shared_k_norm: bool | None = Field(
-        None, description="dflash: one k_norm for all layers, as vLLM 0.32's CPU build applies (README: block drafters)"
+        None,
+        description="dflash: one k_norm for all layers, as vLLM 0.32's CPU build applies (docs/drafters.md: 'DFlash and DSpark on the vLLM CPU build')",
     )
     # architecture dspark only
     markov_rank: int | None = Field(
         None, ge=1, description="dspark: rank of the Markov head's transition bias over the vocabulary (default 256)"
     )
-    # long context (README: "Long context")
+    # long context (docs/long-context.md)
     sliding_window: int | None = Field(
         None,
         ge=2,
@@ -435,7 +436,7 @@ class TTTConfig(Section):
     activation_checkpointing: bool = Field(
         False,
         description="recompute each TTT step's decoder layer in backward instead of keeping its activations: for "
-        "rows of tens of thousands of tokens (README: Long context; `eaglekit plan` gives the memory either way), "
+        "rows of tens of thousands of tokens (docs/long-context.md; `eaglekit plan` gives the memory either way), "
         "about 40 % more step time",
     )
     attention: Literal["auto", "reference", "sdpa", "flex"] = Field(
@@ -542,7 +543,7 @@ class TrainConfig(Section):
         ge=1,
         description="ranks that split each row's positions (training/context_parallel.py): each holds 1/N of the row's "
         "features and activations and all-gathers the keys, so a row of tens of thousands of tokens trains across N "
-        "GPUs (README: Long context); under torchrun with a multiple of N processes (the rest is data parallel); "
+        "GPUs (docs/long-context.md); under torchrun with a multiple of N processes (the rest is data parallel); "
         "EAGLE-3 drafters, offline features",
     )
 
@@ -688,8 +689,8 @@ class VerifyConfig(Section):
     tau_tolerance: float = Field(
         0.01,
         ge=0.0,
-        description="largest |served τ - offline τ| / offline τ that passes (README, 'Verify in your "
-        "engine': 0 measured in float32 and bfloat16; aux ids shifted by one: 2.7% at K=3)",
+        description="largest |served τ - offline τ| / offline τ that passes (docs/verify.md: 'Tolerances': 0 "
+        "measured in float32 and bfloat16; aux ids shifted by one: 2.7% at K=3)",
     )
     position_tolerance: float = Field(
         0.02,
@@ -807,7 +808,7 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"])
         if e["type"] == "extra_forbidden":
-            lines.append(f"  - unknown key '{key}' (check the spelling; see the README's config reference)")
+            lines.append(f"  - unknown key '{key}' (check the spelling; see docs/config.md)")
         elif e["type"] == "missing":
             lines.append(f"  - missing required key '{key}'")
         elif not key:  # a check across sections (RunConfig's own validators): its message names the keys

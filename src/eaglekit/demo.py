@@ -15,7 +15,7 @@ from eaglekit import pipeline, status
 from eaglekit.config import load_config
 from eaglekit.progress import console
 
-# Sized so the whole demo takes a few minutes on 2 CPU cores (measured: see README).
+# Sized so the whole demo takes a few minutes on 2 CPU cores (measured: docs/setup.md, "The demo").
 DEMO_SAMPLES = 400
 HEADER = "# Written by `eaglekit demo`; edit it and continue with `eaglekit run` on this file.\n"
 

@@ -281,7 +281,7 @@ def block_drafter_shape(cfg: RunConfig):
         )
     notes = block_drafter_notes(cfg)
     if notes:
-        return warn("drafter", detail + "; " + "; ".join(notes), "see README: Choosing a drafter family")
+        return warn("drafter", detail + "; " + "; ".join(notes), "see docs/drafters.md: 'Choosing a drafter family'")
     return ok("drafter", detail)
 
 
