@@ -33,6 +33,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from eaglekit.config import TTTConfig  # noqa: E402
 from eaglekit.drafters.registry import proposer_for  # noqa: E402
 from eaglekit.model.dflash import DFlashConfig, DFlashDrafter, default_mask_token_id  # noqa: E402
 from eaglekit.model.drafter import DrafterConfig, Eagle3Drafter, build_d2t_t2d  # noqa: E402
@@ -97,7 +98,7 @@ def train(kind: str, drafter, features: TargetFeatures, rows, head: torch.Tensor
             loss = block_loss(drafter, f.aux, argmax, ids, loss_mask, attention, generator=generator).loss
         else:
             logits, _ = draft_logits(f.last_hidden, head, torch.ones(head.shape[0], dtype=torch.bool))
-            loss = ttt_loss(drafter, f.aux, ids, logits, loss_mask, attention, steps=args.ttt).loss
+            loss = ttt_loss(drafter, f.aux, ids, logits, loss_mask, attention, settings=TTTConfig(steps=args.ttt)).loss
         optim.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 0.5)

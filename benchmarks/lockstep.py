@@ -303,7 +303,7 @@ class EaglekitSide:
 
         self.name, self.drafter, self.put_back = name, drafter, put_back
         tc = cfg.train
-        self.ttt = TTT.from_config(drafter, tc)
+        self.ttt = TTT(drafter, tc.ttt)
         self.ttt.train()
         self.named = [(n, p) for n, p in drafter.named_parameters() if p.requires_grad]
         self.clip = tc.grad_clip
@@ -365,9 +365,11 @@ def eaglekit_config(cfg, args, put_back: str | None):
     cfg = cfg.model_copy(deep=True)
     tc = cfg.train
     tc.max_steps, tc.lr, tc.warmup_steps, tc.min_lr_ratio = args.steps, args.lr, args.warmup, 0.0
-    tc.ttt_steps, tc.ttt_decay, tc.step_weights, tc.loss = args.ttt_steps, args.decay, None, "kl_div"
+    ttt = tc.ttt  # step_weights first: each assignment is validated, the weights against the steps
+    ttt.step_weights, ttt.steps, ttt.decay, ttt.loss = None, args.ttt_steps, args.decay, "kl_div"  # type: ignore[assignment]
+    ttt.loss_normalization, ttt.noise = "token", "none"
     tc.optimizer, tc.freeze_lm_head, tc.seed, tc.batch_size, tc.grad_accum = "adamw", True, args.seed, 1, 1
-    tc.packing, tc.pack_length, tc.loss_normalization, tc.noise = True, args.seq, "token", "none"
+    tc.packing, tc.pack_length = True, args.seq
     tc.draft.intermediate_size = args.intermediate
     tc.draft.fc_norm = tc.draft.norm_output = False  # speculators' drafter is the plain EAGLE-3 form
     defaults = TrainConfig.model_fields
@@ -589,7 +591,7 @@ def held_out_taus(cfg, args, drafters: dict, target, t2d, aux_ids) -> dict:
     out = {}
     print("\nheld-out (the train stage's figure: teacher-forced, eaglekit's mask)", flush=True)
     for name, drafter in drafters.items():
-        ttt = TTT.from_config(drafter, ek_cfg.train)
+        ttt = TTT(drafter, ek_cfg.train.ttt)
         held = HeldOut(ttt, drafter, features, batches, contextlib.nullcontext, False, args.ttt_steps, ttt.step_weights)
         f = held.figures()
         out[name] = {"tau": f["tau"], "acc_k": f["acc_k"], "loss": f["loss"]}

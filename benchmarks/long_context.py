@@ -1,5 +1,5 @@
 """Long context: τ by context length on the long-context tiny target, for EAGLE-3 drafters trained on short rows,
-with and without a sliding window (README: "Long context").
+with and without a sliding window (docs/long-context.md).
 
 Writes, under --out, training prompts of evaluate's "<1k" group (the replies' rows stay under ~650 tokens: trained
 short) and evaluation prompts of every group (~450, ~2.6K, ~8.8K, ~19.9K tokens), then runs `eaglekit run --until
@@ -51,7 +51,7 @@ def config(target: Path, train_file: Path, eval_file: Path, run_dir: Path, windo
         "prepare": {"max_length": 2048},
         "vocab": {"draft_vocab_size": 80},
         "train": {"max_steps": steps, "batch_size": 4, "lr": 3e-3, "warmup_steps": 10, "eval_every": steps,
-                  "save_every": steps, "ttt_steps": 4, "seed": seed, "draft": draft},
+                  "save_every": steps, "ttt": {"steps": 4}, "seed": seed, "draft": draft},
         "evaluate": {"prompts": str(eval_file), "num_samples": 10_000, "num_speculative_tokens": ks,
                      "temperatures": [0.0], "max_new_tokens": 96},
         "export": {"verifier": None, "formats": ["eagle3"]},

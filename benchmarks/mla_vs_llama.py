@@ -57,7 +57,7 @@ def base_config(target: Path, args) -> dict:
             "warmup_steps": 10,
             "eval_every": 60,
             "save_every": args.steps,
-            "ttt_steps": 4,
+            "ttt": {"steps": 4},
         },
         "evaluate": {
             "num_samples": args.eval_prompts,
@@ -109,6 +109,7 @@ def full_size_shapes(draft_vocab_size: int = 32000) -> dict[str, dict[str, int]]
 
 def step_times(runs: dict[str, Path], repeats: int) -> dict[str, float]:
     """Median seconds of one TTT training step (forward, backward, AdamW) per drafter, timed interleaved on one batch."""
+    from eaglekit.config import TTTConfig
     from eaglekit.data.tokens import TokenStore
     from eaglekit.model.checkpoints import load_drafter
     from eaglekit.model.target import embedding_and_head
@@ -124,7 +125,7 @@ def step_times(runs: dict[str, Path], repeats: int) -> dict[str, float]:
         embed, head = embedding_and_head(cfg.target.model)
         drafter.embed_tokens.weight.data.copy_(embed)
         params = [p for n, p in drafter.named_parameters() if n != "embed_tokens.weight"]
-        models[arch] = (drafter, torch.optim.AdamW(params, lr=1e-6), cfg.train.ttt_steps)
+        models[arch] = (drafter, torch.optim.AdamW(params, lr=1e-6), cfg.train.ttt.steps)
         if inputs is None:
             store = TokenStore(run_dir / "prepare" / "tokens.safetensors")
             _, t2d = load_vocab(run_dir)
@@ -136,7 +137,7 @@ def step_times(runs: dict[str, Path], repeats: int) -> dict[str, float]:
     def one_step(arch: str) -> float:
         drafter, optim, steps = models[arch]
         t0 = time.perf_counter()
-        ttt_loss(drafter, *inputs[:5], steps=steps, target_in_draft=inputs[5]).loss.backward()
+        ttt_loss(drafter, *inputs[:5], settings=TTTConfig(steps=steps), target_in_draft=inputs[5]).loss.backward()
         optim.step()
         optim.zero_grad(set_to_none=True)
         return time.perf_counter() - t0

@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from ttt_step import DECAY, Shape, adamw, draft_logits, make_batch, make_drafter, sync  # noqa: E402
 
+from eaglekit.config import TTTConfig  # noqa: E402
 from eaglekit.training.data import epoch_batches, packed_batches  # noqa: E402
 from eaglekit.training.ttt import ttt_loss  # noqa: E402
 
@@ -147,8 +148,7 @@ def main() -> None:
                 logits,
                 b["attention_mask"],
                 b["attention_mask"],
-                steps=args.steps,
-                decay=DECAY,
+                settings=TTTConfig(steps=args.steps, decay=DECAY),
                 target_in_draft=in_draft,
                 position_ids=b["position_ids"] if packed else None,
             )

@@ -24,7 +24,7 @@ from pathlib import Path
 import yaml
 
 TRAIN = {
-    "ttt_steps": 3,
+    "ttt": {"steps": 3},
     "batch_size": 4,
     "lr": 1e-3,
     "warmup_steps": 2,

@@ -45,7 +45,7 @@ def isolated(label: str, fn, *args) -> None:
 
 
 def main() -> None:
-    from eaglekit.config import TargetConfig, load_config
+    from eaglekit.config import TargetConfig, TTTConfig, load_config
     from eaglekit.data.tokens import TokenStore
     from eaglekit.model.checkpoints import load_drafter
     from eaglekit.model.target import TargetFeatures, aux_layer_ids, decoder_parts, load_target, target_hf_config
@@ -93,7 +93,7 @@ def main() -> None:
                 f.target_logits.float(),
                 mask_of(mask),
                 torch.ones_like(ids),
-                steps=args.steps,
+                settings=TTTConfig(steps=args.steps),
                 target_in_draft=f.target_in_draft,
             )
             c = torch.tensor(out.count_k, dtype=torch.float)

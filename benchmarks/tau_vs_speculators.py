@@ -71,7 +71,7 @@ OPPONENTS = {
     "shipped": {"ttt_steps": 3, "decay": 1.0, "optimizer": "muon", "scheduler": "linear", "lr": 1e-3},
     "matched": {},
 }
-LOSS_LEVERS = ("kl_div", "rkl", "jsd", "tv", "nla", "lk_hybrid")  # train.loss
+LOSS_LEVERS = ("kl_div", "rkl", "jsd", "tv", "nla", "lk_hybrid")  # train.ttt.loss (eaglekit/divergences.py)
 # --ablate: one of eaglekit's training settings changed (the race's "why", not a product setting), as the train keys
 # it sets; "betas", "equal-weights" and "input-mask" are changes no single key makes (see ablate)
 LEVERS: dict[str, dict] = {
@@ -80,17 +80,17 @@ LEVERS: dict[str, dict] = {
     "trained-head": {"freeze_lm_head": False},  # eaglekit's default until this race showed it costs τ
     "frozen-head": {"freeze_lm_head": True},  # the default now, as speculators
     # the tiny target's features have a std of 7-9: speculators' ±0.05 is 0.4 % of it, ±0.5 4 %
-    "noise": {"noise": "uniform", "noise_scale": 0.05},
-    "noise0.5": {"noise": "uniform", "noise_scale": 0.5},
+    "noise": {"ttt": {"noise": "uniform", "noise_scale": 0.05}},
+    "noise0.5": {"ttt": {"noise": "uniform", "noise_scale": 0.5}},
     "muon": {"optimizer": "muon"},
-    "sequence-norm": {"loss_normalization": "sequence"},
+    "sequence-norm": {"ttt": {"loss_normalization": "sequence"}},
     "lr1e-3": {"lr": 1e-3},  # eaglekit's lr alone (the opponent keeps --lr, so its drafters are reused)
-    "decay0.9": {"ttt_decay": 0.9},  # ModelOpt's TTT step weights
-    "ttt7": {"ttt_steps": 7},  # eaglekit's train.ttt_steps default, EAGLE's and SpecForge's depth
+    "decay0.9": {"ttt": {"decay": 0.9}},  # ModelOpt's TTT step weights
+    "ttt7": {"ttt": {"steps": 7}},  # eaglekit's train.ttt.steps default, EAGLE's and SpecForge's depth
     # EAGLE 3.1's flags, both read by vLLM (the default since this race); "plain": both off (the default before)
     "eagle3.1": {"draft": {"fc_norm": True, "norm_output": True}},
     "plain": {"draft": {"fc_norm": False, "norm_output": False}},
-    **{loss: {"loss": loss} for loss in LOSS_LEVERS},
+    **{loss: {"ttt": {"loss": loss}} for loss in LOSS_LEVERS},
 }
 ABLATIONS = ("betas", "equal-weights", "input-mask", *LEVERS)
 sys.path.insert(0, str(ROOT / "src"))
@@ -114,8 +114,7 @@ def data_config(out: Path, args) -> dict:
             "lr": args.lr,
             "warmup_steps": args.warmup,
             "min_lr_ratio": 0.0,
-            "ttt_steps": args.ttt_steps,
-            "ttt_decay": args.decay,
+            "ttt": {"steps": args.ttt_steps, "decay": args.decay},
             "eval_every": args.steps,
             "save_every": args.steps,
             "log_every": 10,
@@ -178,7 +177,7 @@ def ablate(cfg, changes: list[str]) -> None:
         adamw = torch.optim.AdamW
         torch.optim.AdamW = lambda params, **kw: adamw(params, **{**kw, "betas": (0.9, 0.999)})
     if "equal-weights" in changes:
-        cfg.train.step_weights = [1.0] * cfg.train.ttt_steps
+        cfg.train.ttt.step_weights = [1.0] * cfg.train.ttt.steps
     if "input-mask" in changes:
         import torch.nn.functional as F
 

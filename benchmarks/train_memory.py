@@ -1,5 +1,5 @@
 """Training benchmark: the memory model of `plan` and the train pre-flight (``training/memory.py``) against the
-measured peak of real TTT steps, with and without ``train.activation_checkpointing``, and (``--context-parallel N``,
+measured peak of real TTT steps, with and without ``train.ttt.activation_checkpointing``, and (``--context-parallel N``,
 CPU) one rank's peak when N gloo ranks split the row (``train.context_parallel``) against the model's per-rank figure.
 
 For each shape and row length it builds the drafter (EAGLE-3, Llama layer, EAGLE 3.1 flags), runs a warm step on a
@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from eaglekit.config import TTTConfig
 from eaglekit.model.drafter import DrafterConfig, Eagle3Drafter
 from eaglekit.training.context_parallel import ContextGroup
 from eaglekit.training.fused import step_kernels
@@ -37,7 +38,7 @@ SHAPES = {
     "small": (256, 768, 4, 2, 64, 32000, 8192),
     "medium": (512, 1536, 8, 4, 64, 32000, 8192),
     "llama8b": (4096, 14336, 32, 8, 128, 128256, 32000),
-    # Kimi-K2.5's drafter as a Llama layer at the target's width (README: plan's Kimi case)
+    # Kimi-K2.5's drafter as a Llama layer at the target's width (docs/plan.md: "A Kimi-K2.5-sized plan")
     "kimi": (7168, 18432, 64, 64, 112, 163840, 32000),
 }
 STEPS = 7
@@ -81,7 +82,9 @@ def run_case(shape: str, length: int, checkpoint: bool, device: str, context: Co
         with torch.no_grad():  # the target's logits over the draft vocabulary, from its final state (offline)
             logits = (last @ drafter.lm_head.weight.to(store).T).to(store)
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16):
-            out = ttt_loss(drafter, aux, ids, logits, torch.ones_like(ids), steps=STEPS, kernels=kernels)
+            out = ttt_loss(
+                drafter, aux, ids, logits, torch.ones_like(ids), settings=TTTConfig(steps=STEPS), kernels=kernels
+            )
         out.loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -24,10 +24,10 @@ on CUDA torch.cuda.max_memory_allocated.
     python benchmarks/ttt_step.py --baseline d3cd37f --eaglekit-only          # this tree vs eaglekit's TTT at a commit
 
 eaglekit's kernels (``--variants``): "reference" (the side "eaglekit": ttt.py's own attention and loss.py's head
-loss, the CPU path), "fused" (training/fused.py's kernels for the device, as train.attention / train.head_loss
+loss, the CPU path), "fused" (training/fused.py's kernels for the device, as train.ttt.attention / train.ttt.head_loss
 auto pick them: flex attention and the compiled head loss on CUDA; on the CPU, which has no flex backward, SDPA
 for step 0 and the compiled head loss, so the CPU dry run goes through the same code), "compiled" (fused, and
-the drafter compiled as train.compile does). A side that fails is dropped with its error; the others go on.
+the drafter compiled as train.ttt.compile does). A side that fails is dropped with its error; the others go on.
 ``--speculators-mode`` picks speculators' own compiled path (default), the eager KL loss under its compiled
 model (eager-loss), or no compilation at all (eager: dynamo disabled in this process), and the output says
 which ran. ``--profile`` adds one profiled step per side, its device time grouped into attention, GEMMs, the
@@ -46,6 +46,7 @@ import argparse
 import dataclasses
 import gc
 import importlib.util
+import inspect
 import json
 import os
 import statistics
@@ -58,6 +59,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # the working tree's eaglekit, installed or not
+from eaglekit.config import TTTConfig  # noqa: E402
 from eaglekit.model.drafter import DrafterConfig, Eagle3Drafter, build_d2t_t2d  # noqa: E402
 from eaglekit.training.fused import REFERENCE, StepKernels, compile_drafter, compiled_chunk, step_kernels  # noqa: E402
 from eaglekit.training.ttt import ttt_loss  # noqa: E402
@@ -183,7 +185,7 @@ def ttt_loss_at(ref: str):
 def variant_kernels(variant: str, device: str) -> tuple[StepKernels, bool]:
     """(kernels, compile the drafter) of an eaglekit variant: reference, fused or compiled (see the docstring); a
     ``-checkpointed`` suffix (or ``checkpointed`` alone: the reference's) recomputes each TTT step in backward
-    (train.activation_checkpointing)."""
+    (train.ttt.activation_checkpointing)."""
     if variant == "checkpointed" or variant.endswith("-checkpointed"):
         base = variant.removesuffix("checkpointed").removesuffix("-") or "reference"
         kernels, compile_it = variant_kernels(base, device)
@@ -197,6 +199,14 @@ def variant_kernels(variant: str, device: str) -> tuple[StepKernels, bool]:
     else:  # flex attention has no CPU backward: SDPA for step 0, the rest as on a GPU
         kernels = StepKernels("sdpa", compiled_chunk())
     return kernels, variant == "compiled"
+
+
+def step_settings(loss_fn, steps: int) -> dict:
+    """The TTT settings as ``loss_fn`` takes them: one train.ttt section now, steps and decay at an older commit
+    (--baseline)."""
+    if "settings" in inspect.signature(loss_fn).parameters:
+        return {"settings": TTTConfig(steps=steps, decay=DECAY)}
+    return {"steps": steps, "decay": DECAY}
 
 
 def eaglekit_side(
@@ -231,8 +241,7 @@ def eaglekit_side(
             ids[:, :length],
             target_logits,
             loss_mask[:, :length],
-            steps=s.steps,
-            decay=DECAY,
+            **step_settings(loss_fn, s.steps),
             target_in_draft=in_draft,
             **({"kernels": kernels} if kernels is not REFERENCE else {}),  # --baseline's older ttt_loss lacks it
         )
@@ -559,8 +568,7 @@ def eaglekit_grads(s: Shape, batch: dict, device: str, dtype: torch.dtype, varia
         ids,
         target_logits,
         batch["loss_mask"].to(device),
-        steps=s.steps,
-        decay=DECAY,
+        settings=TTTConfig(steps=s.steps, decay=DECAY),
         target_in_draft=in_draft,
         position_ids=batch["position_ids"].to(device) if "position_ids" in batch else None,
         kernels=kernels,

@@ -1,6 +1,6 @@
 """A stand-in for an SGLang server with EAGLE-3 chain speculation, on a real HTTP socket (127.0.0.1).
 
-SGLang cannot run on these machines (see the README, "Verify in your engine"), so its side of the contract
+SGLang cannot run on these machines (docs/verify.md: "SGLang on this CPU"), so its side of the contract
 is pinned here from its source: the endpoints ``eaglekit verify`` uses (``/get_model_info``,
 ``/get_server_info``, ``/generate`` with ``input_ids``) and the ``meta_info`` fields of
 ``tokenizer_manager._calculate_spec_decoding_metrics`` (``spec_verify_ct``, ``spec_accept_length`` =

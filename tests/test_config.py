@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import warnings
 from pathlib import Path
 
 import pytest
@@ -10,11 +12,14 @@ from conftest import write_config
 
 from eaglekit import pipeline
 from eaglekit.config import (
+    TTT_MOVED,
+    ConfigDeprecation,
     ConfigPath,
     GenerateConfig,
     RunConfig,
     Section,
     ServerPoolConfig,
+    TTTConfig,
     VllmFeaturesConfig,
     load_config,
     parse_config,
@@ -40,7 +45,7 @@ def test_defaults_follow_the_interface(tmp_path):
     cfg = load_config(write_config(tmp_path / "c.yaml", BASE))
     assert cfg.generate.backend == "local"
     assert cfg.target.trust_remote_code is False
-    assert cfg.train.ttt_steps == 7 and cfg.train.ttt_decay == 0.8
+    assert cfg.train.ttt.steps == 7 and cfg.train.ttt.decay == 0.8
     assert pipeline.stages_for(cfg) == ["generate", "prepare", "vocab", "train", "evaluate", "export"]
     cfg.extract.mode = "offline"
     assert "extract" in pipeline.stages_for(cfg)
@@ -176,9 +181,16 @@ def test_the_path_keys_are_the_schema_s_and_nothing_else_is_touched(tmp_path):
 @pytest.mark.parametrize(
     ("train", "named"),
     [
+        ({"draft": {"architecture": "dflash"}, "ttt": {"loss": "jsd"}}, "loss: EAGLE-3's training-time-test settings"),
+        (
+            {"draft": {"architecture": "dspark"}, "ttt": {"anchor_weight": 5.0, "noise": "uniform"}},
+            "noise, anchor_weight",
+        ),
+        ({"draft": {"architecture": "dflash"}, "ttt": {"activation_checkpointing": True}}, "activation_checkpointing"),
+        ({"draft": {"architecture": "dflash"}, "ttt": {"loss": {"name": "lk_hybrid", "eta": 1.0}}}, "train.ttt's loss"),
+        # the old flat spellings: moved under train.ttt, then refused alike
         ({"draft": {"architecture": "dflash"}, "loss": "jsd"}, "loss: EAGLE-3's training-time-test settings"),
         ({"draft": {"architecture": "dspark"}, "anchor_weight": 5.0, "noise": "uniform"}, "noise, anchor_weight"),
-        ({"draft": {"architecture": "dflash"}, "activation_checkpointing": True}, "activation_checkpointing"),
         ({"draft": {"block_size": 8}}, "architecture llama does not read block_size (dflash, dspark)"),
         ({"draft": {"architecture": "mla", "head_dim": 64}}, "architecture mla does not read head_dim"),
         ({"draft": {"architecture": "dflash", "markov_rank": 64}}, "does not read markov_rank (dspark)"),
@@ -192,7 +204,8 @@ def test_a_key_the_drafter_family_does_not_read_is_refused_when_the_config_loads
     from eaglekit.config import parse_config
 
     data = {"run_dir": "run", "target": {"model": "t"}, "data": {"prompts": "p.jsonl"}, "train": train}
-    with pytest.raises(Exception) as err:
+    with pytest.raises(Exception) as err, warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConfigDeprecation)
         parse_config(data, base_dir=Path("."))
     assert named in str(err.value)
 
@@ -201,12 +214,12 @@ def test_the_families_own_keys_and_ttt_defaults_still_load():
     from eaglekit.config import parse_config
 
     for train in (
-        # the demo's config switched to a block drafter (README): ttt_steps 4 stays, and does nothing there
-        {"draft": {"architecture": "dflash", "block_size": 8, "num_key_value_heads": 2}, "ttt_steps": 4},
+        # the demo's config switched to a block drafter (README): ttt.steps 4 stays, and does nothing there
+        {"draft": {"architecture": "dflash", "block_size": 8, "num_key_value_heads": 2}, "ttt": {"steps": 4}},
         {"draft": {"architecture": "mla", "norm_before_fc": False}},  # a flag left off asks nothing
         {"draft": {"architecture": "dspark", "markov_rank": 64}},
         {"draft": {"architecture": "mla", "kv_lora_rank": 64, "fc_norm": True}},
-        {"draft": {"sliding_window": 2048, "head_dim": 64}, "loss": "jsd"},
+        {"draft": {"sliding_window": 2048, "head_dim": 64}, "ttt": {"loss": "jsd"}},
     ):
         data = {"run_dir": "run", "target": {"model": "t"}, "data": {"prompts": "p.jsonl"}, "train": train}
         parse_config(data, base_dir=Path("."))
@@ -221,7 +234,7 @@ OUT_OF_BOUNDS = [
     ("train.grad_clip", float("inf"), "finite"),
     ("generate.timeout", float("inf"), "finite"),
     ("generate.temperature", float("inf"), "finite"),
-    ("train.step_weights", [1.0, float("nan")], "finite"),
+    ("train.ttt.step_weights", [1.0, float("nan")], "finite"),
     ("evaluate.num_speculative_tokens", [3, 0], "greater than or equal to 1"),
     ("evaluate.num_speculative_tokens", [], "at least 1 item"),
     ("evaluate.temperatures", [0.0, -0.5], "greater than or equal to 0"),
@@ -295,3 +308,75 @@ def test_yaml_numbers_and_nesting_python_cannot_read_are_named(tmp_path):
     path.write_text("run_dir: " + "[" * 50_000 + "]" * 50_000 + "\n")
     with pytest.raises(UsageError, match="nested deeper"):
         load_config(path)
+
+
+# Every train key that moved under train.ttt, with a value away from its default, in its old spelling and its new one.
+OLD_TRAIN = {
+    "ttt_steps": 3,
+    "ttt_decay": 0.7,
+    "loss": "lk_hybrid",
+    "lk_eta": 2.0,
+    "step_weights": [1.0, 0.5, 0.25],
+    "loss_normalization": "sequence",
+    "noise": "gaussian",
+    "noise_scale": 0.1,
+    "anchor_weight": 4.0,
+    "activation_checkpointing": True,
+    "attention": "sdpa",
+    "head_loss": "reference",
+    "compile": True,
+}
+NEW_TTT = {
+    "steps": 3,
+    "decay": 0.7,
+    "loss": {"name": "lk_hybrid", "eta": 2.0},
+    "step_weights": [1.0, 0.5, 0.25],
+    "loss_normalization": "sequence",
+    "noise": "gaussian",
+    "noise_scale": 0.1,
+    "anchor_weight": 4.0,
+    "activation_checkpointing": True,
+    "attention": "sdpa",
+    "head_loss": "reference",
+    "compile": True,
+}
+
+
+def test_the_old_flat_ttt_spellings_load_the_same_config_with_a_warning_naming_both(tmp_path):
+    assert set(OLD_TRAIN) == set(TTT_MOVED)  # every moved key is exercised
+    new = load_config(write_config(tmp_path / "new.yaml", {**BASE, "train": {"lr": 0.01, "ttt": NEW_TTT}}))
+    old_file = write_config(tmp_path / "old.yaml", {**BASE, "train": {"lr": 0.01, **OLD_TRAIN}})
+    with pytest.warns(ConfigDeprecation) as caught:
+        old = load_config(old_file)
+    assert old.train == new.train and old.train.ttt.loss.eta == 2.0  # type: ignore[attr-defined]
+    assert {w.filename for w in caught} == {str(old_file)}  # shown as the config file's, not config.py's
+    said = sorted(str(w.message) for w in caught)
+    assert said == sorted(
+        f"train.{key} is an old spelling: write train.{TTT_MOVED[key]} (the old one still loads, for now)"
+        for key in OLD_TRAIN
+    )
+    assert pipeline.fingerprint(old, "train") == pipeline.fingerprint(new, "train")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the new spelling warns about nothing
+        load_config(write_config(tmp_path / "new.yaml", {**BASE, "train": {"ttt": NEW_TTT}}))
+
+
+def test_an_old_and_a_new_spelling_of_one_key_together_are_refused(tmp_path):
+    both = {**BASE, "train": {"ttt_steps": 3, "ttt": {"steps": 5}}}
+    with pytest.raises(UsageError, match=r"train.ttt_steps and train.ttt.steps are both set: keep train.ttt.steps"):
+        load_config(write_config(tmp_path / "c.yaml", both))
+
+
+def test_a_config_eaglekit_wrote_before_loads_as_it_was(tmp_path):
+    """RUN_DIR/config.yaml of an earlier eaglekit is a full dump in the flat spelling, lk_eta 3.0 beside kl_div
+    included (here a real one: the train section the τ race recorded in benchmarks/race-ledger.jsonl)."""
+    ledger = Path(__file__).resolve().parents[1] / "benchmarks" / "race-ledger.jsonl"
+    written = json.loads(ledger.read_text().splitlines()[0])["settings"]["eaglekit"]
+    assert written["lk_eta"] == 3.0 and written["loss"] == "kl_div" and "ttt_steps" in written
+    with pytest.warns(ConfigDeprecation):
+        cfg = load_config(write_config(tmp_path / "c.yaml", {**BASE, "train": written}))
+    assert cfg.train.ttt == TTTConfig(steps=4)
+    with pytest.warns(ConfigDeprecation):  # and as a block drafter's: every TTT key at its default asks nothing
+        load_config(
+            write_config(tmp_path / "c.yaml", {**BASE, "train": {**written, "draft": {"architecture": "dflash"}}})
+        )

@@ -15,6 +15,7 @@ import torch
 import torch.multiprocessing as mp
 from test_train_ddp import CFG, free_port, torchrun_env
 
+from eaglekit.config import TTTConfig
 from eaglekit.model.drafter import DrafterConfig, Eagle3Drafter
 from eaglekit.training.fused import StepKernels
 from eaglekit.training.ttt import ttt_loss
@@ -67,8 +68,8 @@ def batch(packed: bool):
 def step(model: Eagle3Drafter, inputs, normalization: str, kernels: StepKernels, normalizer=None):
     aux, ids, logits, loss_mask, attention, in_draft, positions = inputs
     out = ttt_loss(
-        model, aux, ids, logits, loss_mask, attention, steps=STEPS, target_in_draft=in_draft, position_ids=positions,
-        normalization=normalization, kernels=kernels, normalizer=normalizer,
+        model, aux, ids, logits, loss_mask, attention, target_in_draft=in_draft, position_ids=positions,
+        settings=TTTConfig(steps=STEPS, loss_normalization=normalization), kernels=kernels, normalizer=normalizer,
     )  # fmt: skip
     out.loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -132,7 +133,7 @@ def ddp_worker(rank: int, world: int, port: int, out: str, mode: str, normalizat
     mine = [t[rows] if t is not None else None for t in whole]
     heavy = (0, 2, 5)  # aux, target logits, in-draft: this rank's positions only
     inputs = [shard.inputs(t) if i in heavy else t for i, t in enumerate(mine)]
-    objective = TTT(drafter({"sliding_window": 5}), STEPS, 0.8, normalization=normalization,
+    objective = TTT(drafter({"sliding_window": 5}), TTTConfig(steps=STEPS, decay=0.8, loss_normalization=normalization),
                     kernels=StepKernels(context=context))  # fmt: skip
     model = wrap(objective, mode, torch.device("cpu"))
     loss, _ = model(*inputs)
@@ -162,7 +163,7 @@ def test_data_parallel_times_context_parallel_equals_one_process(tmp_path, mode,
     from eaglekit.training.objective import TTT
 
     mp.spawn(ddp_worker, args=(4, free_port(), str(tmp_path), mode, normalization), nprocs=4, join=True)
-    single = TTT(drafter({"sliding_window": 5}), STEPS, 0.8, normalization=normalization)
+    single = TTT(drafter({"sliding_window": 5}), TTTConfig(steps=STEPS, decay=0.8, loss_normalization=normalization))
     loss, _ = single(*four_rows())
     loss.backward()
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(4)]
@@ -186,7 +187,7 @@ def test_train_stage_splits_rows_across_two_ranks(tmp_path, tiny_target):
     from eaglekit.pipeline import run_stage
     from eaglekit.rundir import RunDir
 
-    train = {"ttt_steps": 2, "batch_size": 1, "packing": True, "pack_length": 320, "max_steps": 2, "eval_every": 2,
+    train = {"ttt": {"steps": 2}, "batch_size": 1, "packing": True, "pack_length": 320, "max_steps": 2, "eval_every": 2,
              "save_every": 2, "log_every": 1, "eval_samples": 4, "warmup_steps": 1,
              "draft": {"sliding_window": 48}}  # fmt: skip
     cfg = prepared_run(tmp_path, tiny_target, n=32, extract={"mode": "offline"}, train=train)
@@ -226,7 +227,7 @@ def test_preflight_names_ranks_for_a_row_too_long_for_one_gpu(tmp_path, tiny_tar
     from eaglekit.stages.train import estimate, step_memory_both, step_memory_check
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    train = {"packing": True, "pack_length": 131072, "batch_size": 1, "activation_checkpointing": True}
+    train = {"packing": True, "pack_length": 131072, "batch_size": 1, "ttt": {"activation_checkpointing": True}}
     vocab = {"draft_vocab_size": 200}
     ctx = make_ctx(tmp_path, tiny_target, stage="train", train=train, vocab=vocab)
     one = step_memory_both(ctx.cfg)

@@ -27,7 +27,7 @@ def dflash_config(run_dir: Path, target: Path, **train) -> dict:
             "lr": 1e-3,
             "eval_every": 60,
             "save_every": 60,
-            # shared_k_norm: what vLLM's CPU build serves exactly (README: Choosing a drafter family)
+            # shared_k_norm: what vLLM's CPU build serves exactly (docs/drafters.md: "DFlash and DSpark on the vLLM CPU build")
             "draft": {"architecture": "dflash", "num_layers": 2, "block_size": 4, "shared_k_norm": True},
             **train,
         }

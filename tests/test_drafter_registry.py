@@ -115,7 +115,7 @@ def test_a_family_registered_in_memory_trains_checkpoints_and_exports(tmp_path, 
     them names it."""
     family: DrafterFamily = toy  # the interface, structurally (mypy holds the real families to it in registry.py)
     assert family.forms == ("toy",)
-    train = {"ttt_steps": 2, "batch_size": 4, "lr": 1e-3, "warmup_steps": 1, "max_steps": 2, "eval_every": 2,
+    train = {"ttt": {"steps": 2}, "batch_size": 4, "lr": 1e-3, "warmup_steps": 1, "max_steps": 2, "eval_every": 2,
              "save_every": 2, "eval_samples": 4, "draft": {"architecture": "toy", "intermediate_size": 64}}  # fmt: skip
     cfg = prepared_run(tmp_path, tiny_target, n=24, train=train)
     with RunDir(cfg.run_dir).lock:

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, Qwen3Config
 
+from eaglekit.config import TTTConfig
 from eaglekit.errors import UsageError
 from eaglekit.model.drafter import DrafterConfig, DraftKVCache, Eagle3Drafter, build_d2t_t2d
 from eaglekit.training.ttt import simulated_acceptance_length, ttt_loss
@@ -200,7 +201,7 @@ def test_ttt_matches_reference_float64(variant, steps, with_masks):
     aux, ids, tl, lm, am, ind = make_batch(cfg, pad=with_masks)
     am, ind = (am, ind) if with_masks else (None, None)
 
-    out = ttt_loss(drafter, aux, ids, tl, lm, am, steps=steps, decay=0.8, target_in_draft=ind)
+    out = ttt_loss(drafter, aux, ids, tl, lm, am, settings=TTTConfig(steps=steps, decay=0.8), target_in_draft=ind)
     got = grads(drafter, out.loss)
     ref_loss, ref_lk, ref_acc, ref_count = reference_ttt(drafter, aux, ids, tl, lm, am, steps, 0.8, ind)
     want = grads(drafter, ref_loss)
@@ -230,7 +231,7 @@ def test_ttt_float32_matches_reference_and_keeps_no_square_matrix_for_backward(v
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = ttt_loss(drafter, aux, ids, tl, lm, am, steps=4, target_in_draft=ind)
+        out = ttt_loss(drafter, aux, ids, tl, lm, am, settings=TTTConfig(steps=4), target_in_draft=ind)
     square = [s for s in saved_shapes if sum(d >= length for d in s) >= 2]
     assert not square, f"tensors of shape {square} kept for backward"
 
@@ -250,10 +251,10 @@ def test_ttt_prefix_attention_in_small_blocks(monkeypatch):
     cfg = tiny_config()
     drafter = make_drafter(cfg)
     batch = make_batch(cfg, length=17)
-    whole = ttt_loss(drafter, *batch[:5], steps=3, target_in_draft=batch[5])
+    whole = ttt_loss(drafter, *batch[:5], settings=TTTConfig(steps=3), target_in_draft=batch[5])
     g_whole = grads(drafter, whole.loss)
     monkeypatch.setattr(ttt, "BLOCK_ELEMENTS", 3 * cfg.num_attention_heads * 17)
-    blocked = ttt_loss(drafter, *batch[:5], steps=3, target_in_draft=batch[5])
+    blocked = ttt_loss(drafter, *batch[:5], settings=TTTConfig(steps=3), target_in_draft=batch[5])
     g_blocked = grads(drafter, blocked.loss)
     assert blocked.loss.item() == pytest.approx(whole.loss.item(), rel=1e-12)
     for name in g_whole:
@@ -283,7 +284,7 @@ def test_forward_is_step_zero_and_cache_matches_full_forward(variant):
 
     # Step-0 TTT with one step is the plain forward: same loss from the forward's logits.
     with torch.no_grad():
-        out = ttt_loss(drafter, aux, ids, tl, lm, None, steps=1)
+        out = ttt_loss(drafter, aux, ids, tl, lm, None, settings=TTTConfig(steps=1))
         counted = lm[:, 2:].bool()
         ce = -(tl[:, 1:-1].softmax(-1) * full_logits[:, :-2].log_softmax(-1)).sum(-1)
         assert out.loss.item() == pytest.approx(ce[counted].mean().item(), rel=1e-10)
@@ -434,7 +435,7 @@ def plain_head_loss(x, weight, target_p, slots, row_weight):
 
 @pytest.mark.parametrize("chunk_rows", [1, 7, 1000])
 def test_fused_head_loss_matches_plain_cross_entropy_float64(chunk_rows):
-    from eaglekit.training.loss import head_soft_cross_entropy
+    from eaglekit.training.loss import HeadTargets, head_soft_cross_entropy
 
     g = torch.Generator().manual_seed(3)
     m, h, vd, p = 23, 16, 37, 9
@@ -443,8 +444,9 @@ def test_fused_head_loss_matches_plain_cross_entropy_float64(chunk_rows):
     target_p = (2 * torch.randn(p, vd, generator=g, dtype=torch.float64)).softmax(-1)
     slots = torch.randint(0, p, (m,), generator=g)
     row_weight = torch.rand(m, generator=g, dtype=torch.float64)
+    targets = HeadTargets(target_p, target_p.argmax(-1), slots, row_weight)
 
-    fused = head_soft_cross_entropy(x, weight, target_p, target_p.argmax(-1), slots, row_weight, chunk_rows=chunk_rows)
+    fused = head_soft_cross_entropy(x, weight, targets, chunk_rows=chunk_rows)
     gx, gw = torch.autograd.grad(3.0 * fused.loss, (x, weight))
     want, want_ce = plain_head_loss(x, weight, target_p, slots, row_weight)
     wx, ww = torch.autograd.grad(3.0 * want, (x, weight))
@@ -455,9 +457,7 @@ def test_fused_head_loss_matches_plain_cross_entropy_float64(chunk_rows):
     torch.testing.assert_close(gw, ww, rtol=1e-10, atol=1e-12)
     assert torch.equal(fused.correct, (x @ weight.T).argmax(-1) == target_p.argmax(-1)[slots])
     # frozen head: only x gets a gradient, and the same one
-    frozen = head_soft_cross_entropy(
-        x, weight.detach(), target_p, target_p.argmax(-1), slots, row_weight, chunk_rows=chunk_rows
-    )
+    frozen = head_soft_cross_entropy(x, weight.detach(), targets, chunk_rows=chunk_rows)
     torch.testing.assert_close(torch.autograd.grad(3.0 * frozen.loss, x)[0], wx, rtol=1e-10, atol=1e-12)
 
 
@@ -468,7 +468,7 @@ def test_ttt_keeps_no_draft_vocab_wide_tensor_for_backward():
     aux, ids, tl, lm, am, ind = make_batch(cfg, length=30, dtype=torch.float32)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
-        out = ttt_loss(drafter, aux, ids, tl, lm, am, steps=4, target_in_draft=ind)
+        out = ttt_loss(drafter, aux, ids, tl, lm, am, settings=TTTConfig(steps=4), target_in_draft=ind)
     wide = [s for s in saved if cfg.draft_vocab_size in s and s != tuple(drafter.lm_head.weight.shape)]
     assert not wide, f"[N, Vd] tensors kept for backward: {wide}"
     assert out.count_k[0] > 20

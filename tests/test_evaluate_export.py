@@ -15,7 +15,7 @@ from conftest import write_config
 from safetensors.torch import load_file, save_file
 
 from eaglekit import pipeline
-from eaglekit.config import load_config
+from eaglekit.config import TTTConfig, load_config
 from eaglekit.errors import EaglekitError
 from eaglekit.model.checkpoints import load_drafter, save_legacy
 
@@ -69,7 +69,7 @@ def drafter_dir(tiny_target, tmp_path_factory) -> Path:
             feats.target_logits[batch],
             mask[batch],
             attention[batch],
-            steps=3,
+            settings=TTTConfig(steps=3),
             target_in_draft=feats.target_in_draft[batch],
         )
         out.loss.backward()

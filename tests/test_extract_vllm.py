@@ -43,7 +43,7 @@ pytestmark = pytest.mark.slow  # builds, trains or serves models
 
 LAYERS = [2, 4, 5, 8]  # the tiny target's default aux taps and its final state (8 decoder layers)
 TRAIN = {
-    "ttt_steps": 3,
+    "ttt": {"steps": 3},
     "batch_size": 4,
     "lr": 1e-3,
     "warmup_steps": 2,

@@ -1,5 +1,5 @@
 """Finetuning that does not over-specialise: evaluate measures the untouched starting drafter beside the finetune,
-and train.anchor_weight pulls the finetune toward its start. On the tiny target: a drafter trained on one task mix
+and train.ttt.anchor_weight pulls the finetune toward its start. On the tiny target: a drafter trained on one task mix
 (arithmetic), finetuned on another (sorting, vowel counting, unit conversion)."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow  # builds, trains or serves models
 ARITHMETIC = ("add", "subtract", "compare")
 WORDS_AND_LISTS = ("sort", "count", "convert")
 TRAIN = {
-    "ttt_steps": 3,
+    "ttt": {"steps": 3},
     "batch_size": 8,
     "lr": 6e-3,
     "warmup_steps": 5,
@@ -100,7 +100,7 @@ def test_evaluate_measures_the_finetune_beside_its_start_and_the_anchor_holds_it
             tiny_target,
             WORDS_AND_LISTS,
             seed=2,
-            train={**TRAIN, "init_from": str(start_drafter), "anchor_weight": anchor},
+            train={**TRAIN, "init_from": str(start_drafter), "ttt": {"steps": 3, "anchor_weight": anchor}},
             evaluate={"prompts": str(production)},
         )
         stage(cfg, "train")

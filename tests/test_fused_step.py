@@ -14,11 +14,12 @@ from test_drafter_ttt import VARIANTS, grads, make_batch, make_drafter, tiny_con
 from test_packing import documents, lay_out
 
 import eaglekit.training.ttt as ttt
+from eaglekit.config import TTTConfig
 from eaglekit.errors import UsageError
 from eaglekit.model.layers import sdpa
 from eaglekit.training.attention import span_attention, span_keys, span_mask
 from eaglekit.training.fused import REFERENCE, StepKernels, compile_drafter, compiled_chunk, step_kernels
-from eaglekit.training.loss import head_soft_cross_entropy
+from eaglekit.training.loss import HeadTargets, head_soft_cross_entropy
 from eaglekit.training.ttt import ttt_loss
 
 
@@ -40,7 +41,12 @@ def dense_span_attention(q, k0, v0, lo, hi, scale, extra_k=None, extra_v=None):
 
 def run_step(drafter, batch, kernels, steps=4, position_ids=None):
     out = ttt_loss(
-        drafter, *batch[:5], steps=steps, target_in_draft=batch[5], position_ids=position_ids, kernels=kernels
+        drafter,
+        *batch[:5],
+        settings=TTTConfig(steps=steps),
+        target_in_draft=batch[5],
+        position_ids=position_ids,
+        kernels=kernels,
     )
     return out, grads(drafter, out.loss)
 
@@ -98,9 +104,11 @@ def test_flex_attention_forward_matches_the_reference_step(variant):
     drafter = make_drafter(cfg)
     for batch, positions in [(make_batch(cfg, length=17), None), packed_batch(cfg)]:
         with torch.no_grad():
-            got = ttt_loss(drafter, *batch[:5], steps=4, target_in_draft=batch[5], position_ids=positions,
+            got = ttt_loss(drafter, *batch[:5], settings=TTTConfig(steps=4), target_in_draft=batch[5], position_ids=positions,
                            kernels=StepKernels("flex"))  # fmt: skip
-            want = ttt_loss(drafter, *batch[:5], steps=4, target_in_draft=batch[5], position_ids=positions)
+            want = ttt_loss(
+                drafter, *batch[:5], settings=TTTConfig(steps=4), target_in_draft=batch[5], position_ids=positions
+            )
         assert got.loss.item() == pytest.approx(want.loss.item(), rel=1e-10)
         assert got.loss_k == pytest.approx(want.loss_k, rel=1e-10) and got.acc_k == want.acc_k
 
@@ -146,7 +154,9 @@ def test_compiled_head_loss_equals_the_chunked_reference(dtype, rel):
     x, w, target_p, target_argmax, slots, row_weight = head_inputs(dtype)
     results = []
     for chunk_fn in (None, compiled_chunk()):
-        out = head_soft_cross_entropy(x, w, target_p, target_argmax, slots, row_weight, chunk_rows=8, chunk_fn=chunk_fn)
+        out = head_soft_cross_entropy(
+            x, w, HeadTargets(target_p, target_argmax, slots, row_weight), chunk_fn=chunk_fn, chunk_rows=8
+        )
         dx, dw = torch.autograd.grad(out.loss, (x, w))
         results.append((out.loss, out.ce, out.correct, dx, dw))
     (loss, ce, correct, dx, dw), (loss_c, ce_c, correct_c, dx_c, dw_c) = results
@@ -158,7 +168,7 @@ def test_compiled_head_loss_equals_the_chunked_reference(dtype, rel):
 
 
 def test_compiled_drafter_equals_the_reference_step():
-    """train.compile: the drafter's per-step methods under torch.compile (aot_eager: dynamo's graphs and
+    """train.ttt.compile: the drafter's per-step methods under torch.compile (aot_eager: dynamo's graphs and
     autograd as compiled, without code generation) give the reference's loss and gradients."""
     cfg = tiny_config()
     drafter = make_drafter(cfg)
@@ -175,7 +185,7 @@ def test_step_kernels_from_the_config():
     assert step_kernels("sdpa", "reference", cpu).attention == "sdpa"
     fused = step_kernels("auto", "auto", cuda)  # builds no CUDA tensor: only what runs where
     assert fused.attention == "flex" and fused.head_chunk is not None
-    with pytest.raises(UsageError, match="train.attention"):
+    with pytest.raises(UsageError, match="train.ttt.attention"):
         step_kernels("flex", "auto", cpu)
 
 
@@ -192,7 +202,9 @@ def test_sdpa_step_keeps_no_square_matrix_for_backward():
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        ttt_loss(drafter, *batch[:5], steps=3, target_in_draft=batch[5], kernels=StepKernels("sdpa"))
+        ttt_loss(
+            drafter, *batch[:5], settings=TTTConfig(steps=3), target_in_draft=batch[5], kernels=StepKernels("sdpa")
+        )
     square = [s for s in saved_shapes if sum(d >= length for d in s) >= 2]
     assert not square, f"tensors of shape {square} kept for backward"
 
@@ -219,7 +231,7 @@ def test_span_block_mask_compiled_as_on_a_gpu_skips_exactly_the_empty_blocks():
 
 
 def test_train_stage_with_the_fused_kernels_trains_like_the_reference(tmp_path, tiny_target):
-    """train.attention sdpa, train.head_loss compiled and train.compile (the CUDA choices the CPU can run) give
+    """train.ttt.attention sdpa, train.ttt.head_loss compiled and train.ttt.compile (the CUDA choices the CPU can run) give
     the reference's training curve; the stage records which kernels ran; flex on the CPU is refused up front."""
     from test_extract import prepared_run
     from test_train import QUICK, metrics, train
@@ -229,7 +241,10 @@ def test_train_stage_with_the_fused_kernels_trains_like_the_reference(tmp_path, 
     runs = {}
     for name, settings in [
         ("reference", {"packing": True}),
-        ("fused", {"attention": "sdpa", "head_loss": "compiled", "compile": True, "packing": True}),
+        (
+            "fused",
+            {"ttt": {"steps": 3, "attention": "sdpa", "head_loss": "compiled", "compile": True}, "packing": True},
+        ),
     ]:
         cfg = prepared_run(
             tmp_path / name,
@@ -244,6 +259,8 @@ def test_train_stage_with_the_fused_kernels_trains_like_the_reference(tmp_path, 
     assert runs["fused"][0] == pytest.approx(runs["reference"][0], rel=1e-4)
     assert len(runs["fused"][0]) == 3
 
-    cfg = prepared_run(tmp_path / "flex", tiny_target, n=24, train={**QUICK, "max_steps": 1, "attention": "flex"})
-    with pytest.raises(EaglekitError, match="train.attention is flex"):
+    cfg = prepared_run(
+        tmp_path / "flex", tiny_target, n=24, train={**QUICK, "max_steps": 1, "ttt": {"steps": 3, "attention": "flex"}}
+    )
+    with pytest.raises(EaglekitError, match="train.ttt.attention is flex"):
         train(cfg)

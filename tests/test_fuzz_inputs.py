@@ -28,8 +28,9 @@ from hypothesis.configuration import set_hypothesis_home_dir
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from eaglekit.config import DTYPE_ALIASES, RunConfig
+from eaglekit.config import DTYPE_ALIASES, TTT_MOVED, RunConfig
 from eaglekit.data.prompts import MAX_JSON_DEPTH, MAX_LINE_BYTES
+from eaglekit.divergences import DIVERGENCES
 
 CONFIG_EXAMPLES = 160
 PROMPT_EXAMPLES = 90
@@ -59,6 +60,7 @@ def hypothesis_home(tmp_path_factory):
 class Key:
     path: tuple[str, ...]
     kind: str  # int | float | bool | str | literal | list | dict | sections (a list of sections: evaluate.suites)
+    # | tagged (one of several sections by name: train.ttt.loss)
     choices: tuple = ()
     low: float | None = None  # the bound a value must reach: ge (inclusive) or gt (exclusive)
     low_inclusive: bool = True
@@ -91,8 +93,10 @@ def _key(path: tuple[str, ...], annotation: Any, metadata: list) -> Key | None:
         annotation, *extra = typing.get_args(annotation)
         metadata = [*metadata, *extra]
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        (annotation,) = [a for a in typing.get_args(annotation) if a is not type(None)]
-        return _key(path, annotation, metadata)
+        inner = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(inner) > 1:  # one of several sections, chosen by its name (train.ttt.loss)
+            return Key(path, "tagged", choices=tuple(DIVERGENCES))
+        return _key(path, inner[0], metadata)
     bounds = _bounds(metadata)
     if typing.get_origin(annotation) is typing.Literal:
         return Key(path, "literal", choices=typing.get_args(annotation))
@@ -181,6 +185,9 @@ def refused(key: Key) -> st.SearchStrategy:
         options += [st.just([])] if key.min_length else []
     elif key.kind == "dict":
         options = [words, st.integers(), st.just([1, 2])]
+    elif key.kind == "tagged":
+        unknown = words.filter(lambda w: w not in key.choices)
+        options = [unknown, unknown.map(lambda w: {"name": w}), st.integers(), st.just([1, 2]), st.just({"name": 7})]
     else:  # a list of sections
         options = [st.just([{"name": 5}]), st.just([{"nmae": "gsm8k"}]), st.just([7]), st.just({"name": "gsm8k"})]
     return st.one_of(*options)
@@ -231,7 +238,8 @@ def config_cases(draw) -> tuple[str, Any, str]:
     if kind == "unknown key":
         section = draw(st.sampled_from([None, *SECTIONS]))
         model = RunConfig if section is None else RunConfig.model_fields[section].annotation
-        name = draw(words.filter(lambda w: w not in model.model_fields))  # type: ignore[union-attr]
+        moved = TTT_MOVED if section == "train" else {}  # an old spelling is a key still (train.noise)
+        name = draw(words.filter(lambda w: w not in model.model_fields and w not in moved))  # type: ignore[union-attr]
         path = (name,) if section is None else (section, name)
         value = draw(st.integers())
         return kind, ("set", path, value), ".".join(path)

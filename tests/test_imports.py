@@ -12,7 +12,7 @@ PACKAGE = Path(eaglekit.__file__).parent
 
 # lowest first; a module may import from its own layer and any layer before it
 LAYERS = [
-    {"errors", "atomic", "config", "progress", "interrupt", "rundir", "plots", "contract"},
+    {"errors", "atomic", "config", "divergences", "progress", "interrupt", "rundir", "plots", "contract"},
     {"data", "model", "tiny"},
     {"serving", "speculative", "training", "drafters"},
     {"preflight"},

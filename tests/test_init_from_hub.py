@@ -66,7 +66,7 @@ def test_hub_drafter_is_fetched_by_preflight_resumed_and_trained_from(tmp_path, 
         n=40,
         train={
             "init_from": REPO,
-            "ttt_steps": 2,
+            "ttt": {"steps": 2},
             "batch_size": 4,
             "max_steps": 2,
             "eval_every": 2,

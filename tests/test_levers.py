@@ -12,7 +12,7 @@ from test_extract import prepared_run
 from test_train import QUICK, metrics, train
 from test_train_ddp import batch, drafter
 
-from eaglekit.config import TrainConfig
+from eaglekit.config import TrainConfig, TTTConfig
 from eaglekit.errors import UsageError
 from eaglekit.training.objective import TTT, feature_noise
 from eaglekit.training.optim import Together, build_optimizer, is_muon_weight
@@ -20,8 +20,8 @@ from eaglekit.training.optim import Together, build_optimizer, is_muon_weight
 
 def test_noise_is_added_in_training_only():
     inputs = batch()
-    clean = TTT(drafter(), steps=3, decay=0.8)
-    noisy = TTT(drafter(), steps=3, decay=0.8, noise="uniform", noise_scale=0.5)
+    clean = TTT(drafter(), TTTConfig(steps=3, decay=0.8))
+    noisy = TTT(drafter(), TTTConfig(steps=3, decay=0.8, noise="uniform", noise_scale=0.5))
     clean.eval()
     noisy.eval()
     assert torch.equal(noisy(*inputs)[0], clean(*inputs)[0])  # held-out figures see clean features
@@ -49,14 +49,14 @@ def test_noise_has_the_configured_scale(kind):
 
 def test_step_weights_replace_the_decay():
     inputs = batch()
-    decayed = TTT(drafter(), steps=3, decay=0.8)(*inputs)[0]
-    explicit = TTT(drafter(), steps=3, decay=0.5, step_weights=[1.0, 0.8, 0.64])(*inputs)[0]
-    equal = TTT(drafter(), steps=3, decay=0.8, step_weights=[1.0, 1.0, 1.0])
+    decayed = TTT(drafter(), TTTConfig(steps=3, decay=0.8))(*inputs)[0]
+    explicit = TTT(drafter(), TTTConfig(steps=3, decay=0.5, step_weights=[1.0, 0.8, 0.64]))(*inputs)[0]
+    equal = TTT(drafter(), TTTConfig(steps=3, decay=0.8, step_weights=[1.0, 1.0, 1.0]))
     torch.testing.assert_close(explicit, decayed)
     out = equal(*inputs)[1]
     torch.testing.assert_close(equal(*inputs)[0].item(), sum(out.loss_k))
-    with pytest.raises(ValidationError, match="step_weights has 2 weights for ttt_steps 3"):
-        TrainConfig(ttt_steps=3, step_weights=[1.0, 1.0])
+    with pytest.raises(ValidationError, match="step_weights has 2 weights for steps 3"):
+        TTTConfig(steps=3, step_weights=[1.0, 1.0])
 
 
 def grads_for(model: torch.nn.Module, seed: int) -> None:
@@ -107,13 +107,8 @@ def test_muon_takes_the_2d_weights_and_steps_like_torch_muon():
 
 
 def test_a_run_with_every_lever_trains(tmp_path, tiny_target):
-    levers = {
-        "loss": "lk_hybrid",
-        "optimizer": "muon",
-        "noise": "uniform",
-        "noise_scale": 0.05,
-        "step_weights": [1.0, 1.0, 1.0],
-    }
+    ttt = {"steps": 3, "loss": "lk_hybrid", "noise": "uniform", "noise_scale": 0.05, "step_weights": [1.0, 1.0, 1.0]}
+    levers = {"optimizer": "muon", "ttt": ttt}
     cfg = prepared_run(
         tmp_path, tiny_target, n=24, train={**QUICK, "max_steps": 8, "eval_every": 4, "log_every": 1, **levers}
     )
@@ -148,15 +143,15 @@ def test_tau_watch_warns_then_stops_on_falling_tau_under_falling_loss():
 def test_sequence_normalization_is_the_mean_of_each_sequences_mean():
     # rows of different lengths (rows 2 and 3 are padded): per token the long rows weigh more, per sequence not
     aux, ids, logits, loss_mask, attention, _ = batch()
-    model = TTT(drafter(), steps=3, decay=0.8, normalization="sequence")
+    model = TTT(drafter(), TTTConfig(steps=3, decay=0.8, loss_normalization="sequence"))
     together = model(aux, ids, logits, loss_mask, attention, None)[0]
     alone = [
-        TTT(drafter(), steps=3, decay=0.8)(aux[i : i + 1], ids[i : i + 1], logits[i : i + 1], loss_mask[i : i + 1],
+        TTT(drafter(), TTTConfig(steps=3, decay=0.8))(aux[i : i + 1], ids[i : i + 1], logits[i : i + 1], loss_mask[i : i + 1],
                                            attention[i : i + 1], None)[0]
         for i in range(4)
     ]  # fmt: skip
     torch.testing.assert_close(together, torch.stack(alone).mean())
-    per_token = TTT(drafter(), steps=3, decay=0.8)(aux, ids, logits, loss_mask, attention, None)[0]
+    per_token = TTT(drafter(), TTTConfig(steps=3, decay=0.8))(aux, ids, logits, loss_mask, attention, None)[0]
     assert not torch.allclose(per_token, together)
 
 
@@ -170,7 +165,9 @@ def sequence_halves_worker(rank: int, world: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     torchrun_env(rank, world, port)
     dist.init()
-    model = wrap(TTT(drafter(), steps=3, decay=0.8, normalization="sequence"), "ddp", torch.device("cpu"))
+    model = wrap(
+        TTT(drafter(), TTTConfig(steps=3, decay=0.8, loss_normalization="sequence")), "ddp", torch.device("cpu")
+    )
     rows = rank_share(list(range(4)), dist.rank(), dist.world_size())
     loss, _ = model(*[t[rows] if t is not None else None for t in unequal_batch()])
     loss.backward()
@@ -188,7 +185,7 @@ def test_sequence_normalization_under_ddp_equals_one_process(tmp_path):
     from test_train_ddp import free_port, unequal_batch
 
     mp.spawn(sequence_halves_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
-    single = TTT(drafter(), steps=3, decay=0.8, normalization="sequence")
+    single = TTT(drafter(), TTTConfig(steps=3, decay=0.8, loss_normalization="sequence"))
     loss, _ = single(*unequal_batch())
     loss.backward()
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]

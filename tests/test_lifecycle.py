@@ -366,7 +366,7 @@ from eaglekit.cli import main
 main(["train", sys.argv[1]])
 """
 TRAIN = {
-    "ttt_steps": 2,
+    "ttt": {"steps": 2},
     "batch_size": 4,
     "lr": 1e-3,
     "warmup_steps": 1,

@@ -1,8 +1,9 @@
-"""The divergences of train.loss: each row's value and dL/dlogits against a direct fp64 implementation with autograd.
+"""The divergences of train.ttt.loss: each row's value and dL/dlogits against a direct fp64 implementation with
+autograd, and the registry they are chosen from.
 
 The references are written as the definitions read (speculators' eager loss zoo, the LK paper), through softmax
-and autograd, so the closed-form gradients of training/losses.py and the fused head of training/loss.py are checked
-against maths they do not share.
+and autograd, so the closed-form gradients of eaglekit/divergences.py and the fused head of training/loss.py are
+checked against maths they do not share.
 """
 
 from __future__ import annotations
@@ -13,8 +14,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eaglekit.training.loss import head_soft_cross_entropy
-from eaglekit.training.losses import DIVERGENCES, divergence
+from eaglekit.config import TTTConfig, parse_config
+from eaglekit.divergences import DIVERGENCES, Divergence, LKHybrid
+from eaglekit.errors import UsageError
+from eaglekit.training.loss import HeadTargets, head_soft_cross_entropy
+
+
+def divergence(kind: str, logits: torch.Tensor, p: torch.Tensor, **params):
+    """The registered divergence ``kind`` with ``params``, over logits and p."""
+    return DIVERGENCES[kind](**params).rows(logits, p)
 
 
 def reference(kind: str, logits: torch.Tensor, p: torch.Tensor, eta: float = 3.0) -> torch.Tensor:
@@ -54,7 +62,7 @@ def test_value_and_gradient_match_autograd(kind):
     z = logits.clone().requires_grad_(True)
     want = reference(kind, z, p, eta=2.5)
     (want_grad,) = torch.autograd.grad(want.sum(), z)
-    value, grad = divergence(kind, logits.clone(), p, lk_eta=2.5)
+    value, grad = divergence(kind, logits.clone(), p, **({"eta": 2.5} if kind == "lk_hybrid" else {}))
     torch.testing.assert_close(value, want.detach(), rtol=1e-10, atol=1e-12)
     assert grad is not None
     torch.testing.assert_close(grad, want_grad, rtol=1e-9, atol=1e-12)
@@ -98,12 +106,6 @@ def test_nla_below_the_clamp_has_no_gradient():
     assert grad is not None and grad.abs().max().item() == 0.0
 
 
-def test_unknown_divergence_is_named():
-    logits, p = rows()
-    with pytest.raises(ValueError, match="unknown divergence 'l2'"):
-        divergence("l2", logits, p)
-
-
 @pytest.mark.parametrize("kind", DIVERGENCES)
 @pytest.mark.parametrize("chunk_rows", [1, 3, 64])
 def test_fused_head_matches_unfused_autograd(kind, chunk_rows):
@@ -121,12 +123,54 @@ def test_fused_head_matches_unfused_autograd(kind, chunk_rows):
     want = (per_row * row_weight).sum()
     want_dx, want_dw = torch.autograd.grad(want, (x, weight))
 
-    fused = head_soft_cross_entropy(
-        x, weight, target_p, target_p.argmax(-1), slots, row_weight, chunk_rows=chunk_rows, loss=kind
-    )
+    targets = HeadTargets(target_p, target_p.argmax(-1), slots, row_weight)
+    fused = head_soft_cross_entropy(x, weight, targets, DIVERGENCES[kind](), chunk_rows=chunk_rows)
     dx, dw = torch.autograd.grad(fused.loss, (x, weight))
     torch.testing.assert_close(fused.loss, want.detach(), rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(fused.value, per_row.detach(), rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(dx, want_dx, rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(dw, want_dw, rtol=1e-9, atol=1e-12)
     assert torch.equal(fused.correct, logits.argmax(-1) == target_p.argmax(-1)[slots])
+
+
+# ------------------------------------------------------------------------------------------------ the registry
+
+
+def test_the_configs_loss_names_are_the_registrys():
+    """train.ttt.loss accepts each registered name (bare, or as a mapping with its parameters) and nothing else; the
+    refusal lists the registry's names, so a divergence added to it is a config choice without touching config.py."""
+    for name, cls in DIVERGENCES.items():
+        assert type(TTTConfig(loss=name).loss) is cls
+        assert type(TTTConfig(loss={"name": name}).loss) is cls
+    with pytest.raises(UsageError) as err:
+        parse_config({**BASE, "train": {"ttt": {"loss": "l2"}}})
+    (line,) = [line for line in err.value.message.splitlines() if "train.ttt.loss" in line]
+    assert "'l2'" in line and all(f"'{name}'" in line for name in DIVERGENCES), line
+    assert set(DIVERGENCES) == {"kl_div", "rkl", "jsd", "tv", "nla", "lk_hybrid"}  # speculators' loss zoo's names
+    assert all(name in TTTConfig.model_fields["loss"].description for name in DIVERGENCES)
+
+
+BASE = {"run_dir": "run", "target": {"model": "t"}, "data": {"prompts": "p.jsonl"}}
+
+
+def test_a_loss_parameter_belongs_to_its_loss():
+    """lk_hybrid owns eta: it is set there, written back there, and beside another loss it is refused at load,
+    naming the key and its owner (the flat train.lk_eta was silently ignored with any other loss)."""
+    cfg = parse_config({**BASE, "train": {"ttt": {"loss": {"name": "lk_hybrid", "eta": 2.5}}}})
+    assert cfg.train.ttt.loss == LKHybrid(eta=2.5)
+    assert cfg.train.ttt.model_dump()["loss"] == {"name": "lk_hybrid", "eta": 2.5}  # so it is in train's fingerprint
+    assert TTTConfig(loss="lk_hybrid").loss == LKHybrid(eta=3.0)  # the bare name: the paper's 3.0
+    for train in ({"ttt": {"loss": {"name": "kl_div", "eta": 2.5}}}, {"ttt": {"loss": {"eta": 2.5}}}):
+        with pytest.raises(UsageError, match=r"loss kl_div does not read eta \(lk_hybrid\)"):
+            parse_config({**BASE, "train": train})
+    with pytest.raises(UsageError, match=r"does not read eta \(lk_hybrid\)"), pytest.warns(FutureWarning):
+        parse_config({**BASE, "train": {"loss": "jsd", "lk_eta": 2.5}})  # the old flat spelling, same rule
+    with pytest.raises(UsageError, match="eta'.*greater than 0"):
+        parse_config({**BASE, "train": {"ttt": {"loss": {"name": "lk_hybrid", "eta": 0}}}})
+
+
+def test_a_loss_is_one_frozen_object_a_compiled_chunk_can_take():
+    loss = TTTConfig(loss={"name": "lk_hybrid", "eta": 1.5}).loss
+    assert isinstance(loss, Divergence) and hash(loss) == hash(LKHybrid(eta=1.5))
+    with pytest.raises(Exception, match="frozen"):
+        loss.eta = 2.0  # type: ignore[misc]

@@ -19,7 +19,7 @@ from eaglekit.stages import verify
 pytestmark = pytest.mark.slow  # builds, trains or serves models
 
 TRAIN = {
-    "ttt_steps": 3,
+    "ttt": {"steps": 3},
     "batch_size": 8,
     "lr": 6e-3,
     "warmup_steps": 5,

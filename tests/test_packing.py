@@ -10,6 +10,7 @@ import torch
 from test_drafter_ttt import VARIANTS, grads, make_drafter, tiny_config
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from eaglekit.config import TTTConfig
 from eaglekit.errors import EaglekitError, UsageError
 from eaglekit.model.target import TargetFeatures
 from eaglekit.training.data import collate, collate_packed, packed_batches
@@ -62,9 +63,11 @@ def test_packed_rows_give_the_loss_and_gradients_of_the_samples_alone_float64(va
     packed = lay_out(docs, [[0, 1, 3], [2, 4]])  # two rows, one of them padded at the end
 
     steps = 4
-    want = ttt_loss(drafter, *alone[:5], steps=steps, target_in_draft=alone[5])
+    want = ttt_loss(drafter, *alone[:5], settings=TTTConfig(steps=steps), target_in_draft=alone[5])
     g_want = grads(drafter, want.loss)
-    got = ttt_loss(drafter, *packed[:5], steps=steps, target_in_draft=packed[5], position_ids=packed[6])
+    got = ttt_loss(
+        drafter, *packed[:5], settings=TTTConfig(steps=steps), target_in_draft=packed[5], position_ids=packed[6]
+    )
     g_got = grads(drafter, got.loss)
 
     assert got.count_k == want.count_k and all(c > 0 for c in want.count_k)
@@ -75,7 +78,7 @@ def test_packed_rows_give_the_loss_and_gradients_of_the_samples_alone_float64(va
         torch.testing.assert_close(g_got[name], g_want[name], rtol=1e-9, atol=1e-12, msg=name)
 
     # the same packed row without position ids is one long document: another loss (attention crosses documents)
-    leaky = ttt_loss(drafter, *packed[:5], steps=steps, target_in_draft=packed[5])
+    leaky = ttt_loss(drafter, *packed[:5], settings=TTTConfig(steps=steps), target_in_draft=packed[5])
     assert leaky.count_k[0] > want.count_k[0] and leaky.loss.item() != pytest.approx(want.loss.item(), rel=1e-9)
 
 
@@ -150,7 +153,7 @@ def test_train_stage_packs_and_refuses_a_target_that_mixes_documents(tmp_path, t
     from test_train import metrics, train
 
     settings = {
-        "ttt_steps": 2,
+        "ttt": {"steps": 2},
         "batch_size": 2,
         "lr": 1e-3,
         "warmup_steps": 1,

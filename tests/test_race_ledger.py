@@ -98,7 +98,7 @@ def test_a_finished_seed_is_read_back_under_the_same_settings_only(tmp_path):
     assert m.from_ledger(cfg, two_threads, "eaglekit-lr0.003", 1, use_vllm=True, reuse=True) is None
     _, longer = race(tmp_path, steps=600)
     assert m.from_ledger(cfg, longer, "eaglekit-lr0.003", 1, use_vllm=True, reuse=True) is None
-    other_recipe = SimpleNamespace(**{**vars(cfg), "train": TrainConfig(seed=3, loss="nla")})
+    other_recipe = SimpleNamespace(**{**vars(cfg), "train": TrainConfig(seed=3, ttt={"loss": "nla"})})
     assert m.from_ledger(other_recipe, args, "eaglekit-lr0.003", 1, use_vllm=True, reuse=True) is None
     # the training seed is the ledger line's own field, not part of the recipe
     reseeded = SimpleNamespace(**{**vars(cfg), "train": TrainConfig(seed=1)})

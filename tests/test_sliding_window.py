@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from test_drafter_ttt import grads, make_batch, make_drafter, reference_ttt, tiny_config
 from test_packing import documents, lay_out
 
+from eaglekit.config import TTTConfig
 from eaglekit.errors import UsageError
 from eaglekit.model.drafter import DraftKVCache
 from eaglekit.training.ttt import ttt_loss
@@ -24,7 +25,7 @@ def test_windowed_ttt_matches_a_dense_reference_float64(steps, variant):
     cfg = tiny_config(sliding_window=WINDOW, **variant)
     drafter = make_drafter(cfg)
     aux, ids, tl, lm, am, ind = make_batch(cfg, length=16)
-    out = ttt_loss(drafter, aux, ids, tl, lm, am, steps=steps, decay=0.8, target_in_draft=ind)
+    out = ttt_loss(drafter, aux, ids, tl, lm, am, settings=TTTConfig(steps=steps, decay=0.8), target_in_draft=ind)
     got = grads(drafter, out.loss)
     ref_loss, ref_lk, _, ref_count = reference_ttt(drafter, aux, ids, tl, lm, am, steps, 0.8, ind, window=WINDOW)
     want = grads(drafter, ref_loss)
@@ -43,10 +44,16 @@ def test_windowed_ttt_on_packed_rows_equals_each_document_alone_float64():
     drafter = make_drafter(cfg)
     docs = documents(cfg, [9, 12, 4])
     aux, ids, logits, loss_mask, attention, in_draft, positions = lay_out(docs, [[0, 1, 2]])
-    packed = ttt_loss(drafter, aux, ids, logits, loss_mask, attention, steps=3, target_in_draft=in_draft,
+    packed = ttt_loss(drafter, aux, ids, logits, loss_mask, attention, settings=TTTConfig(steps=3), target_in_draft=in_draft,
                       position_ids=positions)  # fmt: skip
     alone = [
-        ttt_loss(drafter, *(t[None] for t in (d[0], d[1], d[2], d[3])), None, steps=3, target_in_draft=d[4][None])
+        ttt_loss(
+            drafter,
+            *(t[None] for t in (d[0], d[1], d[2], d[3])),
+            None,
+            settings=TTTConfig(steps=3),
+            target_in_draft=d[4][None],
+        )
         for d in docs
     ]
     for k in range(3):
@@ -85,7 +92,7 @@ def test_a_window_no_longer_than_the_ttt_chain_is_refused():
     drafter = make_drafter(cfg)
     aux, ids, tl, lm, am, _ = make_batch(cfg)
     with pytest.raises(UsageError, match="sliding window"):
-        ttt_loss(drafter, aux, ids, tl, lm, am, steps=3)
+        ttt_loss(drafter, aux, ids, tl, lm, am, settings=TTTConfig(steps=3))
     with pytest.raises(UsageError, match="sliding_window"):
         tiny_config(sliding_window=1)
 
@@ -126,7 +133,7 @@ def test_a_batch_no_chain_of_which_reaches_the_last_steps_trains(window):
     cfg = tiny_config(sliding_window=window)
     drafter = make_drafter(cfg)
     doc = documents(cfg, [4])[0]
-    out = ttt_loss(drafter, *(t[None] for t in doc[:4]), None, steps=window - 1 if window else 5,
+    out = ttt_loss(drafter, *(t[None] for t in doc[:4]), None, settings=TTTConfig(steps=window - 1 if window else 5),
                    target_in_draft=doc[4][None])  # fmt: skip
     assert out.count_k[0] > 0 and out.count_k[-1] == 0
     assert all(g.isfinite().all() for g in grads(drafter, out.loss).values())
@@ -137,7 +144,7 @@ def test_a_batch_no_chain_of_which_reaches_the_last_steps_trains(window):
     [("llama", None), ("mla-yarn", None), ("llama-eagle3.1", None), ("llama", WINDOW), ("llama-eagle3.1", WINDOW)],
 )
 def test_recomputed_ttt_steps_give_the_same_loss_and_gradients_float64(variant, window):
-    """train.activation_checkpointing: every TTT step's layer recomputed in backward gives the loss and gradients
+    """train.ttt.activation_checkpointing: every TTT step's layer recomputed in backward gives the loss and gradients
     of the step that kept its activations (packed rows, so step 0 runs the span attention too)."""
     from test_drafter_ttt import VARIANTS
 
@@ -150,7 +157,7 @@ def test_recomputed_ttt_steps_give_the_same_loss_and_gradients_float64(variant, 
     )
     outs, grad_sets = [], []
     for kernels in (REFERENCE, StepKernels(checkpoint_steps=True)):
-        out = ttt_loss(drafter, aux, ids, logits, loss_mask, attention, steps=4, target_in_draft=in_draft,
+        out = ttt_loss(drafter, aux, ids, logits, loss_mask, attention, settings=TTTConfig(steps=4), target_in_draft=in_draft,
                        position_ids=positions, kernels=kernels)  # fmt: skip
         outs.append(out)
         grad_sets.append(grads(drafter, out.loss))

@@ -35,7 +35,7 @@ pytestmark = pytest.mark.slow  # serves models and trains
 LAYERS = [2, 4, 5, 8]  # the tiny target's default aux taps and its final state (8 decoder layers)
 SPOOL_GB = 0.0015  # 1.5 MB: a few of the tiny target's request files (4 float32 states of 128 per token)
 TRAIN = {
-    "ttt_steps": 3,
+    "ttt": {"steps": 3},
     "batch_size": 4,
     "lr": 1e-3,
     "warmup_steps": 2,

@@ -26,7 +26,7 @@ from eaglekit.training.init import remap_vocab
 
 pytestmark = pytest.mark.slow  # builds, trains or serves models
 
-QUICK = {"ttt_steps": 3, "batch_size": 4, "lr": 1e-3, "warmup_steps": 2, "eval_samples": 8}
+QUICK = {"ttt": {"steps": 3}, "batch_size": 4, "lr": 1e-3, "warmup_steps": 2, "eval_samples": 8}
 
 
 def metrics(cfg) -> list[dict]:
@@ -46,7 +46,7 @@ def test_demo_drafter_learns(tmp_path, tiny_target):
         tiny_target,
         n=160,
         train={
-            "ttt_steps": 3,
+            "ttt": {"steps": 3},
             "batch_size": 8,
             "lr": 6e-3,
             "warmup_steps": 5,

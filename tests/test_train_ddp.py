@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from eaglekit.config import TTTConfig
 from eaglekit.model.drafter import DrafterConfig, Eagle3Drafter
 
 pytestmark = pytest.mark.slow  # builds, trains or serves models
@@ -89,7 +90,7 @@ def halves_worker(rank: int, world: int, port: int, out: str, mode: str, which: 
     torch.set_num_threads(1)
     torchrun_env(rank, world, port)
     dist.init()
-    model = wrap(TTT(drafter(), steps=3, decay=0.8), mode, torch.device("cpu"))
+    model = wrap(TTT(drafter(), TTTConfig(steps=3, decay=0.8)), mode, torch.device("cpu"))
     rows = rank_share(list(range(4)), dist.rank(), dist.world_size())
     loss, _ = model(*[t[rows] if t is not None else None for t in BATCHES[which]()])
     loss.backward()
@@ -108,12 +109,14 @@ def test_two_processes_on_halves_equal_one_on_the_whole(tmp_path, mode, which):
     from eaglekit.training.objective import TTT
 
     mp.spawn(halves_worker, args=(2, free_port(), str(tmp_path), mode, which), nprocs=2, join=True)
-    single = TTT(drafter(), steps=3, decay=0.8)
+    single = TTT(drafter(), TTTConfig(steps=3, decay=0.8))
     loss, out = single(*BATCHES[which]())
     loss.backward()
     if which == "unequal":
         halves = [
-            TTT(drafter(), steps=3, decay=0.8)(*[t[rows] if t is not None else None for t in unequal_batch()])[1]
+            TTT(drafter(), TTTConfig(steps=3, decay=0.8))(
+                *[t[rows] if t is not None else None for t in unequal_batch()]
+            )[1]
             for rows in ([0, 2], [1, 3])
         ]
         assert halves[0].count_k[0] * 2 < halves[1].count_k[0], "the halves must count unequal numbers of positions"
@@ -149,7 +152,7 @@ def test_train_stage_under_two_ranks(tmp_path, tiny_target):
         tiny_target,
         n=32,
         train={
-            "ttt_steps": 2,
+            "ttt": {"steps": 2},
             "batch_size": 2,
             "max_steps": 4,
             "eval_every": 2,

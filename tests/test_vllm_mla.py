@@ -38,7 +38,7 @@ def test_vllm_serves_the_mla_drafter_at_the_offline_acceptance(tmp_path, vllm_py
         tiny_deepseek_target,
         n=120,
         train={
-            "ttt_steps": 3,
+            "ttt": {"steps": 3},
             "batch_size": 8,
             "lr": 6e-3,
             "warmup_steps": 5,

@@ -8,6 +8,7 @@ ignored for a twelve-hour run). Keys that name a file or folder carry a ``Config
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -16,6 +17,7 @@ import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
+from eaglekit.divergences import KLDiv, LKHybrid, LossChoice, loss_reference
 from eaglekit.errors import UsageError
 
 # What users type for a dtype, and the name eaglekit (and torch) uses for it.
@@ -266,7 +268,7 @@ DRAFT_KEYS: dict[str, frozenset[str]] = {
 
 
 class DraftModelConfig(Section):
-    """The drafter's layer and flags; every shape defaults to the target's (README: "The drafter")."""
+    """The drafter's layer and flags; every shape defaults to the target's (docs/config.md: "The drafter")."""
 
     architecture: str | None = Field(
         None,
@@ -313,13 +315,14 @@ class DraftModelConfig(Section):
     dpace_alpha: float | None = Field(None, gt=0.0, le=1.0, description="dflash: D-PACE smoothing (default 0.5)")
     decay_gamma: float | None = Field(None, gt=0.0, description="dflash: exp-decay gamma (default 4.0)")
     shared_k_norm: bool | None = Field(
-        None, description="dflash: one k_norm for all layers, as vLLM 0.32's CPU build applies (README: block drafters)"
+        None,
+        description="dflash: one k_norm for all layers, as vLLM 0.32's CPU build applies (docs/drafters.md: 'DFlash and DSpark on the vLLM CPU build')",
     )
     # architecture dspark only
     markov_rank: int | None = Field(
         None, ge=1, description="dspark: rank of the Markov head's transition bias over the vocabulary (default 256)"
     )
-    # long context (README: "Long context")
+    # long context (docs/long-context.md)
     sliding_window: int | None = Field(
         None,
         ge=2,
@@ -352,37 +355,73 @@ class DraftModelConfig(Section):
         return self
 
 
-# train keys only EAGLE-3's TTT objective reads (training/objective.py, training/ttt.py)
-# (ttt_steps, ttt_decay and the step's kernels are left out: a config switched from EAGLE-3, as the demo's, has them,
-# and they change nothing a block drafter learns)
-TTT_ONLY_KEYS = ("step_weights", "loss", "lk_eta", "loss_normalization", "noise", "noise_scale", "anchor_weight",
+# train.ttt keys only EAGLE-3's TTT objective reads (training/objective.py, training/ttt.py): set away from their
+# defaults for a block drafter, they are refused (steps, decay and the step's kernels are left out: a config switched
+# from EAGLE-3, as the demo's, has them, and they change nothing a block drafter learns)
+TTT_ONLY_KEYS = ("step_weights", "loss", "loss_normalization", "noise", "noise_scale", "anchor_weight",
                  "activation_checkpointing")  # fmt: skip
 
 
-class TrainConfig(Section):
-    init_from: Annotated[str | None, PATH_OR_HUB_ID] = Field(
-        None,
-        description="published drafter to finetune (legacy or speculators form): a "
-        "folder, or a hub id (org/name[@revision]) that pre-flight downloads",
-    )
-    remap_vocab: bool = False
-    draft: DraftModelConfig = Field(default_factory=DraftModelConfig)
-    ttt_steps: int = Field(7, ge=1)
-    ttt_decay: float = Field(0.8, gt=0.0)
+class ConfigDeprecation(FutureWarning):
+    """A key loaded under an old spelling (a FutureWarning: Python shows it to users by default)."""
+
+
+def move_old_spellings(data: Any, moved: dict[str, str], section: str) -> Any:
+    """A section's raw keys with the old spellings in ``moved`` (old key: its new dotted path, both inside
+    ``section``) moved to their new place, each with a ConfigDeprecation naming both; old and new spelling of one
+    key together are refused. Where the new path runs through a bare name (``loss: lk_hybrid``, then ``lk_eta``
+    joins it), the name becomes ``{name: ...}``, what the shorthand means."""
+    if not isinstance(data, dict) or not any(old in data for old in moved):
+        return data
+    data = dict(data)
+    for old, new in moved.items():
+        if old not in data:
+            continue
+        value = data.pop(old)
+        *parents, leaf = new.split(".")
+        node = data
+        for part in parents:
+            child = node.get(part)
+            if child is None or isinstance(child, str):
+                child = {} if child is None else {"name": child}
+            if not isinstance(child, dict):
+                raise ValueError(f"{section}.{old} moves into {section}.{'.'.join(parents)}, which is not a mapping")
+            node[part] = node = dict(child)
+        if leaf in node:
+            raise ValueError(f"{section}.{old} and {section}.{new} are both set: keep {section}.{new} only")
+        node[leaf] = value
+        warnings.warn(
+            f"{section}.{old} is an old spelling: write {section}.{new} (the old one still loads, for now)",
+            ConfigDeprecation,
+            stacklevel=2,
+        )
+    return data
+
+
+class StepWeights(tuple[float, ...]):
+    """The loss weight of each TTT step, one per step: their number is the step count."""
+
+    @classmethod
+    def decayed(cls, steps: int, decay: float) -> StepWeights:
+        """decay^k for k = 0..steps-1 (EAGLE's and SpecForge's weighting): the one place it is computed."""
+        return cls(decay**k for k in range(steps))
+
+
+class TTTConfig(Section):
+    """EAGLE-3's training-time test (training/ttt.py): its steps and their weights, the loss and its levers, the
+    step's kernels. A block drafter (dflash, dspark) trains its own objective, which reads none of them."""
+
+    steps: int = Field(7, ge=1, description="draft steps trained per position, each on the drafter's own last output")
+    decay: float = Field(0.8, gt=0.0, description="step k's loss weight decay^k, unless step_weights is given")
     step_weights: list[NonNegativeFloat] | None = Field(
         None,
         description="loss weight of each TTT step, one per step (speculators: [1, 1, 1] at 3 steps); "
-        "None: ttt_decay**k (EAGLE / SpecForge: 0.8**k at 7 steps)",
+        "None: decay**k (EAGLE / SpecForge: 0.8**k at 7 steps)",
     )
-    loss: Literal["kl_div", "rkl", "jsd", "tv", "nla", "lk_hybrid"] = Field(
-        "kl_div",
-        description="divergence between the target's and the draft's distributions (training/losses.py): "
-        "kl_div forward KL (EAGLE's; logged as soft cross-entropy), rkl reverse KL, jsd Jensen-Shannon, "
-        "tv total variation (1 - acceptance rate), nla -log(acceptance rate) and lk_hybrid the LK losses "
-        "of arXiv 2602.23881",
-    )
-    lk_eta: float = Field(
-        3.0, gt=0.0, description="lk_hybrid: weight exp(-lk_eta * acceptance) on KL, the rest on TV (3.0: the paper's)"
+    loss: LossChoice = Field(
+        default_factory=KLDiv,
+        description="divergence between the target's and the draft's distributions (eaglekit/divergences.py): a "
+        "name, or {name: NAME, PARAMETER: VALUE} for one with parameters. " + loss_reference(),
     )
     loss_normalization: Literal["token", "sequence"] = Field(
         "token",
@@ -397,6 +436,69 @@ class TrainConfig(Section):
         "noise_scale), gaussian: N(0, noise_scale^2)",
     )
     noise_scale: float = Field(0.05, ge=0.0, description="the noise's half-width (uniform) or standard deviation")
+    anchor_weight: float = Field(
+        0.0,
+        ge=0.0,
+        description="L2-SP pull toward the starting weights (train.init_from): "
+        "adds anchor_weight/2 * ||θ - θ0||² to the loss",
+    )
+    activation_checkpointing: bool = Field(
+        False,
+        description="recompute each TTT step's decoder layer in backward instead of keeping its activations: for "
+        "rows of tens of thousands of tokens (docs/long-context.md; `eaglekit plan` gives the memory either way), "
+        "about 40 % more step time",
+    )
+    attention: Literal["auto", "reference", "sdpa", "flex"] = Field(
+        "auto",
+        description="the TTT step's attention kernels: flex (fused flex attention for the draft steps and packed "
+        "rows, FlashAttention for step 0; CUDA only), sdpa (FlashAttention for unpacked step 0 only), reference "
+        "(the exact blockwise attention every other path is tested against); auto: flex on CUDA, else reference",
+    )
+    head_loss: Literal["auto", "reference", "compiled"] = Field(
+        "auto",
+        description="the draft head + loss per chunk of rows: compiled (torch.compile fuses its elementwise work) "
+        "or reference; auto: compiled on CUDA, else reference",
+    )
+    compile: bool = Field(
+        False, description="torch.compile the drafter's layer for the TTT step (fuses norms, RoPE, SwiGLU)"
+    )
+
+    @model_validator(mode="after")
+    def _one_weight_per_step(self) -> TTTConfig:
+        if self.step_weights is not None and len(self.step_weights) != self.steps:
+            raise ValueError(
+                f"step_weights has {len(self.step_weights)} weights for steps {self.steps}: give one per step"
+            )
+        return self
+
+    @property
+    def weights(self) -> StepWeights:
+        """Each step's loss weight: step_weights when given, else decay^k."""
+        if self.step_weights is not None:
+            return StepWeights(self.step_weights)
+        return StepWeights.decayed(self.steps, self.decay)
+
+
+# train keys that moved under train.ttt, by their old spelling: they load, with a ConfigDeprecation naming both
+TTT_MOVED = {
+    "ttt_steps": "ttt.steps",
+    "ttt_decay": "ttt.decay",
+    "loss": "ttt.loss",
+    "lk_eta": "ttt.loss.eta",  # lk_hybrid's own parameter: beside another loss it is refused, naming lk_hybrid
+    **{key: f"ttt.{key}" for key in ("step_weights", "loss_normalization", "noise", "noise_scale", "anchor_weight",
+                                     "activation_checkpointing", "attention", "head_loss", "compile")},
+}  # fmt: skip
+
+
+class TrainConfig(Section):
+    init_from: Annotated[str | None, PATH_OR_HUB_ID] = Field(
+        None,
+        description="published drafter to finetune (legacy or speculators form): a "
+        "folder, or a hub id (org/name[@revision]) that pre-flight downloads",
+    )
+    remap_vocab: bool = False
+    draft: DraftModelConfig = Field(default_factory=DraftModelConfig)
+    ttt: TTTConfig = Field(default_factory=TTTConfig)
     optimizer: Literal["adamw", "muon"] = Field(
         "adamw",
         description="adamw on every parameter, or muon (torch.optim.Muon: momentum 0.95, weight decay "
@@ -435,12 +537,6 @@ class TrainConfig(Section):
     pack_length: int | None = Field(
         None, ge=8, description="packing: tokens per row (default prepare.max_length); batch_size counts rows"
     )
-    anchor_weight: float = Field(
-        0.0,
-        ge=0.0,
-        description="L2-SP pull toward the starting weights (init_from): "
-        "adds anchor_weight/2 * ||θ - θ0||² to the loss",
-    )
     seed: Seed = 0
     dtype: Annotated[Literal["auto", "float32", "bfloat16"], DtypeAlias] = "auto"
     distributed: Literal["ddp", "fsdp"] = "ddp"
@@ -451,42 +547,23 @@ class TrainConfig(Section):
         "drafter's), as speculators does; false trains it too. A head with no rows to start from "
         "(the target's are another width, or init_lm_head_from_target false) always trains",
     )
-    activation_checkpointing: bool = Field(
-        False,
-        description="recompute each TTT step's decoder layer in backward instead of keeping its activations: for "
-        "rows of tens of thousands of tokens (README: Long context; `eaglekit plan` gives the memory either way), "
-        "about 40 % more step time",
-    )
-    attention: Literal["auto", "reference", "sdpa", "flex"] = Field(
-        "auto",
-        description="the TTT step's attention kernels: flex (fused flex attention for the draft steps and packed "
-        "rows, FlashAttention for step 0; CUDA only), sdpa (FlashAttention for unpacked step 0 only), reference "
-        "(the exact blockwise attention every other path is tested against); auto: flex on CUDA, else reference",
-    )
-    head_loss: Literal["auto", "reference", "compiled"] = Field(
-        "auto",
-        description="the draft head + loss per chunk of rows: compiled (torch.compile fuses its elementwise work) "
-        "or reference; auto: compiled on CUDA, else reference",
-    )
-    compile: bool = Field(
-        False, description="torch.compile the drafter's layer for the TTT step (fuses norms, RoPE, SwiGLU)"
-    )
     context_parallel: int = Field(
         1,
         ge=1,
         description="ranks that split each row's positions (training/context_parallel.py): each holds 1/N of the row's "
         "features and activations and all-gathers the keys, so a row of tens of thousands of tokens trains across N "
-        "GPUs (README: Long context); under torchrun with a multiple of N processes (the rest is data parallel); "
+        "GPUs (docs/long-context.md); under torchrun with a multiple of N processes (the rest is data parallel); "
         "EAGLE-3 drafters, offline features",
     )
 
-    @model_validator(mode="after")
-    def _one_weight_per_step(self) -> TrainConfig:
-        if self.step_weights is not None and len(self.step_weights) != self.ttt_steps:
-            raise ValueError(
-                f"step_weights has {len(self.step_weights)} weights for ttt_steps {self.ttt_steps}: give one per step"
-            )
-        return self
+    @model_validator(mode="before")
+    @classmethod
+    def _old_spellings(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("lk_eta") == LKHybrid().eta and data.get("loss") != LKHybrid().name:
+            # a config eaglekit wrote before (RUN_DIR/config.yaml) holds the default lk_eta beside every loss: it
+            # asked nothing there, so it is dropped rather than refused as another loss's parameter
+            data = {key: value for key, value in data.items() if key != "lk_eta"}
+        return move_old_spellings(data, TTT_MOVED, "train")
 
     @model_validator(mode="after")
     def _ttt_keys_need_ttt(self) -> TrainConfig:
@@ -495,16 +572,18 @@ class TrainConfig(Section):
         architecture = self.draft.architecture
         if architecture not in BLOCK_ARCHITECTURES:
             return self
+        fields = TTTConfig.model_fields
         set_keys = [
             name
             for name in TTT_ONLY_KEYS
-            if name in self.model_fields_set and getattr(self, name) != type(self).model_fields[name].default
+            if name in self.ttt.model_fields_set
+            and getattr(self.ttt, name) != fields[name].get_default(call_default_factory=True)
         ]
         if set_keys:
             raise ValueError(
-                f"{', '.join(set_keys)}: EAGLE-3's training-time-test settings; architecture {architecture} trains "
-                "its block objective (cross-entropy on the target's argmax, train.draft.position_weighting), which "
-                "does not read them: remove them"
+                f"train.ttt's {', '.join(set_keys)}: EAGLE-3's training-time-test settings; architecture "
+                f"{architecture} trains its block objective (cross-entropy on the target's argmax, "
+                "train.draft.position_weighting), which does not read them: remove them"
             )
         return self
 
@@ -619,8 +698,8 @@ class VerifyConfig(Section):
     tau_tolerance: float = Field(
         0.01,
         ge=0.0,
-        description="largest |served τ - offline τ| / offline τ that passes (README, 'Verify in your "
-        "engine': 0 measured in float32 and bfloat16; aux ids shifted by one: 2.7% at K=3)",
+        description="largest |served τ - offline τ| / offline τ that passes (docs/verify.md: 'Tolerances': 0 "
+        "measured in float32 and bfloat16; aux ids shifted by one: 2.7% at K=3)",
     )
     position_tolerance: float = Field(
         0.02,
@@ -738,7 +817,7 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"])
         if e["type"] == "extra_forbidden":
-            lines.append(f"  - unknown key '{key}' (check the spelling; see the README's config reference)")
+            lines.append(f"  - unknown key '{key}' (check the spelling; see docs/config.md)")
         elif e["type"] == "missing":
             lines.append(f"  - missing required key '{key}'")
         elif not key:  # a check across sections (RunConfig's own validators): its message names the keys
@@ -768,9 +847,15 @@ def parse_config(data: Any, source: str = "<config>", base_dir: Path | None = No
             "start from the config that `eaglekit demo` writes into its run directory",
         )
     try:
-        cfg = RunConfig.model_validate(data)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            cfg = RunConfig.model_validate(data)
     except ValidationError as err:
         raise UsageError(_format_validation_error(err, source), "fix the named keys") from None
+    finally:
+        for w in said:  # an old spelling is the config file's, not a line of config.py: shown under its name
+            at = (source, 0) if w.category is ConfigDeprecation else (w.filename, w.lineno)
+            warnings.warn_explicit(w.message, w.category, *at)
     _resolve_paths(cfg, base_dir or Path.cwd())
     blocking = next((p for p in (cfg.run_path, *cfg.run_path.parents) if p.exists() or p.is_symlink()), None)
     if blocking is not None and not blocking.is_dir():

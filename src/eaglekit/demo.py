@@ -15,7 +15,7 @@ from eaglekit import pipeline, status
 from eaglekit.config import load_config
 from eaglekit.progress import console
 
-# Sized so the whole demo takes a few minutes on 2 CPU cores (measured: see README).
+# Sized so the whole demo takes a few minutes on 2 CPU cores (measured: docs/setup.md, "The demo").
 DEMO_SAMPLES = 400
 HEADER = "# Written by `eaglekit demo`; edit it and continue with `eaglekit run` on this file.\n"
 
@@ -36,7 +36,7 @@ def demo_config(target: Path, offline: bool = False) -> dict[str, Any]:
             "warmup_steps": 10,
             "eval_every": 60,
             "save_every": 60,
-            "ttt_steps": 4,
+            "ttt": {"steps": 4},
             "draft": {"intermediate_size": 256},
         },
         # Greedy only: the tiny target is all but deterministic on its own replies (measured on these 8 prompts:

@@ -97,7 +97,9 @@ class DFlashFamily:
             )
         notes = self.serving_notes(cfg)
         if notes:
-            return Verdict("warn", detail + "; " + "; ".join(notes), "see README: Choosing a drafter family")
+            return Verdict(
+                "warn", detail + "; " + "; ".join(notes), "see docs/drafters.md: 'Choosing a drafter family'"
+            )
         return Verdict("ok", detail)
 
     def shape_extra(self, dc: Any) -> str:

@@ -73,7 +73,7 @@ class Eagle3Family:
             step_memory(
                 dc,
                 tokens,
-                cfg.train.ttt_steps,
+                cfg.train.ttt.steps,
                 trainable=trainable,
                 frozen=total - trainable,
                 checkpoint=c,
@@ -160,13 +160,19 @@ class Eagle3Family:
     def objective(
         self, drafter: Any, tc: TrainConfig, device: torch.device, context: ContextGroup | None = None
     ) -> Objective:
-        """Training-time test over ``train.ttt_steps`` (the GPU's fused kernels where they apply)."""
-        kernels = step_kernels(tc.attention, tc.head_loss, device, tc.activation_checkpointing, context)
-        if tc.compile:
+        """Training-time test over ``train.ttt.steps`` (the GPU's fused kernels where they apply)."""
+        settings = tc.ttt
+        kernels = step_kernels(
+            settings.attention, settings.head_loss, device, settings.activation_checkpointing, context
+        )
+        if settings.compile:
             compile_drafter(drafter)
-        ttt = TTT.from_config(drafter, tc, kernels)
+        ttt = TTT(drafter, settings, kernels)
         return Objective(
-            ttt, tc.ttt_steps, ttt.step_weights, kernels.describe() + (", drafter compiled" if tc.compile else "")
+            ttt,
+            settings.steps,
+            ttt.step_weights,
+            kernels.describe() + (", drafter compiled" if settings.compile else ""),
         )
 
     def save_checkpoint(self, dc: Any, state: dict[str, torch.Tensor], out: Path) -> None:

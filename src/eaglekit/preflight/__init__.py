@@ -5,18 +5,23 @@ checks it needs; the runner times them, turns an unexpected exception into a ``f
 its input and the exception in one line (the traceback goes to RUN_DIR/logs), and the stage refuses to
 start on any ``fail`` — printing a table that says what to do. Results go into the ledger with the stage run. ``eaglekit preflight CONFIG`` runs them alone.
 
-The checks, one family per file:
+The checks, one family per file (docs/preflight.md: "What each check family catches"):
 
-    checks.py       the run directory: its lock, the upstream stage, the output folder
-    files.py        model files: safetensors headers, sharded indexes, dense embedding/norm/lm_head
-    dataset.py      the prompts dataset: rows, shapes, bad rows, duplicates
+    checks.py       the run directory: its lock, the upstream stage, the output folder, the target folder
+    files.py        model files: safetensors headers, sharded indexes, dense embedding/norm/lm_head; feature shards
+    dataset.py      the prompts dataset: rows, shapes, bad rows, duplicates, prompts longer than the context
     disk.py         free bytes and inodes, the filesystem (network-backed?), a write-rate probe
-    gpus.py         every GPU through NVML: memory, processes, ECC, uniformity
+    gpus.py         every GPU through NVML: memory, processes, ECC, uniformity; the target's placement
     processes.py    other processes using the run directory without its lock
     environment.py  software versions, devices vs what the config asks
+    servers.py      generate's servers: reachable, the model served, context length, health, one real request
+    capture.py      extract's capture self-check: captured states rebuild the target's own log-probabilities
     context.py      the context the drafter is served at vs the length of the documents it trains on
     feature_servers.py  the vLLM feature servers (extract's vllm backend, train's stream): reach, storage, a smoke
                     request with the capture self-check
+    drafter.py      the trained drafter fits the target, and the evaluation prompts (evaluate, export, verify)
+
+Checks only one stage needs live in that stage's module; a stage lists the checks it runs in its ``checks(cfg)``.
 
 A stage's checks see a context (``eaglekit.contract.StageContext``): ``cfg``, ``run``, ``stage``, ``dir``,
 ``stage_def`` (the stage's declaration) and ``estimate()`` (its estimate from its inputs on disk), ``upstream``

@@ -69,7 +69,7 @@ def serving_context(ctx: StageContext) -> CheckResult:
             "at 2K context, 1.09 at 16K: speculators#684)",
             (
                 f"train.draft.sliding_window: {min(2048, max(p95, 2)):,} (a window the training documents fill; "
-                "README: Long context), or train on longer documents"
+                "docs/long-context.md), or train on longer documents"
                 if windowable
                 else "train on longer documents (eaglekit trains windows for fresh llama EAGLE-3 and block drafters only)"
             )

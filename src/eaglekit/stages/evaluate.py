@@ -473,7 +473,7 @@ def finetune_comparison(init_from: str, sets: list[tuple[str, int, list[dict]]])
     if any(s["better"] == "starting drafter" for s in out):
         verdict += (
             ". The finetune lost to the drafter it started from: it over-specialised to its data. Mix in data "
-            "like the prompts it lost on, train fewer steps or at a lower lr, or set train.anchor_weight "
+            "like the prompts it lost on, train fewer steps or at a lower lr, or set train.ttt.anchor_weight "
             "(an L2-SP pull toward the starting weights)"
         )
     return {"init_from": init_from, "sets": out, "verdict": verdict}

@@ -72,15 +72,16 @@ def packing(ctx: StageContext):
 
 def anchor(ctx: StageContext):
     tc = ctx.cfg.train
-    if not tc.anchor_weight:
-        return skip("anchor", "train.anchor_weight is 0: no pull toward the starting weights")
+    weight = tc.ttt.anchor_weight
+    if not weight:
+        return skip("anchor", "train.ttt.anchor_weight is 0: no pull toward the starting weights")
     if not tc.init_from:
         return warn(
             "anchor",
-            f"train.anchor_weight {tc.anchor_weight} without train.init_from pulls toward the random initialisation",
+            f"train.ttt.anchor_weight {weight} without train.init_from pulls toward the random initialisation",
             "set train.init_from to the drafter to finetune, or anchor_weight: 0",
         )
-    return ok("anchor", f"L2-SP pull toward {tc.init_from}: anchor_weight {tc.anchor_weight}")
+    return ok("anchor", f"L2-SP pull toward {tc.init_from}: anchor_weight {weight}")
 
 
 def draft_vocab_origin(ctx: StageContext):
@@ -186,7 +187,7 @@ def row_tokens(cfg: RunConfig) -> int:
 
 def step_memory_both(cfg: RunConfig, context_parallel: int | None = None) -> tuple[StepMemory, StepMemory] | None:
     """One training step's memory on a GPU (bf16 autocast) at the longest micro-batch, without and with
-    train.activation_checkpointing, on one of the ``context_parallel`` ranks splitting each row (default: the
+    train.ttt.activation_checkpointing, on one of the ``context_parallel`` ranks splitting each row (default: the
     config's train.context_parallel); None for a family that does not model it or a finetune (its own shape)."""
     if cfg.train.init_from:
         return None
@@ -216,7 +217,7 @@ def step_memory_check(ctx: StageContext):
     if both is None:
         return skip("step memory", "modelled for a fresh EAGLE-3 drafter only")
     plain, recomputed = both
-    chosen = recomputed if cfg.train.activation_checkpointing else plain
+    chosen = recomputed if cfg.train.ttt.activation_checkpointing else plain
     smallest = min(gpus.visible(found) or found, key=lambda g: g.total)
     on_gpu = gpus.need_per_gpu(ctx, [smallest]) if cfg.extract.online and not cfg.target.device_map else None
     target = on_gpu[0] if on_gpu else 0  # online: the target shares the GPU
@@ -227,8 +228,8 @@ def step_memory_check(ctx: StageContext):
     if chosen.total + target <= smallest.total:
         return ok("step memory", f"{detail}; GPU {smallest.index} has {human_bytes(smallest.total)}")
     remedies = []
-    if not cfg.train.activation_checkpointing and recomputed.total + target <= smallest.total:
-        remedies.append(f"train.activation_checkpointing: true ({human_bytes(recomputed.total)} a step)")
+    if not cfg.train.ttt.activation_checkpointing and recomputed.total + target <= smallest.total:
+        remedies.append(f"train.ttt.activation_checkpointing: true ({human_bytes(recomputed.total)} a step)")
     ranks = ranks_to_fit(
         lambda m: m.total <= smallest.total,
         lambda n: step_memory_both(cfg, n)[1],  # type: ignore[index]  # modelled above: not None
@@ -237,7 +238,7 @@ def step_memory_check(ctx: StageContext):
     if ranks is not None and ranks > cfg.train.context_parallel:
         per_rank = step_memory_both(cfg, ranks)[1]  # type: ignore[index]
         remedies.append(
-            f"train.context_parallel: {ranks} with train.activation_checkpointing: true ({ranks} GPUs share each "
+            f"train.context_parallel: {ranks} with train.ttt.activation_checkpointing: true ({ranks} GPUs share each "
             f"row, {human_bytes(per_rank.total)} a rank; under torchrun, with offline features)"
         )
     remedies.append(
@@ -284,7 +285,7 @@ def estimate(ctx: StageContext, sizes: Sizes | None) -> Estimate:
     if both is not None:
         n = row_tokens(cfg)
         est.how.append(f"GPU memory of a step at {n:,} tokens (bf16): {memory_line(both[0], n)}")
-        est.how.append(f"  with train.activation_checkpointing: {human_bytes(both[1].total)}")
+        est.how.append(f"  with train.ttt.activation_checkpointing: {human_bytes(both[1].total)}")
         if cfg.train.context_parallel == 1 and n >= 16384:  # what splitting long rows over GPUs would give
             split = [(n, step_memory_both(cfg, n)) for n in (2, 4, 8)]
             est.how.append(

@@ -10,7 +10,7 @@
               soft cross-entropy, argmax, the gradient of the logits) runs as a few fused kernels instead of a
               dozen passes over memory. It compiles whatever ``head_loss_chunk`` computes, so a loss
               defined there is fused too. "auto": compiled on CUDA, reference elsewhere.
-``compile_drafter`` (train.compile) compiles the drafter's per-step pieces (the fc fusion, the layer before and
+``compile_drafter`` (train.ttt.compile) compiles the drafter's per-step pieces (the fc fusion, the layer before and
 after attention) so their norms, RoPE and SwiGLU fuse around the GEMMs.
 """
 
@@ -33,7 +33,7 @@ AttentionKind = Literal["reference", "sdpa", "flex"]
 class StepKernels:
     attention: AttentionKind = "reference"
     head_chunk: ChunkFn | None = None  # loss.py's chunk function, compiled; None: as it is
-    # recompute each TTT step's layer in backward instead of keeping its activations (train.activation_checkpointing)
+    # recompute each TTT step's layer in backward instead of keeping its activations (train.ttt.activation_checkpointing)
     checkpoint_steps: bool = False
     # the ranks that split each row's positions (train.context_parallel, training/context_parallel.py); None: one
     context: ContextGroup | None = None
@@ -61,7 +61,7 @@ def step_kernels(
     checkpoint_steps: bool = False,
     context: ContextGroup | None = None,
 ) -> StepKernels:
-    """The kernels of train.attention and train.head_loss on ``device`` ("auto": fused on CUDA)."""
+    """The kernels of train.ttt.attention and train.ttt.head_loss on ``device`` ("auto": fused on CUDA)."""
     cuda = device.type == "cuda"
     if attention == "auto":
         attention = "flex" if cuda else "reference"
@@ -69,13 +69,15 @@ def step_kernels(
         head_loss = "compiled" if cuda else "reference"
     if attention == "flex" and not cuda:
         raise UsageError(
-            f"train.attention is flex but training runs on {device.type}: flex attention has no backward there",
-            "set train.attention to auto, reference or sdpa",
+            f"train.ttt.attention is flex but training runs on {device.type}: flex attention has no backward there",
+            "set train.ttt.attention to auto, reference or sdpa",
         )
     if attention not in ("reference", "sdpa", "flex"):
-        raise UsageError(f"train.attention {attention!r} is not one of auto, reference, sdpa, flex", "fix the config")
+        raise UsageError(
+            f"train.ttt.attention {attention!r} is not one of auto, reference, sdpa, flex", "fix the config"
+        )
     if head_loss not in ("reference", "compiled"):
-        raise UsageError(f"train.head_loss {head_loss!r} is not one of auto, reference, compiled", "fix the config")
+        raise UsageError(f"train.ttt.head_loss {head_loss!r} is not one of auto, reference, compiled", "fix the config")
     chunk = compiled_chunk() if head_loss == "compiled" else None
     return StepKernels(attention, chunk, checkpoint_steps, context)  # type: ignore[arg-type]
 

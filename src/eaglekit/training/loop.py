@@ -107,7 +107,7 @@ def train(
     autocast = autocast_for(tc.dtype, device)
     objective = family.objective(drafter, tc, device, context)
     positions, weights, notes["step_kernels"] = objective.positions, objective.weights, objective.kernels
-    inputs_of = StepInputs(features, context, tc.ttt_steps)
+    inputs_of = StepInputs(features, context, tc.ttt.steps)
     model = wrap(objective.module, tc.distributed, device)
     named_params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     params = [p for _, p in named_params]
@@ -343,7 +343,7 @@ def train_row(r: dict, done: int, batches: RunBatches, tc, lr: float, grad_norm:
         "grad_norm": grad_norm,
         "tokens": progress.tokens,
         "seconds": round(seconds, 2),
-        **({"anchor_distance": math.sqrt(r["anchor"])} if tc.anchor_weight else {}),
+        **({"anchor_distance": math.sqrt(r["anchor"])} if tc.ttt.anchor_weight else {}),
     }
 
 

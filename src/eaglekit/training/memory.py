@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from eaglekit.config import TTTConfig
 from eaglekit.model.drafter import DrafterConfig, Eagle3Drafter
 from eaglekit.training.fused import StepKernels
 from eaglekit.training.loss import CHUNK_ELEMENTS, CHUNK_ELEMENTS_DEFAULT
@@ -86,7 +87,7 @@ def _kept_bytes(cfg: DrafterConfig, rows: int, steps: int, checkpoint: bool, bf1
 
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
-        ttt_loss(drafter, aux, ids, logits, torch.ones_like(ids), steps=steps,
+        ttt_loss(drafter, aux, ids, logits, torch.ones_like(ids), settings=TTTConfig(steps=steps),
                  kernels=StepKernels(checkpoint_steps=checkpoint))  # fmt: skip
     return sum(kept.values())
 

@@ -11,7 +11,7 @@ from typing import cast
 import torch
 from torch import nn
 
-from eaglekit.config import TrainConfig
+from eaglekit.config import TTTConfig
 from eaglekit.model.drafter import Eagle3Drafter
 from eaglekit.training import distributed as dist
 from eaglekit.training.fused import REFERENCE, StepKernels
@@ -22,7 +22,7 @@ class TTT(nn.Module):
     """ttt_loss as a module's forward, so DDP / FSDP see a forward pass (their gradient sync hooks onto it).
 
     Under torchrun the loss of each TTT step is the sum over every rank's counted positions divided by their
-    global count (``train.loss_normalization: sequence``: the sum of each document's mean over every rank's
+    global count (``train.ttt.loss_normalization: sequence``: the sum of each document's mean over every rank's
     documents, divided by their global number): each rank divides its own sum by the all-reduced count and
     multiplies by the world size, which the gradient averaging of DDP / FSDP divides out again. So ranks holding fewer counted positions
     weigh less, as they would in one process on the whole batch.
@@ -30,48 +30,29 @@ class TTT(nn.Module):
     ``anchor_weight`` > 0 adds the L2-SP pull toward the starting weights (Li et al. 2018):
     anchor_weight / 2 · ||θ - θ0||² over the trainable parameters, θ0 as they are when this module is built.
 
-    The recipe levers (``train.loss``, ``train.step_weights``, ``train.noise``) come in through ``from_config``;
-    the noise is added to the target's hidden states in training mode only, so held-out figures see clean features.
+    Everything it does besides the batch is ``settings``, the config's ``train.ttt`` (steps and their weights, the
+    loss, the noise, the anchor); ``kernels`` are the step's kernels for the device (``training/fused.step_kernels``).
+    The noise is added to the target's hidden states in training mode only, so held-out figures see clean features.
     """
 
-    def __init__(
-        self,
-        drafter: Eagle3Drafter,
-        steps: int,
-        decay: float,
-        anchor_weight: float = 0.0,
-        loss: str = "kl_div",
-        lk_eta: float = 3.0,
-        step_weights: list[float] | None = None,
-        noise: str = "none",
-        noise_scale: float = 0.0,
-        normalization: str = "token",
-        kernels: StepKernels = REFERENCE,
-    ):
+    def __init__(self, drafter: Eagle3Drafter, settings: TTTConfig | None = None, kernels: StepKernels = REFERENCE):
         super().__init__()
-        self.drafter, self.steps, self.decay, self.anchor_weight = drafter, steps, decay, anchor_weight
-        self.loss, self.lk_eta, self.noise, self.noise_scale = loss, lk_eta, noise, noise_scale
-        self.normalization = normalization
-        self.step_weights = list(step_weights) if step_weights is not None else [decay**k for k in range(steps)]
+        settings = TTTConfig() if settings is None else settings  # the config's defaults
+        self.drafter, self.settings = drafter, settings
+        self.step_weights = list(settings.weights)
         self.kernels = kernels  # the fused GPU kernels or the reference (training/fused.py)
         # not buffers: FSDP must not shard them, checkpoints must not hold them (they are the init_from weights)
         self.anchor = (
             {name: p.detach().clone() for name, p in drafter.named_parameters() if p.requires_grad}
-            if anchor_weight > 0
+            if settings.anchor_weight > 0
             else {}
         )
 
-    @classmethod
-    def from_config(cls, drafter: Eagle3Drafter, tc: TrainConfig, kernels: StepKernels = REFERENCE) -> TTT:
-        return cls(
-            drafter, tc.ttt_steps, tc.ttt_decay, tc.anchor_weight, tc.loss, tc.lk_eta, tc.step_weights, tc.noise,
-            tc.noise_scale, tc.loss_normalization, kernels,
-        )  # fmt: skip
-
     def forward(self, aux, input_ids, target_logits, loss_mask, attention_mask, target_in_draft, position_ids=None):
         world = dist.world_size() if dist.active() else 1
-        if self.training and self.noise != "none" and self.noise_scale > 0:
-            aux = aux + feature_noise(aux, self.noise, self.noise_scale)
+        settings = self.settings
+        if self.training and settings.noise != "none" and settings.noise_scale > 0:
+            aux = aux + feature_noise(aux, settings.noise, settings.noise_scale)
         out = ttt_loss(
             self.drafter,
             aux,
@@ -79,16 +60,11 @@ class TTT(nn.Module):
             target_logits,
             loss_mask,
             attention_mask,
-            self.steps,
-            self.decay,
-            target_in_draft,
+            target_in_draft=target_in_draft,
             position_ids=position_ids,
-            normalizer=(lambda count: dist.all_reduce_sum(count.clone())) if world > 1 else None,
-            loss=self.loss,
-            lk_eta=self.lk_eta,
-            step_weights=self.step_weights,
-            normalization=self.normalization,
+            settings=settings,
             kernels=self.kernels,
+            normalizer=(lambda count: dist.all_reduce_sum(count.clone())) if world > 1 else None,
         )
         loss = out.loss * world
         if out.count_k[0] == 0:  # nothing counted on this rank: touch every parameter so DDP's reduction completes
@@ -97,7 +73,7 @@ class TTT(nn.Module):
             params = dict(self.drafter.named_parameters())
             pull = sum((((params[name] - start) ** 2).sum() for name, start in self.anchor.items()), torch.zeros(()))
             out.anchor = float(pull.detach())
-            loss = loss + 0.5 * self.anchor_weight * pull
+            loss = loss + 0.5 * settings.anchor_weight * pull
         return loss, out
 
 

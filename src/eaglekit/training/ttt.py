@@ -21,8 +21,9 @@ other machinery: a position's keys start at its document's start instead of its 
 ``_PrefixAttention``, which then also runs step 0), RoPE positions are the position ids, and a chain
 counts only targets inside its own document.
 
-The draft head and its soft cross-entropy run once, over the rows of every step, through
-``training/loss.py`` (no [N, Vd] tensor kept for backward).
+The draft head and its loss run once, over the rows of every step, through ``training/loss.py`` (no [N, Vd]
+tensor kept for backward). What the loss is besides the batch (steps, their weights, the divergence, the
+normalisation) comes in as one ``TTTConfig``, the config's ``train.ttt`` section.
 
 Context parallelism (``kernels.context``, training/context_parallel.py) splits every row's positions over ranks:
 each runs step 0 on its own positions, all-gathers the step-0 keys and values (the only keys another rank's chains
@@ -35,20 +36,21 @@ attention of training/attention.py and a compiled head loss, tested equal to it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from eaglekit.config import StepWeights, TTTConfig
 from eaglekit.errors import UsageError
 from eaglekit.model.drafter import Eagle3Drafter
 from eaglekit.model.layers import repeat_kv, sdpa
 from eaglekit.training.attention import causal_attention, span_attention
 from eaglekit.training.context_parallel import ContextShard
 from eaglekit.training.fused import REFERENCE, StepKernels
-from eaglekit.training.loss import head_soft_cross_entropy
+from eaglekit.training.loss import HeadTargets, head_soft_cross_entropy
 
 # Blocks of _PrefixAttention: at most this many score elements (rows x keys x heads), bounding the transient
 # memory, and at most BLOCK_ROWS rows, so a block's key range stops near its last row (causal work is ~halved).
@@ -64,7 +66,7 @@ class TTTOutput:
     ]  # per step: mean loss (soft cross-entropy for kl_div) over this batch's counted positions (0.0 where none)
     acc_k: list[float]  # per step: share of counted positions where draft argmax == target argmax
     count_k: list[int]  # per step: counted positions
-    anchor: float = 0.0  # ||θ - θ0||² when the training loop pulls toward starting weights (train.anchor_weight)
+    anchor: float = 0.0  # ||θ - θ0||² when the training loop pulls toward starting weights (train.ttt.anchor_weight)
 
 
 class _PrefixAttention(torch.autograd.Function):
@@ -183,7 +185,7 @@ def _check_inputs(
                 "the feature batch does not match the drafter (rerun extract for this drafter config)",
             )
     if steps < 1:
-        raise UsageError(f"ttt_loss: steps must be >= 1, got {steps}", "set train.ttt_steps to 1 or more")
+        raise UsageError(f"ttt_loss: steps must be >= 1, got {steps}", "set train.ttt.steps to 1 or more")
     if attention_mask is not None and bool((attention_mask[:, 1:] > attention_mask[:, :-1]).any()):
         raise UsageError(
             "ttt_loss: attention_mask is not right-padded (a real token follows a pad)", "pad sequences on the right"
@@ -292,7 +294,7 @@ def _positions(
         units = count_k
     else:
         raise UsageError(
-            f"ttt_loss: normalization {normalization!r}", "set train.loss_normalization to token or sequence"
+            f"ttt_loss: normalization {normalization!r}", "set train.ttt.loss_normalization to token or sequence"
         )
     if normalizer is not None:
         denominator = normalizer(units)
@@ -491,23 +493,12 @@ def _draft_steps(
 
 
 def _row_weights(
-    head: _HeadRows,
-    at: _Positions,
-    steps: int,
-    decay: float,
-    step_weights: Sequence[float] | None,
-    compute: torch.dtype,
+    head: _HeadRows, at: _Positions, weights: StepWeights, compute: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each head row's step and its weight w_k / denominator_k (times its document share under "sequence")."""
     device = at.count_k.device
     sizes = [r.shape[0] for r in head.rows]
-    step_of_row = torch.repeat_interleave(torch.arange(steps, device=device), torch.tensor(sizes, device=device))
-    weights = list(step_weights) if step_weights is not None else [decay**k for k in range(steps)]
-    if len(weights) != steps:
-        raise UsageError(
-            f"ttt_loss: {len(weights)} step weights for {steps} TTT steps",
-            "give train.step_weights one weight per step",
-        )
+    step_of_row = torch.repeat_interleave(torch.arange(len(weights), device=device), torch.tensor(sizes, device=device))
     per_step = torch.tensor(weights, dtype=compute, device=device)
     per_step = torch.where(at.denominator > 0, per_step / at.denominator.clamp(min=1).to(compute), 0.0)
     row_weight = per_step[step_of_row]
@@ -523,16 +514,12 @@ def ttt_loss(
     target_logits: torch.Tensor,
     loss_mask: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
-    steps: int = 7,
-    decay: float = 0.8,
+    *,
     target_in_draft: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
-    normalizer: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    loss: str = "kl_div",
-    lk_eta: float = 3.0,
-    step_weights: Sequence[float] | None = None,
-    normalization: str = "token",
+    settings: TTTConfig | None = None,
     kernels: StepKernels = REFERENCE,
+    normalizer: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> TTTOutput:
     """The TTT loss of one right-padded batch.
 
@@ -550,10 +537,12 @@ def ttt_loss(
         embedding of token t+1+k goes in, RoPE position position_ids[t]+k, target softmax(target_logits[t+1+k]).
       - (t, k) is counted where token t+2+k exists in t's document, is not padding, has loss_mask 1,
         and (if given) target_in_draft[t+1+k]. Padding must be on the right.
-    Loss_k = the divergence ``loss`` (``training/losses.py``; default kl_div, reported as the soft cross-entropy)
-    summed over counted (t, k), divided by ``normalizer(count_k)`` (default: count_k itself, i.e. the mean; under
-    DDP the count of every rank); loss = sum_k w_k * loss_k with w_k = ``step_weights[k]`` when given, else decay^k.
-    ``normalization="sequence"``: each document's positions at step k are averaged first, then the documents
+    ``settings`` (the config's train.ttt) gives the steps k = 0..settings.steps-1, their weights w_k
+    (``settings.weights``: step_weights, else decay^k), the divergence and the normalisation.
+    Loss_k = the divergence ``settings.loss`` (``eaglekit/divergences.py``; default kl_div, reported as the soft
+    cross-entropy) summed over counted (t, k), divided by ``normalizer(count_k)`` (default: count_k itself, i.e. the
+    mean; under DDP the count of every rank); loss = sum_k w_k * loss_k.
+    ``loss_normalization: sequence``: each document's positions at step k are averaged first, then the documents
     (``normalizer`` then counts documents with a counted position, not positions), so long sequences do not
     dominate. The reported loss_k / acc_k stay per-position means either way.
     ``kernels`` picks the fused GPU kernels (training/fused.py); the default is this file's reference.
@@ -562,6 +551,9 @@ def ttt_loss(
     stays whole; the loss and figures are this rank's chains' (their losses over every rank's count), so the ranks'
     losses and gradients add up to the single process's.
     """
+    settings = TTTConfig() if settings is None else settings  # the config's defaults: 7 steps, 0.8^k, kl_div
+    weights = settings.weights
+    steps = len(weights)
     shard = None if kernels.context is None else kernels.context.shard(input_ids.shape[1], steps)
     _check_inputs(
         drafter,
@@ -576,14 +568,22 @@ def ttt_loss(
         shard,
     )
     at = _positions(
-        input_ids, loss_mask, attention_mask, target_in_draft, position_ids, steps, normalization, normalizer, shard
+        input_ids,
+        loss_mask,
+        attention_mask,
+        target_in_draft,
+        position_ids,
+        steps,
+        settings.loss_normalization,
+        normalizer,
+        shard,
     )
     at.window = drafter.config.sliding_window
     if at.window is not None and at.window <= steps:
         raise UsageError(
             f"ttt_loss: a sliding window of {at.window} positions is shorter than the {steps} TTT steps: the last "
             "steps' own draft keys would leave the window",
-            "use a window longer than train.ttt_steps (windows are hundreds to thousands of positions)",
+            "use a window longer than train.ttt.steps (windows are hundreds to thousands of positions)",
         )
     compute = torch.promote_types(drafter.lm_head.weight.dtype, torch.float32)
     target_p, target_argmax, slot = _targets(target_logits, at.usable, compute, shard)
@@ -597,8 +597,8 @@ def ttt_loss(
     head.add(h[sel0], slot[rows0 + 1], rows0)
     _draft_steps(drafter, h, k0, v0, input_ids, at, slot, steps, kernels, head)
 
-    # The head and loss of every step in one pass: row weight decay^k / denominator_k.
-    step_of_row, row_weight = _row_weights(head, at, steps, decay, step_weights, compute)
+    # The head and loss of every step in one pass: row weight w_k / denominator_k.
+    step_of_row, row_weight = _row_weights(head, at, weights, compute)
     rows = torch.cat(head.rows)
     head.rows.clear()  # the per-step pieces are in ``rows`` now
     # checkpointed, the final norm keeps only its input (its float32 internals are recomputed in backward)
@@ -606,12 +606,8 @@ def ttt_loss(
     result = head_soft_cross_entropy(
         normed,
         drafter.lm_head.weight,
-        target_p,
-        target_argmax,
-        torch.cat(head.slots),
-        row_weight,
-        loss=loss,
-        lk_eta=lk_eta,
+        HeadTargets(target_p, target_argmax, torch.cat(head.slots), row_weight),
+        settings.loss,
         chunk_fn=kernels.head_chunk,
     )
 

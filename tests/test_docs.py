@@ -1,0 +1,164 @@
+"""The README and docs/ stay what the code and CI say they are: CI runs the README's test command, every citation
+of a docs page's section in the code resolves to a heading, every link between the pages points at a file, and the
+config snippets the pages show load. (The README's τ table is held by tests/test_demo.py.)"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import REPO
+
+from eaglekit.config import parse_config
+
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), *sorted((REPO / "benchmarks").glob("*.md"))]
+# Where the code cites the pages: source, tests, benchmarks, scripts, CI, and the pages themselves.
+CITING = [
+    *(REPO / "src").rglob("*.py"),
+    *(REPO / "tests").glob("*.py"),
+    *(REPO / "benchmarks").glob("*.py"),
+    *(REPO / "benchmarks").glob("*.sh"),
+    *(REPO / "scripts").glob("*.sh"),
+    *(REPO / ".ci").iterdir(),
+    *PAGES,
+]
+# `docs/verify.md: "Tolerances"`, `README, "Two commands"`, `docs/formats.md §9`: a page, then a quoted heading (its
+# start) or a numbered section. The page is a path from the repository root.
+CITATION = re.compile(
+    r"(?<![\w/.-])(README\.md|README|docs/[\w.-]+\.md|benchmarks/[\w.-]+\.md)`?(?:'s)?"
+    r"(?:[,:]\s*(?:\"([A-Z`][^\"\n]*)\"|'([A-Z`][^'\n]*)')|\s?§\s?(\d+))?"
+)
+# A link between the pages, and the quoted heading that may follow it: [verify.md](verify.md), "Tolerances".
+LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)(?:[,:]\s*\"([A-Z`][^\"\n]*)\")?")
+
+
+def headings(page: Path) -> list[str]:
+    """The page's markdown headings, outside fenced code blocks, without their #s."""
+    found, fenced = [], False
+    for line in page.read_text(encoding="utf-8").splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and (m := re.match(r"#+\s+(.*)", line)):
+            found.append(m.group(1).strip())
+    return found
+
+
+def citations(text: str) -> list[tuple[str, str | None, str | None]]:
+    """(page, quoted heading start, section number) for each citation of a page in text."""
+    out = []
+    for m in CITATION.finditer(text):
+        page = "README.md" if m.group(1) == "README" else m.group(1)
+        out.append((page, m.group(2) or m.group(3), m.group(4)))
+    return out
+
+
+def unresolved(page: str, heading: str | None, number: str | None) -> str | None:
+    path = REPO / page
+    if not path.exists():
+        return f"{page} does not exist"
+    if heading is None and number is None:
+        return None
+    found = headings(path)
+    if number is not None:
+        return None if any(h.startswith(f"{number}.") for h in found) else f"{page} has no section §{number}"
+    return None if any(h.startswith(heading) for h in found) else f'{page} has no heading starting "{heading}"'
+
+
+def test_citations_parse_page_heading_and_section():
+    text = """see docs/verify.md: 'Tolerances' and (README, "Two commands"); docs/formats.md §9, `benchmarks/RESULTS.md`,
+    "The lever table"; export/README.md is a file a run writes, not a citation"""
+    assert citations(text) == [
+        ("docs/verify.md", "Tolerances", None),
+        ("README.md", "Two commands", None),
+        ("docs/formats.md", None, "9"),
+        ("benchmarks/RESULTS.md", "The lever table", None),
+    ]
+    assert unresolved("docs/verify.md", "Tolerances", None) is None
+    assert unresolved("docs/verify.md", "Verify in your engine", None) is None  # the page's title counts
+    assert unresolved("README.md", "Long context", None) == 'README.md has no heading starting "Long context"'
+    assert unresolved("docs/formats.md", None, "99") == "docs/formats.md has no section §99"
+    nowhere = "docs/" + "nowhere.md"  # spelled apart, so that this file cites no missing page
+    assert unresolved(nowhere, None, None) == f"{nowhere} does not exist"
+
+
+def test_every_citation_of_a_page_resolves():
+    """A section that moves or is renamed takes its citations with it: an error message or a comment that sends the
+    reader to a heading that no longer exists fails here, naming the file and line."""
+    dangling = []
+    for file in CITING:
+        if not file.is_file():
+            continue
+        for n, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
+            for cited in citations(line):
+                if problem := unresolved(*cited):
+                    dangling.append(f"{file.relative_to(REPO)}:{n}: {problem}")
+    assert not dangling, "\n".join(dangling)
+
+
+def test_the_code_cites_a_page_by_its_path():
+    """ "README: Long context" can only be checked when it names a file and quotes a heading; a bare README in the
+    source is a citation nobody can follow once the section moves (README.md, the file a run writes, is fine)."""
+    bare = [
+        f"{file.relative_to(REPO)}:{n}"
+        for file in (REPO / "src").rglob("*.py")
+        for n, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1)
+        if re.search(r"\bREADME\b(?!\.md)", line)
+    ]
+    assert not bare, f"cite the docs page and heading instead, e.g. docs/verify.md: 'Tolerances': {bare}"
+
+
+def test_every_link_between_the_pages_points_at_a_file_and_heading():
+    broken = []
+    for page in PAGES:
+        for target, heading in LINK.findall(page.read_text(encoding="utf-8")):
+            if "://" in target:
+                continue
+            path = (page.parent / target).resolve()
+            if not path.exists():
+                broken.append(f"{page.relative_to(REPO)}: ({target}) does not exist")
+            elif heading and not any(h.startswith(heading) for h in headings(path)):
+                broken.append(f'{page.relative_to(REPO)}: ({target}) has no heading starting "{heading}"')
+    assert not broken, broken
+
+
+def test_every_docs_page_is_linked_from_the_readme():
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    assert [p.name for p in (REPO / "docs").glob("*.md") if f"](docs/{p.name})" not in readme] == []
+
+
+def test_ci_runs_the_readmes_test_command_byte_for_byte():
+    """.ci/run says it runs exactly the README's test command; the README's "Two commands" block shows it."""
+    ci = [
+        line
+        for line in (REPO / ".ci" / "run").read_text().splitlines()
+        if line and not line.startswith(("#", "set ", "cd "))
+    ]
+    assert len(ci) == 1, ci
+    section = (REPO / "README.md").read_text(encoding="utf-8").split("## Two commands", 1)[1].split("\n## ", 1)[0]
+    commands = [
+        line.split("  #", 1)[0].rstrip() for line in re.findall(r"```bash\n(.*?)```", section, re.S)[0].splitlines()
+    ]
+    assert ci[0] in commands, (ci[0], commands)
+
+
+def yaml_snippets() -> list:
+    """Each ```yaml block of the pages, as a pytest param named by its page and line."""
+    snippets = []
+    for page in PAGES:
+        text = page.read_text(encoding="utf-8")
+        for m in re.finditer(r"```yaml\n(.*?)```", text, re.S):
+            where = f"{page.relative_to(REPO)}:{text[: m.start()].count(chr(10)) + 2}"
+            snippets.append(pytest.param(where, m.group(1), id=where))
+    return snippets
+
+
+@pytest.mark.parametrize(("where", "snippet"), yaml_snippets())
+def test_the_config_snippets_the_pages_show_load(where, snippet, tmp_path):
+    """A snippet is a whole config (it has `run_dir`) or sections to add to one; either way every key in it is a key
+    the config accepts, with a value it accepts."""
+    data = yaml.safe_load(snippet)
+    if "run_dir" not in data:
+        data = {"run_dir": "runs/r", "target": {"model": "/models/t"}, "data": {"prompts": "p.jsonl"}, **data}
+    parse_config(data, where, tmp_path)
