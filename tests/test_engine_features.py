@@ -171,7 +171,7 @@ def test_the_import_of_a_published_drafter_names_specforges_pre_879_norm_output(
     dated = published(tmp_path / "old", "# Qwen3 EAGLE3.1 draft\nTrained with SpecForge on 2026-08-02.\n")
     cfg = SimpleNamespace(train=SimpleNamespace(init_from=str(dated)), verify=SimpleNamespace(python=None))
     with pytest.raises(UsageError) as refused:  # at the import itself, before any weight is read
-        build_drafter(cfg, None, None, None, None, None, None)
+        build_drafter(cfg, None, None, None, None, None, None, {})
     assert "SpecForge#879" in refused.value.message and "2026-08-02" in refused.value.message
     assert '"norm_output": false' in (refused.value.remedy or "")
 

@@ -29,7 +29,7 @@ def exported_features_read(ctx: StageContext) -> CheckResult:
     """export: the forms it will write, against the vLLM on this machine."""
     from eaglekit.model.checkpoints import read_config
     from eaglekit.model.dspark_checkpoint import block_form
-    from eaglekit.speculative.inputs import checkpoint_path
+    from eaglekit.speculative.inputs import checkpoint_path, drafter_family
 
     pending = None if ctx.cfg.evaluate.checkpoint else will_be_produced(ctx, NAME, "train")
     if pending:
@@ -39,7 +39,8 @@ def exported_features_read(ctx: StageContext) -> CheckResult:
         drafter = block_drafter_config(path) if block_form(path) else read_config(path)[1]
     except EaglekitError:
         return skip(NAME, "the drafter checkpoint cannot be read (the drafter check says why)")
-    formats = list(ctx.options.get("formats") or ctx.cfg.export.formats)
+    requested = list(dict.fromkeys(ctx.options.get("formats") or ctx.cfg.export.formats))
+    formats = drafter_family(ctx.cfg).written_forms(requested)  # what export writes: an MLA drafter, eagle3 alone
     engine = features.engine_for(None, ctx.cfg.verify.python)
     return _result(lambda: features.export_check(ctx.cfg, drafter, formats), engine)
 
