@@ -3,7 +3,7 @@
 data      the tiny target's task corpus (train split), rendered with its chat template, loss on the assistant
           turn; features online from the tiny target (aux layers [2, 4, 5], the same taps for both drafters).
 budget    --steps AdamW steps of --batch rows, lr --lr (constant), per seed; the same batches in the same order.
-dflash    eaglekit's DFlash (training/dflash.py): --layers layers, block --block, CE with D-PACE, full vocabulary.
+dflash    eaglekit's DFlash (training/block.py): --layers layers, block --block, CE with D-PACE, full vocabulary.
 dspark    eaglekit's DSpark (model/dspark.py): DFlash's backbone with anchor sampling (block --block - 1, so it
           drafts as many tokens per round as DFlash) and the Markov head (rank --markov-rank), exp-decay weights.
 eagle3    eaglekit's EAGLE-3 (training/ttt.py): one Llama layer with EAGLE 3.1's fc_norm + norm_output (eaglekit's
@@ -36,13 +36,13 @@ sys.path.insert(0, str(ROOT / "src"))
 from eaglekit.config import TTTConfig  # noqa: E402
 from eaglekit.drafters.registry import proposer_for  # noqa: E402
 from eaglekit.model.dflash import DFlashConfig, DFlashDrafter, default_mask_token_id  # noqa: E402
-from eaglekit.model.drafter import DrafterConfig, Eagle3Drafter, build_d2t_t2d  # noqa: E402
 from eaglekit.model.dspark import DSparkConfig, DSparkDrafter  # noqa: E402
+from eaglekit.model.eagle3 import DrafterConfig, Eagle3Drafter, build_d2t_t2d  # noqa: E402
 from eaglekit.model.target import TargetFeatures, default_aux_layers, draft_logits  # noqa: E402
 from eaglekit.speculative.decode import generate  # noqa: E402
 from eaglekit.tiny import ensure_tiny_target, sample_tasks  # noqa: E402
 from eaglekit.tiny.build import batch_tensors, encode  # noqa: E402
-from eaglekit.training.dflash import block_loss, target_argmax  # noqa: E402
+from eaglekit.training.block import block_loss, target_argmax  # noqa: E402
 from eaglekit.training.ttt import ttt_loss  # noqa: E402
 
 

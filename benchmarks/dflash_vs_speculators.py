@@ -7,7 +7,7 @@ measured by eaglekit's block decoding (speculative/block.py, vLLM's DFlash propo
                loss on the assistant turn; --steps batches of --batch rows picked in a seeded order. The target's
                features of each batch are computed once (eaglekit's TargetFeatures, aux layers [2, 4, 5]) and
                given to both sides: the same rows, features and order at every step.
-  eaglekit     DFlashDrafter + training/dflash.py's block_loss (random anchors, per-document blocks, CE on the
+  eaglekit     DFlashDrafter + training/block.py's block_loss (random anchors, per-document blocks, CE on the
                target's argmax, D-PACE), padded rows; AdamW betas 0.9/0.95, no weight decay, clip 0.5.
   speculators  in its own venv (benchmarks/.venv-speculators): DFlashDraftModel.from_training_args, its collate
                (the batch's rows packed into one sequence with document ids), get_trainer_kwargs (loss "ce",
@@ -77,7 +77,7 @@ def batch_features(target, aux: list[int], picked: list) -> dict:
 
     from eaglekit.model.target import TargetFeatures, decoder_parts
     from eaglekit.tiny.build import batch_tensors
-    from eaglekit.training.dflash import target_argmax
+    from eaglekit.training.block import target_argmax
 
     ids, labels, attention = batch_tensors(picked, 0)
     pre_norm: dict[str, torch.Tensor] = {}
@@ -112,7 +112,7 @@ def train_eaglekit(drafter, batches: list[dict], args, seed: int) -> tuple[float
     """(seconds, mean loss of the last tenth of the steps)."""
     import torch
 
-    from eaglekit.training.dflash import block_loss
+    from eaglekit.training.block import block_loss
 
     params = [p for p in drafter.parameters() if p.requires_grad]
     betas, decay, clip = OPTIMIZERS[args.eaglekit_optimizer]

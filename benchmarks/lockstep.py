@@ -443,7 +443,7 @@ def main() -> None:
 
     from eaglekit.config import TargetConfig
     from eaglekit.data.vocab import load_vocab
-    from eaglekit.model.drafter import Eagle3Drafter
+    from eaglekit.model.eagle3 import Eagle3Drafter
     from eaglekit.model.target import aux_layer_ids, embedding_and_head, load_target
     from eaglekit.training.data import split_indices
     from eaglekit.training.init import build_drafter
@@ -602,7 +602,7 @@ def held_out_taus(cfg, args, drafters: dict, target, t2d, aux_ids) -> dict:
 
 def save_drafters(out: Path, drafters: dict, spec_model) -> dict[str, Path]:
     """Each drafter in a folder of --out: speculators' in its own form (save_pretrained), eaglekit's in the legacy one."""
-    from eaglekit.model.checkpoints import save_legacy
+    from eaglekit.model.eagle3_checkpoint import save_legacy
 
     folders = {}
     for name, drafter in drafters.items():

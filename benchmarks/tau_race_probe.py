@@ -47,7 +47,7 @@ def isolated(label: str, fn, *args) -> None:
 def main() -> None:
     from eaglekit.config import TargetConfig, TTTConfig, load_config
     from eaglekit.data.tokens import TokenStore
-    from eaglekit.model.checkpoints import load_drafter
+    from eaglekit.model.eagle3_checkpoint import load_drafter
     from eaglekit.model.target import TargetFeatures, aux_layer_ids, decoder_parts, load_target, target_hf_config
     from eaglekit.training.data import split_indices
     from eaglekit.training.ttt import ttt_loss
@@ -117,7 +117,7 @@ def main() -> None:
 
 
 def same_ttt(args, samples, features, per_step, fmt) -> None:
-    from eaglekit.model.checkpoints import load_drafter
+    from eaglekit.model.eagle3_checkpoint import load_drafter
 
     ours, _ = load_drafter(args.same_ttt)
     isolated("same TTT  speculators forward", speculators_forward, args, samples, features, ours, fmt)

@@ -282,7 +282,7 @@ def vllm_taus(
 
     import httpx
 
-    from eaglekit.model.checkpoints import load_drafter, save_legacy
+    from eaglekit.model.eagle3_checkpoint import load_drafter, save_legacy
     from eaglekit.serving.engine import VllmServer, metric_sum
     from eaglekit.speculative.inputs import eval_prompts
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from eaglekit.config import TTTConfig
-from eaglekit.model.drafter import DrafterConfig, Eagle3Drafter
+from eaglekit.model.eagle3 import DrafterConfig, Eagle3Drafter
 from eaglekit.training.context_parallel import ContextGroup
 from eaglekit.training.fused import step_kernels
 from eaglekit.training.memory import step_memory

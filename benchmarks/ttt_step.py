@@ -60,7 +60,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # the working tree's eaglekit, installed or not
 from eaglekit.config import TTTConfig  # noqa: E402
-from eaglekit.model.drafter import DrafterConfig, Eagle3Drafter, build_d2t_t2d  # noqa: E402
+from eaglekit.model.eagle3 import DrafterConfig, Eagle3Drafter, build_d2t_t2d  # noqa: E402
 from eaglekit.training.fused import REFERENCE, StepKernels, compile_drafter, compiled_chunk, step_kernels  # noqa: E402
 from eaglekit.training.ttt import ttt_loss  # noqa: E402
 
@@ -472,7 +472,7 @@ def profile_step(step, device: str) -> dict[str, float]:
     """
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    import eaglekit.training.loss as loss_module
+    import eaglekit.training.head_loss as loss_module
 
     head = loss_module._HeadLoss
     forward = head.forward

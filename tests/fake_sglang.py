@@ -23,7 +23,7 @@ class FakeSglang:
     def __init__(self, target_dir: Path, draft_dir: Path, k: int):
         from transformers import AutoModelForCausalLM
 
-        from eaglekit.model.checkpoints import load_drafter
+        from eaglekit.model.eagle3_checkpoint import load_drafter
 
         self.target = AutoModelForCausalLM.from_pretrained(target_dir).eval()
         self.drafter, _ = load_drafter(draft_dir)

@@ -19,7 +19,7 @@ from eaglekit.config import parse_config
 from eaglekit.data.suites import load_suite
 from eaglekit.data.tokens import write_token_store
 from eaglekit.errors import UsageError
-from eaglekit.preflight import checks, files
+from eaglekit.preflight import files, run_directory
 from eaglekit.stages import evaluate, train
 from eaglekit.stages import vocab as vocab_stage
 
@@ -172,7 +172,7 @@ def test_a_hub_id_target_in_the_cache_gets_through_vocab(tmp_path, hub_target, t
     check = vocab_stage.draft_vocab_fits(ctx)
     assert check.status == "ok" and f"32 of {vocab_size}" in check.detail
     assert vocab_stage.target_vocab_size(REPO) == vocab_size
-    folder, weights = checks.target_folder(ctx), files.target_weights(ctx)
+    folder, weights = run_directory.target_folder(ctx), files.target_weights(ctx)
     assert folder.status == "ok" and str(hub_target) in folder.detail
     assert weights[0].status == "ok" and "2 safetensors files" in weights[0].detail
 
@@ -193,7 +193,7 @@ def test_a_half_downloaded_hub_cache_is_named_before_any_stage(tmp_path, hub_tar
     weights = files.target_weights(ctx)[0]
     assert weights.status == "fail"
     assert ".incomplete" in weights.detail and "model-00002-of-00002.safetensors" in weights.detail
-    folder = checks.target_folder(ctx)
+    folder = run_directory.target_folder(ctx)
     assert folder.status == "fail" and "misses 1 of 2 weight shards" in folder.detail
 
     blob.with_name(blob.name + ".incomplete").unlink()  # the shard simply absent: still named
@@ -209,7 +209,7 @@ def test_a_hub_id_not_in_the_cache_offline_is_named(tmp_path, monkeypatch):
     assert check.status == "fail"
     assert "not in the Hugging Face cache" in check.detail and "HF_HUB_OFFLINE" in check.detail
     assert "hf download acme/absent-model" in check.remedy
-    folder = checks.target_folder(SimpleNamespace(cfg=target_cfg(tmp_path, "acme/absent-model")))
+    folder = run_directory.target_folder(SimpleNamespace(cfg=target_cfg(tmp_path, "acme/absent-model")))
     assert folder.status == "fail" and "HF_HUB_OFFLINE" in folder.detail
     assert str(tmp_path / "hf" / "hub" / "models--acme--absent-model") in folder.detail
 

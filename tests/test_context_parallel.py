@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 from test_train_ddp import CFG, free_port, torchrun_env
 
 from eaglekit.config import TTTConfig
-from eaglekit.model.drafter import DrafterConfig, Eagle3Drafter
+from eaglekit.model.eagle3 import DrafterConfig, Eagle3Drafter
 from eaglekit.training.fused import StepKernels
 from eaglekit.training.ttt import ttt_loss
 
@@ -223,7 +223,7 @@ def test_preflight_names_ranks_for_a_row_too_long_for_one_gpu(tmp_path, tiny_tar
     from test_preflight_gpus import make_ctx
 
     from eaglekit.contract import Sizes
-    from eaglekit.preflight.checks import human_bytes
+    from eaglekit.progress import human_bytes
     from eaglekit.stages.train import estimate, step_memory_both, step_memory_check
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)

@@ -13,7 +13,7 @@ from eaglekit import pipeline, status
 from eaglekit.config import load_config
 from eaglekit.contract import Estimate, Stage
 from eaglekit.preflight import disk
-from eaglekit.preflight.checks import human_bytes
+from eaglekit.progress import human_bytes
 
 BASE = {"run_dir": "run", "target": {"model": "model"}, "data": {"prompts": "prompts.jsonl"}}
 

@@ -19,7 +19,7 @@ from eaglekit.model.dflash_checkpoint import expected_state, load_dflash, read_d
 from eaglekit.model.target import default_aux_layers
 from eaglekit.speculative.block import BlockProposer
 from eaglekit.speculative.decode import generate
-from eaglekit.training.dflash import block_attention_mask, document_ids, position_weights
+from eaglekit.training.block import block_attention_mask, document_ids, position_weights
 
 BLOCK = 4
 

@@ -27,7 +27,7 @@ from eaglekit.model.layers import apply_rope
 from eaglekit.model.target import default_aux_layers
 from eaglekit.speculative.block import BlockProposer, DSparkProposer
 from eaglekit.speculative.decode import generate
-from eaglekit.training.dflash import block_attention_mask, document_ids
+from eaglekit.training.block import block_attention_mask, document_ids
 
 WINDOW = 5
 BLOCK = 4

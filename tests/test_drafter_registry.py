@@ -17,7 +17,7 @@ from eaglekit.drafters import registry
 from eaglekit.drafters.eagle3_llama import Eagle3LlamaFamily
 from eaglekit.drafters.family import Built, DrafterFamily, Objective, Verdict
 from eaglekit.errors import UsageError
-from eaglekit.model import checkpoints
+from eaglekit.model import eagle3_checkpoint
 from eaglekit.pipeline import run_stage
 from eaglekit.rundir import RunDir
 
@@ -75,7 +75,7 @@ class ToyFamily(Eagle3LlamaFamily):
         drafter, _info, _hf, _aux = load(ctx.cfg)
         self.calls.append("export")
         dest = ctx.dir / "toy"
-        checkpoints.save_legacy(drafter, dest)
+        eagle3_checkpoint.save_legacy(drafter, dest)
         (dest / MARK).write_text(json.dumps({"family": self.name}))
         return {"formats": ["toy"], "toy": str(dest)}
 
@@ -130,6 +130,6 @@ def test_a_family_registered_in_memory_trains_checkpoints_and_exports(tmp_path, 
     assert exported["counts"]["formats"] == ["toy"]
     folder = Path(cfg.run_dir) / "export" / "toy"
     assert registry.family_of_folder(folder) is toy
-    drafter, _ = checkpoints.load_drafter(folder)
+    drafter, _ = eagle3_checkpoint.load_drafter(folder)
     assert drafter.config.intermediate_size == 64  # the shape the config asked of it
     assert registry.vllm_method("toy") == "toy"

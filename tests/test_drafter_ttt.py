@@ -9,7 +9,7 @@ from transformers import LlamaConfig, Qwen3Config
 
 from eaglekit.config import TTTConfig
 from eaglekit.errors import UsageError
-from eaglekit.model.drafter import DrafterConfig, DraftKVCache, Eagle3Drafter, build_d2t_t2d
+from eaglekit.model.eagle3 import DrafterConfig, DraftKVCache, Eagle3Drafter, build_d2t_t2d
 from eaglekit.training.ttt import simulated_acceptance_length, ttt_loss
 
 
@@ -435,7 +435,7 @@ def plain_head_loss(x, weight, target_p, slots, row_weight):
 
 @pytest.mark.parametrize("chunk_rows", [1, 7, 1000])
 def test_fused_head_loss_matches_plain_cross_entropy_float64(chunk_rows):
-    from eaglekit.training.loss import HeadTargets, head_soft_cross_entropy
+    from eaglekit.training.head_loss import HeadTargets, head_soft_cross_entropy
 
     g = torch.Generator().manual_seed(3)
     m, h, vd, p = 23, 16, 37, 9

@@ -21,7 +21,7 @@ from eaglekit.model.dspark_checkpoint import expected_state, load_dspark, read_d
 from eaglekit.model.target import default_aux_layers
 from eaglekit.speculative.block import DSparkProposer
 from eaglekit.speculative.decode import generate
-from eaglekit.training.dflash import block_loss, position_weights
+from eaglekit.training.block import block_loss, position_weights
 
 BLOCK = 4  # DSpark drafts all 4 slots of a block (anchor sampling)
 

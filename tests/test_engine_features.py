@@ -55,8 +55,8 @@ def default_drafter(tiny_target: Path, folder: Path) -> Path:
     """An untrained drafter in the plain form with eaglekit's default EAGLE 3.1 flags (fc_norm, norm_output)."""
     from transformers import AutoConfig
 
-    from eaglekit.model.checkpoints import save_legacy
-    from eaglekit.model.drafter import DrafterConfig, Eagle3Drafter
+    from eaglekit.model.eagle3 import DrafterConfig, Eagle3Drafter
+    from eaglekit.model.eagle3_checkpoint import save_legacy
     from eaglekit.model.target import default_aux_layers
 
     hf = AutoConfig.from_pretrained(tiny_target)
@@ -128,7 +128,7 @@ def test_export_and_verify_refuse_a_flag_the_installed_vllm_would_drop(tmp_path,
     assert not (cfg.run_path / "export" / "eagle3").exists()
 
     # the same drafter exported elsewhere, then verified with this engine: refused before anything is decoded
-    from eaglekit.model.checkpoints import load_drafter, save_legacy
+    from eaglekit.model.eagle3_checkpoint import load_drafter, save_legacy
 
     save_legacy(load_drafter(checkpoint)[0], cfg.run_path / "export" / "eagle3")
     ctx = pipeline.make_context(cfg, "verify")

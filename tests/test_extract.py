@@ -358,7 +358,7 @@ def test_disk_check_fails_when_features_exceed_free_space(tmp_path, tiny_target,
     results = {r.name: r for r in run_preflight(ctx)}
     disk = results["disk space"]
     assert disk.status == "fail"
-    from eaglekit.preflight.checks import human_bytes
+    from eaglekit.progress import human_bytes
 
     assert human_bytes(need) in disk.detail and human_bytes(Tiny.f_bavail * 4096) in disk.detail
     assert results["existing shards"].status == "skip"

@@ -164,8 +164,8 @@ def test_a_huge_learning_rate_stops_at_the_first_non_finite_step(tmp_path, tiny_
 
 def test_an_update_that_leaves_a_weight_non_finite_is_named_before_it_is_saved(tmp_path):
     """A finite gradient times a huge lr can overflow a weight: the check after the optimizer names the tensor."""
-    from eaglekit.training.checkpoint import STATE, Checkpoints
     from eaglekit.training.guard import NonFiniteTraining, refuse_non_finite_weights
+    from eaglekit.training.step_checkpoints import STATE, Checkpoints
 
     ckpts = Checkpoints(tmp_path / "checkpoints", 2)
     (tmp_path / "checkpoints").mkdir()

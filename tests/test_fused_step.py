@@ -19,7 +19,7 @@ from eaglekit.errors import UsageError
 from eaglekit.model.layers import sdpa
 from eaglekit.training.attention import span_attention, span_keys, span_mask
 from eaglekit.training.fused import REFERENCE, StepKernels, compile_drafter, compiled_chunk, step_kernels
-from eaglekit.training.loss import HeadTargets, head_soft_cross_entropy
+from eaglekit.training.head_loss import HeadTargets, head_soft_cross_entropy
 from eaglekit.training.ttt import ttt_loss
 
 

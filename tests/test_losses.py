@@ -2,7 +2,7 @@
 autograd, and the registry they are chosen from.
 
 The references are written as the definitions read (speculators' eager loss zoo, the LK paper), through softmax
-and autograd, so the closed-form gradients of eaglekit/divergences.py and the fused head of training/loss.py are
+and autograd, so the closed-form gradients of eaglekit/divergences.py and the fused head of training/head_loss.py are
 checked against maths they do not share.
 """
 
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from eaglekit.config import TTTConfig, parse_config
 from eaglekit.divergences import DIVERGENCES, Divergence, LKHybrid
 from eaglekit.errors import UsageError
-from eaglekit.training.loss import HeadTargets, head_soft_cross_entropy
+from eaglekit.training.head_loss import HeadTargets, head_soft_cross_entropy
 
 
 def divergence(kind: str, logits: torch.Tensor, p: torch.Tensor, **params):

@@ -10,7 +10,7 @@ from transformers import DeepseekV3Config, LlamaConfig
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
 
 from eaglekit.errors import UsageError
-from eaglekit.model.drafter import DrafterConfig, Eagle3Drafter
+from eaglekit.model.eagle3 import DrafterConfig, Eagle3Drafter
 from eaglekit.model.layers import sdpa
 
 YARN = {

@@ -13,7 +13,7 @@ from eaglekit import pipeline
 from eaglekit.config import parse_config
 from eaglekit.contract import Estimate
 from eaglekit.preflight import disk
-from eaglekit.preflight.checks import human_bytes
+from eaglekit.progress import human_bytes
 
 
 def ctx_on(root, tmp_path, stage="vocab", **sections):

@@ -77,7 +77,7 @@ def test_a_real_problem_fails_the_whole_pipeline_preflight(tmp_path, tiny_target
 
 def test_the_preflight_checks_do_not_import_the_pipeline():
     code = (
-        "import sys; from eaglekit.preflight import checks, dataset, disk, environment, files, gpus, processes; "
+        "import sys; from eaglekit.preflight import run_directory, dataset, disk, environment, files, gpus, processes; "
         "print('eaglekit.pipeline' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env(), check=True)

@@ -14,7 +14,7 @@ from test_packing import documents, lay_out
 
 from eaglekit.config import TTTConfig
 from eaglekit.errors import UsageError
-from eaglekit.model.drafter import DraftKVCache
+from eaglekit.model.eagle3 import DraftKVCache
 from eaglekit.training.ttt import ttt_loss
 
 WINDOW = 5
@@ -98,7 +98,7 @@ def test_a_window_no_longer_than_the_ttt_chain_is_refused():
 
 
 def test_export_writes_the_window_as_vllm_reads_it_and_reads_it_back(tmp_path):
-    from eaglekit.model.checkpoints import load_drafter, save_legacy, save_speculators
+    from eaglekit.model.eagle3_checkpoint import load_drafter, save_legacy, save_speculators
 
     drafter = make_drafter(tiny_config(sliding_window=64), dtype=torch.float32)
     save_legacy(drafter, tmp_path / "eagle3")

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from eaglekit.model.drafter import DrafterConfig, Eagle3Drafter, build_d2t_t2d
+from eaglekit.model.eagle3 import DrafterConfig, Eagle3Drafter, build_d2t_t2d
 from eaglekit.speculative.decode import EagleProposer, accept_draft, generate
 from eaglekit.speculative.ngram import NgramProposer, ngram_propose
 

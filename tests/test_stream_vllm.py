@@ -167,14 +167,14 @@ KILLED_TRAIN = textwrap.dedent("""
     from eaglekit.pipeline import run_stage
     from eaglekit.rundir import RunDir
     from eaglekit.serving import vllm_features
-    from eaglekit.training import checkpoint
+    from eaglekit.training import step_checkpoints
 
     saved = []
-    save = checkpoint.Checkpoints.save
+    save = step_checkpoints.Checkpoints.save
     def save_and_note(self, step, *args, **kwargs):
         save(self, step, *args, **kwargs)
         saved.append(step)
-    checkpoint.Checkpoints.save = save_and_note
+    step_checkpoints.Checkpoints.save = save_and_note
 
     receive = vllm_features.FileSpool.receive
     def die_with_a_file_unread(self, where):

@@ -17,8 +17,8 @@ from test_extract import prepared_run
 
 from eaglekit.config import TargetConfig
 from eaglekit.errors import EaglekitError
-from eaglekit.model.checkpoints import load_drafter, save_legacy
-from eaglekit.model.drafter import DrafterConfig, Eagle3Drafter, build_d2t_t2d
+from eaglekit.model.eagle3 import DrafterConfig, Eagle3Drafter, build_d2t_t2d
+from eaglekit.model.eagle3_checkpoint import load_drafter, save_legacy
 from eaglekit.model.target import embedding_and_head, target_hf_config
 from eaglekit.pipeline import run_stage
 from eaglekit.rundir import RunDir

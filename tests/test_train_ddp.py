@@ -14,7 +14,7 @@ import torch
 import torch.multiprocessing as mp
 
 from eaglekit.config import TTTConfig
-from eaglekit.model.drafter import DrafterConfig, Eagle3Drafter
+from eaglekit.model.eagle3 import DrafterConfig, Eagle3Drafter
 
 pytestmark = pytest.mark.slow  # builds, trains or serves models
 

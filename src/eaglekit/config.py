@@ -567,7 +567,7 @@ class TrainConfig(Section):
 
     @model_validator(mode="after")
     def _ttt_keys_need_ttt(self) -> TrainConfig:
-        """The TTT objective's settings do nothing for a block drafter (its objective is training/dflash.py's):
+        """The TTT objective's settings do nothing for a block drafter (its objective is training/block.py's):
         one set away from its default is refused rather than ignored."""
         architecture = self.draft.architecture
         if architecture not in BLOCK_ARCHITECTURES:

@@ -4,7 +4,7 @@ row's value and its gradient with respect to the logits.
 A divergence is one class here, registered by name; the config's ``train.ttt.loss`` accepts exactly the registered
 names (``LossChoice``), with each one's parameters as its keys (``{name: lk_hybrid, eta: 3.0}``, or the bare name for
 the defaults). Adding one is a class and ``@register`` in this file. It sits in the bottom layer because the config
-reads it; the fused head (``training/loss.py``) calls ``rows`` per chunk of rows, so it can form gradients in forward
+reads it; the fused head (``training/head_loss.py``) calls ``rows`` per chunk of rows, so it can form gradients in forward
 without keeping [N, Vd] for backward, and a compiled or CUDA version can wrap exactly this maths.
 
 For a loss of q = softmax(z) with g = ∂L/∂q the chain rule through the softmax gives

@@ -83,7 +83,7 @@ def kept_outputs(ctx: StageContext) -> str:
 
 def disk_situation(ctx: StageContext, path: str | None) -> str:
     """Free space where the write failed, against what the stage's own estimate says it needs."""
-    from eaglekit.preflight.checks import human_bytes
+    from eaglekit.progress import human_bytes
 
     try:
         free = atomic.free_bytes(path or ctx.dir)

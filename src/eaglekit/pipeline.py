@@ -95,14 +95,13 @@ def make_context(cfg: RunConfig, stage: str, force: bool = False, **options: Any
 
 def stage_checks(ctx: StageContext) -> list:
     """The generic checks around the stage's own: the run directory first, the disk last."""
-    from eaglekit.preflight import checks as generic
-    from eaglekit.preflight import disk, processes
+    from eaglekit.preflight import disk, processes, run_directory
 
     return [
-        generic.run_lock,
+        run_directory.run_lock,
         processes.other_processes,
-        generic.upstream_done,
-        generic.output_path,
+        run_directory.upstream_done,
+        run_directory.output_path,
         *ctx.stage_def.checks(ctx.cfg),
         disk.disk_space,
         disk.filesystem,

@@ -30,8 +30,7 @@ from eaglekit import pipeline
 from eaglekit.config import RunConfig
 from eaglekit.contract import Sizes
 from eaglekit.data.shards import bytes_per_token
-from eaglekit.preflight.checks import human_bytes
-from eaglekit.progress import format_duration
+from eaglekit.progress import format_duration, human_bytes
 from eaglekit.rundir import RunDir
 
 

@@ -31,6 +31,15 @@ def format_duration(seconds: float) -> str:
     return f"{h}h{m:02d}m" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
 
 
+def human_bytes(n: float) -> str:
+    """Decimal units (1 GB = 10^9 bytes), as disks and volumes are sold and `df -H` prints them."""
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1000:
+            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} PB"
+
+
 class Meter:
     """Counts units of work and shows rate and ETA. Use as a context manager."""
 

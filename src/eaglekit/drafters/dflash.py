@@ -2,7 +2,7 @@
 target's whole vocabulary, with the target's embedding and head frozen in.
 
 Its parts: the model and its config (``model/dflash.py``), its one export form, vLLM's (``model/dflash_checkpoint.py``),
-the objective (``training/dflash.py``), the proposer (``speculative/block.py``). DSpark (``drafters/dspark.py``)
+the objective (``training/block.py``), the proposer (``speculative/block.py``). DSpark (``drafters/dspark.py``)
 extends this family as its model extends DFlash's.
 """
 
@@ -21,14 +21,14 @@ from eaglekit.data.chat import load_tokenizer
 from eaglekit.drafters.family import Built, LoadChecked, Objective, Verdict, verifier_id
 from eaglekit.errors import EaglekitError, UsageError
 from eaglekit.model import dflash, dflash_checkpoint
-from eaglekit.model.checkpoints import CheckpointInfo
 from eaglekit.model.dflash import DFlashConfig, DFlashDrafter
-from eaglekit.model.drafter import text_config
+from eaglekit.model.eagle3 import text_config
+from eaglekit.model.eagle3_checkpoint import CheckpointInfo
 from eaglekit.model.run_shapes import target_and_aux
 from eaglekit.progress import console
 from eaglekit.serving.engine_features import export_check
+from eaglekit.training.block import BlockObjective
 from eaglekit.training.context_parallel import ContextGroup
-from eaglekit.training.dflash import BlockObjective
 from eaglekit.training.memory import StepMemory
 
 NO_SGLANG = "block drafter: no SGLang form"

@@ -12,8 +12,8 @@ import torch
 from eaglekit.config import DRAFT_KEYS, RunConfig
 from eaglekit.drafters.dflash import DFlashFamily
 from eaglekit.model import dspark, dspark_checkpoint
-from eaglekit.model.drafter import text_config
 from eaglekit.model.dspark import DSparkConfig, DSparkDrafter
+from eaglekit.model.eagle3 import text_config
 
 # vLLM 0.32's CPU build refuses the method before an engine starts (stages/verify.py says so too)
 NOT_ON_CPU = (

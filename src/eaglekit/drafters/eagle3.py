@@ -2,7 +2,7 @@
 vocabulary, trained with training-time test. Llama attention (``drafters/eagle3_llama.py``) and multi-head latent
 attention (``drafters/eagle3_mla.py``) differ only in the layer; what they share is here.
 
-Its parts: the model and its config (``model/drafter.py``), its forms and their loader (``model/checkpoints.py``:
+Its parts: the model and its config (``model/eagle3.py``), its forms and their loader (``model/eagle3_checkpoint.py``:
 the plain form vLLM and SGLang load, and the speculators form), the objective (``training/objective.py``,
 ``training/ttt.py``), the first drafter of a run (``training/init.py``), the proposer (``speculative/decode.py``).
 """
@@ -25,9 +25,9 @@ from eaglekit.data.chat import load_tokenizer
 from eaglekit.data.eval_report import report_markdown
 from eaglekit.drafters.family import Built, LoadChecked, Objective, Verdict, verifier_id
 from eaglekit.errors import EaglekitError
-from eaglekit.model import checkpoints
-from eaglekit.model.checkpoints import CheckpointInfo
-from eaglekit.model.drafter import FLAGS, DrafterConfig, Eagle3Drafter, rope_from_config, text_config
+from eaglekit.model import eagle3_checkpoint
+from eaglekit.model.eagle3 import FLAGS, DrafterConfig, Eagle3Drafter, rope_from_config, text_config
+from eaglekit.model.eagle3_checkpoint import CheckpointInfo
 from eaglekit.model.run_shapes import target_and_aux
 from eaglekit.model.target import embedding_and_head
 from eaglekit.progress import console
@@ -58,7 +58,9 @@ class Eagle3Family:
 
     def parameter_counts(self, dc: DrafterConfig) -> tuple[int, int]:
         """Everything but the frozen [V, H] embedding trains."""
-        weights = {k: prod(shape) for k, (shape, dtype) in checkpoints.expected_state(dc).items() if dtype is None}
+        weights = {
+            k: prod(shape) for k, (shape, dtype) in eagle3_checkpoint.expected_state(dc).items() if dtype is None
+        }
         total = sum(weights.values())
         return total, total - weights["embed_tokens.weight"]
 
@@ -109,13 +111,13 @@ class Eagle3Family:
         detail = f"{self.shape_line(dc)}, hidden {dc.hidden_size}, {trainable / 1e6:.2f}M trainable" + (
             f", {', '.join(flags)}" if flags else ""
         )
-        problems = checkpoints.serving_problems(dc)
+        problems = eagle3_checkpoint.serving_problems(dc)
         if problems:
             return Verdict("fail", detail + ": " + "; ".join(problems), "set train.draft.q_lora_rank")
         advice = self.target_advice(cfg, hf, detail)
         if advice:
             return advice
-        ignored = checkpoints.sglang_ignores(dc)
+        ignored = eagle3_checkpoint.sglang_ignores(dc)
         if ignored:
             return Verdict(
                 "warn",
@@ -126,16 +128,18 @@ class Eagle3Family:
 
     def reads_folder(self, folder: Path) -> bool:
         try:
-            return checkpoints.read_config(Path(folder))[1].architecture == self.name
+            return eagle3_checkpoint.read_config(Path(folder))[1].architecture == self.name
         except EaglekitError:
             return False
 
     def finetune_check(self, cfg: RunConfig, folder: Path, path: str) -> Verdict:
         """A drafter to finetune must fit the target: hidden sizes, vocab, aux layers, heads, positions, tokenizer."""
         try:
-            drafter, _info = checkpoints.load_drafter(folder)
+            drafter, _info = eagle3_checkpoint.load_drafter(folder)
             hf, aux = target_and_aux(cfg)
-            problems = checkpoints.check_compatible(drafter.config, hf, aux, tokenizer_vocab_size=_tokenizer_size(cfg))
+            problems = eagle3_checkpoint.check_compatible(
+                drafter.config, hf, aux, tokenizer_vocab_size=_tokenizer_size(cfg)
+            )
         except EaglekitError as err:
             return Verdict("fail", f"{path}: {err.message}", err.remedy or "check the drafter folder")
         if problems:
@@ -178,14 +182,14 @@ class Eagle3Family:
     def save_checkpoint(self, dc: Any, state: dict[str, torch.Tensor], out: Path) -> None:
         cpu = Eagle3Drafter(dc)
         cpu.load_state_dict(state)
-        checkpoints.save_legacy(cpu, out)
+        eagle3_checkpoint.save_legacy(cpu, out)
 
     # ---- decoding
     def load_checkpoint(self, cfg: RunConfig, path: Path, aux: list[int]) -> tuple[Eagle3Drafter, CheckpointInfo]:
-        return checkpoints.load_drafter(path)
+        return eagle3_checkpoint.load_drafter(path)
 
     def fit_problems(self, drafter: Any, hf: Any, aux: list[int]) -> list[str]:
-        return checkpoints.check_compatible(drafter.config, hf, aux)
+        return eagle3_checkpoint.check_compatible(drafter.config, hf, aux)
 
     def vocab_line(self, dc: Any) -> str:
         return f"{dc.draft_vocab_size}/{dc.vocab_size}"
@@ -280,10 +284,10 @@ def forms_to_write(family: Eagle3Family, requested: list[str]) -> tuple[list[str
 def sglang_aux_problem(cfg: RunConfig, formats: list[str]) -> str | None:
     """Why the legacy (SGLang) form cannot carry this run's aux layers, or None."""
     aux = cfg.target.aux_layers
-    if "eagle3" not in formats or aux is None or checkpoints.sglang_aux_layer_ids(aux) is not None:
+    if "eagle3" not in formats or aux is None or eagle3_checkpoint.sglang_aux_layer_ids(aux) is not None:
         return None
     return (
-        f"target.aux_layers {list(aux)} cannot be written for SGLang: {checkpoints.SGLANG_AUX_RULE}; only aux layers "
+        f"target.aux_layers {list(aux)} cannot be written for SGLang: {eagle3_checkpoint.SGLANG_AUX_RULE}; only aux layers "
         f"starting at hidden_states[2] (written [1, ...]) mean the same layers in every SGLang version"
     )
 
@@ -300,7 +304,7 @@ MLA_SGLANG_AUX_REMEDY = "serve it with vLLM; for SGLang train with target.aux_la
 def serving_problems(drafter_cfg, hf) -> list[str]:
     """RoPE scaling must be the target's (check_compatible compares max_position_embeddings and rope_theta), and the
     engines must be able to load the drafter's layout at all."""
-    problems = checkpoints.serving_problems(drafter_cfg)
+    problems = eagle3_checkpoint.serving_problems(drafter_cfg)
     _, scaling = rope_from_config(hf)
     if (drafter_cfg.rope_scaling or None) != (scaling or None):
         problems.append(f"rope_scaling: the drafter's is {drafter_cfg.rope_scaling}, the target's {scaling}")
@@ -310,7 +314,7 @@ def serving_problems(drafter_cfg, hf) -> list[str]:
 @torch.no_grad()
 def same_logits(source, written_dir: Path) -> None:
     """Load ``written_dir`` back and require the source drafter's logits, bit for bit, on random inputs."""
-    loaded, info = checkpoints.load_drafter(written_dir)
+    loaded, info = eagle3_checkpoint.load_drafter(written_dir)
     if info.missing_embeddings:  # written without embed_tokens: servers take the target's, so must we
         loaded.embed_tokens.weight.copy_(source.embed_tokens.weight.to(loaded.embed_tokens.weight.dtype))
     g = torch.Generator().manual_seed(0)
@@ -332,7 +336,7 @@ def same_logits(source, written_dir: Path) -> None:
 def exported_window(folder: Path) -> int | None:
     """The sliding window an exported EAGLE-3 folder's config.json asks vLLM for (None: full attention)."""
     try:
-        return checkpoints.layer_window(json.loads((folder / "config.json").read_text()))
+        return eagle3_checkpoint.layer_window(json.loads((folder / "config.json").read_text()))
     except (OSError, ValueError):
         return None
 
@@ -381,7 +385,7 @@ def export_eagle3(family: Eagle3Family, ctx: StageContext, load: LoadChecked) ->
         )
     formats, warnings = forms_to_write(family, requested)
     warnings += export_check(cfg, drafter.config, formats)  # refuses a feature the installed engine would drop
-    ignored = checkpoints.sglang_ignores(drafter.config)
+    ignored = eagle3_checkpoint.sglang_ignores(drafter.config)
     if ignored:
         warnings.append(
             f"no SGLang command: SGLang's llama_eagle3.py / kimi_k25_eagle3.py do not read "
@@ -426,9 +430,9 @@ def write_forms(ctx: StageContext, drafter, hf, tokenizer, formats: list[str], w
         with atomic.atomic_dir(dest) as tmp:
             # save_* write atomically themselves: into our (empty) temp folder, which is swapped in whole below
             if form == "eagle3":
-                checkpoints.save_legacy(drafter, tmp, include_embeddings=xc.include_embeddings)
+                eagle3_checkpoint.save_legacy(drafter, tmp, include_embeddings=xc.include_embeddings)
             else:
-                warning = checkpoints.save_speculators(
+                warning = eagle3_checkpoint.save_speculators(
                     drafter,
                     tmp,
                     verifier,

@@ -8,7 +8,7 @@ from typing import Any
 from eaglekit.config import DRAFT_KEYS, RunConfig
 from eaglekit.drafters.eagle3 import Eagle3Family
 from eaglekit.drafters.family import Verdict
-from eaglekit.model.drafter import DrafterConfig, text_config
+from eaglekit.model.eagle3 import DrafterConfig, text_config
 
 
 class Eagle3LlamaFamily(Eagle3Family):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from eaglekit.config import DRAFT_KEYS
 from eaglekit.drafters.eagle3 import Eagle3Family
-from eaglekit.model.drafter import DrafterConfig
+from eaglekit.model.eagle3 import DrafterConfig
 from eaglekit.model.mla import NO_MLA_SPECULATORS
 
 

@@ -13,7 +13,7 @@ from torch import nn
 
 from eaglekit.config import RunConfig, TrainConfig
 from eaglekit.contract import StageContext
-from eaglekit.model.checkpoints import CheckpointInfo
+from eaglekit.model.eagle3_checkpoint import CheckpointInfo
 from eaglekit.training.context_parallel import ContextGroup
 from eaglekit.training.memory import StepMemory
 

@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eaglekit.errors import UsageError
-from eaglekit.model.drafter import rope_from_config, rope_inv_freq, text_config
+from eaglekit.model.eagle3 import rope_from_config, rope_inv_freq, text_config
 from eaglekit.model.layers import MLP, RMSNorm, Rotary, apply_rope, repeat_kv
 
 DEFAULT_LAYERS = 5  # speculators 0.9.0's DFlash recipe (5 layers, block 16, CE with D-PACE)

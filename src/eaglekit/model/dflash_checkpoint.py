@@ -47,8 +47,8 @@ from safetensors.torch import save_file
 
 from eaglekit.atomic import atomic_dir
 from eaglekit.errors import EaglekitError, UsageError
-from eaglekit.model.checkpoints import read_weights
 from eaglekit.model.dflash import DFlashConfig, DFlashDrafter
+from eaglekit.model.eagle3_checkpoint import read_weights
 
 ARCHITECTURE = "DFlashDraftModel"
 FORM = "dflash"  # export/dflash/

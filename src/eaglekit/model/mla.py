@@ -141,7 +141,7 @@ NO_MLA_SPECULATORS = (
 
 
 class MlaLayerKind:
-    """The EAGLE-3 drafter's layer kind with latent attention (``model/drafter.Eagle3LayerKind``), served as
+    """The EAGLE-3 drafter's layer kind with latent attention (``model/eagle3.Eagle3LayerKind``), served as
     vLLM's and SGLang's ``Eagle3DeepseekV2ForCausalLM``."""
 
     windowed = False

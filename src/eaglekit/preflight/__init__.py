@@ -7,7 +7,7 @@ start on any ``fail`` — printing a table that says what to do. Results go into
 
 The checks, one family per file (docs/preflight.md: "What each check family catches"):
 
-    checks.py       the run directory: its lock, the upstream stage, the output folder, the target folder
+    run_directory.py the run directory: its lock, the upstream stage, the output folder, the target folder
     files.py        model files: safetensors headers, sharded indexes, dense embedding/norm/lm_head; feature shards
     dataset.py      the prompts dataset: rows, shapes, bad rows, duplicates, prompts longer than the context
     disk.py         free bytes and inodes, the filesystem (network-backed?), a write-rate probe

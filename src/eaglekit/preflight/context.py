@@ -15,7 +15,7 @@ from pathlib import Path
 from eaglekit.contract import StageContext
 from eaglekit.data.tokens import TokenStore
 from eaglekit.drafters.registry import family_named
-from eaglekit.model.checkpoints import layer_window
+from eaglekit.model.eagle3_checkpoint import layer_window
 from eaglekit.model.target import target_hf_config
 from eaglekit.preflight import CheckResult, ok, skip, warn, will_be_produced
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from eaglekit.contract import StageContext
 from eaglekit.preflight import CheckResult, fail, ok, skip, warn
-from eaglekit.preflight.checks import human_bytes
+from eaglekit.progress import human_bytes
 
 MIN_FREE_INODES = 1000  # a stage that does not say how many files it writes gets this floor
 MOUNTINFO = "/proc/self/mountinfo"

@@ -27,8 +27,8 @@ def _result(check, engine: features.Engine | None) -> CheckResult:
 
 def exported_features_read(ctx: StageContext) -> CheckResult:
     """export: the forms it will write, against the vLLM on this machine."""
-    from eaglekit.model.checkpoints import read_config
     from eaglekit.model.dspark_checkpoint import block_form
+    from eaglekit.model.eagle3_checkpoint import read_config
     from eaglekit.speculative.inputs import checkpoint_path, drafter_family
 
     pending = None if ctx.cfg.evaluate.checkpoint else will_be_produced(ctx, NAME, "train")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from eaglekit.contract import StageContext
 from eaglekit.preflight import CheckResult, fail, ok, warn
-from eaglekit.preflight.checks import human_bytes
+from eaglekit.progress import human_bytes
 
 PACKAGES = ("torch", "transformers", "tokenizers", "safetensors", "accelerate")
 

@@ -243,7 +243,7 @@ def spool_room(ctx: StageContext):
     sample's file (a request larger than the spool could never be sent)."""
     import shutil
 
-    from eaglekit.preflight.checks import human_bytes
+    from eaglekit.progress import human_bytes
 
     cfg, name = ctx.cfg, "feature spool"
     assert cfg.extract.vllm is not None, "declared for extract.mode stream only, which requires extract.vllm"

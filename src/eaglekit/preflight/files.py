@@ -35,7 +35,7 @@ from eaglekit.contract import StageContext
 from eaglekit.data.responses import RESPONSES
 from eaglekit.data.vocab import PREPARED_TOKENS, VOCAB
 from eaglekit.preflight import CheckResult, fail, ok, skip, warn, will_be_produced
-from eaglekit.preflight.checks import human_bytes
+from eaglekit.progress import human_bytes
 
 MAX_HEADER_BYTES = 100_000_000  # safetensors refuses larger headers
 DTYPE_BITS = {

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from eaglekit.contract import StageContext
 from eaglekit.preflight import CheckResult, fail, ok, skip, warn
-from eaglekit.preflight.checks import human_bytes
+from eaglekit.progress import human_bytes
 
 LOADED_SHARE = 0.25  # a GPU whose memory is at least this full holds (a shard of) a model
 LOW_SHARE_OF_MEDIAN = 0.5  # one that uses less than this share of the loaded GPUs' median stands out

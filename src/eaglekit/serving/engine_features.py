@@ -164,7 +164,7 @@ def _windowed(layer: dict) -> bool:
 
 def planned_forms(drafter_config: Any, formats: Iterable[str], k: int = 1) -> dict[str, dict]:
     """The config.json each form in ``formats`` will hold for this drafter config (EAGLE-3, DFlash or DSpark)."""
-    from eaglekit.model import checkpoints
+    from eaglekit.model import eagle3_checkpoint
     from eaglekit.model.dflash import DFlashConfig
 
     if isinstance(drafter_config, DFlashConfig):
@@ -176,9 +176,9 @@ def planned_forms(drafter_config: Any, formats: Iterable[str], k: int = 1) -> di
     out = {}
     for form in formats:
         if form == SPECULATORS:
-            out[form] = checkpoints.speculators_config(drafter_config, None, None, k)
+            out[form] = eagle3_checkpoint.speculators_config(drafter_config, None, None, k)
         else:
-            out[form] = checkpoints.legacy_config(drafter_config)
+            out[form] = eagle3_checkpoint.legacy_config(drafter_config)
     return out
 
 

@@ -34,7 +34,7 @@ from typing import Protocol
 import torch
 from transformers import DynamicCache
 
-from eaglekit.model.drafter import DraftKVCache
+from eaglekit.model.eagle3 import DraftKVCache
 
 
 class Proposer(Protocol):

@@ -17,7 +17,7 @@ from eaglekit.config import RunConfig
 from eaglekit.drafters.family import DrafterFamily
 from eaglekit.drafters.registry import family_named, family_of_folder
 from eaglekit.errors import EaglekitError, UsageError
-from eaglekit.model.checkpoints import CheckpointInfo
+from eaglekit.model.eagle3_checkpoint import CheckpointInfo
 from eaglekit.model.run_shapes import target_and_aux
 from eaglekit.progress import console
 

@@ -29,8 +29,7 @@ from eaglekit.contract import Estimate, Sizes, Stage, StageContext, measured_tim
 from eaglekit.data.eval_report import METHODS, report_markdown
 from eaglekit.drafters.registry import proposer_for
 from eaglekit.errors import EaglekitError, UsageError
-from eaglekit.preflight import checks as common
-from eaglekit.preflight import environment, fail, files, gpus, ok, skip
+from eaglekit.preflight import environment, fail, files, gpus, ok, run_directory, skip
 from eaglekit.preflight.context import serving_context
 from eaglekit.preflight.drafter import drafter_checkpoint, prompts_available
 from eaglekit.progress import Meter, console
@@ -78,7 +77,7 @@ def starting_drafter(ctx: StageContext):
 
 def checks(cfg: RunConfig) -> list:
     return [
-        common.target_folder,
+        run_directory.target_folder,
         files.target_weights,
         environment.software,
         environment.devices,

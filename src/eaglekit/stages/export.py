@@ -21,10 +21,10 @@ from pathlib import Path
 from eaglekit.config import RunConfig
 from eaglekit.contract import Estimate, Sizes, Stage, StageContext, measured_time
 from eaglekit.drafters.registry import parameter_counts
-from eaglekit.preflight import checks as common
-from eaglekit.preflight.checks import human_bytes
+from eaglekit.preflight import run_directory
 from eaglekit.preflight.drafter import as_check, drafter_checkpoint
 from eaglekit.preflight.engine_features import exported_features_read
+from eaglekit.progress import human_bytes
 from eaglekit.rundir import file_identity
 from eaglekit.speculative.inputs import checkpoint_path, drafter_family, load_checked_drafter
 
@@ -50,7 +50,7 @@ def sglang_aux_layers(ctx: StageContext):
 
 
 def checks(cfg: RunConfig) -> list:
-    return [common.target_folder, drafter_checkpoint, verifier_known, sglang_aux_layers, exported_features_read]
+    return [run_directory.target_folder, drafter_checkpoint, verifier_known, sglang_aux_layers, exported_features_read]
 
 
 def estimate(ctx: StageContext, sizes: Sizes | None) -> Estimate:

@@ -44,11 +44,9 @@ from eaglekit.model.target import (
     read_final_norm,
     target_hf_config,
 )
-from eaglekit.preflight import checks as common
-from eaglekit.preflight import disk, environment, fail, files, gpus, ok, skip
-from eaglekit.preflight.checks import human_bytes
+from eaglekit.preflight import disk, environment, fail, files, gpus, ok, run_directory, skip
 from eaglekit.preflight.feature_servers import feature_servers, feature_smoke, feature_storage
-from eaglekit.progress import Meter, console
+from eaglekit.progress import Meter, console, human_bytes
 from eaglekit.training import distributed
 from eaglekit.training.data import pad
 
@@ -182,7 +180,7 @@ def kept(ctx: StageContext) -> str:
 def checks(cfg: RunConfig) -> list:
     if cfg.extract.backend == "vllm":  # the servers compute: no local devices to check, the servers instead
         return [
-            common.target_folder,
+            run_directory.target_folder,
             files.target_weights,
             environment.software,
             feature_servers,
@@ -192,7 +190,7 @@ def checks(cfg: RunConfig) -> list:
             disk.write_rate,
         ]
     return [
-        common.target_folder,
+        run_directory.target_folder,
         files.target_weights,
         environment.software,
         environment.devices,

@@ -29,8 +29,7 @@ from eaglekit.data.prompts import PromptRecord, run_prompts
 from eaglekit.data.reasoning import explain_missing_reasoning, target_reasoning_mode
 from eaglekit.data.responses import RESPONSES, ResponseStore, make_record, quick_counts, summarize
 from eaglekit.errors import EaglekitError
-from eaglekit.preflight import checks as common
-from eaglekit.preflight import dataset, environment, files, gpus
+from eaglekit.preflight import dataset, environment, files, gpus, run_directory
 from eaglekit.preflight import servers as server_checks
 from eaglekit.progress import Meter, console
 from eaglekit.rundir import file_identity
@@ -80,7 +79,7 @@ def checks(cfg: RunConfig) -> list:
             dataset.prompts,
             server_checks.prompts_loaded,
             dataset.prompt_length,
-            common.target_folder,
+            run_directory.target_folder,
             files.target_weights,
             environment.software,
             environment.devices,

@@ -18,8 +18,7 @@ from eaglekit.data.reasoning import has_think_tags
 from eaglekit.data.responses import read_responses
 from eaglekit.data.tokens import write_token_store
 from eaglekit.errors import EaglekitError
-from eaglekit.preflight import checks as common
-from eaglekit.preflight import files
+from eaglekit.preflight import files, run_directory
 from eaglekit.progress import Meter, console
 from eaglekit.rundir import file_identity
 
@@ -52,7 +51,7 @@ def params(cfg: RunConfig) -> dict:
 
 
 def checks(cfg: RunConfig) -> list:
-    return [common.target_folder]
+    return [run_directory.target_folder]
 
 
 BYTES_PER_TOKEN = 5  # int32 token id + uint8 loss mask

@@ -20,11 +20,22 @@ from eaglekit.data.vocab import vocab_origin
 from eaglekit.drafters.registry import family_named, family_of_folder, parameter_counts
 from eaglekit.errors import EaglekitError
 from eaglekit.model.hub import cached_drafter, download_drafter, is_hub_id, local_folder
-from eaglekit.preflight import CheckResult, disk, environment, fail, feature_servers, files, gpus, ok, skip, warn
-from eaglekit.preflight import checks as common
-from eaglekit.preflight.checks import human_bytes
+from eaglekit.preflight import (
+    CheckResult,
+    disk,
+    environment,
+    fail,
+    feature_servers,
+    files,
+    gpus,
+    ok,
+    run_directory,
+    skip,
+    warn,
+)
 from eaglekit.preflight.context import serving_context
 from eaglekit.preflight.drafter import as_check
+from eaglekit.progress import human_bytes
 from eaglekit.rundir import file_identity
 from eaglekit.training.memory import StepMemory, ranks_to_fit
 
@@ -154,7 +165,7 @@ def checks(cfg: RunConfig) -> list:
     else:
         source = [target_placement]
     return [
-        common.target_folder,
+        run_directory.target_folder,
         files.target_weights,
         environment.software,
         environment.devices,
@@ -346,7 +357,7 @@ def stream_estimate(cfg: RunConfig, sizes: Sizes, est: Estimate) -> None:
 
 def kept(ctx: StageContext) -> str:
     """What an interrupted or failed run leaves to resume from."""
-    from eaglekit.training.checkpoint import Checkpoints
+    from eaglekit.training.step_checkpoints import Checkpoints
 
     try:
         latest = Checkpoints(ctx.dir / "checkpoints", ctx.cfg.train.keep_last).latest()

@@ -52,12 +52,11 @@ from eaglekit.data.verify_report import (
 )
 from eaglekit.drafters.registry import proposer_for, vllm_method
 from eaglekit.errors import EaglekitError, UsageError
-from eaglekit.model.checkpoints import ServedSettings, read_config, read_weights, served_settings
-from eaglekit.model.drafter import FLAGS, rope_from_config, text_config
 from eaglekit.model.dspark_checkpoint import block_form
+from eaglekit.model.eagle3 import FLAGS, rope_from_config, text_config
+from eaglekit.model.eagle3_checkpoint import ServedSettings, read_config, read_weights, served_settings
 from eaglekit.model.target import embedding_and_head, load_target, target_hf_config
-from eaglekit.preflight import checks as common
-from eaglekit.preflight import fail, ok, skip, will_be_produced
+from eaglekit.preflight import fail, ok, run_directory, skip, will_be_produced
 from eaglekit.preflight.drafter import drafter_checkpoint, prompts_available
 from eaglekit.preflight.engine_features import served_features_read
 from eaglekit.progress import Meter, console
@@ -203,7 +202,7 @@ def checks(cfg: RunConfig) -> list:
         exported_forms,
         engine_serves_forms,
         served_features_read,
-        common.target_folder,
+        run_directory.target_folder,
         drafter_checkpoint,
         prompts_available,
     ]

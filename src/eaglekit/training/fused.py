@@ -22,9 +22,9 @@ from typing import Literal
 import torch
 
 from eaglekit.errors import UsageError
-from eaglekit.model.drafter import Eagle3Drafter
+from eaglekit.model.eagle3 import Eagle3Drafter
 from eaglekit.training.context_parallel import ContextGroup
-from eaglekit.training.loss import ChunkFn, head_loss_chunk
+from eaglekit.training.head_loss import ChunkFn, head_loss_chunk
 
 AttentionKind = Literal["reference", "sdpa", "flex"]
 

@@ -15,8 +15,8 @@ import torch
 
 from eaglekit.errors import EaglekitError
 from eaglekit.training import distributed as dist
-from eaglekit.training.checkpoint import Checkpoints
 from eaglekit.training.metrics import reduce_device
+from eaglekit.training.step_checkpoints import Checkpoints
 
 
 class NonFiniteTraining(EaglekitError):

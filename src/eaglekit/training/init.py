@@ -11,8 +11,8 @@ import dataclasses
 
 import torch
 
-from eaglekit.model import checkpoints
-from eaglekit.model.drafter import DrafterConfig, Eagle3Drafter
+from eaglekit.model import eagle3_checkpoint
+from eaglekit.model.eagle3 import DrafterConfig, Eagle3Drafter
 from eaglekit.model.hub import drafter_folder
 from eaglekit.progress import console
 from eaglekit.serving.engine_features import check_published
@@ -104,7 +104,9 @@ def build_drafter(cfg, hf_config, d2t, t2d, embed, head, aux_ids, settings: dict
         has_rows = cfg.train.init_lm_head_from_target and head.shape[1] == drafter.config.hidden_size
         return drafter, {"draft_vocab": "vocab stage", "lm_head": freeze_head(drafter, cfg, has_rows)}
     check_published(drafter_folder(cfg.train.init_from), say, cfg.verify.python)  # SpecForge#879, engine drops
-    drafter, _info = checkpoints.load_drafter(drafter_folder(cfg.train.init_from))  # a hub id: pre-flight fetched it
+    drafter, _info = eagle3_checkpoint.load_drafter(
+        drafter_folder(cfg.train.init_from)
+    )  # a hub id: pre-flight fetched it
     drafter = drafter.float()
     if cfg.train.remap_vocab:
         drafter, new_rows = remap_vocab(drafter, d2t, t2d, head if cfg.train.init_lm_head_from_target else None)

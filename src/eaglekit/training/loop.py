@@ -6,7 +6,7 @@ from the target's config, or finetuned from ``train.init_from``) and its objecti
 a block drafter's anchored blocks), the feature source (``training/features.py``: the live target, or offline
 shards plus the target's lm_head), the optimizer and
 schedule (``training/optim.py``), the data order (``training/data.py``), then the loop — micro-batches, an optimizer
-step, logging (``training/metrics.py``), held-out evaluation, checkpoints (``training/checkpoint.py``).
+step, logging (``training/metrics.py``), held-out evaluation, checkpoints (``training/step_checkpoints.py``).
 
 Exact resume: micro-batch u of the run is a function of (seed, u), and a checkpoint holds parameters, optimizer,
 scheduler, step, the open logging window and the RNG states, so a run killed after checkpoint S and resumed repeats
@@ -36,13 +36,22 @@ from eaglekit.data.vocab import load_vocab
 from eaglekit.drafters.family import DrafterFamily
 from eaglekit.drafters.registry import family_of_run
 from eaglekit.interrupt import StopRequest
-from eaglekit.model.drafter import Eagle3Drafter
+from eaglekit.model.eagle3 import Eagle3Drafter
 from eaglekit.model.target import aux_layer_ids, embedding_and_head, load_target, target_hf_config
 from eaglekit.plots import training_curves
 from eaglekit.progress import Meter
 from eaglekit.rundir import RunDir
 from eaglekit.training import distributed as dist
-from eaglekit.training.checkpoint import (
+from eaglekit.training.context_parallel import ContextGroup
+from eaglekit.training.data import Batch, Loader, RunBatches
+from eaglekit.training.early_stop import TauWatch
+from eaglekit.training.features import Features
+from eaglekit.training.guard import refuse_non_finite_step, refuse_non_finite_weights
+from eaglekit.training.init import say
+from eaglekit.training.metrics import Metrics, Window
+from eaglekit.training.objective import TTT, wrap
+from eaglekit.training.optim import build_optimizer, build_scheduler
+from eaglekit.training.step_checkpoints import (
     STATE,
     Checkpoints,
     checkpoint_due,
@@ -53,15 +62,6 @@ from eaglekit.training.checkpoint import (
     set_rng_state,
     without_frozen_embedding,
 )
-from eaglekit.training.context_parallel import ContextGroup
-from eaglekit.training.data import Batch, Loader, RunBatches
-from eaglekit.training.early_stop import TauWatch
-from eaglekit.training.features import Features
-from eaglekit.training.guard import refuse_non_finite_step, refuse_non_finite_weights
-from eaglekit.training.init import say
-from eaglekit.training.metrics import Metrics, Window
-from eaglekit.training.objective import TTT, wrap
-from eaglekit.training.optim import build_optimizer, build_scheduler
 from eaglekit.training.stream import FeatureStream, open_stream
 from eaglekit.training.ttt import simulated_acceptance_length
 

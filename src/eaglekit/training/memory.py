@@ -25,9 +25,9 @@ from typing import Any
 import torch
 
 from eaglekit.config import TTTConfig
-from eaglekit.model.drafter import DrafterConfig, Eagle3Drafter
+from eaglekit.model.eagle3 import DrafterConfig, Eagle3Drafter
 from eaglekit.training.fused import StepKernels
-from eaglekit.training.loss import CHUNK_ELEMENTS, CHUNK_ELEMENTS_DEFAULT
+from eaglekit.training.head_loss import CHUNK_ELEMENTS, CHUNK_ELEMENTS_DEFAULT
 from eaglekit.training.ttt import BLOCK_ELEMENTS, BLOCK_ROWS, ttt_loss
 
 # The widths a calibration drafter scales, those of them the drafter's layer has (a Llama layer its K/V heads, a

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from eaglekit.config import TTTConfig
-from eaglekit.model.drafter import Eagle3Drafter
+from eaglekit.model.eagle3 import Eagle3Drafter
 from eaglekit.training import distributed as dist
 from eaglekit.training.fused import REFERENCE, StepKernels
 from eaglekit.training.ttt import ttt_loss

@@ -21,7 +21,7 @@ other machinery: a position's keys start at its document's start instead of its 
 ``_PrefixAttention``, which then also runs step 0), RoPE positions are the position ids, and a chain
 counts only targets inside its own document.
 
-The draft head and its loss run once, over the rows of every step, through ``training/loss.py`` (no [N, Vd]
+The draft head and its loss run once, over the rows of every step, through ``training/head_loss.py`` (no [N, Vd]
 tensor kept for backward). What the loss is besides the batch (steps, their weights, the divergence, the
 normalisation) comes in as one ``TTTConfig``, the config's ``train.ttt`` section.
 
@@ -45,12 +45,12 @@ from torch.utils.checkpoint import checkpoint
 
 from eaglekit.config import StepWeights, TTTConfig
 from eaglekit.errors import UsageError
-from eaglekit.model.drafter import Eagle3Drafter
+from eaglekit.model.eagle3 import Eagle3Drafter
 from eaglekit.model.layers import repeat_kv, sdpa
 from eaglekit.training.attention import causal_attention, span_attention
 from eaglekit.training.context_parallel import ContextShard
 from eaglekit.training.fused import REFERENCE, StepKernels
-from eaglekit.training.loss import HeadTargets, head_soft_cross_entropy
+from eaglekit.training.head_loss import HeadTargets, head_soft_cross_entropy
 
 # Blocks of _PrefixAttention: at most this many score elements (rows x keys x heads), bounding the transient
 # memory, and at most BLOCK_ROWS rows, so a block's key range stops near its last row (causal work is ~halved).

@@ -52,7 +52,7 @@ from safetensors.torch import load_file, save_file
 
 from eaglekit.atomic import atomic_dir
 from eaglekit.errors import EaglekitError, UsageError
-from eaglekit.model.drafter import FLAGS, LAYERS, DrafterConfig, Eagle3Drafter, rope_from_config, text_config
+from eaglekit.model.eagle3 import FLAGS, LAYERS, DrafterConfig, Eagle3Drafter, rope_from_config, text_config
 
 LEGACY, SPECULATORS = "legacy", "speculators"
 SPECULATORS_ARCHITECTURE = "Eagle3Speculator"

@@ -17,15 +17,6 @@ from eaglekit.contract import StageContext
 from eaglekit.preflight import CheckResult, fail, ok, skip, warn, will_be_produced
 
 
-def human_bytes(n: float) -> str:
-    """Decimal units (1 GB = 10^9 bytes), as disks and volumes are sold and `df -H` prints them."""
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if abs(n) < 1000:
-            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} PB"
-
-
 def run_lock(ctx: StageContext) -> CheckResult:
     lock = ctx.run.lock
     h = lock.holder() or {}

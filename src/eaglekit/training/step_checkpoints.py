@@ -20,7 +20,7 @@ from eaglekit import atomic
 from eaglekit.drafters.family import DrafterFamily
 from eaglekit.errors import EaglekitError
 from eaglekit.interrupt import StopRequest
-from eaglekit.model.drafter import Eagle3Drafter
+from eaglekit.model.eagle3 import Eagle3Drafter
 from eaglekit.training import distributed as dist
 from eaglekit.training.metrics import reduce_device
 
