@@ -1,5 +1,5 @@
-"""Long context: τ by context length on the long-context tiny target, for EAGLE-3 drafters trained on short rows,
-with and without a sliding window (docs/long-context.md).
+"""Long context: τ by context length on the long-context tiny target, for EAGLE-3 (or, with --family dflash, DFlash)
+drafters trained on short rows, with and without a sliding window (docs/long-context.md).
 
 Writes, under --out, training prompts of evaluate's "<1k" group (the replies' rows stay under ~650 tokens: trained
 short) and evaluation prompts of every group (~450, ~2.6K, ~8.8K, ~19.9K tokens), then runs `eaglekit run --until
@@ -7,6 +7,7 @@ evaluate` once per drafter and seed (generate with the target in-process, prepar
 prints τ per context group from each run's evaluate/report.json. Offline decoding only (no engine); asserts nothing.
 
     python benchmarks/long_context.py --out /tmp/long --windows none,256 --seeds 0
+    python benchmarks/long_context.py --out /tmp/long-dflash --family dflash --windows none,256 --seeds 0
 """
 
 from __future__ import annotations
@@ -26,6 +27,14 @@ from eaglekit.tiny import ensure_long_target
 from eaglekit.tiny.long_build import write_long_prompts
 
 GROUPS = ("<1k", "1-4k", "4-16k", ">16k")
+# --family: the drafter's train.draft besides its window, and the export forms it is served from (export.formats and
+# verify.formats name EAGLE-3's; a block drafter has its one form). DFlash as benchmarks/dflash_vs_eagle3.py trains it
+# (2 layers, block 8), with the one k_norm vLLM's CPU build serves exactly (for --served).
+FAMILIES: dict[str, tuple[dict, dict]] = {
+    "llama": ({"intermediate_size": 256}, {"formats": ["eagle3"]}),
+    "dflash": ({"architecture": "dflash", "intermediate_size": 256, "num_layers": 2, "block_size": 8,
+                "shared_k_norm": True}, {}),
+}  # fmt: skip
 
 
 def write_prompts(out: Path, train: int, per_group: int) -> tuple[Path, Path]:
@@ -39,10 +48,9 @@ def write_prompts(out: Path, train: int, per_group: int) -> tuple[Path, Path]:
 
 
 def config(target: Path, train_file: Path, eval_file: Path, run_dir: Path, window: int | None, seed: int,
-           ks: list[int], steps: int) -> dict:  # fmt: skip
-    draft: dict = {"intermediate_size": 256}
-    if window is not None:
-        draft["sliding_window"] = window
+           ks: list[int], steps: int, family: str = "llama") -> dict:  # fmt: skip
+    shape, forms = FAMILIES[family]
+    draft: dict = {**shape, "sliding_window": window}  # None written out: no window, whatever the default
     return {
         "run_dir": str(run_dir),
         "target": {"model": str(target)},
@@ -54,10 +62,10 @@ def config(target: Path, train_file: Path, eval_file: Path, run_dir: Path, windo
                   "save_every": steps, "ttt": {"steps": 4}, "seed": seed, "draft": draft},
         "evaluate": {"prompts": str(eval_file), "num_samples": 10_000, "num_speculative_tokens": ks,
                      "temperatures": [0.0], "max_new_tokens": 96},
-        "export": {"verifier": None, "formats": ["eagle3"]},
+        "export": {"verifier": None, **forms},
         # --served: vLLM's CPU build serves the exported drafter on the same prompts; verify places each served
         # pass by the context it drafted from (vLLM's per-request counts), beside eaglekit's offline decoding
-        "verify": {"engine": "vllm", "formats": ["eagle3"], "num_speculative_tokens": ks, "tau_tolerance": 1.0,
+        "verify": {"engine": "vllm", **forms, "num_speculative_tokens": ks, "tau_tolerance": 1.0,
                    "position_tolerance": 1.0, "greedy_tolerance": 1.0},
     }  # fmt: skip
 
@@ -118,6 +126,7 @@ def kept(by: dict) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--family", default="llama", choices=sorted(FAMILIES), help="the drafter family trained")
     p.add_argument("--windows", default="none,256", help="comma-separated: none (full attention) or a window")
     p.add_argument("--seeds", default="0")
     p.add_argument("--k", default="3", help="comma-separated draft lengths evaluated on each trained drafter")
@@ -141,7 +150,7 @@ def main() -> None:
             report_path = args.out / name / "evaluate" / "report.json"
             if not report_path.exists():  # a finished run is read again, so seeds run apart aggregate here
                 path.write_text(yaml.safe_dump(config(target, train_file, eval_file, args.out / name, window, seed,
-                                                      ks, args.steps)))  # fmt: skip
+                                                      ks, args.steps, args.family)))  # fmt: skip
                 subprocess.run([*cli, "run", str(path), "--until", "evaluate"], env=env, check=True)
             report = json.loads(report_path.read_text())
             for row in (r for r in report["results"] if r["method"] == "eagle" and r["k"] in ks):
