@@ -19,6 +19,7 @@ def test_serving_far_beyond_the_training_documents_is_warned_before_training(tmp
     assert "the target's max_position_embeddings" in healthy.detail
 
     cfg.evaluate.context_lengths = [4096, 32768]
+    cfg.train.draft.sliding_window = None  # no window asked for (auto would window it: tests/test_window_default.py)
     far = serving_context(make_context(cfg, "train"))
     assert far.status == "warn" and "32,768" in far.detail and "95th percentile" in far.detail
     assert "train.draft.sliding_window" in far.remedy
@@ -117,6 +118,8 @@ def test_the_window_remedy_is_offered_where_a_window_can_be_trained(tmp_path, ti
     check = serving_context(make_context(cfg, "train"))
     assert check.status == "warn" and "sliding_window" not in check.remedy and "longer documents" in check.remedy
     cfg.train.draft.architecture = "dflash"
+    assert serving_context(make_context(cfg, "train")).status == "ok"  # auto windows it
+    cfg.train.draft.sliding_window = None
     assert "train.draft.sliding_window" in serving_context(make_context(cfg, "train")).remedy
 
 

@@ -243,6 +243,7 @@ class ExtractConfig(Section):
         return self.mode == "stream"
 
 
+AUTO: Literal["auto"] = "auto"  # train.draft.sliding_window's default, resolved by model/sliding_window.py
 BLOCK_ARCHITECTURES = ("dflash", "dspark")  # the block-drafter family's train.draft.architecture values
 
 
@@ -323,13 +324,26 @@ class DraftModelConfig(Section):
         None, ge=1, description="dspark: rank of the Markov head's transition bias over the vocabulary (default 256)"
     )
     # long context (docs/long-context.md)
-    sliding_window: int | None = Field(
-        None,
-        ge=2,
+    sliding_window: Annotated[int, Field(ge=2)] | Literal["auto"] | None = Field(
+        AUTO,
         description="llama, dflash, dspark: the drafter attends the last N positions only (vLLM's sliding_window: "
         "the query's own position and the N-1 before it; a block drafter's block becomes causal, as vLLM and SGLang "
-        "serve a sliding DFlash layer), in training, evaluate's decoding and the exported config (layer_types)",
+        "serve a sliding DFlash layer), in training, evaluate's decoding and the exported config (layer_types). "
+        "auto (the default): when the drafter is served 4x or more beyond its training documents' 95th-percentile "
+        "length (evaluate.context_lengths, else a long target's max_position_embeddings), a window of the largest "
+        "power of two no longer than that length, at most 2,048; otherwise none (model/sliding_window.py). "
+        "null (or off): no window",
     )
+
+    @field_validator("sliding_window", mode="before")
+    @classmethod
+    def _window_off(cls, value: Any) -> Any:
+        # YAML reads an unquoted off/false/no as False: each says "no window", as null does
+        if value is False or (isinstance(value, str) and value.strip().lower() in ("off", "none")):
+            return None
+        if value is True:
+            raise ValueError("true is not a window: write auto, a number of positions (e.g. 2048) or null (none)")
+        return value
 
     @field_validator("architecture")
     @classmethod
@@ -343,7 +357,8 @@ class DraftModelConfig(Section):
         """A key the chosen architecture does not read would do nothing: it is refused, named with the family."""
         architecture = self.architecture or "llama"
         stray = [name for name in sorted(self.model_fields_set) if name not in DRAFT_KEYS[architecture]]
-        stray = [name for name in stray if getattr(self, name) not in (None, False)]  # false flags ask nothing
+        # false flags ask nothing, nor does auto (a family without the choice has it decided: no window)
+        stray = [name for name in stray if getattr(self, name) not in (None, False, AUTO)]
         if stray:
             owners = {name: [a for a, keys in DRAFT_KEYS.items() if name in keys] for name in stray}
             listed = "; ".join(f"{name} ({', '.join(owners[name])})" for name in stray)

@@ -29,6 +29,7 @@ from eaglekit.model import eagle3_checkpoint
 from eaglekit.model.eagle3 import FLAGS, DrafterConfig, Eagle3Drafter, rope_from_config, text_config
 from eaglekit.model.eagle3_checkpoint import CheckpointInfo
 from eaglekit.model.run_shapes import target_and_aux
+from eaglekit.model.sliding_window import draft_window
 from eaglekit.model.target import embedding_and_head
 from eaglekit.progress import console
 from eaglekit.serving.engine_features import export_check
@@ -50,8 +51,8 @@ class Eagle3Family:
 
     # ---- the drafter a fresh run builds
     def draft_settings(self, cfg: RunConfig) -> dict[str, Any]:
-        """``train.draft`` as a fresh drafter of this family is built from it."""
-        return cfg.train.draft.model_dump()
+        """``train.draft`` as a fresh drafter of this family is built from it (its window as auto resolves it)."""
+        return cfg.train.draft.model_dump() | {"sliding_window": draft_window(cfg).window}
 
     def drafter_config(self, cfg: RunConfig, hf: Any, aux: list[int]) -> DrafterConfig:
         return DrafterConfig.from_target_config(hf, cfg.vocab.draft_vocab_size, aux, **self.draft_settings(cfg))

@@ -51,6 +51,7 @@ from torch import nn
 from eaglekit.errors import UsageError
 from eaglekit.model.eagle3 import rope_from_config, rope_inv_freq, text_config
 from eaglekit.model.layers import MLP, RMSNorm, Rotary, apply_rope, repeat_kv
+from eaglekit.model.sliding_window import draft_window
 
 DEFAULT_LAYERS = 5  # speculators 0.9.0's DFlash recipe (5 layers, block 16, CE with D-PACE)
 DEFAULT_BLOCK_SIZE = 16
@@ -211,7 +212,7 @@ def config_for_run(cfg: Any, hf_config: Any, aux_layer_ids: list[int], vocab_siz
         num_attention_heads=draft.num_attention_heads,
         num_key_value_heads=draft.num_key_value_heads,
         head_dim=draft.head_dim,
-        sliding_window=draft.sliding_window,
+        sliding_window=draft_window(cfg).window,  # auto resolved
     )
 
 

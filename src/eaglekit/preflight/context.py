@@ -4,7 +4,10 @@ EAGLE-3 drafters trained on short rows lose most of their acceptance far past th
 drafter: τ 2.30 at 2K context, 1.69 at 8K, 1.09 at 16K on LongBench-v2, speculators#684), while the same drafter
 with a sliding window holds. Nothing fails loudly there: the served drafter simply stops paying for itself. This
 check says so before training, from the prepared documents and ``evaluate.context_lengths`` (default: the
-target's ``max_position_embeddings``, which vLLM serves up to unless told otherwise).
+target's ``max_position_embeddings``, which vLLM serves up to unless told otherwise): what
+``train.draft.sliding_window: auto`` (the default) chose from the same figures (``model/sliding_window.py``), and a
+warning where the drafter is still served far beyond its training without a window (set to null, a family without
+windows, a finetune) or has a window longer than its training documents.
 """
 
 from __future__ import annotations
@@ -13,19 +16,12 @@ import json
 from pathlib import Path
 
 from eaglekit.contract import StageContext
-from eaglekit.data.tokens import TokenStore
 from eaglekit.drafters.registry import family_named
 from eaglekit.model.eagle3_checkpoint import layer_window
-from eaglekit.model.target import target_hf_config
+from eaglekit.model.sliding_window import FAR_BEYOND, draft_window, served_context, training_lengths
 from eaglekit.preflight import CheckResult, ok, skip, warn, will_be_produced
 
 NAME = "serving context"
-# Served this many times beyond the training documents' 95th percentile, a plain drafter has lost most of its
-# acceptance in the published measurements (4x: 2K -> 8K, τ -27 %; 8x: τ -53 %).
-FAR_BEYOND = 4.0
-# Without evaluate.context_lengths the target's own context stands for what is served only where it is long: a model
-# of a few thousand positions is served at short contexts (the built-in tiny target: 1,024).
-LONG_CONTEXT = 8192
 
 
 def serving_context(ctx: StageContext) -> CheckResult:
@@ -36,57 +32,56 @@ def serving_context(ctx: StageContext) -> CheckResult:
     tokens = ctx.run.stage_dir("prepare") / "tokens.safetensors"
     if not tokens.exists():
         return skip(NAME, f"{tokens} not there yet")
-    lengths = TokenStore(tokens).lengths.double()
-    if lengths.numel() == 0:
+    trained = training_lengths(cfg)
+    if trained is None:
         return skip(NAME, "no prepared documents")
-    p95, longest = int(lengths.quantile(0.95)), int(lengths.max())
-    if cfg.evaluate.context_lengths:
-        served, source = max(cfg.evaluate.context_lengths), "evaluate.context_lengths"
-    else:
-        served = int(getattr(target_hf_config(cfg.target), "max_position_embeddings", 0) or 0)
-        source = "the target's max_position_embeddings"
-        if not served:
-            return skip(NAME, "the target's config has no max_position_embeddings; set evaluate.context_lengths")
-    window, windowable = drafter_window(cfg)
-    trained = f"documents of up to {p95:,} tokens (95th percentile; the longest {longest:,})"
+    served = served_context(cfg)
+    if served is None:
+        return skip(NAME, "the target's config has no max_position_embeddings; set evaluate.context_lengths")
+    window, windowable, why = drafter_window(cfg)
+    documents = trained.words()
+    where = f"served at up to {served.tokens:,} ({served.source})"
     if window is not None:
-        if p95 < window:
+        if trained.p95 < window:
             return warn(
                 NAME,
-                f"the drafter attends a {window:,}-token window but trains on {trained}: the far part of its window "
-                "is never trained, and it is served at up to "
-                f"{served:,} tokens ({source})",
+                f"the drafter attends a {window:,}-token window but trains on {documents}: the far part of its "
+                f"window is never trained, and it is {where}",
                 "train on documents at least as long as the window (longer replies or prepare.max_length), or "
-                "set train.draft.sliding_window to about the training length",
+                "set train.draft.sliding_window to about the training length (auto chooses one: remove the key)",
             )
-        return ok(NAME, f"a {window:,}-token window, trained on {trained}; served at up to {served:,} ({source})")
-    ratio = served / max(p95, 1)
-    if ratio >= FAR_BEYOND and (cfg.evaluate.context_lengths or served >= LONG_CONTEXT):
+        return ok(NAME, f"a {window:,}-token window ({why}), trained on {documents}; {where}")
+    ratio = served.tokens / max(trained.p95, 1)
+    if ratio >= FAR_BEYOND and served.long:
         return warn(
             NAME,
-            f"the drafter trains on {trained} and will be served at up to {served:,} ({source}), {ratio:.0f}x "
-            "longer: drafters trained short lose most of their acceptance far past their training length (τ 2.30 "
-            "at 2K context, 1.09 at 16K: speculators#684)",
+            f"the drafter trains on {documents} and will be {where}, {ratio:.0f}x longer, with no window ({why}): "
+            "drafters trained short lose most of their acceptance far past their training length (τ 2.30 at 2K "
+            "context, 1.09 at 16K: speculators#684)",
             (
-                f"train.draft.sliding_window: {min(2048, max(p95, 2)):,} (a window the training documents fill; "
-                "docs/long-context.md), or train on longer documents"
-                if windowable
-                else "train on longer documents (eaglekit trains windows for fresh llama EAGLE-3 and block drafters only)"
+                "train on longer documents (eaglekit trains windows for fresh llama EAGLE-3 and block drafters only)"
+                if not windowable
+                else "remove train.draft.sliding_window: null (auto then windows the drafter: docs/long-context.md), "
+                "or train on longer documents"
+                if cfg.train.draft.sliding_window is None
+                else "train on longer documents"
             )
             + ", or set evaluate.context_lengths to the contexts you serve",
         )
-    return ok(NAME, f"trained on {trained}; served at up to {served:,} ({source})")
+    return ok(NAME, f"trained on {documents}; {where}; no window ({why})")
 
 
-def drafter_window(cfg) -> tuple[int | None, bool]:
-    """(the sliding window the trained drafter will have, whether train.draft.sliding_window can give it one): a
-    finetune keeps its own (read from a local init_from's config.json), a fresh drafter takes train.draft's."""
+def drafter_window(cfg) -> tuple[int | None, bool, str]:
+    """(the sliding window the trained drafter will have, whether train.draft.sliding_window can give it one, where
+    the window comes from): a finetune keeps its own (read from a local init_from's config.json), a fresh drafter
+    takes train.draft's, auto as model/sliding_window.py resolves it."""
     if cfg.train.init_from:
         config = Path(cfg.train.init_from) / "config.json"
         try:
             raw = json.loads(config.read_text())
         except (OSError, ValueError):
-            return None, False
+            return None, False, f"{cfg.train.init_from} has no readable config.json"
         layer = raw.get("transformer_layer_config") if isinstance(raw.get("transformer_layer_config"), dict) else raw
-        return layer_window(layer), False
-    return cfg.train.draft.sliding_window, family_named(cfg.train.draft.architecture).windowed
+        return layer_window(layer), False, f"train.init_from {cfg.train.init_from}'s own"
+    choice = draft_window(cfg)
+    return choice.window, family_named(cfg.train.draft.architecture).windowed, choice.why

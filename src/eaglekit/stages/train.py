@@ -20,6 +20,7 @@ from eaglekit.data.vocab import vocab_origin
 from eaglekit.drafters.registry import family_named, family_of_folder, parameter_counts
 from eaglekit.errors import EaglekitError
 from eaglekit.model.hub import cached_drafter, download_drafter, is_hub_id, local_folder
+from eaglekit.model.sliding_window import draft_window
 from eaglekit.preflight import (
     CheckResult,
     disk,
@@ -35,7 +36,7 @@ from eaglekit.preflight import (
 )
 from eaglekit.preflight.context import serving_context
 from eaglekit.preflight.drafter import as_check
-from eaglekit.progress import human_bytes
+from eaglekit.progress import console, human_bytes
 from eaglekit.rundir import file_identity
 from eaglekit.training.memory import StepMemory, ranks_to_fit
 
@@ -50,6 +51,9 @@ def params(cfg: RunConfig) -> dict:
     # when checkpoints are written does not change the drafter, nor how many ranks split each row (the step is the
     # same computed either way, tests/test_context_parallel.py): editing them must not make a run stale
     p = cfg.train.model_dump(exclude={"save_every_minutes", "context_parallel"})
+    # the window the drafter trains with, not "auto": a changed serving context or training length that moves it
+    # makes the drafter stale, and auto resolving to what an explicit value said does not
+    p["draft"]["sliding_window"] = draft_window(cfg).window
     p |= files.read_identities(cfg, "target", "tokens", "vocab")
     p["eval_fraction"] = cfg.data.eval_fraction
     p["features"] = cfg.extract.mode
@@ -141,7 +145,7 @@ def drafter_shape(ctx: StageContext):
     """The drafter this run trains, derived from the target and train.draft by its family: refused now rather
     than at step 0 (and a better family suggested where there is one)."""
     cfg = ctx.cfg
-    explicit = {k: v for k, v in cfg.train.draft.model_dump().items() if v is not None}
+    explicit = {k: v for k, v in cfg.train.draft.model_dump(exclude_defaults=True).items() if v is not None}
     if cfg.train.init_from:
         if explicit:
             return warn(
@@ -254,7 +258,8 @@ def step_memory_check(ctx: StageContext):
         )
     remedies.append(
         "shorter rows (prepare.max_length / train.pack_length) or train.batch_size: 1, with a sliding window "
-        "(train.draft.sliding_window) so that the drafter keeps its acceptance past the rows it trained on"
+        "(train.draft.sliding_window: auto chooses one when you serve far beyond the rows) so that the drafter keeps "
+        "its acceptance past the rows it trained on"
     )
     if target:
         remedies.append("offline features (extract.mode: offline), so the target is not on the GPU while training")
@@ -289,6 +294,9 @@ def estimate(ctx: StageContext, sizes: Sizes | None) -> Estimate:
             )
         except Exception as err:  # noqa: BLE001 - a config eaglekit cannot derive a drafter from: pre-flight says why
             est.how.append(f"checkpoints: unknown ({err})")
+    if not cfg.train.init_from:
+        choice = draft_window(cfg)
+        est.how.append(f"sliding window: {choice.shown} — {choice.why}")
     try:
         both = step_memory_both(cfg)
     except Exception as err:  # noqa: BLE001 - as above: pre-flight names the drafter's problem
@@ -390,6 +398,10 @@ def live_counts(stage_dir: Path) -> dict:
 def run(ctx: StageContext) -> dict:
     from eaglekit.training.loop import train
 
+    if not ctx.cfg.train.init_from:  # what auto chose, in the log and the ledger
+        choice = draft_window(ctx.cfg)
+        console.print(f"train: sliding window {choice.shown} ({choice.why})")
+        ctx.ledger_extra["sliding_window"] = {"window": choice.window, "why": choice.why}
     check = feature_servers.stream_capture_check(ctx.cfg) if ctx.cfg.extract.streamed else None
     counts = train(ctx.cfg, ctx.run, ctx.dir, ctx.resuming, capture_check=check)
     tc = ctx.cfg.train

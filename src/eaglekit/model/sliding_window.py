@@ -1,0 +1,146 @@
+"""The sliding window a run's drafter trains with: ``train.draft.sliding_window`` as written, or, for ``auto`` (the
+default), chosen from the context the drafter will be served at against the length of the documents it trains on.
+
+A drafter trained on short rows loses its acceptance when served far beyond them (a Qwen3-8B EAGLE-3 drafter: τ 2.30
+at 2K context, 1.09 at 16K, speculators#684); one whose window is no longer than its training rows keeps it. On the
+long-context tiny target (benchmarks/RESULTS.md, "τ by context length, three seeds, K=3 and K=5, with intervals"),
+rows of ~650 tokens, windows of 256 and 512 kept 95-98 % of the < 1K τ at > 16K against 69-74 % for the plain
+drafter, and gave up nothing measurable at < 1K. So ``auto`` windows the drafter when it is served FAR_BEYOND times
+its training documents' 95th-percentile length or more, with the largest power of two no longer than that length
+(every distance the window spans was trained), at most LARGEST_AUTO_WINDOW; otherwise, and for a family that takes no
+window (MLA), it attends the whole context. A target of a few thousand positions served at its own context is short:
+the built-in tiny target (1,024) keeps full attention, and the demo's figures with it. Pre-flight's serving-context
+check (preflight/context.py) reads the same figures.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from eaglekit.config import AUTO, DRAFT_KEYS, RunConfig
+from eaglekit.data.tokens import TokenStore
+from eaglekit.data.vocab import PREPARED_TOKENS
+from eaglekit.errors import EaglekitError
+from eaglekit.model.target import target_hf_config
+
+# Served this many times beyond the training documents' 95th percentile, a plain drafter has lost most of its
+# acceptance in the published measurements (4x: 2K -> 8K, τ -27 %; 8x: τ -53 %).
+FAR_BEYOND = 4.0
+# Without evaluate.context_lengths the target's own context stands for what is served only where it is long: a model
+# of a few thousand positions is served at short contexts (the built-in tiny target: 1,024).
+LONG_CONTEXT = 8192
+# speculators' window on every draft layer by default: longer windows than it are not chosen for the user
+LARGEST_AUTO_WINDOW = 2048
+
+
+@dataclass(frozen=True)
+class ServedContext:
+    tokens: int  # the longest context the drafter will be served at
+    source: str  # where that figure comes from
+    long: bool  # whether it stands for a long served context (given, or a target of LONG_CONTEXT positions or more)
+
+
+@dataclass(frozen=True)
+class TrainingLengths:
+    p95: int  # the prepared documents' 95th-percentile length, in tokens
+    longest: int
+    prepared: bool  # False: prepare has not written them yet, and prepare.max_length stands in for both
+
+    def words(self) -> str:
+        if not self.prepared:
+            return f"documents of up to {self.p95:,} tokens (prepare.max_length, until prepare has written them)"
+        return f"documents of up to {self.p95:,} tokens (95th percentile; the longest {self.longest:,})"
+
+
+@dataclass(frozen=True)
+class WindowChoice:
+    window: int | None  # the drafter's sliding window; None: it attends the whole context
+    why: str  # in words: the setting, or what auto read and chose
+
+    @property
+    def shown(self) -> str:
+        return "none" if self.window is None else f"{self.window:,}"
+
+
+def served_context(cfg: RunConfig) -> ServedContext | None:
+    """The context the drafter will be served at: evaluate.context_lengths, else the target's
+    max_position_embeddings (vLLM's default max_model_len); None when neither says (an unreadable target's config
+    is pre-flight's to name)."""
+    if cfg.evaluate.context_lengths:
+        return ServedContext(max(cfg.evaluate.context_lengths), "evaluate.context_lengths", True)
+    try:
+        served = int(getattr(target_hf_config(cfg.target), "max_position_embeddings", 0) or 0)
+    except EaglekitError:
+        return None
+    if not served:
+        return None
+    return ServedContext(served, "the target's max_position_embeddings", served >= LONG_CONTEXT)
+
+
+def training_lengths(cfg: RunConfig) -> TrainingLengths | None:
+    """The prepared documents' lengths (prepare.max_length stands in before prepare has run); None: prepare wrote
+    no documents, or a file eaglekit cannot read (train's own reading names it)."""
+    tokens = Path(cfg.run_dir) / PREPARED_TOKENS
+    try:
+        stat = tokens.stat()
+    except OSError:
+        return TrainingLengths(cfg.prepare.max_length, cfg.prepare.max_length, prepared=False)
+    try:
+        return _lengths(str(tokens), stat.st_mtime_ns, stat.st_size)
+    except EaglekitError:
+        return None
+
+
+@lru_cache(maxsize=8)
+def _lengths(path: str, mtime_ns: int, size: int) -> TrainingLengths | None:
+    """Read once per version of the file: plan, pre-flight and the drafter's config all ask (mtime and size key it)."""
+    lengths = TokenStore(path).lengths.double()
+    if lengths.numel() == 0:
+        return None
+    return TrainingLengths(int(lengths.quantile(0.95)), int(lengths.max()), prepared=True)
+
+
+def draft_window(cfg: RunConfig) -> WindowChoice:
+    """The window a fresh drafter of this run trains with, and why (module docstring); a finetune keeps its own."""
+    setting = cfg.train.draft.sliding_window
+    if setting != AUTO:
+        shown = "null (full attention)" if setting is None else f"{setting:,}"
+        return WindowChoice(setting, f"train.draft.sliding_window: {shown}")
+    architecture = cfg.train.draft.architecture or "llama"
+    if cfg.train.init_from:
+        return WindowChoice(None, "auto: train.init_from keeps its own window")
+    if "sliding_window" not in DRAFT_KEYS[architecture]:
+        return WindowChoice(None, f"auto: off (architecture {architecture} takes no sliding window)")
+    served = served_context(cfg)
+    if served is None:
+        return WindowChoice(
+            None,
+            "auto: off (the served context is unknown: no max_position_embeddings in the target's config; "
+            "set evaluate.context_lengths)",
+        )
+    where = f"served at up to {served.tokens:,} ({served.source})"
+    if not served.long:
+        return WindowChoice(
+            None, f"auto: off ({where}: a short context; set evaluate.context_lengths to what you serve)"
+        )
+    trained = training_lengths(cfg)
+    if trained is None:
+        return WindowChoice(None, "auto: off (no readable prepared documents)")
+    ratio = served.tokens / max(trained.p95, 1)
+    if ratio < FAR_BEYOND:
+        return WindowChoice(
+            None, f"auto: off ({where}, {ratio:.1f}x the training {trained.words()}: under {FAR_BEYOND:g}x)"
+        )
+    size = min(LARGEST_AUTO_WINDOW, 1 << (trained.p95.bit_length() - 1))
+    if size <= cfg.train.ttt.steps:
+        return WindowChoice(
+            None,
+            f"auto: off ({where}, but the training {trained.words()} leave a window of {size} positions, "
+            f"not longer than train.ttt.steps {cfg.train.ttt.steps})",
+        )
+    rule = "the largest power of two not longer than them" + (
+        f", at most {LARGEST_AUTO_WINDOW:,}" if size == LARGEST_AUTO_WINDOW else ""
+    )
+    return WindowChoice(size, f"auto: {size:,} ({where}, {ratio:.0f}x the training {trained.words()}; {rule})")

@@ -1,0 +1,177 @@
+"""train.draft.sliding_window: auto, the default (model/sliding_window.py): the drafter is windowed when it will be
+served 4x or more beyond its training documents' 95th-percentile length, with the largest power of two no longer than
+that length (at most 2,048, longer than train.ttt.steps), and attends everything otherwise; explicit values win. The
+choice reaches the train stage's parameters, the drafter it builds, its checkpoint and export, plan and pre-flight."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from test_extract import prepared_run
+
+from eaglekit.config import DraftModelConfig, parse_config
+from eaglekit.data.tokens import TokenStore
+from eaglekit.drafters.registry import fresh_drafter_config
+from eaglekit.errors import UsageError
+from eaglekit.model.sliding_window import draft_window
+from eaglekit.pipeline import fingerprint, make_context, run_stage
+from eaglekit.preflight.context import serving_context
+from eaglekit.rundir import RunDir
+from eaglekit.stages import train
+
+
+def p95(cfg) -> int:
+    lengths = TokenStore(Path(cfg.run_dir) / "prepare" / "tokens.safetensors").lengths.double()
+    return int(lengths.quantile(0.95))
+
+
+@pytest.fixture
+def prepared(tmp_path, tiny_target):
+    return prepared_run(tmp_path, tiny_target, n=24)
+
+
+def test_auto_windows_a_drafter_served_far_beyond_its_documents(prepared):
+    cfg = prepared
+    assert cfg.train.draft.sliding_window == "auto"  # the default
+    longest = p95(cfg)
+    power = 1 << (longest.bit_length() - 1)
+    assert power <= longest < 2 * power and power > cfg.train.ttt.steps
+
+    # the tiny target's own 1,024 positions: a short served context, no window (the demo's drafter stays as it was)
+    short = draft_window(cfg)
+    assert short.window is None and "a short context" in short.why
+    assert fresh_drafter_config(cfg).sliding_window is None
+
+    cfg.evaluate.context_lengths = [4 * longest]  # served 4x the documents: windowed, every attended distance trained
+    on = draft_window(cfg)
+    assert on.window == power, on
+    assert "95th percentile" in on.why and "largest power of two" in on.why
+    assert fresh_drafter_config(cfg).sliding_window == power  # the drafter train builds
+    cfg.evaluate.context_lengths = [4 * longest - 1]  # just under 4x: full attention
+    under = draft_window(cfg)
+    assert under.window is None and "under 4x" in under.why
+
+    cfg.evaluate.context_lengths = [1 << 20]
+    cfg.train.ttt.steps = power  # a window must be longer than the TTT chain: none then
+    chained = draft_window(cfg)
+    assert chained.window is None and "train.ttt.steps" in chained.why
+
+
+def test_auto_before_prepare_reads_prepare_max_length_and_caps_at_2048(tmp_path, tiny_target):
+    """plan runs before prepare: prepare.max_length stands in for the documents, and the window is at most 2,048
+    (speculators' default) however long they are."""
+    base = {"run_dir": "run", "target": {"model": str(tiny_target)}, "data": {"prompts": "p.jsonl"}}
+    cfg = parse_config({**base, "prepare": {"max_length": 6000}, "evaluate": {"context_lengths": [131072]}},
+                       base_dir=tmp_path)  # fmt: skip
+    choice = draft_window(cfg)
+    assert choice.window == 2048 and "prepare.max_length" in choice.why and "at most 2,048" in choice.why
+    cfg.evaluate.context_lengths = [20000]  # 3.3x the stand-in: off
+    assert draft_window(cfg).window is None
+
+
+def test_explicit_windows_win_and_null_or_off_says_none(prepared):
+    cfg = prepared
+    cfg.evaluate.context_lengths = [1 << 20]
+    cfg.train.draft.sliding_window = 100
+    assert draft_window(cfg).window == 100 and fresh_drafter_config(cfg).sliding_window == 100
+    cfg.train.draft.sliding_window = None  # served far beyond, and no window asked for: none
+    assert draft_window(cfg).window is None and "null" in draft_window(cfg).why
+    assert fresh_drafter_config(cfg).sliding_window is None
+    check = serving_context(make_context(cfg, "train"))  # pre-flight warns, and names auto's way out
+    assert check.status == "warn" and "remove train.draft.sliding_window: null" in check.remedy
+
+    # YAML's unquoted off / false and the word none are null; true is no size
+    for written in (None, False, "off", "none"):
+        assert DraftModelConfig(sliding_window=written).sliding_window is None
+    assert DraftModelConfig().sliding_window == "auto"
+    with pytest.raises(ValueError, match="true is not a window"):
+        DraftModelConfig(sliding_window=True)
+    with pytest.raises(ValueError):
+        DraftModelConfig(sliding_window=1)
+
+
+def test_mla_takes_no_window_so_auto_is_off_there(prepared):
+    cfg = prepared
+    cfg.evaluate.context_lengths = [1 << 20]
+    cfg.train.draft.architecture = "mla"
+    choice = draft_window(cfg)
+    assert choice.window is None and choice.why == "auto: off (architecture mla takes no sliding window)"
+    assert DraftModelConfig(architecture="mla", sliding_window="auto").sliding_window == "auto"  # said, not refused
+    with pytest.raises(UsageError, match="architecture mla does not read sliding_window"):
+        parse_config({"target": {"model": "x"}, "data": {"prompts": "p"},
+                      "train": {"draft": {"architecture": "mla", "sliding_window": 512}}})  # fmt: skip
+    check = serving_context(make_context(cfg, "train"))  # pre-flight still warns: nothing holds this drafter
+    assert check.status == "warn" and "takes no sliding window" in check.detail
+
+
+def test_block_drafters_take_the_auto_window(prepared):
+    cfg = prepared
+    cfg.evaluate.context_lengths = [1 << 20]
+    cfg.train.draft.architecture = "dflash"
+    cfg.train.draft.mask_token_id = 0
+    window = draft_window(cfg).window
+    assert window is not None and fresh_drafter_config(cfg).sliding_window == window
+
+
+def test_the_resolved_window_is_the_train_stages_parameter(prepared):
+    """Recorded resolved, not as "auto": serving longer moves the fingerprint (the drafter must be retrained);
+    writing out the value auto chose does not."""
+    cfg = prepared
+    short = fingerprint(cfg, "train")
+    assert train.params(cfg)["draft"]["sliding_window"] is None
+    cfg.evaluate.context_lengths = [1 << 20]
+    window = draft_window(cfg).window
+    assert train.params(cfg)["draft"]["sliding_window"] == window
+    served_long = fingerprint(cfg, "train")
+    assert served_long != short
+    cfg.train.draft.sliding_window = window
+    assert fingerprint(cfg, "train") == served_long
+
+
+def test_pre_flight_and_plan_say_what_auto_chose(prepared):
+    cfg = prepared
+    cfg.evaluate.context_lengths = [1 << 20]
+    window = draft_window(cfg).window
+    check = serving_context(make_context(cfg, "train"))
+    assert check.status == "ok" and f"a {window:,}-token window (auto: {window:,}" in check.detail
+    from eaglekit.planning import plan
+
+    doc = plan(cfg, free_bytes=1 << 40, write_bytes_per_s=1e9)
+    (row,) = [s for s in doc["stages"] if s["stage"] == "train"]
+    line = next(h for h in row["how"] if h.startswith("sliding window"))
+    assert line.startswith(f"sliding window: {window:,} — auto: {window:,} (served at up to 1,048,576")
+
+
+def test_the_auto_window_reaches_the_checkpoint_the_export_and_the_sglang_command(prepared):
+    cfg = prepared
+    cfg.evaluate.context_lengths = [1 << 20]
+    for key, value in {"max_steps": 2, "eval_every": 2, "save_every": 2, "eval_samples": 4, "warmup_steps": 1}.items():
+        setattr(cfg.train, key, value)
+    cfg.export.formats = ["eagle3"]
+    window = draft_window(cfg).window
+    with RunDir(cfg.run_dir).lock:
+        run_stage(cfg, "train", skip_preflight=True)
+        run_stage(cfg, "export", skip_preflight=True, formats=["eagle3"])
+    run = Path(cfg.run_dir)
+    checkpoint = json.loads((run / "train" / "checkpoints" / "best" / "config.json").read_text())
+    exported = json.loads((run / "export" / "eagle3" / "config.json").read_text())
+    for config in (checkpoint, exported):
+        assert config["layer_types"] == ["sliding_attention"] and config["sliding_window"] == window
+    assert f"--speculative-draft-window-size {window}" in (run / "export" / "README.md").read_text()
+    ledger = [json.loads(line) for line in (run / "ledger.jsonl").read_text().splitlines()]
+    (start,) = [e for e in ledger if e["stage"] == "train" and e["event"] == "start"]
+    (end,) = [e for e in ledger if e["stage"] == "train" and e["event"] == "end"]
+    assert start["params"]["draft"]["sliding_window"] == window
+    assert end["sliding_window"]["window"] == window and end["sliding_window"]["why"].startswith("auto:")
+
+
+def test_the_demo_keeps_full_attention(tmp_path, tiny_target):
+    """The demo's target serves 1,024 positions: auto leaves its drafter, and the README's figures, as they were."""
+    from eaglekit.demo import demo_config
+
+    cfg = parse_config({**demo_config(tiny_target), "run_dir": "run"}, base_dir=tmp_path)
+    assert cfg.train.draft.sliding_window == "auto"
+    choice = draft_window(cfg)
+    assert choice.window is None and "a short context" in choice.why
