@@ -187,15 +187,51 @@ class VllmFeaturesConfig(ServerPoolConfig):
     timeout: float = Field(600.0, gt=0, description="seconds per request, and per wait for its file")
 
 
+class MooncakeStoreConfig(Section):
+    """extract.stream.transport mooncake: the Mooncake store speculators' MooncakeHiddenStatesConnector (hs-connectors)
+    puts each request's hidden states into. The keys are that connector's ``kv_connector_extra_config.mooncake``
+    keys, with its defaults; `eaglekit serve-command CONFIG` prints them for the servers."""
+
+    master_server_address: str = Field("127.0.0.1:50051", min_length=1, description="the mooncake_master, host:port")
+    metadata_server: str = Field(
+        "P2PHANDSHAKE",
+        min_length=1,
+        description="P2PHANDSHAKE (no metadata server), or http://host:port/metadata (mooncake_master "
+        "--enable_http_metadata_server), or an etcd address",
+    )
+    protocol: Literal["tcp", "rdma"] = "tcp"
+    device_name: str = Field("", description="RDMA device(s), e.g. mlx5_0 or mlx5_0,mlx5_1; empty: Mooncake chooses")
+    local_hostname: str | None = Field(
+        None,
+        description="this machine's address as the servers reach it (default: $MOONCAKE_LOCAL_HOSTNAME, else the "
+        "host name's address, as hs-connectors does); each server sets its own in $MOONCAKE_LOCAL_HOSTNAME",
+    )
+    global_segment_size: int = Field(
+        4 << 30,
+        ge=1 << 20,
+        description="bytes of memory each server lends the store (where the hidden states wait until read); "
+        "extract.stream.spool_gb must fit in 90% of the servers' segments together (the master evicts above that)",
+    )
+    local_buffer_size: int = Field(2 << 30, ge=1 << 20, description="each server's Mooncake staging buffer, bytes")
+
+
 class FeatureStreamConfig(Section):
     """extract.mode stream: train asks the vLLM feature servers (extract.vllm) for each upcoming micro-batch's
     hidden states instead of reading shards; nothing but the servers' in-flight request files is stored."""
 
+    transport: Literal["file", "mooncake"] = Field(
+        "file",
+        description="how the hidden states travel from the servers: file: vLLM's hidden-states connector writes a "
+        "file per request to extract.vllm.storage_path; mooncake: speculators' MooncakeHiddenStatesConnector puts "
+        "them into a Mooncake store (extract.stream.mooncake), over TCP or RDMA, no shared folder",
+    )
+    mooncake: MooncakeStoreConfig = Field(default_factory=MooncakeStoreConfig)
+
     spool_gb: float = Field(
         4.0,
         gt=0,
-        description="GB the servers' hidden-states files may take in extract.vllm.storage_path at once: requests "
-        "wait while the files of those in flight would pass it",
+        description="GB the servers' hidden-states files may take in extract.vllm.storage_path at once (with "
+        "transport mooncake: the entries in the Mooncake store): requests wait while those in flight would pass it",
     )
     ahead: int = Field(4, ge=1, description="micro-batches assembled ahead of the optimizer (held in memory)")
     cache_gb: float = Field(
@@ -205,6 +241,12 @@ class FeatureStreamConfig(Section):
         "of encoded features in memory and reuses them (the rest is requested again); the held-out rows are kept "
         "between evaluations up to max(cache_gb, 1 GB), else requested again at each evaluation",
     )
+
+    @model_validator(mode="after")
+    def _mooncake_only_with_its_transport(self) -> FeatureStreamConfig:
+        if self.transport != "mooncake" and "mooncake" in self.model_fields_set:
+            raise ValueError("mooncake is set but transport is 'file': set transport: mooncake, or remove mooncake")
+        return self
 
 
 class ExtractConfig(Section):

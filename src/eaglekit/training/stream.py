@@ -42,6 +42,7 @@ import torch
 from eaglekit.data.shards import Rows, encode
 from eaglekit.errors import EaglekitError
 from eaglekit.serving.client import RequestFailed
+from eaglekit.serving.vllm_features import TransportGone
 from eaglekit.training.data import Batch, RunBatches
 
 GB = 1e9
@@ -54,7 +55,8 @@ CHECK_LOGPROBS = 5  # prompt_logprobs they ask per position (as extract's pre-fl
 
 
 class FeatureServersGone(EaglekitError):
-    """Every feature server stayed out of rotation past extract.vllm.outage_timeout."""
+    """Every feature server stayed out of rotation past extract.vllm.outage_timeout, or the transport between them and
+    this process did (the Mooncake master)."""
 
 
 def request_prefix(run_dir: str | os.PathLike, rank: int) -> str:
@@ -390,6 +392,11 @@ class FeatureStream:
                 "check the servers (`eaglekit preflight CONFIG --stage train`), then rerun the same command: it "
                 "resumes at the last checkpoint with the same data order",
             ) from None
+        except TransportGone as err:
+            raise FeatureServersGone(
+                f"stream: {err.message}",
+                f"{err.remedy}, then rerun the same command: it resumes at the last checkpoint with the same data order",
+            ) from None
         except EaglekitError as err:
             if err.message.startswith(NO_SERVER):
                 raise FeatureServersGone(
@@ -455,6 +462,7 @@ def open_stream(cfg, run_dir: str | os.PathLike, batches: RunBatches, rank: int,
     from eaglekit.serving.vllm_features import (
         FeatureClient,
         feature_api_key,
+        feature_transport,
         served_model,
         server_layer_ids,
         vllm_settings,
@@ -468,9 +476,10 @@ def open_stream(cfg, run_dir: str | os.PathLike, batches: RunBatches, rank: int,
     dtype = getattr(hf, "torch_dtype", None) or getattr(hf, "dtype", None)
     if not isinstance(dtype, torch.dtype):
         dtype = torch.bfloat16
+    transport = feature_transport(cfg)  # one for the stream: a Mooncake client joins the store once
     return FeatureStream(
         batches,
-        lambda: FeatureClient(v, key, model, layer_ids, hf.hidden_size, norm, prefix),
+        lambda: FeatureClient(v, key, model, layer_ids, hf.hidden_size, norm, prefix, transport=transport),
         cfg.extract.dtype,
         spool_bytes=int(s.spool_gb * GB),
         bytes_per_token=server_bytes_per_token(len(layer_ids), hf.hidden_size, dtype),
