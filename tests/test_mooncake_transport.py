@@ -570,5 +570,43 @@ def test_the_mooncake_settings_are_checked_against_the_servers(tmp_path):
         parse_config(stream_config(tmp_path, mooncake={"protocol": "rdma"}))
 
 
+def test_pre_flight_sizes_the_store_not_a_folder(tmp_path):
+    """With the Mooncake transport the storage folder is not read, and the spool is sized against the servers'
+    segments."""
+    from types import SimpleNamespace
+
+    from eaglekit.config import parse_config
+    from eaglekit.preflight.feature_servers import feature_storage, spool_room
+
+    def ctx(**stream):
+        cfg = stream_config(tmp_path, transport="mooncake", **stream)
+        cfg["extract"]["vllm"]["storage_path"] = str(tmp_path / "not-here")
+        return SimpleNamespace(cfg=parse_config(cfg), run=SimpleNamespace(stage_dir=lambda name: tmp_path / name))
+
+    assert feature_storage(ctx()).status == "skip"
+    fits = spool_room(ctx(spool_gb=4))
+    assert fits.status == "ok" and "of the servers' Mooncake segments" in fits.detail
+    assert spool_room(ctx(spool_gb=8)).status == "fail"
+
+
+def test_a_reply_that_is_no_mooncake_manifest_is_named():
+    from eaglekit.serving.mooncake_transport import parse_manifest
+    from eaglekit.serving.vllm_features import ServerSetupError
+
+    with pytest.raises(ServerSetupError, match="writes hidden-states files"):
+        parse_manifest({"hidden_states_path": "/hs/cmpl-p-0-1-0-ab.safetensors"}, "http://a/v1")
+    with pytest.raises(ServerSetupError, match="without kv_transfer_params.handle"):
+        parse_manifest({}, "http://a/v1")
+    with pytest.raises(ServerSetupError, match="manifest of version None") as err:  # hs-connectors' layout before 0.9
+        parse_manifest({"handle": "cmpl-p-0-1-0-ab"}, "http://a/v1")
+    assert "hs-connectors==0.9.0" in (err.value.remedy or "")
+    good = packed_manifest("cmpl-p-0-1-0-ab", states_of([1, 2, 3]), torch.tensor([1, 2, 3]))
+    entry = parse_manifest(good, "http://a/v1")
+    assert entry.size == 256 and entry.tensors["token_ids"][2] == 192  # 3*4*8*2 = 192 bytes, then 24 aligned to 64
+    good["tensors"]["token_ids"]["offset"] = 240
+    with pytest.raises(ServerSetupError, match="past the object's 256 bytes"):
+        parse_manifest(good, "http://a/v1")
+
+
 if __name__ == "__main__" and sys.argv[1:2] == ["serve"]:
     serve(sys.argv[2:])
