@@ -48,7 +48,7 @@ from eaglekit.data.verify_report import (
     verdict_counts,
 )
 from eaglekit.drafters.diagnosis import ServedDrafter
-from eaglekit.drafters.registry import family_of_folder, family_of_run, proposer_for, vllm_method
+from eaglekit.drafters.registry import family_of_folder, proposer_for, vllm_method
 from eaglekit.errors import EaglekitError, UsageError
 from eaglekit.model.target import load_target
 from eaglekit.preflight import fail, ok, run_directory, skip, will_be_produced
@@ -72,6 +72,7 @@ from eaglekit.speculative.inputs import (
     checkpoint_path,
     decode_threads,
     decoding_inputs,
+    drafter_family,
     first_difference,
     written_forms,
 )
@@ -164,7 +165,7 @@ def exported_forms(ctx: StageContext):
 def engine_serves_forms(ctx: StageContext):
     """A form the configured engine cannot serve is named here, before an engine starts for it."""
     vc = ctx.cfg.verify
-    family = family_of_run(ctx.cfg)
+    family = drafter_family(ctx.cfg)  # the trained checkpoint's
     if vc.engine != "vllm" or family.vllm_cpu_refusal is None:
         return ok("engine serves the forms", "nothing this engine is known to refuse")
     try:
@@ -636,7 +637,7 @@ def compare_suite(run: ServedRun, offline: Offline, group: tuple[str, str], tole
 def diagnose(cfg: RunConfig, folder: Path, engine: str, aux: list[int], runs: list[dict] | None = None) -> list[dict]:
     """The causes of the served folder's family (``DrafterFamily.diagnose``), most frequent first, each checked
     against what ``engine`` reads from ``folder``; ``runs`` are the compared runs that served it."""
-    family = family_of_folder(folder) or family_of_run(cfg)
+    family = family_of_folder(folder) or drafter_family(cfg)
     return family.diagnose(ServedDrafter(cfg, folder, engine, list(aux), checkpoint_path(cfg), list(runs or [])))
 
 
