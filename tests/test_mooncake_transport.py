@@ -407,11 +407,14 @@ def test_an_error_marker_is_sent_again_and_leftovers_of_the_prefix_are_removed(m
     other = clients.inspector()
     debris = torch.ones(100, dtype=torch.uint8)
     assert other.register_buffer(debris.data_ptr(), 100) == 0
-    for key in ("cmpl-p-17-1-0-deadbeef", "cmpl-p-18-1-0-deadbeef:error", "cmpl-other-1-1-0-0"):
+    ours, rank1, other_run = "eks0123456789-r0", "eks0123456789-r1", "eks9876543210-r0"  # as stream.request_prefix
+    keys = [f"cmpl-{ours}-17-1-0-deadbeef", f"cmpl-{ours}-18-1-0-deadbeef:error"]
+    kept = [f"cmpl-{rank1}-17-1-0-deadbeef", f"cmpl-{other_run}-1-1-0-0"]
+    for key in keys + kept:
         assert other.put_from(key, debris.data_ptr(), 100) == 0
     transport = clients.transport(2.0)
-    assert transport.remove_leftovers("p") == 2
-    assert other.batch_is_exist(["cmpl-p-17-1-0-deadbeef", "cmpl-other-1-1-0-0"]) == [0, 1]
+    assert transport.remove_leftovers(ours) == 2
+    assert other.batch_is_exist(keys + kept) == [0, 0, 1, 1]
 
     server = servers("--mode", "mooncake", "--master", master.address, "--error-on", "1")
 

@@ -223,6 +223,7 @@ class MooncakeTransport:
         self._located: dict[str, Entry] = {}  # handles a reply named, not yet received
         self._buffers: list[torch.Tensor] = []  # registered receive buffers not in use
         self._kept: list[torch.Tensor] = []  # buffers a failed transfer may still write into: never reused or freed
+        self._master_gone = False  # set with TransportGone: cleaning up then would only wait on the master again
 
     @property
     def store(self) -> Any:
@@ -314,6 +315,7 @@ class MooncakeTransport:
             now = time.monotonic()
             since = since if since is not None else now
             if now - since >= self.outage_timeout:
+                self._master_gone = True
                 raise TransportGone(
                     f"the Mooncake master at {self.settings.master_server_address} has not answered for "
                     f"{self.outage_timeout:g}s (extract.vllm.outage_timeout; status {statuses[0]})",
@@ -332,6 +334,8 @@ class MooncakeTransport:
     def _forget(self, where: Entry) -> None:
         with self._lock:
             self._located.pop(where.handle, None)
+        if self._master_gone:  # its objects went with it (a master keeps them in memory only)
+            return
         for key in (where.handle, where.error_key):
             self.store.remove(key, True)  # a master gone meanwhile leaves them: the next remove_leftovers takes them
 

@@ -9,7 +9,8 @@ the batch and puts it on a queue of ``extract.stream.ahead`` micro-batches. Boun
 - disk: a request reserves its file's bytes (tokens × captured states × hidden × the server's bytes per value, learnt
   from the files) from ``SpoolBudget`` before it is sent and gives them back once its file is read and deleted, so
   the servers' files in the storage folder never pass ``extract.stream.spool_gb``; reservations are served in order
-  (a long sample is never starved by short ones);
+  (a long sample is never starved by short ones). With ``extract.stream.transport: mooncake`` the same bound holds
+  for the run's objects in the Mooncake store (``serving/mooncake_transport.py``: freed = removed from the store);
 - memory: ``ahead`` micro-batches being assembled and ``ahead`` waiting on the queue;
 - epochs past the first request the features again, or reuse those kept under ``extract.stream.cache_gb``.
 
