@@ -82,6 +82,7 @@ def serve(argv: list[str]) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mode", choices=["mooncake", "file"], required=True)
     parser.add_argument("--master", default="")
+    parser.add_argument("--metadata", default="P2PHANDSHAKE")
     parser.add_argument("--storage", default="")
     parser.add_argument("--error-on", type=int, default=0, help="the request number whose put fails")
     parser.add_argument("--delay", type=float, default=0.02, help="seconds the engine takes per request")
@@ -92,7 +93,7 @@ def serve(argv: list[str]) -> None:
         from mooncake.store import MooncakeDistributedStore
 
         store = MooncakeDistributedStore()
-        assert store.setup("127.0.0.1", "P2PHANDSHAKE", SEGMENT, 16 << 20, "tcp", "", args.master) == 0
+        assert store.setup("127.0.0.1", args.metadata, SEGMENT, 16 << 20, "tcp", "", args.master) == 0
         put_done: set[str] = set()
 
         def measure() -> None:  # the store's bytes of this server's objects, seen from the producer's side
@@ -183,12 +184,18 @@ def free_port() -> int:
 class Master:
     """A real mooncake_master from the wheel (the binary itself: the console script forks it) on 127.0.0.1."""
 
-    def __init__(self, log: Path):
+    def __init__(self, log: Path, http_metadata: bool = False):
         import mooncake
 
         self.port = free_port()
         binary = Path(mooncake.__file__).parent / "mooncake_master"
         args = [str(binary), f"--rpc_port={self.port}", "--rpc_address=127.0.0.1", f"--metrics_port={free_port()}"]
+        self.metadata_server = "P2PHANDSHAKE"
+        if http_metadata:  # the master's own metadata server instead of the peer-to-peer handshake
+            port = free_port()
+            args += ["--enable_http_metadata_server=true", f"--http_metadata_server_port={port}"]
+            args += ["--http_metadata_server_host=127.0.0.1"]
+            self.metadata_server = f"http://127.0.0.1:{port}/metadata"
         self.proc = subprocess.Popen(
             [*args, "--metrics_host=127.0.0.1"], stdout=log.open("wb"), stderr=subprocess.STDOUT
         )
@@ -256,7 +263,9 @@ def servers():
 def settings(master: Master, **kw):
     from eaglekit.config import MooncakeStoreConfig
 
-    return MooncakeStoreConfig(master_server_address=master.address, local_hostname="127.0.0.1", **kw)
+    return MooncakeStoreConfig(
+        master_server_address=master.address, metadata_server=master.metadata_server, local_hostname="127.0.0.1", **kw
+    )
 
 
 def vllm_cfg(url: str, storage: Path, **kw):
@@ -341,6 +350,31 @@ def test_the_store_gives_the_file_spools_features_and_frees_each_entry(master, s
     assert list(storage.iterdir()) == []
     assert clients.inspector().remove_by_regex("^cmpl-.*", True) == 0  # nothing left in the store
     assert transport.held_bytes("p") == 0
+
+
+@needs_mooncake
+def test_the_masters_http_metadata_server_serves_as_well(servers, tmp_path):
+    """metadata_server http://host:port/metadata (mooncake_master --enable_http_metadata_server) instead of
+    P2PHANDSHAKE: the same request arrives whole and is removed."""
+    import asyncio
+
+    from eaglekit.serving.mooncake_transport import MooncakeTransport
+
+    master = Master(tmp_path / "master.log", http_metadata=True)
+    transport = MooncakeTransport(settings(master), 20, 2.0)
+    try:
+        server = servers("--mode", "mooncake", "--master", master.address, "--metadata", master.metadata_server)
+
+        async def one():
+            async with feature_client(vllm_cfg(server.url, tmp_path), transport) as client:
+                return await client.capture(0, SAMPLES[2])
+
+        captured = asyncio.run(one())
+        assert torch.equal(captured.aux[:, HIDDEN : 2 * HIDDEN], states_of(SAMPLES[2])[:, 1])
+        assert transport.remove_leftovers("p") == 0  # read and removed
+    finally:
+        transport.close()
+        master.kill()
 
 
 @needs_mooncake
