@@ -13,11 +13,12 @@ clock: the same held-out evaluations in both). The stream's report says who wait
     .venv/bin/python benchmarks/stream_vs_offline.py --run runs/bench-stream --servers 1 --concurrency 1
 
 ``--crossover`` instead runs the stream alone along a ladder that makes the trainer faster relative to the servers
-(fewer servers and requests in flight, then fewer TTT steps a micro-batch, then more samples a micro-batch), each
-rung ``--rounds`` times, and prints the trainer's and the servers' micro-batch rates side by side with the stage's
-verdict (trainer-bound / server-bound): the crossover is the rung where trainer ÷ servers passes 1.
+(one server with one request in flight instead of two with four, then fewer TTT steps a micro-batch, then more
+samples a micro-batch; the fast trainer again with both servers), each rung ``--rounds`` times, and prints the
+trainer's and the servers' rates side by side with the stage's verdict (trainer-bound / server-bound): the crossover
+is where trainer ÷ servers passes 1.
 
-    .venv/bin/python benchmarks/stream_vs_offline.py --run runs/bench-stream --crossover --rounds 2   # ~12 minutes
+    .venv/bin/python benchmarks/stream_vs_offline.py --run runs/bench-stream --crossover --rounds 3   # ~8 minutes
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ def variant(root: Path, base: Path, data: dict, name: str, extract: dict, steps:
 
 
 # (servers, in flight each, TTT steps, batch size): the trainer faster relative to the servers, rung after rung
-LADDER = [(2, 4, 3, 4), (1, 1, 3, 4), (1, 1, 2, 4), (1, 1, 1, 4), (1, 1, 1, 8), (2, 4, 1, 8)]
+LADDER = [(2, 4, 3, 4), (1, 1, 3, 4), (1, 1, 2, 4), (1, 1, 1, 4), (2, 4, 1, 4), (1, 1, 1, 8), (2, 4, 1, 8)]
 
 
 def crossover(root: Path, base: Path, data: dict, vllm: dict, args) -> list[dict]:
@@ -112,17 +113,19 @@ def crossover(root: Path, base: Path, data: dict, vllm: dict, args) -> list[dict
             with RunDir(cfg.run_dir).lock:
                 s = run_stage(cfg, "train", skip_preflight=True)["counts"]["stream"]
             ratio = s["trainer_micro_batches_per_s"] / max(s["server_micro_batches_per_s"], 1e-9)
+            per_batch = s["server_tokens_per_s"] / max(s["server_micro_batches_per_s"], 1e-9)  # tokens a micro-batch
             row = {"servers": servers, "in_flight": in_flight, "ttt": ttt, "batch": batch, "round": r,
                    "trainer_mb_s": s["trainer_micro_batches_per_s"], "server_mb_s": s["server_micro_batches_per_s"],
-                   "server_tok_s": s["server_tokens_per_s"], "trainer_over_servers": round(ratio, 2),
+                   "trainer_tok_s": round(s["trainer_micro_batches_per_s"] * per_batch),
+                   "server_tok_s": round(s["server_tokens_per_s"]), "trainer_over_servers": round(ratio, 2),
                    "bound": s["bound"], "trainer_waited_s": s["trainer_waited_s"], "queue_full_s": s["queue_full_s"],
                    "seconds": s["seconds"]}  # fmt: skip
             rows.append(row)
             print(
-                f"{servers} server(s) x {in_flight}, ttt {ttt}, batch {batch}, round {r}: trainer {row['trainer_mb_s']} "
-                f"mb/s, servers {row['server_mb_s']} mb/s ({row['server_tok_s']:,.0f} tok/s), trainer/servers "
-                f"{row['trainer_over_servers']}, {row['bound']} (trainer waited {row['trainer_waited_s']}s, queue full "
-                f"{row['queue_full_s']}s of {row['seconds']}s)",
+                f"{servers} server(s) x {in_flight}, ttt {ttt}, batch {batch}, round {r}: trainer "
+                f"{row['trainer_mb_s']} mb/s ({row['trainer_tok_s']:,} tok/s), servers {row['server_mb_s']} mb/s "
+                f"({row['server_tok_s']:,} tok/s), trainer/servers {row['trainer_over_servers']}, {row['bound']} "
+                f"(trainer waited {row['trainer_waited_s']}s, queue full {row['queue_full_s']}s of {row['seconds']}s)",
                 flush=True,
             )
     return rows

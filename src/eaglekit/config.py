@@ -185,6 +185,18 @@ class VllmFeaturesConfig(ServerPoolConfig):
     # each request carries a whole sample's hidden states to disk: fewer in flight than generate's replies
     concurrency: int = Field(8, ge=1, description="in-flight requests per server")
     timeout: float = Field(600.0, gt=0, description="seconds per request, and per wait for its file")
+    gpu_memory_utilization: float | None = Field(
+        None,
+        gt=0,
+        lt=1,
+        description="vLLM's --gpu-memory-utilization for the servers (`serve-command` prints it): the share of each "
+        "of its GPUs' memory a server takes (weights, KV cache, activations); unset: vLLM's default, 0.9",
+    )
+    shares_trainer_gpus: bool = Field(
+        False,
+        description="extract.mode stream: the servers run on the GPUs train uses (one node): plan and train's "
+        "pre-flight add their gpu_memory_utilization × the GPU's memory to the drafter's step memory per GPU",
+    )
 
 
 class FeatureStreamConfig(Section):
