@@ -188,7 +188,7 @@ class VllmFeaturesConfig(ServerPoolConfig):
     gpu_memory_utilization: float | None = Field(
         None,
         gt=0,
-        lt=1,
+        le=1,
         description="vLLM's --gpu-memory-utilization for the servers (`serve-command` prints it): the share of each "
         "of its GPUs' memory a server takes (weights, KV cache, activations); unset: vLLM's default, 0.9",
     )
