@@ -96,21 +96,21 @@ def test_servers_beside_the_trainer_are_refused_where_both_do_not_fit_and_the_na
 ):
     cfg = stream_config(tmp_path, tiny_target, shares_trainer_gpus=True)
     step = step_bytes(cfg)
-    total = 4 * step  # vLLM's default 0.9 leaves 0.4 steps; 0.75 leaves exactly one
+    total = 4 * step  # vLLM's default 0.92 leaves 0.32 steps; 0.75 leaves exactly one
     nvml([gpu(i, used=0, total=total / 1e9) for i in range(8)])
     assert train_stage.shared_gpu_memory in train_stage.checks(cfg)
 
     refused = train_stage.shared_gpu_memory(pipeline.make_context(cfg, "train"))
     assert refused.status == "fail", refused.detail
-    assert "0.9 ×" in refused.detail and "vLLM's default" in refused.detail and "does not fit" in refused.detail
+    assert "0.92 ×" in refused.detail and "vLLM's default" in refused.detail and "does not fit" in refused.detail
     assert "extract.vllm.gpu_memory_utilization: 0.75" in refused.remedy
-    assert "train.ttt.activation_checkpointing: true" not in refused.remedy  # it would not fit at 0.9 either
+    assert "train.ttt.activation_checkpointing: true" not in refused.remedy  # it would not fit at 0.92 either
     assert "train.batch_size" in refused.remedy and "shares_trainer_gpus: false" in refused.remedy
 
     cfg = stream_config(tmp_path, tiny_target, shares_trainer_gpus=True, gpu_memory_utilization=0.75)
     fits = train_stage.shared_gpu_memory(pipeline.make_context(cfg, "train"))
     assert fits.status == "ok", fits.detail
-    assert fits.detail.startswith("8 GPU(s), the smallest GPU 0") and "0.75 ×" in fits.detail
+    assert fits.detail.startswith("GPU 0 (") and "(the smallest of 8 GPUs)" in fits.detail and "0.75 ×" in fits.detail
 
     cfg = stream_config(tmp_path, tiny_target, shares_trainer_gpus=True, gpu_memory_utilization=0.76)
     assert train_stage.shared_gpu_memory(pipeline.make_context(cfg, "train")).status == "fail"
@@ -149,8 +149,8 @@ def test_plan_prints_the_servers_share_and_the_step_per_gpu_or_the_gpu_both_need
     nvml([gpu(0, used=0, total=4 * step / 1e9), gpu(1, used=0, total=3 * step / 1e9)])
     how = plan_train_lines(cli, tmp_path)
     assert any("the servers 0.75 (extract.vllm.gpu_memory_utilization)" in line for line in how), how
-    gpu0 = next(line for line in how if line.strip().startswith("GPU 0"))
-    gpu1 = next(line for line in how if line.strip().startswith("GPU 1"))
+    gpu0 = next(line for line in how if line.strip().startswith("GPU 0 ("))
+    gpu1 = next(line for line in how if line.strip().startswith("GPU 1 ("))
     assert gpu0.endswith(": fits") and gpu1.endswith(": does not fit")
 
     nvml(init_error=9)

@@ -190,7 +190,7 @@ class VllmFeaturesConfig(ServerPoolConfig):
         gt=0,
         le=1,
         description="vLLM's --gpu-memory-utilization for the servers (`serve-command` prints it): the share of each "
-        "of its GPUs' memory a server takes (weights, KV cache, activations); unset: vLLM's default, 0.9",
+        "of its GPUs' memory a server takes (weights, KV cache, activations); unset: vLLM's default (0.92 in vLLM 0.32)",
     )
     shares_trainer_gpus: bool = Field(
         False,

@@ -19,7 +19,9 @@ from eaglekit.preflight.gpus import GPU, visible
 from eaglekit.progress import human_bytes
 from eaglekit.training.memory import StepMemory
 
-VLLM_DEFAULT_UTILIZATION = 0.9  # vLLM's --gpu-memory-utilization when the flag is not given
+VLLM_DEFAULT_UTILIZATION = (
+    0.92  # vLLM's --gpu-memory-utilization when the flag is not given (vllm/config/cache.py, 0.32)
+)
 NAME = "servers beside the trainer"
 
 
@@ -45,12 +47,16 @@ def smallest_gpu_for(step: int, share: float) -> float:
     return step / (1 - share)
 
 
-def gpu_line(gpu: GPU, share: float, step: int) -> str:
-    servers = share * gpu.total
-    verdict = "fits" if servers + step <= gpu.total else "does not fit"
+def gpu_line(gpus: list[GPU], share: float, step: int) -> str:
+    """The sum on GPUs of one size: the servers' share and the step against their memory."""
+    total = gpus[0].total
+    servers = share * total
+    verdict = "fits" if servers + step <= total else "does not fit"
+    names = f"GPU {gpus[0].index}" if len(gpus) == 1 else f"GPUs {', '.join(str(g.index) for g in gpus)}"
+    each = " each" if len(gpus) > 1 else ""
     return (
-        f"GPU {gpu.index} ({human_bytes(gpu.total)}): the servers {share:g} × {human_bytes(gpu.total)} = "
-        f"{human_bytes(servers)} + the drafter's step {human_bytes(step)} = {human_bytes(servers + step)}: {verdict}"
+        f"{names} ({human_bytes(total)}{each}): the servers {share:g} × {human_bytes(total)} = {human_bytes(servers)} "
+        f"+ the drafter's step {human_bytes(step)} = {human_bytes(servers + step)}: {verdict}"
     )
 
 
@@ -61,11 +67,13 @@ def plan_lines(cfg: RunConfig, step: int, found: list[GPU] | str) -> list[str]:
     lines = [f"servers and trainer share the GPUs (extract.vllm.shares_trainer_gpus): the servers {share:g} ({source})"]
     used = visible(found) if isinstance(found, list) else []
     if used:
-        lines += [f"  {gpu_line(g, share, step)}" for g in used]
+        sizes = sorted({g.total for g in used})
+        lines += [f"  {gpu_line([g for g in used if g.total == size], share, step)}" for size in sizes]
     else:
+        why = found if isinstance(found, str) else "no GPU visible to this process"
         lines.append(
-            f"  no GPU seen here ({found if isinstance(found, str) else 'none visible'}): both fit a GPU of "
-            f"{human_bytes(smallest_gpu_for(step, share))} or more (the step {human_bytes(step)} ÷ (1 − {share:g}))"
+            f"  {why}: both fit a GPU of {human_bytes(smallest_gpu_for(step, share))} or more (the step "
+            f"{human_bytes(step)} ÷ (1 − {share:g}))"
         )
     return lines
 
@@ -84,10 +92,10 @@ def check(cfg: RunConfig, step: tuple[StepMemory, StepMemory] | None, found: lis
     need = (recomputed if checkpointed else plain).total
     share, source = utilization(cfg)
     smallest = min(used, key=lambda g: g.total)
-    line = gpu_line(smallest, share, need)
+    of = f" (the smallest of {len(used)} GPUs)" if len(used) > 1 else ""
+    detail = f"{gpu_line([smallest], share, need)}{of}; the servers' share: {source}"
     if share * smallest.total + need <= smallest.total:
-        what = f"{len(used)} GPU(s), the smallest " if len(used) > 1 else ""
-        return ok(NAME, f"{what}{line} ({source})")
+        return ok(NAME, detail)
     remedies = []
     lower = utilization_leaving(need, smallest.total)
     if lower > 0:
@@ -100,7 +108,7 @@ def check(cfg: RunConfig, step: tuple[StepMemory, StepMemory] | None, found: lis
         remedies.append(f"train.ttt.activation_checkpointing: true (a step of {human_bytes(recomputed.total)})")
     remedies.append("fewer tokens a micro-batch (train.batch_size, prepare.max_length or train.pack_length)")
     remedies.append(
-        "the servers on GPUs or nodes of their own (extract.vllm.shares_trainer_gpus: false; docs/features.md, "
-        "placement)"
+        "the servers on GPUs or nodes of their own (extract.vllm.shares_trainer_gpus: false; see "
+        "docs/features.md: 'Placement')"
     )
-    return fail(NAME, f"{line} ({source})", "; or ".join(remedies))
+    return fail(NAME, detail, "; or ".join(remedies))
