@@ -18,7 +18,7 @@ samples a micro-batch; the fast trainer again with both servers), each rung ``--
 trainer's and the servers' rates side by side with the stage's verdict (trainer-bound / server-bound): the crossover
 is where trainer ÷ servers passes 1.
 
-    .venv/bin/python benchmarks/stream_vs_offline.py --run runs/bench-stream --crossover --rounds 3   # ~8 minutes
+    .venv/bin/python benchmarks/stream_vs_offline.py --run runs/bench-stream --crossover --rounds 3   # 5-11 minutes
 """
 
 from __future__ import annotations
