@@ -80,7 +80,7 @@ def test_a_spool_sized_for_the_servers_bf16_files_passes_and_one_too_small_names
     cfg = stream_config(tmp_path, fp32, longest=1000, spool_gb=0.0015)
     result = feature_servers.spool_room(pipeline.make_context(cfg, "train"))
     assert result.status == "fail" and "file of 2.1 MB (float32)" in result.detail
-    assert "spool_gb to at least 0.00226" in result.remedy
+    assert "spool_gb to at least 0.00227" in result.remedy
 
 
 # -------------------------------------------------------------------------------------- GPUs shared with vLLM

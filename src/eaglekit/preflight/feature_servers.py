@@ -261,11 +261,13 @@ def spool_room(ctx: StageContext):
     detail = f"{human_bytes(spool)} of {human_bytes(free)} free in {path}"
     if longest:
         from eaglekit.serving.vllm_features import server_bytes_per_token, server_dtype, server_layer_ids
+        from eaglekit.training.stream import SPOOL_SLACK
 
         hf = target_hf_config(cfg.target)
         states = len(server_layer_ids(aux_layer_ids(cfg.target, hf.num_hidden_layers), hf.num_hidden_layers))
-        dtype = server_dtype(hf)  # what the servers write, as the stream reserves it
-        need, kind = longest * server_bytes_per_token(states, hf.hidden_size, dtype), str(dtype).removeprefix("torch.")
+        dtype, kind = server_dtype(hf), str(server_dtype(hf)).removeprefix("torch.")
+        # what the stream reserves for the request (training/stream.py): the states in the servers' dtype, the header
+        need = SPOOL_SLACK + longest * server_bytes_per_token(states, hf.hidden_size, dtype)
         if need > spool:
             return fail(
                 name,
