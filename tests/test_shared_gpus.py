@@ -179,3 +179,21 @@ def test_a_gpu_memory_utilization_past_1_is_refused_as_vllm_refuses_it(tmp_path,
 
     with pytest.raises(EaglekitError, match=r"gpu_memory_utilization': Input should be less than or equal to 1"):
         stream_config(tmp_path, tiny_target, gpu_memory_utilization=1.5)
+
+
+def test_sharing_the_trainers_gpus_outside_stream_mode_is_refused_not_ignored(tmp_path, tiny_target):
+    from eaglekit.errors import UsageError
+
+    data = {
+        "run_dir": "run",
+        "target": {"model": str(tiny_target)},
+        "data": {"prompts": "p.jsonl"},
+        "extract": {
+            "mode": "offline",
+            "backend": "vllm",
+            "vllm": {"servers": ["http://127.0.0.1:9/v1"], "storage_path": str(tmp_path), "shares_trainer_gpus": True},
+        },
+    }
+    with pytest.raises(UsageError, match=r"shares_trainer_gpus is set but extract.mode is 'offline'") as caught:
+        load_config(write_config(tmp_path / "cfg.yaml", data))
+    assert "extract.mode: stream" in caught.value.remedy

@@ -894,6 +894,13 @@ def parse_config(data: Any, source: str = "<config>", base_dir: Path | None = No
                 f"{source}: extract.backend is 'vllm' but extract.vllm.servers is empty",
                 "add extract.vllm: {servers: [http://host:8000/v1], storage_path: /shared/hidden-states}",
             )
+        if cfg.extract.vllm.shares_trainer_gpus and not cfg.extract.streamed:
+            raise UsageError(
+                f"{source}: extract.vllm.shares_trainer_gpus is set but extract.mode is '{cfg.extract.mode}': the "
+                "servers only share the trainer's GPUs while train streams from them",
+                "remove extract.vllm.shares_trainer_gpus (offline extraction runs before train, not beside it), or "
+                "set extract.mode: stream",
+            )
     if cfg.verify.engine and cfg.verify.server:
         raise UsageError(
             f"{source}: verify.engine and verify.server are both set",
