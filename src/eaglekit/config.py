@@ -544,6 +544,16 @@ TTT_MOVED = {
 }  # fmt: skip
 
 
+def move_old_train_spellings(data: Any) -> Any:
+    """A train section's raw keys with the flat TTT spellings (TTT_MOVED) moved under train.ttt: a config, and the
+    train parameters a run directory's ledger recorded before train.ttt (stages/train.py reads them through it)."""
+    if isinstance(data, dict) and data.get("lk_eta") == LKHybrid().eta and data.get("loss") != LKHybrid().name:
+        # a config eaglekit wrote before (RUN_DIR/config.yaml) holds the default lk_eta beside every loss: it
+        # asked nothing there, so it is dropped rather than refused as another loss's parameter
+        data = {key: value for key, value in data.items() if key != "lk_eta"}
+    return move_old_spellings(data, TTT_MOVED, "train")
+
+
 class TrainConfig(Section):
     init_from: Annotated[str | None, PATH_OR_HUB_ID] = Field(
         None,
@@ -613,11 +623,7 @@ class TrainConfig(Section):
     @model_validator(mode="before")
     @classmethod
     def _old_spellings(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("lk_eta") == LKHybrid().eta and data.get("loss") != LKHybrid().name:
-            # a config eaglekit wrote before (RUN_DIR/config.yaml) holds the default lk_eta beside every loss: it
-            # asked nothing there, so it is dropped rather than refused as another loss's parameter
-            data = {key: value for key, value in data.items() if key != "lk_eta"}
-        return move_old_spellings(data, TTT_MOVED, "train")
+        return move_old_train_spellings(data)
 
     @model_validator(mode="after")
     def _ttt_keys_need_ttt(self) -> TrainConfig:
