@@ -27,6 +27,7 @@ from eaglekit.model.eagle3_checkpoint import CheckpointInfo
 from eaglekit.model.run_shapes import target_and_aux
 from eaglekit.progress import console
 from eaglekit.serving.engine_features import export_check
+from eaglekit.speculative.block import BlockProposer
 from eaglekit.training.block import BlockObjective
 from eaglekit.training.context_parallel import ContextGroup
 from eaglekit.training.memory import StepMemory
@@ -181,8 +182,6 @@ class DFlashFamily:
         return f"{dc.vocab_size} (the target's)"
 
     def proposer(self, drafter: Any, aux: list[int] | None) -> Any:
-        from eaglekit.speculative.block import BlockProposer  # lazy: imports transformers
-
         return BlockProposer(drafter)
 
     # ---- export

@@ -14,6 +14,7 @@ from eaglekit.drafters.dflash import DFlashFamily
 from eaglekit.model import dspark, dspark_checkpoint
 from eaglekit.model.dspark import DSparkConfig, DSparkDrafter
 from eaglekit.model.eagle3 import text_config
+from eaglekit.speculative.block import DSparkProposer
 
 # vLLM 0.32's CPU build refuses the method before an engine starts (stages/verify.py says so too)
 NOT_ON_CPU = (
@@ -57,8 +58,6 @@ class DSparkFamily(DFlashFamily):
         return []  # the CPU build does not serve it at all (verify says so): its k_norm does not matter there
 
     def proposer(self, drafter: Any, aux: list[int] | None) -> Any:
-        from eaglekit.speculative.block import DSparkProposer  # lazy: imports transformers
-
         return DSparkProposer(drafter)
 
     def export_warnings(self, drafter: Any) -> list[str]:

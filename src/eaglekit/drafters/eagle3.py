@@ -32,6 +32,7 @@ from eaglekit.model.run_shapes import target_and_aux
 from eaglekit.model.target import embedding_and_head
 from eaglekit.progress import console
 from eaglekit.serving.engine_features import export_check
+from eaglekit.speculative.decode import EagleProposer
 from eaglekit.training.context_parallel import ContextGroup
 from eaglekit.training.fused import compile_drafter, step_kernels
 from eaglekit.training.init import build_drafter
@@ -195,8 +196,6 @@ class Eagle3Family:
         return f"{dc.draft_vocab_size}/{dc.vocab_size}"
 
     def proposer(self, drafter: Any, aux: list[int] | None) -> Any:
-        from eaglekit.speculative.decode import EagleProposer  # lazy: imports transformers
-
         return EagleProposer(drafter, aux)
 
     # ---- export
@@ -247,7 +246,7 @@ class Eagle3Family:
 
 def _tokenizer_size(cfg: RunConfig) -> int | None:
     try:
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # lazy: heavy (transformers)
 
         return len(AutoTokenizer.from_pretrained(cfg.target.model, trust_remote_code=cfg.target.trust_remote_code))
     except (OSError, ValueError):

@@ -7,8 +7,12 @@ from pathlib import Path
 
 from eaglekit.contract import StageContext
 from eaglekit.errors import EaglekitError
+from eaglekit.model.dflash_checkpoint import read_dflash_config
+from eaglekit.model.dspark_checkpoint import block_form, is_dspark_checkpoint, read_dspark_config
+from eaglekit.model.eagle3_checkpoint import read_config
 from eaglekit.preflight import CheckResult, fail, ok, skip, warn, will_be_produced
 from eaglekit.serving import engine_features as features
+from eaglekit.speculative.inputs import checkpoint_path, drafter_family, written_forms
 
 NAME = "engine reads the drafter"
 
@@ -27,10 +31,6 @@ def _result(check, engine: features.Engine | None) -> CheckResult:
 
 def exported_features_read(ctx: StageContext) -> CheckResult:
     """export: the forms it will write, against the vLLM on this machine."""
-    from eaglekit.model.dspark_checkpoint import block_form
-    from eaglekit.model.eagle3_checkpoint import read_config
-    from eaglekit.speculative.inputs import checkpoint_path, drafter_family
-
     pending = None if ctx.cfg.evaluate.checkpoint else will_be_produced(ctx, NAME, "train")
     if pending:
         return pending
@@ -46,9 +46,6 @@ def exported_features_read(ctx: StageContext) -> CheckResult:
 
 
 def block_drafter_config(path: Path):
-    from eaglekit.model.dflash_checkpoint import read_dflash_config
-    from eaglekit.model.dspark_checkpoint import is_dspark_checkpoint, read_dspark_config
-
     return read_dspark_config(path) if is_dspark_checkpoint(path) else read_dflash_config(path)
 
 
@@ -60,7 +57,6 @@ def served_features_read(ctx: StageContext) -> CheckResult:
     pending = will_be_produced(ctx, NAME, "export")
     if pending:
         return pending
-    from eaglekit.speculative.inputs import written_forms
 
     export = ctx.cfg.run_path / "export"
     folders = {form: export / form for form in dict.fromkeys(vc.formats or written_forms(ctx.cfg))}

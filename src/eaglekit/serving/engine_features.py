@@ -32,7 +32,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from eaglekit.errors import EaglekitError, UsageError
+from eaglekit.model import eagle3_checkpoint
+from eaglekit.model.dflash import DFlashConfig
+from eaglekit.serving.engine import find_vllm_python
+from eaglekit.serving.speculation import detect, root_of
 
 VLLM, SGLANG = "vllm", "sglang"
 # the export forms a row concerns: the plain Llama EAGLE-3 form, its MLA variant, the speculators form, the blocks
@@ -164,9 +170,6 @@ def _windowed(layer: dict) -> bool:
 
 def planned_forms(drafter_config: Any, formats: Iterable[str], k: int = 1) -> dict[str, dict]:
     """The config.json each form in ``formats`` will hold for this drafter config (EAGLE-3, DFlash or DSpark)."""
-    from eaglekit.model import eagle3_checkpoint
-    from eaglekit.model.dflash import DFlashConfig
-
     if isinstance(drafter_config, DFlashConfig):
         dspark = type(drafter_config).__name__ == "DSparkConfig"
         window = drafter_config.sliding_window
@@ -216,10 +219,6 @@ def installed_vllm(python: Path) -> Engine:
 
 def served_version(url: str, engine: str, timeout: float = 10.0) -> str | None:
     """The version a running server reports: vLLM's ``/version``, SGLang's ``/get_server_info`` "version"."""
-    import httpx
-
-    from eaglekit.serving.speculation import root_of
-
     path = "/version" if engine == VLLM else "/get_server_info"
     try:
         body = httpx.get(root_of(url) + path, timeout=timeout).json()
@@ -232,9 +231,6 @@ def served_version(url: str, engine: str, timeout: float = 10.0) -> str | None:
 def engine_for(server: str | None, python: str | None) -> Engine | None:
     """The server's engine (verify.server), else the vLLM of ``python`` (verify.python, $EAGLEKIT_VLLM_PYTHON or
     .venv-vllm: what export's commands and verify.engine serve with); None when there is none."""
-    from eaglekit.serving.engine import find_vllm_python
-    from eaglekit.serving.speculation import detect
-
     try:
         if server:
             name = detect(server)

@@ -39,6 +39,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
 
 from eaglekit.config import RunConfig, VllmFeaturesConfig
 from eaglekit.errors import EaglekitError, UsageError
@@ -229,9 +231,6 @@ class FileSpool:
             self._wait_for_lock(Path(str(where) + ".lock"))
 
     def receive(self, where: Path) -> tuple[dict[str, torch.Tensor], int]:
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-
         lock = Path(str(where) + ".lock")
         try:
             size = where.stat().st_size

@@ -52,15 +52,17 @@ from eaglekit.data.verify_report import (
 )
 from eaglekit.drafters.registry import proposer_for, vllm_method
 from eaglekit.errors import EaglekitError, UsageError
+from eaglekit.model.dflash_checkpoint import cpu_build_problem, read_dflash_config
 from eaglekit.model.dspark_checkpoint import block_form
 from eaglekit.model.eagle3 import FLAGS, rope_from_config, text_config
 from eaglekit.model.eagle3_checkpoint import ServedSettings, read_config, read_weights, served_settings
 from eaglekit.model.target import embedding_and_head, load_target, target_hf_config
 from eaglekit.preflight import fail, ok, run_directory, skip, will_be_produced
 from eaglekit.preflight.drafter import drafter_checkpoint, prompts_available
-from eaglekit.preflight.engine_features import served_features_read
+from eaglekit.preflight.engine_features import block_drafter_config, served_features_read
 from eaglekit.progress import Meter, console
 from eaglekit.rundir import file_identity
+from eaglekit.serving import engine_features as features
 from eaglekit.serving.engine import VllmServer, find_vllm_python, is_cpu_build, supports_flag
 from eaglekit.serving.engine import version as engine_version
 from eaglekit.serving.engine_features import verify_check
@@ -73,6 +75,8 @@ from eaglekit.serving.speculation import (
     sglang_batch,
     vllm_batch,
 )
+from eaglekit.speculative.benchmark import reasoning_modes, suite_prompts, template_kwargs
+from eaglekit.speculative.decode import CONTEXT_BUCKETS, generate, served_context_per_round, tau_by_context_of
 from eaglekit.speculative.inputs import (
     checkpoint_path,
     decode_threads,
@@ -249,7 +253,7 @@ class Offline:
 def engine_stop_ids(cfg: RunConfig, stop_ids: set[int]) -> list[int]:
     """The end-of-turn ids plus the generation config's EOS ids, which engines stop at by default: the set
     sent with every request and used offline, so that both stop at the same tokens."""
-    from transformers import GenerationConfig  # lazy: seconds to import; `verify --help` skips it
+    from transformers import GenerationConfig  # lazy: heavy (transformers)
 
     ids = set(stop_ids)
     try:
@@ -265,8 +269,6 @@ def engine_stop_ids(cfg: RunConfig, stop_ids: set[int]) -> list[int]:
 def offline_figures(cfg: RunConfig, ks: list[int]) -> Offline:
     """Decode the prompts with the trained checkpoint and the HF target (freed again before any engine starts:
     both would want the same accelerator)."""
-    from eaglekit.speculative.decode import generate  # lazy: imports transformers
-
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     target = load_target(cfg.target, device if not cfg.target.device_map else None)
     limit = max_new_tokens(cfg)
@@ -303,12 +305,6 @@ def offline_figures(cfg: RunConfig, ks: list[int]) -> Offline:
 def suite_prompt_groups(cfg: RunConfig, target, inputs, stop: set[int], limit: int) -> dict:
     """``verify.suites`` (default ``evaluate.suites``) in each of evaluate's reasoning modes, turn by turn, as
     evaluate renders them: (suite, mode) -> [(id, prompt ids)]."""
-    from eaglekit.speculative.benchmark import (  # lazy: imports transformers
-        reasoning_modes,
-        suite_prompts,
-        template_kwargs,
-    )
-
     suites = cfg.verify.suites if cfg.verify.suites is not None else cfg.evaluate.suites
     served = cfg.generate.extra_body.get("chat_template_kwargs")
     room = int(inputs.hf.max_position_embeddings) - limit
@@ -554,12 +550,6 @@ def served_tau_by_context(run: ServedRun, offline: Offline) -> dict | None:
     """τ per context group, served beside offline, where the engine reports each request's passes (vLLM's
     per-request metrics) and the evaluation prompts' passes fall in more than one group: a drafter that holds
     offline at long context but falls served is read apart from one that falls in both."""
-    from eaglekit.speculative.decode import (  # lazy: imports transformers
-        CONTEXT_BUCKETS,
-        served_context_per_round,
-        tau_by_context_of,
-    )
-
     rounds = {pid: run.served[pid].accepted_per_round for pid, _ in offline.prompts}
     if run.engine != "vllm" or any(r is None for r in rounds.values()):
         return None
@@ -778,8 +768,6 @@ def eagle31_flags(r: EngineReading) -> dict:
 def engine_drops(r: EngineReading | BlockReading) -> dict:
     """Whether the measured engine reads every feature of the served config (serving/engine_features.py): the
     cause of both families."""
-    from eaglekit.serving import engine_features as features
-
     engine = features.engine_for(r.cfg.verify.server, r.cfg.verify.python)
     if engine is None:
         return cause_row(ENGINE_DROPS, False, "no engine to check against")
@@ -836,8 +824,6 @@ class BlockReading:
 
 
 def block_diagnosis(cfg: RunConfig, folder: Path, engine: str, aux: list[int], runs: list[dict]) -> list[dict]:
-    from eaglekit.preflight.engine_features import block_drafter_config
-
     try:
         trained = block_drafter_config(checkpoint_path(cfg))
     except EaglekitError:
@@ -928,9 +914,6 @@ def dspark_slots(r: BlockReading) -> dict:
 def known_engine_defect(r: BlockReading) -> dict:
     """vLLM 0.32's CPU build applies layer 0's k_norm to every DFlash layer's context keys (dflash_checkpoint.py):
     named when the folder's weights trigger it on that build, and said to match when the served counts show it."""
-    from eaglekit.model.dflash_checkpoint import cpu_build_problem, read_dflash_config
-    from eaglekit.serving import engine_features as features
-
     engine = features.engine_for(r.cfg.verify.server, r.cfg.verify.python) if r.engine == "vllm" else None
     kernel = engine.source / "model_executor/models/qwen3_dflash.py" if engine and engine.source else None
     stacked = kernel is not None and "_normalize_context_k" in kernel.read_text(errors="replace")
@@ -1002,7 +985,7 @@ def run(ctx: StageContext) -> dict:
     out = ctx.dir
     atomic.write_json(out / "report.json", report)
     atomic.write_text(out / "report.md", report_markdown(report))
-    from eaglekit import plots  # lazy: matplotlib
+    from eaglekit import plots  # lazy: heavy (plots imports matplotlib)
 
     plots.served_vs_offline(report["runs"], out / "acceptance.png")
     console.print(report_markdown(report, summary_only=True))
