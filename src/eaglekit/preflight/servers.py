@@ -33,7 +33,7 @@ from eaglekit.data.reasoning import (
 from eaglekit.data.responses import make_record
 from eaglekit.errors import EaglekitError, UsageError
 from eaglekit.preflight import CheckResult, fail, ok, skip, warn
-from eaglekit.preflight.dataset import prompt_token_counts
+from eaglekit.preflight.dataset import prompt_tokens
 from eaglekit.serving.client import ChatClient, RequestFailed, api_key_from_env, get_json, served_prompt_ids
 
 
@@ -204,7 +204,7 @@ def context_length(ctx) -> CheckResult:
         return skip("context length", "no server reported max_model_len")
     limit, url = min(limits)
     try:
-        lengths, how, _ = prompt_token_counts(ctx.cfg, run_prompts(ctx.cfg).records)
+        lengths, how, _ = prompt_tokens(ctx)
     except EaglekitError:
         return skip("context length", "the prompts do not load (see the prompts checks)")
     if not lengths:

@@ -49,7 +49,13 @@ from eaglekit.preflight.capture import check_in_process
 from eaglekit.preflight.feature_servers import feature_servers, feature_smoke, feature_storage
 from eaglekit.progress import Meter, console, human_bytes
 from eaglekit.serving.client import RequestFailed
-from eaglekit.serving.vllm_features import FeatureClient, feature_api_key, serve_command, served_model, server_layer_ids
+from eaglekit.serving.vllm_features import (
+    FeatureClient,
+    feature_api_key,
+    feature_serve_command,
+    served_model,
+    server_layer_ids,
+)
 from eaglekit.training import distributed
 from eaglekit.training.data import pad
 
@@ -451,8 +457,7 @@ def vllm_serve_command(cfg: RunConfig) -> str:
     ids = server_layer_ids(aux_layer_ids(cfg.target, hf.num_hidden_layers), hf.num_hidden_layers)
     tokens = os.path.join(cfg.run_dir, "prepare", "tokens.safetensors")
     longest = int(TokenStore(tokens).lengths.max()) + 1 if os.path.exists(tokens) else None
-    v = cfg.extract.vllm
-    return serve_command(cfg.target.model, ids, v.storage_path, v.connector, served_model(cfg), longest)
+    return feature_serve_command(cfg, ids, longest)
 
 
 def estimate(ctx: StageContext, sizes: Sizes | None) -> Estimate:
