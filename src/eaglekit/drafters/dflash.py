@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from eaglekit import atomic
-from eaglekit.config import DRAFT_KEYS, RunConfig, TrainConfig
+from eaglekit.config import DFlashDraft, RunConfig, TrainConfig
 from eaglekit.contract import StageContext
 from eaglekit.data.chat import load_tokenizer
 from eaglekit.drafters.family import Built, LoadChecked, Objective, Verdict, verifier_id
@@ -38,8 +38,9 @@ class DFlashFamily:
     name = "dflash"
     title = "DFlash"
     forms: tuple[str, ...] = (dflash_checkpoint.FORM,)
+    exported_architecture = dflash_checkpoint.ARCHITECTURE  # its form's config.json architectures
     windowed = True  # a causal window over its context (model/dflash.py)
-    draft_keys = DRAFT_KEYS["dflash"]
+    draft_model: type[DFlashDraft] = DFlashDraft
     drafter_class: type[DFlashDrafter] = DFlashDrafter
 
     # ---- its form on disk (model/dflash_checkpoint.py)
@@ -107,7 +108,7 @@ class DFlashFamily:
 
     def serving_notes(self, cfg: RunConfig) -> list[str]:
         """What pre-flight warns about serving this drafter (empty when nothing applies)."""
-        if cfg.train.draft.shared_k_norm:
+        if cfg.train.draft_as(self.draft_model).shared_k_norm:
             return []
         return [
             "train.draft.shared_k_norm is false: vLLM 0.32's CPU build would serve this drafter with other drafts "
@@ -153,7 +154,7 @@ class DFlashFamily:
     ) -> Objective:
         """The block objective with ``train.draft``'s options (speculators' DFlash defaults where unset); its
         draft positions are weighted alike."""
-        draft = tc.draft
+        draft = tc.draft_as(self.draft_model)
         module = BlockObjective(
             drafter,
             max_anchors=draft.max_anchors or 512,
@@ -189,6 +190,12 @@ class DFlashFamily:
     def written_forms(self, requested: list[str]) -> list[str]:
         return list(self.forms)  # one form, vLLM's
 
+    def planned_configs(self, dc: DFlashConfig, forms: list[str], k: int) -> dict[str, dict]:
+        """Its one form, whatever was asked for."""
+        window = dc.sliding_window
+        layers = {"layer_types": ["sliding_attention"], "sliding_window": window} if window else {}
+        return {self.forms[0]: {"architectures": [self.exported_architecture], **layers}}
+
     def vllm_method(self, form: str) -> str:
         return form  # its one form is its method
 
@@ -210,7 +217,8 @@ class DFlashFamily:
         drafter, info, _, _ = load(cfg)
         form = self.forms[0]
         dest = ctx.dir / form
-        export_check(cfg, drafter.config, [form])  # refuses a form the installed engine would serve wrong
+        planned = self.planned_configs(drafter.config, [form], cfg.export.num_speculative_tokens)
+        export_check(cfg, planned)  # refuses a form the installed engine would serve wrong
         with atomic.atomic_dir(dest) as tmp:
             self.save_exported(drafter, tmp)
             again = self.load_for_target(cfg, tmp)

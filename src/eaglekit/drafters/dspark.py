@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from eaglekit.config import DRAFT_KEYS, RunConfig
+from eaglekit.config import DSparkDraft, RunConfig
 from eaglekit.drafters.dflash import DFlashFamily
 from eaglekit.model import dspark, dspark_checkpoint
 from eaglekit.model.dspark import DSparkConfig, DSparkDrafter
@@ -26,7 +26,8 @@ class DSparkFamily(DFlashFamily):
     name = "dspark"
     title = "DSpark"
     forms = (dspark_checkpoint.FORM,)
-    draft_keys = DRAFT_KEYS["dspark"]
+    exported_architecture = dspark_checkpoint.ARCHITECTURE
+    draft_model = DSparkDraft
     drafter_class = DSparkDrafter
 
     def expected_state(self, dc: Any) -> dict[str, tuple[int, ...]]:
