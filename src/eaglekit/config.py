@@ -296,14 +296,14 @@ class DraftSection(Section):
         is left to the unknown-key error."""
         if not isinstance(data, dict):
             return data
-        foreign = [key for key in data if key not in cls.model_fields and key in _draft_key_order()]
+        foreign = [key for key in data if key not in cls.model_fields and key in every_draft_key()]
         stray = sorted(key for key in foreign if data[key] is not None and data[key] is not False)
         if stray:
             raise ValueError(_not_read(cls.model_fields["architecture"].default or DEFAULT_ARCHITECTURE, stray))
         return {key: value for key, value in data.items() if key not in foreign}
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name not in type(self).model_fields and name in _draft_key_order():  # as it is refused when it loads
+        if name not in type(self).model_fields and name in every_draft_key():  # as it is refused when it loads
             raise ValueError(_not_read(self.family, [name]))
         super().__setattr__(name, value)
 
@@ -315,7 +315,7 @@ class DraftSection(Section):
         own = handler(self)
         if not isinstance(own, dict) or info.exclude_none:
             return own
-        keys = [*_draft_key_order(), *own]
+        keys = [*every_draft_key(), *own]
         return {key: own.get(key) for key in dict.fromkeys(keys) if key in own or key not in type(self).model_fields}
 
 
@@ -330,17 +330,25 @@ class Eagle3Draft(DraftSection):
         "learns its own embedding",
     )
     fc_norm: bool | None = Field(
-        None, description="an RMSNorm per aux hidden state before fc (EAGLE 3.1; default on for architecture llama)"
+        None,
+        description="EAGLE 3.1: an RMSNorm per aux hidden state before fc (weights fc_norm.{0,1,2}), so the tapped "
+        "layers enter the fusion at one scale whatever their depth; read by vLLM and SGLang; default on for "
+        "architecture llama since the τ race (+17.8 % τ at K=5, docs/recipe.md), off for mla",
     )
     norm_output: bool | None = Field(
-        None, description="next draft steps take the normed output (EAGLE 3.1; default on for architecture llama)"
+        None,
+        description="EAGLE 3.1: each next draft step takes the normed output as its feature, which keeps its scale "
+        "from drifting over long drafts; read by vLLM and SGLang; default on for architecture llama, off for mla",
     )
-    norm_before_residual: bool | None = Field(None, description="the layer's residual is the normed feature")
+    norm_before_residual: bool | None = Field(
+        None, description="the layer's residual is the normed feature (speculators' option; vLLM only)"
+    )
 
 
 class LlamaDraft(Eagle3Draft):
-    """EAGLE-3 with a Llama decoder layer (MHA/GQA): the default family. Unset, a fresh drafter has fc_norm and
-    norm_output on (drafters/eagle3_llama.draft_settings: the τ race's pick)."""
+    """EAGLE-3 with one Llama decoder layer (MHA/GQA): the default family, the drafter every engine serves, for any
+    target. Unset, a fresh drafter has fc_norm and norm_output on (drafters/eagle3_llama.draft_settings: the τ
+    race's pick)."""
 
     architecture: Literal["llama"] | None = Field(
         None,
@@ -351,20 +359,27 @@ class LlamaDraft(Eagle3Draft):
     num_key_value_heads: int | None = Field(None, ge=1, description="GQA: key/value heads (default: the target's)")
     head_dim: int | None = Field(None, ge=1, description="per-head width (default: the target's)")
     norm_before_fc: bool | None = Field(
-        None, description="one RMSNorm over the concatenated aux states (exclusive with fc_norm)"
+        None,
+        description="one RMSNorm over the concatenated aux states (input_norm, gpt-oss style); exclusive with "
+        "fc_norm (setting it leaves fc_norm off); vLLM only: export writes no SGLang command",
     )
     sliding_window: int | None = Field(
         None,
         ge=2,
         description="the drafter attends the last N positions only (vLLM's sliding_window: the query's own position "
-        "and the N-1 before it), in training, evaluate's decoding and the exported config (layer_types); "
-        "docs/long-context.md",
+        "and the N-1 before it), in training, evaluate's decoding and the exported config (layer_types); SGLang "
+        "needs --speculative-draft-window-size N, which export prints; docs/long-context.md",
     )
 
 
 class MlaDraft(Eagle3Draft):
-    """EAGLE-3 with a DeepSeek-V3/Kimi layer (multi-head latent attention). Its ranks default to the target's when
-    it is DeepSeek-V3/Kimi-shaped, else to DeepSeek-V3's proportions of the target's head width."""
+    """EAGLE-3 with DeepSeek's multi-head latent attention: the drafter published for Kimi-K2.5/K2.6, for
+    DeepSeek-V3/Kimi targets (pre-flight suggests it); its KV cache is one 576-float latent per token instead of K
+    and V per head. vLLM and SGLang serve it as Eagle3DeepseekV2ForCausalLM. Its ranks default to the target's
+    when it is DeepSeek-V3/Kimi-shaped, else to DeepSeek-V3's proportions of the target's head width d (12d, 4d,
+    d, d/2, d); keep kv_lora_rank + qk_rope_head_dim = 576 to serve on vLLM's CPU build (its reference MLA decode
+    kernel runs that size only). It takes the target's YaRN (DeepSeek's, with its softmax mscale) or no rope
+    scaling; other scalings are refused (both engines would serve them as YaRN)."""
 
     architecture: Literal["mla"] = "mla"
     q_lora_rank: int | None = Field(None, ge=1, description="rank of the compressed query")
@@ -376,8 +391,9 @@ class MlaDraft(Eagle3Draft):
 
 class DFlashDraft(DraftSection):
     """A block drafter: several Qwen3-style layers drafting a block in one pass (defaults: speculators 0.9.0's
-    DFlash recipe). Its target layers are target.aux_layers; it drafts over the full target vocabulary with the
-    target's embedding and head."""
+    DFlash recipe; docs/drafters.md: "DFlash's keys"). Its target layers are target.aux_layers; it drafts over the
+    full target vocabulary with the target's embedding and head. It trains its own block objective: train.ttt's
+    loss, noise, step weights and anchor pull are refused for it."""
 
     architecture: Literal["dflash"] = "dflash"
     num_key_value_heads: int | None = Field(None, ge=1, description="GQA: key/value heads (default: the target's)")
@@ -445,7 +461,7 @@ DRAFT_MODELS: dict[str, type[DraftSection]] = {
 DRAFT_KEYS: dict[str, frozenset[str]] = {name: frozenset(model.model_fields) for name, model in DRAFT_MODELS.items()}
 
 
-def _draft_key_order() -> dict[str, None]:
+def every_draft_key() -> dict[str, None]:
     """Every family's train.draft keys, in the order of their models' fields (the order a dump lists them in)."""
     return dict.fromkeys(key for model in DRAFT_MODELS.values() for key in model.model_fields)
 
