@@ -22,6 +22,7 @@ from eaglekit.errors import UsageError
 from eaglekit.model import eagle3_checkpoint
 from eaglekit.pipeline import run_stage
 from eaglekit.rundir import RunDir
+from eaglekit.serving.engine_features import exported_features
 
 MARK = "toy.json"
 
@@ -157,3 +158,26 @@ def test_a_family_registered_in_memory_trains_checkpoints_and_exports(tmp_path, 
     drafter, _ = eagle3_checkpoint.load_drafter(folder)
     assert drafter.config.intermediate_size == 64  # the shape the config asked of it
     assert registry.vllm_method("toy") == "toy"
+
+
+def test_each_family_plans_the_configs_the_engine_checks_read_as_its_forms(tmp_path, tiny_target):
+    """export's engine-feature check reads each form's config.json as the family plans it (it told the block
+    drafters from EAGLE-3 by their config's class before): each form reads back as that form, with its window."""
+    expected = {"llama": {"eagle3": "eagle3", "speculators": "speculators"}, "mla": {"eagle3": "mla"},
+                "dflash": {"dflash": "dflash"}, "dspark": {"dspark": "dspark"}}  # fmt: skip
+    both = ["eagle3", "speculators"]  # export.formats' default: each family writes those it has
+    for name, family in registry.FAMILIES.items():
+        window = {"sliding_window": 64} if family.windowed else {}
+        cfg = parse_config(
+            {
+                "run_dir": str(tmp_path / "r"),
+                "target": {"model": str(tiny_target)},
+                "data": {"prompts": "p.jsonl"},
+                "vocab": {"draft_vocab_size": 80},
+                "train": {"draft": {"architecture": name, **window}},
+            }  # fmt: skip
+        )
+        planned = family.planned_configs(registry.fresh_drafter_config(cfg), family.written_forms(both), 3)
+        read = {form: exported_features(config) for form, config in planned.items()}
+        assert {form: found for form, (found, _) in read.items()} == expected[name], name
+        assert all(("sliding_window" in features) == bool(window) for _, features in read.values()), name
