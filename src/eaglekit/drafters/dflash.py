@@ -41,9 +41,13 @@ class DFlashFamily:
     title = "DFlash"
     forms: tuple[str, ...] = (dflash_checkpoint.FORM,)
     exported_architecture = dflash_checkpoint.ARCHITECTURE  # its form's config.json architectures
-    windowed = True  # a causal window over its context (model/dflash.py)
     draft_model: type[DFlashDraft] = DFlashDraft
     drafter_class: type[DFlashDrafter] = DFlashDrafter
+
+    @property
+    def windowed(self) -> bool:
+        return "sliding_window" in self.draft_model.model_fields  # a causal window over its context (model/dflash.py)
+
     vllm_cpu_refusal: str | None = None
     anchor_slot_drafts = False  # its block's first slot holds the verified token; the mask slots draft
 

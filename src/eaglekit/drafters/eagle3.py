@@ -49,6 +49,11 @@ class Eagle3Family:
     draft_model: type[Eagle3Draft]
     card_form: str  # what export/eagle3/ holds, for the model card
     drafter_class = Eagle3Drafter
+
+    @property
+    def windowed(self) -> bool:
+        return "sliding_window" in self.draft_model.model_fields  # the Llama layer's, not MLA's
+
     vllm_cpu_refusal = None
 
     # ---- the drafter a fresh run builds

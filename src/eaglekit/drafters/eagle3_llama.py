@@ -15,7 +15,6 @@ class Eagle3LlamaFamily(Eagle3Family):
     name = "llama"
     title = "Llama"
     forms = ("eagle3", "speculators")
-    windowed = True
     draft_model = LlamaDraft
     card_form = "legacy flat Llama config (`LlamaForCausalLMEagle3`), `midlayer.` keys"
 

@@ -13,7 +13,6 @@ class Eagle3MlaFamily(Eagle3Family):
     name = "mla"
     title = "MLA"
     forms = ("eagle3",)
-    windowed = False
     draft_model = MlaDraft
     card_form = "plain DeepSeek-V2 config (`Eagle3DeepseekV2ForCausalLM`), `layers.0.` keys"
     no_speculators = "MLA drafter: only the plain form is written (no speculators form for MLA)"

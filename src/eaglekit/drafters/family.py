@@ -72,7 +72,8 @@ class DrafterFamily(Protocol):
 
     @property
     def windowed(self) -> bool:
-        """Whether train.draft.sliding_window gives it a sliding window (in training, decoding and its export)."""
+        """Whether train.draft.sliding_window gives it a sliding window (in training, decoding and its export): its
+        draft model has the key."""
         ...
 
     @property
