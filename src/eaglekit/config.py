@@ -198,17 +198,65 @@ class VllmFeaturesConfig(ServerPoolConfig):
     # each request carries a whole sample's hidden states to disk: fewer in flight than generate's replies
     concurrency: int = Field(8, ge=1, description="in-flight requests per server")
     timeout: float = Field(600.0, gt=0, description="seconds per request, and per wait for its file")
+    gpu_memory_utilization: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="vLLM's --gpu-memory-utilization for the servers (`serve-command` prints it): the share of each "
+        "of its GPUs' memory a server takes (weights, KV cache, activations); unset: vLLM's default (0.92 in vLLM 0.32)",
+    )
+    shares_trainer_gpus: bool = Field(
+        False,
+        description="extract.mode stream: the servers run on the GPUs train uses (one node): plan and train's "
+        "pre-flight add their gpu_memory_utilization × the GPU's memory to the drafter's step memory per GPU",
+    )
+
+
+class MooncakeStoreConfig(Section):
+    """extract.stream.transport mooncake: the Mooncake store speculators' MooncakeHiddenStatesConnector (hs-connectors)
+    puts each request's hidden states into. The keys are that connector's ``kv_connector_extra_config.mooncake``
+    keys, with its defaults; `eaglekit serve-command CONFIG` prints them for the servers."""
+
+    master_server_address: str = Field("127.0.0.1:50051", min_length=1, description="the mooncake_master, host:port")
+    metadata_server: str = Field(
+        "P2PHANDSHAKE",
+        min_length=1,
+        description="P2PHANDSHAKE (no metadata server), or http://host:port/metadata (mooncake_master "
+        "--enable_http_metadata_server), or an etcd address",
+    )
+    protocol: Literal["tcp", "rdma"] = "tcp"
+    device_name: str = Field("", description="RDMA device(s), e.g. mlx5_0 or mlx5_0,mlx5_1; empty: Mooncake chooses")
+    local_hostname: str | None = Field(
+        None,
+        description="this machine's address as the servers reach it (default: $MOONCAKE_LOCAL_HOSTNAME, else the "
+        "host name's address, as hs-connectors does); each server sets its own in $MOONCAKE_LOCAL_HOSTNAME",
+    )
+    global_segment_size: int = Field(
+        4 << 30,
+        ge=1 << 20,
+        description="bytes of memory each server lends the store (where the hidden states wait until read); "
+        "extract.stream.spool_gb must fit in 90% of the servers' segments together (the master evicts above that)",
+    )
+    local_buffer_size: int = Field(2 << 30, ge=1 << 20, description="each server's Mooncake staging buffer, bytes")
 
 
 class FeatureStreamConfig(Section):
     """extract.mode stream: train asks the vLLM feature servers (extract.vllm) for each upcoming micro-batch's
     hidden states instead of reading shards; nothing but the servers' in-flight request files is stored."""
 
+    transport: Literal["file", "mooncake"] = Field(
+        "file",
+        description="how the hidden states travel from the servers: file: vLLM's hidden-states connector writes a "
+        "file per request to extract.vllm.storage_path; mooncake: speculators' MooncakeHiddenStatesConnector puts "
+        "them into a Mooncake store (extract.stream.mooncake), over TCP or RDMA, no shared folder",
+    )
+    mooncake: MooncakeStoreConfig = Field(default_factory=MooncakeStoreConfig)
+
     spool_gb: float = Field(
         4.0,
         gt=0,
-        description="GB the servers' hidden-states files may take in extract.vllm.storage_path at once: requests "
-        "wait while the files of those in flight would pass it",
+        description="GB the servers' hidden-states files may take in extract.vllm.storage_path at once (with "
+        "transport mooncake: the entries in the Mooncake store): requests wait while those in flight would pass it",
     )
     ahead: int = Field(4, ge=1, description="micro-batches assembled ahead of the optimizer (held in memory)")
     cache_gb: float = Field(
@@ -218,6 +266,12 @@ class FeatureStreamConfig(Section):
         "of encoded features in memory and reuses them (the rest is requested again); the held-out rows are kept "
         "between evaluations up to max(cache_gb, 1 GB), else requested again at each evaluation",
     )
+
+    @model_validator(mode="after")
+    def _mooncake_only_with_its_transport(self) -> FeatureStreamConfig:
+        if self.transport != "mooncake" and "mooncake" in self.model_fields_set:
+            raise ValueError("mooncake is set but transport is 'file': set transport: mooncake, or remove mooncake")
+        return self
 
 
 class ExtractConfig(Section):
@@ -611,6 +665,16 @@ TTT_MOVED = {
 }  # fmt: skip
 
 
+def move_old_train_spellings(data: Any) -> Any:
+    """A train section's raw keys with the flat TTT spellings (TTT_MOVED) moved under train.ttt: a config, and the
+    train parameters a run directory's ledger recorded before train.ttt (stages/train.py reads them through it)."""
+    if isinstance(data, dict) and data.get("lk_eta") == LKHybrid().eta and data.get("loss") != LKHybrid().name:
+        # a config eaglekit wrote before (RUN_DIR/config.yaml) holds the default lk_eta beside every loss: it
+        # asked nothing there, so it is dropped rather than refused as another loss's parameter
+        data = {key: value for key, value in data.items() if key != "lk_eta"}
+    return move_old_spellings(data, TTT_MOVED, "train")
+
+
 D = TypeVar("D", bound=DraftSection)
 
 
@@ -683,11 +747,7 @@ class TrainConfig(Section):
     @model_validator(mode="before")
     @classmethod
     def _old_spellings(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("lk_eta") == LKHybrid().eta and data.get("loss") != LKHybrid().name:
-            # a config eaglekit wrote before (RUN_DIR/config.yaml) holds the default lk_eta beside every loss: it
-            # asked nothing there, so it is dropped rather than refused as another loss's parameter
-            data = {key: value for key, value in data.items() if key != "lk_eta"}
-        return move_old_spellings(data, TTT_MOVED, "train")
+        return move_old_train_spellings(data)
 
     @field_validator("draft", mode="before")
     @classmethod
@@ -1031,6 +1091,13 @@ def parse_config(data: Any, source: str = "<config>", base_dir: Path | None = No
             raise UsageError(
                 f"{source}: extract.backend is 'vllm' but extract.vllm.servers is empty",
                 "add extract.vllm: {servers: [http://host:8000/v1], storage_path: /shared/hidden-states}",
+            )
+        if cfg.extract.vllm.shares_trainer_gpus and not cfg.extract.streamed:
+            raise UsageError(
+                f"{source}: extract.vllm.shares_trainer_gpus is set but extract.mode is '{cfg.extract.mode}': the "
+                "servers only share the trainer's GPUs while train streams from them",
+                "remove extract.vllm.shares_trainer_gpus (offline extraction runs before train, not beside it), or "
+                "set extract.mode: stream",
             )
     if cfg.verify.engine and cfg.verify.server:
         raise UsageError(

@@ -12,11 +12,16 @@ Under torchrun every rank runs ``run``; only rank 0 holds the run lock and write
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from pathlib import Path
 
-from eaglekit.config import RunConfig
+from pydantic import TypeAdapter, ValidationError
+
+from eaglekit.config import ConfigDeprecation, RunConfig, move_old_train_spellings
 from eaglekit.contract import Estimate, Sizes, Stage, StageContext
 from eaglekit.data.vocab import vocab_origin
+from eaglekit.divergences import LossChoice
 from eaglekit.drafters.registry import family_named, family_of_folder, parameter_counts
 from eaglekit.errors import EaglekitError
 from eaglekit.model.hub import cached_drafter, download_drafter, is_hub_id, local_folder
@@ -30,6 +35,7 @@ from eaglekit.preflight import (
     gpus,
     ok,
     run_directory,
+    shared_gpus,
     skip,
     warn,
 )
@@ -61,6 +67,24 @@ def params(cfg: RunConfig) -> dict:
         local = Path(cfg.train.init_from).exists() or not is_hub_id(cfg.train.init_from)
         p["init_from"] = file_identity(cfg.train.init_from) if local else {"hub": cfg.train.init_from}
     return p
+
+
+def params_in_current_layout(recorded: dict) -> dict:
+    """Train parameters a ledger entry recorded before train.ttt (ttt_steps, loss: NAME and lk_eta beside every loss,
+    flat in the train section) in today's layout: moved by the config's own spelling map, the loss as the config
+    dumps it. A run finished with the same settings then keeps its fingerprint (pipeline.fingerprint)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConfigDeprecation)  # the ledger's spelling, not one the user can edit
+        try:
+            moved = move_old_train_spellings(recorded)
+        except ValueError:  # both spellings at once: not a record eaglekit wrote, left to compare unequal
+            return recorded
+    ttt = moved.get("ttt") if moved is not recorded else None
+    if isinstance(ttt, dict) and "loss" in ttt:
+        # a loss today's config refuses (an lk_eta set beside kl_div) stays as recorded: it differs from any it loads
+        with contextlib.suppress(ValidationError):
+            moved["ttt"] = {**ttt, "loss": TypeAdapter(LossChoice).validate_python(ttt["loss"]).model_dump()}
+    return moved
 
 
 def packing(ctx: StageContext):
@@ -160,6 +184,8 @@ def checks(cfg: RunConfig) -> list:
     if cfg.extract.streamed:  # the servers compute the features: check them, and the spool's room
         source = [feature_servers.feature_servers, feature_servers.feature_storage, feature_servers.spool_room,
                   feature_servers.feature_smoke]  # fmt: skip
+        if shared_gpus.shares_trainer_gpus(cfg):
+            source.append(shared_gpu_memory)
     elif cfg.extract.offline:
         source = [files.feature_shards, files.feature_shard_contents]
     else:
@@ -265,6 +291,11 @@ def step_memory_check(ctx: StageContext):
     )
 
 
+def shared_gpu_memory(ctx: StageContext):
+    """extract.vllm.shares_trainer_gpus: each GPU holds the servers' share and the drafter's step (as step memory)."""
+    return shared_gpus.check(ctx.cfg, step_memory_both(ctx.cfg), gpus.inventory())
+
+
 def checkpoint_bytes(cfg: RunConfig) -> tuple[int, int, int]:
     """(all the checkpoints, one checkpoint, the drafter's parameters): each checkpoint holds the drafter (fp32)
     and training_state (weights + two Adam moments, fp32); best/ and the metrics and plots come on top."""
@@ -297,6 +328,9 @@ def estimate(ctx: StageContext, sizes: Sizes | None) -> Estimate:
         n = row_tokens(cfg)
         est.how.append(f"GPU memory of a step at {n:,} tokens (bf16): {memory_line(both[0], n)}")
         est.how.append(f"  with train.ttt.activation_checkpointing: {human_bytes(both[1].total)}")
+        if shared_gpus.shares_trainer_gpus(cfg):
+            step = both[1 if cfg.train.ttt.activation_checkpointing else 0].total
+            est.how += shared_gpus.plan_lines(cfg, step, gpus.inventory())
         if cfg.train.context_parallel == 1 and n >= 16384:  # what splitting long rows over GPUs would give
             split = [(n, step_memory_both(cfg, n)) for n in (2, 4, 8)]
             est.how.append(
@@ -417,4 +451,5 @@ STAGE = Stage(
     estimate=estimate,
     kept=kept,
     live_counts=live_counts,
+    params_in_current_layout=params_in_current_layout,
 )
