@@ -279,9 +279,24 @@ def test_a_dump_names_every_familys_keys_and_loads_back(tmp_path, architecture):
     dumped = cfg.train.model_dump()["draft"]
     assert set(dumped) == set().union(*KEYS_BEFORE.values())
     assert {key for key, value in dumped.items() if value is not None} == {"architecture", "num_attention_heads"}
-    train = yaml.safe_load(cfg.to_yaml())["train"]  # the train section as RUN_DIR/config.yaml holds it
-    again = load_config(write_config(tmp_path / "c.yaml", {**BASE, "train": train}))
-    assert again.train.draft == cfg.train.draft
+    again = load_config(write_config(tmp_path / "c.yaml", yaml.safe_load(cfg.to_yaml())))  # the whole dump
+    assert again.train.draft == cfg.train.draft and again.extract == cfg.extract
+
+
+@pytest.mark.parametrize("transport", ["file", "mooncake"])
+def test_a_streamed_runs_dump_loads_back(tmp_path, transport):
+    """The dump holds extract.stream.mooncake's defaults with either transport: RUN_DIR/config.yaml loads back."""
+    extract = {
+        "mode": "stream",
+        "backend": "vllm",
+        "stream": {"transport": transport},
+        "vllm": {"servers": ["http://127.0.0.1:9/v1"], "storage_path": str(tmp_path)},
+    }
+    cfg = parse_config({**BASE, "extract": extract})
+    again = load_config(write_config(tmp_path / "c.yaml", yaml.safe_load(cfg.to_yaml())))
+    assert again.extract == cfg.extract
+    with pytest.raises((UsageError, ValueError), match="mooncake is set but transport is 'file'"):
+        parse_config({**BASE, "extract": {**extract, "stream": {"mooncake": {"master_server_address": "h:1"}}}})
 
 
 def test_a_family_reads_its_keys_from_the_section_it_is_given():

@@ -269,7 +269,8 @@ class FeatureStreamConfig(Section):
 
     @model_validator(mode="after")
     def _mooncake_only_with_its_transport(self) -> FeatureStreamConfig:
-        if self.transport != "mooncake" and "mooncake" in self.model_fields_set:
+        # a dump (RUN_DIR/config.yaml) holds the default section: only settings that would do something are refused
+        if self.transport != "mooncake" and self.mooncake != MooncakeStoreConfig():
             raise ValueError("mooncake is set but transport is 'file': set transport: mooncake, or remove mooncake")
         return self
 
