@@ -136,6 +136,48 @@ def vllm_python() -> Path:
         )
 
 
+FEATURE_LAYERS = [2, 4, 5, 8]  # the tiny target's default aux taps and its final state (8 decoder layers)
+
+
+@pytest.fixture(scope="session")
+def feature_servers(vllm_python, tiny_target, tmp_path_factory):
+    """``feature_servers(n)``: (n real vLLM feature servers of the tiny target, the storage folder they share),
+    capturing FEATURE_LAYERS through eaglekit's CPU connector in float32. The servers are started as tests first
+    ask for them and kept for the session, so the extract tests (one server) and the stream tests (two) run on
+    the same engines: two starts, not three, where one process runs both files. A server a test killed is
+    replaced by a fresh one when asked for again."""
+    from eaglekit.serving.engine import VllmServer
+    from eaglekit.serving.vllm_features import plugin_dir, serve_args
+
+    root = tmp_path_factory.mktemp("feature-servers")
+    storage = root / "hidden-states"
+    storage.mkdir()
+    args = ["--max-model-len", "1024", *serve_args(FEATURE_LAYERS, str(storage), "cpu")]
+    servers: list[VllmServer] = []
+    starts = 0
+
+    def ask(count: int) -> tuple[list[VllmServer], Path]:
+        nonlocal starts
+        fresh = []
+        for k in range(count):
+            if k < len(servers) and servers[k].process is not None and servers[k].process.poll() is None:
+                continue
+            log = root / f"vllm-{starts}.log"
+            server = VllmServer(vllm_python, str(tiny_target), args, log, env={"PYTHONPATH": str(plugin_dir())})
+            servers[k : k + 1] = [server]
+            fresh.append(server.start())
+            starts += 1
+        for server in fresh:  # started together, waited for together: the engines load side by side
+            server.wait_ready()
+        return servers[:count], storage
+
+    try:
+        yield ask
+    finally:
+        for server in servers:
+            server.stop()
+
+
 @pytest.fixture(scope="session")
 def demo_run(tmp_path_factory, tiny_target):
     """`eaglekit demo` run once per test session: (run dir, its --json document, its stderr). With the vLLM venv
