@@ -37,9 +37,8 @@ _tiny_target_build: subprocess.Popen | None = None
 # longest first, so that no worker ends alone on one while the other idles. test_verify.py and test_suites_verify.py
 # read the run test_demo.py makes: they come after other long files, by when that run is done.
 LONG_FILES = (
+    "test_families.py",  # ~640 s: a block drafter trained per family in-process and by `eaglekit run`
     "test_demo.py",  # ~510 s: the shared demo run, then the offline demo
-    "test_dspark_run.py",  # ~270 s
-    "test_dflash_run.py",  # ~255 s
     "test_vllm_mla.py",  # ~210 s
     "test_verify.py",  # ~260 s: three verify runs in vLLM
     "test_suites_verify.py",
