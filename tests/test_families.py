@@ -1,11 +1,12 @@
-"""What every block drafter family of the registry (drafters/registry.FAMILIES: DFlash, DSpark) does, one test per
-behaviour parametrised over the families: trained on the tiny target, it raises the block acceptance, decodes
-losslessly at T=0 through the proposer the registry gives it, and that proposer drafts what one uncached forward
-drafts; its export is the form vLLM 0.32 loads, key by key, reads back from vLLM's config.json alone, and a
-checkpoint that lost any key is refused by name; pre-flight refuses it on an MLA target; `eaglekit run` trains,
-evaluates and exports it, re-imports the export to finetune from offline shards, and resumes after kill -9 to the
-uninterrupted run; verify on vLLM's CPU build serves DFlash at its offline acceptance and refuses DSpark by name.
-What one family alone does stays in its file (tests/test_dflash*.py, tests/test_dspark.py)."""
+"""What every drafter family of the registry (drafters/registry.FAMILIES) does, one test per behaviour parametrised
+over the families (ids: their names). Every family: its training checkpoint reads back as the drafter it holds. Every
+block family (DFlash, DSpark): trained on the tiny target, it raises the block acceptance, decodes losslessly at T=0
+through the proposer the registry gives it, and that proposer drafts what one uncached forward drafts; its export is
+the form vLLM 0.32 loads, key by key, reads back from vLLM's config.json alone, and a checkpoint that lost any key
+is refused by name; pre-flight refuses it on an MLA target; `eaglekit run` trains, evaluates and exports it,
+re-imports the export to finetune from offline shards, and resumes after kill -9 to the uninterrupted run; verify on
+vLLM's CPU build serves DFlash at its offline acceptance and refuses DSpark by name. What one family alone does stays
+in its file (tests/test_dflash*.py, tests/test_dspark.py, tests/test_checkpoints.py, tests/test_mla*.py)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,9 @@ from eaglekit.errors import EaglekitError
 from eaglekit.model.dflash import DFlashDrafter
 from eaglekit.model.dflash_checkpoint import read_dflash_config
 from eaglekit.model.dspark_checkpoint import read_dspark_config
+from eaglekit.model.eagle3 import build_d2t_t2d
+from eaglekit.model.run_shapes import target_and_aux
+from eaglekit.model.target import embedding_and_head
 from eaglekit.speculative.block import BlockProposer, DSparkProposer
 from eaglekit.speculative.decode import generate
 
@@ -89,6 +93,32 @@ DRAFTS_FROM_LOGITS = {"dflash": lambda drafter, base, last: base.argmax(-1).toli
 def block_run_config(tmp_path: Path, target: Path, **draft):
     data = {"run_dir": "run", "target": {"model": str(target)}, "data": {"prompts": "p.jsonl"}}
     return parse_config(data | {"train": {"draft": draft}}, base_dir=tmp_path)
+
+
+# ------------------------------------------------------------------------------------------- every family
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_training_checkpoint_reads_back_as_the_drafter_it_holds(tmp_path, tiny_target, family):
+    """The drafter a fresh run builds, written as the family's training checkpoint, is recognised by the registry
+    as the family's and loads back for the target with every weight and its config."""
+    cfg = block_run_config(tmp_path, tiny_target, architecture=family)
+    cfg.vocab.draft_vocab_size = 200
+    hf, aux = target_and_aux(cfg)
+    embed, head = embedding_and_head(str(tiny_target))
+    torch.manual_seed(0)
+    drafter = (
+        FAMILIES[family].build(cfg, hf, *build_d2t_t2d(torch.arange(200), hf.vocab_size), embed, head, aux).drafter
+    )
+    state = drafter.state_dict()
+    FAMILIES[family].save_checkpoint(drafter.config, state, tmp_path / "checkpoint")
+    assert family_of_folder(tmp_path / "checkpoint") is FAMILIES[family]
+    again, info = FAMILIES[family].load_checkpoint(cfg, tmp_path / "checkpoint", aux)
+    assert again.config == drafter.config and info.aux_layer_ids == aux
+    read = again.state_dict()
+    assert read.keys() == state.keys()
+    for key, value in state.items():
+        assert torch.equal(read[key].to(value), value), key
 
 
 # ------------------------------------------------------------------------------------ trained on the tiny target
