@@ -46,6 +46,9 @@ BLOCK = 4
 # exactly (tests/test_dflash.py, the kernel probe); DSpark with a Markov rank of 32
 OWN_DRAFT = {"dflash": {"shared_k_norm": True}, "dspark": {"markov_rank": 32}}
 SMALL_DRAFT = {"dflash": {}, "dspark": {"markov_rank": 8}}  # the kill -9 runs' own keys
+# the block τ of the first 10 steps, before the drafter has learned: DSpark's anchor slot drafts the token right
+# after the verified one, the easiest of the block (measured, seed 0: DFlash 1.09, DSpark 1.36)
+UNTRAINED_TAU_BELOW = {"dflash": 1.3, "dspark": 1.5}
 PROPOSER = {"dflash": BlockProposer, "dspark": DSparkProposer}
 READ_CONFIG = {"dflash": read_dflash_config, "dspark": read_dspark_config}
 # what vLLM 0.32 reads from the exported config.json: the architecture; the section holding the aux taps
@@ -143,10 +146,10 @@ def trained(request, target, tiny_target, tmp_path_factory):
 
 
 def test_training_lowers_the_loss_and_raises_the_block_acceptance(trained):
-    _, _, taus, losses = trained
+    family, _, taus, losses = trained
     first, last = sum(taus[:10]) / 10, sum(taus[-10:]) / 10
     print(f"block tau {first:.3f} -> {last:.3f}, loss {sum(losses[:10]):.2f} -> {sum(losses[-10:]):.2f}")
-    assert first < 1.3 and last > first + 1.0, (first, last)
+    assert first < UNTRAINED_TAU_BELOW[family] and last > first + 1.0, (first, last)
     assert sum(losses[-10:]) < 0.5 * sum(losses[:10])
 
 
