@@ -373,13 +373,14 @@ def test_an_exported_drafter_is_reimported_for_finetuning(family_run, tiny_targe
 @pytest.mark.slow
 @pytest.mark.parametrize("family_run", ["dflash"], indirect=True)
 def test_verify_serves_the_dflash_drafter_at_its_offline_acceptance(family_run, vllm_python):
-    """verify in the real vLLM CPU build (one engine start) on the run's export: served τ, every position and every
-    verify pass equal to offline."""
+    """verify in the real vLLM CPU build (one engine start) on the run's export, the run's config with verify added
+    (the stages before it are done and skipped): served τ, every position and every verify pass equal to offline."""
     family, root, run_dir = family_run
     cfg = yaml.safe_load((root / "config.yaml").read_text())
     cfg["verify"] = {"engine": "vllm", "num_samples": 4, "python": str(vllm_python)}
     proc = run(cfg, root / "verify-cfg")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "train: done with the same inputs" in proc.stdout + proc.stderr  # the run's drafter, not a new one
     verify = json.loads((run_dir / "verify" / "report.json").read_text())
     assert verify["verdict"] == "PASS", verify
     (served,) = verify["runs"]
