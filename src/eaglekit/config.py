@@ -185,6 +185,18 @@ class VllmFeaturesConfig(ServerPoolConfig):
     # each request carries a whole sample's hidden states to disk: fewer in flight than generate's replies
     concurrency: int = Field(8, ge=1, description="in-flight requests per server")
     timeout: float = Field(600.0, gt=0, description="seconds per request, and per wait for its file")
+    gpu_memory_utilization: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="vLLM's --gpu-memory-utilization for the servers (`serve-command` prints it): the share of each "
+        "of its GPUs' memory a server takes (weights, KV cache, activations); unset: vLLM's default (0.92 in vLLM 0.32)",
+    )
+    shares_trainer_gpus: bool = Field(
+        False,
+        description="extract.mode stream: the servers run on the GPUs train uses (one node): plan and train's "
+        "pre-flight add their gpu_memory_utilization × the GPU's memory to the drafter's step memory per GPU",
+    )
 
 
 class FeatureStreamConfig(Section):
@@ -881,6 +893,13 @@ def parse_config(data: Any, source: str = "<config>", base_dir: Path | None = No
             raise UsageError(
                 f"{source}: extract.backend is 'vllm' but extract.vllm.servers is empty",
                 "add extract.vllm: {servers: [http://host:8000/v1], storage_path: /shared/hidden-states}",
+            )
+        if cfg.extract.vllm.shares_trainer_gpus and not cfg.extract.streamed:
+            raise UsageError(
+                f"{source}: extract.vllm.shares_trainer_gpus is set but extract.mode is '{cfg.extract.mode}': the "
+                "servers only share the trainer's GPUs while train streams from them",
+                "remove extract.vllm.shares_trainer_gpus (offline extraction runs before train, not beside it), or "
+                "set extract.mode: stream",
             )
     if cfg.verify.engine and cfg.verify.server:
         raise UsageError(

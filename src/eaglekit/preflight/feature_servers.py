@@ -260,16 +260,22 @@ def spool_room(ctx: StageContext):
     longest = _longest_sample(ctx)
     detail = f"{human_bytes(spool)} of {human_bytes(free)} free in {path}"
     if longest:
+        from eaglekit.serving.vllm_features import server_bytes_per_token, server_dtype, server_layer_ids
+        from eaglekit.training.stream import SPOOL_SLACK
+
         hf = target_hf_config(cfg.target)
-        states = len(aux_layer_ids(cfg.target, hf.num_hidden_layers)) + 1
-        per_token = states * hf.hidden_size * 4 + 8  # at most float32 on the server
-        need = longest * per_token
+        states = len(server_layer_ids(aux_layer_ids(cfg.target, hf.num_hidden_layers), hf.num_hidden_layers))
+        dtype, kind = server_dtype(hf), str(server_dtype(hf)).removeprefix("torch.")
+        # what the stream reserves for the request (training/stream.py): the states in the servers' dtype, the header
+        need = SPOOL_SLACK + longest * server_bytes_per_token(states, hf.hidden_size, dtype)
         if need > spool:
             return fail(
                 name,
-                f"the longest prepared sample ({longest:,} tokens) makes a file of up to {human_bytes(need)}, more "
+                f"the longest prepared sample ({longest:,} tokens) makes a file of {human_bytes(need)} ({kind}), more "
                 f"than the spool ({human_bytes(spool)})",
-                f"raise extract.stream.spool_gb to at least {need / 1e9 * 1.1:.2f}",
+                f"raise extract.stream.spool_gb to at least {need / 1e9 * 1.1:.3g}",
             )
-        detail += f"; the longest sample's file is at most {human_bytes(need)}: {spool / need:,.0f} such in flight"
+        detail += (
+            f"; the longest sample's file is {human_bytes(need)} ({kind} states): {spool / need:,.0f} such in flight"
+        )
     return ok(name, detail)

