@@ -192,7 +192,7 @@ def test_verify_preflight_names_the_cpu_builds_refusal(tmp_path, tiny_target, vl
     cfg.verify.engine, cfg.verify.python = "vllm", str(vllm_python)
     check = engine_serves_forms(StageContext(cfg=cfg, run=RunDir(cfg.run_dir), stage="verify", fingerprint=""))
     assert check.status == "fail" and DSPARK_ON_CPU in check.detail and "GPU" in check.remedy
-    cfg.train.draft.architecture = "dflash"
+    cfg.train.draft = {"architecture": "dflash"}
     assert (
         engine_serves_forms(StageContext(cfg=cfg, run=RunDir(cfg.run_dir), stage="verify", fingerprint="")).status
         == "ok"

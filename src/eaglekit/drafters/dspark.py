@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from eaglekit.config import DRAFT_KEYS, RunConfig
+from eaglekit.config import DSparkDraft, RunConfig
 from eaglekit.drafters.dflash import DFlashFamily
 from eaglekit.model import dspark, dspark_checkpoint
 from eaglekit.model.dspark import DSparkConfig, DSparkDrafter
@@ -29,7 +29,8 @@ class DSparkFamily(DFlashFamily):
     name = "dspark"
     title = "DSpark"
     forms = (dspark_checkpoint.FORM,)
-    draft_keys = DRAFT_KEYS["dspark"]
+    exported_architecture = dspark_checkpoint.ARCHITECTURE
+    draft_model = DSparkDraft
     drafter_class = DSparkDrafter
     vllm_cpu_refusal = NOT_ON_CPU
     anchor_slot_drafts = True  # its block's first slot drafts too (DFlash's holds the verified token)

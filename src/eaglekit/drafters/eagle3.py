@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from eaglekit import atomic
-from eaglekit.config import RunConfig, TrainConfig
+from eaglekit.config import Eagle3Draft, RunConfig, TrainConfig
 from eaglekit.contract import StageContext
 from eaglekit.data.chat import load_tokenizer
 from eaglekit.data.eval_report import report_markdown
@@ -46,9 +46,14 @@ class Eagle3Family:
 
     name: str
     forms: tuple[str, ...]
-    draft_keys: frozenset[str]
+    draft_model: type[Eagle3Draft]
     card_form: str  # what export/eagle3/ holds, for the model card
     drafter_class = Eagle3Drafter
+
+    @property
+    def windowed(self) -> bool:
+        return "sliding_window" in self.draft_model.model_fields  # the Llama layer's, not MLA's
+
     vllm_cpu_refusal = None
 
     # ---- the drafter a fresh run builds
@@ -205,6 +210,14 @@ class Eagle3Family:
     # ---- export
     def written_forms(self, requested: list[str]) -> list[str]:
         return [f for f in requested if f in self.forms] or requested
+
+    def planned_configs(self, dc: DrafterConfig, forms: list[str], k: int) -> dict[str, dict]:
+        return {
+            form: eagle3_checkpoint.speculators_config(dc, None, None, k)
+            if form == "speculators"
+            else eagle3_checkpoint.legacy_config(dc)
+            for form in forms
+        }
 
     def vllm_method(self, form: str) -> str:
         return "eagle3"
@@ -394,7 +407,8 @@ def export_eagle3(family: Eagle3Family, ctx: StageContext, load: LoadChecked) ->
             "retrain the drafter with this target's config (its RoPE settings are copied at train time)",
         )
     formats, warnings = forms_to_write(family, requested)
-    warnings += export_check(cfg, drafter.config, formats)  # refuses a feature the installed engine would drop
+    planned = family.planned_configs(drafter.config, formats, cfg.export.num_speculative_tokens)
+    warnings += export_check(cfg, planned)  # refuses a feature the installed engine would drop
     ignored = eagle3_checkpoint.sglang_ignores(drafter.config)
     if ignored:
         warnings.append(

@@ -161,6 +161,18 @@ def prompt_token_counts(cfg, records: list) -> tuple[list[tuple[int, str]], str,
     return sorted(counted, reverse=True), how, False
 
 
+def prompt_tokens(ctx: StageContext) -> tuple[list[tuple[int, str]], str, bool]:
+    """The run's prompts' ``prompt_token_counts``, counted once per pre-flight run of a stage: the prompt length
+    check and the servers' context length check compare the same counts (up to TOKENIZED_PROMPTS tokenised)."""
+    return ctx.once(_count_run_prompts)
+
+
+def _count_run_prompts(ctx: StageContext) -> tuple[list[tuple[int, str]], str, bool]:
+    from eaglekit.data.prompts import run_prompts
+
+    return prompt_token_counts(ctx.cfg, run_prompts(ctx.cfg).records)
+
+
 def _rendered(tokenizer, record, template_kwargs: dict) -> str:
     """The prompt as generate sends it to the target; a row the chat template refuses is named by its line."""
     from jinja2 import TemplateError
@@ -189,7 +201,7 @@ def prompt_length(ctx: StageContext) -> CheckResult:
     if not records:
         return skip(name, "no prompts")
     limit, why = context_limit(ctx.cfg)
-    counts, how, exact = prompt_token_counts(ctx.cfg, records)
+    counts, how, exact = prompt_tokens(ctx)
     over = [(n, rid) for n, rid in counts if n > limit]
     longest, rid = counts[0]
     if not over:

@@ -40,9 +40,11 @@ def exported_features_read(ctx: StageContext) -> CheckResult:
     if drafter is None:
         return skip(NAME, "the drafter checkpoint cannot be read (the drafter check says why)")
     requested = list(dict.fromkeys(ctx.options.get("formats") or ctx.cfg.export.formats))
-    formats = drafter_family(ctx.cfg).written_forms(requested)  # what export writes: an MLA drafter, eagle3 alone
+    family = drafter_family(ctx.cfg)
+    formats = family.written_forms(requested)  # what export writes: an MLA drafter, eagle3 alone
+    planned = family.planned_configs(drafter, formats, ctx.cfg.export.num_speculative_tokens)
     engine = features.engine_for(None, ctx.cfg.verify.python)
-    return _result(lambda: features.export_check(ctx.cfg, drafter, formats), engine)
+    return _result(lambda: features.export_check(ctx.cfg, planned), engine)
 
 
 def served_features_read(ctx: StageContext) -> CheckResult:

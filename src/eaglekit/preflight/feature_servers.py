@@ -13,7 +13,7 @@ from eaglekit.data.tokens import TokenStore
 from eaglekit.errors import EaglekitError
 from eaglekit.model.target import aux_layer_ids, read_final_norm, target_hf_config
 from eaglekit.preflight import CheckResult, fail, ok, skip, will_be_produced
-from eaglekit.serving.vllm_features import feature_api_key, served_model
+from eaglekit.serving.vllm_features import feature_api_key, mooncake_fits, served_model
 
 SELF_CHECK_SAMPLES = 3  # the shortest prepared samples sent by the capture self-check
 SELF_CHECK_LOGPROBS = 5  # prompt_logprobs asked per position: the prompt's token and the server's top 5
@@ -74,6 +74,8 @@ def feature_storage(ctx: StageContext):
     """The servers' shared_storage_path is a folder here that eaglekit can read and clean up."""
     assert ctx.cfg.extract.vllm is not None, "declared for extract.backend vllm only"
     path = ctx.cfg.extract.vllm.storage_path
+    if ctx.cfg.extract.streamed and ctx.cfg.extract.stream.transport == "mooncake":
+        return skip("feature storage", "not read: the hidden states travel through Mooncake (extract.stream.transport)")
     if not os.path.isdir(path):
         return fail(
             "feature storage",
@@ -127,7 +129,7 @@ def smoke_server(ctx: StageContext, url: str, store, shortest: list[int], layer_
     on the ``shortest`` few (or one failure, when a request fails)."""
     from eaglekit.preflight.capture import check_capture, parse_prompt_logprobs
     from eaglekit.serving.client import RequestFailed
-    from eaglekit.serving.vllm_features import FeatureClient
+    from eaglekit.serving.vllm_features import FeatureClient, feature_transport
 
     cfg, v = ctx.cfg, ctx.cfg.extract.vllm
     assert v is not None, "declared for extract.backend vllm only"
@@ -144,6 +146,7 @@ def smoke_server(ctx: StageContext, url: str, store, shortest: list[int], layer_
             norm,
             f"eksmoke{os.getpid()}",
             self_check=SELF_CHECK_LOGPROBS,
+            transport=feature_transport(cfg),
         ) as client:
             return [await client.capture(j, store[j][1].tolist()) for j in shortest]
 
@@ -248,17 +251,25 @@ def spool_room(ctx: StageContext):
     cfg, name = ctx.cfg, "feature spool"
     assert cfg.extract.vllm is not None, "declared for extract.mode stream only, which requires extract.vllm"
     spool, path = cfg.extract.stream.spool_gb * 1e9, cfg.extract.vllm.storage_path
-    if not os.path.isdir(path):
+    if cfg.extract.stream.transport == "mooncake":
+        try:
+            mooncake_fits(cfg)
+        except EaglekitError as err:
+            return fail(name, err.message, err.remedy or "")
+        segments = len(cfg.extract.vllm.servers) * cfg.extract.stream.mooncake.global_segment_size
+        detail = f"{human_bytes(spool)} of the servers' Mooncake segments ({human_bytes(segments)})"
+    elif not os.path.isdir(path):
         return skip(name, "the feature storage check says why the folder is missing")
-    free = shutil.disk_usage(path).free
-    if free < spool:
-        return fail(
-            name,
-            f"extract.stream.spool_gb is {human_bytes(spool)} but {path} has {human_bytes(free)} free",
-            f"free space there or lower extract.stream.spool_gb to {free / 1e9 * 0.9:.1f}",
-        )
+    else:
+        free = shutil.disk_usage(path).free
+        if free < spool:
+            return fail(
+                name,
+                f"extract.stream.spool_gb is {human_bytes(spool)} but {path} has {human_bytes(free)} free",
+                f"free space there or lower extract.stream.spool_gb to {free / 1e9 * 0.9:.1f}",
+            )
+        detail = f"{human_bytes(spool)} of {human_bytes(free)} free in {path}"
     longest = _longest_sample(ctx)
-    detail = f"{human_bytes(spool)} of {human_bytes(free)} free in {path}"
     if longest:
         from eaglekit.serving.vllm_features import server_bytes_per_token, server_dtype, server_layer_ids
         from eaglekit.training.stream import SPOOL_SLACK

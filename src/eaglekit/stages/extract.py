@@ -444,7 +444,7 @@ def sample_failed(sample_id: str, err) -> EaglekitError:
 
 def vllm_serve_command(cfg: RunConfig) -> str:
     """The command that starts one feature server for this config (the same for every server)."""
-    from eaglekit.serving.vllm_features import serve_command, served_model, server_layer_ids
+    from eaglekit.serving.vllm_features import feature_serve_command, server_layer_ids
 
     if cfg.extract.vllm is None:
         raise EaglekitError(
@@ -455,10 +455,7 @@ def vllm_serve_command(cfg: RunConfig) -> str:
     ids = server_layer_ids(aux_layer_ids(cfg.target, hf.num_hidden_layers), hf.num_hidden_layers)
     tokens = os.path.join(cfg.run_dir, "prepare", "tokens.safetensors")
     longest = int(TokenStore(tokens).lengths.max()) + 1 if os.path.exists(tokens) else None
-    v = cfg.extract.vllm
-    return serve_command(
-        cfg.target.model, ids, v.storage_path, v.connector, served_model(cfg), longest, v.gpu_memory_utilization
-    )
+    return feature_serve_command(cfg, ids, longest)
 
 
 def estimate(ctx: StageContext, sizes: Sizes | None) -> Estimate:

@@ -12,11 +12,16 @@ Under torchrun every rank runs ``run``; only rank 0 holds the run lock and write
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from pathlib import Path
 
-from eaglekit.config import RunConfig
+from pydantic import TypeAdapter, ValidationError
+
+from eaglekit.config import ConfigDeprecation, RunConfig, move_old_train_spellings
 from eaglekit.contract import Estimate, Sizes, Stage, StageContext
 from eaglekit.data.vocab import vocab_origin
+from eaglekit.divergences import LossChoice
 from eaglekit.drafters.registry import family_named, family_of_folder, parameter_counts
 from eaglekit.errors import EaglekitError
 from eaglekit.model.hub import cached_drafter, download_drafter, is_hub_id, local_folder
@@ -62,6 +67,24 @@ def params(cfg: RunConfig) -> dict:
         local = Path(cfg.train.init_from).exists() or not is_hub_id(cfg.train.init_from)
         p["init_from"] = file_identity(cfg.train.init_from) if local else {"hub": cfg.train.init_from}
     return p
+
+
+def params_in_current_layout(recorded: dict) -> dict:
+    """Train parameters a ledger entry recorded before train.ttt (ttt_steps, loss: NAME and lk_eta beside every loss,
+    flat in the train section) in today's layout: moved by the config's own spelling map, the loss as the config
+    dumps it. A run finished with the same settings then keeps its fingerprint (pipeline.fingerprint)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConfigDeprecation)  # the ledger's spelling, not one the user can edit
+        try:
+            moved = move_old_train_spellings(recorded)
+        except ValueError:  # both spellings at once: not a record eaglekit wrote, left to compare unequal
+            return recorded
+    ttt = moved.get("ttt") if moved is not recorded else None
+    if isinstance(ttt, dict) and "loss" in ttt:
+        # a loss today's config refuses (an lk_eta set beside kl_div) stays as recorded: it differs from any it loads
+        with contextlib.suppress(ValidationError):
+            moved["ttt"] = {**ttt, "loss": TypeAdapter(LossChoice).validate_python(ttt["loss"]).model_dump()}
+    return moved
 
 
 def packing(ctx: StageContext):
@@ -428,4 +451,5 @@ STAGE = Stage(
     estimate=estimate,
     kept=kept,
     live_counts=live_counts,
+    params_in_current_layout=params_in_current_layout,
 )

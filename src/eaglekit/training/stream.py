@@ -9,7 +9,8 @@ the batch and puts it on a queue of ``extract.stream.ahead`` micro-batches. Boun
 - disk: a request reserves its file's bytes (tokens × captured states × hidden × the server's bytes per value, learnt
   from the files) from ``SpoolBudget`` before it is sent and gives them back once its file is read and deleted, so
   the servers' files in the storage folder never pass ``extract.stream.spool_gb``; reservations are served in order
-  (a long sample is never starved by short ones);
+  (a long sample is never starved by short ones). With ``extract.stream.transport: mooncake`` the same bound holds
+  for the run's objects in the Mooncake store (``serving/mooncake_transport.py``: freed = removed from the store);
 - memory: ``ahead`` micro-batches being assembled and ``ahead`` waiting on the queue;
 - epochs past the first request the features again, or reuse those kept under ``extract.stream.cache_gb``.
 
@@ -40,6 +41,7 @@ from dataclasses import dataclass
 from eaglekit.data.shards import Rows, encode
 from eaglekit.errors import EaglekitError
 from eaglekit.serving.client import RequestFailed
+from eaglekit.serving.vllm_features import TransportGone
 from eaglekit.training.data import Batch, RunBatches
 
 GB = 1e9
@@ -52,7 +54,8 @@ CHECK_LOGPROBS = 5  # prompt_logprobs they ask per position (as extract's pre-fl
 
 
 class FeatureServersGone(EaglekitError):
-    """Every feature server stayed out of rotation past extract.vllm.outage_timeout."""
+    """Every feature server stayed out of rotation past extract.vllm.outage_timeout, or the transport between them and
+    this process did (the Mooncake master)."""
 
 
 def request_prefix(run_dir: str | os.PathLike, rank: int) -> str:
@@ -388,6 +391,11 @@ class FeatureStream:
                 "check the servers (`eaglekit preflight CONFIG --stage train`), then rerun the same command: it "
                 "resumes at the last checkpoint with the same data order",
             ) from None
+        except TransportGone as err:
+            raise FeatureServersGone(
+                f"stream: {err.message}",
+                f"{err.remedy}, then rerun the same command: it resumes at the last checkpoint with the same data order",
+            ) from None
         except EaglekitError as err:
             if err.message.startswith(NO_SERVER):
                 raise FeatureServersGone(
@@ -446,6 +454,7 @@ def open_stream(cfg, run_dir: str | os.PathLike, batches: RunBatches, rank: int,
     from eaglekit.serving.vllm_features import (
         FeatureClient,
         feature_api_key,
+        feature_transport,
         served_model,
         server_bytes_per_token,
         server_dtype,
@@ -458,9 +467,10 @@ def open_stream(cfg, run_dir: str | os.PathLike, batches: RunBatches, rank: int,
     layer_ids = server_layer_ids(aux_layer_ids(cfg.target, hf.num_hidden_layers), hf.num_hidden_layers)
     norm, key, model = read_final_norm(cfg.target), feature_api_key(cfg), served_model(cfg)
     prefix = request_prefix(run_dir, rank)
+    transport = feature_transport(cfg)  # one for the stream: a Mooncake client joins the store once
     return FeatureStream(
         batches,
-        lambda: FeatureClient(v, key, model, layer_ids, hf.hidden_size, norm, prefix),
+        lambda: FeatureClient(v, key, model, layer_ids, hf.hidden_size, norm, prefix, transport=transport),
         cfg.extract.dtype,
         spool_bytes=int(s.spool_gb * GB),
         bytes_per_token=server_bytes_per_token(len(layer_ids), hf.hidden_size, server_dtype(hf)),
