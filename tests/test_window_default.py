@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from test_extract import prepared_run
 
-from eaglekit.config import DraftModelConfig, parse_config
+from eaglekit.config import DFlashDraft, LlamaDraft, MlaDraft, parse_config
 from eaglekit.data.tokens import TokenStore
 from eaglekit.drafters.registry import fresh_drafter_config
 from eaglekit.errors import UsageError
@@ -83,22 +83,23 @@ def test_explicit_windows_win_and_null_or_off_says_none(prepared):
     assert check.status == "warn" and "remove train.draft.sliding_window: null" in check.remedy
 
     # YAML's unquoted off / false and the word none are null; true is no size
-    for written in (None, False, "off", "none"):
-        assert DraftModelConfig(sliding_window=written).sliding_window is None
-    assert DraftModelConfig().sliding_window == "auto"
-    with pytest.raises(ValueError, match="true is not a window"):
-        DraftModelConfig(sliding_window=True)
-    with pytest.raises(ValueError):
-        DraftModelConfig(sliding_window=1)
+    for model in (LlamaDraft, DFlashDraft):
+        for written in (None, False, "off", "none"):
+            assert model(sliding_window=written).sliding_window is None
+        assert model().sliding_window == "auto"
+        with pytest.raises(ValueError, match="true is not a window"):
+            model(sliding_window=True)
+        with pytest.raises(ValueError):
+            model(sliding_window=1)
 
 
 def test_mla_takes_no_window_so_auto_is_off_there(prepared):
     cfg = prepared
     cfg.evaluate.context_lengths = [1 << 20]
-    cfg.train.draft.architecture = "mla"
+    cfg.train.draft = {"architecture": "mla"}
     choice = draft_window(cfg)
     assert choice.window is None and choice.why == "auto: off (architecture mla takes no sliding window)"
-    assert DraftModelConfig(architecture="mla", sliding_window="auto").sliding_window == "auto"  # said, not refused
+    assert MlaDraft(sliding_window="auto").window is None  # auto asks nothing of MLA: taken, not refused
     with pytest.raises(UsageError, match="architecture mla does not read sliding_window"):
         parse_config({"target": {"model": "x"}, "data": {"prompts": "p"},
                       "train": {"draft": {"architecture": "mla", "sliding_window": 512}}})  # fmt: skip
@@ -109,8 +110,7 @@ def test_mla_takes_no_window_so_auto_is_off_there(prepared):
 def test_block_drafters_take_the_auto_window(prepared):
     cfg = prepared
     cfg.evaluate.context_lengths = [1 << 20]
-    cfg.train.draft.architecture = "dflash"
-    cfg.train.draft.mask_token_id = 0
+    cfg.train.draft = {"architecture": "dflash", "mask_token_id": 0}
     window = draft_window(cfg).window
     assert window is not None and fresh_drafter_config(cfg).sliding_window == window
 

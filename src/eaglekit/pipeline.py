@@ -28,6 +28,8 @@ from eaglekit import atomic, failures, preflight, rundir
 from eaglekit.config import RunConfig
 from eaglekit.contract import Stage, StageContext, StaleCause
 from eaglekit.errors import EaglekitError, UsageError
+from eaglekit.preflight import disk, processes, run_directory
+from eaglekit.preflight.files import INPUT_NAMES
 from eaglekit.progress import console
 from eaglekit.rundir import RunDir, content_identity, digest, tool_versions
 
@@ -124,8 +126,6 @@ def make_context(cfg: RunConfig, stage: str, force: bool = False, **options: Any
 
 def stage_checks(ctx: StageContext) -> list:
     """The generic checks around the stage's own: the run directory first, the disk last."""
-    from eaglekit.preflight import disk, processes, run_directory
-
     return [
         run_directory.run_lock,
         processes.other_processes,
@@ -387,8 +387,6 @@ def stale_cause(cfg: RunConfig, run: RunDir, stage: str) -> StaleCause | None:
 
 def _change(stage: str, key: str, old: Any, new: Any) -> str:
     """One changed parameter in words: a recorded input by its name (preflight/files.INPUT_NAMES), a hash short."""
-    from eaglekit.preflight.files import INPUT_NAMES
-
     for pattern, words in INPUT_NAMES:
         found = pattern.fullmatch(key)
         if found:

@@ -31,6 +31,7 @@ import datetime as _dt
 import fcntl
 import functools
 import hashlib
+import importlib.metadata as md
 import json
 import os
 import socket
@@ -43,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eaglekit import atomic
+from eaglekit import __version__, atomic
 from eaglekit.errors import EaglekitError
 from eaglekit.progress import Meter
 
@@ -72,10 +73,6 @@ def now_iso() -> str:
 
 def tool_versions() -> dict[str, str]:
     """Versions recorded with each stage run, so a result can be traced to the code that made it."""
-    import importlib.metadata as md
-
-    from eaglekit import __version__
-
     versions = {"python": sys.version.split()[0], "eaglekit": __version__}
     for pkg in ("torch", "transformers", "tokenizers", "safetensors"):
         with contextlib.suppress(md.PackageNotFoundError):

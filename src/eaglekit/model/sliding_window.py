@@ -104,15 +104,15 @@ def _lengths(path: str, mtime_ns: int, size: int) -> TrainingLengths | None:
 
 def draft_window(cfg: RunConfig) -> WindowChoice:
     """The window a fresh drafter of this run trains with, and why (module docstring); a finetune keeps its own."""
-    setting = cfg.train.draft.sliding_window
+    draft = cfg.train.draft
+    if "sliding_window" not in DRAFT_KEYS[draft.family]:  # said once, here: MLA refuses the key
+        return WindowChoice(None, f"auto: off (architecture {draft.family} takes no sliding window)")
+    setting = draft.window
     if setting != AUTO:
         shown = "null (full attention)" if setting is None else f"{setting:,}"
         return WindowChoice(setting, f"train.draft.sliding_window: {shown}")
-    architecture = cfg.train.draft.architecture or "llama"
     if cfg.train.init_from:
         return WindowChoice(None, "auto: train.init_from keeps its own window")
-    if "sliding_window" not in DRAFT_KEYS[architecture]:
-        return WindowChoice(None, f"auto: off (architecture {architecture} takes no sliding window)")
     served = served_context(cfg)
     if served is None:
         return WindowChoice(

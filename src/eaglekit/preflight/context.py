@@ -63,7 +63,7 @@ def serving_context(ctx: StageContext) -> CheckResult:
                 if not windowable
                 else "remove train.draft.sliding_window: null (auto then windows the drafter: docs/long-context.md), "
                 "or train on longer documents"
-                if cfg.train.draft.sliding_window is None
+                if cfg.train.draft.window is None
                 else "train on longer documents"
             )
             + ", or set evaluate.context_lengths to the contexts you serve",

@@ -7,13 +7,28 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 
 from eaglekit.contract import StageContext
 from eaglekit.data.tokens import TokenStore
 from eaglekit.errors import EaglekitError
-from eaglekit.model.target import aux_layer_ids, read_final_norm, target_hf_config
+from eaglekit.model.target import aux_layer_ids, embedding_and_head, read_final_norm, target_hf_config
 from eaglekit.preflight import CheckResult, fail, ok, skip, will_be_produced
-from eaglekit.serving.vllm_features import feature_api_key, mooncake_fits, served_model
+from eaglekit.preflight.capture import check_capture, parse_prompt_logprobs
+from eaglekit.preflight.servers import server_info
+from eaglekit.progress import console, human_bytes
+from eaglekit.serving.client import RequestFailed
+from eaglekit.serving.vllm_features import (
+    FeatureClient,
+    feature_api_key,
+    feature_transport,
+    mooncake_fits,
+    served_model,
+    server_bytes_per_token,
+    server_dtype,
+    server_layer_ids,
+)
+from eaglekit.training.stream import SPOOL_SLACK
 
 SELF_CHECK_SAMPLES = 3  # the shortest prepared samples sent by the capture self-check
 SELF_CHECK_LOGPROBS = 5  # prompt_logprobs asked per position: the prompt's token and the server's top 5
@@ -26,8 +41,6 @@ def _longest_sample(ctx: StageContext) -> int | None:
 
 def feature_servers(ctx: StageContext) -> list:
     """Every feature server answers, serves the model, and has a context for the longest sample plus one token."""
-    from eaglekit.preflight.servers import server_info
-
     cfg, v = ctx.cfg, ctx.cfg.extract.vllm
     assert v is not None, "declared for extract.backend vllm only, which the config requires extract.vllm for"
     try:
@@ -98,9 +111,6 @@ def feature_smoke(ctx: StageContext) -> list:
     ids, the pre-norm final state and the token alignment in one go. The same requests carry the capture
     self-check (``eaglekit.preflight.capture``): every next-token log-prob of a few samples rebuilt from the
     rows eaglekit would write, against the server's ``prompt_logprobs``."""
-    from eaglekit.model.target import embedding_and_head
-    from eaglekit.serving.vllm_features import server_layer_ids
-
     cfg, v = ctx.cfg, ctx.cfg.extract.vllm
     assert v is not None, "declared for extract.backend vllm only"
     path = ctx.run.stage_dir("prepare") / "tokens.safetensors"
@@ -127,10 +137,6 @@ def feature_smoke(ctx: StageContext) -> list:
 def smoke_server(ctx: StageContext, url: str, store, shortest: list[int], layer_ids, hidden, norm, head) -> list:
     """The smoke request to one server: the next-token check on the shortest sample, then the capture self-check
     on the ``shortest`` few (or one failure, when a request fails)."""
-    from eaglekit.preflight.capture import check_capture, parse_prompt_logprobs
-    from eaglekit.serving.client import RequestFailed
-    from eaglekit.serving.vllm_features import FeatureClient, feature_transport
-
     cfg, v = ctx.cfg, ctx.cfg.extract.vllm
     assert v is not None, "declared for extract.backend vllm only"
     name = f"feature smoke request {url}"
@@ -210,10 +216,6 @@ def stream_capture_check(cfg):
     """The capture self-check of a streamed run, on its first requests: ``check(captures, layer_ids, norm)`` raises
     when the rows eaglekit makes do not rebuild the server's own prompt log-probs (the same check as extract's
     smoke request)."""
-    from eaglekit.model.target import embedding_and_head
-    from eaglekit.preflight.capture import check_capture, parse_prompt_logprobs
-    from eaglekit.progress import console
-
     _, head = embedding_and_head(cfg.target.model, cfg.target.trust_remote_code)
 
     def check(captures: list, layer_ids: list[int], norm) -> None:
@@ -244,10 +246,6 @@ def stream_capture_check(cfg):
 def spool_room(ctx: StageContext):
     """A streamed run: the storage folder has room for extract.stream.spool_gb, and the spool for the longest
     sample's file (a request larger than the spool could never be sent)."""
-    import shutil
-
-    from eaglekit.progress import human_bytes
-
     cfg, name = ctx.cfg, "feature spool"
     assert cfg.extract.vllm is not None, "declared for extract.mode stream only, which requires extract.vllm"
     spool, path = cfg.extract.stream.spool_gb * 1e9, cfg.extract.vllm.storage_path
@@ -271,9 +269,6 @@ def spool_room(ctx: StageContext):
         detail = f"{human_bytes(spool)} of {human_bytes(free)} free in {path}"
     longest = _longest_sample(ctx)
     if longest:
-        from eaglekit.serving.vllm_features import server_bytes_per_token, server_dtype, server_layer_ids
-        from eaglekit.training.stream import SPOOL_SLACK
-
         hf = target_hf_config(cfg.target)
         states = len(server_layer_ids(aux_layer_ids(cfg.target, hf.num_hidden_layers), hf.num_hidden_layers))
         dtype, kind = server_dtype(hf), str(server_dtype(hf)).removeprefix("torch.")

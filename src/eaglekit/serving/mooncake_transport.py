@@ -169,7 +169,7 @@ def parse_manifest(params: dict, server: str) -> Entry:
 def open_store(settings: MooncakeStoreConfig) -> Any:
     """A Mooncake client of the master that lends no memory (the servers' segments hold the hidden states)."""
     try:
-        from mooncake.store import MooncakeDistributedStore
+        from mooncake.store import MooncakeDistributedStore  # lazy: optional (installed where its transport serves)
     except ImportError as err:
         missing = re.search(r"(lib[\w.+-]+\.so[\w.]*)", str(err))
         if missing:

@@ -39,6 +39,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
 
 from eaglekit.config import RunConfig, VllmFeaturesConfig
 from eaglekit.errors import EaglekitError, UsageError
@@ -179,7 +181,9 @@ def feature_transport(cfg: RunConfig) -> FeatureTransport:
     if not cfg.extract.streamed or stream.transport == "file":
         return FileSpool(Path(v.storage_path), v.timeout)
     mooncake_fits(cfg)
-    from eaglekit.serving.mooncake_transport import MooncakeTransport
+    from eaglekit.serving.mooncake_transport import (  # lazy: cycle (mooncake_transport imports vllm_features)
+        MooncakeTransport,
+    )
 
     return MooncakeTransport(stream.mooncake, v.timeout, v.outage_timeout)
 
@@ -190,7 +194,9 @@ def feature_serve_command(cfg: RunConfig, layer_ids: list[int], max_model_len: i
     kv_transfer = None
     if cfg.extract.streamed and stream.transport == "mooncake":
         mooncake_fits(cfg)
-        from eaglekit.serving.mooncake_transport import shell_kv_transfer_config
+        from eaglekit.serving.mooncake_transport import (  # lazy: cycle (mooncake_transport imports vllm_features)
+            shell_kv_transfer_config,
+        )
 
         kv_transfer = shell_kv_transfer_config(stream.mooncake)
     return serve_command(
@@ -309,9 +315,6 @@ class FileSpool:
             self._wait_for_lock(Path(str(where) + ".lock"))
 
     def receive(self, where: Path) -> tuple[dict[str, torch.Tensor], int]:
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-
         lock = Path(str(where) + ".lock")
         try:
             size = where.stat().st_size

@@ -13,6 +13,8 @@ Under torchrun every rank runs ``run``; only rank 0 holds the run lock and write
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import warnings
 from pathlib import Path
 
@@ -20,6 +22,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from eaglekit.config import ConfigDeprecation, RunConfig, move_old_train_spellings
 from eaglekit.contract import Estimate, Sizes, Stage, StageContext
+from eaglekit.data.shards import bytes_per_token
 from eaglekit.data.vocab import vocab_origin
 from eaglekit.divergences import LossChoice
 from eaglekit.drafters.registry import family_named, family_of_folder, parameter_counts
@@ -42,9 +45,13 @@ from eaglekit.preflight import (
 )
 from eaglekit.preflight.context import serving_context
 from eaglekit.preflight.drafter import as_check
-from eaglekit.progress import console, human_bytes
+from eaglekit.preflight.gpus import target_placement
+from eaglekit.progress import console, format_duration, human_bytes
 from eaglekit.rundir import file_identity
+from eaglekit.training.data import pack_length
+from eaglekit.training.loop import train
 from eaglekit.training.memory import StepMemory, ranks_to_fit
+from eaglekit.training.step_checkpoints import Checkpoints
 
 NAME = "train"
 UPSTREAM = "extract"  # in online mode the pipeline steps over the skipped extract, to vocab
@@ -92,8 +99,6 @@ def params_in_current_layout(recorded: dict) -> dict:
 
 
 def packing(ctx: StageContext):
-    from eaglekit.training.data import pack_length
-
     tc = ctx.cfg.train
     if not tc.packing:
         return ok("packing", "off: length-bucketed, right-padded batches (train.packing: true packs samples into rows)")
@@ -183,8 +188,6 @@ def drafter_shape(ctx: StageContext):
 
 
 def checks(cfg: RunConfig) -> list:
-    from eaglekit.preflight.gpus import target_placement
-
     if cfg.extract.streamed:  # the servers compute the features: check them, and the spool's room
         source = [feature_servers.feature_servers, feature_servers.feature_storage, feature_servers.spool_room,
                   feature_servers.feature_smoke]  # fmt: skip
@@ -217,10 +220,6 @@ def checks(cfg: RunConfig) -> list:
 def row_tokens(cfg: RunConfig) -> int:
     """The most tokens one micro-batch can hold on one GPU: rows of prepare.max_length (or train.pack_length); under
     torchrun an epoch's short last batch joins the one before it, so a rank may get one row more."""
-    import os
-
-    from eaglekit.training.data import pack_length
-
     groups = int(os.environ.get("WORLD_SIZE", "1")) // cfg.train.context_parallel  # ranks reading different rows
     extra = 1 if groups > 1 else 0
     return (cfg.train.batch_size + extra) * pack_length(cfg)
@@ -360,9 +359,6 @@ def estimate(ctx: StageContext, sizes: Sizes | None) -> Estimate:
 def stream_estimate(cfg: RunConfig, sizes: Sizes, est: Estimate) -> None:
     """extract.mode stream: the disk is the spool (not the dataset), the time the slower of the trainer and the
     servers' feature rate (every epoch asks again unless extract.stream.cache_gb holds the whole train split)."""
-    from eaglekit.data.shards import bytes_per_token
-    from eaglekit.progress import format_duration
-
     s = cfg.extract.stream
     spool = s.spool_gb * 1e9
     if est.bytes is not None:
@@ -399,8 +395,6 @@ def stream_estimate(cfg: RunConfig, sizes: Sizes, est: Estimate) -> None:
 
 def kept(ctx: StageContext) -> str:
     """What an interrupted or failed run leaves to resume from."""
-    from eaglekit.training.step_checkpoints import Checkpoints
-
     try:
         latest = Checkpoints(ctx.dir / "checkpoints", ctx.cfg.train.keep_last).latest()
     except EaglekitError:
@@ -410,8 +404,6 @@ def kept(ctx: StageContext) -> str:
 
 def live_counts(stage_dir: Path) -> dict:
     """What `status` shows while training runs or after it was stopped: the last logged step and checkpoint."""
-    import json
-
     counts: dict = {}
     pointer = Path(stage_dir) / "checkpoints" / "latest"
     if pointer.exists():
@@ -430,8 +422,6 @@ def live_counts(stage_dir: Path) -> dict:
 
 
 def run(ctx: StageContext) -> dict:
-    from eaglekit.training.loop import train
-
     if not ctx.cfg.train.init_from:  # what auto chose, in the log and the ledger
         choice = draft_window(ctx.cfg)
         console.print(f"train: sliding window {choice.shown} ({choice.why})")

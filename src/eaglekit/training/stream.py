@@ -40,8 +40,19 @@ from dataclasses import dataclass
 
 from eaglekit.data.shards import Rows, encode
 from eaglekit.errors import EaglekitError
+from eaglekit.model.target import aux_layer_ids, read_final_norm, target_hf_config
 from eaglekit.serving.client import RequestFailed
-from eaglekit.serving.vllm_features import TransportGone
+from eaglekit.serving.vllm_features import (
+    FeatureClient,
+    TransportGone,
+    feature_api_key,
+    feature_transport,
+    served_model,
+    server_bytes_per_token,
+    server_dtype,
+    server_layer_ids,
+    vllm_settings,
+)
 from eaglekit.training.data import Batch, RunBatches
 
 GB = 1e9
@@ -450,18 +461,6 @@ class HeldOutRows(Mapping[str, Rows]):
 def open_stream(cfg, run_dir: str | os.PathLike, batches: RunBatches, rank: int, first_check=None) -> FeatureStream:
     """The stream of this config: the FeatureClient of extract.vllm, the bounds of extract.stream. ``first_check
     (captures, layer_ids, norm)`` is the capture self-check, run on the stream's first requests."""
-    from eaglekit.model.target import aux_layer_ids, read_final_norm, target_hf_config
-    from eaglekit.serving.vllm_features import (
-        FeatureClient,
-        feature_api_key,
-        feature_transport,
-        served_model,
-        server_bytes_per_token,
-        server_dtype,
-        server_layer_ids,
-        vllm_settings,
-    )
-
     v, s = vllm_settings(cfg), cfg.extract.stream
     hf = target_hf_config(cfg.target)
     layer_ids = server_layer_ids(aux_layer_ids(cfg.target, hf.num_hidden_layers), hf.num_hidden_layers)
