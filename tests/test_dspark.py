@@ -305,8 +305,9 @@ def test_preflight_refuses_a_block_drafter_on_an_mla_target(tmp_path, tiny_targe
 def test_verify_preflight_names_the_cpu_builds_refusal(tmp_path, tiny_target, vllm_python):
     """vLLM's own words, from its source: the check quotes what the CPU build's V1 runner says (and why)."""
     from eaglekit.contract import StageContext
+    from eaglekit.drafters.dspark import NOT_ON_CPU as DSPARK_ON_CPU
     from eaglekit.rundir import RunDir
-    from eaglekit.stages.verify import DSPARK_ON_CPU, engine_serves_forms
+    from eaglekit.stages.verify import engine_serves_forms
 
     source = (vllm_python.parent.parent / "lib").glob("python*/site-packages/vllm/config/vllm.py")
     text = next(source).read_text()

@@ -16,7 +16,7 @@ CAUSES = (
 # An engine release that loads the drafter but does not read one of its features (serving/engine_features.py).
 ENGINE_DROPS = "engine drops a trained feature"
 KNOWN_DEFECT = "known engine defect"
-# The block drafters' (DFlash, DSpark) own causes, in the order verify's BLOCK_DIAGNOSIS checks them.
+# The block drafters' (DFlash, DSpark) own causes, in the order drafters/block_diagnosis.BLOCK_DIAGNOSIS checks them.
 BLOCK_CAUSES = (
     "target_layer_ids",
     "mask token / block size",

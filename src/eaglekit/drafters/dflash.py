@@ -18,6 +18,8 @@ from eaglekit import atomic
 from eaglekit.config import DRAFT_KEYS, RunConfig, TrainConfig
 from eaglekit.contract import StageContext
 from eaglekit.data.chat import load_tokenizer
+from eaglekit.drafters import block_diagnosis
+from eaglekit.drafters.diagnosis import ServedDrafter
 from eaglekit.drafters.family import Built, LoadChecked, Objective, Verdict, verifier_id
 from eaglekit.errors import EaglekitError, UsageError
 from eaglekit.model import dflash, dflash_checkpoint
@@ -41,6 +43,8 @@ class DFlashFamily:
     windowed = True  # a causal window over its context (model/dflash.py)
     draft_keys = DRAFT_KEYS["dflash"]
     drafter_class: type[DFlashDrafter] = DFlashDrafter
+    vllm_cpu_refusal: str | None = None
+    anchor_slot_drafts = False  # its block's first slot holds the verified token; the mask slots draft
 
     # ---- its form on disk (model/dflash_checkpoint.py)
     def expected_state(self, dc: Any) -> dict[str, tuple[int, ...]]:
@@ -243,6 +247,17 @@ class DFlashFamily:
         for w in warnings:
             console.print(f"[yellow]export: {w}[/]")
         return {"formats": [form], form: str(dest), "warnings": len(warnings)}
+
+    # ---- verify
+    def read_config(self, folder: Path) -> DFlashConfig:
+        return dflash_checkpoint.read_dflash_config(folder)
+
+    def diagnose(self, served: ServedDrafter) -> list[dict]:
+        try:
+            trained = self.read_config(served.checkpoint)
+        except EaglekitError:
+            trained = None  # the drafter check says why
+        return block_diagnosis.diagnose(served, trained, self.anchor_slot_drafts)
 
 
 def mla_target_problem(hf_config: Any) -> str | None:

@@ -15,10 +15,13 @@ from eaglekit.model import dspark, dspark_checkpoint
 from eaglekit.model.dspark import DSparkConfig, DSparkDrafter
 from eaglekit.model.eagle3 import text_config
 
-# vLLM 0.32's CPU build refuses the method before an engine starts (stages/verify.py says so too)
+# vLLM 0.32 serves DSpark only in its V2 model runner; the V1 runner refuses it at config time with
+# "Model Runner V1 does not support: dspark speculative decoding" (vllm/config/vllm.py:2979 and :3202), and the
+# CPU build runs V1 because V2 needs Triton, which has no CPU backend (vllm/config/vllm.py:726 and :3190).
 NOT_ON_CPU = (
-    "vLLM's CPU build does not serve DSpark (its V1 model runner refuses the method); serve it with a GPU "
-    "build of vLLM >= 0.32"
+    "vLLM's CPU build cannot serve a DSpark drafter: vLLM 0.32 refuses it with \"Model Runner V1 does not support: "
+    'dspark speculative decoding" (DSpark is implemented only in the V2 model runner, which needs Triton, and '
+    "Triton has no CPU backend); serve it with a GPU build of vLLM >= 0.32"
 )
 
 
@@ -28,6 +31,8 @@ class DSparkFamily(DFlashFamily):
     forms = (dspark_checkpoint.FORM,)
     draft_keys = DRAFT_KEYS["dspark"]
     drafter_class = DSparkDrafter
+    vllm_cpu_refusal = NOT_ON_CPU
+    anchor_slot_drafts = True  # its block's first slot drafts too (DFlash's holds the verified token)
 
     def expected_state(self, dc: Any) -> dict[str, tuple[int, ...]]:
         return dspark_checkpoint.expected_state(dc)
@@ -43,6 +48,9 @@ class DSparkFamily(DFlashFamily):
 
     def reads_folder(self, folder: Path) -> bool:
         return dspark_checkpoint.is_dspark_checkpoint(folder)
+
+    def read_config(self, folder: Path) -> DSparkConfig:
+        return dspark_checkpoint.read_dspark_config(folder)
 
     def save_checkpoint(self, dc: Any, state: dict[str, torch.Tensor], out: Path) -> None:
         dspark_checkpoint.save_from_state(dc, state, out)
@@ -62,7 +70,7 @@ class DSparkFamily(DFlashFamily):
         return DSparkProposer(drafter)
 
     def export_warnings(self, drafter: Any) -> list[str]:
-        return [NOT_ON_CPU]
+        return [NOT_ON_CPU]  # a warning only: a GPU build serves it
 
 
 DSPARK = DSparkFamily()

@@ -23,6 +23,8 @@ from eaglekit.config import RunConfig, TrainConfig
 from eaglekit.contract import StageContext
 from eaglekit.data.chat import load_tokenizer
 from eaglekit.data.eval_report import report_markdown
+from eaglekit.drafters import eagle3_diagnosis
+from eaglekit.drafters.diagnosis import ServedDrafter
 from eaglekit.drafters.family import Built, LoadChecked, Objective, Verdict, verifier_id
 from eaglekit.errors import EaglekitError
 from eaglekit.model import eagle3_checkpoint
@@ -47,6 +49,7 @@ class Eagle3Family:
     draft_keys: frozenset[str]
     card_form: str  # what export/eagle3/ holds, for the model card
     drafter_class = Eagle3Drafter
+    vllm_cpu_refusal = None
 
     # ---- the drafter a fresh run builds
     def draft_settings(self, cfg: RunConfig) -> dict[str, Any]:
@@ -243,6 +246,13 @@ class Eagle3Family:
 
     def export(self, ctx: StageContext, load: LoadChecked) -> dict:
         return export_eagle3(self, ctx, load)
+
+    # ---- verify
+    def read_config(self, folder: Path) -> DrafterConfig:
+        return eagle3_checkpoint.read_config(folder)[1]
+
+    def diagnose(self, served: ServedDrafter) -> list[dict]:
+        return eagle3_diagnosis.diagnose(served)
 
 
 def _tokenizer_size(cfg: RunConfig) -> int | None:

@@ -13,6 +13,7 @@ from torch import nn
 
 from eaglekit.config import RunConfig, TrainConfig
 from eaglekit.contract import StageContext
+from eaglekit.drafters.diagnosis import ServedDrafter
 from eaglekit.model.eagle3_checkpoint import CheckpointInfo
 from eaglekit.training.context_parallel import ContextGroup
 from eaglekit.training.memory import StepMemory
@@ -76,6 +77,11 @@ class DrafterFamily(Protocol):
     @property
     def drafter_class(self) -> type[nn.Module]:
         """The model it builds and loads."""
+        ...
+
+    @property
+    def vllm_cpu_refusal(self) -> str | None:
+        """Why vLLM's CPU build refuses to serve it (verify fails before an engine starts, export warns), or None."""
         ...
 
     # ---- the drafter a fresh run builds, shaped after the target (plan, pre-flight and train size the same one)
@@ -162,6 +168,16 @@ class DrafterFamily(Protocol):
     def export(self, ctx: StageContext, load: LoadChecked) -> dict:
         """Write the checked drafter (``load``: ``speculative.inputs.load_checked_drafter``, called once the family
         has refused what it refuses without it) in its forms under ``ctx.dir``; the counts for the ledger."""
+        ...
+
+    # ---- verify
+    def read_config(self, folder: Path) -> Any:
+        """The drafter config a checkpoint folder of this family holds (what the engine-feature check reads)."""
+        ...
+
+    def diagnose(self, served: ServedDrafter) -> list[dict]:
+        """Its causes of a served drafter accepting less than offline, one row each, ok or suspect, checked against
+        what the engine reads from the served folder (verify's report lists them when a form fails)."""
         ...
 
 

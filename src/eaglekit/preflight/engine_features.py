@@ -3,8 +3,6 @@ and the probe are ``eaglekit.serving.engine_features``."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from eaglekit.contract import StageContext
 from eaglekit.errors import EaglekitError
 from eaglekit.preflight import CheckResult, fail, ok, skip, warn, will_be_produced
@@ -27,29 +25,24 @@ def _result(check, engine: features.Engine | None) -> CheckResult:
 
 def exported_features_read(ctx: StageContext) -> CheckResult:
     """export: the forms it will write, against the vLLM on this machine."""
-    from eaglekit.model.dspark_checkpoint import block_form
-    from eaglekit.model.eagle3_checkpoint import read_config
+    from eaglekit.drafters.registry import family_of_folder
     from eaglekit.speculative.inputs import checkpoint_path, drafter_family
 
     pending = None if ctx.cfg.evaluate.checkpoint else will_be_produced(ctx, NAME, "train")
     if pending:
         return pending
     path = checkpoint_path(ctx.cfg)
+    family = family_of_folder(path)
     try:
-        drafter = block_drafter_config(path) if block_form(path) else read_config(path)[1]
+        drafter = family.read_config(path) if family else None
     except EaglekitError:
+        drafter = None
+    if drafter is None:
         return skip(NAME, "the drafter checkpoint cannot be read (the drafter check says why)")
     requested = list(dict.fromkeys(ctx.options.get("formats") or ctx.cfg.export.formats))
     formats = drafter_family(ctx.cfg).written_forms(requested)  # what export writes: an MLA drafter, eagle3 alone
     engine = features.engine_for(None, ctx.cfg.verify.python)
     return _result(lambda: features.export_check(ctx.cfg, drafter, formats), engine)
-
-
-def block_drafter_config(path: Path):
-    from eaglekit.model.dflash_checkpoint import read_dflash_config
-    from eaglekit.model.dspark_checkpoint import is_dspark_checkpoint, read_dspark_config
-
-    return read_dspark_config(path) if is_dspark_checkpoint(path) else read_dflash_config(path)
 
 
 def served_features_read(ctx: StageContext) -> CheckResult:

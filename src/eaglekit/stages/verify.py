@@ -21,7 +21,8 @@ Two ways to reach an engine (``verify`` runs only when one is set):
   the server's. SGLang must draft a chain (``--speculative-eagle-topk 1``).
 
 The two are implementations of ``ServedEngine`` (``EaglekitVllm``, ``UserServer``), chosen once by
-``served_engine``; the diagnosis is one function per cause (``DIAGNOSIS``); the report is rendered by
+``served_engine``; the diagnosis is the served folder's family's (``DrafterFamily.diagnose``: one function per cause,
+``drafters/eagle3_diagnosis.py``, ``drafters/block_diagnosis.py``); the report is rendered by
 ``eaglekit.data.verify_report``.
 
 Writes ``verify/report.json``, ``report.md``, ``acceptance.png`` and the engines' logs (``logs/``).
@@ -33,29 +34,23 @@ import gc
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
-from safetensors import safe_open
 
 from eaglekit import atomic
 from eaglekit.config import RunConfig
 from eaglekit.contract import Estimate, Sizes, Stage, StageContext
 from eaglekit.data.suites import load_suite
 from eaglekit.data.verify_report import (
-    BLOCK_CAUSES,
-    CAUSES,
-    ENGINE_DROPS,
     failure_message,
     report_markdown,
     verdict_counts,
 )
-from eaglekit.drafters.registry import proposer_for, vllm_method
+from eaglekit.drafters.diagnosis import ServedDrafter
+from eaglekit.drafters.registry import family_of_folder, proposer_for, vllm_method
 from eaglekit.errors import EaglekitError, UsageError
-from eaglekit.model.dspark_checkpoint import block_form
-from eaglekit.model.eagle3 import FLAGS, rope_from_config, text_config
-from eaglekit.model.eagle3_checkpoint import ServedSettings, read_config, read_weights, served_settings
-from eaglekit.model.target import embedding_and_head, load_target, target_hf_config
+from eaglekit.model.target import load_target
 from eaglekit.preflight import fail, ok, run_directory, skip, will_be_produced
 from eaglekit.preflight.drafter import drafter_checkpoint, prompts_available
 from eaglekit.preflight.engine_features import served_features_read
@@ -77,6 +72,7 @@ from eaglekit.speculative.inputs import (
     checkpoint_path,
     decode_threads,
     decoding_inputs,
+    drafter_family,
     first_difference,
     written_forms,
 )
@@ -166,33 +162,27 @@ def exported_forms(ctx: StageContext):
     return ok("exported forms", ", ".join(forms(ctx.cfg)))
 
 
-# vLLM 0.32 serves DSpark only in its V2 model runner; the V1 runner refuses it at config time with
-# "Model Runner V1 does not support: dspark speculative decoding" (vllm/config/vllm.py:2979 and :3202), and the
-# CPU build runs V1 because V2 needs Triton, which has no CPU backend (vllm/config/vllm.py:726 and :3190).
-DSPARK_ON_CPU = (
-    "vLLM's CPU build cannot serve a DSpark drafter: vLLM 0.32 refuses it with \"Model Runner V1 does not support: "
-    'dspark speculative decoding" (DSpark is implemented only in the V2 model runner, which needs Triton, and '
-    "Triton has no CPU backend)"
-)
-
-
 def engine_serves_forms(ctx: StageContext):
     """A form the configured engine cannot serve is named here, before an engine starts for it."""
     vc = ctx.cfg.verify
-    if vc.engine != "vllm" or "dspark" not in forms(ctx.cfg):
+    family = drafter_family(ctx.cfg)  # the trained checkpoint's
+    if vc.engine != "vllm" or family.vllm_cpu_refusal is None:
         return ok("engine serves the forms", "nothing this engine is known to refuse")
     try:
         python = find_vllm_python(vc.python)
     except EaglekitError:
         return skip("engine serves the forms", "no vLLM found (the engine check says why)")
     if is_cpu_build(python):
+        folders = ", ".join(str(ctx.cfg.run_path / "export" / form) for form in forms(ctx.cfg))
         return fail(
             "engine serves the forms",
-            f"{DSPARK_ON_CPU}; the exported drafter is {ctx.cfg.run_path / 'export' / 'dspark'}",
+            f"{family.vllm_cpu_refusal}; the exported drafter is {folders}",
             "verify it on a GPU machine (verify.python: a CUDA build of vLLM >= 0.32, which runs the V2 model "
             "runner), or drop the verify section on this machine; evaluate's figures are eaglekit's offline decoding",
         )
-    return ok("engine serves the forms", f"dspark: {python} is not the CPU build (its V2 model runner serves it)")
+    return ok(
+        "engine serves the forms", f"{family.name}: {python} is not the CPU build (its V2 model runner serves it)"
+    )
 
 
 def checks(cfg: RunConfig) -> list:
@@ -644,350 +634,11 @@ def compare_suite(run: ServedRun, offline: Offline, group: tuple[str, str], tole
     }
 
 
-@dataclass
-class EngineReading:
-    """What ``engine`` reads from a served ``folder``, beside what the drafter was trained with: what every cause
-    of the diagnosis looks at."""
-
-    cfg: RunConfig
-    folder: Path
-    engine: str
-    aux: list[int]  # the aux layers the drafter was trained on
-    hf: Any  # the target's text config
-    found: ServedSettings
-    trained: dict[str, bool]  # the trained checkpoint's drafter flags
-
-
 def diagnose(cfg: RunConfig, folder: Path, engine: str, aux: list[int], runs: list[dict] | None = None) -> list[dict]:
-    """The usual causes, most frequent first, each checked against what ``engine`` reads from ``folder``; ``runs``
-    are the compared runs that served it (what a known engine defect is recognised by)."""
-    if block_form(folder):  # DFlash and DSpark have causes of their own
-        return block_diagnosis(cfg, folder, engine, list(aux), runs or [])
-    hf = text_config(target_hf_config(cfg.target))
-    found = served_settings(folder, engine, int(hf.num_hidden_layers))
-    reading = EngineReading(cfg, folder, engine, list(aux), hf, found, trained_flags(checkpoint_path(cfg)))
-    return [cause(reading) for cause in DIAGNOSIS]
-
-
-def cause_row(cause: str, suspect: bool, detail: str) -> dict:
-    return {"cause": cause, "status": "suspect" if suspect else "ok", "detail": detail}
-
-
-AUX_LAYER_IDS, NORM_BEFORE_RESIDUAL, ROPE, D2T_OFFSETS, EMBEDDING_SHARING, EAGLE31_FLAGS = CAUSES
-
-
-def aux_layer_ids(r: EngineReading) -> dict:
-    wrong = [ids for ids in r.found.aux_layer_ids if ids != r.aux]
-    return cause_row(
-        AUX_LAYER_IDS,
-        bool(wrong),
-        f"{r.engine} captures hidden_states {' or '.join(map(str, r.found.aux_layer_ids))} "
-        f"(from {r.folder.name}/config.json); the drafter was trained on {r.aux}",
-    )
-
-
-def norm_before_residual(r: EngineReading) -> dict:
-    found, trained = r.found.norm_before_residual, r.trained["norm_before_residual"]
-    return cause_row(
-        NORM_BEFORE_RESIDUAL,
-        found != trained,
-        f"{r.engine} reads norm_before_residual = {str(found).lower()}"
-        + (" (the key is absent: vLLM's default for this form)" if r.found.norm_before_residual_defaulted else "")
-        + f"; the drafter was trained with {str(trained).lower()}",
-    )
-
-
-def rope_settings(r: EngineReading) -> dict:
-    found, hf = r.found, r.hf
-    theta, scaling = rope_from_config(hf)
-    mismatch = []
-    if found.max_position_embeddings != int(hf.max_position_embeddings):
-        mismatch.append(
-            f"max_position_embeddings {found.max_position_embeddings} (target {hf.max_position_embeddings})"
-        )
-    if found.rope_theta != theta:
-        mismatch.append(f"rope_theta {found.rope_theta} (target {theta})")
-    if (found.rope_scaling or None) != (scaling or None):
-        mismatch.append(f"rope_scaling {found.rope_scaling} (target {scaling})")
-    return cause_row(
-        ROPE,
-        bool(mismatch),
-        "; ".join(mismatch)
-        or f"max_position_embeddings {found.max_position_embeddings}, rope_theta {found.rope_theta:g} — the target's",
-    )
-
-
-def d2t_offsets(r: EngineReading) -> dict:
-    d2t = tensor_or_none(r.folder / "model.safetensors", "d2t")
-    source_weights = checkpoint_path(r.cfg) / "model.safetensors"
-    trained_d2t = tensor_or_none(source_weights, "d2t") if source_weights.exists() else None
-    if d2t is None or trained_d2t is None:
-        return cause_row(
-            D2T_OFFSETS,
-            d2t is None and trained_d2t is not None,
-            "no d2t in the served weights: the engine maps draft ids to target ids as the identity"
-            if d2t is None
-            else "the trained checkpoint has no d2t to compare with (full draft vocabulary)",
-        )
-    same = d2t.shape == trained_d2t.shape and torch.equal(d2t, trained_d2t)
-    return cause_row(
-        D2T_OFFSETS,
-        not same,
-        "d2t equals the trained checkpoint's"
-        if same
-        else "d2t differs from the trained checkpoint's: draft ids map to other target tokens",
-    )
-
-
-def embedding_sharing(r: EngineReading) -> dict:
-    embed = tensor_or_none(r.folder / "model.safetensors", "embed_tokens.weight")
-    if embed is None:
-        return cause_row(
-            EMBEDDING_SHARING, False, "no embed_tokens in the served weights: the engine shares the target's"
-        )
-    target_embed, _ = embedding_and_head(r.cfg.target.model, r.cfg.target.trust_remote_code)
-    same = embed.shape == target_embed.shape and torch.equal(embed.to(target_embed.dtype), target_embed)
-    return cause_row(
-        EMBEDDING_SHARING,
-        not same,
-        "embed_tokens equals the target's (vLLM shares the target's)"
-        if same
-        else "embed_tokens differs from the target's: the engine embeds draft inputs with the drafter's own copy",
-    )
-
-
-def eagle31_flags(r: EngineReading) -> dict:
-    flags, others = r.found.flags, ("fc_norm", "norm_output", "norm_before_fc")
-    differ = [
-        f"{name} {str(flags[name]).lower()} (trained {str(r.trained[name]).lower()})"
-        for name in others
-        if flags[name] != r.trained[name]
-    ]
-    return cause_row(
-        EAGLE31_FLAGS,
-        bool(differ),
-        f"{r.engine} reads "
-        + (
-            "; ".join(differ)
-            if differ
-            else ", ".join(f"{name} {str(flags[name]).lower()}" for name in others) + " — as trained"
-        ),
-    )
-
-
-def engine_drops(r: EngineReading | BlockReading) -> dict:
-    """Whether the measured engine reads every feature of the served config (serving/engine_features.py): the
-    cause of both families."""
-    from eaglekit.serving import engine_features as features
-
-    engine = features.engine_for(r.cfg.verify.server, r.cfg.verify.python)
-    if engine is None:
-        return cause_row(ENGINE_DROPS, False, "no engine to check against")
-    form, used = features.exported_features(read_json(r.folder / "config.json"))
-    findings = features.assess(engine, form, used)
-    drops = [f for f in findings if f.status == "drops"]
-    if drops:
-        return cause_row(ENGINE_DROPS, True, "; ".join(features.describe(engine, form, f) for f in drops))
-    unknown = [f"{f.reading.feature} ({f.evidence})" for f in findings if f.status == "unknown"]
-    read = ", ".join(f.reading.feature for f in findings if f.status == "reads") or "no feature the table names"
-    return cause_row(
-        ENGINE_DROPS,
-        False,
-        f"{engine.label} reads {read}" + (f"; cannot tell for {', '.join(unknown)}" if unknown else ""),
-    )
-
-
-# The causes in CAUSES' order, as the pre-flight checks are: one function each, ``diagnose`` runs them all.
-DIAGNOSIS = (
-    aux_layer_ids,
-    norm_before_residual,
-    rope_settings,
-    d2t_offsets,
-    embedding_sharing,
-    eagle31_flags,
-    engine_drops,
-)
-
-
-def read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-# ------------------------------------------------------------------------------ the block drafters' causes
-
-
-@dataclass
-class BlockReading:
-    """What the engine reads from a served DFlash or DSpark folder, beside the trained drafter and the runs."""
-
-    cfg: RunConfig
-    folder: Path
-    engine: str
-    aux: list[int]  # the aux layers the drafter was trained on
-    hf: Any  # the target's text config
-    served: dict  # the served config.json
-    trained: Any  # the trained checkpoint's DFlashConfig / DSparkConfig, None when unreadable
-    runs: list[dict]  # the compared runs of this folder
-    dspark: bool
-
-
-def block_diagnosis(cfg: RunConfig, folder: Path, engine: str, aux: list[int], runs: list[dict]) -> list[dict]:
-    from eaglekit.preflight.engine_features import block_drafter_config
-
-    try:
-        trained = block_drafter_config(checkpoint_path(cfg))
-    except EaglekitError:
-        trained = None
-    served = read_json(folder / "config.json")
-    reading = BlockReading(
-        cfg,
-        folder,
-        engine,
-        aux,
-        text_config(target_hf_config(cfg.target)),
-        served,
-        trained,
-        runs,
-        block_form(folder) == "dspark",
-    )
-    return [cause(reading) for cause in BLOCK_DIAGNOSIS]
-
-
-BLOCK_LAYER_IDS, MASK_AND_BLOCK, _, DSPARK_SLOTS, KNOWN_DEFECT, _ = BLOCK_CAUSES
-
-
-def block_layer_ids(r: BlockReading) -> dict:
-    ids = (r.served if r.dspark else r.served.get("dflash_config") or {}).get("target_layer_ids") or []
-    read = [int(i) + 1 for i in ids]  # decoder-layer outputs: vLLM adds 1 (eagle3_utils)
-    return cause_row(
-        BLOCK_LAYER_IDS,
-        read != r.aux,
-        f"{r.engine} captures hidden_states {read} (target_layer_ids {list(ids)} + 1, from {r.folder.name}/config.json); "
-        f"the drafter was trained on {r.aux}",
-    )
-
-
-def mask_and_block(r: BlockReading) -> dict:
-    mask = (r.served if r.dspark else r.served.get("dflash_config") or {}).get("mask_token_id")
-    block = r.served.get("block_size")
-    slots = int(block or 0) - (0 if r.dspark else 1)  # DSpark's anchor slot drafts too
-    problems = []
-    if r.trained is not None and mask != r.trained.mask_token_id:
-        problems.append(f"mask_token_id {mask} (trained {r.trained.mask_token_id})")
-    if r.trained is not None and block != r.trained.block_size:
-        problems.append(f"block_size {block} (trained {r.trained.block_size})")
-    over = sorted({run["k"] for run in r.runs if run["k"] > slots})
-    if over:
-        problems.append(f"K {over} exceeds the {slots} draft slots of a block of {block}")
-    return cause_row(
-        MASK_AND_BLOCK, bool(problems), "; ".join(problems) or f"mask_token_id {mask}, block_size {block} — as trained"
-    )
-
-
-def block_rope(r: BlockReading) -> dict:
-    theta, _ = rope_from_config(r.hf)
-    served_theta = float((r.served.get("rope_parameters") or {}).get("rope_theta", r.served.get("rope_theta", 0.0)))
-    served_max = r.served.get("max_position_embeddings")
-    mismatch = []
-    if served_max != int(r.hf.max_position_embeddings):
-        mismatch.append(f"max_position_embeddings {served_max} (target {r.hf.max_position_embeddings})")
-    if served_theta != theta:
-        mismatch.append(f"rope_theta {served_theta:g} (target {theta:g})")
-    return cause_row(
-        CAUSES[2],
-        bool(mismatch),
-        "; ".join(mismatch) or f"max_position_embeddings {served_max}, rope_theta {served_theta:g} — the target's",
-    )
-
-
-def dspark_slots(r: BlockReading) -> dict:
-    if not r.dspark:
-        return cause_row(DSPARK_SLOTS, False, "DFlash: the anchor slot holds the verified token, the mask slots draft")
-    if r.engine == "sglang":
-        tagged = r.served.get("speculators_model_type") == "dspark"
-        found = "present" if tagged else "absent in this folder (vLLM's form): it drafts from the wrong slots"
-        return cause_row(
-            DSPARK_SLOTS,
-            not tagged,
-            "SGLang's DSpark loader (sglang#30261) tells its block-slot convention only by speculators_model_type "
-            f"'dspark': {found}",
-        )
-    anchor, bonus = r.served.get("sample_from_anchor", True), r.served.get("dspark_bonus_anchor", False)
-    return cause_row(
-        DSPARK_SLOTS,
-        not anchor or bool(bonus),
-        f"sample_from_anchor {str(anchor).lower()}, dspark_bonus_anchor {str(bonus).lower()} (trained: true, false: "
-        "the anchor slot drafts)",
-    )
-
-
-def known_engine_defect(r: BlockReading) -> dict:
-    """vLLM 0.32's CPU build applies layer 0's k_norm to every DFlash layer's context keys (dflash_checkpoint.py):
-    named when the folder's weights trigger it on that build, and said to match when the served counts show it."""
-    from eaglekit.model.dflash_checkpoint import cpu_build_problem, read_dflash_config
-    from eaglekit.serving import engine_features as features
-
-    engine = features.engine_for(r.cfg.verify.server, r.cfg.verify.python) if r.engine == "vllm" else None
-    kernel = engine.source / "model_executor/models/qwen3_dflash.py" if engine and engine.source else None
-    stacked = kernel is not None and "_normalize_context_k" in kernel.read_text(errors="replace")
-    if r.dspark or not (engine and engine.cpu_build and stacked):
-        where = engine.label if engine else r.engine
-        return cause_row(KNOWN_DEFECT, False, f"no known defect of {where} applies to this drafter")
-    state, _ = read_weights(r.folder)
-    problem = cpu_build_problem(state, read_dflash_config(r.folder))
-    if problem is None:
-        return cause_row(KNOWN_DEFECT, False, f"{engine.label}: every layer shares k_norm, its kernel reads it exactly")
-    shown = [run for run in r.runs if shows_other_drafts(run)]
-    if r.runs and not shown:
-        return cause_row(KNOWN_DEFECT, False, f"{engine.label}: {problem}; the served counts do not show it here")
-    counts = "; ".join(
-        f"K={run['k']}: τ served {run['tau']['served']:.3f} vs offline {run['tau']['offline']:.3f}, greedy outputs "
-        f"identical {run['greedy']['identical']}/{run['greedy']['prompts']}"
-        for run in shown
-    )
-    return cause_row(
-        KNOWN_DEFECT,
-        True,
-        f"{engine.label}: {problem}"
-        + (f". The served counts match it (other drafts, the same greedy outputs): {counts}" if counts else "")
-        + ". Train with train.draft.shared_k_norm: true to serve it there, or verify on a GPU build",
-    )
-
-
-def shows_other_drafts(run: dict) -> bool:
-    """The served counts of a drafter served with other drafts than trained: acceptance (τ, a position, or the
-    accepted count of some verify pass) differs, while the greedy outputs do not (the target verifies every draft)."""
-    rounds = run.get("rounds") or {}
-    same = run["checks"]["tau"] and run["checks"]["positions"] and rounds.get("identical") == rounds.get("compared")
-    return bool(run["checks"]["greedy"]) and not same
-
-
-BLOCK_DIAGNOSIS = (
-    block_layer_ids,
-    mask_and_block,
-    block_rope,
-    dspark_slots,
-    known_engine_defect,
-    engine_drops,
-)
-
-
-def tensor_or_none(weights: Path, name: str) -> torch.Tensor | None:
-    with safe_open(str(weights), "pt") as f:
-        return f.get_tensor(name) if name in set(f.keys()) else None
-
-
-def trained_flags(checkpoint: Path) -> dict[str, bool]:
-    """The drafter flags of the trained checkpoint (all false when it cannot be read: the drafter check says why)."""
-    try:
-        drafter = read_config(checkpoint)[1]
-    except EaglekitError:
-        return dict.fromkeys(FLAGS, False)
-    return {name: getattr(drafter, name) for name in FLAGS}
+    """The causes of the served folder's family (``DrafterFamily.diagnose``), most frequent first, each checked
+    against what ``engine`` reads from ``folder``; ``runs`` are the compared runs that served it."""
+    family = family_of_folder(folder) or drafter_family(cfg)
+    return family.diagnose(ServedDrafter(cfg, folder, engine, list(aux), checkpoint_path(cfg), list(runs or [])))
 
 
 # ---------------------------------------------------------------------------------------------- run
