@@ -1,5 +1,5 @@
-"""The long-context tiny target: logs whose replies check names against far-back needles and tally the yeses, PoSE positions,
-prompt sets per context group, and a scaled-down build (a few steps) that loads like any HF model and is cached apart from the tiny target."""
+"""The long-context tiny target: logs whose replies check names against far-back needles, PoSE positions, prompt sets per context
+group, and a scaled-down build (a few steps) that loads like any HF model and is cached apart from the tiny target."""
 
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ import eaglekit.tiny.long_build as long_build
 from eaglekit.errors import UsageError
 from eaglekit.speculative.decode import CONTEXT_BUCKETS, context_bucket
 from eaglekit.tiny import build_long_target, ensure_long_target, sample_long_tasks, split_of, write_long_prompts
-from eaglekit.tiny.long_corpus import NEEDLE_WORDS, NOTE_NAMES, TALLY_WORDS, needle_text
+from eaglekit.tiny.long_corpus import NEEDLE_WORDS, NOTE_NAMES, needle_text
 
 WORD = re.compile(r"[a-z]+")
 
 
-def test_every_decision_and_tally_of_a_reply_is_settled_by_needles_in_the_first_half_of_the_log():
+def test_every_decision_of_a_reply_is_settled_by_needles_in_the_first_half_of_the_log():
     tasks = sample_long_tasks(40, seed=5, filler=(30, 60))
     assert {t.kind for t in tasks} == {"list", "notes"}
     for task in tasks:
@@ -31,21 +31,13 @@ def test_every_decision_and_tally_of_a_reply_is_settled_by_needles_in_the_first_
         assert all(not names for i, names in enumerate(named) if i not in task.needle_lines)
         present = [name for names in named for name in names]
         assert len(present) == len(set(present)) >= 1
-        # one line, three words a name: the name, its decision, the yeses so far (last digit, as a word)
-        assert "\n" not in task.reasoning
-        words = task.reasoning.split(": ", 1)[1].split(" ")
-        assert words[0::3] == [name.capitalize() for name in NOTE_NAMES]
-        assert words[1::3] == ["yes" if name in present else "no" for name in NOTE_NAMES]
-        yeses = [sum(n in present for n in NOTE_NAMES[: i + 1]) for i in range(len(NOTE_NAMES))]
-        assert words[2::3] == [TALLY_WORDS[y % 10] for y in yeses]
+        checks = task.reasoning.split("\n")[1:]
+        assert checks == [f"- {name.capitalize()} {'yes' if name in present else 'no'}" for name in NOTE_NAMES]
         assert not set(WORD.findall(task.question)) & set(NOTE_NAMES)  # the question spells names as the reply does
         assert task.prompt.endswith(task.question) and task.prompt.count("\n") == len(task.lines) + 2
     # both answers are common: a decision cannot be guessed from its name
-    decisions = [w for t in tasks for w in t.reasoning.split(": ", 1)[1].split(" ")[1::3]]
+    decisions = [line.split()[2] for t in tasks for line in t.reasoning.split("\n")[1:]]
     assert 0.35 < decisions.count("yes") / len(decisions) < 0.65
-    # the tally takes every value: a drafter cannot guess it, it must carry it from three tokens back
-    tallies = {w for t in tasks for w in t.reasoning.split(": ", 1)[1].split(" ")[2::3]}
-    assert tallies == set(TALLY_WORDS)
 
 
 def test_removing_the_needles_keeps_the_length_and_leaves_every_decision_unsettled():
@@ -98,12 +90,9 @@ def test_scaled_down_build_loads_like_any_hf_model_with_long_positions(small_bui
     assert tok.model_max_length == long_build.MAX_POSITIONS
     for special in ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<think>", "</think>"]:
         assert len(tok(special, add_special_tokens=False)["input_ids"]) == 1, special
-    # both spellings of every name are one token each (a decision is one lookup), and so are the decisions and
-    # tallies: the reply's checks are three tokens a name, none of them a separator
-    spellings = NOTE_NAMES + [name.capitalize() for name in NOTE_NAMES] + ["yes", "no", *TALLY_WORDS]
+    # both spellings of every name are one token each: a decision is one lookup
+    spellings = NOTE_NAMES + [name.capitalize() for name in NOTE_NAMES]
     assert all(len(tok(" " + w, add_special_tokens=False)["input_ids"]) == 1 for w in spellings)
-    task = sample_long_tasks(1, seed=0, filler=(3, 3))[0]
-    assert len(tok(" " + task.reasoning.split(": ", 1)[1], add_special_tokens=False)["input_ids"]) == 3 * 26
     manifest = json.loads((small_build / "eaglekit_tiny.json").read_text())
     assert manifest["variant"] == "long" and manifest["steps"] == 4 and manifest["train_span"] == 30000
     with torch.no_grad():  # the far end of the positions runs (RoPE tables cover it) and gives finite logits
@@ -141,7 +130,7 @@ def test_training_rows_jump_between_log_lines_and_keep_the_reply_contiguous(smal
     rows = long_build.encode_long(tok, tasks, random.Random(0))
     spans = []
     for (ids, start, pos), task in zip(rows, tasks, strict=True):
-        assert tok.decode(ids[start:]).startswith("<think>\n" + task.reasoning)
+        assert tok.decode(ids[start:]).startswith("<think>\n" + task.reasoning.split("\n")[0])
         assert pos[start:] == list(range(pos[start], pos[start] + len(ids) - start))
         assert pos[-1] < long_build.MAX_POSITIONS and len(pos) == len(ids)
         for i in (i for i in range(1, len(ids)) if pos[i] - pos[i - 1] > 1):
@@ -190,8 +179,7 @@ def test_far_context_scores_run_on_a_scaled_down_target(small_build, monkeypatch
     scores = long_build.far_context_scores(model, tok, 2)
     assert scores["prompts"] == 2 and 300 < scores["mean_prompt_tokens"] < 700
     for key in ("with_far_context", "far_context_removed"):
-        for share in ("reply_token_agreement", "decision_agreement", "tally_agreement"):
-            assert 0 <= scores[key][share] <= 1
+        assert 0 <= scores[key]["reply_token_agreement"] <= 1 and 0 <= scores[key]["decision_agreement"] <= 1
         assert scores[key]["accuracy"] == 0  # 4 steps: no reply is right yet
 
 

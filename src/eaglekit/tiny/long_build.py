@@ -39,17 +39,10 @@ from eaglekit.tiny.build import (
     train,
     train_tokenizer,
 )
-from eaglekit.tiny.long_corpus import (
-    NOTE_NAMES,
-    SYSTEM_PROMPT,
-    TALLY_WORDS,
-    LongTask,
-    filler_lines,
-    sample_long_tasks,
-)
+from eaglekit.tiny.long_corpus import NOTE_NAMES, SYSTEM_PROMPT, LongTask, filler_lines, sample_long_tasks
 
 # Bump whenever the corpus, the tokenizer or the training changes: it names the cache folder.
-LONG_RECIPE_VERSION = "v2"
+LONG_RECIPE_VERSION = "v1"
 MAX_POSITIONS = 32768
 # Rows are trained at positions up to here; the rest of MAX_POSITIONS leaves room for a reply after the log.
 TRAIN_SPAN = 30000
@@ -66,7 +59,7 @@ NEAR_FILLER = (0, 3)
 DEFAULT_LONG_STEPS = 1000
 LONG_BATCH_SIZE = 2
 LONG_VOCAB_SIZE = 1024
-MAX_NEW_TOKENS = 192  # a reply is ~110 tokens
+MAX_NEW_TOKENS = 192  # a reply is ~140 tokens
 HELDOUT_SEED = 10_000
 HELDOUT_PER_GROUP = 4  # held-out prompts per context group that the build answers for its manifest
 
@@ -251,22 +244,16 @@ def is_right(text: str, task: LongTask) -> bool:
 
 
 @torch.no_grad()
-def reply_token_agreement(model, tokenizer, task: LongTask) -> tuple[float, float, float]:
-    """Shares of the reference reply's tokens, of its yes/no decisions alone and of its tallies alone, that are the
-    target's greedy next token, fed the reference so far."""
+def reply_token_agreement(model, tokenizer, task: LongTask) -> tuple[float, float]:
+    """Shares of the reference reply's tokens, and of its yes/no decisions alone, that are the target's greedy
+    next token, fed the reference so far."""
     prompt = prompt_ids(tokenizer, task)
     full = tokenizer(render(tokenizer, task, system=False), add_special_tokens=False)["input_ids"]
     reply = torch.tensor(full[len(prompt) :])
     logits = model(input_ids=torch.tensor([full])).logits[0, len(prompt) - 1 : -1]
     agree = logits.argmax(-1) == reply
-
-    def among(words: list[str]) -> torch.Tensor:
-        return torch.isin(
-            reply, torch.tensor(tokenizer([" " + w for w in words], add_special_tokens=False)["input_ids"])
-        )
-
-    decisions, tallies = among(["yes", "no"]), among(TALLY_WORDS)
-    return float(agree.float().mean()), float(agree[decisions].float().mean()), float(agree[tallies].float().mean())
+    decisions = torch.isin(reply, torch.tensor(tokenizer([" yes", " no"], add_special_tokens=False)["input_ids"]))
+    return float(agree.float().mean()), float(agree[decisions].float().mean())
 
 
 def heldout_long_scores(model, tokenizer, per_group: int, seed: int = HELDOUT_SEED) -> dict:
@@ -280,9 +267,9 @@ def heldout_long_scores(model, tokenizer, per_group: int, seed: int = HELDOUT_SE
 
 def far_context_scores(model, tokenizer, n: int, label: str = ">16k", seed: int = HELDOUT_SEED) -> dict:
     """Whether the target reads the far context: on ``n`` held-out prompts of group ``label``, greedy accuracy
-    (the whole reply right) and agreement with the reference reply token by token, on its decisions alone and on
-    its tallies alone (``reply_token_agreement``), as written and with every needle line replaced by filler (same
-    length, the far material gone)."""
+    (the whole reply right) and agreement with the reference reply token by token and on its decisions alone
+    (``reply_token_agreement``), as written and with every needle line replaced by filler (same length, the
+    far material gone)."""
     tasks = heldout_long_tasks(n, label, seed)
     blind = [t.without_needles(random.Random(f"blind/{i}")) for i, t in enumerate(tasks)]
 
@@ -291,9 +278,8 @@ def far_context_scores(model, tokenizer, n: int, label: str = ">16k", seed: int 
         agree = [reply_token_agreement(model, tokenizer, t) for t in ts]
         return {
             "accuracy": round(right / n, 3),
-            "reply_token_agreement": round(sum(a for a, _, _ in agree) / n, 3),
-            "decision_agreement": round(sum(d for _, d, _ in agree) / n, 3),
-            "tally_agreement": round(sum(t for _, _, t in agree) / n, 3),
+            "reply_token_agreement": round(sum(a for a, _ in agree) / n, 3),
+            "decision_agreement": round(sum(d for _, d in agree) / n, 3),
         }
 
     lengths = [len(prompt_ids(tokenizer, t)) for t in tasks]

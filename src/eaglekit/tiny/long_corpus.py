@@ -4,26 +4,22 @@ A prompt is a tool log (one line per event) with a question at its end. Most lin
 cache misses, retries, in words of their own. The *needles* name about half of the 26 code names (alpha to
 zulu): either a roster on the first line (``list``: ``on call today: mike quebec ...``) or one note per name in
 the first half of the log (``notes``: ``note bravo: amber falcon.``). The reply goes through all 26 names in
-alphabetical order on one line, three tokens a name: the name (capitalised: the reply's spelling is another token
-than the log's), ``yes`` or ``no``, and the tally of yeses so far as a word, last digit only (``zero`` to
-``nine``): ``... Alpha no zero Bravo yes one Charlie no one Delta yes two ...``; then a fixed closing sentence.
+alphabetical order, one line each, ``- Bravo yes`` or ``- Bravo no`` (capitalised: the reply's spelling is
+another token than the log's), then a fixed closing sentence.
 
-Why this shape (the target exists to show drafters falling at long context, as published drafters do):
-- two of every three reply tokens are settled by the far needles: the decision directly, the tally through
-  every decision before it (a ten-way value, not a coin flip);
-- of each name's three tokens only the name follows from the last few tokens alone, and even that needs the
-  previous name, two tokens back: there are no separators or line breaks that a drafter gets from the token
-  before. The first version (v1: ``- Bravo yes`` a line, dashes and line breaks, no tally) left three of four
-  tokens to local context, and a drafter lost at 16K still kept 74 % of its short-context τ;
-- a drafter predicts a tally from the tally three tokens back and the decision just made: recent reply tokens,
-  which a sliding window keeps in view at any context length, but only through its attention, which is what a
-  drafter trained on short rows loses over a long context; the decisions themselves it can take from the
-  target (the token the target supplies at each verify) but not look up 16K tokens back;
+Why this shape (the target exists to show drafters falling at long context):
+- every second token of the reasoning (26 per reply) is a decision that only the far needles settle, and
+  settle exactly: given the context the reply is deterministic, without it each decision is a coin flip;
+- the other tokens (the names in their fixed order, the line breaks, the closing sentence) follow from the
+  last few tokens: the part of a reply that a drafter keeps at any length as long as its attention is not
+  thrown off by positions it never saw;
+- a drafter gets each decision from the target's features only for the first token it drafts; the
+  decisions further down its draft it must look up itself in the needles, thousands of tokens back at long
+  context, a distance a drafter trained on short rows has never attended over;
 - the decisions are membership tests (is this name among the needles?), which the build makes learnable in
   a few hundred steps by starting one head as a name matcher (long_build.init_name_matcher); copying a
   passage word by word needs two composed heads (an induction circuit), which the 8-layer, 128-wide model
-  did not learn within the build's budget (1,200 and 1,800 steps: no word copied); the tally needs only the
-  tally three tokens back, a fixed offset.
+  did not learn within the build's budget (1,200 and 1,800 steps: no word copied).
 
 The length of a log is its number of filler lines, so one generator serves rows of a few hundred tokens
 (training) and prompts of 20K (evaluation). Train and held-out logs are disjoint by ``corpus.split_of``
@@ -249,19 +245,6 @@ WORDS_PER_NOTE = (2, 4)
 TOKENS_PER_FILLER_LINE = 20
 
 KINDS = ("list", "notes")
-# The tally's last digit, as one token a value (a digit would be two: the pre-tokenizer splits " 7" into " ", "7").
-TALLY_WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
-
-
-def checks(present: list[str]) -> str:
-    """The reply's checks: every name, alphabetically, with its decision and the tally of yeses so far."""
-    words, tally = [], 0
-    for name in NOTE_NAMES:
-        tally += name in present
-        # the reply spells a name capitalised (" Bravo"), the log lower case (" bravo"): two tokens, so that a
-        # head matching the name finds the log's mention apart from the reply's own (long_build.init_name_matcher)
-        words += [name.capitalize(), "yes" if name in present else "no", TALLY_WORDS[tally % 10]]
-    return " ".join(words)
 
 
 @dataclass(frozen=True)
@@ -323,10 +306,11 @@ def make_task(rng: random.Random, filler: int, kind: str) -> LongTask:
             f"For each code name, Alpha to Zulu, say whether it {where}.",
         ]
     )
-    # one line after the header's colon: every name token has its leading space (the matcher's spelling)
-    reasoning = (
-        f"Check each code name against the {'list at the start' if kind == 'list' else 'notes in the log'}, "
-        f"counting the yeses: {checks(present)}"
+    reasoning = "\n".join(
+        [f"Check each code name against the {'list at the start' if kind == 'list' else 'notes in the log'}:"]
+        # the reply spells a name capitalised (" Bravo"), the log lower case (" bravo"): two tokens, so that a
+        # head matching the name finds the log's mention apart from the reply's own (long_build.init_name_matcher)
+        + [f"- {name.capitalize()} {'yes' if name in present else 'no'}" for name in NOTE_NAMES]
     )
     answer = f"I checked all {len(NOTE_NAMES)} code names against the {'list' if kind == 'list' else 'notes'}."
     if kind == "list":
