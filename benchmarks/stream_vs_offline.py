@@ -11,6 +11,14 @@ clock: the same held-out evaluations in both). The stream's report says who wait
 
     .venv/bin/python benchmarks/stream_vs_offline.py --run runs/bench-stream --rounds 5    # ~8 minutes, 2 CPU cores
     .venv/bin/python benchmarks/stream_vs_offline.py --run runs/bench-stream --servers 1 --concurrency 1
+
+``--crossover`` instead runs the stream alone along a ladder that makes the trainer faster relative to the servers
+(one server with one request in flight instead of two with four, then fewer TTT steps a micro-batch, then more
+samples a micro-batch; the fast trainer again with both servers), each rung ``--rounds`` times, and prints the
+trainer's and the servers' rates side by side with the stage's verdict (trainer-bound / server-bound): the crossover
+is where trainer ÷ servers passes 1.
+
+    .venv/bin/python benchmarks/stream_vs_offline.py --run runs/bench-stream --crossover --rounds 3   # 5-11 minutes
 """
 
 from __future__ import annotations
@@ -72,16 +80,55 @@ def prepare(base: Path, target: Path, samples: int) -> dict:
     return data
 
 
-def variant(root: Path, base: Path, data: dict, name: str, extract: dict, steps: int):
+def variant(root: Path, base: Path, data: dict, name: str, extract: dict, steps: int, train: dict | None = None):
     from eaglekit.config import parse_config
 
     folder = root / name
     if folder.exists():
         shutil.rmtree(folder)
     shutil.copytree(base, folder)
-    cfg = parse_config({**data, "extract": extract, "train": {**TRAIN, "max_steps": steps}}, base_dir=folder)
+    cfg = parse_config(
+        {**data, "extract": extract, "train": {**TRAIN, **(train or {}), "max_steps": steps}}, base_dir=folder
+    )
     (folder / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude={"source"})))
     return cfg
+
+
+# (servers, in flight each, TTT steps, batch size): the trainer faster relative to the servers, rung after rung
+LADDER = [(2, 4, 3, 4), (1, 1, 3, 4), (1, 1, 2, 4), (1, 1, 1, 4), (2, 4, 1, 4), (1, 1, 1, 8), (2, 4, 1, 8)]
+
+
+def crossover(root: Path, base: Path, data: dict, vllm: dict, args) -> list[dict]:
+    """The stream alone along LADDER: both rates and the verdict of each round."""
+    from eaglekit.pipeline import run_stage
+    from eaglekit.rundir import RunDir
+
+    rows = []
+    for n, (servers, in_flight, ttt, batch) in enumerate(LADDER):
+        pool = {**vllm, "servers": vllm["servers"][:servers], "concurrency": in_flight}
+        extract = {"mode": "stream", "backend": "vllm", "vllm": pool, "stream": {"spool_gb": args.spool_gb, "ahead": 4}}
+        for r in range(args.rounds):
+            train = {"batch_size": batch, "ttt": {"steps": ttt}}
+            cfg = variant(root, base, data, f"rung-{n}-{r}", extract, args.steps, train)
+            with RunDir(cfg.run_dir).lock:
+                s = run_stage(cfg, "train", skip_preflight=True)["counts"]["stream"]
+            ratio = s["trainer_micro_batches_per_s"] / max(s["server_micro_batches_per_s"], 1e-9)
+            per_batch = s["server_tokens_per_s"] / max(s["server_micro_batches_per_s"], 1e-9)  # tokens a micro-batch
+            row = {"servers": servers, "in_flight": in_flight, "ttt": ttt, "batch": batch, "round": r,
+                   "trainer_mb_s": s["trainer_micro_batches_per_s"], "server_mb_s": s["server_micro_batches_per_s"],
+                   "trainer_tok_s": round(s["trainer_micro_batches_per_s"] * per_batch),
+                   "server_tok_s": round(s["server_tokens_per_s"]), "trainer_over_servers": round(ratio, 2),
+                   "bound": s["bound"], "trainer_waited_s": s["trainer_waited_s"], "queue_full_s": s["queue_full_s"],
+                   "seconds": s["seconds"]}  # fmt: skip
+            rows.append(row)
+            print(
+                f"{servers} server(s) x {in_flight}, ttt {ttt}, batch {batch}, round {r}: trainer "
+                f"{row['trainer_mb_s']} mb/s ({row['trainer_tok_s']:,} tok/s), servers {row['server_mb_s']} mb/s "
+                f"({row['server_tok_s']:,} tok/s), trainer/servers {row['trainer_over_servers']}, {row['bound']} "
+                f"(trainer waited {row['trainer_waited_s']}s, queue full {row['queue_full_s']}s of {row['seconds']}s)",
+                flush=True,
+            )
+    return rows
 
 
 def main() -> None:
@@ -93,6 +140,7 @@ def main() -> None:
     parser.add_argument("--spool-gb", type=float, default=0.01)
     parser.add_argument("--servers", type=int, default=2, help="feature servers (vLLM CPU instances)")
     parser.add_argument("--concurrency", type=int, default=4, help="requests in flight per server")
+    parser.add_argument("--crossover", action="store_true", help="the stream alone along LADDER (starts 2 servers)")
     args = parser.parse_args()
 
     from eaglekit.pipeline import run_stage
@@ -114,7 +162,7 @@ def main() -> None:
     python = find_vllm_python()
     servers = [
         VllmServer(python, str(target), flags, root / f"vllm-{k}.log", env={"PYTHONPATH": str(plugin_dir())})
-        for k in range(args.servers)
+        for k in range(2 if args.crossover else args.servers)
     ]
     try:
         for s in servers:
@@ -129,6 +177,9 @@ def main() -> None:
             "concurrency": args.concurrency,
             "timeout": 120,
         }
+        if args.crossover:
+            print(json.dumps(crossover(root, base, data, vllm, args), indent=1))
+            return
         offline = {"mode": "offline", "backend": "vllm", "shard_tokens": 4000, "vllm": vllm}
         stream = {**offline, "mode": "stream", "stream": {"spool_gb": args.spool_gb, "ahead": 4}}
         shards = variant(root, base, data, "offline-shards", offline, args.steps)

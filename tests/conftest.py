@@ -37,9 +37,8 @@ _tiny_target_build: subprocess.Popen | None = None
 # longest first, so that no worker ends alone on one while the other idles. test_verify.py and test_suites_verify.py
 # read the run test_demo.py makes: they come after other long files, by when that run is done.
 LONG_FILES = (
+    "test_families.py",  # ~640 s: a block drafter trained per family in-process and by `eaglekit run`
     "test_demo.py",  # ~510 s: the shared demo run, then the offline demo
-    "test_dspark_run.py",  # ~270 s
-    "test_dflash_run.py",  # ~255 s
     "test_vllm_mla.py",  # ~210 s
     "test_verify.py",  # ~260 s: three verify runs in vLLM
     "test_suites_verify.py",
@@ -134,6 +133,48 @@ def vllm_python() -> Path:
             "(or set EAGLEKIT_SKIP_VLLM=1 to skip them on purpose)",
             pytrace=False,
         )
+
+
+FEATURE_LAYERS = [2, 4, 5, 8]  # the tiny target's default aux taps and its final state (8 decoder layers)
+
+
+@pytest.fixture(scope="session")
+def feature_servers(vllm_python, tiny_target, tmp_path_factory):
+    """``feature_servers(n)``: (n real vLLM feature servers of the tiny target, the storage folder they share),
+    capturing FEATURE_LAYERS through eaglekit's CPU connector in float32. The servers are started as tests first
+    ask for them and kept for the session, so the extract tests (one server) and the stream tests (two) run on
+    the same engines: two starts, not three, where one process runs both files. A server a test killed is
+    replaced by a fresh one when asked for again."""
+    from eaglekit.serving.engine import VllmServer
+    from eaglekit.serving.vllm_features import plugin_dir, serve_args
+
+    root = tmp_path_factory.mktemp("feature-servers")
+    storage = root / "hidden-states"
+    storage.mkdir()
+    args = ["--max-model-len", "1024", *serve_args(FEATURE_LAYERS, str(storage), "cpu")]
+    servers: list[VllmServer] = []
+    starts = 0
+
+    def ask(count: int) -> tuple[list[VllmServer], Path]:
+        nonlocal starts
+        fresh = []
+        for k in range(count):
+            if k < len(servers) and servers[k].process is not None and servers[k].process.poll() is None:
+                continue
+            log = root / f"vllm-{starts}.log"
+            server = VllmServer(vllm_python, str(tiny_target), args, log, env={"PYTHONPATH": str(plugin_dir())})
+            servers[k : k + 1] = [server]
+            fresh.append(server.start())
+            starts += 1
+        for server in fresh:  # started together, waited for together: the engines load side by side
+            server.wait_ready()
+        return servers[:count], storage
+
+    try:
+        yield ask
+    finally:
+        for server in servers:
+            server.stop()
 
 
 @pytest.fixture(scope="session")

@@ -12,10 +12,16 @@ from conftest import write_config
 
 from eaglekit import pipeline
 from eaglekit.config import (
+    DRAFT_KEYS,
+    DRAFT_MODELS,
     TTT_MOVED,
     ConfigDeprecation,
     ConfigPath,
+    DFlashDraft,
+    DSparkDraft,
     GenerateConfig,
+    LlamaDraft,
+    MlaDraft,
     RunConfig,
     Section,
     ServerPoolConfig,
@@ -223,6 +229,83 @@ def test_the_families_own_keys_and_ttt_defaults_still_load():
     ):
         data = {"run_dir": "run", "target": {"model": "t"}, "data": {"prompts": "p.jsonl"}, "train": train}
         parse_config(data, base_dir=Path("."))
+
+
+# The train.draft keys each family read before train.draft became one model per family (config.DRAFT_KEYS was
+# this table, written by hand): the union's models read the same.
+_SHAPE = {"architecture", "intermediate_size", "num_attention_heads"}
+_FLAGS = {"fc_norm", "norm_output", "norm_before_residual"}
+_BLOCK = {"block_size", "num_layers", "mask_token_id", "max_anchors", "position_weighting", "dpace_alpha", "decay_gamma",
+          "shared_k_norm", "num_key_value_heads", "head_dim", "sliding_window"}  # fmt: skip
+KEYS_BEFORE = {
+    "llama": _SHAPE | _FLAGS | {"hidden_size", "num_key_value_heads", "head_dim", "norm_before_fc", "sliding_window"},
+    "mla": _SHAPE
+    | _FLAGS
+    | {"hidden_size", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"},  # fmt: skip
+    "dflash": _SHAPE | _BLOCK,
+    "dspark": _SHAPE | _BLOCK | {"markov_rank"},
+}
+
+
+def test_each_family_has_a_model_of_its_own_keys_picked_by_architecture():
+    assert {name: set(model.model_fields) for name, model in DRAFT_MODELS.items()} == KEYS_BEFORE
+    assert {name: frozenset(keys) for name, keys in KEYS_BEFORE.items()} == DRAFT_KEYS
+    for architecture, model in [(None, LlamaDraft), ("llama", LlamaDraft), ("mla", MlaDraft), ("dflash", DFlashDraft),
+                                ("dspark", DSparkDraft)]:  # fmt: skip
+        draft = parse_config({**BASE, "train": {"draft": {"architecture": architecture}}}).train.draft
+        assert type(draft) is model and draft.family == (architecture or "llama")
+    assert issubclass(DSparkDraft, DFlashDraft) and not hasattr(DFlashDraft(), "fc_norm")
+
+
+def test_a_key_of_another_family_is_refused_when_set_and_ignored_when_null():
+    """Set, it is refused as it loads and as it is assigned; null or false (every key a RUN_DIR/config.yaml of an
+    earlier eaglekit holds) it asks nothing and loads. A mask token 0 loaded before (a false-like value)."""
+    with pytest.raises(UsageError, match=r"architecture llama does not read mask_token_id \(dflash, dspark\)"):
+        parse_config({**BASE, "train": {"draft": {"mask_token_id": 0}}})
+    cfg = parse_config({**BASE, "train": {"draft": {"architecture": "dflash", "fc_norm": False, "q_lora_rank": None}}})
+    with pytest.raises(ValueError, match=r"architecture dflash does not read norm_before_fc \(llama\)"):
+        cfg.train.draft.norm_before_fc = True
+    with pytest.raises(UsageError, match=r"unknown key 'train.draft.block_sise'"):  # no family's: a typo
+        parse_config({**BASE, "train": {"draft": {"architecture": "dflash", "block_sise": 8}}})
+    cfg.train.draft = {"architecture": "mla", "kv_lora_rank": 64}  # another family: the section is validated anew
+    assert type(cfg.train.draft) is MlaDraft and cfg.train.draft.kv_lora_rank == 64
+
+
+@pytest.mark.parametrize("architecture", ["llama", "mla", "dflash", "dspark"])
+def test_a_dump_names_every_familys_keys_and_loads_back(tmp_path, architecture):
+    """RUN_DIR/config.yaml (and train's fingerprint, which hashes the same dump) holds every family's train.draft
+    key, null where the family has none, as before the union: a run trained before is not made stale."""
+    cfg = parse_config({**BASE, "train": {"draft": {"architecture": architecture, "num_attention_heads": 4}}})
+    dumped = cfg.train.model_dump()["draft"]
+    assert set(dumped) == set().union(*KEYS_BEFORE.values())
+    assert {key for key, value in dumped.items() if value is not None} == {"architecture", "num_attention_heads"}
+    again = load_config(write_config(tmp_path / "c.yaml", yaml.safe_load(cfg.to_yaml())))  # the whole dump
+    assert again.train.draft == cfg.train.draft and again.extract == cfg.extract
+
+
+@pytest.mark.parametrize("transport", ["file", "mooncake"])
+def test_a_streamed_runs_dump_loads_back(tmp_path, transport):
+    """The dump holds extract.stream.mooncake's defaults with either transport: RUN_DIR/config.yaml loads back."""
+    extract = {
+        "mode": "stream",
+        "backend": "vllm",
+        "stream": {"transport": transport},
+        "vllm": {"servers": ["http://127.0.0.1:9/v1"], "storage_path": str(tmp_path)},
+    }
+    cfg = parse_config({**BASE, "extract": extract})
+    again = load_config(write_config(tmp_path / "c.yaml", yaml.safe_load(cfg.to_yaml())))
+    assert again.extract == cfg.extract
+    with pytest.raises((UsageError, ValueError), match="mooncake is set but transport is 'file'"):
+        parse_config({**BASE, "extract": {**extract, "stream": {"mooncake": {"master_server_address": "h:1"}}}})
+
+
+def test_a_family_reads_its_keys_from_the_section_it_is_given():
+    """DFlash's objective asks train.draft as its model: a DSpark section is one (it extends DFlash's); a Llama
+    section (a finetune of a DFlash folder with the architecture unset) gives the keys the two share."""
+    spark = parse_config({**BASE, "train": {"draft": {"architecture": "dspark", "max_anchors": 8}}}).train
+    assert spark.draft_as(DFlashDraft) is spark.draft and spark.draft_as(DFlashDraft).max_anchors == 8
+    llama = parse_config({**BASE, "train": {"draft": {"num_attention_heads": 4, "fc_norm": True}}}).train
+    assert llama.draft_as(DFlashDraft) == DFlashDraft(num_attention_heads=4)
 
 
 # Each value means nothing for its key; before the bounds, every one of them was accepted (inf passes `gt=0`, K 0 and

@@ -1,24 +1,18 @@
-"""The DFlash block drafter: its attention pattern and position weights, training on the tiny target, block decoding
-as vLLM's proposer does it (lossless at T=0), and the export's key contract with vLLM 0.32's loader."""
+"""The DFlash block drafter's own parts: its attention pattern, its D-PACE position weights, its config's refusals,
+and the k_norm kernel of vLLM 0.32's CPU build that shared_k_norm answers. What every block family does (training,
+decoding, the export's key contract with vLLM's loader, `eaglekit run`) is tested in tests/test_families.py."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import subprocess
 
 import pytest
 import torch
-from block_drafters import heldout_prompts, one_round_two_ways, train_block_drafter
-from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
-from eaglekit.errors import EaglekitError, UsageError
-from eaglekit.model.dflash import DFlashConfig, DFlashDrafter, default_mask_token_id
-from eaglekit.model.dflash_checkpoint import expected_state, load_dflash, read_dflash_config, save_dflash
-from eaglekit.model.target import default_aux_layers
-from eaglekit.speculative.block import BlockProposer
-from eaglekit.speculative.decode import generate
+from eaglekit.errors import UsageError
+from eaglekit.model.dflash import DFlashConfig, DFlashDrafter
 from eaglekit.training.block import block_attention_mask, document_ids, position_weights
 
 BLOCK = 4
@@ -59,140 +53,8 @@ def test_config_refuses_a_mask_token_outside_the_vocabulary(tiny_target):
         DFlashConfig.from_target_config(hf, [2, 4, 5], mask_token_id=0, block_size=1)
 
 
-# ------------------------------------------------------------------------------------ trained on the tiny target
-
-
-@pytest.fixture(scope="module")
-def target(tiny_target):
-    return AutoModelForCausalLM.from_pretrained(tiny_target).eval(), AutoTokenizer.from_pretrained(tiny_target)
-
-
-@pytest.fixture(scope="module")
-def trained(target):
-    """A 2-layer, block-4 drafter trained 120 steps (seed 0) on the tiny corpus with online target features; one
-    k_norm for both layers, which vLLM's CPU build serves exactly (test_cpu_build_applies_layer_0s_k_norm_...)."""
-    model, tok = target
-    torch.manual_seed(0)
-    aux = default_aux_layers(model.config.num_hidden_layers)
-    mask_id = default_mask_token_id(tok, model.config.vocab_size)
-    cfg = DFlashConfig.from_target_config(
-        model.config, aux, mask_id, num_hidden_layers=2, block_size=BLOCK, shared_k_norm=True
-    )
-    drafter, taus, _ = train_block_drafter(model, tok, DFlashDrafter(cfg))
-    return drafter, taus
-
-
-def test_training_raises_the_block_acceptance(trained):
-    _, taus = trained
-    first, last = sum(taus[:10]) / 10, sum(taus[-10:]) / 10
-    assert first < 1.3 and last > first + 1.0, (first, last)
-
-
-@pytest.mark.parametrize("k", [1, BLOCK - 1, BLOCK + 1])
-def test_block_decoding_is_lossless_at_t0_and_accepts_drafts(target, trained, k):
-    model, tok = target
-    drafter, _ = trained
-    total = None
-    for prompt in heldout_prompts(tok, 4):
-        plain = generate(model, prompt, 48)
-        spec = generate(model, prompt, 48, proposer=BlockProposer(drafter), k=k)
-        assert spec.tokens == plain.tokens
-        total = spec.stats if total is None else total + spec.stats
-    assert total is not None and len(total.acceptance_by_position()) == k
-    assert total.tau > 1 + 0.5 * min(k, BLOCK - 1), total.tau  # drafts are accepted, not just tolerated
-
-
-def test_block_proposer_drafts_what_one_uncached_forward_drafts(target, trained):
-    """The proposer's cached context equals recomputing all of it: a round's drafts depend only on the verified
-    tokens' states, as in vLLM, whose cache holds each context position's keys/values once."""
-    model, tok = target
-    drafter, _ = trained
-    prompt = heldout_prompts(tok, 1)[0]
-    cached, logits, _ = one_round_two_ways(model, drafter, BlockProposer(drafter), prompt, drafts=3, masks=3)
-    assert cached == logits[1:].argmax(-1).tolist()
-
-
-# ------------------------------------------------------------------------------------------------------- export
-
-
-def vllm_parameter_names(cfg: DFlashConfig) -> set[str]:
-    """What ``DFlashQwen3ForCausalLM.load_weights`` (vLLM 0.32) loads from our names, read from qwen3_dflash.py:
-    every name but lm_head gets ``model.``; ``hf_to_vllm_mapper`` stacks q/k/v_proj into qkv_proj and
-    gate/up_proj into gate_up_proj; embed_tokens and mask_embedding are dropped when the checkpoint has none
-    (the target's are shared); fc is loaded because use_aux_hidden_state defaults to true."""
-    names = {"model.fc.weight", "model.hidden_norm.weight", "model.norm.weight"}
-    for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}."
-        names |= {
-            p + "self_attn.qkv_proj.weight",
-            p + "self_attn.o_proj.weight",
-            p + "self_attn.q_norm.weight",
-            p + "self_attn.k_norm.weight",
-            p + "mlp.gate_up_proj.weight",
-            p + "mlp.down_proj.weight",
-            p + "input_layernorm.weight",
-            p + "post_attention_layernorm.weight",
-        }
-    return names
-
-
-def as_vllm_loads_them(keys: set[str]) -> set[str]:
-    stacked = {".q_proj": ".qkv_proj", ".k_proj": ".qkv_proj", ".v_proj": ".qkv_proj"}
-    stacked |= {".gate_proj": ".gate_up_proj", ".up_proj": ".gate_up_proj"}
-    out = set()
-    for key in keys:
-        name = key if "lm_head" in key else "model." + key
-        for old, new in stacked.items():
-            name = name.replace(old, new)
-        out.add(name)
-    return out
-
-
-def test_export_is_the_form_vllm_loads(tmp_path, trained):
-    drafter, _ = trained
-    cfg = drafter.config
-    save_dflash(drafter, tmp_path / "dflash")
-    state = load_file(str(tmp_path / "dflash" / "model.safetensors"))
-    assert {k: tuple(v.shape) for k, v in state.items()} == expected_state(cfg)
-    assert as_vllm_loads_them(set(state)) == vllm_parameter_names(cfg)
-    assert not any("mask_hidden" in k or "embed_tokens" in k or "lm_head" in k for k in state)
-    config = json.loads((tmp_path / "dflash" / "config.json").read_text())
-    assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
-    # vLLM's aux-hidden-state ids are target_layer_ids + 1 (eagle3_utils.get_eagle3_aux_layers_from_config)
-    assert [i + 1 for i in config["dflash_config"]["target_layer_ids"]] == cfg.aux_layer_ids
-    assert config["dflash_config"]["mask_token_id"] == cfg.mask_token_id
-    assert "layer_types" not in config and "use_swa" not in config["dflash_config"]  # all full, non-causal
-    assert config["target_hidden_size"] * len(cfg.aux_layer_ids) == state["fc.weight"].shape[1]
-
-
-def test_reimported_drafter_drafts_the_same(tmp_path, target, trained):
-    model, tok = target
-    drafter, _ = trained
-    save_dflash(drafter, tmp_path / "dflash")
-    (tmp_path / "dflash" / "eaglekit.json").unlink()  # re-import from vLLM's config.json alone
-    assert dataclasses.replace(read_dflash_config(tmp_path / "dflash"), shared_k_norm=True) == drafter.config
-    again = load_dflash(tmp_path / "dflash", model.get_input_embeddings().weight, model.lm_head.weight).eval()
-    assert again.config == drafter.config  # shared_k_norm read back from the equal weights
-    for prompt in heldout_prompts(tok, 2):
-        a = generate(model, prompt, 32, proposer=BlockProposer(drafter), k=3)
-        b = generate(model, prompt, 32, proposer=BlockProposer(again), k=3)
-        assert a.accepted_per_round == b.accepted_per_round
-
-
-def test_a_checkpoint_that_lost_a_key_is_refused_by_name(tmp_path, target, trained):
-    model, _ = target
-    drafter, _ = trained
-    save_dflash(drafter, tmp_path / "dflash")
-    weights = tmp_path / "dflash" / "model.safetensors"
-    state = load_file(str(weights))
-    del state["layers.1.self_attn.k_norm.weight"]
-    save_file(state, str(weights))
-    with pytest.raises(EaglekitError, match=r"missing key layers\.1\.self_attn\.k_norm\.weight"):
-        load_dflash(tmp_path / "dflash", model.get_input_embeddings().weight, model.lm_head.weight)
-
-
 # -------------------------------------------------------------------------------------------- the real vLLM
-# Serving in the engine is tested through `eaglekit run` (tests/test_dflash_run.py: verify, one engine start).
+# Serving in the engine is tested through `eaglekit run` (tests/test_families.py: verify, one engine start).
 
 
 KERNEL_PROBE = """
@@ -209,7 +71,7 @@ print(json.dumps(rows))
 """
 
 
-def test_cpu_build_applies_layer_0s_k_norm_to_every_layers_context_keys(vllm_python, trained):
+def test_cpu_build_applies_layer_0s_k_norm_to_every_layers_context_keys(vllm_python, tiny_target):
     """Why a DFlash drafter with per-layer k_norm serves with other drafts on vLLM 0.32's CPU build: the grouped
     RMSNorm of ``DFlashQwen3Model._normalize_context_k`` reads row 0 of the stacked weights for every layer. When
     this fails, vLLM has fixed the kernel and ``shared_k_norm`` is no longer needed on the CPU."""
@@ -219,7 +81,11 @@ def test_cpu_build_applies_layer_0s_k_norm_to_every_layers_context_keys(vllm_pyt
     assert probe.returncode == 0, probe.stderr[-2000:]
     assert json.loads(probe.stdout.strip().splitlines()[-1]) == [0, 0]  # layer 1 normed with layer 0's weight
 
-    drafter, _ = trained
+    hf = AutoModelForCausalLM.from_pretrained(tiny_target).config
+    cfg = DFlashConfig.from_target_config(hf, [2, 4, 5], 0, num_hidden_layers=2, block_size=BLOCK, shared_k_norm=True)
+    drafter = DFlashDrafter(cfg)
+    with torch.no_grad():  # one k_norm for both layers: what training moves in one, moves in the other
+        drafter.layers[0].self_attn.k_norm.weight.uniform_(0.5, 1.5)
     state = {k: v for k, v in drafter.state_dict().items()}
     assert cpu_build_problem(state, drafter.config) is None
     state["layers.1.self_attn.k_norm.weight"] = state["layers.1.self_attn.k_norm.weight"] * 1.5

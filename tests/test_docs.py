@@ -4,6 +4,7 @@ config snippets the pages show load. (The README's τ table is held by tests/tes
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pytest
 import yaml
 from conftest import REPO
 
-from eaglekit.config import parse_config
+from eaglekit.config import DRAFT_MODELS, LlamaDraft, parse_config
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), *sorted((REPO / "benchmarks").glob("*.md"))]
 # Where the code cites the pages: source, tests, benchmarks, scripts, CI, and the pages themselves.
@@ -162,3 +163,31 @@ def test_the_config_snippets_the_pages_show_load(where, snippet, tmp_path):
     if "run_dir" not in data:
         data = {"run_dir": "runs/r", "target": {"model": "/models/t"}, "data": {"prompts": "p.jsonl"}, **data}
     parse_config(data, where, tmp_path)
+
+
+def _config_reference():
+    """scripts/config_reference.py, loaded as a module (scripts/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("config_reference", REPO / "scripts" / "config_reference.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_config_reference_is_what_the_models_say(monkeypatch):
+    """docs/config.md's key reference is what scripts/config_reference.py makes of config.py's models: every key of
+    every section, and train.draft's keys with the families that read them. A key added, removed or described
+    anew in config.py fails here until the script is run."""
+    reference = _config_reference()
+    page = reference.PAGE.read_text(encoding="utf-8")
+    assert reference.updated(page) == page, "docs/config.md is out of date: run python scripts/config_reference.py"
+    block = page.split(reference.BEGIN)[1].split(reference.END)[0]
+    for name, model in DRAFT_MODELS.items():
+        for key in model.model_fields:
+            rows = [line.split("|")[2] for line in block.splitlines() if line.startswith(f"| `{key}` |")]
+            assert any(name in families or families.strip() == "all" for families in rows), (name, key)
+    assert "| `markov_rank` | dspark |" in block and "| `norm_before_fc` | llama |" in block
+    assert "| `steps` | int, ≥ 1 | `7` |" in block  # train.ttt's, with its bound and default
+    field = LlamaDraft.model_fields["norm_before_fc"]
+    monkeypatch.setattr(field, "description", field.description + " (reworded)")
+    assert reference.updated(page) != page  # the page no longer says what the model does

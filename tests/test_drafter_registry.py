@@ -1,18 +1,20 @@
 """The drafter-family registry: each family is its module and one line in drafters/registry.FAMILIES (with its
-train.draft keys in config.DRAFT_KEYS), and the stages, the training loop, checkpointing and decoding find it
+train.draft model in config.DraftConfig), and the stages, the training loop, checkpointing and decoding find it
 there — a family registered only in memory trains, checkpoints and exports through them."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal, Union, get_args
 
 import pytest
+from pydantic import Discriminator, Field, Tag
+from pydantic.fields import FieldInfo
 from test_extract import prepared_run
 
 from eaglekit import config
-from eaglekit.config import DraftModelConfig, parse_config
+from eaglekit.config import DraftSection, LlamaDraft, RunConfig, TrainConfig, parse_config
 from eaglekit.drafters import registry
 from eaglekit.drafters.eagle3_llama import Eagle3LlamaFamily
 from eaglekit.drafters.family import Built, DrafterFamily, Objective, Verdict
@@ -20,6 +22,7 @@ from eaglekit.errors import UsageError
 from eaglekit.model import eagle3_checkpoint
 from eaglekit.pipeline import run_stage
 from eaglekit.rundir import RunDir
+from eaglekit.serving.engine_features import exported_features
 
 MARK = "toy.json"
 
@@ -31,7 +34,7 @@ class ToyFamily(Eagle3LlamaFamily):
     name = "toy"
     title = "Toy"
     forms = ("toy",)
-    draft_keys = frozenset({"architecture", "intermediate_size"})
+    draft_model: Any = None  # ToyDraft, below
 
     def __init__(self) -> None:
         self.calls: list[str] = []
@@ -80,21 +83,43 @@ class ToyFamily(Eagle3LlamaFamily):
         return {"formats": ["toy"], "toy": str(dest)}
 
 
+class ToyDraft(DraftSection):
+    """The toy's train.draft: the keys every family reads (intermediate_size, num_attention_heads), and its name."""
+
+    architecture: Literal["toy"] = "toy"
+
+
+ToyFamily.draft_model = ToyDraft
+
+
 @pytest.fixture
-def toy(monkeypatch) -> ToyFamily:
+def toy(monkeypatch):
     """The toy family registered for one test: its line in the registry (first: its folders are Llama ones too,
-    and the table's order is the order folders are recognised in) and its keys in the config."""
+    and the table's order is the order folders are recognised in), and its model as a member of the config's
+    union (config.DraftConfig), which pydantic builds into TrainConfig once: rebuilt here, and back after."""
     family = ToyFamily()
     monkeypatch.setattr(registry, "FAMILIES", {family.name: family, **registry.FAMILIES})
-    monkeypatch.setitem(config.DRAFT_KEYS, family.name, family.draft_keys)
-    return family
+    members = (*get_args(get_args(config.DraftConfig)[0]), Annotated[ToyDraft, Tag(family.name)])
+    union = Annotated[Union[members], Discriminator(config._family_of)]  # noqa: UP007 (a tuple of members)
+    monkeypatch.setitem(config.DRAFT_MODELS, family.name, ToyDraft)
+    monkeypatch.setitem(config.DRAFT_KEYS, family.name, frozenset(ToyDraft.model_fields))
+    before = TrainConfig.__pydantic_fields__["draft"]
+    TrainConfig.__pydantic_fields__["draft"] = FieldInfo.from_annotated_attribute(
+        union, Field(default_factory=LlamaDraft)
+    )
+    for model in (TrainConfig, RunConfig):
+        model.model_rebuild(force=True)
+    yield family
+    TrainConfig.__pydantic_fields__["draft"] = before
+    for model in (TrainConfig, RunConfig):
+        model.model_rebuild(force=True)
 
 
 def test_the_registry_and_the_config_know_the_same_families():
-    assert list(registry.FAMILIES) == list(config.DRAFT_KEYS)
+    assert list(registry.FAMILIES) == list(config.DRAFT_MODELS) == list(config.DRAFT_KEYS)
     for name, family in registry.FAMILIES.items():
-        assert family.name == name and family.draft_keys == config.DRAFT_KEYS[name]
-        assert set(family.draft_keys) <= set(DraftModelConfig.model_fields), name
+        assert family.name == name and family.draft_model is config.DRAFT_MODELS[name]
+        assert config.DRAFT_KEYS[name] == set(family.draft_model.model_fields), name
     assert registry.family_named(None) is registry.FAMILIES["llama"]  # architecture unset: llama
     with pytest.raises(UsageError, match="not a drafter family"):
         registry.family_named("toy")
@@ -103,7 +128,7 @@ def test_the_registry_and_the_config_know_the_same_families():
 def test_a_family_in_the_table_is_one_the_config_accepts_with_its_own_keys(toy):
     base = {"run_dir": "r", "target": {"model": "m"}, "data": {"prompts": "p.jsonl"}}
     cfg = parse_config({**base, "train": {"draft": {"architecture": "toy", "intermediate_size": 64}}})
-    assert registry.family_named(cfg.train.draft.architecture) is toy
+    assert isinstance(cfg.train.draft, ToyDraft) and registry.family_named(cfg.train.draft.architecture) is toy
     with pytest.raises(UsageError, match=r"architecture toy does not read block_size \(dflash, dspark\)"):
         parse_config({**base, "train": {"draft": {"architecture": "toy", "block_size": 4}}})
     with pytest.raises(UsageError, match="'toy2' is not a drafter family"):
@@ -133,3 +158,26 @@ def test_a_family_registered_in_memory_trains_checkpoints_and_exports(tmp_path, 
     drafter, _ = eagle3_checkpoint.load_drafter(folder)
     assert drafter.config.intermediate_size == 64  # the shape the config asked of it
     assert registry.vllm_method("toy") == "toy"
+
+
+def test_each_family_plans_the_configs_the_engine_checks_read_as_its_forms(tmp_path, tiny_target):
+    """export's engine-feature check reads each form's config.json as the family plans it (it told the block
+    drafters from EAGLE-3 by their config's class before): each form reads back as that form, with its window."""
+    expected = {"llama": {"eagle3": "eagle3", "speculators": "speculators"}, "mla": {"eagle3": "mla"},
+                "dflash": {"dflash": "dflash"}, "dspark": {"dspark": "dspark"}}  # fmt: skip
+    both = ["eagle3", "speculators"]  # export.formats' default: each family writes those it has
+    for name, family in registry.FAMILIES.items():
+        window = {"sliding_window": 64} if family.windowed else {}
+        cfg = parse_config(
+            {
+                "run_dir": str(tmp_path / "r"),
+                "target": {"model": str(tiny_target)},
+                "data": {"prompts": "p.jsonl"},
+                "vocab": {"draft_vocab_size": 80},
+                "train": {"draft": {"architecture": name, **window}},
+            }  # fmt: skip
+        )
+        planned = family.planned_configs(registry.fresh_drafter_config(cfg), family.written_forms(both), 3)
+        read = {form: exported_features(config) for form, config in planned.items()}
+        assert {form: found for form, (found, _) in read.items()} == expected[name], name
+        assert all(("sliding_window" in features) == bool(window) for _, features in read.values()), name

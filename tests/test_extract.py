@@ -19,6 +19,7 @@ from conftest import subprocess_env
 
 from eaglekit.config import RunConfig, parse_config
 from eaglekit.data import shards as sh
+from eaglekit.data.responses import make_record
 from eaglekit.data.tokens import TokenStore
 from eaglekit.errors import EaglekitError
 from eaglekit.model.target import TargetFeatures, load_target
@@ -35,19 +36,17 @@ def prepared_run(tmp_path: Path, target: Path, n: int = 48, seed: int = 1, **sec
     template (tasks the target was trained on the like of, so its features are meaningful)."""
     gen = tmp_path / "run" / "generate"
     gen.mkdir(parents=True)
-    rows = [
-        {
-            "id": f"t{seed}-{i}",
-            "messages": [{"role": "user", "content": t.prompt}],
-            "reasoning": t.reasoning,
-            "content": t.answer,
-            "finish_reason": "stop",
-            "prompt_tokens": 0,
-            "completion_tokens": 0,
-            "reasoning_source": "reasoning",
-            "model": "tiny",
-            "server": None,
-        }
+    rows = [  # as generate records a server's reply carrying the reasoning in its own field
+        make_record(
+            f"t{seed}-{i}",
+            [{"role": "user", "content": t.prompt}],
+            {"reasoning": t.reasoning, "content": t.answer},
+            "stop",
+            0,
+            0,
+            "tiny",
+            None,
+        )[0]
         for i, t in enumerate(sample_tasks(n, seed, split="train"))
     ]
     (gen / "responses.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import FEATURE_LAYERS
 from json_http import JsonHandler
 from safetensors.torch import load_file, save_file
 from test_extract import prepared_run
@@ -28,20 +29,18 @@ from eaglekit.errors import EaglekitError
 from eaglekit.pipeline import fingerprint, make_context, run_preflight, run_stage
 from eaglekit.preflight import failed
 from eaglekit.rundir import RunDir
-from eaglekit.serving.engine import VllmServer, free_port
+from eaglekit.serving.engine import free_port
 from eaglekit.serving.vllm_features import (
     FeatureClient,
     ServerSetupError,
     TokenMismatch,
     plugin_dir,
-    serve_args,
     serve_command,
     stacked_positions,
 )
 
 pytestmark = pytest.mark.slow  # builds, trains or serves models
 
-LAYERS = [2, 4, 5, 8]  # the tiny target's default aux taps and its final state (8 decoder layers)
 TRAIN = {
     "ttt": {"steps": 3},
     "batch_size": 4,
@@ -56,16 +55,12 @@ TRAIN = {
 }
 
 
-@pytest.fixture(scope="module")
-def feature_server(vllm_python, tiny_target, tmp_path_factory):
-    """A real vLLM serving the tiny target as a feature source, and its shared storage folder."""
-    root = tmp_path_factory.mktemp("feature-server")
-    storage = root / "hidden-states"
-    storage.mkdir()
-    args = ["--max-model-len", "1024", *serve_args(LAYERS, str(storage), "cpu")]
-    server = VllmServer(vllm_python, str(tiny_target), args, root / "vllm.log", env={"PYTHONPATH": str(plugin_dir())})
-    with server:
-        yield server, storage
+@pytest.fixture
+def feature_server(feature_servers):
+    """A real vLLM serving the tiny target as a feature source, and its storage folder (conftest's, shared with
+    the stream tests)."""
+    (server,), storage = feature_servers(1)
+    return server, storage
 
 
 def vllm_run(path: Path, target: Path, storage: Path, servers: list[str], served: str, **vllm):
@@ -246,7 +241,9 @@ class _Reply:
 def client_for(storage: Path, hidden: int = 4) -> FeatureClient:
     from eaglekit.model.target import FinalNorm
 
-    return FeatureClient(_Cfg(storage), None, "m", LAYERS, hidden, FinalNorm(torch.ones(hidden), 1e-6), "ektest")
+    return FeatureClient(
+        _Cfg(storage), None, "m", FEATURE_LAYERS, hidden, FinalNorm(torch.ones(hidden), 1e-6), "ektest"
+    )
 
 
 def test_the_file_is_read_after_its_lock_checked_converted_and_deleted(tmp_path):
@@ -295,11 +292,11 @@ def test_other_tokens_and_other_layers_are_named_errors(tmp_path):
 
 
 def test_serve_command_names_the_layers_connector_and_storage():
-    stock = serve_command("/m/Kimi", LAYERS, "/shared/hs", "stock", "kimi", 8193)
+    stock = serve_command("/m/Kimi", FEATURE_LAYERS, "/shared/hs", "stock", "kimi", 8193)
     assert stock.startswith("vllm serve /m/Kimi --served-model-name kimi --max-model-len 8193")
     assert '"eagle_aux_hidden_state_layer_ids":[2,4,5,8]' in stock and '"ExampleHiddenStatesConnector"' in stock
     assert '"shared_storage_path":"/shared/hs"' in stock and "kv_connector_module_path" not in stock
-    cpu = serve_command("/m/tiny", LAYERS, "/hs", "cpu", None, None)
+    cpu = serve_command("/m/tiny", FEATURE_LAYERS, "/hs", "cpu", None, None)
     assert cpu.startswith(f"PYTHONPATH={plugin_dir()} python -m vllm.entrypoints.openai.api_server --model /m/tiny")
     assert (
         '"kv_connector":"EaglekitHiddenStatesConnector"' in cpu

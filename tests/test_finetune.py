@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from eaglekit.config import parse_config
+from eaglekit.data.responses import make_record
 from eaglekit.pipeline import run_stage
 from eaglekit.rundir import RunDir
 from eaglekit.tiny.corpus import sample_tasks
@@ -43,19 +44,17 @@ def run_on(tmp_path: Path, target: Path, kinds, seed: int, train: dict, evaluate
     """A run directory whose generate, prepare and vocab are done, on tasks of ``kinds`` only."""
     gen = tmp_path / "run" / "generate"
     gen.mkdir(parents=True)
-    rows = [
-        {
-            "id": f"t{seed}-{i}",
-            "messages": [{"role": "user", "content": t.prompt}],
-            "reasoning": t.reasoning,
-            "content": t.answer,
-            "finish_reason": "stop",
-            "prompt_tokens": 0,
-            "completion_tokens": 0,
-            "reasoning_source": "reasoning",
-            "model": "tiny",
-            "server": None,
-        }
+    rows = [  # as generate records a server's reply carrying the reasoning in its own field
+        make_record(
+            f"t{seed}-{i}",
+            [{"role": "user", "content": t.prompt}],
+            {"reasoning": t.reasoning, "content": t.answer},
+            "stop",
+            0,
+            0,
+            "tiny",
+            None,
+        )[0]
         for i, t in enumerate(tasks(kinds, 160, seed))
     ]
     (gen / "responses.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

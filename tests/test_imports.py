@@ -4,7 +4,13 @@ another stage. The order is written down once, here, and explained in docs/archi
 from __future__ import annotations
 
 import ast
+import json
+import re
+import subprocess
+import sys
 from pathlib import Path
+
+from conftest import subprocess_env
 
 import eaglekit
 
@@ -94,3 +100,116 @@ def test_the_check_sees_imports_inside_functions(tmp_path):
     source = tmp_path / "x.py"
     source.write_text("def f():\n    from eaglekit.stages import evaluate\n    import eaglekit.cli\n")
     assert imported(source, "eaglekit.data.x") == {"eaglekit.stages.evaluate", "eaglekit.cli"}
+
+
+# An import inside a function says why it is not at the top, in one form: heavy (what it would cost every command,
+# `eaglekit --help` included), optional (a module that may be absent) or cycle (the modules that would import each
+# other).
+LAZY_MARKER = re.compile(r"# lazy: (heavy|optional|cycle) \(.+\)")
+# Modules `eaglekit --help` must never pay for, whoever comes to import them: seconds each, or a second engine.
+NEVER_AT_HELP = (
+    "transformers",
+    "datasets",
+    "matplotlib",
+    "pyarrow",
+    "huggingface_hub",
+    "vllm",
+    "torch.distributed.fsdp",
+    "torch.distributed.checkpoint",
+)
+
+
+def function_level_imports(path: Path) -> list[ast.Import | ast.ImportFrom]:
+    """The imports inside functions, those under `if TYPE_CHECKING:` aside (they never run)."""
+    found: list[ast.Import | ast.ImportFrom] = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                if in_function:
+                    found.append(child)
+            elif isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                continue
+            else:
+                visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+
+    visit(ast.parse(path.read_text(), str(path)), False)
+    return found
+
+
+def marker_of(path: Path, node: ast.stmt) -> str | None:
+    lines = path.read_text().splitlines()[node.lineno - 1 : node.end_lineno]
+    return next((m.group(0) for line in lines if (m := LAZY_MARKER.search(line))), None)
+
+
+def is_module(name: str) -> bool:
+    path = PACKAGE.parent / name.replace(".", "/")
+    return path.with_suffix(".py").exists() or path.is_dir()
+
+
+def lazily_heavy() -> set[str]:
+    """Every module some function imports lazily because it is heavy (`from eaglekit import plots`: eaglekit.plots)."""
+    out = set()
+    for p, _ in modules():
+        for node in function_level_imports(p):
+            if not (marker_of(p, node) or "").startswith("# lazy: heavy"):
+                continue
+            if isinstance(node, ast.Import):
+                out |= {a.name for a in node.names}
+            else:
+                base = node.module or ""
+                out |= {f"{base}.{a.name}" if is_module(f"{base}.{a.name}") else base for a in node.names}
+    return out
+
+
+def test_imports_inside_functions_say_why():
+    unmarked = [
+        f"{p.relative_to(PACKAGE.parent)}:{node.lineno}: {ast.unparse(node)}"
+        for p, _ in modules()
+        for node in function_level_imports(p)
+        if marker_of(p, node) is None
+    ]
+    assert not unmarked, (
+        "imports inside functions go to the top of the module, or say why not with "
+        "'# lazy: heavy|optional|cycle (why)':\n" + "\n".join(unmarked)
+    )
+
+
+def test_help_loads_no_heavy_module():
+    """`eaglekit --help` imports every stage (their commands' help comes from their declarations): none of them
+    may pull in what a function imports lazily for its weight, or the list above."""
+    heavy = sorted(lazily_heavy() | set(NEVER_AT_HELP))
+    code = (
+        "import json, sys\n"
+        "from eaglekit.cli import main\n"
+        "try:\n"
+        "    main(['--help'])\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        f"print(json.dumps([m for m in {heavy!r} if m in sys.modules]))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env(), timeout=300, check=True
+    )
+    assert "Usage" in out.stdout, out.stdout + out.stderr  # the help was printed: the check ran after it
+    loaded = json.loads(out.stdout.splitlines()[-1])
+    assert not loaded, f"`eaglekit --help` imports {loaded} (import it inside the function that needs it, marked)"
+
+
+def test_the_marker_check_sees_unmarked_imports(tmp_path):
+    source = tmp_path / "x.py"
+    source.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "import os\n"
+        "if TYPE_CHECKING:\n    import torch\n"
+        "def f():\n"
+        "    import json\n"
+        "    from transformers import (  # lazy: heavy (transformers)\n        AutoConfig,\n    )\n"
+        "    import vllm  # lazy: vllm\n"
+    )
+    found = {ast.unparse(node): marker_of(source, node) for node in function_level_imports(source)}
+    assert found == {
+        "import json": None,
+        "from transformers import AutoConfig": "# lazy: heavy (transformers)",
+        "import vllm": None,  # a marker without its reason in the one form
+    }

@@ -113,10 +113,10 @@ def test_verify_places_each_served_pass_where_its_draft_starts_and_reports_tau_b
 def test_the_window_remedy_is_offered_where_a_window_can_be_trained(tmp_path, tiny_target):
     cfg = prepared_run(tmp_path, tiny_target, n=24)
     cfg.evaluate.context_lengths = [32768]
-    cfg.train.draft.architecture = "mla"  # eaglekit trains windows for llama EAGLE-3 and block drafters only
+    cfg.train.draft = {"architecture": "mla"}  # eaglekit trains windows for llama EAGLE-3 and block drafters only
     check = serving_context(make_context(cfg, "train"))
     assert check.status == "warn" and "sliding_window" not in check.remedy and "longer documents" in check.remedy
-    cfg.train.draft.architecture = "dflash"
+    cfg.train.draft = {"architecture": "dflash"}
     assert "train.draft.sliding_window" in serving_context(make_context(cfg, "train")).remedy
 
 

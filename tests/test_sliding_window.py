@@ -116,12 +116,12 @@ def test_export_writes_the_window_as_vllm_reads_it_and_reads_it_back(tmp_path):
 
 
 def test_sliding_window_is_a_llama_and_block_drafter_key():
-    from eaglekit.config import DraftModelConfig
+    from eaglekit.config import DRAFT_MODELS
 
     for architecture in ("llama", "dflash", "dspark"):  # the block drafters: tests/test_dflash_window.py
-        assert DraftModelConfig(architecture=architecture, sliding_window=2048).sliding_window == 2048
+        assert DRAFT_MODELS[architecture](architecture=architecture, sliding_window=2048).sliding_window == 2048
     with pytest.raises(ValueError, match="architecture mla does not read sliding_window"):
-        DraftModelConfig(architecture="mla", sliding_window=2048)
+        DRAFT_MODELS["mla"](sliding_window=2048)
 
 
 @pytest.mark.parametrize("window", [None, WINDOW])

@@ -1,5 +1,5 @@
-"""extract.mode stream against the real vLLM CPU build, two servers sharing one storage folder (started once for
-the module): a streamed run trains to the losses of the offline-shard run of the same config (the same data order,
+"""extract.mode stream against the real vLLM CPU build, two servers sharing one storage folder (conftest.py's
+feature_servers, kept for the session): a streamed run trains to the losses of the offline-shard run of the same config (the same data order,
 the same features), with the servers' files on disk measured below the configured spool; one server killed with
 SIGKILL mid-run is survived with the same losses (a step's features do not depend on which server answered); the
 capture self-check runs on the stream's first requests; kill -9 of the trainer leaves nothing a rerun trips on."""
@@ -27,12 +27,9 @@ from eaglekit.pipeline import make_context, run_preflight, run_stage
 from eaglekit.preflight import failed
 from eaglekit.rundir import RunDir
 from eaglekit.serving import vllm_features
-from eaglekit.serving.engine import VllmServer
-from eaglekit.serving.vllm_features import plugin_dir, serve_args
 
 pytestmark = pytest.mark.slow  # serves models and trains
 
-LAYERS = [2, 4, 5, 8]  # the tiny target's default aux taps and its final state (8 decoder layers)
 SPOOL_GB = 0.0015  # 1.5 MB: a few of the tiny target's request files (4 float32 states of 128 per token)
 TRAIN = {
     "ttt": {"steps": 3},
@@ -49,23 +46,10 @@ TRAIN = {
 
 
 @pytest.fixture(scope="module")
-def two_servers(vllm_python, tiny_target, tmp_path_factory):
-    """Two real vLLM feature servers of the tiny target writing into one shared storage folder, started together."""
-    root = tmp_path_factory.mktemp("stream-servers")
-    storage = root / "hidden-states"
-    storage.mkdir()
-    args = ["--max-model-len", "1024", *serve_args(LAYERS, str(storage), "cpu")]
-    env = {"PYTHONPATH": str(plugin_dir())}
-    servers = [VllmServer(vllm_python, str(tiny_target), args, root / f"vllm-{k}.log", env=env) for k in (0, 1)]
-    try:
-        for s in servers:
-            s.start()
-        for s in servers:
-            s.wait_ready()
-        yield servers, storage
-    finally:
-        for s in servers:
-            s.stop()
+def two_servers(feature_servers):
+    """Two real vLLM feature servers of the tiny target writing into one shared storage folder (conftest's: the
+    first is the one the extract tests use)."""
+    return feature_servers(2)
 
 
 def run_config(path: Path, target: Path, storage: Path, servers, mode: str):
@@ -260,7 +244,7 @@ def test_a_stalled_server_is_taken_out_and_its_requests_go_to_the_other(
 def test_a_server_killed_mid_run_is_survived(tmp_path, tiny_target, two_servers, offline_run, monkeypatch):
     """SIGKILL to one server's process group after the stream's 20th answer: its requests in flight fail and go to
     the other, the run ends with the offline run's losses, the report names the server. (Last in the module: the
-    fixture's second server stays dead.)"""
+    second server stays dead; conftest's feature_servers starts another if a later test asks for two.)"""
     servers, storage = two_servers
     cfg = run_config(tmp_path, tiny_target, storage, servers, "stream")
     victim = servers[1]

@@ -13,18 +13,24 @@ import os
 import re
 import shlex
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Any
 
 import typer
+from rich.console import Console
 from rich.markup import escape
 from typer.core import TyperCommand
 
-from eaglekit import failures, interrupt, pipeline
+from eaglekit import __version__, failures, interrupt, pipeline, preflight, status
 from eaglekit.config import RunConfig, load_config
+from eaglekit.demo import run_demo
 from eaglekit.errors import EaglekitError, UsageError
+from eaglekit.planning import parse_bytes, plan, render
 from eaglekit.progress import console
+from eaglekit.rundir import RunDir
+from eaglekit.stages.extract import vllm_serve_command
 
 app = typer.Typer(
     add_completion=False,
@@ -87,9 +93,7 @@ def command(name: str, **kwargs):
 
 def _version(value: bool) -> None:
     if value:
-        from eaglekit import __version__  # not the installed metadata: a source tree on PYTHONPATH has none
-
-        typer.echo(f"eaglekit {__version__}")
+        typer.echo(f"eaglekit {__version__}")  # not the installed metadata: a source tree on PYTHONPATH has none
         raise typer.Exit()
 
 
@@ -217,10 +221,6 @@ def status_cmd(
 ) -> None:
     """Where the run stands: per stage its state, figures, last pre-flight and warnings; then what to do next.
     A run directory is compared with the config file that last drove it."""
-    from rich.console import Console
-
-    from eaglekit import status
-
     compared = status.config_for(run_dir)
     cfg = compared.cfg
     _State.run_dir = cfg.run_dir
@@ -259,10 +259,6 @@ def preflight_cmd(
     Without --stage, the whole pipeline is checked in order ahead of running it: a stage whose upstream has not
     run yet is not a failure, and the checks that need outputs still to be made say which stage produces them.
     """
-    import time
-
-    from eaglekit import preflight
-
     cfg = load(config)
     if stage and stage not in pipeline.STAGE_ORDER:
         raise UsageError(f"--stage {stage}: unknown stage", f"use one of: {', '.join(pipeline.STAGE_ORDER)}")
@@ -322,8 +318,6 @@ def plan_cmd(
     Figures measured in this run directory (a pilot with a small data.max_samples) are used unless a flag
     gives them; each figure says where it comes from.
     """
-    from eaglekit.planning import parse_bytes, plan, render
-
     cfg = load(config)
     try:
         free_bytes = parse_bytes(free) if free is not None else None
@@ -350,8 +344,6 @@ def plan_cmd(
 @command("serve-command")
 def serve_command_cmd(config: Path = ConfigArg, as_json: bool = JsonOpt) -> None:
     """Print the command that starts a vLLM feature server for this config (extract.backend: vllm)."""
-    from eaglekit.stages.extract import vllm_serve_command
-
     command = vllm_serve_command(load(config))
     if as_json:
         emit_json({"command": command})
@@ -370,8 +362,6 @@ def demo_cmd(
     offline: bool = typer.Option(False, "--offline", help="extract the features to disk, then train from them"),
 ) -> None:
     """The whole pipeline on the built-in tiny target, on CPU: writes RUN_DIR/config.yaml, runs every stage."""
-    from eaglekit.demo import run_demo
-
     _State.run_dir = str(run_dir)
     summary = run_demo(run_dir, force=force, offline=offline)
     if as_json:
@@ -395,7 +385,12 @@ def tiny_target_cmd(
     as_json: bool = JsonOpt,
 ) -> None:
     """Write the built-in tiny target (a trained reasoning-style Llama) in Hugging Face format."""
-    from eaglekit.tiny import build_long_target, build_tiny_target, ensure_long_target, ensure_tiny_target
+    from eaglekit.tiny import (  # lazy: heavy (eaglekit.tiny imports transformers)
+        build_long_target,
+        build_tiny_target,
+        ensure_long_target,
+        ensure_tiny_target,
+    )
 
     what = "long-context tiny target" if long else "tiny target"
     if out_dir is None and seed != 0:
@@ -450,8 +445,6 @@ def report_interrupt(err: KeyboardInterrupt) -> int:
 
 def report_crash(err: BaseException) -> int:
     """An exception nothing foresaw outside a stage: a short message, the traceback in a log file."""
-    from eaglekit.rundir import RunDir
-
     log = failures.write_traceback(RunDir(_State.run_dir) if _State.run_dir else None, None, err)
     console.print(
         f"[bold red]error:[/] unexpected {type(err).__name__}: {escape(failures.first_line(err))}", highlight=False

@@ -11,10 +11,23 @@ import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal, TypeVar, get_args
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Discriminator,
+    Field,
+    SerializationInfo,
+    SerializerFunctionWrapHandler,
+    Tag,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 from pydantic.fields import FieldInfo
 
 from eaglekit.divergences import KLDiv, LKHybrid, LossChoice, loss_reference
@@ -185,17 +198,65 @@ class VllmFeaturesConfig(ServerPoolConfig):
     # each request carries a whole sample's hidden states to disk: fewer in flight than generate's replies
     concurrency: int = Field(8, ge=1, description="in-flight requests per server")
     timeout: float = Field(600.0, gt=0, description="seconds per request, and per wait for its file")
+    gpu_memory_utilization: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="vLLM's --gpu-memory-utilization for the servers (`serve-command` prints it): the share of each "
+        "of its GPUs' memory a server takes (weights, KV cache, activations); unset: vLLM's default (0.92 in vLLM 0.32)",
+    )
+    shares_trainer_gpus: bool = Field(
+        False,
+        description="extract.mode stream: the servers run on the GPUs train uses (one node): plan and train's "
+        "pre-flight add their gpu_memory_utilization × the GPU's memory to the drafter's step memory per GPU",
+    )
+
+
+class MooncakeStoreConfig(Section):
+    """extract.stream.transport mooncake: the Mooncake store speculators' MooncakeHiddenStatesConnector (hs-connectors)
+    puts each request's hidden states into. The keys are that connector's ``kv_connector_extra_config.mooncake``
+    keys, with its defaults; `eaglekit serve-command CONFIG` prints them for the servers."""
+
+    master_server_address: str = Field("127.0.0.1:50051", min_length=1, description="the mooncake_master, host:port")
+    metadata_server: str = Field(
+        "P2PHANDSHAKE",
+        min_length=1,
+        description="P2PHANDSHAKE (no metadata server), or http://host:port/metadata (mooncake_master "
+        "--enable_http_metadata_server), or an etcd address",
+    )
+    protocol: Literal["tcp", "rdma"] = "tcp"
+    device_name: str = Field("", description="RDMA device(s), e.g. mlx5_0 or mlx5_0,mlx5_1; empty: Mooncake chooses")
+    local_hostname: str | None = Field(
+        None,
+        description="this machine's address as the servers reach it (default: $MOONCAKE_LOCAL_HOSTNAME, else the "
+        "host name's address, as hs-connectors does); each server sets its own in $MOONCAKE_LOCAL_HOSTNAME",
+    )
+    global_segment_size: int = Field(
+        4 << 30,
+        ge=1 << 20,
+        description="bytes of memory each server lends the store (where the hidden states wait until read); "
+        "extract.stream.spool_gb must fit in 90% of the servers' segments together (the master evicts above that)",
+    )
+    local_buffer_size: int = Field(2 << 30, ge=1 << 20, description="each server's Mooncake staging buffer, bytes")
 
 
 class FeatureStreamConfig(Section):
     """extract.mode stream: train asks the vLLM feature servers (extract.vllm) for each upcoming micro-batch's
     hidden states instead of reading shards; nothing but the servers' in-flight request files is stored."""
 
+    transport: Literal["file", "mooncake"] = Field(
+        "file",
+        description="how the hidden states travel from the servers: file: vLLM's hidden-states connector writes a "
+        "file per request to extract.vllm.storage_path; mooncake: speculators' MooncakeHiddenStatesConnector puts "
+        "them into a Mooncake store (extract.stream.mooncake), over TCP or RDMA, no shared folder",
+    )
+    mooncake: MooncakeStoreConfig = Field(default_factory=MooncakeStoreConfig)
+
     spool_gb: float = Field(
         4.0,
         gt=0,
-        description="GB the servers' hidden-states files may take in extract.vllm.storage_path at once: requests "
-        "wait while the files of those in flight would pass it",
+        description="GB the servers' hidden-states files may take in extract.vllm.storage_path at once (with "
+        "transport mooncake: the entries in the Mooncake store): requests wait while those in flight would pass it",
     )
     ahead: int = Field(4, ge=1, description="micro-batches assembled ahead of the optimizer (held in memory)")
     cache_gb: float = Field(
@@ -205,6 +266,13 @@ class FeatureStreamConfig(Section):
         "of encoded features in memory and reuses them (the rest is requested again); the held-out rows are kept "
         "between evaluations up to max(cache_gb, 1 GB), else requested again at each evaluation",
     )
+
+    @model_validator(mode="after")
+    def _mooncake_only_with_its_transport(self) -> FeatureStreamConfig:
+        # a dump (RUN_DIR/config.yaml) holds the default section: only settings that would do something are refused
+        if self.transport != "mooncake" and self.mooncake != MooncakeStoreConfig():
+            raise ValueError("mooncake is set but transport is 'file': set transport: mooncake, or remove mooncake")
+        return self
 
 
 class ExtractConfig(Section):
@@ -243,116 +311,224 @@ class ExtractConfig(Section):
         return self.mode == "stream"
 
 
-BLOCK_ARCHITECTURES = ("dflash", "dspark")  # the block-drafter family's train.draft.architecture values
+DEFAULT_ARCHITECTURE = "llama"  # train.draft.architecture unset
 
 
-# The train.draft keys each drafter family reads (the others do nothing for it, so setting one is an error), by its
-# name in drafters/registry.FAMILIES: the families' names as the config knows them (config is below the families'
-# layer and cannot ask the registry; tests/test_drafter_registry.py holds the two tables to the same names).
-_SHAPE = ("architecture", "intermediate_size", "num_attention_heads")
-_EAGLE3_FLAGS = ("fc_norm", "norm_output", "norm_before_residual")
-_BLOCK = ("block_size", "num_layers", "mask_token_id", "max_anchors", "position_weighting", "dpace_alpha",
-          "decay_gamma", "shared_k_norm", "num_key_value_heads", "head_dim", "sliding_window")  # fmt: skip
-DRAFT_KEYS: dict[str, frozenset[str]] = {
-    "llama": frozenset(
-        _SHAPE + _EAGLE3_FLAGS + ("hidden_size", "num_key_value_heads", "head_dim", "norm_before_fc", "sliding_window")
-    ),  # fmt: skip
-    "mla": frozenset(
-        _SHAPE
-        + _EAGLE3_FLAGS
-        + ("hidden_size", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
-    ),  # fmt: skip
-    "dflash": frozenset(_SHAPE + _BLOCK),
-    "dspark": frozenset(_SHAPE + _BLOCK + ("markov_rank",)),
-}
+class DraftSection(Section):
+    """``train.draft``: the drafter's layer and flags, every shape defaulting to the target's. Each drafter family
+    has its model below with only the keys it reads (the keys every family reads are these); ``architecture``
+    picks the model (``DraftConfig``), and a key of another family is refused as the config loads, naming the
+    families that read it."""
+
+    architecture: str | None = None  # each family's model narrows it to its name
+
+    intermediate_size: int | None = Field(None, ge=1, description="the MLP's width (default: the target's)")
+    num_attention_heads: int | None = Field(None, ge=1, description="attention heads (default: the target's)")
+
+    # What the family trains, for the train section's checks (config is layer 0: it cannot ask drafters/registry).
+    # The objective it trains instead of EAGLE-3's training-time test, which then reads none of train.ttt's
+    # settings (None: it trains TTT).
+    objective_without_ttt: ClassVar[str | None] = None
+    # Why its objective cannot split a row across ranks (train.context_parallel); None: it can.
+    unsplit_rows: ClassVar[str | None] = None
+
+    @property
+    def family(self) -> str:
+        """Its family's name: train.draft.architecture, or the default's when unset."""
+        return self.architecture or DEFAULT_ARCHITECTURE
+
+    @property
+    def window(self) -> int | None:
+        """The sliding window a fresh drafter attends: sliding_window, None (full attention) unset or where the
+        family has no such key."""
+        return getattr(self, "sliding_window", None)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _keys_of_its_family(cls, data: Any) -> Any:
+        """A key of another family would do nothing here: refused, naming the families that read it. Left null or
+        false it asks nothing (and a RUN_DIR/config.yaml holds every family's keys): dropped. A key no family has
+        is left to the unknown-key error."""
+        if not isinstance(data, dict):
+            return data
+        foreign = [key for key in data if key not in cls.model_fields and key in every_draft_key()]
+        stray = sorted(key for key in foreign if data[key] is not None and data[key] is not False)
+        if stray:
+            raise ValueError(_not_read(cls.model_fields["architecture"].default or DEFAULT_ARCHITECTURE, stray))
+        return {key: value for key, value in data.items() if key not in foreign}
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name not in type(self).model_fields and name in every_draft_key():  # as it is refused when it loads
+            raise ValueError(_not_read(self.family, [name]))
+        super().__setattr__(name, value)
+
+    @model_serializer(mode="wrap")
+    def _every_familys_keys(self, handler: SerializerFunctionWrapHandler, info: SerializationInfo) -> Any:
+        """A dump names every family's keys, null where this family has none, as before train.draft was shaped
+        by family: a RUN_DIR/config.yaml reads the same, and train's fingerprint of a run trained before is
+        unchanged (it is not made stale by the upgrade)."""
+        own = handler(self)
+        if not isinstance(own, dict) or info.exclude_none:
+            return own
+        keys = [*every_draft_key(), *own]
+        return {key: own.get(key) for key in dict.fromkeys(keys) if key in own or key not in type(self).model_fields}
 
 
-class DraftModelConfig(Section):
-    """The drafter's layer and flags; every shape defaults to the target's (docs/config.md: "The drafter")."""
+class Eagle3Draft(DraftSection):
+    """The keys both EAGLE-3 families (one decoder layer, trained with training-time test) read. The EAGLE 3.1
+    flags are named as vLLM, SGLang and speculators name them."""
 
-    architecture: str | None = Field(
+    hidden_size: int | None = Field(
+        None,
+        ge=1,
+        description="the layer's width (default: the target's); another width than the target's means the drafter "
+        "learns its own embedding",
+    )
+    fc_norm: bool | None = Field(
+        None,
+        description="EAGLE 3.1: an RMSNorm per aux hidden state before fc (weights fc_norm.{0,1,2}), so the tapped "
+        "layers enter the fusion at one scale whatever their depth; read by vLLM and SGLang; default on for "
+        "architecture llama since the τ race (+17.8 % τ at K=5, docs/recipe.md), off for mla",
+    )
+    norm_output: bool | None = Field(
+        None,
+        description="EAGLE 3.1: each next draft step takes the normed output as its feature, which keeps its scale "
+        "from drifting over long drafts; read by vLLM and SGLang; default on for architecture llama, off for mla",
+    )
+    norm_before_residual: bool | None = Field(
+        None, description="the layer's residual is the normed feature (speculators' option; vLLM only)"
+    )
+
+
+class LlamaDraft(Eagle3Draft):
+    """EAGLE-3 with one Llama decoder layer (MHA/GQA): the default family, the drafter every engine serves, for any
+    target. Unset, a fresh drafter has fc_norm and norm_output on (drafters/eagle3_llama.draft_settings: the τ
+    race's pick)."""
+
+    architecture: Literal["llama"] | None = Field(
         None,
         description="llama (MHA/GQA, the default) or mla (DeepSeek-V3/Kimi latent attention): an EAGLE-3 drafter; "
         "dflash: a block drafter (several Qwen3-style layers drafting a block in one pass, model/dflash.py); "
         "dspark: DFlash's backbone drafting from the anchor, plus a Markov head over the block (model/dspark.py)",
     )
-    hidden_size: int | None = Field(None, ge=1)
-    intermediate_size: int | None = Field(None, ge=1)
-    num_attention_heads: int | None = Field(None, ge=1)
-    num_key_value_heads: int | None = Field(None, ge=1)
-    head_dim: int | None = Field(None, ge=1)
-    # architecture mla (default: the target's when it is DeepSeek-V3/Kimi-shaped, else DeepSeek-V3's proportions)
-    q_lora_rank: int | None = Field(None, ge=1, description="mla: rank of the compressed query")
-    kv_lora_rank: int | None = Field(None, ge=1, description="mla: rank of the latent that keys and values expand from")
-    qk_nope_head_dim: int | None = Field(None, ge=1, description="mla: per-head query/key width without RoPE")
-    qk_rope_head_dim: int | None = Field(None, ge=1, description="mla: per-head query/key width with RoPE")
-    v_head_dim: int | None = Field(None, ge=1, description="mla: per-head value width")
-    # EAGLE 3.1 and related flags, named as vLLM, SGLang and speculators name them. Unset, a fresh Llama drafter
-    # has fc_norm and norm_output on (model/run_shapes.draft_settings: the τ race's pick); the others are off.
-    fc_norm: bool | None = Field(
-        None, description="an RMSNorm per aux hidden state before fc (EAGLE 3.1; default on for architecture llama)"
-    )
-    norm_output: bool | None = Field(
-        None, description="next draft steps take the normed output (EAGLE 3.1; default on for architecture llama)"
-    )
-    norm_before_fc: bool | None = Field(None, description="one RMSNorm over the concatenated aux states (llama only)")
-    norm_before_residual: bool | None = Field(None, description="the layer's residual is the normed feature")
-    # architecture dflash and dspark (block drafters; defaults are speculators 0.9.0's DFlash recipe). Their target
-    # layers are target.aux_layers; they draft over the full target vocabulary with the target's embedding and head.
-    block_size: int | None = Field(
-        None, ge=2, description="dflash: anchor + mask slots per block; dspark: the drafts per block (default 16)"
-    )
-    num_layers: int | None = Field(None, ge=1, description="dflash: draft decoder layers (default 5)")
-    mask_token_id: int | None = Field(
-        None, ge=0, description="dflash: the mask slots' token (default: the tokenizer's mask, else pad, else eos)"
-    )
-    max_anchors: int | None = Field(None, ge=1, description="dflash: anchored blocks per row and step (default 512)")
-    position_weighting: Literal["dpace", "exp-decay"] | None = Field(
+    num_key_value_heads: int | None = Field(None, ge=1, description="GQA: key/value heads (default: the target's)")
+    head_dim: int | None = Field(None, ge=1, description="per-head width (default: the target's)")
+    norm_before_fc: bool | None = Field(
         None,
-        description="dflash: per-slot loss weights, D-PACE (default) or DFlash's exp(-(k-1)/gamma) "
-        "(dspark: exp(-k/gamma), its anchor slot drafts)",
+        description="one RMSNorm over the concatenated aux states (input_norm, gpt-oss style); exclusive with "
+        "fc_norm (setting it leaves fc_norm off); vLLM only: export writes no SGLang command",
     )
-    dpace_alpha: float | None = Field(None, gt=0.0, le=1.0, description="dflash: D-PACE smoothing (default 0.5)")
-    decay_gamma: float | None = Field(None, gt=0.0, description="dflash: exp-decay gamma (default 4.0)")
-    shared_k_norm: bool | None = Field(
-        None,
-        description="dflash: one k_norm for all layers, as vLLM 0.32's CPU build applies (docs/drafters.md: 'DFlash and DSpark on the vLLM CPU build')",
-    )
-    # architecture dspark only
-    markov_rank: int | None = Field(
-        None, ge=1, description="dspark: rank of the Markov head's transition bias over the vocabulary (default 256)"
-    )
-    # long context (docs/long-context.md)
     sliding_window: int | None = Field(
         None,
         ge=2,
-        description="llama, dflash, dspark: the drafter attends the last N positions only (vLLM's sliding_window: "
-        "the query's own position and the N-1 before it; a block drafter's block becomes causal, as vLLM and SGLang "
-        "serve a sliding DFlash layer), in training, evaluate's decoding and the exported config (layer_types)",
+        description="the drafter attends the last N positions only (vLLM's sliding_window: the query's own position "
+        "and the N-1 before it), in training, evaluate's decoding and the exported config (layer_types); SGLang "
+        "needs --speculative-draft-window-size N, which export prints; docs/long-context.md",
     )
 
-    @field_validator("architecture")
-    @classmethod
-    def _a_drafter_family(cls, value: str | None) -> str | None:
-        if value is not None and value not in DRAFT_KEYS:
-            raise ValueError(f"'{value}' is not a drafter family: one of {', '.join(DRAFT_KEYS)}")
-        return value
 
-    @model_validator(mode="after")
-    def _keys_of_its_family(self) -> DraftModelConfig:
-        """A key the chosen architecture does not read would do nothing: it is refused, named with the family."""
-        architecture = self.architecture or "llama"
-        stray = [name for name in sorted(self.model_fields_set) if name not in DRAFT_KEYS[architecture]]
-        stray = [name for name in stray if getattr(self, name) not in (None, False)]  # false flags ask nothing
-        if stray:
-            owners = {name: [a for a, keys in DRAFT_KEYS.items() if name in keys] for name in stray}
-            listed = "; ".join(f"{name} ({', '.join(owners[name])})" for name in stray)
-            raise ValueError(
-                f"architecture {architecture} does not read {listed}: remove "
-                + ("it" if len(stray) == 1 else "them")
-                + f" or set the architecture that reads {'it' if len(stray) == 1 else 'them'}"
-            )
-        return self
+class MlaDraft(Eagle3Draft):
+    """EAGLE-3 with DeepSeek's multi-head latent attention: the drafter published for Kimi-K2.5/K2.6, for
+    DeepSeek-V3/Kimi targets (pre-flight suggests it); its KV cache is one 576-float latent per token instead of K
+    and V per head. vLLM and SGLang serve it as Eagle3DeepseekV2ForCausalLM. Its ranks default to the target's
+    when it is DeepSeek-V3/Kimi-shaped, else to DeepSeek-V3's proportions of the target's head width d (12d, 4d,
+    d, d/2, d); keep kv_lora_rank + qk_rope_head_dim = 576 to serve on vLLM's CPU build (its reference MLA decode
+    kernel runs that size only). It takes the target's YaRN (DeepSeek's, with its softmax mscale) or no rope
+    scaling; other scalings are refused (both engines would serve them as YaRN)."""
+
+    architecture: Literal["mla"] = "mla"
+    q_lora_rank: int | None = Field(None, ge=1, description="rank of the compressed query")
+    kv_lora_rank: int | None = Field(None, ge=1, description="rank of the latent that keys and values expand from")
+    qk_nope_head_dim: int | None = Field(None, ge=1, description="per-head query/key width without RoPE")
+    qk_rope_head_dim: int | None = Field(None, ge=1, description="per-head query/key width with RoPE")
+    v_head_dim: int | None = Field(None, ge=1, description="per-head value width")
+
+
+class DFlashDraft(DraftSection):
+    """A block drafter: several Qwen3-style layers drafting a block in one pass (defaults: speculators 0.9.0's
+    DFlash recipe; docs/drafters.md: "DFlash's keys"). Its target layers are target.aux_layers; it drafts over the
+    full target vocabulary with the target's embedding and head. It trains its own block objective: train.ttt's
+    loss, noise, step weights and anchor pull are refused for it."""
+
+    architecture: Literal["dflash"] = "dflash"
+    num_key_value_heads: int | None = Field(None, ge=1, description="GQA: key/value heads (default: the target's)")
+    head_dim: int | None = Field(None, ge=1, description="per-head width (default: the target's)")
+    block_size: int | None = Field(
+        None, ge=2, description="anchor + mask slots per block (dspark: the drafts per block); default 16"
+    )
+    num_layers: int | None = Field(None, ge=1, description="draft decoder layers (default 5)")
+    mask_token_id: int | None = Field(
+        None, ge=0, description="the mask slots' token (default: the tokenizer's mask, else pad, else eos)"
+    )
+    max_anchors: int | None = Field(None, ge=1, description="anchored blocks per row and step (default 512)")
+    position_weighting: Literal["dpace", "exp-decay"] | None = Field(
+        None,
+        description="per-slot loss weights, D-PACE (default) or DFlash's exp(-(k-1)/gamma) "
+        "(dspark: exp(-k/gamma), its anchor slot drafts)",
+    )
+    dpace_alpha: float | None = Field(None, gt=0.0, le=1.0, description="D-PACE smoothing (default 0.5)")
+    decay_gamma: float | None = Field(None, gt=0.0, description="exp-decay gamma (default 4.0)")
+    shared_k_norm: bool | None = Field(
+        None,
+        description="one k_norm for all layers, as vLLM 0.32's CPU build applies (docs/drafters.md: 'DFlash and DSpark on the vLLM CPU build')",
+    )
+    sliding_window: int | None = Field(
+        None,
+        ge=2,
+        description="the drafter attends the last N positions only (vLLM's sliding_window: the query's own position "
+        "and the N-1 before it; the block becomes causal, as vLLM and SGLang serve a sliding DFlash layer), in "
+        "training, evaluate's decoding and the exported config (layer_types); docs/long-context.md",
+    )
+
+    objective_without_ttt = "its block objective (cross-entropy on the target's argmax, train.draft.position_weighting)"
+    unsplit_rows = "block objective is not split (its anchored blocks attend their context on every layer)"
+
+
+class DSparkDraft(DFlashDraft):
+    """DFlash's backbone drafting from the anchor, plus a Markov head over the block: DFlash's keys and its rank."""
+
+    architecture: Literal["dspark"] = "dspark"  # type: ignore[assignment]  # a family of its own, with DFlash's keys
+    markov_rank: int | None = Field(
+        None, ge=1, description="rank of the Markov head's transition bias over the vocabulary (default 256)"
+    )
+
+
+def _family_of(value: Any) -> Any:
+    architecture = value.get("architecture") if isinstance(value, dict) else getattr(value, "architecture", None)
+    return architecture or DEFAULT_ARCHITECTURE
+
+
+# train.draft: one model per drafter family, picked by train.draft.architecture (unset: llama). Each tag is the
+# family's name in drafters/registry.FAMILIES (config is below the families' layer and cannot ask the registry;
+# tests/test_drafter_registry.py holds the two tables to the same names).
+DraftConfig = Annotated[
+    Annotated[LlamaDraft, Tag("llama")]
+    | Annotated[MlaDraft, Tag("mla")]
+    | Annotated[DFlashDraft, Tag("dflash")]
+    | Annotated[DSparkDraft, Tag("dspark")],
+    Discriminator(_family_of),
+]
+DRAFT_MODELS: dict[str, type[DraftSection]] = {
+    next(m.tag for m in member.__metadata__ if isinstance(m, Tag)): get_args(member)[0]
+    for member in get_args(get_args(DraftConfig)[0])
+}
+# The train.draft keys each family reads (the others do nothing for it, so setting one is an error)
+DRAFT_KEYS: dict[str, frozenset[str]] = {name: frozenset(model.model_fields) for name, model in DRAFT_MODELS.items()}
+
+
+def every_draft_key() -> dict[str, None]:
+    """Every family's train.draft keys, in the order of their models' fields (the order a dump lists them in)."""
+    return dict.fromkeys(key for model in DRAFT_MODELS.values() for key in model.model_fields)
+
+
+def _not_read(architecture: str, keys: list[str]) -> str:
+    owners = {key: [name for name, model in DRAFT_MODELS.items() if key in model.model_fields] for key in keys}
+    listed = "; ".join(f"{key} ({', '.join(owners[key])})" for key in keys)
+    one = len(keys) == 1
+    return (
+        f"architecture {architecture} does not read {listed}: remove {'it' if one else 'them'} or set the "
+        f"architecture that reads {'it' if one else 'them'}"
+    )
 
 
 # train.ttt keys only EAGLE-3's TTT objective reads (training/objective.py, training/ttt.py): set away from their
@@ -490,6 +666,19 @@ TTT_MOVED = {
 }  # fmt: skip
 
 
+def move_old_train_spellings(data: Any) -> Any:
+    """A train section's raw keys with the flat TTT spellings (TTT_MOVED) moved under train.ttt: a config, and the
+    train parameters a run directory's ledger recorded before train.ttt (stages/train.py reads them through it)."""
+    if isinstance(data, dict) and data.get("lk_eta") == LKHybrid().eta and data.get("loss") != LKHybrid().name:
+        # a config eaglekit wrote before (RUN_DIR/config.yaml) holds the default lk_eta beside every loss: it
+        # asked nothing there, so it is dropped rather than refused as another loss's parameter
+        data = {key: value for key, value in data.items() if key != "lk_eta"}
+    return move_old_spellings(data, TTT_MOVED, "train")
+
+
+D = TypeVar("D", bound=DraftSection)
+
+
 class TrainConfig(Section):
     init_from: Annotated[str | None, PATH_OR_HUB_ID] = Field(
         None,
@@ -497,7 +686,7 @@ class TrainConfig(Section):
         "folder, or a hub id (org/name[@revision]) that pre-flight downloads",
     )
     remap_vocab: bool = False
-    draft: DraftModelConfig = Field(default_factory=DraftModelConfig)
+    draft: DraftConfig = Field(default_factory=LlamaDraft)
     ttt: TTTConfig = Field(default_factory=TTTConfig)
     optimizer: Literal["adamw", "muon"] = Field(
         "adamw",
@@ -559,18 +748,33 @@ class TrainConfig(Section):
     @model_validator(mode="before")
     @classmethod
     def _old_spellings(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("lk_eta") == LKHybrid().eta and data.get("loss") != LKHybrid().name:
-            # a config eaglekit wrote before (RUN_DIR/config.yaml) holds the default lk_eta beside every loss: it
-            # asked nothing there, so it is dropped rather than refused as another loss's parameter
-            data = {key: value for key, value in data.items() if key != "lk_eta"}
-        return move_old_spellings(data, TTT_MOVED, "train")
+        return move_old_train_spellings(data)
+
+    @field_validator("draft", mode="before")
+    @classmethod
+    def _a_drafter_family(cls, value: Any) -> Any:
+        architecture = value.get("architecture") if isinstance(value, dict) else None
+        if architecture is not None and architecture not in DRAFT_MODELS:
+            raise ValueError(
+                f"train.draft.architecture '{architecture}' is not a drafter family: one of {', '.join(DRAFT_MODELS)}"
+            )
+        return value
+
+    def draft_as(self, model: type[D]) -> D:
+        """train.draft as the family whose model is ``model`` reads it: the section itself when it is that family's
+        (or one extending it), else the keys the two share (a finetune whose train.init_from holds another family
+        than train.draft.architecture names)."""
+        if isinstance(self.draft, model):
+            return self.draft
+        shared = (type(self.draft).model_fields.keys() & model.model_fields.keys()) - {"architecture"}
+        return model(**{key: getattr(self.draft, key) for key in shared})
 
     @model_validator(mode="after")
     def _ttt_keys_need_ttt(self) -> TrainConfig:
-        """The TTT objective's settings do nothing for a block drafter (its objective is training/block.py's):
-        one set away from its default is refused rather than ignored."""
-        architecture = self.draft.architecture
-        if architecture not in BLOCK_ARCHITECTURES:
+        """The TTT objective's settings do nothing for a family that trains another objective (a block drafter's is
+        training/block.py's): one set away from its default is refused rather than ignored."""
+        objective = self.draft.objective_without_ttt
+        if objective is None:
             return self
         fields = TTTConfig.model_fields
         set_keys = [
@@ -582,19 +786,17 @@ class TrainConfig(Section):
         if set_keys:
             raise ValueError(
                 f"train.ttt's {', '.join(set_keys)}: EAGLE-3's training-time-test settings; architecture "
-                f"{architecture} trains its block objective (cross-entropy on the target's argmax, "
-                "train.draft.position_weighting), which does not read them: remove them"
+                f"{self.draft.family} trains {objective}, which does not read them: remove them"
             )
         return self
 
     @model_validator(mode="after")
     def _context_parallel_splits_ttt(self) -> TrainConfig:
-        if self.context_parallel > 1 and self.draft.architecture in BLOCK_ARCHITECTURES:
+        if self.context_parallel > 1 and self.draft.unsplit_rows:
             raise ValueError(
                 f"context_parallel {self.context_parallel}: splitting a row across ranks is built for EAGLE-3's TTT "
-                f"step; architecture {self.draft.architecture}'s block objective is not split (its anchored blocks "
-                "attend their context on every layer): set train.context_parallel: 1, and shorten rows "
-                "(prepare.max_length) or window the drafter (train.draft.sliding_window) instead"
+                f"step; architecture {self.draft.family}'s {self.draft.unsplit_rows}: set train.context_parallel: 1, "
+                "and shorten rows (prepare.max_length) or window the drafter (train.draft.sliding_window) instead"
             )
         return self
 
@@ -812,10 +1014,19 @@ def _resolve_paths(section: BaseModel, base: Path) -> None:
             setattr(section, name, _resolve(base, value, marker))
 
 
+def _key_of(loc: tuple[int | str, ...]) -> str:
+    """An error's dotted key; within train.draft, without the family pydantic names as the union's member
+    (``train.draft.dflash.block_size`` is the key ``train.draft.block_size``)."""
+    parts = [str(p) for p in loc]
+    if parts[:2] == ["train", "draft"] and len(parts) > 2 and parts[2] in DRAFT_MODELS:
+        del parts[2]
+    return ".".join(parts)
+
+
 def _format_validation_error(err: ValidationError, source: str) -> str:
     lines = [f"{source}: invalid config"]
     for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"])
+        key = _key_of(e["loc"])
         if e["type"] == "extra_forbidden":
             lines.append(f"  - unknown key '{key}' (check the spelling; see docs/config.md)")
         elif e["type"] == "missing":
@@ -881,6 +1092,13 @@ def parse_config(data: Any, source: str = "<config>", base_dir: Path | None = No
             raise UsageError(
                 f"{source}: extract.backend is 'vllm' but extract.vllm.servers is empty",
                 "add extract.vllm: {servers: [http://host:8000/v1], storage_path: /shared/hidden-states}",
+            )
+        if cfg.extract.vllm.shares_trainer_gpus and not cfg.extract.streamed:
+            raise UsageError(
+                f"{source}: extract.vllm.shares_trainer_gpus is set but extract.mode is '{cfg.extract.mode}': the "
+                "servers only share the trainer's GPUs while train streams from them",
+                "remove extract.vllm.shares_trainer_gpus (offline extraction runs before train, not beside it), or "
+                "set extract.mode: stream",
             )
     if cfg.verify.engine and cfg.verify.server:
         raise UsageError(

@@ -15,12 +15,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from eaglekit import rundir
 from eaglekit.config import RunConfig
 from eaglekit.progress import console
 from eaglekit.rundir import RunDir
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -116,6 +118,7 @@ class StageContext:
     stale_cause: Callable[[str], StaleCause | None] = lambda stage: None
     is_worker_rank: bool = False
     _estimate: Estimate | None = field(default=None, repr=False)
+    _made_once: dict[Callable[..., Any], Any] = field(default_factory=dict, repr=False)
 
     @property
     def stage_def(self) -> Stage:
@@ -133,6 +136,13 @@ class StageContext:
         if self._estimate is None:
             self._estimate = self.stage_def.estimate(self, None)
         return self._estimate
+
+    def once(self, make: Callable[[StageContext], T]) -> T:
+        """``make(self)``, made once per context: what several of its checks compare, such as the prompts' token
+        counts (preflight/dataset.prompt_tokens), so a pre-flight run computes it once."""
+        if make not in self._made_once:
+            self._made_once[make] = make(self)
+        return cast(T, self._made_once[make])
 
     @property
     def resuming(self) -> bool:
@@ -222,3 +232,6 @@ class Stage:
     damaged: Callable[[StageContext], str | None] = never_damaged  # what a finished run's outputs miss (repair)
     live_counts: Callable[[Path], dict[str, Any] | None] = no_live_counts  # counts `status` shows while it runs
     data_flags: Callable[[dict[str, Any]], list[str]] = no_data_flags  # bad data its recorded counts show
+    # The parameters a ledger entry recorded in an older layout, in today's (train's before train.ttt), so that a
+    # run finished with the same settings stays done after an upgrade; None: its parameters kept their layout.
+    params_in_current_layout: Callable[[dict[str, Any]], dict[str, Any]] | None = None

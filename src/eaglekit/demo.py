@@ -9,11 +9,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 
-from eaglekit import pipeline, status
+from eaglekit import atomic, pipeline, status
 from eaglekit.config import load_config
+from eaglekit.errors import UsageError
 from eaglekit.progress import console
+from eaglekit.serving.engine import find_vllm_python
 
 # Sized so the whole demo takes a few minutes on 2 CPU cores (measured: docs/setup.md, "The demo").
 DEMO_SAMPLES = 400
@@ -56,9 +59,6 @@ def demo_config(target: Path, offline: bool = False) -> dict[str, Any]:
 
 def vllm_installed() -> bool:
     """With a vLLM environment at hand (scripts/setup.sh --vllm), the demo ends by serving its drafter in it."""
-    from eaglekit.errors import UsageError
-    from eaglekit.serving.engine import find_vllm_python
-
     try:
         find_vllm_python()
         return True
@@ -67,9 +67,7 @@ def vllm_installed() -> bool:
 
 
 def run_demo(run_dir: Path, force: bool = False, offline: bool = False) -> dict[str, Any]:
-    import torch
-
-    from eaglekit.tiny import ensure_tiny_target, write_prompts
+    from eaglekit.tiny import ensure_tiny_target, write_prompts  # lazy: heavy (eaglekit.tiny imports transformers)
 
     # The tiny target's matmuls are too small to gain from intra-op threads; on a shared 2-core machine
     # a second thread made decoding many times slower (measured), so the demo computes on one.
@@ -83,14 +81,10 @@ def run_demo(run_dir: Path, force: bool = False, offline: bool = False) -> dict[
         write_prompts(prompts, n=DEMO_SAMPLES, seed=1234)
     config_path = run_dir / "config.yaml"
     if not config_path.exists():
-        from eaglekit import atomic
-
         atomic.write_text(config_path, HEADER + yaml.safe_dump(demo_config(target, offline), sort_keys=False))
     cfg = load_config(config_path)
     redo = []
     if offline and cfg.extract.mode != "offline":  # --offline on an online demo: extract, then train from disk
-        from eaglekit import atomic
-
         data = yaml.safe_load(config_path.read_text())
         data.setdefault("extract", {})["mode"] = "offline"
         atomic.write_text(config_path, HEADER + yaml.safe_dump(data, sort_keys=False))

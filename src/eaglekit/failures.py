@@ -24,6 +24,7 @@ from eaglekit import atomic
 from eaglekit.contract import StageContext
 from eaglekit.errors import DISK_ERRNOS, EaglekitError, io_failure
 from eaglekit.interrupt import Terminated
+from eaglekit.progress import human_bytes
 from eaglekit.rundir import RunDir, now_iso, tool_versions
 from eaglekit.training import distributed
 
@@ -83,8 +84,6 @@ def kept_outputs(ctx: StageContext) -> str:
 
 def disk_situation(ctx: StageContext, path: str | None) -> str:
     """Free space where the write failed, against what the stage's own estimate says it needs."""
-    from eaglekit.progress import human_bytes
-
     try:
         free = atomic.free_bytes(path or ctx.dir)
     except OSError:

@@ -28,6 +28,8 @@ from eaglekit import atomic, failures, preflight, rundir
 from eaglekit.config import RunConfig
 from eaglekit.contract import Stage, StageContext, StaleCause
 from eaglekit.errors import EaglekitError, UsageError
+from eaglekit.preflight import disk, processes, run_directory
+from eaglekit.preflight.files import INPUT_NAMES
 from eaglekit.progress import console
 from eaglekit.rundir import RunDir, content_identity, digest, tool_versions
 
@@ -58,17 +60,46 @@ def upstream_of(cfg: RunConfig, stage: str) -> str | None:
 
 
 def fingerprint(cfg: RunConfig, stage: str, _memo: dict[str, str] | None = None) -> str:
+    """The hash of the stage's parameters and its upstream's fingerprint, or the fingerprint the run directory's
+    ledger recorded for these same settings in an older layout of its parameters (``recorded_in_old_layout``)."""
     memo = {} if _memo is None else _memo
     if stage not in memo:
         up = upstream_of(cfg, stage)
-        memo[stage] = digest(
-            {
-                "stage": stage,
-                "params": content_identity(stage_of(stage).params(cfg)),
-                "upstream": fingerprint(cfg, up, memo) if up else None,
-            }
-        )
+        params = stage_of(stage).params(cfg)
+        upstream = fingerprint(cfg, up, memo) if up else None
+        memo[stage] = recorded_in_old_layout(cfg, stage, params, upstream) or _hash(stage, params, upstream)
     return memo[stage]
+
+
+def _hash(stage: str, params: dict, upstream: str | None) -> str:
+    return digest({"stage": stage, "params": content_identity(params), "upstream": upstream})
+
+
+def recorded_in_old_layout(cfg: RunConfig, stage: str, params: dict, upstream: str | None) -> str | None:
+    """The fingerprint of a run of ``stage`` the ledger recorded with parameters in an older layout (train's before
+    train.ttt) that are ``params`` in today's, on the same ``upstream``: the same settings, so that run stays done
+    (and the stages after it, which hashed its fingerprint) instead of turning stale when eaglekit is upgraded."""
+    in_current_layout = stage_of(stage).params_in_current_layout
+    if in_current_layout is None:
+        return None
+    wanted = content_identity(_as_recorded(params))
+    for start, _ in reversed(RunDir(cfg.run_dir).attempts(stage)):
+        recorded = start.get("params")
+        if not isinstance(recorded, dict):
+            continue
+        current = in_current_layout(recorded)
+        if (
+            current != recorded
+            and content_identity(current) == wanted
+            and start.get("fingerprint") == _hash(stage, recorded, upstream)  # it ran on this upstream
+        ):
+            return start["fingerprint"]
+    return None
+
+
+def _as_recorded(params: dict) -> Any:
+    """``params`` as the ledger holds them (JSON: tuples as lists, paths as strings)."""
+    return json.loads(json.dumps(params, default=str))
 
 
 def make_context(cfg: RunConfig, stage: str, force: bool = False, **options: Any) -> StageContext:
@@ -95,8 +126,6 @@ def make_context(cfg: RunConfig, stage: str, force: bool = False, **options: Any
 
 def stage_checks(ctx: StageContext) -> list:
     """The generic checks around the stage's own: the run directory first, the disk last."""
-    from eaglekit.preflight import disk, processes, run_directory
-
     return [
         run_directory.run_lock,
         processes.other_processes,
@@ -328,8 +357,10 @@ def changed_parameters(run: RunDir, stage: str, cfg: RunConfig) -> list[str] | N
     done = [start for start, end in run.attempts(stage) if end and end.get("state") == "done"]
     if not done or "params" not in done[-1]:
         return None
-    old = _flatten(done[-1]["params"])
-    new = _flatten(json.loads(json.dumps(stage_of(stage).params(cfg), default=str)))
+    declared = stage_of(stage)
+    recorded = done[-1]["params"]
+    old = _flatten(declared.params_in_current_layout(recorded) if declared.params_in_current_layout else recorded)
+    new = _flatten(_as_recorded(declared.params(cfg)))
     return [
         _change(stage, k, old.get(k), new.get(k))
         for k in sorted(set(old) | set(new))
@@ -356,8 +387,6 @@ def stale_cause(cfg: RunConfig, run: RunDir, stage: str) -> StaleCause | None:
 
 def _change(stage: str, key: str, old: Any, new: Any) -> str:
     """One changed parameter in words: a recorded input by its name (preflight/files.INPUT_NAMES), a hash short."""
-    from eaglekit.preflight.files import INPUT_NAMES
-
     for pattern, words in INPUT_NAMES:
         found = pattern.fullmatch(key)
         if found:

@@ -26,10 +26,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rich.console import Group
+from rich.markup import escape
+from rich.table import Table
+from rich.text import Text
+
 from eaglekit import pipeline
 from eaglekit.config import RunConfig
 from eaglekit.contract import Sizes
 from eaglekit.data.shards import bytes_per_token
+from eaglekit.preflight.dataset import count_rows
+from eaglekit.preflight.disk import existing_ancestor, probe_write_rate
 from eaglekit.progress import format_duration, human_bytes
 from eaglekit.rundir import RunDir
 
@@ -119,8 +126,6 @@ def gather_inputs(
     if samples is not None:
         inputs["samples"] = Figure(samples, "flag --samples")
     else:
-        from eaglekit.preflight.dataset import count_rows
-
         try:
             rows, how = count_rows(Path(cfg.data.prompts))
         except OSError:
@@ -188,8 +193,6 @@ def gather_inputs(
         (trained, f"train of this run, {trn_counts.get('steps', '?')} steps ({_when(trn)})"),
         Figure(None, "unknown: run a pilot train or pass --train-tok-per-s"),
     )
-
-    from eaglekit.preflight.disk import existing_ancestor, probe_write_rate
 
     where = existing_ancestor(Path(cfg.run_dir))
     if free_bytes is not None:
@@ -416,11 +419,6 @@ def recommendation(options: list[dict[str, Any]]) -> str | None:
 
 def render(doc: dict[str, Any]):
     """The plan for a terminal: the inputs and their sources, a table per stage, the alternatives."""
-    from rich.console import Group
-    from rich.markup import escape
-    from rich.table import Table
-    from rich.text import Text
-
     inputs = Table(title="plan: inputs", show_header=True)
     for col in ("figure", "value", "source"):
         inputs.add_column(col, overflow="fold")

@@ -19,7 +19,9 @@ Layout (each stage reads only what the run directory holds, so any stage can be 
       export/            eagle3/, speculators/, README.md
 
 A stage's fingerprint hashes its own parameters, the identity of its external inputs, and its upstream
-stage's fingerprint — so changing a parameter makes that stage and every stage after it *stale*.
+stage's fingerprint — so changing a parameter makes that stage and every stage after it *stale*. A run recorded
+with its parameters in an older layout (train's before train.ttt) keeps its fingerprint while they are the config's
+in today's layout (``pipeline.recorded_in_old_layout``): upgrading eaglekit does not make finished work stale.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import datetime as _dt
 import fcntl
 import functools
 import hashlib
+import importlib.metadata as md
 import json
 import os
 import socket
@@ -41,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eaglekit import atomic
+from eaglekit import __version__, atomic
 from eaglekit.errors import EaglekitError
 from eaglekit.progress import Meter
 
@@ -70,10 +73,6 @@ def now_iso() -> str:
 
 def tool_versions() -> dict[str, str]:
     """Versions recorded with each stage run, so a result can be traced to the code that made it."""
-    import importlib.metadata as md
-
-    from eaglekit import __version__
-
     versions = {"python": sys.version.split()[0], "eaglekit": __version__}
     for pkg in ("torch", "transformers", "tokenizers", "safetensors"):
         with contextlib.suppress(md.PackageNotFoundError):

@@ -19,6 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rich import box
+from rich.table import Table
+
 from eaglekit import pipeline
 from eaglekit.config import RunConfig, load_config
 from eaglekit.errors import UsageError
@@ -333,9 +336,6 @@ STYLES = {
 
 def render(console, compared: Compared, rows: list[dict], wide: bool = False) -> None:
     """The table (80 columns unless --wide), then notes and next steps below it."""
-    from rich import box
-    from rich.table import Table
-
     cfg = compared.cfg
     config = relative(cfg.source) if cfg.source else "CONFIG"
     console.print(f"[bold]{relative(cfg.run_dir)}[/] — {compared.note}")

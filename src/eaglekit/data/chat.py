@@ -19,7 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from jinja2 import TemplateError
+
 from eaglekit.errors import EaglekitError, UsageError
+from eaglekit.model.hub import model_folder
 
 # Message fields through which chat templates take an assistant turn's reasoning, in order of preference.
 REASONING_FIELDS = ("reasoning_content", "reasoning", "thinking")
@@ -49,7 +52,7 @@ class RenderedSample:
 
 def load_tokenizer(model_path: str, chat_template_override: str | None = None, trust_remote_code: bool = False):
     """The target's tokenizer, with ``chat_template_override`` (a Jinja string or a file holding one) applied."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # lazy: heavy (transformers)
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
@@ -103,8 +106,6 @@ def reasoning_field(tokenizer) -> str | None:
 
     Found by rendering one reply whose reasoning is a sentinel string; cached per template text.
     """
-    from jinja2 import TemplateError
-
     template = template_text(tokenizer)
     if template not in _field_cache:
         _field_cache[template] = None
@@ -136,8 +137,6 @@ def _end_of_turn_strings(tokenizer) -> list[str]:
 
 
 def _render(tokenizer, messages: list[dict], add_generation_prompt: bool, template_kwargs: dict) -> str:
-    from jinja2 import TemplateError
-
     try:
         return tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
@@ -301,8 +300,6 @@ def _load_tokenizer_cached(model: str, template: str | None, trust_remote_code: 
 def local_target_tokenizer(cfg):
     """The target's tokenizer (``target.*`` of a RunConfig) when its files are here — a folder, or a hub id's cached
     snapshot — else None: never a download."""
-    from eaglekit.model.hub import model_folder
-
     t = cfg.target
     folder = model_folder(t.model)
     if folder is None or not folder.is_dir():

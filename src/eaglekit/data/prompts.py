@@ -310,8 +310,8 @@ def _too_deep_at(raw: bytes, limit: int) -> int | None:
 
 
 def _iter_parquet(path: Path) -> Iterator[tuple[str, Any]]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    import pyarrow as pa  # lazy: heavy (pyarrow)
+    import pyarrow.parquet as pq  # lazy: heavy (pyarrow)
 
     try:
         pf = pq.ParquetFile(path)
@@ -336,7 +336,7 @@ def _iter_datasets_folder(path: Path, out: PromptSet) -> Iterator[tuple[str, Any
             f"{path}: a directory that is not a datasets saved folder (no dataset_dict.json or state.json)",
             "pass a JSONL/JSON/Parquet file, or a folder written by Dataset.save_to_disk",
         )
-    import datasets
+    import datasets  # lazy: heavy (datasets)
 
     try:
         ds = datasets.load_from_disk(str(path))

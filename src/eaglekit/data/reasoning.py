@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+from eaglekit.data.chat import local_target_tokenizer, template_has_think_tags
+
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
 # Message fields that may carry reasoning, in order of precedence.
@@ -111,7 +113,6 @@ def target_reasoning_mode(cfg) -> tuple[str, str]:
     """(required | optional | off, why) for a RunConfig: generate.reasoning, else what the target's template says."""
     if cfg.generate.reasoning:
         return cfg.generate.reasoning, "set by generate.reasoning"
-    from eaglekit.data.chat import local_target_tokenizer, template_has_think_tags
 
     tokenizer = local_target_tokenizer(cfg)
     if tokenizer is None:

@@ -164,7 +164,7 @@ def load_suite(name: str, num_samples: int | None = None, path: str | None = Non
 
 
 def _rows_from_hub(name: str, spec: SuiteSpec) -> Any:
-    import datasets
+    import datasets  # lazy: heavy (datasets)
 
     print(f"suite {name}: {spec.hub_id} ({spec.split}) from the datasets cache or the hub", file=sys.stderr)
     try:
@@ -186,7 +186,7 @@ LFS_POINTER = b"version https://git-lfs"
 
 def _rows_from_path(path: Path, spec: SuiteSpec) -> tuple[Any, str]:
     """The rows of a local copy and the file(s) they came from, for messages."""
-    import datasets
+    import datasets  # lazy: heavy (datasets)
 
     if not path.exists():
         raise UsageError(f"suite file not found: {path}", f"set the suite's path to a local copy of {spec.hub_id}")
@@ -214,8 +214,8 @@ def _rows_from_path(path: Path, spec: SuiteSpec) -> tuple[Any, str]:
 def _rows_from_clone(path: Path, spec: SuiteSpec) -> tuple[Any, str]:
     """A cloned hub dataset repository: the suite's config subfolder when there is one, its split's files found by
     name as the hub finds them (``datasets``' own patterns), read from the local files only."""
-    import datasets
-    from datasets.data_files import DataFilesDict, get_data_patterns
+    import datasets  # lazy: heavy (datasets)
+    from datasets.data_files import DataFilesDict, get_data_patterns  # lazy: heavy (datasets)
 
     base = path / spec.config if spec.config and (path / spec.config).is_dir() else path
     if (base / "question.jsonl").is_file():  # FastChat's llm_judge/data/<bench>/: the answers lie in subfolders
@@ -270,6 +270,6 @@ def _rows_from_clone(path: Path, spec: SuiteSpec) -> tuple[Any, str]:
 
 
 def _load_files(kind: str, files: list[Path]) -> Any:
-    import datasets
+    import datasets  # lazy: heavy (datasets)
 
     return datasets.load_dataset(kind, data_files=[str(f) for f in files], split="train")

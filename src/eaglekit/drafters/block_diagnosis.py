@@ -9,9 +9,11 @@ from typing import Any
 
 from eaglekit.data.verify_report import BLOCK_CAUSES, CAUSES
 from eaglekit.drafters.diagnosis import ServedDrafter, cause_row, engine_drops, read_json
+from eaglekit.model.dflash_checkpoint import cpu_build_problem, read_dflash_config
 from eaglekit.model.eagle3 import rope_from_config, text_config
 from eaglekit.model.eagle3_checkpoint import read_weights
 from eaglekit.model.target import target_hf_config
+from eaglekit.serving import engine_features as features
 
 
 @dataclass
@@ -105,9 +107,6 @@ def dspark_slots(r: BlockReading) -> dict:
 def known_engine_defect(r: BlockReading) -> dict:
     """vLLM 0.32's CPU build applies layer 0's k_norm to every DFlash layer's context keys (dflash_checkpoint.py):
     named when the folder's weights trigger it on that build, and said to match when the served counts show it."""
-    from eaglekit.model.dflash_checkpoint import cpu_build_problem, read_dflash_config
-    from eaglekit.serving import engine_features as features
-
     engine = features.engine_for(r.cfg.verify.server, r.cfg.verify.python) if r.engine == "vllm" else None
     kernel = engine.source / "model_executor/models/qwen3_dflash.py" if engine and engine.source else None
     stacked = kernel is not None and "_normalize_context_k" in kernel.read_text(errors="replace")

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from eaglekit import atomic
-from eaglekit.config import DRAFT_KEYS, RunConfig, TrainConfig
+from eaglekit.config import DFlashDraft, RunConfig, TrainConfig
 from eaglekit.contract import StageContext
 from eaglekit.data.chat import load_tokenizer
 from eaglekit.drafters import block_diagnosis
@@ -29,6 +29,7 @@ from eaglekit.model.eagle3_checkpoint import CheckpointInfo
 from eaglekit.model.run_shapes import target_and_aux
 from eaglekit.progress import console
 from eaglekit.serving.engine_features import export_check
+from eaglekit.speculative.block import BlockProposer
 from eaglekit.training.block import BlockObjective
 from eaglekit.training.context_parallel import ContextGroup
 from eaglekit.training.memory import StepMemory
@@ -40,9 +41,14 @@ class DFlashFamily:
     name = "dflash"
     title = "DFlash"
     forms: tuple[str, ...] = (dflash_checkpoint.FORM,)
-    windowed = True  # a causal window over its context (model/dflash.py)
-    draft_keys = DRAFT_KEYS["dflash"]
+    exported_architecture = dflash_checkpoint.ARCHITECTURE  # its form's config.json architectures
+    draft_model: type[DFlashDraft] = DFlashDraft
     drafter_class: type[DFlashDrafter] = DFlashDrafter
+
+    @property
+    def windowed(self) -> bool:
+        return "sliding_window" in self.draft_model.model_fields  # a causal window over its context (model/dflash.py)
+
     vllm_cpu_refusal: str | None = None
     anchor_slot_drafts = False  # its block's first slot holds the verified token; the mask slots draft
 
@@ -111,7 +117,7 @@ class DFlashFamily:
 
     def serving_notes(self, cfg: RunConfig) -> list[str]:
         """What pre-flight warns about serving this drafter (empty when nothing applies)."""
-        if cfg.train.draft.shared_k_norm:
+        if cfg.train.draft_as(self.draft_model).shared_k_norm:
             return []
         return [
             "train.draft.shared_k_norm is false: vLLM 0.32's CPU build would serve this drafter with other drafts "
@@ -157,7 +163,7 @@ class DFlashFamily:
     ) -> Objective:
         """The block objective with ``train.draft``'s options (speculators' DFlash defaults where unset); its
         draft positions are weighted alike."""
-        draft = tc.draft
+        draft = tc.draft_as(self.draft_model)
         module = BlockObjective(
             drafter,
             max_anchors=draft.max_anchors or 512,
@@ -185,13 +191,17 @@ class DFlashFamily:
         return f"{dc.vocab_size} (the target's)"
 
     def proposer(self, drafter: Any, aux: list[int] | None) -> Any:
-        from eaglekit.speculative.block import BlockProposer  # lazy: imports transformers
-
         return BlockProposer(drafter)
 
     # ---- export
     def written_forms(self, requested: list[str]) -> list[str]:
         return list(self.forms)  # one form, vLLM's
+
+    def planned_configs(self, dc: DFlashConfig, forms: list[str], k: int) -> dict[str, dict]:
+        """Its one form, whatever was asked for."""
+        window = dc.sliding_window
+        layers = {"layer_types": ["sliding_attention"], "sliding_window": window} if window else {}
+        return {self.forms[0]: {"architectures": [self.exported_architecture], **layers}}
 
     def vllm_method(self, form: str) -> str:
         return form  # its one form is its method
@@ -214,7 +224,8 @@ class DFlashFamily:
         drafter, info, _, _ = load(cfg)
         form = self.forms[0]
         dest = ctx.dir / form
-        export_check(cfg, drafter.config, [form])  # refuses a form the installed engine would serve wrong
+        planned = self.planned_configs(drafter.config, [form], cfg.export.num_speculative_tokens)
+        export_check(cfg, planned)  # refuses a form the installed engine would serve wrong
         with atomic.atomic_dir(dest) as tmp:
             self.save_exported(drafter, tmp)
             again = self.load_for_target(cfg, tmp)

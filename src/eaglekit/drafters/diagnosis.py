@@ -17,6 +17,7 @@ from safetensors import safe_open
 
 from eaglekit.config import RunConfig
 from eaglekit.data.verify_report import ENGINE_DROPS
+from eaglekit.serving import engine_features as features
 
 
 @dataclass
@@ -38,8 +39,6 @@ def cause_row(cause: str, suspect: bool, detail: str) -> dict:
 def engine_drops(r: ServedDrafter) -> dict:
     """Whether the measured engine reads every feature of the served config (serving/engine_features.py): the
     cause of both families."""
-    from eaglekit.serving import engine_features as features
-
     engine = features.engine_for(r.cfg.verify.server, r.cfg.verify.python)
     if engine is None:
         return cause_row(ENGINE_DROPS, False, "no engine to check against")

@@ -9,11 +9,12 @@ from typing import Any
 
 import torch
 
-from eaglekit.config import DRAFT_KEYS, RunConfig
+from eaglekit.config import DSparkDraft, RunConfig
 from eaglekit.drafters.dflash import DFlashFamily
 from eaglekit.model import dspark, dspark_checkpoint
 from eaglekit.model.dspark import DSparkConfig, DSparkDrafter
 from eaglekit.model.eagle3 import text_config
+from eaglekit.speculative.block import DSparkProposer
 
 # vLLM 0.32 serves DSpark only in its V2 model runner; the V1 runner refuses it at config time with
 # "Model Runner V1 does not support: dspark speculative decoding" (vllm/config/vllm.py:2979 and :3202), and the
@@ -29,7 +30,8 @@ class DSparkFamily(DFlashFamily):
     name = "dspark"
     title = "DSpark"
     forms = (dspark_checkpoint.FORM,)
-    draft_keys = DRAFT_KEYS["dspark"]
+    exported_architecture = dspark_checkpoint.ARCHITECTURE
+    draft_model = DSparkDraft
     drafter_class = DSparkDrafter
     vllm_cpu_refusal = NOT_ON_CPU
     anchor_slot_drafts = True  # its block's first slot drafts too (DFlash's holds the verified token)
@@ -65,8 +67,6 @@ class DSparkFamily(DFlashFamily):
         return []  # the CPU build does not serve it at all (verify says so): its k_norm does not matter there
 
     def proposer(self, drafter: Any, aux: list[int] | None) -> Any:
-        from eaglekit.speculative.block import DSparkProposer  # lazy: imports transformers
-
         return DSparkProposer(drafter)
 
     def export_warnings(self, drafter: Any) -> list[str]:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from eaglekit import atomic
-from eaglekit.config import RunConfig, TrainConfig
+from eaglekit.config import Eagle3Draft, RunConfig, TrainConfig
 from eaglekit.contract import StageContext
 from eaglekit.data.chat import load_tokenizer
 from eaglekit.data.eval_report import report_markdown
@@ -34,6 +34,7 @@ from eaglekit.model.run_shapes import target_and_aux
 from eaglekit.model.target import embedding_and_head
 from eaglekit.progress import console
 from eaglekit.serving.engine_features import export_check
+from eaglekit.speculative.decode import EagleProposer
 from eaglekit.training.context_parallel import ContextGroup
 from eaglekit.training.fused import compile_drafter, step_kernels
 from eaglekit.training.init import build_drafter
@@ -46,9 +47,14 @@ class Eagle3Family:
 
     name: str
     forms: tuple[str, ...]
-    draft_keys: frozenset[str]
+    draft_model: type[Eagle3Draft]
     card_form: str  # what export/eagle3/ holds, for the model card
     drafter_class = Eagle3Drafter
+
+    @property
+    def windowed(self) -> bool:
+        return "sliding_window" in self.draft_model.model_fields  # the Llama layer's, not MLA's
+
     vllm_cpu_refusal = None
 
     # ---- the drafter a fresh run builds
@@ -198,13 +204,19 @@ class Eagle3Family:
         return f"{dc.draft_vocab_size}/{dc.vocab_size}"
 
     def proposer(self, drafter: Any, aux: list[int] | None) -> Any:
-        from eaglekit.speculative.decode import EagleProposer  # lazy: imports transformers
-
         return EagleProposer(drafter, aux)
 
     # ---- export
     def written_forms(self, requested: list[str]) -> list[str]:
         return [f for f in requested if f in self.forms] or requested
+
+    def planned_configs(self, dc: DrafterConfig, forms: list[str], k: int) -> dict[str, dict]:
+        return {
+            form: eagle3_checkpoint.speculators_config(dc, None, None, k)
+            if form == "speculators"
+            else eagle3_checkpoint.legacy_config(dc)
+            for form in forms
+        }
 
     def vllm_method(self, form: str) -> str:
         return "eagle3"
@@ -257,7 +269,7 @@ class Eagle3Family:
 
 def _tokenizer_size(cfg: RunConfig) -> int | None:
     try:
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # lazy: heavy (transformers)
 
         return len(AutoTokenizer.from_pretrained(cfg.target.model, trust_remote_code=cfg.target.trust_remote_code))
     except (OSError, ValueError):
@@ -394,7 +406,8 @@ def export_eagle3(family: Eagle3Family, ctx: StageContext, load: LoadChecked) ->
             "retrain the drafter with this target's config (its RoPE settings are copied at train time)",
         )
     formats, warnings = forms_to_write(family, requested)
-    warnings += export_check(cfg, drafter.config, formats)  # refuses a feature the installed engine would drop
+    planned = family.planned_configs(drafter.config, formats, cfg.export.num_speculative_tokens)
+    warnings += export_check(cfg, planned)  # refuses a feature the installed engine would drop
     ignored = eagle3_checkpoint.sglang_ignores(drafter.config)
     if ignored:
         warnings.append(

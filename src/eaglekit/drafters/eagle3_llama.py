@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from eaglekit.config import DRAFT_KEYS, RunConfig
+from eaglekit.config import LlamaDraft, RunConfig
 from eaglekit.drafters.eagle3 import Eagle3Family
 from eaglekit.drafters.family import Verdict
 from eaglekit.model.eagle3 import DrafterConfig, text_config
@@ -15,8 +15,7 @@ class Eagle3LlamaFamily(Eagle3Family):
     name = "llama"
     title = "Llama"
     forms = ("eagle3", "speculators")
-    windowed = True
-    draft_keys = DRAFT_KEYS["llama"]
+    draft_model = LlamaDraft
     card_form = "legacy flat Llama config (`LlamaForCausalLMEagle3`), `midlayer.` keys"
 
     def draft_settings(self, cfg: RunConfig) -> dict[str, Any]:

@@ -3,7 +3,7 @@ Kimi-K2.5/K2.6. It has the plain form only (no speculators form: ``model/mla.NO_
 
 from __future__ import annotations
 
-from eaglekit.config import DRAFT_KEYS
+from eaglekit.config import MlaDraft
 from eaglekit.drafters.eagle3 import Eagle3Family
 from eaglekit.model.eagle3 import DrafterConfig
 from eaglekit.model.mla import NO_MLA_SPECULATORS
@@ -13,8 +13,7 @@ class Eagle3MlaFamily(Eagle3Family):
     name = "mla"
     title = "MLA"
     forms = ("eagle3",)
-    windowed = False
-    draft_keys = DRAFT_KEYS["mla"]
+    draft_model = MlaDraft
     card_form = "plain DeepSeek-V2 config (`Eagle3DeepseekV2ForCausalLM`), `layers.0.` keys"
     no_speculators = "MLA drafter: only the plain form is written (no speculators form for MLA)"
     no_speculators_reason = NO_MLA_SPECULATORS

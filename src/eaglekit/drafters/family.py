@@ -11,7 +11,7 @@ from typing import Any, Literal, Protocol
 import torch
 from torch import nn
 
-from eaglekit.config import RunConfig, TrainConfig
+from eaglekit.config import DraftSection, RunConfig, TrainConfig
 from eaglekit.contract import StageContext
 from eaglekit.drafters.diagnosis import ServedDrafter
 from eaglekit.model.eagle3_checkpoint import CheckpointInfo
@@ -65,13 +65,15 @@ class DrafterFamily(Protocol):
         ...
 
     @property
-    def draft_keys(self) -> frozenset[str]:
-        """The train.draft keys it reads (config.DRAFT_KEYS[name]): setting another is refused as the config loads."""
+    def draft_model(self) -> type[DraftSection]:
+        """Its train.draft model (config.DRAFT_MODELS[name]): the keys it reads; another family's key is refused as
+        the config loads."""
         ...
 
     @property
     def windowed(self) -> bool:
-        """Whether train.draft.sliding_window gives it a sliding window (in training, decoding and its export)."""
+        """Whether train.draft.sliding_window gives it a sliding window (in training, decoding and its export): its
+        draft model has the key."""
         ...
 
     @property
@@ -159,6 +161,11 @@ class DrafterFamily(Protocol):
 
     def vllm_method(self, form: str) -> str:
         """vLLM's --speculative-config method for one of its forms."""
+        ...
+
+    def planned_configs(self, dc: Any, forms: list[str], k: int) -> dict[str, dict]:
+        """The config.json each of its ``forms`` will hold for the drafter config ``dc`` (``k``: the speculative
+        tokens export writes), as far as the engines' feature checks read it (``serving/engine_features.py``)."""
         ...
 
     def verifier_check(self, cfg: RunConfig, formats: list[str]) -> Verdict: ...

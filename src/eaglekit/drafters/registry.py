@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from eaglekit.config import RunConfig
+from eaglekit.config import DEFAULT_ARCHITECTURE, RunConfig
 from eaglekit.drafters.dflash import DFLASH
 from eaglekit.drafters.dspark import DSPARK
 from eaglekit.drafters.eagle3_llama import EAGLE3_LLAMA
@@ -23,13 +23,12 @@ FAMILIES: dict[str, DrafterFamily] = {
     "dflash": DFLASH,  # block drafter
     "dspark": DSPARK,  # DFlash's backbone and a Markov head
 }
-DEFAULT = "llama"  # train.draft.architecture unset
 
 
 def family_named(name: str | None) -> DrafterFamily:
     """The family a train.draft.architecture value names (None: the default)."""
     try:
-        return FAMILIES[name or DEFAULT]
+        return FAMILIES[name or DEFAULT_ARCHITECTURE]
     except KeyError:
         raise UsageError(
             f"train.draft.architecture '{name}' is not a drafter family", f"use one of {', '.join(FAMILIES)}"

@@ -48,6 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eaglekit.data.chat import load_tokenizer
 from eaglekit.errors import UsageError
 from eaglekit.model.eagle3 import rope_from_config, rope_inv_freq, text_config
 from eaglekit.model.layers import MLP, RMSNorm, Rotary, apply_rope, repeat_kv
@@ -196,8 +197,6 @@ def config_for_run(cfg: Any, hf_config: Any, aux_layer_ids: list[int], vocab_siz
     draft = cfg.train.draft
     mask = draft.mask_token_id
     if mask is None:
-        from eaglekit.data.chat import load_tokenizer
-
         tokenizer = load_tokenizer(cfg.target.model, cfg.target.chat_template, cfg.target.trust_remote_code)
         mask = default_mask_token_id(tokenizer, vocab_size)
     return DFlashConfig.from_target_config(

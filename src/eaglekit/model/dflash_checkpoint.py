@@ -49,6 +49,7 @@ from eaglekit.atomic import atomic_dir
 from eaglekit.errors import EaglekitError, UsageError
 from eaglekit.model.dflash import DFlashConfig, DFlashDrafter
 from eaglekit.model.eagle3_checkpoint import read_weights
+from eaglekit.model.target import embedding_and_head
 
 ARCHITECTURE = "DFlashDraftModel"
 FORM = "dflash"  # export/dflash/
@@ -307,8 +308,6 @@ def is_dflash_checkpoint(path: str | Path) -> bool:
 
 def load_for_target(path: str | Path, target_model: str, trust_remote_code: bool = False) -> DFlashDrafter:
     """An exported (or trained) DFlash drafter with the target's embedding and head read from its weights."""
-    from eaglekit.model.target import embedding_and_head
-
     embed, head = embedding_and_head(target_model, trust_remote_code)
     return load_dflash(path, embed, head)
 

@@ -33,6 +33,7 @@ import torch
 from eaglekit.errors import UsageError
 from eaglekit.model import dflash_checkpoint as block
 from eaglekit.model.dspark import DSparkConfig, DSparkDrafter
+from eaglekit.model.target import embedding_and_head
 
 ARCHITECTURE = "Qwen3DSparkModel"
 FORM = "dspark"  # export/dspark/
@@ -119,8 +120,6 @@ def is_dspark_checkpoint(path: str | Path) -> bool:
 
 def load_for_target(path: str | Path, target_model: str, trust_remote_code: bool = False) -> DSparkDrafter:
     """An exported (or trained) DSpark drafter with the target's embedding and head read from its weights."""
-    from eaglekit.model.target import embedding_and_head
-
     embed, head = embedding_and_head(target_model, trust_remote_code)
     return load_dspark(path, embed, head)
 

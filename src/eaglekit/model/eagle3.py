@@ -317,8 +317,8 @@ def rope_inv_freq(cfg: DrafterConfig) -> tuple[torch.Tensor, float]:
     if rope_type == "default":
         return 1.0 / cfg.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim), 1.0
     # Every scaled variant (linear, llama3, yarn, ...) comes from transformers so it matches the target exactly.
-    from transformers import LlamaConfig
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers import LlamaConfig  # lazy: heavy (transformers)
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # lazy: heavy (transformers)
 
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise UsageError(

@@ -55,8 +55,8 @@ def _hub_kwargs() -> dict:
 
 def cached_drafter(value: str) -> Path | None:
     """The cached snapshot of hub id ``value``, or None when it has not been downloaded completely."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
+    from huggingface_hub import snapshot_download  # lazy: heavy (huggingface_hub)
+    from huggingface_hub.errors import LocalEntryNotFoundError  # lazy: heavy (huggingface_hub)
 
     repo, revision = split_id(value)
     try:
@@ -71,8 +71,8 @@ def cached_drafter(value: str) -> Path | None:
 
 def download_drafter(value: str) -> Path:
     """Fetch hub id ``value`` into the cache (resuming any partial file) and return its snapshot folder."""
-    from huggingface_hub import HfApi, constants
-    from huggingface_hub.errors import (
+    from huggingface_hub import HfApi, constants  # lazy: heavy (huggingface_hub)
+    from huggingface_hub.errors import (  # lazy: heavy (huggingface_hub)
         GatedRepoError,
         HfHubHTTPError,
         OfflineModeIsEnabled,
@@ -141,9 +141,9 @@ def download_drafter(value: str) -> Path:
 
 def fetch_file(repo: str, commit: str, entry, storage: Path, endpoint: str | None) -> None:
     """One file of the snapshot: appended to ``blobs/<etag>.part`` from where it stopped, checked, put in place."""
-    from huggingface_hub import hf_hub_url
-    from huggingface_hub.file_download import http_get
-    from huggingface_hub.utils import build_hf_headers
+    from huggingface_hub import hf_hub_url  # lazy: heavy (huggingface_hub)
+    from huggingface_hub.file_download import http_get  # lazy: heavy (huggingface_hub)
+    from huggingface_hub.utils import build_hf_headers  # lazy: heavy (huggingface_hub)
 
     etag = entry.lfs.sha256 if entry.lfs else entry.blob_id  # the cache's blob names
     blob, link = storage / "blobs" / etag, storage / "snapshots" / commit / entry.path
@@ -218,7 +218,7 @@ def hub_offline() -> bool:
 
 def cache_storage(repo: str) -> Path:
     """The cache folder of model ``repo`` (``models--org--name``), where huggingface_hub keeps it."""
-    from huggingface_hub import constants
+    from huggingface_hub import constants  # lazy: heavy (huggingface_hub)
 
     return Path(_hub_kwargs()["cache_dir"] or constants.HF_HUB_CACHE) / f"models--{repo.replace('/', '--')}"
 
@@ -264,7 +264,7 @@ def model_file(value: str, name: str) -> Path:
             "and HF_HUB_OFFLINE is set",
             f"download it where the hub is reachable (`hf download {repo}`), or point target.model at its folder",
         )
-    from huggingface_hub import hf_hub_download
+    from huggingface_hub import hf_hub_download  # lazy: heavy (huggingface_hub)
 
     kwargs = _hub_kwargs()
     try:

@@ -25,7 +25,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 class LocalGenerator:
     def __init__(self, cfg: RunConfig):
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM  # lazy: heavy (transformers)
 
         self.cfg, t = cfg, cfg.target
         self.tokenizer = load_tokenizer(t.model, t.chat_template, t.trust_remote_code)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from torch import nn
 
 from eaglekit.config import TargetConfig
@@ -50,7 +51,7 @@ def aux_layer_ids(target_cfg: TargetConfig, num_layers: int) -> list[int]:
 
 def target_hf_config(target_cfg: TargetConfig):
     """The target's (text) config, read without loading weights."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # lazy: heavy (transformers)
 
     try:
         return text_config(AutoConfig.from_pretrained(target_cfg.model, trust_remote_code=target_cfg.trust_remote_code))
@@ -70,7 +71,7 @@ def load_target(target_cfg: TargetConfig, device: torch.device | str | None = No
 
     ``target.device_map`` (e.g. "auto") shards it over the visible GPUs; otherwise it goes to ``device``.
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # lazy: heavy (transformers)
 
     kwargs = {"dtype": torch_dtype(target_cfg.dtype), "trust_remote_code": target_cfg.trust_remote_code}
     if target_cfg.device_map:
@@ -235,15 +236,13 @@ def _local_folder(model: str) -> Path:
     path = Path(model)
     if path.is_dir():
         return path
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import snapshot_download  # lazy: heavy (huggingface_hub)
 
     return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors"]))
 
 
 def target_tensor_names(model: str) -> dict[str, str]:
     """Every tensor name of a target's safetensors checkpoint -> the file holding it (from the index alone)."""
-    from safetensors import safe_open
-
     folder = _local_folder(model)
     index = folder / "model.safetensors.index.json"
     if index.exists():
@@ -259,8 +258,6 @@ def target_tensor_names(model: str) -> dict[str, str]:
 
 def read_target_tensors(model: str, names: list[str]) -> dict[str, torch.Tensor]:
     """Read a few named tensors from a target's safetensors files without loading the model."""
-    from safetensors import safe_open
-
     folder = _local_folder(model)
     weight_map = target_tensor_names(model)
     out = {}

@@ -89,4 +89,4 @@ def drafter_window(cfg) -> tuple[int | None, bool]:
             return None, False
         layer = raw.get("transformer_layer_config") if isinstance(raw.get("transformer_layer_config"), dict) else raw
         return layer_window(layer), False
-    return cfg.train.draft.sliding_window, family_named(cfg.train.draft.architecture).windowed
+    return cfg.train.draft.window, family_named(cfg.train.draft.architecture).windowed

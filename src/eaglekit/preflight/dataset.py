@@ -11,8 +11,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from jinja2 import TemplateError
+
 from eaglekit.contract import StageContext
+from eaglekit.data.chat import local_target_tokenizer
+from eaglekit.data.prompts import SKIP_REMEDY, load_prompts, run_prompts
 from eaglekit.errors import EaglekitError
+from eaglekit.model.target import target_hf_config
 from eaglekit.preflight import CheckResult, fail, ok, skip, warn
 
 SAMPLE_ROWS = 1000
@@ -23,7 +28,7 @@ DUPLICATE_WARN_SHARE = 0.05
 def count_rows(path: Path) -> tuple[int | None, str]:
     """(rows, how they were counted); None when counting would mean reading the whole dataset."""
     if path.is_dir():
-        import datasets
+        import datasets  # lazy: heavy (datasets)
 
         try:
             ds = datasets.load_from_disk(str(path))
@@ -35,7 +40,7 @@ def count_rows(path: Path) -> tuple[int | None, str]:
         return len(ds), "datasets folder"
     suffix = path.suffix.lower()
     if suffix == ".parquet":
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # lazy: heavy (pyarrow)
 
         try:
             return pq.ParquetFile(path).metadata.num_rows, "Parquet metadata"
@@ -58,8 +63,6 @@ def count_rows(path: Path) -> tuple[int | None, str]:
 
 def prompts(ctx: StageContext) -> CheckResult:
     """``data.prompts`` exists, its first rows parse in a supported shape, and what the rest will be like."""
-    from eaglekit.data.prompts import SKIP_REMEDY, load_prompts
-
     name = "prompts"
     cfg = ctx.cfg.data
     path = Path(cfg.prompts)
@@ -114,8 +117,6 @@ CHARS_PER_TOKEN = 3.0
 def context_limit(cfg) -> tuple[int, str]:
     """The most tokens a prompt may have: the target's max_position_embeddings (when its folder is here), or
     prepare.max_length where that is smaller (prepare drops or cuts a longer sample); and where it comes from."""
-    from eaglekit.model.target import target_hf_config
-
     limit, why = cfg.prepare.max_length, f"prepare.max_length {cfg.prepare.max_length}"
     if Path(cfg.target.model).is_dir():
         try:
@@ -132,7 +133,6 @@ def prompt_token_counts(cfg, records: list) -> tuple[list[tuple[int, str]], str,
     the chat template and tokenised as generate does it). Past TOKENIZED_PROMPTS, the shorter prompts (by characters)
     are estimated at the tokenised ones' highest tokens per character; without the target's tokenizer here, every
     count is estimated from characters."""
-    from eaglekit.data.chat import local_target_tokenizer
 
     def chars(r) -> int:
         return sum(len(m["content"]) for m in r.messages)
@@ -161,10 +161,18 @@ def prompt_token_counts(cfg, records: list) -> tuple[list[tuple[int, str]], str,
     return sorted(counted, reverse=True), how, False
 
 
+def prompt_tokens(ctx: StageContext) -> tuple[list[tuple[int, str]], str, bool]:
+    """The run's prompts' ``prompt_token_counts``, counted once per pre-flight run of a stage: the prompt length
+    check and the servers' context length check compare the same counts (up to TOKENIZED_PROMPTS tokenised)."""
+    return ctx.once(_count_run_prompts)
+
+
+def _count_run_prompts(ctx: StageContext) -> tuple[list[tuple[int, str]], str, bool]:
+    return prompt_token_counts(ctx.cfg, run_prompts(ctx.cfg).records)
+
+
 def _rendered(tokenizer, record, template_kwargs: dict) -> str:
     """The prompt as generate sends it to the target; a row the chat template refuses is named by its line."""
-    from jinja2 import TemplateError
-
     try:
         return tokenizer.apply_chat_template(
             record.messages, tokenize=False, add_generation_prompt=True, **template_kwargs
@@ -179,8 +187,6 @@ def _rendered(tokenizer, record, template_kwargs: dict) -> str:
 def prompt_length(ctx: StageContext) -> CheckResult:
     """Prompts with more tokens than the target's context (or prepare.max_length, if smaller): the target cannot
     answer them whole and prepare drops or cuts their samples. Some is a warning, all (counted exactly) a failure."""
-    from eaglekit.data.prompts import run_prompts
-
     name = "prompt length"
     try:
         records = run_prompts(ctx.cfg).records
@@ -189,7 +195,7 @@ def prompt_length(ctx: StageContext) -> CheckResult:
     if not records:
         return skip(name, "no prompts")
     limit, why = context_limit(ctx.cfg)
-    counts, how, exact = prompt_token_counts(ctx.cfg, records)
+    counts, how, exact = prompt_tokens(ctx)
     over = [(n, rid) for n, rid in counts if n > limit]
     longest, rid = counts[0]
     if not over:

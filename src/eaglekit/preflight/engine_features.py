@@ -4,9 +4,11 @@ and the probe are ``eaglekit.serving.engine_features``."""
 from __future__ import annotations
 
 from eaglekit.contract import StageContext
+from eaglekit.drafters.registry import family_of_folder
 from eaglekit.errors import EaglekitError
 from eaglekit.preflight import CheckResult, fail, ok, skip, warn, will_be_produced
 from eaglekit.serving import engine_features as features
+from eaglekit.speculative.inputs import checkpoint_path, drafter_family, written_forms
 
 NAME = "engine reads the drafter"
 
@@ -25,9 +27,6 @@ def _result(check, engine: features.Engine | None) -> CheckResult:
 
 def exported_features_read(ctx: StageContext) -> CheckResult:
     """export: the forms it will write, against the vLLM on this machine."""
-    from eaglekit.drafters.registry import family_of_folder
-    from eaglekit.speculative.inputs import checkpoint_path, drafter_family
-
     pending = None if ctx.cfg.evaluate.checkpoint else will_be_produced(ctx, NAME, "train")
     if pending:
         return pending
@@ -40,9 +39,11 @@ def exported_features_read(ctx: StageContext) -> CheckResult:
     if drafter is None:
         return skip(NAME, "the drafter checkpoint cannot be read (the drafter check says why)")
     requested = list(dict.fromkeys(ctx.options.get("formats") or ctx.cfg.export.formats))
-    formats = drafter_family(ctx.cfg).written_forms(requested)  # what export writes: an MLA drafter, eagle3 alone
+    family = drafter_family(ctx.cfg)
+    formats = family.written_forms(requested)  # what export writes: an MLA drafter, eagle3 alone
+    planned = family.planned_configs(drafter, formats, ctx.cfg.export.num_speculative_tokens)
     engine = features.engine_for(None, ctx.cfg.verify.python)
-    return _result(lambda: features.export_check(ctx.cfg, drafter, formats), engine)
+    return _result(lambda: features.export_check(ctx.cfg, planned), engine)
 
 
 def served_features_read(ctx: StageContext) -> CheckResult:
@@ -53,7 +54,6 @@ def served_features_read(ctx: StageContext) -> CheckResult:
     pending = will_be_produced(ctx, NAME, "export")
     if pending:
         return pending
-    from eaglekit.speculative.inputs import written_forms
 
     export = ctx.cfg.run_path / "export"
     folders = {form: export / form for form in dict.fromkeys(vc.formats or written_forms(ctx.cfg))}

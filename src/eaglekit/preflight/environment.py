@@ -13,8 +13,13 @@ import json
 import os
 from pathlib import Path
 
+import psutil
+import torch
+
 from eaglekit.contract import StageContext
 from eaglekit.preflight import CheckResult, fail, ok, warn
+from eaglekit.preflight import gpus as nvml
+from eaglekit.preflight.files import read_weights
 from eaglekit.progress import human_bytes
 
 PACKAGES = ("torch", "transformers", "tokenizers", "safetensors", "accelerate")
@@ -52,7 +57,7 @@ def software(ctx: StageContext) -> CheckResult:
             f"{ctx.cfg.target.model}/config.json has no model_type; {line}",
             "point target.model at a Hugging Face model folder",
         )
-    from transformers import CONFIG_MAPPING
+    from transformers import CONFIG_MAPPING  # lazy: heavy (transformers)
 
     if model_type in CONFIG_MAPPING:
         return ok(name, f"{line}; target model_type `{model_type}` known to transformers")
@@ -83,10 +88,6 @@ def software(ctx: StageContext) -> CheckResult:
 
 def devices(ctx: StageContext) -> CheckResult:
     """What torch sees vs what the config and the launcher ask."""
-    import torch
-
-    from eaglekit.preflight import gpus as nvml
-
     name = "devices"
     cuda = torch.cuda.is_available()
     count = torch.cuda.device_count() if cuda else 0
@@ -131,14 +132,10 @@ def devices(ctx: StageContext) -> CheckResult:
 
 
 def _target_bytes(ctx: StageContext) -> int:
-    from eaglekit.preflight.files import read_weights
-
     return read_weights(ctx.cfg.target.model).bytes if Path(ctx.cfg.target.model).is_dir() else 0
 
 
 def _free_memory() -> int:
-    import psutil
-
     return psutil.virtual_memory().available
 
 

@@ -7,13 +7,27 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 
 from eaglekit.contract import StageContext
 from eaglekit.data.tokens import TokenStore
 from eaglekit.errors import EaglekitError
-from eaglekit.model.target import aux_layer_ids, read_final_norm, target_hf_config
+from eaglekit.model.target import aux_layer_ids, embedding_and_head, read_final_norm, target_hf_config
 from eaglekit.preflight import CheckResult, fail, ok, skip, will_be_produced
-from eaglekit.serving.vllm_features import feature_api_key, served_model
+from eaglekit.preflight.capture import check_capture, parse_prompt_logprobs
+from eaglekit.preflight.servers import server_info
+from eaglekit.progress import console, human_bytes
+from eaglekit.serving.client import RequestFailed
+from eaglekit.serving.feature_transports import feature_transport, mooncake_fits
+from eaglekit.serving.vllm_features import (
+    FeatureClient,
+    feature_api_key,
+    served_model,
+    server_bytes_per_token,
+    server_dtype,
+    server_layer_ids,
+)
+from eaglekit.training.stream import SPOOL_SLACK
 
 SELF_CHECK_SAMPLES = 3  # the shortest prepared samples sent by the capture self-check
 SELF_CHECK_LOGPROBS = 5  # prompt_logprobs asked per position: the prompt's token and the server's top 5
@@ -26,8 +40,6 @@ def _longest_sample(ctx: StageContext) -> int | None:
 
 def feature_servers(ctx: StageContext) -> list:
     """Every feature server answers, serves the model, and has a context for the longest sample plus one token."""
-    from eaglekit.preflight.servers import server_info
-
     cfg, v = ctx.cfg, ctx.cfg.extract.vllm
     assert v is not None, "declared for extract.backend vllm only, which the config requires extract.vllm for"
     try:
@@ -74,6 +86,8 @@ def feature_storage(ctx: StageContext):
     """The servers' shared_storage_path is a folder here that eaglekit can read and clean up."""
     assert ctx.cfg.extract.vllm is not None, "declared for extract.backend vllm only"
     path = ctx.cfg.extract.vllm.storage_path
+    if ctx.cfg.extract.streamed and ctx.cfg.extract.stream.transport == "mooncake":
+        return skip("feature storage", "not read: the hidden states travel through Mooncake (extract.stream.transport)")
     if not os.path.isdir(path):
         return fail(
             "feature storage",
@@ -96,9 +110,6 @@ def feature_smoke(ctx: StageContext) -> list:
     ids, the pre-norm final state and the token alignment in one go. The same requests carry the capture
     self-check (``eaglekit.preflight.capture``): every next-token log-prob of a few samples rebuilt from the
     rows eaglekit would write, against the server's ``prompt_logprobs``."""
-    from eaglekit.model.target import embedding_and_head
-    from eaglekit.serving.vllm_features import server_layer_ids
-
     cfg, v = ctx.cfg, ctx.cfg.extract.vllm
     assert v is not None, "declared for extract.backend vllm only"
     path = ctx.run.stage_dir("prepare") / "tokens.safetensors"
@@ -125,10 +136,6 @@ def feature_smoke(ctx: StageContext) -> list:
 def smoke_server(ctx: StageContext, url: str, store, shortest: list[int], layer_ids, hidden, norm, head) -> list:
     """The smoke request to one server: the next-token check on the shortest sample, then the capture self-check
     on the ``shortest`` few (or one failure, when a request fails)."""
-    from eaglekit.preflight.capture import check_capture, parse_prompt_logprobs
-    from eaglekit.serving.client import RequestFailed
-    from eaglekit.serving.vllm_features import FeatureClient
-
     cfg, v = ctx.cfg, ctx.cfg.extract.vllm
     assert v is not None, "declared for extract.backend vllm only"
     name = f"feature smoke request {url}"
@@ -144,6 +151,7 @@ def smoke_server(ctx: StageContext, url: str, store, shortest: list[int], layer_
             norm,
             f"eksmoke{os.getpid()}",
             self_check=SELF_CHECK_LOGPROBS,
+            transport=feature_transport(cfg),
         ) as client:
             return [await client.capture(j, store[j][1].tolist()) for j in shortest]
 
@@ -207,10 +215,6 @@ def stream_capture_check(cfg):
     """The capture self-check of a streamed run, on its first requests: ``check(captures, layer_ids, norm)`` raises
     when the rows eaglekit makes do not rebuild the server's own prompt log-probs (the same check as extract's
     smoke request)."""
-    from eaglekit.model.target import embedding_and_head
-    from eaglekit.preflight.capture import check_capture, parse_prompt_logprobs
-    from eaglekit.progress import console
-
     _, head = embedding_and_head(cfg.target.model, cfg.target.trust_remote_code)
 
     def check(captures: list, layer_ids: list[int], norm) -> None:
@@ -241,35 +245,42 @@ def stream_capture_check(cfg):
 def spool_room(ctx: StageContext):
     """A streamed run: the storage folder has room for extract.stream.spool_gb, and the spool for the longest
     sample's file (a request larger than the spool could never be sent)."""
-    import shutil
-
-    from eaglekit.progress import human_bytes
-
     cfg, name = ctx.cfg, "feature spool"
     assert cfg.extract.vllm is not None, "declared for extract.mode stream only, which requires extract.vllm"
     spool, path = cfg.extract.stream.spool_gb * 1e9, cfg.extract.vllm.storage_path
-    if not os.path.isdir(path):
+    if cfg.extract.stream.transport == "mooncake":
+        try:
+            mooncake_fits(cfg)
+        except EaglekitError as err:
+            return fail(name, err.message, err.remedy or "")
+        segments = len(cfg.extract.vllm.servers) * cfg.extract.stream.mooncake.global_segment_size
+        detail = f"{human_bytes(spool)} of the servers' Mooncake segments ({human_bytes(segments)})"
+    elif not os.path.isdir(path):
         return skip(name, "the feature storage check says why the folder is missing")
-    free = shutil.disk_usage(path).free
-    if free < spool:
-        return fail(
-            name,
-            f"extract.stream.spool_gb is {human_bytes(spool)} but {path} has {human_bytes(free)} free",
-            f"free space there or lower extract.stream.spool_gb to {free / 1e9 * 0.9:.1f}",
-        )
+    else:
+        free = shutil.disk_usage(path).free
+        if free < spool:
+            return fail(
+                name,
+                f"extract.stream.spool_gb is {human_bytes(spool)} but {path} has {human_bytes(free)} free",
+                f"free space there or lower extract.stream.spool_gb to {free / 1e9 * 0.9:.1f}",
+            )
+        detail = f"{human_bytes(spool)} of {human_bytes(free)} free in {path}"
     longest = _longest_sample(ctx)
-    detail = f"{human_bytes(spool)} of {human_bytes(free)} free in {path}"
     if longest:
         hf = target_hf_config(cfg.target)
-        states = len(aux_layer_ids(cfg.target, hf.num_hidden_layers)) + 1
-        per_token = states * hf.hidden_size * 4 + 8  # at most float32 on the server
-        need = longest * per_token
+        states = len(server_layer_ids(aux_layer_ids(cfg.target, hf.num_hidden_layers), hf.num_hidden_layers))
+        dtype, kind = server_dtype(hf), str(server_dtype(hf)).removeprefix("torch.")
+        # what the stream reserves for the request (training/stream.py): the states in the servers' dtype, the header
+        need = SPOOL_SLACK + longest * server_bytes_per_token(states, hf.hidden_size, dtype)
         if need > spool:
             return fail(
                 name,
-                f"the longest prepared sample ({longest:,} tokens) makes a file of up to {human_bytes(need)}, more "
+                f"the longest prepared sample ({longest:,} tokens) makes a file of {human_bytes(need)} ({kind}), more "
                 f"than the spool ({human_bytes(spool)})",
-                f"raise extract.stream.spool_gb to at least {need / 1e9 * 1.1:.2f}",
+                f"raise extract.stream.spool_gb to at least {need / 1e9 * 1.1:.3g}",
             )
-        detail += f"; the longest sample's file is at most {human_bytes(need)}: {spool / need:,.0f} such in flight"
+        detail += (
+            f"; the longest sample's file is {human_bytes(need)} ({kind} states): {spool / need:,.0f} such in flight"
+        )
     return ok(name, detail)

@@ -32,8 +32,10 @@ from typing import NamedTuple
 from eaglekit import rundir
 from eaglekit.config import RunConfig
 from eaglekit.contract import StageContext
+from eaglekit.data import shards as sh
 from eaglekit.data.responses import RESPONSES
 from eaglekit.data.vocab import PREPARED_TOKENS, VOCAB
+from eaglekit.model.hub import incomplete_downloads, local_folder, model_folder
 from eaglekit.preflight import CheckResult, fail, ok, skip, warn, will_be_produced
 from eaglekit.progress import human_bytes
 
@@ -309,8 +311,6 @@ def target_identity(cfg: RunConfig) -> dict:
     """The target as a stage that runs it depends on it: each weight file's sha256 (by name; a re-quantised or
     re-downloaded shard of the same size is another target), its config and tokenizer files (cheaply: size and
     first/last MiB) and its dtype. A hub id that is not in the cache is its name."""
-    from eaglekit.model.hub import model_folder
-
     folder = model_folder(cfg.target.model)
     if folder is None or not folder.is_dir():
         return {"model": cfg.target.model, "dtype": cfg.target.dtype}
@@ -363,8 +363,6 @@ def read_identities(cfg: RunConfig, *inputs: str) -> dict:
 
 def target_weights(ctx: StageContext) -> list[CheckResult]:
     """The target's weight files are whole, and the tensors the drafter copies from it are dense."""
-    from eaglekit.model.hub import incomplete_downloads, model_folder
-
     folder = model_folder(ctx.cfg.target.model)  # a hub id: its cached snapshot
     if folder is None or not folder.is_dir():
         return [skip("target weights", f"{folder or ctx.cfg.target.model} is not a local folder (see 'target folder')")]
@@ -470,8 +468,6 @@ def drafter_folder_result(name: str, path: str | Path) -> CheckResult:
 
 def init_from_files(ctx: StageContext) -> CheckResult:
     """``train.init_from``: the published drafter to finetune is whole."""
-    from eaglekit.model.hub import local_folder
-
     if not ctx.cfg.train.init_from:
         return skip("init_from files", "training a new drafter")
     folder = local_folder(ctx.cfg.train.init_from)  # a hub id: its cached snapshot
@@ -495,8 +491,6 @@ def evaluate_checkpoint_files(ctx: StageContext) -> CheckResult:
 
 def feature_shards(ctx: StageContext) -> CheckResult:
     """Before offline training: every shard in extract's index is whole (header, size) — no hashing, seconds not hours."""
-    from eaglekit.data import shards as sh
-
     name = "feature shards"
     if not ctx.cfg.extract.offline:
         return skip(name, f"{ctx.cfg.extract.mode} mode: no stored features")
@@ -537,8 +531,6 @@ def feature_shards(ctx: StageContext) -> CheckResult:
 def feature_shard_contents(ctx: StageContext) -> CheckResult:
     """Before offline training: every shard's bytes hash to the sha256 its sidecar recorded when extract wrote it
     (a bit flipped on disk or in a copy keeps the size). Hashed once; a rerun rehashes only changed shards."""
-    from eaglekit.data import shards as sh
-
     name = "feature shard contents"
     if not ctx.cfg.extract.offline:
         return skip(name, f"{ctx.cfg.extract.mode} mode: no stored features")

@@ -16,9 +16,13 @@ import contextlib
 import os
 import statistics
 from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
 
 from eaglekit.contract import StageContext
 from eaglekit.preflight import CheckResult, fail, ok, skip, warn
+from eaglekit.preflight.files import read_weights
 from eaglekit.progress import human_bytes
 
 LOADED_SHARE = 0.25  # a GPU whose memory is at least this full holds (a shard of) a model
@@ -46,8 +50,6 @@ class GPU:
         return self.total - self.used
 
     def line(self) -> str:
-        import psutil
-
         util = f", {self.utilization}% busy" if self.utilization is not None else ""
         ecc = f", {self.ecc_uncorrected} uncorrected ECC" if self.ecc_uncorrected is not None else ""
         pids = [f"{pid}{'' if psutil.pid_exists(pid) else ' (other namespace)'}" for pid, _ in self.processes[:4]]
@@ -66,7 +68,7 @@ def _text(value) -> str:
 def inventory() -> list[GPU] | str:
     """Every GPU NVML sees, or the reason there are none (no library, no driver)."""
     try:
-        import pynvml
+        import pynvml  # lazy: optional (its absence is a pre-flight finding)
     except ImportError:
         return "nvidia-ml-py (pynvml) is not installed"
     try:
@@ -144,8 +146,6 @@ def visible(gpus: list[GPU], env: dict | None = None) -> list[GPU]:
 
 
 def _pid_note(pid: int) -> str:
-    import psutil
-
     try:
         p = psutil.Process(pid)
         return f"pid {pid} `{' '.join(p.cmdline())[:80] or p.name()}`"
@@ -157,10 +157,6 @@ def _pid_note(pid: int) -> str:
 
 def need_per_gpu(ctx: StageContext, used: list[GPU]) -> tuple[int, str] | None:
     """(bytes, why) each GPU the stage uses must have free: the target's weights, spread by device_map or not."""
-    from pathlib import Path
-
-    from eaglekit.preflight.files import read_weights
-
     cfg = ctx.cfg
     loads_target = (
         ctx.stage in TARGET_STAGES

@@ -18,6 +18,8 @@ import os
 import socket
 from pathlib import Path
 
+import psutil
+
 from eaglekit.contract import StageContext
 from eaglekit.preflight import CheckResult, fail, ok, warn
 
@@ -26,8 +28,6 @@ WRITE_MODES = ("w", "a", "r+", "a+", "w+")
 
 def _ours() -> set[int]:
     """This process, its ancestors and — under torchrun — the other ranks started by the same agent."""
-    import psutil
-
     me = psutil.Process()
     pids = {me.pid, *(p.pid for p in me.parents())}
     if "LOCAL_RANK" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ:
@@ -62,8 +62,6 @@ def _describe(proc, info: dict) -> str:
 
 def users_of(run_dir: Path, exclude: set[int]) -> tuple[list[str], list[str], int]:
     """(writers, other users, processes that could not be inspected) of ``run_dir``, each described in words."""
-    import psutil
-
     root = str(run_dir.resolve())
     writers, others, hidden = [], [], 0
     for proc in psutil.process_iter(["pid", "name", "cmdline", "cwd", "create_time", "username"]):

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from eaglekit import rundir
 from eaglekit.contract import StageContext
+from eaglekit.model.hub import cache_storage, hub_offline, is_hub_id, model_folder, split_id
 from eaglekit.preflight import CheckResult, fail, ok, skip, warn, will_be_produced
 
 
@@ -119,8 +120,6 @@ WEIGHT_FILES = (
 
 def target_folder(ctx: StageContext) -> CheckResult:
     """The target has its config, tokenizer and (complete) weights — the same files from_pretrained reads."""
-    from eaglekit.model.hub import cache_storage, hub_offline, is_hub_id, model_folder, split_id
-
     model = ctx.cfg.target.model
     path = model_folder(model) or Path(model)  # a hub id in the cache: its snapshot, checked as a folder
     if not path.exists():

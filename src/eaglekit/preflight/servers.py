@@ -14,7 +14,15 @@ from collections import Counter
 
 import httpx
 
-from eaglekit.data.chat import TEMPLATE_REMEDY, local_target_tokenizer
+from eaglekit.data.chat import (
+    TEMPLATE_REMEDY,
+    ServedPrompts,
+    local_target_tokenizer,
+    render_sample,
+    response_prompt_ids,
+    template_has_think_tags,
+    template_text,
+)
 from eaglekit.data.prompts import run_prompts
 from eaglekit.data.reasoning import (
     explain_missing_reasoning,
@@ -22,14 +30,14 @@ from eaglekit.data.reasoning import (
     split_inline_think,
     target_reasoning_mode,
 )
+from eaglekit.data.responses import make_record
 from eaglekit.errors import EaglekitError, UsageError
 from eaglekit.preflight import CheckResult, fail, ok, skip, warn
-from eaglekit.preflight.dataset import prompt_token_counts
+from eaglekit.preflight.dataset import prompt_tokens
+from eaglekit.serving.client import ChatClient, RequestFailed, api_key_from_env, get_json, served_prompt_ids
 
 
 def _api_key(cfg) -> str | None:
-    from eaglekit.serving.client import api_key_from_env
-
     return api_key_from_env(cfg.generate.api_key_env, "generate.api_key_env")
 
 
@@ -79,8 +87,6 @@ def api_key(ctx) -> CheckResult:
 
 def server_info(url: str, key: str | None, model: str) -> dict:
     """What a server says about itself: served models, our model's max_model_len, its version."""
-    from eaglekit.serving.client import get_json
-
     url = url.rstrip("/")
     root = url[: -len("/v1")] if url.endswith("/v1") else url
     info: dict = {"url": url, "error": None, "remedy": "", "models": [], "max_model_len": None, "version": None}
@@ -153,8 +159,6 @@ def servers(ctx) -> list[CheckResult]:
 def health(ctx) -> list[CheckResult]:
     """The engine behind each server is alive: vLLM's ``/health`` turns 503 once its engine died (the API server
     itself keeps answering ``/v1/models``); SGLang's ``/health_generate`` runs a one-token generation."""
-    from eaglekit.serving.client import get_json
-
     results = []
     for info in _infos(ctx):
         name = f"health {info['url']}"
@@ -200,7 +204,7 @@ def context_length(ctx) -> CheckResult:
         return skip("context length", "no server reported max_model_len")
     limit, url = min(limits)
     try:
-        lengths, how, _ = prompt_token_counts(ctx.cfg, run_prompts(ctx.cfg).records)
+        lengths, how, _ = prompt_tokens(ctx)
     except EaglekitError:
         return skip("context length", "the prompts do not load (see the prompts checks)")
     if not lengths:
@@ -251,8 +255,6 @@ def judge_record(record: dict, seen: list[str], mode: str) -> tuple[list[str], l
 
 def render_check(ctx, record: dict) -> str | None:
     """Why the record would not train well, rendered with the target's template; None when it renders right."""
-    from eaglekit.data.chat import render_sample, template_has_think_tags, template_text
-
     tokenizer = local_target_tokenizer(ctx.cfg)
     if tokenizer is None or not record["reasoning"] or not record["content"]:
         return None
@@ -274,9 +276,6 @@ def served_template(ctx, root: str, key: str | None, messages: list[dict], data:
     """(how the server's rendering of the prompt differs from the local one, or None; what was compared). The
     server's own ids — the response's ``prompt_token_ids``, else its /tokenize — show the first differing tokens
     (also of renderings of equal length); a server with neither is judged by its ``usage.prompt_tokens``."""
-    from eaglekit.data.chat import ServedPrompts, response_prompt_ids
-    from eaglekit.serving.client import served_prompt_ids
-
     served = ServedPrompts(ctx.cfg)
     local = served.local_ids(messages)
     if local is None:
@@ -295,9 +294,6 @@ def served_template(ctx, root: str, key: str | None, messages: list[dict], data:
 
 def smoke(ctx) -> list[CheckResult]:
     """One real request per server through the run's own code path, and its record judged whole."""
-    from eaglekit.data.responses import make_record
-    from eaglekit.serving.client import ChatClient, RequestFailed
-
     g = ctx.cfg.generate
     infos = [i for i in _infos(ctx) if not i["error"] and any(m.get("id") == g.model for m in i["models"])]
     if not infos:

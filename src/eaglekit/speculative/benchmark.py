@@ -16,6 +16,8 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from eaglekit.data.eval_report import context_cells
 from eaglekit.data.suites import SuiteItem
 from eaglekit.speculative.decode import CONTEXT_BUCKETS, DecodeStats, Generation, Proposer, generate, tau_by_context
@@ -129,8 +131,6 @@ def measure_suite(
     on_prompt: Callable[[], None] = lambda: None,
 ) -> dict:
     """Decode every prompt speculatively; τ, its interval, acceptance by position, by context length and by turn."""
-    import torch
-
     total = DecodeStats(drafted=[0] * k, accepted=[0] * k)
     gens: list[Generation] = []
     per_turn: dict[int, DecodeStats] = {}

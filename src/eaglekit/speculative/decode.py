@@ -29,12 +29,14 @@ from __future__ import annotations
 import inspect
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
-from transformers import DynamicCache
 
 from eaglekit.model.eagle3 import DraftKVCache
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache
 
 
 class Proposer(Protocol):
@@ -222,6 +224,8 @@ def generate(
     Stops after a token in ``stop_ids`` (kept in the output). Drafts never run past ``max_new_tokens`` unless
     ``engine_accounting`` (see the module's docstring).
     """
+    from transformers import DynamicCache  # lazy: heavy (transformers)
+
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be >= 1")
     aux_ids = proposer.aux_layer_ids if proposer is not None else None

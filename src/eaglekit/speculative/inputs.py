@@ -14,11 +14,17 @@ from typing import Any, cast
 import torch
 
 from eaglekit.config import RunConfig
+from eaglekit.data.chat import end_of_turn_token_ids, load_tokenizer, render_sample
+from eaglekit.data.prompts import load_prompts
+from eaglekit.data.responses import RESPONSES, read_responses
+from eaglekit.data.split import is_held_out
 from eaglekit.drafters.family import DrafterFamily
 from eaglekit.drafters.registry import family_named, family_of_folder
 from eaglekit.errors import EaglekitError, UsageError
 from eaglekit.model.eagle3_checkpoint import CheckpointInfo
+from eaglekit.model.hub import cached_drafter, is_hub_id
 from eaglekit.model.run_shapes import target_and_aux
+from eaglekit.model.target import decoder_parts
 from eaglekit.progress import console
 
 SMALL_MODEL_PARAMETERS = 50_000_000
@@ -97,8 +103,6 @@ def eval_prompts(cfg: RunConfig, n: int | None = None) -> list[tuple[str, list[d
     run's held-out split."""
     n = n or cfg.evaluate.num_samples
     if cfg.evaluate.prompts:
-        from eaglekit.data.prompts import load_prompts
-
         records = load_prompts(cfg.evaluate.prompts, max_samples=n, on_bad_row=cfg.data.on_bad_row).records
         return [(r.id, r.messages) for r in records]
     return heldout_prompts(cfg, n)
@@ -107,9 +111,6 @@ def eval_prompts(cfg: RunConfig, n: int | None = None) -> list[tuple[str, list[d
 def heldout_prompts(cfg: RunConfig, n: int | None = None) -> list[tuple[str, list[dict]]]:
     """(id, messages) of up to ``n`` (default ``evaluate.num_samples``) prompts of the held-out split of
     generate/responses.jsonl."""
-    from eaglekit.data.responses import RESPONSES, read_responses
-    from eaglekit.data.split import is_held_out
-
     n = n or cfg.evaluate.num_samples
     path = cfg.run_path / "generate" / RESPONSES
     out = []
@@ -129,8 +130,6 @@ def heldout_prompts(cfg: RunConfig, n: int | None = None) -> list[tuple[str, lis
 
 def prompt_ids(tokenizer, messages: list[dict], template_kwargs: dict | None) -> list[int]:
     """The generation prompt's token ids, rendered and tokenized exactly as prepare did for the training data."""
-    from eaglekit.data.chat import render_sample
-
     sample = render_sample(tokenizer, messages, None, "", template_kwargs)
     return sample.input_ids[: sample.prompt_tokens]
 
@@ -175,8 +174,6 @@ class DecodingInputs:
 def on_target(drafter, info, target, device: torch.device):
     """The drafter on the target's device, in its dtype (as in vLLM and SGLang), with the target's embedding where
     the checkpoint left it out."""
-    from eaglekit.model.target import decoder_parts
-
     dtype = next(target.parameters()).dtype
     drafter = drafter.to(device, dtype)
     if info.missing_embeddings:
@@ -220,8 +217,6 @@ def decoding_inputs(
 
     Shared by evaluate and verify, so that both decode the same prompts with the same drafter.
     """
-    from eaglekit.data.chat import end_of_turn_token_ids, load_tokenizer
-
     drafter, info, hf, aux = load_checked_drafter(cfg)
     drafter = on_target(drafter, info, target, device)
     tokenizer = load_tokenizer(cfg.target.model, cfg.target.chat_template, cfg.target.trust_remote_code)
@@ -243,8 +238,6 @@ def drafter_family(cfg: RunConfig) -> DrafterFamily:
     """The family of the drafter evaluate and export read: the trained checkpoint's when it exists, else
     train.init_from's (a folder, or a hub id already in the cache), else train.draft.architecture's. Decides the
     forms export writes before the drafter is loaded."""
-    from eaglekit.model.hub import cached_drafter, is_hub_id
-
     folders: list[Path | None] = [checkpoint_path(cfg)]
     init_from = cfg.train.init_from
     if init_from:

@@ -23,18 +23,29 @@ import os
 
 import torch
 
-from eaglekit import atomic, plots
+from eaglekit import atomic
 from eaglekit.config import RunConfig
 from eaglekit.contract import Estimate, Sizes, Stage, StageContext, measured_time
 from eaglekit.data.eval_report import METHODS, report_markdown
+from eaglekit.data.suites import SUITES, load_suite, suite_names
 from eaglekit.drafters.registry import proposer_for
 from eaglekit.errors import EaglekitError, UsageError
+from eaglekit.model.run_shapes import target_and_aux
+from eaglekit.model.target import load_target
 from eaglekit.preflight import environment, fail, files, gpus, ok, run_directory, skip
 from eaglekit.preflight.context import serving_context
 from eaglekit.preflight.drafter import drafter_checkpoint, prompts_available
 from eaglekit.progress import Meter, console
 from eaglekit.rundir import file_identity
-from eaglekit.speculative.benchmark import suites_markdown
+from eaglekit.speculative.benchmark import (
+    measure_suite,
+    mode_of,
+    reasoning_modes,
+    renders_alike,
+    suite_prompts,
+    suites_markdown,
+    template_kwargs,
+)
 from eaglekit.speculative.decode import CONTEXT_BUCKETS, DecodeStats, generate, tau_by_context
 from eaglekit.speculative.inputs import (
     decode_threads,
@@ -64,8 +75,6 @@ def params(cfg: RunConfig) -> dict:
 
 
 def starting_drafter(ctx: StageContext):
-    from eaglekit.model.run_shapes import target_and_aux
-
     if not ctx.cfg.train.init_from:
         return skip("starting drafter", "no train.init_from: nothing to compare the drafter with but n-gram")
     try:
@@ -94,8 +103,6 @@ def checks(cfg: RunConfig) -> list:
 def benchmark_suites(ctx):
     """evaluate.suites (and verify.suites) name known suites, and their local copies read as evaluate reads them
     (the same reader, their columns checked): a copy in another layout is found before training, not after it."""
-    from eaglekit.data.suites import SUITES, load_suite, suite_names
-
     suites = ctx.cfg.evaluate.suites + (ctx.cfg.verify.suites or [])
     if not suites:
         return skip("benchmark suites", "none configured (evaluate.suites)")
@@ -157,8 +164,6 @@ def by_context(generations: list) -> dict[str, dict[str, float]]:
 
 
 def run(ctx: StageContext) -> dict:
-    from eaglekit.model.target import load_target
-
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     target = load_target(ctx.cfg.target, device if not ctx.cfg.target.device_map else None)
     with decode_threads(target):
@@ -318,6 +323,8 @@ def write_report(ctx: StageContext, report: dict) -> None:
     suites = report["suites"]
     for warning in report["warnings"]:
         ctx.warn(warning)
+    from eaglekit import plots  # lazy: heavy (plots imports matplotlib)
+
     out, results = ctx.dir, report["results"]
     atomic.write_json(out / "report.json", report)
     atomic.write_text(out / "report.md", report_markdown(report) + (f"\n{suites_markdown(suites)}" if suites else ""))
@@ -347,9 +354,6 @@ def training_template_kwargs(ctx) -> dict | None:
 
 def measure_suites(ctx, target, inputs, new_proposer, ks: list[int], temperatures: list[float]) -> dict | None:
     """``evaluate.suites``: the drafter's τ on each benchmark suite × reasoning mode × K × temperature."""
-    from eaglekit.data.suites import load_suite
-    from eaglekit.speculative.benchmark import mode_of, reasoning_modes, renders_alike, suite_prompts, template_kwargs
-
     cfg, ec = ctx.cfg, ctx.cfg.evaluate
     if not ec.suites:
         return None
@@ -403,8 +407,6 @@ def measure_suites(ctx, target, inputs, new_proposer, ks: list[int], temperature
 
 
 def measure_suite_row(target, prompts, new_proposer, k, temperature, ec, inputs, meter) -> dict:
-    from eaglekit.speculative.benchmark import measure_suite
-
     return measure_suite(
         target,
         prompts,

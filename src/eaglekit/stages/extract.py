@@ -45,8 +45,17 @@ from eaglekit.model.target import (
     target_hf_config,
 )
 from eaglekit.preflight import disk, environment, fail, files, gpus, ok, run_directory, skip
+from eaglekit.preflight.capture import check_in_process
 from eaglekit.preflight.feature_servers import feature_servers, feature_smoke, feature_storage
 from eaglekit.progress import Meter, console, human_bytes
+from eaglekit.serving.client import RequestFailed
+from eaglekit.serving.feature_transports import feature_serve_command
+from eaglekit.serving.vllm_features import (
+    FeatureClient,
+    feature_api_key,
+    served_model,
+    server_layer_ids,
+)
 from eaglekit.training import distributed
 from eaglekit.training.data import pad
 
@@ -335,8 +344,6 @@ def write_index(
 def capture_self_check(target: TargetFeatures, store, lengths, pending: list[int]) -> None:
     """The capture self-check's in-process twin (``eaglekit.preflight.capture``) on the shortest pending sample: the
     aux taps against the model's hidden_states, the final rows against its own log-probs; a mismatch stops here."""
-    from eaglekit.preflight.capture import check_in_process
-
     shortest = min(pending, key=lambda i: lengths[i])
     check = check_in_process("capture self-check", target, store[shortest][1], target.aux_layer_ids)
     if check.status == "fail":
@@ -371,9 +378,6 @@ def _extract_hf(cfg, target: TargetFeatures, store, lengths, plan, todo, sink, m
 
 def _extract_vllm(ctx: StageContext, norm, store, plan, todo, sink, meter, aux_ids, n_layers, hidden) -> None:
     """vLLM servers: every sample of the pending shards in flight (bounded), rows written as they arrive."""
-    from eaglekit.serving.client import RequestFailed
-    from eaglekit.serving.vllm_features import FeatureClient, feature_api_key, served_model, server_layer_ids
-
     cfg, v = ctx.cfg, ctx.cfg.extract.vllm
     assert v is not None, "run only with extract.backend vllm, which the config requires extract.vllm for"
     layer_ids = server_layer_ids(aux_ids, n_layers)
@@ -444,8 +448,6 @@ def sample_failed(sample_id: str, err) -> EaglekitError:
 
 def vllm_serve_command(cfg: RunConfig) -> str:
     """The command that starts one feature server for this config (the same for every server)."""
-    from eaglekit.serving.vllm_features import serve_command, served_model, server_layer_ids
-
     if cfg.extract.vllm is None:
         raise EaglekitError(
             "extract.vllm is not set",
@@ -455,8 +457,7 @@ def vllm_serve_command(cfg: RunConfig) -> str:
     ids = server_layer_ids(aux_layer_ids(cfg.target, hf.num_hidden_layers), hf.num_hidden_layers)
     tokens = os.path.join(cfg.run_dir, "prepare", "tokens.safetensors")
     longest = int(TokenStore(tokens).lengths.max()) + 1 if os.path.exists(tokens) else None
-    v = cfg.extract.vllm
-    return serve_command(cfg.target.model, ids, v.storage_path, v.connector, served_model(cfg), longest)
+    return feature_serve_command(cfg, ids, longest)
 
 
 def estimate(ctx: StageContext, sizes: Sizes | None) -> Estimate:

@@ -29,10 +29,12 @@ from eaglekit.data.prompts import PromptRecord, run_prompts
 from eaglekit.data.reasoning import explain_missing_reasoning, target_reasoning_mode
 from eaglekit.data.responses import RESPONSES, ResponseStore, make_record, quick_counts, summarize
 from eaglekit.errors import EaglekitError
+from eaglekit.model.local_generation import generate_local
 from eaglekit.preflight import dataset, environment, files, gpus, run_directory
 from eaglekit.preflight import servers as server_checks
 from eaglekit.progress import Meter, console
 from eaglekit.rundir import file_identity
+from eaglekit.serving.client import ChatClient, RequestFailed, api_key_from_env
 
 NAME = "generate"
 UPSTREAM = None
@@ -258,8 +260,6 @@ class Collector:
 
 async def generate_openai(cfg: RunConfig, pending: list[PromptRecord], collector: Collector, notes: list[str]) -> None:
     """Send every pending prompt; ``notes`` gets a line per server that was taken out of rotation."""
-    from eaglekit.serving.client import ChatClient, RequestFailed, api_key_from_env
-
     queue = list(reversed(pending))
     served = ServedPrompts(cfg)  # each response's prompt tokens against the local rendering
 
@@ -371,8 +371,6 @@ def collect(
         )
         try:
             if pending and g.backend == "local":
-                from eaglekit.model.local_generation import generate_local
-
                 generate_local(cfg, pending, collector.add)
             elif pending:
                 asyncio.run(generate_openai(cfg, pending, collector, notes))

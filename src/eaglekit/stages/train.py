@@ -12,11 +12,19 @@ Under torchrun every rank runs ``run``; only rank 0 holds the run lock and write
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import warnings
 from pathlib import Path
 
-from eaglekit.config import RunConfig
+from pydantic import TypeAdapter, ValidationError
+
+from eaglekit.config import ConfigDeprecation, RunConfig, move_old_train_spellings
 from eaglekit.contract import Estimate, Sizes, Stage, StageContext
+from eaglekit.data.shards import bytes_per_token
 from eaglekit.data.vocab import vocab_origin
+from eaglekit.divergences import LossChoice
 from eaglekit.drafters.registry import family_named, family_of_folder, parameter_counts
 from eaglekit.errors import EaglekitError
 from eaglekit.model.hub import cached_drafter, download_drafter, is_hub_id, local_folder
@@ -30,14 +38,19 @@ from eaglekit.preflight import (
     gpus,
     ok,
     run_directory,
+    shared_gpus,
     skip,
     warn,
 )
 from eaglekit.preflight.context import serving_context
 from eaglekit.preflight.drafter import as_check
-from eaglekit.progress import human_bytes
+from eaglekit.preflight.gpus import target_placement
+from eaglekit.progress import format_duration, human_bytes
 from eaglekit.rundir import file_identity
+from eaglekit.training.data import pack_length
+from eaglekit.training.loop import train
 from eaglekit.training.memory import StepMemory, ranks_to_fit
+from eaglekit.training.step_checkpoints import Checkpoints
 
 NAME = "train"
 UPSTREAM = "extract"  # in online mode the pipeline steps over the skipped extract, to vocab
@@ -63,9 +76,25 @@ def params(cfg: RunConfig) -> dict:
     return p
 
 
-def packing(ctx: StageContext):
-    from eaglekit.training.data import pack_length
+def params_in_current_layout(recorded: dict) -> dict:
+    """Train parameters a ledger entry recorded before train.ttt (ttt_steps, loss: NAME and lk_eta beside every loss,
+    flat in the train section) in today's layout: moved by the config's own spelling map, the loss as the config
+    dumps it. A run finished with the same settings then keeps its fingerprint (pipeline.fingerprint)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConfigDeprecation)  # the ledger's spelling, not one the user can edit
+        try:
+            moved = move_old_train_spellings(recorded)
+        except ValueError:  # both spellings at once: not a record eaglekit wrote, left to compare unequal
+            return recorded
+    ttt = moved.get("ttt") if moved is not recorded else None
+    if isinstance(ttt, dict) and "loss" in ttt:
+        # a loss today's config refuses (an lk_eta set beside kl_div) stays as recorded: it differs from any it loads
+        with contextlib.suppress(ValidationError):
+            moved["ttt"] = {**ttt, "loss": TypeAdapter(LossChoice).validate_python(ttt["loss"]).model_dump()}
+    return moved
 
+
+def packing(ctx: StageContext):
     tc = ctx.cfg.train
     if not tc.packing:
         return ok("packing", "off: length-bucketed, right-padded batches (train.packing: true packs samples into rows)")
@@ -155,11 +184,11 @@ def drafter_shape(ctx: StageContext):
 
 
 def checks(cfg: RunConfig) -> list:
-    from eaglekit.preflight.gpus import target_placement
-
     if cfg.extract.streamed:  # the servers compute the features: check them, and the spool's room
         source = [feature_servers.feature_servers, feature_servers.feature_storage, feature_servers.spool_room,
                   feature_servers.feature_smoke]  # fmt: skip
+        if shared_gpus.shares_trainer_gpus(cfg):
+            source.append(shared_gpu_memory)
     elif cfg.extract.offline:
         source = [files.feature_shards, files.feature_shard_contents]
     else:
@@ -187,10 +216,6 @@ def checks(cfg: RunConfig) -> list:
 def row_tokens(cfg: RunConfig) -> int:
     """The most tokens one micro-batch can hold on one GPU: rows of prepare.max_length (or train.pack_length); under
     torchrun an epoch's short last batch joins the one before it, so a rank may get one row more."""
-    import os
-
-    from eaglekit.training.data import pack_length
-
     groups = int(os.environ.get("WORLD_SIZE", "1")) // cfg.train.context_parallel  # ranks reading different rows
     extra = 1 if groups > 1 else 0
     return (cfg.train.batch_size + extra) * pack_length(cfg)
@@ -265,6 +290,11 @@ def step_memory_check(ctx: StageContext):
     )
 
 
+def shared_gpu_memory(ctx: StageContext):
+    """extract.vllm.shares_trainer_gpus: each GPU holds the servers' share and the drafter's step (as step memory)."""
+    return shared_gpus.check(ctx.cfg, step_memory_both(ctx.cfg), gpus.inventory())
+
+
 def checkpoint_bytes(cfg: RunConfig) -> tuple[int, int, int]:
     """(all the checkpoints, one checkpoint, the drafter's parameters): each checkpoint holds the drafter (fp32)
     and training_state (weights + two Adam moments, fp32); best/ and the metrics and plots come on top."""
@@ -297,6 +327,9 @@ def estimate(ctx: StageContext, sizes: Sizes | None) -> Estimate:
         n = row_tokens(cfg)
         est.how.append(f"GPU memory of a step at {n:,} tokens (bf16): {memory_line(both[0], n)}")
         est.how.append(f"  with train.ttt.activation_checkpointing: {human_bytes(both[1].total)}")
+        if shared_gpus.shares_trainer_gpus(cfg):
+            step = both[1 if cfg.train.ttt.activation_checkpointing else 0].total
+            est.how += shared_gpus.plan_lines(cfg, step, gpus.inventory())
         if cfg.train.context_parallel == 1 and n >= 16384:  # what splitting long rows over GPUs would give
             split = [(n, step_memory_both(cfg, n)) for n in (2, 4, 8)]
             est.how.append(
@@ -318,9 +351,6 @@ def estimate(ctx: StageContext, sizes: Sizes | None) -> Estimate:
 def stream_estimate(cfg: RunConfig, sizes: Sizes, est: Estimate) -> None:
     """extract.mode stream: the disk is the spool (not the dataset), the time the slower of the trainer and the
     servers' feature rate (every epoch asks again unless extract.stream.cache_gb holds the whole train split)."""
-    from eaglekit.data.shards import bytes_per_token
-    from eaglekit.progress import format_duration
-
     s = cfg.extract.stream
     spool = s.spool_gb * 1e9
     if est.bytes is not None:
@@ -357,8 +387,6 @@ def stream_estimate(cfg: RunConfig, sizes: Sizes, est: Estimate) -> None:
 
 def kept(ctx: StageContext) -> str:
     """What an interrupted or failed run leaves to resume from."""
-    from eaglekit.training.step_checkpoints import Checkpoints
-
     try:
         latest = Checkpoints(ctx.dir / "checkpoints", ctx.cfg.train.keep_last).latest()
     except EaglekitError:
@@ -368,8 +396,6 @@ def kept(ctx: StageContext) -> str:
 
 def live_counts(stage_dir: Path) -> dict:
     """What `status` shows while training runs or after it was stopped: the last logged step and checkpoint."""
-    import json
-
     counts: dict = {}
     pointer = Path(stage_dir) / "checkpoints" / "latest"
     if pointer.exists():
@@ -388,8 +414,6 @@ def live_counts(stage_dir: Path) -> dict:
 
 
 def run(ctx: StageContext) -> dict:
-    from eaglekit.training.loop import train
-
     check = feature_servers.stream_capture_check(ctx.cfg) if ctx.cfg.extract.streamed else None
     counts = train(ctx.cfg, ctx.run, ctx.dir, ctx.resuming, capture_check=check)
     tc = ctx.cfg.train
@@ -417,4 +441,5 @@ STAGE = Stage(
     estimate=estimate,
     kept=kept,
     live_counts=live_counts,
+    params_in_current_layout=params_in_current_layout,
 )

@@ -68,6 +68,8 @@ from eaglekit.serving.speculation import (
     sglang_batch,
     vllm_batch,
 )
+from eaglekit.speculative.benchmark import reasoning_modes, suite_prompts, template_kwargs
+from eaglekit.speculative.decode import CONTEXT_BUCKETS, generate, served_context_per_round, tau_by_context_of
 from eaglekit.speculative.inputs import (
     checkpoint_path,
     decode_threads,
@@ -239,7 +241,7 @@ class Offline:
 def engine_stop_ids(cfg: RunConfig, stop_ids: set[int]) -> list[int]:
     """The end-of-turn ids plus the generation config's EOS ids, which engines stop at by default: the set
     sent with every request and used offline, so that both stop at the same tokens."""
-    from transformers import GenerationConfig  # lazy: seconds to import; `verify --help` skips it
+    from transformers import GenerationConfig  # lazy: heavy (transformers)
 
     ids = set(stop_ids)
     try:
@@ -255,8 +257,6 @@ def engine_stop_ids(cfg: RunConfig, stop_ids: set[int]) -> list[int]:
 def offline_figures(cfg: RunConfig, ks: list[int]) -> Offline:
     """Decode the prompts with the trained checkpoint and the HF target (freed again before any engine starts:
     both would want the same accelerator)."""
-    from eaglekit.speculative.decode import generate  # lazy: imports transformers
-
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     target = load_target(cfg.target, device if not cfg.target.device_map else None)
     limit = max_new_tokens(cfg)
@@ -293,12 +293,6 @@ def offline_figures(cfg: RunConfig, ks: list[int]) -> Offline:
 def suite_prompt_groups(cfg: RunConfig, target, inputs, stop: set[int], limit: int) -> dict:
     """``verify.suites`` (default ``evaluate.suites``) in each of evaluate's reasoning modes, turn by turn, as
     evaluate renders them: (suite, mode) -> [(id, prompt ids)]."""
-    from eaglekit.speculative.benchmark import (  # lazy: imports transformers
-        reasoning_modes,
-        suite_prompts,
-        template_kwargs,
-    )
-
     suites = cfg.verify.suites if cfg.verify.suites is not None else cfg.evaluate.suites
     served = cfg.generate.extra_body.get("chat_template_kwargs")
     room = int(inputs.hf.max_position_embeddings) - limit
@@ -544,12 +538,6 @@ def served_tau_by_context(run: ServedRun, offline: Offline) -> dict | None:
     """τ per context group, served beside offline, where the engine reports each request's passes (vLLM's
     per-request metrics) and the evaluation prompts' passes fall in more than one group: a drafter that holds
     offline at long context but falls served is read apart from one that falls in both."""
-    from eaglekit.speculative.decode import (  # lazy: imports transformers
-        CONTEXT_BUCKETS,
-        served_context_per_round,
-        tau_by_context_of,
-    )
-
     rounds = {pid: run.served[pid].accepted_per_round for pid, _ in offline.prompts}
     if run.engine != "vllm" or any(r is None for r in rounds.values()):
         return None
@@ -653,7 +641,7 @@ def run(ctx: StageContext) -> dict:
     out = ctx.dir
     atomic.write_json(out / "report.json", report)
     atomic.write_text(out / "report.md", report_markdown(report))
-    from eaglekit import plots  # lazy: matplotlib
+    from eaglekit import plots  # lazy: heavy (plots imports matplotlib)
 
     plots.served_vs_offline(report["runs"], out / "acceptance.png")
     console.print(report_markdown(report, summary_only=True))

@@ -58,7 +58,7 @@ def span_keys(
 
 @functools.cache
 def _flex(device_type: str):
-    from torch.nn.attention.flex_attention import flex_attention
+    from torch.nn.attention.flex_attention import flex_attention  # lazy: optional (torch < 2.5 lacks it)
 
     # dynamic: the number of rows changes with every step and batch; a recompile per shape would hit dynamo's
     # recompile limit within a few batches and fall back to the dense eager version
@@ -79,7 +79,7 @@ def span_attention(
 
     Every row must see at least one key (hi[i] >= lo[i]), as every TTT row sees itself.
     """
-    from torch.nn.attention.flex_attention import create_block_mask
+    from torch.nn.attention.flex_attention import create_block_mask  # lazy: optional (torch < 2.5 lacks it)
 
     n, n_heads, hd = q.shape
     keys, values = span_keys(k0, v0, extra_k, extra_v)

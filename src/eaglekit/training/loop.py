@@ -38,7 +38,6 @@ from eaglekit.drafters.registry import family_of_run
 from eaglekit.interrupt import StopRequest
 from eaglekit.model.eagle3 import Eagle3Drafter
 from eaglekit.model.target import aux_layer_ids, embedding_and_head, load_target, target_hf_config
-from eaglekit.plots import training_curves
 from eaglekit.progress import Meter
 from eaglekit.rundir import RunDir
 from eaglekit.training import distributed as dist
@@ -430,6 +429,8 @@ def write_summary(out_dir: Path, metrics: Metrics, progress: Progress, total_ste
     """train/summary.json and train/curves.png (rank 0)."""
     if not dist.is_main():
         return
+    from eaglekit.plots import training_curves  # lazy: heavy (plots imports matplotlib)
+
     summary: dict[str, Any] = {
         "steps": total_steps,
         "tokens": progress.tokens,

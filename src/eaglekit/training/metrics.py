@@ -81,7 +81,7 @@ class Metrics:
         self.tb = None
         if dist.is_main():
             try:
-                from torch.utils.tensorboard import SummaryWriter
+                from torch.utils.tensorboard import SummaryWriter  # lazy: optional (tensorboard may be absent)
 
                 self.tb = SummaryWriter(str(tensorboard_dir))
             except Exception:  # tensorboard is optional

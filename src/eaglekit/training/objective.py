@@ -10,6 +10,7 @@ from typing import cast
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from eaglekit.config import TTTConfig
 from eaglekit.model.eagle3 import Eagle3Drafter
@@ -91,10 +92,9 @@ def wrap(module: nn.Module, mode: str, device: torch.device) -> nn.Module:
     if not dist.active():
         return module
     if mode == "fsdp":
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import fully_shard  # lazy: heavy (torch.distributed.fsdp)
 
         # One unit: the drafter is one layer, and TTT calls its parts directly rather than through forward().
         return cast(nn.Module, fully_shard(module, reshard_after_forward=False))  # the module, its class extended
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
     return DDP(module, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)

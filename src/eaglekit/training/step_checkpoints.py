@@ -45,7 +45,10 @@ def set_rng_state(state: dict) -> None:
 def model_state(model: nn.Module, drafter: Eagle3Drafter, fsdp: bool) -> dict:
     """The drafter's full (unsharded) state dict on the CPU; a collective under FSDP, so every rank calls it."""
     if fsdp:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        from torch.distributed.checkpoint.state_dict import (  # lazy: heavy (torch.distributed.checkpoint)
+            StateDictOptions,
+            get_model_state_dict,
+        )
 
         msd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return {k.removeprefix("drafter."): v for k, v in msd.items()}
@@ -54,7 +57,10 @@ def model_state(model: nn.Module, drafter: Eagle3Drafter, fsdp: bool) -> dict:
 
 def optim_state(model: nn.Module, optim, fsdp: bool) -> dict:
     if fsdp:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import (  # lazy: heavy (torch.distributed.checkpoint)
+            StateDictOptions,
+            get_optimizer_state_dict,
+        )
 
         return get_optimizer_state_dict(model, optim, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return optim.state_dict()
@@ -63,7 +69,7 @@ def optim_state(model: nn.Module, optim, fsdp: bool) -> dict:
 def load_state(model: nn.Module, drafter: Eagle3Drafter, optim, msd: dict, osd: dict, fsdp: bool) -> None:
     """Restore parameters and optimizer; the frozen embedding is not in ``msd`` (it comes from the target)."""
     if fsdp:
-        from torch.distributed.checkpoint.state_dict import (
+        from torch.distributed.checkpoint.state_dict import (  # lazy: heavy (torch.distributed.checkpoint)
             StateDictOptions,
             set_model_state_dict,
             set_optimizer_state_dict,

@@ -9,7 +9,8 @@ the batch and puts it on a queue of ``extract.stream.ahead`` micro-batches. Boun
 - disk: a request reserves its file's bytes (tokens × captured states × hidden × the server's bytes per value, learnt
   from the files) from ``SpoolBudget`` before it is sent and gives them back once its file is read and deleted, so
   the servers' files in the storage folder never pass ``extract.stream.spool_gb``; reservations are served in order
-  (a long sample is never starved by short ones);
+  (a long sample is never starved by short ones). With ``extract.stream.transport: mooncake`` the same bound holds
+  for the run's objects in the Mooncake store (``serving/mooncake_transport.py``: freed = removed from the store);
 - memory: ``ahead`` micro-batches being assembled and ``ahead`` waiting on the queue;
 - epochs past the first request the features again, or reuse those kept under ``extract.stream.cache_gb``.
 
@@ -37,11 +38,21 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-import torch
-
 from eaglekit.data.shards import Rows, encode
 from eaglekit.errors import EaglekitError
+from eaglekit.model.target import aux_layer_ids, read_final_norm, target_hf_config
 from eaglekit.serving.client import RequestFailed
+from eaglekit.serving.feature_transports import feature_transport
+from eaglekit.serving.vllm_features import (
+    FeatureClient,
+    TransportGone,
+    feature_api_key,
+    served_model,
+    server_bytes_per_token,
+    server_dtype,
+    server_layer_ids,
+    vllm_settings,
+)
 from eaglekit.training.data import Batch, RunBatches
 
 GB = 1e9
@@ -54,7 +65,8 @@ CHECK_LOGPROBS = 5  # prompt_logprobs they ask per position (as extract's pre-fl
 
 
 class FeatureServersGone(EaglekitError):
-    """Every feature server stayed out of rotation past extract.vllm.outage_timeout."""
+    """Every feature server stayed out of rotation past extract.vllm.outage_timeout, or the transport between them and
+    this process did (the Mooncake master)."""
 
 
 def request_prefix(run_dir: str | os.PathLike, rank: int) -> str:
@@ -390,6 +402,11 @@ class FeatureStream:
                 "check the servers (`eaglekit preflight CONFIG --stage train`), then rerun the same command: it "
                 "resumes at the last checkpoint with the same data order",
             ) from None
+        except TransportGone as err:
+            raise FeatureServersGone(
+                f"stream: {err.message}",
+                f"{err.remedy}, then rerun the same command: it resumes at the last checkpoint with the same data order",
+            ) from None
         except EaglekitError as err:
             if err.message.startswith(NO_SERVER):
                 raise FeatureServersGone(
@@ -441,39 +458,21 @@ class HeldOutRows(Mapping[str, Rows]):
         return len(self.group_of)
 
 
-def server_bytes_per_token(states: int, hidden: int, torch_dtype: torch.dtype | None) -> int:
-    """A first guess of what the server writes per token (its states in the model's dtype, and the token id); the
-    stream corrects it from the first file."""
-    itemsize = torch.tensor([], dtype=torch_dtype or torch.bfloat16).element_size()
-    return states * hidden * itemsize + 8
-
-
 def open_stream(cfg, run_dir: str | os.PathLike, batches: RunBatches, rank: int, first_check=None) -> FeatureStream:
     """The stream of this config: the FeatureClient of extract.vllm, the bounds of extract.stream. ``first_check
     (captures, layer_ids, norm)`` is the capture self-check, run on the stream's first requests."""
-    from eaglekit.model.target import aux_layer_ids, read_final_norm, target_hf_config
-    from eaglekit.serving.vllm_features import (
-        FeatureClient,
-        feature_api_key,
-        served_model,
-        server_layer_ids,
-        vllm_settings,
-    )
-
     v, s = vllm_settings(cfg), cfg.extract.stream
     hf = target_hf_config(cfg.target)
     layer_ids = server_layer_ids(aux_layer_ids(cfg.target, hf.num_hidden_layers), hf.num_hidden_layers)
     norm, key, model = read_final_norm(cfg.target), feature_api_key(cfg), served_model(cfg)
     prefix = request_prefix(run_dir, rank)
-    dtype = getattr(hf, "torch_dtype", None) or getattr(hf, "dtype", None)
-    if not isinstance(dtype, torch.dtype):
-        dtype = torch.bfloat16
+    transport = feature_transport(cfg)  # one for the stream: a Mooncake client joins the store once
     return FeatureStream(
         batches,
-        lambda: FeatureClient(v, key, model, layer_ids, hf.hidden_size, norm, prefix),
+        lambda: FeatureClient(v, key, model, layer_ids, hf.hidden_size, norm, prefix, transport=transport),
         cfg.extract.dtype,
         spool_bytes=int(s.spool_gb * GB),
-        bytes_per_token=server_bytes_per_token(len(layer_ids), hf.hidden_size, dtype),
+        bytes_per_token=server_bytes_per_token(len(layer_ids), hf.hidden_size, server_dtype(hf)),
         ahead=s.ahead,
         cache_bytes=int(s.cache_gb * GB),
         first_check=None if first_check is None else (lambda caps: first_check(caps, layer_ids, norm)),

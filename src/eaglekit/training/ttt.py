@@ -152,40 +152,42 @@ def _scores(qp, kp, lo, hi, scale, r0, r1, s0, s1, lse=None):
     return s.sub_(lse[..., None]).exp_(), lse
 
 
-def _check_inputs(
-    drafter,
-    aux_hidden,
-    input_ids,
-    target_logits,
-    loss_mask,
-    attention_mask,
-    target_in_draft,
-    steps,
-    position_ids,
-    shard: ContextShard | None,
-):
+@dataclass(frozen=True)
+class TTTBatch:
+    """One right-padded batch as ``ttt_loss`` reads it (its docstring gives the conventions); with a context shard
+    ``aux_hidden``, ``target_logits`` and ``target_in_draft`` hold that rank's rows [start, stop) of each row."""
+
+    aux_hidden: torch.Tensor  # [B, L, 3 * target hidden]
+    input_ids: torch.Tensor  # [B, L]
+    target_logits: torch.Tensor  # [B, L, draft vocab]
+    loss_mask: torch.Tensor  # [B, L]
+    attention_mask: torch.Tensor | None = None  # [B, L]; None: no padding
+    target_in_draft: torch.Tensor | None = None  # [B, L]; None: every target argmax is in the draft vocabulary
+    position_ids: torch.Tensor | None = None  # [B, L] packed rows; None: one document per row
+
+
+def _check_inputs(drafter: Eagle3Drafter, batch: TTTBatch, steps: int, shard: ContextShard | None) -> None:
+    """The batch's shapes against the drafter, ``steps`` (the settings' step count), the padding and packing."""
     cfg = drafter.config
-    b, length = input_ids.shape
+    b, length = batch.input_ids.shape
     rows = length if shard is None else shard.stop - shard.start  # context parallel: this rank's rows and halo
     expect = {
-        "aux_hidden": (aux_hidden, (b, rows, 3 * cfg.target_hidden_size)),
-        "target_logits": (target_logits, (b, rows, cfg.draft_vocab_size)),
-        "loss_mask": (loss_mask, (b, length)),
+        "aux_hidden": (batch.aux_hidden, (b, rows, 3 * cfg.target_hidden_size)),
+        "target_logits": (batch.target_logits, (b, rows, cfg.draft_vocab_size)),
+        "loss_mask": (batch.loss_mask, (b, length)),
+        "attention_mask": (batch.attention_mask, (b, length)),
+        "target_in_draft": (batch.target_in_draft, (b, rows)),
+        "position_ids": (batch.position_ids, (b, length)),
     }
-    if attention_mask is not None:
-        expect["attention_mask"] = (attention_mask, (b, length))
-    if target_in_draft is not None:
-        expect["target_in_draft"] = (target_in_draft, (b, rows))
-    if position_ids is not None:
-        expect["position_ids"] = (position_ids, (b, length))
     for name, (tensor, shape) in expect.items():
-        if tuple(tensor.shape) != shape:
+        if tensor is not None and tuple(tensor.shape) != shape:
             raise UsageError(
                 f"ttt_loss: {name} has shape {list(tensor.shape)}, expected {list(shape)}",
                 "the feature batch does not match the drafter (rerun extract for this drafter config)",
             )
     if steps < 1:
         raise UsageError(f"ttt_loss: steps must be >= 1, got {steps}", "set train.ttt.steps to 1 or more")
+    attention_mask, position_ids = batch.attention_mask, batch.position_ids
     if attention_mask is not None and bool((attention_mask[:, 1:] > attention_mask[:, :-1]).any()):
         raise UsageError(
             "ttt_loss: attention_mask is not right-padded (a real token follows a pad)", "pad sequences on the right"
@@ -241,11 +243,7 @@ class _HeadRows:
 
 
 def _positions(
-    input_ids: torch.Tensor,
-    loss_mask: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    target_in_draft: torch.Tensor | None,
-    position_ids: torch.Tensor | None,
+    batch: TTTBatch,
     steps: int,
     normalization: str,
     normalizer: Callable[[torch.Tensor], torch.Tensor] | None,
@@ -253,6 +251,8 @@ def _positions(
 ) -> _Positions:
     """The masks of the batch: counted (chain, step) pairs, the chains still needed, and each step's normaliser.
     With a context shard, only the shard's chains count here (target_in_draft covers its rows [start, stop))."""
+    input_ids, attention_mask, target_in_draft = batch.input_ids, batch.attention_mask, batch.target_in_draft
+    position_ids = batch.position_ids
     b, length = input_ids.shape
     device = input_ids.device
     positions = torch.arange(length, device=device).expand(b, length) if position_ids is None else position_ids
@@ -261,7 +261,7 @@ def _positions(
     packed = bool(doc_start.any())
 
     # usable[b, j]: token j may be a prediction target.
-    usable = loss_mask.bool()
+    usable = batch.loss_mask.bool()
     if attention_mask is not None:
         usable = usable & attention_mask.bool()
     if target_in_draft is not None:
@@ -555,29 +555,9 @@ def ttt_loss(
     weights = settings.weights
     steps = len(weights)
     shard = None if kernels.context is None else kernels.context.shard(input_ids.shape[1], steps)
-    _check_inputs(
-        drafter,
-        aux_hidden,
-        input_ids,
-        target_logits,
-        loss_mask,
-        attention_mask,
-        target_in_draft,
-        steps,
-        position_ids,
-        shard,
-    )
-    at = _positions(
-        input_ids,
-        loss_mask,
-        attention_mask,
-        target_in_draft,
-        position_ids,
-        steps,
-        settings.loss_normalization,
-        normalizer,
-        shard,
-    )
+    batch = TTTBatch(aux_hidden, input_ids, target_logits, loss_mask, attention_mask, target_in_draft, position_ids)
+    _check_inputs(drafter, batch, steps, shard)
+    at = _positions(batch, steps, settings.loss_normalization, normalizer, shard)
     at.window = drafter.config.sliding_window
     if at.window is not None and at.window <= steps:
         raise UsageError(

@@ -1,0 +1,110 @@
+"""A run directory finished before train's TTT keys moved under train.ttt stays done after the upgrade.
+
+Its ledger holds train's parameters as one flat section (ttt_steps, loss: NAME, lk_eta beside every loss), and train's
+fingerprint and the fingerprints after it hash that layout. The same settings must not read as changed, or `status`
+and `run` would send the user to redo finished training; a setting that really changed still makes train stale.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+
+import pytest
+from conftest import write_config
+
+from eaglekit import pipeline, status
+from eaglekit.config import load_config
+from eaglekit.contract import Stage, no_estimate
+from eaglekit.rundir import RunDir
+from eaglekit.stages import train
+
+
+def params_before_train_ttt(cfg) -> dict:
+    """stages/train.params as it was before train.ttt (`git log -S ttt_steps -- src/eaglekit/stages/train.py`, the
+    parent of 334bb90): ``cfg.train.model_dump()`` of a flat train section, the loss by its name and lk_eta beside
+    every loss (3.0 unless lk_hybrid's was set)."""
+    p = train.params(cfg)
+    ttt = dict(p.pop("ttt"))
+    loss = dict(ttt.pop("loss"))
+    return p | {
+        "ttt_steps": ttt.pop("steps"),
+        "ttt_decay": ttt.pop("decay"),
+        "loss": loss.pop("name"),
+        "lk_eta": loss.pop("eta", 3.0),
+        **ttt,
+    }
+
+
+def write_output(ctx) -> dict:
+    (ctx.dir / "out.txt").write_text(ctx.stage)
+    return {"items": 1}
+
+
+def stages(train_params) -> dict[str, Stage]:
+    """The pipeline's stages writing one file each; train with its real parameters (``train_params``: as today or
+    as before train.ttt) and its real reading of old ledger entries."""
+    out = {}
+    for name in pipeline.STAGE_ORDER:
+        real = importlib.import_module(f"eaglekit.stages.{name}").STAGE
+        out[name] = dataclasses.replace(
+            real,
+            params=train_params if name == "train" else (lambda cfg: {"n": 0}),
+            checks=lambda cfg: [],
+            run=write_output,
+            estimate=no_estimate,
+        )
+    return out
+
+
+def states(cfg) -> dict[str, str]:
+    return {row["stage"]: row["state"] for row in status.stage_rows(cfg)}
+
+
+@pytest.fixture
+def config(tmp_path, tiny_target):
+    def write(**train_section):
+        data = {"run_dir": "run", "target": {"model": str(tiny_target)}, "data": {"prompts": "prompts.jsonl"}}
+        return load_config(write_config(tmp_path / "c.yaml", {**data, "train": train_section}))
+
+    return write
+
+
+LOSSES = [{}, {"loss": {"name": "lk_hybrid", "eta": 2.0}}, {"loss": "jsd", "steps": 3, "step_weights": [1, 1, 1]}]
+
+
+@pytest.mark.parametrize("ttt", LOSSES, ids=["defaults", "lk_hybrid-eta", "jsd-3-steps"])
+def test_a_run_finished_before_train_ttt_is_done_with_the_same_settings(config, monkeypatch, ttt):
+    cfg = config(ttt=ttt)
+    old = stages(params_before_train_ttt)
+    monkeypatch.setattr(pipeline, "stage_of", lambda name: old[name])
+    with RunDir(cfg.run_dir).lock:
+        for stage in pipeline.stages_for(cfg):
+            pipeline.run_stage(cfg, stage)
+    recorded = next(ev for ev in RunDir(cfg.run_dir).events() if ev.get("stage") == "train")["params"]
+    assert "ttt_steps" in recorded and "ttt" not in recorded  # the ledger holds the old layout
+
+    today = stages(train.params)
+    monkeypatch.setattr(pipeline, "stage_of", lambda name: today[name])
+    assert set(states(cfg).values()) == {"done"}
+    assert pipeline.changed_parameters(RunDir(cfg.run_dir), "train", cfg) == []
+    with RunDir(cfg.run_dir).lock:
+        assert all(pipeline.run_stage(cfg, s).get("skipped") for s in ("train", "evaluate", "export"))
+
+
+def test_a_changed_setting_still_makes_an_old_layout_run_stale(config, monkeypatch):
+    cfg = config()
+    old = stages(params_before_train_ttt)
+    monkeypatch.setattr(pipeline, "stage_of", lambda name: old[name])
+    with RunDir(cfg.run_dir).lock:
+        for stage in pipeline.stages_for(cfg):
+            pipeline.run_stage(cfg, stage)
+
+    today = stages(train.params)
+    monkeypatch.setattr(pipeline, "stage_of", lambda name: today[name])
+    changed = config(ttt={"steps": 3})
+    rows = {row["stage"]: row for row in status.stage_rows(changed)}
+    assert rows["vocab"]["state"] == "done"
+    assert [rows[s]["state"] for s in ("train", "evaluate", "export")] == ["stale"] * 3
+    # named in today's spelling, and only what changed (not every key the layout moved)
+    assert rows["train"]["reason"] == "train.ttt.steps: 7 → 3"
