@@ -589,7 +589,7 @@ def test_serve_command_prints_the_mooncake_connector_for_each_server(tmp_path):
 def test_the_mooncake_settings_are_checked_against_the_servers(tmp_path):
     from eaglekit.config import parse_config
     from eaglekit.errors import UsageError
-    from eaglekit.serving.vllm_features import feature_transport
+    from eaglekit.serving.feature_transports import feature_transport
 
     too_big = parse_config(
         stream_config(tmp_path, transport="mooncake", spool_gb=8, mooncake={"global_segment_size": 4 << 30})

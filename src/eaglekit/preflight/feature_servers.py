@@ -18,11 +18,10 @@ from eaglekit.preflight.capture import check_capture, parse_prompt_logprobs
 from eaglekit.preflight.servers import server_info
 from eaglekit.progress import console, human_bytes
 from eaglekit.serving.client import RequestFailed
+from eaglekit.serving.feature_transports import feature_transport, mooncake_fits
 from eaglekit.serving.vllm_features import (
     FeatureClient,
     feature_api_key,
-    feature_transport,
-    mooncake_fits,
     served_model,
     server_bytes_per_token,
     server_dtype,

@@ -174,63 +174,6 @@ def serve_command(
     )
 
 
-def feature_transport(cfg: RunConfig) -> FeatureTransport:
-    """The transport extract.stream.transport names for a streamed run (offline extraction reads the file spool);
-    the Mooncake module is imported only when it is named."""
-    v, stream = vllm_settings(cfg), cfg.extract.stream
-    if not cfg.extract.streamed or stream.transport == "file":
-        return FileSpool(Path(v.storage_path), v.timeout)
-    mooncake_fits(cfg)
-    from eaglekit.serving.mooncake_transport import (  # lazy: cycle (mooncake_transport imports vllm_features)
-        MooncakeTransport,
-    )
-
-    return MooncakeTransport(stream.mooncake, v.timeout, v.outage_timeout)
-
-
-def feature_serve_command(cfg: RunConfig, layer_ids: list[int], max_model_len: int | None) -> str:
-    """``serve_command`` for this config's servers, with the connector of its transport."""
-    v, stream = vllm_settings(cfg), cfg.extract.stream
-    kv_transfer = None
-    if cfg.extract.streamed and stream.transport == "mooncake":
-        mooncake_fits(cfg)
-        from eaglekit.serving.mooncake_transport import (  # lazy: cycle (mooncake_transport imports vllm_features)
-            shell_kv_transfer_config,
-        )
-
-        kv_transfer = shell_kv_transfer_config(stream.mooncake)
-    return serve_command(
-        cfg.target.model,
-        layer_ids,
-        v.storage_path,
-        v.connector,
-        served_model(cfg),
-        max_model_len,
-        v.gpu_memory_utilization,
-        kv_transfer=kv_transfer,
-    )
-
-
-def mooncake_fits(cfg: RunConfig) -> None:
-    """The Mooncake transport's settings against the servers': GPU servers, and a budget the segments hold."""
-    v, stream = vllm_settings(cfg), cfg.extract.stream
-    if v.connector == "cpu":
-        raise UsageError(
-            "extract.stream.transport mooncake needs GPU servers: speculators' MooncakeHiddenStatesConnector copies "
-            "the states out on an accelerator stream (torch.accelerator), which vLLM's CPU build has not",
-            "set extract.vllm.connector: stock and serve on GPUs, or extract.stream.transport: file",
-        )
-    segments = len(v.servers) * stream.mooncake.global_segment_size
-    if stream.spool_gb * 1e9 > 0.9 * segments:
-        raise UsageError(
-            f"extract.stream.spool_gb ({stream.spool_gb:g} GB) is more than 90% of the Mooncake segments the "
-            f"{len(v.servers)} server(s) lend the store ({segments / 1e9:.2f} GB: extract.stream.mooncake."
-            "global_segment_size each); above 90% the master evicts entries not yet read",
-            f"lower extract.stream.spool_gb to {0.9 * segments / 1e9 * 0.95:.2f} or raise "
-            "extract.stream.mooncake.global_segment_size",
-        )
-
-
 class TokenMismatch(EaglekitError):
     """The server's hidden states belong to other tokens than the prepared sample's."""
 

@@ -49,10 +49,10 @@ from eaglekit.preflight.capture import check_in_process
 from eaglekit.preflight.feature_servers import feature_servers, feature_smoke, feature_storage
 from eaglekit.progress import Meter, console, human_bytes
 from eaglekit.serving.client import RequestFailed
+from eaglekit.serving.feature_transports import feature_serve_command
 from eaglekit.serving.vllm_features import (
     FeatureClient,
     feature_api_key,
-    feature_serve_command,
     served_model,
     server_layer_ids,
 )

@@ -42,11 +42,11 @@ from eaglekit.data.shards import Rows, encode
 from eaglekit.errors import EaglekitError
 from eaglekit.model.target import aux_layer_ids, read_final_norm, target_hf_config
 from eaglekit.serving.client import RequestFailed
+from eaglekit.serving.feature_transports import feature_transport
 from eaglekit.serving.vllm_features import (
     FeatureClient,
     TransportGone,
     feature_api_key,
-    feature_transport,
     served_model,
     server_bytes_per_token,
     server_dtype,
