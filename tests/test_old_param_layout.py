@@ -25,6 +25,7 @@ def params_before_train_ttt(cfg) -> dict:
     parent of 334bb90): ``cfg.train.model_dump()`` of a flat train section, the loss by its name and lk_eta beside
     every loss (3.0 unless lk_hybrid's was set)."""
     p = train.params(cfg)
+    p.pop("window_rule")  # came with sliding_window: auto, after train.ttt
     ttt = dict(p.pop("ttt"))
     loss = dict(ttt.pop("loss"))
     return p | {
@@ -108,3 +109,37 @@ def test_a_changed_setting_still_makes_an_old_layout_run_stale(config, monkeypat
     assert [rows[s]["state"] for s in ("train", "evaluate", "export")] == ["stale"] * 3
     # named in today's spelling, and only what changed (not every key the layout moved)
     assert rows["train"]["reason"] == "train.ttt.steps: 7 → 3"
+
+
+def params_before_auto_window(cfg) -> dict:
+    """stages/train.params as it was before sliding_window: auto became the default (the nested train.ttt layout,
+    no window_rule, the window as written: unset was null, full attention)."""
+    p = train.params(cfg)
+    p.pop("window_rule")
+    p["draft"]["sliding_window"] = None
+    return p
+
+
+def test_a_drafter_trained_before_the_auto_window_stays_done_where_auto_now_chooses_one(
+    tmp_path, tiny_target, monkeypatch
+):
+    data = {"run_dir": "run", "target": {"model": str(tiny_target)}, "data": {"prompts": "prompts.jsonl"}}
+    served_long = {**data, "evaluate": {"context_lengths": [65536]}}  # 32x the rows: auto windows the drafter
+    cfg = load_config(write_config(tmp_path / "c.yaml", served_long))
+    assert train.params(cfg)["draft"]["sliding_window"] == 2048 and "window_rule" in train.params(cfg)
+    old = stages(params_before_auto_window)
+    monkeypatch.setattr(pipeline, "stage_of", lambda name: old[name])
+    with RunDir(cfg.run_dir).lock:
+        for stage in pipeline.stages_for(cfg):
+            pipeline.run_stage(cfg, stage)
+
+    today = stages(train.params)
+    monkeypatch.setattr(pipeline, "stage_of", lambda name: today[name])
+    assert set(states(cfg).values()) == {"done"}  # not sent to retrain by the upgrade
+    assert pipeline.changed_parameters(RunDir(cfg.run_dir), "train", cfg) == []
+    # an explicit window is a setting the old run did not have: that one still makes it stale
+    windowed = load_config(
+        write_config(tmp_path / "c.yaml", {**served_long, "train": {"draft": {"sliding_window": 512}}})
+    )
+    rows = {row["stage"]: row for row in status.stage_rows(windowed)}
+    assert [rows[s]["state"] for s in ("train", "evaluate", "export")] == ["stale"] * 3

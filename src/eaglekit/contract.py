@@ -232,6 +232,6 @@ class Stage:
     damaged: Callable[[StageContext], str | None] = never_damaged  # what a finished run's outputs miss (repair)
     live_counts: Callable[[Path], dict[str, Any] | None] = no_live_counts  # counts `status` shows while it runs
     data_flags: Callable[[dict[str, Any]], list[str]] = no_data_flags  # bad data its recorded counts show
-    # The parameters a ledger entry recorded in an older layout, in today's (train's before train.ttt), so that a
+    # The parameters a ledger entry recorded in an older layout, in today's for the config, so that a
     # run finished with the same settings stays done after an upgrade; None: its parameters kept their layout.
-    params_in_current_layout: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    params_in_current_layout: Callable[[dict[str, Any], Any], dict[str, Any]] | None = None

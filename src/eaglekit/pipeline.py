@@ -87,7 +87,7 @@ def recorded_in_old_layout(cfg: RunConfig, stage: str, params: dict, upstream: s
         recorded = start.get("params")
         if not isinstance(recorded, dict):
             continue
-        current = in_current_layout(recorded)
+        current = in_current_layout(recorded, cfg)
         if (
             current != recorded
             and content_identity(current) == wanted
@@ -359,8 +359,9 @@ def changed_parameters(run: RunDir, stage: str, cfg: RunConfig) -> list[str] | N
         return None
     declared = stage_of(stage)
     recorded = done[-1]["params"]
-    old = _flatten(declared.params_in_current_layout(recorded) if declared.params_in_current_layout else recorded)
-    new = _flatten(_as_recorded(declared.params(cfg)))
+    today = _as_recorded(declared.params(cfg))
+    old = _flatten(declared.params_in_current_layout(recorded, cfg) if declared.params_in_current_layout else recorded)
+    new = _flatten(today)
     return [
         _change(stage, k, old.get(k), new.get(k))
         for k in sorted(set(old) | set(new))

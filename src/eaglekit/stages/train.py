@@ -20,7 +20,7 @@ from pathlib import Path
 
 from pydantic import TypeAdapter, ValidationError
 
-from eaglekit.config import ConfigDeprecation, RunConfig, move_old_train_spellings
+from eaglekit.config import AUTO, ConfigDeprecation, RunConfig, move_old_train_spellings
 from eaglekit.contract import Estimate, Sizes, Stage, StageContext
 from eaglekit.data.shards import bytes_per_token
 from eaglekit.data.vocab import vocab_origin
@@ -60,6 +60,10 @@ UPSTREAM = "extract"  # in online mode the pipeline steps over the skipped extra
 MIN_SAMPLES = 100  # fewer training samples than this make a drafter that cannot generalise
 
 
+# Train's parameters carry the resolved sliding window since auto became its default (version 1 of that rule)
+WINDOW_RULE = 1
+
+
 def params(cfg: RunConfig) -> dict:
     # when checkpoints are written does not change the drafter, nor how many ranks split each row (the step is the
     # same computed either way, tests/test_context_parallel.py): editing them must not make a run stale
@@ -67,6 +71,7 @@ def params(cfg: RunConfig) -> dict:
     # the window the drafter trains with, not "auto": a changed serving context or training length that moves it
     # makes the drafter stale, and auto resolving to what an explicit value said does not
     p["draft"]["sliding_window"] = draft_window(cfg).window
+    p["window_rule"] = WINDOW_RULE  # records from before sliding_window: auto lack it (params_in_current_layout)
     p |= files.read_identities(cfg, "target", "tokens", "vocab")
     p["eval_fraction"] = cfg.data.eval_fraction
     p["features"] = cfg.extract.mode
@@ -80,10 +85,16 @@ def params(cfg: RunConfig) -> dict:
     return p
 
 
-def params_in_current_layout(recorded: dict) -> dict:
-    """Train parameters a ledger entry recorded before train.ttt (ttt_steps, loss: NAME and lk_eta beside every loss,
-    flat in the train section) in today's layout: moved by the config's own spelling map, the loss as the config
-    dumps it. A run finished with the same settings then keeps its fingerprint (pipeline.fingerprint)."""
+def params_in_current_layout(recorded: dict, cfg: RunConfig) -> dict:
+    """Train parameters a ledger entry recorded in an older layout, in today's for ``cfg``, so that a run finished with the same settings keeps its fingerprint
+    (pipeline.fingerprint) instead of sending the user to retrain after an upgrade:
+
+    * before train.ttt (ttt_steps, loss: NAME and lk_eta beside every loss, flat in the train section): moved by the
+      config's own spelling map, the loss as the config dumps it;
+    * before ``sliding_window: auto`` became the default (no ``window_rule``), where the config leaves the window to
+      auto: a drafter trained with the full attention that was the default then stands for what auto chooses now.
+      Its checkpoint keeps no window, which evaluate and export read; an explicit window retrains.
+    """
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ConfigDeprecation)  # the ledger's spelling, not one the user can edit
         try:
@@ -95,6 +106,14 @@ def params_in_current_layout(recorded: dict) -> dict:
         # a loss today's config refuses (an lk_eta set beside kl_div) stays as recorded: it differs from any it loads
         with contextlib.suppress(ValidationError):
             moved["ttt"] = {**ttt, "loss": TypeAdapter(LossChoice).validate_python(ttt["loss"]).model_dump()}
+    draft = moved.get("draft")
+    if (
+        "window_rule" not in moved
+        and cfg.train.draft.window == AUTO
+        and isinstance(draft, dict)
+        and draft.get("sliding_window") is None
+    ):
+        moved = {**moved, "draft": {**draft, "sliding_window": draft_window(cfg).window}, "window_rule": WINDOW_RULE}
     return moved
 
 
