@@ -46,27 +46,12 @@ TRAIN = {
 def prepare(base: Path, target: Path, samples: int) -> dict:
     """A run directory with prepare and vocab done, on the tiny corpus (as the tests' prepared_run)."""
     from eaglekit.config import parse_config
-    from eaglekit.data.responses import make_record
     from eaglekit.pipeline import run_stage
     from eaglekit.rundir import RunDir
-    from eaglekit.tiny.corpus import sample_tasks
+    from eaglekit.tiny.corpus import sample_tasks, write_responses
 
     gen = base / "run" / "generate"
-    gen.mkdir(parents=True)
-    rows = [  # as generate records a server's reply carrying the reasoning in its own field
-        make_record(
-            f"b-{i}",
-            [{"role": "user", "content": t.prompt}],
-            {"reasoning": t.reasoning, "content": t.answer},
-            "stop",
-            0,
-            0,
-            "tiny",
-            None,
-        )[0]
-        for i, t in enumerate(sample_tasks(samples, 5, split="train"))
-    ]
-    (gen / "responses.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_responses(gen, sample_tasks(samples, 5, split="train"), "b-")
     data = {
         "run_dir": "run",
         "target": {"model": str(target)},

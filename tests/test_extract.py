@@ -19,14 +19,13 @@ from conftest import subprocess_env
 
 from eaglekit.config import RunConfig, parse_config
 from eaglekit.data import shards as sh
-from eaglekit.data.responses import make_record
 from eaglekit.data.tokens import TokenStore
 from eaglekit.errors import EaglekitError
 from eaglekit.model.target import TargetFeatures, load_target
 from eaglekit.pipeline import make_context, run_preflight, run_stage
 from eaglekit.rundir import RunDir
 from eaglekit.stages import extract
-from eaglekit.tiny.corpus import sample_tasks
+from eaglekit.tiny.corpus import sample_tasks, write_responses
 
 pytestmark = pytest.mark.slow  # builds, trains or serves models
 
@@ -35,21 +34,7 @@ def prepared_run(tmp_path: Path, target: Path, n: int = 48, seed: int = 1, **sec
     """A run directory whose prepare and vocab stages are done, on the tiny target's corpus rendered with its
     template (tasks the target was trained on the like of, so its features are meaningful)."""
     gen = tmp_path / "run" / "generate"
-    gen.mkdir(parents=True)
-    rows = [  # as generate records a server's reply carrying the reasoning in its own field
-        make_record(
-            f"t{seed}-{i}",
-            [{"role": "user", "content": t.prompt}],
-            {"reasoning": t.reasoning, "content": t.answer},
-            "stop",
-            0,
-            0,
-            "tiny",
-            None,
-        )[0]
-        for i, t in enumerate(sample_tasks(n, seed, split="train"))
-    ]
-    (gen / "responses.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_responses(gen, sample_tasks(n, seed, split="train"), f"t{seed}-")
     data = {
         "run_dir": "run",
         "target": {"model": str(target)},

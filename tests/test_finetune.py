@@ -10,10 +10,9 @@ from pathlib import Path
 import pytest
 
 from eaglekit.config import parse_config
-from eaglekit.data.responses import make_record
 from eaglekit.pipeline import run_stage
 from eaglekit.rundir import RunDir
-from eaglekit.tiny.corpus import sample_tasks
+from eaglekit.tiny.corpus import sample_tasks, write_responses
 
 pytestmark = pytest.mark.slow  # builds, trains or serves models
 
@@ -43,21 +42,7 @@ def tasks(kinds, n, seed, split="train"):
 def run_on(tmp_path: Path, target: Path, kinds, seed: int, train: dict, evaluate: dict | None = None):
     """A run directory whose generate, prepare and vocab are done, on tasks of ``kinds`` only."""
     gen = tmp_path / "run" / "generate"
-    gen.mkdir(parents=True)
-    rows = [  # as generate records a server's reply carrying the reasoning in its own field
-        make_record(
-            f"t{seed}-{i}",
-            [{"role": "user", "content": t.prompt}],
-            {"reasoning": t.reasoning, "content": t.answer},
-            "stop",
-            0,
-            0,
-            "tiny",
-            None,
-        )[0]
-        for i, t in enumerate(tasks(kinds, 160, seed))
-    ]
-    (gen / "responses.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_responses(gen, tasks(kinds, 160, seed), f"t{seed}-")
     cfg = parse_config(
         {
             "run_dir": "run",

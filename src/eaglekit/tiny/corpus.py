@@ -27,11 +27,14 @@ held-out prompt into training.
 from __future__ import annotations
 
 import hashlib
+import json
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
+from eaglekit.data.responses import RESPONSES, make_record
 from eaglekit.errors import UsageError
 
 Split = Literal["train", "heldout"]
@@ -268,3 +271,25 @@ def sample_tasks(n: int, seed: int, split: Split = "train", corpus: Corpus = "ta
         remarks = random.Random(f"eaglekit-tiny/remarks/{split}/{seed}")
         tasks = [with_remarks(task, remarks) for task in tasks]
     return tasks
+
+
+def write_responses(generate_dir: Path, tasks: Iterable[Task], prefix: str) -> Path:
+    """``tasks`` as generate records the tiny target's replies (the reasoning in its own field) in a run's
+    ``generate/responses.jsonl``, prompt ids ``{prefix}{i}``: a run that starts at prepare, for tests and benchmarks."""
+    rows = [
+        make_record(
+            f"{prefix}{i}",
+            [{"role": "user", "content": t.prompt}],
+            {"reasoning": t.reasoning, "content": t.answer},
+            "stop",
+            0,
+            0,
+            "tiny",
+            None,
+        )[0]
+        for i, t in enumerate(tasks)
+    ]
+    generate_dir.mkdir(parents=True, exist_ok=True)
+    path = generate_dir / RESPONSES
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
