@@ -72,7 +72,9 @@ def served_context(cfg: RunConfig) -> ServedContext | None:
         return ServedContext(max(cfg.evaluate.context_lengths), "evaluate.context_lengths", True)
     try:
         served = int(getattr(target_hf_config(cfg.target), "max_position_embeddings", 0) or 0)
-    except EaglekitError:
+    except (EaglekitError, ValueError, ArithmeticError, OSError):
+        # a config transformers refuses (a ValueError, or a ZeroDivisionError on zero heads) is the target
+        # pre-flight check's to name; train's parameters, which ask here first, must not crash on it
         return None
     if not served:
         return None
