@@ -58,6 +58,18 @@ def stages(train_params) -> dict[str, Stage]:
     return out
 
 
+def finish_with(train_params, cfg, monkeypatch) -> None:
+    """Run every stage of ``cfg`` with train's parameters recorded as ``train_params`` made them (an older layout),
+    then leave today's stages in place, as an upgrade does."""
+    old = stages(train_params)
+    monkeypatch.setattr(pipeline, "stage_of", lambda name: old[name])
+    with RunDir(cfg.run_dir).lock:
+        for stage in pipeline.stages_for(cfg):
+            pipeline.run_stage(cfg, stage)
+    today = stages(train.params)
+    monkeypatch.setattr(pipeline, "stage_of", lambda name: today[name])
+
+
 def states(cfg) -> dict[str, str]:
     return {row["stage"]: row["state"] for row in status.stage_rows(cfg)}
 
@@ -77,16 +89,9 @@ LOSSES = [{}, {"loss": {"name": "lk_hybrid", "eta": 2.0}}, {"loss": "jsd", "step
 @pytest.mark.parametrize("ttt", LOSSES, ids=["defaults", "lk_hybrid-eta", "jsd-3-steps"])
 def test_a_run_finished_before_train_ttt_is_done_with_the_same_settings(config, monkeypatch, ttt):
     cfg = config(ttt=ttt)
-    old = stages(params_before_train_ttt)
-    monkeypatch.setattr(pipeline, "stage_of", lambda name: old[name])
-    with RunDir(cfg.run_dir).lock:
-        for stage in pipeline.stages_for(cfg):
-            pipeline.run_stage(cfg, stage)
+    finish_with(params_before_train_ttt, cfg, monkeypatch)
     recorded = next(ev for ev in RunDir(cfg.run_dir).events() if ev.get("stage") == "train")["params"]
     assert "ttt_steps" in recorded and "ttt" not in recorded  # the ledger holds the old layout
-
-    today = stages(train.params)
-    monkeypatch.setattr(pipeline, "stage_of", lambda name: today[name])
     assert set(states(cfg).values()) == {"done"}
     assert pipeline.changed_parameters(RunDir(cfg.run_dir), "train", cfg) == []
     with RunDir(cfg.run_dir).lock:
@@ -95,14 +100,7 @@ def test_a_run_finished_before_train_ttt_is_done_with_the_same_settings(config, 
 
 def test_a_changed_setting_still_makes_an_old_layout_run_stale(config, monkeypatch):
     cfg = config()
-    old = stages(params_before_train_ttt)
-    monkeypatch.setattr(pipeline, "stage_of", lambda name: old[name])
-    with RunDir(cfg.run_dir).lock:
-        for stage in pipeline.stages_for(cfg):
-            pipeline.run_stage(cfg, stage)
-
-    today = stages(train.params)
-    monkeypatch.setattr(pipeline, "stage_of", lambda name: today[name])
+    finish_with(params_before_train_ttt, cfg, monkeypatch)
     changed = config(ttt={"steps": 3})
     rows = {row["stage"]: row for row in status.stage_rows(changed)}
     assert rows["vocab"]["state"] == "done"
@@ -126,15 +124,9 @@ def test_a_drafter_trained_before_the_auto_window_stays_done_where_auto_now_choo
     data = {"run_dir": "run", "target": {"model": str(tiny_target)}, "data": {"prompts": "prompts.jsonl"}}
     served_long = {**data, "evaluate": {"context_lengths": [65536]}}  # 32x the rows: auto windows the drafter
     cfg = load_config(write_config(tmp_path / "c.yaml", served_long))
-    assert train.params(cfg)["draft"]["sliding_window"] == 2048 and "window_rule" in train.params(cfg)
-    old = stages(params_before_auto_window)
-    monkeypatch.setattr(pipeline, "stage_of", lambda name: old[name])
-    with RunDir(cfg.run_dir).lock:
-        for stage in pipeline.stages_for(cfg):
-            pipeline.run_stage(cfg, stage)
-
-    today = stages(train.params)
-    monkeypatch.setattr(pipeline, "stage_of", lambda name: today[name])
+    today = train.params(cfg)
+    assert today["draft"]["sliding_window"] == 2048 and "window_rule" in today
+    finish_with(params_before_auto_window, cfg, monkeypatch)
     assert set(states(cfg).values()) == {"done"}  # not sent to retrain by the upgrade
     assert pipeline.changed_parameters(RunDir(cfg.run_dir), "train", cfg) == []
     # an explicit window is a setting the old run did not have: that one still makes it stale

@@ -234,4 +234,4 @@ class Stage:
     data_flags: Callable[[dict[str, Any]], list[str]] = no_data_flags  # bad data its recorded counts show
     # The parameters a ledger entry recorded in an older layout, in today's for the config, so that a
     # run finished with the same settings stays done after an upgrade; None: its parameters kept their layout.
-    params_in_current_layout: Callable[[dict[str, Any], Any], dict[str, Any]] | None = None
+    params_in_current_layout: Callable[[dict[str, Any], RunConfig], dict[str, Any]] | None = None
