@@ -135,3 +135,22 @@ def test_a_drafter_trained_before_the_auto_window_stays_done_where_auto_now_choo
     )
     rows = {row["stage"]: row for row in status.stage_rows(windowed)}
     assert [rows[s]["state"] for s in ("train", "evaluate", "export")] == ["stale"] * 3
+
+
+@pytest.mark.parametrize("window", [None, 256], ids=["null", "256"])
+def test_a_drafter_trained_before_the_auto_window_with_the_window_the_config_names_stays_done(
+    tmp_path, tiny_target, monkeypatch, window
+):
+    data = {"run_dir": "run", "target": {"model": str(tiny_target)}, "data": {"prompts": "prompts.jsonl"}}
+    cfg = load_config(write_config(tmp_path / "c.yaml", {**data, "train": {"draft": {"sliding_window": window}}}))
+
+    def before_auto(cfg) -> dict:  # the window as written, as every release before auto recorded it
+        p = train.params(cfg)
+        p.pop("window_rule")
+        return p
+
+    finish_with(before_auto, cfg, monkeypatch)
+    assert set(states(cfg).values()) == {"done"}
+    other = load_config(write_config(tmp_path / "c.yaml", {**data, "train": {"draft": {"sliding_window": 128}}}))
+    rows = {row["stage"]: row for row in status.stage_rows(other)}
+    assert rows["train"]["state"] == "stale" and "sliding_window" in rows["train"]["reason"]

@@ -93,7 +93,8 @@ def params_in_current_layout(recorded: dict, cfg: RunConfig) -> dict:
       config's own spelling map, the loss as the config dumps it;
     * before ``sliding_window: auto`` became the default (no ``window_rule``), where the config leaves the window to
       auto: a drafter trained with the full attention that was the default then stands for what auto chooses now.
-      Its checkpoint keeps no window, which evaluate and export read; an explicit window retrains.
+      Its checkpoint keeps no window, which evaluate and export read. Where the config names a window (or null), the
+      record's own window is compared with it: the same one is the same drafter, another retrains.
     """
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ConfigDeprecation)  # the ledger's spelling, not one the user can edit
@@ -107,13 +108,15 @@ def params_in_current_layout(recorded: dict, cfg: RunConfig) -> dict:
         with contextlib.suppress(ValidationError):
             moved["ttt"] = {**ttt, "loss": TypeAdapter(LossChoice).validate_python(ttt["loss"]).model_dump()}
     draft = moved.get("draft")
-    if (
-        "window_rule" not in moved
-        and cfg.train.draft.window == AUTO
-        and isinstance(draft, dict)
-        and draft.get("sliding_window") is None
-    ):
-        moved = {**moved, "draft": {**draft, "sliding_window": draft_window(cfg).window}, "window_rule": WINDOW_RULE}
+    if "window_rule" not in moved and isinstance(draft, dict):
+        if cfg.train.draft.window != AUTO:
+            moved = {**moved, "window_rule": WINDOW_RULE}
+        elif draft.get("sliding_window") is None:
+            moved = {
+                **moved,
+                "draft": {**draft, "sliding_window": draft_window(cfg).window},
+                "window_rule": WINDOW_RULE,
+            }
     return moved
 
 
