@@ -43,7 +43,7 @@ from eaglekit.training.ttt import BLOCK_ELEMENTS, BLOCK_ROWS, ttt_loss
 
 # The widths a calibration drafter scales, those of them the drafter's layer has (a Llama layer its K/V heads, a
 # latent-attention layer its q and kv ranks; q_lora_rank None is a layer without one); head widths stay the real
-# ones (every kept tensor is linear in these with the head widths fixed).
+# ones (every kept tensor is linear in these with the head widths and the query heads per K/V head fixed).
 BASE = {"hidden_size": 64, "intermediate_size": 64, "target_hidden_size": 64, "num_attention_heads": 2,
         "num_key_value_heads": 1, "q_lora_rank": 32, "kv_lora_rank": 32}  # fmt: skip
 ROWS = (96, 192)  # two row lengths: their difference is the per-token slope, free of per-step constants
@@ -70,8 +70,18 @@ class StepMemory:
         return self.weights + self.batch + self.activations + self.gathered + self.transient
 
 
+def _query_groups(cfg: DrafterConfig) -> int | None:
+    """Query heads per key/value head, when the layer has both and they divide: the calibration keeps it, since
+    what attention keeps is not linear in the two counts apart (with one group, repeat_kv copies nothing)."""
+    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    return heads // kv if heads is not None and kv and heads % kv == 0 else None
+
+
 def _calibration_config(cfg: DrafterConfig, steps: int, **widths: int) -> DrafterConfig:
     fields: dict[str, Any] = {name: width for name, width in BASE.items() if getattr(cfg, name) is not None} | widths
+    groups = _query_groups(cfg)
+    if groups is not None:  # the query heads follow the key/value heads at the drafter's own ratio
+        fields["num_attention_heads"] = groups * fields["num_key_value_heads"]
     # a window inside the calibration rows (so it is exercised) and longer than the TTT chain (as ttt_loss needs)
     window = None if cfg.sliding_window is None else min(cfg.sliding_window, max(ROWS[0] // 2, steps + 1))
     return dataclasses.replace(
@@ -170,8 +180,8 @@ def _kept_per_token(cfg_json: str, steps: int, checkpoint: bool, bf16: bool) -> 
     at_base = slope(base)
     total = at_base
     for name in BASE:
-        if getattr(base, name) is None:
-            continue
+        if getattr(base, name) is None or (name == "num_attention_heads" and _query_groups(cfg) is not None):
+            continue  # absent from the layer, or scaled with the key/value heads
         doubled = slope(_calibration_config(cfg, steps, **{name: 2 * getattr(base, name)}))
         per_unit = (doubled - at_base) / getattr(base, name)
         total += per_unit * (getattr(cfg, name) - getattr(base, name))
