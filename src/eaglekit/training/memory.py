@@ -14,9 +14,9 @@ a second once per shape. ``benchmarks/train_memory.py`` checks the result agains
 
 The peak comes in one of two phases (their temporaries are never alive together). In the forward, at the head
 loss: everything kept, the row's target softmax, the normed head rows and one chunk's [rows, Vd] temporaries (their
-count measured on the divergence's own code). In backward, the target softmax is gone (``ttt_loss`` returned) and a
-recomputed step (checkpointed) or its gradients (plain) come on top of what is still kept, with the reference
-attention's score blocks.
+count measured on the divergence's own code). In backward, the target softmax is gone (``ttt_loss`` returned);
+checkpointed, a recomputed step and the reference attention's score blocks come on top of what is kept, plain the
+head rows' gradients.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ BASE = {"hidden_size": 64, "intermediate_size": 64, "target_hidden_size": 64, "n
         "num_key_value_heads": 1, "q_lora_rank": 32, "kv_lora_rank": 32}  # fmt: skip
 ROWS = (96, 192)  # two row lengths: their difference is the per-token slope, free of per-step constants
 ADAMW_BYTES = 16  # fp32 master weight, its gradient and AdamW's two moments
+HEAD_GRADIENTS = 3  # plain backward's start: dL/dx of the head rows, then the final norm's two [rows, H] gradients
 SCORE_BLOCKS = 2  # _PrefixAttention's backward holds a block's probabilities and their gradient (float32) at once
 
 
@@ -225,8 +226,10 @@ def step_memory(
     chunk_rows = max(1, CHUNK_ELEMENTS.get(device_type, CHUNK_ELEMENTS_DEFAULT) // cfg.draft_vocab_size)
     chunk = min(chunk_rows, head_rows) * cfg.draft_vocab_size
     forward = 4 * head_rows * cfg.hidden_size + int(head_chunk_temporaries(loss) * 4 * chunk)
-    # backward: one TTT step's activations over the row — recomputed with checkpointing, their gradients in flight
-    # without — and the reference attention's float32 score blocks (the fused GPU kernel holds none: an upper bound)
+    # backward, checkpointed: one TTT step's activations over the row, recomputed, and the reference attention's
+    # float32 score blocks (the fused GPU kernel holds none: an upper bound). Plain, nothing is recomputed and each
+    # step's gradients come as its kept tensors go: the most is at the start, the head's gradient over its rows and
+    # the final norm's backward (the gradient of its scaled rows, and of its input), float32 like the normed rows
     block = min(BLOCK_ELEMENTS, BLOCK_ROWS * row_tokens * cfg.num_attention_heads)
     others = row_tokens - own  # positions of the other ranks, whose step-0 keys and values this rank holds
     kv = key_value_elements(cfg)
@@ -234,8 +237,11 @@ def step_memory(
     # GPU that is in per_token; under context parallelism the other ranks' part comes on top. Checkpointed, only
     # the gathered keys stay (the copies are made again in backward, one step at a time: transient)
     copies = 0 if checkpoint else steps
-    one_step = kept_bytes_per_token(cfg, 1, False, bf16) * own + (others * kv * 4 if checkpoint else 0)
-    backward = int(one_step + SCORE_BLOCKS * 4 * block) - softmax
+    if checkpoint:
+        one_step = kept_bytes_per_token(cfg, 1, False, bf16) * own + others * kv * 4
+        backward = int(one_step + SCORE_BLOCKS * 4 * block) - softmax
+    else:
+        backward = HEAD_GRADIENTS * 4 * head_rows * cfg.hidden_size - softmax
     gathered = others * kv * (act + 4 * copies)
     return StepMemory(
         weights,
