@@ -176,10 +176,12 @@ def test_data_parallel_times_context_parallel_equals_one_process(tmp_path, mode,
             torch.testing.assert_close(r["grads"][name], grad, rtol=1e-10, atol=1e-12, msg=f"{mode} {name}")
 
 
-def test_train_stage_splits_rows_across_two_ranks(tmp_path, tiny_target):
+@pytest.mark.parametrize("architecture", ["llama", "dflash"])
+def test_train_stage_splits_rows_across_two_ranks(tmp_path, tiny_target, architecture):
     """`eaglekit train` under torchrun with train.context_parallel 2 on offline features: the two ranks train one
     run on the rows a single process would see, to its loss (the first step's exactly; the second's after one AdamW
-    update in fp32) and its token count."""
+    update in fp32) and its token count. A block drafter's ranks read the target's rows a block past their own (the
+    halo) and draw the anchors one process draws."""
     from test_extract import prepared_run
     from test_train_ddp import stage_worker
 
@@ -187,9 +189,13 @@ def test_train_stage_splits_rows_across_two_ranks(tmp_path, tiny_target):
     from eaglekit.pipeline import run_stage
     from eaglekit.rundir import RunDir
 
-    train = {"ttt": {"steps": 2}, "batch_size": 1, "packing": True, "pack_length": 320, "max_steps": 2, "eval_every": 2,
+    # a block drafter reads no train.ttt; its slots weigh nearly alike, so the labels of a block's far slots (on
+    # the next rank, past a halo shorter than the block) count
+    objective = {"ttt": {"steps": 2}} if architecture == "llama" else {}
+    weighting = {} if architecture == "llama" else {"position_weighting": "exp-decay", "decay_gamma": 64.0}
+    train = {**objective, "batch_size": 1, "packing": True, "pack_length": 320, "max_steps": 2, "eval_every": 2,
              "save_every": 2, "log_every": 1, "eval_samples": 4, "warmup_steps": 1,
-             "draft": {"sliding_window": 48}}  # fmt: skip
+             "draft": {"architecture": architecture, "sliding_window": 48, **weighting}}  # fmt: skip
     cfg = prepared_run(tmp_path, tiny_target, n=32, extract={"mode": "offline"}, train=train)
     with RunDir(cfg.run_dir).lock:
         run_stage(cfg, "extract", skip_preflight=True)
