@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
+import shutil
+from pathlib import Path
 
 import pytest
 from conftest import write_config
@@ -16,7 +19,7 @@ from conftest import write_config
 from eaglekit import pipeline, status
 from eaglekit.config import load_config
 from eaglekit.contract import Stage, no_estimate
-from eaglekit.rundir import RunDir
+from eaglekit.rundir import RunDir, file_identity
 from eaglekit.stages import train
 
 
@@ -42,15 +45,16 @@ def write_output(ctx) -> dict:
     return {"items": 1}
 
 
-def stages(train_params) -> dict[str, Stage]:
+def stages(train_params, **params_of) -> dict[str, Stage]:
     """The pipeline's stages writing one file each; train with its real parameters (``train_params``: as today or
-    as before train.ttt) and its real reading of old ledger entries."""
+    as before train.ttt) and its real reading of old ledger entries; a stage named in ``params_of`` with those."""
     out = {}
+    params_of["train"] = train_params
     for name in pipeline.STAGE_ORDER:
         real = importlib.import_module(f"eaglekit.stages.{name}").STAGE
         out[name] = dataclasses.replace(
             real,
-            params=train_params if name == "train" else (lambda cfg: {"n": 0}),
+            params=params_of.get(name, lambda cfg: {"n": 0}),
             checks=lambda cfg: [],
             run=write_output,
             estimate=no_estimate,
@@ -58,15 +62,15 @@ def stages(train_params) -> dict[str, Stage]:
     return out
 
 
-def finish_with(train_params, cfg, monkeypatch) -> None:
-    """Run every stage of ``cfg`` with train's parameters recorded as ``train_params`` made them (an older layout),
-    then leave today's stages in place, as an upgrade does."""
-    old = stages(train_params)
+def finish_with(train_params, cfg, monkeypatch, **params_of) -> None:
+    """Run every stage of ``cfg`` with train's parameters recorded as ``train_params`` made them (an older layout;
+    and so any stage named in ``params_of``), then leave today's stages in place, as an upgrade does."""
+    old = stages(train_params, **params_of)
     monkeypatch.setattr(pipeline, "stage_of", lambda name: old[name])
     with RunDir(cfg.run_dir).lock:
         for stage in pipeline.stages_for(cfg):
             pipeline.run_stage(cfg, stage)
-    today = stages(train.params)
+    today = stages(train.params, **{name: real_params(name) for name in params_of})
     monkeypatch.setattr(pipeline, "stage_of", lambda name: today[name])
 
 
@@ -154,3 +158,48 @@ def test_a_drafter_trained_before_the_auto_window_with_the_window_the_config_nam
     other = load_config(write_config(tmp_path / "c.yaml", {**data, "train": {"draft": {"sliding_window": 128}}}))
     rows = {row["stage"]: row for row in status.stage_rows(other)}
     assert rows["train"]["state"] == "stale" and "sliding_window" in rows["train"]["reason"]
+
+
+def real_params(name: str):
+    return importlib.import_module(f"eaglekit.stages.{name}").STAGE.params
+
+
+def before_read_identities(name: str):
+    """A stage's parameters as eaglekit recorded them before the content identities of its inputs (the parent of
+    fc2e510): generate's local target as its folder's file identity, extract's and train's as the identities of
+    its config and weight files beside dtype and aux_layers; no identities of tokens or vocabulary."""
+
+    def params(cfg) -> dict:
+        p = {k: v for k, v in real_params(name)(cfg).items() if k not in ("tokens", "vocab")}
+        folder = Path(cfg.target.model)
+        if name == "generate":
+            p["model"] = file_identity(folder)
+        elif "target" in p:
+            weights = [f for f in ("config.json", "model.safetensors") if (folder / f).is_file()]
+            p["target"] = {"model": [file_identity(folder / f) for f in weights], "dtype": cfg.target.dtype,
+                           "aux_layers": cfg.target.aux_layers}  # fmt: skip
+        if name == "train":
+            p.pop("window_rule")
+        return p
+
+    return params
+
+
+def test_a_run_finished_before_content_identities_stays_done_until_its_target_changes(
+    tmp_path, tiny_target, monkeypatch
+):
+    target = shutil.copytree(tiny_target, tmp_path / "target")
+    data = {"run_dir": "run", "target": {"model": str(target)}, "data": {"prompts": "prompts.jsonl"},
+            "generate": {"backend": "local"}, "extract": {"mode": "offline"}, "train": {"draft": {"sliding_window": None}}}  # fmt: skip
+    cfg = load_config(write_config(tmp_path / "c.yaml", data))
+    old = {name: before_read_identities(name) for name in ("generate", "vocab", "extract")}
+    finish_with(before_read_identities("train"), cfg, monkeypatch, **old)
+    recorded = next(ev for ev in RunDir(cfg.run_dir).events() if ev.get("stage") == "generate")["params"]
+    assert "sha" in recorded["model"]  # the ledger holds the old layout
+    assert set(states(cfg).values()) == {"done"}
+    assert pipeline.changed_parameters(RunDir(cfg.run_dir), "extract", cfg) == []
+    # the same target edited: every stage that reads it is stale, from generate on, and says what changed
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-5}))
+    rows = {row["stage"]: row for row in status.stage_rows(cfg)}
+    assert rows["generate"]["state"] == "stale" and "target" in rows["generate"]["reason"]

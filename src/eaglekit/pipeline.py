@@ -29,7 +29,7 @@ from eaglekit.config import RunConfig
 from eaglekit.contract import Stage, StageContext, StaleCause
 from eaglekit.errors import EaglekitError, UsageError
 from eaglekit.preflight import disk, processes, run_directory
-from eaglekit.preflight.files import INPUT_NAMES
+from eaglekit.preflight.files import INPUT_NAMES, identities_in_current_layout
 from eaglekit.progress import console
 from eaglekit.rundir import RunDir, content_identity, digest, tool_versions
 
@@ -79,15 +79,13 @@ def recorded_in_old_layout(cfg: RunConfig, stage: str, params: dict, upstream: s
     """The fingerprint of a run of ``stage`` the ledger recorded with parameters in an older layout (train's before
     train.ttt) that are ``params`` in today's, on the same ``upstream``: the same settings, so that run stays done
     (and the stages after it, which hashed its fingerprint) instead of turning stale when eaglekit is upgraded."""
-    in_current_layout = stage_of(stage).params_in_current_layout
-    if in_current_layout is None:
-        return None
-    wanted = content_identity(_as_recorded(params))
+    today = _as_recorded(params)
+    wanted = content_identity(today)
     for start, _ in reversed(RunDir(cfg.run_dir).attempts(stage)):
         recorded = start.get("params")
         if not isinstance(recorded, dict):
             continue
-        current = in_current_layout(recorded, cfg)
+        current = in_current_layout(stage, recorded, today, cfg)
         if (
             current != recorded
             and content_identity(current) == wanted
@@ -95,6 +93,14 @@ def recorded_in_old_layout(cfg: RunConfig, stage: str, params: dict, upstream: s
         ):
             return start["fingerprint"]
     return None
+
+
+def in_current_layout(stage: str, recorded: dict, today: dict, cfg: RunConfig) -> dict:
+    """``recorded`` (a ledger entry's parameters of ``stage``) in today's layout, as far as it can be shown to hold
+    the same inputs and settings: the read identities every stage shares, then the stage's own older layouts."""
+    current = identities_in_current_layout(recorded, today, cfg)
+    own = stage_of(stage).params_in_current_layout
+    return own(current, cfg) if own else current
 
 
 def _as_recorded(params: dict) -> Any:
@@ -358,9 +364,8 @@ def changed_parameters(run: RunDir, stage: str, cfg: RunConfig) -> list[str] | N
     if not done or "params" not in done[-1]:
         return None
     declared = stage_of(stage)
-    recorded = done[-1]["params"]
     today = _as_recorded(declared.params(cfg))
-    old = _flatten(declared.params_in_current_layout(recorded, cfg) if declared.params_in_current_layout else recorded)
+    old = _flatten(in_current_layout(stage, done[-1]["params"], today, cfg))
     new = _flatten(today)
     return [
         _change(stage, k, old.get(k), new.get(k))

@@ -20,7 +20,8 @@ Layout (each stage reads only what the run directory holds, so any stage can be 
 
 A stage's fingerprint hashes its own parameters, the identity of its external inputs, and its upstream
 stage's fingerprint — so changing a parameter makes that stage and every stage after it *stale*. A run recorded
-with its parameters in an older layout (train's before train.ttt) keeps its fingerprint while they are the config's
+with its parameters in an older layout (train's before train.ttt, any stage's before the content identities of its
+inputs) keeps its fingerprint while they are the config's
 in today's layout (``pipeline.recorded_in_old_layout``): upgrading eaglekit does not make finished work stale.
 """
 
