@@ -81,7 +81,7 @@ def select_anchors(
 def own_anchors(anchors: torch.Tensor, valid: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The valid anchors in positions [start, end), in order: anchors and valid [B, A'], A' the most of a row (>= 1)."""
     mine = valid & (anchors >= start) & (anchors < end)
-    width = max(1, int(mine.sum(1).max())) if mine.numel() else 1
+    width = max(1, int(mine.sum(1).max()))
     rows = torch.zeros(anchors.shape[0], width, dtype=anchors.dtype, device=anchors.device)
     kept = torch.zeros(anchors.shape[0], width, dtype=torch.bool, device=anchors.device)
     for b in range(anchors.shape[0]):

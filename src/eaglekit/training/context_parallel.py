@@ -37,8 +37,8 @@ the drafter's earlier layers, so each rank projects every layer's keys and value
 all-gather gives every rank the whole row's (all layers at once). Anchors are drawn over the whole row, as one
 process draws them, and broadcast from the group's first rank (so the ranks agree even where their random streams
 would not); each rank runs the blocks whose anchors it owns over the gathered context (document, window and the
-block's own queries as one process masks them). A block of anchor a reads the target's argmax up to a + block_size
-- 1, so the halo of the heavy inputs is the block size. The loss is each rank's blocks' sum over the group's count
+block's own queries as one process masks them). A block of anchor a reads the target's argmax at most
+block_size - 1 positions past a, so the halo of the heavy inputs is the block size. The loss is each rank's blocks' sum over the group's count
 of counted slots, times the group's size for DDP's average (each data-parallel group then weighs as one process
 without context parallelism: the block objective normalises per data-parallel rank).
 """
