@@ -84,6 +84,14 @@ def test_the_step_is_the_same_as_with_the_bool_mask_given_to_every_layer(monkeyp
     assert all(torch.equal(a, b) for a, b in zip(shared, per_layer, strict=True))
 
 
+def test_the_bias_rows_are_16_aligned_for_cudas_memory_efficient_kernel():
+    """An unaligned row stride makes CUDA's SDPA pad a copy of the bias on every layer (kept for its backward)."""
+    mask = torch.rand(2, 20, 170) < 0.5
+    bias = dflash_model.additive_mask(mask, torch.bfloat16)
+    assert bias.shape == (2, 1, 20, 170) and bias.stride(-2) % 16 == 0 and bias.stride(-1) == 1
+    assert torch.equal(bias[:, 0] == 0, mask) and torch.isneginf(bias[:, 0][~mask]).all()
+
+
 def test_the_window_mask_is_the_offset_rule():
     queries, keys = torch.tensor([[0, 5, 9, 30]]), torch.arange(-3, 40)[None]
     offset = queries[:, :, None] - keys[:, None, :]

@@ -228,8 +228,11 @@ def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[B, Q, K] bool (True: may attend) -> the [B, 1, Q, K] bias SDPA makes of it (0 or -inf in the query's dtype).
 
     Made once for all layers: given the bool mask, every layer's SDPA converts it again and keeps its own copy for
-    backward, a [Q, K] tensor per layer (1.2 GB each in bf16 at 8,192 queries over a 65,536-token row)."""
-    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+    backward, a [Q, K] tensor per layer (1.2 GB each in bf16 at 8,192 queries over a 65,536-token row). Its rows
+    are laid out 16-aligned, as CUDA's memory-efficient kernel needs them (else it pads a copy on every call)."""
+    keys = mask.shape[-1]
+    aligned = -(-keys // 16) * 16
+    bias = torch.zeros(*mask.shape[:-1], aligned, dtype=dtype, device=mask.device)[..., :keys]
     return bias.masked_fill_(~mask, float("-inf"))[:, None]
 
 
