@@ -189,8 +189,11 @@ class DFlashFamily:
             weighting=draft.position_weighting or "dpace",
             dpace_alpha=draft.dpace_alpha if draft.dpace_alpha is not None else 0.5,
             gamma=draft.decay_gamma if draft.decay_gamma is not None else 4.0,
+            context=context,
         )
-        return Objective(module, module.positions, [1.0] * module.positions, f"{self.name} block objective")
+        return Objective(
+            module, module.positions, [1.0] * module.positions, f"{self.name} block objective", module.halo
+        )
 
     # ---- decoding
     def load_checkpoint(self, cfg: RunConfig, path: Path, aux: list[int]) -> tuple[DFlashDrafter, CheckpointInfo]:

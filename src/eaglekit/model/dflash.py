@@ -215,6 +215,11 @@ def config_for_run(cfg: Any, hf_config: Any, aux_layer_ids: list[int], vocab_siz
     )
 
 
+def at_least_fp32(logits: torch.Tensor) -> torch.Tensor:
+    """Logits for the loss: fp32 from bf16 or fp32, fp64 kept (a drafter in fp64 is checked at fp64 tolerance)."""
+    return logits if logits.dtype == torch.float64 else logits.float()
+
+
 def window_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int) -> torch.Tensor:
     """[B, Q] and [B, K] positions -> [B, Q, K] bool: the key is at most ``window`` - 1 positions before the query
     (itself included), the causal sliding window both engines apply to a sliding DFlash layer (module docstring)."""
@@ -348,7 +353,7 @@ class DFlashDrafter(nn.Module):
         mask: torch.Tensor | None = None,
         context_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """query_ids/positions [B, Q] -> logits [B, Q, V] (fp32). ``mask`` [B, Q, C+Q] None: every query sees
+        """query_ids/positions [B, Q] -> logits [B, Q, V] (fp32, or fp64 in fp64). ``mask`` [B, Q, C+Q] None: every query sees
         everything; a sliding window narrows it further, by the context's positions [B, C] (required then)."""
         window = self.config.sliding_window
         if window is not None:
@@ -365,4 +370,4 @@ class DFlashDrafter(nn.Module):
         cos, sin = self.rotary(query_positions, h.dtype)
         for layer, kv in zip(self.layers, context_kv, strict=True):
             h = layer(h, cos, sin, kv, mask)
-        return self.lm_head(self.norm(h)).float()
+        return at_least_fp32(self.lm_head(self.norm(h)))
