@@ -44,8 +44,12 @@ def test_the_kept_bytes_scaled_from_calibration_drafters_are_what_a_real_step_ke
     kept = kept_per_shape(cfg, bf16)
     (short, few), (long, many) = (150, 5), (300, 12)
     model = kept.at(long, many * cfg.block_size) - kept.at(short, few * cfg.block_size)
-    measured = kept_bytes(cfg, long, many, bf16) - kept_bytes(cfg, short, few, bf16)
+    measured = kept_bytes(cfg, long, many, bf16).total - kept_bytes(cfg, short, few, bf16).total
     assert model == pytest.approx(measured, rel=0.01)
+    # a rank splitting the row projects its own positions' context, and reads the whole row's
+    half = kept_bytes(cfg, long // 2, few, bf16).projected - kept_bytes(cfg, short // 2, few, bf16).projected
+    assert kept.per_projected * (long - short) / 2 == pytest.approx(half, rel=0.01)
+    assert kept.per_read > 0
 
 
 def test_the_attention_mask_is_kept_once_for_all_layers():
@@ -100,8 +104,9 @@ def test_the_window_mask_is_the_offset_rule():
 
 def test_preflight_refuses_a_dflash_row_that_does_not_fit_and_plan_gives_its_memory(tmp_path, tiny_target, monkeypatch):
     """One 65,536-token row of a DFlash drafter: `plan` gives the step's memory (one figure: the block objective has
-    no activation checkpointing, and no line for context parallelism, which it cannot use yet); train's pre-flight
-    refuses it on a GPU that cannot hold it, naming shorter rows, and passes it on one that can."""
+    no activation checkpointing) and one rank's when N ranks split the row; train's pre-flight refuses it on a GPU
+    that cannot hold it, naming shorter rows and the ranks that fit (without checkpointing, which the block
+    objective does not have), and passes it on one that can, and split over those ranks."""
     from eaglekit.contract import Sizes
     from eaglekit.progress import human_bytes
     from eaglekit.stages.train import estimate, step_memory_both, step_memory_check
@@ -116,20 +121,28 @@ def test_preflight_refuses_a_dflash_row_that_does_not_fit_and_plan_gives_its_mem
     assert both[1] is step and step.context_parallel == 1
     # the target's logits over its whole vocabulary (514 tokens), fp32, are part of the row's batch
     assert step.batch > 65536 * 4 * 514 and step.activations > 0
-    assert step_memory_both(ctx.cfg, 4)[0].total == step.total  # its rows are not split: ranks do not help
+    two, four = (step_memory_both(ctx.cfg, n)[0] for n in (2, 4))  # type: ignore[index]
+    assert four.total < two.total < step.total and four.context_parallel == 4 and four.gathered > 0
+    assert four.batch < step.batch / 3  # a quarter of the row's features and target, and a block's halo
 
-    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml([gpu(0, used=0, total=step.total / 2 / GB)]))
+    gpu_bytes = (four.total + two.total) / 2
+    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml([gpu(0, used=0, total=gpu_bytes / GB)]))
     refused = step_memory_check(ctx)
     assert refused.status == "fail" and "65,536 tokens a micro-batch" in refused.detail, refused.detail
     assert "does not fit" in refused.detail and human_bytes(step.total) in refused.detail
-    assert "train.pack_length" in refused.remedy
-    assert "context_parallel" not in refused.remedy and "activation_checkpointing" not in refused.remedy
+    assert (
+        "train.pack_length" in refused.remedy and "train.context_parallel: 4 (4 GPUs share each row" in refused.remedy
+    )
+    assert "activation_checkpointing" not in refused.remedy
 
-    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml([gpu(0, used=0, total=2 * step.total / GB)]))
-    assert step_memory_check(ctx).status == "ok"
+    split = make_ctx(tmp_path, tiny_target, stage="train", train={**train, "context_parallel": 4})
+    fits = step_memory_check(split)
+    assert fits.status == "ok" and "a rank of 4 splitting each row" in fits.detail
 
     sizes = Sizes(None, None, None, None, None, None, None, None, "bfloat16")
     how = estimate(ctx, sizes).how
     [line] = [h for h in how if h.startswith("GPU memory of a step")]
     assert f"at 65,536 tokens (bf16): {human_bytes(step.total)}" in line
-    assert not [h for h in how if "activation_checkpointing" in h or "context_parallel" in h]
+    assert not [h for h in how if "activation_checkpointing" in h]
+    [ranks] = [h for h in how if "train.context_parallel" in h]
+    assert "checkpointed" not in ranks and f"N=4 {human_bytes(four.total)}" in ranks

@@ -86,9 +86,7 @@ class DFlashFamily:
         self, cfg: RunConfig, tokens: int, context_parallel: int = 1
     ) -> tuple[StepMemory, StepMemory] | None:
         """The block step (``training/block_memory.py``): it has no activation checkpointing, so both figures are
-        the same; while its objective cannot split a row (``unsplit_rows``), ranks do not change it."""
-        if context_parallel > 1 and cfg.train.draft.unsplit_rows:
-            context_parallel = 1
+        the same step."""
         dc = self.drafter_config(cfg, *target_and_aux(cfg))
         total, trainable = self.parameter_counts(dc)
         length = min(tokens, pack_length(cfg))

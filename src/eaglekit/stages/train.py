@@ -299,8 +299,9 @@ def step_memory_check(ctx: StageContext):
     )
     if ranks is not None and ranks > cfg.train.context_parallel:
         per_rank = step_memory_both(cfg, ranks)[1]  # type: ignore[index]
+        checkpointed = " with train.ttt.activation_checkpointing: true" if recomputed is not plain else ""
         remedies.append(
-            f"train.context_parallel: {ranks} with train.ttt.activation_checkpointing: true ({ranks} GPUs share each "
+            f"train.context_parallel: {ranks}{checkpointed} ({ranks} GPUs share each "
             f"row, {human_bytes(per_rank.total)} a rank; under torchrun, with offline features)"
         )
     remedies.append(
@@ -362,13 +363,12 @@ def estimate(ctx: StageContext, sizes: Sizes | None) -> Estimate:
             step = both[1 if cfg.train.ttt.activation_checkpointing else 0].total
             est.how += shared_gpus.plan_lines(cfg, step, gpus.inventory())
         if cfg.train.context_parallel == 1 and n >= 16384:  # what splitting long rows over GPUs would give
-            # a family whose rows cannot be split (a block drafter today) answers for one rank: no line
-            split = [(n, m) for n in (2, 4, 8) if (m := step_memory_both(cfg, n)) and m[1].context_parallel == n]
-            if split:
-                est.how.append(
-                    "  with train.context_parallel (each row split over N GPUs), checkpointed, a rank: "
-                    + ", ".join(f"N={n} {human_bytes(m[1].total)}" for n, m in split)
-                )
+            split = [(n, step_memory_both(cfg, n)) for n in (2, 4, 8)]
+            checkpointed = " checkpointed," if both[1] is not both[0] else ""  # a block objective has no checkpointing
+            est.how.append(
+                f"  with train.context_parallel (each row split over N GPUs),{checkpointed} a rank: "
+                + ", ".join(f"N={n} {human_bytes(m[1].total)}" for n, m in split if m)
+            )
     tokens, rate = sizes.tokens, sizes.train_tok_per_s
     if tokens is not None and rate:
         est.seconds = tokens * (1 - cfg.data.eval_fraction) * cfg.train.epochs / rate

@@ -50,14 +50,27 @@ BATCH_INDEX_BYTES = 4 * 8 + 1  # a token's ids, loss and attention masks, positi
 
 @dataclass(frozen=True)
 class KeptBytes:
-    """What a block step keeps for backward: bytes per context token, per query and per (query, key) pair."""
+    """What a block step keeps for backward: bytes per context token it projects (the features' cast, the context,
+    every layer's keys and values), per context token its blocks read (each layer's attention keeps its own copies
+    of the row's keys and values), per query and per (query, key) pair; and the element size of the context's
+    keys and values as context parallelism gathers them."""
 
-    per_context: float
+    per_projected: float
+    per_read: float
     per_query: float
     per_pair: float
+    key_value_element: int
 
-    def at(self, tokens: int, queries: int) -> int:
-        return int(self.per_context * tokens + self.per_query * queries + self.per_pair * queries * (tokens + queries))
+    def at(self, tokens: int, queries: int, own: int | None = None) -> int:
+        """Bytes kept on a row of ``tokens``, with ``queries`` queries; ``own``: the positions this rank projects
+        (all of them without context parallelism)."""
+        projected = tokens if own is None else own
+        return int(
+            self.per_projected * projected
+            + self.per_read * tokens
+            + self.per_query * queries
+            + self.per_pair * queries * (tokens + queries)
+        )
 
 
 def _calibration_config(cfg: DFlashConfig, **widths: int) -> DFlashConfig:
@@ -76,8 +89,21 @@ def _calibration_config(cfg: DFlashConfig, **widths: int) -> DFlashConfig:
     )
 
 
-def kept_bytes(cfg: DFlashConfig, rows: int, anchors: int, bf16: bool) -> int:
-    """Bytes ``block_loss`` keeps for backward on one row of ``rows`` tokens with ``anchors`` anchored blocks
+@dataclass(frozen=True)
+class Kept:
+    """One block step's kept bytes, by where they were saved (``kept_bytes``)."""
+
+    projected: int  # making the context and its keys and values
+    read: int  # the rest: the blocks' layers over the context, the logits, the loss
+    key_value_element: int  # bytes of an element of the context's keys and values (the widest of the two)
+
+    @property
+    def total(self) -> int:
+        return self.projected + self.read
+
+
+def kept_bytes(cfg: DFlashConfig, rows: int, anchors: int, bf16: bool) -> Kept:
+    """What ``block_loss`` keeps for backward on one row of ``rows`` tokens with ``anchors`` anchored blocks
     (parameters and inputs not counted; autocast's weight copies are: they are constant in the row)."""
     torch.manual_seed(0)
     drafter = DSparkDrafter(cfg) if isinstance(cfg, DSparkConfig) else DFlashDrafter(cfg)
@@ -87,19 +113,33 @@ def kept_bytes(cfg: DFlashConfig, rows: int, anchors: int, bf16: bool) -> int:
     ids = torch.randint(0, cfg.vocab_size, (1, rows), generator=g)
     argmax = torch.randint(0, cfg.vocab_size, (1, rows), generator=g)
     inputs = {aux.untyped_storage().data_ptr()}
-    kept: dict[int, int] = {}
+    kept: dict[str, dict[int, int]] = {"projected": {}, "read": {}}
+    phase, element = ["read"], [0]
+    make_context, make_kv = drafter.context, drafter.context_kv
+
+    def context(*args: Any) -> torch.Tensor:  # the context, then its keys and values: what a rank projects
+        phase[0] = "projected"
+        return make_context(*args)
+
+    def context_kv(*args: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        out = make_kv(*args)
+        phase[0], element[0] = "read", max(t.element_size() for pair in out for t in pair)
+        return out
+
+    drafter.context, drafter.context_kv = context, context_kv  # type: ignore[method-assign,assignment]
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
         if storage.data_ptr() not in params and storage.data_ptr() not in inputs:
-            kept[storage.data_ptr()] = storage.nbytes()
+            kept[phase[0]][storage.data_ptr()] = storage.nbytes()
         return t
 
     ones = torch.ones_like(ids)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
         block_loss(drafter, aux, argmax, ids, ones, ones, max_anchors=anchors, generator=g)
-    return sum(kept.values())
+    projected = {ptr: n for ptr, n in kept["projected"].items() if ptr not in kept["read"]}  # counted once
+    return Kept(sum(projected.values()), sum(kept["read"].values()), element[0])
 
 
 def kept_per_shape(cfg: DFlashConfig, bf16: bool) -> KeptBytes:
@@ -115,24 +155,25 @@ def _kept(kind: str, cfg_json: str, bf16: bool) -> KeptBytes:
     def slopes(c: DFlashConfig) -> KeptBytes:
         (l1, l2), (a1, a2) = ROWS, ANCHORS
         q1, q2 = a1 * c.block_size, a2 * c.block_size
-        k11, k21, k12, k22 = (kept_bytes(c, n, a, bf16) for n, a in ((l1, a1), (l2, a1), (l1, a2), (l2, a2)))
+        runs = [kept_bytes(c, n, a, bf16) for n, a in ((l1, a1), (l2, a1), (l1, a2), (l2, a2))]
+        k11, k21, k12, k22 = (k.total for k in runs)
         pair = (k22 - k21 - k12 + k11) / ((l2 - l1) * (q2 - q1))
         context = (k21 - k11) / (l2 - l1) - pair * q1
+        projected = (runs[1].projected - runs[0].projected) / (l2 - l1)
         query = (k12 - k11 - pair * (q2 * (l1 + q2) - q1 * (l1 + q1))) / (q2 - q1)
-        return KeptBytes(context, query, pair)
+        return KeptBytes(projected, context - projected, query, pair, runs[0].key_value_element)
 
     base = _calibration_config(cfg)
     at_base = slopes(base)
-    context, query = at_base.per_context, at_base.per_query
+    grown = dataclasses.asdict(at_base)
     for name in BASE:
         if not hasattr(cfg, name):
             continue
         unit = getattr(base, name)
-        doubled = slopes(_calibration_config(cfg, **{name: 2 * unit}))
-        grown = getattr(cfg, name) - unit
-        context += (doubled.per_context - at_base.per_context) / unit * grown
-        query += (doubled.per_query - at_base.per_query) / unit * grown
-    return KeptBytes(max(context, 0.0), max(query, 0.0), max(at_base.per_pair, 0.0))
+        doubled = dataclasses.asdict(slopes(_calibration_config(cfg, **{name: 2 * unit})))
+        for part in ("per_projected", "per_read", "per_query"):
+            grown[part] += (doubled[part] - getattr(at_base, part)) / unit * (getattr(cfg, name) - unit)
+    return KeptBytes(**{k: max(v, 0) for k, v in grown.items()})
 
 
 def block_step_memory(
@@ -149,26 +190,32 @@ def block_step_memory(
     """The memory of one block step on ``rows`` rows of ``row_length`` tokens, for a drafter with ``trainable`` and
     ``frozen`` parameters (the target's embedding and head); ``bf16``: autocast as on a GPU, else fp32.
 
-    ``context_parallel`` ranks splitting each row: one rank holds its share of the positions (their features, the
-    context's activations, the anchors among them) and every other rank's context keys and values, which its
-    queries attend on every layer (gathered, in the compute dtype)."""
+    ``context_parallel`` ranks splitting each row (``training/block.py``): one rank holds its share of the positions
+    (their features and a block's halo, the projection of their context), the anchors among them, and the whole
+    row's context keys and values (gathered), which its blocks read on every layer as one process's do."""
     act = 2 if bf16 else 4
     kept = kept_per_shape(cfg, bf16)
     own = math.ceil(row_length / context_parallel)
-    queries = math.ceil(min(max_anchors, row_length) / context_parallel) * cfg.block_size
+    anchors = min(max_anchors, row_length)
+    if context_parallel > 1:  # the anchors are drawn over the whole row: the busiest rank's share, 3 sigma over
+        share = anchors / context_parallel
+        anchors = min(anchors, math.ceil(share + 3 * math.sqrt(share * (1 - 1 / context_parallel))))
+    queries = anchors * cfg.block_size
     # fp32 master + grad + AdamW for the trainable part, the frozen embedding and head in fp32; autocast's bf16 copy
     # of every weight a matmul reads (the head's, not the embedding's: a lookup is not cast)
     weights = ADAMW_BYTES * trainable + 4 * frozen + (2 * (trainable + frozen // 2) if bf16 else 0)
     aux_width = len(cfg.aux_layer_ids) * cfg.target_hidden_size
-    batch = rows * own * (aux_width * act + 4 * cfg.vocab_size + BATCH_INDEX_BYTES)
-    activations = rows * kept.at(own, queries) + rows * int(kept.per_pair * queries * (row_length - own))
+    held = own if context_parallel == 1 else min(own + cfg.block_size, row_length)  # its share and the halo
+    batch = rows * held * (aux_width * act + 4 * cfg.vocab_size + BATCH_INDEX_BYTES)
+    activations = rows * kept.at(row_length, queries, own)
     # before the step: the features' concatenation of the logits' chunks (a second copy); in it, the larger of the
     # mask's construction (comparisons over [Q, L + Q] and the bias, early in the forward) and, once everything is
     # kept, the logits' gradient and their softmax's (fp32) in the backward
-    features = rows * own * 4 * cfg.vocab_size
+    features = rows * held * 4 * cfg.vocab_size
     in_step = rows * max(queries * (row_length + queries) * (4 + act), 2 * queries * cfg.vocab_size * 4)
     transient = max(features - activations, in_step)
-    others = row_length - own
-    gathered = rows * others * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * act
+    # context parallel: every layer's keys and values of the whole row, gathered (and this rank's, stacked for it)
+    kv = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * kept.key_value_element
+    gathered = 0 if context_parallel == 1 else rows * (row_length + own) * kv
     per_token = activations / (rows * own)
     return StepMemory(weights, batch, activations, transient, per_token, gathered, context_parallel=context_parallel)
