@@ -14,7 +14,8 @@ Prints one JSON line per case and a table; asserts nothing.
     python benchmarks/train_memory.py --family dflash       # the block objective (training/block_memory.py), 512 anchors
 
 ``--family dflash`` / ``dspark``: the same measurement for a block drafter's step (its target logits built over the
-whole vocabulary as ``Features`` builds them, inside the measured step); it has no activation checkpointing.
+whole vocabulary as ``Features`` builds them, inside the measured step), also with ``--context-parallel N``; it has
+no activation checkpointing.
 """
 
 from __future__ import annotations
@@ -123,8 +124,9 @@ def run_case(shape: str, length: int, checkpoint: bool, device: str, context: Co
 BLOCK_LAYERS, BLOCK_SIZE, BLOCK_ANCHORS = 5, 16, 512  # speculators' DFlash recipe
 
 
-def run_block_case(family: str, shape: str, length: int, device: str) -> dict:
-    """One block-drafter case in this process: the measured peak of a step (bytes) and the model's."""
+def run_block_case(family: str, shape: str, length: int, device: str, context: ContextGroup | None = None) -> dict:
+    """One block-drafter case in this process: the measured peak of a step (bytes) and the model's; with ``context``,
+    this rank's (its share of the row's features and a block's halo, as ``ContextGroup.cut`` leaves them)."""
     from eaglekit.model.dflash import DFlashConfig, DFlashDrafter
     from eaglekit.model.dspark import DSparkConfig, DSparkDrafter
     from eaglekit.model.target import draft_logits
@@ -147,14 +149,17 @@ def run_block_case(family: str, shape: str, length: int, device: str) -> dict:
     n_trainable = sum(p.numel() for p in trainable)
     n_frozen = sum(p.numel() for p in drafter.parameters()) - n_trainable
     opt = torch.optim.AdamW(trainable, lr=1e-5)
-    objective = BlockObjective(drafter, BLOCK_ANCHORS, "dpace", 0.5, 4.0)
+    objective = BlockObjective(drafter, BLOCK_ANCHORS, "dpace", 0.5, 4.0, context=context)
+    ranks = 1 if context is None else context.size
     store = torch.bfloat16 if bf16 else torch.float32
     everything = torch.ones(vocab, dtype=torch.bool, device=dev)
 
     def step(n: int) -> None:
         g = torch.Generator(device="cpu").manual_seed(n)
-        aux = torch.randn(1, n, 3 * h, generator=g).to(dev, store)
-        last = torch.randn(1, n, h, generator=g).to(dev, store)
+        shard = None if context is None else context.shard(n, BLOCK_SIZE)
+        held = n if shard is None else shard.stop - shard.start
+        aux = torch.randn(1, held, 3 * h, generator=g).to(dev, store)
+        last = torch.randn(1, held, h, generator=g).to(dev, store)
         ids = torch.randint(0, vocab, (1, n), generator=g).to(dev)
         logits, in_draft = draft_logits(last, drafter.lm_head.weight.to(store), everything)  # as Features does
         del last
@@ -167,7 +172,8 @@ def run_block_case(family: str, shape: str, length: int, device: str) -> dict:
 
     step(256)  # warm: gradients and AdamW's moments exist
     gc.collect()
-    model = block_step_memory(cfg, length, 1, BLOCK_ANCHORS, trainable=n_trainable, frozen=n_frozen, bf16=bf16)
+    model = block_step_memory(cfg, length, 1, BLOCK_ANCHORS, trainable=n_trainable, frozen=n_frozen, bf16=bf16,
+                              context_parallel=ranks)  # fmt: skip
     t0 = time.monotonic()
     if dev.type == "cuda":
         torch.cuda.synchronize()
@@ -182,10 +188,40 @@ def run_block_case(family: str, shape: str, length: int, device: str) -> dict:
         measured, predicted = _status_bytes("VmHWM") - base, model.total - model.weights
     return {
         "family": family, "shape": shape, "length": length, "checkpointing": False, "device": device,
+        "context_parallel": ranks,
         "measured_bytes": int(measured), "model_bytes": int(predicted), "ratio": round(measured / predicted, 4),
-        "model_parts": {k: getattr(model, k) for k in ("weights", "batch", "activations", "transient")},
+        "model_parts": {k: getattr(model, k) for k in ("weights", "batch", "activations", "gathered", "transient")},
         "kept_per_token": round(model.per_token), "step_seconds": round(time.monotonic() - t0, 2),
     }  # fmt: skip
+
+
+def block_context_case(family: str, shape: str, length: int, ranks: int) -> dict:
+    """One CPU block-drafter case on ``ranks`` gloo processes splitting the row: the rank with the highest peak."""
+    import socket
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as out:
+        mp.spawn(_block_rank_case, args=(ranks, port, out, family, shape, length), nprocs=ranks, join=True)
+        rows = [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(ranks)]
+    return max(rows, key=lambda r: r["measured_bytes"])
+
+
+def _block_rank_case(rank: int, ranks: int, port: int, out: str, family: str, shape: str, length: int) -> None:
+    from eaglekit.training import distributed as dist
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(ranks), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))  # fmt: skip
+    torch.set_num_threads(1)
+    dist.init()
+    row = run_block_case(family, shape, length, "cpu", dist.context_group(ranks))
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps({**row, "rank": rank}))
+    dist.barrier()
+    torch.distributed.destroy_process_group()
 
 
 def context_case(shape: str, length: int, checkpoint: bool, ranks: int) -> dict:
@@ -237,7 +273,9 @@ def main() -> None:
     args = p.parse_args()
     if args.child:  # one CPU case in a fresh process: nothing else this process allocated blurs its peak
         shape, length, mode, ranks = args.child.split(":")
-        if args.family != "eagle3":
+        if args.family != "eagle3" and int(ranks) > 1:
+            print(json.dumps(block_context_case(args.family, shape, int(length), int(ranks))))
+        elif args.family != "eagle3":
             print(json.dumps(run_block_case(args.family, shape, int(length), "cpu")))
         elif int(ranks) > 1:
             print(json.dumps(context_case(shape, int(length), mode == "checkpointed", int(ranks))))
@@ -246,8 +284,6 @@ def main() -> None:
         return
     if args.context_parallel > 1 and args.device != "cpu":
         p.error("--context-parallel measures gloo ranks on the CPU; on GPUs train under torchrun instead")
-    if args.family != "eagle3" and args.context_parallel > 1:
-        p.error("--family: block drafters do not split rows yet (train.context_parallel 1)")
     modes = args.modes.split(",") if args.family == "eagle3" else ["plain"]  # no activation checkpointing
     rows = []
     for shape in args.shape.split(","):
