@@ -45,6 +45,7 @@ from eaglekit.training.context_parallel import ContextGroup, ContextShard
 from eaglekit.training.ttt import TTTOutput  # the loop's per-position figures (the loop reads no more of TTT)
 
 WEIGHTINGS = ("dpace", "exp-decay")
+DEFAULT_ANCHORS = 512  # speculators 0.9.0's max_anchors
 
 
 @dataclass
@@ -135,7 +136,7 @@ def block_loss(
     attention_mask: torch.Tensor,
     position_ids: torch.Tensor | None = None,
     *,
-    max_anchors: int = 512,
+    max_anchors: int = DEFAULT_ANCHORS,
     weighting: str = "dpace",
     dpace_alpha: float = 0.5,
     gamma: float = 4.0,
