@@ -24,6 +24,8 @@ from pathlib import Path
 
 import yaml
 
+from eaglekit.config import load_config
+from eaglekit.pipeline import fingerprint
 from eaglekit.tiny import ensure_long_target
 from eaglekit.tiny.long_build import write_long_prompts
 
@@ -120,13 +122,19 @@ def print_served(runs: list[tuple[str, int, dict]]) -> None:
         print(f"| {window_text} | {seed} | {run['k']} | " + " | ".join(cells) + " |")
 
 
-def reuse_replies(out: Path, run_dir: Path) -> None:
-    """Give a new run the target's replies another run under ``out`` generated (the same prompts, target and
-    generate settings): generate resumes over them with nothing left to ask. It is minutes a run on 2 cores, and
-    deterministic at T=0."""
-    done = sorted(out.glob("*/generate/STAGE.json"))
-    if done and not (run_dir / "generate").exists():
-        shutil.copytree(done[0].parent, run_dir / "generate")
+def reuse_replies(out: Path, config_path: Path) -> None:
+    """Give a new run the target's replies another run under ``out`` generated with the same generate fingerprint
+    (prompts, target, settings): generate resumes over them with nothing left to ask. It is minutes a run on 2
+    cores, and deterministic at T=0."""
+    cfg = load_config(config_path)
+    run_dir = Path(cfg.run_dir)
+    if (run_dir / "generate").exists():
+        return
+    wanted = fingerprint(cfg, "generate")
+    for marker in sorted(out.glob("*/generate/STAGE.json")):
+        if json.loads(marker.read_text()).get("fingerprint") == wanted:
+            shutil.copytree(marker.parent, run_dir / "generate")
+            return
 
 
 def kept(by: dict) -> float:
@@ -159,9 +167,9 @@ def main() -> None:
             path = args.out / f"{name}.yaml"
             report_path = args.out / name / "evaluate" / "report.json"
             if not report_path.exists():  # a finished run is read again, so seeds run apart aggregate here
-                reuse_replies(args.out, args.out / name)
                 path.write_text(yaml.safe_dump(config(target, train_file, eval_file, args.out / name, window, seed,
                                                       ks, args.steps, args.family)))  # fmt: skip
+                reuse_replies(args.out, path)
                 subprocess.run([*cli, "run", str(path), "--until", "evaluate"], env=env, check=True)
             report = json.loads(report_path.read_text())
             for row in (r for r in report["results"] if r["method"] == "eagle" and r["k"] in ks):

@@ -13,6 +13,11 @@ table; asserts nothing.
     python benchmarks/train_memory.py                                   # CPU, H=256/512, rows 2K-8K, fp32
     python benchmarks/train_memory.py --device cuda --shape kimi --lengths 8192,16384,65536 --modes checkpointed
     python benchmarks/train_memory.py --context-parallel 2 --lengths 8192,16384      # CPU, 2 gloo ranks per row
+    python benchmarks/train_memory.py --family dflash       # the block objective (training/block_memory.py), 512 anchors
+
+``--family dflash`` / ``dspark``: the same measurement for a block drafter's step (its target logits built over the
+whole vocabulary as ``Features`` builds them, inside the measured step), also with ``--context-parallel N``; it has
+no activation checkpointing.
 """
 
 from __future__ import annotations
@@ -130,6 +135,109 @@ def run_case(shape: str, length: int, checkpoint: bool, device: str, context: Co
     }  # fmt: skip
 
 
+BLOCK_LAYERS, BLOCK_SIZE, BLOCK_ANCHORS = 5, 16, 512  # speculators' DFlash recipe
+
+
+def run_block_case(family: str, shape: str, length: int, device: str, context: ContextGroup | None = None) -> dict:
+    """One block-drafter case in this process: the measured peak of a step (bytes) and the model's; with ``context``,
+    this rank's (its share of the row's features and a block's halo, as ``ContextGroup.cut`` leaves them)."""
+    from eaglekit.model.dflash import DFlashConfig, DFlashDrafter
+    from eaglekit.model.dspark import DSparkConfig, DSparkDrafter
+    from eaglekit.model.target import draft_logits
+    from eaglekit.training.block import BlockObjective
+    from eaglekit.training.block_memory import block_step_memory
+
+    h, i, heads, kv, hd, vocab, _ = SHAPES[shape]
+    cls, drafter_cls = (DSparkConfig, DSparkDrafter) if family == "dspark" else (DFlashConfig, DFlashDrafter)
+    cfg = cls(hidden_size=h, intermediate_size=i, num_attention_heads=heads, num_key_value_heads=kv, head_dim=hd,
+              num_hidden_layers=BLOCK_LAYERS, rms_norm_eps=1e-6, rope_theta=1e4, rope_scaling=None,
+              max_position_embeddings=max(length, 4096), vocab_size=vocab, target_hidden_size=h,
+              aux_layer_ids=[1, 2, 3], block_size=BLOCK_SIZE, mask_token_id=0)  # fmt: skip
+    dev = torch.device(device)
+    bf16 = dev.type == "cuda"
+    torch.manual_seed(0)
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    drafter = drafter_cls(cfg).to(dev)
+    trainable = [p for p in drafter.parameters() if p.requires_grad]
+    n_trainable = sum(p.numel() for p in trainable)
+    n_frozen = sum(p.numel() for p in drafter.parameters()) - n_trainable
+    opt = torch.optim.AdamW(trainable, lr=1e-5)
+    objective = BlockObjective(drafter, BLOCK_ANCHORS, "dpace", 0.5, 4.0, context=context)
+    ranks = 1 if context is None else context.size
+    store = torch.bfloat16 if bf16 else torch.float32
+    everything = torch.ones(vocab, dtype=torch.bool, device=dev)
+
+    def step(n: int) -> None:
+        g = torch.Generator(device="cpu").manual_seed(n)
+        shard = None if context is None else context.shard(n, BLOCK_SIZE)
+        held = n if shard is None else shard.stop - shard.start
+        aux = torch.randn(1, held, 3 * h, generator=g).to(dev, store)
+        last = torch.randn(1, held, h, generator=g).to(dev, store)
+        ids = torch.randint(0, vocab, (1, n), generator=g).to(dev)
+        logits, in_draft = draft_logits(last, drafter.lm_head.weight.to(store), everything)  # as Features does
+        del last
+        ones = torch.ones_like(ids)
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16):
+            loss, _ = objective(aux, ids, logits, ones, ones, in_draft)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step(256)  # warm: gradients and AdamW's moments exist
+    gc.collect()
+    model = block_step_memory(cfg, length, 1, BLOCK_ANCHORS, trainable=n_trainable, frozen=n_frozen, bf16=bf16,
+                              context_parallel=ranks)  # fmt: skip
+    t0 = time.monotonic()
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        step(length)
+        torch.cuda.synchronize()
+        measured, predicted = torch.cuda.max_memory_allocated(), model.total
+    else:
+        Path("/proc/self/clear_refs").write_text("5")
+        base = _status_bytes("VmRSS")
+        step(length)
+        measured, predicted = _status_bytes("VmHWM") - base, model.total - model.weights
+    return {
+        "family": family, "shape": shape, "length": length, "checkpointing": False, "device": device,
+        "context_parallel": ranks,
+        "measured_bytes": int(measured), "model_bytes": int(predicted), "ratio": round(measured / predicted, 4),
+        "model_parts": {k: getattr(model, k) for k in ("weights", "batch", "activations", "gathered", "transient")},
+        "kept_per_token": round(model.per_token), "step_seconds": round(time.monotonic() - t0, 2),
+    }  # fmt: skip
+
+
+def block_context_case(family: str, shape: str, length: int, ranks: int) -> dict:
+    """One CPU block-drafter case on ``ranks`` gloo processes splitting the row: the rank with the highest peak."""
+    import socket
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as out:
+        mp.spawn(_block_rank_case, args=(ranks, port, out, family, shape, length), nprocs=ranks, join=True)
+        rows = [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(ranks)]
+    return max(rows, key=lambda r: r["measured_bytes"])
+
+
+def _block_rank_case(rank: int, ranks: int, port: int, out: str, family: str, shape: str, length: int) -> None:
+    from eaglekit.training import distributed as dist
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(ranks), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))  # fmt: skip
+    torch.set_num_threads(1)
+    dist.init()
+    row = run_block_case(family, shape, length, "cpu", dist.context_group(ranks))
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps({**row, "rank": rank}))
+    dist.barrier()
+    torch.distributed.destroy_process_group()
+
+
 def context_case(shape: str, length: int, checkpoint: bool, ranks: int) -> dict:
     """One CPU case on ``ranks`` gloo processes splitting the row: the rank with the highest measured peak."""
     import socket
@@ -173,29 +281,37 @@ def main() -> None:
     p.add_argument("--lengths", default="2048,8192")
     p.add_argument("--modes", default="plain,checkpointed")
     p.add_argument("--context-parallel", type=int, default=1, help="CPU: gloo ranks splitting each row")
+    p.add_argument("--family", default="eagle3", choices=("eagle3", "dflash", "dspark"))
     p.add_argument("--json", help="also append each case's JSON line to this file")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:  # one CPU case in a fresh process: nothing else this process allocated blurs its peak
         shape, length, mode, ranks = args.child.split(":")
-        if int(ranks) > 1:
+        if args.family != "eagle3" and int(ranks) > 1:
+            print(json.dumps(block_context_case(args.family, shape, int(length), int(ranks))))
+        elif args.family != "eagle3":
+            print(json.dumps(run_block_case(args.family, shape, int(length), "cpu")))
+        elif int(ranks) > 1:
             print(json.dumps(context_case(shape, int(length), mode == "checkpointed", int(ranks))))
         else:
             print(json.dumps(run_case(shape, int(length), mode == "checkpointed", "cpu")))
         return
     if args.context_parallel > 1 and args.device != "cpu":
         p.error("--context-parallel measures gloo ranks on the CPU; on GPUs train under torchrun instead")
+    modes = args.modes.split(",") if args.family == "eagle3" else ["plain"]  # no activation checkpointing
     rows = []
     for shape in args.shape.split(","):
         for length in (int(x) for x in args.lengths.split(",")):
-            for mode in args.modes.split(","):
+            for mode in modes:
                 try:
                     if args.device == "cpu":
                         env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}  # freed memory goes back to the OS
                         case = f"{shape}:{length}:{mode}:{args.context_parallel}"
-                        out = subprocess.run([sys.executable, __file__, "--child", case],
+                        out = subprocess.run([sys.executable, __file__, "--child", case, "--family", args.family],
                                              env=env, capture_output=True, text=True, check=True)  # fmt: skip
                         row = json.loads(out.stdout.strip().splitlines()[-1])
+                    elif args.family != "eagle3":
+                        row = run_block_case(args.family, shape, length, args.device)
                     else:
                         row = run_case(shape, length, mode == "checkpointed", args.device)
                 except (RuntimeError, subprocess.CalledProcessError, torch.OutOfMemoryError) as err:

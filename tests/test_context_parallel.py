@@ -1,7 +1,7 @@
 """Context parallelism (train.context_parallel): real gloo ranks, each holding a contiguous piece of every row's
 positions (its features and target rows), give the single-process TTT step's loss and every gradient, in fp64, with
 packed documents, a sliding window, sequence normalisation, checkpointed steps, MLA, and with data parallelism
-(2 x 2 ranks under DDP)."""
+(2 x 2 ranks under DDP); and the block drafters' (DFlash, DSpark) step likewise, split 2 and 3 ways."""
 
 from __future__ import annotations
 
@@ -176,10 +176,12 @@ def test_data_parallel_times_context_parallel_equals_one_process(tmp_path, mode,
             torch.testing.assert_close(r["grads"][name], grad, rtol=1e-10, atol=1e-12, msg=f"{mode} {name}")
 
 
-def test_train_stage_splits_rows_across_two_ranks(tmp_path, tiny_target):
+@pytest.mark.parametrize("architecture", ["llama", "dflash"])
+def test_train_stage_splits_rows_across_two_ranks(tmp_path, tiny_target, architecture):
     """`eaglekit train` under torchrun with train.context_parallel 2 on offline features: the two ranks train one
     run on the rows a single process would see, to its loss (the first step's exactly; the second's after one AdamW
-    update in fp32) and its token count."""
+    update in fp32) and its token count. A block drafter's ranks read the target's rows a block past their own (the
+    halo) and draw the anchors one process draws."""
     from test_extract import prepared_run
     from test_train_ddp import stage_worker
 
@@ -187,9 +189,13 @@ def test_train_stage_splits_rows_across_two_ranks(tmp_path, tiny_target):
     from eaglekit.pipeline import run_stage
     from eaglekit.rundir import RunDir
 
-    train = {"ttt": {"steps": 2}, "batch_size": 1, "packing": True, "pack_length": 320, "max_steps": 2, "eval_every": 2,
+    # a block drafter reads no train.ttt; its slots weigh nearly alike, so the labels of a block's far slots (on
+    # the next rank, past a halo shorter than the block) count
+    objective = {"ttt": {"steps": 2}} if architecture == "llama" else {}
+    weighting = {} if architecture == "llama" else {"position_weighting": "exp-decay", "decay_gamma": 64.0}
+    train = {**objective, "batch_size": 1, "packing": True, "pack_length": 320, "max_steps": 2, "eval_every": 2,
              "save_every": 2, "log_every": 1, "eval_samples": 4, "warmup_steps": 1,
-             "draft": {"sliding_window": 48}}  # fmt: skip
+             "draft": {"architecture": architecture, "sliding_window": 48, **weighting}}  # fmt: skip
     cfg = prepared_run(tmp_path, tiny_target, n=32, extract={"mode": "offline"}, train=train)
     with RunDir(cfg.run_dir).lock:
         run_stage(cfg, "extract", skip_preflight=True)
@@ -254,18 +260,19 @@ def test_preflight_names_ranks_for_a_row_too_long_for_one_gpu(tmp_path, tiny_tar
     assert f"N=4 {human_bytes(four[1].total)}" in line
 
 
-def test_what_cannot_split_a_row_is_refused_with_its_reason():
+def test_every_family_splits_rows_and_what_cannot_split_is_refused_with_its_reason():
     from eaglekit.config import parse_config
     from eaglekit.errors import UsageError
     from eaglekit.training import distributed as dist
 
     base = {"run_dir": "run", "target": {"model": "t"}, "data": {"prompts": "p.jsonl"}, "extract": {"mode": "offline"}}
-    parse_config({**base, "train": {"context_parallel": 2}})  # EAGLE-3 on offline features: accepted
-    for family in ("dflash", "dspark"):
-        with pytest.raises(UsageError, match=f"context_parallel 2: .*architecture {family}'s block objective"):
-            parse_config({**base, "train": {"context_parallel": 2, "draft": {"architecture": family}}})
-    with pytest.raises(UsageError, match="context_parallel is 2 with online features.*extract.mode: offline"):
-        parse_config({**base, "extract": {"mode": "online"}, "train": {"context_parallel": 2}})
+    for family in ("llama", "mla", "dflash", "dspark"):  # every family's objective splits, on offline features
+        split = parse_config({**base, "train": {"context_parallel": 2, "draft": {"architecture": family}}})
+        assert split.train.context_parallel == 2 and split.train.draft.family == family
+        for mode in ("online", "stream"):  # the features of the whole row on every rank: what does not fit
+            with pytest.raises(UsageError, match=f"context_parallel is 2 with {mode} features.*extract.mode: offline"):
+                parse_config({**base, "extract": {"mode": mode}, "train": {"context_parallel": 2,
+                                                                          "draft": {"architecture": family}}})  # fmt: skip
     assert dist.context_group(1) is None
     with pytest.raises(UsageError, match="context_parallel is 2 but training runs on 1 process .not under torchrun"):
         dist.context_group(2)
@@ -310,3 +317,143 @@ def test_rows_shorter_than_the_ranks_leave_some_ranks_nothing(tmp_path):
         for param, grad in grads.items():
             got = sum(p["grads"][param] for p in parts if param in p["grads"])
             torch.testing.assert_close(got, grad, rtol=1e-10, atol=1e-12, msg=f"{length} {param}")
+
+
+# ------------------------------------------------------------------------------------- the block drafters
+
+BLOCK = 4
+BLOCK_CFG = dict(
+    hidden_size=16, intermediate_size=24, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+    num_hidden_layers=2, rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None, max_position_embeddings=64,
+    vocab_size=40, target_hidden_size=12, aux_layer_ids=[1, 2, 3], block_size=BLOCK, mask_token_id=39,
+)  # fmt: skip
+ANCHORS = 5  # of 11-13 candidates a row: a random draw, which every rank must make alike
+# name: (family, sliding window, packed rows, position weighting, row length)
+BLOCK_CASES = {
+    "dflash_packed": ("dflash", None, True, "dpace", 17),
+    "dflash_window": ("dflash", 5, True, "exp-decay", 17),
+    "dspark_packed": ("dspark", None, True, "dpace", 17),
+    "dspark_window": ("dspark", 5, False, "dpace", 17),
+    "dflash_short": ("dflash", None, False, "dpace", 4),  # split 3 ways: pieces of 2, 2 and none
+}
+
+
+def block_drafter(family: str, window: int | None):
+    from eaglekit.model.dflash import DFlashConfig, DFlashDrafter
+    from eaglekit.model.dspark import DSparkConfig, DSparkDrafter
+
+    torch.manual_seed(0)
+    if family == "dspark":
+        return DSparkDrafter(DSparkConfig(**BLOCK_CFG, sliding_window=window, markov_rank=4)).double()
+    return DFlashDrafter(DFlashConfig(**BLOCK_CFG, sliding_window=window)).double()
+
+
+def block_batch(packed: bool, length: int):
+    """2 rows (the second right-padded at 13), the target's logits over the whole vocabulary; packed rows hold the
+    documents of ``batch``, which cross the boundaries of 2 ranks (9) and of 3 (6, 12)."""
+    aux, ids, _, loss_mask, attention, _, positions = batch(packed)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, BLOCK_CFG["vocab_size"] - 1, ids.shape, generator=g)
+    aux = torch.randn(*ids.shape, 3 * BLOCK_CFG["target_hidden_size"], generator=g, dtype=torch.float64)
+    logits = torch.randn(*ids.shape, BLOCK_CFG["vocab_size"], generator=g, dtype=torch.float64)
+    logits[..., :4] += 2.0  # a few likely tokens, so some drafts are right
+    whole = (aux, ids, logits, loss_mask, attention, positions)
+    return tuple(None if t is None else t[:, :length] for t in whole)
+
+
+def block_step(name: str, seed: int, context=None):
+    """One block_loss step of case ``name``: under ``context`` on this rank's share of the features; the anchors
+    drawn by a generator of ``seed`` (the group takes its first rank's draw)."""
+    from eaglekit.training.block import block_loss
+
+    family, window, packed, weighting, length = BLOCK_CASES[name]
+    model = block_drafter(family, window)
+    aux, ids, logits, loss_mask, attention, positions = block_batch(packed, length)
+    if context is not None:
+        shard = context.shard(length, BLOCK)
+        aux, logits = shard.inputs(aux), shard.inputs(logits)
+    out = block_loss(
+        model, aux, logits.argmax(-1), ids, loss_mask, attention, positions, max_anchors=ANCHORS, weighting=weighting,
+        generator=torch.Generator().manual_seed(seed), context=context,
+    )  # fmt: skip
+    out.loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    figures = {k: getattr(out, k).detach().clone() for k in ("counted", "correct", "accepted_run", "anchors")}
+    return out.loss.detach(), figures, grads
+
+
+def block_worker(rank: int, world: int, port: int, out: str) -> None:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from eaglekit.training import distributed as dist
+    from eaglekit.training.block import BlockObjective
+    from eaglekit.training.context_parallel import ContextGroup
+
+    torch.set_num_threads(1)
+    torchrun_env(rank, world, port)
+    dist.init()
+    three = dist.context_group(3)
+    pair = torch.distributed.new_group([0, 1])  # every rank makes it; ranks 0 and 1 split rows 2 ways in it
+    assert three is not None
+    results: dict = {3: {}, 2: {}}
+    for name in BLOCK_CASES:  # each rank draws other anchors than its group's first: the group takes the first's
+        results[3][name] = block_step(name, 11 + rank, three)
+        if rank < 2:
+            results[2][name] = block_step(name, 11 + rank, ContextGroup(pair, rank, 2))
+    # the objective the training loop runs, under DDP over the 3 ranks (its gradients averaged), with anchors from
+    # the global random stream, which differs per rank here
+    objective = DDP(BlockObjective(block_drafter("dspark", 5), ANCHORS, "dpace", 0.5, 4.0, context=three))
+    aux, ids, logits, loss_mask, attention, positions = block_batch(True, 17)
+    shard = three.shard(17, objective.module.halo)
+    torch.manual_seed(100 + rank)
+    loss, _ = objective(shard.inputs(aux), ids, shard.inputs(logits), loss_mask, attention, None, positions)
+    loss.backward()
+    grads = {n.removeprefix("module."): p.grad.detach().clone() for n, p in objective.named_parameters()
+             if p.grad is not None}  # fmt: skip
+    results["ddp"] = {"loss": loss.detach(), "grads": grads}
+    torch.save(results, Path(out) / f"rank{rank}.pt")
+    dist.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def test_block_drafters_split_rows_two_and_three_ways_equal_one_process(tmp_path):
+    """DFlash and DSpark, packed documents across the ranks' boundaries, a sliding window, both weightings, a row
+    of 17 (not divisible by 2 or 3) and one shorter than the ranks' pieces: the ranks' losses, figures and
+    gradients add up to the single process's in fp64, and the training loop's objective under DDP gives its loss
+    and gradients."""
+    from eaglekit.training.block import BlockObjective, select_anchors
+
+    mp.spawn(block_worker, args=(3, free_port(), str(tmp_path)), nprocs=3, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(3)]
+    for name, (_, _, packed, _, length) in BLOCK_CASES.items():
+        loss, figures, grads = block_step(name, 11)
+        assert "fc.weight" in grads and "layers.0.self_attn.k_proj.weight" in grads
+        if name.startswith("dspark"):
+            assert "markov_head.markov_w1.weight" in grads
+        for size in (3, 2):
+            parts = [r[size][name] for r in ranks[:size]]
+            if length == 17:  # every rank owns blocks, and some block's labels lie past its rank's positions
+                assert all(int(p[1]["anchors"]) > 0 for p in parts), f"{name} {size}"
+                anchors, valid = select_anchors(block_batch(packed, length)[3] * block_batch(packed, length)[4],
+                                                ANCHORS, torch.Generator().manual_seed(11))  # fmt: skip
+                bounds = [-(-length // size) * r for r in range(1, size)]
+                assert any(a < e <= a + BLOCK - 1 for a in anchors[valid].tolist() for e in bounds), name
+            for key, value in figures.items():
+                assert torch.equal(sum(p[1][key] for p in parts), value), f"{name} {size} {key}"
+            torch.testing.assert_close(sum(p[0] for p in parts), loss, rtol=1e-12, atol=1e-13, msg=f"{name} {size}")
+            assert set(grads) == set(parts[0][2])
+            for param, grad in grads.items():
+                got = sum(p[2][param] for p in parts)
+                torch.testing.assert_close(got, grad, rtol=1e-10, atol=1e-12, msg=f"{name} {size} {param}")
+
+    single = BlockObjective(block_drafter("dspark", 5), ANCHORS, "dpace", 0.5, 4.0)
+    aux, ids, logits, loss_mask, attention, positions = block_batch(True, 17)
+    torch.manual_seed(100)
+    loss, _ = single(aux, ids, logits, loss_mask, attention, None, positions)
+    loss.backward()
+    # each rank's loss is its share times the group's size (which DDP's averaging divides out again)
+    torch.testing.assert_close(sum(r["ddp"]["loss"] for r in ranks) / 3, loss.detach(), rtol=1e-12, atol=1e-13)
+    for name, p in single.named_parameters():
+        if p.grad is not None:
+            for r in ranks:
+                torch.testing.assert_close(r["ddp"]["grads"][name], p.grad, rtol=1e-10, atol=1e-12, msg=name)

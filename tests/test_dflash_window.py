@@ -77,7 +77,7 @@ def reference_block(drafter, context, context_positions, query_ids, query_positi
                 out[i, head] = weights @ values[seen, kv]
         h = h + attn.o_proj(out.flatten(-2))
         h = h + layer.mlp(layer.post_attention_layernorm(h))
-    return drafter.lm_head(drafter.norm(h)).float()
+    return drafter.lm_head(drafter.norm(h))  # the drafter's dtype: fp64 here, as its forward gives
 
 
 def packed_row(cfg: DFlashConfig, lengths: list[int], seed: int = 1):

@@ -348,8 +348,6 @@ class DraftSection(Section):
     # The objective it trains instead of EAGLE-3's training-time test, which then reads none of train.ttt's
     # settings (None: it trains TTT).
     objective_without_ttt: ClassVar[str | None] = None
-    # Why its objective cannot split a row across ranks (train.context_parallel); None: it can.
-    unsplit_rows: ClassVar[str | None] = None
 
     @property
     def family(self) -> str:
@@ -499,7 +497,6 @@ class DFlashDraft(DraftSection):
     )
 
     objective_without_ttt = "its block objective (cross-entropy on the target's argmax, train.draft.position_weighting)"
-    unsplit_rows = "block objective is not split (its anchored blocks attend their context on every layer)"
 
 
 class DSparkDraft(DFlashDraft):
@@ -760,7 +757,7 @@ class TrainConfig(Section):
         description="ranks that split each row's positions (training/context_parallel.py): each holds 1/N of the row's "
         "features and activations and all-gathers the keys, so a row of tens of thousands of tokens trains across N "
         "GPUs (docs/long-context.md); under torchrun with a multiple of N processes (the rest is data parallel); "
-        "EAGLE-3 drafters, offline features",
+        "every drafter family (EAGLE-3's TTT step, DFlash's and DSpark's blocks), offline features",
     )
 
     @model_validator(mode="before")
@@ -805,16 +802,6 @@ class TrainConfig(Section):
             raise ValueError(
                 f"train.ttt's {', '.join(set_keys)}: EAGLE-3's training-time-test settings; architecture "
                 f"{self.draft.family} trains {objective}, which does not read them: remove them"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _context_parallel_splits_ttt(self) -> TrainConfig:
-        if self.context_parallel > 1 and self.draft.unsplit_rows:
-            raise ValueError(
-                f"context_parallel {self.context_parallel}: splitting a row across ranks is built for EAGLE-3's TTT "
-                f"step; architecture {self.draft.family}'s {self.draft.unsplit_rows}: set train.context_parallel: 1, "
-                "and shorten rows (prepare.max_length) or window the drafter (train.draft.sliding_window) instead"
             )
         return self
 

@@ -30,8 +30,10 @@ from eaglekit.model.run_shapes import target_and_aux
 from eaglekit.progress import console
 from eaglekit.serving.engine_features import export_check
 from eaglekit.speculative.block import BlockProposer
-from eaglekit.training.block import BlockObjective
+from eaglekit.training.block import DEFAULT_ANCHORS, BlockObjective
+from eaglekit.training.block_memory import block_step_memory
 from eaglekit.training.context_parallel import ContextGroup
+from eaglekit.training.data import pack_length
 from eaglekit.training.memory import StepMemory
 
 NO_SGLANG = "block drafter: no SGLang form"
@@ -83,7 +85,22 @@ class DFlashFamily:
     def step_memory(
         self, cfg: RunConfig, tokens: int, context_parallel: int = 1
     ) -> tuple[StepMemory, StepMemory] | None:
-        return None  # not modelled
+        """The block step (``training/block_memory.py``): it has no activation checkpointing, so both figures are
+        the same step."""
+        dc = self.drafter_config(cfg, *target_and_aux(cfg))
+        total, trainable = self.parameter_counts(dc)
+        length = min(tokens, pack_length(cfg))
+        draft = cfg.train.draft_as(self.draft_model)
+        step = block_step_memory(
+            dc,
+            length,
+            -(-tokens // length),
+            draft.max_anchors or DEFAULT_ANCHORS,
+            trainable=trainable,
+            frozen=total - trainable,
+            context_parallel=context_parallel,
+        )
+        return step, step
 
     # ---- pre-flight
     def shape_check(self, cfg: RunConfig) -> Verdict:
@@ -166,12 +183,15 @@ class DFlashFamily:
         draft = tc.draft_as(self.draft_model)
         module = BlockObjective(
             drafter,
-            max_anchors=draft.max_anchors or 512,
+            max_anchors=draft.max_anchors or DEFAULT_ANCHORS,
             weighting=draft.position_weighting or "dpace",
             dpace_alpha=draft.dpace_alpha if draft.dpace_alpha is not None else 0.5,
             gamma=draft.decay_gamma if draft.decay_gamma is not None else 4.0,
+            context=context,
         )
-        return Objective(module, module.positions, [1.0] * module.positions, f"{self.name} block objective")
+        return Objective(
+            module, module.positions, [1.0] * module.positions, f"{self.name} block objective", module.halo
+        )
 
     # ---- decoding
     def load_checkpoint(self, cfg: RunConfig, path: Path, aux: list[int]) -> tuple[DFlashDrafter, CheckpointInfo]:

@@ -188,6 +188,7 @@ class Eagle3Family:
             settings.steps,
             ttt.step_weights,
             kernels.describe() + (", drafter compiled" if settings.compile else ""),
+            settings.steps,
         )
 
     def save_checkpoint(self, dc: Any, state: dict[str, torch.Tensor], out: Path) -> None:

@@ -48,6 +48,7 @@ class Objective:
     positions: int  # figures it reports per draft position
     weights: list[float]  # their weights in the held-out loss
     kernels: str  # what it runs, for the ledger
+    halo: int  # positions past a context-parallel rank's own whose targets it reads (training/context_parallel.py)
 
 
 class DrafterFamily(Protocol):

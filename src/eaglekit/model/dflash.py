@@ -215,11 +215,30 @@ def config_for_run(cfg: Any, hf_config: Any, aux_layer_ids: list[int], vocab_siz
     )
 
 
+def at_least_fp32(logits: torch.Tensor) -> torch.Tensor:
+    """Logits for the loss: fp32 from bf16 or fp32, fp64 kept (a drafter in fp64 is checked at fp64 tolerance)."""
+    return logits if logits.dtype == torch.float64 else logits.float()
+
+
 def window_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int) -> torch.Tensor:
     """[B, Q] and [B, K] positions -> [B, Q, K] bool: the key is at most ``window`` - 1 positions before the query
     (itself included), the causal sliding window both engines apply to a sliding DFlash layer (module docstring)."""
-    offset = query_positions[:, :, None] - key_positions[:, None, :]
-    return (offset >= 0) & (offset < window)
+    # two comparisons rather than the difference: an int64 [B, Q, K] offset is 8 bytes per (query, key) pair, 4.8 GB
+    # at 8,192 queries over a 65,536-token row
+    q, k = query_positions[:, :, None], key_positions[:, None, :]
+    return (k <= q) & (k > q - window)
+
+
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[B, Q, K] bool (True: may attend) -> the [B, 1, Q, K] bias SDPA makes of it (0 or -inf in the query's dtype).
+
+    Made once for all layers: given the bool mask, every layer's SDPA converts it again and keeps its own copy for
+    backward, a [Q, K] tensor per layer (1.2 GB each in bf16 at 8,192 queries over a 65,536-token row). Its rows
+    are laid out 16-aligned, as CUDA's memory-efficient kernel needs them (else it pads a copy on every call)."""
+    keys = mask.shape[-1]
+    aligned = -(-keys // 16) * 16
+    bias = torch.zeros(*mask.shape[:-1], aligned, dtype=dtype, device=mask.device)[..., :keys]
+    return bias.masked_fill_(~mask, float("-inf"))[:, None]
 
 
 class DFlashAttention(nn.Module):
@@ -248,7 +267,7 @@ class DFlashAttention(nn.Module):
         context_kv: tuple[torch.Tensor, torch.Tensor],
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
-        """x [B, Q, H] queries; context_kv [B, C, nKV, d] each; mask [B, Q, C+Q] bool (True: may attend) or None."""
+        """x [B, Q, H] queries; context_kv [B, C, nKV, d] each; mask: ``additive_mask``'s [B, 1, Q, C+Q] or None."""
         q = apply_rope(self.q_norm(self.q_proj(x).view(*x.shape[:-1], self.n_heads, self.head_dim)), cos, sin)
         k, v = self.keys_values(x, cos, sin)
         k = torch.cat([context_kv[0], k], dim=1).transpose(1, 2)
@@ -258,7 +277,7 @@ class DFlashAttention(nn.Module):
             q.transpose(1, 2),
             repeat_kv(k, groups),
             repeat_kv(v, groups),
-            attn_mask=None if mask is None else mask[:, None],
+            attn_mask=mask,
             scale=self.head_dim**-0.5,
         )
         return self.o_proj(out.transpose(1, 2).flatten(-2))
@@ -334,7 +353,7 @@ class DFlashDrafter(nn.Module):
         mask: torch.Tensor | None = None,
         context_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """query_ids/positions [B, Q] -> logits [B, Q, V] (fp32). ``mask`` [B, Q, C+Q] None: every query sees
+        """query_ids/positions [B, Q] -> logits [B, Q, V] (fp32, or fp64 in fp64). ``mask`` [B, Q, C+Q] None: every query sees
         everything; a sliding window narrows it further, by the context's positions [B, C] (required then)."""
         window = self.config.sliding_window
         if window is not None:
@@ -344,7 +363,11 @@ class DFlashDrafter(nn.Module):
             windowed = window_mask(query_positions, keys.to(query_positions.device), window)
             mask = windowed if mask is None else mask & windowed
         h = self.embed_tokens(query_ids)
+        if mask is not None:
+            device = h.device.type
+            autocast = torch.is_autocast_enabled(device)
+            mask = additive_mask(mask, torch.get_autocast_dtype(device) if autocast else h.dtype)
         cos, sin = self.rotary(query_positions, h.dtype)
         for layer, kv in zip(self.layers, context_kv, strict=True):
             h = layer(h, cos, sin, kv, mask)
-        return self.lm_head(self.norm(h)).float()
+        return at_least_fp32(self.lm_head(self.norm(h)))

@@ -66,8 +66,9 @@ class MarkovHead(nn.Module):
         self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
 
     def forward(self, prev_ids: torch.Tensor) -> torch.Tensor:
-        """prev_ids [...] -> the bias [..., V] (fp32) added to the logits of the query at the same position."""
-        return self.markov_w2(self.markov_w1(prev_ids)).float()
+        """prev_ids [...] -> the bias [..., V] (fp32, or fp64 in fp64) added to the logits of the query at the same
+        position."""
+        return dflash.at_least_fp32(self.markov_w2(self.markov_w1(prev_ids)))
 
 
 class DSparkDrafter(DFlashDrafter):

@@ -86,7 +86,7 @@ def check(cfg: RunConfig, step: tuple[StepMemory, StepMemory] | None, found: lis
     if not used:
         return skip(NAME, "no GPU visible to this process (CUDA_VISIBLE_DEVICES)")
     if step is None:
-        return skip(NAME, "the drafter's step memory is modelled for a fresh EAGLE-3 drafter only")
+        return skip(NAME, "the drafter's step memory is not modelled for a finetune (train.init_from)")
     plain, recomputed = step
     checkpointed = cfg.train.ttt.activation_checkpointing
     need = (recomputed if checkpointed else plain).total

@@ -277,7 +277,7 @@ def step_memory_check(ctx: StageContext):
         return skip("step memory", "no GPU: the step's memory is not checked (`eaglekit plan` gives it)")
     both = step_memory_both(cfg)
     if both is None:
-        return skip("step memory", "modelled for a fresh EAGLE-3 drafter only")
+        return skip("step memory", "not modelled for a finetune (train.init_from: its own shape)")
     plain, recomputed = both
     chosen = recomputed if cfg.train.ttt.activation_checkpointing else plain
     smallest = min(gpus.visible(found) or found, key=lambda g: g.total)
@@ -299,8 +299,9 @@ def step_memory_check(ctx: StageContext):
     )
     if ranks is not None and ranks > cfg.train.context_parallel:
         per_rank = step_memory_both(cfg, ranks)[1]  # type: ignore[index]
+        checkpointed = " with train.ttt.activation_checkpointing: true" if recomputed is not plain else ""
         remedies.append(
-            f"train.context_parallel: {ranks} with train.ttt.activation_checkpointing: true ({ranks} GPUs share each "
+            f"train.context_parallel: {ranks}{checkpointed} ({ranks} GPUs share each "
             f"row, {human_bytes(per_rank.total)} a rank; under torchrun, with offline features)"
         )
     remedies.append(
@@ -356,14 +357,16 @@ def estimate(ctx: StageContext, sizes: Sizes | None) -> Estimate:
     if both is not None:
         n = row_tokens(cfg)
         est.how.append(f"GPU memory of a step at {n:,} tokens (bf16): {memory_line(both[0], n)}")
-        est.how.append(f"  with train.ttt.activation_checkpointing: {human_bytes(both[1].total)}")
+        if both[1] is not both[0]:  # a block objective has no checkpointing: one figure
+            est.how.append(f"  with train.ttt.activation_checkpointing: {human_bytes(both[1].total)}")
         if shared_gpus.shares_trainer_gpus(cfg):
             step = both[1 if cfg.train.ttt.activation_checkpointing else 0].total
             est.how += shared_gpus.plan_lines(cfg, step, gpus.inventory())
         if cfg.train.context_parallel == 1 and n >= 16384:  # what splitting long rows over GPUs would give
             split = [(n, step_memory_both(cfg, n)) for n in (2, 4, 8)]
+            checkpointed = " checkpointed," if both[1] is not both[0] else ""  # a block objective has no checkpointing
             est.how.append(
-                "  with train.context_parallel (each row split over N GPUs), checkpointed, a rank: "
+                f"  with train.context_parallel (each row split over N GPUs),{checkpointed} a rank: "
                 + ", ".join(f"N={n} {human_bytes(m[1].total)}" for n, m in split if m)
             )
     tokens, rate = sizes.tokens, sizes.train_tok_per_s

@@ -24,6 +24,12 @@ anchor sampling: slot k is trained to the target's argmax at a+k (its prediction
 included, and its logits carry the Markov bias of the token at a+k (teacher-forced: the sequence's own token, the
 one the label is conditioned on). Its exp-decay weighs slot k by exp(-k/γ); its τ counts the run from slot 0.
 speculators adds a confidence-head loss, which eaglekit does not train (``model/dspark.py``).
+
+Context parallelism (train.context_parallel, ``training/context_parallel.py``): each rank of a group holds the
+features of its positions of every row (and the target's argmax a block's size past them), projects its positions'
+context keys and values, all-gathers them, and runs the blocks whose anchors it owns; the anchors are drawn over the
+whole row as one process draws them. Every block is computed as one process computes it, so the ranks' losses and
+gradients add up to the single process's.
 """
 
 from __future__ import annotations
@@ -35,9 +41,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from eaglekit.model.dflash import DFlashDrafter
+from eaglekit.training.context_parallel import ContextGroup, ContextShard
 from eaglekit.training.ttt import TTTOutput  # the loop's per-position figures (the loop reads no more of TTT)
 
 WEIGHTINGS = ("dpace", "exp-decay")
+DEFAULT_ANCHORS = 512  # speculators 0.9.0's max_anchors
 
 
 @dataclass
@@ -69,6 +77,18 @@ def select_anchors(
     for b, r in enumerate(rows):
         anchors[b, : r.numel()], valid[b, : r.numel()] = r, True
     return anchors.to(loss_mask.device), valid.to(loss_mask.device)
+
+
+def own_anchors(anchors: torch.Tensor, valid: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The valid anchors in positions [start, end), in order: anchors and valid [B, A'], A' the most of a row (>= 1)."""
+    mine = valid & (anchors >= start) & (anchors < end)
+    width = max(1, int(mine.sum(1).max()))
+    rows = torch.zeros(anchors.shape[0], width, dtype=anchors.dtype, device=anchors.device)
+    kept = torch.zeros(anchors.shape[0], width, dtype=torch.bool, device=anchors.device)
+    for b in range(anchors.shape[0]):
+        picked = anchors[b][mine[b]]
+        rows[b, : picked.numel()], kept[b, : picked.numel()] = picked, True
+    return rows, kept
 
 
 def document_ids(attention_mask: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
@@ -116,15 +136,20 @@ def block_loss(
     attention_mask: torch.Tensor,
     position_ids: torch.Tensor | None = None,
     *,
-    max_anchors: int = 512,
+    max_anchors: int = DEFAULT_ANCHORS,
     weighting: str = "dpace",
     dpace_alpha: float = 0.5,
     gamma: float = 4.0,
     generator: torch.Generator | None = None,
+    context: ContextGroup | None = None,
 ) -> BlockOutput:
     """The DFlash (or DSpark) loss of one batch (module docstring). aux [B, L, n*Ht]; target_argmax [B, L]: the
     target's argmax over its whole vocabulary at each position (its next token); the rest [B, L]; ``position_ids``
-    for packed rows."""
+    for packed rows.
+
+    With ``context`` (context parallelism) aux and target_argmax hold this rank's rows [start, stop) of its shard
+    (``ContextGroup.shard(L, block_size)``); the loss is this rank's blocks' share of the group's, and the figures
+    are its own blocks' (they add up over the group)."""
     bs = drafter.config.block_size
     first = drafter.first_drafting_slot
     device = drafter.fc.weight.device
@@ -136,6 +161,9 @@ def block_loss(
     )
     docs = document_ids(attention_mask, None if position_ids is None else positions)
     anchors, valid = select_anchors(loss_mask * attention_mask, max_anchors, generator)
+    shard = None if context is None else context.shard(length, bs)
+    if shard is not None:
+        anchors, valid = own_anchors(shard.same(anchors), valid, shard.start, shard.end)
     n_anchors = anchors.shape[1]
 
     slot = torch.arange(bs, device=device)
@@ -146,13 +174,12 @@ def block_loss(
     same_doc = docs.gather(1, flat).view_as(index) == docs.gather(1, anchors)[:, :, None]
     counted = valid[:, :, None] & inside & same_doc & loss_mask.bool().gather(1, flat).view_as(index) & (slot >= first)
 
-    labels = target_argmax.gather(1, (index - 1).clamp_min(0).flatten(1)).view_as(index)  # t-1 predicts t
+    labels = slot_labels(target_argmax, (index - 1).clamp_min(0), shard)  # t-1 predicts t
 
     query_ids = torch.full_like(index, drafter.config.mask_token_id)
     query_ids[:, :, 0] = input_ids.gather(1, anchors)
     query_positions = positions.gather(1, anchors)[:, :, None] + slot
-    context = drafter.context(aux)
-    kv = drafter.context_kv(context, positions)
+    kv = context_kv(drafter, aux, positions, shard)
     mask = block_attention_mask(docs, anchors, bs)
     logits = drafter(query_ids.flatten(1), query_positions.flatten(1), kv, mask, positions)  # [B, A*bs, V]
     # DSpark's Markov bias from the token at each slot's own position (index - 1; the anchor at slot 0, so never
@@ -164,7 +191,8 @@ def block_loss(
     ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view(b * n_anchors, bs)
     counted = counted.view(b * n_anchors, bs)
     weights = position_weights(ce, counted, weighting, dpace_alpha, gamma, first)
-    loss = (ce * weights).sum() / counted.sum().clamp_min(1)
+    total = counted.sum() if shard is None else shard.all_reduce(counted.sum())
+    loss = (ce * weights).sum() / total.clamp_min(1)
 
     hit = (logits.argmax(-1).view_as(index) == labels).view(b * n_anchors, bs) & counted
     run = torch.cumprod(hit[:, first:].long(), dim=-1).sum(-1)  # a slot that does not count ends the run
@@ -176,6 +204,30 @@ def block_loss(
         anchors=valid.sum().detach(),
         slot_loss=((ce * counted).sum(0) / counted.sum(0).clamp_min(1)).detach(),
     )
+
+
+def slot_labels(target_argmax: torch.Tensor, at: torch.Tensor, shard: ContextShard | None) -> torch.Tensor:
+    """The target's argmax at global positions ``at`` [B, A, bs]. A shard holds rows [start, stop): every counted
+    slot's lies there (the halo is the block size); the others (a DFlash anchor slot's, at a - 1) take any row, as
+    they weigh nothing."""
+    if shard is not None:
+        rows = target_argmax.shape[1]
+        if rows == 0:  # an empty share of a short row: no anchors of its own, nothing counts
+            return torch.zeros_like(at)
+        at = (at - shard.start).clamp(0, rows - 1)
+    return target_argmax.gather(1, at.flatten(1)).view_as(at)
+
+
+def context_kv(
+    drafter: DFlashDrafter, aux: torch.Tensor, positions: torch.Tensor, shard: ContextShard | None
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every layer's context keys and values over the whole row [B, L, nKV, d]: a shard projects its own positions'
+    and all-gathers them, all layers in one collective (its backward returns each rank its keys' gradients)."""
+    if shard is None:
+        return drafter.context_kv(drafter.context(aux), positions)
+    own = drafter.context_kv(drafter.context(shard.own(aux)), positions[:, shard.start : shard.end])
+    whole = shard.gather(torch.stack([t for kv in own for t in kv], dim=2)).unbind(2)  # [B, L, 2 * layers, nKV, d]
+    return list(zip(whole[0::2], whole[1::2], strict=True))
 
 
 def target_argmax(last_hidden: torch.Tensor, head: torch.Tensor, rows: int = 4096) -> torch.Tensor:
@@ -191,14 +243,31 @@ class BlockObjective(nn.Module):
     It takes the training loop's inputs (``training/loop.py``'s ``Features``, built over the whole vocabulary
     for this family, so ``target_logits`` argmax is the target's next token) and answers with the loop's
     per-position figures: position k is the k-th drafting slot (``loss_k``, ``acc_k``, ``count_k``): DFlash's slot
-    k+1, DSpark's slot k."""
+    k+1, DSpark's slot k.
 
-    def __init__(self, drafter: DFlashDrafter, max_anchors: int, weighting: str, dpace_alpha: float, gamma: float):
+    With ``context`` the ranks of the group split each row (``block_loss``): each rank's loss is its share of the
+    group's times the group's size, which the gradient averaging of DDP / FSDP divides out again, so a data-parallel
+    group of P ranks weighs as one rank without context parallelism."""
+
+    def __init__(
+        self,
+        drafter: DFlashDrafter,
+        max_anchors: int,
+        weighting: str,
+        dpace_alpha: float,
+        gamma: float,
+        context: ContextGroup | None = None,
+    ):
         super().__init__()
         if weighting not in WEIGHTINGS:
             raise ValueError(f"unknown position weighting {weighting!r} (one of {WEIGHTINGS})")
-        self.drafter = drafter
+        self.drafter, self.context = drafter, context
         self.max_anchors, self.weighting, self.dpace_alpha, self.gamma = max_anchors, weighting, dpace_alpha, gamma
+
+    @property
+    def halo(self) -> int:
+        """Positions past a rank's own whose target argmax its blocks read (``ContextGroup.cut``)."""
+        return self.drafter.config.block_size
 
     @property
     def positions(self) -> int:
@@ -220,9 +289,11 @@ class BlockObjective(nn.Module):
             weighting=self.weighting,
             dpace_alpha=self.dpace_alpha,
             gamma=self.gamma,
+            context=self.context,
         )
+        loss = out.loss if self.context is None else out.loss * self.context.size
         first = self.drafter.first_drafting_slot
         counted = out.counted[first:].tolist()
         acc = [c / n if n else 0.0 for c, n in zip(out.correct[first:].tolist(), counted, strict=True)]
         loss_k = [float(out.slot_loss[k]) for k in range(first, first + self.positions)]
-        return out.loss, TTTOutput(loss=out.loss, loss_k=loss_k, acc_k=acc, count_k=[int(n) for n in counted])
+        return loss, TTTOutput(loss=loss, loss_k=loss_k, acc_k=acc, count_k=[int(n) for n in counted])

@@ -1,5 +1,5 @@
-"""Context parallelism for EAGLE-3's TTT step (train.context_parallel): the ranks of a group split each row's
-positions, so a row longer than one GPU's memory trains across several.
+"""Context parallelism (train.context_parallel) for EAGLE-3's TTT step and the block drafters' objective: the ranks
+of a group split each row's positions, so a row longer than one GPU's memory trains across several.
 
 How, and why this way. Rank r of a group of P holds positions [start, end) of every row of the micro-batch (a
 contiguous piece of ceil(L / P)), with the row's heavy per-position inputs — the aux features, the target's logits
@@ -30,6 +30,17 @@ rank (the normaliser ``training/objective.py`` already passes under torchrun; wi
 DP x CP), ranks r*P .. r*P+P-1 form context group r, the data order is split over the DP groups, and DDP/FSDP over
 the whole world average gradients exactly as without CP (the all-gather's backward has already summed what each
 rank's keys owe the others).
+
+The block drafters (DFlash, DSpark: ``training/block.py``) split the same way, with the same collective. A DFlash
+layer's context keys and values are projections of the target's features at each context position, independent of
+the drafter's earlier layers, so each rank projects every layer's keys and values at its own positions and one
+all-gather gives every rank the whole row's (all layers at once). Anchors are drawn over the whole row, as one
+process draws them, and broadcast from the group's first rank (so the ranks agree even where their random streams
+would not); each rank runs the blocks whose anchors it owns over the gathered context (document, window and the
+block's own queries as one process masks them). A block of anchor a reads the target's argmax at most
+block_size - 1 positions past a, so the halo of the heavy inputs is the block size. The loss is each rank's blocks' sum over the group's count
+of counted slots, times the group's size for DDP's average (each data-parallel group then weighs as one process
+without context parallelism: the block objective normalises per data-parallel rank).
 """
 
 from __future__ import annotations
@@ -52,17 +63,18 @@ class ContextGroup:
     rank: int
     size: int
 
-    def shard(self, length: int, steps: int) -> ContextShard:
-        """This rank's share of rows of ``length`` positions for a TTT of ``steps`` steps."""
+    def shard(self, length: int, halo: int) -> ContextShard:
+        """This rank's share of rows of ``length`` positions, whose targets reach ``halo`` positions past its own
+        (a TTT's steps, a block's size)."""
         piece = math.ceil(length / self.size) if length else 0
         start = min(self.rank * piece, length)
         end = min(start + piece, length)
-        return ContextShard(self, length, piece, start, end, min(end + steps, length) if end > start else end)
+        return ContextShard(self, length, piece, start, end, min(end + halo, length) if end > start else end)
 
-    def cut(self, batch: Batch, steps: int) -> Batch:
+    def cut(self, batch: Batch, halo: int) -> Batch:
         """``batch`` with its stored features cut to this rank's positions and halo (the metadata stays whole), so
         that only this rank's share of the row is decoded, run through the target's head and moved to the GPU."""
-        shard = self.shard(batch.input_ids.shape[1], steps)
+        shard = self.shard(batch.input_ids.shape[1], halo)
 
         def piece(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t[:, shard.start : shard.stop]
@@ -105,6 +117,11 @@ class ContextShard:
         if short:
             x = torch.cat([x, x.new_zeros(x.shape[0], short, *x.shape[2:])], dim=1)
         return _GatherPositions.apply(x, self.context)[:, : self.length]
+
+    def same(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` as the group's first rank holds it, in place (a choice every rank must make alike: no gradient)."""
+        dist.broadcast(t, src=dist.get_global_rank(self.context.group, 0), group=self.context.group)
+        return t
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` summed over the group, in place (counts: no gradient)."""

@@ -106,7 +106,7 @@ def train(
     autocast = autocast_for(tc.dtype, device)
     objective = family.objective(drafter, tc, device, context)
     positions, weights, notes["step_kernels"] = objective.positions, objective.weights, objective.kernels
-    inputs_of = StepInputs(features, context, tc.ttt.steps)
+    inputs_of = StepInputs(features, context, objective.halo)
     model = wrap(objective.module, tc.distributed, device)
     named_params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     params = [p for _, p in named_params]
@@ -270,10 +270,10 @@ class StepInputs:
 
     features: Features
     context: ContextGroup | None
-    steps: int
+    halo: int  # positions past a rank's own whose targets its objective reads
 
     def __call__(self, batch: Batch) -> tuple:
-        return self.features(batch if self.context is None else self.context.cut(batch, self.steps))
+        return self.features(batch if self.context is None else self.context.cut(batch, self.halo))
 
     def tokens(self, batch: Batch) -> int:
         return batch.tokens if self.context is None else self.context.own_tokens(batch)
