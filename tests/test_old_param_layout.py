@@ -19,6 +19,7 @@ from conftest import write_config
 from eaglekit import pipeline, status
 from eaglekit.config import load_config
 from eaglekit.contract import Stage, no_estimate
+from eaglekit.model.sliding_window import draft_window
 from eaglekit.rundir import RunDir, file_identity
 from eaglekit.stages import train
 
@@ -129,7 +130,7 @@ def test_a_drafter_trained_before_the_auto_window_stays_done_where_auto_now_choo
     served_long = {**data, "evaluate": {"context_lengths": [65536]}}  # 32x the rows: auto windows the drafter
     cfg = load_config(write_config(tmp_path / "c.yaml", served_long))
     today = train.params(cfg)
-    assert today["draft"]["sliding_window"] == 2048 and "window_rule" in today
+    assert today["draft"]["sliding_window"] == 1024 and "window_rule" in today
     finish_with(params_before_auto_window, cfg, monkeypatch)
     assert set(states(cfg).values()) == {"done"}  # not sent to retrain by the upgrade
     assert pipeline.changed_parameters(RunDir(cfg.run_dir), "train", cfg) == []
@@ -203,3 +204,23 @@ def test_a_run_finished_before_content_identities_stays_done_until_its_target_ch
     (target / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-5}))
     rows = {row["stage"]: row for row in status.stage_rows(cfg)}
     assert rows["generate"]["state"] == "stale" and "target" in rows["generate"]["reason"]
+
+
+def test_a_drafter_trained_under_auto_s_first_rule_stays_done_until_that_rule_would_choose_another(
+    tmp_path, tiny_target, monkeypatch
+):
+    data = {"run_dir": "run", "target": {"model": str(tiny_target)}, "data": {"prompts": "prompts.jsonl"}}
+    cfg = load_config(write_config(tmp_path / "c.yaml", {**data, "evaluate": {"context_lengths": [65536]}}))
+
+    def rule_one(cfg) -> dict:  # auto as it chose before halving the documents' length (2,048 here, today 1,024)
+        p = train.params(cfg)
+        p["draft"]["sliding_window"] = draft_window(cfg, rule=1).window
+        return p | {"window_rule": 1}
+
+    assert rule_one(cfg)["draft"]["sliding_window"] == 2 * train.params(cfg)["draft"]["sliding_window"]
+    finish_with(rule_one, cfg, monkeypatch)
+    assert set(states(cfg).values()) == {"done"}
+    # served shorter: rule 1 itself would choose another window now, so the drafter is stale
+    shorter = load_config(write_config(tmp_path / "c.yaml", {**data, "evaluate": {"context_lengths": [4096]}}))
+    assert draft_window(shorter, rule=1).window != rule_one(cfg)["draft"]["sliding_window"]
+    assert {row["stage"]: row["state"] for row in status.stage_rows(shorter)}["train"] == "stale"

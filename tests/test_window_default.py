@@ -1,6 +1,6 @@
 """train.draft.sliding_window: auto, the default (model/sliding_window.py): the drafter is windowed when it will be
 served 4x or more beyond its training documents' 95th-percentile length, with the largest power of two no longer than
-that length (at most 2,048, longer than train.ttt.steps), and attends everything otherwise; explicit values win. The
+half that length (at most 2,048, longer than train.ttt.steps), and attends everything otherwise; explicit values win. The
 choice reaches the train stage's parameters, the drafter it builds, its checkpoint and export, plan and pre-flight."""
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ def test_auto_windows_a_drafter_served_far_beyond_its_documents(prepared):
     cfg = prepared
     assert cfg.train.draft.sliding_window == "auto"  # the default
     longest = p95(cfg)
-    power = 1 << (longest.bit_length() - 1)
-    assert power <= longest < 2 * power and power > cfg.train.ttt.steps
+    power = 1 << ((longest // 2).bit_length() - 1)
+    assert power <= longest // 2 < 2 * power and power > cfg.train.ttt.steps
 
     # the tiny target's own 1,024 positions: a short served context, no window (the demo's drafter stays as it was)
     short = draft_window(cfg)
@@ -47,7 +47,7 @@ def test_auto_windows_a_drafter_served_far_beyond_its_documents(prepared):
     cfg.evaluate.context_lengths = [4 * longest]  # served 4x the documents: windowed, every attended distance trained
     on = draft_window(cfg)
     assert on.window == power, on
-    assert "95th percentile" in on.why and "largest power of two" in on.why
+    assert "95th percentile" in on.why and "largest power of two not longer than half" in on.why
     assert fresh_drafter_config(cfg).sliding_window == power  # the drafter train builds
     cfg.evaluate.context_lengths = [4 * longest - 1]  # just under 4x: full attention
     under = draft_window(cfg)

@@ -329,7 +329,7 @@ WindowSetting = Annotated[Annotated[int, Field(ge=2)] | Literal["auto"] | None, 
 AUTO_WINDOW = (
     "; auto (the default): when the drafter is served 4x or more beyond its training documents' 95th-percentile "
     "length (evaluate.context_lengths, else a long target's max_position_embeddings), a window of the largest power "
-    "of two no longer than that length, at most 2,048, else none (model/sliding_window.py); null or off: no window"
+    "of two no longer than half that length, at most 2,048, else none (model/sliding_window.py); null or off: no window"
 )
 
 

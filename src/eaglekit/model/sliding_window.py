@@ -4,10 +4,14 @@ default), chosen from the context the drafter will be served at against the leng
 A drafter trained on short rows loses its acceptance when served far beyond them (a Qwen3-8B EAGLE-3 drafter: τ 2.30
 at 2K context, 1.09 at 16K, speculators#684); one whose window is no longer than its training rows keeps it. On the
 long-context tiny target (benchmarks/RESULTS.md, "τ by context length, three seeds, K=3 and K=5, with intervals"),
-rows of ~650 tokens, windows of 256 and 512 kept 95-98 % of the < 1K τ at > 16K against 69-74 % for the plain
-drafter, and gave up nothing measurable at < 1K. So ``auto`` windows the drafter when it is served FAR_BEYOND times
-its training documents' 95th-percentile length or more, with the largest power of two no longer than that length
-(every distance the window spans was trained), at most LARGEST_AUTO_WINDOW; otherwise, and for a family that takes no
+rows of ~650 tokens, EAGLE-3 windows of 256 and 512 kept 95-98 % of the < 1K τ at > 16K against 69-74 % for the
+plain drafter and gave up nothing measurable at < 1K, while a 2,048 window, longer than the rows, kept 82-85 %; DFlash
+windows of 256 kept 88 % / 84 % (K=3 / K=5) and 512 79 % / 75 %, against 52 % / 49 % plain, and 256 was ahead of 512
+in every context group ("Three seeds of DFlash, served τ, a window longer than the rows"). A window about as long as
+the rows lets the drafter learn reaches to the start of its row that it cannot make when served long; one of half
+their length trains every distance it spans on at least half of a typical row's positions. So ``auto`` windows the
+drafter when it is served FAR_BEYOND times its training documents' 95th-percentile length or more, with the largest
+power of two no longer than half that length, at most LARGEST_AUTO_WINDOW; otherwise, and for a family that takes no
 window (MLA), it attends the whole context. A target of a few thousand positions served at its own context is short:
 the built-in tiny target (1,024) keeps full attention, and the demo's figures with it. Pre-flight's serving-context
 check (preflight/context.py) reads the same figures.
@@ -104,8 +108,9 @@ def _lengths(path: str, mtime_ns: int, size: int) -> TrainingLengths | None:
     return TrainingLengths(int(lengths.quantile(0.95)), int(lengths.max()), prepared=True)
 
 
-def draft_window(cfg: RunConfig) -> WindowChoice:
-    """The window a fresh drafter of this run trains with, and why (module docstring); a finetune keeps its own."""
+def draft_window(cfg: RunConfig, rule: int = 2) -> WindowChoice:
+    """The window a fresh drafter of this run trains with, and why (module docstring); a finetune keeps its own.
+    ``rule`` 1: what auto chose before it halved the documents' length (a run recorded then is read by it)."""
     draft = cfg.train.draft
     if "sliding_window" not in DRAFT_KEYS[draft.family]:  # said once, here: MLA refuses the key
         return WindowChoice(None, f"auto: off (architecture {draft.family} takes no sliding window)")
@@ -135,14 +140,14 @@ def draft_window(cfg: RunConfig) -> WindowChoice:
         return WindowChoice(
             None, f"auto: off ({where}, {ratio:.1f}x the training {trained.words()}: under {FAR_BEYOND:g}x)"
         )
-    size = min(LARGEST_AUTO_WINDOW, 1 << (trained.p95.bit_length() - 1))
+    size = min(LARGEST_AUTO_WINDOW, 1 << (max(trained.p95 // (2 if rule >= 2 else 1), 1).bit_length() - 1))
     if size <= cfg.train.ttt.steps:
         return WindowChoice(
             None,
             f"auto: off ({where}, but the training {trained.words()} leave a window of {size} positions, "
             f"not longer than train.ttt.steps {cfg.train.ttt.steps})",
         )
-    rule = "the largest power of two not longer than them" + (
+    words = "the largest power of two not longer than half of them" + (
         f", at most {LARGEST_AUTO_WINDOW:,}" if size == LARGEST_AUTO_WINDOW else ""
     )
-    return WindowChoice(size, f"auto: {size:,} ({where}, {ratio:.0f}x the training {trained.words()}; {rule})")
+    return WindowChoice(size, f"auto: {size:,} ({where}, {ratio:.0f}x the training {trained.words()}; {words})")

@@ -60,8 +60,9 @@ UPSTREAM = "extract"  # in online mode the pipeline steps over the skipped extra
 MIN_SAMPLES = 100  # fewer training samples than this make a drafter that cannot generalise
 
 
-# Train's parameters carry the resolved sliding window since auto became its default (version 1 of that rule)
-WINDOW_RULE = 1
+# Train's parameters carry the resolved sliding window since auto became its default: version 1 of auto's rule chose
+# the largest power of two no longer than the documents' 95th percentile, version 2 no longer than half of it
+WINDOW_RULE = 2
 
 
 def params(cfg: RunConfig) -> dict:
@@ -91,10 +92,11 @@ def params_in_current_layout(recorded: dict, cfg: RunConfig) -> dict:
 
     * before train.ttt (ttt_steps, loss: NAME and lk_eta beside every loss, flat in the train section): moved by the
       config's own spelling map, the loss as the config dumps it;
-    * before ``sliding_window: auto`` became the default (no ``window_rule``), where the config leaves the window to
-      auto: a drafter trained with the full attention that was the default then stands for what auto chooses now.
-      Its checkpoint keeps no window, which evaluate and export read. Where the config names a window (or null), the
-      record's own window is compared with it: the same one is the same drafter, another retrains.
+    * before ``sliding_window: auto`` became the default (no ``window_rule``), or under an older rule of auto's
+      (``window_rule`` below WINDOW_RULE), where the config leaves the window to auto: the drafter trained with the
+      window of then (full attention before auto) stands for what auto chooses now. Its checkpoint keeps its own
+      window, which evaluate and export read. Where the config names a window (or null), the record's own window is
+      compared with it: the same one is the same drafter, another retrains.
     """
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ConfigDeprecation)  # the ledger's spelling, not one the user can edit
@@ -108,10 +110,11 @@ def params_in_current_layout(recorded: dict, cfg: RunConfig) -> dict:
         with contextlib.suppress(ValidationError):
             moved["ttt"] = {**ttt, "loss": TypeAdapter(LossChoice).validate_python(ttt["loss"]).model_dump()}
     draft = moved.get("draft")
-    if "window_rule" not in moved and isinstance(draft, dict):
+    rule = moved.get("window_rule", 0)
+    if isinstance(rule, int) and rule < WINDOW_RULE and isinstance(draft, dict):
         if cfg.train.draft.window != AUTO:
             moved = {**moved, "window_rule": WINDOW_RULE}
-        elif draft.get("sliding_window") is None:
+        elif draft.get("sliding_window") == (draft_window(cfg, rule=1).window if rule else None):
             moved = {
                 **moved,
                 "draft": {**draft, "sliding_window": draft_window(cfg).window},
