@@ -6,7 +6,9 @@ For each shape and row length it builds the drafter (EAGLE-3, Llama layer, EAGLE
 short row (so that gradients and AdamW's moments exist), then one step on the full row, and reports the peak
 memory of that step (CUDA: max_memory_allocated from an empty device, weights included; CPU: the process's peak
 resident growth over the warm state, in a subprocess of its own) against the model's figure for the same part.
-Prints one JSON line per case and a table; asserts nothing.
+On the CPU each case's JSON also gives the peak and the end state of each phase (``phases``: forward, backward,
+optimizer), so that a model part that is off can be told from the others. Prints one JSON line per case and a
+table; asserts nothing.
 
     python benchmarks/train_memory.py                                   # CPU, H=256/512, rows 2K-8K, fp32
     python benchmarks/train_memory.py --device cuda --shape kimi --lengths 8192,16384,65536 --modes checkpointed
@@ -78,6 +80,15 @@ def run_case(shape: str, length: int, checkpoint: bool, device: str, context: Co
     kernels = step_kernels("auto", "auto", dev, checkpoint, context)
     store = torch.bfloat16 if bf16 else torch.float32
 
+    phases: dict[str, int] = {}  # CPU, the measured step: each phase's peak resident growth over the warm state
+    warm: list[int] = []  # the warm state's resident bytes, once the measured step begins
+
+    def mark(phase: str) -> None:
+        if warm:
+            phases[phase] = _status_bytes("VmHWM") - warm[0]
+            phases[phase + "_end"] = _status_bytes("VmRSS") - warm[0]
+            Path("/proc/self/clear_refs").write_text("5")  # the next phase's peak counts from here
+
     def step(n: int) -> None:
         g = torch.Generator(device="cpu").manual_seed(n)
         rows = n if context is None else (lambda s: s.stop - s.start)(context.shard(n, STEPS))  # its share and halo
@@ -90,9 +101,12 @@ def run_case(shape: str, length: int, checkpoint: bool, device: str, context: Co
             out = ttt_loss(
                 drafter, aux, ids, logits, torch.ones_like(ids), settings=TTTConfig(steps=STEPS), kernels=kernels
             )
+        mark("forward")
         out.loss.backward()
+        mark("backward")
         opt.step()
         opt.zero_grad(set_to_none=True)
+        mark("optimizer")
 
     step(256)  # warm: gradients and AdamW's moments exist, kernels compiled
     gc.collect()
@@ -108,16 +122,16 @@ def run_case(shape: str, length: int, checkpoint: bool, device: str, context: Co
         predicted = model.total
     else:  # the growth over the warm state: weights and optimizer state are already there
         Path("/proc/self/clear_refs").write_text("5")
-        base = _status_bytes("VmRSS")
+        warm.append(_status_bytes("VmRSS"))
         step(length)
-        measured = _status_bytes("VmHWM") - base
+        measured = max(phases["forward"], phases["backward"], phases["optimizer"])
         predicted = model.total - model.weights
     seconds = time.monotonic() - t0
     return {
         "shape": shape, "length": length, "checkpointing": checkpoint, "device": device, "context_parallel": ranks,
         "measured_bytes": int(measured), "model_bytes": int(predicted), "ratio": round(measured / predicted, 4),
         "model_parts": {k: getattr(model, k) for k in ("weights", "batch", "activations", "gathered", "transient")},
-        "kept_per_token": round(model.per_token), "step_seconds": round(seconds, 2),
+        "kept_per_token": round(model.per_token), "step_seconds": round(seconds, 2), "phases": phases,
     }  # fmt: skip
 
 

@@ -90,6 +90,7 @@ class Eagle3Family:
                 frozen=total - trainable,
                 checkpoint=c,
                 context_parallel=context_parallel,
+                loss=cfg.train.ttt.loss,
             )
             for c in (False, True)
         )

@@ -6,10 +6,17 @@ activations TTT keeps for backward, and the largest transient of the step. The a
 row's tokens (no L x L matrix: benchmarks/RESULTS.md, "ttt_memory.py"); their bytes per token depend on the drafter's
 widths, its flags and the implementation. Rather than a hand-written count that drifts from the code, they are
 measured from it: ``ttt_loss`` runs on two short rows of small drafters of the same family, flags and head widths,
-autograd's saved-tensor hooks add up what is kept, and, since every kept tensor is [rows, width] for one of the
-layer's widths (hidden, intermediate, target hidden, head counts, latent ranks), the slope per token of one drafter
-per width, doubled, gives the bytes per token at any width. This costs a fraction of a second once per shape.
-``benchmarks/train_memory.py`` checks the result against the measured peak of real steps.
+and every storage its ops make that is still alive when it returns is what the step keeps for backward (saved for
+autograd, or held by a checkpointed step's closure: its step-0 keys, its index tensors). Since every kept tensor is
+[rows, width] for one of the layer's widths (hidden, intermediate, target hidden, head counts, latent ranks), the
+slope per token of one drafter per width, doubled, gives the bytes per token at any width. This costs a fraction of
+a second once per shape. ``benchmarks/train_memory.py`` checks the result against the measured peak of real steps.
+
+The peak comes in one of two phases (their temporaries are never alive together). In the forward, at the head
+loss: everything kept, the row's target softmax, the normed head rows and one chunk's [rows, Vd] temporaries (their
+count measured on the divergence's own code). In backward, the target softmax is gone (``ttt_loss`` returned);
+checkpointed, a recomputed step and the reference attention's score blocks come on top of what is kept, plain the
+head rows' gradients.
 """
 
 from __future__ import annotations
@@ -23,20 +30,26 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from eaglekit.config import TTTConfig
+from eaglekit.divergences import DEFAULT_DIVERGENCE, DIVERGENCES, Divergence
 from eaglekit.model.eagle3 import DrafterConfig, Eagle3Drafter
 from eaglekit.training.fused import StepKernels
-from eaglekit.training.head_loss import CHUNK_ELEMENTS, CHUNK_ELEMENTS_DEFAULT
+from eaglekit.training.head_loss import CHUNK_ELEMENTS, CHUNK_ELEMENTS_DEFAULT, head_loss_chunk
 from eaglekit.training.ttt import BLOCK_ELEMENTS, BLOCK_ROWS, ttt_loss
 
 # The widths a calibration drafter scales, those of them the drafter's layer has (a Llama layer its K/V heads, a
 # latent-attention layer its q and kv ranks; q_lora_rank None is a layer without one); head widths stay the real
-# ones (every kept tensor is linear in these with the head widths fixed).
+# ones (every kept tensor is linear in these with the head widths and the query heads per K/V head fixed).
 BASE = {"hidden_size": 64, "intermediate_size": 64, "target_hidden_size": 64, "num_attention_heads": 2,
         "num_key_value_heads": 1, "q_lora_rank": 32, "kv_lora_rank": 32}  # fmt: skip
 ROWS = (96, 192)  # two row lengths: their difference is the per-token slope, free of per-step constants
 ADAMW_BYTES = 16  # fp32 master weight, its gradient and AdamW's two moments
+HEAD_GRADIENTS = 3  # plain backward's start: dL/dx of the head rows, then the final norm's two [rows, H] gradients
+SCORE_BLOCKS = 2  # _PrefixAttention's backward holds a block's probabilities and their gradient (float32) at once
 
 
 @dataclass
@@ -46,7 +59,7 @@ class StepMemory:
     weights: int  # trainable parameters with gradients and optimizer state, frozen parameters
     batch: int  # the row's aux features, its target logits and their softmax
     activations: int  # what the TTT steps keep for backward
-    transient: int  # the largest temporary: a recomputed step, a head-loss chunk, an attention block
+    transient: int  # the larger phase's temporaries: the head loss's (forward) or a recomputed step's (backward)
     per_token: float  # kept activation bytes per token of the row (all TTT steps)
     gathered: int = (
         0  # context parallel: the other ranks' step-0 keys and values, kept (and copied) for the draft steps
@@ -58,8 +71,18 @@ class StepMemory:
         return self.weights + self.batch + self.activations + self.gathered + self.transient
 
 
+def _query_groups(cfg: DrafterConfig) -> int | None:
+    """Query heads per key/value head, when the layer has both and they divide: the calibration keeps it, since
+    what attention keeps is not linear in the two counts apart (with one group, repeat_kv copies nothing)."""
+    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    return heads // kv if heads is not None and kv and heads % kv == 0 else None
+
+
 def _calibration_config(cfg: DrafterConfig, steps: int, **widths: int) -> DrafterConfig:
     fields: dict[str, Any] = {name: width for name, width in BASE.items() if getattr(cfg, name) is not None} | widths
+    groups = _query_groups(cfg)
+    if groups is not None:  # the query heads follow the key/value heads at the drafter's own ratio
+        fields["num_attention_heads"] = groups * fields["num_key_value_heads"]
     # a window inside the calibration rows (so it is exercised) and longer than the TTT chain (as ttt_loss needs)
     window = None if cfg.sliding_window is None else min(cfg.sliding_window, max(ROWS[0] // 2, steps + 1))
     return dataclasses.replace(
@@ -67,29 +90,78 @@ def _calibration_config(cfg: DrafterConfig, steps: int, **widths: int) -> Drafte
     )
 
 
+class _Storages(TorchDispatchMode):
+    """The storages the ops run under it make, and (``peak``) the most bytes of them alive at once."""
+
+    def __init__(self, peak: bool = False) -> None:
+        super().__init__()
+        self.made: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.foreign: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.track_peak = peak
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for t in tree_leaves((args, kwargs)):  # what existed before (parameters, inputs): a view of it is not new
+            if isinstance(t, torch.Tensor) and not self._known(self.made, t):
+                self.foreign[t.untyped_storage().data_ptr()] = (StorageWeakRef(t.untyped_storage()), 0)
+        out = func(*args, **kwargs)
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() and not self._known(self.foreign, t):
+                storage = t.untyped_storage()
+                if not self._known(self.made, t):  # new (an address freed and reused is a new storage)
+                    self.made[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes())
+        if self.track_peak:
+            self.peak = max(self.peak, self.alive())
+        return out
+
+    @staticmethod
+    def _known(storages: dict[int, tuple[StorageWeakRef, int]], t: torch.Tensor) -> bool:
+        known = storages.get(t.untyped_storage().data_ptr())
+        return known is not None and not known[0].expired()
+
+    def alive(self) -> int:
+        self.made = {k: v for k, v in self.made.items() if not v[0].expired()}
+        return sum(nbytes for _, nbytes in self.made.values())
+
+
 def _kept_bytes(cfg: DrafterConfig, rows: int, steps: int, checkpoint: bool, bf16: bool) -> int:
-    """Bytes ttt_loss keeps for backward on one row of ``rows`` tokens (parameters and inputs not counted)."""
+    """Bytes ttt_loss keeps for backward on one row of ``rows`` tokens (parameters and inputs not counted): the
+    storages it made that are alive when it returns (whoever holds them: autograd, a checkpoint's closure)."""
     torch.manual_seed(0)
     drafter = Eagle3Drafter(cfg)
-    params = {p.untyped_storage().data_ptr() for p in drafter.parameters()}
     g = torch.Generator().manual_seed(0)
     aux = torch.randn(1, rows, 3 * cfg.target_hidden_size, generator=g)
     ids = torch.randint(0, cfg.vocab_size, (1, rows), generator=g)
     logits = torch.randn(1, rows, cfg.draft_vocab_size, generator=g)
-    inputs = {t.untyped_storage().data_ptr() for t in (aux, logits)}
-    kept: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params and storage.data_ptr() not in inputs:
-            kept[storage.data_ptr()] = storage.nbytes()
-        return t
-
+    mask = torch.ones_like(ids)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
-        ttt_loss(drafter, aux, ids, logits, torch.ones_like(ids), settings=TTTConfig(steps=steps),
-                 kernels=StepKernels(checkpoint_steps=checkpoint))  # fmt: skip
-    return sum(kept.values())
+    with _Storages() as made, autocast:
+        out = ttt_loss(drafter, aux, ids, logits, mask, settings=TTTConfig(steps=steps),
+                       kernels=StepKernels(checkpoint_steps=checkpoint))  # fmt: skip
+    kept = made.alive()
+    del out
+    return kept
+
+
+def head_chunk_temporaries(loss: Divergence = DEFAULT_DIVERGENCE) -> float:
+    """How many [rows, Vd] float32 tensors one chunk of the head loss has alive at its peak (logits, the targets'
+    rows, the divergence's own, dL/dlogits), measured on ``head_loss_chunk`` with ``loss``."""
+    return _chunk_temporaries(loss.model_dump_json())
+
+
+@functools.lru_cache(maxsize=16)
+def _chunk_temporaries(loss_json: str) -> float:
+    fields = json.loads(loss_json)
+    loss = DIVERGENCES[fields["name"]](**fields)
+    rows, vocab, hidden = 64, 512, 16
+    g = torch.Generator().manual_seed(0)
+    xc, weight = torch.randn(rows, hidden, generator=g), torch.randn(vocab, hidden, generator=g)
+    p = torch.softmax(torch.randn(rows, vocab, generator=g), dim=-1)
+    argmax, slots, row_weight = p.argmax(-1), torch.arange(rows), torch.ones(rows)
+    with _Storages(peak=True) as made:
+        head_loss_chunk(xc, weight, p, argmax, slots, row_weight, True, loss)
+    return made.peak / (rows * vocab * 4)
 
 
 def kept_bytes_per_token(cfg: DrafterConfig, steps: int, checkpoint: bool, bf16: bool) -> float:
@@ -109,8 +181,8 @@ def _kept_per_token(cfg_json: str, steps: int, checkpoint: bool, bf16: bool) -> 
     at_base = slope(base)
     total = at_base
     for name in BASE:
-        if getattr(base, name) is None:
-            continue
+        if getattr(base, name) is None or (name == "num_attention_heads" and _query_groups(cfg) is not None):
+            continue  # absent from the layer, or scaled with the key/value heads
         doubled = slope(_calibration_config(cfg, steps, **{name: 2 * getattr(base, name)}))
         per_unit = (doubled - at_base) / getattr(base, name)
         total += per_unit * (getattr(cfg, name) - getattr(base, name))
@@ -128,9 +200,11 @@ def step_memory(
     bf16: bool = True,
     device_type: str = "cuda",
     context_parallel: int = 1,
+    loss: Divergence = DEFAULT_DIVERGENCE,
 ) -> StepMemory:
     """The memory of one step on rows of ``row_tokens`` tokens (a micro-batch's tokens on this GPU), for a drafter
-    with ``trainable`` and ``frozen`` parameters; ``bf16``: autocast as on a GPU (train.dtype auto), else fp32.
+    with ``trainable`` and ``frozen`` parameters; ``bf16``: autocast as on a GPU (train.dtype auto), else fp32;
+    ``loss``: the divergence (train.ttt.loss), whose chunk temporaries the head loss holds.
 
     ``context_parallel`` ranks splitting the rows (training/context_parallel.py): one rank's memory. It keeps the
     activations of its share of the tokens, holds the features of its share and a halo of ``steps`` target rows,
@@ -143,12 +217,19 @@ def step_memory(
     # keeps a bf16 copy of each weight it casts for the step
     weights = ADAMW_BYTES * trainable + 4 * frozen + (2 * (trainable + frozen) if bf16 else 0)
     # the row's aux states and final state (the storage dtype), its target logits over the draft vocabulary and their
-    # fp32 softmax
-    batch = heavy * (4 * cfg.target_hidden_size * act + cfg.draft_vocab_size * (act + 4))
-    # the largest temporary: a head-loss chunk (logits, dL/dlogits, the target rows) or a block of the prefix
-    # attention's scores, on top of one TTT step's activations over the row — recomputed in backward with
-    # checkpointing, their gradients in flight without
-    chunk = CHUNK_ELEMENTS.get(device_type, CHUNK_ELEMENTS_DEFAULT)
+    # fp32 softmax (made inside ttt_loss: freed when it returns, before backward)
+    softmax = heavy * cfg.draft_vocab_size * 4
+    batch = heavy * (4 * cfg.target_hidden_size * act + cfg.draft_vocab_size * act) + softmax
+    # forward, at the head loss: the normed rows of every step (float32: RMSNorm scales by its float32 weight) and
+    # one chunk's [rows, Vd] float32 temporaries
+    head_rows = steps * own
+    chunk_rows = max(1, CHUNK_ELEMENTS.get(device_type, CHUNK_ELEMENTS_DEFAULT) // cfg.draft_vocab_size)
+    chunk = min(chunk_rows, head_rows) * cfg.draft_vocab_size
+    forward = 4 * head_rows * cfg.hidden_size + int(head_chunk_temporaries(loss) * 4 * chunk)
+    # backward, checkpointed: one TTT step's activations over the row, recomputed, and the reference attention's
+    # float32 score blocks (the fused GPU kernel holds none: an upper bound). Plain, nothing is recomputed and each
+    # step's gradients come as its kept tensors go: the most is at the start, the head's gradient over its rows and
+    # the final norm's backward (the gradient of its scaled rows, and of its input), float32 like the normed rows
     block = min(BLOCK_ELEMENTS, BLOCK_ROWS * row_tokens * cfg.num_attention_heads)
     others = row_tokens - own  # positions of the other ranks, whose step-0 keys and values this rank holds
     kv = key_value_elements(cfg)
@@ -156,11 +237,20 @@ def step_memory(
     # GPU that is in per_token; under context parallelism the other ranks' part comes on top. Checkpointed, only
     # the gathered keys stay (the copies are made again in backward, one step at a time: transient)
     copies = 0 if checkpoint else steps
-    one_step = kept_bytes_per_token(cfg, 1, False, bf16) * own + (others * kv * 4 if checkpoint else 0)
-    transient = int(3 * 4 * max(chunk, block) + one_step)
+    if checkpoint:
+        one_step = kept_bytes_per_token(cfg, 1, False, bf16) * own + others * kv * 4
+        backward = int(one_step + SCORE_BLOCKS * 4 * block) - softmax
+    else:
+        backward = HEAD_GRADIENTS * 4 * head_rows * cfg.hidden_size - softmax
     gathered = others * kv * (act + 4 * copies)
     return StepMemory(
-        weights, batch, int(per_token * own), transient, per_token, gathered, context_parallel=context_parallel
+        weights,
+        batch,
+        int(per_token * own),
+        max(forward, backward, 0),
+        per_token,
+        gathered,
+        context_parallel=context_parallel,
     )
 
 

@@ -576,6 +576,7 @@ def ttt_loss(
     rows0 = at.own_rows[sel0]
     head.add(h[sel0], slot[rows0 + 1], rows0)
     _draft_steps(drafter, h, k0, v0, input_ids, at, slot, steps, kernels, head)
+    del h, k0, v0  # what backward needs of them it holds itself: not alive beside the head loss's temporaries
 
     # The head and loss of every step in one pass: row weight w_k / denominator_k.
     step_of_row, row_weight = _row_weights(head, at, weights, compute)
