@@ -247,7 +247,6 @@ class TargetHead:
     def __call__(self, last_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return draft_logits(last_hidden.to(self.weight.dtype), self.weight, self.t2d)
 
-    @torch.no_grad()
     def argmax(self, last_hidden: torch.Tensor) -> torch.Tensor:
         """The target's next token at each position (``target_argmax``), without its [.., V] logits."""
         return target_argmax(last_hidden, self.weight)

@@ -233,11 +233,10 @@ def context_kv(
 class BlockObjective(nn.Module):
     """``block_loss`` as a module's forward, so DDP / FSDP see a forward pass (their gradient sync hooks onto it).
 
-    It takes the training loop's inputs (``training/features.py``'s ``Features`` as its family's objective reads
-    the target: ``target_argmax`` [B, L], the target's next token, in place of EAGLE-3's logits) and answers with the
-    loop's
-    per-position figures: position k is the k-th drafting slot (``loss_k``, ``acc_k``, ``count_k``): DFlash's slot
-    k+1, DSpark's slot k.
+    It takes the training loop's inputs (``training/features.py``'s ``Features`` as its family's ``Objective.reads``
+    asks: ``target_argmax`` [B, L], the target's next token, where EAGLE-3 takes its logits) and answers with the
+    loop's per-position figures: position k is the k-th drafting slot (``loss_k``, ``acc_k``, ``count_k``): DFlash's
+    slot k+1, DSpark's slot k.
 
     With ``context`` the ranks of the group split each row (``block_loss``): each rank's loss is its share of the
     group's times the group's size, which the gradient averaging of DDP / FSDP divides out again, so a data-parallel
