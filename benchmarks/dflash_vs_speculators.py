@@ -75,9 +75,8 @@ def batch_features(target, aux: list[int], picked: list) -> dict:
     next-token logits (eaglekit's labels) and the final hidden state before the norm (speculators' input)."""
     import torch
 
-    from eaglekit.model.target import TargetFeatures, decoder_parts
+    from eaglekit.model.target import TargetFeatures, decoder_parts, target_argmax
     from eaglekit.tiny.build import batch_tensors
-    from eaglekit.training.block import target_argmax
 
     ids, labels, attention = batch_tensors(picked, 0)
     pre_norm: dict[str, torch.Tensor] = {}

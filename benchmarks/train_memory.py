@@ -15,8 +15,8 @@ table; asserts nothing.
     python benchmarks/train_memory.py --context-parallel 2 --lengths 8192,16384      # CPU, 2 gloo ranks per row
     python benchmarks/train_memory.py --family dflash       # the block objective (training/block_memory.py), 512 anchors
 
-``--family dflash`` / ``dspark``: the same measurement for a block drafter's step (its target logits built over the
-whole vocabulary as ``Features`` builds them, inside the measured step), also with ``--context-parallel N``; it has
+``--family dflash`` / ``dspark``: the same measurement for a block drafter's step (the target's argmax computed in
+chunks from its final hidden states as ``Features`` does for these families, inside the measured step), also with ``--context-parallel N``; it has
 no activation checkpointing.
 """
 
@@ -143,7 +143,7 @@ def run_block_case(family: str, shape: str, length: int, device: str, context: C
     this rank's (its share of the row's features and a block's halo, as ``ContextGroup.cut`` leaves them)."""
     from eaglekit.model.dflash import DFlashConfig, DFlashDrafter
     from eaglekit.model.dspark import DSparkConfig, DSparkDrafter
-    from eaglekit.model.target import draft_logits
+    from eaglekit.model.target import target_argmax
     from eaglekit.training.block import BlockObjective
     from eaglekit.training.block_memory import block_step_memory
 
@@ -166,7 +166,6 @@ def run_block_case(family: str, shape: str, length: int, device: str, context: C
     objective = BlockObjective(drafter, BLOCK_ANCHORS, "dpace", 0.5, 4.0, context=context)
     ranks = 1 if context is None else context.size
     store = torch.bfloat16 if bf16 else torch.float32
-    everything = torch.ones(vocab, dtype=torch.bool, device=dev)
 
     def step(n: int) -> None:
         g = torch.Generator(device="cpu").manual_seed(n)
@@ -175,11 +174,11 @@ def run_block_case(family: str, shape: str, length: int, device: str, context: C
         aux = torch.randn(1, held, 3 * h, generator=g).to(dev, store)
         last = torch.randn(1, held, h, generator=g).to(dev, store)
         ids = torch.randint(0, vocab, (1, n), generator=g).to(dev)
-        logits, in_draft = draft_logits(last, drafter.lm_head.weight.to(store), everything)  # as Features does
+        argmax = target_argmax(last, drafter.lm_head.weight.to(store))  # as Features does for the block families
         del last
         ones = torch.ones_like(ids)
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16):
-            loss, _ = objective(aux, ids, logits, ones, ones, in_draft)
+            loss, _ = objective(aux, ids, argmax, ones, ones)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

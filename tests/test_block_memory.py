@@ -10,6 +10,7 @@ import pytest
 import torch
 from fake_nvml import GB, fake_pynvml, gpu
 from test_preflight_gpus import make_ctx
+from transformers import AutoConfig
 
 from eaglekit.model import dflash as dflash_model
 from eaglekit.model.dflash import DFlashConfig, DFlashDrafter, window_mask
@@ -119,11 +120,13 @@ def test_preflight_refuses_a_dflash_row_that_does_not_fit_and_plan_gives_its_mem
     assert both is not None
     step = both[0]
     assert both[1] is step and step.context_parallel == 1
-    # the target's logits over its whole vocabulary (514 tokens), fp32, are part of the row's batch
-    assert step.batch > 65536 * 4 * 514 and step.activations > 0
+    # the row's batch: its three taps of aux features (bf16), the target's argmax and the indices, 8 bytes each a
+    # token; not the target's logits over its whole vocabulary (514 tokens, fp32), which the block objective never reads
+    hidden = AutoConfig.from_pretrained(tiny_target).hidden_size
+    assert step.batch == 65536 * (3 * hidden * 2 + 8 + 4 * 8) < 65536 * 4 * 514 and step.activations > 0
     two, four = (step_memory_both(ctx.cfg, n)[0] for n in (2, 4))  # type: ignore[index]
     assert four.total < two.total < step.total and four.context_parallel == 4 and four.gathered > 0
-    assert four.batch < step.batch / 3  # a quarter of the row's features and target, and a block's halo
+    assert four.batch == (65536 // 4 + 16) * step.batch // 65536  # a quarter of the row's, and a block's halo
 
     gpu_bytes = (four.total + two.total) / 2
     monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml([gpu(0, used=0, total=gpu_bytes / GB)]))

@@ -406,7 +406,7 @@ def block_worker(rank: int, world: int, port: int, out: str) -> None:
     aux, ids, logits, loss_mask, attention, positions = block_batch(True, 17)
     shard = three.shard(17, objective.module.halo)
     torch.manual_seed(100 + rank)
-    loss, _ = objective(shard.inputs(aux), ids, shard.inputs(logits), loss_mask, attention, None, positions)
+    loss, _ = objective(shard.inputs(aux), ids, shard.inputs(logits.argmax(-1)), loss_mask, attention, None, positions)
     loss.backward()
     grads = {n.removeprefix("module."): p.grad.detach().clone() for n, p in objective.named_parameters()
              if p.grad is not None}  # fmt: skip
@@ -449,7 +449,7 @@ def test_block_drafters_split_rows_two_and_three_ways_equal_one_process(tmp_path
     single = BlockObjective(block_drafter("dspark", 5), ANCHORS, "dpace", 0.5, 4.0)
     aux, ids, logits, loss_mask, attention, positions = block_batch(True, 17)
     torch.manual_seed(100)
-    loss, _ = single(aux, ids, logits, loss_mask, attention, None, positions)
+    loss, _ = single(aux, ids, logits.argmax(-1), loss_mask, attention, None, positions)
     loss.backward()
     # each rank's loss is its share times the group's size (which DDP's averaging divides out again)
     torch.testing.assert_close(sum(r["ddp"]["loss"] for r in ranks) / 3, loss.detach(), rtol=1e-12, atol=1e-13)

@@ -190,7 +190,7 @@ class DFlashFamily:
             context=context,
         )
         return Objective(
-            module, module.positions, [1.0] * module.positions, f"{self.name} block objective", module.halo
+            module, module.positions, [1.0] * module.positions, f"{self.name} block objective", module.halo, "argmax"
         )
 
     # ---- decoding

@@ -189,6 +189,7 @@ class Eagle3Family:
             ttt.step_weights,
             kernels.describe() + (", drafter compiled" if settings.compile else ""),
             settings.steps,
+            "distribution",
         )
 
     def save_checkpoint(self, dc: Any, state: dict[str, torch.Tensor], out: Path) -> None:

@@ -15,6 +15,7 @@ from eaglekit.config import DraftSection, RunConfig, TrainConfig
 from eaglekit.contract import StageContext
 from eaglekit.drafters.diagnosis import ServedDrafter
 from eaglekit.model.eagle3_checkpoint import CheckpointInfo
+from eaglekit.model.target import TargetReads
 from eaglekit.training.context_parallel import ContextGroup
 from eaglekit.training.memory import StepMemory
 
@@ -49,6 +50,7 @@ class Objective:
     weights: list[float]  # their weights in the held-out loss
     kernels: str  # what it runs, for the ledger
     halo: int  # positions past a context-parallel rank's own whose targets it reads (training/context_parallel.py)
+    reads: TargetReads  # what of the target its forward takes: the draft-vocab distribution, or the next token
 
 
 class DrafterFamily(Protocol):

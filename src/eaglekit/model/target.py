@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 from safetensors import safe_open
@@ -141,6 +142,24 @@ def draft_logits(
     return torch.cat(logits).reshape(*lead, -1), torch.cat(in_draft).reshape(lead)
 
 
+@torch.no_grad()
+def target_argmax(
+    hidden: torch.Tensor, lm_head_weight: torch.Tensor, chunk_elements: int = LOGIT_CHUNK_ELEMENTS
+) -> torch.Tensor:
+    """The target's next token: hidden [..., Ht] (after the final norm) -> its argmax over the whole vocabulary,
+    int64 [...]. Full-vocab logits exist only ``chunk_elements`` at a time, in the chunks ``draft_logits`` uses (so
+    the argmax is the one of its logits, bit for bit): 8 bytes a position come out, never [..., V]."""
+    flat = hidden.reshape(-1, hidden.shape[-1]).to(lm_head_weight.dtype)
+    rows = max(1, chunk_elements // lm_head_weight.shape[0])
+    return torch.cat([(part @ lm_head_weight.T).argmax(-1) for part in flat.split(rows)]).reshape(hidden.shape[:-1])
+
+
+# What a training objective reads of the target at each position: its distribution over the draft vocabulary
+# (``draft_logits``: [B, L, Vd] fp32 and the in-draft flags; EAGLE-3) or only its next token (``target_argmax``:
+# [B, L] int64; the block drafters)
+TargetReads = Literal["distribution", "argmax"]
+
+
 @dataclass
 class Features:
     aux: torch.Tensor  # [B, L, 3*Ht] in the target's dtype
@@ -227,6 +246,10 @@ class TargetHead:
     @torch.no_grad()
     def __call__(self, last_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return draft_logits(last_hidden.to(self.weight.dtype), self.weight, self.t2d)
+
+    def argmax(self, last_hidden: torch.Tensor) -> torch.Tensor:
+        """The target's next token at each position (``target_argmax``), without its [.., V] logits."""
+        return target_argmax(last_hidden, self.weight)
 
 
 # ------------------------------------------------------------------------------- weights without the model

@@ -230,20 +230,13 @@ def context_kv(
     return list(zip(whole[0::2], whole[1::2], strict=True))
 
 
-def target_argmax(last_hidden: torch.Tensor, head: torch.Tensor, rows: int = 4096) -> torch.Tensor:
-    """[..., Ht] final-normed states -> the target's argmax [...] over its whole vocabulary, a few rows at a time."""
-    flat = last_hidden.reshape(-1, last_hidden.shape[-1])
-    out = [(part.to(head.dtype) @ head.T).argmax(-1) for part in flat.split(rows)]
-    return torch.cat(out).view(last_hidden.shape[:-1])
-
-
 class BlockObjective(nn.Module):
     """``block_loss`` as a module's forward, so DDP / FSDP see a forward pass (their gradient sync hooks onto it).
 
-    It takes the training loop's inputs (``training/loop.py``'s ``Features``, built over the whole vocabulary
-    for this family, so ``target_logits`` argmax is the target's next token) and answers with the loop's
-    per-position figures: position k is the k-th drafting slot (``loss_k``, ``acc_k``, ``count_k``): DFlash's slot
-    k+1, DSpark's slot k.
+    It takes the training loop's inputs (``training/features.py``'s ``Features`` as its family's ``Objective.reads``
+    asks: ``target_argmax`` [B, L], the target's next token, where EAGLE-3 takes its logits) and answers with the
+    loop's per-position figures: position k is the k-th drafting slot (``loss_k``, ``acc_k``, ``count_k``): DFlash's
+    slot k+1, DSpark's slot k.
 
     With ``context`` the ranks of the group split each row (``block_loss``): each rank's loss is its share of the
     group's times the group's size, which the gradient averaging of DDP / FSDP divides out again, so a data-parallel
@@ -275,12 +268,12 @@ class BlockObjective(nn.Module):
         return self.drafter.config.block_size - self.drafter.first_drafting_slot
 
     def forward(
-        self, aux, input_ids, target_logits, loss_mask, attention_mask, target_in_draft=None, position_ids=None
+        self, aux, input_ids, target_argmax, loss_mask, attention_mask, target_in_draft=None, position_ids=None
     ):
         out = block_loss(
             self.drafter,
             aux,
-            target_logits.argmax(-1),
+            target_argmax,
             input_ids,
             loss_mask,
             attention_mask,

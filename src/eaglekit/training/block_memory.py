@@ -4,9 +4,9 @@ as they do EAGLE-3's.
 
 What a step holds, for a row of L tokens and Q = anchors x block_size queries (anchors = min(max_anchors, L)):
 
-- the batch: the row's aux features and the target's logits over its *whole* vocabulary in fp32 (``Features`` builds
-  them for every family; the objective reads only their argmax) — 4 V bytes a token, the largest part at long rows
-  (43 GB for one 65,536-token row of a 163,840-token vocabulary);
+- the batch: the row's aux features and the target's next token (``Features`` gives the block families the target's
+  argmax, 8 bytes a token, computed a chunk of full-vocabulary logits at a time: ``model/target.target_argmax``;
+  never the [L, V] fp32 logits EAGLE-3 reads, 43 GB for one 65,536-token row of a 163,840-token vocabulary);
 - kept activations, in three terms: per context token (the aux states' cast for ``fc``, the context, and every
   layer's context keys and values, each concatenated with the block's and cast for attention), per query (the
   layers' activations, the [Q, V] fp32 logits and their log-softmax), and per (query, key) pair: the attention's
@@ -16,8 +16,8 @@ What a step holds, for a row of L tokens and Q = anchors x block_size queries (a
   saved-tensor hooks add up what is kept, the mixed difference gives the per-pair bytes and the single ones the
   per-token and per-query bytes; every kept tensor is [tokens or queries, width] for one of the widths (hidden,
   intermediate, key/value heads, vocabulary, Markov rank), so doubling each width gives the bytes at any width;
-- the transient: the larger of the features' concatenation of the logits (a second [L, V] fp32 copy, before any
-  activation exists) and the step's own (the mask's construction, the logits' gradients).
+- the transient: the larger of the features' argmax (one chunk of logits, before any activation exists) and the
+  step's own (the mask's construction, the logits' gradients).
 
 The block objective has no activation checkpointing (``train.ttt.activation_checkpointing`` is TTT's): both figures
 ``step_memory`` answers for are the same step. ``benchmarks/train_memory.py --family dflash`` checks the model
@@ -37,6 +37,7 @@ import torch
 
 from eaglekit.model.dflash import DFlashConfig, DFlashDrafter
 from eaglekit.model.dspark import DSparkConfig, DSparkDrafter
+from eaglekit.model.target import LOGIT_CHUNK_ELEMENTS
 from eaglekit.training.block import block_loss
 from eaglekit.training.memory import ADAMW_BYTES, StepMemory
 
@@ -45,7 +46,8 @@ from eaglekit.training.memory import ADAMW_BYTES, StepMemory
 BASE = {"hidden_size": 64, "intermediate_size": 64, "num_key_value_heads": 1, "vocab_size": 64, "markov_rank": 16}
 ROWS = (96, 192)  # two row lengths: their difference is the per-context-token slope
 ANCHORS = (2, 4)  # two anchor counts: their difference is the per-query slope
-BATCH_INDEX_BYTES = 4 * 8 + 1  # a token's ids, loss and attention masks, positions (int64) and in-draft flag
+BATCH_INDEX_BYTES = 4 * 8  # a token's ids, loss and attention masks, positions (int64)
+TARGET_BYTES = 8  # a token's target: the target's argmax (int64), all the block objective reads of it
 
 
 @dataclass(frozen=True)
@@ -206,12 +208,13 @@ def block_step_memory(
     weights = ADAMW_BYTES * trainable + 4 * frozen + (2 * (trainable + frozen // 2) if bf16 else 0)
     aux_width = len(cfg.aux_layer_ids) * cfg.target_hidden_size
     held = own if context_parallel == 1 else min(own + cfg.block_size, row_length)  # its share and the halo
-    batch = rows * held * (aux_width * act + 4 * cfg.vocab_size + BATCH_INDEX_BYTES)
+    batch = rows * held * (aux_width * act + TARGET_BYTES + BATCH_INDEX_BYTES)
     activations = rows * kept.at(row_length, queries, own)
-    # before the step: the features' concatenation of the logits' chunks (a second copy); in it, the larger of the
-    # mask's construction (comparisons over [Q, L + Q] and the bias, early in the forward) and, once everything is
-    # kept, the logits' gradient and their softmax's (fp32) in the backward
-    features = rows * held * 4 * cfg.vocab_size
+    # before the step: the features' argmax, one chunk of the target's logits at a time (in the head's dtype, the
+    # compute one); in it, the larger of the mask's construction (comparisons over [Q, L + Q] and the bias, early in
+    # the forward) and, once everything is kept, the logits' gradient and their softmax's (fp32) in the backward
+    chunk_rows = max(1, LOGIT_CHUNK_ELEMENTS // cfg.vocab_size)
+    features = min(rows * held, chunk_rows) * cfg.vocab_size * act + rows * held * TARGET_BYTES
     in_step = rows * max(queries * (row_length + queries) * (4 + act), 2 * queries * cfg.vocab_size * 4)
     transient = max(features - activations, in_step)
     # context parallel: every layer's keys and values of the whole row, gathered (and this rank's, stacked for it)

@@ -10,7 +10,7 @@ import torch
 from eaglekit.data.shards import FeatureStore, Rows, decode, plan_shards
 from eaglekit.data.tokens import TokenStore
 from eaglekit.errors import EaglekitError
-from eaglekit.model.target import TargetFeatures, TargetHead
+from eaglekit.model.target import TargetFeatures, TargetHead, TargetReads, target_argmax
 from eaglekit.training.data import Batch
 
 
@@ -49,24 +49,36 @@ class Features:
                 "rerun extraction: `eaglekit run CONFIG --from extract --force`",
             )
 
-    def __call__(self, batch: Batch) -> tuple:
-        """(aux, input_ids, target_logits, loss_mask, attention_mask, target_in_draft, position_ids) on the device."""
+    def __call__(self, batch: Batch, reads: TargetReads = "distribution") -> tuple:
+        """(aux, input_ids, target, loss_mask, attention_mask, target_in_draft, position_ids) on the device.
+
+        ``reads``: what the objective reads of the target. "distribution": ``target`` is its logits over the draft
+        vocabulary [B, L, Vd] fp32, with the in-draft flags; "argmax": ``target`` is its next token [B, L] int64
+        and the flags None — a block drafter's vocabulary is the target's whole one, whose fp32 logits would be
+        the step's largest tensor (4 V bytes a position) for 8 bytes of use."""
         b = batch.to(self.device)
+        in_draft: torch.Tensor | None = None
         if self.target is not None:
-            f = self.target(b.input_ids, b.attention_mask, position_ids=b.position_ids)
+            f = self.target(
+                b.input_ids, b.attention_mask, with_logits=reads == "distribution", position_ids=b.position_ids
+            )
             if b.position_ids is not None and not self.packing_checked:
                 self.check_packed_features(b, f)
-            assert f.target_logits is not None and f.target_in_draft is not None  # asked with_logits (the default)
-            aux, logits, in_draft = (
-                f.aux.to(self.device),
-                f.target_logits.to(self.device),
-                f.target_in_draft.to(self.device),
-            )
+            aux = f.aux.to(self.device)
+            if reads == "argmax":
+                target = target_argmax(f.last_hidden, self.target.lm_head.weight.to(f.last_hidden.device))
+            else:
+                assert f.target_logits is not None and f.target_in_draft is not None  # asked with_logits
+                target, in_draft = f.target_logits, f.target_in_draft.to(self.device)
+            target = target.to(self.device)
         else:  # stored or streamed rows (bf16, or fp8 with its scales) are decoded on the device: half the bytes travel
             assert self.head is not None and b.aux is not None and b.last_hidden is not None  # offline rows carry both
             aux, last = decode(Rows(b.aux, b.last_hidden, b.scale_exp), self.head.weight.dtype)
-            logits, in_draft = self.head(last)
-        return aux.to(self.aux_dtype), b.input_ids, logits, b.loss_mask, b.attention_mask, in_draft, b.position_ids
+            if reads == "argmax":
+                target = self.head.argmax(last)
+            else:
+                target, in_draft = self.head(last)
+        return aux.to(self.aux_dtype), b.input_ids, target, b.loss_mask, b.attention_mask, in_draft, b.position_ids
 
     def check_packed_features(self, b: Batch, packed) -> None:
         """Once: the target's features of a packed row's second document equal those of the document alone.

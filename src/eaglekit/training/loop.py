@@ -37,7 +37,7 @@ from eaglekit.drafters.family import DrafterFamily
 from eaglekit.drafters.registry import family_of_run
 from eaglekit.interrupt import StopRequest
 from eaglekit.model.eagle3 import Eagle3Drafter
-from eaglekit.model.target import aux_layer_ids, embedding_and_head, load_target, target_hf_config
+from eaglekit.model.target import TargetReads, aux_layer_ids, embedding_and_head, load_target, target_hf_config
 from eaglekit.progress import Meter
 from eaglekit.rundir import RunDir
 from eaglekit.training import distributed as dist
@@ -106,7 +106,7 @@ def train(
     autocast = autocast_for(tc.dtype, device)
     objective = family.objective(drafter, tc, device, context)
     positions, weights, notes["step_kernels"] = objective.positions, objective.weights, objective.kernels
-    inputs_of = StepInputs(features, context, objective.halo)
+    inputs_of = StepInputs(features, context, objective.halo, objective.reads)
     model = wrap(objective.module, tc.distributed, device)
     named_params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     params = [p for _, p in named_params]
@@ -271,9 +271,10 @@ class StepInputs:
     features: Features
     context: ContextGroup | None
     halo: int  # positions past a rank's own whose targets its objective reads
+    reads: TargetReads  # what of the target its objective reads (the family's ``Objective.reads``)
 
     def __call__(self, batch: Batch) -> tuple:
-        return self.features(batch if self.context is None else self.context.cut(batch, self.halo))
+        return self.features(batch if self.context is None else self.context.cut(batch, self.halo), self.reads)
 
     def tokens(self, batch: Batch) -> int:
         return batch.tokens if self.context is None else self.context.own_tokens(batch)
