@@ -210,35 +210,16 @@ def run_block_case(family: str, shape: str, length: int, device: str, context: C
 
 def block_context_case(family: str, shape: str, length: int, ranks: int) -> dict:
     """One CPU block-drafter case on ``ranks`` gloo processes splitting the row: the rank with the highest peak."""
-    import socket
-    import tempfile
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as out:
-        mp.spawn(_block_rank_case, args=(ranks, port, out, family, shape, length), nprocs=ranks, join=True)
-        rows = [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(ranks)]
-    return max(rows, key=lambda r: r["measured_bytes"])
-
-
-def _block_rank_case(rank: int, ranks: int, port: int, out: str, family: str, shape: str, length: int) -> None:
-    from eaglekit.training import distributed as dist
-
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(ranks), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))  # fmt: skip
-    torch.set_num_threads(1)
-    dist.init()
-    row = run_block_case(family, shape, length, "cpu", dist.context_group(ranks))
-    (Path(out) / f"rank{rank}.json").write_text(json.dumps({**row, "rank": rank}))
-    dist.barrier()
-    torch.distributed.destroy_process_group()
+    return on_ranks(ranks, run_block_case, family, shape, length)
 
 
 def context_case(shape: str, length: int, checkpoint: bool, ranks: int) -> dict:
     """One CPU case on ``ranks`` gloo processes splitting the row: the rank with the highest measured peak."""
+    return on_ranks(ranks, run_case, shape, length, checkpoint)
+
+
+def on_ranks(ranks: int, case, *args) -> dict:
+    """``case(*args, "cpu", context_group)`` on ``ranks`` gloo processes: the row of the rank with the highest peak."""
     import socket
     import tempfile
 
@@ -248,19 +229,19 @@ def context_case(shape: str, length: int, checkpoint: bool, ranks: int) -> dict:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as out:
-        mp.spawn(_rank_case, args=(ranks, port, out, shape, length, checkpoint), nprocs=ranks, join=True)
+        mp.spawn(_rank_case, args=(ranks, port, out, case, args), nprocs=ranks, join=True)
         rows = [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(ranks)]
     return max(rows, key=lambda r: r["measured_bytes"])
 
 
-def _rank_case(rank: int, ranks: int, port: int, out: str, shape: str, length: int, checkpoint: bool) -> None:
+def _rank_case(rank: int, ranks: int, port: int, out: str, case, args: tuple) -> None:
     from eaglekit.training import distributed as dist
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(ranks), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))  # fmt: skip
     torch.set_num_threads(1)
     dist.init()
-    row = run_case(shape, length, checkpoint, "cpu", dist.context_group(ranks))
+    row = case(*args, "cpu", dist.context_group(ranks))
     (Path(out) / f"rank{rank}.json").write_text(json.dumps({**row, "rank": rank}))
     dist.barrier()
     torch.distributed.destroy_process_group()

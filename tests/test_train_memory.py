@@ -11,7 +11,7 @@ from eaglekit.config import TTTConfig
 from eaglekit.divergences import DIVERGENCES
 from eaglekit.model.eagle3 import DrafterConfig, Eagle3Drafter
 from eaglekit.training.fused import StepKernels
-from eaglekit.training.memory import head_chunk_temporaries, kept_bytes_per_token, step_memory
+from eaglekit.training.memory import head_chunk_temporaries, kept_bytes_per_token, random_row, step_memory
 from eaglekit.training.ttt import ttt_loss
 
 STEPS = 7
@@ -30,11 +30,7 @@ def allocated_by_forward(cfg: DrafterConfig, rows: int, checkpoint: bool) -> int
     """Bytes the allocator holds for ttt_loss's forward when it returns (what backward will read), net of frees."""
     torch.manual_seed(0)
     drafter = Eagle3Drafter(cfg)
-    g = torch.Generator().manual_seed(1)
-    aux = torch.randn(1, rows, 3 * cfg.target_hidden_size, generator=g)
-    ids = torch.randint(0, cfg.vocab_size, (1, rows), generator=g)
-    logits = torch.randn(1, rows, cfg.draft_vocab_size, generator=g)
-    mask = torch.ones_like(ids)
+    aux, ids, logits, mask = random_row(cfg, rows, seed=1)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         out = ttt_loss(drafter, aux, ids, logits, mask, settings=TTTConfig(steps=STEPS),
                        kernels=StepKernels(checkpoint_steps=checkpoint))  # fmt: skip

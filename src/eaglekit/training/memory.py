@@ -125,16 +125,21 @@ class _Storages(TorchDispatchMode):
         return sum(nbytes for _, nbytes in self.made.values())
 
 
+def random_row(cfg: DrafterConfig, rows: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """One row of ttt_loss's inputs for ``cfg`` (aux features, ids, target logits, loss mask), drawn from ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    aux = torch.randn(1, rows, 3 * cfg.target_hidden_size, generator=g)
+    ids = torch.randint(0, cfg.vocab_size, (1, rows), generator=g)
+    logits = torch.randn(1, rows, cfg.draft_vocab_size, generator=g)
+    return aux, ids, logits, torch.ones_like(ids)
+
+
 def _kept_bytes(cfg: DrafterConfig, rows: int, steps: int, checkpoint: bool, bf16: bool) -> int:
     """Bytes ttt_loss keeps for backward on one row of ``rows`` tokens (parameters and inputs not counted): the
     storages it made that are alive when it returns (whoever holds them: autograd, a checkpoint's closure)."""
     torch.manual_seed(0)
     drafter = Eagle3Drafter(cfg)
-    g = torch.Generator().manual_seed(0)
-    aux = torch.randn(1, rows, 3 * cfg.target_hidden_size, generator=g)
-    ids = torch.randint(0, cfg.vocab_size, (1, rows), generator=g)
-    logits = torch.randn(1, rows, cfg.draft_vocab_size, generator=g)
-    mask = torch.ones_like(ids)
+    aux, ids, logits, mask = random_row(cfg, rows, seed=0)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
     with _Storages() as made, autocast:
         out = ttt_loss(drafter, aux, ids, logits, mask, settings=TTTConfig(steps=steps),
