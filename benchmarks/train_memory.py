@@ -114,12 +114,7 @@ def run_case(shape: str, length: int, checkpoint: bool, device: str, context: Co
                         device_type=dev.type, context_parallel=ranks)  # fmt: skip
     t0 = time.monotonic()
     if dev.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        step(length)
-        torch.cuda.synchronize()
-        measured = torch.cuda.max_memory_allocated()
-        predicted = model.total
+        measured, predicted = cuda_peak(step, length), model.total
     else:  # the growth over the warm state: weights and optimizer state are already there
         Path("/proc/self/clear_refs").write_text("5")
         warm.append(_status_bytes("VmRSS"))
@@ -189,11 +184,7 @@ def run_block_case(family: str, shape: str, length: int, device: str, context: C
                               context_parallel=ranks)  # fmt: skip
     t0 = time.monotonic()
     if dev.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        step(length)
-        torch.cuda.synchronize()
-        measured, predicted = torch.cuda.max_memory_allocated(), model.total
+        measured, predicted = cuda_peak(step, length), model.total
     else:
         Path("/proc/self/clear_refs").write_text("5")
         base = _status_bytes("VmRSS")
@@ -245,6 +236,15 @@ def _rank_case(rank: int, ranks: int, port: int, out: str, case, args: tuple) ->
     (Path(out) / f"rank{rank}.json").write_text(json.dumps({**row, "rank": rank}))
     dist.barrier()
     torch.distributed.destroy_process_group()
+
+
+def cuda_peak(step, length: int) -> int:
+    """The allocator's peak over one step of ``length`` tokens (the weights and optimizer state included)."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    step(length)
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated()
 
 
 def _status_bytes(field: str) -> int:

@@ -37,6 +37,9 @@ FAR_BEYOND = 4.0
 LONG_CONTEXT = 8192
 # speculators' window on every draft layer by default: longer windows than it are not chosen for the user
 LARGEST_AUTO_WINDOW = 2048
+# The version of auto's rule, kept in train's parameters (stages/train.py reads older runs by it): 1 chose the largest
+# power of two no longer than the documents' 95th percentile, 2 (today) no longer than half of it
+AUTO_RULE = 2
 
 
 @dataclass(frozen=True)
@@ -108,7 +111,7 @@ def _lengths(path: str, mtime_ns: int, size: int) -> TrainingLengths | None:
     return TrainingLengths(int(lengths.quantile(0.95)), int(lengths.max()), prepared=True)
 
 
-def draft_window(cfg: RunConfig, rule: int = 2) -> WindowChoice:
+def draft_window(cfg: RunConfig, rule: int = AUTO_RULE) -> WindowChoice:
     """The window a fresh drafter of this run trains with, and why (module docstring); a finetune keeps its own.
     ``rule`` 1: what auto chose before it halved the documents' length (a run recorded then is read by it)."""
     draft = cfg.train.draft
@@ -140,14 +143,15 @@ def draft_window(cfg: RunConfig, rule: int = 2) -> WindowChoice:
         return WindowChoice(
             None, f"auto: off ({where}, {ratio:.1f}x the training {trained.words()}: under {FAR_BEYOND:g}x)"
         )
-    size = min(LARGEST_AUTO_WINDOW, 1 << (max(trained.p95 // (2 if rule >= 2 else 1), 1).bit_length() - 1))
+    span = trained.p95 // 2 if rule >= 2 else trained.p95
+    size = min(LARGEST_AUTO_WINDOW, 1 << (max(span, 1).bit_length() - 1))
     if size <= cfg.train.ttt.steps:
         return WindowChoice(
             None,
             f"auto: off ({where}, but the training {trained.words()} leave a window of {size} positions, "
             f"not longer than train.ttt.steps {cfg.train.ttt.steps})",
         )
-    words = "the largest power of two not longer than half of them" + (
+    words = f"the largest power of two not longer than {'half of them' if rule >= 2 else 'them'}" + (
         f", at most {LARGEST_AUTO_WINDOW:,}" if size == LARGEST_AUTO_WINDOW else ""
     )
     return WindowChoice(size, f"auto: {size:,} ({where}, {ratio:.0f}x the training {trained.words()}; {words})")

@@ -369,11 +369,11 @@ def identities_in_current_layout(recorded: dict, today: dict, cfg: RunConfig) ->
       ran on its upstream's outputs, and the fingerprint it hashed with its upstream's vouches for them.
     """
     out = dict(recorded)
-    folder = model_folder(cfg.target.model)
     for key in ("model", "target"):  # generate's local target, extract's and train's
         old, new = recorded.get(key), today.get(key)
         if not (isinstance(old, dict) and isinstance(new, dict) and "weights" in new and "weights" not in old):
             continue
+        folder = model_folder(cfg.target.model)
         if folder is not None and _same_old_target(old, folder, cfg):
             out[key] = new
     for key in ("tokens", "vocab", "responses"):

@@ -28,7 +28,7 @@ from eaglekit.divergences import LossChoice
 from eaglekit.drafters.registry import family_named, family_of_folder, parameter_counts
 from eaglekit.errors import EaglekitError
 from eaglekit.model.hub import cached_drafter, download_drafter, is_hub_id, local_folder
-from eaglekit.model.sliding_window import draft_window
+from eaglekit.model.sliding_window import AUTO_RULE, draft_window
 from eaglekit.preflight import (
     CheckResult,
     disk,
@@ -60,11 +60,6 @@ UPSTREAM = "extract"  # in online mode the pipeline steps over the skipped extra
 MIN_SAMPLES = 100  # fewer training samples than this make a drafter that cannot generalise
 
 
-# Train's parameters carry the resolved sliding window since auto became its default: version 1 of auto's rule chose
-# the largest power of two no longer than the documents' 95th percentile, version 2 no longer than half of it
-WINDOW_RULE = 2
-
-
 def params(cfg: RunConfig) -> dict:
     # when checkpoints are written does not change the drafter, nor how many ranks split each row (the step is the
     # same computed either way, tests/test_context_parallel.py): editing them must not make a run stale
@@ -72,7 +67,8 @@ def params(cfg: RunConfig) -> dict:
     # the window the drafter trains with, not "auto": a changed serving context or training length that moves it
     # makes the drafter stale, and auto resolving to what an explicit value said does not
     p["draft"]["sliding_window"] = draft_window(cfg).window
-    p["window_rule"] = WINDOW_RULE  # records from before sliding_window: auto lack it (params_in_current_layout)
+    # the resolved window, under this version of auto's rule (records from before auto lack it: params_in_current_layout)
+    p["window_rule"] = AUTO_RULE
     p |= files.read_identities(cfg, "target", "tokens", "vocab")
     p["eval_fraction"] = cfg.data.eval_fraction
     p["features"] = cfg.extract.mode
@@ -93,7 +89,7 @@ def params_in_current_layout(recorded: dict, cfg: RunConfig) -> dict:
     * before train.ttt (ttt_steps, loss: NAME and lk_eta beside every loss, flat in the train section): moved by the
       config's own spelling map, the loss as the config dumps it;
     * before ``sliding_window: auto`` became the default (no ``window_rule``), or under an older rule of auto's
-      (``window_rule`` below WINDOW_RULE), where the config leaves the window to auto: the drafter trained with the
+      (``window_rule`` below ``sliding_window.AUTO_RULE``), where the config leaves the window to auto: the drafter trained with the
       window of then (full attention before auto) stands for what auto chooses now. Its checkpoint keeps its own
       window, which evaluate and export read. Where the config names a window (or null), the record's own window is
       compared with it: the same one is the same drafter, another retrains.
@@ -111,14 +107,14 @@ def params_in_current_layout(recorded: dict, cfg: RunConfig) -> dict:
             moved["ttt"] = {**ttt, "loss": TypeAdapter(LossChoice).validate_python(ttt["loss"]).model_dump()}
     draft = moved.get("draft")
     rule = moved.get("window_rule", 0)
-    if isinstance(rule, int) and rule < WINDOW_RULE and isinstance(draft, dict):
+    if isinstance(rule, int) and rule < AUTO_RULE and isinstance(draft, dict):
         if cfg.train.draft.window != AUTO:
-            moved = {**moved, "window_rule": WINDOW_RULE}
+            moved = {**moved, "window_rule": AUTO_RULE}
         elif draft.get("sliding_window") == (draft_window(cfg, rule=1).window if rule else None):
             moved = {
                 **moved,
                 "draft": {**draft, "sliding_window": draft_window(cfg).window},
-                "window_rule": WINDOW_RULE,
+                "window_rule": AUTO_RULE,
             }
     return moved
 
@@ -360,14 +356,15 @@ def estimate(ctx: StageContext, sizes: Sizes | None) -> Estimate:
     if both is not None:
         n = row_tokens(cfg)
         est.how.append(f"GPU memory of a step at {n:,} tokens (bf16): {memory_line(both[0], n)}")
-        if both[1] is not both[0]:  # a block objective has no checkpointing: one figure
+        checkpointable = both[1] is not both[0]  # a block objective has no checkpointing: one step, twice
+        if checkpointable:
             est.how.append(f"  with train.ttt.activation_checkpointing: {human_bytes(both[1].total)}")
         if shared_gpus.shares_trainer_gpus(cfg):
             step = both[1 if cfg.train.ttt.activation_checkpointing else 0].total
             est.how += shared_gpus.plan_lines(cfg, step, gpus.inventory())
         if cfg.train.context_parallel == 1 and n >= 16384:  # what splitting long rows over GPUs would give
             split = [(n, step_memory_both(cfg, n)) for n in (2, 4, 8)]
-            checkpointed = " checkpointed," if both[1] is not both[0] else ""  # a block objective has no checkpointing
+            checkpointed = " checkpointed," if checkpointable else ""
             est.how.append(
                 f"  with train.context_parallel (each row split over N GPUs),{checkpointed} a rank: "
                 + ", ".join(f"N={n} {human_bytes(m[1].total)}" for n, m in split if m)
