@@ -147,12 +147,14 @@ def is_module(name: str) -> bool:
     return path.with_suffix(".py").exists() or path.is_dir()
 
 
-def lazily_heavy() -> set[str]:
-    """Every module some function imports lazily because it is heavy (`from eaglekit import plots`: eaglekit.plots)."""
+def lazily_heavy(torch_too: bool = True) -> set[str]:
+    """Every module some function imports lazily because it is heavy (`from eaglekit import plots`: eaglekit.plots);
+    without ``torch_too``, those deferred for torch alone (`# lazy: heavy (torch...)`), which the stages carry."""
     out = set()
     for p, _ in modules():
         for node in function_level_imports(p):
-            if not (marker_of(p, node) or "").startswith("# lazy: heavy"):
+            marker = marker_of(p, node) or ""
+            if not marker.startswith("# lazy: heavy") or (not torch_too and marker.startswith("# lazy: heavy (torch")):
                 continue
             if isinstance(node, ast.Import):
                 out |= {a.name for a in node.names}
@@ -176,9 +178,9 @@ def test_imports_inside_functions_say_why():
 
 
 def test_help_loads_no_heavy_module():
-    """`eaglekit --help` imports every stage (their commands' help comes from their declarations): none of them
-    may pull in what a function imports lazily for its weight, or the list above."""
-    heavy = sorted(lazily_heavy() | set(NEVER_AT_HELP))
+    """`eaglekit --help` lists the commands without importing a stage: it loads nothing a function imports lazily for
+    its weight (torch among them), nor the list above."""
+    heavy = sorted(lazily_heavy() | set(NEVER_AT_HELP) | {"torch"})
     code = (
         "import json, sys\n"
         "from eaglekit.cli import main\n"
@@ -194,6 +196,54 @@ def test_help_loads_no_heavy_module():
     assert "Usage" in out.stdout, out.stdout + out.stderr  # the help was printed: the check ran after it
     loaded = json.loads(out.stdout.splitlines()[-1])
     assert not loaded, f"`eaglekit --help` imports {loaded} (import it inside the function that needs it, marked)"
+
+
+def test_the_stages_load_no_heavy_module_but_torch():
+    """Every stage's command help imports its stage: the stages may carry torch (they work on tensors), but nothing
+    a function imports lazily for another weight, nor the list above."""
+    heavy = sorted(lazily_heavy(torch_too=False) | set(NEVER_AT_HELP))
+    code = (
+        "import json, sys\n"
+        "from eaglekit import pipeline\n"
+        "from eaglekit.cli import main\n"
+        "for stage in pipeline.STAGE_ORDER:\n"
+        "    try:\n"
+        "        main([stage, '--help'])\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        f"print(json.dumps([m for m in {heavy!r} if m in sys.modules]))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env(), timeout=300, check=True
+    )
+    assert "Reads" in out.stdout, out.stdout + out.stderr  # the help was printed: the check ran after it
+    loaded = json.loads(out.stdout.splitlines()[-1])
+    assert not loaded, f"a stage imports {loaded} (import it inside the function that needs it, marked)"
+
+
+def test_the_cli_and_a_config_load_import_no_torch(tmp_path):
+    """`eaglekit --help`, `--version`, usage errors and anything that only reads a config start without torch (a
+    second or two): torch comes with the stage a command runs."""
+    config = tmp_path / "c.yaml"
+    config.write_text("run_dir: run\ntarget: {model: model}\ndata: {prompts: prompts.jsonl}\n")
+    code = (
+        "import json, sys\n"
+        "import eaglekit.cli\n"
+        "from eaglekit.config import load_config\n"
+        "cfg = load_config(sys.argv[1])\n"
+        "print(json.dumps([cfg.train.ttt.loss.name, [m for m in ('torch', 'transformers') if m in sys.modules]]))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(config)],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=300,
+        check=True,
+    )
+    loss, loaded = json.loads(out.stdout.splitlines()[-1])
+    assert loss == "kl_div", out.stdout  # the config (and its divergences) loaded
+    assert not loaded, f"importing eaglekit.cli and loading a config imports {loaded}"
 
 
 def test_the_marker_check_sees_unmarked_imports(tmp_path):

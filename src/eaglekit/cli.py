@@ -25,12 +25,9 @@ from typer.core import TyperCommand
 
 from eaglekit import __version__, failures, interrupt, pipeline, preflight, status
 from eaglekit.config import RunConfig, load_config
-from eaglekit.demo import run_demo
 from eaglekit.errors import EaglekitError, UsageError
-from eaglekit.planning import parse_bytes, plan, render
 from eaglekit.progress import console
 from eaglekit.rundir import RunDir
-from eaglekit.stages.extract import vllm_serve_command
 
 app = typer.Typer(
     add_completion=False,
@@ -135,7 +132,8 @@ def run_cmd(
 
 class _StageCommand(TyperCommand):
     """A stage command whose --help says what the stage reads and writes, from its declaration (``reads``,
-    ``writes``). Read when the help is shown, not when the CLI starts: importing the stage modules takes seconds."""
+    ``writes``). Read when its own help is shown; the list of commands (`eaglekit --help`) gives the summary alone,
+    because importing the stage modules takes seconds (torch among them)."""
 
     stage = ""
     summary = ""
@@ -148,6 +146,14 @@ class _StageCommand(TyperCommand):
     @help.setter
     def help(self, value: str | None) -> None:
         pass  # the declaration says it
+
+    @property
+    def short_help(self) -> str:
+        return self.summary
+
+    @short_help.setter
+    def short_help(self, value: str | None) -> None:
+        pass  # the summary says it
 
 
 def _stage_command(stage: str):
@@ -318,6 +324,8 @@ def plan_cmd(
     Figures measured in this run directory (a pilot with a small data.max_samples) are used unless a flag
     gives them; each figure says where it comes from.
     """
+    from eaglekit.planning import parse_bytes, plan, render  # lazy: heavy (torch, through the stages a plan sizes)
+
     cfg = load(config)
     try:
         free_bytes = parse_bytes(free) if free is not None else None
@@ -344,6 +352,8 @@ def plan_cmd(
 @command("serve-command")
 def serve_command_cmd(config: Path = ConfigArg, as_json: bool = JsonOpt) -> None:
     """Print the command that starts a vLLM feature server for this config (extract.backend: vllm)."""
+    from eaglekit.stages.extract import vllm_serve_command  # lazy: heavy (torch, through the extract stage)
+
     command = vllm_serve_command(load(config))
     if as_json:
         emit_json({"command": command})
@@ -362,6 +372,8 @@ def demo_cmd(
     offline: bool = typer.Option(False, "--offline", help="extract the features to disk, then train from them"),
 ) -> None:
     """The whole pipeline on the built-in tiny target, on CPU: writes RUN_DIR/config.yaml, runs every stage."""
+    from eaglekit.demo import run_demo  # lazy: heavy (torch, and every stage the demo runs)
+
     _State.run_dir = str(run_dir)
     summary = run_demo(run_dir, force=force, offline=offline)
     if as_json:

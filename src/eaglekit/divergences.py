@@ -4,7 +4,9 @@ row's value and its gradient with respect to the logits.
 A divergence is one class here, registered by name; the config's ``train.ttt.loss`` accepts exactly the registered
 names (``LossChoice``), with each one's parameters as its keys (``{name: lk_hybrid, eta: 3.0}``, or the bare name for
 the defaults). Adding one is a class and ``@register`` in this file. It sits in the bottom layer because the config
-reads it; the fused head (``training/head_loss.py``) calls ``rows`` per chunk of rows, so it can form gradients in forward
+reads it, and so it does not import torch (a second of every start, ``eaglekit --help`` and a config load included):
+the maths below are tensor methods, and torch itself is imported only where a tensor has no method for it. The fused
+head (``training/head_loss.py``) calls ``rows`` per chunk of rows, so it can form gradients in forward
 without keeping [N, Vd] for backward, and a compiled or CUDA version can wrap exactly this maths.
 
 For a loss of q = softmax(z) with g = ∂L/∂q the chain rule through the softmax gives
@@ -34,12 +36,14 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Union
 
-import torch
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
-NLA_EPS = 1e-5  # speculators' clamp of the overlap inside −log α
+if TYPE_CHECKING:
+    import torch
 
-Rows = tuple[torch.Tensor, torch.Tensor | None]
+    Rows = tuple[torch.Tensor, torch.Tensor | None]
+
+NLA_EPS = 1e-5  # speculators' clamp of the overlap inside −log α
 
 
 class Divergence(BaseModel):
@@ -83,12 +87,14 @@ def register(cls: type[Divergence]) -> type[Divergence]:
 
 def _log(p: torch.Tensor) -> torch.Tensor:
     """log p with log 0 = −inf kept finite where multiplied by 0 (callers mask p = 0 or weight by q)."""
-    return torch.log(p.clamp_min(torch.finfo(p.dtype).tiny))
+    import torch  # lazy: heavy (torch: the config imports this module, and a config load must not pay for torch)
+
+    return p.clamp_min(torch.finfo(p.dtype).tiny).log()
 
 
 def _softmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(log-sum-exp [c, 1], log q, q) of each row."""
-    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+    lse = logits.logsumexp(dim=-1, keepdim=True)
     log_q = logits - lse
     return lse, log_q, log_q.exp()
 
@@ -96,11 +102,11 @@ def _softmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 def _overlap(q: torch.Tensor, p: torch.Tensor, need_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """α = Σ min(p, q), each row's acceptance rate, and −dα/dz (TV's gradient; None without ``need_grad``)."""
     below = q <= p
-    alpha = torch.minimum(p, q).sum(-1)
+    alpha = p.minimum(q).sum(-1)
     # g = −1[q ≤ p]  ⇒  dTV/dz = −q ⊙ (1[q ≤ p] − s), s = Σ_{q ≤ p} q
     if not need_grad:
         return alpha, None
-    s = torch.where(below, q, 0.0).sum(-1, keepdim=True)
+    s = q.where(below, 0.0).sum(-1, keepdim=True)
     return alpha, -q * (below.to(q.dtype) - s)
 
 
@@ -137,9 +143,9 @@ class JensenShannon(Divergence):
     def rows(self, logits: torch.Tensor, p: torch.Tensor, need_grad: bool = True) -> Rows:
         _, log_q, q = _softmax(logits)
         log_p = _log(p)
-        log_m = torch.logaddexp(log_q, log_p) - math.log(2.0)
+        log_m = log_q.logaddexp(log_p) - math.log(2.0)
         kl_qm = (q * (log_q - log_m)).sum(-1)
-        kl_pm = torch.where(p > 0, p * (log_p - log_m), 0.0).sum(-1)
+        kl_pm = (p * (log_p - log_m)).where(p > 0, 0.0).sum(-1)
         value = 0.5 * (kl_pm + kl_qm)
         # g = ½ log(q / m): the p/(2m) and q/(2m) terms of the two KLs cancel against the +½
         return value, (0.5 * q * (log_q - log_m - kl_qm[:, None])) if need_grad else None
@@ -165,9 +171,9 @@ class NegativeLogAcceptance(Divergence):
         _, _, q = _softmax(logits)
         alpha, d_tv = _overlap(q, p, need_grad)
         clamped = alpha.clamp_min(NLA_EPS)
-        scale = torch.where(alpha > NLA_EPS, -1.0 / clamped, 0.0)  # d(−log α)/dα, 0 where the clamp holds
+        scale = (-1.0 / clamped).where(alpha > NLA_EPS, 0.0)  # d(−log α)/dα, 0 where the clamp holds
         # d_tv is −dα/dz
-        return -torch.log(clamped), (-scale[:, None] * d_tv) if d_tv is not None else None
+        return -clamped.log(), (-scale[:, None] * d_tv) if d_tv is not None else None
 
 
 @register
@@ -179,8 +185,8 @@ class LKHybrid(Divergence):
     def rows(self, logits: torch.Tensor, p: torch.Tensor, need_grad: bool = True) -> Rows:
         _, log_q, q = _softmax(logits)
         alpha, d_tv = _overlap(q, p, need_grad)
-        lam = torch.exp(-self.eta * alpha)
-        kl = (torch.where(p > 0, p * _log(p), 0.0) - p * log_q).sum(-1)
+        lam = (-self.eta * alpha).exp()
+        kl = ((p * _log(p)).where(p > 0, 0.0) - p * log_q).sum(-1)
         value = lam * kl + (1.0 - lam) * (1.0 - alpha)
         if d_tv is None:
             return value, None

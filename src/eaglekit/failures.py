@@ -26,7 +26,6 @@ from eaglekit.errors import DISK_ERRNOS, EaglekitError, io_failure
 from eaglekit.interrupt import Terminated
 from eaglekit.progress import human_bytes
 from eaglekit.rundir import RunDir, now_iso, tool_versions
-from eaglekit.training import distributed
 
 # The attribute of an interrupt (KeyboardInterrupt, SystemExit) that carries the line the CLI prints for it;
 # built-in exceptions have no field of their own for it.
@@ -53,6 +52,8 @@ REMEDIES = {
 def infrastructure_fault(ctx: StageContext, err: BaseException) -> InfrastructureFault | None:
     """The message for a distributed fault behind ``err`` (this rank, what happened, what a rerun resumes from),
     or None when ``err`` is not one."""
+    from eaglekit.training import distributed  # lazy: heavy (torch: `eaglekit status` and `--help` import this module)
+
     found = distributed.fault(err)
     if found is None:
         return None

@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from safetensors import safe_open
-from safetensors.torch import load_file
 
 from eaglekit import rundir
 from eaglekit.errors import EaglekitError
+
+if TYPE_CHECKING:
+    import torch
 
 VOCAB = "vocab.safetensors"
 PREPARED_TOKENS = Path("prepare") / "tokens.safetensors"  # relative to the run directory
@@ -31,6 +32,8 @@ def load_vocab(run_dir: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
     path = Path(run_dir) / "vocab" / VOCAB
     if not path.exists():
         raise EaglekitError(f"{path} does not exist", "pick the draft vocabulary: `eaglekit run CONFIG --until vocab`")
+    from safetensors.torch import load_file  # lazy: heavy (torch: pre-flight reads this module's file names)
+
     t = load_file(str(path))
     return t["d2t"], t["t2d"]
 

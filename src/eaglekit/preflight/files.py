@@ -32,7 +32,6 @@ from typing import NamedTuple
 from eaglekit import rundir
 from eaglekit.config import RunConfig
 from eaglekit.contract import StageContext
-from eaglekit.data import shards as sh
 from eaglekit.data.responses import RESPONSES
 from eaglekit.data.vocab import PREPARED_TOKENS, VOCAB
 from eaglekit.model.hub import incomplete_downloads, local_folder, model_folder
@@ -537,6 +536,8 @@ def feature_shards(ctx: StageContext) -> CheckResult:
     pending = will_be_produced(ctx, name, "extract")
     if pending:
         return pending
+    from eaglekit.data import shards as sh  # lazy: heavy (torch: the pipeline imports this module)
+
     folder = ctx.run.stage_dir("extract")
     try:
         index = json.loads((folder / sh.INDEX).read_text())
@@ -577,6 +578,8 @@ def feature_shard_contents(ctx: StageContext) -> CheckResult:
     pending = will_be_produced(ctx, name, "extract")
     if pending:
         return pending
+    from eaglekit.data import shards as sh  # lazy: heavy (torch: the pipeline imports this module)
+
     folder = ctx.run.stage_dir("extract")
     try:
         entries = json.loads((folder / sh.INDEX).read_text())["shards"]
