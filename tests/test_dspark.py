@@ -4,6 +4,7 @@ does (training, decoding, the export read back key by key, `eaglekit run`) is te
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 
@@ -173,6 +174,26 @@ def test_preflight_and_plan_size_the_dspark_drafter(tmp_path, tiny_target):
     assert spark - flash == 2 * spark_cfg.vocab_size * 16  # the Markov head: markov_w1 and markov_w2 train
     check = DSPARK.shape_check(dspark)
     assert check.level == "ok" and check.detail.startswith("dspark: 2 layers") and "Markov rank 16" in check.detail
+
+
+def test_a_block_drafter_for_a_run_configured_for_another_family_takes_the_block_defaults(tmp_path, tiny_target):
+    """config_for_run reads train.draft as its own family's section (`draft_as`): for a run whose train.draft is
+    EAGLE-3's (a finetune whose train.init_from holds a block drafter) it keeps the keys the families share and takes
+    the block keys' defaults, where reading them off the EAGLE-3 section raised AttributeError."""
+    from eaglekit.model import dflash, dspark
+    from eaglekit.model.dspark import DEFAULT_MARKOV_RANK
+    from eaglekit.model.run_shapes import target_and_aux
+
+    eagle = block_run_config(tmp_path, tiny_target, num_attention_heads=2)  # architecture unset: llama
+    hf, aux = target_and_aux(eagle)
+    flash = dflash.config_for_run(eagle, hf, aux, hf.vocab_size)
+    spark = dspark.config_for_run(eagle, hf, aux, hf.vocab_size)
+    fresh = dflash.config_for_run(
+        block_run_config(tmp_path, tiny_target, architecture="dflash"), hf, aux, hf.vocab_size
+    )
+    assert flash.num_attention_heads == spark.num_attention_heads == 2  # a key both families read
+    assert dataclasses.replace(flash, num_attention_heads=fresh.num_attention_heads) == fresh  # the rest: defaults
+    assert spark.markov_rank == DEFAULT_MARKOV_RANK
 
 
 def test_verify_preflight_names_the_cpu_builds_refusal(tmp_path, tiny_target, vllm_python):

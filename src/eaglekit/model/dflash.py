@@ -48,6 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eaglekit.config import DFlashDraft, RunConfig
 from eaglekit.data.chat import load_tokenizer
 from eaglekit.errors import UsageError
 from eaglekit.model.eagle3 import rope_from_config, rope_inv_freq, text_config
@@ -192,10 +193,10 @@ def default_mask_token_id(tokenizer: Any, vocab_size: int) -> int:
     )
 
 
-def config_for_run(cfg: Any, hf_config: Any, aux_layer_ids: list[int], vocab_size: int) -> DFlashConfig:
+def config_for_run(cfg: RunConfig, hf_config: Any, aux_layer_ids: list[int], vocab_size: int) -> DFlashConfig:
     """The DFlash drafter a run's ``train.draft`` asks for, from the target's config (and its tokenizer for the
     mask token when ``mask_token_id`` is unset)."""
-    draft = cfg.train.draft
+    draft = cfg.train.draft_as(DFlashDraft)
     mask = draft.mask_token_id
     if mask is None:
         tokenizer = load_tokenizer(cfg.target.model, cfg.target.chat_template, cfg.target.trust_remote_code)

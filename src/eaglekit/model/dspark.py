@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from eaglekit.config import DSparkDraft, RunConfig
 from eaglekit.errors import UsageError
 from eaglekit.model import dflash
 from eaglekit.model.dflash import DFlashConfig, DFlashDrafter
@@ -50,10 +51,12 @@ class DSparkConfig(DFlashConfig):
             )
 
 
-def config_for_run(cfg: Any, hf_config: Any, aux_layer_ids: list[int], vocab_size: int) -> DSparkConfig:
+def config_for_run(cfg: RunConfig, hf_config: Any, aux_layer_ids: list[int], vocab_size: int) -> DSparkConfig:
     """The DSpark drafter a run's ``train.draft`` asks for: DFlash's backbone options, and the Markov rank."""
     backbone = dflash.config_for_run(cfg, hf_config, aux_layer_ids, vocab_size)
-    return DSparkConfig(**backbone.to_dict(), markov_rank=cfg.train.draft.markov_rank or DEFAULT_MARKOV_RANK)
+    return DSparkConfig(
+        **backbone.to_dict(), markov_rank=cfg.train.draft_as(DSparkDraft).markov_rank or DEFAULT_MARKOV_RANK
+    )
 
 
 class MarkovHead(nn.Module):
