@@ -301,6 +301,30 @@ def test_a_streamed_runs_dump_loads_back(tmp_path, transport):
         parse_config({**BASE, "extract": {**extract, "stream": {"mooncake": {"master_server_address": "h:1"}}}})
 
 
+def test_storage_path_is_needed_only_where_the_servers_write_files(tmp_path):
+    """extract.vllm.storage_path is where the file transport reads the servers' files (offline extraction, a stream
+    with transport file): left out there, the config load names it; with transport mooncake nothing reads it."""
+    servers = {"servers": ["http://127.0.0.1:9/v1"]}
+    stream = {"mode": "stream", "backend": "vllm", "vllm": servers}
+    mooncake = load_config(
+        write_config(tmp_path / "m.yaml", {**BASE, "extract": {**stream, "stream": {"transport": "mooncake"}}})
+    )
+    assert mooncake.extract.vllm is not None and mooncake.extract.vllm.storage_path is None
+    again = load_config(write_config(tmp_path / "again.yaml", yaml.safe_load(mooncake.to_yaml())))  # RUN_DIR's dump
+    assert again.extract == mooncake.extract
+    for extract, reader, or_mooncake in (
+        (stream, "train's stream (extract.stream.transport file)", True),
+        ({**stream, "stream": {"transport": "file"}}, "train's stream (extract.stream.transport file)", True),
+        ({**stream, "mode": "offline"}, "offline extraction", False),
+    ):
+        path = write_config(tmp_path / "f.yaml", {**BASE, "extract": extract})
+        with pytest.raises(UsageError) as err:
+            load_config(path)
+        assert err.value.message.startswith(f"{path}: extract.vllm.storage_path is not set: {reader}"), err.value
+        assert (err.value.remedy or "").startswith("set extract.vllm.storage_path to the servers' shared_storage_path")
+        assert ("extract.stream.transport: mooncake" in (err.value.remedy or "")) == or_mooncake
+
+
 def test_a_family_reads_its_keys_from_the_section_it_is_given():
     """DFlash's objective asks train.draft as its model: a DSpark section is one (it extends DFlash's); a Llama
     section (a finetune of a DFlash folder with the architecture unset) gives the keys the two share."""

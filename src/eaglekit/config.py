@@ -185,10 +185,12 @@ class VllmFeaturesConfig(ServerPoolConfig):
     (`eaglekit serve-command CONFIG` prints the command)."""
 
     model: str | None = Field(None, description="served model id (default: the target path, vLLM's default id)")
-    storage_path: Annotated[str, PATH] = Field(
+    storage_path: Annotated[str | None, PATH] = Field(
+        None,
         min_length=1,
-        description="the servers' shared_storage_path, as this machine sees it (a shared "
-        "folder: the servers write each request's hidden states there)",
+        description="the servers' shared_storage_path, as this machine sees it (a shared folder: the servers write "
+        "each request's hidden states there); required by the file transport (extract.mode offline, and stream with "
+        "extract.stream.transport file), unused with transport mooncake",
     )
     connector: Literal["stock", "cpu"] = Field(
         "stock",
@@ -309,6 +311,12 @@ class ExtractConfig(Section):
     def streamed(self) -> bool:
         """train requests the features from the vLLM servers as it goes (no extract stage, no shards)."""
         return self.mode == "stream"
+
+    @property
+    def through_files(self) -> bool:
+        """The vLLM servers hand each request's hidden states over as a file in extract.vllm.storage_path: offline
+        extraction from them, and a stream with transport file (with mooncake they go through the Mooncake store)."""
+        return self.backend == "vllm" and not (self.streamed and self.stream.transport == "mooncake")
 
 
 DEFAULT_ARCHITECTURE = "llama"  # train.draft.architecture unset
@@ -1097,6 +1105,15 @@ def parse_config(data: Any, source: str = "<config>", base_dir: Path | None = No
             raise UsageError(
                 f"{source}: extract.backend is 'vllm' but extract.vllm.servers is empty",
                 "add extract.vllm: {servers: [http://host:8000/v1], storage_path: /shared/hidden-states}",
+            )
+        if cfg.extract.vllm.storage_path is None and cfg.extract.through_files:
+            reader = "train's stream (extract.stream.transport file)" if cfg.extract.streamed else "offline extraction"
+            raise UsageError(
+                f"{source}: extract.vllm.storage_path is not set: {reader} reads each request's hidden states from "
+                "the file the servers write there",
+                "set extract.vllm.storage_path to the servers' shared_storage_path as this machine sees it (a folder "
+                "both reach)"
+                + (", or extract.stream.transport: mooncake (no shared folder)" if cfg.extract.streamed else ""),
             )
         if cfg.extract.vllm.shares_trainer_gpus and not cfg.extract.streamed:
             raise UsageError(

@@ -85,9 +85,10 @@ def feature_servers(ctx: StageContext) -> list:
 def feature_storage(ctx: StageContext):
     """The servers' shared_storage_path is a folder here that eaglekit can read and clean up."""
     assert ctx.cfg.extract.vllm is not None, "declared for extract.backend vllm only"
-    path = ctx.cfg.extract.vllm.storage_path
-    if ctx.cfg.extract.streamed and ctx.cfg.extract.stream.transport == "mooncake":
+    if not ctx.cfg.extract.through_files:
         return skip("feature storage", "not read: the hidden states travel through Mooncake (extract.stream.transport)")
+    path = ctx.cfg.extract.vllm.storage_path
+    assert path is not None, "parse_config requires extract.vllm.storage_path for the file transport"
     if not os.path.isdir(path):
         return fail(
             "feature storage",
@@ -248,14 +249,14 @@ def spool_room(ctx: StageContext):
     cfg, name = ctx.cfg, "feature spool"
     assert cfg.extract.vllm is not None, "declared for extract.mode stream only, which requires extract.vllm"
     spool, path = cfg.extract.stream.spool_gb * 1e9, cfg.extract.vllm.storage_path
-    if cfg.extract.stream.transport == "mooncake":
+    if not cfg.extract.through_files:
         try:
             mooncake_fits(cfg)
         except EaglekitError as err:
             return fail(name, err.message, err.remedy or "")
         segments = len(cfg.extract.vllm.servers) * cfg.extract.stream.mooncake.global_segment_size
         detail = f"{human_bytes(spool)} of the servers' Mooncake segments ({human_bytes(segments)})"
-    elif not os.path.isdir(path):
+    elif path is None or not os.path.isdir(path):  # (None: parse_config refuses it for the file transport)
         return skip(name, "the feature storage check says why the folder is missing")
     else:
         free = shutil.disk_usage(path).free

@@ -15,7 +15,8 @@ from eaglekit.serving.vllm_features import FeatureTransport, FileSpool, serve_co
 def feature_transport(cfg: RunConfig) -> FeatureTransport:
     """The transport extract.stream.transport names for a streamed run (offline extraction reads the file spool)."""
     v, stream = vllm_settings(cfg), cfg.extract.stream
-    if not cfg.extract.streamed or stream.transport == "file":
+    if cfg.extract.through_files:
+        assert v.storage_path is not None, "parse_config requires extract.vllm.storage_path for the file transport"
         return FileSpool(Path(v.storage_path), v.timeout)
     mooncake_fits(cfg)
     return MooncakeTransport(stream.mooncake, v.timeout, v.outage_timeout)
@@ -25,7 +26,7 @@ def feature_serve_command(cfg: RunConfig, layer_ids: list[int], max_model_len: i
     """``serve_command`` for this config's servers, with the connector of its transport."""
     v, stream = vllm_settings(cfg), cfg.extract.stream
     kv_transfer = None
-    if cfg.extract.streamed and stream.transport == "mooncake":
+    if not cfg.extract.through_files:
         mooncake_fits(cfg)
         kv_transfer = shell_kv_transfer_config(stream.mooncake)
     return serve_command(

