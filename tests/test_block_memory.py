@@ -1,5 +1,5 @@
 """The block drafters' step memory (training/block_memory.py): the kept bytes the model scales from small calibration
-drafters against autograd's saved-tensor hooks on a real block step of another shape; the attention mask kept once
+drafters against the storages (memory.Storages) a real block step of another shape keeps; the attention mask kept once
 for all layers (and the step unchanged by it); `plan` and train's pre-flight sizing and refusing a DFlash row."""
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def config(cls=DFlashConfig, **fields) -> DFlashConfig:
 )
 def test_the_kept_bytes_scaled_from_calibration_drafters_are_what_a_real_step_keeps(cls, fields, bf16):
     """At a shape none of the calibration drafters has, and row lengths and anchor counts they did not run, the
-    model's growth of the kept bytes equals what the hooks count on the real step (constants, such as autocast's
+    model's growth of the kept bytes equals what is counted on the real step (constants, such as autocast's
     weight copies, cancel in the difference)."""
     cfg = config(cls, **fields)
     assert cfg.hidden_size != BASE["hidden_size"] and cfg.vocab_size != BASE["vocab_size"]

@@ -5,13 +5,23 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_block_memory import config as block_config
 from torch.profiler import ProfilerActivity, profile
 
 from eaglekit.config import TTTConfig
 from eaglekit.divergences import DIVERGENCES
+from eaglekit.model.dflash import DFlashDrafter
 from eaglekit.model.eagle3 import DrafterConfig, Eagle3Drafter
+from eaglekit.training.block_memory import block_step_memory
 from eaglekit.training.fused import StepKernels
-from eaglekit.training.memory import head_chunk_temporaries, kept_bytes_per_token, random_row, step_memory
+from eaglekit.training.memory import (
+    Storages,
+    head_chunk_temporaries,
+    kept_bytes_per_token,
+    random_row,
+    step_memory,
+    weight_bytes,
+)
 from eaglekit.training.ttt import ttt_loss
 
 STEPS = 7
@@ -63,3 +73,43 @@ def test_the_head_loss_transient_follows_the_divergence():
         for name in ("kl_div", "jsd")
     }
     assert at["jsd"].transient > at["kl_div"].transient
+
+
+def test_the_storage_counter_counts_a_storage_once_and_only_what_is_alive():
+    """The counter both step models keep their bytes with: a tensor and its views (a slice, a transpose, one saved
+    for backward) are one storage; parameters and views of them are not the step's; a graph dropped before the step
+    returns (a detached figure) keeps nothing, though autograd saved tensors for it."""
+    weight = torch.randn(64, 32, requires_grad=True)
+    with Storages() as made:
+        made.phase = "first"
+        kept = weight.exp()  # saves its result: the same storage as ``kept``
+        views = [kept[:8], kept.t(), kept.view(-1), weight[:4], weight.t()]
+        made.phase = "second"
+        sines = views[0].sin()  # saves its input, a view of ``kept``
+        figure = weight.exp().sum().detach()  # exp saved its result for a graph now gone
+    assert made.alive("first") == 64 * 32 * 4
+    assert made.alive("second") == 8 * 32 * 4 + 4  # sin's result and the figure
+    assert made.alive() == made.alive("first") + made.alive("second")
+    del sines, figure
+    assert made.alive() == 64 * 32 * 4
+
+
+def test_both_models_give_the_weights_they_gave_before_they_shared_one_formula():
+    """The bytes of the weights, their gradients and AdamW's moments of each model at one config, as main gave
+    them (85d590a) when each wrote its own formula: EAGLE-3 a bf16 copy of every parameter, the block model none of
+    the frozen embedding."""
+    eagle, block = drafter_config(), block_config()
+    torch.manual_seed(0)
+    counts = {}
+    for name, drafter in (("eagle3", Eagle3Drafter(eagle)), ("block", DFlashDrafter(block))):
+        trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
+        counts[name] = trainable, sum(p.numel() for p in drafter.parameters()) - trainable
+    assert counts == {"eagle3": (154992, 28800), "block": (222048, 57600)}
+    embedding = block.vocab_size * block.hidden_size
+    for bf16, eagle_bytes, block_bytes in ((True, 2962656, 4284864), (False, 2595072, 3783168)):
+        t, f = counts["eagle3"]
+        got = step_memory(eagle, 256, STEPS, trainable=t, frozen=f, bf16=bf16, device_type="cpu").weights
+        assert got == weight_bytes(t, f, bf16=bf16) == eagle_bytes
+        t, f = counts["block"]
+        got = block_step_memory(block, 256, 1, 8, trainable=t, frozen=f, bf16=bf16).weights
+        assert got == weight_bytes(t, f, bf16=bf16, looked_up=embedding) == block_bytes

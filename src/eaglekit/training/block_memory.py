@@ -12,8 +12,8 @@ What a step holds, for a row of L tokens and Q = anchors x block_size queries (a
   layers' activations, the [Q, V] fp32 logits and their log-softmax), and per (query, key) pair: the attention's
   [Q, L + Q] additive mask, kept once for all layers (``model/dflash.py``'s ``additive_mask``). Rather than hand
   counts they are measured from the code: ``block_loss`` runs at two row lengths and two anchor counts on small
-  drafters with the run's layers, block size, head size, head grouping, window and aux taps, autograd's
-  saved-tensor hooks add up what is kept, the mixed difference gives the per-pair bytes and the single ones the
+  drafters with the run's layers, block size, head size, head grouping, window and aux taps, ``memory.Storages``
+  adds up what is kept (as for EAGLE-3), the mixed difference gives the per-pair bytes and the single ones the
   per-token and per-query bytes; every kept tensor is [tokens or queries, width] for one of the widths (hidden,
   intermediate, key/value heads, vocabulary, Markov rank), so doubling each width gives the bytes at any width;
 - the transient: the larger of the features' argmax (one chunk of logits, before any activation exists) and the
@@ -39,7 +39,7 @@ from eaglekit.model.dflash import DFlashConfig, DFlashDrafter
 from eaglekit.model.dspark import DSparkConfig, DSparkDrafter
 from eaglekit.model.target import LOGIT_CHUNK_ELEMENTS
 from eaglekit.training.block import block_loss
-from eaglekit.training.memory import ADAMW_BYTES, StepMemory
+from eaglekit.training.memory import StepMemory, Storages, weight_bytes
 
 # The widths a calibration drafter scales (DFlash's hidden size is the target's: both scale together; the key/value
 # heads scale with the query heads in the run's grouping, the head size stays the run's)
@@ -48,6 +48,7 @@ ROWS = (96, 192)  # two row lengths: their difference is the per-context-token s
 ANCHORS = (2, 4)  # two anchor counts: their difference is the per-query slope
 BATCH_INDEX_BYTES = 4 * 8  # a token's ids, loss and attention masks, positions (int64)
 TARGET_BYTES = 8  # a token's target: the target's argmax (int64), all the block objective reads of it
+PROJECTED, READ = "projected", "read"  # where a kept storage was made (``Kept``)
 
 
 @dataclass(frozen=True)
@@ -105,43 +106,37 @@ class Kept:
 
 
 def kept_bytes(cfg: DFlashConfig, rows: int, anchors: int, bf16: bool) -> Kept:
-    """What ``block_loss`` keeps for backward on one row of ``rows`` tokens with ``anchors`` anchored blocks
-    (parameters and inputs not counted; autocast's weight copies are: they are constant in the row)."""
+    """What ``block_loss`` keeps for backward on one row of ``rows`` tokens with ``anchors`` anchored blocks: the
+    storages it made that are alive when it returns (``memory.Storages``; parameters and inputs not counted,
+    autocast's weight copies are: they are constant in the row), by where they were made."""
     torch.manual_seed(0)
     drafter = DSparkDrafter(cfg) if isinstance(cfg, DSparkConfig) else DFlashDrafter(cfg)
-    params = {p.untyped_storage().data_ptr() for p in drafter.parameters()}
     g = torch.Generator().manual_seed(0)
     aux = torch.randn(1, rows, len(cfg.aux_layer_ids) * cfg.target_hidden_size, generator=g)
     ids = torch.randint(0, cfg.vocab_size, (1, rows), generator=g)
     argmax = torch.randint(0, cfg.vocab_size, (1, rows), generator=g)
-    inputs = {aux.untyped_storage().data_ptr()}
-    kept: dict[str, dict[int, int]] = {"projected": {}, "read": {}}
-    phase, element = ["read"], [0]
+    element = [0]
     make_context, make_kv = drafter.context, drafter.context_kv
+    made = Storages()
 
     def context(*args: Any) -> torch.Tensor:  # the context, then its keys and values: what a rank projects
-        phase[0] = "projected"
+        made.phase = PROJECTED
         return make_context(*args)
 
     def context_kv(*args: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
         out = make_kv(*args)
-        phase[0], element[0] = "read", max(t.element_size() for pair in out for t in pair)
+        made.phase, element[0] = READ, max(t.element_size() for pair in out for t in pair)
         return out
 
     drafter.context, drafter.context_kv = context, context_kv  # type: ignore[method-assign,assignment]
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params and storage.data_ptr() not in inputs:
-            kept[phase[0]][storage.data_ptr()] = storage.nbytes()
-        return t
-
     ones = torch.ones_like(ids)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
-        block_loss(drafter, aux, argmax, ids, ones, ones, max_anchors=anchors, generator=g)
-    projected = {ptr: n for ptr, n in kept["projected"].items() if ptr not in kept["read"]}  # counted once
-    return Kept(sum(projected.values()), sum(kept["read"].values()), element[0])
+    made.phase = READ
+    with made, autocast:
+        out = block_loss(drafter, aux, argmax, ids, ones, ones, max_anchors=anchors, generator=g)
+    kept = Kept(made.alive(PROJECTED), made.alive(READ), element[0])
+    del out
+    return kept
 
 
 def kept_per_shape(cfg: DFlashConfig, bf16: bool) -> KeptBytes:
@@ -203,9 +198,7 @@ def block_step_memory(
         share = anchors / context_parallel
         anchors = min(anchors, math.ceil(share + 3 * math.sqrt(share * (1 - 1 / context_parallel))))
     queries = anchors * cfg.block_size
-    # fp32 master + grad + AdamW for the trainable part, the frozen embedding and head in fp32; autocast's bf16 copy
-    # of every weight a matmul reads (the head's, not the embedding's: a lookup is not cast)
-    weights = ADAMW_BYTES * trainable + 4 * frozen + (2 * (trainable + frozen // 2) if bf16 else 0)
+    weights = weight_bytes(trainable, frozen, bf16=bf16, looked_up=cfg.vocab_size * cfg.hidden_size)  # the embedding
     aux_width = len(cfg.aux_layer_ids) * cfg.target_hidden_size
     held = own if context_parallel == 1 else min(own + cfg.block_size, row_length)  # its share and the halo
     batch = rows * held * (aux_width * act + TARGET_BYTES + BATCH_INDEX_BYTES)

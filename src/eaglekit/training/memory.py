@@ -48,6 +48,8 @@ BASE = {"hidden_size": 64, "intermediate_size": 64, "target_hidden_size": 64, "n
         "num_key_value_heads": 1, "q_lora_rank": 32, "kv_lora_rank": 32}  # fmt: skip
 ROWS = (96, 192)  # two row lengths: their difference is the per-token slope, free of per-step constants
 ADAMW_BYTES = 16  # fp32 master weight, its gradient and AdamW's two moments
+MASTER_BYTES = 4  # a frozen weight, fp32
+COMPUTE_BYTES = 2  # autocast's bf16 copy of a weight
 HEAD_GRADIENTS = 3  # plain backward's start: dL/dx of the head rows, then the final norm's two [rows, H] gradients
 SCORE_BLOCKS = 2  # _PrefixAttention's backward holds a block's probabilities and their gradient (float32) at once
 
@@ -90,39 +92,55 @@ def _calibration_config(cfg: DrafterConfig, steps: int, **widths: int) -> Drafte
     )
 
 
-class _Storages(TorchDispatchMode):
-    """The storages the ops run under it make, and (``peak``) the most bytes of them alive at once."""
+class Storages(TorchDispatchMode):
+    """The storages the ops run under it make, each filed under the ``phase`` set when it was made, and (``peak``)
+    the most bytes of them alive at once. Both step-memory models count what a step keeps with it (this module's
+    and ``block_memory.py``'s): the storages the step made that are still alive when it returns, whoever holds
+    them (autograd's saved tensors, a checkpointed step's closure, the step's outputs). A storage counts once, by
+    its bytes, however many views of it there are; what existed before (parameters, inputs) and views of it do not
+    count. Saved-tensor hooks see only what autograd saves (7 % less on a checkpointed TTT step), and count what
+    a graph dropped before the step returns saved (a detached figure's)."""
 
     def __init__(self, peak: bool = False) -> None:
         super().__init__()
-        self.made: dict[int, tuple[StorageWeakRef, int]] = {}
-        self.foreign: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.made: dict[int, tuple[StorageWeakRef, int, str]] = {}
+        self.foreign: dict[int, tuple[StorageWeakRef, int, str]] = {}
         self.track_peak = peak
         self.peak = 0
+        self.phase = ""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         for t in tree_leaves((args, kwargs)):  # what existed before (parameters, inputs): a view of it is not new
             if isinstance(t, torch.Tensor) and not self._known(self.made, t):
-                self.foreign[t.untyped_storage().data_ptr()] = (StorageWeakRef(t.untyped_storage()), 0)
+                self.foreign[t.untyped_storage().data_ptr()] = (StorageWeakRef(t.untyped_storage()), 0, "")
         out = func(*args, **kwargs)
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() and not self._known(self.foreign, t):
                 storage = t.untyped_storage()
                 if not self._known(self.made, t):  # new (an address freed and reused is a new storage)
-                    self.made[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes())
+                    self.made[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes(), self.phase)
         if self.track_peak:
             self.peak = max(self.peak, self.alive())
         return out
 
     @staticmethod
-    def _known(storages: dict[int, tuple[StorageWeakRef, int]], t: torch.Tensor) -> bool:
+    def _known(storages: dict[int, tuple[StorageWeakRef, int, str]], t: torch.Tensor) -> bool:
         known = storages.get(t.untyped_storage().data_ptr())
         return known is not None and not known[0].expired()
 
-    def alive(self) -> int:
+    def alive(self, phase: str | None = None) -> int:
+        """Bytes of the storages made that are alive now: all of them, or those made in ``phase``."""
         self.made = {k: v for k, v in self.made.items() if not v[0].expired()}
-        return sum(nbytes for _, nbytes in self.made.values())
+        return sum(nbytes for _, nbytes, made_in in self.made.values() if phase is None or made_in == phase)
+
+
+def weight_bytes(trainable: int, frozen: int, *, bf16: bool, looked_up: int = 0) -> int:
+    """Bytes of a drafter's parameters in a step: ``trainable`` ones as an fp32 master weight, its gradient and
+    AdamW's two moments, ``frozen`` ones in fp32, and with ``bf16`` (autocast) the bf16 copy autocast keeps for the
+    step of every weight it casts: all but the ``looked_up`` frozen ones (an embedding table: a lookup is not cast)."""
+    cast = trainable + frozen - looked_up
+    return ADAMW_BYTES * trainable + MASTER_BYTES * frozen + (COMPUTE_BYTES * cast if bf16 else 0)
 
 
 def random_row(cfg: DrafterConfig, rows: int, seed: int) -> tuple[torch.Tensor, ...]:
@@ -141,7 +159,7 @@ def _kept_bytes(cfg: DrafterConfig, rows: int, steps: int, checkpoint: bool, bf1
     drafter = Eagle3Drafter(cfg)
     aux, ids, logits, mask = random_row(cfg, rows, seed=0)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
-    with _Storages() as made, autocast:
+    with Storages() as made, autocast:
         out = ttt_loss(drafter, aux, ids, logits, mask, settings=TTTConfig(steps=steps),
                        kernels=StepKernels(checkpoint_steps=checkpoint))  # fmt: skip
     kept = made.alive()
@@ -164,7 +182,7 @@ def _chunk_temporaries(loss_json: str) -> float:
     xc, weight = torch.randn(rows, hidden, generator=g), torch.randn(vocab, hidden, generator=g)
     p = torch.softmax(torch.randn(rows, vocab, generator=g), dim=-1)
     argmax, slots, row_weight = p.argmax(-1), torch.arange(rows), torch.ones(rows)
-    with _Storages(peak=True) as made:
+    with Storages(peak=True) as made:
         head_loss_chunk(xc, weight, p, argmax, slots, row_weight, True, loss)
     return made.peak / (rows * vocab * 4)
 
@@ -218,9 +236,9 @@ def step_memory(
     per_token = kept_bytes_per_token(cfg, steps, checkpoint, bf16)
     own = math.ceil(row_tokens / context_parallel)
     heavy = own if context_parallel == 1 else min(own + steps, row_tokens)  # features and targets: share and halo
-    # weights: fp32 master + grad + AdamW for the trainable part, the frozen embedding and head in fp32; autocast
-    # keeps a bf16 copy of each weight it casts for the step
-    weights = ADAMW_BYTES * trainable + 4 * frozen + (2 * (trainable + frozen) if bf16 else 0)
+    # (the bf16 copies include the frozen embedding's, which a lookup does not make: 2 bytes a parameter too many,
+    # left so that the figures plan gives stay)
+    weights = weight_bytes(trainable, frozen, bf16=bf16)
     # the row's aux states and final state (the storage dtype), its target logits over the draft vocabulary and their
     # fp32 softmax (made inside ttt_loss: freed when it returns, before backward)
     softmax = heavy * cfg.draft_vocab_size * 4
