@@ -199,17 +199,24 @@ def export_cmd(
         emit_json(rows[0])
 
 
-# Stages whose command takes flags of its own, with the first sentence of its --help; every other stage gets
-# the plain command (CONFIG, --force, --skip-preflight, --json). Registered in pipeline order.
-OWN_COMMANDS = {
-    "generate": (generate_cmd, "Collect the target's own responses, reasoning included."),
-    "export": (export_cmd, "Write the drafter in the forms vLLM and SGLang load, and print the serve commands."),
+# Each stage's summary, the first sentence of its --help and its line in `eaglekit --help` (written here: the list
+# of commands must not import the stage modules).
+STAGE_SUMMARIES = {
+    "generate": "Collect the target's own responses, reasoning included.",
+    "prepare": "Render the responses with the target's chat template, tokenize, and mask the loss to the reply.",
+    "vocab": "Choose the draft vocabulary (d2t/t2d) from the training tokens.",
+    "extract": "Capture the target's hidden states at its three aux layers (to disk, online or streamed).",
+    "train": "Train the drafter (EAGLE-3 with the training-time test, or a block drafter).",
+    "evaluate": "Measure the drafter's acceptance length offline, by draft position and by context length.",
+    "export": "Write the drafter in the forms vLLM and SGLang load, and print the serve commands.",
+    "verify": "Serve the exported drafter in a real engine and compare its acceptance with the offline one.",
 }
+# Stages whose command takes flags of its own; every other stage gets the plain command (CONFIG, --force,
+# --skip-preflight, --json). Registered in pipeline order.
+OWN_COMMANDS = {"generate": generate_cmd, "export": export_cmd}
 for _stage in pipeline.STAGE_ORDER:
-    _fn, _summary = OWN_COMMANDS.get(_stage) or (
-        _stage_command(_stage),
-        f"Run the {_stage} stage after its pre-flight checks.",
-    )
+    _fn = OWN_COMMANDS.get(_stage) or _stage_command(_stage)
+    _summary = STAGE_SUMMARIES[_stage]
     _cls = type(f"{_stage.title()}Command", (_StageCommand,), {"stage": _stage, "summary": _summary})
     command(_stage, cls=_cls)(_fn)
 
