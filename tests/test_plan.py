@@ -215,7 +215,7 @@ def test_streaming_is_recommended_where_offline_features_do_not_fit(tmp_path, cl
     """The 25,000 × 4,000 Kimi run on 2.8 TB: streaming from vLLM servers fits (disk: the spool, not 5.7 TB of
     features) and is the recommendation; with the config in stream mode the plan fits, train's disk is the spool
     and its time the slower of the trainer and the servers."""
-    for sub in ("a", "b"):
+    for sub in ("a", "b", "c"):
         (tmp_path / sub).mkdir()
     flags = ["--samples", "25000", "--mean-tokens", "4000", "--free-bytes", "2.8TB"]
     rates = ["--extract-tok-per-s", "20000", "--train-tok-per-s", "50000"]
@@ -247,3 +247,18 @@ def test_streaming_is_recommended_where_offline_features_do_not_fit(tmp_path, cl
     assert any("server-bound" in line for line in train["how"])
     r = cli("plan", streamed, *flags, *rates)
     assert "time 1h23m" in r.err  # the servers: 10^8 tokens ÷ 20,000 tok/s; the trainer alone would take 32 min
+
+    # through Mooncake the servers write no files: no spool on this volume
+    mooncake = kimi_config(
+        tmp_path / "c",
+        extract={
+            "mode": "stream",
+            "backend": "vllm",
+            "stream": {"spool_gb": 200, "transport": "mooncake"},
+            "vllm": {"servers": ["http://127.0.0.1:1/v1"]},
+        },
+    )
+    r = cli("plan", mooncake, *flags, *rates, "--json")
+    assert r.code == 0, r.out
+    train = stage(json.loads(r.out), "train")
+    assert train["bytes"] < 200e9 and any(line.startswith("no spool") for line in train["how"])

@@ -385,13 +385,16 @@ def stream_estimate(cfg: RunConfig, sizes: Sizes, est: Estimate) -> None:
     """extract.mode stream: the disk is the spool (not the dataset), the time the slower of the trainer and the
     servers' feature rate (every epoch asks again unless extract.stream.cache_gb holds the whole train split)."""
     s = cfg.extract.stream
-    spool = s.spool_gb * 1e9
-    if est.bytes is not None:
-        est.bytes += spool
-    est.how.append(
-        f"spool: {human_bytes(spool)} (extract.stream.spool_gb: the servers' request files in extract.vllm.storage_path"
-        ", counted as if on this volume); no feature shards"
-    )
+    if cfg.extract.through_files:
+        spool = s.spool_gb * 1e9
+        if est.bytes is not None:
+            est.bytes += spool
+        est.how.append(
+            f"spool: {human_bytes(spool)} (extract.stream.spool_gb: the servers' request files in "
+            "extract.vllm.storage_path, counted as if on this volume); no feature shards"
+        )
+    else:
+        est.how.append("no spool: the hidden states go through the Mooncake store, not files; no feature shards")
     tokens, served = sizes.tokens, sizes.extract_tok_per_s
     if tokens is None or not served:
         est.how.append("servers' feature rate: unknown (a pilot extract or stream measures it; --extract-tok-per-s)")
