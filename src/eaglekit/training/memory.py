@@ -236,9 +236,7 @@ def step_memory(
     per_token = kept_bytes_per_token(cfg, steps, checkpoint, bf16)
     own = math.ceil(row_tokens / context_parallel)
     heavy = own if context_parallel == 1 else min(own + steps, row_tokens)  # features and targets: share and halo
-    # (the bf16 copies include the frozen embedding's, which a lookup does not make: 2 bytes a parameter too many,
-    # left so that the figures plan gives stay)
-    weights = weight_bytes(trainable, frozen, bf16=bf16)
+    weights = weight_bytes(trainable, frozen, bf16=bf16, looked_up=cfg.vocab_size * cfg.hidden_size)  # the embedding
     # the row's aux states and final state (the storage dtype), its target logits over the draft vocabulary and their
     # fp32 softmax (made inside ttt_loss: freed when it returns, before backward)
     softmax = heavy * cfg.draft_vocab_size * 4
