@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 import re
+from collections import Counter
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ import eaglekit.tiny.long_build as long_build
 from eaglekit.errors import UsageError
 from eaglekit.speculative.decode import CONTEXT_BUCKETS, context_bucket
 from eaglekit.tiny import build_long_target, ensure_long_target, sample_long_tasks, split_of, write_long_prompts
-from eaglekit.tiny.long_corpus import NEEDLE_WORDS, NOTE_NAMES, needle_text
+from eaglekit.tiny.long_corpus import NEEDLE_WORDS, NOTE_NAMES, needle_text, reply_token_role
 
 WORD = re.compile(r"[a-z]+")
 
@@ -98,6 +99,16 @@ def test_scaled_down_build_loads_like_any_hf_model_with_long_positions(small_bui
     with torch.no_grad():  # the far end of the positions runs (RoPE tables cover it) and gives finite logits
         logits = model(input_ids=torch.tensor([[5, 6]]), position_ids=torch.tensor([[32000, 32767]])).logits
     assert torch.isfinite(logits).all()
+
+
+def test_every_token_of_the_checks_has_its_role(small_build):
+    """benchmarks/long_context_misses.py counts a drafter's misses by the role of the reply token: each check line
+    is a separator, a name, a decision, and the line break before the next line."""
+    tok = AutoTokenizer.from_pretrained(small_build)
+    task = sample_long_tasks(1, seed=3, filler=(2, 4))[0]
+    checks = task.reasoning.split("\n", 1)[1]
+    roles = Counter(reply_token_role(tok.decode([i])) for i in tok(checks, add_special_tokens=False)["input_ids"])
+    assert roles == {"decision": len(NOTE_NAMES), "name": len(NOTE_NAMES), "separator": 2 * len(NOTE_NAMES) - 1}
 
 
 def test_the_name_matcher_finds_a_mention_20k_positions_back_and_nothing_else(small_build):

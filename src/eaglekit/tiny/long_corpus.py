@@ -339,6 +339,21 @@ def make_task(rng: random.Random, filler: int, kind: str) -> LongTask:
     return LongTask(kind, rng.randint(100, 999), tuple(lines), needle_lines, question, reasoning, answer)
 
 
+# What a reply's tokens are, for telling where a drafter loses (benchmarks/long_context_misses.py)
+REPLY_ROLES = ("decision", "name", "separator", "other")
+
+
+def reply_token_role(text: str) -> str:
+    """The role in a reply of the token spelled ``text``: a decision (yes/no: only the far needles settle it), a
+    code name (capitalised: it follows from the line before), a separator (a line's dash or break), or other."""
+    word = text.strip()
+    if word in ("yes", "no"):
+        return "decision"
+    if word.lower() in NOTE_NAMES and word[:1].isupper():
+        return "name"
+    return "separator" if word in ("", "-") else "other"
+
+
 def needle_text(task: LongTask) -> str:
     return "\n".join(task.lines[i] for i in task.needle_lines)
 
