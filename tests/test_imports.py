@@ -177,6 +177,13 @@ def test_imports_inside_functions_say_why():
     )
 
 
+def test_every_stage_has_its_own_summary_in_the_list_of_commands():
+    from eaglekit import cli, pipeline
+
+    assert list(cli.STAGE_SUMMARIES) == list(pipeline.STAGE_ORDER)
+    assert len(set(cli.STAGE_SUMMARIES.values())) == len(pipeline.STAGE_ORDER)
+
+
 def test_help_loads_no_heavy_module():
     """`eaglekit --help` lists the commands without importing a stage: it loads nothing a function imports lazily for
     its weight (torch among them), nor the list above."""

@@ -584,6 +584,9 @@ def test_serve_command_prints_the_mooncake_connector_for_each_server(tmp_path):
     assert json.loads(shlex.split(speculative.removesuffix(" \\"))[1])["method"] == "extract_hidden_states"
     file_command = vllm_serve_command(parse_config(stream_config(tmp_path)))
     assert "ExampleHiddenStatesConnector" in file_command and "Mooncake" not in file_command
+    not_yet_served = stream_config(tmp_path)  # the servers' command printed before the config switches to them
+    not_yet_served["extract"] = {**not_yet_served["extract"], "mode": "offline", "backend": "hf"}
+    assert vllm_serve_command(parse_config(not_yet_served)) == file_command
     without_folder = stream_config(tmp_path, transport="mooncake", mooncake=mooncake)
     del without_folder["extract"]["vllm"]["storage_path"]  # no shared folder with this transport
     assert vllm_serve_command(parse_config(without_folder)) == command

@@ -221,8 +221,10 @@ def test_streaming_is_recommended_where_offline_features_do_not_fit(tmp_path, cl
     rates = ["--extract-tok-per-s", "20000", "--train-tok-per-s", "50000"]
     r = cli("plan", kimi_config(tmp_path / "a"), *flags, *rates, "--json")
     doc = json.loads(r.out)
-    stream = {a["option"]: a for a in doc["alternatives"]}["stream features"]
+    alternatives = {a["option"]: a for a in doc["alternatives"]}
+    stream = alternatives["stream features"]
     assert stream["verdict"] == "fits" and stream["peak_bytes"] < 0.02 * doc["peak_bytes"]  # checkpoints and the spool
+    assert stream["peak_bytes"] - alternatives["online features"]["peak_bytes"] == pytest.approx(4e9, rel=1e-3)
     assert "extract.mode: stream" in stream["how"] and "spool_gb: 4" in stream["how"]
     assert doc["recommendation"].startswith("stream features: extract.mode: stream")
 

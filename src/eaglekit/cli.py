@@ -205,7 +205,8 @@ STAGE_SUMMARIES = {
     "generate": "Collect the target's own responses, reasoning included.",
     "prepare": "Render the responses with the target's chat template, tokenize, and mask the loss to the reply.",
     "vocab": "Choose the draft vocabulary (d2t/t2d) from the training tokens.",
-    "extract": "Capture the target's hidden states at its three aux layers (to disk, online or streamed).",
+    "extract": "Capture the target's hidden states at its aux layers to disk (offline mode; online and stream "
+    "modes capture them inside train).",
     "train": "Train the drafter (EAGLE-3 with the training-time test, or a block drafter).",
     "evaluate": "Measure the drafter's acceptance length offline, by draft position and by context length.",
     "export": "Write the drafter in the forms vLLM and SGLang load, and print the serve commands.",
@@ -216,7 +217,7 @@ STAGE_SUMMARIES = {
 OWN_COMMANDS = {"generate": generate_cmd, "export": export_cmd}
 for _stage in pipeline.STAGE_ORDER:
     _fn = OWN_COMMANDS.get(_stage) or _stage_command(_stage)
-    _summary = STAGE_SUMMARIES[_stage]
+    _summary = STAGE_SUMMARIES.get(_stage, f"Run the {_stage} stage.")
     _cls = type(f"{_stage.title()}Command", (_StageCommand,), {"stage": _stage, "summary": _summary})
     command(_stage, cls=_cls)(_fn)
 

@@ -313,10 +313,10 @@ class ExtractConfig(Section):
         return self.mode == "stream"
 
     @property
-    def through_files(self) -> bool:
-        """The vLLM servers hand each request's hidden states over as a file in extract.vllm.storage_path: offline
-        extraction from them, and a stream with transport file (with mooncake they go through the Mooncake store)."""
-        return self.backend == "vllm" and not (self.streamed and self.stream.transport == "mooncake")
+    def through_mooncake(self) -> bool:
+        """A stream whose hidden states go through the Mooncake store; every other way the vLLM servers hand them
+        over (offline extraction, a stream with transport file) is a file in extract.vllm.storage_path."""
+        return self.streamed and self.stream.transport == "mooncake"
 
 
 DEFAULT_ARCHITECTURE = "llama"  # train.draft.architecture unset
@@ -1106,7 +1106,7 @@ def parse_config(data: Any, source: str = "<config>", base_dir: Path | None = No
                 f"{source}: extract.backend is 'vllm' but extract.vllm.servers is empty",
                 "add extract.vllm: {servers: [http://host:8000/v1], storage_path: /shared/hidden-states}",
             )
-        if cfg.extract.vllm.storage_path is None and cfg.extract.through_files:
+        if cfg.extract.vllm.storage_path is None and not cfg.extract.through_mooncake:
             reader = "train's stream (extract.stream.transport file)" if cfg.extract.streamed else "offline extraction"
             raise UsageError(
                 f"{source}: extract.vllm.storage_path is not set: {reader} reads each request's hidden states from "

@@ -85,7 +85,7 @@ def feature_servers(ctx: StageContext) -> list:
 def feature_storage(ctx: StageContext):
     """The servers' shared_storage_path is a folder here that eaglekit can read and clean up."""
     assert ctx.cfg.extract.vllm is not None, "declared for extract.backend vllm only"
-    if not ctx.cfg.extract.through_files:
+    if ctx.cfg.extract.through_mooncake:
         return skip("feature storage", "not read: the hidden states travel through Mooncake (extract.stream.transport)")
     path = ctx.cfg.extract.vllm.storage_path
     assert path is not None, "parse_config requires extract.vllm.storage_path for the file transport"
@@ -249,7 +249,7 @@ def spool_room(ctx: StageContext):
     cfg, name = ctx.cfg, "feature spool"
     assert cfg.extract.vllm is not None, "declared for extract.mode stream only, which requires extract.vllm"
     spool, path = cfg.extract.stream.spool_gb * 1e9, cfg.extract.vllm.storage_path
-    if not cfg.extract.through_files:
+    if cfg.extract.through_mooncake:
         try:
             mooncake_fits(cfg)
         except EaglekitError as err:

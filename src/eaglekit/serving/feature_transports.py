@@ -15,7 +15,7 @@ from eaglekit.serving.vllm_features import FeatureTransport, FileSpool, serve_co
 def feature_transport(cfg: RunConfig) -> FeatureTransport:
     """The transport extract.stream.transport names for a streamed run (offline extraction reads the file spool)."""
     v, stream = vllm_settings(cfg), cfg.extract.stream
-    if cfg.extract.through_files:
+    if not cfg.extract.through_mooncake:
         assert v.storage_path is not None, "parse_config requires extract.vllm.storage_path for the file transport"
         return FileSpool(Path(v.storage_path), v.timeout)
     mooncake_fits(cfg)
@@ -26,7 +26,7 @@ def feature_serve_command(cfg: RunConfig, layer_ids: list[int], max_model_len: i
     """``serve_command`` for this config's servers, with the connector of its transport."""
     v, stream = vllm_settings(cfg), cfg.extract.stream
     kv_transfer = None
-    if not cfg.extract.through_files:
+    if cfg.extract.through_mooncake:
         mooncake_fits(cfg)
         kv_transfer = shell_kv_transfer_config(stream.mooncake)
     return serve_command(

@@ -385,7 +385,7 @@ def stream_estimate(cfg: RunConfig, sizes: Sizes, est: Estimate) -> None:
     """extract.mode stream: the disk is the spool (not the dataset), the time the slower of the trainer and the
     servers' feature rate (every epoch asks again unless extract.stream.cache_gb holds the whole train split)."""
     s = cfg.extract.stream
-    if cfg.extract.through_files:
+    if not cfg.extract.through_mooncake:
         spool = s.spool_gb * 1e9
         if est.bytes is not None:
             est.bytes += spool

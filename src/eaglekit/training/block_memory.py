@@ -94,10 +94,10 @@ def _calibration_config(cfg: DFlashConfig, **widths: int) -> DFlashConfig:
 
 @dataclass(frozen=True)
 class Kept:
-    """One block step's kept bytes, by where they were saved (``kept_bytes``)."""
+    """One block step's kept bytes, by where they were made (``kept_bytes``)."""
 
-    projected: int  # making the context and its keys and values
-    read: int  # the rest: the blocks' layers over the context, the logits, the loss
+    projected: int  # made while making the context and its keys and values
+    read: int  # made in the rest: the blocks' layers over the context, the logits, the loss
     key_value_element: int  # bytes of an element of the context's keys and values (the widest of the two)
 
     @property
