@@ -184,38 +184,15 @@ def test_every_stage_has_its_own_summary_in_the_list_of_commands():
     assert len(set(cli.STAGE_SUMMARIES.values())) == len(pipeline.STAGE_ORDER)
 
 
-def test_help_loads_no_heavy_module():
-    """`eaglekit --help` lists the commands without importing a stage: it loads nothing a function imports lazily for
-    its weight (torch among them), nor the list above."""
-    heavy = sorted(lazily_heavy() | set(NEVER_AT_HELP) | {"torch"})
+def help_loads(argvs: list[list[str]], heavy: list[str]) -> tuple[str, list[str]]:
+    """Run `eaglekit ARGV` for each of ``argvs`` in one fresh interpreter: what it printed, and which of ``heavy``
+    it had loaded by the end."""
     code = (
         "import json, sys\n"
         "from eaglekit.cli import main\n"
-        "try:\n"
-        "    main(['--help'])\n"
-        "except SystemExit:\n"
-        "    pass\n"
-        f"print(json.dumps([m for m in {heavy!r} if m in sys.modules]))\n"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env(), timeout=300, check=True
-    )
-    assert "Usage" in out.stdout, out.stdout + out.stderr  # the help was printed: the check ran after it
-    loaded = json.loads(out.stdout.splitlines()[-1])
-    assert not loaded, f"`eaglekit --help` imports {loaded} (import it inside the function that needs it, marked)"
-
-
-def test_the_stages_load_no_heavy_module_but_torch():
-    """Every stage's command help imports its stage: the stages may carry torch (they work on tensors), but nothing
-    a function imports lazily for another weight, nor the list above."""
-    heavy = sorted(lazily_heavy(torch_too=False) | set(NEVER_AT_HELP))
-    code = (
-        "import json, sys\n"
-        "from eaglekit import pipeline\n"
-        "from eaglekit.cli import main\n"
-        "for stage in pipeline.STAGE_ORDER:\n"
+        f"for argv in {argvs!r}:\n"
         "    try:\n"
-        "        main([stage, '--help'])\n"
+        "        main(argv)\n"
         "    except SystemExit:\n"
         "        pass\n"
         f"print(json.dumps([m for m in {heavy!r} if m in sys.modules]))\n"
@@ -223,8 +200,25 @@ def test_the_stages_load_no_heavy_module_but_torch():
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env(), timeout=300, check=True
     )
-    assert "Reads" in out.stdout, out.stdout + out.stderr  # the help was printed: the check ran after it
-    loaded = json.loads(out.stdout.splitlines()[-1])
+    return out.stdout + out.stderr, json.loads(out.stdout.splitlines()[-1])
+
+
+def test_help_loads_no_heavy_module():
+    """`eaglekit --help` lists the commands without importing a stage: it loads nothing a function imports lazily for
+    its weight (torch among them), nor the list above."""
+    printed, loaded = help_loads([["--help"]], sorted(lazily_heavy() | set(NEVER_AT_HELP) | {"torch"}))
+    assert "Usage" in printed, printed  # the help was printed: the check ran after it
+    assert not loaded, f"`eaglekit --help` imports {loaded} (import it inside the function that needs it, marked)"
+
+
+def test_the_stages_load_no_heavy_module_but_torch():
+    """Every stage's command help imports its stage: the stages may carry torch (they work on tensors), but nothing
+    a function imports lazily for another weight, nor the list above."""
+    from eaglekit import pipeline
+
+    argvs = [[stage, "--help"] for stage in pipeline.STAGE_ORDER]
+    printed, loaded = help_loads(argvs, sorted(lazily_heavy(torch_too=False) | set(NEVER_AT_HELP)))
+    assert "Reads" in printed, printed  # the help was printed: the check ran after it
     assert not loaded, f"a stage imports {loaded} (import it inside the function that needs it, marked)"
 
 
