@@ -10,7 +10,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from eaglekit.config import TTTConfig
 from eaglekit.divergences import DIVERGENCES
-from eaglekit.model.dflash import DFlashConfig, DFlashDrafter
+from eaglekit.model.dflash import DFlashDrafter
 from eaglekit.model.eagle3 import DrafterConfig, Eagle3Drafter
 from eaglekit.training.block import block_loss
 from eaglekit.training.block_memory import block_step_memory
@@ -110,6 +110,12 @@ def test_autocast_copies_the_weights_a_step_casts_and_not_the_looked_up_embeddin
         "eagle3": lambda d: ttt_loss(d, aux, ids, logits, mask, settings=TTTConfig(steps=STEPS)),
         "block": lambda d: block_loss(d, block_aux, argmax, ids, mask, mask, max_anchors=2, generator=g),
     }
+    weights = {  # each model's figure for a drafter of ``t`` trainable and ``f`` frozen parameters
+        "eagle3": lambda t, f, bf16: step_memory(
+            eagle, 256, STEPS, trainable=t, frozen=f, bf16=bf16, device_type="cpu"
+        ),
+        "block": lambda t, f, bf16: block_step_memory(block, 256, 1, 8, trainable=t, frozen=f, bf16=bf16),
+    }
     for name, drafter in (("eagle3", Eagle3Drafter(eagle)), ("block", DFlashDrafter(block))):
         with Storages() as made, torch.autocast("cpu", dtype=torch.bfloat16):
             out = steps[name](drafter)
@@ -122,17 +128,11 @@ def test_autocast_copies_the_weights_a_step_casts_and_not_the_looked_up_embeddin
         else:  # the frozen head, as large as the table, is copied for the gradient of its input; the table not
             assert drafter.lm_head.weight.shape == drafter.embed_tokens.weight.shape and kept.count(table) == 1
 
-    for cfg, drafter in ((eagle, Eagle3Drafter(eagle)), (block, DFlashDrafter(block))):
         trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
         frozen = sum(p.numel() for p in drafter.parameters()) - trainable
-        embedding = cfg.vocab_size * cfg.hidden_size
+        embedding = drafter.embed_tokens.weight.numel()
         for bf16 in (True, False):
-            if isinstance(cfg, DFlashConfig):
-                got = block_step_memory(cfg, 256, 1, 8, trainable=trainable, frozen=frozen, bf16=bf16).weights
-            else:
-                got = step_memory(
-                    cfg, 256, STEPS, trainable=trainable, frozen=frozen, bf16=bf16, device_type="cpu"
-                ).weights
+            got = weights[name](trainable, frozen, bf16).weights
             copies = 2 * (trainable + frozen - embedding) if bf16 else 0
             assert got == weight_bytes(trainable, frozen, bf16=bf16, looked_up=embedding)
             assert got == 16 * trainable + 4 * frozen + copies
