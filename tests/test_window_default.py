@@ -175,3 +175,27 @@ def test_the_demo_keeps_full_attention(tmp_path, tiny_target):
     assert cfg.train.draft.sliding_window == "auto"
     choice = draft_window(cfg)
     assert choice.window is None and "a short context" in choice.why
+
+
+def test_the_served_context_follows_the_targets_config_when_it_changes(tmp_path):
+    """target_hf_config reads a config once per version of the file (plan asks a dozen times): a target whose
+    config.json is rewritten (its context raised) is served at the new context, and a caller that changes the config
+    it was given changes nothing for the next."""
+    from transformers import LlamaConfig
+
+    from eaglekit.model.sliding_window import served_context
+    from eaglekit.model.target import target_hf_config
+
+    target = tmp_path / "target"
+    shape = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 2}
+    LlamaConfig(**shape, max_position_embeddings=4096).save_pretrained(target)
+    cfg = parse_config(
+        {"run_dir": str(tmp_path / "run"), "target": {"model": str(target)}, "data": {"prompts": "prompts.jsonl"}}
+    )
+    first = served_context(cfg)
+    assert first is not None and first.tokens == 4096 and not first.long
+    target_hf_config(cfg.target).max_position_embeddings = 1  # the caller's copy
+    assert served_context(cfg) == first
+    LlamaConfig(**shape, max_position_embeddings=32768).save_pretrained(target)
+    raised = served_context(cfg)
+    assert raised is not None and raised.tokens == 32768 and raised.long

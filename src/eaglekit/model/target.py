@@ -12,6 +12,8 @@ and the train stage turns it into logits with ``TargetHead`` — the target's ``
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,15 +53,23 @@ def aux_layer_ids(target_cfg: TargetConfig, num_layers: int) -> list[int]:
 
 
 def target_hf_config(target_cfg: TargetConfig):
-    """The target's (text) config, read without loading weights."""
+    """The target's (text) config, read without loading weights; a copy the caller may change."""
+    config_file = Path(target_cfg.model) / "config.json"
+    # one `plan` asks a dozen times (every stage's parameters and estimates): parsed once per content of the file
+    # (its bytes are the key: a rewrite within the file system's timestamp granularity keeps the mtime)
+    content = config_file.read_bytes() if config_file.is_file() else None
+    return copy.deepcopy(_read_target_hf_config(target_cfg.model, target_cfg.trust_remote_code, content))
+
+
+@functools.lru_cache(maxsize=8)
+def _read_target_hf_config(model: str, trust_remote_code: bool, content: bytes | None):
     from transformers import AutoConfig  # lazy: heavy (transformers)
 
     try:
-        return text_config(AutoConfig.from_pretrained(target_cfg.model, trust_remote_code=target_cfg.trust_remote_code))
+        return text_config(AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code))
     except (OSError, ValueError) as err:
         raise EaglekitError(
-            f"cannot read the config of the target {target_cfg.model}: {err}",
-            "point target.model at a Hugging Face model folder",
+            f"cannot read the config of the target {model}: {err}", "point target.model at a Hugging Face model folder"
         ) from None
 
 
