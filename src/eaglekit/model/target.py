@@ -243,6 +243,11 @@ class TargetFeatures:
             )
         return feats
 
+    @torch.no_grad()
+    def argmax(self, last_hidden: torch.Tensor) -> torch.Tensor:
+        """The target's next token at each position (``target_argmax``), without its [.., V] logits."""
+        return target_argmax(last_hidden, self.lm_head.weight.to(last_hidden.device))
+
 
 class TargetHead:
     """The target's lm_head alone, for offline features: final hidden [.., Ht] -> draft-vocab logits, in-draft flags."""

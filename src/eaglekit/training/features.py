@@ -10,7 +10,7 @@ import torch
 from eaglekit.data.shards import FeatureStore, Rows, decode, plan_shards
 from eaglekit.data.tokens import TokenStore
 from eaglekit.errors import EaglekitError
-from eaglekit.model.target import TargetFeatures, TargetHead, TargetReads, target_argmax
+from eaglekit.model.target import TargetFeatures, TargetHead, TargetReads
 from eaglekit.training.data import Batch
 
 
@@ -66,7 +66,7 @@ class Features:
                 self.check_packed_features(b, f)
             aux = f.aux.to(self.device)
             if reads == "argmax":
-                target = target_argmax(f.last_hidden, self.target.lm_head.weight.to(f.last_hidden.device))
+                target = self.target.argmax(f.last_hidden)
             else:
                 assert f.target_logits is not None and f.target_in_draft is not None  # asked with_logits
                 target, in_draft = f.target_logits, f.target_in_draft.to(self.device)

@@ -27,7 +27,7 @@ import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -92,6 +92,15 @@ def _calibration_config(cfg: DrafterConfig, steps: int, **widths: int) -> Drafte
     )
 
 
+class Made(NamedTuple):
+    """A storage ``Storages`` saw made: a weak reference (it tells when the storage is freed), its bytes, and the
+    phase it was made in."""
+
+    storage: StorageWeakRef
+    nbytes: int
+    phase: str
+
+
 class Storages(TorchDispatchMode):
     """The storages the ops run under it make, each filed under the ``phase`` set when it was made, and (``peak``)
     the most bytes of them alive at once. Both step-memory models count what a step keeps with it (this module's
@@ -103,8 +112,8 @@ class Storages(TorchDispatchMode):
 
     def __init__(self, peak: bool = False) -> None:
         super().__init__()
-        self.made: dict[int, tuple[StorageWeakRef, int, str]] = {}
-        self.foreign: dict[int, tuple[StorageWeakRef, int, str]] = {}
+        self.made: dict[int, Made] = {}  # by the storage's address
+        self.before: dict[int, StorageWeakRef] = {}  # what existed before (parameters, inputs), by address
         self.track_peak = peak
         self.peak = 0
         self.phase = ""
@@ -112,27 +121,34 @@ class Storages(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         for t in tree_leaves((args, kwargs)):  # what existed before (parameters, inputs): a view of it is not new
-            if isinstance(t, torch.Tensor) and not self._known(self.made, t):
-                self.foreign[t.untyped_storage().data_ptr()] = (StorageWeakRef(t.untyped_storage()), 0, "")
+            if isinstance(t, torch.Tensor) and self._made(t) is None:
+                self.before[t.untyped_storage().data_ptr()] = StorageWeakRef(t.untyped_storage())
         out = func(*args, **kwargs)
         for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() and not self._known(self.foreign, t):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() and not self._before(t):
                 storage = t.untyped_storage()
-                if not self._known(self.made, t):  # new (an address freed and reused is a new storage)
-                    self.made[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes(), self.phase)
+                if self._made(t) is None:  # new (an address freed and reused is a new storage)
+                    self.made[storage.data_ptr()] = Made(StorageWeakRef(storage), storage.nbytes(), self.phase)
         if self.track_peak:
             self.peak = max(self.peak, self.alive())
         return out
 
-    @staticmethod
-    def _known(storages: dict[int, tuple[StorageWeakRef, int, str]], t: torch.Tensor) -> bool:
-        known = storages.get(t.untyped_storage().data_ptr())
-        return known is not None and not known[0].expired()
+    def _made(self, t: torch.Tensor) -> Made | None:
+        made = self.made.get(t.untyped_storage().data_ptr())
+        return made if made is not None and not made.storage.expired() else None
+
+    def _before(self, t: torch.Tensor) -> bool:
+        before = self.before.get(t.untyped_storage().data_ptr())
+        return before is not None and not before.expired()
+
+    def alive_sizes(self, phase: str | None = None) -> list[int]:
+        """The bytes of each storage made that is alive now: all of them, or those made in ``phase``."""
+        self.made = {k: v for k, v in self.made.items() if not v.storage.expired()}
+        return [made.nbytes for made in self.made.values() if phase is None or made.phase == phase]
 
     def alive(self, phase: str | None = None) -> int:
         """Bytes of the storages made that are alive now: all of them, or those made in ``phase``."""
-        self.made = {k: v for k, v in self.made.items() if not v[0].expired()}
-        return sum(nbytes for _, nbytes, made_in in self.made.values() if phase is None or made_in == phase)
+        return sum(self.alive_sizes(phase))
 
 
 def weight_bytes(trainable: int, frozen: int, *, bf16: bool, looked_up: int = 0) -> int:
