@@ -459,6 +459,9 @@ def test_the_old_flat_ttt_spellings_load_the_same_config_with_a_warning_naming_b
         old = load_config(old_file)
     assert old.train == new.train and old.train.ttt.loss.eta == 2.0  # type: ignore[attr-defined]
     assert {w.filename for w in caught} == {str(old_file)}  # shown as the config file's, not config.py's
+    lines = old_file.read_text().splitlines()
+    for w in caught:  # at the line of the old key in the file
+        assert lines[w.lineno - 1].strip().startswith(f"{w.message.key}:"), (w.lineno, w.message)  # type: ignore[union-attr]
     said = sorted(str(w.message) for w in caught)
     assert said == sorted(
         f"train.{key} is an old spelling: write train.{TTT_MOVED[key]} (the old one still loads, for now)"

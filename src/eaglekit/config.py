@@ -8,6 +8,7 @@ ignored for a twelve-hour run). Keys that name a file or folder carry a ``Config
 from __future__ import annotations
 
 import os
+import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -562,7 +563,28 @@ TTT_ONLY_KEYS = ("step_weights", "loss", "loss_normalization", "noise", "noise_s
 
 
 class ConfigDeprecation(FutureWarning):
-    """A key loaded under an old spelling (a FutureWarning: Python shows it to users by default)."""
+    """A key loaded under an old spelling (a FutureWarning: Python shows it to users by default); ``section`` and
+    ``key`` are where it stands in the config (the warning is shown at that line of the file)."""
+
+    def __init__(self, message: str, section: str = "", key: str = "") -> None:
+        super().__init__(message)
+        self.section, self.key = section, key
+
+
+def line_of_key(text: str, section: str, key: str) -> int:
+    """The 1-based line of ``key`` inside the top-level ``section`` of a YAML config's ``text``; 0 when not found
+    (a flow mapping, an anchor: the message still names the key)."""
+    lines = text.splitlines()
+    top = next((i for i, line in enumerate(lines) if re.match(rf"{re.escape(section)}\s*:", line)), None)
+    if top is None:
+        return 0
+    for i in range(top + 1, len(lines)):
+        line = lines[i]
+        if line and not line[0].isspace() and not line.startswith("#"):
+            return 0  # the next section
+        if re.match(rf"\s+{re.escape(key)}\s*:", line):
+            return i + 1
+    return 0
 
 
 def move_old_spellings(data: Any, moved: dict[str, str], section: str) -> Any:
@@ -590,8 +612,11 @@ def move_old_spellings(data: Any, moved: dict[str, str], section: str) -> Any:
             raise ValueError(f"{section}.{old} and {section}.{new} are both set: keep {section}.{new} only")
         node[leaf] = value
         warnings.warn(
-            f"{section}.{old} is an old spelling: write {section}.{new} (the old one still loads, for now)",
-            ConfigDeprecation,
+            ConfigDeprecation(
+                f"{section}.{old} is an old spelling: write {section}.{new} (the old one still loads, for now)",
+                section,
+                old,
+            ),
             stacklevel=2,
         )
     return data
@@ -1064,7 +1089,10 @@ def _shown(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def parse_config(data: Any, source: str = "<config>", base_dir: Path | None = None) -> RunConfig:
+def parse_config(
+    data: Any, source: str = "<config>", base_dir: Path | None = None, text: str | None = None
+) -> RunConfig:
+    """The run config of ``data`` (a YAML mapping) read from ``source`` (its ``text``: warnings name its lines)."""
     if not isinstance(data, dict):
         raise UsageError(
             f"{source}: the config must be a YAML mapping of sections, got {type(data).__name__}",
@@ -1077,9 +1105,13 @@ def parse_config(data: Any, source: str = "<config>", base_dir: Path | None = No
     except ValidationError as err:
         raise UsageError(_format_validation_error(err, source), "fix the named keys") from None
     finally:
-        for w in said:  # an old spelling is the config file's, not a line of config.py: shown under its name
-            at = (source, 0) if w.category is ConfigDeprecation else (w.filename, w.lineno)
-            warnings.warn_explicit(w.message, w.category, *at)
+        for w in said:  # an old spelling is the config file's, not a line of config.py: shown at its line there
+            said_of = w.message
+            if isinstance(said_of, ConfigDeprecation):
+                line = line_of_key(text, said_of.section, said_of.key) if text else 0
+                warnings.warn_explicit(said_of, ConfigDeprecation, source, line)
+            else:
+                warnings.warn_explicit(said_of, w.category, w.filename, w.lineno)
     _resolve_paths(cfg, base_dir or Path.cwd())
     blocking = next((p for p in (cfg.run_path, *cfg.run_path.parents) if p.exists() or p.is_symlink()), None)
     if blocking is not None and not blocking.is_dir():
@@ -1151,7 +1183,8 @@ def load_config(path: str | os.PathLike) -> RunConfig:
     if path.is_dir():
         raise UsageError(f"config path is a directory: {path}", "pass the YAML file, e.g. RUN_DIR/config.yaml")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
+        data = yaml.safe_load(text)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
@@ -1166,6 +1199,6 @@ def load_config(path: str | os.PathLike) -> RunConfig:
         raise UsageError(
             f"{path}: nested deeper than the YAML reader can follow", "a run config is sections of keys: flatten it"
         ) from None
-    cfg = parse_config(data, source=str(path), base_dir=path.resolve().parent)
+    cfg = parse_config(data, source=str(path), base_dir=path.resolve().parent, text=text)
     cfg.source = path.resolve()
     return cfg
