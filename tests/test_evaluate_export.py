@@ -155,6 +155,8 @@ def test_evaluate_writes_report_plots_and_is_lossless(tmp_path, tiny_target, dra
     for name in ("acceptance_by_position.png", "tau_vs_k.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not (out / "training_curves.png").exists(), "the training curves are train/curves.png, drawn once"
+    # the tiny target's prompts are all short: one context group, no τ-by-context plot (nor its link in report.md)
+    assert not (out / "tau_by_context.png").exists() and "tau_by_context.png" not in (out / "report.md").read_text()
     assert report["warnings"] == [] and row["warnings"] == [], (
         "a drafter that beats n-gram on every prompt asked: no warning"
     )

@@ -49,6 +49,29 @@ def test_evaluate_reports_tau_by_context_length_when_the_prompts_span_groups():
     assert context_table([{**row, "method": "ngram"}], groups) == []
 
 
+def test_tau_by_context_is_plotted_when_the_passes_span_groups(tmp_path):
+    """What the table says is drawn too (evaluate writes tau_by_context.png and links it from report.md): one line per
+    drafter row, a point per group its passes started in."""
+    from eaglekit import plots
+    from eaglekit.data.eval_report import context_rows
+    from eaglekit.speculative.decode import CONTEXT_BUCKETS
+
+    groups = [label for label, _ in CONTEXT_BUCKETS]
+    spans = {"<1k": {"rounds": 3, "tau": 3.7}, "4-16k": {"rounds": 2, "tau": 3.1}, ">16k": {"rounds": 4, "tau": 2.2}}
+    rows = [{"method": "eagle", "k": k, "temperature": 0.0, "tau_by_context": spans} for k in (3, 5)] + [
+        {"method": "eagle", "k": 7, "temperature": 0.0, "tau_by_context": {"<1k": spans["<1k"]}}
+    ]
+    drawn = context_rows(rows)
+    assert [r["k"] for r in drawn] == [3, 5]  # a row whose passes all fell in one group has nothing to draw
+    fig = plots.tau_by_context(drawn, groups, tmp_path / "tau_by_context.png")
+    assert (tmp_path / "tau_by_context.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (ax,) = fig.axes
+    assert [line.get_label() for line in ax.get_lines()] == ["eagle K=3 T=0", "eagle K=5 T=0"]
+    xs, ys = ax.get_lines()[0].get_data()
+    assert list(xs) == [0, 2, 3] and list(ys) == [3.7, 3.1, 2.2]  # the empty 1-4k group is left out of the line
+    assert [t.get_text() for t in ax.get_xticklabels()] == groups
+
+
 def test_verify_places_each_served_pass_where_its_draft_starts_and_reports_tau_by_context():
     """vLLM reports each request's accepted counts per pass; verify places the passes by context as eaglekit's own
     decoding does (prompt, the prefill's token, then each pass's accepted drafts and token), so that a drafter

@@ -1,4 +1,4 @@
-"""The PNG plots of eaglekit: training curves, acceptance by draft position, τ against K.
+"""The PNG plots of eaglekit: training curves, acceptance by draft position, τ against K and by context length.
 
 Figures are built with ``matplotlib.figure.Figure`` (no pyplot, so no global state and no display
 needed) and written atomically.
@@ -110,6 +110,33 @@ def tau_vs_k(results: list[dict], path: Path) -> None:
     ax.set(xlabel="K (drafts per round)", ylabel="τ (tokens per target pass)", xticks=ks, title="acceptance length")
     ax.legend()
     _save(fig, path)
+
+
+def tau_by_context(rows: list[dict], groups: list[str], path: Path) -> Figure:
+    """τ in each context group (the context a verify pass started at), one line per drafter row (method, K,
+    temperature); a group without passes is left out of its line."""
+    fig = Figure(figsize=(6, 4))
+    ax = fig.subplots()
+    for i, r in enumerate(rows):
+        at = [(x, r["tau_by_context"][g]["tau"]) for x, g in enumerate(groups) if g in r["tau_by_context"]]
+        ax.plot(
+            [x for x, _ in at],
+            [tau for _, tau in at],
+            STYLE.get(r["method"], "-o"),
+            color=f"C{i}",
+            label=f"{r['method']} K={r['k']} T={r['temperature']:g}",
+        )
+    ax.set(
+        xlabel="context at the verify pass (tokens)",
+        ylabel="τ (tokens per target pass)",
+        xticks=range(len(groups)),
+        xticklabels=groups,
+        ylim=(0, None),
+        title="acceptance length by context length",
+    )
+    ax.legend(fontsize="small")
+    _save(fig, path)
+    return fig
 
 
 def served_vs_offline(runs: list[dict], path: Path) -> None:

@@ -80,13 +80,21 @@ def report_markdown(report: dict, tables_only: bool = False) -> str:
         lines += ["", f"**{finetune['verdict']}**."]
     if not tables_only:
         lines += ["", "![acceptance by position](acceptance_by_position.png) ![tau vs K](tau_vs_k.png)"]
+        if context_rows(results):
+            lines[-1] += " ![tau by context length](tau_by_context.png)"
     return "\n".join(lines) + "\n"
+
+
+def context_rows(results: list[dict]) -> list[dict]:
+    """The drafter's result rows whose verify passes started in more than one context group (evaluate's τ by
+    context length shows them: as a table, and as ``tau_by_context.png``)."""
+    return [r for r in results if r["method"] != "ngram" and len(r.get("tau_by_context") or {}) > 1]
 
 
 def context_table(results: list[dict], groups: list[str]) -> list[str]:
     """τ by the context length each verify pass started at, for the drafter's rows: drafters trained on short rows
     lose acceptance far beyond them. Empty when every pass fell in one group."""
-    rows = [r for r in results if r["method"] != "ngram" and len(r.get("tau_by_context") or {}) > 1]
+    rows = context_rows(results)
     if not rows:
         return []
     lines = [

@@ -26,7 +26,7 @@ import torch
 from eaglekit import atomic
 from eaglekit.config import RunConfig
 from eaglekit.contract import Estimate, Sizes, Stage, StageContext, measured_time
-from eaglekit.data.eval_report import METHODS, report_markdown
+from eaglekit.data.eval_report import METHODS, context_rows, report_markdown
 from eaglekit.data.suites import SUITES, load_suite, suite_names
 from eaglekit.drafters.registry import proposer_for
 from eaglekit.errors import EaglekitError, UsageError
@@ -330,6 +330,11 @@ def write_report(ctx: StageContext, report: dict) -> None:
     atomic.write_text(out / "report.md", report_markdown(report) + (f"\n{suites_markdown(suites)}" if suites else ""))
     plots.acceptance_by_position(results, out / "acceptance_by_position.png")
     plots.tau_vs_k(results, out / "tau_vs_k.png")
+    by_context = context_rows(results)
+    if by_context:  # the prompts span more than one context group
+        plots.tau_by_context(by_context, report["context_groups"], out / "tau_by_context.png")
+    else:  # none of an earlier evaluate's left beside this report
+        (out / "tau_by_context.png").unlink(missing_ok=True)
     if suites:
         plots.suite_tau(suites["rows"], out / "suites_tau.png")
     if report["lossless"] is False:
