@@ -16,7 +16,7 @@ import eaglekit.tiny.long_build as long_build
 from eaglekit.errors import UsageError
 from eaglekit.speculative.decode import CONTEXT_BUCKETS, context_bucket
 from eaglekit.tiny import build_long_target, ensure_long_target, sample_long_tasks, split_of, write_long_prompts
-from eaglekit.tiny.long_corpus import NEEDLE_WORDS, NOTE_NAMES, needle_text, reply_token_role
+from eaglekit.tiny.long_corpus import DESKS, NEEDLE_WORDS, NOTE_NAMES, needle_text, reply_token_role
 
 WORD = re.compile(r"[a-z]+")
 
@@ -32,10 +32,18 @@ def test_every_decision_of_a_reply_is_settled_by_needles_in_the_first_half_of_th
         assert all(not names for i, names in enumerate(named) if i not in task.needle_lines)
         present = [name for names in named for name in names]
         assert len(present) == len(set(present)) >= 1
+        # the legend under the question gives every name, in order and spelled as the reply spells it, one desk
+        legend = task.question.split("\nDesk list: ")[1].rstrip(".").split(", ")
+        assert [entry.split()[0] for entry in legend] == [name.capitalize() for name in NOTE_NAMES]
+        desks = [entry.split()[1] for entry in legend]
+        assert set(desks) <= set(DESKS)
         checks = task.reasoning.split("\n")[1:]
-        assert checks == [f"- {name.capitalize()} {'yes' if name in present else 'no'}" for name in NOTE_NAMES]
+        assert checks == [
+            f" {name.capitalize()} {desk} {'yes' if name in present else 'no'}"
+            for name, desk in zip(NOTE_NAMES, desks, strict=True)
+        ]
         assert not set(WORD.findall(task.question)) & set(NOTE_NAMES)  # the question spells names as the reply does
-        assert task.prompt.endswith(task.question) and task.prompt.count("\n") == len(task.lines) + 2
+        assert task.prompt.endswith(task.question) and task.prompt.count("\n") == len(task.lines) + 3
     # both answers are common: a decision cannot be guessed from its name
     decisions = [line.split()[2] for t in tasks for line in t.reasoning.split("\n")[1:]]
     assert 0.35 < decisions.count("yes") / len(decisions) < 0.65
@@ -103,12 +111,13 @@ def test_scaled_down_build_loads_like_any_hf_model_with_long_positions(small_bui
 
 def test_every_token_of_the_checks_has_its_role(small_build):
     """benchmarks/long_context_misses.py counts a drafter's misses by the role of the reply token: each check line
-    is a separator, a name, a decision, and the line break before the next line."""
+    is a name, its desk, a decision, and the line break before the next line."""
     tok = AutoTokenizer.from_pretrained(small_build)
     task = sample_long_tasks(1, seed=3, filler=(2, 4))[0]
     checks = task.reasoning.split("\n", 1)[1]
     roles = Counter(reply_token_role(tok.decode([i])) for i in tok(checks, add_special_tokens=False)["input_ids"])
-    assert roles == {"decision": len(NOTE_NAMES), "name": len(NOTE_NAMES), "separator": 2 * len(NOTE_NAMES) - 1}
+    n = len(NOTE_NAMES)
+    assert roles == {"name": n, "desk": n, "decision": n, "separator": n - 1}
 
 
 def test_the_name_matcher_finds_a_mention_20k_positions_back_and_nothing_else(small_build):
@@ -129,10 +138,39 @@ def test_the_name_matcher_finds_a_mention_20k_positions_back_and_nothing_else(sm
         return tok.convert_ids_to_tokens(ids), out.attentions[0][0, 0, -1]
 
     filler = " cache miss key shard worker job retry disk read write" * 20
-    tokens, weights = attention(" on call bravo" + filler + "\n- Bravo", far=20_000)
+    tokens, weights = attention(" on call bravo" + filler + "\n Bravo", far=20_000)
     assert tokens[2] == "Ġbravo" and weights[2] > 0.9
-    tokens, weights = attention(" on call kilo" + filler + "\n- Bravo", far=20_000)
+    tokens, weights = attention(" on call kilo" + filler + "\n Bravo", far=20_000)
     assert weights[-1] > 0.9 and weights[2] < 0.01  # not mentioned: itself, not another name
+
+
+def test_the_legend_heads_find_the_desk_after_a_name_20k_positions_on(small_build):
+    """At init: layer 0's query head 2 attends the token before, everywhere; layer 1's query head 0 takes a
+    reply's " Bravo" to the desk after " Bravo" in the legend (from a random init the build's loss held at chance
+    on the desks). Layer 1's positional head starts blurred, as its RMSNorm also sees what layer 0 wrote: the
+    build sharpens it."""
+    tok = AutoTokenizer.from_pretrained(small_build)
+    config = long_build.long_model_config(tok)
+    config._attn_implementation = "eager"  # attention weights
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    long_build.init_name_matcher(model, tok, torch.Generator().manual_seed(0))
+    filler = " cache miss key shard worker job retry disk read write" * 8
+    text = "Desk list: Alpha north, Bravo south, Charlie east, Delta west." + filler + "\n Alpha north no\n Bravo"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        out = model(
+            input_ids=torch.tensor([ids]),
+            position_ids=torch.arange(20_000, 20_000 + len(ids))[None],
+            output_attentions=True,
+        )
+    tokens = tok.convert_ids_to_tokens(ids)
+    before = out.attentions[0][0, 2].diagonal(offset=-1)  # each query's weight on the token before
+    assert before.min() > 0.9
+    desk = tokens.index("ĠBravo") + 1
+    assert tokens[desk] == "Ġsouth"
+    weights = out.attentions[1][0, 0, -1]
+    assert weights.argmax() == desk and weights[desk] > 0.5
 
 
 def test_training_rows_jump_between_log_lines_and_keep_the_reply_contiguous(small_build):

@@ -7,9 +7,10 @@ jump forward at random line boundaries, so that a row of 800 tokens spans positi
 Every relative distance up to the span is rehearsed, each line stays contiguous (the jumps fall between
 lines, where a real log would have had more lines), RoPE's base is raised (``ROPE_THETA``) so that its
 slowest rotations do not wrap inside the span, and one head starts as a name matcher on those rotations
-(``init_name_matcher``). Served, the target reads real 20K-token logs with contiguous positions, which it
-never saw in training: the manifest's held-out accuracy by context length, and ``far_context_scores``,
-measure how well.
+(``init_name_matcher``, which also starts the heads that read the legend under the question). A few rows are
+logs of ~3K to ~5K tokens, so that the heads also learn to stay sharp among many keys. Served, the target reads
+real 20K-token logs with contiguous positions, which it never saw in training: the manifest's held-out accuracy
+by context length, and ``far_context_scores``, measure how well.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from eaglekit.tiny.build import (
 from eaglekit.tiny.long_corpus import NOTE_NAMES, SYSTEM_PROMPT, LongTask, filler_lines, sample_long_tasks
 
 # Bump whenever the corpus, the tokenizer or the training changes: it names the cache folder.
-LONG_RECIPE_VERSION = "v1"
+LONG_RECIPE_VERSION = "v6"
 MAX_POSITIONS = 32768
 # Rows are trained at positions up to here; the rest of MAX_POSITIONS leaves room for a reply after the log.
 TRAIN_SPAN = 30000
@@ -56,6 +57,11 @@ TRAIN_FILLER = (2, 40)  # filler lines of a training log: ~100 to ~900 tokens
 # few, then carried to long logs and far positions.
 NEAR_SHARE = 0.3
 NEAR_FILLER = (0, 3)
+# Short rows rehearse far positions but never many keys: a head that finds the token two back among 800 keys
+# loses it among 20,000 (the v2 recipe's names did, its decisions did not). A few rows of ~3K to ~5K tokens,
+# mixed in after the near rows, train the heads to stay sharp among many keys.
+MANY_KEYS_SHARE = 0.08
+MANY_KEYS_FILLER = (150, 250)
 DEFAULT_LONG_STEPS = 1000
 LONG_BATCH_SIZE = 2
 LONG_VOCAB_SIZE = 1024
@@ -97,23 +103,40 @@ def long_model_config(tokenizer: PreTrainedTokenizerFast) -> LlamaConfig:
 # - head 0 reads the slice as query and key on RoPE's slowest rotary pairs, whose rotation over TRAIN_SPAN stays
 #   small (ROPE_THETA is large for that), so a name matches its other spelling at any distance and no other token.
 # " Bravo" then attends to itself and, where the log mentions it, to " bravo", whose value differs by the same
-# vector for every name: the decision is readable from the first step. Training is free to change all of it.
+# vector for every name: the decision is readable from the first step.
+# The legend's desk is a lookup of two composed heads, which the build did not learn from a random init either
+# (its loss held at chance), so init_name_matcher starts them too: layer 0's query head 2 attends the token
+# before (PREVIOUS_PAIRS) and writes its name code into a second slice, so that each legend desk carries the code
+# of the name before it; layer 1's query head 0 matches a name's code against that slice, which takes the reply's
+# " Bravo" to the desk after the legend's " Bravo"; layer 1's query head 2 starts attending the token before too
+# (blurred at init: its RMSNorm also sees what layer 0 wrote), to bring the name's decision to the desk after it,
+# where the reply asks for it. Training is free to change all of it.
 NAME_DIMS = 12  # 6 rotary pairs: at ROPE_THETA 1e8 the slowest turn at most 0.3 rad over TRAIN_SPAN
 NAME_CODE_SIZE = 1.0  # the code's norm against the rest of the embedding's
 MATCH_LOGIT = 20.0  # a name's attention logit to itself and to its other spelling at init
 SPELLING_OFFSET = 2.0  # the spellings' offset, in units of an embedding's own size
+CONST_SIZE = 1.0  # the constant coordinate against the rest of an embedding's norm
+PREVIOUS_LOGIT = 30.0  # a positional head's logit to the token before at init
+PREVIOUS_PAIRS = (0, 1, 2)  # RoPE's fastest pairs (1, 0.32, 0.1 rad a token): together they single out one step back
 
 
 @torch.no_grad()
 def init_name_matcher(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, generator: torch.Generator) -> None:
+    """Start the heads of both lookups in a freshly initialised ``model``: the needles' name matcher and the
+    legend's circuit (the comment above says how each works)."""
     hidden, head_dim = model.config.hidden_size, HIDDEN_SIZE // 4  # long_model_config's head_dim
     half = head_dim // 2
     slice_ = torch.arange(hidden - NAME_DIMS, hidden)  # the embedding's last NAME_DIMS coordinates
+    prev_slice = torch.arange(hidden - 2 * NAME_DIMS, hidden - NAME_DIMS)  # layer 0 writes the code before here
+    const = hidden - 2 * NAME_DIMS - 1  # one coordinate every token has alike: what a positional head reads
     embed = model.model.embed_tokens.weight
     scale = embed.norm(dim=1).mean()
     embed[:, slice_] = 0.0
+    embed[:, prev_slice] = 0.0
     offset = torch.randn(hidden, generator=generator)
     offset[slice_] = 0.0
+    offset[prev_slice] = 0.0
+    offset[const] = 0.0
     offset *= SPELLING_OFFSET * scale / offset.norm()
     codes = torch.nn.functional.normalize(torch.randn(len(NOTE_NAMES), NAME_DIMS, generator=generator), dim=1)
     for name, code in zip(NOTE_NAMES, codes, strict=True):
@@ -121,14 +144,69 @@ def init_name_matcher(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFas
         (replied,) = tokenizer(" " + name.capitalize(), add_special_tokens=False)["input_ids"]
         embed[logged, slice_] = code * NAME_CODE_SIZE * scale
         embed[replied] = embed[logged] - offset
+    # the constant coordinate as the same share of every token's norm: after RMSNorm it is the same for all
+    embed[:, const] = 0.0
+    embed[:, const] = CONST_SIZE * embed.norm(dim=1)
     # after RMSNorm a name's code has norm ~ sqrt(hidden) * share of the code in the embedding's norm
-    code_norm = math.sqrt(hidden) * NAME_CODE_SIZE / math.sqrt(NAME_CODE_SIZE**2 + 1 + SPELLING_OFFSET**2)
+    code_norm = (
+        math.sqrt(hidden)
+        * NAME_CODE_SIZE
+        / math.sqrt((1 + CONST_SIZE**2) * (NAME_CODE_SIZE**2 + 1 + SPELLING_OFFSET**2))
+    )
     gain = math.sqrt(MATCH_LOGIT * math.sqrt(head_dim)) / code_norm
     dims = [d for i in range(half - NAME_DIMS // 2, half) for d in (i, i + half)]  # rotate_half pairs i, i + half
     attn = model.model.layers[0].self_attn
     for proj in (attn.q_proj, attn.k_proj):  # query head 0 and key head 0 (read by query heads 0..groups-1)
         proj.weight[dims] = 0.0
         proj.weight[torch.tensor(dims)[:, None], slice_] = torch.eye(NAME_DIMS) * gain
+    # the legend's circuit (the comment above NAME_DIMS): layer 0's query head 2 (key head 1) writes the code of the
+    # token before into prev_slice; layer 1's query head 0 matches a name's code against it; its query head 2
+    # attends the token before
+    x_const = math.sqrt(hidden) * CONST_SIZE / math.sqrt(CONST_SIZE**2 + 1)  # the constant after RMSNorm, about
+    previous_token_head(
+        attn.q_proj.weight, attn.k_proj.weight, q_head=2, kv_head=1, const=const, x_const=x_const, theta=ROPE_THETA
+    )
+    # nothing else of layer 0 writes into the coordinates layer 1's heads read (training may change that)
+    reserved = torch.cat([slice_, prev_slice, torch.tensor([const])])
+    attn.o_proj.weight[reserved] = 0.0
+    model.model.layers[0].mlp.down_proj.weight[reserved] = 0.0
+    v_rows = torch.arange(head_dim, head_dim + NAME_DIMS)  # key/value head 1's first NAME_DIMS dims
+    attn.v_proj.weight[v_rows] = 0.0
+    attn.v_proj.weight[v_rows[:, None], slice_] = torch.eye(NAME_DIMS)
+    o_cols = torch.arange(2 * head_dim, 2 * head_dim + NAME_DIMS)  # query head 2's output dims
+    attn.o_proj.weight[:, o_cols] = 0.0
+    attn.o_proj.weight[prev_slice[:, None], o_cols] = torch.eye(NAME_DIMS) * (scale * NAME_CODE_SIZE / code_norm)
+    attn.o_proj.weight[:, torch.arange(3 * head_dim, 3 * head_dim + NAME_DIMS)] = 0.0  # head 3 reads the same values
+    attn1 = model.model.layers[1].self_attn
+    attn1.q_proj.weight[dims] = 0.0
+    attn1.q_proj.weight[torch.tensor(dims)[:, None], slice_] = torch.eye(NAME_DIMS) * gain
+    attn1.k_proj.weight[dims] = 0.0
+    attn1.k_proj.weight[torch.tensor(dims)[:, None], prev_slice] = torch.eye(NAME_DIMS) * gain
+    previous_token_head(
+        attn1.q_proj.weight, attn1.k_proj.weight, q_head=2, kv_head=1, const=const, x_const=x_const, theta=ROPE_THETA
+    )
+
+
+def previous_token_head(
+    q_weight: torch.Tensor, k_weight: torch.Tensor, q_head: int, kv_head: int, const: int, x_const: float, theta: float
+) -> None:
+    """Start query head ``q_head`` of an attention (its q_proj and k_proj weights) attending the token before: its
+    query and key read the constant coordinate on RoPE's fastest pairs, the key turned one step ahead, so that their
+    product peaks one position back."""
+    head_dim = HIDDEN_SIZE // 4
+    half = head_dim // 2
+    g = math.sqrt(PREVIOUS_LOGIT * math.sqrt(head_dim) / len(PREVIOUS_PAIRS)) / x_const
+    for i in PREVIOUS_PAIRS:
+        angle = theta ** (-2 * i / head_dim)
+        q_rows = (q_head * head_dim + i, q_head * head_dim + i + half)
+        k_rows = (kv_head * head_dim + i, kv_head * head_dim + i + half)
+        q_weight[q_rows[0]] = 0.0
+        q_weight[q_rows[1]] = 0.0
+        q_weight[q_rows[0], const] = g
+        k_weight[k_rows[0]] = 0.0
+        k_weight[k_rows[1]] = 0.0
+        k_weight[k_rows[0], const] = g * math.cos(angle)
+        k_weight[k_rows[1], const] = g * math.sin(angle)
 
 
 def long_conversation(task: LongTask, system: bool, with_answer: bool = True) -> list[dict]:
@@ -316,7 +394,13 @@ def build_long_target(out_dir: Path, seed: int = 0, steps: int | None = None, he
     )
     near = round(NEAR_SHARE * steps) * LONG_BATCH_SIZE
     rows = encode_long(tokenizer, sample_long_tasks(near, seed, NEAR_FILLER), rng, spread=False)
-    rows += encode_long(tokenizer, sample_long_tasks(steps * LONG_BATCH_SIZE - near, seed + 1, TRAIN_FILLER), rng)
+    many = round(MANY_KEYS_SHARE * steps) * LONG_BATCH_SIZE
+    later = encode_long(
+        tokenizer, sample_long_tasks(steps * LONG_BATCH_SIZE - near - many, seed + 1, TRAIN_FILLER), rng
+    )
+    later += encode_long(tokenizer, sample_long_tasks(many, seed + 2, MANY_KEYS_FILLER), rng)
+    rng.shuffle(later)
+    rows += later
     batches = batches_in_order(rows, rng)
     caller_threads = torch.get_num_threads()
     torch.set_num_threads(build_threads())

@@ -3,23 +3,28 @@
 A prompt is a tool log (one line per event) with a question at its end. Most lines are filler: requests,
 cache misses, retries, in words of their own. The *needles* name about half of the 26 code names (alpha to
 zulu): either a roster on the first line (``list``: ``on call today: mike quebec ...``) or one note per name in
-the first half of the log (``notes``: ``note bravo: amber falcon.``). The reply goes through all 26 names in
-alphabetical order, one line each, ``- Bravo yes`` or ``- Bravo no`` (capitalised: the reply's spelling is
-another token than the log's), then a fixed closing sentence.
+the first half of the log (``notes``: ``note bravo: amber falcon.``). Under the question a legend gives each
+name a desk (``Desk list: Alpha inner, Bravo north, ...``). The reply goes through all 26 names in alphabetical
+order, one line each, `` Bravo north yes`` or `` Bravo north no``: the name (capitalised, as the legend spells it:
+another token than the log's), its desk from the legend, and whether the needles name it; then a fixed closing
+sentence.
 
 Why this shape (the target exists to show drafters falling at long context):
-- every second token of the reasoning (26 per reply) is a decision that only the far needles settle, and
-  settle exactly: given the context the reply is deterministic, without it each decision is a coin flip;
-- the other tokens (the names in their fixed order, the line breaks, the closing sentence) follow from the
-  last few tokens: the part of a reply that a drafter keeps at any length as long as its attention is not
-  thrown off by positions it never saw;
-- a drafter gets each decision from the target's features only for the first token it drafts; the
-  decisions further down its draft it must look up itself in the needles, thousands of tokens back at long
-  context, a distance a drafter trained on short rows has never attended over;
-- the decisions are membership tests (is this name among the needles?), which the build makes learnable in
-  a few hundred steps by starting one head as a name matcher (long_build.init_name_matcher); copying a
-  passage word by word needs two composed heads (an induction circuit), which the 8-layer, 128-wide model
-  did not learn within the build's budget (1,200 and 1,800 steps: no word copied).
+- a quarter of the reply's tokens are decisions that only the far needles settle, and settle exactly: given the
+  context the reply is deterministic, without it each decision is a coin flip;
+- an EAGLE-3 drafter drafts without attention any token that follows from the target's features at the last
+  verified token, or from its own drafts since (it carries its hidden state from draft to draft). A reply that
+  followed from a line's place alone (``- Bravo yes``: the v1 recipe) left it only one token in four to find by
+  attention, which bounded its fall near three tokens in four. Here the desk is read from the legend, ~100
+  tokens back, and the decision after it from the needles: a drafter that proposes a line's desk and decision
+  beyond its first draft must look both up itself, the decision thousands of tokens back at long context, a
+  distance a drafter trained on short rows has never attended over;
+- the lookups are learnable in a build of minutes because the build starts their heads
+  (long_build.init_name_matcher): a name matcher for the needles, a previous-token head and a matcher against
+  it for the legend, a previous-token head carrying the decision from the name to its desk. Copying a passage
+  word by word needs two composed heads (an induction circuit), which the 8-layer, 128-wide model did not learn
+  from a random start within the build's budget (1,200 and 1,800 steps: no word copied), nor the legend (its
+  loss held at chance).
 
 The length of a log is its number of filler lines, so one generator serves rows of a few hundred tokens
 (training) and prompts of 20K (evaluation). Train and held-out logs are disjoint by ``corpus.split_of``
@@ -245,6 +250,7 @@ WORDS_PER_NOTE = (2, 4)
 TOKENS_PER_FILLER_LINE = 20
 
 KINDS = ("list", "notes")
+DESKS = ["north", "south", "east", "west", "upper", "lower", "inner", "outer"]
 
 
 @dataclass(frozen=True)
@@ -306,11 +312,17 @@ def make_task(rng: random.Random, filler: int, kind: str) -> LongTask:
             f"For each code name, Alpha to Zulu, say whether it {where}.",
         ]
     )
+    # each name's desk, listed under the question (the name spelled as the reply spells it) and read back on the
+    # name's line: a lookup settled near and just in time (long_build.init_name_matcher starts its heads)
+    desks = [rng.choice(DESKS) for _ in NOTE_NAMES]
+    question += (
+        "\nDesk list: " + ", ".join(f"{n.capitalize()} {d}" for n, d in zip(NOTE_NAMES, desks, strict=True)) + "."
+    )
     reasoning = "\n".join(
-        [f"Check each code name against the {'list at the start' if kind == 'list' else 'notes in the log'}:"]
+        [f"Check each code name's desk, and the {'list at the start' if kind == 'list' else 'notes in the log'}:"]
         # the reply spells a name capitalised (" Bravo"), the log lower case (" bravo"): two tokens, so that a
         # head matching the name finds the log's mention apart from the reply's own (long_build.init_name_matcher)
-        + [f"- {name.capitalize()} {'yes' if name in present else 'no'}" for name in NOTE_NAMES]
+        + [f" {n.capitalize()} {d} {'yes' if n in present else 'no'}" for n, d in zip(NOTE_NAMES, desks, strict=True)]
     )
     answer = f"I checked all {len(NOTE_NAMES)} code names against the {'list' if kind == 'list' else 'notes'}."
     if kind == "list":
@@ -340,18 +352,21 @@ def make_task(rng: random.Random, filler: int, kind: str) -> LongTask:
 
 
 # What a reply's tokens are, for telling where a drafter loses (benchmarks/long_context_misses.py)
-REPLY_ROLES = ("decision", "name", "separator", "other")
+REPLY_ROLES = ("decision", "desk", "name", "separator", "other")
 
 
 def reply_token_role(text: str) -> str:
     """The role in a reply of the token spelled ``text``: a decision (yes/no: only the far needles settle it), a
-    code name (capitalised: it follows from the line before), a separator (a line's dash or break), or other."""
+    desk (the legend under the question settles it), a code name (capitalised: it follows from the line before),
+    a separator (a line break), or other."""
     word = text.strip()
     if word in ("yes", "no"):
         return "decision"
+    if word in DESKS:
+        return "desk"
     if word.lower() in NOTE_NAMES and word[:1].isupper():
         return "name"
-    return "separator" if word in ("", "-") else "other"
+    return "separator" if word == "" else "other"
 
 
 def needle_text(task: LongTask) -> str:
