@@ -1,14 +1,13 @@
 """How far the long-context tiny target's features at long context drift from those a drafter trains on: the
 tapped hidden states (the drafter's input) over the same reply, after the whole long log and after a short twin of
-it (docs/long-context.md: the feature noise by default).
+it (benchmarks/RESULTS.md, "Why the window loses at > 16K on v6").
 
 For --per-group held-out prompts of each context group, the twin keeps the log's needles and its first few filler
 lines, so the question, the reply and every decision are the same and only the context's length differs. The
-target reads both conversations, reply included (its replies are the reference's: 1.0 held out), and the script
-prints, per group and per tapped layer, the RMS of the difference of the two states over the reply's tokens as a
-share of the twin's RMS; and the same by the role of the token the state is taken at (a state predicts the token
-after it: at a desk, the decision). A drafter that never saw contexts past its training rows sees these drifts only
-when served; eaglekit's auto feature noise (training/objective.py AUTO_NOISE_SHARE) is sized against them.
+target reads both conversations, reply included, and the script prints, per group and per tapped layer, the RMS of
+the difference of the two states over the reply's tokens as a share of the twin's RMS; and the same by the role of
+the token the state is taken at (a state predicts the token after it: at a desk, the decision). A windowed drafter
+reads nothing past its window, but its input features are these, and one trained on short rows saw only the twin's.
 Asserts nothing.
 
     python benchmarks/long_context_drift.py --per-group 3

@@ -120,15 +120,22 @@ def test_every_token_of_the_checks_has_its_role(small_build):
     assert roles == {"name": n, "desk": n, "decision": n, "separator": n - 1}
 
 
+def started_model(tok) -> LlamaForCausalLM:
+    """A fresh long target with its lookup heads started (init_name_matcher), before any training; eager attention,
+    whose weights the tests read."""
+    config = long_build.long_model_config(tok)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    long_build.init_name_matcher(model, tok, torch.Generator().manual_seed(0))
+    return model
+
+
 def test_the_name_matcher_finds_a_mention_20k_positions_back_and_nothing_else(small_build):
     """At init, before any training: layer 0's head 0 takes a reply's " Bravo" to the log's " bravo" wherever it
     is, and to itself when the log does not mention it (from a random init the build never learned this)."""
     tok = AutoTokenizer.from_pretrained(small_build)
-    config = long_build.long_model_config(tok)
-    config._attn_implementation = "eager"  # attention weights
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    long_build.init_name_matcher(model, tok, torch.Generator().manual_seed(0))
+    model = started_model(tok)
 
     def attention(text: str, far: int) -> tuple[list[str], torch.Tensor]:
         ids = tok(text, add_special_tokens=False)["input_ids"]
@@ -150,11 +157,7 @@ def test_the_legend_heads_find_the_desk_after_a_name_20k_positions_on(small_buil
     on the desks). Layer 1's positional head starts blurred, as its RMSNorm also sees what layer 0 wrote: the
     build sharpens it."""
     tok = AutoTokenizer.from_pretrained(small_build)
-    config = long_build.long_model_config(tok)
-    config._attn_implementation = "eager"  # attention weights
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    long_build.init_name_matcher(model, tok, torch.Generator().manual_seed(0))
+    model = started_model(tok)
     filler = " cache miss key shard worker job retry disk read write" * 8
     text = "Desk list: Alpha north, Bravo south, Charlie east, Delta west." + filler + "\n Alpha north no\n Bravo"
     ids = tok(text, add_special_tokens=False)["input_ids"]
