@@ -154,11 +154,16 @@ def init_name_matcher(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFas
         / math.sqrt((1 + CONST_SIZE**2) * (NAME_CODE_SIZE**2 + 1 + SPELLING_OFFSET**2))
     )
     gain = math.sqrt(MATCH_LOGIT * math.sqrt(head_dim)) / code_norm
-    dims = [d for i in range(half - NAME_DIMS // 2, half) for d in (i, i + half)]  # rotate_half pairs i, i + half
+    dims = torch.tensor([d for i in range(half - NAME_DIMS // 2, half) for d in (i, i + half)])  # rotate_half pairs
+
+    def read_on_slowest_pairs(weight: torch.Tensor, coordinates: torch.Tensor) -> None:
+        """Head 0's rows of a q or k projection read ``coordinates`` on RoPE's slowest pairs, and nothing else."""
+        weight[dims] = 0.0
+        weight[dims[:, None], coordinates] = torch.eye(NAME_DIMS) * gain
+
     attn = model.model.layers[0].self_attn
     for proj in (attn.q_proj, attn.k_proj):  # query head 0 and key head 0 (read by query heads 0..groups-1)
-        proj.weight[dims] = 0.0
-        proj.weight[torch.tensor(dims)[:, None], slice_] = torch.eye(NAME_DIMS) * gain
+        read_on_slowest_pairs(proj.weight, slice_)
     # the legend's circuit (the comment above NAME_DIMS): layer 0's query head 2 (key head 1) writes the code of the
     # token before into prev_slice; layer 1's query head 0 matches a name's code against it; its query head 2
     # attends the token before
@@ -178,10 +183,8 @@ def init_name_matcher(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFas
     attn.o_proj.weight[prev_slice[:, None], o_cols] = torch.eye(NAME_DIMS) * (scale * NAME_CODE_SIZE / code_norm)
     attn.o_proj.weight[:, torch.arange(3 * head_dim, 3 * head_dim + NAME_DIMS)] = 0.0  # head 3 reads the same values
     attn1 = model.model.layers[1].self_attn
-    attn1.q_proj.weight[dims] = 0.0
-    attn1.q_proj.weight[torch.tensor(dims)[:, None], slice_] = torch.eye(NAME_DIMS) * gain
-    attn1.k_proj.weight[dims] = 0.0
-    attn1.k_proj.weight[torch.tensor(dims)[:, None], prev_slice] = torch.eye(NAME_DIMS) * gain
+    read_on_slowest_pairs(attn1.q_proj.weight, slice_)
+    read_on_slowest_pairs(attn1.k_proj.weight, prev_slice)
     previous_token_head(
         attn1.q_proj.weight, attn1.k_proj.weight, q_head=2, kv_head=1, const=const, x_const=x_const, theta=ROPE_THETA
     )
