@@ -1,5 +1,5 @@
 """train.draft.sliding_window: auto, the default (model/sliding_window.py): the drafter is windowed when it will be
-served 4x or more beyond its training documents' 95th-percentile length, with the largest power of two no longer than
+served 4x or more beyond its training documents' median length, with the largest power of two no longer than
 half that length (at most 2,048, longer than train.ttt.steps), and attends everything otherwise; explicit values win. The
 choice reaches the train stage's parameters, the drafter it builds, its checkpoint and export, plan and pre-flight."""
 
@@ -22,9 +22,9 @@ from eaglekit.rundir import RunDir
 from eaglekit.stages import train
 
 
-def p95(cfg) -> int:
+def median(cfg) -> int:
     lengths = TokenStore(Path(cfg.run_dir) / "prepare" / "tokens.safetensors").lengths.double()
-    return int(lengths.quantile(0.95))
+    return int(lengths.quantile(0.5))
 
 
 @pytest.fixture
@@ -35,21 +35,23 @@ def prepared(tmp_path, tiny_target):
 def test_auto_windows_a_drafter_served_far_beyond_its_documents(prepared):
     cfg = prepared
     assert cfg.train.draft.sliding_window == "auto"  # the default
-    longest = p95(cfg)
-    power = 1 << ((longest // 2).bit_length() - 1)
-    assert power <= longest // 2 < 2 * power and power > cfg.train.ttt.steps
+    typical = median(cfg)
+    power = 1 << ((typical // 2).bit_length() - 1)
+    assert power <= typical // 2 < 2 * power and power > cfg.train.ttt.steps
 
     # the tiny target's own 1,024 positions: a short served context, no window (the demo's drafter stays as it was)
     short = draft_window(cfg)
     assert short.window is None and "a short context" in short.why
     assert fresh_drafter_config(cfg).sliding_window is None
 
-    cfg.evaluate.context_lengths = [4 * longest]  # served 4x the documents: windowed, every attended distance trained
+    cfg.evaluate.context_lengths = [4 * typical]  # served 4x the documents: windowed, every attended distance trained
     on = draft_window(cfg)
     assert on.window == power, on
-    assert "95th percentile" in on.why and "largest power of two not longer than half" in on.why
+    assert (
+        f"documents of {typical:,} tokens (median" in on.why and "largest power of two not longer than half" in on.why
+    )
     assert fresh_drafter_config(cfg).sliding_window == power  # the drafter train builds
-    cfg.evaluate.context_lengths = [4 * longest - 1]  # just under 4x: full attention
+    cfg.evaluate.context_lengths = [4 * typical - 1]  # just under 4x: full attention
     under = draft_window(cfg)
     assert under.window is None and "under 4x" in under.why
 
@@ -57,6 +59,28 @@ def test_auto_windows_a_drafter_served_far_beyond_its_documents(prepared):
     cfg.train.ttt.steps = power  # a window must be longer than the TTT chain: none then
     chained = draft_window(cfg)
     assert chained.window is None and "train.ttt.steps" in chained.why
+
+
+def test_a_few_long_rows_among_short_ones_keep_the_window_of_the_short(prepared, monkeypatch):
+    """The legend target's mix (benchmarks/RESULTS.md, v6): 160 short rows and 24 of 4K-20K tokens, served at its
+    32,768 positions. Auto reads the median row: the window the short rows train (256), where the 95th percentile
+    (rule 2, until 2026-12-06) turned it off, a drafter served 3.5x its long rows. A run trained under rule 2 with
+    that rule's window stays done; the migration compares each record with its own rule."""
+    from eaglekit.model import sliding_window
+
+    cfg = prepared
+    mix = sliding_window.TrainingLengths(median=724, p95=9417, longest=20444, prepared=True)
+    monkeypatch.setattr(sliding_window, "training_lengths", lambda cfg: mix)
+    cfg.evaluate.context_lengths = [32768]
+    today = draft_window(cfg)
+    assert today.window == 256 and "documents of 724 tokens (median; 95th percentile 9,417)" in today.why
+    assert draft_window(cfg, rule=2).window is None and "under 4x" in draft_window(cfg, rule=2).why
+    recorded = train.params(cfg) | {"window_rule": 2}
+    recorded["draft"] = {**recorded["draft"], "sliding_window": None}
+    moved = train.params_in_current_layout(recorded, cfg)
+    assert moved["draft"]["sliding_window"] == 256 and moved["window_rule"] == sliding_window.AUTO_RULE
+    recorded["draft"]["sliding_window"] = 512  # not what rule 2 chose: another drafter, which retrains
+    assert train.params_in_current_layout(recorded, cfg)["draft"]["sliding_window"] == 512
 
 
 def test_auto_before_prepare_reads_prepare_max_length_and_caps_at_2048(tmp_path, tiny_target):

@@ -336,7 +336,7 @@ def _window_off(value: Any) -> Any:
 # train.draft.sliding_window of the families that take a window: auto (the default), a window, or None
 WindowSetting = Annotated[Annotated[int, Field(ge=2)] | Literal["auto"] | None, BeforeValidator(_window_off)]
 AUTO_WINDOW = (
-    "; auto (the default): when the drafter is served 4x or more beyond its training documents' 95th-percentile "
+    "; auto (the default): when the drafter is served 4x or more beyond its training documents' median "
     "length (evaluate.context_lengths, else a long target's max_position_embeddings), a window of the largest power "
     "of two no longer than half that length, at most 2,048, else none (model/sliding_window.py); null or off: no window"
 )

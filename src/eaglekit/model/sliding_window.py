@@ -10,9 +10,12 @@ windows of 256 kept 88 % / 84 % (K=3 / K=5) and 512 79 % / 75 %, against 52 % / 
 in every context group ("Three seeds of DFlash, served τ, a window longer than the rows"). A window about as long as
 the rows lets the drafter learn reaches to the start of its row that it cannot make when served long; one of half
 their length trains every distance it spans on at least half of a typical row's positions. So ``auto`` windows the
-drafter when it is served FAR_BEYOND times its training documents' 95th-percentile length or more, with the largest
-power of two no longer than half that length, at most LARGEST_AUTO_WINDOW; otherwise, and for a family that takes no
-window (MLA), it attends the whole context. A target of a few thousand positions served at its own context is short:
+drafter when it is served FAR_BEYOND times its training documents' median length or more, with the largest power of
+two no longer than half that length, at most LARGEST_AUTO_WINDOW; otherwise, and for a family that takes no window
+(MLA), it attends the whole context. The median, not a high percentile, is the typical row: a user who serves long
+keeps some long rows among the short (on the legend target, v6, 24 long rows among 160 short lifted the windowed
+drafter from 88 % to 95-96 % kept at > 16K: "Why the window loses at > 16K on v6"), and those few rows must not turn
+the window off nor stretch it past what most rows train. A target of a few thousand positions served at its own context is short:
 the built-in tiny target (1,024) keeps full attention, and the demo's figures with it. Pre-flight's serving-context
 check (preflight/context.py) reads the same figures.
 """
@@ -29,7 +32,7 @@ from eaglekit.data.vocab import PREPARED_TOKENS
 from eaglekit.errors import EaglekitError
 from eaglekit.model.target import target_hf_config
 
-# Served this many times beyond the training documents' 95th percentile, a plain drafter has lost most of its
+# Served this many times beyond its training documents' length, a plain drafter has lost most of its
 # acceptance in the published measurements (4x: 2K -> 8K, τ -27 %; 8x: τ -53 %).
 FAR_BEYOND = 4.0
 # Without evaluate.context_lengths the target's own context stands for what is served only where it is long: a model
@@ -38,8 +41,9 @@ LONG_CONTEXT = 8192
 # speculators' window on every draft layer by default: longer windows than it are not chosen for the user
 LARGEST_AUTO_WINDOW = 2048
 # The version of auto's rule, kept in train's parameters (stages/train.py reads older runs by it): 1 chose the largest
-# power of two no longer than the documents' 95th percentile, 2 (today) no longer than half of it
-AUTO_RULE = 2
+# power of two no longer than the documents' 95th percentile, 2 no longer than half of it, 3 (today) no longer than
+# half their median, and compares the served context with the median
+AUTO_RULE = 3
 
 
 @dataclass(frozen=True)
@@ -51,7 +55,8 @@ class ServedContext:
 
 @dataclass(frozen=True)
 class TrainingLengths:
-    p95: int  # the prepared documents' 95th-percentile length, in tokens
+    median: int  # the prepared documents' median length, in tokens
+    p95: int  # their 95th-percentile length
     longest: int
     prepared: bool  # False: prepare has not written them yet, and prepare.max_length stands in for both
 
@@ -59,6 +64,12 @@ class TrainingLengths:
         if not self.prepared:
             return f"documents of up to {self.p95:,} tokens (prepare.max_length, until prepare has written them)"
         return f"documents of up to {self.p95:,} tokens (95th percentile; the longest {self.longest:,})"
+
+    def typical_words(self) -> str:
+        """The length auto's rule reads, in words."""
+        if not self.prepared:
+            return self.words()
+        return f"documents of {self.median:,} tokens (median; 95th percentile {self.p95:,})"
 
 
 @dataclass(frozen=True)
@@ -95,7 +106,7 @@ def training_lengths(cfg: RunConfig) -> TrainingLengths | None:
     try:
         stat = tokens.stat()
     except OSError:
-        return TrainingLengths(cfg.prepare.max_length, cfg.prepare.max_length, prepared=False)
+        return TrainingLengths(cfg.prepare.max_length, cfg.prepare.max_length, cfg.prepare.max_length, prepared=False)
     try:
         return _lengths(str(tokens), stat.st_mtime_ns, stat.st_size)
     except EaglekitError:
@@ -108,12 +119,12 @@ def _lengths(path: str, mtime_ns: int, size: int) -> TrainingLengths | None:
     lengths = TokenStore(path).lengths.double()
     if lengths.numel() == 0:
         return None
-    return TrainingLengths(int(lengths.quantile(0.95)), int(lengths.max()), prepared=True)
+    return TrainingLengths(int(lengths.quantile(0.5)), int(lengths.quantile(0.95)), int(lengths.max()), prepared=True)
 
 
 def draft_window(cfg: RunConfig, rule: int = AUTO_RULE) -> WindowChoice:
     """The window a fresh drafter of this run trains with, and why (module docstring); a finetune keeps its own.
-    ``rule`` 1: what auto chose before it halved the documents' length (a run recorded then is read by it)."""
+    ``rule``: an older version of auto's rule (AUTO_RULE), to read a run recorded under it."""
     draft = cfg.train.draft
     if "sliding_window" not in DRAFT_KEYS[draft.family]:  # said once, here: MLA refuses the key
         return WindowChoice(None, f"auto: off (architecture {draft.family} takes no sliding window)")
@@ -138,20 +149,19 @@ def draft_window(cfg: RunConfig, rule: int = AUTO_RULE) -> WindowChoice:
     trained = training_lengths(cfg)
     if trained is None:
         return WindowChoice(None, "auto: off (no readable prepared documents)")
-    ratio = served.tokens / max(trained.p95, 1)
+    length, described = (trained.median, trained.typical_words()) if rule >= 3 else (trained.p95, trained.words())
+    ratio = served.tokens / max(length, 1)
     if ratio < FAR_BEYOND:
-        return WindowChoice(
-            None, f"auto: off ({where}, {ratio:.1f}x the training {trained.words()}: under {FAR_BEYOND:g}x)"
-        )
-    span = trained.p95 // 2 if rule >= 2 else trained.p95
+        return WindowChoice(None, f"auto: off ({where}, {ratio:.1f}x the training {described}: under {FAR_BEYOND:g}x)")
+    span = length // 2 if rule >= 2 else length
     size = min(LARGEST_AUTO_WINDOW, 1 << (max(span, 1).bit_length() - 1))
     if size <= cfg.train.ttt.steps:
         return WindowChoice(
             None,
-            f"auto: off ({where}, but the training {trained.words()} leave a window of {size} positions, "
+            f"auto: off ({where}, but the training {described} leave a window of {size} positions, "
             f"not longer than train.ttt.steps {cfg.train.ttt.steps})",
         )
     words = f"the largest power of two not longer than {'half of them' if rule >= 2 else 'them'}" + (
         f", at most {LARGEST_AUTO_WINDOW:,}" if size == LARGEST_AUTO_WINDOW else ""
     )
-    return WindowChoice(size, f"auto: {size:,} ({where}, {ratio:.0f}x the training {trained.words()}; {words})")
+    return WindowChoice(size, f"auto: {size:,} ({where}, {ratio:.0f}x the training {described}; {words})")

@@ -110,7 +110,7 @@ def params_in_current_layout(recorded: dict, cfg: RunConfig) -> dict:
     if isinstance(rule, int) and rule < AUTO_RULE and isinstance(draft, dict):
         if cfg.train.draft.window != AUTO:
             moved = {**moved, "window_rule": AUTO_RULE}
-        elif draft.get("sliding_window") == (draft_window(cfg, rule=1).window if rule else None):
+        elif draft.get("sliding_window") == (draft_window(cfg, rule=rule).window if rule else None):
             moved = {
                 **moved,
                 "draft": {**draft, "sliding_window": draft_window(cfg).window},
