@@ -294,6 +294,18 @@ def test_the_prompt_bound_is_prepare_max_length_when_smaller(tmp_path, cli, tiny
     assert "raise prepare.max_length" in check["remedy"]
 
 
+def test_served_long_the_prompt_bound_names_raising_max_length_first(tmp_path, cli, tiny_target):
+    # long rows are what keeps a drafter's acceptance at long context: dropping them is not the first remedy then
+    config = long_prompts_config(tmp_path, tiny_target, [1, 30])
+    data = yaml.safe_load(config.read_text())
+    write_config(config, {**data, "prepare": {"max_length": 64}, "evaluate": {"context_lengths": [16384]}})
+    r = cli("preflight", config, "--stage", "generate", "--json")
+    (check,) = [c for c in json.loads(r.out)["stages"]["generate"] if c["name"] == "prompt length"]
+    assert check["status"] == "warn" and "1 of 2 prompts" in check["detail"]
+    assert check["remedy"].startswith("raise prepare.max_length (to 1,024: the longest prompt and generate.max_tokens)")
+    assert "served at up to 16,384 (evaluate.context_lengths)" in check["remedy"]
+
+
 def test_a_prompt_the_chat_template_refuses_is_named_by_its_line(tmp_path, cli, tiny_target):
     template = (tiny_target / "chat_template.jinja").read_text()
     guard = "{%- if messages | selectattr('role', 'equalto', 'system') | list | length > 1 %}"

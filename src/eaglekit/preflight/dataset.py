@@ -17,6 +17,7 @@ from eaglekit.contract import StageContext
 from eaglekit.data.chat import local_target_tokenizer
 from eaglekit.data.prompts import SKIP_REMEDY, load_prompts, run_prompts
 from eaglekit.errors import EaglekitError
+from eaglekit.model.sliding_window import served_context
 from eaglekit.model.target import target_hf_config
 from eaglekit.preflight import CheckResult, fail, ok, skip, warn
 
@@ -213,6 +214,15 @@ def prompt_length(ctx: StageContext) -> CheckResult:
         f"{longest:,} ({how}): {consequence}"
     )
     remedy = "drop the longest prompts from data.prompts" + (", or raise prepare.max_length" if by_prepare else "")
+    served = served_context(ctx.cfg)
+    if by_prepare and served is not None and served.long:
+        # served long, the long rows are the ones that keep the drafter's acceptance there (docs/long-context.md)
+        wanted = min(served.tokens, -(-(longest + ctx.cfg.generate.max_tokens) // 1024) * 1024)
+        remedy = (
+            f"raise prepare.max_length (to {wanted:,}: the longest prompt and generate.max_tokens): the drafter is "
+            f"served at up to {served.tokens:,} ({served.source}), and long rows are what keeps its acceptance "
+            "there (docs/long-context.md); or drop the longest prompts"
+        )
     if exact and len(over) == len(records):
         return fail(name, detail, remedy)
     return warn(name, detail, remedy)
