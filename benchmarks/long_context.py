@@ -1,13 +1,17 @@
 """Long context: τ by context length on the long-context tiny target, for EAGLE-3 (or, with --family dflash, DFlash)
-drafters trained on short rows, with and without a sliding window (docs/long-context.md).
+drafters trained on short rows, with and without a sliding window (docs/long-context.md); with --long-rows, on the
+same short rows plus long ones.
 
 Writes, under --out, training prompts of evaluate's "<1k" group (the replies' rows stay under ~650 tokens: trained
-short) and evaluation prompts of every group (~450, ~2.6K, ~8.8K, ~19.9K tokens), then runs `eaglekit run --until
-evaluate` once per drafter and seed (generate with the target in-process, prepare, vocab, train online, evaluate) and
-prints τ per context group from each run's evaluate/report.json. Offline decoding only (no engine); asserts nothing.
+short; --long-rows M,N adds M prompts of the 4-16k group and N of the >16k group, held-out tasks of other seeds than
+the evaluation's, with prepare.max_length at the target's context so none is cut) and evaluation prompts of every
+group (~450, ~2.6K, ~8.8K, ~19.9K tokens), then runs `eaglekit run --until evaluate` once per drafter and seed
+(generate with the target in-process, prepare, vocab, train online, evaluate) and prints τ per context group from
+each run's evaluate/report.json. Offline decoding only (no engine; --served adds vLLM's); asserts nothing.
 
     python benchmarks/long_context.py --out /tmp/long --windows none,256 --seeds 0
     python benchmarks/long_context.py --out /tmp/long-dflash --family dflash --windows none,256 --seeds 0
+    python benchmarks/long_context.py --out /tmp/long-rows --windows auto,256 --seeds 0,1,2 --k 3,5 --long-rows 16,8
 """
 
 from __future__ import annotations
@@ -40,8 +44,21 @@ FAMILIES: dict[str, tuple[dict, dict]] = {
 }  # fmt: skip
 
 
-def write_prompts(out: Path, train: int, per_group: int) -> tuple[Path, Path]:
+# --long-rows: the seeds of the long training prompts' tasks (the evaluation's are 900, the short rows' 1)
+LONG_TRAIN_SEEDS = {"4-16k": 901, ">16k": 902}
+
+
+def write_prompts(out: Path, train: int, per_group: int, long_rows: dict[str, int]) -> tuple[Path, Path]:
     train_file = write_long_prompts(out / "train.jsonl", train, 1, context="<1k")
+    if any(long_rows.values()):
+        lines = Path(train_file).read_text().splitlines()
+        for group, n in long_rows.items():
+            if n:
+                part = write_long_prompts(out / f"train-{LONG_TRAIN_SEEDS[group]}.jsonl", n, LONG_TRAIN_SEEDS[group],
+                                          context=group)  # fmt: skip
+                lines += Path(part).read_text().splitlines()
+        train_file = out / "train-long.jsonl"
+        train_file.write_text("\n".join(lines) + "\n")
     rows: list[str] = []
     for i, group in enumerate(GROUPS):
         part = write_long_prompts(out / f"eval-{i}.jsonl", per_group, 900, context=group)
@@ -50,16 +67,16 @@ def write_prompts(out: Path, train: int, per_group: int) -> tuple[Path, Path]:
     return Path(train_file), out / "eval.jsonl"
 
 
-def config(target: Path, train_file: Path, eval_file: Path, run_dir: Path, window: int | None, seed: int,
-           ks: list[int], steps: int, family: str = "llama") -> dict:  # fmt: skip
+def config(target: Path, train_file: Path, eval_file: Path, run_dir: Path, window: int | str | None, seed: int,
+           ks: list[int], steps: int, family: str = "llama", max_length: int = 2048) -> dict:  # fmt: skip
     shape, forms = FAMILIES[family]
-    draft: dict = {**shape, "sliding_window": window}  # None written out: no window, whatever the default
+    draft: dict = {**shape, "sliding_window": window}  # None written out: no window, whatever the default; "auto" it
     return {
         "run_dir": str(run_dir),
         "target": {"model": str(target)},
         "data": {"prompts": str(train_file), "eval_fraction": 0.05},
         "generate": {"backend": "local", "max_tokens": 200, "temperature": 0.0, "batch_size": 16},
-        "prepare": {"max_length": 2048},
+        "prepare": {"max_length": max_length},
         "vocab": {"draft_vocab_size": 80},
         "train": {"max_steps": steps, "batch_size": 4, "lr": 3e-3, "warmup_steps": 10, "eval_every": steps,
                   "save_every": steps, "ttt": {"steps": 4}, "seed": seed, "draft": draft},
@@ -137,6 +154,10 @@ def reuse_replies(out: Path, config_path: Path) -> None:
             return
 
 
+def target_context(target: Path) -> int:
+    return int(json.loads((target / "config.json").read_text())["max_position_embeddings"])
+
+
 def kept(by: dict) -> float:
     return by[">16k"]["tau"] / by["<1k"]["tau"] if ">16k" in by and "<1k" in by else float("nan")
 
@@ -145,30 +166,41 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--family", default="llama", choices=sorted(FAMILIES), help="the drafter family trained")
-    p.add_argument("--windows", default="none,256", help="comma-separated: none (full attention) or a window")
+    p.add_argument(
+        "--windows",
+        default="none,256",
+        help="comma-separated: none (full attention), auto (eaglekit's default) or a window",
+    )
     p.add_argument("--seeds", default="0")
     p.add_argument("--k", default="3", help="comma-separated draft lengths evaluated on each trained drafter")
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--train-prompts", type=int, default=160)
     p.add_argument("--per-group", type=int, default=3)
+    p.add_argument("--long-rows", default="0,0", help="M,N: add M training prompts of 4-16k and N of >16k")
     p.add_argument("--served", action="store_true", help="also serve each drafter in vLLM (verify) per group")
     args = p.parse_args()
     ks = [int(k) for k in args.k.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
     target = ensure_long_target()
-    train_file, eval_file = write_prompts(args.out, args.train_prompts, args.per_group)
+    long_rows = dict(zip(LONG_TRAIN_SEEDS, (int(n) for n in args.long_rows.split(",")), strict=True))
+    train_file, eval_file = write_prompts(args.out, args.train_prompts, args.per_group, long_rows)
+    # long rows are kept whole: prepare cuts at the target's own context, as a user serving it long would set
+    max_length = target_context(target) if any(long_rows.values()) else 2048
+    suffix = "-long" if any(long_rows.values()) else ""
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     cli = [sys.executable, "-c", "import sys; from eaglekit.cli import main; sys.argv[0] = 'eaglekit'; main()"]
     rows, served = [], []
     for window_text in args.windows.split(","):
-        window = None if window_text == "none" else int(window_text)
+        window: int | str | None = window_text if window_text == "auto" else None
+        if window_text not in ("none", "auto"):
+            window = int(window_text)
         for seed in (int(s) for s in args.seeds.split(",")):
-            name = f"window-{window_text}-seed-{seed}"
+            name = f"window-{window_text}{suffix}-seed-{seed}"
             path = args.out / f"{name}.yaml"
             report_path = args.out / name / "evaluate" / "report.json"
             if not report_path.exists():  # a finished run is read again, so seeds run apart aggregate here
                 path.write_text(yaml.safe_dump(config(target, train_file, eval_file, args.out / name, window, seed,
-                                                      ks, args.steps, args.family)))  # fmt: skip
+                                                      ks, args.steps, args.family, max_length)))  # fmt: skip
                 reuse_replies(args.out, path)
                 subprocess.run([*cli, "run", str(path), "--until", "evaluate"], env=env, check=True)
             report = json.loads(report_path.read_text())
