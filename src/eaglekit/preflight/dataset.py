@@ -213,9 +213,8 @@ def prompt_length(ctx: StageContext) -> CheckResult:
         f"e.g. '{rid}' with "
         f"{longest:,} ({how}): {consequence}"
     )
-    remedy = "drop the longest prompts from data.prompts" + (", or raise prepare.max_length" if by_prepare else "")
-    served = served_context(ctx.cfg)
-    if by_prepare and served is not None and served.long:
+    served = served_context(ctx.cfg) if by_prepare else None
+    if served is not None and served.long:
         # served long, the long rows are the ones that keep the drafter's acceptance there (docs/long-context.md)
         wanted = min(served.tokens, -(-(longest + ctx.cfg.generate.max_tokens) // 1024) * 1024)
         remedy = (
@@ -223,6 +222,8 @@ def prompt_length(ctx: StageContext) -> CheckResult:
             f"served at up to {served.tokens:,} ({served.source}), and long rows are what keeps its acceptance "
             "there (docs/long-context.md); or drop the longest prompts"
         )
+    else:
+        remedy = "drop the longest prompts from data.prompts" + (", or raise prepare.max_length" if by_prepare else "")
     if exact and len(over) == len(records):
         return fail(name, detail, remedy)
     return warn(name, detail, remedy)
