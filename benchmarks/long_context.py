@@ -184,9 +184,10 @@ def main() -> None:
     target = ensure_long_target()
     long_rows = dict(zip(LONG_TRAIN_SEEDS, (int(n) for n in args.long_rows.split(",")), strict=True))
     train_file, eval_file = write_prompts(args.out, args.train_prompts, args.per_group, long_rows)
+    trains_long = any(long_rows.values())
     # long rows are kept whole: prepare cuts at the target's own context, as a user serving it long would set
-    max_length = target_context(target) if any(long_rows.values()) else 2048
-    suffix = "-long" if any(long_rows.values()) else ""
+    max_length = target_context(target) if trains_long else 2048
+    suffix = "-long" if trains_long else ""
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     cli = [sys.executable, "-c", "import sys; from eaglekit.cli import main; sys.argv[0] = 'eaglekit'; main()"]
     rows, served = [], []
