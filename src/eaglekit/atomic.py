@@ -1,19 +1,31 @@
 """Writes that matter are atomic: a temp file in the same directory, fsync, rename.
 
-A reader (or a resumed run) therefore sees either the old file or the whole new one, never a torn one.
+A reader (or a resumed run) therefore sees either the old file or the whole new one, never a torn one. A folder
+written whole (a checkpoint, an exported drafter) also carries the sha256 of each of its files (``DIGESTS``), taken
+as the write reads them back to fsync them, so that a reader can tell a file whose bytes changed since it was
+written (a flipped block, a partial copy) from the one written: ``damage(folder)``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import functools
+import hashlib
 import json
 import os
 import shutil
 import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from eaglekit.errors import EaglekitError
+
+# The manifest of a folder written by atomic_dir: {"files": {relative path: {"sha256", "key": file_key}}}. Hidden, so
+# that file identities (rundir.file_identity) and the engines loading an exported folder pass it by.
+DIGESTS = ".sha256.json"
 
 
 def _umask() -> int:
@@ -110,8 +122,10 @@ def write_json(path: str | os.PathLike, obj: Any) -> None:
 
 
 @contextlib.contextmanager
-def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temp directory beside ``path``; on success fsync its files and swap it in for ``path``.
+def atomic_dir(path: str | os.PathLike, digests: bool = False) -> Iterator[Path]:
+    """Yield a temp directory beside ``path``; on success fsync its files and swap it in for ``path``; with
+    ``digests``, a folder read again later (a checkpoint, an exported drafter) also records each file's sha256
+    (``DIGESTS``, written last, inside the folder that is swapped in whole).
 
     An existing ``path`` is replaced only after the new one is complete (old moved aside, new renamed
     in, old removed), so a kill at any point leaves a complete directory under ``path`` or its backup.
@@ -122,20 +136,30 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     try:
         with naming_file(path, tmp):
             yield tmp
-            _commit_dir(tmp, path)
+            _commit_dir(tmp, path, digests)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _commit_dir(tmp: Path, path: Path) -> None:
-    """fsync the finished temp folder, then swap it in for ``path`` (the old one moved aside first)."""
-    for f in tmp.rglob("*"):
+def _commit_dir(tmp: Path, path: Path, digests: bool) -> None:
+    """fsync the finished temp folder (with ``digests``, hashing each file in the same read and writing the
+    manifest), then swap it in for ``path`` (the old one moved aside first)."""
+    files: dict[str, dict[str, Any]] = {}
+    for f in sorted(tmp.rglob("*")):
         if f.is_file():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
             os.chmod(f, _default_mode(directory=False))
+            if digests and f.name != DIGESTS:  # a nested atomic_dir's manifest is that folder's own
+                files[f.relative_to(tmp).as_posix()] = {"sha256": _sha256_and_fsync(f), "key": file_key(f)}
+            else:
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
         elif f.is_dir():
             os.chmod(f, _default_mode(directory=True))
+    if digests:
+        manifest = tmp / DIGESTS
+        manifest.write_text(json.dumps({"files": files}, indent=1) + "\n", encoding="utf-8")
+        _sha256_and_fsync(manifest)
+        os.chmod(manifest, _default_mode(directory=False))
     os.chmod(tmp, _default_mode(directory=True))
     fsync_dir(tmp)
     old = None
@@ -147,3 +171,115 @@ def _commit_dir(tmp: Path, path: Path) -> None:
     fsync_dir(path.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------------------ digests
+
+
+def file_key(path: str | os.PathLike) -> list[int]:
+    """(size, mtime_ns, inode): what must be unchanged for a digest taken earlier to still be the file's. A rewrite
+    gives a new mtime, a copy a new inode; a rename of the folder keeps all three."""
+    st = os.stat(path)
+    return [st.st_size, st.st_mtime_ns, st.st_ino]
+
+
+def sha256_file(path: str | os.PathLike, block: int = 16 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(block):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _sha256_and_fsync(path: Path, block: int = 16 << 20) -> str:
+    """One read of a file just written: its digest, and its bytes made durable."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(block):
+            h.update(chunk)
+        os.fsync(f.fileno())
+    return h.hexdigest()
+
+
+@functools.lru_cache(maxsize=256)
+def _digest_of(path: str, _key: tuple[int, ...]) -> str:
+    return sha256_file(path)
+
+
+@dataclass(frozen=True)
+class Damage:
+    """A file of a folder atomic_dir wrote whose bytes are not those written (or which is gone)."""
+
+    file: Path
+    why: str
+
+    def __str__(self) -> str:
+        return f"{self.file} {self.why}"
+
+
+def damage(folder: str | os.PathLike) -> list[Damage]:
+    """The files of ``folder`` that differ from what atomic_dir wrote there (none for a folder written without
+    digests, by an older eaglekit or another tool).
+
+    A file whose (size, mtime, inode) is the one recorded is trusted without a read, as extract's shard check does;
+    any other is hashed (once per process while unchanged) and, when its bytes are the written ones (a copied run
+    directory), its new key is recorded so the next check reads nothing.
+    """
+    folder = Path(folder)
+    manifest = folder / DIGESTS
+    try:
+        files = json.loads(manifest.read_text(encoding="utf-8"))["files"]
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return [Damage(manifest, f"is unreadable ({type(err).__name__}), so the folder's files cannot be checked")]
+    found: list[Damage] = []
+    moved: dict[str, list[int]] = {}
+    for name, entry in files.items():
+        path = folder / name
+        try:
+            key = file_key(path)
+        except OSError:
+            found.append(Damage(path, "is missing (it was written with this folder)"))
+            continue
+        if key == entry.get("key"):
+            continue
+        written = entry.get("key", [None])[0]
+        if written is not None and key[0] != written:
+            found.append(Damage(path, f"holds {key[0]:,} bytes where {written:,} were written"))
+            continue
+        sha = _digest_of(str(path), tuple(key))
+        if sha != entry.get("sha256"):
+            found.append(
+                Damage(
+                    path,
+                    f"changed since it was written (sha256 {sha[:12]}…, recorded {entry.get('sha256', '?')[:12]}…)",
+                )
+            )
+        else:
+            moved[name] = key
+    if moved and not found:  # best effort: a read-only copy is checked again next time
+        with contextlib.suppress(OSError):
+            write_json(manifest, {"files": {n: {**e, "key": moved.get(n, e["key"])} for n, e in files.items()}})
+    return found
+
+
+def refuse_damaged(folder: str | os.PathLike, what: str, remedy: str) -> None:
+    """Raise naming each damaged file of ``folder`` (``what``: how the message calls it) and ``remedy``."""
+    found = damage(folder)
+    if found:
+        raise EaglekitError(f"{what} {folder} is damaged: " + "; ".join(map(str, found)), remedy)
+
+
+def damaged_folders(root: str | os.PathLike, depth: int = 2) -> dict[Path, list[Damage]]:
+    """Every folder atomic_dir wrote under ``root`` (within ``depth`` levels) whose files are damaged."""
+    root = Path(root)
+    out: dict[Path, list[Damage]] = {}
+    for level in range(depth + 1):
+        for manifest in sorted(root.glob("/".join(["*"] * level + [DIGESTS]))):
+            if any(part.startswith(".") for part in manifest.parent.relative_to(root).parts):
+                continue  # a temp or backup folder of a write in progress
+            found = damage(manifest.parent)
+            if found:
+                out[manifest.parent] = found
+    return out

@@ -22,6 +22,7 @@ import time
 from fnmatch import fnmatch
 from pathlib import Path
 
+from eaglekit import atomic
 from eaglekit.errors import EaglekitError, UsageError
 from eaglekit.progress import console
 
@@ -205,6 +206,9 @@ def drafter_folder(value: str) -> Path:
             f"train.init_from {value} is a hub id that is not in the Hugging Face cache",
             "run the train stage with its pre-flight (it downloads the drafter first), or `eaglekit preflight CONFIG`",
         )
+    # checkpoint integrity: an eaglekit checkpoint finetuned from must be the bytes written (a published one has
+    # no digests)
+    atomic.refuse_damaged(path, "train.init_from", f"restore {path} from a copy, or point at another checkpoint")
     return path
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from eaglekit import atomic
 from eaglekit.config import RunConfig
 from eaglekit.contract import Estimate, Sizes, Stage, StageContext, measured_time
 from eaglekit.drafters.registry import parameter_counts
@@ -85,6 +86,13 @@ def run(ctx: StageContext) -> dict:
     return drafter_family(ctx.cfg).export(ctx, load_checked_drafter)
 
 
+def damaged(ctx: StageContext) -> str | None:
+    """A form whose files are not the bytes export wrote (their digests: a flipped block, a partial copy) is written
+    again from the checkpoint; seconds."""
+    found = [str(d) for folder in atomic.damaged_folders(ctx.dir, depth=1).values() for d in folder]
+    return "; ".join(found) or None
+
+
 STAGE = Stage(
     name=NAME,
     upstream=UPSTREAM,
@@ -94,4 +102,5 @@ STAGE = Stage(
     checks=checks,
     run=run,
     estimate=estimate,
+    damaged=damaged,
 )

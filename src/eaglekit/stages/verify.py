@@ -78,6 +78,7 @@ from eaglekit.speculative.inputs import (
     first_difference,
     written_forms,
 )
+from eaglekit.training.checkpoint_integrity import damaged_drafter, refuse_damaged_drafter
 
 NAME = "verify"
 UPSTREAM = "export"
@@ -161,6 +162,10 @@ def exported_forms(ctx: StageContext):
             f"{', '.join(missing)} not found under {ctx.cfg.run_path / 'export'}",
             "export them: `eaglekit run CONFIG --until export` (or set verify.formats to the forms it wrote)",
         )
+    for form in forms(ctx.cfg):  # what is served must be the bytes export wrote (its digests)
+        damaged = damaged_drafter(ctx.cfg.run_path / "export" / form, "exported drafter")
+        if damaged:
+            return fail("exported forms", damaged.message, damaged.remedy or "")
     return ok("exported forms", ", ".join(forms(ctx.cfg)))
 
 
@@ -634,6 +639,8 @@ def diagnose(cfg: RunConfig, folder: Path, engine: str, aux: list[int], runs: li
 
 def run(ctx: StageContext) -> dict:
     engine = served_engine(ctx)  # before the offline decode: a server that cannot be verified says so at once
+    for folder in engine.folders().values():  # what is served must be the bytes export wrote (its digests)
+        refuse_damaged_drafter(folder, "exported drafter")
     for warning in verify_check(ctx.cfg, engine.folders()):  # refuses a feature the engine would drop
         ctx.warn(warning)
     offline = offline_figures(ctx.cfg, engine.ks)
