@@ -246,7 +246,7 @@ class DFlashFamily:
         dest = ctx.dir / form
         planned = self.planned_configs(drafter.config, [form], cfg.export.num_speculative_tokens)
         export_check(cfg, planned)  # refuses a form the installed engine would serve wrong
-        with atomic.atomic_dir(dest) as tmp:
+        with atomic.atomic_dir(dest, digests=True) as tmp:  # verify and evaluate check the bytes served
             self.save_exported(drafter, tmp)
             again = self.load_for_target(cfg, tmp)
             mine, read = drafter.state_dict(), again.state_dict()

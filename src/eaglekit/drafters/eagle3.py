@@ -454,7 +454,7 @@ def write_forms(ctx: StageContext, drafter, hf, tokenizer, formats: list[str], w
     dirs: dict[str, Path] = {}
     for form in formats:
         dest = ctx.dir / form
-        with atomic.atomic_dir(dest) as tmp:
+        with atomic.atomic_dir(dest, digests=True) as tmp:  # verify and evaluate check the bytes served
             # save_* write atomically themselves: into our (empty) temp folder, which is swapped in whole below
             if form == "eagle3":
                 eagle3_checkpoint.save_legacy(drafter, tmp, include_embeddings=xc.include_embeddings)

@@ -26,6 +26,7 @@ from eaglekit.model.hub import cached_drafter, is_hub_id
 from eaglekit.model.run_shapes import target_and_aux
 from eaglekit.model.target import decoder_parts
 from eaglekit.progress import console
+from eaglekit.training.checkpoint_integrity import refuse_damaged_drafter
 
 SMALL_MODEL_PARAMETERS = 50_000_000
 
@@ -45,6 +46,7 @@ def load_checked_drafter(cfg: RunConfig):
             else "train it: `eaglekit run CONFIG --until train` (it writes train/checkpoints/best)"
         )
         raise EaglekitError(f"drafter checkpoint {path} does not exist", remedy)
+    refuse_damaged_drafter(path)  # checkpoint integrity: its files are the bytes written
     hf, aux = target_and_aux(cfg)
     family = family_of_folder(path) or family_named(None)  # none of theirs: the default's loader says why
     drafter, info = family.load_checkpoint(cfg, path, aux)

@@ -22,9 +22,8 @@ from eaglekit.errors import EaglekitError
 from eaglekit.interrupt import StopRequest
 from eaglekit.model.eagle3 import Eagle3Drafter
 from eaglekit.training import distributed as dist
+from eaglekit.training.checkpoint_integrity import STATE, intact_resume_point
 from eaglekit.training.metrics import reduce_device
-
-STATE = "training_state.pt"
 
 
 def rng_state() -> dict:
@@ -115,6 +114,8 @@ class Checkpoints:
         """Rank 0: the checkpoint a resumed run continues from, after removing what a killed write left behind."""
         self.clean_partial()
         latest = self.latest() if resuming else None
+        if latest:  # checkpoint integrity: a damaged latest falls back to the newest intact one (or stops)
+            latest = intact_resume_point(self.folder, latest)
         return str(latest) if latest else None
 
     def latest(self) -> Path | None:
@@ -131,7 +132,7 @@ class Checkpoints:
 
     def save(self, step: int, drafter_cfg: Any, msd: dict, state: dict) -> Path:
         path = self.folder / f"step-{step}"
-        with atomic.atomic_dir(path) as tmp:
+        with atomic.atomic_dir(path, digests=True) as tmp:
             self.save_drafter(drafter_cfg, msd, tmp)
             torch.save(state, tmp / STATE)
         atomic.write_text(self.folder / "latest", path.name + "\n")
@@ -141,7 +142,7 @@ class Checkpoints:
         return path
 
     def save_best(self, step: int, drafter_cfg: Any, msd: dict, figures: dict) -> None:
-        with atomic.atomic_dir(self.folder / "best") as tmp:
+        with atomic.atomic_dir(self.folder / "best", digests=True) as tmp:
             self.save_drafter(drafter_cfg, msd, tmp)
             atomic.write_json(tmp / "best.json", {"step": step, **figures})
 
