@@ -1,6 +1,6 @@
 """How far the long-context tiny target's features at long context drift from those a drafter trains on: the
 tapped hidden states (the drafter's input) over the same reply, after the whole long log and after a short twin of
-it (benchmarks/RESULTS.md, "Why the window loses at > 16K on v6").
+it (benchmarks/results/long-context.md, "Why the window alone loses at > 16K").
 
 For --per-group held-out prompts of each context group, the twin keeps the log's needles and its first few filler
 lines, so the question, the reply and every decision are the same and only the context's length differs. The

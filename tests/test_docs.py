@@ -1,11 +1,15 @@
 """The README and docs/ stay what the code and CI say they are: CI runs the README's test command, every citation
 of a docs page's section in the code resolves to a heading, every link between the pages points at a file, and the
-config snippets the pages show load. (The README's τ table is held by tests/test_demo.py.)"""
+config snippets the pages show load; the benchmark results are an index of pages that each open with what holds today,
+and every ratio or percentage the README and docs quote is one a results page holds. (The README's τ table is held by
+tests/test_demo.py.)"""
 
 from __future__ import annotations
 
 import importlib.util
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -14,7 +18,14 @@ from conftest import REPO
 
 from eaglekit.config import DRAFT_MODELS, LlamaDraft, parse_config
 
-PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), *sorted((REPO / "benchmarks").glob("*.md"))]
+RESULTS = REPO / "benchmarks" / "RESULTS.md"
+RESULT_PAGES = sorted((REPO / "benchmarks" / "results").glob("*.md"))
+PAGES = [
+    REPO / "README.md",
+    *sorted((REPO / "docs").glob("*.md")),
+    *sorted((REPO / "benchmarks").glob("*.md")),
+    *RESULT_PAGES,
+]
 # Where the code cites the pages: source, tests, benchmarks, scripts, CI, and the pages themselves.
 CITING = [
     *(REPO / "src").rglob("*.py"),
@@ -28,7 +39,7 @@ CITING = [
 # `docs/verify.md: "Tolerances"`, `README, "Two commands"`, `docs/formats.md §9`: a page, then a quoted heading (its
 # start) or a numbered section. The page is a path from the repository root.
 CITATION = re.compile(
-    r"(?<![\w/.-])(README\.md|README|docs/[\w.-]+\.md|benchmarks/[\w.-]+\.md)`?(?:'s)?"
+    r"(?<![\w/.-])(README\.md|README|docs/[\w.-]+\.md|benchmarks/(?:results/)?[\w.-]+\.md)`?(?:'s)?"
     r"(?:[,:]\s*(?:\"([A-Z`][^\"\n]*)\"|'([A-Z`][^'\n]*)')|\s?§\s?(\d+))?"
 )
 # A link between the pages, and the quoted heading that may follow it: [verify.md](verify.md), "Tolerances".
@@ -68,13 +79,14 @@ def unresolved(page: str, heading: str | None, number: str | None) -> str | None
 
 
 def test_citations_parse_page_heading_and_section():
-    text = """see docs/verify.md: 'Tolerances' and (README, "Two commands"); docs/formats.md §9, `benchmarks/RESULTS.md`,
-    "The lever table"; export/README.md is a file a run writes, not a citation"""
+    text = """see docs/verify.md: 'Tolerances' and (README, "Two commands"); docs/formats.md §9, `benchmarks/results/levers.md`,
+    "The lever table"; benchmarks/RESULTS.md; export/README.md is a file a run writes, not a citation"""
     assert citations(text) == [
         ("docs/verify.md", "Tolerances", None),
         ("README.md", "Two commands", None),
         ("docs/formats.md", None, "9"),
-        ("benchmarks/RESULTS.md", "The lever table", None),
+        ("benchmarks/results/levers.md", "The lever table", None),
+        ("benchmarks/RESULTS.md", None, None),
     ]
     assert unresolved("docs/verify.md", "Tolerances", None) is None
     assert unresolved("docs/verify.md", "Verify in your engine", None) is None  # the page's title counts
@@ -122,6 +134,63 @@ def test_every_link_between_the_pages_points_at_a_file_and_heading():
             elif heading and not any(h.startswith(heading) for h in headings(path)):
                 broken.append(f'{page.relative_to(REPO)}: ({target}) has no heading starting "{heading}"')
     assert not broken, broken
+
+
+def test_every_results_page_is_in_the_index():
+    """benchmarks/RESULTS.md is an index of one page per subject: a page it does not link is a page nobody finds."""
+    index = RESULTS.read_text(encoding="utf-8")
+    assert RESULT_PAGES, "benchmarks/results/ holds no page"
+    assert [p.name for p in RESULT_PAGES if f"](results/{p.name})" not in index] == []
+
+
+def table_rows(lines: list[str]) -> list[list[str]]:
+    """The cells of the first markdown table in lines, its header first, the |---| line left out."""
+    rows, started = [], False
+    for line in lines:
+        if line.startswith("|"):
+            started = True
+            if not re.fullmatch(r"\|[\s|:-]+\|", line.strip()):
+                rows.append([cell.strip() for cell in line.strip().strip("|").split(" | ")])
+        elif started:
+            break
+    return rows
+
+
+def what_holds_today(page: Path) -> list[dict[str, str]]:
+    """The rows of the table a results page opens with, under its first section, "What holds today"."""
+    lines = page.read_text(encoding="utf-8").splitlines()
+    sections = [n for n, line in enumerate(lines) if line.startswith("## ")]
+    assert sections and lines[sections[0]] == "## What holds today", f"{page.name}: its first section is not that"
+    end = sections[1] if len(sections) > 1 else len(lines)
+    header, *rows = table_rows(lines[sections[0] + 1 : end]) or [[]]
+    assert {"figure", "value", "command", "commit", "machine"} <= set(header), f"{page.name}: columns {header}"
+    return [dict(zip(header, row, strict=True)) for row in rows]
+
+
+def test_each_results_page_opens_with_what_holds_today():
+    """A reader of a results page sees first what stands today, each figure with the command that gives it, the
+    commit and the machine; the measurements follow. A commit named there is one of this repository's."""
+    commits = set()
+    for page in RESULT_PAGES:
+        rows = what_holds_today(page)
+        assert rows, f"{page.name}: no figure under What holds today"
+        for row in rows:
+            assert row["figure"] and row["value"] and row["command"] and row["machine"], (page.name, row)
+            named = re.findall(r"\b[0-9a-f]{7,40}\b", row["commit"])
+            assert named, f"{page.name}: no commit for {row['figure']!r}"
+            commits.update(named)
+    git = shutil.which("git")
+    if git is None or not (REPO / ".git").exists():
+        pytest.skip("not a git checkout: the commits cannot be looked up")
+    shallow = subprocess.run([git, "rev-parse", "--is-shallow-repository"], cwd=REPO, capture_output=True, text=True)
+    if shallow.stdout.strip() != "false":
+        pytest.skip("a shallow clone: older commits are not here")
+    missing = [
+        c
+        for c in sorted(commits)
+        if subprocess.run([git, "cat-file", "-e", f"{c}^{{commit}}"], cwd=REPO, capture_output=True).returncode
+    ]
+    assert not missing, f"commits named in What holds today that this repository does not have: {missing}"
 
 
 def test_every_docs_page_is_linked_from_the_readme():

@@ -111,7 +111,7 @@ def packed_batches(
     Shuffle (feature shard by shard, as epoch_batches), then first-fit in that order within windows of PACK_WINDOW samples: each sample goes into the first
     row with room, so every row is a random mixture of the data. Sorting by length first (first-fit decreasing)
     packs a little denser but makes each row one length band — on the tiny target, where the task kind sets the
-    length, that cost 9 % of τ at K=5 (benchmarks/RESULTS.md, the τ race).
+    length, that cost 9 % of τ at K=5 (the τ race of 2026-12-03, commit 3c35289).
     """
     rng = random.Random(f"{seed}:{epoch}:packed")
     order = block_order(indices, blocks, rng)
