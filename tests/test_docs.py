@@ -10,6 +10,7 @@ import importlib.util
 import re
 import shutil
 import subprocess
+from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 
 import pytest
@@ -191,6 +192,67 @@ def test_each_results_page_opens_with_what_holds_today():
         if subprocess.run([git, "cat-file", "-e", f"{c}^{{commit}}"], cwd=REPO, capture_output=True).returncode
     ]
     assert not missing, f"commits named in What holds today that this repository does not have: {missing}"
+
+
+# A number, and a run of them as the pages write ranges and pairs: 96.5 % / 96.5 %, ×0.24–0.37, 82–85 %.
+NUMBER = r"\d+(?:\.\d+)?"
+QUOTED = {
+    "%": re.compile(rf"({NUMBER}(?:\s?[–/]\s?{NUMBER})*)\s?%"),
+    "×": re.compile(rf"×({NUMBER}(?:\s?[–/]\s?×?{NUMBER})*)"),
+}
+HELD = {
+    "%": re.compile(rf"({NUMBER}(?:\s?(?:–|/|,|and|or|to)\s?{NUMBER})*)\s?%"),
+    "×": re.compile(rf"×\s?({NUMBER}(?:\s?[–/,]\s?×?{NUMBER})*)"),
+}
+# Percentages the pages quote that are no measurement: a rule of the code, a line of the demo's own output.
+NOT_MEASURED = {
+    ("docs/features.md", "90%"): "pre-flight refuses a spool_gb above 90% of the Mooncake segments (a rule)",
+    (
+        "docs/preflight.md",
+        "17.5%",
+    ): "the demo's pre-flight output: its prompts file repeats rows (printed, not measured)",
+}
+
+
+def quoted_figures(page: Path) -> list[tuple[int, str, str]]:
+    """(line, number, kind) for each percentage and ratio (×) the page quotes outside code blocks."""
+    found, fenced = [], False
+    for n, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1):
+        if line.startswith("```"):
+            fenced = not fenced
+            continue
+        if fenced:
+            continue
+        for kind, pattern in QUOTED.items():
+            found += [(n, number, kind) for m in pattern.finditer(line) for number in re.findall(NUMBER, m.group(1))]
+    return found
+
+
+def rounds_to(quoted: str, candidates: set[str]) -> bool:
+    places = Decimal(1).scaleb(-len(quoted.partition(".")[2]))
+    return any(Decimal(c).quantize(places, rounding=ROUND_HALF_UP) == Decimal(quoted) for c in candidates)
+
+
+def test_every_figure_the_readme_and_docs_quote_is_held_by_a_results_page():
+    """A percentage or a ratio the README or a docs page quotes is one that a results page holds, at the precision
+    quoted (96.5 % stands for 96.5 %, 55 % for 55.3 %), so a figure whose measurement moved or was dropped fails
+    here. docs/config.md is generated from the code and docs/architecture.md quotes no measurement."""
+    results = " ".join(page.read_text(encoding="utf-8") for page in RESULT_PAGES)
+    held = {kind: {n for m in p.finditer(results) for n in re.findall(NUMBER, m.group(1))} for kind, p in HELD.items()}
+    quoting = [
+        REPO / "README.md",
+        *(p for p in sorted((REPO / "docs").glob("*.md")) if p.name not in ("config.md", "architecture.md")),
+    ]
+    unheld = [
+        f"{page.relative_to(REPO)}:{n}: {number}{kind}"
+        for page in quoting
+        for n, number, kind in quoted_figures(page)
+        if not rounds_to(number, held[kind]) and (str(page.relative_to(REPO)), f"{number}{kind}") not in NOT_MEASURED
+    ]
+    assert not unheld, (
+        "figures no page of benchmarks/results/ holds (add the measurement there, or drop the figure):\n"
+        + "\n".join(unheld)
+    )
 
 
 def test_every_docs_page_is_linked_from_the_readme():
