@@ -150,14 +150,22 @@ class StageContext:
         marker = self.run.read_marker(self.stage)
         return bool(marker and marker.get("fingerprint") == self.fingerprint)
 
+    def continues(self, state: str) -> str | None:
+        """What the stage keeps of the outputs of other parameters in its folder, and what it will do, when it goes
+        on from them rather than replacing them (its ``continues`` hook: generate, when only the prompts changed);
+        None when they are replaced."""
+        if state not in (rundir.OTHER_DONE, rundir.OTHER_PARTIAL, rundir.FAILED_LEFTOVERS):
+            return None
+        return self.once(self.stage_def.continues)  # pre-flight and the run ask it several times
+
     def refusal(self, state: str) -> tuple[str, str] | None:
         """(what the folder holds, what to do) when replacing it needs --force; None when the stage may write there.
 
         --force replaces only what needs it: finished or partial outputs of other parameters, or files eaglekit
         did not write. It never reruns a stage that is done with the same fingerprint, and what a *failed* attempt
-        left behind is replaced without it.
+        left behind is replaced without it. Outputs the stage goes on from (``continues``) are not replaced.
         """
-        if self.force or state in (rundir.EMPTY, rundir.OWN, rundir.FAILED_LEFTOVERS):
+        if self.force or state in (rundir.EMPTY, rundir.OWN, rundir.FAILED_LEFTOVERS) or self.continues(state):
             return None
         marker = self.run.read_marker(self.stage) or {}
         again = (
@@ -205,6 +213,10 @@ def never_damaged(ctx: StageContext) -> str | None:
     return None
 
 
+def continues_nothing(ctx: StageContext) -> str | None:
+    return None
+
+
 def no_live_counts(stage_dir: Path) -> dict[str, Any] | None:
     return None  # `status` shows what the ledger recorded
 
@@ -230,6 +242,9 @@ class Stage:
     estimate: Callable[[StageContext, Sizes | None], Estimate] = no_estimate
     kept: Callable[[StageContext], str | None] = nothing_kept  # what of a stopped run is safely on disk
     damaged: Callable[[StageContext], str | None] = never_damaged  # what a finished run's outputs miss (repair)
+    # What it keeps of the outputs of other parameters in its folder and goes on from, with or without --force,
+    # in words ("generate 6 new of 406; 400 kept"); None: they are replaced, only with --force.
+    continues: Callable[[StageContext], str | None] = continues_nothing
     live_counts: Callable[[Path], dict[str, Any] | None] = no_live_counts  # counts `status` shows while it runs
     data_flags: Callable[[dict[str, Any]], list[str]] = no_data_flags  # bad data its recorded counts show
     # The parameters a ledger entry recorded in an older layout, in today's for the config, so that a

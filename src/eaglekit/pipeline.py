@@ -247,7 +247,10 @@ def run_stage(
     refused = ctx.refusal(folder)
     if refused:  # pre-flight says so too; this holds when it was skipped
         raise EaglekitError(f"{stage}: {refused[0]}", refused[1])
-    if folder not in (rundir.EMPTY, rundir.OWN):
+    goes_on = ctx.continues(folder)
+    if goes_on:
+        console.print(f"{stage}: {goes_on}")
+    elif folder not in (rundir.EMPTY, rundir.OWN):
         console.print(
             f"{stage}: replacing {ctx.dir} ({'what a failed attempt left' if folder == rundir.FAILED_LEFTOVERS else folder})"
         )

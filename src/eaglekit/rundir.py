@@ -88,8 +88,10 @@ def digest(obj: Any) -> str:
 def file_identity(path: str | os.PathLike) -> dict[str, Any]:
     """A cheap identity for an input file or folder: size plus a hash of its first and last MiB per file.
 
-    Cheap enough for multi-GB datasets, and unlike mtime it survives a copy of the same data (the path is
-    kept for messages; fingerprints hash ``content_identity``, without it).
+    Cheap enough for multi-GB datasets, and unlike mtime it survives a copy of the same data. Names are not
+    content: a file's own name is left out of the hash (renamed, it is the same input), a folder's files are
+    hashed with their names relative to it (which file holds what is part of a folder's content). The path is
+    kept for messages and the ledger; fingerprints hash ``content_identity``, without it.
     """
     path = Path(path)
     if not path.exists():
@@ -102,7 +104,7 @@ def file_identity(path: str | os.PathLike) -> dict[str, Any]:
     for f in files:
         size = f.stat().st_size
         total += size
-        h.update(f"{f.relative_to(path) if f != path else f.name}:{size}".encode())
+        h.update(f"{f.relative_to(path)}:{size}".encode() if f != path else f"{size}".encode())
         with open(f, "rb") as fh:
             h.update(fh.read(1 << 20))
             if size > 2 << 20:
@@ -112,10 +114,11 @@ def file_identity(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def content_identity(obj: Any) -> Any:
-    """``obj`` with the paths of its file identities left out — what a fingerprint hashes, so the same data
-    elsewhere (a run directory copied or moved, a dataset on another mount) is the same input."""
+    """``obj`` with the paths of its identities (a file's, a prompt set's: whatever holds a ``sha``) left out —
+    what a fingerprint hashes, so the same data elsewhere (a run directory copied or moved, a dataset on another
+    mount or under another name) is the same input."""
     if isinstance(obj, dict):
-        if "sha" in obj and "bytes" in obj:
+        if "sha" in obj:
             return {k: v for k, v in obj.items() if k != "path"}
         return {k: content_identity(v) for k, v in obj.items()}
     if isinstance(obj, list):

@@ -381,5 +381,54 @@ def run_prompts(cfg) -> PromptSet:
     """The run's prompts (``data.*`` of a RunConfig), cached per file state: the pre-flight, the disk estimate
     and the generate stage share one load."""
     d = cfg.data
-    st = os.stat(d.prompts) if os.path.exists(d.prompts) else None
-    return _load_prompts_cached(d.prompts, d.max_samples, d.on_bad_row, (st.st_mtime_ns, st.st_size) if st else ())
+    return _load_prompts_cached(d.prompts, d.max_samples, d.on_bad_row, _file_state(d.prompts))
+
+
+def _file_state(path: str | Path) -> tuple:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return ()
+    return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+
+# --- identity ---------------------------------------------------------------------------------------
+# A prompt is its id and what is asked (the messages up to the last user turn, normalised): the reply depends on
+# nothing else. The file's name, place, format (JSONL, Parquet, ...), row order, the bad rows and duplicates it
+# skips and the assistant turns it drops are no part of it, so a renamed or reformatted file is the same prompts
+# and a file that gained rows holds the old prompts and some new ones.
+
+
+def prompt_key(record_id: str, messages: list[dict]) -> str:
+    """One prompt's identity: its id and a digest of its messages."""
+    return f"{record_id}\t{_messages_hash(messages)[:SHORT_DIGEST]}"
+
+
+SHORT_DIGEST = 16  # hex digits of a sha256 kept in identities
+
+
+def set_identity(keys: list[str], path: str | Path) -> dict:
+    """A prompt set's identity from its prompts' keys: their count and a digest of the sorted keys; the path is
+    kept for messages and the ledger (fingerprints leave it out: ``rundir.content_identity``)."""
+    digest = hashlib.sha256("\n".join(sorted(keys)).encode("utf-8")).hexdigest()
+    return {"path": str(path), "prompts": len(keys), "sha": digest[:SHORT_DIGEST]}
+
+
+@functools.lru_cache(maxsize=4)
+def _identity_cached(path: str, max_samples: int | None, on_bad_row: str, stamp: tuple) -> dict:
+    records = _load_prompts_cached(path, max_samples, on_bad_row, stamp).records
+    return set_identity([prompt_key(r.id, r.messages) for r in records], path)
+
+
+def prompts_identity(cfg) -> dict:
+    """The identity of the run's prompts as generate asks them (``data.prompts`` read with ``data.max_samples`` and
+    ``data.on_bad_row``). A file that cannot be read is identified by its path and the reason (pre-flight's
+    prompts check names the problem)."""
+    d = cfg.data
+    stamp = _file_state(d.prompts)
+    if not stamp:
+        return {"path": str(d.prompts), "missing": True}
+    try:
+        return _identity_cached(str(d.prompts), d.max_samples, d.on_bad_row, stamp)
+    except UsageError as err:
+        return {"path": str(d.prompts), "unreadable": err.message}

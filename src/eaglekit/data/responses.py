@@ -6,6 +6,11 @@ torn last line (no trailing newline) is cut off and reported, and that sample is
 that fails (a full disk) is cut back off the file at once, so the file always ends on a complete record.
 fsync runs every few lines and at close, bounding what a power loss can take. An id is never written twice.
 
+When the prompts change under the same generation settings (rows added or removed, ``data.max_samples`` raised or
+lowered), the replies to prompts no longer asked move to ``set_aside.jsonl`` (``ResponseStore.set_aside``): later
+stages read responses.jsonl alone, and a prompt asked again takes its reply back from there without a request
+(``ResponseStore.take_back``). A reply belongs to a prompt by its id and its messages (``prompts.prompt_key``).
+
 Record schema (docs/formats.md §4): ``id, messages, reasoning, content, finish_reason, prompt_tokens,
 completion_tokens, reasoning_source, model, server`` (+ ``completion_token_ids`` when known).
 """
@@ -23,6 +28,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from eaglekit import atomic
+from eaglekit.data.prompts import prompt_key
 from eaglekit.data.reasoning import extract_reasoning, has_think_tags
 from eaglekit.errors import EaglekitError
 from eaglekit.progress import console
@@ -30,6 +37,7 @@ from eaglekit.rundir import now_iso
 
 RESPONSES = "responses.jsonl"
 ERRORS = "errors.jsonl"
+SET_ASIDE = "set_aside.jsonl"  # replies to prompts no longer asked: kept, not read by later stages
 
 
 def make_record(
@@ -92,6 +100,12 @@ def _repair_tail(path: Path) -> int:
 
 def _lines(path: Path) -> Iterator[tuple[int, dict]]:
     """(line number, record) of a JSONL file; a torn last line (no newline: a kill mid-write) is skipped."""
+    for lineno, _, row in _raw_lines(path):
+        yield lineno, row
+
+
+def _raw_lines(path: Path) -> Iterator[tuple[int, bytes, dict]]:
+    """(line number, the line's bytes, record) of a JSONL file, as ``_lines``."""
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
             if not raw.endswith(b"\n") or not raw.strip():
@@ -109,7 +123,7 @@ def _lines(path: Path) -> Iterator[tuple[int, dict]]:
                     f"{path}:{lineno}: not a response record (no string 'id')",
                     f"delete line {lineno} and rerun the same command (that sample is generated again)",
                 )
-            yield lineno, row
+            yield lineno, raw, row
 
 
 def read_responses(path: str | os.PathLike) -> Iterator[dict[str, Any]]:
@@ -130,6 +144,7 @@ class ResponseStore:
         self.errors_path = self.folder / ERRORS
         self.fsync_every, self.fsync_seconds = fsync_every, fsync_seconds
         self.done_ids: set[str] = set()
+        self.keys: dict[str, str] = {}  # id -> the prompt its reply answers (prompts.prompt_key)
         self.errors: dict[str, dict] = {}  # id -> its last error, for ids not done
         self.duplicates_on_disk = 0
         self._f: io.FileIO | None = None
@@ -156,7 +171,9 @@ class ResponseStore:
             for _, row in _lines(self.path):
                 if row["id"] in self.done_ids:
                     self.duplicates_on_disk += 1
+                    continue
                 self.done_ids.add(row["id"])
+                self.keys[row["id"]] = _key(row)
         if self.duplicates_on_disk:
             console.print(
                 f"[yellow]{self.path}: {self.duplicates_on_disk} lines repeat an earlier id (the first counts); "
@@ -170,6 +187,44 @@ class ResponseStore:
         self._f = open(self.path, "ab", buffering=0)  # noqa: SIM115
         self._ef = open(self.errors_path, "ab", buffering=0)  # noqa: SIM115
         return self
+
+    @property
+    def set_aside_path(self) -> Path:
+        return self.folder / SET_ASIDE
+
+    def set_aside(self, ids: set[str]) -> int:
+        """Move the replies of ``ids`` (prompts no longer asked, or asked otherwise) from responses.jsonl to
+        set_aside.jsonl; returns how many. The replies that stay keep their bytes and their order; set_aside.jsonl
+        is appended and synced before responses.jsonl is replaced whole (atomic), so a kill leaves each reply in
+        one file or both, never in none."""
+        ids &= self.done_ids
+        if not ids:
+            return 0
+        self.sync()
+        with atomic.atomic_path(self.path) as tmp, open(tmp, "wb") as kept, open(self.set_aside_path, "ab") as aside:
+            for _, raw, row in _raw_lines(self.path):
+                (aside if row["id"] in ids else kept).write(raw)
+            aside.flush()
+            os.fsync(aside.fileno())
+        f, _ = self._opened()
+        f.close()
+        self._f = open(self.path, "ab", buffering=0)  # noqa: SIM115  (the new file, open until close())
+        self.done_ids -= ids
+        for rid in ids:
+            self.keys.pop(rid, None)
+        return len(ids)
+
+    def take_back(self, wanted: dict[str, str]) -> int:
+        """Append the replies set aside earlier to prompts asked again (``wanted``: id -> prompt key, the prompts
+        not done) to responses.jsonl, without a request; returns how many."""
+        if not wanted or not self.set_aside_path.exists():
+            return 0
+        back = 0
+        for _, row in _lines(self.set_aside_path):
+            rid = row["id"]
+            if wanted.get(rid) == _key(row) and rid not in self.done_ids:
+                back += self.add(row)
+        return back
 
     def _opened(self) -> tuple[io.FileIO, io.FileIO]:
         """(responses.jsonl, errors.jsonl), open for appending."""
@@ -200,6 +255,7 @@ class ResponseStore:
             self._opened()[0], self.path, json.dumps(record, ensure_ascii=False) + "\n"
         )  # in the OS's hands now
         self.done_ids.add(rid)
+        self.keys[rid] = _key(record)
         self.errors.pop(rid, None)
         self._unsynced += 1
         if self._unsynced >= self.fsync_every or time.monotonic() - self._last_sync >= self.fsync_seconds:
@@ -235,6 +291,22 @@ class ResponseStore:
         for f in (self._f, self._ef):
             if f is not None:
                 f.close()
+
+
+def _key(row: dict[str, Any]) -> str:
+    messages = row.get("messages")
+    return prompt_key(row["id"], messages if isinstance(messages, list) else [])
+
+
+def stored_keys(folder: str | os.PathLike) -> dict[str, str]:
+    """id -> the prompt key of each reply in a folder's responses.jsonl (the first line of an id counts); reads
+    without repairing anything (pre-flight)."""
+    path = Path(folder) / RESPONSES
+    keys: dict[str, str] = {}
+    if path.exists():
+        for _, row in _lines(path):
+            keys.setdefault(row["id"], _key(row))
+    return keys
 
 
 def summarize(folder: str | os.PathLike) -> dict[str, Any]:

@@ -323,6 +323,25 @@ def target_identity(cfg: RunConfig) -> dict:
     }
 
 
+def chat_template_identity(template: str | None) -> str | dict | None:
+    """``target.chat_template`` as a stage that renders with it depends on it: a template file by its content (moved
+    or renamed, it is the same template; edited, another), an inline template as its text."""
+    if template and not template.lstrip().startswith("{") and Path(template).is_file():
+        return rundir.file_identity(template)
+    return template
+
+
+def tokenizer_identity(cfg: RunConfig) -> list[dict] | str:
+    """The target's tokenizer files (they decide the token ids) by their content, wherever its folder is (a hub id's
+    cached snapshot included); a hub id that is not in the cache is its name."""
+    folder = model_folder(cfg.target.model)
+    found = [folder / n for n in TOKENIZER_FILES if folder is not None and (folder / n).is_file()]
+    return [rundir.file_identity(f) for f in found] or cfg.target.model
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
 def output_identity(cfg: RunConfig, relative: str | Path) -> str | None:
     """The sha256 of a stage output another stage reads; None while it does not exist."""
     path = cfg.run_path / relative

@@ -97,6 +97,9 @@ def output_path(ctx: StageContext) -> CheckResult:
         return ok(
             name, f"{d} holds this config's {'finished' if done else 'partial'} data{'' if done else ' (will resume)'}"
         )
+    goes_on = ctx.continues(state)
+    if goes_on:
+        return ok(name, f"{d} holds the outputs of other inputs, and {ctx.stage} goes on from them: {goes_on}")
     if state == rundir.FAILED_LEFTOVERS:
         return ok(name, f"{d} holds what a failed attempt with other parameters left: it will be replaced")
     refused = ctx.refusal(state)

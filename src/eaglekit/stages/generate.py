@@ -7,6 +7,12 @@ in this process with transformers, ``openai`` asks OpenAI-compatible servers (vL
 Resume: a rerun skips the ids already in responses.jsonl and those in errors.jsonl; ``--retry-failed``
 clears errors.jsonl and tries those samples again. Sample ids are the prompt records' ids.
 
+Changed prompts: the prompts are identified by their rows (each row's id and messages, ``prompts.prompt_key``),
+never by the file's name or place. When they change under the same generation settings — rows added or removed,
+``data.max_samples`` raised after a pilot — the stage goes on from the replies it has (``continues``): it asks only
+the prompts without a reply, keeps every reply whose prompt is still asked, and sets the others aside (kept in
+generate/set_aside.jsonl, not read by later stages; a prompt asked again takes its reply back from there).
+
 The reasoning gate: when reasoning is required (by default, when the target's chat template has think
 tags), the first ``gate_samples`` completions of every run are held back until they are checked; if
 more than ``gate_max_empty_share`` of them have no reasoning the stage stops — naming the fields the
@@ -17,23 +23,33 @@ wrong field (or a server started without its reasoning parser) after its first f
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from eaglekit.config import RunConfig
 from eaglekit.contract import Estimate, Sizes, Stage, StageContext
 from eaglekit.data.chat import TEMPLATE_REMEDY, ServedPrompts
-from eaglekit.data.prompts import PromptRecord, run_prompts
+from eaglekit.data.prompts import PromptRecord, prompt_key, prompts_identity, run_prompts
 from eaglekit.data.reasoning import explain_missing_reasoning, target_reasoning_mode
-from eaglekit.data.responses import RESPONSES, ResponseStore, make_record, quick_counts, summarize
+from eaglekit.data.responses import (
+    RESPONSES,
+    SET_ASIDE,
+    ResponseStore,
+    make_record,
+    quick_counts,
+    stored_keys,
+    summarize,
+)
 from eaglekit.errors import EaglekitError
 from eaglekit.model.local_generation import generate_local
 from eaglekit.preflight import dataset, environment, files, gpus, run_directory
 from eaglekit.preflight import servers as server_checks
 from eaglekit.progress import Meter, console
-from eaglekit.rundir import file_identity
+from eaglekit.rundir import content_identity
 from eaglekit.serving.client import ChatClient, RequestFailed, api_key_from_env
 
 NAME = "generate"
@@ -54,14 +70,9 @@ def kept(ctx: StageContext) -> str:
 def params(cfg: RunConfig) -> dict:
     """What the responses depend on. Not the server URLs, concurrency or batch size: adding a server or
     changing the batching must not invalidate a run."""
-    g, t = cfg.generate, cfg.target
-    template: str | dict | None = t.chat_template
-    if template and isinstance(template, str) and not template.lstrip().startswith("{") and Path(template).exists():
-        template = file_identity(template)
+    g = cfg.generate
     return {
-        "prompts": file_identity(cfg.data.prompts),
-        "max_samples": cfg.data.max_samples,
-        "on_bad_row": cfg.data.on_bad_row,
+        "prompts": prompts_identity(cfg),  # the rows read (data.max_samples, data.on_bad_row applied), not the file
         "backend": g.backend,
         "model": files.target_identity(cfg) if g.backend == "local" else g.model,
         "temperature": g.temperature,
@@ -71,8 +82,89 @@ def params(cfg: RunConfig) -> dict:
         "extra_body": g.extra_body,
         "return_token_ids": g.return_token_ids,
         "reasoning": g.reasoning,
-        "chat_template": template,
+        "chat_template": files.chat_template_identity(cfg.target.chat_template),
     }
+
+
+# --- changed prompts --------------------------------------------------------------------------------
+
+WHICH_PROMPTS = ("prompts", "max_samples", "on_bad_row")  # parameters that say which prompts are asked (older
+# ledgers recorded the last two beside the file); the others say how a prompt is answered
+
+
+@dataclass
+class Plan:
+    """What a run does with the prompts it asks and the replies in its folder."""
+
+    asked: int  # prompts in the set
+    kept: int  # their replies already in responses.jsonl
+    pending: list[PromptRecord]  # prompts to ask (those that failed before are left out unless retried)
+    set_aside: set[str] = field(default_factory=set)  # ids whose replies answer no prompt asked now
+    new: int = 0  # prompts with no reply stored (added, or beyond a raised data.max_samples)
+    edited: int = 0  # ids whose prompt's messages changed since their reply
+
+    def words(self) -> str:
+        changes = [
+            f"{n} {what}"
+            for n, what in (
+                (self.new, "added"),
+                (len(self.set_aside) - self.edited, "removed"),
+                (self.edited, "edited"),
+            )
+            if n
+        ]
+        aside = (
+            f"; the replies to {len(self.set_aside) - self.edited} prompts no longer asked go to generate/{SET_ASIDE} "
+            "(kept there, not read by later stages)"
+            if len(self.set_aside) > self.edited
+            else ""
+        )
+        return (
+            f"the prompts changed since it ran ({', '.join(changes) or 'the same rows'}): generate "
+            f"{len(self.pending)} new of {self.asked}; {self.kept} kept{aside}"
+        )
+
+
+def plan(records: list[PromptRecord], stored: dict[str, str], failed: set[str]) -> Plan:
+    """Which of ``records`` to ask, given the replies ``stored`` (id -> prompt key) and the ids that ``failed``."""
+    wanted = {r.id: prompt_key(r.id, r.messages) for r in records}
+    edited = {rid for rid, key in wanted.items() if rid in stored and stored[rid] != key}
+    return Plan(
+        asked=len(records),
+        kept=sum(stored.get(rid) == key for rid, key in wanted.items()),
+        pending=[r for r in records if stored.get(r.id) != wanted[r.id] and r.id not in failed],
+        set_aside={rid for rid, key in stored.items() if wanted.get(rid) != key},
+        new=sum(rid not in stored for rid in wanted),
+        edited=len(edited),
+    )
+
+
+def continues(ctx: StageContext) -> str | None:
+    """The folder holds another run's replies (other prompts, or older parameters' layout) under the same
+    generation settings: they are this run's to keep, so the stage goes on from them instead of replacing them
+    (with --force or not). Says what it will generate and keep; None when the settings differ."""
+    marker = ctx.run.read_marker(NAME) or {}
+    recorded = next(
+        (
+            start.get("params")
+            for start, _ in reversed(ctx.run.attempts(NAME))
+            if start.get("fingerprint") == marker.get("fingerprint")
+        ),
+        None,
+    )
+    if not isinstance(recorded, dict) or _answering(recorded) != _answering(params(ctx.cfg)):
+        return None
+    try:
+        records = run_prompts(ctx.cfg).records
+        stored = stored_keys(ctx.dir)
+    except EaglekitError:
+        return None  # the prompts check (or the run) names what is unreadable
+    return plan(records, stored, set()).words()
+
+
+def _answering(p: dict) -> Any:
+    """The parameters that say how a prompt is answered, as the ledger holds them (JSON), without their paths."""
+    return content_identity(json.loads(json.dumps({k: v for k, v in p.items() if k not in WHICH_PROMPTS}, default=str)))
 
 
 def checks(cfg: RunConfig) -> list:
@@ -310,9 +402,18 @@ def run(ctx: StageContext) -> dict:
     mode, why = target_reasoning_mode(ctx.cfg)
     with ResponseStore(ctx.dir) as store:
         retried = store.forget_errors() if ctx.options.get("retry_failed") else 0
+        asked = plan(prompt_set.records, store.keys, set())
+        aside = store.set_aside(asked.set_aside)
+        back = store.take_back({p.id: prompt_key(p.id, p.messages) for p in asked.pending})
+        if aside or back:
+            console.print(
+                f"generate: {aside} replies to prompts no longer asked (or asked otherwise) moved to "
+                f"{store.set_aside_path} (kept there; later stages read {RESPONSES} alone)"
+                + (f"; {back} replies taken back from there for prompts asked again" if back else "")
+            )
         existing = sum(p.id in store.done_ids for p in prompt_set.records)
-        skipped_failed = {p.id for p in prompt_set.records if p.id in store.errors}
-        pending = [p for p in prompt_set.records if p.id not in store.done_ids and p.id not in skipped_failed]
+        skipped_failed = {p.id for p in prompt_set.records if p.id in store.errors and p.id not in store.done_ids}
+        pending = plan(prompt_set.records, store.keys, skipped_failed).pending
         console.print(
             f"generate: {prompt_set.summary()}; {existing} already done, {len(pending)} to generate"
             + (
@@ -341,6 +442,8 @@ def run(ctx: StageContext) -> dict:
         "new": collector.counts["new"],
         "skipped_existing": existing,
         "skipped_failed": len(skipped_failed),
+        "set_aside": aside,
+        "taken_back": back,
         "prompt_duplicates": prompt_set.duplicates,
         "bad_rows": len(prompt_set.bad_rows),
     }
@@ -439,6 +542,7 @@ STAGE = Stage(
     run=run,
     estimate=estimate,
     kept=kept,
+    continues=continues,
     live_counts=live_counts,
     data_flags=data_flags,
 )

@@ -20,7 +20,6 @@ from eaglekit.data.tokens import write_token_store
 from eaglekit.errors import EaglekitError
 from eaglekit.preflight import files, run_directory
 from eaglekit.progress import Meter, console
-from eaglekit.rundir import file_identity
 
 NAME = "prepare"
 UPSTREAM = "generate"
@@ -38,15 +37,9 @@ DROP_CAUSES = {  # why a response is dropped -> (what it means, what to do)
 
 def params(cfg: RunConfig) -> dict:
     p = cfg.prepare.model_dump()
-    p["chat_template"] = cfg.target.chat_template
+    p["chat_template"] = files.chat_template_identity(cfg.target.chat_template)
     p["chat_template_kwargs"] = cfg.generate.extra_body.get("chat_template_kwargs")
-    # The tokenizer files decide the token ids; the weights don't matter here.
-    tok_files = [
-        f
-        for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
-        if (Path(cfg.target.model) / f).exists()
-    ]
-    p["tokenizer"] = [file_identity(Path(cfg.target.model) / f) for f in tok_files] or cfg.target.model
+    p["tokenizer"] = files.tokenizer_identity(cfg)  # the tokenizer files decide the token ids; the weights don't
     return p | files.read_identities(cfg, "responses")  # what generate wrote, retried samples included
 
 

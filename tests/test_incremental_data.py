@@ -1,0 +1,231 @@
+"""Prompts are identified by their rows, not by their file: a renamed file is no change, and rows added, removed or
+edited under the same generation settings ask the target only the prompts without a reply — every finished reply
+is kept, byte for byte — with and without --force. Against a real HTTP server (tests/fake_vllm.py) that counts the
+requests it answers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from fake_vllm import FakeVLLM
+from test_generate_openai import MODEL, config_dict, records
+from test_identity import copy, finished  # noqa: F401  (module fixtures: a whole offline run, copied per test)
+
+from eaglekit import pipeline, status
+from eaglekit.config import load_config, parse_config
+from eaglekit.errors import EaglekitError
+from eaglekit.rundir import RunDir
+
+
+def prompt_line(i: int, text: str | None = None) -> str:
+    row = {"id": f"p{i:03d}", "conversations": [{"from": "human", "value": text or f"question {i} asks about {i * 7}"}]}
+    return json.dumps(row) + "\n"
+
+
+@pytest.fixture
+def server():
+    with FakeVLLM(model=MODEL) as fake:
+        yield fake
+
+
+@pytest.fixture
+def project(tmp_path, server):
+    """A config writer over a prompts file of 12 rows; returns (write(**data) -> cfg, prompts path)."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(prompt_line(i) for i in range(12)))
+    data = config_dict(tmp_path, [server.url])
+    data["data"] = {"prompts": str(prompts)}
+
+    def write(**changes):
+        for section, values in changes.items():
+            data[section] = {**data.get(section, {}), **values}
+        return parse_config(data, base_dir=tmp_path)
+
+    return write, prompts
+
+
+def generate(cfg, capsys=None, **kw) -> tuple[dict, str]:
+    """Run generate (without pre-flight: its smoke request would count among the server's requests)."""
+    with RunDir(cfg.run_dir).lock:
+        row = pipeline.run_stage(cfg, "generate", skip_preflight=True, **kw)
+    out = capsys.readouterr().err if capsys else ""
+    return row, " ".join(out.split())
+
+
+def responses_bytes(cfg) -> bytes:
+    return (Path(cfg.run_dir) / "generate" / "responses.jsonl").read_bytes()
+
+
+def preflight_detail(cfg, server, name: str = "output folder"):
+    """The status and detail of one pre-flight check of generate; the smoke request it sends is not counted."""
+    sent = len(server.requests)
+    result = next(r for r in pipeline.run_preflight(pipeline.make_context(cfg, "generate")) if r.name == name)
+    del server.requests[sent:]
+    return result.status, " ".join(result.detail.split())
+
+
+def test_a_renamed_prompts_file_is_the_same_prompts(project, server, tmp_path):
+    write, prompts = project
+    cfg = write()
+    generate(cfg)
+    before = pipeline.fingerprint(cfg, "generate")
+    renamed = prompts.rename(tmp_path / "train-set-v1.jsonl")
+    cfg = write(data={"prompts": str(renamed)})
+    assert pipeline.fingerprint(cfg, "generate") == before
+    row, _ = generate(cfg)
+    assert row.get("skipped") and len(server.requests) == 12
+    # the path is recorded in the ledger (it says which file was read), not hashed
+    start = [s for s, _ in RunDir(cfg.run_dir).attempts("generate")][-1]
+    assert start["params"]["prompts"]["path"] == str(prompts) and start["params"]["prompts"]["prompts"] == 12
+    # the same rows in another order, with a bad row skipped, are still the same prompts
+    lines = renamed.read_text().splitlines(keepends=True)
+    renamed.write_text("".join(reversed(lines)) + "not json\n")
+    cfg = write(data={"prompts": str(renamed), "on_bad_row": "skip"})
+    assert pipeline.fingerprint(cfg, "generate") == before
+    # a prompt's text changed is another prompt set
+    renamed.write_text("".join(lines[:-1]) + prompt_line(11, "another question"))
+    assert pipeline.fingerprint(cfg, "generate") != before
+
+
+def test_appended_prompts_ask_only_the_new_ones_and_keep_every_reply(project, server, capsys):
+    write, prompts = project
+    cfg = write()
+    generate(cfg)
+    assert len(server.requests) == 12
+    kept = responses_bytes(cfg)
+    with open(prompts, "a") as f:
+        f.write("".join(prompt_line(i) for i in range(12, 18)))
+    status, detail = preflight_detail(cfg, server)
+    assert status == "ok" and "the prompts changed since it ran (6 added): generate 6 new of 18; 12 kept" in detail
+
+    row, out = generate(cfg, capsys)
+    assert len(server.requests) == 12 + 6
+    assert sorted(r["body"]["messages"][-1]["content"] for r in server.requests[12:]) == sorted(
+        f"question {i} asks about {i * 7}" for i in range(12, 18)
+    )
+    assert "generate: the prompts changed since it ran (6 added): generate 6 new of 18; 12 kept" in out
+    assert row["counts"]["new"] == 6 and row["counts"]["done"] == 18
+    assert responses_bytes(cfg).startswith(kept)  # the 12 finished replies, byte for byte
+    assert sorted(r["id"] for r in records(cfg)) == [f"p{i:03d}" for i in range(18)]
+    assert RunDir(cfg.run_dir).is_done("generate", pipeline.fingerprint(cfg, "generate"))
+
+
+def test_max_samples_raised_after_a_pilot_asks_only_the_rest(project, server, capsys):
+    write, _ = project
+    cfg = write(data={"max_samples": 5})
+    generate(cfg)
+    pilot = responses_bytes(cfg)
+    assert len(server.requests) == 5
+    cfg = write(data={"max_samples": 1000})  # past the file's 12 rows
+    _, out = generate(cfg, capsys)
+    assert len(server.requests) == 12
+    assert "(7 added): generate 7 new of 12; 5 kept" in out
+    assert responses_bytes(cfg).startswith(pilot)
+    assert len(records(cfg)) == 12
+    # raised again past what the file holds: the same 12 prompts, nothing to do
+    cfg = write(data={"max_samples": 25_000})
+    row, _ = generate(cfg)
+    assert row.get("skipped") and len(server.requests) == 12
+
+
+def test_removed_prompts_are_set_aside_and_taken_back_when_asked_again(project, server, capsys):
+    write, prompts = project
+    cfg = write()
+    generate(cfg)
+    lines = prompts.read_text().splitlines(keepends=True)
+    prompts.write_text("".join(lines[:4] + lines[6:]))  # p004 and p005 removed
+    row, out = generate(cfg, capsys)
+    assert len(server.requests) == 12
+    assert "(2 removed): generate 0 new of 10; 10 kept; the replies to 2 prompts no longer asked go to " in out
+    run = Path(cfg.run_dir) / "generate"
+    assert sorted(r["id"] for r in records(cfg)) == [f"p{i:03d}" for i in range(12) if i not in (4, 5)]
+    assert sorted(json.loads(x)["id"] for x in (run / "set_aside.jsonl").read_text().splitlines()) == ["p004", "p005"]
+    assert row["counts"]["done"] == 10
+
+    prompts.write_text("".join(lines))  # asked again: their replies come back without a request
+    _, out = generate(cfg, capsys)
+    assert len(server.requests) == 12
+    assert "2 replies taken back from there for prompts asked again" in out
+    assert sorted(r["id"] for r in records(cfg)) == [f"p{i:03d}" for i in range(12)]
+
+
+def test_an_edited_prompt_is_asked_again_and_its_old_reply_set_aside(project, server, capsys):
+    write, prompts = project
+    cfg = write()
+    generate(cfg)
+    lines = prompts.read_text().splitlines(keepends=True)
+    lines[3] = prompt_line(3, "a question rewritten")
+    prompts.write_text("".join(lines))
+    _, out = generate(cfg, capsys)
+    assert "(1 edited): generate 1 new of 12; 11 kept" in out
+    assert len(server.requests) == 13
+    p003 = next(r for r in records(cfg) if r["id"] == "p003")
+    assert p003["messages"][-1]["content"] == "a question rewritten"
+
+
+def test_force_with_added_prompts_still_keeps_the_replies(project, server):
+    write, prompts = project
+    cfg = write()
+    generate(cfg)
+    kept = responses_bytes(cfg)
+    with open(prompts, "a") as f:
+        f.write(prompt_line(12))
+    generate(cfg, force=True)
+    assert len(server.requests) == 13 and responses_bytes(cfg).startswith(kept)
+
+
+def test_other_generation_settings_still_need_force_and_replace_the_replies(project, server):
+    write, prompts = project
+    cfg = write()
+    generate(cfg)
+    with open(prompts, "a") as f:
+        f.write(prompt_line(12))
+    cfg = write(generate={"temperature": 0.3})
+    with pytest.raises(EaglekitError) as err:
+        generate(cfg)
+    assert "generate.temperature: 0.6 → 0.3" in str(err.value) or "temperature" in str(err.value)
+    assert len(server.requests) == 12
+    generate(cfg, force=True)
+    assert len(server.requests) == 12 + 13 and len(records(cfg)) == 13
+
+
+def test_a_chat_template_file_is_its_content_not_its_name(tmp_path):
+    template = tmp_path / "template.jinja"
+    template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    data = config_dict(tmp_path, ["http://127.0.0.1:9/v1"])
+
+    def fingerprints(path: Path) -> list[str]:
+        cfg = parse_config({**data, "target": {**data["target"], "chat_template": str(path)}}, base_dir=tmp_path)
+        return [pipeline.fingerprint(cfg, stage) for stage in ("generate", "prepare")]
+
+    before = fingerprints(template)
+    moved = template.rename(tmp_path / "chat-v2.jinja")
+    assert fingerprints(moved) == before
+    moved.write_text("{% for m in messages %}[{{ m.role }}] {{ m.content }}{% endfor %}")
+    after = fingerprints(moved)
+    assert after[0] != before[0] and after[1] != before[1]
+
+
+# --- a whole offline run (tests/test_identity.py's: the tiny target, every stage done) -----------------------
+
+
+def test_the_prompts_file_renamed_keeps_every_stage_done(copy):  # noqa: F811
+    cfg = copy()
+    root = copy.root
+    stages = pipeline.stages_for(cfg)
+    (root / "prompts.jsonl").rename(root / "train-set-v1.jsonl")
+    data = yaml.safe_load((root / "config.yaml").read_text())
+    data["data"]["prompts"] = "train-set-v1.jsonl"
+    (root / "config.yaml").write_text(yaml.safe_dump(data))
+    cfg = load_config(root / "config.yaml")
+    assert [r["state"] for r in status.stage_rows(cfg)] == ["done"] * len(stages)
+
+    # a real change of content: generate is stale and says which prompts; the stages after it follow
+    with open(root / "train-set-v1.jsonl", "a") as f:
+        f.write(prompt_line(99))
+    rows = status.stage_rows(load_config(root / "config.yaml"))
+    assert [r["state"] for r in rows] == ["stale"] * len(stages)
+    assert rows[0]["reason"].startswith("generate.prompts: "), rows[0]["reason"]
