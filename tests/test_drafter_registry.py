@@ -1,20 +1,18 @@
 """The drafter-family registry: each family is its module and one line in drafters/registry.FAMILIES (with its
-train.draft model in config.DraftConfig), and the stages, the training loop, checkpointing and decoding find it
+train.draft model in config.DRAFT_MODELS), and the stages, the training loop, checkpointing and decoding find it
 there — a family registered only in memory trains, checkpoints and exports through them."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union, get_args
+from typing import Any, Literal
 
 import pytest
-from pydantic import Discriminator, Field, Tag
-from pydantic.fields import FieldInfo
 from test_extract import prepared_run
 
 from eaglekit import config
-from eaglekit.config import DraftSection, LlamaDraft, RunConfig, TrainConfig, parse_config
+from eaglekit.config import DraftSection, parse_config
 from eaglekit.drafters import registry
 from eaglekit.drafters.eagle3_llama import Eagle3LlamaFamily
 from eaglekit.drafters.family import Built, DrafterFamily, Objective, Verdict
@@ -95,24 +93,13 @@ ToyFamily.draft_model = ToyDraft
 @pytest.fixture
 def toy(monkeypatch):
     """The toy family registered for one test: its line in the registry (first: its folders are Llama ones too,
-    and the table's order is the order folders are recognised in), and its model as a member of the config's
-    union (config.DraftConfig), which pydantic builds into TrainConfig once: rebuilt here, and back after."""
+    and the table's order is the order folders are recognised in), and its model in the config's table of train.draft
+    models (config.DRAFT_MODELS, read as each config loads)."""
     family = ToyFamily()
     monkeypatch.setattr(registry, "FAMILIES", {family.name: family, **registry.FAMILIES})
-    members = (*get_args(get_args(config.DraftConfig)[0]), Annotated[ToyDraft, Tag(family.name)])
-    union = Annotated[Union[members], Discriminator(config._family_of)]  # noqa: UP007 (a tuple of members)
     monkeypatch.setitem(config.DRAFT_MODELS, family.name, ToyDraft)
     monkeypatch.setitem(config.DRAFT_KEYS, family.name, frozenset(ToyDraft.model_fields))
-    before = TrainConfig.__pydantic_fields__["draft"]
-    TrainConfig.__pydantic_fields__["draft"] = FieldInfo.from_annotated_attribute(
-        union, Field(default_factory=LlamaDraft)
-    )
-    for model in (TrainConfig, RunConfig):
-        model.model_rebuild(force=True)
-    yield family
-    TrainConfig.__pydantic_fields__["draft"] = before
-    for model in (TrainConfig, RunConfig):
-        model.model_rebuild(force=True)
+    return family
 
 
 def test_the_registry_and_the_config_know_the_same_families():
