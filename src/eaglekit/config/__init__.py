@@ -1,5 +1,6 @@
-"""The run config: one YAML file, validated by pydantic, one section per stage, each section in its module here
-(``run`` holds the whole file and its loading). The rest of eaglekit imports these names from ``eaglekit.config``."""
+"""The run config: one YAML file, validated by pydantic, one section per stage. Each section is in the module of its
+name (``extract`` in extract.py; ``train.draft`` and ``train.ttt`` in draft.py and ttt.py), ``run`` holds the whole
+file and its loading, ``base`` what the sections share. The rest of eaglekit imports these names from here."""
 
 from eaglekit.config.base import (
     DTYPE_ALIASES,

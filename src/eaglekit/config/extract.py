@@ -9,6 +9,7 @@ from pydantic import Field, model_validator
 
 from eaglekit.config.base import DtypeAlias, Section, ServerPoolConfig
 from eaglekit.config.paths import PATH
+from eaglekit.errors import UsageError
 
 
 class VllmFeaturesConfig(ServerPoolConfig):
@@ -148,3 +149,41 @@ class ExtractConfig(Section):
         """A stream whose hidden states go through the Mooncake store; every other way the vLLM servers hand them
         over (offline extraction, a stream with transport file) is a file in extract.vllm.storage_path."""
         return self.streamed and self.stream.transport == "mooncake"
+
+    def check_runnable(self, source: str) -> None:
+        """Refuses, naming ``source`` (the config file), a combination of extract's keys that cannot run though each
+        key is valid alone: where the features come from, the vLLM servers, how the hidden states reach this machine."""
+        if self.streamed and self.backend != "vllm":
+            raise UsageError(
+                f"{source}: extract.mode is 'stream' but extract.backend is '{self.backend}'",
+                "set extract.backend: vllm and extract.vllm (the features stream from vLLM servers), or extract.mode: "
+                "online to run the target inside train",
+            )
+        if self.backend == "vllm":
+            if self.online:
+                raise UsageError(
+                    f"{source}: extract.backend is 'vllm' but extract.mode is 'online'",
+                    "set extract.mode: offline (vLLM's features stored on disk first) or stream (requested as training "
+                    "goes); online training runs the target here",
+                )
+            if self.vllm is None or not self.vllm.servers:
+                raise UsageError(
+                    f"{source}: extract.backend is 'vllm' but extract.vllm.servers is empty",
+                    "add extract.vllm: {servers: [http://host:8000/v1], storage_path: /shared/hidden-states}",
+                )
+            if self.vllm.storage_path is None and not self.through_mooncake:
+                reader = "train's stream (extract.stream.transport file)" if self.streamed else "offline extraction"
+                raise UsageError(
+                    f"{source}: extract.vllm.storage_path is not set: {reader} reads each request's hidden states from "
+                    "the file the servers write there",
+                    "set extract.vllm.storage_path to the servers' shared_storage_path as this machine sees it (a "
+                    "folder both reach)"
+                    + (", or extract.stream.transport: mooncake (no shared folder)" if self.streamed else ""),
+                )
+            if self.vllm.shares_trainer_gpus and not self.streamed:
+                raise UsageError(
+                    f"{source}: extract.vllm.shares_trainer_gpus is set but extract.mode is '{self.mode}': the "
+                    "servers only share the trainer's GPUs while train streams from them",
+                    "remove extract.vllm.shares_trainer_gpus (offline extraction runs before train, not beside it), or "
+                    "set extract.mode: stream",
+                )

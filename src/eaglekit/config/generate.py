@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 
 from eaglekit.config.base import Seed, ServerPoolConfig
+from eaglekit.errors import UsageError
 
 
 class GenerateConfig(ServerPoolConfig):
@@ -35,3 +36,17 @@ class GenerateConfig(ServerPoolConfig):
         if isinstance(value, bool):
             return "required" if value else "off"
         return value
+
+    def check_runnable(self, source: str) -> None:
+        """Refuses, naming ``source`` (the config file), the openai backend without its servers or served model id."""
+        if self.backend == "openai":
+            if not self.servers:
+                raise UsageError(
+                    f"{source}: generate.backend is 'openai' but generate.servers is empty",
+                    "list the servers' base URLs, e.g. servers: [http://host:8000/v1]",
+                )
+            if not self.model:
+                raise UsageError(
+                    f"{source}: generate.backend is 'openai' but generate.model is not set",
+                    "set generate.model to the id the server lists under /v1/models",
+                )

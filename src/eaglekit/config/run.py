@@ -118,7 +118,7 @@ def parse_config(
     except ValidationError as err:
         raise UsageError(_format_validation_error(err, source), "fix the named keys") from None
     finally:
-        for w in said:  # an old spelling is the config file's, not a line of config.py: shown at its line there
+        for w in said:  # an old spelling is the config file's, not a line of eaglekit's: shown at its line there
             said_of = w.message
             if isinstance(said_of, ConfigDeprecation):
                 line = line_of_key(text, said_of.section, said_of.key) if text else 0
@@ -133,56 +133,8 @@ def parse_config(
             + ("a broken symlink" if blocking.is_symlink() and not blocking.exists() else "a file"),
             "set run_dir to a new or existing directory",
         )
-    if cfg.extract.streamed and cfg.extract.backend != "vllm":
-        raise UsageError(
-            f"{source}: extract.mode is 'stream' but extract.backend is '{cfg.extract.backend}'",
-            "set extract.backend: vllm and extract.vllm (the features stream from vLLM servers), or extract.mode: "
-            "online to run the target inside train",
-        )
-    if cfg.extract.backend == "vllm":
-        if cfg.extract.online:
-            raise UsageError(
-                f"{source}: extract.backend is 'vllm' but extract.mode is 'online'",
-                "set extract.mode: offline (vLLM's features stored on disk first) or stream (requested as training "
-                "goes); online training runs the target here",
-            )
-        if cfg.extract.vllm is None or not cfg.extract.vllm.servers:
-            raise UsageError(
-                f"{source}: extract.backend is 'vllm' but extract.vllm.servers is empty",
-                "add extract.vllm: {servers: [http://host:8000/v1], storage_path: /shared/hidden-states}",
-            )
-        if cfg.extract.vllm.storage_path is None and not cfg.extract.through_mooncake:
-            reader = "train's stream (extract.stream.transport file)" if cfg.extract.streamed else "offline extraction"
-            raise UsageError(
-                f"{source}: extract.vllm.storage_path is not set: {reader} reads each request's hidden states from "
-                "the file the servers write there",
-                "set extract.vllm.storage_path to the servers' shared_storage_path as this machine sees it (a folder "
-                "both reach)"
-                + (", or extract.stream.transport: mooncake (no shared folder)" if cfg.extract.streamed else ""),
-            )
-        if cfg.extract.vllm.shares_trainer_gpus and not cfg.extract.streamed:
-            raise UsageError(
-                f"{source}: extract.vllm.shares_trainer_gpus is set but extract.mode is '{cfg.extract.mode}': the "
-                "servers only share the trainer's GPUs while train streams from them",
-                "remove extract.vllm.shares_trainer_gpus (offline extraction runs before train, not beside it), or "
-                "set extract.mode: stream",
-            )
-    if cfg.verify.engine and cfg.verify.server:
-        raise UsageError(
-            f"{source}: verify.engine and verify.server are both set",
-            "set verify.engine to let eaglekit start the engine, or verify.server for one you started",
-        )
-    if cfg.generate.backend == "openai":
-        if not cfg.generate.servers:
-            raise UsageError(
-                f"{source}: generate.backend is 'openai' but generate.servers is empty",
-                "list the servers' base URLs, e.g. servers: [http://host:8000/v1]",
-            )
-        if not cfg.generate.model:
-            raise UsageError(
-                f"{source}: generate.backend is 'openai' but generate.model is not set",
-                "set generate.model to the id the server lists under /v1/models",
-            )
+    for section in (cfg.extract, cfg.verify, cfg.generate):
+        section.check_runnable(source)
     return cfg
 
 

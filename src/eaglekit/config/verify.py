@@ -9,6 +9,7 @@ from pydantic import Field, field_validator
 from eaglekit.config.base import PositiveInt, Section
 from eaglekit.config.evaluate import SuiteConfig, bare_suite_names
 from eaglekit.config.paths import PATH
+from eaglekit.errors import UsageError
 
 
 class VerifyConfig(Section):
@@ -62,3 +63,11 @@ class VerifyConfig(Section):
     @classmethod
     def _bare_suite_names(cls, value: Any) -> Any:
         return bare_suite_names(value)
+
+    def check_runnable(self, source: str) -> None:
+        """Refuses, naming ``source`` (the config file), an engine to start and a server to use at once."""
+        if self.engine and self.server:
+            raise UsageError(
+                f"{source}: verify.engine and verify.server are both set",
+                "set verify.engine to let eaglekit start the engine, or verify.server for one you started",
+            )
