@@ -34,16 +34,17 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from eaglekit.config import TTTConfig  # noqa: E402
+from eaglekit.drafters.dflash.model import DFlashConfig, DFlashDrafter, default_mask_token_id  # noqa: E402
+from eaglekit.drafters.dflash.objective import block_loss  # noqa: E402
+from eaglekit.drafters.dspark.model import DSparkConfig, DSparkDrafter  # noqa: E402
+from eaglekit.drafters.eagle3.model import DrafterConfig, Eagle3Drafter  # noqa: E402
+from eaglekit.drafters.eagle3.ttt import ttt_loss  # noqa: E402
 from eaglekit.drafters.registry import proposer_for  # noqa: E402
-from eaglekit.model.dflash import DFlashConfig, DFlashDrafter, default_mask_token_id  # noqa: E402
-from eaglekit.model.dspark import DSparkConfig, DSparkDrafter  # noqa: E402
-from eaglekit.model.eagle3 import DrafterConfig, Eagle3Drafter, build_d2t_t2d  # noqa: E402
+from eaglekit.model.draft_vocab import build_d2t_t2d  # noqa: E402
 from eaglekit.model.target import TargetFeatures, default_aux_layers, draft_logits, target_argmax  # noqa: E402
 from eaglekit.speculative.decode import generate  # noqa: E402
 from eaglekit.tiny import ensure_tiny_target, sample_tasks  # noqa: E402
 from eaglekit.tiny.build import batch_tensors, encode  # noqa: E402
-from eaglekit.training.block import block_loss  # noqa: E402
-from eaglekit.training.ttt import ttt_loss  # noqa: E402
 
 
 def build(kind: str, model, tok, aux: list[int], args, seed: int):

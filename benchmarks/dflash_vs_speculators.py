@@ -100,7 +100,7 @@ def batch_features(target, aux: list[int], picked: list) -> dict:
 
 
 def dflash_config(target_config, aux: list[int], mask_token_id: int, args):
-    from eaglekit.model.dflash import DFlashConfig
+    from eaglekit.drafters.dflash.model import DFlashConfig
 
     return DFlashConfig.from_target_config(
         target_config, aux, mask_token_id, num_hidden_layers=args.layers, block_size=args.block, shared_k_norm=False
@@ -111,7 +111,7 @@ def train_eaglekit(drafter, batches: list[dict], args, seed: int) -> tuple[float
     """(seconds, mean loss of the last tenth of the steps)."""
     import torch
 
-    from eaglekit.training.block import block_loss
+    from eaglekit.drafters.dflash.objective import block_loss
 
     params = [p for p in drafter.parameters() if p.requires_grad]
     betas, decay, clip = OPTIMIZERS[args.eaglekit_optimizer]
@@ -307,8 +307,8 @@ def load_speculators_drafter(folder: Path, embed, head):
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
-    from eaglekit.model.dflash import DFlashConfig, DFlashDrafter
-    from eaglekit.model.dflash_checkpoint import SHARED, validate_state
+    from eaglekit.drafters.dflash.checkpoint import SHARED, validate_state
+    from eaglekit.drafters.dflash.model import DFlashConfig, DFlashDrafter
 
     c = json.loads((folder / "config.json").read_text())
     layer = AutoConfig.for_model(**c["transformer_layer_config"])  # its diff dict: the Qwen3 defaults filled in
@@ -360,7 +360,7 @@ def main() -> None:
     from tau_vs_speculators import isolated
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from eaglekit.model.dflash import DFlashDrafter, default_mask_token_id
+    from eaglekit.drafters.dflash.model import DFlashDrafter, default_mask_token_id
     from eaglekit.model.target import default_aux_layers
     from eaglekit.tiny import ensure_tiny_target, sample_tasks
     from eaglekit.tiny.build import encode

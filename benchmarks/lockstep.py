@@ -298,7 +298,7 @@ class EaglekitSide:
     """One eaglekit drafter with the train stage's objective, optimizer and schedule, stepped as its loop does."""
 
     def __init__(self, name: str, drafter, cfg, args, put_back: str | None):
-        from eaglekit.training.objective import TTT
+        from eaglekit.drafters.eagle3.objective import TTT
         from eaglekit.training.optim import build_optimizer, build_scheduler, lr_factor
 
         self.name, self.drafter, self.put_back = name, drafter, put_back
@@ -443,10 +443,10 @@ def main() -> None:
 
     from eaglekit.config import TargetConfig
     from eaglekit.data.vocab import load_vocab
-    from eaglekit.model.eagle3 import Eagle3Drafter
+    from eaglekit.drafters.eagle3.init import build_drafter
+    from eaglekit.drafters.eagle3.model import Eagle3Drafter
     from eaglekit.model.target import aux_layer_ids, embedding_and_head, load_target
     from eaglekit.training.data import split_indices
-    from eaglekit.training.init import build_drafter
     from eaglekit.training.loop import seed_everything
 
     torch.set_num_threads(args.threads)
@@ -580,10 +580,10 @@ def held_out_taus(cfg, args, drafters: dict, target, t2d, aux_ids) -> dict:
     eaglekit's mask convention for every drafter."""
     import contextlib
 
+    from eaglekit.drafters.eagle3.objective import TTT
     from eaglekit.training.data import RunBatches
     from eaglekit.training.features import Features
     from eaglekit.training.loop import HeldOut
-    from eaglekit.training.objective import TTT
 
     ek_cfg = eaglekit_config(cfg, args, None)
     features = Features(Path(cfg.run_dir), t2d, torch.device("cpu"), aux_ids, torch.float32, target)
@@ -602,7 +602,7 @@ def held_out_taus(cfg, args, drafters: dict, target, t2d, aux_ids) -> dict:
 
 def save_drafters(out: Path, drafters: dict, spec_model) -> dict[str, Path]:
     """Each drafter in a folder of --out: speculators' in its own form (save_pretrained), eaglekit's in the legacy one."""
-    from eaglekit.model.eagle3_checkpoint import save_legacy
+    from eaglekit.drafters.eagle3.checkpoint import save_legacy
 
     folders = {}
     for name, drafter in drafters.items():

@@ -93,7 +93,7 @@ def full_size_shapes(draft_vocab_size: int = 32000) -> dict[str, dict[str, int]]
     from accelerate import init_empty_weights
     from transformers import DeepseekV3Config
 
-    from eaglekit.model.eagle3 import DrafterConfig, Eagle3Drafter
+    from eaglekit.drafters.eagle3.model import DrafterConfig, Eagle3Drafter
 
     shapes = {}
     for arch in ARCHITECTURES:
@@ -111,12 +111,12 @@ def step_times(runs: dict[str, Path], repeats: int) -> dict[str, float]:
     """Median seconds of one TTT training step (forward, backward, AdamW) per drafter, timed interleaved on one batch."""
     from eaglekit.config import TTTConfig
     from eaglekit.data.tokens import TokenStore
-    from eaglekit.model.eagle3_checkpoint import load_drafter
+    from eaglekit.drafters.eagle3.checkpoint import load_drafter
+    from eaglekit.drafters.eagle3.ttt import ttt_loss
     from eaglekit.model.target import embedding_and_head
     from eaglekit.stages.vocab import load_vocab
     from eaglekit.training.data import collate
     from eaglekit.training.features import Features
-    from eaglekit.training.ttt import ttt_loss
 
     models, inputs = {}, None
     for arch, run_dir in runs.items():
@@ -191,7 +191,7 @@ def main() -> None:
         runs[arch] = folder
 
     seconds = step_times(runs, args.repeats)
-    from eaglekit.model.eagle3_checkpoint import load_drafter
+    from eaglekit.drafters.eagle3.checkpoint import load_drafter
 
     results = {}
     for arch, folder in runs.items():

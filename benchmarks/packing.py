@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from ttt_step import DECAY, Shape, adamw, draft_logits, make_batch, make_drafter, sync  # noqa: E402
 
 from eaglekit.config import TTTConfig  # noqa: E402
+from eaglekit.drafters.eagle3.ttt import ttt_loss  # noqa: E402
 from eaglekit.training.data import epoch_batches, packed_batches  # noqa: E402
-from eaglekit.training.ttt import ttt_loss  # noqa: E402
 
 
 def skewed_lengths(n: int, median: int, sigma: float, longest: int, seed: int) -> list[int]:

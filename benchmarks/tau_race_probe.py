@@ -47,10 +47,10 @@ def isolated(label: str, fn, *args) -> None:
 def main() -> None:
     from eaglekit.config import TargetConfig, TTTConfig, load_config
     from eaglekit.data.tokens import TokenStore
-    from eaglekit.model.eagle3_checkpoint import load_drafter
+    from eaglekit.drafters.eagle3.checkpoint import load_drafter
+    from eaglekit.drafters.eagle3.ttt import ttt_loss
     from eaglekit.model.target import TargetFeatures, aux_layer_ids, decoder_parts, load_target, target_hf_config
     from eaglekit.training.data import split_indices
-    from eaglekit.training.ttt import ttt_loss
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, default=Path("/tmp/eaglekit-tau-race"), help="the race's --out")
@@ -117,7 +117,7 @@ def main() -> None:
 
 
 def same_ttt(args, samples, features, per_step, fmt) -> None:
-    from eaglekit.model.eagle3_checkpoint import load_drafter
+    from eaglekit.drafters.eagle3.checkpoint import load_drafter
 
     ours, _ = load_drafter(args.same_ttt)
     isolated("same TTT  speculators forward", speculators_forward, args, samples, features, ours, fmt)

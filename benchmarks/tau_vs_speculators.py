@@ -164,7 +164,7 @@ def ablate(cfg, changes: list[str]) -> None:
     no drafter is asked for, drops out of the loss."""
     import torch
 
-    from eaglekit.training import objective
+    from eaglekit.drafters.eagle3 import objective
 
     for change in changes:
         for key, value in LEVERS.get(change, {}).items():
@@ -282,7 +282,7 @@ def vllm_taus(
 
     import httpx
 
-    from eaglekit.model.eagle3_checkpoint import load_drafter, save_legacy
+    from eaglekit.drafters.eagle3.checkpoint import load_drafter, save_legacy
     from eaglekit.serving.engine import VllmServer, metric_sum
     from eaglekit.speculative.inputs import eval_prompts
 

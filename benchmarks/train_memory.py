@@ -34,11 +34,11 @@ from pathlib import Path
 import torch
 
 from eaglekit.config import TTTConfig
-from eaglekit.model.eagle3 import DrafterConfig, Eagle3Drafter
+from eaglekit.drafters.eagle3.fused import step_kernels
+from eaglekit.drafters.eagle3.memory import step_memory
+from eaglekit.drafters.eagle3.model import DrafterConfig, Eagle3Drafter
+from eaglekit.drafters.eagle3.ttt import ttt_loss
 from eaglekit.training.context_parallel import ContextGroup
-from eaglekit.training.fused import step_kernels
-from eaglekit.training.memory import step_memory
-from eaglekit.training.ttt import ttt_loss
 
 SHAPES = {
     # hidden, intermediate, heads, kv heads, head dim, target vocab, draft vocab
@@ -136,11 +136,11 @@ BLOCK_LAYERS, BLOCK_SIZE, BLOCK_ANCHORS = 5, 16, 512  # speculators' DFlash reci
 def run_block_case(family: str, shape: str, length: int, device: str, context: ContextGroup | None = None) -> dict:
     """One block-drafter case in this process: the measured peak of a step (bytes) and the model's; with ``context``,
     this rank's (its share of the row's features and a block's halo, as ``ContextGroup.cut`` leaves them)."""
-    from eaglekit.model.dflash import DFlashConfig, DFlashDrafter
-    from eaglekit.model.dspark import DSparkConfig, DSparkDrafter
+    from eaglekit.drafters.dflash.memory import block_step_memory
+    from eaglekit.drafters.dflash.model import DFlashConfig, DFlashDrafter
+    from eaglekit.drafters.dflash.objective import BlockObjective
+    from eaglekit.drafters.dspark.model import DSparkConfig, DSparkDrafter
     from eaglekit.model.target import target_argmax
-    from eaglekit.training.block import BlockObjective
-    from eaglekit.training.block_memory import block_step_memory
 
     h, i, heads, kv, hd, vocab, _ = SHAPES[shape]
     cls, drafter_cls = (DSparkConfig, DSparkDrafter) if family == "dspark" else (DFlashConfig, DFlashDrafter)

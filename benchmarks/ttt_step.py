@@ -60,9 +60,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # the working tree's eaglekit, installed or not
 from eaglekit.config import TTTConfig  # noqa: E402
-from eaglekit.model.eagle3 import DrafterConfig, Eagle3Drafter, build_d2t_t2d  # noqa: E402
-from eaglekit.training.fused import REFERENCE, StepKernels, compile_drafter, compiled_chunk, step_kernels  # noqa: E402
-from eaglekit.training.ttt import ttt_loss  # noqa: E402
+from eaglekit.drafters.eagle3.fused import REFERENCE, StepKernels, compile_drafter, compiled_chunk, step_kernels  # noqa: E402
+from eaglekit.drafters.eagle3.model import DrafterConfig, Eagle3Drafter  # noqa: E402
+from eaglekit.drafters.eagle3.ttt import ttt_loss  # noqa: E402
+from eaglekit.model.draft_vocab import build_d2t_t2d  # noqa: E402
 
 try:
     from eaglekit.model.target import draft_logits
@@ -472,7 +473,7 @@ def profile_step(step, device: str) -> dict[str, float]:
     """
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    import eaglekit.training.head_loss as loss_module
+    import eaglekit.drafters.eagle3.head_loss as loss_module
 
     head = loss_module._HeadLoss
     forward = head.forward

@@ -7,11 +7,11 @@ import random
 
 import torch
 
+from eaglekit.drafters.dflash.objective import block_loss
 from eaglekit.model.target import TargetFeatures, target_argmax
 from eaglekit.speculative.decode import generate
 from eaglekit.tiny import sample_tasks
 from eaglekit.tiny.build import batch_tensors, encode
-from eaglekit.training.block import block_loss
 
 
 def train_block_drafter(model, tok, drafter, steps: int = 120) -> tuple:

@@ -23,7 +23,7 @@ class FakeSglang:
     def __init__(self, target_dir: Path, draft_dir: Path, k: int):
         from transformers import AutoModelForCausalLM
 
-        from eaglekit.model.eagle3_checkpoint import load_drafter
+        from eaglekit.drafters.eagle3.checkpoint import load_drafter
 
         self.target = AutoModelForCausalLM.from_pretrained(target_dir).eval()
         self.drafter, _ = load_drafter(draft_dir)
@@ -35,7 +35,8 @@ class FakeSglang:
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
 
     def generate(self, body: dict) -> dict:
-        from eaglekit.speculative.decode import EagleProposer, generate
+        from eaglekit.drafters.eagle3.proposer import EagleProposer
+        from eaglekit.speculative.decode import generate
 
         params = body["sampling_params"]
         assert params["temperature"] == 0.0 and "input_ids" in body

@@ -12,11 +12,11 @@ from fake_nvml import GB, fake_pynvml, gpu
 from test_preflight_gpus import make_ctx
 from transformers import AutoConfig
 
-from eaglekit.model import dflash as dflash_model
-from eaglekit.model.dflash import DFlashConfig, DFlashDrafter, window_mask
-from eaglekit.model.dspark import DSparkConfig, DSparkDrafter
-from eaglekit.training.block import block_loss
-from eaglekit.training.block_memory import BASE, kept_bytes, kept_per_shape
+from eaglekit.drafters.dflash import model as dflash_model
+from eaglekit.drafters.dflash.memory import BASE, kept_bytes, kept_per_shape
+from eaglekit.drafters.dflash.model import DFlashConfig, DFlashDrafter, window_mask
+from eaglekit.drafters.dflash.objective import block_loss
+from eaglekit.drafters.dspark.model import DSparkConfig, DSparkDrafter
 
 
 def config(cls=DFlashConfig, **fields) -> DFlashConfig:

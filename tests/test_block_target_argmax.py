@@ -11,9 +11,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from eaglekit.config import TrainConfig
+from eaglekit.drafters.dflash.model import DFlashConfig, DFlashDrafter
+from eaglekit.drafters.dspark.model import DSparkConfig, DSparkDrafter
 from eaglekit.drafters.registry import FAMILIES
-from eaglekit.model.dflash import DFlashConfig, DFlashDrafter
-from eaglekit.model.dspark import DSparkConfig, DSparkDrafter
 from eaglekit.model.target import target_argmax
 from eaglekit.training.data import Batch
 from eaglekit.training.features import Features

@@ -11,9 +11,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
+from eaglekit.drafters.eagle3 import checkpoint as ck
+from eaglekit.drafters.eagle3.model import FLAGS, DrafterConfig, Eagle3Drafter
 from eaglekit.errors import EaglekitError, UsageError
-from eaglekit.model import eagle3_checkpoint as ck
-from eaglekit.model.eagle3 import FLAGS, DrafterConfig, Eagle3Drafter, build_d2t_t2d
+from eaglekit.model.draft_vocab import build_d2t_t2d
 
 
 def make_drafter(target_hidden_size=48, aux=(2, 4, 5), rope_scaling=None, seed=0, **kw) -> Eagle3Drafter:

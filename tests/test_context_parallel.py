@@ -16,9 +16,9 @@ import torch.multiprocessing as mp
 from test_train_ddp import CFG, free_port, torchrun_env
 
 from eaglekit.config import TTTConfig
-from eaglekit.model.eagle3 import DrafterConfig, Eagle3Drafter
-from eaglekit.training.fused import StepKernels
-from eaglekit.training.ttt import ttt_loss
+from eaglekit.drafters.eagle3.fused import StepKernels
+from eaglekit.drafters.eagle3.model import DrafterConfig, Eagle3Drafter
+from eaglekit.drafters.eagle3.ttt import ttt_loss
 
 pytestmark = pytest.mark.slow  # spawns ranks
 
@@ -117,9 +117,10 @@ def test_two_ranks_splitting_each_row_equal_one_process(tmp_path):
 
 
 def ddp_worker(rank: int, world: int, port: int, out: str, mode: str, normalization: str) -> None:
+    from eaglekit.drafters.eagle3.objective import TTT
     from eaglekit.training import distributed as dist
     from eaglekit.training.data import rank_share
-    from eaglekit.training.objective import TTT, wrap
+    from eaglekit.training.distributed import wrap
 
     torch.set_num_threads(1)
     torchrun_env(rank, world, port)
@@ -160,7 +161,7 @@ def four_rows():
 def test_data_parallel_times_context_parallel_equals_one_process(tmp_path, mode, normalization):
     """4 ranks: 2 data-parallel groups of 2 splitting each row; sequence normalisation counts each document once
     over all of them."""
-    from eaglekit.training.objective import TTT
+    from eaglekit.drafters.eagle3.objective import TTT
 
     mp.spawn(ddp_worker, args=(4, free_port(), str(tmp_path), mode, normalization), nprocs=4, join=True)
     single = TTT(drafter({"sliding_window": 5}), TTTConfig(steps=STEPS, decay=0.8, loss_normalization=normalization))
@@ -339,8 +340,8 @@ BLOCK_CASES = {
 
 
 def block_drafter(family: str, window: int | None):
-    from eaglekit.model.dflash import DFlashConfig, DFlashDrafter
-    from eaglekit.model.dspark import DSparkConfig, DSparkDrafter
+    from eaglekit.drafters.dflash.model import DFlashConfig, DFlashDrafter
+    from eaglekit.drafters.dspark.model import DSparkConfig, DSparkDrafter
 
     torch.manual_seed(0)
     if family == "dspark":
@@ -364,7 +365,7 @@ def block_batch(packed: bool, length: int):
 def block_step(name: str, seed: int, context=None):
     """One block_loss step of case ``name``: under ``context`` on this rank's share of the features; the anchors
     drawn by a generator of ``seed`` (the group takes its first rank's draw)."""
-    from eaglekit.training.block import block_loss
+    from eaglekit.drafters.dflash.objective import block_loss
 
     family, window, packed, weighting, length = BLOCK_CASES[name]
     model = block_drafter(family, window)
@@ -385,8 +386,8 @@ def block_step(name: str, seed: int, context=None):
 def block_worker(rank: int, world: int, port: int, out: str) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from eaglekit.drafters.dflash.objective import BlockObjective
     from eaglekit.training import distributed as dist
-    from eaglekit.training.block import BlockObjective
     from eaglekit.training.context_parallel import ContextGroup
 
     torch.set_num_threads(1)
@@ -421,7 +422,7 @@ def test_block_drafters_split_rows_two_and_three_ways_equal_one_process(tmp_path
     of 17 (not divisible by 2 or 3) and one shorter than the ranks' pieces: the ranks' losses, figures and
     gradients add up to the single process's in fp64, and the training loop's objective under DDP gives its loss
     and gradients."""
-    from eaglekit.training.block import BlockObjective, select_anchors
+    from eaglekit.drafters.dflash.objective import BlockObjective, select_anchors
 
     mp.spawn(block_worker, args=(3, free_port(), str(tmp_path)), nprocs=3, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(3)]

@@ -11,9 +11,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from eaglekit.drafters.dflash.model import DFlashConfig, DFlashDrafter
+from eaglekit.drafters.dflash.objective import block_attention_mask, document_ids, position_weights
 from eaglekit.errors import UsageError
-from eaglekit.model.dflash import DFlashConfig, DFlashDrafter
-from eaglekit.training.block import block_attention_mask, document_ids, position_weights
 
 BLOCK = 4
 
@@ -75,7 +75,7 @@ def test_cpu_build_applies_layer_0s_k_norm_to_every_layers_context_keys(vllm_pyt
     """Why a DFlash drafter with per-layer k_norm serves with other drafts on vLLM 0.32's CPU build: the grouped
     RMSNorm of ``DFlashQwen3Model._normalize_context_k`` reads row 0 of the stacked weights for every layer. When
     this fails, vLLM has fixed the kernel and ``shared_k_norm`` is no longer needed on the CPU."""
-    from eaglekit.model.dflash_checkpoint import cpu_build_problem
+    from eaglekit.drafters.dflash.checkpoint import cpu_build_problem
 
     probe = subprocess.run([str(vllm_python), "-c", KERNEL_PROBE], capture_output=True, text=True, timeout=300)
     assert probe.returncode == 0, probe.stderr[-2000:]

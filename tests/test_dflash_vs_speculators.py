@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from eaglekit.drafters.dflash.checkpoint import SHARED
+from eaglekit.drafters.dflash.model import DFlashConfig, DFlashDrafter
 from eaglekit.errors import EaglekitError
-from eaglekit.model.dflash import DFlashConfig, DFlashDrafter
-from eaglekit.model.dflash_checkpoint import SHARED
 from eaglekit.model.target import embedding_and_head
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -18,16 +18,17 @@ from block_drafters import heldout_prompts, one_round_two_ways, train_block_draf
 from conftest import write_config
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from eaglekit.drafters.dflash.checkpoint import load_dflash, read_dflash_config, save_dflash
+from eaglekit.drafters.dflash.model import DFlashConfig, DFlashDrafter, default_mask_token_id
+from eaglekit.drafters.dflash.objective import block_attention_mask, document_ids
+from eaglekit.drafters.dflash.proposer import BlockProposer
+from eaglekit.drafters.dspark.checkpoint import read_dspark_config, save_dspark
+from eaglekit.drafters.dspark.model import DSparkConfig, DSparkDrafter
+from eaglekit.drafters.dspark.proposer import DSparkProposer
 from eaglekit.errors import UsageError
-from eaglekit.model.dflash import DFlashConfig, DFlashDrafter, default_mask_token_id
-from eaglekit.model.dflash_checkpoint import load_dflash, read_dflash_config, save_dflash
-from eaglekit.model.dspark import DSparkConfig, DSparkDrafter
-from eaglekit.model.dspark_checkpoint import read_dspark_config, save_dspark
 from eaglekit.model.layers import apply_rope
 from eaglekit.model.target import default_aux_layers
-from eaglekit.speculative.block import BlockProposer, DSparkProposer
 from eaglekit.speculative.decode import generate
-from eaglekit.training.block import block_attention_mask, document_ids
 
 WINDOW = 5
 BLOCK = 4
@@ -241,7 +242,7 @@ torch.save({"q": q, "k": k, "v": v, "out": out, "window": window}, sys.argv[1])
 def test_vllms_cpu_kernel_applies_the_window_eaglekit_trains(tmp_path, vllm_python):
     """vLLM's CPU attention with a sliding window on a causal query block (how it serves a sliding DFlash layer)
     equals attention under ``window_mask``: the last 5 of 40 positions query, each seeing p - 8 < k <= p."""
-    from eaglekit.model.dflash import window_mask
+    from eaglekit.drafters.dflash.model import window_mask
 
     probe = subprocess.run(
         [str(vllm_python), "-c", KERNEL, str(tmp_path / "kernel.pt")], capture_output=True, text=True, timeout=300

@@ -14,10 +14,10 @@ from test_extract import prepared_run
 from eaglekit import config
 from eaglekit.config import DraftSection, parse_config
 from eaglekit.drafters import registry
-from eaglekit.drafters.eagle3_llama import Eagle3LlamaFamily
+from eaglekit.drafters.eagle3 import checkpoint as eagle3_checkpoint
+from eaglekit.drafters.eagle3.llama import Eagle3LlamaFamily
 from eaglekit.drafters.family import Built, DrafterFamily, Objective, Verdict
 from eaglekit.errors import UsageError
-from eaglekit.model import eagle3_checkpoint
 from eaglekit.pipeline import run_stage
 from eaglekit.rundir import RunDir
 from eaglekit.serving.engine_features import exported_features

@@ -8,9 +8,11 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, Qwen3Config
 
 from eaglekit.config import TTTConfig
+from eaglekit.drafters.eagle3.model import DrafterConfig, DraftKVCache, Eagle3Drafter
+from eaglekit.drafters.eagle3.ttt import ttt_loss
 from eaglekit.errors import UsageError
-from eaglekit.model.eagle3 import DrafterConfig, DraftKVCache, Eagle3Drafter, build_d2t_t2d
-from eaglekit.training.ttt import simulated_acceptance_length, ttt_loss
+from eaglekit.model.draft_vocab import build_d2t_t2d
+from eaglekit.training.figures import simulated_acceptance_length
 
 
 def tiny_config(**kw) -> DrafterConfig:
@@ -246,7 +248,7 @@ def test_ttt_float32_matches_reference_and_keeps_no_square_matrix_for_backward(v
 
 def test_ttt_prefix_attention_in_small_blocks(monkeypatch):
     """The blockwise step-0 attention gives the same result when every block is a few rows."""
-    import eaglekit.training.ttt as ttt
+    import eaglekit.drafters.eagle3.ttt as ttt
 
     cfg = tiny_config()
     drafter = make_drafter(cfg)
@@ -435,7 +437,7 @@ def plain_head_loss(x, weight, target_p, slots, row_weight):
 
 @pytest.mark.parametrize("chunk_rows", [1, 7, 1000])
 def test_fused_head_loss_matches_plain_cross_entropy_float64(chunk_rows):
-    from eaglekit.training.head_loss import HeadTargets, head_soft_cross_entropy
+    from eaglekit.drafters.eagle3.head_loss import HeadTargets, head_soft_cross_entropy
 
     g = torch.Generator().manual_seed(3)
     m, h, vd, p = 23, 16, 37, 9

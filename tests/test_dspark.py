@@ -13,11 +13,11 @@ import torch
 from test_families import block_run_config
 from transformers import AutoModelForCausalLM
 
-from eaglekit.model.dflash import DFlashConfig, DFlashDrafter
-from eaglekit.model.dspark import DSparkConfig, DSparkDrafter
-from eaglekit.model.dspark_checkpoint import save_dspark
+from eaglekit.drafters.dflash.model import DFlashConfig, DFlashDrafter
+from eaglekit.drafters.dflash.objective import block_loss, position_weights
+from eaglekit.drafters.dspark.checkpoint import save_dspark
+from eaglekit.drafters.dspark.model import DSparkConfig, DSparkDrafter
 from eaglekit.model.target import default_aux_layers
-from eaglekit.training.block import block_loss, position_weights
 
 BLOCK = 4  # DSpark drafts all 4 slots of a block (anchor sampling)
 
@@ -163,7 +163,7 @@ def test_vllm_loads_every_exported_weight_into_its_dspark_model(tmp_path, tiny_t
 
 
 def test_preflight_and_plan_size_the_dspark_drafter(tmp_path, tiny_target):
-    from eaglekit.drafters.dspark import DSPARK
+    from eaglekit.drafters.dspark.family import DSPARK
     from eaglekit.drafters.registry import fresh_drafter_config, parameter_counts
 
     dspark = block_run_config(tmp_path, tiny_target, architecture="dspark", num_layers=2, markov_rank=16)
@@ -180,8 +180,9 @@ def test_a_block_drafter_for_a_run_configured_for_another_family_takes_the_block
     """config_for_run reads train.draft as its own family's section (`draft_as`): for a run whose train.draft is
     EAGLE-3's (a finetune whose train.init_from holds a block drafter) it keeps the keys the families share and takes
     the block keys' defaults, where reading them off the EAGLE-3 section raised AttributeError."""
-    from eaglekit.model import dflash, dspark
-    from eaglekit.model.dspark import DEFAULT_MARKOV_RANK
+    from eaglekit.drafters.dflash import model as dflash
+    from eaglekit.drafters.dspark import model as dspark
+    from eaglekit.drafters.dspark.model import DEFAULT_MARKOV_RANK
     from eaglekit.model.run_shapes import target_and_aux
 
     eagle = block_run_config(tmp_path, tiny_target, num_attention_heads=2)  # architecture unset: llama
@@ -199,7 +200,7 @@ def test_a_block_drafter_for_a_run_configured_for_another_family_takes_the_block
 def test_verify_preflight_names_the_cpu_builds_refusal(tmp_path, tiny_target, vllm_python):
     """vLLM's own words, from its source: the check quotes what the CPU build's V1 runner says (and why)."""
     from eaglekit.contract import StageContext
-    from eaglekit.drafters.dspark import NOT_ON_CPU as DSPARK_ON_CPU
+    from eaglekit.drafters.dspark.family import NOT_ON_CPU as DSPARK_ON_CPU
     from eaglekit.rundir import RunDir
     from eaglekit.stages.verify import engine_serves_forms
 

@@ -55,8 +55,8 @@ def default_drafter(tiny_target: Path, folder: Path) -> Path:
     """An untrained drafter in the plain form with eaglekit's default EAGLE 3.1 flags (fc_norm, norm_output)."""
     from transformers import AutoConfig
 
-    from eaglekit.model.eagle3 import DrafterConfig, Eagle3Drafter
-    from eaglekit.model.eagle3_checkpoint import save_legacy
+    from eaglekit.drafters.eagle3.checkpoint import save_legacy
+    from eaglekit.drafters.eagle3.model import DrafterConfig, Eagle3Drafter
     from eaglekit.model.target import default_aux_layers
 
     hf = AutoConfig.from_pretrained(tiny_target)
@@ -128,7 +128,7 @@ def test_export_and_verify_refuse_a_flag_the_installed_vllm_would_drop(tmp_path,
     assert not (cfg.run_path / "export" / "eagle3").exists()
 
     # the same drafter exported elsewhere, then verified with this engine: refused before anything is decoded
-    from eaglekit.model.eagle3_checkpoint import load_drafter, save_legacy
+    from eaglekit.drafters.eagle3.checkpoint import load_drafter, save_legacy
 
     save_legacy(load_drafter(checkpoint)[0], cfg.run_path / "export" / "eagle3")
     ctx = pipeline.make_context(cfg, "verify")
@@ -166,7 +166,7 @@ def published(folder: Path, card: str | None, **config) -> Path:
 
 
 def test_the_import_of_a_published_drafter_names_specforges_pre_879_norm_output(tmp_path):
-    from eaglekit.training.init import build_drafter
+    from eaglekit.drafters.eagle3.init import build_drafter
 
     dated = published(tmp_path / "old", "# Qwen3 EAGLE3.1 draft\nTrained with SpecForge on 2026-08-02.\n")
     cfg = SimpleNamespace(train=SimpleNamespace(init_from=str(dated)), verify=SimpleNamespace(python=None))
@@ -195,8 +195,8 @@ def test_a_dflash_drafters_diagnosis_names_block_causes_and_the_cpu_k_norm_defec
     from transformers import AutoConfig
 
     from eaglekit.data.verify_report import BLOCK_CAUSES, failure_message
-    from eaglekit.model.dflash import DFlashConfig, DFlashDrafter
-    from eaglekit.model.dflash_checkpoint import save_dflash
+    from eaglekit.drafters.dflash.checkpoint import save_dflash
+    from eaglekit.drafters.dflash.model import DFlashConfig, DFlashDrafter
     from eaglekit.model.target import default_aux_layers
     from eaglekit.stages.verify import diagnose
 
@@ -249,9 +249,9 @@ def test_a_dspark_drafter_on_sglang_is_diagnosed_by_its_block_slot_convention(tm
     exports, has none, and the diagnosis says so instead of listing EAGLE's causes."""
     from transformers import AutoConfig
 
-    from eaglekit.model.dflash import DFlashConfig
-    from eaglekit.model.dspark import DSparkConfig, DSparkDrafter
-    from eaglekit.model.dspark_checkpoint import save_dspark
+    from eaglekit.drafters.dflash.model import DFlashConfig
+    from eaglekit.drafters.dspark.checkpoint import save_dspark
+    from eaglekit.drafters.dspark.model import DSparkConfig, DSparkDrafter
     from eaglekit.model.target import default_aux_layers
     from eaglekit.stages.verify import diagnose
 

@@ -16,8 +16,8 @@ from safetensors.torch import load_file, save_file
 
 from eaglekit import pipeline
 from eaglekit.config import TTTConfig, load_config
+from eaglekit.drafters.eagle3.checkpoint import load_drafter, save_legacy
 from eaglekit.errors import EaglekitError
-from eaglekit.model.eagle3_checkpoint import load_drafter, save_legacy
 
 pytestmark = pytest.mark.slow  # builds, trains or serves models
 
@@ -28,10 +28,11 @@ def drafter_dir(tiny_target, tmp_path_factory) -> Path:
     from transformers import AutoModelForCausalLM
 
     from eaglekit.data.chat import load_tokenizer, render_sample
-    from eaglekit.model.eagle3 import DrafterConfig, Eagle3Drafter, build_d2t_t2d
+    from eaglekit.drafters.eagle3.model import DrafterConfig, Eagle3Drafter
+    from eaglekit.drafters.eagle3.ttt import ttt_loss
+    from eaglekit.model.draft_vocab import build_d2t_t2d
     from eaglekit.model.target import TargetFeatures, default_aux_layers
     from eaglekit.tiny.corpus import sample_tasks
-    from eaglekit.training.ttt import ttt_loss
 
     torch.manual_seed(0)
     target = AutoModelForCausalLM.from_pretrained(tiny_target).eval()
@@ -177,7 +178,8 @@ def test_a_degenerate_drafter_is_exported_with_its_warnings(tmp_path, tiny_targe
     ledger and `status` keep the warnings, and export still writes the drafter but says so in export/README.md."""
     from eaglekit import status
     from eaglekit.config import TargetConfig
-    from eaglekit.model.eagle3 import DrafterConfig, Eagle3Drafter, build_d2t_t2d
+    from eaglekit.drafters.eagle3.model import DrafterConfig, Eagle3Drafter
+    from eaglekit.model.draft_vocab import build_d2t_t2d
     from eaglekit.model.target import default_aux_layers, embedding_and_head, target_hf_config
 
     hf = target_hf_config(TargetConfig(model=str(tiny_target)))

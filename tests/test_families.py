@@ -27,15 +27,16 @@ from test_train import kill_9_then_resume
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from eaglekit.config import parse_config
+from eaglekit.drafters.dflash.checkpoint import read_dflash_config
+from eaglekit.drafters.dflash.model import DFlashDrafter
+from eaglekit.drafters.dflash.proposer import BlockProposer
+from eaglekit.drafters.dspark.checkpoint import read_dspark_config
+from eaglekit.drafters.dspark.proposer import DSparkProposer
 from eaglekit.drafters.registry import FAMILIES, family_named, family_of_folder, fresh_drafter_config, proposer_for
 from eaglekit.errors import EaglekitError
-from eaglekit.model.dflash import DFlashDrafter
-from eaglekit.model.dflash_checkpoint import read_dflash_config
-from eaglekit.model.dspark_checkpoint import read_dspark_config
-from eaglekit.model.eagle3 import build_d2t_t2d
+from eaglekit.model.draft_vocab import build_d2t_t2d
 from eaglekit.model.run_shapes import target_and_aux
 from eaglekit.model.target import embedding_and_head
-from eaglekit.speculative.block import BlockProposer, DSparkProposer
 from eaglekit.speculative.decode import generate
 
 # The block drafter families as the registry lists them: a block family added there is tested here, and fails by

@@ -23,6 +23,7 @@ from test_train_ddp import free_port, torchrun_env
 
 from eaglekit import rundir
 from eaglekit.data import shards as sh
+from eaglekit.drafters.eagle3.objective import TTT
 from eaglekit.errors import EaglekitError
 from eaglekit.pipeline import make_context, run_stage
 from eaglekit.preflight import files
@@ -30,7 +31,6 @@ from eaglekit.preflight.drafter import drafter_checkpoint
 from eaglekit.rundir import RunDir
 from eaglekit.stages import extract
 from eaglekit.stages import train as train_stage
-from eaglekit.training.objective import TTT
 
 pytestmark = pytest.mark.slow  # builds, trains or serves models
 

@@ -13,14 +13,14 @@ import torch
 from test_drafter_ttt import VARIANTS, grads, make_batch, make_drafter, tiny_config
 from test_packing import documents, lay_out
 
-import eaglekit.training.ttt as ttt
+import eaglekit.drafters.eagle3.ttt as ttt
 from eaglekit.config import TTTConfig
+from eaglekit.drafters.eagle3.attention import span_attention, span_keys, span_mask
+from eaglekit.drafters.eagle3.fused import REFERENCE, StepKernels, compile_drafter, compiled_chunk, step_kernels
+from eaglekit.drafters.eagle3.head_loss import HeadTargets, head_soft_cross_entropy
+from eaglekit.drafters.eagle3.ttt import ttt_loss
 from eaglekit.errors import UsageError
 from eaglekit.model.layers import sdpa
-from eaglekit.training.attention import span_attention, span_keys, span_mask
-from eaglekit.training.fused import REFERENCE, StepKernels, compile_drafter, compiled_chunk, step_kernels
-from eaglekit.training.head_loss import HeadTargets, head_soft_cross_entropy
-from eaglekit.training.ttt import ttt_loss
 
 
 def dense_span_attention(q, k0, v0, lo, hi, scale, extra_k=None, extra_v=None):

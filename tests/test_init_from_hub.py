@@ -16,9 +16,9 @@ from safetensors.torch import load_file
 from test_extract import prepared_run
 
 from eaglekit import pipeline
+from eaglekit.drafters.eagle3.checkpoint import save_legacy
+from eaglekit.drafters.eagle3.model import DrafterConfig, Eagle3Drafter
 from eaglekit.errors import UsageError
-from eaglekit.model.eagle3 import DrafterConfig, Eagle3Drafter
-from eaglekit.model.eagle3_checkpoint import save_legacy
 from eaglekit.model.hub import drafter_folder
 from eaglekit.model.target import target_hf_config
 from eaglekit.rundir import RunDir

@@ -13,8 +13,8 @@ from test_train import QUICK, metrics, train
 from test_train_ddp import batch, drafter
 
 from eaglekit.config import TrainConfig, TTTConfig
+from eaglekit.drafters.eagle3.objective import TTT, feature_noise
 from eaglekit.errors import UsageError
-from eaglekit.training.objective import TTT, feature_noise
 from eaglekit.training.optim import Together, build_optimizer, is_muon_weight
 
 
@@ -160,7 +160,7 @@ def sequence_halves_worker(rank: int, world: int, port: int, out: str) -> None:
 
     from eaglekit.training import distributed as dist
     from eaglekit.training.data import rank_share
-    from eaglekit.training.objective import wrap
+    from eaglekit.training.distributed import wrap
 
     torch.set_num_threads(1)
     torchrun_env(rank, world, port)

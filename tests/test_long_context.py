@@ -151,7 +151,7 @@ def test_the_memory_model_calibrates_windows_for_long_ttt_chains():
     window longer than the chain, as ttt_loss requires (it refused it before)."""
     from test_drafter_ttt import tiny_config
 
-    from eaglekit.training.memory import step_memory
+    from eaglekit.drafters.eagle3.memory import step_memory
 
     m = step_memory(tiny_config(sliding_window=4096), 16384, 40, trainable=1000, frozen=1000, bf16=False)
     assert m.per_token > 0 and m.total > m.activations > 0

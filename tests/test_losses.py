@@ -16,8 +16,8 @@ import torch.nn.functional as F
 
 from eaglekit.config import TTTConfig, parse_config
 from eaglekit.divergences import DIVERGENCES, Divergence, LKHybrid
+from eaglekit.drafters.eagle3.head_loss import HeadTargets, head_soft_cross_entropy
 from eaglekit.errors import UsageError
-from eaglekit.training.head_loss import HeadTargets, head_soft_cross_entropy
 
 
 def divergence(kind: str, logits: torch.Tensor, p: torch.Tensor, **params):

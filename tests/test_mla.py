@@ -9,8 +9,8 @@ import torch
 from transformers import DeepseekV3Config, LlamaConfig
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
 
+from eaglekit.drafters.eagle3.model import DrafterConfig, Eagle3Drafter
 from eaglekit.errors import UsageError
-from eaglekit.model.eagle3 import DrafterConfig, Eagle3Drafter
 from eaglekit.model.layers import sdpa
 
 YARN = {

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from test_extract import prepared_run
 
 from eaglekit import pipeline
-from eaglekit.model.eagle3_checkpoint import load_drafter
+from eaglekit.drafters.eagle3.checkpoint import load_drafter
 from eaglekit.rundir import RunDir
 from eaglekit.stages import verify
 

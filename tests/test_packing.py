@@ -11,10 +11,10 @@ from test_drafter_ttt import VARIANTS, grads, make_drafter, tiny_config
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from eaglekit.config import TTTConfig
+from eaglekit.drafters.eagle3.ttt import ttt_loss
 from eaglekit.errors import EaglekitError, UsageError
 from eaglekit.model.target import TargetFeatures
 from eaglekit.training.data import collate, collate_packed, packed_batches
-from eaglekit.training.ttt import ttt_loss
 
 
 def documents(cfg, lengths, seed=0, dtype=torch.float64):

@@ -13,9 +13,9 @@ from test_drafter_ttt import grads, make_batch, make_drafter, reference_ttt, tin
 from test_packing import documents, lay_out
 
 from eaglekit.config import TTTConfig
+from eaglekit.drafters.eagle3.model import DraftKVCache
+from eaglekit.drafters.eagle3.ttt import ttt_loss
 from eaglekit.errors import UsageError
-from eaglekit.model.eagle3 import DraftKVCache
-from eaglekit.training.ttt import ttt_loss
 
 WINDOW = 5
 
@@ -98,7 +98,7 @@ def test_a_window_no_longer_than_the_ttt_chain_is_refused():
 
 
 def test_export_writes_the_window_as_vllm_reads_it_and_reads_it_back(tmp_path):
-    from eaglekit.model.eagle3_checkpoint import load_drafter, save_legacy, save_speculators
+    from eaglekit.drafters.eagle3.checkpoint import load_drafter, save_legacy, save_speculators
 
     drafter = make_drafter(tiny_config(sliding_window=64), dtype=torch.float32)
     save_legacy(drafter, tmp_path / "eagle3")
@@ -148,7 +148,7 @@ def test_recomputed_ttt_steps_give_the_same_loss_and_gradients_float64(variant, 
     of the step that kept its activations (packed rows, so step 0 runs the span attention too)."""
     from test_drafter_ttt import VARIANTS
 
-    from eaglekit.training.fused import REFERENCE, StepKernels
+    from eaglekit.drafters.eagle3.fused import REFERENCE, StepKernels
 
     cfg = tiny_config(sliding_window=window, **VARIANTS[variant])
     drafter = make_drafter(cfg)

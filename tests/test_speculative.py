@@ -6,8 +6,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from eaglekit.model.eagle3 import DrafterConfig, Eagle3Drafter, build_d2t_t2d
-from eaglekit.speculative.decode import EagleProposer, accept_draft, generate
+from eaglekit.drafters.eagle3.model import DrafterConfig, Eagle3Drafter
+from eaglekit.drafters.eagle3.proposer import EagleProposer
+from eaglekit.model.draft_vocab import build_d2t_t2d
+from eaglekit.speculative.decode import accept_draft, generate
 from eaglekit.speculative.ngram import NgramProposer, ngram_propose
 
 VOCAB = 96

@@ -16,13 +16,14 @@ from safetensors.torch import load_file
 from test_extract import prepared_run
 
 from eaglekit.config import TargetConfig
+from eaglekit.drafters.eagle3.checkpoint import load_drafter, save_legacy
+from eaglekit.drafters.eagle3.init import remap_vocab
+from eaglekit.drafters.eagle3.model import DrafterConfig, Eagle3Drafter
 from eaglekit.errors import EaglekitError
-from eaglekit.model.eagle3 import DrafterConfig, Eagle3Drafter, build_d2t_t2d
-from eaglekit.model.eagle3_checkpoint import load_drafter, save_legacy
+from eaglekit.model.draft_vocab import build_d2t_t2d
 from eaglekit.model.target import embedding_and_head, target_hf_config
 from eaglekit.pipeline import run_stage
 from eaglekit.rundir import RunDir
-from eaglekit.training.init import remap_vocab
 
 pytestmark = pytest.mark.slow  # builds, trains or serves models
 

@@ -14,7 +14,7 @@ import torch
 import torch.multiprocessing as mp
 
 from eaglekit.config import TTTConfig
-from eaglekit.model.eagle3 import DrafterConfig, Eagle3Drafter
+from eaglekit.drafters.eagle3.model import DrafterConfig, Eagle3Drafter
 
 pytestmark = pytest.mark.slow  # builds, trains or serves models
 
@@ -83,9 +83,10 @@ BATCHES = {"equal": batch, "unequal": unequal_batch}
 
 
 def halves_worker(rank: int, world: int, port: int, out: str, mode: str, which: str = "equal") -> None:
+    from eaglekit.drafters.eagle3.objective import TTT
     from eaglekit.training import distributed as dist
     from eaglekit.training.data import rank_share
-    from eaglekit.training.objective import TTT, wrap
+    from eaglekit.training.distributed import wrap
 
     torch.set_num_threads(1)
     torchrun_env(rank, world, port)
@@ -106,7 +107,7 @@ def halves_worker(rank: int, world: int, port: int, out: str, mode: str, which: 
 
 @pytest.mark.parametrize("mode, which", [("ddp", "equal"), ("fsdp", "equal"), ("ddp", "unequal"), ("fsdp", "unequal")])
 def test_two_processes_on_halves_equal_one_on_the_whole(tmp_path, mode, which):
-    from eaglekit.training.objective import TTT
+    from eaglekit.drafters.eagle3.objective import TTT
 
     mp.spawn(halves_worker, args=(2, free_port(), str(tmp_path), mode, which), nprocs=2, join=True)
     single = TTT(drafter(), TTTConfig(steps=3, decay=0.8))

@@ -10,20 +10,14 @@ from torch.profiler import ProfilerActivity, profile
 
 from eaglekit.config import TTTConfig
 from eaglekit.divergences import DIVERGENCES
-from eaglekit.model.dflash import DFlashDrafter
-from eaglekit.model.eagle3 import DrafterConfig, Eagle3Drafter
-from eaglekit.training.block import block_loss
-from eaglekit.training.block_memory import block_step_memory
-from eaglekit.training.fused import StepKernels
-from eaglekit.training.memory import (
-    Storages,
-    head_chunk_temporaries,
-    kept_bytes_per_token,
-    random_row,
-    step_memory,
-    weight_bytes,
-)
-from eaglekit.training.ttt import ttt_loss
+from eaglekit.drafters.dflash.memory import block_step_memory
+from eaglekit.drafters.dflash.model import DFlashDrafter
+from eaglekit.drafters.dflash.objective import block_loss
+from eaglekit.drafters.eagle3.fused import StepKernels
+from eaglekit.drafters.eagle3.memory import head_chunk_temporaries, kept_bytes_per_token, random_row, step_memory
+from eaglekit.drafters.eagle3.model import DrafterConfig, Eagle3Drafter
+from eaglekit.drafters.eagle3.ttt import ttt_loss
+from eaglekit.training.memory import Storages, weight_bytes
 
 STEPS = 7
 

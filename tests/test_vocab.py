@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from eaglekit.model.eagle3 import build_d2t_t2d
+from eaglekit.model.draft_vocab import build_d2t_t2d
 from eaglekit.stages.vocab import select_draft_vocab
 
 

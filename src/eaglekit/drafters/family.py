@@ -14,7 +14,7 @@ from torch import nn
 from eaglekit.config import DraftSection, RunConfig, TrainConfig
 from eaglekit.contract import StageContext
 from eaglekit.drafters.diagnosis import ServedDrafter
-from eaglekit.model.eagle3_checkpoint import CheckpointInfo
+from eaglekit.model.checkpoint_files import CheckpointInfo
 from eaglekit.model.target import TargetReads
 from eaglekit.training.context_parallel import ContextGroup
 from eaglekit.training.memory import StepMemory

@@ -7,10 +7,10 @@ from pathlib import Path
 from typing import Any
 
 from eaglekit.config import DEFAULT_ARCHITECTURE, RunConfig
-from eaglekit.drafters.dflash import DFLASH
-from eaglekit.drafters.dspark import DSPARK
-from eaglekit.drafters.eagle3_llama import EAGLE3_LLAMA
-from eaglekit.drafters.eagle3_mla import EAGLE3_MLA
+from eaglekit.drafters.dflash.family import DFLASH
+from eaglekit.drafters.dspark.family import DSPARK
+from eaglekit.drafters.eagle3.llama import EAGLE3_LLAMA
+from eaglekit.drafters.eagle3.mla import EAGLE3_MLA
 from eaglekit.drafters.family import DrafterFamily
 from eaglekit.errors import UsageError
 from eaglekit.model.run_shapes import target_and_aux

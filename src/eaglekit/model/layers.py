@@ -16,9 +16,13 @@ head counts and widths (``n_heads``, ``n_kv``, ``head_dim`` of q/k, ``v_dim``) a
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from eaglekit.errors import UsageError
 
 
 class RMSNorm(nn.Module):
@@ -144,3 +148,33 @@ class Eagle3Block(nn.Module):
         residual = self.hidden_norm(feature) if self.norm_before_residual else feature
         h = residual + self.self_attn.o_proj(attn.flatten(-2))
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def rope_inv_freq(cfg: Any) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies (float64) and the cos/sin scale of a Llama-style layer's RoPE, as the target computes them.
+    ``cfg``: a drafter config with rope_theta, rope_scaling, max_position_embeddings, num_attention_heads and
+    ``llama_heads`` (EAGLE-3's Llama layer, DFlash's layers)."""
+    scaling = cfg.rope_scaling or {}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    _, head_dim = cfg.llama_heads
+    if rope_type == "default":
+        return 1.0 / cfg.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim), 1.0
+    # Every scaled variant (linear, llama3, yarn, ...) comes from transformers so it matches the target exactly.
+    from transformers import LlamaConfig  # lazy: heavy (transformers)
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # lazy: heavy (transformers)
+
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise UsageError(
+            f"drafter config: rope_scaling.rope_type '{rope_type}' is not supported",
+            f"supported: default, {', '.join(ROPE_INIT_FUNCTIONS)}",
+        )
+    hf = LlamaConfig(
+        hidden_size=cfg.num_attention_heads * head_dim,
+        num_attention_heads=cfg.num_attention_heads,
+        head_dim=head_dim,
+        max_position_embeddings=cfg.max_position_embeddings,
+        rope_theta=cfg.rope_theta,  # type: ignore[call-arg]  # transformers 5's signature omits the v4 keys it still takes
+        rope_scaling={**scaling, "rope_type": rope_type},
+    )
+    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, "cpu")
+    return inv_freq.to(torch.float64), float(attention_scaling)

@@ -17,7 +17,8 @@ import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from types import SimpleNamespace
+from typing import Any, Literal
 
 import torch
 from safetensors import safe_open
@@ -30,9 +31,31 @@ from eaglekit.errors import EaglekitError, UsageError
 LOGIT_CHUNK_ELEMENTS = 1 << 26
 
 
-def text_config(hf_config):
-    """The language model's config (multimodal configs nest it under text_config)."""
-    return hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+def text_config(hf_config: Any) -> Any:
+    """The language-model part of a HF config (multimodal configs nest it); dicts are accepted too."""
+    if isinstance(hf_config, dict):
+        hf_config = SimpleNamespace(**hf_config)
+    get_text = getattr(hf_config, "get_text_config", None)
+    if callable(get_text):
+        return get_text()
+    nested = getattr(hf_config, "text_config", None)
+    return text_config(nested) if nested is not None else hf_config
+
+
+def rope_from_config(cfg: Any) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) of a HF config, transformers 4 (rope_theta/rope_scaling) or 5 (rope_parameters)."""
+    params = getattr(cfg, "rope_parameters", None)
+    if isinstance(params, dict) and params:
+        if all(isinstance(v, dict) for v in params.values()):  # per-layer-type rope (e.g. gemma): take full attention
+            params = params.get("full_attention") or next(iter(params.values()))
+        theta = float(params.get("rope_theta", getattr(cfg, "rope_theta", None) or 10000.0))
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    else:
+        theta = float(getattr(cfg, "rope_theta", None) or 10000.0)
+        scaling = dict(getattr(cfg, "rope_scaling", None) or {})
+    if scaling.get("rope_type", scaling.get("type", "default")) == "default":
+        return theta, None
+    return theta, scaling
 
 
 def default_aux_layers(num_layers: int) -> list[int]:

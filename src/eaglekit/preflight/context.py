@@ -17,7 +17,7 @@ from pathlib import Path
 
 from eaglekit.contract import StageContext
 from eaglekit.drafters.registry import family_named
-from eaglekit.model.eagle3_checkpoint import layer_window
+from eaglekit.model.checkpoint_files import layer_window
 from eaglekit.model.sliding_window import FAR_BEYOND, draft_window, served_context, training_lengths
 from eaglekit.preflight import CheckResult, ok, skip, warn, will_be_produced
 

@@ -21,7 +21,7 @@ from eaglekit.data.split import is_held_out
 from eaglekit.drafters.family import DrafterFamily
 from eaglekit.drafters.registry import family_named, family_of_folder
 from eaglekit.errors import EaglekitError, UsageError
-from eaglekit.model.eagle3_checkpoint import CheckpointInfo
+from eaglekit.model.checkpoint_files import CheckpointInfo
 from eaglekit.model.hub import cached_drafter, is_hub_id
 from eaglekit.model.run_shapes import target_and_aux
 from eaglekit.model.target import decoder_parts

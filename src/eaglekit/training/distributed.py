@@ -16,12 +16,15 @@ import datetime
 import os
 import socket
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from eaglekit.errors import UsageError
+from eaglekit.progress import console
 from eaglekit.training.context_parallel import ContextGroup
 
 
@@ -187,3 +190,21 @@ def _first_line(text: str, limit: int = 240) -> str:
     line = line.split("] ", 1)[1] if line.startswith("[") and "] " in line else line  # gloo's source location
     line = line.split(" This is typically caused by", 1)[0]  # gloo's advice, which the message replaces
     return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+def say(message: str) -> None:
+    """Print once per run: on rank 0 (every rank computes the same figures)."""
+    if is_main():
+        console.print(message)
+
+
+def wrap(module: nn.Module, mode: str, device: torch.device) -> nn.Module:
+    if not active():
+        return module
+    if mode == "fsdp":
+        from torch.distributed.fsdp import fully_shard  # lazy: heavy (torch.distributed.fsdp)
+
+        # One unit: the drafter is one layer, and TTT calls its parts directly rather than through forward().
+        return cast(nn.Module, fully_shard(module, reshard_after_forward=False))  # the module, its class extended
+
+    return DDP(module, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)

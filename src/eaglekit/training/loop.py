@@ -33,22 +33,23 @@ from eaglekit import atomic
 from eaglekit.config import RunConfig
 from eaglekit.data.tokens import TokenStore
 from eaglekit.data.vocab import load_vocab
+from eaglekit.drafters.eagle3.model import Eagle3Drafter
+from eaglekit.drafters.eagle3.objective import TTT
 from eaglekit.drafters.family import DrafterFamily
 from eaglekit.drafters.registry import family_of_run
 from eaglekit.interrupt import StopRequest
-from eaglekit.model.eagle3 import Eagle3Drafter
 from eaglekit.model.target import TargetReads, aux_layer_ids, embedding_and_head, load_target, target_hf_config
 from eaglekit.progress import Meter
 from eaglekit.rundir import RunDir
 from eaglekit.training import distributed as dist
 from eaglekit.training.context_parallel import ContextGroup
 from eaglekit.training.data import Batch, Loader, RunBatches
+from eaglekit.training.distributed import say, wrap
 from eaglekit.training.early_stop import TauWatch
 from eaglekit.training.features import Features
+from eaglekit.training.figures import simulated_acceptance_length
 from eaglekit.training.guard import refuse_non_finite_step, refuse_non_finite_weights
-from eaglekit.training.init import say
 from eaglekit.training.metrics import Metrics, Window
-from eaglekit.training.objective import TTT, wrap
 from eaglekit.training.optim import build_optimizer, build_scheduler
 from eaglekit.training.step_checkpoints import (
     STATE,
@@ -62,7 +63,6 @@ from eaglekit.training.step_checkpoints import (
     without_frozen_embedding,
 )
 from eaglekit.training.stream import FeatureStream, open_stream
-from eaglekit.training.ttt import simulated_acceptance_length
 
 # Names the tests and benchmarks reach through this module (they patch Metrics.write to kill a run mid-way).
 __all__ = ["Features", "Metrics", "TTT", "train", "wrap"]

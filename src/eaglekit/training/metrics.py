@@ -10,7 +10,7 @@ import torch
 
 from eaglekit import atomic
 from eaglekit.training import distributed as dist
-from eaglekit.training.ttt import TTTOutput
+from eaglekit.training.figures import StepFigures
 
 
 class Window:
@@ -26,7 +26,7 @@ class Window:
         self.tokens = s.get("tokens", 0)
         self.anchor = s.get("anchor", 0.0)
 
-    def add(self, out: TTTOutput, loss: float, tokens: int) -> None:
+    def add(self, out: StepFigures, loss: float, tokens: int) -> None:
         self.loss += loss
         self.micro += 1
         self.tokens += tokens

@@ -17,10 +17,10 @@ import torch
 from torch import nn
 
 from eaglekit import atomic
+from eaglekit.drafters.eagle3.model import Eagle3Drafter
 from eaglekit.drafters.family import DrafterFamily
 from eaglekit.errors import EaglekitError
 from eaglekit.interrupt import StopRequest
-from eaglekit.model.eagle3 import Eagle3Drafter
 from eaglekit.training import distributed as dist
 from eaglekit.training.checkpoint_integrity import STATE, intact_resume_point
 from eaglekit.training.metrics import reduce_device

@@ -41,18 +41,18 @@ What the loaders read (vLLM ``model_executor/models/llama_eagle3.py``, ``deepsee
 from __future__ import annotations
 
 import json
-import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from eaglekit.atomic import atomic_dir
+from eaglekit.drafters.eagle3.model import FLAGS, LAYERS, DrafterConfig, Eagle3Drafter
 from eaglekit.errors import EaglekitError, UsageError
-from eaglekit.model.eagle3 import FLAGS, LAYERS, DrafterConfig, Eagle3Drafter, rope_from_config, text_config
+from eaglekit.model.checkpoint_files import CheckpointInfo, layer_window, read_json, read_weights
+from eaglekit.model.target import rope_from_config, text_config
 
 LEGACY, SPECULATORS = "legacy", "speculators"
 SPECULATORS_ARCHITECTURE = "Eagle3Speculator"
@@ -299,28 +299,6 @@ def save_speculators(
 # ------------------------------------------------------------------------------------------ reading
 
 
-@dataclass
-class CheckpointInfo:
-    form: str  # "legacy" or "speculators"
-    path: Path
-    missing_embeddings: bool  # embed_tokens absent: load the target's embedding before use
-    aux_layer_ids: list[int] | None  # HF hidden_states indices; None = not pinned (servers use [2, N//2, N-3])
-    verifier: str | None = None
-    weight_files: list[str] = field(default_factory=list)
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise UsageError(
-            f"{path}: cannot read JSON ({err})", "restore the file from the published checkpoint"
-        ) from None
-    if not isinstance(data, dict):
-        raise UsageError(f"{path}: expected a JSON object", "restore the file from the published checkpoint")
-    return data
-
-
 def _eagle_config(raw: dict) -> dict:
     """The legacy form's ``eagle_config`` section (where vLLM and SGLang read aux ids and flags), {} if absent."""
     section = raw.get("eagle_config")
@@ -370,21 +348,12 @@ def _config_from_layer(
         raise UsageError(f"{source}: {err.message}", err.remedy) from None
 
 
-def layer_window(layer: dict) -> int | None:
-    """The sliding window vLLM applies to the one draft layer of a config: ``sliding_window`` where
-    ``layer_types[0]`` is "sliding_attention" (a window without layer_types is not applied)."""
-    types = layer.get("layer_types")
-    if isinstance(types, list) and types and types[0] == "sliding_attention" and layer.get("sliding_window"):
-        return int(layer["sliding_window"])
-    return None
-
-
 def read_config(path: Path) -> tuple[str, DrafterConfig, str | None]:
     """(form, drafter config, verifier) from a checkpoint folder's config.json."""
     source = path / "config.json"
     if not source.exists():
         raise UsageError(f"{source} not found", "point at the drafter's folder (the one holding config.json)")
-    raw = _read_json(source)
+    raw = read_json(source)
     if "speculators_model_type" in raw:
         if raw["speculators_model_type"] != "eagle3":
             raise UsageError(
@@ -417,46 +386,6 @@ def read_config(path: Path) -> tuple[str, DrafterConfig, str | None]:
         "norm_before_residual": bool(raw.get("norm_before_residual", False)),
     }
     return LEGACY, _config_from_layer(raw, raw, source, aux or None, flags), None
-
-
-def _load_weight_file(path: Path) -> dict[str, torch.Tensor]:
-    if not path.exists():
-        raise EaglekitError(f"{path} not found", "the checkpoint is incomplete; download it again")
-    try:
-        if path.suffix == ".safetensors":
-            return load_file(str(path))
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except (SafetensorError, RuntimeError, OSError, EOFError, ValueError, pickle.UnpicklingError) as err:
-        raise EaglekitError(f"{path}: cannot read weights ({err})", "the file is damaged; download it again") from None
-    if not isinstance(state, dict):
-        raise EaglekitError(f"{path}: expected a dict of tensors", "use the checkpoint's weight file")
-    return state
-
-
-def read_weights(path: Path) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """All tensors of a checkpoint folder: (sharded) model.safetensors, else (sharded) pytorch_model.bin."""
-    for index_name, single in (
-        ("model.safetensors.index.json", "model.safetensors"),
-        ("pytorch_model.bin.index.json", "pytorch_model.bin"),
-    ):
-        index = path / index_name
-        if index.exists():
-            weight_map = _read_json(index).get("weight_map")
-            if not isinstance(weight_map, dict):
-                raise UsageError(f"{index}: no weight_map", "restore the index file from the published checkpoint")
-            files = sorted(set(weight_map.values()))
-        elif (path / single).exists():
-            files = [single]
-        else:
-            continue
-        state: dict[str, torch.Tensor] = {}
-        for name in files:
-            state.update(_load_weight_file(path / name))
-        return state, files
-    raise UsageError(
-        f"{path}: no model.safetensors or pytorch_model.bin (sharded or not)",
-        "point at the drafter's folder; training_state.pt alone holds no drafter weights",
-    )
 
 
 # Other names of the same weights in published checkpoints: SGLang's older per-aux norms, and the fused
@@ -624,7 +553,7 @@ def served_settings(path: str | Path, engine: str, target_layers: int) -> Served
       ``input_norm``); SGLang reads ``fc_norm`` (or ``use_aux_norm``) and ``norm_output``, nothing else
       (``sglang_ignores``).
     """
-    raw = _read_json(Path(path) / "config.json")
+    raw = read_json(Path(path) / "config.json")
     speculators = "speculators_model_type" in raw
     layer = raw.get("transformer_layer_config") if speculators else raw
     layer = layer if isinstance(layer, dict) else {}

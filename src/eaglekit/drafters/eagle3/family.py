@@ -23,24 +23,25 @@ from eaglekit.config import Eagle3Draft, RunConfig, TrainConfig
 from eaglekit.contract import StageContext
 from eaglekit.data.chat import load_tokenizer
 from eaglekit.data.eval_report import report_markdown
-from eaglekit.drafters import eagle3_diagnosis
 from eaglekit.drafters.diagnosis import ServedDrafter
+from eaglekit.drafters.eagle3 import checkpoint as eagle3_checkpoint
+from eaglekit.drafters.eagle3 import diagnosis as eagle3_diagnosis
+from eaglekit.drafters.eagle3.fused import compile_drafter, step_kernels
+from eaglekit.drafters.eagle3.init import build_drafter
+from eaglekit.drafters.eagle3.memory import step_memory
+from eaglekit.drafters.eagle3.model import FLAGS, DrafterConfig, Eagle3Drafter
+from eaglekit.drafters.eagle3.objective import TTT
+from eaglekit.drafters.eagle3.proposer import EagleProposer
 from eaglekit.drafters.family import Built, LoadChecked, Objective, Verdict, verifier_id
 from eaglekit.errors import EaglekitError
-from eaglekit.model import eagle3_checkpoint
-from eaglekit.model.eagle3 import FLAGS, DrafterConfig, Eagle3Drafter, rope_from_config, text_config
-from eaglekit.model.eagle3_checkpoint import CheckpointInfo
+from eaglekit.model.checkpoint_files import CheckpointInfo
 from eaglekit.model.run_shapes import target_and_aux
 from eaglekit.model.sliding_window import draft_window
-from eaglekit.model.target import embedding_and_head
+from eaglekit.model.target import embedding_and_head, rope_from_config, text_config
 from eaglekit.progress import console
 from eaglekit.serving.engine_features import export_check
-from eaglekit.speculative.decode import EagleProposer
 from eaglekit.training.context_parallel import ContextGroup
-from eaglekit.training.fused import compile_drafter, step_kernels
-from eaglekit.training.init import build_drafter
-from eaglekit.training.memory import StepMemory, step_memory
-from eaglekit.training.objective import TTT
+from eaglekit.training.memory import StepMemory
 
 
 class Eagle3Family:

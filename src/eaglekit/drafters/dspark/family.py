@@ -10,11 +10,12 @@ from typing import Any
 import torch
 
 from eaglekit.config import DSparkDraft, RunConfig
-from eaglekit.drafters.dflash import DFlashFamily
-from eaglekit.model import dspark, dspark_checkpoint
-from eaglekit.model.dspark import DSparkConfig, DSparkDrafter
-from eaglekit.model.eagle3 import text_config
-from eaglekit.speculative.block import DSparkProposer
+from eaglekit.drafters.dflash.family import DFlashFamily
+from eaglekit.drafters.dspark import checkpoint as dspark_checkpoint
+from eaglekit.drafters.dspark import model as dspark
+from eaglekit.drafters.dspark.model import DSparkConfig, DSparkDrafter
+from eaglekit.drafters.dspark.proposer import DSparkProposer
+from eaglekit.model.target import text_config
 
 # vLLM 0.32 serves DSpark only in its V2 model runner; the V1 runner refuses it at config time with
 # "Model Runner V1 does not support: dspark speculative decoding" (vllm/config/vllm.py:2979 and :3202), and the

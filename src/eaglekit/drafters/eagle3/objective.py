@@ -6,17 +6,14 @@ family with another objective (a block drafter, say) supplies its own module wit
 
 from __future__ import annotations
 
-from typing import cast
-
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from eaglekit.config import TTTConfig
-from eaglekit.model.eagle3 import Eagle3Drafter
+from eaglekit.drafters.eagle3.fused import REFERENCE, StepKernels
+from eaglekit.drafters.eagle3.model import Eagle3Drafter
+from eaglekit.drafters.eagle3.ttt import ttt_loss
 from eaglekit.training import distributed as dist
-from eaglekit.training.fused import REFERENCE, StepKernels
-from eaglekit.training.ttt import ttt_loss
 
 
 class TTT(nn.Module):
@@ -86,15 +83,3 @@ def feature_noise(aux: torch.Tensor, kind: str, scale: float) -> torch.Tensor:
     if kind == "gaussian":
         return torch.randn_like(aux) * scale
     raise ValueError(f"unknown noise kind {kind!r}; expected none, uniform or gaussian")
-
-
-def wrap(module: nn.Module, mode: str, device: torch.device) -> nn.Module:
-    if not dist.active():
-        return module
-    if mode == "fsdp":
-        from torch.distributed.fsdp import fully_shard  # lazy: heavy (torch.distributed.fsdp)
-
-        # One unit: the drafter is one layer, and TTT calls its parts directly rather than through forward().
-        return cast(nn.Module, fully_shard(module, reshard_after_forward=False))  # the module, its class extended
-
-    return DDP(module, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)

@@ -18,20 +18,21 @@ from eaglekit import atomic
 from eaglekit.config import DFlashDraft, RunConfig, TrainConfig
 from eaglekit.contract import StageContext
 from eaglekit.data.chat import load_tokenizer
-from eaglekit.drafters import block_diagnosis
+from eaglekit.drafters.dflash import checkpoint as dflash_checkpoint
+from eaglekit.drafters.dflash import diagnosis as block_diagnosis
+from eaglekit.drafters.dflash import model as dflash
+from eaglekit.drafters.dflash.memory import block_step_memory
+from eaglekit.drafters.dflash.model import DFlashConfig, DFlashDrafter
+from eaglekit.drafters.dflash.objective import DEFAULT_ANCHORS, BlockObjective
+from eaglekit.drafters.dflash.proposer import BlockProposer
 from eaglekit.drafters.diagnosis import ServedDrafter
 from eaglekit.drafters.family import Built, LoadChecked, Objective, Verdict, verifier_id
 from eaglekit.errors import EaglekitError, UsageError
-from eaglekit.model import dflash, dflash_checkpoint
-from eaglekit.model.dflash import DFlashConfig, DFlashDrafter
-from eaglekit.model.eagle3 import text_config
-from eaglekit.model.eagle3_checkpoint import CheckpointInfo
+from eaglekit.model.checkpoint_files import CheckpointInfo
 from eaglekit.model.run_shapes import target_and_aux
+from eaglekit.model.target import text_config
 from eaglekit.progress import console
 from eaglekit.serving.engine_features import export_check
-from eaglekit.speculative.block import BlockProposer
-from eaglekit.training.block import DEFAULT_ANCHORS, BlockObjective
-from eaglekit.training.block_memory import block_step_memory
 from eaglekit.training.context_parallel import ContextGroup
 from eaglekit.training.data import pack_length
 from eaglekit.training.memory import StepMemory

@@ -8,11 +8,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from eaglekit.data.verify_report import BLOCK_CAUSES, CAUSES
+from eaglekit.drafters.dflash.checkpoint import cpu_build_problem, read_dflash_config
 from eaglekit.drafters.diagnosis import ServedDrafter, cause_row, engine_drops, read_json
-from eaglekit.model.dflash_checkpoint import cpu_build_problem, read_dflash_config
-from eaglekit.model.eagle3 import rope_from_config, text_config
-from eaglekit.model.eagle3_checkpoint import read_weights
-from eaglekit.model.target import target_hf_config
+from eaglekit.model.checkpoint_files import read_weights
+from eaglekit.model.target import rope_from_config, target_hf_config, text_config
 from eaglekit.serving import engine_features as features
 
 

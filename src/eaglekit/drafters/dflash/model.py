@@ -51,9 +51,9 @@ from torch import nn
 from eaglekit.config import DFlashDraft, RunConfig
 from eaglekit.data.chat import load_tokenizer
 from eaglekit.errors import UsageError
-from eaglekit.model.eagle3 import rope_from_config, rope_inv_freq, text_config
-from eaglekit.model.layers import MLP, RMSNorm, Rotary, apply_rope, repeat_kv
+from eaglekit.model.layers import MLP, RMSNorm, Rotary, apply_rope, repeat_kv, rope_inv_freq
 from eaglekit.model.sliding_window import draft_window
+from eaglekit.model.target import rope_from_config, text_config
 
 DEFAULT_LAYERS = 5  # speculators 0.9.0's DFlash recipe (5 layers, block 16, CE with D-PACE)
 DEFAULT_BLOCK_SIZE = 16
@@ -320,12 +320,13 @@ class DFlashDrafter(nn.Module):
         for shared in (self.embed_tokens.weight, self.lm_head.weight):
             shared.requires_grad_(False)
         # normal(0, 0.02) as EAGLE-3's layer and speculators' DFlash start (HF's initializer_range), not torch's
-        # fan-in uniform: the race against speculators' trainer measured the difference (benchmarks/RESULTS.md)
+        # fan-in uniform: the race against speculators' trainer measured the difference
+        # (benchmarks/results/block-drafters.md, "eaglekit's DFlash trainer")
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, std=0.02)
         # the target's RoPE, computed as EAGLE-3's layer computes it (it reads only the fields both configs share)
-        self.rotary = Rotary(*rope_inv_freq(cfg))  # type: ignore[arg-type]
+        self.rotary = Rotary(*rope_inv_freq(cfg))
 
     def take_target(self, embed: torch.Tensor, head: torch.Tensor) -> None:
         """Copy in the target's embedding table and lm_head (both [V, H])."""

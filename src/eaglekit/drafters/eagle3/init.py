@@ -11,18 +11,11 @@ import dataclasses
 
 import torch
 
-from eaglekit.model import eagle3_checkpoint
-from eaglekit.model.eagle3 import DrafterConfig, Eagle3Drafter
+from eaglekit.drafters.eagle3 import checkpoint as eagle3_checkpoint
+from eaglekit.drafters.eagle3.model import DrafterConfig, Eagle3Drafter
 from eaglekit.model.hub import drafter_folder
-from eaglekit.progress import console
 from eaglekit.serving.engine_features import check_published
-from eaglekit.training import distributed as dist
-
-
-def say(message: str) -> None:
-    """Print once per run: on rank 0 (every rank computes the same figures)."""
-    if dist.is_main():
-        console.print(message)
+from eaglekit.training.distributed import say
 
 
 def new_drafter(
@@ -130,7 +123,7 @@ def build_drafter(cfg, hf_config, d2t, t2d, embed, head, aux_ids, settings: dict
 
 def freeze_head(drafter: Eagle3Drafter, cfg, has_rows: bool) -> str:
     """train.freeze_lm_head: the draft head stays at the rows it starts from, when it has some ("frozen"), else
-    it trains ("trained"). Trained, on the τ race against speculators (benchmarks/RESULTS.md), it drifted 38 %
+    it trains ("trained"). Trained, on the τ race against speculators (benchmarks/results/tau-race.md), it drifted 38 %
     from the target's rows and cost 11 % of τ at K=5; frozen, the layer learns to speak the target's head.
     A head that starts random or zero must train, whatever the setting."""
     frozen = cfg.train.freeze_lm_head and has_rows

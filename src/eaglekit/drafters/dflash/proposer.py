@@ -17,19 +17,13 @@ round can see an older one (vLLM's sliding-window KV cache manager frees them to
 K may be smaller than the trained block (block_size - 1 mask slots): vLLM then builds K+1 queries, and so does
 this proposer; serving with a K the drafter was not trained at changes what the queries see, and that is what
 ``evaluate`` measures per K.
-
-A DSpark drafter (``model/dspark.py``) is proposed for as vLLM 0.32's ``DSparkSpeculator`` does it
-(``v1/worker/gpu/spec_decode/dspark/speculator.py``, anchor sampling): the same cached context, K queries
-``[last emitted token, mask × (K-1)]`` at positions n..n+K-1, every query drafting (query n+i proposes the token at
-n+i+1), sampled left to right with the Markov bias of the previous draft (the last emitted token for the first).
 """
 
 from __future__ import annotations
 
 import torch
 
-from eaglekit.model.dflash import DFlashDrafter
-from eaglekit.model.dspark import DSparkDrafter
+from eaglekit.drafters.dflash.model import DFlashDrafter
 
 
 class BlockProposer:
@@ -87,17 +81,3 @@ class BlockProposer:
     ) -> tuple[list[int], torch.Tensor | None]:
         logits = self.block_logits([self.last] + [self.mask_token_id] * k)
         return logits[1:].argmax(-1).tolist(), None
-
-
-class DSparkProposer(BlockProposer):
-    """Block drafting from the anchor with the Markov head's left-to-right sampling (module docstring)."""
-
-    drafter: DSparkDrafter
-
-    @torch.no_grad()
-    def propose(
-        self, k: int, temperature: float, generator: torch.Generator | None
-    ) -> tuple[list[int], torch.Tensor | None]:
-        return self.drafter.draft_block(
-            self.block_logits([self.last] + [self.mask_token_id] * (k - 1)), self.last
-        ), None

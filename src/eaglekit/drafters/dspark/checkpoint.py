@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 
+from eaglekit.drafters.dflash import checkpoint as block
+from eaglekit.drafters.dspark.model import DSparkConfig, DSparkDrafter
 from eaglekit.errors import UsageError
-from eaglekit.model import dflash_checkpoint as block
-from eaglekit.model.dspark import DSparkConfig, DSparkDrafter
 from eaglekit.model.target import embedding_and_head
 
 ARCHITECTURE = "Qwen3DSparkModel"

@@ -28,45 +28,28 @@ import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import nn
 
+from eaglekit.drafters.eagle3.mla_layer import MLA_FIELDS, MLA_LAYER, MLALayer
 from eaglekit.errors import UsageError
-from eaglekit.model.layers import AttentionProjections, Eagle3Block, RMSNorm, Rotary, apply_rope, repeat_kv, sdpa
-from eaglekit.model.mla import MLA_FIELDS, MLA_LAYER, MLALayer
+from eaglekit.model.draft_vocab import build_d2t_t2d
+from eaglekit.model.layers import (
+    AttentionProjections,
+    Eagle3Block,
+    RMSNorm,
+    Rotary,
+    apply_rope,
+    repeat_kv,
+    rope_inv_freq,
+    sdpa,
+)
+from eaglekit.model.target import rope_from_config, text_config
 
 FLAGS = ("fc_norm", "norm_before_fc", "norm_output", "norm_before_residual")
-__all__ = ["DrafterConfig", "Eagle3Drafter", "DraftKVCache", "build_d2t_t2d", "apply_rope", "repeat_kv"]
-
-
-def text_config(hf_config: Any) -> Any:
-    """The language-model part of a HF config (multimodal configs nest it); dicts are accepted too."""
-    if isinstance(hf_config, dict):
-        hf_config = SimpleNamespace(**hf_config)
-    get_text = getattr(hf_config, "get_text_config", None)
-    if callable(get_text):
-        return get_text()
-    nested = getattr(hf_config, "text_config", None)
-    return text_config(nested) if nested is not None else hf_config
-
-
-def rope_from_config(cfg: Any) -> tuple[float, dict | None]:
-    """(rope_theta, rope_scaling) of a HF config, transformers 4 (rope_theta/rope_scaling) or 5 (rope_parameters)."""
-    params = getattr(cfg, "rope_parameters", None)
-    if isinstance(params, dict) and params:
-        if all(isinstance(v, dict) for v in params.values()):  # per-layer-type rope (e.g. gemma): take full attention
-            params = params.get("full_attention") or next(iter(params.values()))
-        theta = float(params.get("rope_theta", getattr(cfg, "rope_theta", None) or 10000.0))
-        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-    else:
-        theta = float(getattr(cfg, "rope_theta", None) or 10000.0)
-        scaling = dict(getattr(cfg, "rope_scaling", None) or {})
-    if scaling.get("rope_type", scaling.get("type", "default")) == "default":
-        return theta, None
-    return theta, scaling
+__all__ = ["DrafterConfig", "Eagle3Drafter", "DraftKVCache", "apply_rope", "repeat_kv"]
 
 
 class MLAShape(NamedTuple):
@@ -281,60 +264,8 @@ class DrafterConfig:
         return cls(**d)
 
 
-def build_d2t_t2d(selected_target_ids: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The vocabulary mapping buffers for draft vocab = ``selected_target_ids`` (sorted, unique).
-
-    d2t[i] = selected[i] - i (so target = draft + d2t[draft]); t2d[j] is True for selected target ids.
-    """
-    ids = torch.as_tensor(selected_target_ids).to(torch.long).cpu()
-    if ids.dim() != 1 or ids.numel() == 0:
-        raise UsageError(
-            f"selected target ids must be a non-empty 1-D tensor, got shape {list(ids.shape)}",
-            "pass the sorted target token ids of the draft vocabulary",
-        )
-    if ids[0] < 0 or ids[-1] >= vocab_size:
-        raise UsageError(
-            f"selected target ids must lie in 0..{vocab_size - 1}, got {ids.min().item()}..{ids.max().item()}",
-            "the draft vocabulary was built for another tokenizer; rerun the vocab stage",
-        )
-    if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):
-        raise UsageError("selected target ids must be sorted and unique", "sort them (torch.unique does both)")
-    d2t = ids - torch.arange(ids.numel())
-    t2d = torch.zeros(vocab_size, dtype=torch.bool)
-    t2d[ids] = True
-    return d2t, t2d
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # The Llama layer
-
-
-def rope_inv_freq(cfg: DrafterConfig) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies (float64) and the cos/sin scale of the Llama layer's RoPE, as the target computes them."""
-    scaling = cfg.rope_scaling or {}
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    _, head_dim = cfg.llama_heads
-    if rope_type == "default":
-        return 1.0 / cfg.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim), 1.0
-    # Every scaled variant (linear, llama3, yarn, ...) comes from transformers so it matches the target exactly.
-    from transformers import LlamaConfig  # lazy: heavy (transformers)
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # lazy: heavy (transformers)
-
-    if rope_type not in ROPE_INIT_FUNCTIONS:
-        raise UsageError(
-            f"drafter config: rope_scaling.rope_type '{rope_type}' is not supported",
-            f"supported: default, {', '.join(ROPE_INIT_FUNCTIONS)}",
-        )
-    hf = LlamaConfig(
-        hidden_size=cfg.num_attention_heads * head_dim,
-        num_attention_heads=cfg.num_attention_heads,
-        head_dim=head_dim,
-        max_position_embeddings=cfg.max_position_embeddings,
-        rope_theta=cfg.rope_theta,  # type: ignore[call-arg]  # transformers 5's signature omits the v4 keys it still takes
-        rope_scaling={**scaling, "rope_type": rope_type},
-    )
-    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, "cpu")
-    return inv_freq.to(torch.float64), float(attention_scaling)
 
 
 class Attention(AttentionProjections):

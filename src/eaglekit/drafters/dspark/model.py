@@ -31,9 +31,9 @@ import torch
 from torch import nn
 
 from eaglekit.config import DSparkDraft, RunConfig
+from eaglekit.drafters.dflash import model as dflash
+from eaglekit.drafters.dflash.model import DFlashConfig, DFlashDrafter
 from eaglekit.errors import UsageError
-from eaglekit.model import dflash
-from eaglekit.model.dflash import DFlashConfig, DFlashDrafter
 
 DEFAULT_MARKOV_RANK = 256  # speculators 0.9.0's DSparkSpeculatorConfig.markov_rank
 

@@ -12,10 +12,10 @@ import torch
 
 from eaglekit.data.verify_report import CAUSES
 from eaglekit.drafters.diagnosis import ServedDrafter, cause_row, engine_drops, tensor_or_none
+from eaglekit.drafters.eagle3.checkpoint import ServedSettings, read_config, served_settings
+from eaglekit.drafters.eagle3.model import FLAGS
 from eaglekit.errors import EaglekitError
-from eaglekit.model.eagle3 import FLAGS, rope_from_config, text_config
-from eaglekit.model.eagle3_checkpoint import ServedSettings, read_config, served_settings
-from eaglekit.model.target import embedding_and_head, target_hf_config
+from eaglekit.model.target import embedding_and_head, rope_from_config, target_hf_config, text_config
 
 
 @dataclass

@@ -6,9 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 from eaglekit.config import LlamaDraft, RunConfig
-from eaglekit.drafters.eagle3 import Eagle3Family
+from eaglekit.drafters.eagle3.family import Eagle3Family
+from eaglekit.drafters.eagle3.model import DrafterConfig
 from eaglekit.drafters.family import Verdict
-from eaglekit.model.eagle3 import DrafterConfig, text_config
+from eaglekit.model.target import text_config
 
 
 class Eagle3LlamaFamily(Eagle3Family):
@@ -20,7 +21,7 @@ class Eagle3LlamaFamily(Eagle3Family):
 
     def draft_settings(self, cfg: RunConfig) -> dict[str, Any]:
         """The EAGLE 3.1 flags ``fc_norm`` and ``norm_output`` are on unless set: the τ race measured them ahead of
-        the plain form on every seed (benchmarks/RESULTS.md, "The lever table"), and vLLM and SGLang read both.
+        the plain form on every seed (benchmarks/results/levers.md, "The lever table"), and vLLM and SGLang read both.
         fc_norm stays off when norm_before_fc is asked for (one norm before fc or the other)."""
         settings = super().draft_settings(cfg)
         if settings.get("fc_norm") is None and not settings.get("norm_before_fc"):

@@ -4,9 +4,9 @@ Kimi-K2.5/K2.6. It has the plain form only (no speculators form: ``model/mla.NO_
 from __future__ import annotations
 
 from eaglekit.config import MlaDraft
-from eaglekit.drafters.eagle3 import Eagle3Family
-from eaglekit.model.eagle3 import DrafterConfig
-from eaglekit.model.mla import NO_MLA_SPECULATORS
+from eaglekit.drafters.eagle3.family import Eagle3Family
+from eaglekit.drafters.eagle3.mla_layer import NO_MLA_SPECULATORS
+from eaglekit.drafters.eagle3.model import DrafterConfig
 
 
 class Eagle3MlaFamily(Eagle3Family):

@@ -44,29 +44,19 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from eaglekit.config import StepWeights, TTTConfig
+from eaglekit.drafters.eagle3.attention import causal_attention, span_attention
+from eaglekit.drafters.eagle3.fused import REFERENCE, StepKernels
+from eaglekit.drafters.eagle3.head_loss import HeadTargets, head_soft_cross_entropy
+from eaglekit.drafters.eagle3.model import Eagle3Drafter
 from eaglekit.errors import UsageError
-from eaglekit.model.eagle3 import Eagle3Drafter
 from eaglekit.model.layers import repeat_kv, sdpa
-from eaglekit.training.attention import causal_attention, span_attention
 from eaglekit.training.context_parallel import ContextShard
-from eaglekit.training.fused import REFERENCE, StepKernels
-from eaglekit.training.head_loss import HeadTargets, head_soft_cross_entropy
+from eaglekit.training.figures import StepFigures
 
 # Blocks of _PrefixAttention: at most this many score elements (rows x keys x heads), bounding the transient
 # memory, and at most BLOCK_ROWS rows, so a block's key range stops near its last row (causal work is ~halved).
 BLOCK_ELEMENTS = 1 << 24
 BLOCK_ROWS = 256
-
-
-@dataclass
-class TTTOutput:
-    loss: torch.Tensor  # scalar, sum_k w_k * (summed loss of step k) / normalizer(count_k)
-    loss_k: list[
-        float
-    ]  # per step: mean loss (soft cross-entropy for kl_div) over this batch's counted positions (0.0 where none)
-    acc_k: list[float]  # per step: share of counted positions where draft argmax == target argmax
-    count_k: list[int]  # per step: counted positions
-    anchor: float = 0.0  # ||θ - θ0||² when the training loop pulls toward starting weights (train.ttt.anchor_weight)
 
 
 class _PrefixAttention(torch.autograd.Function):
@@ -520,7 +510,7 @@ def ttt_loss(
     settings: TTTConfig | None = None,
     kernels: StepKernels = REFERENCE,
     normalizer: Callable[[torch.Tensor], torch.Tensor] | None = None,
-) -> TTTOutput:
+) -> StepFigures:
     """The TTT loss of one right-padded batch.
 
     Conventions (t indexes positions 0..L-1 of a row):
@@ -598,13 +588,4 @@ def ttt_loss(
     counts = at.count_k.tolist()
     loss_k = [s / c if c else 0.0 for s, c in zip(sums.double().tolist(), counts, strict=False)]
     acc_k = [a / c if c else 0.0 for a, c in zip(hits.tolist(), counts, strict=False)]
-    return TTTOutput(loss=result.loss, loss_k=loss_k, acc_k=acc_k, count_k=counts)
-
-
-def simulated_acceptance_length(acc_k: list[float]) -> float:
-    """Tokens per verification pass if draft k is accepted with probability acc_k[k]: 1 + sum_k prod_{j<=k} acc_j."""
-    total, run = 1.0, 1.0
-    for acc in acc_k:
-        run *= acc
-        total += run
-    return total
+    return StepFigures(loss=result.loss, loss_k=loss_k, acc_k=acc_k, count_k=counts)

@@ -46,9 +46,9 @@ import torch
 from safetensors.torch import save_file
 
 from eaglekit.atomic import atomic_dir
+from eaglekit.drafters.dflash.model import DFlashConfig, DFlashDrafter
 from eaglekit.errors import EaglekitError, UsageError
-from eaglekit.model.dflash import DFlashConfig, DFlashDrafter
-from eaglekit.model.eagle3_checkpoint import read_weights
+from eaglekit.model.checkpoint_files import read_weights
 from eaglekit.model.target import embedding_and_head
 
 ARCHITECTURE = "DFlashDraftModel"

@@ -21,10 +21,10 @@ from typing import Literal
 
 import torch
 
+from eaglekit.drafters.eagle3.head_loss import ChunkFn, head_loss_chunk
+from eaglekit.drafters.eagle3.model import Eagle3Drafter
 from eaglekit.errors import UsageError
-from eaglekit.model.eagle3 import Eagle3Drafter
 from eaglekit.training.context_parallel import ContextGroup
-from eaglekit.training.head_loss import ChunkFn, head_loss_chunk
 
 AttentionKind = Literal["reference", "sdpa", "flex"]
 

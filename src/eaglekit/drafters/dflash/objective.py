@@ -40,9 +40,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eaglekit.model.dflash import DFlashDrafter
+from eaglekit.drafters.dflash.model import DFlashDrafter
 from eaglekit.training.context_parallel import ContextGroup, ContextShard
-from eaglekit.training.ttt import TTTOutput  # the loop's per-position figures (the loop reads no more of TTT)
+from eaglekit.training.figures import StepFigures
 
 WEIGHTINGS = ("dpace", "exp-decay")
 DEFAULT_ANCHORS = 512  # speculators 0.9.0's max_anchors
@@ -289,4 +289,4 @@ class BlockObjective(nn.Module):
         counted = out.counted[first:].tolist()
         acc = [c / n if n else 0.0 for c, n in zip(out.correct[first:].tolist(), counted, strict=True)]
         loss_k = [float(out.slot_loss[k]) for k in range(first, first + self.positions)]
-        return loss, TTTOutput(loss=loss, loss_k=loss_k, acc_k=acc, count_k=[int(n) for n in counted])
+        return loss, StepFigures(loss=loss, loss_k=loss_k, acc_k=acc, count_k=[int(n) for n in counted])

@@ -35,10 +35,10 @@ from typing import Any
 
 import torch
 
-from eaglekit.model.dflash import DFlashConfig, DFlashDrafter
-from eaglekit.model.dspark import DSparkConfig, DSparkDrafter
+from eaglekit.drafters.dflash.model import DFlashConfig, DFlashDrafter
+from eaglekit.drafters.dflash.objective import block_loss
+from eaglekit.drafters.dspark.model import DSparkConfig, DSparkDrafter
 from eaglekit.model.target import LOGIT_CHUNK_ELEMENTS
-from eaglekit.training.block import block_loss
 from eaglekit.training.memory import StepMemory, Storages, weight_bytes
 
 # The widths a calibration drafter scales (DFlash's hidden size is the target's: both scale together; the key/value
