@@ -137,9 +137,8 @@ class LlamaDraft(Eagle3Draft):
 
     architecture: Literal["llama"] | None = Field(
         None,
-        description="llama (MHA/GQA, the default) or mla (DeepSeek-V3/Kimi latent attention): an EAGLE-3 drafter; "
-        "dflash: a block drafter (several Qwen3-style layers drafting a block in one pass, model/dflash.py); "
-        "dspark: DFlash's backbone drafting from the anchor, plus a Markov head over the block (model/dspark.py)",
+        description="the drafter family, one of the models listed above (docs/config.md); unset: llama, the EAGLE-3 "
+        "drafter every engine serves",
     )
     num_key_value_heads: int | None = Field(None, ge=1, description="GQA: key/value heads (default: the target's)")
     head_dim: int | None = Field(None, ge=1, description="per-head width (default: the target's)")
