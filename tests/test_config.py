@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import warnings
 from pathlib import Path
+from typing import Literal
 
 import pytest
 import yaml
 from conftest import write_config
+from pydantic import Field
 
 from eaglekit import pipeline
 from eaglekit.config import (
@@ -18,6 +20,7 @@ from eaglekit.config import (
     ConfigDeprecation,
     ConfigPath,
     DFlashDraft,
+    DraftSection,
     DSparkDraft,
     GenerateConfig,
     LlamaDraft,
@@ -283,6 +286,31 @@ def test_a_dump_names_every_familys_keys_and_loads_back(tmp_path, architecture):
                                                                              *windowed}  # fmt: skip
     again = load_config(write_config(tmp_path / "c.yaml", yaml.safe_load(cfg.to_yaml())))  # the whole dump
     assert again.train.draft == cfg.train.draft and again.extract == cfg.extract
+
+
+class _ExtraDraft(DraftSection):
+    """A family's train.draft model that only the test below registers."""
+
+    architecture: Literal["extra"] = "extra"
+    depth: int | None = Field(None, ge=1, description="a key only this family reads")
+
+
+def test_a_draft_model_added_to_the_table_is_a_family_the_config_loads(tmp_path, monkeypatch):
+    """A family's config is its model and its line in DRAFT_MODELS: the table is read as each config loads, so a
+    model added at run time (as tests/test_drafter_registry.py's toy family is) validates, refuses another family's
+    keys, is refused its own by the others, dumps every family's keys and loads back, as the built-in ones do."""
+    monkeypatch.setitem(DRAFT_MODELS, "extra", _ExtraDraft)
+    cfg = parse_config({**BASE, "train": {"draft": {"architecture": "extra", "depth": 3}}})
+    assert type(cfg.train.draft) is _ExtraDraft and cfg.train.draft.depth == 3
+    with pytest.raises(UsageError, match=r"'train.draft.depth': Input should be greater than or equal to 1"):
+        parse_config({**BASE, "train": {"draft": {"architecture": "extra", "depth": 0}}})
+    with pytest.raises(UsageError, match=r"architecture extra does not read block_size \(dflash, dspark\)"):
+        parse_config({**BASE, "train": {"draft": {"architecture": "extra", "block_size": 4}}})
+    with pytest.raises(UsageError, match=r"architecture dflash does not read depth \(extra\)"):
+        parse_config({**BASE, "train": {"draft": {"architecture": "dflash", "depth": 3}}})
+    dumped = yaml.safe_load(cfg.to_yaml())
+    assert dumped["train"]["draft"]["depth"] == 3 and dumped["train"]["draft"]["block_size"] is None
+    assert load_config(write_config(tmp_path / "c.yaml", dumped)).train.draft == cfg.train.draft
 
 
 @pytest.mark.parametrize("transport", ["file", "mooncake"])
