@@ -132,7 +132,7 @@ class Eagle3Draft(DraftSection):
 
 class LlamaDraft(Eagle3Draft):
     """EAGLE-3 with one Llama decoder layer (MHA/GQA): the default family, the drafter every engine serves, for any
-    target. Unset, a fresh drafter has fc_norm and norm_output on (drafters/eagle3_llama.draft_settings: the τ
+    target. Unset, a fresh drafter has fc_norm and norm_output on (drafters/eagle3/llama.draft_settings: the τ
     race's pick)."""
 
     architecture: Literal["llama"] | None = Field(

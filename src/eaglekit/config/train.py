@@ -120,7 +120,7 @@ class TrainConfig(Section):
     @model_validator(mode="after")
     def _ttt_keys_need_ttt(self) -> TrainConfig:
         """The TTT objective's settings do nothing for a family that trains another objective (a block drafter's is
-        training/block.py's): one set away from its default is refused rather than ignored."""
+        drafters/dflash/objective.py's): one set away from its default is refused rather than ignored."""
         objective = self.draft.objective_without_ttt
         if objective is None:
             return self

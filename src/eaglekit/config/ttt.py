@@ -20,7 +20,7 @@ class StepWeights(tuple[float, ...]):
 
 
 class TTTConfig(Section):
-    """EAGLE-3's training-time test (training/ttt.py): its steps and their weights, the loss and its levers, the
+    """EAGLE-3's training-time test (drafters/eagle3/ttt.py): its steps and their weights, the loss and its levers, the
     step's kernels. A block drafter (dflash, dspark) trains its own objective, which reads none of them."""
 
     steps: int = Field(7, ge=1, description="draft steps trained per position, each on the drafter's own last output")
@@ -91,7 +91,7 @@ class TTTConfig(Section):
         return StepWeights.decayed(self.steps, self.decay)
 
 
-# train.ttt keys only EAGLE-3's TTT objective reads (training/objective.py, training/ttt.py): set away from their
+# train.ttt keys only EAGLE-3's TTT objective reads (drafters/eagle3/objective.py and ttt.py): set away from their
 # defaults for a block drafter, they are refused (steps, decay and the step's kernels are left out: a config switched
 # from EAGLE-3, as the demo's, has them, and they change nothing a block drafter learns)
 TTT_ONLY_KEYS = ("step_weights", "loss", "loss_normalization", "noise", "noise_scale", "anchor_weight",
