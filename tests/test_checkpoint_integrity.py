@@ -88,7 +88,7 @@ def test_every_file_of_a_checkpoint_carries_its_digest(stopped_run):
             assert atomic.sha256_file(stopped_run / "run/train/checkpoints" / folder / name) == entry["sha256"]
 
 
-@pytest.mark.parametrize("damaged", ["training_state.pt", "model.safetensors"])
+@pytest.mark.parametrize("damaged", ["training_state.pt", "model.safetensors", "config.json"])
 def test_a_damaged_latest_checkpoint_is_named_and_the_run_resumes_from_the_newest_intact_one(
     stopped_run, tmp_path, capsys, damaged
 ):
@@ -182,6 +182,25 @@ def test_a_damaged_exported_form_is_refused_by_evaluate_and_verify_and_export_wr
         pipeline.run_stage(cfg, "export", skip_preflight=True, formats=["eagle3"])
     assert f"export: done, but {named}" in " ".join(capsys.readouterr().err.split())
     assert not atomic.damage(form)
+
+
+def test_an_exported_config_edited_by_hand_is_served_as_it_is_and_not_rewritten(stopped_run, tmp_path, capsys):
+    """A hand edit of an exported config.json (trying another setting) is no damage: verify serves it, saying so,
+    and export leaves it."""
+    cfg = copy_of(stopped_run, tmp_path, verify={"engine": "vllm", "formats": ["eagle3"]})
+    with RunDir(cfg.run_dir).lock:
+        pipeline.run_stage(cfg, "export", skip_preflight=True, formats=["eagle3"])
+    form = Path(cfg.run_dir) / "export" / "eagle3"
+    raw = json.loads((form / "config.json").read_text())
+    (form / "config.json").write_text(json.dumps({**raw, "rope_theta": 1.0}, indent=2))
+    capsys.readouterr()
+    assert verify.exported_forms(pipeline.make_context(cfg, "verify")).status == "ok"
+    assert f"exported drafter {form}: edited since it was written: {form / 'config.json'}" in " ".join(
+        capsys.readouterr().err.split()
+    )
+    with RunDir(cfg.run_dir).lock:
+        assert pipeline.run_stage(cfg, "export", skip_preflight=True, formats=["eagle3"])["skipped"]
+    assert json.loads((form / "config.json").read_text())["rope_theta"] == 1.0
 
 
 def test_a_finetune_from_a_damaged_eaglekit_checkpoint_is_refused(stopped_run, tmp_path):

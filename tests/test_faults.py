@@ -9,6 +9,7 @@ import json
 import multiprocessing
 import os
 import re
+import shutil
 import signal
 import socket
 import time
@@ -21,7 +22,7 @@ from test_extract import offline, prepared_run
 from test_train import QUICK, metrics, train
 from test_train_ddp import free_port, torchrun_env
 
-from eaglekit import rundir
+from eaglekit import atomic, rundir
 from eaglekit.data import shards as sh
 from eaglekit.drafters.eagle3.objective import TTT
 from eaglekit.errors import EaglekitError
@@ -192,7 +193,11 @@ def test_evaluate_and_export_refuse_a_drafter_with_non_finite_weights(tmp_path, 
     weights = load_file(str(best / "model.safetensors"))
     weights["fc.weight"][0, :3] = float("nan")
     weights["fc.weight"][1, 0] = float("inf")
-    save_file(weights, str(best / "model.safetensors"), metadata={"format": "pt"})
+    with atomic.atomic_dir(best, digests=True) as tmp:  # as training writes a diverged drafter: digests and all
+        for f in best.iterdir():
+            if f.name != atomic.DIGESTS:
+                shutil.copy(f, tmp / f.name)
+        save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     for stage in ("evaluate", "export"):
         result = drafter_checkpoint(make_context(cfg, stage))
         assert result.status == "fail" and "non-finite" in result.detail, result.detail

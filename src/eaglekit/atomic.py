@@ -14,6 +14,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -48,23 +49,46 @@ def free_bytes(path: str | os.PathLike) -> int:
     return st.f_bavail * st.f_frsize
 
 
-def _is_wrapped_disk_full(err: BaseException, path: Path) -> bool:
-    """torch.save and safetensors report a full disk as their own RuntimeError; recognise it by its text, or by
-    a filesystem with next to no space left."""
-    text = str(err)
-    if "No space left" in text or "os error 28" in text:
-        return True
-    try:
-        return "write" in text.lower() and free_bytes(path) < (1 << 20)
-    except OSError:
-        return False
+# What torch.save's writer (a C++ stream: "unexpected pos N vs M", "file write failed") and safetensors' (Rust:
+# "I/O error: No space left on device (os error 28)") say when a write fails: they raise their own RuntimeError.
+TORCH_WRITE_FAILED = re.compile(
+    r"unexpected pos \d+ vs \d+|PytorchStreamWriter failed|file write failed|iostream error"
+)
+OS_ERROR_NUMBER = re.compile(r"\(os error (\d+)\)")
+WRAPPED_TEXTS = {"No space left on device": errno.ENOSPC, "Disk quota exceeded": errno.EDQUOT}
+
+
+def wrapped_errno(err: BaseException, path: Path) -> int | None:
+    """The errno a library's own exception stands for when it wraps a failed write (ENOSPC, EDQUOT, ...): read from
+    its text or its causes' (Rust's "os error N", the strerror), or, for torch's stream writer, which does not say
+    why, ENOSPC when the filesystem of ``path`` has next to no space left."""
+    texts = []
+    seen: set[int] = set()
+    cause: BaseException | None = err
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        texts.append(str(cause))
+        cause = cause.__cause__ or cause.__context__
+    text = " | ".join(texts)
+    if number := OS_ERROR_NUMBER.search(text):
+        return int(number.group(1))
+    for words, code in WRAPPED_TEXTS.items():
+        if words in text:
+            return code
+    if TORCH_WRITE_FAILED.search(text) or "write" in text.lower():
+        try:
+            return errno.ENOSPC if free_bytes(path) < (1 << 20) else None
+        except OSError:
+            return None
+    return None
 
 
 @contextlib.contextmanager
 def naming_file(path: str | os.PathLike, tmp: str | os.PathLike | None = None) -> Iterator[None]:
     """Inside, an OSError always names ``path`` (a failed write() on an open file names no file; one inside the
-    temp file or folder ``tmp`` is named by where it was going), and a library's wrapped "no space left" becomes
-    the OSError(ENOSPC) it stands for — so the message can say which file."""
+    temp file or folder ``tmp`` is named by where it was going), and a library's wrapped failed write (torch's,
+    safetensors', which name no file) becomes the OSError it stands for, naming ``path`` — so the message can say
+    where, and why. Wrap the library's call itself to name its file inside a folder being written."""
     try:
         yield
     except OSError as err:
@@ -74,9 +98,10 @@ def naming_file(path: str | os.PathLike, tmp: str | os.PathLike | None = None) -
             err.filename = str(path) + str(err.filename)[len(str(tmp)) :]
         raise
     except Exception as err:
-        if _is_wrapped_disk_full(err, Path(path)):
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path)) from err
-        raise
+        code = wrapped_errno(err, Path(path))
+        if code is None:
+            raise
+        raise OSError(code, os.strerror(code), str(path)) from err
 
 
 def fsync_dir(path: Path) -> None:

@@ -512,7 +512,12 @@ def main(argv: list[str] | None = None) -> None:
     except SystemExit:
         raise
     except Exception as err:
-        sys.exit(report_crash(err))
+        named = failures.outside_stage(err)  # a full disk writing the ledger between stages: named, not a crash
+        if named is None:
+            sys.exit(report_crash(err))
+        console.print(f"[bold red]error:[/] {escape(exact(named.message))}", highlight=False)
+        console.print(f"[bold]what to do:[/] {escape(exact(named.remedy or ''))}", highlight=False)
+        sys.exit(named.exit_code)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +98,37 @@ def disk_situation(ctx: StageContext, path: str | None) -> str:
     return f"{human_bytes(free)} free there{plan}"
 
 
+def disk_fault(
+    disk: OSError, prefix: str, kept: str, situation: Callable[[], str], where: Path | None = None
+) -> EaglekitError:
+    """The named error of a disk fault (full, quota, I/O, permission): the file, why, what is kept (where a rerun
+    resumes from) and, for a full disk or quota, ``situation()``: the free bytes there against what is needed."""
+    assert disk.errno is not None
+    what, fix = DISK_ERRNOS[disk.errno]
+    space = situation() if disk.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+    message = f"{prefix}{what} writing {disk.filename or where} ({disk.strerror}); {kept}" + (
+        f"; {space}" if space else ""
+    )
+    return EaglekitError(message, f"{fix}, then rerun the same command to resume")
+
+
+def outside_stage(err: BaseException) -> EaglekitError | None:
+    """A disk fault on a write between stages (the ledger, a stage folder's marker), named like one inside a stage;
+    None for anything else."""
+    disk = io_failure(err)
+    if disk is None or disk.errno is None:
+        return None
+
+    def situation() -> str:
+        try:
+            return f"{human_bytes(atomic.free_bytes(disk.filename or '.'))} free there"
+        except OSError:
+            return ""
+
+    kept = "every finished stage is kept, and what the stage in progress wrote (a rerun resumes it)"
+    return disk_fault(disk, "", kept, situation)
+
+
 def record(ctx: StageContext, err: BaseException, seconds: float) -> BaseException:
     """Write the stage's `end` event for a stop that was not success, and return what the caller should raise:
     the interrupt itself, the stage's own EaglekitError, or an EaglekitError that explains a disk fault or an
@@ -123,13 +155,8 @@ def record(ctx: StageContext, err: BaseException, seconds: float) -> BaseExcepti
         event |= {"state": "incomplete", "error": f"exit {err.code}"}
         out = err
     elif disk is not None and disk.errno is not None:  # io_failure gives only errnos of DISK_ERRNOS
-        what, fix = DISK_ERRNOS[disk.errno]
-        space = disk_situation(ctx, disk.filename) if disk.errno in (errno.ENOSPC, errno.EDQUOT) else ""
-        message = f"{stage}: {what} writing {disk.filename or ctx.dir} ({disk.strerror}); {kept}" + (
-            f"; {space}" if space else ""
-        )
-        event |= {"state": "failed", "error": message, "reason": what}
-        out = EaglekitError(message, f"{fix}, then rerun the same command to resume")
+        out = disk_fault(disk, f"{stage}: ", kept, lambda: disk_situation(ctx, disk.filename), ctx.dir)
+        event |= {"state": "failed", "error": out.message, "reason": DISK_ERRNOS[disk.errno][0]}
     elif isinstance(err, EaglekitError):
         event |= {"state": "failed", "error": err.message}
         out = err

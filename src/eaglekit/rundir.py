@@ -307,9 +307,14 @@ class RunLock:
             "started": now_iso(),
             "command": command or " ".join(sys.argv),
         }
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
-        os.fsync(fd)
+        try:
+            with atomic.naming_file(self.path):  # a full disk is named here too, before any stage runs
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
+                os.fsync(fd)
+        except OSError:
+            os.close(fd)  # releases the lock
+            raise
         self.fd = fd
         return self
 

@@ -28,6 +28,7 @@ from eaglekit.preflight.engine_features import exported_features_read
 from eaglekit.progress import human_bytes
 from eaglekit.rundir import file_identity
 from eaglekit.speculative.inputs import checkpoint_path, drafter_family, load_checked_drafter
+from eaglekit.training.checkpoint_integrity import EDITABLE
 
 NAME = "export"
 UPSTREAM = "evaluate"
@@ -87,9 +88,14 @@ def run(ctx: StageContext) -> dict:
 
 
 def damaged(ctx: StageContext) -> str | None:
-    """A form whose files are not the bytes export wrote (their digests: a flipped block, a partial copy) is written
-    again from the checkpoint; seconds."""
-    found = [str(d) for folder in atomic.damaged_folders(ctx.dir, depth=1).values() for d in folder]
+    """A form whose weights are not the bytes export wrote (their digests: a flipped block, a partial copy) is
+    written again from the checkpoint; seconds. A config.json edited by hand is left as it is (verify serves it)."""
+    found = [
+        str(d)
+        for folder in atomic.damaged_folders(ctx.dir, depth=1).values()
+        for d in folder
+        if d.file.suffix not in EDITABLE
+    ]
     return "; ".join(found) or None
 
 

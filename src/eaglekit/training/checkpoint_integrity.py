@@ -52,10 +52,19 @@ def intact_resume_point(checkpoints: Path, latest: Path) -> Path:
     )
 
 
+# Files a user may edit by hand on purpose (an exported config.json tried with another setting, a model card): read
+# as they are now, with a note; the weights and the training state are refused when their bytes changed.
+EDITABLE = (".json", ".md", ".txt", ".jinja", ".yaml")
+
+
 def damaged_drafter(path: Path, what: str = "drafter") -> EaglekitError | None:
-    """Why evaluate, export and verify must not read the drafter folder ``path`` (a file of it is not the bytes
-    written, named), with what to do instead; None when it is intact or carries no digests."""
+    """Why evaluate, export and verify must not read the drafter folder ``path`` (a weights file of it is not the
+    bytes written, named), with what to do instead; None when its weights are intact or it carries no digests. A
+    text file edited since is said, and read as it is."""
     found = atomic.damage(path)
+    if found and all(d.file.suffix in EDITABLE for d in found):
+        console.print(f"[yellow]{what} {path}: edited since it was written: {'; '.join(map(str, found))}[/]")
+        return None
     if not found:
         return None
     if path.name == "best":

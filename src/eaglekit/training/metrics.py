@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
 
 from eaglekit import atomic
+from eaglekit.rundir import append_line
 from eaglekit.training import distributed as dist
 from eaglekit.training.figures import StepFigures
 
@@ -103,10 +103,8 @@ class Metrics:
     def write(self, row: dict) -> None:
         if not dist.is_main():
             return
-        with atomic.naming_file(self.path), open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(row) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        with atomic.naming_file(self.path):  # a failed append (disk full) is cut back: no torn line stays
+            append_line(self.path, json.dumps(row) + "\n")
         if self.tb is not None:
             kind = row["kind"]
             for key in ("loss", "lr", "tau", "grad_norm"):

@@ -134,7 +134,8 @@ class Checkpoints:
         path = self.folder / f"step-{step}"
         with atomic.atomic_dir(path, digests=True) as tmp:
             self.save_drafter(drafter_cfg, msd, tmp)
-            torch.save(state, tmp / STATE)
+            with atomic.naming_file(tmp / STATE):  # torch's writer names no file: a full disk is named here
+                torch.save(state, tmp / STATE)
         atomic.write_text(self.folder / "latest", path.name + "\n")
         steps = sorted(int(p.name.split("-")[1]) for p in self.folder.glob("step-*") if p.is_dir())
         for old in steps[: -self.keep_last]:
