@@ -41,6 +41,7 @@ What the loaders read (vLLM ``model_executor/models/llama_eagle3.py``, ``deepsee
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -94,6 +95,7 @@ def expected_state(cfg: DrafterConfig, form: str = LEGACY) -> dict[str, tuple[tu
         out.update({f"fc_norm.{j}.weight": ((ht,), None) for j in range(3)})
     if cfg.norm_before_fc:
         out["input_norm.weight"] = ((3 * ht,), None)
+    out.update({key: (shape, None) for key, shape in cfg.extra_weights().items()})
     return out
 
 
@@ -418,8 +420,15 @@ def canonical_keys(state: dict[str, torch.Tensor], cfg: DrafterConfig, form: str
     return out
 
 
-def load_drafter(path: str | Path, dtype: torch.dtype | None = None) -> tuple[Eagle3Drafter, CheckpointInfo]:
-    """Load a drafter in either form; ``dtype`` None keeps the checkpoint's floating dtype.
+def load_drafter(
+    path: str | Path,
+    dtype: torch.dtype | None = None,
+    *,
+    read: Callable[[Path], tuple[str, DrafterConfig, str | None]] = read_config,
+    build: Callable[[Any], Eagle3Drafter] = Eagle3Drafter,
+) -> tuple[Eagle3Drafter, CheckpointInfo]:
+    """Load a drafter in either form; ``dtype`` None keeps the checkpoint's floating dtype. ``read`` and ``build``:
+    a family built on this layer reads its own config.json and builds its own drafter (P-EAGLE's).
 
     A ``training_state.pt`` beside the weights (optimizer state of published drafters) is ignored.
     """
@@ -429,13 +438,13 @@ def load_drafter(path: str | Path, dtype: torch.dtype | None = None) -> tuple[Ea
             f"drafter checkpoint folder not found: {path}",
             "download the drafter first (e.g. `hf download ORG/NAME --local-dir DIR`) and pass DIR",
         )
-    form, cfg, verifier = read_config(path)
+    form, cfg, verifier = read(path)
     state, files = read_weights(path)
     state = canonical_keys(state, cfg, form)
     validate_state_dict(state, cfg, form, where=str(path))
     prefix = layer_prefix(cfg, form)
     state = {"midlayer." + k.removeprefix(prefix) if k.startswith(prefix) else k: v for k, v in state.items()}
-    drafter = Eagle3Drafter(cfg)
+    drafter = build(cfg)
     missing = set(drafter.load_state_dict(state, strict=False).missing_keys)  # strictness: validate_state_dict
     drafter = drafter.to(dtype or state["fc.weight"].dtype)
     info = CheckpointInfo(

@@ -244,6 +244,10 @@ class DrafterConfig:
         fields.update(overrides)
         return cls(**fields)
 
+    def extra_weights(self) -> dict[str, tuple[int, ...]]:
+        """Weights a drafter built on this layer adds to EAGLE-3's, by key and shape (P-EAGLE's mask_hidden)."""
+        return {}
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -513,6 +517,14 @@ class Eagle3Drafter(nn.Module):
                 [norm(x) for norm, x in zip(self.fc_norm, aux_hidden.chunk(3, dim=-1), strict=False)], dim=-1
             )
         return self.fc(aux_hidden)
+
+    def draft_step_input(self, previous: torch.Tensor, next_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A training-time-test draft step's (token embeddings, feature) for its chains: the next ground-truth
+        tokens, and the previous step's output as drafting feeds it back (``next_feature``). P-EAGLE's slots
+        override it."""
+        with torch.no_grad():
+            embeds = self.embed_tokens(next_ids)
+        return embeds, self.next_feature(previous)
 
     def next_feature(self, hidden_out: torch.Tensor) -> torch.Tensor:
         """What a next draft step takes as its feature: the layer's pre-norm output, or its norm (norm_output)."""

@@ -464,9 +464,7 @@ def _draft_steps(
             step: int = k,
         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             keys, values = own[: len(gather)], own[len(gather) :]
-            feature = drafter.next_feature(h_prev[keep])
-            with torch.no_grad():
-                embeds = drafter.embed_tokens(token_ids)
+            embeds, feature = drafter.draft_step_input(h_prev[keep], token_ids)
             cos, sin = drafter.rotary(pos_flat[chain_rows] + step, feature.dtype)
             q, kk, vk = layer.qkv(embeds, feature, cos, sin)  # q [N, nH, hd], kk/vk [N, nKV, hd]
             diag_k = torch.stack([key[i] for key, i in zip(keys, gather, strict=True)] + [kk])
