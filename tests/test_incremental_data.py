@@ -67,7 +67,7 @@ def preflight_detail(cfg, server, name: str = "output folder"):
     return result.status, " ".join(result.detail.split())
 
 
-def test_a_renamed_prompts_file_is_the_same_prompts(project, server, tmp_path):
+def test_a_renamed_prompts_file_is_the_same_prompts(project, server, tmp_path, capsys):
     write, prompts = project
     cfg = write()
     generate(cfg)
@@ -75,11 +75,16 @@ def test_a_renamed_prompts_file_is_the_same_prompts(project, server, tmp_path):
     renamed = prompts.rename(tmp_path / "train-set-v1.jsonl")
     cfg = write(data={"prompts": str(renamed)})
     assert pipeline.fingerprint(cfg, "generate") == before
-    row, _ = generate(cfg)
+    row, out = generate(cfg, capsys)
     assert row.get("skipped") and len(server.requests) == 12
-    # the path is recorded in the ledger (it says which file was read), not hashed
+    # the path is recorded in the ledger (which file was read, and where the same rows are now), not hashed
     start = [s for s, _ in RunDir(cfg.run_dir).attempts("generate")][-1]
     assert start["params"]["prompts"]["path"] == str(prompts) and start["params"]["prompts"]["prompts"] == 12
+    moved = f"prompts moved, the same content: now {renamed}, was {prompts}"
+    assert f"generate: {moved}" in out
+    assert f"generate: {moved}" in status.notes(status.stage_rows(cfg), "CONFIG")
+    generate(cfg)
+    assert sum(e.get("event") == "inputs moved" for e in RunDir(cfg.run_dir).events()) == 1  # recorded once
     # the same rows in another order, with a bad row skipped, are still the same prompts
     lines = renamed.read_text().splitlines(keepends=True)
     renamed.write_text("".join(reversed(lines)) + "not json\n")
@@ -222,10 +227,17 @@ def test_the_prompts_file_renamed_keeps_every_stage_done(copy):  # noqa: F811
     (root / "config.yaml").write_text(yaml.safe_dump(data))
     cfg = load_config(root / "config.yaml")
     assert [r["state"] for r in status.stage_rows(cfg)] == ["done"] * len(stages)
+    with RunDir(cfg.run_dir).lock:
+        rows = [pipeline.run_stage(cfg, stage, skip_preflight=True) for stage in stages]
+    assert all(r.get("skipped") for r in rows)
+    notes = " ".join(status.notes(status.stage_rows(cfg), "CONFIG"))  # the copy moved the target too
+    assert f"generate: prompts moved, the same content: now {root / 'train-set-v1.jsonl'}, was " in notes
+    assert f"prepare: tokenizer moved, the same content: now {root / 'target' / 'tokenizer.json'}, was " in notes
 
     # a real change of content: generate is stale and says which prompts; the stages after it follow
     with open(root / "train-set-v1.jsonl", "a") as f:
         f.write(prompt_line(99))
     rows = status.stage_rows(load_config(root / "config.yaml"))
     assert [r["state"] for r in rows] == ["stale"] * len(stages)
-    assert rows[0]["reason"].startswith("generate.prompts: "), rows[0]["reason"]
+    reason = rows[0]["reason"]
+    assert reason.startswith("generate.prompts: ") and "(16 prompts, " in reason and "(17 prompts, " in reason, reason

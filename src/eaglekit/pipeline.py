@@ -29,7 +29,7 @@ from eaglekit.config import RunConfig
 from eaglekit.contract import Stage, StageContext, StaleCause
 from eaglekit.errors import EaglekitError, UsageError
 from eaglekit.preflight import disk, processes, run_directory
-from eaglekit.preflight.files import INPUT_NAMES, identities_in_current_layout
+from eaglekit.preflight.files import INPUT_NAMES, identities_in_current_layout, moved_inputs
 from eaglekit.progress import console
 from eaglekit.rundir import RunDir, content_identity, digest, tool_versions
 
@@ -217,6 +217,7 @@ def run_stage(
                 f"[dim]{stage}: done with the same inputs and parameters, skipped "
                 f"(to redo it anyway, remove {ctx.dir} first)[/]"
             )
+            record_moved_inputs(ctx, _as_recorded(declared.params(cfg)))
             return {"stage": stage, "state": "done", "skipped": True}
         console.print(f"[yellow]{stage}: done, but {problem}: running it again to repair that (it resumes)[/]")
 
@@ -295,6 +296,29 @@ def run_stage(
     note = f" with {len(ctx.warnings)} warning{'s' * (len(ctx.warnings) > 1)}" if ctx.warnings else ""
     console.print(f"[bold green]{stage}[/]: done in {seconds:.1f}s{note} {counts}")
     return {"stage": stage, "state": "done", "counts": counts, "seconds": seconds, "warnings": ctx.warnings}
+
+
+def record_moved_inputs(ctx: StageContext, today: dict) -> None:
+    """A done stage whose inputs are now read from other paths, with the same content: said, and recorded in the
+    ledger (an ``inputs moved`` event: the paths its run recorded are no longer where the config points)."""
+    ran = [s.get("params") for s, _ in ctx.run.attempts(ctx.stage) if s.get("fingerprint") == ctx.fingerprint]
+    moved = moved_inputs(ran[-1] if ran else None, today)
+    if moved:
+        console.print(f"[dim]{ctx.stage}: {'; '.join(moved)}[/]")
+        if moved != recorded_moves(ctx.run, ctx.stage, ctx.fingerprint):
+            ctx.run.append_event(
+                {"stage": ctx.stage, "event": "inputs moved", "fingerprint": ctx.fingerprint, "moved": moved}
+            )
+
+
+def recorded_moves(run: RunDir, stage: str, fingerprint: str) -> list[str]:
+    """The inputs of ``stage``, done with ``fingerprint``, that the ledger last recorded as moved (`status`)."""
+    moves = [
+        ev.get("moved") or []
+        for ev in run.events()
+        if ev.get("stage") == stage and ev.get("event") == "inputs moved" and ev.get("fingerprint") == fingerprint
+    ]
+    return moves[-1] if moves else []
 
 
 def run_stage_as_worker(cfg: RunConfig, stage: str, **options: Any) -> dict[str, Any]:
@@ -425,6 +449,8 @@ def _short(v: Any) -> str:
     if v is None:
         return "unset"
     if isinstance(v, dict) and "path" in v:
-        return f"{v['path']} ({'missing' if v.get('missing') else v.get('sha', '?')})"
+        what = "missing" if v.get("missing") else "unreadable" if v.get("unreadable") else v.get("sha", "?")
+        counted = f"{v['prompts']} prompts, " if "prompts" in v else ""
+        return f"{v['path']} ({counted}{what})"
     text = json.dumps(v, default=str) if not isinstance(v, str) else v
     return text if len(text) <= 60 else text[:59] + "…"

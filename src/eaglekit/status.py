@@ -182,6 +182,7 @@ def stage_rows(cfg: RunConfig) -> list[dict[str, Any]]:
                 "warnings": list((end or {}).get("warnings") or []),
                 "flags": declared.data_flags(counts) if counts and state in ("done", "stale") else [],
                 "damaged": damaged_files(run.stage_dir(stage)) if state != "pending" else [],
+                "moved": pipeline.recorded_moves(run, stage, current) if state == "done" else [],
             }
         )
     return rows
@@ -299,6 +300,8 @@ def notes(rows: list[dict], config: str) -> list[str]:
             out.append(f"{stage}: {f.replace('CONFIG', config)}")
         for d in r.get("damaged", []):
             out.append(f"{stage}: damaged: {d}")
+        for m in r.get("moved", []):
+            out.append(f"{stage}: {m}")
         pf = r["preflight"]
         if pf and (pf["warn"] or pf["fail"]):
             out.append(

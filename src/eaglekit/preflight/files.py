@@ -360,6 +360,21 @@ INPUT_NAMES = (
 )
 
 
+def moved_inputs(recorded: object, today: object, key: str = "") -> list[str]:
+    """The inputs among a stage's parameters (``today``'s, against those ``recorded`` in the ledger when it ran) whose
+    content is the same and whose path is not ("prompts moved, the same content: now train-set-v1.jsonl, was
+    prompts.jsonl"). Recorded and said, never stale (fingerprints leave paths out)."""
+    if isinstance(recorded, dict) and isinstance(today, dict):
+        if "sha" in today and "path" in today:
+            same = rundir.content_identity(recorded) == rundir.content_identity(today)
+            moved = same and recorded.get("path") not in (None, today["path"])
+            return [f"{key} moved, the same content: now {today['path']}, was {recorded.get('path')}"] if moved else []
+        return [m for k, v in today.items() for m in moved_inputs(recorded.get(k), v, f"{key}.{k}" if key else k)]
+    if isinstance(recorded, list) and isinstance(today, list) and len(recorded) == len(today):
+        return [m for old, new in zip(recorded, today, strict=True) for m in moved_inputs(old, new, key)]
+    return []
+
+
 def read_identities(cfg: RunConfig, *inputs: str) -> dict:
     """The parameters a stage records for what it reads of ``inputs``: "target" (its weights shard by shard, its
     files and dtype, and ``target.aux_layers``), "responses" (generate's), "tokens" (prepare's), "vocab" (the vocab
