@@ -5,14 +5,23 @@
     GET        /api/models/{repo}/tree/{sha}?recursive=... the files with sizes and ids
     HEAD, GET  /{repo}/resolve/{revision}/{path}           metadata headers, then the bytes (Range honoured)
 
+and the few that ``HfApi.create_repo`` and ``HfApi.upload_folder`` use to publish (``uploads``: a folder that
+receives the repositories created here):
+
+    POST       /api/repos/create                            create a repository (409 when it exists)
+    POST       /api/models/{repo}/preupload/{revision}      every file "regular", with the oid of the one it holds
+    POST       /api/models/{repo}/commit/{revision}         the commit, as NDJSON: its files, base64
+
 It serves folders as repositories, records every request, and can cut a file's downloads short (``cut``:
 path -> bytes per response) to make the client resume, and refuse resumed requests (``refuse_ranges``) to make
-a download fail half-way.
+a download fail half-way. ``token``: the bearer token a write needs (401 without it).
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
+import json
 import re
 import threading
 from dataclasses import dataclass, field
@@ -29,6 +38,9 @@ class LocalHub:
     cut: dict[str, int] = field(default_factory=dict)  # file path -> at most this many body bytes per response
     refuse_ranges: bool = False  # answer a resumed (Range) request with 503, as a hub that went down would
     requests: list[tuple[str, str, str | None]] = field(default_factory=list)  # (method, path, Range header)
+    uploads: Path | None = None  # where repositories created through the API live
+    token: str | None = None  # the token a write needs
+    committed: list[list[str]] = field(default_factory=list)  # the files of each commit received, in order
 
     def sha(self, repo: str) -> str:
         return hashlib.sha1(repo.encode()).hexdigest()  # a 40-hex commit id, stable per repo
@@ -109,6 +121,56 @@ class LocalHub:
 
             do_GET = do_HEAD = route
 
+            def do_POST(self):
+                path = unquote(urlparse(self.path).path)
+                hub.requests.append((self.command, path, None))
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if hub.token and self.headers.get("Authorization") != f"Bearer {hub.token}":
+                    return self.send_json(401, {"error": "Invalid credentials in Authorization header"})
+                if path == "/api/repos/create":
+                    asked = json.loads(body)
+                    repo = f"{asked['organization']}/{asked['name']}" if asked.get("organization") else asked["name"]
+                    if repo in hub.repos:
+                        return self.send_json(409, {"error": "You already created this model repo", "url": repo})
+                    assert hub.uploads is not None, "LocalHub(uploads=...) receives created repositories"
+                    hub.repos[repo] = hub.uploads / repo
+                    hub.repos[repo].mkdir(parents=True)
+                    return self.send_json(200, {"url": f"{hub.url}/{repo}", "name": repo})
+                m = re.fullmatch(r"/api/models/([^/]+/[^/]+)/(preupload|commit)/([^/]+)", path)
+                if not m or m.group(1) not in hub.repos:
+                    return self.not_found(path)
+                repo, kind, _ = m.groups()
+                held = hub.files(repo)
+                if kind == "preupload":
+                    asked = json.loads(body)["files"]
+                    return self.send_json(
+                        200,
+                        {
+                            "files": [
+                                {
+                                    "path": f["path"],
+                                    "uploadMode": "regular",
+                                    "shouldIgnore": False,
+                                    "oid": git_hash(held[f["path"]].read_bytes()) if f["path"] in held else None,
+                                }
+                                for f in asked
+                            ]
+                        },
+                    )
+                names = []
+                for line in body.decode().splitlines():
+                    item = json.loads(line)
+                    if item["key"] == "file":
+                        target = hub.repos[repo] / item["value"]["path"]
+                        target.parent.mkdir(parents=True, exist_ok=True)
+                        target.write_bytes(base64.b64decode(item["value"]["content"]))
+                        names.append(item["value"]["path"])
+                hub.committed.append(names)
+                sha = hashlib.sha1(f"{repo}{len(hub.committed)}".encode()).hexdigest()
+                return self.send_json(
+                    200, {"success": True, "commitOid": sha, "commitUrl": f"{hub.url}/{repo}/commit/{sha}"}
+                )
+
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
@@ -122,3 +184,8 @@ class LocalHub:
     def gets(self, name: str) -> list[str | None]:
         """The Range headers of the GET requests for file ``name`` (None: from the start)."""
         return [rng for method, path, rng in self.requests if method == "GET" and path.endswith("/" + name)]
+
+
+def git_hash(data: bytes) -> str:
+    """A file's git blob id, which the Hub returns as a regular file's oid."""
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()

@@ -357,6 +357,51 @@ def plan_cmd(
         raise typer.Exit(1)
 
 
+@command("publish")
+def publish_cmd(
+    run_dir: Path = typer.Argument(
+        ..., metavar="RUN_DIR", show_default=False, help="the run directory (or its config file)"
+    ),
+    repo: str = typer.Option(..., "--repo", metavar="ORG/NAME", help="the Hub repository to upload to"),
+    form: str | None = typer.Option(None, "--form", help="the exported form to publish (default: the first)"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="write the folder that would be uploaded; upload nothing"),
+    private: bool = typer.Option(False, "--private", help="create the repository private"),
+    unverified: bool = typer.Option(
+        False, "--unverified", help="publish a drafter whose verify FAILed (the model card says so)"
+    ),
+    license_: str | None = typer.Option(
+        None, "--license", help="the card's license (default: the one the target's own card declares)"
+    ),
+    token_env: str = typer.Option(
+        "HF_TOKEN", "--token-env", metavar="VAR", help="the variable holding the Hub token (its name, never the token)"
+    ),
+    as_json: bool = JsonOpt,
+) -> None:
+    """Upload one exported form with a model card (front matter, τ tables, verify's figures, serve commands).
+
+    Refuses a drafter that is not done, stale, damaged, non-finite, verify-FAILed or published for a local verifier.
+    """
+    from eaglekit import publish  # lazy: heavy (torch and huggingface_hub, to check and upload weights)
+
+    compared = status.config_for(run_dir)
+    cfg = compared.cfg
+    _State.run_dir = cfg.run_dir
+    config = status.relative(cfg.source) if cfg.source else str(run_dir)
+    publication = publish.assemble(cfg, repo=repo, form=form, config=config, license_=license_, unverified=unverified)
+    doc = publish.summary(publication)
+    if not dry_run:
+        doc["commit_url"] = publish.upload(publication, private=private, token_env=token_env)
+    if as_json:
+        emit_json(doc)
+        return
+    console.print(f"publish: {publication.form} with its model card in {publication.folder} ({doc['bytes']:,} bytes)")
+    console.print(f"  verify: {publication.verified}")
+    if dry_run:
+        console.print(f"  dry run: nothing uploaded; `eaglekit publish {run_dir} --repo {repo}` uploads this folder")
+    else:
+        console.print(f"  uploaded: {doc['commit_url']}")
+
+
 @command("serve-command")
 def serve_command_cmd(config: Path = ConfigArg, as_json: bool = JsonOpt) -> None:
     """Print the command that starts a vLLM feature server for this config (extract.backend: vllm)."""
