@@ -40,6 +40,14 @@ def serving_context(ctx: StageContext) -> CheckResult:
         return skip(NAME, "the target's config has no max_position_embeddings; set evaluate.context_lengths")
     window, windowable, why = drafter_window(cfg)
     documents = trained.words()
+    if trained.prepared and trained.longest > served.tokens:  # rows the served context can never hold
+        return warn(
+            NAME,
+            f"the drafter trains on rows of up to {trained.longest:,} tokens, longer than the {served.tokens:,} it "
+            f"will be served at ({served.source}): it is made for contexts it is not served at",
+            f"set evaluate.context_lengths to the contexts you serve (at least {trained.longest:,} for these rows), "
+            f"or cut the rows to the served context (prepare.max_length: {served.tokens}) before training",
+        )
     where = f"served at up to {served.tokens:,} ({served.source})"
     if window is not None:
         if trained.p95 < window:
@@ -49,6 +57,14 @@ def serving_context(ctx: StageContext) -> CheckResult:
                 f"window is never trained, and it is {where}",
                 "train on documents at least as long as the window (longer replies or prepare.max_length), or "
                 "set train.draft.sliding_window to about the training length (auto chooses one: remove the key)",
+            )
+        if window >= served.tokens:  # as long as the served context: it never slides
+            return warn(
+                NAME,
+                f"the drafter's {window:,}-token sliding window never fills at the {served.tokens:,} tokens it will "
+                f"be served at ({served.source}): it attends every served position, as without a window",
+                f"set train.draft.sliding_window below {served.tokens:,} (auto chooses one: remove the key), or set "
+                "evaluate.context_lengths to the longer contexts you serve",
             )
         return ok(NAME, f"a {window:,}-token window ({why}), trained on {documents}; {where}")
     ratio = served.tokens / max(trained.p95, 1)

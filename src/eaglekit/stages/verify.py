@@ -51,7 +51,7 @@ from eaglekit.drafters.diagnosis import ServedDrafter
 from eaglekit.drafters.registry import family_of_folder, proposer_for, vllm_method
 from eaglekit.errors import EaglekitError, UsageError
 from eaglekit.model.target import load_target
-from eaglekit.preflight import fail, ok, run_directory, skip, will_be_produced
+from eaglekit.preflight import fail, ok, run_directory, served_context, skip, will_be_produced
 from eaglekit.preflight.drafter import drafter_checkpoint, prompts_available
 from eaglekit.preflight.engine_features import served_features_read
 from eaglekit.progress import Meter, console
@@ -192,11 +192,21 @@ def engine_serves_forms(ctx: StageContext):
     )
 
 
+def served_context_fits(ctx: StageContext) -> list:
+    """The context the engine serves against the prompts verify sends it and the drafter it serves."""
+    folders = {form: ctx.cfg.run_path / "export" / form for form in forms(ctx.cfg)}
+    return [
+        served_context.prompts_fit(ctx, num_samples(ctx.cfg), max_new_tokens(ctx.cfg)),
+        *served_context.drafter_fits(ctx, folders),
+    ]
+
+
 def checks(cfg: RunConfig) -> list:
     return [
         configured,
         engine_available,
         exported_forms,
+        served_context_fits,
         engine_serves_forms,
         served_features_read,
         run_directory.target_folder,
@@ -641,6 +651,9 @@ def run(ctx: StageContext) -> dict:
     engine = served_engine(ctx)  # before the offline decode: a server that cannot be verified says so at once
     for folder in engine.folders().values():  # what is served must be the bytes export wrote (its digests)
         refuse_damaged_drafter(folder, "exported drafter")
+    fits = served_context.prompts_fit(ctx, num_samples(ctx.cfg), max_new_tokens(ctx.cfg))
+    if fits.status == "fail":  # also with --skip-preflight: said before the offline decode and any engine start
+        raise EaglekitError(f"verify: {fits.detail}", fits.remedy)
     for warning in verify_check(ctx.cfg, engine.folders()):  # refuses a feature the engine would drop
         ctx.warn(warning)
     offline = offline_figures(ctx.cfg, engine.ks)
