@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 
 from eaglekit.config import load_config
+from eaglekit.drafters.checked import decoding_inputs
 from eaglekit.drafters.registry import proposer_for
 from eaglekit.model.target import load_target
 from eaglekit.speculative.decode import CONTEXT_BUCKETS, context_bucket, generate
-from eaglekit.speculative.inputs import decoding_inputs
 from eaglekit.tiny.long_corpus import REPLY_ROLES, reply_token_role
 
 

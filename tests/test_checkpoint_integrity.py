@@ -18,9 +18,9 @@ from test_train import QUICK, metrics, train
 
 from eaglekit import atomic, pipeline
 from eaglekit.config import parse_config
+from eaglekit.drafters.checked import load_checked_drafter
 from eaglekit.errors import EaglekitError
 from eaglekit.rundir import RunDir
-from eaglekit.speculative.inputs import load_checked_drafter
 from eaglekit.stages import verify
 from eaglekit.status import stage_rows
 from eaglekit.training import loop
@@ -204,7 +204,7 @@ def test_an_exported_config_edited_by_hand_is_served_as_it_is_and_not_rewritten(
 
 
 def test_a_finetune_from_a_damaged_eaglekit_checkpoint_is_refused(stopped_run, tmp_path):
-    from eaglekit.model.hub import drafter_folder
+    from eaglekit.hub import drafter_folder
 
     best = Path(shutil.copytree(stopped_run / "run/train/checkpoints/best", tmp_path / "best"))
     assert drafter_folder(str(best)) == best

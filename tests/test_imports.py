@@ -18,9 +18,10 @@ PACKAGE = Path(eaglekit.__file__).parent
 
 # lowest first; a module may import from its own layer and any layer before it
 LAYERS = [
-    {"errors", "atomic", "config", "divergences", "progress", "interrupt", "rundir", "plots", "contract"},
+    {"errors", "atomic", "config", "divergences", "progress", "interrupt", "rundir", "plots", "contract", "hub"},
     {"data", "model", "tiny"},
-    {"serving", "speculative", "training", "drafters"},
+    {"serving", "speculative", "training"},
+    {"drafters"},  # the families, assembled from the generic parts below them
     {"preflight"},
     {"stages"},
     {"planning", "status", "failures", "pipeline"},
@@ -85,15 +86,53 @@ def test_no_stage_imports_another_stage():
     assert not bad, "a stage imports a stage (move what they share below stages/):\n" + "\n".join(bad)
 
 
-def test_imports_point_down():
+def upward(imports: dict[str, set[str]]) -> list[str]:
+    """Each import, of ``imports`` (module -> the modules it imports), from a lower layer to a higher one."""
     bad = []
-    for p, m in modules():
+    for m, names in imports.items():
         own = layer_of(m)
-        for i in imported(p, m):
+        for i in names:
             theirs = layer_of(i)
             if own is not None and theirs is not None and theirs > own:
                 bad.append(f"{m} (layer {own}) imports {i} (layer {theirs})")
-    assert not bad, "imports from a lower layer to a higher one:\n" + "\n".join(sorted(bad))
+    return sorted(bad)
+
+
+def mutual(imports: dict[str, set[str]]) -> list[str]:
+    """Each pair of packages that import each other (in either direction, by any of their modules)."""
+
+    def package(module: str) -> str:
+        return module.split(".")[1] if "." in module else module
+
+    edges = {(package(m), package(i)) for m, names in imports.items() for i in names if package(m) != package(i)}
+    return sorted(f"{a} <-> {b}" for a, b in edges if a < b and (b, a) in edges)
+
+
+def the_tree() -> dict[str, set[str]]:
+    return {m: imported(p, m) for p, m in modules()}
+
+
+def test_imports_point_down():
+    bad = upward(the_tree())
+    assert not bad, "imports from a lower layer to a higher one:\n" + "\n".join(bad)
+
+
+def test_no_two_packages_import_each_other():
+    pairs = mutual(the_tree())
+    assert not pairs, "packages importing each other (move what they share into the lower one):\n" + "\n".join(pairs)
+
+
+def test_the_checks_refuse_an_upward_import_and_a_cycle():
+    """What a change that broke the order would meet: the training loop looking its family up in the registry (the
+    drafters sit above training), and two packages of one layer importing each other."""
+    loop_asks = {"eaglekit.training.loop": {"eaglekit.drafters.registry", "eaglekit.training.data"}}
+    assert upward(loop_asks) == [
+        f"eaglekit.training.loop (layer {layer_of('eaglekit.training')}) imports eaglekit.drafters.registry "
+        f"(layer {layer_of('eaglekit.drafters')})"
+    ]
+    assert mutual({"eaglekit.data.chat": {"eaglekit.model.target"}, "eaglekit.model.x": {"eaglekit.data.vocab"}}) == [
+        "data <-> model"
+    ]
 
 
 def test_the_check_sees_imports_inside_functions(tmp_path):

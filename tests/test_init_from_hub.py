@@ -19,7 +19,7 @@ from eaglekit import pipeline
 from eaglekit.drafters.eagle3.checkpoint import save_legacy
 from eaglekit.drafters.eagle3.model import DrafterConfig, Eagle3Drafter
 from eaglekit.errors import UsageError
-from eaglekit.model.hub import drafter_folder
+from eaglekit.hub import drafter_folder
 from eaglekit.model.target import target_hf_config
 from eaglekit.rundir import RunDir
 from eaglekit.stages.train import params

@@ -22,7 +22,7 @@ from typing import Any
 from jinja2 import TemplateError
 
 from eaglekit.errors import EaglekitError, UsageError
-from eaglekit.model.hub import model_folder
+from eaglekit.hub import model_folder
 
 # Message fields through which chat templates take an assistant turn's reasoning, in order of preference.
 REASONING_FIELDS = ("reasoning_content", "reasoning", "thinking")

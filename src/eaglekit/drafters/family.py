@@ -15,9 +15,9 @@ from eaglekit.config import DraftSection, RunConfig, TrainConfig
 from eaglekit.contract import StageContext
 from eaglekit.drafters.diagnosis import ServedDrafter
 from eaglekit.model.checkpoint_files import CheckpointInfo
-from eaglekit.model.target import TargetReads
 from eaglekit.training.context_parallel import ContextGroup
 from eaglekit.training.memory import StepMemory
+from eaglekit.training.objective import Built, Objective
 
 # the checked drafter of a run: (drafter, checkpoint info, the target's HF config, aux layer ids)
 LoadChecked = Callable[[RunConfig], tuple[Any, CheckpointInfo, Any, list[int]]]
@@ -30,27 +30,6 @@ class Verdict:
     level: Literal["ok", "warn", "fail", "skip"]
     detail: str
     remedy: str = ""
-
-
-@dataclass
-class Built:
-    """The drafter a training run starts from, the target ids its features cover, and the notes for the ledger."""
-
-    drafter: nn.Module
-    feature_ids: torch.Tensor  # [V] bool over the target's vocabulary: the draft vocabulary, or all of it
-    notes: dict[str, Any]
-
-
-@dataclass
-class Objective:
-    """The training objective of a family as the loop runs it."""
-
-    module: nn.Module  # its forward takes the loop's batch and returns (loss, per-position figures)
-    positions: int  # figures it reports per draft position
-    weights: list[float]  # their weights in the held-out loss
-    kernels: str  # what it runs, for the ledger
-    halo: int  # positions past a context-parallel rank's own whose targets it reads (training/context_parallel.py)
-    reads: TargetReads  # what of the target its forward takes: the draft-vocab distribution, or the next token
 
 
 class DrafterFamily(Protocol):
@@ -176,7 +155,7 @@ class DrafterFamily(Protocol):
     def sglang_check(self, cfg: RunConfig, formats: list[str]) -> Verdict: ...
 
     def export(self, ctx: StageContext, load: LoadChecked) -> dict:
-        """Write the checked drafter (``load``: ``speculative.inputs.load_checked_drafter``, called once the family
+        """Write the checked drafter (``load``: ``drafters/checked.load_checked_drafter``, called once the family
         has refused what it refuses without it) in its forms under ``ctx.dir``; the counts for the ledger."""
         ...
 

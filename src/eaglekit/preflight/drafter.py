@@ -4,11 +4,12 @@ and ``as_check``: a drafter family's verdict (``drafters/family.Verdict``) as a 
 from __future__ import annotations
 
 from eaglekit.contract import StageContext
+from eaglekit.drafters.checked import load_checked_drafter
 from eaglekit.drafters.family import Verdict
 from eaglekit.drafters.registry import family_of_drafter
 from eaglekit.errors import EaglekitError
 from eaglekit.preflight import CheckResult, fail, ok, will_be_produced
-from eaglekit.speculative.inputs import eval_prompts, load_checked_drafter
+from eaglekit.speculative.inputs import eval_prompts
 
 
 def drafter_checkpoint(ctx: StageContext):

@@ -4,11 +4,11 @@ and the probe are ``eaglekit.serving.engine_features``."""
 from __future__ import annotations
 
 from eaglekit.contract import StageContext
+from eaglekit.drafters.checked import checkpoint_path, drafter_family, written_forms
 from eaglekit.drafters.registry import family_of_folder
 from eaglekit.errors import EaglekitError
 from eaglekit.preflight import CheckResult, fail, ok, skip, warn, will_be_produced
 from eaglekit.serving import engine_features as features
-from eaglekit.speculative.inputs import checkpoint_path, drafter_family, written_forms
 
 NAME = "engine reads the drafter"
 

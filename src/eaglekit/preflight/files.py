@@ -34,7 +34,7 @@ from eaglekit.config import RunConfig
 from eaglekit.contract import StageContext
 from eaglekit.data.responses import RESPONSES
 from eaglekit.data.vocab import PREPARED_TOKENS, VOCAB
-from eaglekit.model.hub import incomplete_downloads, local_folder, model_folder
+from eaglekit.hub import incomplete_downloads, local_folder, model_folder
 from eaglekit.preflight import CheckResult, fail, ok, skip, warn, will_be_produced
 from eaglekit.progress import human_bytes
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from eaglekit import rundir
 from eaglekit.contract import StageContext
-from eaglekit.model.hub import cache_storage, hub_offline, is_hub_id, model_folder, split_id
+from eaglekit.hub import cache_storage, hub_offline, is_hub_id, model_folder, split_id
 from eaglekit.preflight import CheckResult, fail, ok, skip, warn, will_be_produced
 
 

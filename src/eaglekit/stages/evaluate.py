@@ -28,6 +28,7 @@ from eaglekit.config import RunConfig
 from eaglekit.contract import Estimate, Sizes, Stage, StageContext, measured_time
 from eaglekit.data.eval_report import METHODS, context_rows, report_markdown
 from eaglekit.data.suites import SUITES, load_suite, suite_names
+from eaglekit.drafters.checked import decoding_inputs, load_starting_drafter, on_target
 from eaglekit.drafters.registry import proposer_for
 from eaglekit.errors import EaglekitError, UsageError
 from eaglekit.model.run_shapes import target_and_aux
@@ -47,15 +48,7 @@ from eaglekit.speculative.benchmark import (
     template_kwargs,
 )
 from eaglekit.speculative.decode import CONTEXT_BUCKETS, DecodeStats, generate, tau_by_context
-from eaglekit.speculative.inputs import (
-    decode_threads,
-    decoding_inputs,
-    first_difference,
-    heldout_prompts,
-    load_starting_drafter,
-    on_target,
-    tokenize_prompts,
-)
+from eaglekit.speculative.inputs import decode_threads, first_difference, heldout_prompts, tokenize_prompts
 from eaglekit.speculative.ngram import NgramProposer
 
 NAME = "evaluate"

@@ -21,13 +21,13 @@ from pathlib import Path
 from eaglekit import atomic
 from eaglekit.config import RunConfig
 from eaglekit.contract import Estimate, Sizes, Stage, StageContext, measured_time
+from eaglekit.drafters.checked import checkpoint_path, drafter_family, load_checked_drafter
 from eaglekit.drafters.registry import parameter_counts
 from eaglekit.preflight import run_directory
 from eaglekit.preflight.drafter import as_check, drafter_checkpoint
 from eaglekit.preflight.engine_features import exported_features_read
 from eaglekit.progress import human_bytes
 from eaglekit.rundir import file_identity
-from eaglekit.speculative.inputs import checkpoint_path, drafter_family, load_checked_drafter
 from eaglekit.training.checkpoint_integrity import EDITABLE
 
 NAME = "export"

@@ -25,9 +25,9 @@ from eaglekit.contract import Estimate, Sizes, Stage, StageContext
 from eaglekit.data.shards import bytes_per_token
 from eaglekit.data.vocab import vocab_origin
 from eaglekit.divergences import LossChoice
-from eaglekit.drafters.registry import family_named, family_of_folder, parameter_counts
+from eaglekit.drafters.registry import family_named, family_of_folder, family_of_run, parameter_counts
 from eaglekit.errors import EaglekitError
-from eaglekit.model.hub import cached_drafter, download_drafter, is_hub_id, local_folder
+from eaglekit.hub import cached_drafter, download_drafter, is_hub_id, local_folder
 from eaglekit.model.sliding_window import AUTO_RULE, draft_window
 from eaglekit.preflight import (
     CheckResult,
@@ -158,7 +158,7 @@ def draft_vocab_origin(ctx: StageContext):
 
 def init_from_download(ctx: StageContext):
     """A hub id in train.init_from is fetched now, before the stage starts, so nothing else runs while it downloads
-    (resumed where an earlier attempt stopped: ``model/hub.py``)."""
+    (resumed where an earlier attempt stopped: ``hub.py``)."""
     name, path = "init_from download", ctx.cfg.train.init_from
     if not path or not is_hub_id(path):
         return skip(name, "train.init_from is a local folder" if path else "training a new drafter")
@@ -455,7 +455,7 @@ def run(ctx: StageContext) -> dict:
         console.print(f"train: sliding window {choice.shown} ({choice.why})")
         ctx.ledger_extra["sliding_window"] = {"window": choice.window, "why": choice.why}
     check = feature_servers.stream_capture_check(ctx.cfg) if ctx.cfg.extract.streamed else None
-    counts = train(ctx.cfg, ctx.run, ctx.dir, ctx.resuming, capture_check=check)
+    counts = train(ctx.cfg, family_of_run(ctx.cfg), ctx.run, ctx.dir, ctx.resuming, capture_check=check)
     tc = ctx.cfg.train
     if counts["steps"] < tc.warmup_steps:
         ctx.warn(

@@ -47,6 +47,7 @@ from eaglekit.data.verify_report import (
     report_markdown,
     verdict_counts,
 )
+from eaglekit.drafters.checked import checkpoint_path, decoding_inputs, drafter_family, written_forms
 from eaglekit.drafters.diagnosis import ServedDrafter
 from eaglekit.drafters.registry import family_of_folder, proposer_for, vllm_method
 from eaglekit.errors import EaglekitError, UsageError
@@ -70,14 +71,7 @@ from eaglekit.serving.speculation import (
 )
 from eaglekit.speculative.benchmark import reasoning_modes, suite_prompts, template_kwargs
 from eaglekit.speculative.decode import CONTEXT_BUCKETS, generate, served_context_per_round, tau_by_context_of
-from eaglekit.speculative.inputs import (
-    checkpoint_path,
-    decode_threads,
-    decoding_inputs,
-    drafter_family,
-    first_difference,
-    written_forms,
-)
+from eaglekit.speculative.inputs import decode_threads, first_difference
 from eaglekit.training.checkpoint_integrity import damaged_drafter, refuse_damaged_drafter
 
 NAME = "verify"

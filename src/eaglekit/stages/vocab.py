@@ -20,8 +20,8 @@ from eaglekit.contract import Estimate, Sizes, Stage, StageContext, measured_tim
 from eaglekit.data.tokens import TokenStore
 from eaglekit.data.vocab import PREPARED_TOKENS, VOCAB, built_from
 from eaglekit.errors import EaglekitError
+from eaglekit.hub import model_file
 from eaglekit.model.draft_vocab import build_d2t_t2d
-from eaglekit.model.hub import model_file
 from eaglekit.preflight import fail, files, ok
 from eaglekit.progress import console
 

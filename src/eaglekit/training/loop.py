@@ -1,12 +1,12 @@
 """The training loop of the train stage: build the drafter, run its objective on the target's features, evaluate,
 checkpoint.
 
-Reads top to bottom: the drafter's family (``drafters/registry.family_of_run``), which builds the drafter (fresh
-from the target's config, or finetuned from ``train.init_from``) and its objective (EAGLE-3's training-time test,
-a block drafter's anchored blocks), the feature source (``training/features.py``: the live target, or offline
-shards plus the target's lm_head), the optimizer and
-schedule (``training/optim.py``), the data order (``training/data.py``), then the loop — micro-batches, an optimizer
-step, logging (``training/metrics.py``), held-out evaluation, checkpoints (``training/step_checkpoints.py``).
+Reads top to bottom: the drafter's family (handed in by the train stage, which asks ``drafters/registry``), which
+builds the drafter (fresh from the target's config, or finetuned from ``train.init_from``) and its objective
+(EAGLE-3's training-time test, a block drafter's anchored blocks), the feature source (``training/features.py``: the
+live target, or offline shards plus the target's lm_head), the optimizer and schedule (``training/optim.py``), the
+data order (``training/data.py``), then the loop — micro-batches, an optimizer step, logging
+(``training/metrics.py``), held-out evaluation, checkpoints (``training/step_checkpoints.py``).
 
 Exact resume: micro-batch u of the run is a function of (seed, u), and a checkpoint holds parameters, optimizer,
 scheduler, step, the open logging window and the RNG states, so a run killed after checkpoint S and resumed repeats
@@ -33,10 +33,6 @@ from eaglekit import atomic
 from eaglekit.config import RunConfig
 from eaglekit.data.tokens import TokenStore
 from eaglekit.data.vocab import load_vocab
-from eaglekit.drafters.eagle3.model import Eagle3Drafter
-from eaglekit.drafters.eagle3.objective import TTT
-from eaglekit.drafters.family import DrafterFamily
-from eaglekit.drafters.registry import family_of_run
 from eaglekit.interrupt import StopRequest
 from eaglekit.model.target import TargetReads, aux_layer_ids, embedding_and_head, load_target, target_hf_config
 from eaglekit.progress import Meter
@@ -50,6 +46,7 @@ from eaglekit.training.features import Features
 from eaglekit.training.figures import simulated_acceptance_length
 from eaglekit.training.guard import refuse_non_finite_step, refuse_non_finite_weights
 from eaglekit.training.metrics import Metrics, Window
+from eaglekit.training.objective import Training
 from eaglekit.training.optim import build_optimizer, build_scheduler
 from eaglekit.training.step_checkpoints import (
     STATE,
@@ -65,7 +62,7 @@ from eaglekit.training.step_checkpoints import (
 from eaglekit.training.stream import FeatureStream, open_stream
 
 # Names the tests and benchmarks reach through this module (they patch Metrics.write to kill a run mid-way).
-__all__ = ["Features", "Metrics", "TTT", "train", "wrap"]
+__all__ = ["Features", "Metrics", "train", "wrap"]
 
 
 @dataclass
@@ -84,18 +81,22 @@ class Progress:
 
 
 def train(
-    cfg: RunConfig, run: RunDir, out_dir: Path, resuming: bool, capture_check: Callable | None = None
+    cfg: RunConfig,
+    family: Training,
+    run: RunDir,
+    out_dir: Path,
+    resuming: bool,
+    capture_check: Callable | None = None,
 ) -> dict[str, Any]:
-    """Train the drafter into ``out_dir`` (the train stage's folder); ``resuming``: continue its latest checkpoint.
-    Returns the counts the ledger and `eaglekit status` show. ``capture_check``: the capture self-check a streamed
-    run makes on its first requests (``training/stream.open_stream``)."""
+    """Train ``family``'s drafter into ``out_dir`` (the train stage's folder); ``resuming``: continue its latest
+    checkpoint. Returns the counts the ledger and `eaglekit status` show. ``capture_check``: the capture self-check a
+    streamed run makes on its first requests (``training/stream.open_stream``)."""
     tc = cfg.train
     dist.init()
     device, world = dist.device(), dist.world_size()
     context = dist.context_group(tc.context_parallel)  # the ranks that split each row with this one (or None)
     groups, group = dist.data_parallel(context)
     fsdp = dist.active() and tc.distributed == "fsdp"
-    family = family_of_run(cfg)
     ckpts = Checkpoints(out_dir / "checkpoints", tc.keep_last, family)
     # rank 0 decides whether this resumes (the run directory is its to read); the others follow
     resume_from = dist.broadcast(ckpts.resume_point(resuming) if dist.is_main() else None)
@@ -232,8 +233,8 @@ def seed_everything(seed: int) -> None:
 
 
 def drafter_and_features(
-    cfg: RunConfig, family: DrafterFamily, run_path: Path, device: torch.device
-) -> tuple[Eagle3Drafter, Features, dict]:
+    cfg: RunConfig, family: Training, run_path: Path, device: torch.device
+) -> tuple[nn.Module, Features, dict]:
     """The drafter on the device, the source of its training inputs (the live target online, the shards offline)
     and the notes on where its vocabulary and head came from (for the ledger)."""
     d2t, t2d = load_vocab(run_path)
@@ -249,7 +250,7 @@ def drafter_and_features(
     features = Features(
         run_path, built.feature_ids, device, aux_ids, aux_dtype, target_model, head, cfg.extract.streamed
     )
-    return drafter, features, built.notes  # type: ignore[return-value]
+    return drafter, features, built.notes
 
 
 def uses_bf16(dtype: str, device: torch.device) -> bool:
@@ -347,7 +348,7 @@ def train_row(r: dict, done: int, batches: RunBatches, tc, lr: float, grad_norm:
     }
 
 
-def save_checkpoint(ckpts: Checkpoints, model: nn.Module, drafter: Eagle3Drafter, optim, sched, fsdp: bool,
+def save_checkpoint(ckpts: Checkpoints, model: nn.Module, drafter: nn.Module, optim, sched, fsdp: bool,
                     progress: Progress, batches: RunBatches, tc, seconds: float) -> None:  # fmt: skip
     """step-N/ with everything an exact resume needs (gathered on every rank under FSDP; rank 0 writes)."""
     msd, osd = model_state(model, drafter, fsdp), optim_state(model, optim, fsdp)
@@ -382,7 +383,7 @@ class HeldOut:
     """Held-out evaluation: the objective's figures on the held-out batches, simulated τ from them, and best/ (the
     drafter of the highest τ so far)."""
 
-    def __init__(self, model: nn.Module, drafter: Eagle3Drafter, inputs_of: StepInputs,
+    def __init__(self, model: nn.Module, drafter: nn.Module, inputs_of: StepInputs,
                  batches: RunBatches, autocast, fsdp: bool, steps: int, step_weights: list[float]):  # fmt: skip
         self.model, self.drafter, self.inputs_of, self.data = model, drafter, inputs_of, batches
         self.autocast, self.fsdp, self.steps, self.step_weights = autocast, fsdp, steps, step_weights

@@ -17,13 +17,12 @@ import torch
 from torch import nn
 
 from eaglekit import atomic
-from eaglekit.drafters.eagle3.model import Eagle3Drafter
-from eaglekit.drafters.family import DrafterFamily
 from eaglekit.errors import EaglekitError
 from eaglekit.interrupt import StopRequest
 from eaglekit.training import distributed as dist
 from eaglekit.training.checkpoint_integrity import STATE, intact_resume_point
 from eaglekit.training.metrics import reduce_device
+from eaglekit.training.objective import Training
 
 
 def rng_state() -> dict:
@@ -41,7 +40,7 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def model_state(model: nn.Module, drafter: Eagle3Drafter, fsdp: bool) -> dict:
+def model_state(model: nn.Module, drafter: nn.Module, fsdp: bool) -> dict:
     """The drafter's full (unsharded) state dict on the CPU; a collective under FSDP, so every rank calls it."""
     if fsdp:
         from torch.distributed.checkpoint.state_dict import (  # lazy: heavy (torch.distributed.checkpoint)
@@ -65,7 +64,7 @@ def optim_state(model: nn.Module, optim, fsdp: bool) -> dict:
     return optim.state_dict()
 
 
-def load_state(model: nn.Module, drafter: Eagle3Drafter, optim, msd: dict, osd: dict, fsdp: bool) -> None:
+def load_state(model: nn.Module, drafter: nn.Module, optim, msd: dict, osd: dict, fsdp: bool) -> None:
     """Restore parameters and optimizer; the frozen embedding is not in ``msd`` (it comes from the target)."""
     if fsdp:
         from torch.distributed.checkpoint.state_dict import (  # lazy: heavy (torch.distributed.checkpoint)
@@ -84,9 +83,9 @@ def load_state(model: nn.Module, drafter: Eagle3Drafter, optim, msd: dict, osd: 
     optim.load_state_dict(osd)
 
 
-def without_frozen_embedding(msd: dict, drafter: Eagle3Drafter) -> dict:
+def without_frozen_embedding(msd: dict, drafter: nn.Module) -> dict:
     """What training_state.pt keeps of the model: all but the frozen embedding ([V, H], rebuilt from the target)."""
-    frozen = not drafter.embed_tokens.weight.requires_grad
+    frozen = not drafter.get_parameter("embed_tokens.weight").requires_grad
     return {k: v for k, v in msd.items() if not (frozen and k == "embed_tokens.weight")}
 
 
@@ -94,7 +93,7 @@ class Checkpoints:
     """``family`` writes the drafter of each checkpoint (in the form its export writes); without one, the
     checkpoints are only read."""
 
-    def __init__(self, folder: Path, keep_last: int, family: DrafterFamily | None = None):
+    def __init__(self, folder: Path, keep_last: int, family: Training | None = None):
         self.folder, self.keep_last, self.family = folder, keep_last, family
 
     def save_drafter(self, drafter_cfg: Any, msd: dict, out: Path) -> None:

@@ -26,7 +26,7 @@ from eaglekit.drafters.dflash.model import DFlashConfig, DFlashDrafter
 from eaglekit.drafters.dflash.objective import DEFAULT_ANCHORS, BlockObjective
 from eaglekit.drafters.dflash.proposer import BlockProposer
 from eaglekit.drafters.diagnosis import ServedDrafter
-from eaglekit.drafters.family import Built, LoadChecked, Objective, Verdict, verifier_id
+from eaglekit.drafters.family import LoadChecked, Verdict, verifier_id
 from eaglekit.errors import EaglekitError, UsageError
 from eaglekit.model.checkpoint_files import CheckpointInfo
 from eaglekit.model.run_shapes import target_and_aux
@@ -36,6 +36,7 @@ from eaglekit.serving.engine_features import export_check
 from eaglekit.training.context_parallel import ContextGroup
 from eaglekit.training.data import pack_length
 from eaglekit.training.memory import StepMemory
+from eaglekit.training.objective import Built, Objective
 
 NO_SGLANG = "block drafter: no SGLang form"
 

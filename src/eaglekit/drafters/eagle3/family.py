@@ -32,7 +32,7 @@ from eaglekit.drafters.eagle3.memory import step_memory
 from eaglekit.drafters.eagle3.model import FLAGS, DrafterConfig, Eagle3Drafter
 from eaglekit.drafters.eagle3.objective import TTT
 from eaglekit.drafters.eagle3.proposer import EagleProposer
-from eaglekit.drafters.family import Built, LoadChecked, Objective, Verdict, verifier_id
+from eaglekit.drafters.family import LoadChecked, Verdict, verifier_id
 from eaglekit.errors import EaglekitError
 from eaglekit.model.checkpoint_files import CheckpointInfo
 from eaglekit.model.run_shapes import target_and_aux
@@ -42,6 +42,7 @@ from eaglekit.progress import console
 from eaglekit.serving.engine_features import export_check
 from eaglekit.training.context_parallel import ContextGroup
 from eaglekit.training.memory import StepMemory
+from eaglekit.training.objective import Built, Objective
 
 
 class Eagle3Family:

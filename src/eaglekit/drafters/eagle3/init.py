@@ -13,7 +13,7 @@ import torch
 
 from eaglekit.drafters.eagle3 import checkpoint as eagle3_checkpoint
 from eaglekit.drafters.eagle3.model import DrafterConfig, Eagle3Drafter
-from eaglekit.model.hub import drafter_folder
+from eaglekit.hub import drafter_folder
 from eaglekit.serving.engine_features import check_published
 from eaglekit.training.distributed import say
 
