@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from eaglekit.config import RunConfig
-from eaglekit.model.target import aux_layer_ids, target_hf_config
+from eaglekit.model.target_config import aux_layer_ids, target_hf_config
 
 
 def target_and_aux(cfg: RunConfig) -> tuple[Any, list[int]]:

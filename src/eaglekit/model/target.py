@@ -12,13 +12,10 @@ and the train stage turns it into logits with ``TargetHead`` — the target's ``
 
 from __future__ import annotations
 
-import copy
-import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from safetensors import safe_open
@@ -27,73 +24,14 @@ from torch import nn
 from eaglekit.config import TargetConfig
 from eaglekit.errors import EaglekitError, UsageError
 
+# the config.json readers live in target_config (no torch: `status` reads them); kept importable from here
+from eaglekit.model.target_config import aux_layer_ids as aux_layer_ids
+from eaglekit.model.target_config import default_aux_layers, target_hf_config
+from eaglekit.model.target_config import rope_from_config as rope_from_config
+from eaglekit.model.target_config import text_config as text_config
+
 # Full-vocab logits of at most this many elements exist at once (64 Mi floats = 256 MiB in fp32).
 LOGIT_CHUNK_ELEMENTS = 1 << 26
-
-
-def text_config(hf_config: Any) -> Any:
-    """The language-model part of a HF config (multimodal configs nest it); dicts are accepted too."""
-    if isinstance(hf_config, dict):
-        hf_config = SimpleNamespace(**hf_config)
-    get_text = getattr(hf_config, "get_text_config", None)
-    if callable(get_text):
-        return get_text()
-    nested = getattr(hf_config, "text_config", None)
-    return text_config(nested) if nested is not None else hf_config
-
-
-def rope_from_config(cfg: Any) -> tuple[float, dict | None]:
-    """(rope_theta, rope_scaling) of a HF config, transformers 4 (rope_theta/rope_scaling) or 5 (rope_parameters)."""
-    params = getattr(cfg, "rope_parameters", None)
-    if isinstance(params, dict) and params:
-        if all(isinstance(v, dict) for v in params.values()):  # per-layer-type rope (e.g. gemma): take full attention
-            params = params.get("full_attention") or next(iter(params.values()))
-        theta = float(params.get("rope_theta", getattr(cfg, "rope_theta", None) or 10000.0))
-        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-    else:
-        theta = float(getattr(cfg, "rope_theta", None) or 10000.0)
-        scaling = dict(getattr(cfg, "rope_scaling", None) or {})
-    if scaling.get("rope_type", scaling.get("type", "default")) == "default":
-        return theta, None
-    return theta, scaling
-
-
-def default_aux_layers(num_layers: int) -> list[int]:
-    return [2, num_layers // 2, num_layers - 3]
-
-
-def aux_layer_ids(target_cfg: TargetConfig, num_layers: int) -> list[int]:
-    """The configured aux taps, validated against the target's depth (each names the input of a decoder layer)."""
-    ids = list(target_cfg.aux_layers) if target_cfg.aux_layers is not None else default_aux_layers(num_layers)
-    bad = [i for i in ids if not 0 <= i < num_layers]
-    if len(ids) != 3 or bad:
-        raise UsageError(
-            f"target.aux_layers {ids}: need three hidden_states indices in [0, {num_layers - 1}] "
-            f"for a target with {num_layers} decoder layers",
-            f"remove target.aux_layers to use the default {default_aux_layers(num_layers)}",
-        )
-    return ids
-
-
-def target_hf_config(target_cfg: TargetConfig):
-    """The target's (text) config, read without loading weights; a copy the caller may change."""
-    config_file = Path(target_cfg.model) / "config.json"
-    # one `plan` asks a dozen times (every stage's parameters and estimates): parsed once per content of the file
-    # (its bytes are the key: a rewrite within the file system's timestamp granularity keeps the mtime)
-    content = config_file.read_bytes() if config_file.is_file() else None
-    return copy.deepcopy(_read_target_hf_config(target_cfg.model, target_cfg.trust_remote_code, content))
-
-
-@functools.lru_cache(maxsize=8)
-def _read_target_hf_config(model: str, trust_remote_code: bool, content: bytes | None):
-    from transformers import AutoConfig  # lazy: heavy (transformers)
-
-    try:
-        return text_config(AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code))
-    except (OSError, ValueError) as err:
-        raise EaglekitError(
-            f"cannot read the config of the target {model}: {err}", "point target.model at a Hugging Face model folder"
-        ) from None
 
 
 def torch_dtype(name: str):
