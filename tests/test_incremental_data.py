@@ -241,3 +241,43 @@ def test_the_prompts_file_renamed_keeps_every_stage_done(copy):  # noqa: F811
     assert [r["state"] for r in rows] == ["stale"] * len(stages)
     reason = rows[0]["reason"]
     assert reason.startswith("generate.prompts: ") and "(16 prompts, " in reason and "(17 prompts, " in reason, reason
+
+
+def test_prompts_that_failed_before_are_left_out_and_said(project, server, capsys):
+    write, prompts = project
+    cfg = write()
+    generate(cfg)
+    with open(prompts, "a") as f:
+        f.write(prompt_line(12) + prompt_line(13))
+    errors = Path(cfg.run_dir) / "generate" / "errors.jsonl"
+    errors.write_text(
+        json.dumps({"id": "p013", "reason": "HTTP 500", "attempts": 5, "ts": "2026-12-07T00:00:00"}) + "\n"
+    )
+    _, out = generate(cfg, capsys)
+    assert "(2 added): generate 1 new of 14; 12 kept; 1 that failed before are left out (--retry-failed retries" in out
+    assert len(server.requests) == 13
+    generate(cfg, retry_failed=True)
+    assert len(server.requests) == 14 and len(records(cfg)) == 14
+
+
+def test_the_prompts_identity_is_kept_in_the_run_directory(project, monkeypatch):
+    """`eaglekit status` of a 25K-prompt run reads the prompts once, not at every call."""
+    from eaglekit.data import prompts as prompt_data
+
+    write, prompts = project
+    cfg = write()
+    Path(cfg.run_dir).mkdir()
+    first = prompt_data.prompts_identity(cfg)
+    assert first["prompts"] == 12 and (Path(cfg.run_dir) / prompt_data.IDENTITY_CACHE).is_file()
+
+    def unread(*args, **kwargs):
+        raise AssertionError("the prompts were read again")
+
+    prompt_data._identity_cached.cache_clear()
+    prompt_data._load_prompts_cached.cache_clear()
+    monkeypatch.setattr(prompt_data, "load_prompts", unread)
+    assert prompt_data.prompts_identity(cfg) == first
+    monkeypatch.undo()
+    with open(prompts, "a") as f:
+        f.write(prompt_line(12))
+    assert prompt_data.prompts_identity(cfg)["prompts"] == 13

@@ -11,6 +11,7 @@ editor counts) and ``file:row N`` for JSON lists, Parquet and datasets folders (
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -21,7 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from eaglekit.errors import UsageError
+from eaglekit import atomic
+from eaglekit.errors import EaglekitError, UsageError
 
 ROLES = {
     "system": "system",
@@ -420,15 +422,32 @@ def _identity_cached(path: str, max_samples: int | None, on_bad_row: str, stamp:
     return set_identity([prompt_key(r.id, r.messages) for r in records], path)
 
 
+IDENTITY_CACHE = ".prompts-identity.json"  # in the run directory: the identity of the file read last, by its state
+
+
 def prompts_identity(cfg) -> dict:
     """The identity of the run's prompts as generate asks them (``data.prompts`` read with ``data.max_samples`` and
     ``data.on_bad_row``). A file that cannot be read is identified by its path and the reason (pre-flight's
-    prompts check names the problem)."""
+    prompts check names the problem). A prompts file's identity is kept in the run directory by its path, size,
+    mtime and inode, so `eaglekit status` on a 25K-prompt run does not read the prompts again."""
     d = cfg.data
     stamp = _file_state(d.prompts)
     if not stamp:
         return {"path": str(d.prompts), "missing": True}
+    cache = Path(cfg.run_path) / IDENTITY_CACHE
+    key = [os.path.realpath(d.prompts), *stamp, d.max_samples, d.on_bad_row] if os.path.isfile(d.prompts) else None
+    if key is not None:
+        try:
+            kept = json.loads(cache.read_text())
+            if kept.get("key") == key:
+                return kept["identity"]
+        except (OSError, ValueError, AttributeError, KeyError):
+            pass  # none kept yet, or another file's
     try:
-        return _identity_cached(str(d.prompts), d.max_samples, d.on_bad_row, stamp)
+        identity = _identity_cached(str(d.prompts), d.max_samples, d.on_bad_row, stamp)
     except UsageError as err:
         return {"path": str(d.prompts), "unreadable": err.message}
+    if key is not None and cache.parent.is_dir():
+        with contextlib.suppress(OSError, EaglekitError):  # read-only, or full: read again next time
+            atomic.write_json(cache, {"key": key, "identity": identity})
+    return identity

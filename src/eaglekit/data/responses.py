@@ -309,6 +309,12 @@ def stored_keys(folder: str | os.PathLike) -> dict[str, str]:
     return keys
 
 
+def failed_ids(folder: str | os.PathLike) -> set[str]:
+    """The ids in a folder's errors.jsonl (samples whose requests failed for good), read without repairing."""
+    path = Path(folder) / ERRORS
+    return {row["id"] for _, row in _lines(path)} if path.exists() else set()
+
+
 def summarize(folder: str | os.PathLike) -> dict[str, Any]:
     """Counts over a whole responses.jsonl (for the stage summary and `status`)."""
     folder = Path(folder)

@@ -39,6 +39,7 @@ from eaglekit.data.responses import (
     RESPONSES,
     SET_ASIDE,
     ResponseStore,
+    failed_ids,
     make_record,
     quick_counts,
     stored_keys,
@@ -102,6 +103,7 @@ class Plan:
     set_aside: set[str] = field(default_factory=set)  # ids whose replies answer no prompt asked now
     new: int = 0  # prompts with no reply stored (added, or beyond a raised data.max_samples)
     edited: int = 0  # ids whose prompt's messages changed since their reply
+    failed_before: int = 0  # prompts without a reply whose requests failed before: left out unless retried
 
     def words(self) -> str:
         changes = [
@@ -119,9 +121,14 @@ class Plan:
             if len(self.set_aside) > self.edited
             else ""
         )
+        failed = (
+            f"; {self.failed_before} that failed before are left out (--retry-failed retries them)"
+            if self.failed_before
+            else ""
+        )
         return (
             f"the prompts changed since it ran ({', '.join(changes) or 'the same rows'}): generate "
-            f"{len(self.pending)} new of {self.asked}; {self.kept} kept{aside}"
+            f"{len(self.pending)} new of {self.asked}; {self.kept} kept{aside}{failed}"
         )
 
 
@@ -136,6 +143,7 @@ def plan(records: list[PromptRecord], stored: dict[str, str], failed: set[str]) 
         set_aside={rid for rid, key in stored.items() if wanted.get(rid) != key},
         new=sum(rid not in stored for rid in wanted),
         edited=len(edited),
+        failed_before=sum(stored.get(rid) != key and rid in failed for rid, key in wanted.items()),
     )
 
 
@@ -157,9 +165,10 @@ def continues(ctx: StageContext) -> str | None:
     try:
         records = run_prompts(ctx.cfg).records
         stored = stored_keys(ctx.dir)
+        failed = set() if ctx.options.get("retry_failed") else failed_ids(ctx.dir)
     except EaglekitError:
         return None  # the prompts check (or the run) names what is unreadable
-    return plan(records, stored, set()).words()
+    return plan(records, stored, failed).words()
 
 
 def _answering(p: dict) -> Any:
