@@ -1,4 +1,4 @@
-"""Offline feature storage: per token, the target's three aux hidden states and its final normed hidden state.
+"""Offline feature storage (the files' format, plan, sidecars and index: ``eaglekit.data.shard_files``): per token, the target's three aux hidden states and its final normed hidden state.
 
 Bytes per token (``bytes_per_token``), Ht the target's hidden size:
 
@@ -35,8 +35,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import random
-import struct
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,39 +43,36 @@ from typing import BinaryIO
 import torch
 from safetensors import SafetensorError, safe_open
 
-from eaglekit import atomic, rundir
+from eaglekit import atomic
+
+# the files' part, kept importable from here (`sh.shard_name`): its readers need no torch
+from eaglekit.data.shard_files import DIGEST_CACHE as DIGEST_CACHE
+from eaglekit.data.shard_files import (
+    FORMAT,
+    INDEX,
+    REMEDY,
+    STATES,
+    VERSION,
+    header_bytes,
+    sidecar_path,
+    tensor_bytes,
+    tensor_layout,
+)
+from eaglekit.data.shard_files import bytes_per_token as bytes_per_token
+from eaglekit.data.shard_files import complete_shard as complete_shard
+from eaglekit.data.shard_files import known_mismatch as known_mismatch
+from eaglekit.data.shard_files import plan_batches as plan_batches
+from eaglekit.data.shard_files import plan_shards as plan_shards
+from eaglekit.data.shard_files import read_digest_cache as read_digest_cache
+from eaglekit.data.shard_files import shard_bytes as shard_bytes
+from eaglekit.data.shard_files import shard_name as shard_name
+from eaglekit.data.shard_files import validate_shards as validate_shards
+from eaglekit.data.shard_files import verify_contents as verify_contents
+from eaglekit.data.shard_files import write_index as write_index
 from eaglekit.errors import EaglekitError
 from eaglekit.rundir import sha256_file
 
-FORMAT = "eaglekit.features"
-VERSION = "2"
-INDEX = "index.json"
-STORAGE_DTYPES = ("bfloat16", "float16", "float32", "fp8")
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1}
-STATES = 4  # three aux states and the final hidden state
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
-PLAN_SEED = "eaglekit.features.shards"
-_ST_DTYPE = {
-    torch.bfloat16: "BF16",
-    torch.float16: "F16",
-    torch.float32: "F32",
-    torch.int64: "I64",
-    torch.int8: "I8",
-    torch.float8_e4m3fn: "F8_E4M3",
-}
-DIGEST_CACHE = rundir.DIGEST_CACHE  # a dot name: not a shard or a sidecar to any glob of this module
-REMEDY = (
-    "delete the named shard and its .json sidecar, then `eaglekit run CONFIG --from extract`: extract "
-    "re-extracts only the missing shards (the others are kept) and the stages after it go on"
-)
-
-
-def bytes_per_token(hidden_size: int, dtype: str) -> int:
-    """What one token's features cost on disk (shard headers and the 8-byte offset per sample come on top)."""
-    if dtype not in DTYPE_BYTES:
-        raise EaglekitError(f"unknown feature dtype {dtype!r}", f"use one of {', '.join(STORAGE_DTYPES)}")
-    scales = STATES if dtype == "fp8" else 0
-    return STATES * hidden_size * DTYPE_BYTES[dtype] + scales
 
 
 def value_dtype(dtype: str) -> torch.dtype:
@@ -148,96 +143,6 @@ def decode(rows: Rows, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor
 # ------------------------------------------------------------------------------------------------ plan
 
 
-def shard_name(n: int) -> str:
-    return f"shard-{n:05d}.safetensors"
-
-
-def sidecar_path(shard: Path) -> Path:
-    return shard.with_suffix(".json")
-
-
-def plan_shards(lengths: list[int], shard_tokens: int) -> list[list[int]]:
-    """Sample indices per shard: a fixed-seed shuffle cut every ``shard_tokens`` tokens, each shard sorted by length.
-
-    A function of the lengths alone, so a resumed run (with any number of ranks) and the train stage
-    rebuild the same plan.
-    """
-    order = list(range(len(lengths)))
-    random.Random(PLAN_SEED).shuffle(order)
-    shards, current, tokens = [], [], 0
-    for i in order:
-        current.append(i)
-        tokens += lengths[i]
-        if tokens >= shard_tokens:
-            shards.append(current)
-            current, tokens = [], 0
-    if current:
-        shards.append(current)
-    return [sorted(s, key=lambda i: (lengths[i], i)) for s in shards]
-
-
-def plan_batches(samples: list[int], lengths: list[int], batch_tokens: int) -> list[list[int]]:
-    """Consecutive samples (already sorted by length) per batch: padded size at most ``batch_tokens``."""
-    batches: list[list[int]] = []
-    current: list[int] = []
-    width = 0
-    for i in samples:
-        w = max(width, lengths[i])
-        if current and w * (len(current) + 1) > batch_tokens:
-            batches.append(current)
-            current, w = [], lengths[i]
-        current.append(i)
-        width = w
-    if current:
-        batches.append(current)
-    return batches
-
-
-# ---------------------------------------------------------------------------------------------- layout
-
-
-def _tensors(n_samples: int, tokens: int, hidden: int, dtype: str) -> list[tuple[str, torch.dtype, list[int]]]:
-    values = value_dtype(dtype)
-    out = [("aux", values, [tokens, 3 * hidden]), ("last_hidden", values, [tokens, hidden])]
-    if dtype == "fp8":
-        out.append(("scale_exp", torch.int8, [tokens, STATES]))
-    return out + [("offsets", torch.int64, [n_samples + 1])]
-
-
-def _nbytes(dt: torch.dtype, shape: list[int]) -> int:
-    n = torch.empty(0, dtype=dt).element_size()
-    for s in shape:
-        n *= s
-    return n
-
-
-def header_bytes(ids: list[str], tokens: int, hidden: int, dtype: str, extra_meta: dict | None = None) -> bytes:
-    """The safetensors header of a shard (length prefix included); tensor data follows it."""
-    header, start = {}, 0
-    for name, dt, shape in _tensors(len(ids), tokens, hidden, dtype):
-        end = start + _nbytes(dt, shape)
-        header[name] = {"dtype": _ST_DTYPE[dt], "shape": shape, "data_offsets": [start, end]}
-        start = end
-    header["__metadata__"] = {
-        "format": FORMAT,
-        "version": VERSION,
-        "ids": json.dumps(ids, ensure_ascii=False),
-        "dtype": dtype,
-        **{k: str(v) for k, v in (extra_meta or {}).items()},
-    }
-    text = json.dumps(header, ensure_ascii=False).encode()
-    text += b" " * (-len(text) % 8)  # tensor data starts 8-byte aligned
-    return struct.pack("<Q", len(text)) + text
-
-
-def shard_bytes(ids: list[str], tokens: int, hidden: int, dtype: str, extra_meta: dict | None = None) -> int:
-    return (
-        len(header_bytes(ids, tokens, hidden, dtype, extra_meta))
-        + tokens * bytes_per_token(hidden, dtype)
-        + 8 * (len(ids) + 1)
-    )
-
-
 # --------------------------------------------------------------------------------------------- writing
 
 
@@ -257,9 +162,9 @@ class ShardWriter:
         self.header = header_bytes(ids, self.tokens, hidden, dtype, extra_meta)
         self.layout: dict[str, tuple[int, int]] = {}  # tensor name -> (file offset of its data, bytes per token)
         base = len(self.header)
-        for name, dt, shape in _tensors(len(ids), self.tokens, hidden, dtype):
-            self.layout[name] = (base, _nbytes(dt, shape[1:]))
-            base += _nbytes(dt, shape)
+        for name, _, size, shape in tensor_layout(len(ids), self.tokens, hidden, dtype):
+            self.layout[name] = (base, tensor_bytes(size, shape[1:]))
+            base += tensor_bytes(size, shape)
         self.written = [False] * len(ids)
         self.bytes_written = 0
         self._ctx: contextlib.AbstractContextManager[Path] | None = None
@@ -345,129 +250,6 @@ class ShardWriter:
             "ids": self.ids,
             "lengths": self.lengths,
         }
-
-
-# ----------------------------------------------------------------------------------- content integrity
-# The run's one hash cache (rundir.hash_files), kept in the extract folder and keyed by shard file name.
-
-
-def read_digest_cache(folder: Path) -> dict[str, dict]:
-    """{shard file name: {"key": [size, mtime_ns, inode], "sha256": what its bytes hashed to}}."""
-    return rundir.read_digest_cache(Path(folder) / DIGEST_CACHE)
-
-
-def cached_digest(shard: Path, cache: dict[str, dict]) -> str | None:
-    """The sha256 the shard's bytes had when last read back, if the file is unchanged since."""
-    return rundir.cached_digest(cache, shard.name, shard)
-
-
-@dataclass(frozen=True)
-class Mismatch:
-    """A shard whose bytes do not hash to the sha256 its sidecar recorded when extract wrote it."""
-
-    file: str
-    expected: str
-    actual: str
-
-    def __str__(self) -> str:
-        return f"{self.file}: sha256 {self.actual}, its sidecar records {self.expected}"
-
-
-def _recorded_sha256(shard: Path) -> str | None:
-    try:
-        return json.loads(sidecar_path(shard).read_text()).get("sha256")
-    except (OSError, ValueError, AttributeError):
-        return None
-
-
-def known_mismatch(shard: Path, cache: dict[str, dict] | None = None) -> Mismatch | None:
-    """A mismatch that an earlier read-back found and the file still has (no hashing)."""
-    actual = cached_digest(shard, read_digest_cache(shard.parent) if cache is None else cache)
-    expected = _recorded_sha256(shard)
-    if actual is None or expected is None or actual == expected:
-        return None
-    return Mismatch(shard.name, expected, actual)
-
-
-def verify_contents(folder: Path, files: list[str], workers: int = 4) -> tuple[list[Mismatch], int]:
-    """Hash each listed shard (that has a sidecar) against its sidecar's sha256: (mismatches, bytes hashed now).
-    Unchanged shards take their digest from the cache, the others are read (rundir.hash_files)."""
-    folder = Path(folder)
-    digests, hashed = rundir.hash_files(
-        folder / DIGEST_CACHE, {name: folder / name for name in files}, "feature shards", workers
-    )
-    mismatches = []
-    for name in files:
-        expected = _recorded_sha256(folder / name)
-        if name in digests and expected is not None and digests[name] != expected:
-            mismatches.append(Mismatch(name, expected, digests[name]))
-    return mismatches, hashed
-
-
-def complete_shard(shard: Path) -> dict | None:
-    """The sidecar entry of a finished shard whose file has the recorded size and is not known to differ from
-    its sha256 (a read-back found it so: see verify_contents), else None."""
-    try:
-        entry = json.loads(sidecar_path(shard).read_text())
-    except (OSError, ValueError):
-        return None
-    if not shard.is_file() or shard.stat().st_size != entry.get("bytes"):
-        return None
-    read_back = cached_digest(shard, read_digest_cache(shard.parent))
-    return None if read_back is not None and read_back != entry.get("sha256") else entry
-
-
-def validate_shards(folder: Path, full_sha: bool = True) -> tuple[list[dict], list[str]]:
-    """Check every shard that has a sidecar: (entries that are sound, a message per damaged shard). Sizes
-    always; with ``full_sha`` the bytes against the sidecar's sha256 too (verify_contents, cached)."""
-    sized, problems = [], []
-    for side in sorted(Path(folder).glob("shard-*.json")):
-        shard = side.with_suffix(".safetensors")
-        try:
-            entry = json.loads(side.read_text())
-        except (OSError, ValueError) as err:
-            problems.append(f"{side.name} is unreadable ({err})")
-            continue
-        if not shard.is_file():
-            problems.append(f"{shard.name} is missing (its sidecar says {entry.get('bytes')} bytes)")
-        elif shard.stat().st_size != entry.get("bytes"):
-            problems.append(
-                f"{shard.name} is truncated or damaged: {shard.stat().st_size} bytes, "
-                f"the index says {entry.get('bytes')}"
-            )
-        else:
-            sized.append(entry)
-    if not full_sha:
-        return sized, problems
-    differ = {m.file: m for m in verify_contents(Path(folder), [e["file"] for e in sized])[0]}
-    problems += [str(differ[e["file"]]) for e in sized if e["file"] in differ]
-    return [e for e in sized if e["file"] not in differ], problems
-
-
-def write_index(folder: Path, shards: list[dict], meta: dict) -> None:
-    """The manifest of a finished extraction; refuses a sample stored twice."""
-    seen: dict[str, str] = {}
-    for s in shards:
-        for sid in s["ids"]:
-            if sid in seen:
-                raise EaglekitError(
-                    f"sample {sid!r} is stored in both {seen[sid]} and {s['file']}",
-                    f"a bug in eaglekit's shard plan: remove {folder} and rerun extraction "
-                    "(`eaglekit run CONFIG --from extract`), and please report it",
-                )
-            seen[sid] = s["file"]
-    atomic.write_json(
-        Path(folder) / INDEX,
-        {
-            "format": FORMAT,
-            "version": VERSION,
-            **meta,
-            "samples": sum(s["samples"] for s in shards),
-            "tokens": sum(s["tokens"] for s in shards),
-            "bytes": sum(s["bytes"] for s in shards),
-            "shards": shards,
-        },
-    )
 
 
 # --------------------------------------------------------------------------------------------- reading
