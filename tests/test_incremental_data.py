@@ -241,6 +241,10 @@ def test_the_prompts_file_renamed_keeps_every_stage_done(copy):  # noqa: F811
     assert [r["state"] for r in rows] == ["stale"] * len(stages)
     reason = rows[0]["reason"]
     assert reason.startswith("generate.prompts: ") and "(16 prompts, " in reason and "(17 prompts, " in reason, reason
+    steps = " ".join(status.next_steps(load_config(root / "config.yaml"), rows, "CONFIG"))
+    assert "it goes on from its outputs: the prompts changed since it ran (1 added): generate 1 new of 17; 16 kept" in (
+        steps
+    )
 
 
 def test_prompts_that_failed_before_are_left_out_and_said(project, server, capsys):

@@ -230,8 +230,13 @@ def next_steps(cfg: RunConfig, rows: list[dict], config: str) -> list[str]:
         return [f"{stage} was stopped mid-run; to resume it:", command]
     if state == "stale":
         after = [r["stage"] for r in rows[rows.index(todo) + 1 :]]
+        ctx = pipeline.make_context(cfg, stage)
+        goes_on = ctx.continues(run.folder_state(stage, ctx.fingerprint))  # generate with other prompts: what it keeps
         return [
-            f"{stage} is stale: {todo['reason']}" + (f"; {', '.join(after)} follow it" if after else "") + ".",
+            f"{stage} is stale: {todo['reason']}"
+            + (f"; it goes on from its outputs: {goes_on}" if goes_on else "")
+            + (f"; {', '.join(after)} follow it" if after else "")
+            + ".",
             f"To rerun {stage}{' and what follows' if after else ''}, keeping the stages before it:",
             command,
         ]
