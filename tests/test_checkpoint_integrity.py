@@ -21,6 +21,7 @@ from eaglekit.config import parse_config
 from eaglekit.drafters.checked import load_checked_drafter
 from eaglekit.errors import EaglekitError
 from eaglekit.rundir import RunDir
+from eaglekit.stages import train as train_stage
 from eaglekit.stages import verify
 from eaglekit.status import stage_rows
 from eaglekit.training import loop
@@ -95,6 +96,8 @@ def test_a_damaged_latest_checkpoint_is_named_and_the_run_resumes_from_the_newes
     cfg = copy_of(stopped_run, tmp_path)
     assert (ckpts_of(cfg) / "latest").read_text().strip() == "step-4"
     flip_4k(ckpts_of(cfg) / "step-4" / damaged)
+    kept = train_stage.kept(pipeline.make_context(cfg, "train"))  # what a stopped run's message says
+    assert kept == f"checkpoint {ckpts_of(cfg) / 'step-2'} (a rerun resumes from it; step-4 is damaged)"
     capsys.readouterr()
 
     row = train(cfg)

@@ -48,6 +48,7 @@ from eaglekit.preflight.drafter import as_check
 from eaglekit.preflight.gpus import target_placement
 from eaglekit.progress import console, format_duration, human_bytes
 from eaglekit.rundir import file_identity
+from eaglekit.training.checkpoint_integrity import resume_words
 from eaglekit.training.data import pack_length
 from eaglekit.training.loop import train
 from eaglekit.training.memory import StepMemory, ranks_to_fit
@@ -427,7 +428,7 @@ def kept(ctx: StageContext) -> str:
         latest = Checkpoints(ctx.dir / "checkpoints", ctx.cfg.train.keep_last).latest()
     except EaglekitError:
         latest = None
-    return f"checkpoint {latest} (a rerun resumes from it)" if latest else "no checkpoint yet (a rerun starts over)"
+    return resume_words(ctx.dir / "checkpoints", latest)  # a damaged latest is not where a rerun resumes
 
 
 def live_counts(stage_dir: Path) -> dict:

@@ -25,31 +25,51 @@ def step_folders(checkpoints: Path) -> list[Path]:
     return sorted(found, key=step_of, reverse=True)
 
 
+def newest_intact(checkpoints: Path, latest: Path) -> Path | None:
+    """``latest`` when its files are the bytes written, else the newest intact ``step-N`` before it, else None."""
+    if not atomic.damage(latest):
+        return latest
+    earlier = [f for f in step_folders(checkpoints) if f != latest and step_of(f) <= step_of(latest)]
+    return next((f for f in earlier if not atomic.damage(f)), None)
+
+
 def intact_resume_point(checkpoints: Path, latest: Path) -> Path:
     """``latest`` when its files are intact; else the newest intact checkpoint before it, said on the terminal;
     else an EaglekitError naming each damaged file and the remedy."""
-    damaged = atomic.damage(latest)
-    if not damaged:
+    intact = newest_intact(checkpoints, latest)
+    if intact == latest:
         return latest
+    damaged = atomic.damage(latest)
+    if intact is not None:
+        console.print(
+            f"[yellow]train: checkpoint {latest.name} is damaged: {'; '.join(map(str, damaged))}; resuming "
+            f"from {intact.name}, the newest intact checkpoint (step {step_of(intact)}; the steps after it are "
+            "trained again)[/]"
+        )
+        return intact
     seen = {latest: damaged}
     for folder in step_folders(checkpoints):
-        if folder == latest or step_of(folder) > step_of(latest):
-            continue
-        found = atomic.damage(folder)
-        if not found:
-            console.print(
-                f"[yellow]train: checkpoint {latest.name} is damaged: {'; '.join(map(str, damaged))}; resuming "
-                f"from {folder.name}, the newest intact checkpoint (step {step_of(folder)}; the steps after it are "
-                "trained again)[/]"
-            )
-            return folder
-        seen[folder] = found
+        if folder != latest and step_of(folder) <= step_of(latest):
+            seen[folder] = atomic.damage(folder)
     listed = "; ".join(f"{folder.name}: {'; '.join(map(str, found))}" for folder, found in seen.items())
     raise EaglekitError(
         f"train: no intact checkpoint to resume from in {checkpoints}: {listed}",
         f"restore {checkpoints} from a copy of the run, or remove it to train from the start (the rerun then "
         "starts at step 0)",
     )
+
+
+def resume_words(checkpoints: Path, latest: Path | None) -> str:
+    """Where a rerun resumes from, in words (what a stopped run's message says is kept)."""
+    intact = newest_intact(checkpoints, latest) if latest else None
+    if intact is None:
+        return (
+            f"no intact checkpoint ({latest.name} is damaged; a rerun says what to do)"
+            if latest
+            else "no checkpoint yet (a rerun starts over)"
+        )
+    damaged = f"; {latest.name} is damaged" if latest and intact != latest else ""
+    return f"checkpoint {intact} (a rerun resumes from it{damaged})"
 
 
 # Files a user may edit by hand on purpose (an exported config.json tried with another setting, a model card): read
