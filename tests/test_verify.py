@@ -18,7 +18,9 @@ from conftest import write_config
 
 from eaglekit import pipeline
 from eaglekit.config import load_config
+from eaglekit.data.verify_report import ENGINE_SETTINGS
 from eaglekit.rundir import RunDir
+from eaglekit.serving.engine_settings import from_log
 
 pytestmark = pytest.mark.slow
 
@@ -45,6 +47,26 @@ def test_verify_passes_on_the_demo_drafter_in_both_forms(vllm_python, demo_run, 
     assert runs["speculators"]["launch"].startswith(f"vllm serve {spec_dir} ")
     assert "--speculative-config" in runs["eagle3"]["launch"] or "method: eagle3" in runs["eagle3"]["launch"]
     assert all(row["status"] == "ok" for rows in report["diagnosis"].values() for row in rows)
+    # the speculative settings each engine served with, from the command eaglekit started and from vLLM's own log
+    # (its `non-default args` line): vLLM's defaults where neither names one, and K drafts in every verify pass
+    for form, r in runs.items():
+        settings = r["engine_settings"]["settings"]
+        assert r["engine_settings"]["sources"] == ["command", "log"], form
+        assert settings["num_speculative_tokens"] == {"value": 3, "source": "command"}
+        assert settings["rejection_sample_method"] == {"value": "standard", "source": "vLLM default"}
+        assert settings["draft_sample_method"] == {"value": "greedy", "source": "vLLM default"}
+        assert r["drafts_per_pass"] == 3 and r["setting_effects"] == []
+        assert r["served"]["draft_tokens"] == 3 * r["served"]["drafts"]
+        log_settings = from_log(Path(r["log"]).read_text())
+        assert log_settings is not None and log_settings["num_speculative_tokens"] == 3
+        assert r["request_spread"]["requests"] == report["prompts"]
+    assert runs["eagle3"]["engine_settings"]["settings"]["method"] == {"value": "eagle3", "source": "command"}
+    # `vllm serve DIR` names no method: the engine core's log line says what it resolved from the folder
+    assert runs["speculators"]["engine_settings"]["settings"]["method"] == {"value": "eagle3", "source": "log"}
+    rows = [row for rows in report["diagnosis"].values() for row in rows if row["cause"] == ENGINE_SETTINGS]
+    assert len(rows) == 2 and all("as eaglekit measured" in row["detail"] for row in rows)
+    assert "`rejection_sample_method` 'standard' (vLLM default)" in (run_dir / "verify" / "report.md").read_text()
+    assert report["mean_prompt_tokens"] > 0 and report["mean_reply_tokens"] > 0
     assert (run_dir / "verify" / "acceptance.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "**PASS**" in (run_dir / "verify" / "report.md").read_text()
 

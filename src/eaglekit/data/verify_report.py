@@ -16,6 +16,9 @@ CAUSES = (
 # An engine release that loads the drafter but does not read one of its features (serving/engine_features.py).
 ENGINE_DROPS = "engine drops a trained feature"
 KNOWN_DEFECT = "known engine defect"
+# The engine's speculative settings (rejection and draft sampling, a K schedule, the drafter's own kernels): not the
+# drafter's, so any family's (verify's settings_cause, serving/engine_settings.py).
+ENGINE_SETTINGS = "engine speculative settings"
 # The block drafters' (DFlash, DSpark) own causes, in the order drafters/block_diagnosis.BLOCK_DIAGNOSIS checks them.
 BLOCK_CAUSES = (
     "target_layer_ids",
@@ -25,7 +28,7 @@ BLOCK_CAUSES = (
     KNOWN_DEFECT,
     ENGINE_DROPS,
 )
-ORDER = tuple(dict.fromkeys((*CAUSES, ENGINE_DROPS, *BLOCK_CAUSES)))
+ORDER = tuple(dict.fromkeys((*CAUSES, ENGINE_DROPS, *BLOCK_CAUSES, ENGINE_SETTINGS)))
 
 
 def verdict_counts(report: dict) -> dict:
@@ -175,6 +178,7 @@ def run_section(r: dict) -> list[str]:
         + (f"; attention backend {', '.join(r['attention_backends'])}" if r.get("attention_backends") else ""),
         "",
     ]
+    lines += settings_lines(r)
     if r["positions"]:
         lines += ["| draft position | served acceptance | offline acceptance | difference |", "|---|---|---|---|"]
         lines += [
@@ -197,6 +201,29 @@ def run_section(r: dict) -> list[str]:
             f"- prompt {d['id']}: served output differs from plain greedy decoding at token {d['first_difference']}"
         )
     return lines
+
+
+def settings_lines(r: dict) -> list[str]:
+    """The speculative settings the engine served with, each with where it was read, and the drafts per verify pass
+    its counters show (reports written before verify recorded them have none)."""
+    recorded = r.get("engine_settings") or {}
+    settings = recorded.get("settings") or {}
+    lines = []
+    if settings:
+        lines.append(
+            "Engine speculative settings: "
+            + ", ".join(f"`{k}` {v['value']!r} ({v['source']})" for k, v in settings.items() if k != "model")
+            + "."
+        )
+    elif recorded:
+        lines.append(
+            "Engine speculative settings: not exposed by this server (vLLM answers /server_info with "
+            "VLLM_SERVER_DEV_MODE=1 only); its counters are read."
+        )
+    if r.get("drafts_per_pass") is not None:
+        lines.append(f"Drafts per verify pass (the engine's counters): {r['drafts_per_pass']:.2f} of K={r['k']}.")
+    lines += [f"- {e['setting']}: {e['detail']}" for e in r.get("setting_effects") or []]
+    return lines + ([""] if lines else [])
 
 
 def diagnosis_section(report: dict) -> list[str]:

@@ -29,8 +29,11 @@ from eaglekit.errors import EaglekitError
 from eaglekit.serving.engine import metric_sum, parse_prometheus
 
 DRAFTS = "vllm:spec_decode_num_drafts_total"
+DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"  # drafts x tokens drafted in each (K, unless scheduled)
 PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 REQUESTS = "vllm:request_success_total"
+PROMPT_TOKENS = "vllm:request_prompt_tokens"  # a histogram: _sum and _count over finished requests
+GENERATION_TOKENS = "vllm:request_generation_tokens"
 _POSITION = re.compile(r'position="(\d+)"')
 
 
@@ -52,6 +55,7 @@ class Counters:
     accepted: list[int] = field(default_factory=list)  # per draft position
     emitted: int | None = None  # SGLang: completion tokens (first token included)
     verify_passes: int | None = None  # SGLang: spec_verify_ct
+    draft_tokens: int | None = None  # vLLM: tokens drafted over all drafts (drafts x K unless a schedule cut K)
 
     @property
     def tau(self) -> float:
@@ -60,6 +64,56 @@ class Counters:
 
     def rates(self) -> list[float]:
         return [a / self.drafts if self.drafts else 0.0 for a in self.accepted]
+
+    def __sub__(self, before: Counters) -> Counters:
+        """What was counted since ``before`` (vLLM's cumulative counters; positions registered since count from 0)."""
+        width = max(len(self.accepted), len(before.accepted))
+        pad = lambda xs: xs + [0] * (width - len(xs))  # noqa: E731
+        tokens = self.draft_tokens - (before.draft_tokens or 0) if self.draft_tokens is not None else None
+        return Counters(
+            self.drafts - before.drafts,
+            [a - b for a, b in zip(pad(self.accepted), pad(before.accepted), strict=False)],
+            draft_tokens=tokens,
+        )
+
+
+def request_spread(per_request: list[tuple[int, list[int]]]) -> dict | None:
+    """How much τ and each position's acceptance vary between requests, for a band on a pooled figure.
+
+    ``per_request``: each request's drafts (verify passes with drafts) and accepted tokens per position. A pooled
+    rate r = Σa / Σd over R requests has the standard error s / √R with s² = Σ (a_j − r·d_j)² / ((R − 1)·d̄²) (the
+    ratio estimator's): the requests, not the drafts, are the independent units, since the drafts of one request
+    share its prompt and accept together. ``spread`` is s per draft position, ``tau_spread`` s of the accepted
+    tokens per draft (τ − 1)."""
+    rows = [(d, a) for d, a in per_request if d > 0]
+    if len(rows) < 2:
+        return None
+    k = max(len(a) for _, a in rows)
+    rows = [(d, a + [0] * (k - len(a))) for d, a in rows]
+    drafts = sum(d for d, _ in rows)
+    mean = drafts / len(rows)
+
+    def spread(values: list[int]) -> float:
+        rate = sum(values) / drafts
+        residual = sum((v - rate * d) ** 2 for v, (d, _) in zip(values, rows, strict=True))
+        return (residual / (len(rows) - 1)) ** 0.5 / mean
+
+    return {
+        "requests": len(rows),
+        "drafts_per_request": round(mean, 3),
+        "tau_spread": round(spread([sum(a) for _, a in rows]), 5),
+        "spread": [round(spread([a[i] for _, a in rows]), 5) for i in range(k)],
+    }
+
+
+@dataclass
+class Snapshot:
+    """vLLM's cumulative counters at one moment: speculation, and the finished requests with their token counts."""
+
+    counters: Counters
+    requests: float  # finished requests
+    prompt_tokens: float = 0.0  # summed over finished requests (the histogram's _sum)
+    generation_tokens: float = 0.0
 
 
 def root_of(url: str) -> str:
@@ -105,6 +159,11 @@ class VllmClient:
 
     def counters(self) -> tuple[Counters, float]:
         """The cumulative counters now, and the number of requests finished so far."""
+        snapshot = self.snapshot()
+        return snapshot.counters, snapshot.requests
+
+    def snapshot(self) -> Snapshot:
+        """Everything /metrics counts that verify and watch compare, read at once."""
         metrics = parse_prometheus(self._get("/metrics").text)
         positions = {
             int(m.group(1))
@@ -114,7 +173,13 @@ class VllmClient:
             if m
         }
         accepted = [int(metric_sum(metrics, PER_POSITION, position=str(p))) for p in range(len(positions))]
-        return Counters(int(metric_sum(metrics, DRAFTS)), accepted), metric_sum(metrics, REQUESTS)
+        tokens = int(metric_sum(metrics, DRAFT_TOKENS)) if any(k.startswith(DRAFT_TOKENS) for k in metrics) else None
+        return Snapshot(
+            Counters(int(metric_sum(metrics, DRAFTS)), accepted, draft_tokens=tokens),
+            metric_sum(metrics, REQUESTS),
+            metric_sum(metrics, PROMPT_TOKENS + "_sum"),
+            metric_sum(metrics, GENERATION_TOKENS + "_sum"),
+        )
 
     def num_speculative_tokens(self) -> int:
         """K, read from the per-position series the engine registers (one per draft position)."""
@@ -168,11 +233,7 @@ def vllm_batch(
             f"{len(prompts)}: other traffic is mixed into its counters",
             "run verify against a server nobody else uses while it runs",
         )
-    width = max(len(after.accepted), len(before.accepted))
-    pad = lambda xs: xs + [0] * (width - len(xs))  # noqa: E731
-    return served, Counters(
-        after.drafts - before.drafts, [a - b for a, b in zip(pad(after.accepted), pad(before.accepted), strict=False)]
-    )
+    return served, after - before
 
 
 # --------------------------------------------------------------------------------------------- SGLang

@@ -43,12 +43,13 @@ from eaglekit.config import RunConfig
 from eaglekit.contract import Estimate, Sizes, Stage, StageContext
 from eaglekit.data.suites import load_suite
 from eaglekit.data.verify_report import (
+    ENGINE_SETTINGS,
     failure_message,
     report_markdown,
     verdict_counts,
 )
 from eaglekit.drafters.checked import checkpoint_path, decoding_inputs, drafter_family, written_forms
-from eaglekit.drafters.diagnosis import ServedDrafter
+from eaglekit.drafters.diagnosis import ServedDrafter, cause_row
 from eaglekit.drafters.registry import family_of_folder, proposer_for, vllm_method
 from eaglekit.errors import EaglekitError, UsageError
 from eaglekit.model.target import load_target
@@ -60,12 +61,21 @@ from eaglekit.rundir import file_identity
 from eaglekit.serving.engine import VllmServer, find_vllm_python, is_cpu_build, supports_flag
 from eaglekit.serving.engine import version as engine_version
 from eaglekit.serving.engine_features import verify_check
+from eaglekit.serving.engine_settings import (
+    EngineSettings,
+    drafts_per_pass,
+    from_args,
+    from_log,
+    from_server,
+    setting_effects,
+)
 from eaglekit.serving.speculation import (
     Counters,
     Served,
     SglangClient,
     VllmClient,
     detect,
+    request_spread,
     sglang_batch,
     vllm_batch,
 )
@@ -332,6 +342,7 @@ class ServedRun:
     log: str | None = None
     suite_counters: dict[tuple[str, str], Counters] = field(default_factory=dict)
     attention_backends: list[str] = field(default_factory=list)  # as vLLM's log names them (they differ by CPU)
+    settings: EngineSettings = field(default_factory=EngineSettings)  # the speculative settings it served with
 
 
 def vllm_launch(cfg: RunConfig, form: str, folder: Path, k: int) -> tuple[str, list[str], str]:
@@ -423,6 +434,9 @@ class EaglekitVllm:
             client = VllmClient(server.url, vc.timeout)
             run = ServedRun(form, k, "vllm", launch, {}, Counters(), str(log))
             run.attention_backends = server.attention_backends()
+            run.settings = EngineSettings.read(
+                ("command", from_args(server.command())), ("log", from_log(server.log_text()))
+            )
             send_batches(
                 run, offline, lambda ps: vllm_batch(client, ps, max_new_tokens(cfg), offline.stop_ids, meter.update)
             )
@@ -463,6 +477,8 @@ class UserServer:
     def runs(self, offline: Offline) -> list[ServedRun]:
         client, k, limit = self.client, self.ks[0], max_new_tokens(self.cfg)
         run = ServedRun("served", k, self.name, self.url, {}, Counters())
+        if isinstance(client, VllmClient):  # what a running vLLM says of its config (/server_info: dev mode only)
+            run.settings = EngineSettings.read(("/server_info", from_server(client.root, self.cfg.verify.timeout)))
         with Meter("verify: served", total=len(offline.all_prompts()), unit="requests") as meter:
             if isinstance(client, SglangClient):
                 send_batches(
@@ -509,6 +525,7 @@ def compare(run: ServedRun, offline: Offline, cfg: RunConfig) -> dict:
         "greedy": len(differing) <= vc.greedy_tolerance * len(offline.prompts),
     }
     suites = [compare_suite(run, offline, group, vc.tau_tolerance) for group in offline.suites]
+    per_pass = drafts_per_pass(theirs.draft_tokens, theirs.drafts)
     if suites:
         checks["suites"] = all(s["passed"] for s in suites)
     return {
@@ -518,6 +535,9 @@ def compare(run: ServedRun, offline: Offline, cfg: RunConfig) -> dict:
         "launch": run.launch,
         "log": run.log,
         "attention_backends": run.attention_backends,
+        "engine_settings": run.settings.as_dict(),
+        "drafts_per_pass": round(per_pass, 4) if per_pass is not None else None,
+        "setting_effects": [vars(e) for e in setting_effects(run.settings.values, run.k, per_pass, 0.0)],
         "suites": suites,
         "tau": {
             "served": round(tau_served, 4),
@@ -530,6 +550,9 @@ def compare(run: ServedRun, offline: Offline, cfg: RunConfig) -> dict:
         "offline": counter_figures(mine),
         "positions": positions,
         "largest_position_difference": round(worst, 4),
+        # how τ varies between these prompts (eaglekit's decode, counted as the engine counts): `eaglekit watch`'s
+        # band on served τ is as wide as this many prompts measured it
+        "request_spread": request_spread([per_request(offline.eagle[run.k][pid].stats) for pid, _ in offline.prompts]),
         "greedy": {
             "identical": len(offline.prompts) - len(differing),
             "prompts": len(offline.prompts),
@@ -569,6 +592,15 @@ def served_tau_by_context(run: ServedRun, offline: Offline) -> dict | None:
     }
 
 
+def mean_length(sequences: list[list[int]]) -> float | None:
+    return round(sum(map(len, sequences)) / len(sequences), 1) if sequences else None
+
+
+def per_request(stats) -> tuple[int, list[int]]:
+    """One prompt's drafts (verify passes that drafted) and accepted tokens per position, counted as the engine counts."""
+    return (stats.drafted[0] if stats.drafted else 0), list(stats.accepted)
+
+
 def sglang_tau(counters: Counters) -> float:
     """SGLang's own τ: completion tokens per verify pass, the prefill's token included."""
     return (counters.emitted or 0) / counters.verify_passes if counters.verify_passes else 1.0
@@ -598,6 +630,7 @@ def greedy_differences(run: ServedRun, offline: Offline) -> list[dict]:
 def counter_figures(counters: Counters) -> dict:
     return {
         "drafts": counters.drafts,
+        "draft_tokens": counters.draft_tokens,
         "accepted": counters.accepted,
         "verify_passes": counters.verify_passes,
         "emitted": counters.emitted,
@@ -636,6 +669,38 @@ def diagnose(cfg: RunConfig, folder: Path, engine: str, aux: list[int], runs: li
     against what ``engine`` reads from ``folder``; ``runs`` are the compared runs that served it."""
     family = family_of_folder(folder) or drafter_family(cfg)
     return family.diagnose(ServedDrafter(cfg, folder, engine, list(aux), checkpoint_path(cfg), list(runs or [])))
+
+
+def settings_cause(runs: list[dict]) -> dict:
+    """The engine's speculative settings as a cause of any family: suspect where a run fell short of offline and a
+    setting it served with moves τ at T=0 (synthetic rejection, fewer drafts per pass than K, an fp8 draft cache)."""
+    effects = [(r, e) for r in runs for e in r["setting_effects"]]
+    fell = [r for r in runs if not (r["checks"]["tau"] and r["checks"]["positions"])]
+    explaining = [(r, e) for r, e in effects if e["explains_gap"] and r in fell]
+    if explaining:
+        detail = "; ".join(f"K={r['k']}: {e['setting']} — {e['detail']}" for r, e in explaining)
+        return cause_row(ENGINE_SETTINGS, True, detail)
+    read = sorted({s for r in runs for s in r["engine_settings"]["sources"]})
+    seen = (
+        f"read from the {' and '.join(read)}"
+        if read
+        else "vLLM does not expose them on this server (/server_info answers with VLLM_SERVER_DEV_MODE=1 only)"
+    )
+    passes = [
+        f"K={r['k']}: {r['drafts_per_pass']:.2f} drafts per pass" for r in runs if r["drafts_per_pass"] is not None
+    ]
+    noted = "; ".join(f"{e['setting']} — {e['detail']}" for _, e in effects)
+    return cause_row(
+        ENGINE_SETTINGS,
+        False,
+        (
+            noted
+            or "standard rejection, greedy drafts, no K schedule, the target's attention and cache: as eaglekit measured"
+        )
+        + f" ({seen}"
+        + (f"; {', '.join(passes)}" if passes else "")
+        + ")",
+    )
 
 
 # ---------------------------------------------------------------------------------------------- run
@@ -677,6 +742,7 @@ def build_report(cfg: RunConfig, engine: ServedEngine, offline: Offline, runs: l
     results = [compare(r, offline, cfg) for r in runs]
     diagnosis = {
         name: diagnose(cfg, folder, engine.name, offline.aux, [r for r in results if r["form"] == name])
+        + [settings_cause([r for r in results if r["form"] == name])]
         for name, folder in engine.folders().items()
         if (folder / "config.json").exists()
     }
@@ -693,6 +759,9 @@ def build_report(cfg: RunConfig, engine: ServedEngine, offline: Offline, runs: l
         "offline_dtype": offline.dtype,
         "prompts": len(offline.prompts),
         "max_new_tokens": max_new_tokens(cfg),
+        # what the prompts and replies measured here look like, for `eaglekit watch` to tell a shift in served traffic
+        "mean_prompt_tokens": mean_length([ids for _, ids in offline.prompts]),
+        "mean_reply_tokens": mean_length([offline.plain[pid] for pid, _ in offline.prompts]),
         "prompt_ids": "the token ids eaglekit renders (as prepare did) are sent as the prompt",
         "stop_token_ids": offline.stop_ids,
         "temperature": 0.0,
