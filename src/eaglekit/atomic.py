@@ -18,6 +18,7 @@ import re
 import shutil
 import tempfile
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -169,17 +170,25 @@ def atomic_dir(path: str | os.PathLike, digests: bool = False) -> Iterator[Path]
 def _commit_dir(tmp: Path, path: Path, digests: bool) -> None:
     """fsync the finished temp folder (with ``digests``, hashing each file in the same read and writing the
     manifest), then swap it in for ``path`` (the old one moved aside first)."""
-    files: dict[str, dict[str, Any]] = {}
+    hashed: list[Path] = []
     for f in sorted(tmp.rglob("*")):
         if f.is_file():
             os.chmod(f, _default_mode(directory=False))
             if digests and f.name != DIGESTS:  # a nested atomic_dir's manifest is that folder's own
-                files[f.relative_to(tmp).as_posix()] = {"sha256": _sha256_and_fsync(f), "key": file_key(f)}
+                hashed.append(f)
             else:
                 with open(f, "rb") as fh:
                     os.fsync(fh.fileno())
         elif f.is_dir():
             os.chmod(f, _default_mode(directory=True))
+    # the files hashed side by side (hashlib releases the GIL): a checkpoint's weights and training state at once
+    shas: list[str] = []
+    if hashed:
+        with ThreadPoolExecutor(max_workers=min(4, len(hashed))) as pool:
+            shas = list(pool.map(_sha256_and_fsync, hashed))
+    files = {
+        f.relative_to(tmp).as_posix(): {"sha256": sha, "key": file_key(f)} for f, sha in zip(hashed, shas, strict=True)
+    }
     if digests:
         manifest = tmp / DIGESTS
         manifest.write_text(json.dumps({"files": files}, indent=1) + "\n", encoding="utf-8")
