@@ -55,7 +55,7 @@ def test_a_new_stage_is_one_declaration_and_one_line(tmp_path, monkeypatch):
         upstream="export",
         reads="export/",
         writes="distill/student.bin",
-        params=lambda cfg: {},
+        params=lambda run: {},
         checks=lambda cfg: [],
         run=run,
         estimate=lambda ctx, sizes: Estimate(bytes=123_000_000, how=["one student"]),

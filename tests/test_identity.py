@@ -19,6 +19,7 @@ from test_train import QUICK
 
 from eaglekit import pipeline, rundir
 from eaglekit.config import load_config
+from eaglekit.resolved import ResolvedRun
 from eaglekit.rundir import RunDir, file_identity
 from eaglekit.stages import generate
 from eaglekit.tiny import write_prompts
@@ -168,7 +169,7 @@ def test_generate_records_the_local_targets_weights(copy):
     cfg = copy()
     cfg.generate.backend = "local"
     shard = copy.root / "target" / "model.safetensors"
-    weights = generate.params(cfg)["model"]["weights"]
+    weights = generate.params(ResolvedRun(cfg))["model"]["weights"]
     assert weights == {"model.safetensors": sha256(shard)[:16]}
 
 

@@ -18,8 +18,8 @@ PACKAGE = Path(eaglekit.__file__).parent
 
 # lowest first; a module may import from its own layer and any layer before it
 LAYERS = [
-    {"errors", "atomic", "config", "divergences", "progress", "interrupt", "rundir", "plots", "contract", "hub"},
-    {"data", "model", "tiny"},
+    {"errors", "atomic", "config", "divergences", "progress", "interrupt", "rundir", "plots", "hub"},
+    {"data", "model", "tiny", "resolved", "contract"},
     {"serving", "speculative", "training"},
     {"drafters"},  # the families, assembled from the generic parts below them
     {"preflight"},

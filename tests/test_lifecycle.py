@@ -510,7 +510,7 @@ def test_a_moved_run_with_its_data_is_still_done(tmp_path, cli, fakes):
     from eaglekit.rundir import file_identity
 
     mods, _ = fakes
-    mods["generate"].params = lambda cfg: {"prompts": file_identity(cfg.data.prompts)}
+    mods["generate"].params = lambda run: {"prompts": file_identity(run.cfg.data.prompts)}
     (tmp_path / "a").mkdir()
     (tmp_path / "a" / "prompts.jsonl").write_text('{"id": "1", "messages": [{"role": "user", "content": "hi"}]}\n')
     assert cli("run", config(tmp_path / "a")).code == 0

@@ -595,19 +595,20 @@ def test_serve_command_prints_the_mooncake_connector_for_each_server(tmp_path):
 def test_the_mooncake_settings_are_checked_against_the_servers(tmp_path):
     from eaglekit.config import parse_config
     from eaglekit.errors import UsageError
+    from eaglekit.resolved import ResolvedRun
     from eaglekit.serving.feature_transports import feature_transport
 
     too_big = parse_config(
         stream_config(tmp_path, transport="mooncake", spool_gb=8, mooncake={"global_segment_size": 4 << 30})
     )
     with pytest.raises(UsageError, match=r"more than 90% of the Mooncake segments the 2 server\(s\)") as err:
-        feature_transport(too_big)
+        feature_transport(ResolvedRun(too_big).feature_source)
     assert "lower extract.stream.spool_gb to 7.34" in (err.value.remedy or "")
 
     cpu = stream_config(tmp_path, transport="mooncake")
     cpu["extract"]["vllm"]["connector"] = "cpu"
     with pytest.raises(UsageError, match="needs GPU servers"):
-        feature_transport(parse_config(cpu))
+        feature_transport(ResolvedRun(parse_config(cpu)).feature_source)
 
     with pytest.raises(UsageError, match="mooncake is set but transport is 'file'"):
         parse_config(stream_config(tmp_path, mooncake={"protocol": "rdma"}))
@@ -620,11 +621,14 @@ def test_pre_flight_sizes_the_store_not_a_folder(tmp_path):
 
     from eaglekit.config import parse_config
     from eaglekit.preflight.feature_servers import feature_storage, spool_room
+    from eaglekit.resolved import ResolvedRun
 
     def ctx(**stream):
         cfg = stream_config(tmp_path, transport="mooncake", **stream)
         cfg["extract"]["vllm"]["storage_path"] = str(tmp_path / "not-here")
-        return SimpleNamespace(cfg=parse_config(cfg), run=SimpleNamespace(stage_dir=lambda name: tmp_path / name))
+        parsed = parse_config(cfg)
+        run = SimpleNamespace(stage_dir=lambda name: tmp_path / name)
+        return SimpleNamespace(cfg=parsed, run=run, resolved=ResolvedRun(parsed))
 
     assert feature_storage(ctx()).status == "skip"
     fits = spool_room(ctx(spool_gb=4))

@@ -67,7 +67,7 @@ def fake_stage(name, upstream, calls, fail=False):
         upstream=upstream,
         reads="",
         writes=f"{name}/out.txt",
-        params=lambda cfg: {"n": cfg.prepare.max_length if name == "prepare" else 0},
+        params=lambda run: {"n": run.cfg.prepare.max_length if name == "prepare" else 0},
         checks=lambda cfg: [],
         run=run,
         # the real stage's skip rule and reading of its counts

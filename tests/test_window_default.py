@@ -1,7 +1,8 @@
 """train.draft.sliding_window: auto, the default (model/sliding_window.py): the drafter is windowed when it will be
 served 4x or more beyond its training documents' median length, with the largest power of two no longer than
 half that length (at most 2,048, longer than train.ttt.steps), and attends everything otherwise; explicit values win. The
-choice reaches the train stage's parameters, the drafter it builds, its checkpoint and export, plan and pre-flight."""
+choice is resolved once per command (eaglekit.resolved) and reaches the train stage's parameters, the drafter it builds,
+its checkpoint and export, plan and pre-flight, which say the same window for the same reason."""
 
 from __future__ import annotations
 
@@ -15,11 +16,17 @@ from eaglekit.config import DFlashDraft, LlamaDraft, MlaDraft, parse_config
 from eaglekit.data.tokens import TokenStore
 from eaglekit.drafters.registry import fresh_drafter_config
 from eaglekit.errors import UsageError
-from eaglekit.model.sliding_window import draft_window
+from eaglekit.model.sliding_window import WindowChoice
 from eaglekit.pipeline import fingerprint, make_context, run_stage
 from eaglekit.preflight.context import serving_context
+from eaglekit.resolved import ResolvedRun
 from eaglekit.rundir import RunDir
 from eaglekit.stages import train
+
+
+def draft_window(cfg) -> WindowChoice:
+    """The window a command on ``cfg`` as it is now resolves."""
+    return ResolvedRun(cfg).window
 
 
 def median(cfg) -> int:
@@ -62,10 +69,9 @@ def test_auto_windows_a_drafter_served_far_beyond_its_documents(prepared):
 
 
 def test_a_few_long_rows_among_short_ones_keep_the_window_of_the_short(prepared, monkeypatch):
-    """The legend target's mix (benchmarks/RESULTS.md, v6): 160 short rows and 24 of 4K-20K tokens, served at its
-    32,768 positions. Auto reads the median row: the window the short rows train (256), where the 95th percentile
-    (rule 2, until 2026-12-06) turned it off, a drafter served 3.5x its long rows. A run trained under rule 2 with
-    that rule's window stays done; the migration compares each record with its own rule."""
+    """The legend target's mix (benchmarks/results/long-context.md, "The default on v6"): 160 short rows and 24 of
+    4K-20K tokens, served at its 32,768 positions. Auto reads the median row: the window the short rows train (256), where the 95th percentile
+    would turn it off, a drafter served 3.5x its long rows. Pre-flight reads the same median: no warning."""
     from eaglekit.model import sliding_window
 
     cfg = prepared
@@ -74,13 +80,8 @@ def test_a_few_long_rows_among_short_ones_keep_the_window_of_the_short(prepared,
     cfg.evaluate.context_lengths = [32768]
     today = draft_window(cfg)
     assert today.window == 256 and "documents of 724 tokens (median; 95th percentile 9,417)" in today.why
-    assert draft_window(cfg, rule=2).window is None and "under 4x" in draft_window(cfg, rule=2).why
-    recorded = train.params(cfg) | {"window_rule": 2}
-    recorded["draft"] = {**recorded["draft"], "sliding_window": None}
-    moved = train.params_in_current_layout(recorded, cfg)
-    assert moved["draft"]["sliding_window"] == 256 and moved["window_rule"] == sliding_window.AUTO_RULE
-    recorded["draft"]["sliding_window"] = 512  # not what rule 2 chose: another drafter, which retrains
-    assert train.params_in_current_layout(recorded, cfg)["draft"]["sliding_window"] == 512
+    check = serving_context(make_context(cfg, "train"))
+    assert check.status == "ok" and f"({today.why})" in check.detail, check
 
 
 def test_auto_before_prepare_reads_prepare_max_length_and_caps_at_2048(tmp_path, tiny_target):
@@ -144,28 +145,41 @@ def test_the_resolved_window_is_the_train_stages_parameter(prepared):
     writing out the value auto chose does not."""
     cfg = prepared
     short = fingerprint(cfg, "train")
-    assert train.params(cfg)["draft"]["sliding_window"] is None
+    assert train.params(ResolvedRun(cfg))["draft"]["sliding_window"] is None
     cfg.evaluate.context_lengths = [1 << 20]
     window = draft_window(cfg).window
-    assert train.params(cfg)["draft"]["sliding_window"] == window
+    assert train.params(ResolvedRun(cfg))["draft"]["sliding_window"] == window
     served_long = fingerprint(cfg, "train")
     assert served_long != short
     cfg.train.draft.sliding_window = window
     assert fingerprint(cfg, "train") == served_long
 
 
-def test_pre_flight_and_plan_say_what_auto_chose(prepared):
+def test_plan_pre_flight_and_train_say_the_same_window_for_the_same_reason(prepared, capsys):
+    """One resolution, three readers: the plan's line, pre-flight's check and train's log and ledger entry."""
+    from eaglekit.planning import plan
+
     cfg = prepared
     cfg.evaluate.context_lengths = [1 << 20]
-    window = draft_window(cfg).window
-    check = serving_context(make_context(cfg, "train"))
-    assert check.status == "ok" and f"a {window:,}-token window (auto: {window:,}" in check.detail
-    from eaglekit.planning import plan
+    for key, value in {"max_steps": 2, "eval_every": 2, "save_every": 2, "eval_samples": 4, "warmup_steps": 1}.items():
+        setattr(cfg.train, key, value)
+    choice = draft_window(cfg)
+    assert choice.window is not None and choice.why.startswith(f"auto: {choice.window:,} (served at up to 1,048,576")
 
     doc = plan(cfg, free_bytes=1 << 40, write_bytes_per_s=1e9)
     (row,) = [s for s in doc["stages"] if s["stage"] == "train"]
-    line = next(h for h in row["how"] if h.startswith("sliding window"))
-    assert line.startswith(f"sliding window: {window:,} — auto: {window:,} (served at up to 1,048,576")
+    planned = next(h for h in row["how"] if h.startswith("sliding window"))
+    check = serving_context(make_context(cfg, "train"))
+    capsys.readouterr()
+    with RunDir(cfg.run_dir).lock:
+        run_stage(cfg, "train", skip_preflight=True)
+    printed = capsys.readouterr().err
+    (end,) = [e for e in RunDir(cfg.run_dir).events() if e.get("stage") == "train" and e.get("event") == "end"]
+
+    assert planned == f"sliding window: {choice.shown} — {choice.why}"
+    assert check.status == "ok" and f"a {choice.shown}-token window ({choice.why})" in check.detail
+    assert f"train: sliding window {choice.shown} ({choice.why})" in " ".join(printed.split())
+    assert end["sliding_window"] == {"window": choice.window, "why": choice.why}
 
 
 def test_the_auto_window_reaches_the_checkpoint_the_export_and_the_sglang_command(prepared):
@@ -207,7 +221,6 @@ def test_the_served_context_follows_the_targets_config_when_it_changes(tmp_path)
     it was given changes nothing for the next."""
     from transformers import LlamaConfig
 
-    from eaglekit.model.sliding_window import served_context
     from eaglekit.model.target import target_hf_config
 
     target = tmp_path / "target"
@@ -216,10 +229,10 @@ def test_the_served_context_follows_the_targets_config_when_it_changes(tmp_path)
     cfg = parse_config(
         {"run_dir": str(tmp_path / "run"), "target": {"model": str(target)}, "data": {"prompts": "prompts.jsonl"}}
     )
-    first = served_context(cfg)
+    first = ResolvedRun(cfg).served
     assert first is not None and first.tokens == 4096 and not first.long
     target_hf_config(cfg.target).max_position_embeddings = 1  # the caller's copy
-    assert served_context(cfg) == first
+    assert ResolvedRun(cfg).served == first
     LlamaConfig(**shape, max_position_embeddings=32768).save_pretrained(target)
-    raised = served_context(cfg)
+    raised = ResolvedRun(cfg).served
     assert raised is not None and raised.tokens == 32768 and raised.long

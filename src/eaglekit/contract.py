@@ -6,8 +6,8 @@ runs (``runs_for``), the upstream a stage reads once skipped stages are stepped 
 and their --help (``reads``/``writes``), `status`'s live counts and data flags, the pre-flight disk, inode and
 write-rate checks and `eaglekit plan` (both call ``estimate``).
 
-This module sits in layer 0 (docs/architecture.md): pre-flight checks type their ``ctx`` with it without
-importing the pipeline.
+This module sits in layer 1 (docs/architecture.md), beside the run's resolution it carries
+(``eaglekit.resolved``): pre-flight checks type their ``ctx`` with it without importing the pipeline.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any, TypeVar, cast
 from eaglekit import rundir
 from eaglekit.config import RunConfig
 from eaglekit.progress import console
+from eaglekit.resolved import ResolvedRun
 from eaglekit.rundir import RunDir
 
 T = TypeVar("T")
@@ -117,6 +118,8 @@ class StageContext:
     changes: Callable[[], list[str] | None] = lambda: None
     stale_cause: Callable[[str], StaleCause | None] = lambda stage: None
     is_worker_rank: bool = False
+    # The run resolved for this stage (pipeline.make_context); made from cfg when a context is made without it.
+    resolution: ResolvedRun | None = field(default=None, repr=False)
     _estimate: Estimate | None = field(default=None, repr=False)
     _made_once: dict[Callable[..., Any], Any] = field(default_factory=dict, repr=False)
 
@@ -125,6 +128,14 @@ class StageContext:
         if self.declared is None:
             raise RuntimeError(f"{self.stage}: context made without its stage declaration (use pipeline.make_context)")
         return self.declared
+
+    @property
+    def resolved(self) -> ResolvedRun:
+        """The run resolved (the window auto chose and why, the served context, the feature servers' settings...):
+        what this stage's fingerprint was taken over, and what its checks and its run read."""
+        if self.resolution is None:
+            self.resolution = ResolvedRun(self.cfg)
+        return self.resolution
 
     @property
     def dir(self) -> Path:
@@ -233,7 +244,9 @@ class Stage:
     upstream: str | None  # the stage whose outputs it reads (before skipped stages are stepped over)
     reads: str  # in words, for its command's --help
     writes: str  # its outputs under the run directory, for --help
-    params: Callable[[RunConfig], dict]  # what its outputs depend on (fingerprinted)
+    # What its outputs depend on, as resolved values under names of the stage's own (the window as a number, not
+    # "auto"): its fingerprint hashes them, so a key renamed or a rule reworded leaves a finished run done.
+    params: Callable[[ResolvedRun], dict]
     checks: Callable[[RunConfig], list]  # its own pre-flight checks (the pipeline adds the generic ones)
     run: Callable[[StageContext], dict]  # does the work; returns counts for the ledger and `status`
     runs_for: Callable[[RunConfig], bool] = always  # False: this config skips it (extract online, verify unset)
@@ -247,6 +260,3 @@ class Stage:
     continues: Callable[[StageContext], str | None] = continues_nothing
     live_counts: Callable[[Path], dict[str, Any] | None] = no_live_counts  # counts `status` shows while it runs
     data_flags: Callable[[dict[str, Any]], list[str]] = no_data_flags  # bad data its recorded counts show
-    # The parameters a ledger entry recorded in an older layout, in today's for the config, so that a
-    # run finished with the same settings stays done after an upgrade; None: its parameters kept their layout.
-    params_in_current_layout: Callable[[dict[str, Any], RunConfig], dict[str, Any]] | None = None

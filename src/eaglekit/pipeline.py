@@ -21,6 +21,7 @@ import shutil
 import socket
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +30,9 @@ from eaglekit.config import RunConfig
 from eaglekit.contract import Stage, StageContext, StaleCause
 from eaglekit.errors import EaglekitError, UsageError
 from eaglekit.preflight import disk, processes, run_directory
-from eaglekit.preflight.files import INPUT_NAMES, identities_in_current_layout, moved_inputs
+from eaglekit.preflight.files import INPUT_NAMES, moved_inputs
 from eaglekit.progress import console
+from eaglekit.resolved import ResolvedRun
 from eaglekit.rundir import RunDir, content_identity, digest, tool_versions
 
 # The stages in run order: adding a stage is its module (ending with `STAGE = Stage(...)`) and a line here.
@@ -59,48 +61,31 @@ def upstream_of(cfg: RunConfig, stage: str) -> str | None:
     return up
 
 
-def fingerprint(cfg: RunConfig, stage: str, _memo: dict[str, str] | None = None) -> str:
-    """The hash of the stage's parameters and its upstream's fingerprint, or the fingerprint the run directory's
-    ledger recorded for these same settings in an older layout of its parameters (``recorded_in_old_layout``)."""
-    memo = {} if _memo is None else _memo
-    if stage not in memo:
-        up = upstream_of(cfg, stage)
-        params = stage_of(stage).params(cfg)
-        upstream = fingerprint(cfg, up, memo) if up else None
-        memo[stage] = recorded_in_old_layout(cfg, stage, params, upstream) or _hash(stage, params, upstream)
-    return memo[stage]
+class Fingerprints:
+    """The fingerprints of one resolved run's stages, each taken once: the hash of the stage's parameters — the
+    resolved values it consumes, under its own names (``Stage.params``) — and of its upstream's fingerprint. A key
+    renamed or moved in the config, or a rule reworded, leaves them as they were (a finished run stays done); a
+    change to a value a stage computes with changes its fingerprint and those of the stages after it."""
+
+    def __init__(self, run: ResolvedRun) -> None:
+        self.run = run
+        self._taken: dict[str, str] = {}
+
+    def __call__(self, stage: str) -> str:
+        if stage not in self._taken:
+            up = upstream_of(self.run.cfg, stage)
+            params = stage_of(stage).params(self.run)
+            self._taken[stage] = _hash(stage, params, self(up) if up else None)
+        return self._taken[stage]
+
+
+def fingerprint(cfg: RunConfig, stage: str) -> str:
+    """The fingerprint of ``stage`` for ``cfg`` as it is now (``Fingerprints``)."""
+    return Fingerprints(ResolvedRun(cfg))(stage)
 
 
 def _hash(stage: str, params: dict, upstream: str | None) -> str:
     return digest({"stage": stage, "params": content_identity(params), "upstream": upstream})
-
-
-def recorded_in_old_layout(cfg: RunConfig, stage: str, params: dict, upstream: str | None) -> str | None:
-    """The fingerprint of a run of ``stage`` the ledger recorded with parameters in an older layout (train's before
-    train.ttt) that are ``params`` in today's, on the same ``upstream``: the same settings, so that run stays done
-    (and the stages after it, which hashed its fingerprint) instead of turning stale when eaglekit is upgraded."""
-    today = _as_recorded(params)
-    wanted = content_identity(today)
-    for start, _ in reversed(RunDir(cfg.run_dir).attempts(stage)):
-        recorded = start.get("params")
-        if not isinstance(recorded, dict):
-            continue
-        current = in_current_layout(stage, recorded, today, cfg)
-        if (
-            current != recorded
-            and content_identity(current) == wanted
-            and start.get("fingerprint") == _hash(stage, recorded, upstream)  # it ran on this upstream
-        ):
-            return start["fingerprint"]
-    return None
-
-
-def in_current_layout(stage: str, recorded: dict, today: dict, cfg: RunConfig) -> dict:
-    """``recorded`` (a ledger entry's parameters of ``stage``) in today's layout, as far as it can be shown to hold
-    the same inputs and settings: the read identities every stage shares, then the stage's own older layouts."""
-    current = identities_in_current_layout(recorded, today, cfg)
-    own = stage_of(stage).params_in_current_layout
-    return own(current, cfg) if own else current
 
 
 def _as_recorded(params: dict) -> Any:
@@ -109,24 +94,28 @@ def _as_recorded(params: dict) -> Any:
 
 
 def make_context(cfg: RunConfig, stage: str, force: bool = False, **options: Any) -> StageContext:
-    memo: dict[str, str] = {}
+    """The context ``stage`` is checked and run in, with the run resolved as it is now (after the stages before it
+    in the same command wrote their outputs): its fingerprint, checks and run read that one resolution."""
+    resolved = ResolvedRun(cfg)
+    fingerprints = Fingerprints(resolved)
     up = upstream_of(cfg, stage)
     run = RunDir(cfg.run_dir)
     return StageContext(
         cfg=cfg,
         run=run,
         stage=stage,
-        fingerprint=fingerprint(cfg, stage, memo),
+        fingerprint=fingerprints(stage),
         force=force,
         options=options,
         declared=stage_of(stage),
         stages=tuple(stages_for(cfg)),
         upstream=up,
-        upstream_fingerprint=fingerprint(cfg, up, memo) if up else None,
-        reach=lambda target: command_to_reach(cfg, target),
-        changes=lambda: changed_parameters(run, stage, cfg),
-        stale_cause=lambda done: stale_cause(cfg, run, done),
+        upstream_fingerprint=fingerprints(up) if up else None,
+        reach=lambda target: command_to_reach(fingerprints, target),
+        changes=lambda: changed_parameters(run, stage, resolved),
+        stale_cause=lambda done: stale_cause(fingerprints, run, done),
         is_worker_rank=is_worker_rank(),
+        resolution=resolved,
     )
 
 
@@ -217,7 +206,7 @@ def run_stage(
                 f"[dim]{stage}: done with the same inputs and parameters, skipped "
                 f"(to redo it anyway, remove {ctx.dir} first)[/]"
             )
-            record_moved_inputs(ctx, _as_recorded(declared.params(cfg)))
+            record_moved_inputs(ctx, _as_recorded(declared.params(ctx.resolved)))
             return {"stage": stage, "state": "done", "skipped": True}
         console.print(f"[yellow]{stage}: done, but {problem}: running it again to repair that (it resumes)[/]")
 
@@ -268,7 +257,7 @@ def run_stage(
             "resume": resuming,
             "force": force,
             "skip_preflight": skip_preflight,
-            "params": declared.params(cfg),
+            "params": declared.params(ctx.resolved),
             "config": config_identity(cfg),
             "versions": tool_versions(),
             "preflight": [r.to_dict() for r in results],
@@ -355,14 +344,11 @@ def select_stages(cfg: RunConfig, start: str | None = None, until: str | None = 
 NEEDS_FORCE = (rundir.OTHER_DONE, rundir.OTHER_PARTIAL, rundir.FOREIGN)
 
 
-def _needs_force(cfg: RunConfig, run: RunDir, stages: list[str]) -> bool:
-    memo: dict[str, str] = {}
-    return any(run.folder_state(s, fingerprint(cfg, s, memo)) in NEEDS_FORCE for s in stages)
-
-
-def run_command(cfg: RunConfig, first: str, until: str | None = None, config: str = "CONFIG") -> str:
+def run_command(
+    cfg: RunConfig, fingerprints: Callable[[str], str], first: str, until: str | None = None, config: str = "CONFIG"
+) -> str:
     """The one command that runs ``first`` .. ``until`` (done stages in between are skipped): with --force only
-    when a stage in that range holds outputs of other parameters."""
+    when a stage in that range holds outputs of other parameters (``fingerprints``: each stage's, for ``cfg``)."""
     order = stages_for(cfg)
     span = order[order.index(first) : order.index(until) + 1 if until else len(order)]
     parts = ["eaglekit run", config]
@@ -370,30 +356,29 @@ def run_command(cfg: RunConfig, first: str, until: str | None = None, config: st
         parts.append(f"--from {first}")
     if until and until != order[-1]:
         parts.append(f"--until {until}")
-    if _needs_force(cfg, RunDir(cfg.run_dir), span):
+    run = RunDir(cfg.run_dir)
+    if any(run.folder_state(s, fingerprints(s)) in NEEDS_FORCE for s in span):
         parts.append("--force")
     return " ".join(parts)
 
 
-def command_to_reach(cfg: RunConfig, stage: str, config: str = "CONFIG") -> str:
+def command_to_reach(fingerprints: Fingerprints, stage: str, config: str = "CONFIG") -> str:
     """The whole way to a finished ``stage``, from the first stage before it that is not done."""
+    cfg = fingerprints.run.cfg
     run = RunDir(cfg.run_dir)
-    memo: dict[str, str] = {}
     order = stages_for(cfg)
-    first = next((s for s in order[: order.index(stage) + 1] if not run.is_done(s, fingerprint(cfg, s, memo))), stage)
-    return run_command(cfg, first, stage, config)
+    first = next((s for s in order[: order.index(stage) + 1] if not run.is_done(s, fingerprints(s))), stage)
+    return run_command(cfg, fingerprints, first, stage, config)
 
 
-def changed_parameters(run: RunDir, stage: str, cfg: RunConfig) -> list[str] | None:
-    """What differs between the parameters the stage last finished with (its ledger entry) and ``cfg``'s, as
-    "input: old → new" lines; empty when only an upstream stage changed; None when the ledger does not say."""
+def changed_parameters(run: RunDir, stage: str, resolved: ResolvedRun) -> list[str] | None:
+    """What differs between the parameters the stage last finished with (its ledger entry) and the resolved run's,
+    as "input: old → new" lines; empty when only an upstream stage changed; None when the ledger does not say."""
     done = [start for start, end in run.attempts(stage) if end and end.get("state") == "done"]
     if not done or "params" not in done[-1]:
         return None
-    declared = stage_of(stage)
-    today = _as_recorded(declared.params(cfg))
-    old = _flatten(in_current_layout(stage, done[-1]["params"], today, cfg))
-    new = _flatten(today)
+    old = _flatten(done[-1]["params"])
+    new = _flatten(_as_recorded(stage_of(stage).params(resolved)))
     return [
         _change(stage, k, old.get(k), new.get(k))
         for k in sorted(set(old) | set(new))
@@ -401,20 +386,19 @@ def changed_parameters(run: RunDir, stage: str, cfg: RunConfig) -> list[str] | N
     ]
 
 
-def stale_cause(cfg: RunConfig, run: RunDir, stage: str) -> StaleCause | None:
+def stale_cause(fingerprints: Fingerprints, run: RunDir, stage: str) -> StaleCause | None:
     """Why finished ``stage`` is stale: the first stage up to it whose own parameters or inputs changed since it
     finished (a target's weights, the tokens, a setting), and the first stage finished with other inputs, from which
     the command reruns; None when no stage's ledger entry says what changed."""
-    memo: dict[str, str] = {}
-    order = stages_for(cfg)
+    order = stages_for(fingerprints.run.cfg)
     upto = order[: order.index(stage) + 1] if stage in order else []
-    stale = [s for s in upto if run.done_fingerprint(s) not in (None, fingerprint(cfg, s, memo))]
+    stale = [s for s in upto if run.done_fingerprint(s) not in (None, fingerprints(s))]
     for s in stale:
-        changes = changed_parameters(run, s, cfg)
+        changes = changed_parameters(run, s, fingerprints.run)
         if changes:
             first = stale[0]
-            kept = [k for k in order[: order.index(first)] if run.is_done(k, fingerprint(cfg, k, memo))]
-            return StaleCause(first, s, changes, run_command(cfg, first), kept)
+            kept = [k for k in order[: order.index(first)] if run.is_done(k, fingerprints(k))]
+            return StaleCause(first, s, changes, run_command(fingerprints.run.cfg, fingerprints, first), kept)
     return None
 
 

@@ -19,10 +19,9 @@ Layout (each stage reads only what the run directory holds, so any stage can be 
       export/            eagle3/, speculators/, README.md
 
 A stage's fingerprint hashes its own parameters, the identity of its external inputs, and its upstream
-stage's fingerprint — so changing a parameter makes that stage and every stage after it *stale*. A run recorded
-with its parameters in an older layout (train's before train.ttt, any stage's before the content identities of its
-inputs) keeps its fingerprint while they are the config's
-in today's layout (``pipeline.recorded_in_old_layout``): upgrading eaglekit does not make finished work stale.
+stage's fingerprint — so changing a parameter makes that stage and every stage after it *stale*. The parameters
+are the values the stage computes with, resolved and under the stage's own names (``pipeline.Fingerprints``): a
+config key renamed or moved, or a rule reworded, leaves a finished run done.
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ from rich.table import Table
 from eaglekit import atomic, pipeline
 from eaglekit.config import RunConfig, load_config
 from eaglekit.errors import UsageError
+from eaglekit.resolved import ResolvedRun
 from eaglekit.rundir import RunDir
 
 # The figures worth a glance, per stage (the rest are in --wide and --json).
@@ -128,13 +129,13 @@ def stage_rows(cfg: RunConfig) -> list[dict[str, Any]]:
     attempts, invocation, preflights = _ledger(run)
     held = run.lock.is_held_elsewhere()
     live = invocation if held else None
-    memo: dict[str, str] = {}
+    fingerprints = pipeline.Fingerprints(ResolvedRun(cfg))
     rows = []
     for stage in pipeline.stages_for(cfg):
         declared = pipeline.stage_of(stage)
         # never started: index -1, before any invocation
         index, start, end = attempts[stage][-1] if attempts.get(stage) else (-1, None, None)
-        current = pipeline.fingerprint(cfg, stage, memo)
+        current = fingerprints(stage)
         reason = None
         if start is None:
             state = "pending"
@@ -144,7 +145,7 @@ def stage_rows(cfg: RunConfig) -> list[dict[str, Any]]:
             state, reason = end["state"], end.get("error")
         elif end.get("fingerprint") != current:
             state = "stale"
-            changes = pipeline.changed_parameters(run, stage, cfg)
+            changes = pipeline.changed_parameters(run, stage, fingerprints.run)
             up = pipeline.upstream_of(cfg, stage)
             reason = (
                 "its parameters or inputs changed"
@@ -218,7 +219,8 @@ def next_steps(cfg: RunConfig, rows: list[dict], config: str) -> list[str]:
             else "nothing to run: every stage is done"
         ]
     stage, state = todo["stage"], todo["state"]
-    command = "  " + pipeline.run_command(cfg, stage, config=config)
+    fingerprints = {r["stage"]: r["fingerprint"] for r in rows}  # the run as stage_rows resolved it
+    command = "  " + pipeline.run_command(cfg, fingerprints.__getitem__, stage, config=config)
     if state == "failed":
         return [
             f"{stage} failed: {todo['reason'] or 'see the ledger'}"

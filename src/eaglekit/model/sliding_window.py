@@ -3,7 +3,7 @@ default), chosen from the context the drafter will be served at against the leng
 
 A drafter trained on short rows loses its acceptance when served far beyond them (a Qwen3-8B EAGLE-3 drafter: τ 2.30
 at 2K context, 1.09 at 16K, speculators#684); one whose window is no longer than its training rows keeps it. On the
-long-context tiny target (benchmarks/RESULTS.md, "τ by context length, three seeds, K=3 and K=5, with intervals"),
+long-context tiny target (benchmarks/results/long-context.md, "The window's size"),
 rows of ~650 tokens, EAGLE-3 windows of 256 and 512 kept 95-98 % of the < 1K τ at > 16K against 69-74 % for the
 plain drafter and gave up nothing measurable at < 1K, while a 2,048 window, longer than the rows, kept 82-85 %; DFlash
 windows of 256 kept 88 % / 84 % (K=3 / K=5) and 512 79 % / 75 %, against 52 % / 49 % plain, and 256 was ahead of 512
@@ -17,7 +17,8 @@ keeps some long rows among the short (on the legend target, v6, 24 long rows amo
 drafter from 88 % to 96.5 % kept at > 16K over three seeds: "The goal on v6"), and those few rows must neither turn
 the window off nor stretch it past what most rows train. A target of a few thousand positions served at its own
 context is short: the built-in tiny target (1,024) keeps full attention, and the demo's figures with it.
-Pre-flight's serving-context check (preflight/context.py) reads the same figures.
+The figures are read once per command, by the run's resolution (``eaglekit.resolved``), and plan, pre-flight and train
+read the window, its reason and the figures from there.
 """
 
 from __future__ import annotations
@@ -25,12 +26,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Protocol
 
 from eaglekit.config import AUTO, DRAFT_KEYS, RunConfig
-from eaglekit.data.tokens import TokenStore
 from eaglekit.data.vocab import PREPARED_TOKENS
 from eaglekit.errors import EaglekitError
-from eaglekit.model.target import target_hf_config
 
 # Served this many times beyond its training documents' length, a plain drafter has lost most of its
 # acceptance in the published measurements (4x: 2K -> 8K, τ -27 %; 8x: τ -53 %).
@@ -40,10 +40,6 @@ FAR_BEYOND = 4.0
 LONG_CONTEXT = 8192
 # speculators' window on every draft layer by default: longer windows than it are not chosen for the user
 LARGEST_AUTO_WINDOW = 2048
-# The version of auto's rule, kept in train's parameters (stages/train.py reads older runs by it): 1 chose the largest
-# power of two no longer than the documents' 95th percentile, 2 no longer than half of it, 3 (today) no longer than
-# half their median, and compares the served context with the median
-AUTO_RULE = 3
 
 
 @dataclass(frozen=True)
@@ -52,23 +48,22 @@ class ServedContext:
     source: str  # where that figure comes from
     long: bool  # whether it stands for a long served context (given, or a target of LONG_CONTEXT positions or more)
 
+    @property
+    def words(self) -> str:
+        return f"served at up to {self.tokens:,} ({self.source})"
+
 
 @dataclass(frozen=True)
 class TrainingLengths:
-    median: int  # the prepared documents' median length, in tokens
+    median: int  # the prepared documents' median length, in tokens: the typical row, which auto's rule reads
     p95: int  # their 95th-percentile length
     longest: int
-    prepared: bool  # False: prepare has not written them yet, and prepare.max_length stands in for both
+    prepared: bool  # False: prepare has not written them yet, and prepare.max_length stands in for all three
 
     def words(self) -> str:
+        """The length auto's rule reads (the median), in words."""
         if not self.prepared:
-            return f"documents of up to {self.p95:,} tokens (prepare.max_length, until prepare has written them)"
-        return f"documents of up to {self.p95:,} tokens (95th percentile; the longest {self.longest:,})"
-
-    def typical_words(self) -> str:
-        """The length auto's rule reads, in words."""
-        if not self.prepared:
-            return self.words()
+            return f"documents of up to {self.median:,} tokens (prepare.max_length, until prepare has written them)"
         return f"documents of {self.median:,} tokens (median; 95th percentile {self.p95:,})"
 
 
@@ -82,20 +77,25 @@ class WindowChoice:
         return "none" if self.window is None else f"{self.window:,}"
 
 
-def served_context(cfg: RunConfig) -> ServedContext | None:
+class WindowFigures(Protocol):
+    """What auto's rule reads besides the config, each read once per command (``eaglekit.resolved.ResolvedRun``)."""
+
+    @property
+    def served(self) -> ServedContext | None: ...
+
+    @property
+    def lengths(self) -> TrainingLengths | None: ...
+
+
+def served_context(context_lengths: list[int] | None, max_position_embeddings: int | None) -> ServedContext | None:
     """The context the drafter will be served at: evaluate.context_lengths, else the target's
     max_position_embeddings (vLLM's default max_model_len); None when neither says (an unreadable target's config
     is pre-flight's to name)."""
-    if cfg.evaluate.context_lengths:
-        return ServedContext(max(cfg.evaluate.context_lengths), "evaluate.context_lengths", True)
-    try:
-        served = int(getattr(target_hf_config(cfg.target), "max_position_embeddings", 0) or 0)
-    except (EaglekitError, ValueError, ArithmeticError, OSError):
-        # a config transformers refuses (a ValueError, or a ZeroDivisionError on zero heads) is the target
-        # pre-flight check's to name; train's parameters, which ask here first, must not crash on it
+    if context_lengths:
+        return ServedContext(max(context_lengths), "evaluate.context_lengths", True)
+    if not max_position_embeddings:
         return None
-    if not served:
-        return None
+    served = max_position_embeddings
     return ServedContext(served, "the target's max_position_embeddings", served >= LONG_CONTEXT)
 
 
@@ -115,16 +115,18 @@ def training_lengths(cfg: RunConfig) -> TrainingLengths | None:
 
 @lru_cache(maxsize=8)
 def _lengths(path: str, mtime_ns: int, size: int) -> TrainingLengths | None:
-    """Read once per version of the file: plan, pre-flight and the drafter's config all ask (mtime and size key it)."""
+    """Read once per version of the file (mtime and size key it): each command resolves the run anew."""
+    from eaglekit.data.tokens import TokenStore  # lazy: heavy (torch: `eaglekit status` resolves runs without it)
+
     lengths = TokenStore(path).lengths.double()
     if lengths.numel() == 0:
         return None
     return TrainingLengths(int(lengths.quantile(0.5)), int(lengths.quantile(0.95)), int(lengths.max()), prepared=True)
 
 
-def draft_window(cfg: RunConfig, rule: int = AUTO_RULE) -> WindowChoice:
+def draft_window(cfg: RunConfig, figures: WindowFigures) -> WindowChoice:
     """The window a fresh drafter of this run trains with, and why (module docstring); a finetune keeps its own.
-    ``rule``: an older version of auto's rule (AUTO_RULE), to read a run recorded under it."""
+    ``figures`` are read only where auto needs them."""
     draft = cfg.train.draft
     if "sliding_window" not in DRAFT_KEYS[draft.family]:  # said once, here: MLA refuses the key
         return WindowChoice(None, f"auto: off (architecture {draft.family} takes no sliding window)")
@@ -134,34 +136,34 @@ def draft_window(cfg: RunConfig, rule: int = AUTO_RULE) -> WindowChoice:
         return WindowChoice(setting, f"train.draft.sliding_window: {shown}")
     if cfg.train.init_from:
         return WindowChoice(None, "auto: train.init_from keeps its own window")
-    served = served_context(cfg)
+    served = figures.served
     if served is None:
         return WindowChoice(
             None,
             "auto: off (the served context is unknown: no max_position_embeddings in the target's config; "
             "set evaluate.context_lengths)",
         )
-    where = f"served at up to {served.tokens:,} ({served.source})"
     if not served.long:
         return WindowChoice(
-            None, f"auto: off ({where}: a short context; set evaluate.context_lengths to what you serve)"
+            None, f"auto: off ({served.words}: a short context; set evaluate.context_lengths to what you serve)"
         )
-    trained = training_lengths(cfg)
+    trained = figures.lengths
     if trained is None:
         return WindowChoice(None, "auto: off (no readable prepared documents)")
-    length, described = (trained.median, trained.typical_words()) if rule >= 3 else (trained.p95, trained.words())
-    ratio = served.tokens / max(length, 1)
+    described = trained.words()
+    ratio = served.tokens / max(trained.median, 1)
     if ratio < FAR_BEYOND:
-        return WindowChoice(None, f"auto: off ({where}, {ratio:.1f}x the training {described}: under {FAR_BEYOND:g}x)")
-    span = length // 2 if rule >= 2 else length
-    size = min(LARGEST_AUTO_WINDOW, 1 << (max(span, 1).bit_length() - 1))
+        return WindowChoice(
+            None, f"auto: off ({served.words}, {ratio:.1f}x the training {described}: under {FAR_BEYOND:g}x)"
+        )
+    size = min(LARGEST_AUTO_WINDOW, 1 << (max(trained.median // 2, 1).bit_length() - 1))
     if size <= cfg.train.ttt.steps:
         return WindowChoice(
             None,
-            f"auto: off ({where}, but the training {described} leave a window of {size} positions, "
+            f"auto: off ({served.words}, but the training {described} leave a window of {size} positions, "
             f"not longer than train.ttt.steps {cfg.train.ttt.steps})",
         )
-    words = f"the largest power of two not longer than {'half of them' if rule >= 2 else 'them'}" + (
+    words = "the largest power of two not longer than half of them" + (
         f", at most {LARGEST_AUTO_WINDOW:,}" if size == LARGEST_AUTO_WINDOW else ""
     )
-    return WindowChoice(size, f"auto: {size:,} ({where}, {ratio:.0f}x the training {described}; {words})")
+    return WindowChoice(size, f"auto: {size:,} ({served.words}, {ratio:.0f}x the training {described}; {words})")

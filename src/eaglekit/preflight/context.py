@@ -7,7 +7,8 @@ check says so before training, from the prepared documents and ``evaluate.contex
 target's ``max_position_embeddings``, which vLLM serves up to unless told otherwise): what
 ``train.draft.sliding_window: auto`` (the default) chose from the same figures (``model/sliding_window.py``), and a
 warning where the drafter is still served far beyond its training without a window (set to null, a family without
-windows, a finetune) or has a window longer than its training documents.
+windows, a finetune) or has a window longer than its training documents. The figures, the window and its reason are
+the run's resolution (``ctx.resolved``), the ones plan and train print: the documents' median length, as auto reads.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 from eaglekit.contract import StageContext
 from eaglekit.drafters.registry import family_named
 from eaglekit.model.checkpoint_files import layer_window
-from eaglekit.model.sliding_window import FAR_BEYOND, draft_window, served_context, training_lengths
+from eaglekit.model.sliding_window import FAR_BEYOND
 from eaglekit.preflight import CheckResult, ok, skip, warn, will_be_produced
 
 NAME = "serving context"
@@ -32,13 +33,13 @@ def serving_context(ctx: StageContext) -> CheckResult:
     tokens = ctx.run.stage_dir("prepare") / "tokens.safetensors"
     if not tokens.exists():
         return skip(NAME, f"{tokens} not there yet")
-    trained = training_lengths(cfg)
+    trained = ctx.resolved.lengths
     if trained is None:
         return skip(NAME, "no prepared documents")
-    served = served_context(cfg)
+    served = ctx.resolved.served
     if served is None:
         return skip(NAME, "the target's config has no max_position_embeddings; set evaluate.context_lengths")
-    window, windowable, why = drafter_window(cfg)
+    window, windowable, why = drafter_window(ctx)
     documents = trained.words()
     if trained.prepared and trained.longest > served.tokens:  # rows the served context can never hold
         return warn(
@@ -48,9 +49,9 @@ def serving_context(ctx: StageContext) -> CheckResult:
             f"set evaluate.context_lengths to the contexts you serve (at least {trained.longest:,} for these rows), "
             f"or cut the rows to the served context (prepare.max_length: {served.tokens}) before training",
         )
-    where = f"served at up to {served.tokens:,} ({served.source})"
+    where = served.words
     if window is not None:
-        if trained.p95 < window:
+        if trained.median < window:
             return warn(
                 NAME,
                 f"the drafter attends a {window:,}-token window but trains on {documents}: the far part of its "
@@ -67,7 +68,7 @@ def serving_context(ctx: StageContext) -> CheckResult:
                 "evaluate.context_lengths to the longer contexts you serve",
             )
         return ok(NAME, f"a {window:,}-token window ({why}), trained on {documents}; {where}")
-    ratio = served.tokens / max(trained.p95, 1)
+    ratio = served.tokens / max(trained.median, 1)
     if ratio >= FAR_BEYOND and served.long:
         return warn(
             NAME,
@@ -87,10 +88,11 @@ def serving_context(ctx: StageContext) -> CheckResult:
     return ok(NAME, f"trained on {documents}; {where}; no window ({why})")
 
 
-def drafter_window(cfg) -> tuple[int | None, bool, str]:
+def drafter_window(ctx: StageContext) -> tuple[int | None, bool, str]:
     """(the sliding window the trained drafter will have, whether train.draft.sliding_window can give it one, where
     the window comes from): a finetune keeps its own (read from a local init_from's config.json), a fresh drafter
     takes train.draft's, auto as model/sliding_window.py resolves it."""
+    cfg = ctx.cfg
     if cfg.train.init_from:
         config = Path(cfg.train.init_from) / "config.json"
         try:
@@ -99,5 +101,5 @@ def drafter_window(cfg) -> tuple[int | None, bool, str]:
             return None, False, f"{cfg.train.init_from} has no readable config.json"
         layer = raw.get("transformer_layer_config") if isinstance(raw.get("transformer_layer_config"), dict) else raw
         return layer_window(layer), False, f"train.init_from {cfg.train.init_from}'s own"
-    choice = draft_window(cfg)
-    return choice.window, family_named(cfg.train.draft.architecture).windowed, choice.why
+    choice = ctx.resolved.window
+    return choice.window, family_named(ctx.resolved.family).windowed, choice.why

@@ -17,9 +17,8 @@ from eaglekit.contract import StageContext
 from eaglekit.data.chat import local_target_tokenizer
 from eaglekit.data.prompts import SKIP_REMEDY, load_prompts, run_prompts
 from eaglekit.errors import EaglekitError
-from eaglekit.model.sliding_window import served_context
-from eaglekit.model.target import target_hf_config
 from eaglekit.preflight import CheckResult, fail, ok, skip, warn
+from eaglekit.resolved import ResolvedRun
 
 SAMPLE_ROWS = 1000
 EXACT_COUNT_LIMIT = 2 << 30  # JSONL files up to this size have their lines counted exactly
@@ -115,17 +114,15 @@ TOKENIZED_PROMPTS = 2000  # the longest prompts (by characters) tokenised exactl
 CHARS_PER_TOKEN = 3.0
 
 
-def context_limit(cfg) -> tuple[int, str]:
+def context_limit(run: ResolvedRun) -> tuple[int, str]:
     """The most tokens a prompt may have: the target's max_position_embeddings (when its folder is here), or
     prepare.max_length where that is smaller (prepare drops or cuts a longer sample); and where it comes from."""
+    cfg = run.cfg
     limit, why = cfg.prepare.max_length, f"prepare.max_length {cfg.prepare.max_length}"
-    if Path(cfg.target.model).is_dir():
-        try:
-            context = getattr(target_hf_config(cfg.target), "max_position_embeddings", None)
-        except EaglekitError:
-            context = None  # the target folder check says why
-        if isinstance(context, int) and 0 < context < limit:
-            limit, why = context, f"the target's max_position_embeddings {context}"
+    # unreadable: the target folder check says why
+    context = run.max_position_embeddings if Path(cfg.target.model).is_dir() else None
+    if context is not None and 0 < context < limit:
+        limit, why = context, f"the target's max_position_embeddings {context}"
     return limit, why
 
 
@@ -195,7 +192,7 @@ def prompt_length(ctx: StageContext) -> CheckResult:
         return skip(name, "the prompts do not load (see the prompts checks)")
     if not records:
         return skip(name, "no prompts")
-    limit, why = context_limit(ctx.cfg)
+    limit, why = context_limit(ctx.resolved)
     counts, how, exact = prompt_tokens(ctx)
     over = [(n, rid) for n, rid in counts if n > limit]
     longest, rid = counts[0]
@@ -213,13 +210,13 @@ def prompt_length(ctx: StageContext) -> CheckResult:
         f"e.g. '{rid}' with "
         f"{longest:,} ({how}): {consequence}"
     )
-    served = served_context(ctx.cfg) if by_prepare else None
+    served = ctx.resolved.served if by_prepare else None
     if served is not None and served.long:
         # served long, the long rows are the ones that keep the drafter's acceptance there (docs/long-context.md)
         wanted = min(served.tokens, -(-(longest + ctx.cfg.generate.max_tokens) // 1024) * 1024)
         remedy = (
             f"raise prepare.max_length (to {wanted:,}: the longest prompt and generate.max_tokens): the drafter is "
-            f"served at up to {served.tokens:,} ({served.source}), and long rows are what keeps its acceptance "
+            f"{served.words}, and long rows are what keeps its acceptance "
             "there (docs/long-context.md); or drop the longest prompts"
         )
     else:

@@ -12,7 +12,7 @@ import shutil
 from eaglekit.contract import StageContext
 from eaglekit.data.tokens import TokenStore
 from eaglekit.errors import EaglekitError
-from eaglekit.model.target import aux_layer_ids, embedding_and_head, read_final_norm, target_hf_config
+from eaglekit.model.target import embedding_and_head, read_final_norm
 from eaglekit.preflight import CheckResult, fail, ok, skip, will_be_produced
 from eaglekit.preflight.capture import check_capture, parse_prompt_logprobs
 from eaglekit.preflight.servers import server_info
@@ -22,7 +22,6 @@ from eaglekit.serving.feature_transports import feature_transport, mooncake_fits
 from eaglekit.serving.vllm_features import (
     FeatureClient,
     feature_api_key,
-    served_model,
     server_bytes_per_token,
     server_dtype,
     server_layer_ids,
@@ -40,13 +39,13 @@ def _longest_sample(ctx: StageContext) -> int | None:
 
 def feature_servers(ctx: StageContext) -> list:
     """Every feature server answers, serves the model, and has a context for the longest sample plus one token."""
-    cfg, v = ctx.cfg, ctx.cfg.extract.vllm
-    assert v is not None, "declared for extract.backend vllm only, which the config requires extract.vllm for"
+    source = ctx.resolved.feature_source  # declared for extract.backend vllm only, which requires extract.vllm
+    v = source.servers
     try:
-        key = feature_api_key(cfg)
+        key = feature_api_key(source)
     except EaglekitError as err:
         return [fail("feature servers", err.message, err.remedy or "")]
-    model, longest = served_model(cfg), _longest_sample(ctx)
+    model, longest = source.served_model, _longest_sample(ctx)
     results = []
     for url in v.servers:
         info = server_info(url, key, model)
@@ -111,8 +110,7 @@ def feature_smoke(ctx: StageContext) -> list:
     ids, the pre-norm final state and the token alignment in one go. The same requests carry the capture
     self-check (``eaglekit.preflight.capture``): every next-token log-prob of a few samples rebuilt from the
     rows eaglekit would write, against the server's ``prompt_logprobs``."""
-    cfg, v = ctx.cfg, ctx.cfg.extract.vllm
-    assert v is not None, "declared for extract.backend vllm only"
+    cfg, v = ctx.cfg, ctx.resolved.feature_source.servers  # declared for extract.backend vllm only
     path = ctx.run.stage_dir("prepare") / "tokens.safetensors"
     pending = will_be_produced(ctx, "feature smoke request", "prepare")
     if pending or not path.exists():  # (not pending and missing: the upstream check fails and says why)
@@ -122,8 +120,8 @@ def feature_smoke(ctx: StageContext) -> list:
         return [skip("feature smoke request", "no prepared samples")]
     shortest = store.lengths.argsort(stable=True)[:SELF_CHECK_SAMPLES].tolist()
     try:
-        hf = target_hf_config(cfg.target)
-        layer_ids = server_layer_ids(aux_layer_ids(cfg.target, hf.num_hidden_layers), hf.num_hidden_layers)
+        hf, aux = ctx.resolved.target_and_aux
+        layer_ids = server_layer_ids(aux, hf.num_hidden_layers)
         norm = read_final_norm(cfg.target)
         _, head = embedding_and_head(cfg.target.model, cfg.target.trust_remote_code)
     except EaglekitError as err:  # the target's norm or lm_head cannot be read by name
@@ -137,22 +135,22 @@ def feature_smoke(ctx: StageContext) -> list:
 def smoke_server(ctx: StageContext, url: str, store, shortest: list[int], layer_ids, hidden, norm, head) -> list:
     """The smoke request to one server: the next-token check on the shortest sample, then the capture self-check
     on the ``shortest`` few (or one failure, when a request fails)."""
-    cfg, v = ctx.cfg, ctx.cfg.extract.vllm
-    assert v is not None, "declared for extract.backend vllm only"
+    source = ctx.resolved.feature_source  # declared for extract.backend vllm only
+    v = source.servers
     name = f"feature smoke request {url}"
     one = v.model_copy(update={"servers": [url], "concurrency": 1, "max_retries": min(v.max_retries, 1)})
 
     async def ask():
         async with FeatureClient(
             one,
-            feature_api_key(cfg),
-            served_model(cfg),
+            feature_api_key(source),
+            source.served_model,
             layer_ids,
             hidden,
             norm,
             f"eksmoke{os.getpid()}",
             self_check=SELF_CHECK_LOGPROBS,
-            transport=feature_transport(cfg),
+            transport=feature_transport(source),
         ) as client:
             return [await client.capture(j, store[j][1].tolist()) for j in shortest]
 
@@ -246,15 +244,15 @@ def stream_capture_check(cfg):
 def spool_room(ctx: StageContext):
     """A streamed run: the storage folder has room for extract.stream.spool_gb, and the spool for the longest
     sample's file (a request larger than the spool could never be sent)."""
-    cfg, name = ctx.cfg, "feature spool"
-    assert cfg.extract.vllm is not None, "declared for extract.mode stream only, which requires extract.vllm"
-    spool, path = cfg.extract.stream.spool_gb * 1e9, cfg.extract.vllm.storage_path
-    if cfg.extract.through_mooncake:
+    name = "feature spool"
+    source = ctx.resolved.feature_source  # declared for extract.mode stream only, which requires extract.vllm
+    spool, path = source.spool_bytes, source.servers.storage_path
+    if source.through_mooncake:
         try:
-            mooncake_fits(cfg)
+            mooncake_fits(source)
         except EaglekitError as err:
             return fail(name, err.message, err.remedy or "")
-        segments = len(cfg.extract.vllm.servers) * cfg.extract.stream.mooncake.global_segment_size
+        segments = len(source.servers.servers) * source.stream.mooncake.global_segment_size
         detail = f"{human_bytes(spool)} of the servers' Mooncake segments ({human_bytes(segments)})"
     elif path is None or not os.path.isdir(path):  # (None: parse_config refuses it for the file transport)
         return skip(name, "the feature storage check says why the folder is missing")
@@ -269,8 +267,8 @@ def spool_room(ctx: StageContext):
         detail = f"{human_bytes(spool)} of {human_bytes(free)} free in {path}"
     longest = _longest_sample(ctx)
     if longest:
-        hf = target_hf_config(cfg.target)
-        states = len(server_layer_ids(aux_layer_ids(cfg.target, hf.num_hidden_layers), hf.num_hidden_layers))
+        hf, aux = ctx.resolved.target_and_aux
+        states = len(server_layer_ids(aux, hf.num_hidden_layers))
         dtype, kind = server_dtype(hf), str(server_dtype(hf)).removeprefix("torch.")
         # what the stream reserves for the request (training/stream.py): the states in the servers' dtype, the header
         need = SPOOL_SLACK + longest * server_bytes_per_token(states, hf.hidden_size, dtype)

@@ -391,46 +391,6 @@ def read_identities(cfg: RunConfig, *inputs: str) -> dict:
     return out
 
 
-def identities_in_current_layout(recorded: dict, today: dict, cfg: RunConfig) -> dict:
-    """A stage's ``recorded`` parameters from before ``read_identities`` (2026-12-05), in today's layout where the
-    inputs are provably the same, so finishing a run with an older eaglekit is not finished work to redo:
-
-    * the target as generate recorded it (the folder's ``file_identity``) or as extract and train did (``model``:
-      the identities of its config and weight files, beside ``dtype`` and ``aux_layers``): today's identity when
-      those cheap identities of today's files are the recorded ones and the settings beside them are the same;
-    * the identities of the prepared tokens, the vocabulary and the responses, which no record had then: the stage
-      ran on its upstream's outputs, and the fingerprint it hashed with its upstream's vouches for them.
-    """
-    out = dict(recorded)
-    for key in ("model", "target"):  # generate's local target, extract's and train's
-        old, new = recorded.get(key), today.get(key)
-        if not (isinstance(old, dict) and isinstance(new, dict) and "weights" in new and "weights" not in old):
-            continue
-        folder = model_folder(cfg.target.model)
-        if folder is not None and _same_old_target(old, folder, cfg):
-            out[key] = new
-    for key in ("tokens", "vocab", "responses"):
-        if key in today and key not in recorded:
-            out[key] = today[key]
-    return out
-
-
-def _same_old_target(old: dict, folder: Path, cfg: RunConfig) -> bool:
-    same = rundir.content_identity
-    if "sha" in old:  # generate: the whole folder
-        return same(old) == same(rundir.file_identity(folder))
-    files = old.get("model")
-    return (
-        isinstance(files, list)
-        and all(
-            isinstance(f, dict) and same(f) == same(rundir.file_identity(folder / Path(f.get("path", "")).name))
-            for f in files
-        )
-        and old.get("dtype") == cfg.target.dtype
-        and old.get("aux_layers") == cfg.target.aux_layers
-    )
-
-
 # ---------------------------------------------------------------------------------------- the target
 
 

@@ -6,44 +6,44 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from eaglekit.config import RunConfig
 from eaglekit.errors import UsageError
+from eaglekit.resolved import FeatureSource
 from eaglekit.serving.mooncake_transport import MooncakeTransport, shell_kv_transfer_config
-from eaglekit.serving.vllm_features import FeatureTransport, FileSpool, serve_command, served_model, vllm_settings
+from eaglekit.serving.vllm_features import FeatureTransport, FileSpool, serve_command
 
 
-def feature_transport(cfg: RunConfig) -> FeatureTransport:
+def feature_transport(source: FeatureSource) -> FeatureTransport:
     """The transport extract.stream.transport names for a streamed run (offline extraction reads the file spool)."""
-    v, stream = vllm_settings(cfg), cfg.extract.stream
-    if not cfg.extract.through_mooncake:
+    v = source.servers
+    if not source.through_mooncake:
         assert v.storage_path is not None, "parse_config requires extract.vllm.storage_path for the file transport"
         return FileSpool(Path(v.storage_path), v.timeout)
-    mooncake_fits(cfg)
-    return MooncakeTransport(stream.mooncake, v.timeout, v.outage_timeout)
+    mooncake_fits(source)
+    return MooncakeTransport(source.stream.mooncake, v.timeout, v.outage_timeout)
 
 
-def feature_serve_command(cfg: RunConfig, layer_ids: list[int], max_model_len: int | None) -> str:
+def feature_serve_command(source: FeatureSource, layer_ids: list[int], max_model_len: int | None) -> str:
     """``serve_command`` for this config's servers, with the connector of its transport."""
-    v, stream = vllm_settings(cfg), cfg.extract.stream
+    v = source.servers
     kv_transfer = None
-    if cfg.extract.through_mooncake:
-        mooncake_fits(cfg)
-        kv_transfer = shell_kv_transfer_config(stream.mooncake)
+    if source.through_mooncake:
+        mooncake_fits(source)
+        kv_transfer = shell_kv_transfer_config(source.stream.mooncake)
     return serve_command(
-        cfg.target.model,
+        source.target_model,
         layer_ids,
         v.storage_path,
         v.connector,
-        served_model(cfg),
+        source.served_model,
         max_model_len,
         v.gpu_memory_utilization,
         kv_transfer=kv_transfer,
     )
 
 
-def mooncake_fits(cfg: RunConfig) -> None:
+def mooncake_fits(source: FeatureSource) -> None:
     """The Mooncake transport's settings against the servers': GPU servers, and a budget the segments hold."""
-    v, stream = vllm_settings(cfg), cfg.extract.stream
+    v, stream = source.servers, source.stream
     if v.connector == "cpu":
         raise UsageError(
             "extract.stream.transport mooncake needs GPU servers: speculators' MooncakeHiddenStatesConnector copies "
@@ -51,7 +51,7 @@ def mooncake_fits(cfg: RunConfig) -> None:
             "set extract.vllm.connector: stock and serve on GPUs, or extract.stream.transport: file",
         )
     segments = len(v.servers) * stream.mooncake.global_segment_size
-    if stream.spool_gb * 1e9 > 0.9 * segments:
+    if source.spool_bytes > 0.9 * segments:
         raise UsageError(
             f"extract.stream.spool_gb ({stream.spool_gb:g} GB) is more than 90% of the Mooncake segments the "
             f"{len(v.servers)} server(s) lend the store ({segments / 1e9:.2f} GB: extract.stream.mooncake."

@@ -42,9 +42,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from eaglekit.config import RunConfig, VllmFeaturesConfig
-from eaglekit.errors import EaglekitError, UsageError
+from eaglekit.errors import EaglekitError
 from eaglekit.model.target import FinalNorm
+from eaglekit.resolved import FeatureSource
 from eaglekit.serving.client import ChatClient, RequestFailed, api_key_from_env
 
 STOCK_CONNECTOR = "ExampleHiddenStatesConnector"
@@ -58,19 +58,8 @@ def plugin_dir() -> Path:
     return Path(__file__).resolve().parent / "vllm_plugin"
 
 
-def vllm_settings(cfg: RunConfig) -> VllmFeaturesConfig:
-    """extract.vllm, which parse_config requires whenever extract.backend is vllm."""
-    if cfg.extract.vllm is None:
-        raise UsageError("extract.backend is 'vllm' but extract.vllm is not set", "add extract.vllm: {servers: [...]}")
-    return cfg.extract.vllm
-
-
-def served_model(cfg: RunConfig) -> str:
-    return vllm_settings(cfg).model or cfg.target.model
-
-
-def feature_api_key(cfg: RunConfig) -> str | None:
-    return api_key_from_env(vllm_settings(cfg).api_key_env, "extract.vllm.api_key_env")
+def feature_api_key(source: FeatureSource) -> str | None:
+    return api_key_from_env(source.servers.api_key_env, "extract.vllm.api_key_env")
 
 
 def server_layer_ids(aux_ids: list[int], num_layers: int) -> list[int]:

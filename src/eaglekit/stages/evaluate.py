@@ -31,12 +31,12 @@ from eaglekit.data.suites import SUITES, load_suite, suite_names
 from eaglekit.drafters.checked import decoding_inputs, load_starting_drafter, on_target
 from eaglekit.drafters.registry import proposer_for
 from eaglekit.errors import EaglekitError, UsageError
-from eaglekit.model.run_shapes import target_and_aux
 from eaglekit.model.target import load_target
 from eaglekit.preflight import environment, fail, files, gpus, ok, run_directory, skip
 from eaglekit.preflight.context import serving_context
 from eaglekit.preflight.drafter import drafter_checkpoint, prompts_available
 from eaglekit.progress import Meter, console
+from eaglekit.resolved import ResolvedRun
 from eaglekit.rundir import file_identity
 from eaglekit.speculative.benchmark import (
     measure_suite,
@@ -56,7 +56,8 @@ UPSTREAM = "train"
 TIE = 0.01  # |τ ratio - 1| below this: neither drafter is better
 
 
-def params(cfg: RunConfig) -> dict:
+def params(run: ResolvedRun) -> dict:
+    cfg = run.cfg
     p = cfg.evaluate.model_dump()
     for key in ("prompts", "checkpoint"):
         if p[key]:
@@ -71,7 +72,7 @@ def starting_drafter(ctx: StageContext):
     if not ctx.cfg.train.init_from:
         return skip("starting drafter", "no train.init_from: nothing to compare the drafter with but n-gram")
     try:
-        load_starting_drafter(ctx.cfg, *target_and_aux(ctx.cfg))
+        load_starting_drafter(ctx.cfg, *ctx.resolved.target_and_aux)
     except EaglekitError as err:
         return fail("starting drafter", err.message, err.remedy or "check train.init_from")
     return ok("starting drafter", f"{ctx.cfg.train.init_from} is measured beside the finetuned drafter")

@@ -27,6 +27,7 @@ from eaglekit.preflight import run_directory
 from eaglekit.preflight.drafter import as_check, drafter_checkpoint
 from eaglekit.preflight.engine_features import exported_features_read
 from eaglekit.progress import human_bytes
+from eaglekit.resolved import ResolvedRun
 from eaglekit.rundir import file_identity
 from eaglekit.training.checkpoint_integrity import EDITABLE
 
@@ -34,7 +35,8 @@ NAME = "export"
 UPSTREAM = "evaluate"
 
 
-def params(cfg: RunConfig) -> dict:
+def params(run: ResolvedRun) -> dict:
+    cfg = run.cfg
     # the checkpoint's identity, not its path: a run directory copied elsewhere keeps its export done
     return {**cfg.export.model_dump(), "checkpoint": file_identity(checkpoint_path(cfg))}
 

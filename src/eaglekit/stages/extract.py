@@ -28,45 +28,29 @@ import json
 import math
 import os
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from eaglekit.config import RunConfig
 from eaglekit.contract import Estimate, Sizes, Stage, StageContext
-from eaglekit.data import shards as sh
-from eaglekit.data.shard_sink import ShardSink
-from eaglekit.data.tokens import TokenStore
+from eaglekit.data import shard_files as sh
 from eaglekit.errors import EaglekitError
-from eaglekit.model.target import (
-    TargetFeatures,
-    aux_layer_ids,
-    load_target,
-    read_final_norm,
-    target_hf_config,
-)
-from eaglekit.preflight import disk, environment, fail, files, gpus, ok, run_directory, skip
-from eaglekit.preflight.capture import check_in_process
-from eaglekit.preflight.feature_servers import feature_servers, feature_smoke, feature_storage
+from eaglekit.preflight import disk, fail, files, gpus, ok, run_directory, skip
 from eaglekit.progress import Meter, console, human_bytes
+from eaglekit.resolved import ResolvedRun
 from eaglekit.serving.client import RequestFailed
-from eaglekit.serving.feature_transports import feature_serve_command
-from eaglekit.serving.vllm_features import (
-    FeatureClient,
-    feature_api_key,
-    served_model,
-    server_layer_ids,
-)
-from eaglekit.training import distributed
-from eaglekit.training.data import pad
+
+if TYPE_CHECKING:
+    from eaglekit.model.target import TargetFeatures
 
 NAME = "extract"
 UPSTREAM = "vocab"  # needs only prepare's tokens; "vocab" keeps the chain linear
 FULL_SHA_LIMIT = 64 << 30  # pre-flight re-hashes existing shards up to this many bytes; beyond, sizes only
 
 
-def params(cfg: RunConfig) -> dict:
+def params(run: ResolvedRun) -> dict:
     """What the shards depend on: not the servers, concurrency or writer queue (adding a server must not
     invalidate finished shards)."""
+    cfg = run.cfg
     e = cfg.extract
     p = {
         "backend": e.backend,
@@ -93,6 +77,8 @@ def live_counts(stage_dir: Path) -> dict:
 
 
 def _plan(ctx: StageContext):
+    from eaglekit.data.tokens import TokenStore  # lazy: heavy (torch)
+
     store = TokenStore(ctx.run.stage_dir("prepare") / "tokens.safetensors")
     lengths = store.lengths.tolist()
     return store, lengths, sh.plan_shards(lengths, ctx.cfg.extract.shard_tokens)
@@ -112,8 +98,8 @@ def estimate_bytes(ctx: StageContext) -> int | None:
     if not (ctx.run.stage_dir("prepare") / "tokens.safetensors").exists():
         return None
     store, lengths, plan = _plan(ctx)
-    hf = target_hf_config(ctx.cfg.target)
-    meta = _shard_meta(hf.hidden_size, aux_layer_ids(ctx.cfg.target, hf.num_hidden_layers), ctx.cfg.extract.backend)
+    hf, aux = ctx.resolved.target_and_aux
+    meta = _shard_meta(hf.hidden_size, aux, ctx.cfg.extract.backend)
     total = 0
     for n, samples in enumerate(plan):
         if ctx.resuming and sh.complete_shard(ctx.dir / sh.shard_name(n)):
@@ -187,6 +173,13 @@ def kept(ctx: StageContext) -> str:
 
 
 def checks(cfg: RunConfig) -> list:
+    from eaglekit.preflight import environment  # lazy: heavy (torch)
+    from eaglekit.preflight.feature_servers import (  # lazy: heavy (torch)
+        feature_servers,
+        feature_smoke,
+        feature_storage,
+    )
+
     if cfg.extract.backend == "vllm":  # the servers compute: no local devices to check, the servers instead
         return [
             run_directory.target_folder,
@@ -224,7 +217,7 @@ def estimate_write_rate(ctx: StageContext) -> tuple[float, str] | None:
     rate = (end.get("counts") or {}).get("tokens_per_s")
     if not rate:
         return None
-    hidden = target_hf_config(ctx.cfg.target).hidden_size
+    hidden = ctx.resolved.target_and_aux[0].hidden_size
     per_token = sh.bytes_per_token(hidden, ctx.cfg.extract.dtype)
     return rate * per_token, f"{rate:,.0f} tok/s measured by the last extract × {per_token:,} B/token"
 
@@ -232,16 +225,25 @@ def estimate_write_rate(ctx: StageContext) -> tuple[float, str] | None:
 # ------------------------------------------------------------------------------------------------- run
 
 
-@torch.no_grad()
 def run(ctx: StageContext) -> dict:
+    import torch  # lazy: heavy (torch)
+
+    with torch.no_grad():
+        return _run(ctx)
+
+
+def _run(ctx: StageContext) -> dict:
+    from eaglekit.data.shard_sink import ShardSink  # lazy: heavy (torch)
+    from eaglekit.model.target import TargetFeatures, load_target, read_final_norm  # lazy: heavy (torch)
+    from eaglekit.training import distributed  # lazy: heavy (torch)
+
     cfg = ctx.cfg
     distributed.init()
     distributed.barrier()  # rank 0 has passed its pre-flight (and --force's cleanup) before any rank looks at shards
     rank, world = distributed.rank(), distributed.world_size()
     store, lengths, plan = _plan(ctx)
-    hf = target_hf_config(cfg.target)
+    hf, aux_ids = ctx.resolved.target_and_aux
     n_layers, hidden = hf.num_hidden_layers, hf.hidden_size
-    aux_ids = aux_layer_ids(cfg.target, n_layers)
     dtype, backend = cfg.extract.dtype, cfg.extract.backend
     meta = _shard_meta(hidden, aux_ids, backend)
 
@@ -344,6 +346,8 @@ def write_index(
 def capture_self_check(target: TargetFeatures, store, lengths, pending: list[int]) -> None:
     """The capture self-check's in-process twin (``eaglekit.preflight.capture``) on the shortest pending sample: the
     aux taps against the model's hidden_states, the final rows against its own log-probs; a mismatch stops here."""
+    from eaglekit.preflight.capture import check_in_process  # lazy: heavy (torch)
+
     shortest = min(pending, key=lambda i: lengths[i])
     check = check_in_process("capture self-check", target, store[shortest][1], target.aux_layer_ids)
     if check.status == "fail":
@@ -353,18 +357,23 @@ def capture_self_check(target: TargetFeatures, store, lengths, pending: list[int
 
 def _extract_hf(cfg, target: TargetFeatures, store, lengths, plan, todo, sink, meter) -> None:
     """The target in this process: length-sorted batches of each shard; rows are encoded on the device."""
+    import torch  # lazy: heavy (torch)
+
+    from eaglekit.data import shards as shard_tensors  # lazy: heavy (torch)
+    from eaglekit.training.data import pad  # lazy: heavy (torch)
+
     for n in todo:
         slot = {i: j for j, i in enumerate(plan[n])}
         for batch in sh.plan_batches(plan[n], lengths, cfg.extract.batch_tokens):
             ids = [store[i][1] for i in batch]
             feats = target(pad(ids), pad([torch.ones_like(t) for t in ids]), with_logits=False)
-            rows = sh.encode(feats.aux, feats.last_hidden, cfg.extract.dtype).to("cpu")
+            rows = shard_tensors.encode(feats.aux, feats.last_hidden, cfg.extract.dtype).to("cpu")
             sink.put(
                 n,
                 [
                     (
                         slot[i],
-                        sh.Rows(
+                        shard_tensors.Rows(
                             rows.aux[b, : lengths[i]],
                             rows.last_hidden[b, : lengths[i]],
                             None if rows.scale_exp is None else rows.scale_exp[b, : lengths[i]],
@@ -378,14 +387,20 @@ def _extract_hf(cfg, target: TargetFeatures, store, lengths, plan, todo, sink, m
 
 def _extract_vllm(ctx: StageContext, norm, store, plan, todo, sink, meter, aux_ids, n_layers, hidden) -> None:
     """vLLM servers: every sample of the pending shards in flight (bounded), rows written as they arrive."""
-    cfg, v = ctx.cfg, ctx.cfg.extract.vllm
-    assert v is not None, "run only with extract.backend vllm, which the config requires extract.vllm for"
+    from eaglekit.data import shards as shard_tensors  # lazy: heavy (torch)
+    from eaglekit.serving.vllm_features import FeatureClient, feature_api_key, server_layer_ids  # lazy: heavy (torch)
+    from eaglekit.training import distributed  # lazy: heavy (torch)
+
+    cfg, source = ctx.cfg, ctx.resolved.feature_source
+    v = source.servers
     layer_ids = server_layer_ids(aux_ids, n_layers)
     prefix = f"ek{ctx.fingerprint[:10]}-r{distributed.rank()}"
     in_flight = 2 * v.concurrency * len(v.servers)
 
     async def extract_all() -> None:
-        async with FeatureClient(v, feature_api_key(cfg), served_model(cfg), layer_ids, hidden, norm, prefix) as client:
+        async with FeatureClient(
+            v, feature_api_key(source), source.served_model, layer_ids, hidden, norm, prefix
+        ) as client:
             left = client.remove_leftovers()
             if left:
                 console.print(f"extract: removed {left} files of an earlier, interrupted run from {v.storage_path}")
@@ -399,7 +414,9 @@ def _extract_vllm(ctx: StageContext, norm, store, plan, todo, sink, meter, aux_i
                     await client.capture(
                         i,
                         ids.tolist(),
-                        lambda cap: sink.put(n, [(j, sh.encode(cap.aux, cap.last_hidden, cfg.extract.dtype))]),
+                        lambda cap: sink.put(
+                            n, [(j, shard_tensors.encode(cap.aux, cap.last_hidden, cfg.extract.dtype))]
+                        ),
                     )
                     meter.update(len(ids), shard=f"{n + 1}/{len(plan)}")
                 except RequestFailed as err:
@@ -448,16 +465,21 @@ def sample_failed(sample_id: str, err) -> EaglekitError:
 
 def vllm_serve_command(cfg: RunConfig) -> str:
     """The command that starts one feature server for this config (the same for every server)."""
+    from eaglekit.data.tokens import TokenStore  # lazy: heavy (torch)
+    from eaglekit.serving.feature_transports import feature_serve_command  # lazy: heavy (torch)
+    from eaglekit.serving.vllm_features import server_layer_ids  # lazy: heavy (torch)
+
     if cfg.extract.vllm is None:
         raise EaglekitError(
             "extract.vllm is not set",
             "add extract: {mode: offline, backend: vllm, vllm: {servers: [...], storage_path: ...}} to the config",
         )
-    hf = target_hf_config(cfg.target)
-    ids = server_layer_ids(aux_layer_ids(cfg.target, hf.num_hidden_layers), hf.num_hidden_layers)
+    resolved = ResolvedRun(cfg)
+    hf, aux = resolved.target_and_aux
+    ids = server_layer_ids(aux, hf.num_hidden_layers)
     tokens = os.path.join(cfg.run_dir, "prepare", "tokens.safetensors")
     longest = int(TokenStore(tokens).lengths.max()) + 1 if os.path.exists(tokens) else None
-    return feature_serve_command(cfg, ids, longest)
+    return feature_serve_command(resolved.feature_source, ids, longest)
 
 
 def estimate(ctx: StageContext, sizes: Sizes | None) -> Estimate:

@@ -46,10 +46,10 @@ from eaglekit.data.responses import (
     summarize,
 )
 from eaglekit.errors import EaglekitError
-from eaglekit.model.local_generation import generate_local
-from eaglekit.preflight import dataset, environment, files, gpus, run_directory
+from eaglekit.preflight import dataset, files, gpus, run_directory
 from eaglekit.preflight import servers as server_checks
 from eaglekit.progress import Meter, console
+from eaglekit.resolved import ResolvedRun
 from eaglekit.rundir import content_identity
 from eaglekit.serving.client import ChatClient, RequestFailed, api_key_from_env
 
@@ -68,9 +68,10 @@ def kept(ctx: StageContext) -> str:
     return f"{done} responses are safely in {ctx.dir / RESPONSES} (a rerun resumes after them)"
 
 
-def params(cfg: RunConfig) -> dict:
+def params(run: ResolvedRun) -> dict:
     """What the responses depend on. Not the server URLs, concurrency or batch size: adding a server or
     changing the batching must not invalidate a run."""
+    cfg = run.cfg
     g = cfg.generate
     return {
         "prompts": prompts_identity(cfg),  # the rows read (data.max_samples, data.on_bad_row applied), not the file
@@ -160,7 +161,7 @@ def continues(ctx: StageContext) -> str | None:
         ),
         None,
     )
-    if not isinstance(recorded, dict) or _answering(recorded) != _answering(params(ctx.cfg)):
+    if not isinstance(recorded, dict) or _answering(recorded) != _answering(params(ctx.resolved)):
         return None
     try:
         records = run_prompts(ctx.cfg).records
@@ -177,6 +178,8 @@ def _answering(p: dict) -> Any:
 
 
 def checks(cfg: RunConfig) -> list:
+    from eaglekit.preflight import environment  # lazy: heavy (torch)
+
     if cfg.generate.backend == "local":
         return [
             dataset.prompts,
@@ -469,6 +472,8 @@ def collect(
 ) -> Collector:
     """The pending prompts' responses into ``store`` through the reasoning gate; the gate, the rates and the
     servers' notes go to the ledger even when interrupted."""
+    from eaglekit.model.local_generation import generate_local  # lazy: heavy (torch)
+
     cfg, g = ctx.cfg, ctx.cfg.generate
     capacity = g.concurrency * max(1, len(g.servers))
     with Meter("generate", total=total, unit="req", initial=existing) as meter:

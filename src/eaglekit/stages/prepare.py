@@ -16,10 +16,10 @@ from eaglekit.contract import Estimate, Sizes, Stage, StageContext, measured_tim
 from eaglekit.data.chat import load_tokenizer, render_sample, use_generated_tokens
 from eaglekit.data.reasoning import has_think_tags
 from eaglekit.data.responses import read_responses
-from eaglekit.data.tokens import write_token_store
 from eaglekit.errors import EaglekitError
 from eaglekit.preflight import files, run_directory
 from eaglekit.progress import Meter, console
+from eaglekit.resolved import ResolvedRun
 
 NAME = "prepare"
 UPSTREAM = "generate"
@@ -35,7 +35,8 @@ DROP_CAUSES = {  # why a response is dropped -> (what it means, what to do)
 }
 
 
-def params(cfg: RunConfig) -> dict:
+def params(run: ResolvedRun) -> dict:
+    cfg = run.cfg
     p = cfg.prepare.model_dump()
     p["chat_template"] = files.chat_template_identity(cfg.target.chat_template)
     p["chat_template_kwargs"] = cfg.generate.extra_body.get("chat_template_kwargs")
@@ -66,6 +67,8 @@ def estimate(ctx: StageContext, sizes: Sizes | None) -> Estimate:
 
 
 def run(ctx: StageContext) -> dict:
+    from eaglekit.data.tokens import write_token_store  # lazy: heavy (torch)
+
     cfg = ctx.cfg
     tokenizer = load_tokenizer(cfg.target.model, cfg.target.chat_template, cfg.target.trust_remote_code)
     responses_path = ctx.run.stage_dir("generate") / "responses.jsonl"

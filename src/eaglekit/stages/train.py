@@ -12,23 +12,17 @@ Under torchrun every rank runs ``run``; only rank 0 holds the run lock and write
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import warnings
 from pathlib import Path
 
-from pydantic import TypeAdapter, ValidationError
-
-from eaglekit.config import AUTO, ConfigDeprecation, RunConfig, move_old_train_spellings
+from eaglekit.config import RunConfig
 from eaglekit.contract import Estimate, Sizes, Stage, StageContext
 from eaglekit.data.shards import bytes_per_token
 from eaglekit.data.vocab import vocab_origin
-from eaglekit.divergences import LossChoice
 from eaglekit.drafters.registry import family_named, family_of_folder, family_of_run, parameter_counts
 from eaglekit.errors import EaglekitError
 from eaglekit.hub import cached_drafter, download_drafter, is_hub_id, local_folder
-from eaglekit.model.sliding_window import AUTO_RULE, draft_window
 from eaglekit.preflight import (
     CheckResult,
     disk,
@@ -47,6 +41,7 @@ from eaglekit.preflight.context import serving_context
 from eaglekit.preflight.drafter import as_check
 from eaglekit.preflight.gpus import target_placement
 from eaglekit.progress import console, format_duration, human_bytes
+from eaglekit.resolved import ResolvedRun
 from eaglekit.rundir import file_identity
 from eaglekit.training.checkpoint_integrity import resume_words
 from eaglekit.training.data import pack_length
@@ -61,63 +56,71 @@ UPSTREAM = "extract"  # in online mode the pipeline steps over the skipped extra
 MIN_SAMPLES = 100  # fewer training samples than this make a drafter that cannot generalise
 
 
-def params(cfg: RunConfig) -> dict:
-    # when checkpoints are written does not change the drafter, nor how many ranks split each row (the step is the
-    # same computed either way, tests/test_context_parallel.py): editing them must not make a run stale
-    p = cfg.train.model_dump(exclude={"save_every_minutes", "context_parallel"})
-    # the window the drafter trains with, not "auto": a changed serving context or training length that moves it
-    # makes the drafter stale, and auto resolving to what an explicit value said does not
-    p["draft"]["sliding_window"] = draft_window(cfg).window
-    # the resolved window, under this version of auto's rule (records from before auto lack it: params_in_current_layout)
-    p["window_rule"] = AUTO_RULE
-    p |= files.read_identities(cfg, "target", "tokens", "vocab")
-    p["eval_fraction"] = cfg.data.eval_fraction
-    p["features"] = cfg.extract.mode
+def params(run: ResolvedRun) -> dict:
+    """What the drafter depends on: the values training computes with, as resolved, under this stage's own names (a
+    key renamed or moved in the config leaves them as they were). The window as auto chose it: a serving context or
+    training length that moves it makes the drafter stale, auto resolving to what an explicit value said does not.
+    The family's shape keys as set (unset: the target's, whose identity is here). Not here: when checkpoints are
+    written, and how many ranks split each row (the step is the same either way, tests/test_context_parallel.py)."""
+    cfg = run.cfg
+    t, ttt = cfg.train, cfg.train.ttt
+    p = {
+        "draft": {
+            **t.draft.model_dump(exclude_none=True, exclude={"architecture", "sliding_window"}),
+            "architecture": run.family,
+            "sliding_window": run.window.window,
+        },
+        "ttt": {
+            "steps": ttt.steps,
+            "decay": ttt.decay,
+            "step_weights": ttt.step_weights,
+            "loss": ttt.loss.model_dump(),
+            "loss_normalization": ttt.loss_normalization,
+            "noise": ttt.noise,
+            "noise_scale": ttt.noise_scale,
+            "anchor_weight": ttt.anchor_weight,
+            "activation_checkpointing": ttt.activation_checkpointing,
+            "attention": ttt.attention,
+            "head_loss": ttt.head_loss,
+            "compile": ttt.compile,
+        },
+        "remap_vocab": t.remap_vocab,
+        "optimizer": t.optimizer,
+        "muon_weight_decay": t.muon_weight_decay,
+        "lr": t.lr,
+        "min_lr_ratio": t.min_lr_ratio,
+        "warmup_steps": t.warmup_steps,
+        "weight_decay": t.weight_decay,
+        "grad_clip": t.grad_clip,
+        "batch_size": t.batch_size,
+        "grad_accum": t.grad_accum,
+        "max_steps": t.max_steps,
+        "epochs": t.epochs,
+        "early_stop_patience": t.early_stop_patience,
+        "eval_every": t.eval_every,
+        "eval_samples": t.eval_samples,
+        "log_every": t.log_every,
+        "save_every": t.save_every,
+        "keep_last": t.keep_last,
+        "packing": t.packing,
+        "pack_length": t.pack_length,
+        "seed": t.seed,
+        "dtype": t.dtype,
+        "distributed": t.distributed,
+        "init_lm_head_from_target": t.init_lm_head_from_target,
+        "freeze_lm_head": t.freeze_lm_head,
+        **files.read_identities(cfg, "target", "tokens", "vocab"),
+        "eval_fraction": cfg.data.eval_fraction,
+        "features": cfg.extract.mode,
+    }
     if cfg.extract.streamed:  # the rows are encoded as extract would store them (fp8 rounds them)
         p["feature_dtype"] = cfg.extract.dtype
     if not cfg.extract.offline:  # the data order's blocks (offline: the shards, in extract's fingerprint)
         p["data_blocks"] = cfg.extract.shard_tokens
-    if cfg.train.init_from:
-        local = Path(cfg.train.init_from).exists() or not is_hub_id(cfg.train.init_from)
-        p["init_from"] = file_identity(cfg.train.init_from) if local else {"hub": cfg.train.init_from}
+    if t.init_from:
+        local = Path(t.init_from).exists() or not is_hub_id(t.init_from)
+        p["init_from"] = file_identity(t.init_from) if local else {"hub": t.init_from}
     return p
-
-
-def params_in_current_layout(recorded: dict, cfg: RunConfig) -> dict:
-    """Train parameters a ledger entry recorded in an older layout, in today's for ``cfg``, so that a run finished with the same settings keeps its fingerprint
-    (pipeline.fingerprint) instead of sending the user to retrain after an upgrade:
-
-    * before train.ttt (ttt_steps, loss: NAME and lk_eta beside every loss, flat in the train section): moved by the
-      config's own spelling map, the loss as the config dumps it;
-    * before ``sliding_window: auto`` became the default (no ``window_rule``), or under an older rule of auto's
-      (``window_rule`` below ``sliding_window.AUTO_RULE``), where the config leaves the window to auto: the drafter trained with the
-      window of then (full attention before auto) stands for what auto chooses now. Its checkpoint keeps its own
-      window, which evaluate and export read. Where the config names a window (or null), the record's own window is
-      compared with it: the same one is the same drafter, another retrains.
-    """
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ConfigDeprecation)  # the ledger's spelling, not one the user can edit
-        try:
-            moved = move_old_train_spellings(recorded)
-        except ValueError:  # both spellings at once: not a record eaglekit wrote, left to compare unequal
-            return recorded
-    ttt = moved.get("ttt") if moved is not recorded else None
-    if isinstance(ttt, dict) and "loss" in ttt:
-        # a loss today's config refuses (an lk_eta set beside kl_div) stays as recorded: it differs from any it loads
-        with contextlib.suppress(ValidationError):
-            moved["ttt"] = {**ttt, "loss": TypeAdapter(LossChoice).validate_python(ttt["loss"]).model_dump()}
-    draft = moved.get("draft")
-    rule = moved.get("window_rule", 0)
-    if isinstance(rule, int) and rule < AUTO_RULE and isinstance(draft, dict):
-        if cfg.train.draft.window != AUTO:
-            moved = {**moved, "window_rule": AUTO_RULE}
-        elif draft.get("sliding_window") == (draft_window(cfg, rule=rule).window if rule else None):
-            moved = {
-                **moved,
-                "draft": {**draft, "sliding_window": draft_window(cfg).window},
-                "window_rule": AUTO_RULE,
-            }
-    return moved
 
 
 def packing(ctx: StageContext):
@@ -348,7 +351,7 @@ def estimate(ctx: StageContext, sizes: Sizes | None) -> Estimate:
         except Exception as err:  # noqa: BLE001 - a config eaglekit cannot derive a drafter from: pre-flight says why
             est.how.append(f"checkpoints: unknown ({err})")
     if not cfg.train.init_from:
-        choice = draft_window(cfg)
+        choice = ctx.resolved.window
         est.how.append(f"sliding window: {choice.shown} — {choice.why}")
     try:
         both = step_memory_both(cfg)
@@ -378,16 +381,16 @@ def estimate(ctx: StageContext, sizes: Sizes | None) -> Estimate:
             f"epochs ÷ {rate:,.0f} tok/s" + (" (max_steps may stop it earlier)" if cfg.train.max_steps else "")
         )
     if cfg.extract.streamed:
-        stream_estimate(cfg, sizes, est)
+        stream_estimate(ctx.resolved, sizes, est)
     return est
 
 
-def stream_estimate(cfg: RunConfig, sizes: Sizes, est: Estimate) -> None:
+def stream_estimate(run: ResolvedRun, sizes: Sizes, est: Estimate) -> None:
     """extract.mode stream: the disk is the spool (not the dataset), the time the slower of the trainer and the
     servers' feature rate (every epoch asks again unless extract.stream.cache_gb holds the whole train split)."""
-    s = cfg.extract.stream
+    cfg = run.cfg
     if not cfg.extract.through_mooncake:
-        spool = s.spool_gb * 1e9
+        spool = run.spool_bytes
         if est.bytes is not None:
             est.bytes += spool
         est.how.append(
@@ -401,7 +404,7 @@ def stream_estimate(cfg: RunConfig, sizes: Sizes, est: Estimate) -> None:
         est.how.append("servers' feature rate: unknown (a pilot extract or stream measures it; --extract-tok-per-s)")
         return
     trained = tokens * (1 - cfg.data.eval_fraction)
-    cached = bool(sizes.hidden_size) and s.cache_gb * 1e9 >= trained * bytes_per_token(int(sizes.hidden_size or 0),
+    cached = bool(sizes.hidden_size) and run.cache_bytes >= trained * bytes_per_token(int(sizes.hidden_size or 0),
                                                                                          sizes.dtype)  # fmt: skip
     asked = trained * (1 if cached else cfg.train.epochs) + tokens * cfg.data.eval_fraction
     server_seconds = asked / served
@@ -452,7 +455,7 @@ def live_counts(stage_dir: Path) -> dict:
 
 def run(ctx: StageContext) -> dict:
     if not ctx.cfg.train.init_from:  # what auto chose, in the log and the ledger
-        choice = draft_window(ctx.cfg)
+        choice = ctx.resolved.window
         console.print(f"train: sliding window {choice.shown} ({choice.why})")
         ctx.ledger_extra["sliding_window"] = {"window": choice.window, "why": choice.why}
     check = feature_servers.stream_capture_check(ctx.cfg) if ctx.cfg.extract.streamed else None
@@ -482,5 +485,4 @@ STAGE = Stage(
     estimate=estimate,
     kept=kept,
     live_counts=live_counts,
-    params_in_current_layout=params_in_current_layout,
 )

@@ -57,6 +57,7 @@ from eaglekit.preflight import fail, ok, run_directory, served_context, skip, wi
 from eaglekit.preflight.drafter import drafter_checkpoint, prompts_available
 from eaglekit.preflight.engine_features import served_features_read
 from eaglekit.progress import Meter, console
+from eaglekit.resolved import ResolvedRun
 from eaglekit.rundir import file_identity
 from eaglekit.serving.engine import VllmServer, find_vllm_python, is_cpu_build, supports_flag
 from eaglekit.serving.engine import version as engine_version
@@ -107,7 +108,8 @@ def max_new_tokens(cfg: RunConfig) -> int:
     return cfg.verify.max_new_tokens or cfg.evaluate.max_new_tokens
 
 
-def params(cfg: RunConfig) -> dict:
+def params(run: ResolvedRun) -> dict:
+    cfg = run.cfg
     p = cfg.verify.model_dump(exclude={"startup_timeout", "timeout", "python"})
     p.update(
         formats=forms(cfg),

@@ -24,12 +24,14 @@ from eaglekit.hub import model_file
 from eaglekit.model.draft_vocab import build_d2t_t2d
 from eaglekit.preflight import fail, files, ok
 from eaglekit.progress import console
+from eaglekit.resolved import ResolvedRun
 
 NAME = "vocab"
 UPSTREAM = "prepare"
 
 
-def params(cfg: RunConfig) -> dict:
+def params(run: ResolvedRun) -> dict:
+    cfg = run.cfg
     return cfg.vocab.model_dump() | files.read_identities(cfg, "tokens")
 
 

@@ -40,18 +40,17 @@ from dataclasses import dataclass
 
 from eaglekit.data.shards import Rows, encode
 from eaglekit.errors import EaglekitError
-from eaglekit.model.target import aux_layer_ids, read_final_norm, target_hf_config
+from eaglekit.model.target import read_final_norm
+from eaglekit.resolved import ResolvedRun
 from eaglekit.serving.client import RequestFailed
 from eaglekit.serving.feature_transports import feature_transport
 from eaglekit.serving.vllm_features import (
     FeatureClient,
     TransportGone,
     feature_api_key,
-    served_model,
     server_bytes_per_token,
     server_dtype,
     server_layer_ids,
-    vllm_settings,
 )
 from eaglekit.training.data import Batch, RunBatches
 
@@ -461,20 +460,23 @@ class HeldOutRows(Mapping[str, Rows]):
 def open_stream(cfg, run_dir: str | os.PathLike, batches: RunBatches, rank: int, first_check=None) -> FeatureStream:
     """The stream of this config: the FeatureClient of extract.vllm, the bounds of extract.stream. ``first_check
     (captures, layer_ids, norm)`` is the capture self-check, run on the stream's first requests."""
-    v, s = vllm_settings(cfg), cfg.extract.stream
-    hf = target_hf_config(cfg.target)
-    layer_ids = server_layer_ids(aux_layer_ids(cfg.target, hf.num_hidden_layers), hf.num_hidden_layers)
-    norm, key, model = read_final_norm(cfg.target), feature_api_key(cfg), served_model(cfg)
+    resolved = ResolvedRun(cfg)  # the stream's one resolution: every reader below takes its figures from it
+    source = resolved.feature_source
+    hf, aux = resolved.target_and_aux
+    layer_ids = server_layer_ids(aux, hf.num_hidden_layers)
+    norm, key = read_final_norm(cfg.target), feature_api_key(source)
     prefix = request_prefix(run_dir, rank)
-    transport = feature_transport(cfg)  # one for the stream: a Mooncake client joins the store once
+    transport = feature_transport(source)  # one for the stream: a Mooncake client joins the store once
     return FeatureStream(
         batches,
-        lambda: FeatureClient(v, key, model, layer_ids, hf.hidden_size, norm, prefix, transport=transport),
+        lambda: FeatureClient(
+            source.servers, key, source.served_model, layer_ids, hf.hidden_size, norm, prefix, transport=transport
+        ),
         cfg.extract.dtype,
-        spool_bytes=int(s.spool_gb * GB),
+        spool_bytes=int(source.spool_bytes),
         bytes_per_token=server_bytes_per_token(len(layer_ids), hf.hidden_size, server_dtype(hf)),
-        ahead=s.ahead,
-        cache_bytes=int(s.cache_gb * GB),
+        ahead=source.stream.ahead,
+        cache_bytes=int(resolved.cache_bytes),
         first_check=None if first_check is None else (lambda caps: first_check(caps, layer_ids, norm)),
         check_samples=FIRST_CHECKED,
         check_logprobs=CHECK_LOGPROBS,

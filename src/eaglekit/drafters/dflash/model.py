@@ -52,8 +52,8 @@ from eaglekit.config import DFlashDraft, RunConfig
 from eaglekit.data.chat import load_tokenizer
 from eaglekit.errors import UsageError
 from eaglekit.model.layers import MLP, RMSNorm, Rotary, apply_rope, repeat_kv, rope_inv_freq
-from eaglekit.model.sliding_window import draft_window
 from eaglekit.model.target import rope_from_config, text_config
+from eaglekit.resolved import ResolvedRun
 
 DEFAULT_LAYERS = 5  # speculators 0.9.0's DFlash recipe (5 layers, block 16, CE with D-PACE)
 DEFAULT_BLOCK_SIZE = 16
@@ -212,7 +212,7 @@ def config_for_run(cfg: RunConfig, hf_config: Any, aux_layer_ids: list[int], voc
         num_attention_heads=draft.num_attention_heads,
         num_key_value_heads=draft.num_key_value_heads,
         head_dim=draft.head_dim,
-        sliding_window=draft_window(cfg).window,  # auto resolved
+        sliding_window=ResolvedRun(cfg).window.window,  # auto resolved
     )
 
 

@@ -36,9 +36,9 @@ from eaglekit.drafters.family import LoadChecked, Verdict, verifier_id
 from eaglekit.errors import EaglekitError
 from eaglekit.model.checkpoint_files import CheckpointInfo
 from eaglekit.model.run_shapes import target_and_aux
-from eaglekit.model.sliding_window import draft_window
 from eaglekit.model.target import embedding_and_head, rope_from_config, text_config
 from eaglekit.progress import console
+from eaglekit.resolved import ResolvedRun
 from eaglekit.serving.engine_features import export_check
 from eaglekit.training.context_parallel import ContextGroup
 from eaglekit.training.memory import StepMemory
@@ -63,7 +63,7 @@ class Eagle3Family:
     # ---- the drafter a fresh run builds
     def draft_settings(self, cfg: RunConfig) -> dict[str, Any]:
         """``train.draft`` as a fresh drafter of this family is built from it (its window as auto resolves it)."""
-        return cfg.train.draft.model_dump() | {"sliding_window": draft_window(cfg).window}
+        return cfg.train.draft.model_dump() | {"sliding_window": ResolvedRun(cfg).window.window}
 
     def drafter_config(self, cfg: RunConfig, hf: Any, aux: list[int]) -> DrafterConfig:
         return DrafterConfig.from_target_config(hf, cfg.vocab.draft_vocab_size, aux, **self.draft_settings(cfg))
