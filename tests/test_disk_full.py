@@ -246,3 +246,17 @@ def test_torch_and_safetensors_writers_failures_read_as_the_errno_they_stand_for
     rust = RuntimeError("Error while serializing: I/O error: Disk quota exceeded (os error 122)")
     assert atomic.wrapped_errno(rust, tmp_path) == errno.EDQUOT
     assert atomic.wrapped_errno(RuntimeError("a shape mismatch"), tmp_path) is None
+
+
+def test_a_quota_exceeded_between_stages_is_named_like_a_full_disk(tmp_path):
+    from eaglekit import failures
+
+    ledger = tmp_path / "ledger.jsonl"
+    named = failures.outside_stage(OSError(errno.EDQUOT, os.strerror(errno.EDQUOT), str(ledger)))
+    assert named is not None and named.message.startswith(f"disk quota exceeded writing {ledger} (")
+    assert "free there" in named.message and "a rerun resumes it" in named.message
+    assert (
+        named.remedy
+        == "free space within your quota (or point run_dir elsewhere), then rerun the same command to resume"
+    )
+    assert failures.outside_stage(ValueError("not a disk fault")) is None
