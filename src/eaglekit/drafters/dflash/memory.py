@@ -43,7 +43,14 @@ from eaglekit.training.memory import StepMemory, Storages, weight_bytes
 
 # The widths a calibration drafter scales (DFlash's hidden size is the target's: both scale together; the key/value
 # heads scale with the query heads in the run's grouping, the head size stays the run's)
-BASE = {"hidden_size": 64, "intermediate_size": 64, "num_key_value_heads": 1, "vocab_size": 64, "markov_rank": 16}
+BASE = {
+    "hidden_size": 64,
+    "intermediate_size": 64,
+    "num_key_value_heads": 1,
+    "vocab_size": 64,
+    "markov_rank": 16,
+    "selector_rank": 16,
+}
 ROWS = (96, 192)  # two row lengths: their difference is the per-context-token slope
 ANCHORS = (2, 4)  # two anchor counts: their difference is the per-query slope
 BATCH_INDEX_BYTES = 4 * 8  # a token's ids, loss and attention masks, positions (int64)
@@ -105,12 +112,14 @@ class Kept:
         return self.projected + self.read
 
 
-def kept_bytes(cfg: DFlashConfig, rows: int, anchors: int, bf16: bool) -> Kept:
+def kept_bytes(
+    cfg: DFlashConfig, rows: int, anchors: int, bf16: bool, drafter_class: type[DFlashDrafter] | None = None
+) -> Kept:
     """What ``block_loss`` keeps for backward on one row of ``rows`` tokens with ``anchors`` anchored blocks: the
     storages it made that are alive when it returns (``memory.Storages``; parameters and inputs not counted,
     autocast's weight copies are: they are constant in the row), by where they were made."""
     torch.manual_seed(0)
-    drafter = DSparkDrafter(cfg) if isinstance(cfg, DSparkConfig) else DFlashDrafter(cfg)
+    drafter = (drafter_class or (DSparkDrafter if isinstance(cfg, DSparkConfig) else DFlashDrafter))(cfg)
     g = torch.Generator().manual_seed(0)
     aux = torch.randn(1, rows, len(cfg.aux_layer_ids) * cfg.target_hidden_size, generator=g)
     ids = torch.randint(0, cfg.vocab_size, (1, rows), generator=g)
@@ -139,20 +148,21 @@ def kept_bytes(cfg: DFlashConfig, rows: int, anchors: int, bf16: bool) -> Kept:
     return kept
 
 
-def kept_per_shape(cfg: DFlashConfig, bf16: bool) -> KeptBytes:
-    """What a block step of ``cfg``'s drafter keeps per context token, per query and per (query, key) pair."""
-    return _kept(type(cfg).__name__, json.dumps(dataclasses.asdict(cfg), sort_keys=True), bf16)
+def kept_per_shape(cfg: DFlashConfig, bf16: bool, drafter_class: type[DFlashDrafter] | None = None) -> KeptBytes:
+    """What a block step of ``cfg``'s drafter (of ``drafter_class``: by default DFlash's, or DSpark's for its
+    config) keeps per context token, per query and per (query, key) pair."""
+    # classes are hashable (mypy takes a dataclass's __hash__ = None for its class's)
+    return _kept(type(cfg), drafter_class, json.dumps(dataclasses.asdict(cfg), sort_keys=True), bf16)  # type: ignore[arg-type]
 
 
 @functools.lru_cache(maxsize=32)
-def _kept(kind: str, cfg_json: str, bf16: bool) -> KeptBytes:
-    cls = DSparkConfig if kind == DSparkConfig.__name__ else DFlashConfig
+def _kept(cls: type[DFlashConfig], drafter_class: type[DFlashDrafter] | None, cfg_json: str, bf16: bool) -> KeptBytes:
     cfg = cls.from_dict(json.loads(cfg_json))
 
     def slopes(c: DFlashConfig) -> KeptBytes:
         (l1, l2), (a1, a2) = ROWS, ANCHORS
         q1, q2 = a1 * c.block_size, a2 * c.block_size
-        runs = [kept_bytes(c, n, a, bf16) for n, a in ((l1, a1), (l2, a1), (l1, a2), (l2, a2))]
+        runs = [kept_bytes(c, n, a, bf16, drafter_class) for n, a in ((l1, a1), (l2, a1), (l1, a2), (l2, a2))]
         k11, k21, k12, k22 = (k.total for k in runs)
         pair = (k22 - k21 - k12 + k11) / ((l2 - l1) * (q2 - q1))
         context = (k21 - k11) / (l2 - l1) - pair * q1
@@ -183,6 +193,7 @@ def block_step_memory(
     frozen: int,
     bf16: bool = True,
     context_parallel: int = 1,
+    drafter_class: type[DFlashDrafter] | None = None,
 ) -> StepMemory:
     """The memory of one block step on ``rows`` rows of ``row_length`` tokens, for a drafter with ``trainable`` and
     ``frozen`` parameters (the target's embedding and head); ``bf16``: autocast as on a GPU, else fp32.
@@ -191,7 +202,7 @@ def block_step_memory(
     (their features and a block's halo, the projection of their context), the anchors among them, and the whole
     row's context keys and values (gathered), which its blocks read on every layer as one process's do."""
     act = 2 if bf16 else 4
-    kept = kept_per_shape(cfg, bf16)
+    kept = kept_per_shape(cfg, bf16, drafter_class)
     own = math.ceil(row_length / context_parallel)
     anchors = min(max_anchors, row_length)
     if context_parallel > 1:  # the anchors are drawn over the whole row: the busiest rank's share, 3 sigma over

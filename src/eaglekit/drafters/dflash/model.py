@@ -302,6 +302,7 @@ class DFlashDrafter(nn.Module):
 
     family = "dflash"
     first_drafting_slot = 1  # the anchor slot holds the bonus token; the mask slots sit at what they predict
+    layer_class: type[DFlashLayer] = DFlashLayer  # DFlash2's layers add convolutions (drafters/dflash2/model.py)
 
     def __init__(self, cfg: DFlashConfig):
         super().__init__()
@@ -310,7 +311,7 @@ class DFlashDrafter(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, h)
         self.fc = nn.Linear(len(cfg.aux_layer_ids) * cfg.target_hidden_size, h, bias=False)
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.layers = nn.ModuleList(DFlashLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(self.layer_class(cfg) for _ in range(cfg.num_hidden_layers))
         self.attentions: list[DFlashAttention] = [layer.self_attn for layer in self.layers]  # type: ignore[misc]
         if cfg.shared_k_norm:
             for attention in self.attentions[1:]:
@@ -338,6 +339,14 @@ class DFlashDrafter(nn.Module):
         """What a slot's logits add, given the token before it (DSpark's Markov bias); DFlash adds nothing."""
         return None
 
+    def extra_slot_loss(
+        self, logits: torch.Tensor, hidden: torch.Tensor, labels: torch.Tensor, anchor_ids: torch.Tensor
+    ) -> torch.Tensor | None:
+        """A loss per block slot [B, A, bs] the block objective adds to its own (DFlash2's selector), given the
+        slots' logits [B, A, bs, V], normed hidden states [B, A, bs, H], labels [B, A, bs] and the anchors' tokens
+        [B, A]; DFlash adds none."""
+        return None
+
     def context(self, aux: torch.Tensor) -> torch.Tensor:
         """Target aux states [..., len(aux)*Ht] -> the context features [..., H] the layers read keys/values from."""
         return self.hidden_norm(self.fc(aux.to(self.fc.weight.dtype)))
@@ -357,6 +366,21 @@ class DFlashDrafter(nn.Module):
     ) -> torch.Tensor:
         """query_ids/positions [B, Q] -> logits [B, Q, V] (fp32, or fp64 in fp64). ``mask`` [B, Q, C+Q] None: every query sees
         everything; a sliding window narrows it further, by the context's positions [B, C] (required then)."""
+        return self.logits(self.final_hidden(query_ids, query_positions, context_kv, mask, context_positions))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The head's logits of ``final_hidden``'s states (fp32, or fp64 in fp64)."""
+        return at_least_fp32(self.lm_head(hidden))
+
+    def final_hidden(
+        self,
+        query_ids: torch.Tensor,
+        query_positions: torch.Tensor,
+        context_kv: list[tuple[torch.Tensor, torch.Tensor]],
+        mask: torch.Tensor | None = None,
+        context_positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``forward``'s normed hidden states [B, Q, H], which the head (and DFlash2's selector) reads."""
         window = self.config.sliding_window
         if window is not None:
             if context_positions is None:
@@ -372,4 +396,4 @@ class DFlashDrafter(nn.Module):
         cos, sin = self.rotary(query_positions, h.dtype)
         for layer, kv in zip(self.layers, context_kv, strict=True):
             h = layer(h, cos, sin, kv, mask)
-        return at_least_fp32(self.lm_head(self.norm(h)))
+        return self.norm(h)

@@ -142,6 +142,7 @@ def block_loss(
     gamma: float = 4.0,
     generator: torch.Generator | None = None,
     context: ContextGroup | None = None,
+    extra_weight: float = 1.0,
 ) -> BlockOutput:
     """The DFlash (or DSpark) loss of one batch (module docstring). aux [B, L, n*Ht]; target_argmax [B, L]: the
     target's argmax over its whole vocabulary at each position (its next token); the rest [B, L]; ``position_ids``
@@ -181,7 +182,8 @@ def block_loss(
     query_positions = positions.gather(1, anchors)[:, :, None] + slot
     kv = context_kv(drafter, aux, positions, shard)
     mask = block_attention_mask(docs, anchors, bs)
-    logits = drafter(query_ids.flatten(1), query_positions.flatten(1), kv, mask, positions)  # [B, A*bs, V]
+    hidden = drafter.final_hidden(query_ids.flatten(1), query_positions.flatten(1), kv, mask, positions)
+    logits = drafter.logits(hidden)  # [B, A*bs, V]
     # DSpark's Markov bias from the token at each slot's own position (index - 1; the anchor at slot 0, so never
     # below 0 where a bias applies: the clamp only keeps DFlash's anchor slot, which has none, inside the row)
     bias = drafter.slot_bias(input_ids.gather(1, (index - 1).clamp_min(0).flatten(1)))
@@ -193,6 +195,14 @@ def block_loss(
     weights = position_weights(ce, counted, weighting, dpace_alpha, gamma, first)
     total = counted.sum() if shard is None else shard.all_reduce(counted.sum())
     loss = (ce * weights).sum() / total.clamp_min(1)
+    # a family's own loss per slot (DFlash2's selector), weighted over the slots as the block's cross-entropy is
+    extra = drafter.extra_slot_loss(
+        logits.view(*index.shape, -1), hidden.view(*index.shape, -1), labels, query_ids[..., 0]
+    )
+    if extra is not None and extra_weight:
+        extra = extra.view(b * n_anchors, bs)
+        extra_weights = position_weights(extra, counted, weighting, dpace_alpha, gamma, first)
+        loss = loss + extra_weight * (extra * extra_weights).sum() / total.clamp_min(1)
 
     hit = (logits.argmax(-1).view_as(index) == labels).view(b * n_anchors, bs) & counted
     run = torch.cumprod(hit[:, first:].long(), dim=-1).sum(-1)  # a slot that does not count ends the run
@@ -250,12 +260,14 @@ class BlockObjective(nn.Module):
         dpace_alpha: float,
         gamma: float,
         context: ContextGroup | None = None,
+        extra_weight: float = 1.0,
     ):
         super().__init__()
         if weighting not in WEIGHTINGS:
             raise ValueError(f"unknown position weighting {weighting!r} (one of {WEIGHTINGS})")
         self.drafter, self.context = drafter, context
         self.max_anchors, self.weighting, self.dpace_alpha, self.gamma = max_anchors, weighting, dpace_alpha, gamma
+        self.extra_weight = extra_weight  # of the drafter's extra_slot_loss (DFlash2's selector), when it has one
 
     @property
     def halo(self) -> int:
@@ -283,6 +295,7 @@ class BlockObjective(nn.Module):
             dpace_alpha=self.dpace_alpha,
             gamma=self.gamma,
             context=self.context,
+            extra_weight=self.extra_weight,
         )
         loss = out.loss if self.context is None else out.loss * self.context.size
         first = self.drafter.first_drafting_slot

@@ -69,11 +69,16 @@ class BlockProposer:
     @torch.no_grad()
     def block_logits(self, ids: list[int]) -> torch.Tensor:
         """The drafter's logits [Q, V] for the queries ``ids`` at positions n, n+1, ... after the cached context."""
+        return self.drafter.logits(self.block_hidden(ids))
+
+    @torch.no_grad()
+    def block_hidden(self, ids: list[int]) -> torch.Tensor:
+        """The drafter's normed hidden states [Q, H] for the queries ``ids`` (``block_logits``)."""
         assert self.kv is not None, "reset() first"
         query = torch.tensor([ids], device=self.device)
         positions = torch.arange(self.length, self.length + len(ids), device=self.device)[None]
         context = torch.arange(self.first, self.length, device=self.device)[None]
-        return self.drafter(query, positions, self.kv, context_positions=context)[0]
+        return self.drafter.final_hidden(query, positions, self.kv, context_positions=context)[0]
 
     @torch.no_grad()
     def propose(
