@@ -127,10 +127,8 @@ class Plan:
             if self.failed_before
             else ""
         )
-        return (
-            f"the prompts changed since it ran ({', '.join(changes) or 'the same rows'}): generate "
-            f"{len(self.pending)} new of {self.asked}; {self.kept} kept{aside}{failed}"
-        )
+        what = f"the prompts changed since it ran ({', '.join(changes)})" if changes else "the same prompts"
+        return f"{what}: generate {len(self.pending)} new of {self.asked}; {self.kept} kept{aside}{failed}"
 
 
 def plan(records: list[PromptRecord], stored: dict[str, str], failed: set[str]) -> Plan:
