@@ -23,7 +23,6 @@ import httpx
 from eaglekit.contract import StageContext
 from eaglekit.errors import EaglekitError
 from eaglekit.model.checkpoint_files import layer_window
-from eaglekit.model.sliding_window import training_lengths
 from eaglekit.preflight import CheckResult, fail, ok, skip, warn, will_be_produced
 from eaglekit.serving.client import get_json
 from eaglekit.serving.speculation import root_of
@@ -133,7 +132,7 @@ def drafter_fits(ctx: StageContext, folders: dict[str, Path]) -> list[CheckResul
         return []
     limit, source = context
     out = []
-    trained = training_lengths(ctx.cfg)
+    trained = ctx.resolved.lengths  # the run's documents, as plan, train and the serving-context check read them
     if trained is not None and trained.prepared and trained.longest > limit:
         out.append(
             warn(
