@@ -10,7 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import subprocess_env
+import pytest
+from conftest import subprocess_env, write_config
 
 import eaglekit
 
@@ -303,3 +304,42 @@ def test_the_marker_check_sees_unmarked_imports(tmp_path):
         "from transformers import AutoConfig": "# lazy: heavy (transformers)",
         "import vllm": None,  # a marker without its reason in the one form
     }
+
+
+# What `eaglekit status` must never pay for: it reads the ledger and takes each stage's fingerprint over the run as
+# resolved (the target's context read from its config.json), from any shell while a run goes on. Each stage's module
+# is imported for its declaration, so a stage imports torch (and what imports it) in the functions that run it.
+NEVER_AT_STATUS = sorted({*NEVER_AT_HELP, "torch", "safetensors.torch"})
+
+
+def status_config(tmp_path: Path, target: Path) -> Path:
+    """A run of the tiny target with every stage but verify (extract offline), its window chosen by auto."""
+    (tmp_path / "prompts.jsonl").write_text(
+        json.dumps({"id": "a", "messages": [{"role": "user", "content": "hi"}]}) + "\n"
+    )
+    return write_config(
+        tmp_path / "c.yaml",
+        {
+            "run_dir": "run",
+            "target": {"model": str(target)},
+            "data": {"prompts": "prompts.jsonl"},
+            "extract": {"mode": "offline"},
+        },
+    )
+
+
+def test_status_loads_neither_torch_nor_transformers(tmp_path, tiny_target):
+    """`eaglekit status` (and --json) of a run takes every stage's fingerprint without torch or transformers."""
+    config = status_config(tmp_path, tiny_target)
+    printed, loaded = help_loads([["status", str(config)], ["status", str(config), "--json"]], NEVER_AT_STATUS)
+    assert "extract" in printed and '"fingerprint"' in printed, printed  # both printed every stage: the check ran
+    assert not loaded, f"`eaglekit status` imports {loaded} (import it inside the function that needs it, marked)"
+
+
+@pytest.mark.slow
+def test_status_of_the_finished_demo_loads_neither_torch_nor_transformers(demo_run):
+    """The same on a run with every stage done: the recorded counts, data flags and exported drafter are read too."""
+    run_dir, _, _ = demo_run
+    printed, loaded = help_loads([["status", str(run_dir)], ["status", str(run_dir), "--json"]], NEVER_AT_STATUS)
+    assert '"state": "done"' in printed, printed
+    assert not loaded, f"`eaglekit status` of the demo imports {loaded}"

@@ -10,17 +10,20 @@ from __future__ import annotations
 
 import json
 import os
+import struct
+import sys
 from array import array
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
-import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 from eaglekit.atomic import atomic_path
 from eaglekit.errors import EaglekitError
+
+if TYPE_CHECKING:
+    import torch
 
 FORMAT = "eaglekit.tokens"
 VERSION = "1"
@@ -32,6 +35,9 @@ REMEDY = (
 
 def write_token_store(path: str | os.PathLike, samples: Iterable[tuple[str, Sequence[int], Sequence[int]]]) -> int:
     """Write ``(id, input_ids, loss_mask)`` samples to ``path`` atomically; returns the number written."""
+    import torch  # lazy: heavy (torch: `status` reads the lengths, below)
+    from safetensors.torch import save_file  # lazy: heavy (torch)
+
     ids: list[str] = []
     tokens, mask = array("i"), array("B")
     offsets = array("q", [0])
@@ -124,3 +130,26 @@ class TokenStore:
         start, end = int(self.offsets[i]), int(self.offsets[i + 1])
         f = self._open()
         return self.ids[i], f.get_slice("input_ids")[start:end].long(), f.get_slice("loss_mask")[start:end]
+
+
+def sample_lengths(path: str | os.PathLike) -> list[int]:
+    """Each sample's token count, from the store's offsets alone and without torch: auto's window reads them when a
+    command resolves a run (`eaglekit status` included). Raises EaglekitError where ``TokenStore`` would."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+            meta = header.get("__metadata__") or {}
+            start, end = header["offsets"]["data_offsets"]
+            if header["offsets"]["dtype"] != "I64" or meta.get("format") != FORMAT or meta.get("version") != VERSION:
+                raise ValueError("not an eaglekit token store of this version")
+            f.seek(8 + size + start)
+            offsets = array("q", f.read(end - start))
+    except (OSError, ValueError, KeyError, TypeError, struct.error) as err:
+        raise EaglekitError(
+            f"{path}: unreadable token store ({err}): the file is truncated or corrupt", REMEDY
+        ) from None
+    if sys.byteorder != "little":
+        offsets.byteswap()  # safetensors stores little-endian
+    return [offsets[i + 1] - offsets[i] for i in range(len(offsets) - 1)]

@@ -17,6 +17,7 @@ import torch
 from eaglekit.config import RunConfig
 from eaglekit.data.chat import end_of_turn_token_ids, load_tokenizer
 from eaglekit.drafters.family import DrafterFamily
+from eaglekit.drafters.paths import checkpoint_path as checkpoint_path
 from eaglekit.drafters.registry import family_named, family_of_folder
 from eaglekit.errors import EaglekitError
 from eaglekit.hub import cached_drafter, is_hub_id
@@ -25,11 +26,6 @@ from eaglekit.model.run_shapes import target_and_aux
 from eaglekit.model.target import decoder_parts
 from eaglekit.speculative.inputs import eval_prompts, tokenize_prompts
 from eaglekit.training.checkpoint_integrity import refuse_damaged_drafter
-
-
-def checkpoint_path(cfg: RunConfig) -> Path:
-    """The drafter this run evaluates and exports."""
-    return Path(cfg.evaluate.checkpoint) if cfg.evaluate.checkpoint else cfg.run_path / "train" / "checkpoints" / "best"
 
 
 def load_checked_drafter(cfg: RunConfig):

@@ -23,12 +23,15 @@ read the window, its reason and the figures from there.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from fractions import Fraction
 from functools import lru_cache
 from pathlib import Path
 from typing import Protocol
 
 from eaglekit.config import AUTO, DRAFT_KEYS, RunConfig
+from eaglekit.data.tokens import sample_lengths
 from eaglekit.data.vocab import PREPARED_TOKENS
 from eaglekit.errors import EaglekitError
 
@@ -116,12 +119,25 @@ def training_lengths(cfg: RunConfig) -> TrainingLengths | None:
 @lru_cache(maxsize=8)
 def _lengths(path: str, mtime_ns: int, size: int) -> TrainingLengths | None:
     """Read once per version of the file (mtime and size key it): each command resolves the run anew."""
-    from eaglekit.data.tokens import TokenStore  # lazy: heavy (torch: `eaglekit status` resolves runs without it)
-
-    lengths = TokenStore(path).lengths.double()
-    if lengths.numel() == 0:
+    lengths = sorted(sample_lengths(path))  # the offsets alone, without torch (`eaglekit status` resolves runs)
+    if not lengths:
         return None
-    return TrainingLengths(int(lengths.quantile(0.5)), int(lengths.quantile(0.95)), int(lengths.max()), prepared=True)
+    return TrainingLengths(_quantile(lengths, 0.5), _quantile(lengths, 0.95), lengths[-1], prepared=True)
+
+
+def _quantile(ordered: list[int], q: float) -> int:
+    """The ``q`` quantile of sorted lengths, rounded down, as torch.quantile computes it in float64: interpolated
+    linearly between the two nearest ranks with a fused multiply-add (the figures train printed before)."""
+    rank = q * (len(ordered) - 1)
+    below, above = math.floor(rank), math.ceil(rank)
+    low, high, weight = float(ordered[below]), float(ordered[above]), rank - below
+
+    def fused(x: float, y: float, z: float) -> float:  # x * y + z, rounded once
+        return float(Fraction(x) * Fraction(y) + Fraction(z))
+
+    if weight < 0.5:
+        return int(fused(weight, high - low, low))
+    return int(fused(low - high, 1 - weight, high))
 
 
 def draft_window(cfg: RunConfig, figures: WindowFigures) -> WindowChoice:

@@ -20,36 +20,23 @@ the traffic it will serve.
 from __future__ import annotations
 
 import os
-
-import torch
+from typing import TYPE_CHECKING
 
 from eaglekit import atomic
 from eaglekit.config import RunConfig
 from eaglekit.contract import Estimate, Sizes, Stage, StageContext, measured_time
 from eaglekit.data.eval_report import METHODS, context_rows, report_markdown
 from eaglekit.data.suites import SUITES, load_suite, suite_names
-from eaglekit.drafters.checked import decoding_inputs, load_starting_drafter, on_target
-from eaglekit.drafters.registry import proposer_for
 from eaglekit.errors import EaglekitError, UsageError
-from eaglekit.model.target import load_target
-from eaglekit.preflight import environment, fail, files, gpus, ok, run_directory, skip
-from eaglekit.preflight.context import serving_context
-from eaglekit.preflight.drafter import drafter_checkpoint, prompts_available
+from eaglekit.preflight import fail, files, gpus, ok, run_directory, skip
 from eaglekit.progress import Meter, console
 from eaglekit.resolved import ResolvedRun
 from eaglekit.rundir import file_identity
-from eaglekit.speculative.benchmark import (
-    measure_suite,
-    mode_of,
-    reasoning_modes,
-    renders_alike,
-    suite_prompts,
-    suites_markdown,
-    template_kwargs,
-)
-from eaglekit.speculative.decode import CONTEXT_BUCKETS, DecodeStats, generate, tau_by_context
-from eaglekit.speculative.inputs import decode_threads, first_difference, heldout_prompts, tokenize_prompts
-from eaglekit.speculative.ngram import NgramProposer
+
+if TYPE_CHECKING:
+    import torch
+
+    from eaglekit.speculative.decode import DecodeStats
 
 NAME = "evaluate"
 UPSTREAM = "train"
@@ -69,6 +56,8 @@ def params(run: ResolvedRun) -> dict:
 
 
 def starting_drafter(ctx: StageContext):
+    from eaglekit.drafters.checked import load_starting_drafter  # lazy: heavy (torch)
+
     if not ctx.cfg.train.init_from:
         return skip("starting drafter", "no train.init_from: nothing to compare the drafter with but n-gram")
     try:
@@ -79,6 +68,10 @@ def starting_drafter(ctx: StageContext):
 
 
 def checks(cfg: RunConfig) -> list:
+    from eaglekit.preflight import environment  # lazy: heavy (torch)
+    from eaglekit.preflight.context import serving_context  # lazy: heavy (torch)
+    from eaglekit.preflight.drafter import drafter_checkpoint, prompts_available  # lazy: heavy (torch)
+
     return [
         run_directory.target_folder,
         files.target_weights,
@@ -152,12 +145,19 @@ def result_row(method: str, k: int, temperature: float, stats: DecodeStats, plai
 
 def by_context(generations: list) -> dict[str, dict[str, float]]:
     """τ per context-length group (< 1K, 1-4K, 4-16K, > 16K) of the verify passes that drafted."""
+    from eaglekit.speculative.decode import tau_by_context  # lazy: heavy (torch)
+
     return {
         label: {"rounds": g["rounds"], "tau": round(g["tau"], 4)} for label, g in tau_by_context(generations).items()
     }
 
 
 def run(ctx: StageContext) -> dict:
+    import torch  # lazy: heavy (torch)
+
+    from eaglekit.model.target import load_target  # lazy: heavy (torch)
+    from eaglekit.speculative.inputs import decode_threads  # lazy: heavy (torch)
+
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     target = load_target(ctx.cfg.target, device if not ctx.cfg.target.device_map else None)
     with decode_threads(target):
@@ -165,6 +165,10 @@ def run(ctx: StageContext) -> dict:
 
 
 def evaluate(ctx: StageContext, target, device: torch.device) -> dict:
+    from eaglekit.drafters.checked import decoding_inputs, load_starting_drafter, on_target  # lazy: heavy (torch)
+    from eaglekit.drafters.registry import proposer_for  # lazy: heavy (torch)
+    from eaglekit.speculative.ngram import NgramProposer  # lazy: heavy (torch)
+
     cfg, ec = ctx.cfg, ctx.cfg.evaluate
     inputs = decoding_inputs(cfg, target, device, ec.max_new_tokens)
     drafter, aux = inputs.drafter, inputs.aux
@@ -197,6 +201,10 @@ class Decoding:
         self.temperatures = list(dict.fromkeys(ec.temperatures))
 
     def decode(self, ids: list[int], i: int, temperature: float, method: str | None = None, k: int = 0):
+        import torch  # lazy: heavy (torch)
+
+        from eaglekit.speculative.decode import generate  # lazy: heavy (torch)
+
         generator = torch.Generator().manual_seed(self.ec.seed * 1_000_003 + i)
         return generate(
             self.target,
@@ -211,6 +219,8 @@ class Decoding:
 
     def warm_up(self, ids: list[int]) -> None:
         """The first calls pay one-time costs (allocator, kernels); this keeps them out of the timings."""
+        from eaglekit.speculative.decode import generate  # lazy: heavy (torch)
+
         for proposer in (None, self.new_proposer["eagle"]()):
             generate(self.target, ids, 8, proposer=proposer, k=max(self.ks))
 
@@ -218,6 +228,9 @@ class Decoding:
         """Prompt by prompt, plain decoding and then every method and K: the timings compared share a time window.
         Returns the plain baselines and the result rows per temperature, the speculative runs that differed from
         plain greedy output (per prompt) and each prompt's number of greedy tokens."""
+        from eaglekit.speculative.decode import DecodeStats  # lazy: heavy (torch)
+        from eaglekit.speculative.inputs import first_difference  # lazy: heavy (torch)
+
         baselines, results = [], []
         checks: dict[str, list] = {pid: [] for pid, _ in prompts}
         plain_tokens: dict[str, int] = {}
@@ -259,6 +272,8 @@ class Decoding:
 def finetune_section(ctx: StageContext, inputs, decoding: Decoding, results: list[dict]) -> dict:
     """The finetuned drafter against the one it started from, on evaluate's prompts and, when those are
     ``evaluate.prompts`` (e.g. production-like traffic), on the finetuning data's own held-out split too."""
+    from eaglekit.speculative.inputs import heldout_prompts, tokenize_prompts  # lazy: heavy (torch)
+
     cfg, ec = ctx.cfg, ctx.cfg.evaluate
     sets = [(ec.prompts or "held-out split of generate/responses.jsonl", len(inputs.prompts), results)]
     if ec.prompts:
@@ -273,6 +288,8 @@ def finetune_section(ctx: StageContext, inputs, decoding: Decoding, results: lis
 
 
 def build_report(ctx: StageContext, inputs, device, decoding: Decoding, main: dict, finetune, suites) -> dict:
+    from eaglekit.speculative.decode import CONTEXT_BUCKETS  # lazy: heavy (torch)
+
     cfg, ec = ctx.cfg, ctx.cfg.evaluate
     checks, results = main["checks"], main["results"]
     greedy_checked = 0 in decoding.temperatures
@@ -314,6 +331,8 @@ def build_report(ctx: StageContext, inputs, device, decoding: Decoding, main: di
 
 
 def write_report(ctx: StageContext, report: dict) -> None:
+    from eaglekit.speculative.benchmark import suites_markdown  # lazy: heavy (torch)
+
     suites = report["suites"]
     for warning in report["warnings"]:
         ctx.warn(warning)
@@ -353,6 +372,14 @@ def training_template_kwargs(ctx) -> dict | None:
 
 def measure_suites(ctx, target, inputs, new_proposer, ks: list[int], temperatures: list[float]) -> dict | None:
     """``evaluate.suites``: the drafter's τ on each benchmark suite × reasoning mode × K × temperature."""
+    from eaglekit.speculative.benchmark import (  # lazy: heavy (torch)
+        mode_of,
+        reasoning_modes,
+        renders_alike,
+        suite_prompts,
+        template_kwargs,
+    )
+
     cfg, ec = ctx.cfg, ctx.cfg.evaluate
     if not ec.suites:
         return None
@@ -406,6 +433,8 @@ def measure_suites(ctx, target, inputs, new_proposer, ks: list[int], temperature
 
 
 def measure_suite_row(target, prompts, new_proposer, k, temperature, ec, inputs, meter) -> dict:
+    from eaglekit.speculative.benchmark import measure_suite  # lazy: heavy (torch)
+
     return measure_suite(
         target,
         prompts,

@@ -21,11 +21,8 @@ from pathlib import Path
 from eaglekit import atomic
 from eaglekit.config import RunConfig
 from eaglekit.contract import Estimate, Sizes, Stage, StageContext, measured_time
-from eaglekit.drafters.checked import checkpoint_path, drafter_family, load_checked_drafter
-from eaglekit.drafters.registry import parameter_counts
+from eaglekit.drafters.paths import checkpoint_path
 from eaglekit.preflight import run_directory
-from eaglekit.preflight.drafter import as_check, drafter_checkpoint
-from eaglekit.preflight.engine_features import exported_features_read
 from eaglekit.progress import human_bytes
 from eaglekit.resolved import ResolvedRun
 from eaglekit.rundir import file_identity
@@ -46,14 +43,23 @@ def requested_forms(ctx: StageContext) -> list[str]:
 
 
 def verifier_known(ctx: StageContext):
+    from eaglekit.drafters.checked import drafter_family  # lazy: heavy (torch)
+    from eaglekit.preflight.drafter import as_check  # lazy: heavy (torch)
+
     return as_check("verifier", drafter_family(ctx.cfg).verifier_check(ctx.cfg, requested_forms(ctx)))
 
 
 def sglang_aux_layers(ctx: StageContext):
+    from eaglekit.drafters.checked import drafter_family  # lazy: heavy (torch)
+    from eaglekit.preflight.drafter import as_check  # lazy: heavy (torch)
+
     return as_check("SGLang aux layers", drafter_family(ctx.cfg).sglang_check(ctx.cfg, requested_forms(ctx)))
 
 
 def checks(cfg: RunConfig) -> list:
+    from eaglekit.preflight.drafter import drafter_checkpoint  # lazy: heavy (torch)
+    from eaglekit.preflight.engine_features import exported_features_read  # lazy: heavy (torch)
+
     return [run_directory.target_folder, drafter_checkpoint, verifier_known, sglang_aux_layers, exported_features_read]
 
 
@@ -75,6 +81,8 @@ def estimate(ctx: StageContext, sizes: Sizes | None) -> Estimate:
 
 def drafter_bytes(cfg: RunConfig) -> int | None:
     """The fp32 weights of the drafter a fresh training run builds; None without the target's config.json."""
+    from eaglekit.drafters.registry import parameter_counts  # lazy: heavy (torch)
+
     if not (Path(cfg.target.model) / "config.json").is_file():
         return None
     try:
@@ -86,6 +94,8 @@ def drafter_bytes(cfg: RunConfig) -> int | None:
 def run(ctx: StageContext) -> dict:
     """The drafter's family writes its forms (``drafters/``: EAGLE-3's plain and speculators forms, a block
     drafter's vLLM form), each checked against the drafter it came from."""
+    from eaglekit.drafters.checked import drafter_family, load_checked_drafter  # lazy: heavy (torch)
+
     return drafter_family(ctx.cfg).export(ctx, load_checked_drafter)
 
 

@@ -15,39 +15,23 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from eaglekit.config import RunConfig
 from eaglekit.contract import Estimate, Sizes, Stage, StageContext
-from eaglekit.data.shards import bytes_per_token
+from eaglekit.data.shard_files import bytes_per_token
 from eaglekit.data.vocab import vocab_origin
-from eaglekit.drafters.registry import family_named, family_of_folder, family_of_run, parameter_counts
 from eaglekit.errors import EaglekitError
 from eaglekit.hub import cached_drafter, download_drafter, is_hub_id, local_folder
-from eaglekit.preflight import (
-    CheckResult,
-    disk,
-    environment,
-    fail,
-    feature_servers,
-    files,
-    gpus,
-    ok,
-    run_directory,
-    shared_gpus,
-    skip,
-    warn,
-)
-from eaglekit.preflight.context import serving_context
-from eaglekit.preflight.drafter import as_check
+from eaglekit.preflight import CheckResult, disk, fail, files, gpus, ok, run_directory, skip, warn
 from eaglekit.preflight.gpus import target_placement
 from eaglekit.progress import console, format_duration, human_bytes
 from eaglekit.resolved import ResolvedRun
 from eaglekit.rundir import file_identity
 from eaglekit.training.checkpoint_integrity import resume_words
-from eaglekit.training.data import pack_length
-from eaglekit.training.loop import train
-from eaglekit.training.memory import StepMemory, ranks_to_fit
-from eaglekit.training.step_checkpoints import Checkpoints
+
+if TYPE_CHECKING:
+    from eaglekit.training.memory import StepMemory
 
 NAME = "train"
 UPSTREAM = "extract"  # in online mode the pipeline steps over the skipped extract, to vocab
@@ -124,6 +108,8 @@ def params(run: ResolvedRun) -> dict:
 
 
 def packing(ctx: StageContext):
+    from eaglekit.training.data import pack_length  # lazy: heavy (torch)
+
     tc = ctx.cfg.train
     if not tc.packing:
         return ok("packing", "off: length-bucketed, right-padded batches (train.packing: true packs samples into rows)")
@@ -179,6 +165,9 @@ def init_from_download(ctx: StageContext):
 def init_from_compatible(ctx: StageContext):
     """A drafter to finetune must fit the target (its family says how: hidden sizes, vocab, aux layers, heads,
     positions, tokenizer)."""
+    from eaglekit.drafters.registry import family_named, family_of_folder  # lazy: heavy (torch)
+    from eaglekit.preflight.drafter import as_check  # lazy: heavy (torch)
+
     path = ctx.cfg.train.init_from
     if not path:
         return skip("init_from", "training a new drafter")
@@ -198,6 +187,9 @@ def init_from_compatible(ctx: StageContext):
 def drafter_shape(ctx: StageContext):
     """The drafter this run trains, derived from the target and train.draft by its family: refused now rather
     than at step 0 (and a better family suggested where there is one)."""
+    from eaglekit.drafters.registry import family_named  # lazy: heavy (torch)
+    from eaglekit.preflight.drafter import as_check  # lazy: heavy (torch)
+
     cfg = ctx.cfg
     explicit = {k: v for k, v in cfg.train.draft.model_dump(exclude_defaults=True).items() if v is not None}
     if cfg.train.init_from:
@@ -213,6 +205,9 @@ def drafter_shape(ctx: StageContext):
 
 
 def checks(cfg: RunConfig) -> list:
+    from eaglekit.preflight import environment, feature_servers, shared_gpus  # lazy: heavy (torch)
+    from eaglekit.preflight.context import serving_context  # lazy: heavy (torch)
+
     if cfg.extract.streamed:  # the servers compute the features: check them, and the spool's room
         source = [feature_servers.feature_servers, feature_servers.feature_storage, feature_servers.spool_room,
                   feature_servers.feature_smoke]  # fmt: skip
@@ -245,6 +240,8 @@ def checks(cfg: RunConfig) -> list:
 def row_tokens(cfg: RunConfig) -> int:
     """The most tokens one micro-batch can hold on one GPU: rows of prepare.max_length (or train.pack_length); under
     torchrun an epoch's short last batch joins the one before it, so a rank may get one row more."""
+    from eaglekit.training.data import pack_length  # lazy: heavy (torch)
+
     groups = int(os.environ.get("WORLD_SIZE", "1")) // cfg.train.context_parallel  # ranks reading different rows
     extra = 1 if groups > 1 else 0
     return (cfg.train.batch_size + extra) * pack_length(cfg)
@@ -254,6 +251,8 @@ def step_memory_both(cfg: RunConfig, context_parallel: int | None = None) -> tup
     """One training step's memory on a GPU (bf16 autocast) at the longest micro-batch, without and with
     train.ttt.activation_checkpointing, on one of the ``context_parallel`` ranks splitting each row (default: the
     config's train.context_parallel); None for a family that does not model it or a finetune (its own shape)."""
+    from eaglekit.drafters.registry import family_named  # lazy: heavy (torch)
+
     if cfg.train.init_from:
         return None
     ranks = cfg.train.context_parallel if context_parallel is None else context_parallel
@@ -274,6 +273,8 @@ def memory_line(m: StepMemory, tokens: int) -> str:
 
 def step_memory_check(ctx: StageContext):
     """The step's GPU memory at the longest micro-batch against the GPUs': refused before the run, with remedies."""
+    from eaglekit.training.memory import ranks_to_fit  # lazy: heavy (torch)
+
     cfg = ctx.cfg
     found = gpus.inventory()
     if isinstance(found, str) or not found:
@@ -323,12 +324,16 @@ def step_memory_check(ctx: StageContext):
 
 def shared_gpu_memory(ctx: StageContext):
     """extract.vllm.shares_trainer_gpus: each GPU holds the servers' share and the drafter's step (as step memory)."""
+    from eaglekit.preflight import shared_gpus  # lazy: heavy (torch)
+
     return shared_gpus.check(ctx.cfg, step_memory_both(ctx.cfg), gpus.inventory())
 
 
 def checkpoint_bytes(cfg: RunConfig) -> tuple[int, int, int]:
     """(all the checkpoints, one checkpoint, the drafter's parameters): each checkpoint holds the drafter (fp32)
     and training_state (weights + two Adam moments, fp32); best/ and the metrics and plots come on top."""
+    from eaglekit.drafters.registry import parameter_counts  # lazy: heavy (torch)
+
     total, trainable = parameter_counts(cfg)
     per_checkpoint = 4 * (total + 3 * trainable)
     return per_checkpoint * (cfg.train.keep_last + 1) + 4 * total + (16 << 20), per_checkpoint, total
@@ -336,6 +341,8 @@ def checkpoint_bytes(cfg: RunConfig) -> tuple[int, int, int]:
 
 def estimate(ctx: StageContext, sizes: Sizes | None) -> Estimate:
     """The checkpoints; in a plan also the time at the training rate."""
+    from eaglekit.preflight import shared_gpus  # lazy: heavy (torch)
+
     cfg = ctx.cfg
     if sizes is None:
         return Estimate(bytes=checkpoint_bytes(cfg)[0])
@@ -427,6 +434,8 @@ def stream_estimate(run: ResolvedRun, sizes: Sizes, est: Estimate) -> None:
 
 def kept(ctx: StageContext) -> str:
     """What an interrupted or failed run leaves to resume from."""
+    from eaglekit.training.step_checkpoints import Checkpoints  # lazy: heavy (torch)
+
     try:
         latest = Checkpoints(ctx.dir / "checkpoints", ctx.cfg.train.keep_last).latest()
     except EaglekitError:
@@ -454,6 +463,10 @@ def live_counts(stage_dir: Path) -> dict:
 
 
 def run(ctx: StageContext) -> dict:
+    from eaglekit.drafters.registry import family_of_run  # lazy: heavy (torch)
+    from eaglekit.preflight import feature_servers  # lazy: heavy (torch)
+    from eaglekit.training.loop import train  # lazy: heavy (torch)
+
     if not ctx.cfg.train.init_from:  # what auto chose, in the log and the ledger
         choice = ctx.resolved.window
         console.print(f"train: sliding window {choice.shown} ({choice.why})")

@@ -36,8 +36,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-import torch
-
 from eaglekit import atomic
 from eaglekit.config import RunConfig
 from eaglekit.contract import Estimate, Sizes, Stage, StageContext
@@ -48,14 +46,9 @@ from eaglekit.data.verify_report import (
     report_markdown,
     verdict_counts,
 )
-from eaglekit.drafters.checked import checkpoint_path, decoding_inputs, drafter_family, written_forms
-from eaglekit.drafters.diagnosis import ServedDrafter, cause_row
-from eaglekit.drafters.registry import family_of_folder, proposer_for, vllm_method
+from eaglekit.drafters.paths import checkpoint_path
 from eaglekit.errors import EaglekitError, UsageError
-from eaglekit.model.target import load_target
-from eaglekit.preflight import fail, ok, run_directory, served_context, skip, will_be_produced
-from eaglekit.preflight.drafter import drafter_checkpoint, prompts_available
-from eaglekit.preflight.engine_features import served_features_read
+from eaglekit.preflight import fail, ok, run_directory, skip, will_be_produced
 from eaglekit.progress import Meter, console
 from eaglekit.resolved import ResolvedRun
 from eaglekit.rundir import file_identity
@@ -80,9 +73,6 @@ from eaglekit.serving.speculation import (
     sglang_batch,
     vllm_batch,
 )
-from eaglekit.speculative.benchmark import reasoning_modes, suite_prompts, template_kwargs
-from eaglekit.speculative.decode import CONTEXT_BUCKETS, generate, served_context_per_round, tau_by_context_of
-from eaglekit.speculative.inputs import decode_threads, first_difference
 from eaglekit.training.checkpoint_integrity import damaged_drafter, refuse_damaged_drafter
 
 NAME = "verify"
@@ -93,6 +83,8 @@ DETAILED_METRICS_FLAG = "--per-request-spec-decode-metrics"
 def forms(cfg: RunConfig) -> list[str]:
     """The exported forms verify serves: verify.formats, else those export wrote (an MLA drafter's: the plain
     form only)."""
+    from eaglekit.drafters.checked import written_forms  # lazy: heavy (torch)
+
     return list(dict.fromkeys(cfg.verify.formats or written_forms(cfg)))
 
 
@@ -177,6 +169,8 @@ def exported_forms(ctx: StageContext):
 
 def engine_serves_forms(ctx: StageContext):
     """A form the configured engine cannot serve is named here, before an engine starts for it."""
+    from eaglekit.drafters.checked import drafter_family  # lazy: heavy (torch)
+
     vc = ctx.cfg.verify
     family = drafter_family(ctx.cfg)  # the trained checkpoint's
     if vc.engine != "vllm" or family.vllm_cpu_refusal is None:
@@ -200,6 +194,8 @@ def engine_serves_forms(ctx: StageContext):
 
 def served_context_fits(ctx: StageContext) -> list:
     """The context the engine serves against the prompts verify sends it and the drafter it serves."""
+    from eaglekit.preflight import served_context  # lazy: heavy (torch)
+
     folders = {form: ctx.cfg.run_path / "export" / form for form in forms(ctx.cfg)}
     return [
         served_context.prompts_fit(ctx, num_samples(ctx.cfg), max_new_tokens(ctx.cfg)),
@@ -208,6 +204,9 @@ def served_context_fits(ctx: StageContext) -> list:
 
 
 def checks(cfg: RunConfig) -> list:
+    from eaglekit.preflight.drafter import drafter_checkpoint, prompts_available  # lazy: heavy (torch)
+    from eaglekit.preflight.engine_features import served_features_read  # lazy: heavy (torch)
+
     return [
         configured,
         engine_available,
@@ -278,6 +277,14 @@ def engine_stop_ids(cfg: RunConfig, stop_ids: set[int]) -> list[int]:
 def offline_figures(cfg: RunConfig, ks: list[int]) -> Offline:
     """Decode the prompts with the trained checkpoint and the HF target (freed again before any engine starts:
     both would want the same accelerator)."""
+    import torch  # lazy: heavy (torch)
+
+    from eaglekit.drafters.checked import decoding_inputs  # lazy: heavy (torch)
+    from eaglekit.drafters.registry import proposer_for  # lazy: heavy (torch)
+    from eaglekit.model.target import load_target  # lazy: heavy (torch)
+    from eaglekit.speculative.decode import generate  # lazy: heavy (torch)
+    from eaglekit.speculative.inputs import decode_threads  # lazy: heavy (torch)
+
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     target = load_target(cfg.target, device if not cfg.target.device_map else None)
     limit = max_new_tokens(cfg)
@@ -314,6 +321,8 @@ def offline_figures(cfg: RunConfig, ks: list[int]) -> Offline:
 def suite_prompt_groups(cfg: RunConfig, target, inputs, stop: set[int], limit: int) -> dict:
     """``verify.suites`` (default ``evaluate.suites``) in each of evaluate's reasoning modes, turn by turn, as
     evaluate renders them: (suite, mode) -> [(id, prompt ids)]."""
+    from eaglekit.speculative.benchmark import reasoning_modes, suite_prompts, template_kwargs  # lazy: heavy (torch)
+
     suites = cfg.verify.suites if cfg.verify.suites is not None else cfg.evaluate.suites
     served = cfg.generate.extra_body.get("chat_template_kwargs")
     room = int(inputs.hf.max_position_embeddings) - limit
@@ -349,6 +358,8 @@ class ServedRun:
 
 def vllm_launch(cfg: RunConfig, form: str, folder: Path, k: int) -> tuple[str, list[str], str]:
     """(model, flags, description) that serve ``folder`` with K drafts: the commands export printed."""
+    from eaglekit.drafters.registry import vllm_method  # lazy: heavy (torch)
+
     method = vllm_method(form)
     spec = json.dumps({"method": method, "model": str(folder.resolve()), "num_speculative_tokens": k})
     model = cfg.target.model
@@ -572,6 +583,12 @@ def served_tau_by_context(run: ServedRun, offline: Offline) -> dict | None:
     """τ per context group, served beside offline, where the engine reports each request's passes (vLLM's
     per-request metrics) and the evaluation prompts' passes fall in more than one group: a drafter that holds
     offline at long context but falls served is read apart from one that falls in both."""
+    from eaglekit.speculative.decode import (  # lazy: heavy (torch)
+        CONTEXT_BUCKETS,
+        served_context_per_round,
+        tau_by_context_of,
+    )
+
     rounds = {pid: run.served[pid].accepted_per_round for pid, _ in offline.prompts}
     if run.engine != "vllm" or any(r is None for r in rounds.values()):
         return None
@@ -617,6 +634,8 @@ def position_rates(theirs: Counters, mine: Counters) -> list[dict]:
 
 def greedy_differences(run: ServedRun, offline: Offline) -> list[dict]:
     """The evaluation prompts whose served output is not plain greedy decoding's, with the first token that differs."""
+    from eaglekit.speculative.inputs import first_difference  # lazy: heavy (torch)
+
     return [
         {
             "id": pid,
@@ -669,6 +688,10 @@ def compare_suite(run: ServedRun, offline: Offline, group: tuple[str, str], tole
 def diagnose(cfg: RunConfig, folder: Path, engine: str, aux: list[int], runs: list[dict] | None = None) -> list[dict]:
     """The causes of the served folder's family (``DrafterFamily.diagnose``), most frequent first, each checked
     against what ``engine`` reads from ``folder``; ``runs`` are the compared runs that served it."""
+    from eaglekit.drafters.checked import drafter_family  # lazy: heavy (torch)
+    from eaglekit.drafters.diagnosis import ServedDrafter  # lazy: heavy (torch)
+    from eaglekit.drafters.registry import family_of_folder  # lazy: heavy (torch)
+
     family = family_of_folder(folder) or drafter_family(cfg)
     return family.diagnose(ServedDrafter(cfg, folder, engine, list(aux), checkpoint_path(cfg), list(runs or [])))
 
@@ -676,6 +699,8 @@ def diagnose(cfg: RunConfig, folder: Path, engine: str, aux: list[int], runs: li
 def settings_cause(runs: list[dict]) -> dict:
     """The engine's speculative settings as a cause of any family: suspect where a run fell short of offline and a
     setting it served with moves τ at T=0 (synthetic rejection, fewer drafts per pass than K, an fp8 draft cache)."""
+    from eaglekit.drafters.diagnosis import cause_row  # lazy: heavy (torch)
+
     effects = [(r, e) for r in runs for e in r["setting_effects"]]
     fell = [r for r in runs if not (r["checks"]["tau"] and r["checks"]["positions"])]
     explaining = [(r, e) for r, e in effects if e["explains_gap"] and r in fell]
@@ -709,6 +734,8 @@ def settings_cause(runs: list[dict]) -> dict:
 
 
 def run(ctx: StageContext) -> dict:
+    from eaglekit.preflight import served_context  # lazy: heavy (torch)
+
     engine = served_engine(ctx)  # before the offline decode: a server that cannot be verified says so at once
     for folder in engine.folders().values():  # what is served must be the bytes export wrote (its digests)
         refuse_damaged_drafter(folder, "exported drafter")

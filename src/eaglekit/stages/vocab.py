@@ -10,9 +10,7 @@ assistant tokens the drafter can propose at all (an upper bound on its acceptanc
 from __future__ import annotations
 
 import json
-
-import torch
-from safetensors.torch import save_file
+from typing import TYPE_CHECKING
 
 from eaglekit import atomic
 from eaglekit.config import RunConfig
@@ -21,10 +19,12 @@ from eaglekit.data.tokens import TokenStore
 from eaglekit.data.vocab import PREPARED_TOKENS, VOCAB, built_from
 from eaglekit.errors import EaglekitError
 from eaglekit.hub import model_file
-from eaglekit.model.draft_vocab import build_d2t_t2d
 from eaglekit.preflight import fail, files, ok
 from eaglekit.progress import console
 from eaglekit.resolved import ResolvedRun
+
+if TYPE_CHECKING:
+    import torch
 
 NAME = "vocab"
 UPSTREAM = "prepare"
@@ -77,6 +77,8 @@ def estimate(ctx: StageContext, sizes: Sizes | None) -> Estimate:
 def select_draft_vocab(counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, int]:
     """The ``draft_vocab_size`` most frequent ids, sorted by id; fills with the lowest unused ids when
     fewer distinct tokens occur. Returns (selected ids, number of fill ids)."""
+    import torch  # lazy: heavy (torch)
+
     seen = int((counts > 0).sum())
     top = torch.argsort(counts, descending=True, stable=True)[: min(seen, draft_vocab_size)]
     fill = draft_vocab_size - top.numel()
@@ -88,6 +90,11 @@ def select_draft_vocab(counts: torch.Tensor, draft_vocab_size: int) -> tuple[tor
 
 
 def run(ctx: StageContext) -> dict:
+    import torch  # lazy: heavy (torch)
+    from safetensors.torch import save_file  # lazy: heavy (torch)
+
+    from eaglekit.model.draft_vocab import build_d2t_t2d  # lazy: heavy (torch)
+
     cfg = ctx.cfg
     store = TokenStore(ctx.run.path / PREPARED_TOKENS)
     # kept in the file, so a copy elsewhere is told from its own (the settings, without params' tokens hash)
