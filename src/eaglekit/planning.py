@@ -34,10 +34,11 @@ from rich.text import Text
 from eaglekit import pipeline
 from eaglekit.config import RunConfig
 from eaglekit.contract import Sizes
-from eaglekit.data.shards import bytes_per_token
+from eaglekit.data.shard_files import bytes_per_token
 from eaglekit.preflight.dataset import count_rows
 from eaglekit.preflight.disk import existing_ancestor, probe_write_rate
 from eaglekit.progress import format_duration, human_bytes
+from eaglekit.resolved import ResolvedRun
 from eaglekit.rundir import RunDir
 
 
@@ -231,8 +232,9 @@ def stage_plans(
     run = RunDir(cfg.run_dir)
     figures = {name: fig.value for name, fig in inputs.items()}
     plans = []
+    resolved = ResolvedRun(planned)  # the plan resolves the run once: every stage's estimate reads it
     for stage in pipeline.stages_for(planned):
-        ctx = pipeline.make_context(planned, stage)  # an alternative's mode reaches the stages' estimates
+        ctx = pipeline.make_context(planned, stage, resolved=resolved)  # an alternative's mode reaches the estimates
         sizes = Sizes(
             samples=figures["samples"],
             mean_tokens=figures["mean_tokens"],
