@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.markup import escape
 from typer.core import TyperCommand
 
-from eaglekit import __version__, failures, interrupt, pipeline, preflight, status
+from eaglekit import __version__, failures, interrupt, pipeline, preflight, status, watch
 from eaglekit.config import RunConfig, load_config
 from eaglekit.errors import EaglekitError, UsageError
 from eaglekit.progress import console
@@ -253,6 +253,42 @@ def status_cmd(
         return
     out = Console(highlight=False, width=None if sys.stdout.isatty() else (200 if wide else 80))
     status.render(out, compared, rows, wide=wide)
+
+
+@command("watch")
+def watch_cmd(
+    run_dir: Path = typer.Argument(..., metavar="RUN_DIR", show_default=False, help="the run whose drafter is served"),
+    server: str = typer.Option(..., "--server", metavar="URL", help="the vLLM serving the drafter", show_default=False),
+    window_s: float = typer.Option(60.0, "--window-s", help="seconds per window"),
+    window_requests: int = typer.Option(0, "--window-requests", help="finished requests per window (instead of time)"),
+    count: int = typer.Option(0, "--windows", help="stop after this many windows (0: until Ctrl-C)"),
+    once: bool = typer.Option(False, "--once", help="one window, then stop (same as --windows 1)"),
+    engine_log: Path | None = typer.Option(None, "--engine-log", help="the engine's log: the settings it started with"),
+    temperature: float = typer.Option(0.0, "--temperature", help="the temperature the traffic samples at"),
+    as_json: bool = typer.Option(False, "--json", help="one JSON object per window (JSON lines) on stdout"),
+) -> None:
+    """A served drafter's acceptance, window by window, against what the run's verify and evaluate measured at the
+    served K: an alarm when served τ falls below the band their sample sizes allow, with the positions that fell
+    and the likely cause (docs/watch.md). Exit 1 when a window fell below its band."""
+
+    def emit(text: str) -> None:
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
+
+    code = watch.run(
+        run_dir,
+        server,
+        window_s,
+        window_requests or None,
+        1 if once else count or None,
+        engine_log,
+        temperature,
+        as_json,
+        emit=emit,
+        say=lambda text: console.print(text, markup=False, highlight=False),
+    )
+    if code:
+        raise typer.Exit(code)
 
 
 @command("preflight")
