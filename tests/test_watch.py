@@ -298,6 +298,7 @@ def test_watch_on_the_real_engine_serving_the_demo_drafter(vllm_python, demo_run
     previous window is printed: 5 windows of the demo's kind of prompts (new ones, through the chat template), then
     2 of random token ids."""
     from eaglekit.serving.engine import VllmServer
+    from eaglekit.serving.engine_settings import from_server
     from eaglekit.tiny import write_prompts
 
     run_dir, _, _ = demo_run
@@ -309,7 +310,11 @@ def test_watch_on_the_real_engine_serving_the_demo_drafter(vllm_python, demo_run
     prompts = [json.loads(line)["messages"] for line in prompts_file.read_text().splitlines()]
     rng = random.Random(5)
     args = ["--speculative-config", json.dumps(spec), "--max-model-len", "1024"]
-    with VllmServer(vllm_python, report["target"], args, log) as server:
+    # dev mode: vLLM answers /server_info with its whole config, the way a user's server tells its settings
+    with VllmServer(vllm_python, report["target"], args, log, env={"VLLM_SERVER_DEV_MODE": "1"}) as server:
+        served = from_server(server.root)
+        assert served is not None and served["num_speculative_tokens"] == 3
+        assert (served["rejection_sample_method"], served["draft_sample_method"]) == ("standard", "greedy")
         command = ["watch", str(run_dir), "--server", server.url, "--window-requests", "4", "--windows", "7"]
         proc = subprocess.Popen(
             [sys.executable, "-m", "eaglekit.cli", *command, "--engine-log", str(log)],
@@ -336,7 +341,7 @@ def test_watch_on_the_real_engine_serving_the_demo_drafter(vllm_python, demo_run
         finally:
             if proc.poll() is None:
                 proc.kill()
-    assert "its settings read from log" in started
+    assert "its settings read from log and /server_info" in started
     assert all(line.endswith("— ok") for line in lines[:5]), "\n".join(lines)
     assert all("ALARM: served τ below the band" in line for line in lines[5:]), "\n".join(lines)
     assert proc.returncode == 1
