@@ -355,17 +355,18 @@ def test_evaluate_reports_speculative_output_that_differs_from_plain(
     """A verification bug (here: the last greedy token of every eagle run replaced) is what the lossless check is
     for: the report says lossless false, names each prompt and run with its first differing position, and the
     stage prints it."""
-    from eaglekit.stages import evaluate as stage
+    from eaglekit.speculative import decode  # the stage imports its generate when it decodes
+    from eaglekit.speculative.ngram import NgramProposer
 
-    real = stage.generate
+    real = decode.generate
 
     def wrong_last_token(target, ids, max_new_tokens, proposer=None, **kw):
         out = real(target, ids, max_new_tokens, proposer=proposer, **kw)
-        if proposer is not None and not isinstance(proposer, stage.NgramProposer) and kw.get("temperature") == 0:
+        if proposer is not None and not isinstance(proposer, NgramProposer) and kw.get("temperature") == 0:
             out.tokens[-1] = (out.tokens[-1] + 1) % target.config.vocab_size
         return out
 
-    monkeypatch.setattr(stage, "generate", wrong_last_token)
+    monkeypatch.setattr(decode, "generate", wrong_last_token)
     cfg = load_config(make_config(tmp_path, tiny_target, drafter_dir, prompts_file))
     pipeline.run_stage(cfg, "evaluate", skip_preflight=True)
     report = json.loads((cfg.run_path / "evaluate" / "report.json").read_text())
