@@ -61,9 +61,15 @@ def upstream_of(cfg: RunConfig, stage: str) -> str | None:
     return up
 
 
+# The stages whose outputs the later stages read are one file, by the name read_identities gives it (and the stages
+# that read it record): the stages after them are fingerprinted over its content, not over how it was made.
+READ_BY_CONTENT = {"generate": "responses", "prepare": "tokens", "vocab": "vocab"}
+
+
 class Fingerprints:
     """The fingerprints of one resolved run's stages, each taken once: the hash of the stage's parameters — the
-    resolved values it consumes, under its own names (``Stage.params``) — and of its upstream's fingerprint. A key
+    resolved values it consumes, under its own names (``Stage.params``) — and of what it reads of its upstream
+    (``upstream_term``: the content of its file, or its fingerprint). A key
     renamed or moved in the config, or a rule reworded, leaves them as they were (a finished run stays done); a
     change to a value a stage computes with changes its fingerprint and those of the stages after it."""
 
@@ -73,10 +79,25 @@ class Fingerprints:
 
     def __call__(self, stage: str) -> str:
         if stage not in self._taken:
-            up = upstream_of(self.run.cfg, stage)
             params = stage_of(stage).params(self.run)
-            self._taken[stage] = _hash(stage, params, self(up) if up else None)
+            self._taken[stage] = _hash(stage, params, self.upstream_term(stage, params))
         return self._taken[stage]
+
+    def upstream_term(self, stage: str, reads: dict) -> str | None:
+        """What the fingerprint of ``stage`` (with parameters ``reads``) takes of its upstream. Once an upstream of
+        READ_BY_CONTENT is done with today's inputs: the content of its file where the stage reads it (its identity
+        is among ``reads``), else what that upstream itself was fingerprinted over (extract reads prepare's tokens,
+        not the vocabulary) — so an upstream rerun whose file came out the same leaves the stages after it done.
+        Until then, and above the others, the upstream's fingerprint: the stages after a stale one are stale too."""
+        up = upstream_of(self.run.cfg, stage)
+        if up is None:
+            return None
+        output = READ_BY_CONTENT.get(up)
+        if output is None or not RunDir(self.run.cfg.run_dir).is_done(up, self(up)):
+            return self(up)
+        if output in reads:
+            return f"{output} {content_identity(reads[output])}"
+        return self.upstream_term(up, reads)
 
 
 def fingerprint(cfg: RunConfig, stage: str) -> str:
@@ -93,10 +114,13 @@ def _as_recorded(params: dict) -> Any:
     return json.loads(json.dumps(params, default=str))
 
 
-def make_context(cfg: RunConfig, stage: str, force: bool = False, **options: Any) -> StageContext:
+def make_context(
+    cfg: RunConfig, stage: str, force: bool = False, resolved: ResolvedRun | None = None, **options: Any
+) -> StageContext:
     """The context ``stage`` is checked and run in, with the run resolved as it is now (after the stages before it
-    in the same command wrote their outputs): its fingerprint, checks and run read that one resolution."""
-    resolved = ResolvedRun(cfg)
+    in the same command wrote their outputs), or as ``resolved`` (a command that writes nothing in between, such as
+    plan or a pre-flight of the whole pipeline, resolves once): its fingerprint, checks and run read that one."""
+    resolved = resolved or ResolvedRun(cfg)
     fingerprints = Fingerprints(resolved)
     up = upstream_of(cfg, stage)
     run = RunDir(cfg.run_dir)
@@ -141,8 +165,9 @@ def preflight_pipeline(cfg: RunConfig) -> dict[str, list[preflight.CheckResult]]
     it that have not finished (with this config's fingerprint) had run — their outputs "will be produced"."""
     report: dict[str, list[preflight.CheckResult]] = {}
     pending: list[str] = []
+    resolved = ResolvedRun(cfg)  # nothing runs in between: one resolution for every stage's checks
     for stage in stages_for(cfg):
-        ctx = make_context(cfg, stage)
+        ctx = make_context(cfg, stage, resolved=resolved)
         ctx.pending = tuple(pending)
         report[stage] = run_preflight(ctx)
         if not ctx.run.is_done(stage, ctx.fingerprint):
