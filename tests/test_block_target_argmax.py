@@ -72,7 +72,7 @@ def test_a_block_step_on_the_chunked_argmax_is_the_step_on_the_full_logits(tiny_
     vocab = model.config.vocab_size
     batch = token_batch(vocab)
     features, rows = features_for(mode, model, batch)
-    objective = FAMILIES[family].objective(
+    objective = FAMILIES[family].training.objective(
         drafter_for(family, model.config), TrainConfig(draft={"architecture": family, "mask_token_id": 0}),
         torch.device("cpu"),
     )  # fmt: skip

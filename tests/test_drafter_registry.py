@@ -16,26 +16,27 @@ from eaglekit.config import DraftSection, parse_config
 from eaglekit.drafters import registry
 from eaglekit.drafters.eagle3 import checkpoint as eagle3_checkpoint
 from eaglekit.drafters.eagle3.llama import Eagle3LlamaFamily
-from eaglekit.drafters.family import Built, DrafterFamily, Objective, Verdict
+from eaglekit.drafters.eagle3.model import Eagle3Drafter
+from eaglekit.drafters.family import DrafterFamily, Verdict, Written
 from eaglekit.errors import UsageError
 from eaglekit.pipeline import run_stage
 from eaglekit.rundir import RunDir
 from eaglekit.serving.engine_features import exported_features
+from eaglekit.training.objective import Built, Objective
 
 MARK = "toy.json"
 
 
-class ToyFamily(Eagle3LlamaFamily):
-    """A family of its own name, form and folder mark; its layer is borrowed from the Llama family (what it
-    builds is not the point: who asks it is). It notes every call the pipeline makes on it."""
+class ToyDrafting(Eagle3LlamaFamily):
+    """The toy's sizing, training, reading and diagnosis: the Llama family's, borrowed (what it builds is not the
+    point: who asks it is), its folders marked as the toy's. It notes every call the pipeline makes on it."""
 
     name = "toy"
     title = "Toy"
     forms = ("toy",)
-    draft_model: Any = None  # ToyDraft, below
 
-    def __init__(self) -> None:
-        self.calls: list[str] = []
+    def __init__(self, calls: list[str]) -> None:
+        self.calls = calls
 
     def draft_settings(self, cfg) -> dict[str, Any]:
         return {**super().draft_settings(cfg), "architecture": "llama"}  # the layer it borrows
@@ -60,8 +61,22 @@ class ToyFamily(Eagle3LlamaFamily):
         self.calls.append("load_checkpoint")
         return super().load_checkpoint(cfg, path, aux)
 
+
+class ToyForms:
+    """The toy's export: one form of its own, its folder marked; the model card and the commands are the export
+    stage's."""
+
+    forms = ("toy",)
+    vllm_cpu_refusal = None
+
+    def __init__(self, calls: list[str]) -> None:
+        self.calls = calls
+
     def written_forms(self, requested: list[str]) -> list[str]:
         return list(self.forms)
+
+    def planned_configs(self, dc: Any, forms: list[str], k: int) -> dict[str, dict]:
+        return {}
 
     def vllm_method(self, form: str) -> str:
         return "toy"
@@ -72,13 +87,14 @@ class ToyFamily(Eagle3LlamaFamily):
     def sglang_check(self, cfg, formats: list[str]) -> Verdict:
         return Verdict("ok", "toy: no SGLang form")
 
-    def export(self, ctx, load) -> dict:
-        drafter, _info, _hf, _aux = load(ctx.cfg)
-        self.calls.append("export")
+    def write(self, ctx, load, requested: list[str]) -> Written:
+        drafter, info, _hf, _aux = load(ctx.cfg)
+        self.calls.append("write")
         dest = ctx.dir / "toy"
         eagle3_checkpoint.save_legacy(drafter, dest)
-        (dest / MARK).write_text(json.dumps({"family": self.name}))
-        return {"formats": ["toy"], "toy": str(dest)}
+        (dest / MARK).write_text(json.dumps({"family": "toy"}))
+        command = f'vllm serve {ctx.cfg.target.model} --speculative-config \'{{"method": "toy"}}\''
+        return Written(drafter, info, {"toy": dest}, [("vLLM", command)], [], "Toy drafter", "a toy", {"toy": "toy"})
 
 
 class ToyDraft(DraftSection):
@@ -87,7 +103,21 @@ class ToyDraft(DraftSection):
     architecture: Literal["toy"] = "toy"
 
 
-ToyFamily.draft_model = ToyDraft
+def toy_family() -> DrafterFamily:
+    """The toy as a family: its name, its config model, and its roles."""
+    calls: list[str] = []
+    drafting = ToyDrafting(calls)
+    return DrafterFamily(
+        name="toy",
+        draft_model=ToyDraft,
+        drafter_class=Eagle3Drafter,
+        windowed=False,
+        sizing=drafting,
+        training=drafting,
+        reading=drafting,
+        engine=ToyForms(calls),
+        diagnosis=drafting,
+    )
 
 
 @pytest.fixture
@@ -95,7 +125,7 @@ def toy(monkeypatch):
     """The toy family registered for one test: its line in the registry (first: its folders are Llama ones too,
     and the table's order is the order folders are recognised in), and its model in the config's table of train.draft
     models (config.DRAFT_MODELS, read as each config loads)."""
-    family = ToyFamily()
+    family = toy_family()
     monkeypatch.setattr(registry, "FAMILIES", {family.name: family, **registry.FAMILIES})
     monkeypatch.setitem(config.DRAFT_MODELS, family.name, ToyDraft)
     monkeypatch.setitem(config.DRAFT_KEYS, family.name, frozenset(ToyDraft.model_fields))
@@ -125,8 +155,8 @@ def test_a_family_in_the_table_is_one_the_config_accepts_with_its_own_keys(toy):
 def test_a_family_registered_in_memory_trains_checkpoints_and_exports(tmp_path, tiny_target, toy):
     """train and export run the toy family's build, objective, checkpoint writer, loader and export: nothing in
     them names it."""
-    family: DrafterFamily = toy  # the interface, structurally (mypy holds the real families to it in registry.py)
-    assert family.forms == ("toy",)
+    assert toy.engine.forms == ("toy",)
+    calls = toy.engine.calls  # type: ignore[attr-defined]  # the toy's own record
     train = {"ttt": {"steps": 2}, "batch_size": 4, "lr": 1e-3, "warmup_steps": 1, "max_steps": 2, "eval_every": 2,
              "save_every": 2, "eval_samples": 4, "draft": {"architecture": "toy", "intermediate_size": 64}}  # fmt: skip
     cfg = prepared_run(tmp_path, tiny_target, n=24, train=train)
@@ -134,11 +164,11 @@ def test_a_family_registered_in_memory_trains_checkpoints_and_exports(tmp_path, 
         trained = run_stage(cfg, "train", skip_preflight=True)
         best = Path(cfg.run_dir) / "train" / "checkpoints" / "best"
         assert trained["counts"]["steps"] == 2
-        assert toy.calls[:2] == ["build", "objective"] and "save_checkpoint" in toy.calls
+        assert calls[:2] == ["build", "objective"] and "save_checkpoint" in calls
         assert registry.family_of_folder(best) is toy  # the checkpoint is the toy family's, by its own mark
         assert registry.family_of_run(cfg) is toy
         exported = run_stage(cfg, "export", skip_preflight=True)
-    assert toy.calls[-2:] == ["load_checkpoint", "export"]
+    assert calls[-2:] == ["load_checkpoint", "write"]
     assert exported["counts"]["formats"] == ["toy"]
     folder = Path(cfg.run_dir) / "export" / "toy"
     assert registry.family_of_folder(folder) is toy
@@ -164,7 +194,9 @@ def test_each_family_plans_the_configs_the_engine_checks_read_as_its_forms(tmp_p
                 "train": {"draft": {"architecture": name, **window}},
             }  # fmt: skip
         )
-        planned = family.planned_configs(registry.fresh_drafter_config(cfg), family.written_forms(both), 3)
+        planned = family.engine.planned_configs(
+            registry.fresh_drafter_config(cfg), family.engine.written_forms(both), 3
+        )
         read = {form: exported_features(config) for form, config in planned.items()}
         assert {form: found for form, (found, _) in read.items()} == expected[name], name
         assert all(("sliding_window" in features) == bool(window) for _, features in read.values()), name

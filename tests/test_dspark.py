@@ -172,7 +172,7 @@ def test_preflight_and_plan_size_the_dspark_drafter(tmp_path, tiny_target):
     assert isinstance(spark_cfg, DSparkConfig) and spark_cfg.markov_rank == 16
     (_, spark), (_, flash) = parameter_counts(dspark), parameter_counts(dflash)
     assert spark - flash == 2 * spark_cfg.vocab_size * 16  # the Markov head: markov_w1 and markov_w2 train
-    check = DSPARK.shape_check(dspark)
+    check = DSPARK.diagnosis.shape_check(dspark)
     assert check.level == "ok" and check.detail.startswith("dspark: 2 layers") and "Markov rank 16" in check.detail
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -39,7 +40,10 @@ from eaglekit.errors import EaglekitError
 from eaglekit.model.draft_vocab import build_d2t_t2d
 from eaglekit.model.run_shapes import target_and_aux
 from eaglekit.model.target import embedding_and_head
+from eaglekit.pipeline import run_stage
+from eaglekit.rundir import RunDir
 from eaglekit.speculative.decode import generate
+from eaglekit.tiny.corpus import sample_tasks
 
 # The block drafter families as the registry lists them: a block family added there is tested here, and fails by
 # name where the tables below lack its entry.
@@ -137,17 +141,66 @@ def test_a_training_checkpoint_reads_back_as_the_drafter_it_holds(tmp_path, tiny
     embed, head = embedding_and_head(str(tiny_target))
     torch.manual_seed(0)
     drafter = (
-        FAMILIES[family].build(cfg, hf, *build_d2t_t2d(torch.arange(200), hf.vocab_size), embed, head, aux).drafter
+        FAMILIES[family]
+        .training.build(cfg, hf, *build_d2t_t2d(torch.arange(200), hf.vocab_size), embed, head, aux)
+        .drafter
     )
     state = drafter.state_dict()
-    FAMILIES[family].save_checkpoint(drafter.config, state, tmp_path / "checkpoint")
+    FAMILIES[family].training.save_checkpoint(drafter.config, state, tmp_path / "checkpoint")
     assert family_of_folder(tmp_path / "checkpoint") is FAMILIES[family]
-    again, info = FAMILIES[family].load_checkpoint(cfg, tmp_path / "checkpoint", aux)
+    again, info = FAMILIES[family].reading.load_checkpoint(cfg, tmp_path / "checkpoint", aux)
     assert again.config == drafter.config and info.aux_layer_ids == aux
     read = again.state_dict()
     assert read.keys() == state.keys()
     for key, value in state.items():
         assert torch.equal(read[key].to(value), value), key
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_familys_export_has_the_model_card(tmp_path, tiny_target, family):
+    """export/README.md is the export stage's, whatever the family: the drafter, the run's inherited warnings (an
+    untrained drafter evaluated on fewer prompts than asked: evaluate warned twice), evaluate's τ table by K and
+    temperature, verify's served figures once verify has run, the serve commands and what each form's folder holds."""
+    prompts = tmp_path / "prompts.jsonl"
+    tasks = sample_tasks(3, seed=99, split="heldout")
+    prompts.write_text(
+        "".join(
+            json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": t.prompt}]}) + "\n"
+            for i, t in enumerate(tasks)
+        )
+    )
+    cfg = block_run_config(tmp_path, tiny_target, architecture=family)
+    cfg.vocab.draft_vocab_size = 200
+    hf, aux = target_and_aux(cfg)
+    embed, head = embedding_and_head(str(tiny_target))
+    torch.manual_seed(0)
+    d2t, t2d = build_d2t_t2d(torch.arange(200), hf.vocab_size)
+    drafter = FAMILIES[family].training.build(cfg, hf, d2t, t2d, embed, head, aux).drafter
+    FAMILIES[family].training.save_checkpoint(drafter.config, drafter.state_dict(), tmp_path / "untrained")
+    cfg.evaluate.prompts, cfg.evaluate.checkpoint = str(prompts), str(tmp_path / "untrained")
+    cfg.evaluate.num_samples, cfg.evaluate.num_speculative_tokens, cfg.evaluate.temperatures = 5, [2], [0.0]
+    cfg.evaluate.max_new_tokens = cfg.export.num_speculative_tokens = 2
+    with RunDir(cfg.run_dir).lock:
+        evaluated = run_stage(cfg, "evaluate", skip_preflight=True)
+        assert len(evaluated["warnings"]) == 2, evaluated["warnings"]
+        run_stage(cfg, "export", skip_preflight=True)
+        card = (cfg.run_path / "export" / "README.md").read_text()
+        verify = cfg.run_path / "verify"
+        verify.mkdir()
+        served = {"verdict": "pass", "runs": [{"form": FAMILIES[family].engine.forms[0], "k": 2, "passed": True,
+                  "tau": {"served": 1.25, "offline": 1.25}, "largest_position_difference": 0.0,
+                  "greedy": {"identical": 3, "prompts": 3}}]}  # fmt: skip
+        (verify / "report.json").write_text(json.dumps(served))  # what verify wrote, as far as the card reads it
+        shutil.rmtree(cfg.run_path / "export")  # a done export is skipped: written again, now after verify
+        run_stage(cfg, "export", skip_preflight=True)
+        again = (cfg.run_path / "export" / "README.md").read_text()
+    form = FAMILIES[family].engine.forms[0]
+    assert card.startswith("# ") and "drafter\n" in card.splitlines()[0] + "\n"
+    assert "## Warnings: read before serving" in card and "evaluate: decoded 3 prompts" in card
+    assert "| method | K | τ T=0 | speedup T=0 |" in card and "| eagle | 2 |" in card
+    assert f"- `{form}/`: " in card and "## Serve" in card
+    assert "## Served" not in card  # verify had not run
+    assert "## Served (eaglekit verify)" in again and f"| {form} | 2 | 1.250 | 1.250 |" in again
 
 
 # ------------------------------------------------------------------------------------ trained on the tiny target
@@ -309,7 +362,9 @@ def test_preflight_refuses_a_block_drafter_on_an_mla_target(tmp_path, family):
         num_attention_heads=4, num_key_value_heads=4, q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32,
         qk_rope_head_dim=16, v_head_dim=32, max_position_embeddings=1024,
     ).save_pretrained(mla)  # fmt: skip
-    check = family_named(family).shape_check(block_run_config(tmp_path, mla, architecture=family, mask_token_id=0))
+    check = family_named(family).diagnosis.shape_check(
+        block_run_config(tmp_path, mla, architecture=family, mask_token_id=0)
+    )
     assert check.level == "fail", check
     assert "multi-head latent attention" in check.detail and "z-lab/dflash#62" in check.detail
     assert "architecture: mla" in check.remedy
@@ -365,14 +420,14 @@ def test_run_trains_evaluates_and_exports_the_drafter(family_run):
     assert summary["tau"] > 1.8  # the loop's held-out block τ: the drafter learned to draft
     assert len(summary["acc_k"]) == slots  # every drafting slot of the block is measured
     report = json.loads((run_dir / "evaluate" / "report.json").read_text())
-    assert report["lossless"] and report["checkpoint_form"] == FAMILIES[family].forms[0]
+    assert report["lossless"] and report["checkpoint_form"] == FAMILIES[family].engine.forms[0]
     taus = {(r["method"], r["k"]): r["tau"] for r in report["results"] if r["temperature"] == 0}
     assert taus["eagle", slots] > taus["eagle", 1] > taus["ngram", 1]  # "eagle": the run's drafter, whatever family
-    form = FAMILIES[family].forms[0]
+    form = FAMILIES[family].engine.forms[0]
     exported = json.loads((run_dir / "export" / form / "config.json").read_text())
     assert exported["architectures"] == [VLLM_ARCHITECTURE[family]]
     assert {key: exported[key] for key in VLLM_OWN_KEYS[family]} == VLLM_OWN_KEYS[family]
-    assert f'"method": "{FAMILIES[family].vllm_method(form)}"' in (run_dir / "export" / "README.md").read_text()
+    assert f'"method": "{FAMILIES[family].engine.vllm_method(form)}"' in (run_dir / "export" / "README.md").read_text()
 
 
 @pytest.mark.slow
@@ -381,7 +436,7 @@ def test_an_exported_drafter_is_reimported_for_finetuning(family_run, tiny_targe
     EAGLE-3 has): evaluate measures the re-imported starting drafter beside the finetuned one."""
     family, root, first = family_run
     slots = draft_slots(family)
-    form = FAMILIES[family].forms[0]
+    form = FAMILIES[family].engine.forms[0]
     cfg = run_config(root / "finetune", tiny_target, family, max_steps=12, init_from=str(first / "export" / form))
     cfg["train"]["packing"] = True
     cfg["train"].pop("draft")  # init_from keeps the exported drafter's own shape
@@ -411,7 +466,7 @@ def test_verify_serves_the_dflash_drafter_at_its_offline_acceptance(family_run, 
     verify = json.loads((run_dir / "verify" / "report.json").read_text())
     assert verify["verdict"] == "PASS", verify
     (served,) = verify["runs"]
-    assert served["form"] == FAMILIES[family].forms[0] and served["k"] == draft_slots(family)
+    assert served["form"] == FAMILIES[family].engine.forms[0] and served["k"] == draft_slots(family)
     assert served["tau"]["served"] == served["tau"]["offline"]
     assert served["rounds"]["compared"] == served["rounds"]["identical"] > 0  # every verify pass, when reported
     assert f'"method": "{family}"' in served["launch"]

@@ -41,8 +41,8 @@ def load_checked_drafter(cfg: RunConfig):
     refuse_damaged_drafter(path)  # checkpoint integrity: its files are the bytes written
     hf, aux = target_and_aux(cfg)
     family = family_of_folder(path) or family_named(None)  # none of theirs: the default's loader says why
-    drafter, info = family.load_checkpoint(cfg, path, aux)
-    problems = family.fit_problems(drafter, hf, aux)
+    drafter, info = family.reading.load_checkpoint(cfg, path, aux)
+    problems = family.reading.fit_problems(drafter, hf, aux)
     if problems:
         raise EaglekitError(
             f"drafter {path} does not fit the target {cfg.target.model}: " + "; ".join(problems),
@@ -82,8 +82,8 @@ def load_starting_drafter(cfg: RunConfig, hf, aux):
             "restore that drafter folder, or remove train.init_from",
         )
     family = family_of_folder(path) or family_named(None)
-    drafter, info = family.load_checkpoint(cfg, Path(path), aux)
-    problems = family.fit_problems(drafter, hf, aux)
+    drafter, info = family.reading.load_checkpoint(cfg, Path(path), aux)
+    problems = family.reading.fit_problems(drafter, hf, aux)
     if problems:
         raise EaglekitError(
             f"train.init_from {path} does not fit the target: " + "; ".join(problems),
@@ -161,4 +161,4 @@ def drafter_family(cfg: RunConfig) -> DrafterFamily:
 
 def written_forms(cfg: RunConfig) -> list[str]:
     """The forms export writes with this config (verify serves these by default)."""
-    return drafter_family(cfg).written_forms(list(dict.fromkeys(cfg.export.formats)))
+    return drafter_family(cfg).engine.written_forms(list(dict.fromkeys(cfg.export.formats)))

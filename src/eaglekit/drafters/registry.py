@@ -41,7 +41,7 @@ def family_of_folder(folder: str | Path | None) -> DrafterFamily | None:
     """The family whose checkpoint a drafter folder holds, or None (no folder, or none of theirs)."""
     if folder is None:
         return None
-    return next((family for family in FAMILIES.values() if family.reads_folder(Path(folder))), None)
+    return next((family for family in FAMILIES.values() if family.reading.reads_folder(Path(folder))), None)
 
 
 def family_of_run(cfg: RunConfig) -> DrafterFamily:
@@ -52,12 +52,12 @@ def family_of_run(cfg: RunConfig) -> DrafterFamily:
 def fresh_drafter_config(cfg: RunConfig) -> Any:
     """The drafter config a fresh training run builds: shaped after the target, ``train.draft`` overriding."""
     hf, aux = target_and_aux(cfg)
-    return family_named(cfg.train.draft.architecture).drafter_config(cfg, hf, aux)
+    return family_named(cfg.train.draft.architecture).sizing.drafter_config(cfg, hf, aux)
 
 
 def parameter_counts(cfg: RunConfig) -> tuple[int, int]:
     """(all parameters, trainable ones) of the drafter a fresh training run builds."""
-    return family_named(cfg.train.draft.architecture).parameter_counts(fresh_drafter_config(cfg))
+    return family_named(cfg.train.draft.architecture).sizing.parameter_counts(fresh_drafter_config(cfg))
 
 
 def family_of_drafter(drafter: Any) -> DrafterFamily:
@@ -67,10 +67,10 @@ def family_of_drafter(drafter: Any) -> DrafterFamily:
 
 def proposer_for(drafter: Any, aux: list[int] | None = None) -> Any:
     """The ``speculative.decode.Proposer`` that drafts with a loaded drafter."""
-    return family_of_drafter(drafter).proposer(drafter, aux)
+    return family_of_drafter(drafter).reading.proposer(drafter, aux)
 
 
 def vllm_method(form: str) -> str:
     """vLLM's --speculative-config method for an exported form."""
-    family = next((f for f in FAMILIES.values() if form in f.forms), EAGLE3_LLAMA)
-    return family.vllm_method(form)
+    family = next((f for f in FAMILIES.values() if form in f.engine.forms), EAGLE3_LLAMA)
+    return family.engine.vllm_method(form)

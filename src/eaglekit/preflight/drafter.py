@@ -21,7 +21,7 @@ def drafter_checkpoint(ctx: StageContext):
     except EaglekitError as err:
         return fail("drafter checkpoint", err.message, err.remedy or "check the drafter folder")
     c = drafter.config
-    vocab = family_of_drafter(drafter).vocab_line(c)
+    vocab = family_of_drafter(drafter).sizing.vocab_line(c)
     return ok(
         "drafter checkpoint",
         f"{info.path} ({info.form} form): hidden {c.hidden_size}, draft vocab {vocab}, aux layers {aux}; fits the target",

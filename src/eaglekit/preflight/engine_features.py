@@ -33,15 +33,15 @@ def exported_features_read(ctx: StageContext) -> CheckResult:
     path = checkpoint_path(ctx.cfg)
     family = family_of_folder(path)
     try:
-        drafter = family.read_config(path) if family else None
+        drafter = family.reading.read_config(path) if family else None
     except EaglekitError:
         drafter = None
     if drafter is None:
         return skip(NAME, "the drafter checkpoint cannot be read (the drafter check says why)")
     requested = list(dict.fromkeys(ctx.options.get("formats") or ctx.cfg.export.formats))
     family = drafter_family(ctx.cfg)
-    formats = family.written_forms(requested)  # what export writes: an MLA drafter, eagle3 alone
-    planned = family.planned_configs(drafter, formats, ctx.cfg.export.num_speculative_tokens)
+    formats = family.engine.written_forms(requested)  # what export writes: an MLA drafter, eagle3 alone
+    planned = family.engine.planned_configs(drafter, formats, ctx.cfg.export.num_speculative_tokens)
     engine = features.engine_for(None, ctx.cfg.verify.python)
     return _result(lambda: features.export_check(ctx.cfg, planned), engine)
 

@@ -181,7 +181,7 @@ def init_from_compatible(ctx: StageContext):
             "point it at a drafter folder (legacy or speculators form), or a hub id org/name",
         )
     family = family_of_folder(folder) or family_named(None)  # none of theirs: the default's loader says why
-    return as_check("init_from", family.finetune_check(ctx.cfg, folder, path))
+    return as_check("init_from", family.diagnosis.finetune_check(ctx.cfg, folder, path))
 
 
 def drafter_shape(ctx: StageContext):
@@ -201,7 +201,7 @@ def drafter_shape(ctx: StageContext):
                 "remove train.draft, or train a new drafter",
             )
         return skip("drafter", "finetuning train.init_from (its own shape)")
-    return as_check("drafter", family_named(cfg.train.draft.architecture).shape_check(cfg))
+    return as_check("drafter", family_named(cfg.train.draft.architecture).diagnosis.shape_check(cfg))
 
 
 def checks(cfg: RunConfig) -> list:
@@ -256,7 +256,7 @@ def step_memory_both(cfg: RunConfig, context_parallel: int | None = None) -> tup
     if cfg.train.init_from:
         return None
     ranks = cfg.train.context_parallel if context_parallel is None else context_parallel
-    return family_named(cfg.train.draft.architecture).step_memory(cfg, row_tokens(cfg), ranks)
+    return family_named(cfg.train.draft.architecture).sizing.step_memory(cfg, row_tokens(cfg), ranks)
 
 
 def memory_line(m: StepMemory, tokens: int) -> str:
@@ -472,7 +472,7 @@ def run(ctx: StageContext) -> dict:
         console.print(f"train: sliding window {choice.shown} ({choice.why})")
         ctx.ledger_extra["sliding_window"] = {"window": choice.window, "why": choice.why}
     check = feature_servers.stream_capture_check(ctx.cfg) if ctx.cfg.extract.streamed else None
-    counts = train(ctx.cfg, family_of_run(ctx.cfg), ctx.run, ctx.dir, ctx.resuming, capture_check=check)
+    counts = train(ctx.cfg, family_of_run(ctx.cfg).training, ctx.run, ctx.dir, ctx.resuming, capture_check=check)
     tc = ctx.cfg.train
     if counts["steps"] < tc.warmup_steps:
         ctx.warn(

@@ -21,7 +21,7 @@ Two ways to reach an engine (``verify`` runs only when one is set):
   the server's. SGLang must draft a chain (``--speculative-eagle-topk 1``).
 
 The two are implementations of ``ServedEngine`` (``EaglekitVllm``, ``UserServer``), chosen once by
-``served_engine``; the diagnosis is the served folder's family's (``DrafterFamily.diagnose``: one function per cause,
+``served_engine``; the diagnosis is the served folder's family's (``DrafterFamily.diagnosis``: one function per cause,
 ``drafters/eagle3_diagnosis.py``, ``drafters/block_diagnosis.py``); the report is rendered by
 ``eaglekit.data.verify_report``.
 
@@ -173,7 +173,7 @@ def engine_serves_forms(ctx: StageContext):
 
     vc = ctx.cfg.verify
     family = drafter_family(ctx.cfg)  # the trained checkpoint's
-    if vc.engine != "vllm" or family.vllm_cpu_refusal is None:
+    if vc.engine != "vllm" or family.engine.vllm_cpu_refusal is None:
         return ok("engine serves the forms", "nothing this engine is known to refuse")
     try:
         python = find_vllm_python(vc.python)
@@ -183,7 +183,7 @@ def engine_serves_forms(ctx: StageContext):
         folders = ", ".join(str(ctx.cfg.run_path / "export" / form) for form in forms(ctx.cfg))
         return fail(
             "engine serves the forms",
-            f"{family.vllm_cpu_refusal}; the exported drafter is {folders}",
+            f"{family.engine.vllm_cpu_refusal}; the exported drafter is {folders}",
             "verify it on a GPU machine (verify.python: a CUDA build of vLLM >= 0.32, which runs the V2 model "
             "runner), or drop the verify section on this machine; evaluate's figures are eaglekit's offline decoding",
         )
@@ -686,14 +686,16 @@ def compare_suite(run: ServedRun, offline: Offline, group: tuple[str, str], tole
 
 
 def diagnose(cfg: RunConfig, folder: Path, engine: str, aux: list[int], runs: list[dict] | None = None) -> list[dict]:
-    """The causes of the served folder's family (``DrafterFamily.diagnose``), most frequent first, each checked
+    """The causes of the served folder's family (``DrafterFamily.diagnosis``), most frequent first, each checked
     against what ``engine`` reads from ``folder``; ``runs`` are the compared runs that served it."""
     from eaglekit.drafters.checked import drafter_family  # lazy: heavy (torch)
     from eaglekit.drafters.diagnosis import ServedDrafter  # lazy: heavy (torch)
     from eaglekit.drafters.registry import family_of_folder  # lazy: heavy (torch)
 
     family = family_of_folder(folder) or drafter_family(cfg)
-    return family.diagnose(ServedDrafter(cfg, folder, engine, list(aux), checkpoint_path(cfg), list(runs or [])))
+    return family.diagnosis.diagnose(
+        ServedDrafter(cfg, folder, engine, list(aux), checkpoint_path(cfg), list(runs or []))
+    )
 
 
 def settings_cause(runs: list[dict]) -> dict:

@@ -26,7 +26,7 @@ from eaglekit.drafters.dflash.model import DFlashConfig, DFlashDrafter
 from eaglekit.drafters.dflash.objective import DEFAULT_ANCHORS, BlockObjective
 from eaglekit.drafters.dflash.proposer import BlockProposer
 from eaglekit.drafters.diagnosis import ServedDrafter
-from eaglekit.drafters.family import LoadChecked, Verdict, verifier_id
+from eaglekit.drafters.family import LoadChecked, Verdict, Written, one_object, verifier_id
 from eaglekit.errors import EaglekitError, UsageError
 from eaglekit.model.checkpoint_files import CheckpointInfo
 from eaglekit.model.run_shapes import target_and_aux
@@ -241,8 +241,8 @@ class DFlashFamily:
             return []
         return [f"on vLLM's CPU build: {problem} (train with train.draft.shared_k_norm: true to serve it there)"]
 
-    def export(self, ctx: StageContext, load: LoadChecked) -> dict:
-        """The drafter in the form vLLM 0.32 serves, re-read and compared."""
+    def write(self, ctx: StageContext, load: LoadChecked, requested: list[str]) -> Written:
+        """The drafter in the form vLLM 0.32 serves, re-read and compared (one form, whatever is requested)."""
         cfg = ctx.cfg
         drafter, info, _, _ = load(cfg)
         form = self.forms[0]
@@ -257,11 +257,8 @@ class DFlashFamily:
                 raise EaglekitError(f"export: {dest} does not read back as the drafter written", "report this bug")
             tokenizer = load_tokenizer(cfg.target.model, cfg.target.chat_template, cfg.target.trust_remote_code)
             tokenizer.save_pretrained(tmp)
+        console.print(f"export: {form} form written to {dest} (keys, shapes and weights checked)")
         k = cfg.export.num_speculative_tokens
-        method = self.vllm_method(form)
-        commands = [
-            (f"vLLM (method {method})", dflash_checkpoint.serve_command(verifier_id(cfg), dest, k, method=method))
-        ]
         warnings = []
         trained = drafter.config.block_size - drafter.first_drafting_slot
         if k > trained:
@@ -269,21 +266,17 @@ class DFlashFamily:
                 f"export.num_speculative_tokens {k} exceeds the {trained} draft slots the drafter was trained with"
             )
         warnings += self.export_warnings(drafter)
-        atomic.write_text(
-            ctx.dir / "README.md",
-            f"# {self.title} drafter\n\n"
-            f"From {info.path}; {drafter.config.num_hidden_layers} layers, block "
-            f"{drafter.config.block_size}, aux layers {drafter.config.aux_layer_ids}.\n\n"
-            + "".join(f"{what}:\n\n    {command}\n\n" for what, command in commands)
-            + "".join(f"- warning: {w}\n" for w in warnings),
+        c = drafter.config
+        return Written(
+            drafter,
+            info,
+            {form: dest},
+            [(f"vLLM (method {form})", dflash_checkpoint.serve_command(verifier_id(cfg), dest, k, method=form))],
+            warnings,
+            title=f"{self.title} drafter",
+            drafter_line=f"{c.num_hidden_layers} layers, block {c.block_size}, aux layers {c.aux_layer_ids}",
+            holds={form: f"the form vLLM 0.32 serves (`--speculative-config` method `{self.vllm_method(form)}`)"},
         )
-        console.print(f"export: {form} form written to {dest} (keys, shapes and weights checked)")
-        for what, command in commands:
-            console.print(f"[bold]{what}[/]:")
-            console.print(command, markup=False, soft_wrap=True)
-        for w in warnings:
-            console.print(f"[yellow]export: {w}[/]")
-        return {"formats": [form], form: str(dest), "warnings": len(warnings)}
 
     # ---- verify
     def read_config(self, folder: Path) -> DFlashConfig:
@@ -309,4 +302,4 @@ def mla_target_problem(hf_config: Any) -> str | None:
     )
 
 
-DFLASH = DFlashFamily()
+DFLASH = one_object(DFlashFamily())

@@ -24,6 +24,7 @@ from eaglekit.drafters.dflash2 import checkpoint as dflash2_checkpoint
 from eaglekit.drafters.dflash2 import model as dflash2
 from eaglekit.drafters.dflash2.model import DFlash2Config, DFlash2Drafter
 from eaglekit.drafters.dflash2.proposer import DFlash2Proposer
+from eaglekit.drafters.family import one_object
 from eaglekit.model.run_shapes import target_and_aux
 from eaglekit.model.target import text_config
 from eaglekit.training.context_parallel import ContextGroup
@@ -104,4 +105,4 @@ class DFlash2Family(DFlashFamily):
         return [dflash2_checkpoint.NOT_ON_CPU, dflash2_checkpoint.FALLBACK]
 
 
-DFLASH2 = DFlash2Family()
+DFLASH2 = one_object(DFlash2Family())

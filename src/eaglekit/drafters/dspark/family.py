@@ -15,6 +15,7 @@ from eaglekit.drafters.dspark import checkpoint as dspark_checkpoint
 from eaglekit.drafters.dspark import model as dspark
 from eaglekit.drafters.dspark.model import DSparkConfig, DSparkDrafter
 from eaglekit.drafters.dspark.proposer import DSparkProposer
+from eaglekit.drafters.family import one_object
 from eaglekit.model.target import text_config
 
 # vLLM 0.32 serves DSpark only in its V2 model runner; the V1 runner refuses it at config time with
@@ -74,4 +75,4 @@ class DSparkFamily(DFlashFamily):
         return [NOT_ON_CPU]  # a warning only: a GPU build serves it
 
 
-DSPARK = DSparkFamily()
+DSPARK = one_object(DSparkFamily())

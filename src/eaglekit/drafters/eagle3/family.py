@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import shlex
-from collections.abc import Sequence
 from math import prod
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,6 @@ from eaglekit import atomic
 from eaglekit.config import Eagle3Draft, RunConfig, TrainConfig
 from eaglekit.contract import StageContext
 from eaglekit.data.chat import load_tokenizer
-from eaglekit.data.eval_report import report_markdown
 from eaglekit.drafters.diagnosis import ServedDrafter
 from eaglekit.drafters.eagle3 import checkpoint as eagle3_checkpoint
 from eaglekit.drafters.eagle3 import diagnosis as eagle3_diagnosis
@@ -32,7 +30,7 @@ from eaglekit.drafters.eagle3.memory import step_memory
 from eaglekit.drafters.eagle3.model import FLAGS, DrafterConfig, Eagle3Drafter
 from eaglekit.drafters.eagle3.objective import TTT
 from eaglekit.drafters.eagle3.proposer import EagleProposer
-from eaglekit.drafters.family import LoadChecked, Verdict, verifier_id
+from eaglekit.drafters.family import LoadChecked, Verdict, Written, verifier_id
 from eaglekit.errors import EaglekitError
 from eaglekit.model.checkpoint_files import CheckpointInfo
 from eaglekit.model.run_shapes import target_and_aux
@@ -262,8 +260,8 @@ class Eagle3Family:
 
     title: str
 
-    def export(self, ctx: StageContext, load: LoadChecked) -> dict:
-        return export_eagle3(self, ctx, load)
+    def write(self, ctx: StageContext, load: LoadChecked, requested: list[str]) -> Written:
+        return write_eagle3(self, ctx, load, requested)
 
     # ---- verify
     def read_config(self, folder: Path) -> DrafterConfig:
@@ -396,11 +394,10 @@ def serve_commands(cfg: RunConfig, dirs: dict[str, Path], sglang: bool = True) -
     return out
 
 
-def export_eagle3(family: Eagle3Family, ctx: StageContext, load: LoadChecked) -> dict:
+def write_eagle3(family: Eagle3Family, ctx: StageContext, load: LoadChecked, requested: list[str]) -> Written:
     """The plain form and, where the family has it, the speculators form; each checked key by key and logit by
-    logit, with the serve commands and the model card."""
+    logit; the commands serving them."""
     cfg, xc = ctx.cfg, ctx.cfg.export
-    requested = list(dict.fromkeys(ctx.options.get("formats") or xc.formats))
     sglang_aux = sglang_aux_problem(cfg, requested)
     if sglang_aux and "speculators" in family.forms:  # the speculators form serves it on vLLM instead
         raise EaglekitError(f"export: {sglang_aux}", SGLANG_AUX_REMEDY)
@@ -431,22 +428,26 @@ def export_eagle3(family: Eagle3Family, ctx: StageContext, load: LoadChecked) ->
     drafter.eval()
     tokenizer = load_tokenizer(cfg.target.model, cfg.target.chat_template, cfg.target.trust_remote_code)
     dirs = write_forms(ctx, drafter, hf, tokenizer, formats, warnings)
-    commands = serve_commands(cfg, dirs, sglang=not (ignored or sglang_aux))
-    inherited = run_warnings(ctx)
-    if inherited:
-        ctx.warn(
-            f"exported a drafter from a run with {len(inherited)} warning{'s' * (len(inherited) > 1)} (written "
-            "anyway; export/README.md states them): " + " | ".join(inherited)
-        )
-    atomic.write_text(
-        ctx.dir / "README.md", model_card(family, ctx, drafter, info, list(dirs), commands, warnings, inherited)
+    c = drafter.config
+    return Written(
+        drafter,
+        info,
+        dirs,
+        serve_commands(cfg, dirs, sglang=not (ignored or sglang_aux)),
+        warnings,
+        title="EAGLE-3 drafter",
+        drafter_line=(
+            f"one decoder layer ({describe_layer(family, c)}), hidden {c.hidden_size}, draft vocab "
+            f"{c.draft_vocab_size} of {c.vocab_size}, aux hidden states "
+            f"{c.aux_layer_ids or 'default [2, N//2, N-3]'} (HF hidden_states indices), max_position_embeddings "
+            f"{c.max_position_embeddings}, rope_theta {c.rope_theta:g}"
+            + (f", rope_scaling {c.rope_scaling}" if c.rope_scaling else "")
+        ),
+        holds={
+            "eagle3": family.card_form,
+            "speculators": "speculators config (`speculators_model_type: eagle3`), `layers.0.` keys",
+        },
     )
-    for what, command in commands:
-        console.print(f"[bold]{what}[/]:")
-        console.print(command, markup=False, soft_wrap=True)
-    for w in warnings:
-        console.print(f"[yellow]export: {w}[/]")
-    return {"formats": list(dirs), **{form: str(d) for form, d in dirs.items()}, "warnings": len(warnings)}
 
 
 def write_forms(ctx: StageContext, drafter, hf, tokenizer, formats: list[str], warnings: list[str]) -> dict[str, Path]:
@@ -476,115 +477,6 @@ def write_forms(ctx: StageContext, drafter, hf, tokenizer, formats: list[str], w
         dirs[form] = dest
         console.print(f"export: {form} form written to {dest} (keys, shapes and logits checked)")
     return dirs
-
-
-def run_warnings(ctx: StageContext) -> list[str]:
-    """The warnings the stages before export recorded in their last finished run ("stage: text")."""
-    events = ctx.run.last_events()
-    out = []
-    for stage in ctx.stages[: ctx.stages.index(ctx.stage)]:
-        end = (events.get(stage) or {}).get("end") or {}
-        if end.get("state") == "done":
-            out += [f"{stage}: {w}" for w in end.get("warnings") or []]
-    return out
-
-
-def model_card(
-    family: Eagle3Family,
-    ctx,
-    drafter,
-    info,
-    formats: list[str],
-    commands: list[tuple[str, str]],
-    warnings: list[str],
-    inherited: Sequence[str] = (),
-) -> str:
-    cfg, c = ctx.cfg, drafter.config
-    report_path = cfg.run_path / "evaluate" / "report.json"
-    report = json.loads(report_path.read_text()) if report_path.exists() else None
-    lines = card_header(family, cfg, c, info)
-    if inherited:
-        lines += [
-            "## Warnings: read before serving",
-            "",
-            "The run that made this drafter recorded these warnings; it was exported anyway:",
-            "",
-        ]
-        lines += [f"- {w}" for w in inherited] + [""]
-    lines += data_and_training(ctx)
-    lines += [
-        "## Acceptance (eaglekit evaluate, KV-cached draft → verify with the HF target)",
-        "",
-        "τ is what vLLM and SGLang should report at equal K (chain drafting, topk 1, up to numerics); the "
-        "speedups are those of eaglekit's Hugging Face loop on the evaluation machine, not a serving engine's.",
-        "",
-    ]
-    lines += [report_markdown(report, tables_only=True)] if report else ["No evaluation report found."]
-    lines += serve_section(family, cfg, formats, commands)
-    if warnings:
-        lines += ["", "Warnings:", ""] + [f"- {w}" for w in warnings]
-    return "\n".join(lines) + "\n"
-
-
-def card_header(family: Eagle3Family, cfg: RunConfig, c, info) -> list[str]:
-    """The model card's title: the target, the drafter's shape, the checkpoint it came from."""
-    hub = verifier_id(cfg)
-    return [
-        "# EAGLE-3 drafter",
-        "",
-        f"Target: `{cfg.target.model}`" + (f" (hub id `{hub}`)" if hub and hub != cfg.target.model else ""),
-        f"Drafter: one decoder layer ({describe_layer(family, c)}), hidden {c.hidden_size}, draft vocab {c.draft_vocab_size} "
-        f"of {c.vocab_size}, "
-        f"aux hidden states {c.aux_layer_ids or 'default [2, N//2, N-3]'} (HF hidden_states indices), "
-        f"max_position_embeddings {c.max_position_embeddings}, rope_theta {c.rope_theta:g}"
-        + (f", rope_scaling {c.rope_scaling}" if c.rope_scaling else "")
-        + ".",
-        f"Source checkpoint: `{info.path}`.",
-        "",
-    ]
-
-
-def data_and_training(ctx: StageContext) -> list[str]:
-    """What the ledger recorded of generate and prepare, and train's summary."""
-    cfg, events = ctx.cfg, ctx.run.last_events()
-
-    def stage_counts(stage: str) -> str:
-        counts = (events.get(stage, {}).get("end") or {}).get("counts") or {}
-        return ", ".join(f"{k} {v}" for k, v in counts.items() if not isinstance(v, (dict, list))) or "not recorded"
-
-    summary_path = cfg.run_path / "train" / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-    trained = (f"{summary.get('steps')} steps, {summary.get('tokens')} tokens" if summary else "not recorded") + (
-        f", held-out simulated τ {summary['tau']:.3f}" if isinstance(summary.get("tau"), (int, float)) else ""
-    )
-    return [
-        "## Data and training",
-        "",
-        f"- generate: {stage_counts('generate')}",
-        f"- prepare: {stage_counts('prepare')}",
-        f"- train: {trained}",
-        "",
-    ]
-
-
-def serve_section(
-    family: Eagle3Family, cfg: RunConfig, formats: list[str], commands: list[tuple[str, str]]
-) -> list[str]:
-    """The commands that serve the written forms, and what each form's folder holds."""
-    lines = ["", "## Serve", ""]
-    for what, command in commands:
-        lines += [f"{what}:", "", "```bash", command, "```", ""]
-    if cfg.target.chat_template:
-        lines += [
-            "The run used a chat template override (target.chat_template): pass the same template to the "
-            "server (`--chat-template`), or the served prompts differ from the ones the drafter learned.",
-            "",
-        ]
-    described = {
-        "eagle3": family.card_form,
-        "speculators": "speculators config (`speculators_model_type: eagle3`), `layers.0.` keys",
-    }
-    return lines + [f"- `{f}/`: {described[f]}" for f in formats]
 
 
 def describe_layer(family: Eagle3Family, c) -> str:

@@ -8,7 +8,7 @@ from typing import Any
 from eaglekit.config import LlamaDraft, RunConfig
 from eaglekit.drafters.eagle3.family import Eagle3Family
 from eaglekit.drafters.eagle3.model import DrafterConfig
-from eaglekit.drafters.family import Verdict
+from eaglekit.drafters.family import Verdict, one_object
 from eaglekit.model.target import text_config
 
 
@@ -48,4 +48,4 @@ class Eagle3LlamaFamily(Eagle3Family):
         )
 
 
-EAGLE3_LLAMA = Eagle3LlamaFamily()
+EAGLE3_LLAMA = one_object(Eagle3LlamaFamily())

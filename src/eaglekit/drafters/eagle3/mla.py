@@ -7,6 +7,7 @@ from eaglekit.config import MlaDraft
 from eaglekit.drafters.eagle3.family import Eagle3Family
 from eaglekit.drafters.eagle3.mla_layer import NO_MLA_SPECULATORS
 from eaglekit.drafters.eagle3.model import DrafterConfig
+from eaglekit.drafters.family import one_object
 
 
 class Eagle3MlaFamily(Eagle3Family):
@@ -31,4 +32,4 @@ class Eagle3MlaFamily(Eagle3Family):
         )
 
 
-EAGLE3_MLA = Eagle3MlaFamily()
+EAGLE3_MLA = one_object(Eagle3MlaFamily())
