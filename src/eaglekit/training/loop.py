@@ -91,8 +91,46 @@ def train(
     """Train ``family``'s drafter into ``out_dir`` (the train stage's folder); ``resuming``: continue its latest
     checkpoint. Returns the counts the ledger and `eaglekit status` show. ``capture_check``: the capture self-check a
     streamed run makes on its first requests (``training/stream.open_stream``)."""
-    tc = cfg.train
     dist.init()
+    t = set_up(cfg, family, run, out_dir, resuming, capture_check)
+    last_eval = t.held_out(0, t.metrics, t.ckpts, t.progress) if t.progress.step == 0 else None
+    last_eval, seconds = run_steps(t, last_eval)
+    return finish(t, out_dir, last_eval, seconds)
+
+
+@dataclass
+class TrainingRun:
+    """Everything one training run holds: its drafter and objective (``model``: the objective wrapped for data
+    parallelism), the optimizer and schedule, the data, the feature source, the checkpoints, the log."""
+
+    cfg: RunConfig
+    drafter: nn.Module
+    model: nn.Module
+    named_params: list[tuple[str, nn.Parameter]]
+    optim: Any
+    sched: Any
+    batches: RunBatches
+    store: TokenStore
+    features: Features
+    stream: FeatureStream | None
+    inputs_of: StepInputs
+    autocast: Callable[[], contextlib.AbstractContextManager]
+    positions: int  # figures the objective reports per draft position
+    fsdp: bool
+    ckpts: Checkpoints
+    held_out: HeldOut
+    metrics: Metrics
+    progress: Progress
+    total_steps: int
+    n_trainable: int  # parameters the optimizer steps
+    notes: dict  # where the drafter's vocabulary and head came from, the step's kernels: for the ledger
+
+
+def set_up(cfg: RunConfig, family: Training, run: RunDir, out_dir: Path, resuming: bool,
+           capture_check: Callable | None) -> TrainingRun:  # fmt: skip
+    """The drafter, its objective, the optimizer, the data and the feature source, and the step a resumed run
+    continues from (its weights, optimizer, schedule, RNG and log restored)."""
+    tc = cfg.train
     device, world = dist.device(), dist.world_size()
     context = dist.context_group(tc.context_parallel)  # the ranks that split each row with this one (or None)
     groups, group = dist.data_parallel(context)
@@ -110,7 +148,6 @@ def train(
     inputs_of = StepInputs(features, context, objective.halo, objective.reads)
     model = wrap(objective.module, tc.distributed, device)
     named_params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    params = [p for _, p in named_params]
     optim = build_optimizer(tc, named_params)
     batches = RunBatches(
         cfg, store, features.blocks(store, store.lengths.tolist(), cfg.extract.shard_tokens), features.store,
@@ -137,12 +174,21 @@ def train(
         metrics.path.unlink(missing_ok=True)
     n_trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
     say(run_line(cfg, batches, n_trainable, total_steps, world))
+    return TrainingRun(
+        cfg, drafter, model, named_params, optim, sched, batches, store, features, stream, inputs_of, autocast,
+        positions, fsdp, ckpts, held_out, metrics, progress, total_steps, n_trainable, notes,
+    )  # fmt: skip
 
-    last_eval = held_out(0, metrics, ckpts, progress) if progress.step == 0 else None
-    window = Window(positions, progress.window)
+
+def run_steps(t: TrainingRun, last_eval: dict | None) -> tuple[dict | None, float]:
+    """The optimizer steps from where the run stands to its end (or to an early stop, or a Ctrl-C), with logging,
+    held-out evaluation and checkpoints. Returns the last evaluation and the run's seconds."""
+    tc, progress = t.cfg.train, t.progress
+    window = Window(t.positions, progress.window)
     watch = TauWatch(tc.early_stop_patience)  # starts afresh on resume: it needs patience evaluations again
     t0, local_tokens = time.monotonic(), 0
-    model.train()
+    params = [p for _, p in t.named_params]
+    t.model.train()
     # Ctrl-C / SIGTERM finish the step in progress and write a checkpoint before stopping (a second one stops at once)
     stop = StopRequest(
         lambda name: say(
@@ -153,70 +199,82 @@ def train(
     meter_name = "train" if dist.is_main() else f"train (rank {dist.rank()})"
     with (
         stop,
-        contextlib.closing(stream or Loader(batches.micro_batch, store, features.store)) as loader,
-        Meter(meter_name, total=total_steps, unit="step", initial=progress.step) as meter,
+        contextlib.closing(t.stream or Loader(t.batches.micro_batch, t.store, t.features.store)) as loader,
+        Meter(meter_name, total=t.total_steps, unit="step", initial=progress.step) as meter,
     ):
-        for step in range(progress.step, total_steps):
-            lr = float(sched.get_last_lr()[0])
-            grad_norm, tokens, loss = optimizer_step(model, loader, inputs_of, window, step, tc, autocast, params)
-            refuse_non_finite_step(step + 1, loss, grad_norm, lr, ckpts)
-            optim.step()
-            refuse_non_finite_weights(step + 1, named_params, lr, ckpts)
-            sched.step()
-            optim.zero_grad(set_to_none=True)
+        for step in range(progress.step, t.total_steps):
+            lr = float(t.sched.get_last_lr()[0])
+            grad_norm, tokens, loss = optimizer_step(t.model, loader, t.inputs_of, window, step, tc, t.autocast, params)
+            refuse_non_finite_step(step + 1, loss, grad_norm, lr, t.ckpts)
+            t.optim.step()
+            refuse_non_finite_weights(step + 1, t.named_params, lr, t.ckpts)
+            t.sched.step()
+            t.optim.zero_grad(set_to_none=True)
             done, local_tokens = step + 1, local_tokens + tokens
             progress.step = done
 
-            if done % tc.log_every == 0 or done == total_steps:
-                r = window.reduced()
-                progress.tokens += r["tokens"]
-                elapsed = time.monotonic() - t0
-                metrics.write(
-                    train_row(r, done, batches, tc, lr, grad_norm, progress, progress.seconds_before + elapsed)
-                )
-                meter.fields.update(
-                    loss=round(r["loss"], 4), acc_0=round(r["acc_k"][0], 4),
-                    tok_s=round(local_tokens * world / max(elapsed, 1e-9)),
-                )  # fmt: skip
-                window = Window(positions)
+            if done % tc.log_every == 0 or done == t.total_steps:
+                window = log_window(t, window, done, lr, grad_norm, time.monotonic() - t0, local_tokens, meter)
             overfit = False
-            if done % tc.eval_every == 0 or done == total_steps:
-                last_eval = held_out(done, metrics, ckpts, progress)
+            if done % tc.eval_every == 0 or done == t.total_steps:
+                last_eval = t.held_out(done, t.metrics, t.ckpts, progress)
                 if last_eval:
                     meter.fields.update(held_out_tau=round(last_eval["tau"], 3))
                     warning, overfit = watch.update(last_eval["tau"], last_eval["loss"])
                     if warning:
                         say(f"[yellow]train: step {done}: {warning}[/]")
             stopping, timed = checkpoint_due(stop, last_save, tc.save_every_minutes)
-            if done % tc.save_every == 0 or done == total_steps or stopping or timed or overfit:
+            if done % tc.save_every == 0 or done == t.total_steps or stopping or timed or overfit:
                 progress.window = window.state()
                 seconds = progress.seconds_before + time.monotonic() - t0
-                save_checkpoint(ckpts, model, drafter, optim, sched, fsdp, progress, batches, tc, seconds)
+                save_checkpoint(t.ckpts, t.model, t.drafter, t.optim, t.sched, t.fsdp, progress, t.batches, tc, seconds)
                 last_save = time.monotonic()
             meter.update(1)
             if overfit:
-                total_steps = done  # the run ends here: summary and counts say so
+                t.total_steps = done  # the run ends here: summary and counts say so
                 break
             if stopping:
-                say(f"train: stopped after step {done} of {total_steps}; checkpoint step-{done} is written")
-                metrics.close()
+                say(f"train: stopped after step {done} of {t.total_steps}; checkpoint step-{done} is written")
+                t.metrics.close()
                 stop.stop()
-    metrics.close()
-    seconds = progress.seconds_before + time.monotonic() - t0
-    if stream is not None:
-        notes["stream"] = stream.report()
-        say(stream.summary())
+    t.metrics.close()
+    return last_eval, progress.seconds_before + time.monotonic() - t0
 
+
+def log_window(t: TrainingRun, window: Window, done: int, lr: float, grad_norm: float, elapsed: float,
+               local_tokens: int, meter: Meter) -> Window:  # fmt: skip
+    """The line of train/metrics.jsonl for the window that ends at step ``done``, and the meter's figures; the next
+    window."""
+    r = window.reduced()
+    t.progress.tokens += r["tokens"]
+    t.metrics.write(
+        train_row(r, done, t.batches, t.cfg.train, lr, grad_norm, t.progress, t.progress.seconds_before + elapsed)
+    )
+    meter.fields.update(
+        loss=round(r["loss"], 4), acc_0=round(r["acc_k"][0], 4),
+        tok_s=round(local_tokens * dist.world_size() / max(elapsed, 1e-9)),
+    )  # fmt: skip
+    return Window(t.positions)
+
+
+def finish(t: TrainingRun, out_dir: Path, last_eval: dict | None, seconds: float) -> dict[str, Any]:
+    """The final evaluation a resumed run already logged, best/ when nothing was held out, train/summary.json;
+    the counts for the ledger."""
+    notes = dict(t.notes)
+    if t.stream is not None:
+        notes["stream"] = t.stream.report()
+        say(t.stream.summary())
+    total_steps, held_out, metrics, progress = t.total_steps, t.held_out, t.metrics, t.progress
     if last_eval is None and held_out.batches:  # resumed after the final checkpoint: its eval is in the log
         logged = next((r for r in reversed(metrics.rows()) if r["kind"] == "eval" and r["step"] == total_steps), None)
-        last_eval = dist.broadcast(logged) or held_out(total_steps, metrics, ckpts, progress)
+        last_eval = dist.broadcast(logged) or held_out(total_steps, metrics, t.ckpts, progress)
     if not held_out.batches:
-        msd = model_state(model, drafter, fsdp)
+        msd = model_state(t.model, t.drafter, t.fsdp)
         if dist.is_main():
-            ckpts.save_best(total_steps, drafter.config, msd, {})
-    write_summary(out_dir, metrics, progress, total_steps, seconds, n_trainable, last_eval)
+            t.ckpts.save_best(total_steps, t.drafter.config, msd, {})
+    write_summary(out_dir, metrics, progress, total_steps, seconds, t.n_trainable, last_eval)
     dist.barrier()
-    counts = {"steps": total_steps, "train_samples": len(batches.train_idx), "tokens": progress.tokens,
+    counts = {"steps": total_steps, "train_samples": len(t.batches.train_idx), "tokens": progress.tokens,
               "seconds": round(seconds, 1), **notes}  # fmt: skip
     if last_eval:
         counts |= {"tau": round(last_eval["tau"], 3), "acc_k": [round(a, 3) for a in last_eval["acc_k"]]}
