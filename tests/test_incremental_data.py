@@ -285,3 +285,85 @@ def test_the_prompts_identity_is_kept_in_the_run_directory(project, monkeypatch)
     with open(prompts, "a") as f:
         f.write(prompt_line(12))
     assert prompt_data.prompts_identity(cfg)["prompts"] == 13
+
+
+# --- the stages after generate follow (a whole offline run, copied per test) ---------------------------------
+
+
+def go_on(copy, stages: tuple[str, ...], capsys, **server) -> tuple[dict, str, FakeVLLM]:  # noqa: F811
+    """Run ``stages`` of the copied run against a fresh fake server (the run's own is gone): rows and what they said."""
+    root = copy.root
+    with FakeVLLM(model=MODEL, tokenizer=str(root / "target"), **server) as fake:
+        data = yaml.safe_load((root / "config.yaml").read_text())
+        data["generate"]["servers"] = [fake.url]
+        (root / "config.yaml").write_text(yaml.safe_dump(data))
+        cfg = load_config(root / "config.yaml")
+        capsys.readouterr()
+        with RunDir(cfg.run_dir).lock:
+            rows = {stage: pipeline.run_stage(cfg, stage, skip_preflight=True) for stage in stages}
+    return rows, " ".join(capsys.readouterr().err.split()), fake
+
+
+def stored_samples(cfg) -> dict[str, tuple[list[int], list[int]]]:
+    from eaglekit.data.tokens import TokenStore
+
+    store = TokenStore(Path(cfg.run_dir) / "prepare" / "tokens.safetensors")
+    return {sid: (ids.tolist(), mask.tolist()) for sid, ids, mask in (store[i] for i in range(len(store)))}
+
+
+def test_prompts_appended_tokenize_only_the_new_samples_without_force(copy, capsys, monkeypatch):  # noqa: F811
+    from eaglekit.stages import prepare
+
+    cfg = copy()
+    before = stored_samples(cfg)
+    with open(copy.root / "prompts.jsonl", "a") as f:
+        f.write(prompt_line(90) + prompt_line(91))
+    tokenized: list[str] = []
+    real = prepare.tokenize_row
+    monkeypatch.setattr(
+        prepare, "tokenize_row", lambda cfg, tok, row, path: tokenized.append(row["id"]) or real(cfg, tok, row, path)
+    )
+    rows, out, fake = go_on(copy, ("generate", "prepare", "vocab"), capsys)
+    assert len(fake.requests) == 2 and sorted(tokenized) == ["p090", "p091"]
+    assert "prepare: the generated responses changed since it ran: 2 new to tokenize of 18; 16 kept" in out
+    assert "prepare: 2 new samples tokenized, 16 kept" in out
+    assert rows["prepare"]["counts"]["samples"] == 18 and not rows["vocab"].get("skipped")
+    assert "vocab: the prepared tokens changed since it ran: the vocabulary is counted again from them" in out
+    after = stored_samples(cfg)
+    assert {sid: after[sid] for sid in before} == before  # every finished sample as it was
+    # the features follow the tokens: extract's refusal names what changed (its shards are planned over all samples)
+    with pytest.raises(EaglekitError) as err, RunDir(cfg.run_dir).lock:
+        pipeline.run_stage(load_config(copy.root / "config.yaml"), "extract", skip_preflight=True)
+    assert "changed since: the prepared tokens (prepare/tokens.safetensors): sha256 " in str(err.value), err.value
+
+
+def test_prompts_removed_keep_their_samples_out_of_the_tokens(copy, capsys):  # noqa: F811
+    cfg = copy()
+    before = stored_samples(cfg)
+    prompts = copy.root / "prompts.jsonl"
+    lines = prompts.read_text().splitlines(keepends=True)
+    gone = json.loads(lines[2])["id"]
+    prompts.write_text("".join(lines[:2] + lines[3:]))
+    rows, out, fake = go_on(copy, ("generate", "prepare"), capsys)
+    assert not fake.requests
+    assert "prepare: 0 new samples tokenized, 15 kept" in out
+    after = stored_samples(cfg)
+    assert gone in before and gone not in after
+    assert after == {sid: v for sid, v in before.items() if sid != gone}
+
+
+def test_a_new_sample_that_changes_no_token_leaves_the_stages_after_prepare_done(copy, capsys):  # noqa: F811
+    """The stages after prepare are fingerprinted over the content of what they read, not over prepare's fingerprint:
+    a prompt added whose reply is dropped (cut at max_tokens) makes the same tokens, and nothing after prepare reruns."""
+    cfg = copy()
+    stages = pipeline.stages_for(cfg)
+    tokens = Path(cfg.run_dir) / "prepare" / "tokens.safetensors"
+    kept = tokens.read_bytes()
+    with open(copy.root / "prompts.jsonl", "a") as f:
+        f.write(prompt_line(90))
+    rows, out, fake = go_on(copy, tuple(stages), capsys, fault_all="length")
+    assert len(fake.requests) == 1 and tokens.read_bytes() == kept
+    assert "prepare: 1 new samples tokenized, 16 kept" in out
+    assert rows["prepare"]["counts"]["dropped"] == 1
+    assert [s for s in stages if rows[s].get("skipped")] == stages[2:]
+    assert [r["state"] for r in status.stage_rows(load_config(copy.root / "config.yaml"))] == ["done"] * len(stages)

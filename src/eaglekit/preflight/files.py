@@ -348,6 +348,30 @@ def output_identity(cfg: RunConfig, relative: str | Path) -> str | None:
     return (rundir.run_digests(cfg.run_path, [path], str(relative)).get(path) or "")[:SHORT_HASH] or None
 
 
+def made_with(ctx: StageContext) -> dict | None:
+    """The parameters the outputs in the stage's folder were made with (the ledger's start event of its marker's
+    fingerprint), as the ledger holds them; None when the ledger does not say."""
+    marker = ctx.run.read_marker(ctx.stage) or {}
+    made = [
+        s.get("params") for s, _ in ctx.run.attempts(ctx.stage) if s.get("fingerprint") == marker.get("fingerprint")
+    ]
+    return made[-1] if made and isinstance(made[-1], dict) else None
+
+
+def changed_only(ctx: StageContext, inputs: tuple[str, ...]) -> bool:
+    """The outputs in the stage's folder were made with today's parameters but for ``inputs`` (the data read from its
+    upstream, read_identities' names): the stage may go on from them (``Stage.continues``) rather than replace them."""
+    made = made_with(ctx)
+    if made is None:
+        return False
+    today = json.loads(json.dumps(ctx.stage_def.params(ctx.resolved), default=str))
+    return all(
+        rundir.content_identity(made.get(k)) == rundir.content_identity(today.get(k))
+        for k in set(made) | set(today)
+        if k not in inputs
+    )
+
+
 # How each input read_identities records is named in messages, by its key among a stage's parameters (generate's
 # local target is its `model`); the pipeline's "what changed" lines use them.
 INPUT_NAMES = (

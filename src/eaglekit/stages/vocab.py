@@ -144,6 +144,14 @@ def run(ctx: StageContext) -> dict:
     return {"draft_vocab_size": len(selected), "coverage": round(coverage, 4), "filled": fill}
 
 
+def continues(ctx: StageContext) -> str | None:
+    """Only the prepared tokens changed since the vocabulary in the folder was counted (prepare went on with more or
+    fewer samples): counting them again is cheap and replaces nothing finished that the new tokens leave valid."""
+    if not files.changed_only(ctx, ("tokens",)):
+        return None
+    return "the prepared tokens changed since it ran: the vocabulary is counted again from them"
+
+
 STAGE = Stage(
     name=NAME,
     upstream=UPSTREAM,
@@ -153,4 +161,5 @@ STAGE = Stage(
     checks=checks,
     run=run,
     estimate=estimate,
+    continues=continues,
 )
