@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 
 from eaglekit.contract import StageContext
+from eaglekit.data.chat import load_tokenizer  # transformers comes with the call
 from eaglekit.errors import EaglekitError
 from eaglekit.model.checkpoint_files import layer_window
 from eaglekit.preflight import CheckResult, fail, ok, skip, warn, will_be_produced
@@ -85,7 +86,6 @@ def served(ctx: StageContext) -> tuple[int, str] | None:
 
 def longest_prompt(ctx: StageContext, n: int) -> tuple[int, str, int]:
     """(the longest evaluation prompt verify sends, in tokens as eaglekit renders them; its id; how many prompts)."""
-    from eaglekit.data.chat import load_tokenizer  # lazy: heavy (transformers)
     from eaglekit.speculative.inputs import eval_prompts, prompt_ids  # lazy: heavy (torch)
 
     cfg = ctx.cfg

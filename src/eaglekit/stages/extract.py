@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 from eaglekit.config import RunConfig
 from eaglekit.contract import Estimate, Sizes, Stage, StageContext
 from eaglekit.data import shard_files as sh
+from eaglekit.data.tokens import TokenStore
 from eaglekit.errors import EaglekitError
 from eaglekit.preflight import disk, fail, files, gpus, ok, run_directory, skip
 from eaglekit.progress import Meter, console, human_bytes
@@ -77,8 +78,6 @@ def live_counts(stage_dir: Path) -> dict:
 
 
 def _plan(ctx: StageContext):
-    from eaglekit.data.tokens import TokenStore  # lazy: heavy (torch)
-
     store = TokenStore(ctx.run.stage_dir("prepare") / "tokens.safetensors")
     lengths = store.lengths.tolist()
     return store, lengths, sh.plan_shards(lengths, ctx.cfg.extract.shard_tokens)
@@ -465,7 +464,6 @@ def sample_failed(sample_id: str, err) -> EaglekitError:
 
 def vllm_serve_command(cfg: RunConfig) -> str:
     """The command that starts one feature server for this config (the same for every server)."""
-    from eaglekit.data.tokens import TokenStore  # lazy: heavy (torch)
     from eaglekit.serving.feature_transports import feature_serve_command  # lazy: heavy (torch)
     from eaglekit.serving.vllm_features import server_layer_ids  # lazy: heavy (torch)
 

@@ -25,6 +25,7 @@ from eaglekit.contract import Estimate, Sizes, Stage, StageContext, measured_tim
 from eaglekit.data.chat import load_tokenizer, render_sample, use_generated_tokens
 from eaglekit.data.reasoning import has_think_tags
 from eaglekit.data.responses import RESPONSES, read_responses
+from eaglekit.data.tokens import TokenStore, write_token_store
 from eaglekit.errors import EaglekitError
 from eaglekit.preflight import files, run_directory
 from eaglekit.progress import Meter, console
@@ -127,8 +128,6 @@ def continues(ctx: StageContext) -> str | None:
 
 
 def run(ctx: StageContext) -> dict:
-    from eaglekit.data.tokens import TokenStore, write_token_store  # lazy: heavy (torch)
-
     cfg = ctx.cfg
     responses_path = ctx.run.stage_dir("generate") / RESPONSES
     rows = list(read_responses(responses_path))
