@@ -9,8 +9,10 @@ The band. A pooled acceptance rate over R requests has the standard error s/√R
 varies between requests (``request_spread``: the requests are the independent units, since the drafts of one
 request share its prompt and accept together). s comes from verify's prompts where verify recorded it, else from
 its bound for drafts that accept all together, √(p(1−p)) per position (wider: no alarm on noise either way). The
-window and the reference are both samples: the band is reference ± z·s·√(1/R_ref + 1/R_window), R_window being
-the window's finished requests, or its drafts in requests' worth where requests are still running. A window whose
+window and the reference are both samples: the band is reference ± t·s·√(1/R_ref + 1/R_window), t Student's
+quantile for ``Z`` normal deviations on R_ref − 1 degrees of freedom (s measured on few prompts is itself uncertain;
+``Z`` where s is the bound), R_window the window's finished requests, or its drafts in requests' worth where none
+finished. A window whose
 τ falls below it raises the alarm, naming the positions below their own bands; a window above it is said, not
 alarmed.
 
@@ -209,8 +211,9 @@ def compare(window: Window, refs: dict[int, list[Reference]], served: dict, z: f
     model = served.get("model")
     at_k = sorted(at_k, key=lambda r: not (model and r.folder and same_folder(model, r.folder)))
     ref = at_k[0]  # the engine's own figures on the drafter it serves, where verify measured it
-    # the window's independent units: its finished requests, or its drafts in requests' worth while requests run
-    units = max(window.requests, c.drafts / ref.drafts_per_request if ref.drafts_per_request else 0.0, 1.0)
+    # the window's independent units: its finished requests (fewer than drafted in it when requests span windows: a
+    # wider band), or where none finished its drafts in requests' worth (not both: a weaker drafter drafts more often)
+    units = window.requests or max(c.drafts / ref.drafts_per_request if ref.drafts_per_request else 0.0, 1.0)
     scale = math.sqrt(1 / ref.requests + 1 / units)
     # a spread measured on few requests is itself uncertain: Student's t on its requests - 1 degrees of freedom
     width = critical(z, ref.requests - 1 if ref.spread else None) * scale
@@ -306,10 +309,11 @@ def line(record: dict) -> str:
     refs = ", ".join(f"{r['source']} {r['tau']:.2f}" for r in record["references"])
     expected = " ".join(f"{r:.2f}" for r in record["expected_acceptance"])
     text += f" | expected τ {low:.2f}–{high:.2f} ({refs}; acceptance {expected})"
+    noted = f"; note: {'; '.join(record['causes'])}" if record["causes"] else ""  # served otherwise than measured
     if record["status"] == "ok":
-        return f"{text} — ok"
+        return f"{text} — ok{noted}"
     if record["status"] == "high":
-        return f"{text} — above the band"
+        return f"{text} — above the band{noted}"
     fell = ", ".join(f"{p['position']} ({p['served']:.2f} vs {p['expected']:.2f})" for p in record["fell"])
     out = f"{text} — ALARM: served τ below the band" + (f"; positions fell: {fell}" if fell else "")
     return out + (f"; likely: {'; '.join(record['causes'])}" if record["causes"] else "")
