@@ -331,10 +331,34 @@ def test_prompts_appended_tokenize_only_the_new_samples_without_force(copy, caps
     assert "vocab: the prepared tokens changed since it ran: the vocabulary is counted again from them" in out
     after = stored_samples(cfg)
     assert {sid: after[sid] for sid in before} == before  # every finished sample as it was
-    # the features follow the tokens: extract's refusal names what changed (its shards are planned over all samples)
-    with pytest.raises(EaglekitError) as err, RunDir(cfg.run_dir).lock:
-        pipeline.run_stage(load_config(copy.root / "config.yaml"), "extract", skip_preflight=True)
-    assert "changed since: the prepared tokens (prepare/tokens.safetensors): sha256 " in str(err.value), err.value
+
+
+def test_prompts_appended_extract_only_the_new_samples_into_a_new_shard(copy, capsys):  # noqa: F811
+    cfg = copy()
+    extract = Path(cfg.run_dir) / "extract"
+    old = {p.name: (p.stat().st_ino, p.read_bytes()) for p in extract.glob("shard-*.safetensors")}
+    with open(copy.root / "prompts.jsonl", "a") as f:
+        f.write(prompt_line(90) + prompt_line(91))
+    rows, out, _ = go_on(copy, ("generate", "prepare", "vocab", "extract"), capsys)
+    assert "extract: the prepared tokens changed since it ran: 2 new samples to extract of 18; 16 reused" in out
+    assert "extract: 2 new samples, 16 reused" in out
+    assert rows["extract"]["counts"]["samples"] == 18 and rows["extract"]["counts"]["shards"] == len(old) + 1
+    for name, (inode, data) in old.items():  # the finished shards stay, untouched
+        assert (extract / name).stat().st_ino == inode and (extract / name).read_bytes() == data
+    index = json.loads((extract / "index.json").read_text())
+    assert sorted(i for s in index["shards"] for i in s["ids"]) == sorted(stored_samples(cfg))
+    assert set(index["shards"][-1]["ids"]) == {"p090", "p091"}
+
+    # the drafter is the expensive output: retrained only with --force, and the refusal names both ways
+    cfg = load_config(copy.root / "config.yaml")
+    check = next(r for r in pipeline.run_preflight(pipeline.make_context(cfg, "train")) if r.name == "trained drafter")
+    assert check.status == "fail" and "was trained with these settings on the prepared data before it" in check.detail
+    assert "retrain on the 18 prepared samples: `eaglekit run CONFIG --from train --force`" in check.remedy, (
+        check.remedy
+    )
+    assert f"finetune it on the grown data: set train.init_from: {Path(cfg.run_dir) / 'export'}/" in check.remedy
+    forced = pipeline.run_preflight(pipeline.make_context(cfg, "train", force=True))
+    assert next(r for r in forced if r.name == "trained drafter").status == "ok"
 
 
 def test_prompts_removed_keep_their_samples_out_of_the_tokens(copy, capsys):  # noqa: F811
@@ -367,3 +391,28 @@ def test_a_new_sample_that_changes_no_token_leaves_the_stages_after_prepare_done
     assert rows["prepare"]["counts"]["dropped"] == 1
     assert [s for s in stages if rows[s].get("skipped")] == stages[2:]
     assert [r["state"] for r in status.stage_rows(load_config(copy.root / "config.yaml"))] == ["done"] * len(stages)
+
+
+def test_a_removed_sample_leaves_the_feature_index_and_only_its_shard_is_extracted_again(copy, capsys):  # noqa: F811
+    cfg = copy()
+    data = yaml.safe_load((copy.root / "config.yaml").read_text())
+    data["extract"]["shard_tokens"] = 300  # a few shards
+    (copy.root / "config.yaml").write_text(yaml.safe_dump(data))
+    cfg = load_config(copy.root / "config.yaml")
+    with RunDir(cfg.run_dir).lock:
+        pipeline.run_stage(cfg, "extract", force=True, skip_preflight=True)
+    extract = Path(cfg.run_dir) / "extract"
+    shards = json.loads((extract / "index.json").read_text())["shards"]
+    assert len(shards) >= 3
+    gone = shards[1]["ids"][0]
+    prompts = copy.root / "prompts.jsonl"
+    prompts.write_text("".join(x for x in prompts.read_text().splitlines(keepends=True) if json.loads(x)["id"] != gone))
+    rows, out, _ = go_on(copy, ("generate", "prepare", "vocab", "extract"), capsys)
+    moved = len(shards[1]["ids"]) - 1
+    assert f"extract: {moved} new samples, {15 - moved} reused" in out
+    index = json.loads((extract / "index.json").read_text())
+    ids = [i for s in index["shards"] for i in s["ids"]]
+    assert sorted(ids) == sorted(stored_samples(cfg)) and gone not in ids and len(ids) == 15
+    kept = [s for s in shards if s["file"] != shards[1]["file"]]
+    assert [s for s in index["shards"] if s["file"] in {k["file"] for k in kept}] == kept  # the others, as they were
+    assert not (extract / shards[1]["file"]).exists()

@@ -19,17 +19,24 @@ Resumable shard by shard: the shard plan is a function of the token store and ``
 so a killed run redoes only the shards without a sidecar (a shard is committed — temp file, fsync,
 rename, then its sidecar with sha256 — or absent). Under torchrun, rank r extracts shards r, r+world,
 ...; rank 0 writes the index once all ranks are done.
+
+Grown data: when only the prepared tokens changed (samples added, removed or edited), the stage goes on from the
+shards it has (``continues``): a shard whose every sample has the same tokens as when it was written
+(``extract/samples.json``) is kept, the other samples go to new shards numbered after the old ones
+(``extract/continued.json`` holds that plan, so a killed run resumes it), and the index lists each sample once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import math
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from eaglekit import atomic
 from eaglekit.config import RunConfig
 from eaglekit.contract import Estimate, Sizes, Stage, StageContext
 from eaglekit.data import shard_files as sh
@@ -78,9 +85,106 @@ def live_counts(stage_dir: Path) -> dict:
 
 
 def _plan(ctx: StageContext):
-    store = TokenStore(ctx.run.stage_dir("prepare") / "tokens.safetensors")
+    """The token store, its lengths and the samples (store indices) of each shard by its number: the shard plan
+    over all samples, or the plan of an extract that goes on from another's shards (``CONTINUED``)."""
+    store = _token_store(ctx)
     lengths = store.lengths.tolist()
-    return store, lengths, sh.plan_shards(lengths, ctx.cfg.extract.shard_tokens)
+    continued = _read_json(ctx.dir / CONTINUED)
+    if continued and continued.get("fingerprint") == ctx.fingerprint:
+        return store, lengths, {int(n): samples for n, samples in continued["shards"].items()}
+    return store, lengths, dict(enumerate(sh.plan_shards(lengths, ctx.cfg.extract.shard_tokens)))
+
+
+def _token_store(ctx: StageContext):
+    return TokenStore(ctx.run.stage_dir("prepare") / "tokens.safetensors")
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return found if isinstance(found, dict) else None
+
+
+# ------------------------------------------------------------------------------------------- grown data
+
+SAMPLE_TOKENS = "samples.json"  # each sample's token hash when its shards were written, and for which fingerprint
+CONTINUED = "continued.json"  # the shard plan of an extract that goes on from another's shards
+
+
+def token_hashes(store) -> dict[str, str]:
+    """Each sample's token ids, hashed: a sample's features are a function of them (and of the target)."""
+    return {
+        sid: hashlib.sha256(ids.numpy().tobytes()).hexdigest()[:16]
+        for sid, ids, _ in (store[i] for i in range(len(store)))
+    }
+
+
+def reusable(ctx: StageContext, store) -> tuple[dict[int, list[int]], list[int]] | None:
+    """The shards in the folder whose every sample is still prepared with the same tokens (their number → store
+    indices), and the store indices left to extract; None when the folder does not say what its shards hold."""
+    index, made = _read_json(ctx.dir / sh.INDEX), _read_json(ctx.dir / SAMPLE_TOKENS)
+    if not index or not made or not isinstance(made.get("samples"), dict):
+        return None
+    now, position = token_hashes(store), {sid: i for i, sid in enumerate(store.ids)}
+    kept = {
+        int(entry["file"].removeprefix("shard-").removesuffix(".safetensors")): [position[sid] for sid in entry["ids"]]
+        for entry in index.get("shards") or []
+        if all(sid in now and now[sid] == made["samples"].get(sid) for sid in entry["ids"])
+        and sh.complete_shard(ctx.dir / entry["file"])
+    }
+    covered = {i for samples in kept.values() for i in samples}
+    return kept, [i for i in range(len(store)) if i not in covered]
+
+
+def continues(ctx: StageContext) -> str | None:
+    """Only the prepared tokens changed since the shards in the folder were written (prepare went on with samples
+    added, removed or edited): the shards whose every sample is unchanged are kept, and only the other samples are
+    extracted, into new shards. None (replaced, only with --force) when no shard can be kept."""
+    if not files.changed_only(ctx, ("tokens",)):
+        return None
+    try:
+        store = _token_store(ctx)
+    except EaglekitError:
+        return None  # the upstream check names it
+    found = reusable(ctx, store)
+    if not found or not found[0]:
+        return None
+    kept, rest = found
+    return (
+        f"the prepared tokens changed since it ran: {len(rest)} new samples to extract of {len(store)}; "
+        f"{len(store) - len(rest)} reused ({len(kept)} shards kept)"
+    )
+
+
+def go_on_from_other_shards(ctx: StageContext) -> None:
+    """Rank 0, before any rank plans: when the folder holds another extraction's shards that ``continues`` goes on
+    from, fix the plan (the shards kept, and new shards numbered after every old one for the other samples) in
+    ``CONTINUED``, then remove the shards no sample of which is kept as it was, and the old index."""
+    made = _read_json(ctx.dir / SAMPLE_TOKENS)
+    if not made or made.get("fingerprint") == ctx.fingerprint:
+        return
+    store = _token_store(ctx)
+    found = reusable(ctx, store)
+    if found is None:
+        return
+    kept, rest = found
+    lengths = store.lengths.tolist()
+    numbers = [int(p.stem.removeprefix("shard-")) for p in ctx.dir.glob("shard-*.json")]
+    first = max(numbers, default=-1) + 1
+    planned = sh.plan_shards([lengths[i] for i in rest], ctx.cfg.extract.shard_tokens) if rest else []
+    new = {first + k: [rest[j] for j in shard] for k, shard in enumerate(planned)}
+    atomic.write_json(
+        ctx.dir / CONTINUED, {"fingerprint": ctx.fingerprint, "shards": {str(n): v for n, v in (kept | new).items()}}
+    )
+    for n in numbers:
+        if n not in kept:
+            sh.sidecar_path(ctx.dir / sh.shard_name(n)).unlink(missing_ok=True)  # the sidecar first: never a
+            (ctx.dir / sh.shard_name(n)).unlink(missing_ok=True)  # complete-looking shard without its features
+    (ctx.dir / sh.INDEX).unlink(missing_ok=True)
+    (ctx.dir / SAMPLE_TOKENS).unlink(missing_ok=True)
+    console.print(f"extract: {len(rest)} new samples, {len(store) - len(rest)} reused")
 
 
 def _shard_meta(hidden: int, aux_ids: list[int], backend: str) -> dict:
@@ -100,7 +204,7 @@ def estimate_bytes(ctx: StageContext) -> int | None:
     hf, aux = ctx.resolved.target_and_aux
     meta = _shard_meta(hf.hidden_size, aux, ctx.cfg.extract.backend)
     total = 0
-    for n, samples in enumerate(plan):
+    for n, samples in plan.items():
         if ctx.resuming and sh.complete_shard(ctx.dir / sh.shard_name(n)):
             continue
         ids = [store.ids[i] for i in samples]
@@ -238,6 +342,8 @@ def _run(ctx: StageContext) -> dict:
 
     cfg = ctx.cfg
     distributed.init()
+    if distributed.is_main():
+        go_on_from_other_shards(ctx)
     distributed.barrier()  # rank 0 has passed its pre-flight (and --force's cleanup) before any rank looks at shards
     rank, world = distributed.rank(), distributed.world_size()
     store, lengths, plan = _plan(ctx)
@@ -246,7 +352,7 @@ def _run(ctx: StageContext) -> dict:
     dtype, backend = cfg.extract.dtype, cfg.extract.backend
     meta = _shard_meta(hidden, aux_ids, backend)
 
-    mine = list(range(rank, len(plan), world))
+    mine = sorted(plan)[rank::world]
     done = {n for n in mine if sh.complete_shard(ctx.dir / sh.shard_name(n))}
     todo = [n for n in mine if n not in done]
     for n in todo:  # what a killed run left of its open shards: temp files, never a visible shard
@@ -278,7 +384,9 @@ def _run(ctx: StageContext) -> dict:
     distributed.barrier()
     counts = {}
     if distributed.is_main():
-        counts = write_index(ctx, len(plan), hidden, aux_ids, meter.rate, rates if todo else None)
+        counts = write_index(ctx, sorted(plan), hidden, aux_ids, meter.rate, rates if todo else None)
+        atomic.write_json(ctx.dir / SAMPLE_TOKENS, {"fingerprint": ctx.fingerprint, "samples": token_hashes(store)})
+        (ctx.dir / CONTINUED).unlink(missing_ok=True)
     distributed.barrier()
     return counts
 
@@ -298,12 +406,12 @@ def print_rates(rates: dict, backend: str, who: str) -> None:
 
 
 def write_index(
-    ctx: StageContext, shards: int, hidden: int, aux_ids: list[int], rate: float, rates: dict | None
+    ctx: StageContext, shards: list[int], hidden: int, aux_ids: list[int], rate: float, rates: dict | None
 ) -> dict:
-    """Rank 0, once every rank is done: the index over all shards (refused while one is missing or damaged), and
-    the stage's counts (``rates``: this rank's, when it extracted)."""
+    """Rank 0, once every rank is done: the index over the shards numbered ``shards`` (refused while one is missing
+    or damaged), and the stage's counts (``rates``: this rank's, when it extracted)."""
     cfg, dtype, backend = ctx.cfg, ctx.cfg.extract.dtype, ctx.cfg.extract.backend
-    found = [sh.complete_shard(ctx.dir / sh.shard_name(n)) for n in range(shards)]
+    found = [sh.complete_shard(ctx.dir / sh.shard_name(n)) for n in shards]
     missing = [sh.shard_name(n) for n, e in enumerate(found) if e is None]
     entries = [e for e in found if e is not None]
     if missing:
@@ -523,5 +631,6 @@ STAGE = Stage(
     estimate=estimate,
     kept=kept,
     damaged=damaged,
+    continues=continues,
     live_counts=live_counts,
 )

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from eaglekit.config import RunConfig
 from eaglekit.contract import Estimate, Sizes, Stage, StageContext
 from eaglekit.data.shard_files import bytes_per_token
+from eaglekit.data.tokens import sample_lengths
 from eaglekit.data.vocab import vocab_origin
 from eaglekit.errors import EaglekitError
 from eaglekit.hub import cached_drafter, download_drafter, is_hub_id, local_folder
@@ -27,7 +28,7 @@ from eaglekit.preflight import CheckResult, disk, fail, files, gpus, ok, run_dir
 from eaglekit.preflight.gpus import target_placement
 from eaglekit.progress import console, format_duration, human_bytes
 from eaglekit.resolved import ResolvedRun
-from eaglekit.rundir import file_identity
+from eaglekit.rundir import OTHER_DONE, file_identity
 from eaglekit.training.checkpoint_integrity import resume_words
 
 if TYPE_CHECKING:
@@ -204,6 +205,30 @@ def drafter_shape(ctx: StageContext):
     return as_check("drafter", family_named(cfg.train.draft.architecture).diagnosis.shape_check(cfg))
 
 
+def grown_data(ctx: StageContext) -> CheckResult:
+    """The drafter in train's folder was trained with today's settings on other prepared data (prompts added,
+    removed or edited since): retraining replaces it, so it is only with --force, and the remedy names both ways —
+    retrain on all the samples, or keep the drafter and finetune it on the grown data."""
+    name = "trained drafter"
+    if ctx.run.folder_state(NAME, ctx.fingerprint) != OTHER_DONE or not files.changed_only(ctx, ("tokens", "vocab")):
+        return skip(name, "no drafter trained on other data in the folder")
+    try:
+        samples = f"the {len(sample_lengths(ctx.run.stage_dir('prepare') / 'tokens.safetensors')):,} prepared samples"
+    except EaglekitError:
+        samples = "the prepared samples"
+    if ctx.force:
+        return ok(name, f"retraining on {samples}: --force replaces the drafter trained on the earlier data")
+    exported = sorted(p.parent for p in ctx.run.stage_dir("export").glob("*/config.json"))
+    published = f"set train.init_from: {exported[0]}" if exported else "export it, then set train.init_from to its form"
+    return fail(
+        name,
+        f"the drafter in {ctx.dir} was trained with these settings on the prepared data before it changed",
+        f"retrain on {samples}: `eaglekit run CONFIG --from train --force` (replaces the drafter, its evaluation and "
+        f"export; the stages before train stay done), or keep it and finetune it on the grown data: {published} "
+        "in a config with another run_dir",
+    )
+
+
 def checks(cfg: RunConfig) -> list:
     from eaglekit.preflight import environment, feature_servers, shared_gpus  # lazy: heavy (torch)
     from eaglekit.preflight.context import serving_context  # lazy: heavy (torch)
@@ -227,6 +252,7 @@ def checks(cfg: RunConfig) -> list:
         packing,
         drafter_shape,
         draft_vocab_origin,
+        grown_data,
         init_from_download,
         files.init_from_files,
         init_from_compatible,
