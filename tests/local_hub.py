@@ -9,6 +9,7 @@ and the few that ``HfApi.create_repo`` and ``HfApi.upload_folder`` use to publis
 receives the repositories created here):
 
     POST       /api/repos/create                            create a repository (409 when it exists)
+    POST       /api/validate-yaml                           a README's front matter, parsed by huggingface_hub
     POST       /api/models/{repo}/preupload/{revision}      every file "regular", with the oid of the one it holds
     POST       /api/models/{repo}/commit/{revision}         the commit, as NDJSON: its files, base64
 
@@ -41,6 +42,7 @@ class LocalHub:
     uploads: Path | None = None  # where repositories created through the API live
     token: str | None = None  # the token a write needs
     committed: list[list[str]] = field(default_factory=list)  # the files of each commit received, in order
+    validated: list[str] = field(default_factory=list)  # the README texts the client asked to validate
 
     def sha(self, repo: str) -> str:
         return hashlib.sha1(repo.encode()).hexdigest()  # a 40-hex commit id, stable per repo
@@ -63,6 +65,8 @@ class LocalHub:
             def route(self):
                 path = unquote(urlparse(self.path).path)
                 hub.requests.append((self.command, path, self.headers.get("Range")))
+                if path == "/api/agent-harnesses":  # the client's registry of AI agents it names in its user agent
+                    return self.send_json(200, {"standardEnvVars": [], "harnesses": {}})
                 m = re.fullmatch(r"/api/models/([^/]+/[^/]+)(?:/(revision|tree)/([^/]+))?", path)
                 if m:
                     repo, kind, _ = m.groups()
@@ -127,6 +131,16 @@ class LocalHub:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 if hub.token and self.headers.get("Authorization") != f"Bearer {hub.token}":
                     return self.send_json(401, {"error": "Invalid credentials in Authorization header"})
+                if path == "/api/validate-yaml":
+                    from huggingface_hub import ModelCard
+
+                    content = json.loads(body)["content"]
+                    hub.validated.append(content)
+                    try:
+                        ModelCard(content)  # the metadata block parses as YAML the client's own card model reads
+                    except ValueError as err:
+                        return self.send_json(400, {"errors": [{"message": str(err)}], "warnings": []})
+                    return self.send_json(200, {"errors": [], "warnings": []})
                 if path == "/api/repos/create":
                     asked = json.loads(body)
                     repo = f"{asked['organization']}/{asked['name']}" if asked.get("organization") else asked["name"]

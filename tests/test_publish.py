@@ -35,9 +35,10 @@ def published_run(demo_run, tmp_path_factory):
     from eaglekit.cli import main
 
     run = copy_run(demo_run, tmp_path_factory.mktemp("publish"), verifier=VERIFIER)
-    with pytest.raises(SystemExit) as done:
-        main(["export", str(run / "config.yaml")])
-    assert done.value.code in (0, None)
+    try:
+        main(["export", str(run / "config.yaml"), "--force"])  # export.verifier changed
+    except SystemExit as done:
+        assert done.code in (0, None), done.code
     return run
 
 
@@ -46,7 +47,7 @@ def test_a_local_verifier_is_refused_with_the_key_to_set(demo_run, tmp_path, cli
     result = cli("publish", run, "--repo", "me/tiny-eagle3", "--dry-run")
     assert result.code == 2
     assert "local folder" in result.err and "export.verifier" in result.err
-    assert "eaglekit export" in result.err  # the remedy: re-export, nothing retrained
+    assert "eaglekit export" in result.err and "--force" in result.err  # the remedy: re-export, nothing retrained
     assert not (run / "publish").exists()
 
 
@@ -127,6 +128,28 @@ def test_dry_run_writes_the_folder_with_a_card_the_hub_parses(published_run, cli
     assert "me/tiny-eagle3" in card.text and VERIFIER in card.text
     # verify ran on the export before this one: the card does not borrow its figures
     assert "Not verified in a serving engine" in card.text
+    # only the published form's commands: the repository holds no other
+    assert "speculators/" not in card.text or doc["form"] == "speculators"
+
+
+def test_the_card_carries_verify_figures_and_the_engine_settings(demo_run):
+    from huggingface_hub import ModelCard
+
+    from eaglekit.config import load_config
+    from eaglekit.publish import card_text
+
+    run = demo_run[0]
+    if not (run / "verify" / "report.json").exists():
+        pytest.skip("the demo ran without verify (no .venv-vllm)")
+    report = json.loads((run / "verify" / "report.json").read_text())
+    cfg = load_config(run / "config.yaml")
+    text = card_text(
+        cfg, repo="me/x", form="eagle3", verifier=VERIFIER, license_=None, verified="PASS", verify_report=report
+    )
+    ModelCard(text)
+    assert "verify: **PASS**" in text and report["engine_version"] in text
+    assert "`rejection_sample_method` 'standard'" in text and "Drafts per verify pass" in text
+    assert text.count("## Served (eaglekit verify)") == 1
 
 
 def test_upload_through_the_hub_client_sends_the_folder_once(published_run, tmp_path, cli, monkeypatch):
@@ -154,4 +177,5 @@ def test_upload_through_the_hub_client_sends_the_folder_once(published_run, tmp_
         commits = len(hub.committed)
         again = cli("publish", published_run, "--repo", "me/tiny-eagle3", "--token-env", "EAGLEKIT_TEST_HF_TOKEN")
         assert again.code == 0, again.err
-        assert all(not files for files in hub.committed[commits:])
+        assert len(hub.committed) == commits
+        assert hub.validated and all(text.startswith("---\nbase_model: ") for text in hub.validated)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from eaglekit import atomic, status
 from eaglekit.config import RunConfig
-from eaglekit.data.verify_report import report_markdown as verify_markdown
+from eaglekit.data.verify_report import CARD_HEADING, card_markdown
 from eaglekit.errors import EaglekitError, UsageError
 from eaglekit.hub import is_hub_id, split_id
 
@@ -80,8 +80,9 @@ def verifier_hub_id(cfg: RunConfig, config: str) -> str:
         raise UsageError(
             f"the verifier is the local folder {verifier}: a published drafter's base_model and its speculators "
             "config must name a model others can download",
-            f"set export.verifier to the target's hub id in {config}, then `eaglekit export {config}` (seconds: it "
-            "rewrites the configs, nothing is retrained) and publish again",
+            f"set export.verifier to the target's hub id in {config}, then `eaglekit export {config} --force` "
+            "(seconds: it rewrites the configs, nothing is retrained) and publish again; `eaglekit run "
+            f"{config}` verifies the new export in the engine first",
         )
     return split_id(verifier)[0]
 
@@ -152,24 +153,62 @@ def card_text(
         license=license_,
         tags=["speculative-decoding", "draft-model", family, "eaglekit"],
     )
-    body = (_export_dir(cfg) / CARD).read_text(encoding="utf-8")
-    # the serve commands and the source lines name this machine's folders: the reader has the hub ids instead
+    body = for_the_hub((_export_dir(cfg) / CARD).read_text(encoding="utf-8"), cfg, form, repo, verifier)
+    # verify's figures as they stand now (export's card holds them only when verify had run before it)
+    body = without_section(body, CARD_HEADING)
+    if verify_report is None:
+        served = (
+            f"{CARD_HEADING}\n\nNot verified in a serving engine: the τ above is eaglekit's offline measurement only.\n"
+        )
+    else:
+        served = card_markdown(verify_report, form)
+        if verified != "PASS":
+            served += f"\n**Published unverified**: verify's verdict was {verified.split(' ')[0]}.\n"
+    text = f"---\n{data.to_yaml()}\n---\n\n{body.rstrip()}\n\n{served}"
+    ModelCard(text)  # parses as the Hub parses it: a card it would refuse fails here, before any upload
+    return text
+
+
+def for_the_hub(body: str, cfg: RunConfig, form: str, repo: str, verifier: str) -> str:
+    """Export's card as the Hub shows it: the hub ids for this machine's folders, the run's own files by their place
+    in the run directory, and only what serves the form that is uploaded (the other forms are not in the repo)."""
+    others = [
+        str(p) for p in _export_dir(cfg).iterdir() if p.is_dir() and p.name != form and (p / "config.json").is_file()
+    ]
+    chunks = body.split("\n\n")
+    kept: list[str] = []
+    for chunk in chunks:
+        if any(other in chunk for other in others):
+            if kept and kept[-1].rstrip().endswith(":"):  # the line that introduced the dropped command
+                kept.pop()
+            continue
+        lines = chunk.split("\n")
+        kept.append(
+            "\n".join(line for line in lines if not any(line.startswith(f"- `{Path(o).name}/`") for o in others))
+        )
+    text = "\n\n".join(kept)
     for local, published in (
         (str(_export_dir(cfg) / form), repo),
         (str(cfg.target.model), verifier),
+        (f"`{verifier}` (hub id `{verifier}`)", f"`{verifier}`"),
+        (str(cfg.run_path) + "/", ""),
     ):
-        body = body.replace(local, published)
-    served = ["", "## Served in an engine (eaglekit verify)", ""]
-    if verify_report is None:
-        served.append("Not verified in a serving engine: the τ above is eaglekit's offline measurement only.")
-    else:
-        if verified != "PASS":
-            served.append(f"**Published unverified**: verify's verdict was {verified.split(' ')[0]}.")
-            served.append("")
-        served.append(verify_markdown(verify_report, summary_only=True).strip())
-    text = f"---\n{data.to_yaml()}\n---\n\n{body.rstrip()}\n" + "\n".join(served) + "\n"
-    ModelCard(text)  # parses as the Hub parses it: a card it would refuse fails here, before any upload
+        text = text.replace(local, published)
     return text
+
+
+def without_section(markdown: str, heading: str) -> str:
+    """``markdown`` less the section under ``heading`` (up to the next heading of its level)."""
+    lines, out, skipping = markdown.splitlines(), [], False
+    level = heading.split(" ")[0] + " "
+    for line in lines:
+        if line == heading:
+            skipping = True
+        elif skipping and line.startswith(level):
+            skipping = False
+        if not skipping:
+            out.append(line)
+    return "\n".join(out) + "\n"
 
 
 def _exported_family(form_dir: Path) -> str:
@@ -202,8 +241,8 @@ def assemble(
     form_dir = _export_dir(cfg) / chosen
     atomic.refuse_damaged(form_dir, "the exported drafter", f"run `eaglekit export {config}`: it rewrites the form")
     refuse_non_finite(form_dir)
-    verifier = verifier_hub_id(cfg, config)
     verified, report = verify_outcome(cfg, unverified)
+    verifier = verifier_hub_id(cfg, config)
     card = card_text(
         cfg,
         repo=repo,

@@ -97,6 +97,34 @@ def report_markdown(report: dict, summary_only: bool = False) -> str:
     return "\n".join(lines) + "\n"
 
 
+CARD_HEADING = "## Served (eaglekit verify)"  # a model card's section of verify's figures (export's, publish's)
+
+
+def card_markdown(report: dict, form: str | None = None) -> str:
+    """A model card's section: the engine and its version, the τ tables, and the speculative settings each run of
+    ``form`` (all forms: None) was served with."""
+    engine = report.get("engine_version") or report.get("engine") or "the engine"
+    measured = (
+        f" — {report['prompts']} prompts, up to {report['max_new_tokens']} new tokens, T=0"
+        if "prompts" in report and "max_new_tokens" in report
+        else ""
+    )
+    lines = [
+        CARD_HEADING,
+        "",
+        f"verify: **{report['verdict']}** in {engine}{measured}; served τ against eaglekit's offline τ on the same "
+        "prompts.",
+        "",
+    ]
+    lines += runs_table(report) + suites_table(report) + context_table(report)
+    for r in report["runs"]:
+        if form is None or r["form"] == form:
+            settings = [line for line in settings_lines(r) if line]
+            if settings:
+                lines += ["", f"{r['form']}, K={r['k']}:", ""] + settings
+    return "\n".join(lines) + "\n"
+
+
 def header(report: dict) -> list[str]:
     tol = report["tolerance"]
     engine = report.get("engine_version") or report["engine"]

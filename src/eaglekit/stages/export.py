@@ -164,7 +164,7 @@ def model_card(ctx: StageContext, written: Written, inherited: Sequence[str] = (
     lines += [eval_report.report_markdown(report, tables_only=True)] if report else ["No evaluation report found."]
     served = read_report(cfg.run_path / "verify" / "report.json")
     if served:
-        lines += ["", "## Served (eaglekit verify)", "", verify_report.report_markdown(served, summary_only=True)]
+        lines += ["", verify_report.card_markdown(served)]
     lines += serve_section(cfg, written)
     if written.warnings:
         lines += ["", "Warnings:", ""] + [f"- {w}" for w in written.warnings]
