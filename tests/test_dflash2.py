@@ -222,7 +222,7 @@ def test_vllm_loads_the_export_and_computes_the_same_convolution_and_selector(tm
 
 def test_verify_names_the_cpu_builds_refusal_and_export_names_the_fallback(tmp_path, tiny_target, vllm_python):
     from eaglekit.contract import StageContext
-    from eaglekit.drafters.registry import family_named
+    from eaglekit.drafters.dflash2.family import DFlash2Family
     from eaglekit.rundir import RunDir
     from eaglekit.stages.verify import engine_serves_forms
 
@@ -232,7 +232,7 @@ def test_verify_names_the_cpu_builds_refusal_and_export_names_the_fallback(tmp_p
     cfg.verify.engine, cfg.verify.python = "vllm", str(vllm_python)
     check = engine_serves_forms(StageContext(cfg=cfg, run=RunDir(cfg.run_dir), stage="verify", fingerprint=""))
     assert check.status == "fail" and NOT_ON_CPU in check.detail and "GPU" in check.remedy
-    warnings = family_named("dflash2").export_warnings(
+    warnings = DFlash2Family().export_warnings(
         DFlash2Drafter(small(AutoModelForCausalLM.from_pretrained(tiny_target).config))
     )
     assert FALLBACK in warnings and "plain DFlash" in FALLBACK

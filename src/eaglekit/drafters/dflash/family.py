@@ -266,12 +266,13 @@ class DFlashFamily:
                 f"export.num_speculative_tokens {k} exceeds the {trained} draft slots the drafter was trained with"
             )
         warnings += self.export_warnings(drafter)
+        method = self.vllm_method(form)  # DFlash2's form is served with DFlash's method
         c = drafter.config
         return Written(
             drafter,
             info,
             {form: dest},
-            [(f"vLLM (method {form})", dflash_checkpoint.serve_command(verifier_id(cfg), dest, k, method=form))],
+            [(f"vLLM (method {method})", dflash_checkpoint.serve_command(verifier_id(cfg), dest, k, method=method))],
             warnings,
             title=f"{self.title} drafter",
             drafter_line=f"{c.num_hidden_layers} layers, block {c.block_size}, aux layers {c.aux_layer_ids}",
