@@ -154,7 +154,7 @@ def continues(ctx: StageContext) -> str | None:
     kept, rest = found
     return (
         f"the prepared tokens changed since it ran: {len(rest)} new samples to extract of {len(store)}; "
-        f"{len(store) - len(rest)} reused ({len(kept)} shards kept)"
+        f"{len(store) - len(rest)} reused ({len(kept)} shard{'s' * (len(kept) > 1)} kept)"
     )
 
 
@@ -360,7 +360,9 @@ def _run(ctx: StageContext) -> dict:
             tmp.unlink(missing_ok=True)
     shard_tokens = {n: sum(lengths[i] for i in plan[n]) for n in mine}
     if done:
-        console.print(f"extract: rank {rank}: {len(done)} of {len(mine)} shards already complete, resuming after them")
+        grown = "kept from before the data changed, extracting the others" if (ctx.dir / CONTINUED).exists() else ""
+        said = grown or "already complete, resuming after them"
+        console.print(f"extract: rank {rank}: {len(done)} of {len(mine)} shards {said}")
     writes = {n: ([store.ids[i] for i in plan[n]], [lengths[i] for i in plan[n]]) for n in todo}
     # the feature source is ready before the clock starts: the target loaded, or the final norm read
     target = (
