@@ -22,6 +22,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from safetensors import safe_open
+
 from eaglekit import atomic, status
 from eaglekit.config import RunConfig
 from eaglekit.data.verify_report import CARD_HEADING, card_markdown
@@ -90,7 +92,6 @@ def verifier_hub_id(cfg: RunConfig, config: str) -> str:
 def refuse_non_finite(form_dir: Path) -> None:
     """Every tensor of the form's weights finite (a NaN drafter serves at τ = 1 without an error)."""
     import torch  # lazy: heavy (torch)
-    from safetensors import safe_open  # lazy: heavy (safetensors' torch bindings)
 
     for path in sorted(form_dir.glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as weights:
