@@ -82,10 +82,16 @@ DETAILED_METRICS_FLAG = "--per-request-spec-decode-metrics"
 
 def forms(cfg: RunConfig) -> list[str]:
     """The exported forms verify serves: verify.formats, else those export wrote (an MLA drafter's: the plain
-    form only)."""
+    form only) — read from export's folder once it holds them, so `status` asks no family (and loads no torch)."""
+    if cfg.verify.formats:
+        return list(dict.fromkeys(cfg.verify.formats))
+    export = cfg.run_path / "export"
+    written = sorted(p.name for p in export.iterdir() if (p / "config.json").is_file()) if export.is_dir() else []
+    if written:
+        return written
     from eaglekit.drafters.checked import written_forms  # lazy: heavy (torch)
 
-    return list(dict.fromkeys(cfg.verify.formats or written_forms(cfg)))
+    return list(dict.fromkeys(written_forms(cfg)))
 
 
 def speculative_tokens(cfg: RunConfig) -> list[int]:
