@@ -181,6 +181,7 @@ def test_each_family_plans_the_configs_the_engine_checks_read_as_its_forms(tmp_p
     """export's engine-feature check reads each form's config.json as the family plans it (it told the block
     drafters from EAGLE-3 by their config's class before): each form reads back as that form, with its window."""
     expected = {"llama": {"eagle3": "eagle3", "speculators": "speculators"}, "mla": {"eagle3": "mla"},
+                "peagle": {"eagle3": "eagle3", "speculators": "speculators"},
                 "dflash": {"dflash": "dflash"}, "dspark": {"dspark": "dspark"}, "dflash2": {"dflash2": "dflash2"}}  # fmt: skip
     both = ["eagle3", "speculators"]  # export.formats' default: each family writes those it has
     for name, family in registry.FAMILIES.items():

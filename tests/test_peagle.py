@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+import yaml
 from safetensors.torch import load_file, save_file
 
 from eaglekit.config import TTTConfig
@@ -152,3 +155,98 @@ def test_a_folder_that_lost_mask_hidden_is_refused_by_name(tmp_path):
     save_file({k: v for k, v in state.items() if k != "mask_hidden"}, str(weights))
     with pytest.raises(EaglekitError, match="missing key mask_hidden"):
         peagle_checkpoint.load_drafter(tmp_path)
+
+
+# ------------------------------------------------------------------------------------------- `eaglekit run`
+
+
+def run_config(root: Path, target: Path, **verify) -> dict:
+    """The demo's data and settings with a P-EAGLE drafter: 40 steps of 8 rows, 3 parallel slots trained;
+    evaluate at K = 1 and 3; verify in the real vLLM CPU build when ``verify`` is given."""
+    from eaglekit.demo import demo_config
+
+    cfg = demo_config(target)
+    cfg["data"]["prompts"] = str(root / "prompts.jsonl")
+    cfg["run_dir"] = str(root / "run")
+    cfg["train"].update(
+        {"max_steps": 40, "batch_size": 8, "lr": 1e-3, "eval_every": 20, "save_every": 20, "ttt": {"steps": 3}}
+    )
+    cfg["train"]["draft"] = {"architecture": "peagle"}
+    cfg["evaluate"].update({"num_speculative_tokens": [1, 3], "num_samples": 4})
+    cfg["export"] = {"num_speculative_tokens": 3}
+    cfg.pop("verify", None)
+    if verify:
+        cfg["verify"] = {"engine": "vllm", "num_samples": 4, **verify}
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def peagle_run(tmp_path_factory, tiny_target, vllm_python):
+    """One `eaglekit run` of a P-EAGLE drafter: generate to verify, both forms served by vLLM's CPU build."""
+    from eaglekit.tiny import write_prompts
+
+    root = tmp_path_factory.mktemp("peagle-run")
+    write_prompts(root / "prompts.jsonl", 120, seed=0)
+    path = root / "config.yaml"
+    path.write_text(yaml.safe_dump(run_config(root, tiny_target, python=str(vllm_python))))
+    proc = subprocess.run(
+        [sys.executable, "-m", "eaglekit.cli", "run", str(path)], capture_output=True, text=True, timeout=2400
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return root / "run", proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_run_trains_evaluates_and_exports_a_parallel_drafter(peagle_run):
+    run_dir, _ = peagle_run
+    summary = json.loads((run_dir / "train" / "summary.json").read_text())
+    assert len(summary["acc_k"]) == 3  # every parallel slot trained is measured
+    report = json.loads((run_dir / "evaluate" / "report.json").read_text())
+    assert report["lossless"]
+    taus = {(r["method"], r["k"]): r["tau"] for r in report["results"] if r["temperature"] == 0}
+    assert taus["eagle", 3] > taus["eagle", 1] > taus["ngram", 1]
+    plain = json.loads((run_dir / "export" / "eagle3" / "config.json").read_text())
+    assert plain["architectures"] == ["LlamaForCausalLMEagle3"] and plain["pard_token"] == 0
+    spec = json.loads((run_dir / "export" / "speculators" / "config.json").read_text())
+    assert spec["speculators_model_type"] == "peagle" and spec["mask_token_id"] == 0
+    card = (run_dir / "export" / "README.md").read_text()
+    assert (
+        '"parallel_drafting":true' in card and "P-EAGLE" in card and "sglang" not in card.lower().split("## serve")[-1]
+    )
+
+
+@pytest.mark.slow
+def test_verify_serves_both_forms_at_the_offline_acceptance(peagle_run):
+    run_dir, out = peagle_run
+    verify = json.loads((run_dir / "verify" / "report.json").read_text())
+    assert verify["verdict"] == "PASS", verify
+    assert sorted(r["form"] for r in verify["runs"]) == ["eagle3", "speculators"]
+    for served in verify["runs"]:
+        assert served["k"] == 3 and served["tau"]["served"] == served["tau"]["offline"] > 1.5
+    plain = next(r for r in verify["runs"] if r["form"] == "eagle3")
+    assert '"parallel_drafting": true' in plain["launch"]
+
+
+def test_diagnosis_names_a_plain_form_served_without_parallel_drafting(tmp_path):
+    """Served as a chain (no parallel_drafting in --speculative-config), or with another slot token than trained:
+    each named as the suspect; served as trained, neither."""
+    from eaglekit.drafters.diagnosis import ServedDrafter
+    from eaglekit.drafters.peagle.diagnosis import parallel_drafting, slot_inputs
+
+    drafter = small_drafter(small_config()).float()
+    trained, served = tmp_path / "trained", tmp_path / "served"
+    peagle_checkpoint.save_legacy(drafter, trained)
+    peagle_checkpoint.save_legacy(drafter, served)
+    spec = {"method": "eagle3", "model": str(served), "num_speculative_tokens": 3}
+
+    def reading(launch: dict) -> ServedDrafter:
+        runs = [{"launch": f"vllm serve target --speculative-config '{json.dumps(launch)}'"}]
+        return ServedDrafter(None, served, "vllm", [2, 3, 5], trained, runs)  # type: ignore[arg-type]
+
+    assert parallel_drafting(reading(spec))["status"] == "suspect"
+    assert parallel_drafting(reading(spec | {"parallel_drafting": True}))["status"] == "ok"
+    assert slot_inputs(reading(spec))["status"] == "ok"
+    config = json.loads((served / "config.json").read_text())
+    (served / "config.json").write_text(json.dumps(config | {"pard_token": SLOT + 1}))
+    row = slot_inputs(reading(spec))
+    assert row["status"] == "suspect" and f"token {SLOT + 1}" in row["detail"]

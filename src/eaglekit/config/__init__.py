@@ -32,6 +32,7 @@ from eaglekit.config.draft import (
     Eagle3Draft,
     LlamaDraft,
     MlaDraft,
+    PEagleDraft,
     WindowSetting,
     every_draft_key,
 )
@@ -75,6 +76,7 @@ __all__ = [
     "Eagle3Draft",
     "LlamaDraft",
     "MlaDraft",
+    "PEagleDraft",
     "DFlashDraft",
     "DSparkDraft",
     "DFlash2Draft",

@@ -155,6 +155,17 @@ class LlamaDraft(Eagle3Draft):
     )
 
 
+class PEagleDraft(LlamaDraft):
+    """P-EAGLE (parallel EAGLE-3, drafters/peagle/): the Llama layer drafting all K tokens in one forward pass, K-1
+    of them from parallel slots (a slot token and a learned mask_hidden feature); vLLM serves it as eagle3 with
+    parallel_drafting. It trains with train.ttt, each step one parallel slot (train.ttt.steps: the slots trained)."""
+
+    architecture: Literal["peagle"] = "peagle"  # type: ignore[assignment]  # a family of its own, with Llama's keys
+    mask_token_id: int | None = Field(
+        None, ge=0, description="the parallel slots' token (default: the tokenizer's mask, else pad, else eos)"
+    )
+
+
 class MlaDraft(Eagle3Draft):
     """EAGLE-3 with DeepSeek's multi-head latent attention: the drafter published for Kimi-K2.5/K2.6, for
     DeepSeek-V3/Kimi targets (pre-flight suggests it); its KV cache is one 576-float latent per token instead of K
@@ -244,6 +255,7 @@ def _family_of(value: Any) -> Any:
 # families' layer and cannot ask the registry; tests/test_drafter_registry.py holds the two tables to the same names).
 # A new family: its model above, and its line here.
 DRAFT_MODELS: dict[str, type[DraftSection]] = {
+    "peagle": PEagleDraft,
     "llama": LlamaDraft,
     "mla": MlaDraft,
     "dflash": DFlashDraft,

@@ -13,12 +13,14 @@ from eaglekit.drafters.dspark.family import DSPARK
 from eaglekit.drafters.eagle3.llama import EAGLE3_LLAMA
 from eaglekit.drafters.eagle3.mla import EAGLE3_MLA
 from eaglekit.drafters.family import DrafterFamily
+from eaglekit.drafters.peagle.family import PEAGLE
 from eaglekit.errors import UsageError
 from eaglekit.model.run_shapes import target_and_aux
 
 # in the order a drafter folder is recognised (family_of_folder): a family whose folders another family's reader
 # also accepts goes before that family
 FAMILIES: dict[str, DrafterFamily] = {
+    "peagle": PEAGLE,  # parallel EAGLE-3 (its plain folders are EAGLE-3's with a slot token)
     "llama": EAGLE3_LLAMA,  # EAGLE-3, Llama layer: the default
     "mla": EAGLE3_MLA,  # EAGLE-3, DeepSeek-V3/Kimi layer
     "dflash": DFLASH,  # block drafter
@@ -74,3 +76,15 @@ def vllm_method(form: str) -> str:
     """vLLM's --speculative-config method for an exported form."""
     family = next((f for f in FAMILIES.values() if form in f.engine.forms), EAGLE3_LLAMA)
     return family.engine.vllm_method(form)
+
+
+def vllm_speculative_config(form: str, folder: Path, k: int) -> dict[str, Any]:
+    """vLLM's --speculative-config serving ``folder`` (a written ``form``) with K drafts: the method, the model, K and
+    the keys its family adds (P-EAGLE's plain form: parallel_drafting, which nothing in its config.json turns on)."""
+    family = family_of_folder(folder) or next((f for f in FAMILIES.values() if form in f.engine.forms), EAGLE3_LLAMA)
+    keys = {
+        "method": family.engine.vllm_method(form),
+        "model": str(Path(folder).resolve()),
+        "num_speculative_tokens": k,
+    }
+    return keys | family.engine.vllm_options(form)

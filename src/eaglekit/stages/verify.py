@@ -364,10 +364,9 @@ class ServedRun:
 
 def vllm_launch(cfg: RunConfig, form: str, folder: Path, k: int) -> tuple[str, list[str], str]:
     """(model, flags, description) that serve ``folder`` with K drafts: the commands export printed."""
-    from eaglekit.drafters.registry import vllm_method  # lazy: heavy (torch)
+    from eaglekit.drafters.registry import vllm_speculative_config  # lazy: heavy (torch)
 
-    method = vllm_method(form)
-    spec = json.dumps({"method": method, "model": str(folder.resolve()), "num_speculative_tokens": k})
+    spec = json.dumps(vllm_speculative_config(form, folder, k))
     model = cfg.target.model
     if form == "speculators":
         raw = json.loads((folder / "config.json").read_text())

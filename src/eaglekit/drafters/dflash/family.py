@@ -229,6 +229,9 @@ class DFlashFamily:
     def vllm_method(self, form: str) -> str:
         return form  # its one form is its method
 
+    def vllm_options(self, form: str) -> dict[str, Any]:
+        return {}
+
     def verifier_check(self, cfg: RunConfig, formats: list[str]) -> Verdict:
         return Verdict("ok", "block drafter: its vLLM form names no verifier (vLLM is given the target)")
 

@@ -225,6 +225,9 @@ class Eagle3Family:
     def vllm_method(self, form: str) -> str:
         return "eagle3"
 
+    def vllm_options(self, form: str) -> dict[str, Any]:
+        return {}
+
     def verifier_check(self, cfg: RunConfig, formats: list[str]) -> Verdict:
         if "speculators" not in formats:
             return Verdict("ok", "speculators form not requested")
