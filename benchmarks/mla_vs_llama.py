@@ -14,7 +14,7 @@ of steps on the same batches and is evaluated by real draft -> verify decoding w
 
     .venv/bin/python benchmarks/mla_vs_llama.py --out runs/bench-mla          # ~7 min on 1 thread (4 of them the target)
 
-Nothing here asserts anything; figures go to benchmarks/RESULTS.md with the command.
+Nothing here asserts anything; figures go to benchmarks/results/mla.md with the command.
 """
 
 from __future__ import annotations

@@ -322,7 +322,7 @@ class DFlashDrafter(nn.Module):
             shared.requires_grad_(False)
         # normal(0, 0.02) as EAGLE-3's layer and speculators' DFlash start (HF's initializer_range), not torch's
         # fan-in uniform: the race against speculators' trainer measured the difference
-        # (benchmarks/results/block-drafters.md, "eaglekit's DFlash trainer")
+        # (benchmarks/results/block-drafters.md, "DFlash's trainer")
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, std=0.02)
