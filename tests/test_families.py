@@ -302,9 +302,9 @@ def as_vllm_loads_them(keys: set[str]) -> set[str]:
 def test_export_is_the_form_vllm_loads(tmp_path, trained):
     family, drafter, _, _ = trained
     cfg, folder = drafter.config, tmp_path / family
-    FAMILIES[family].save_exported(drafter, folder)
+    FAMILIES[family].engine.save_exported(drafter, folder)
     state = load_file(str(folder / "model.safetensors"))
-    assert {k: tuple(v.shape) for k, v in state.items()} == FAMILIES[family].expected_state(cfg)
+    assert {k: tuple(v.shape) for k, v in state.items()} == FAMILIES[family].engine.expected_state(cfg)
     assert as_vllm_loads_them(set(state)) == vllm_parameter_names(cfg) | VLLM_OWN_PARAMETERS[family]
     assert not any("mask_hidden" in k or "embed_tokens" in k or "lm_head" in k for k in state)
     config = json.loads((folder / "config.json").read_text())
@@ -322,11 +322,11 @@ def test_reimported_drafter_drafts_the_same(tmp_path, target, trained):
     model, tok = target
     family, drafter, _, _ = trained
     folder = tmp_path / family
-    FAMILIES[family].save_exported(drafter, folder)
+    FAMILIES[family].engine.save_exported(drafter, folder)
     (folder / "eaglekit.json").unlink()  # re-import from vLLM's config.json alone
     read = READ_CONFIG[family](folder)  # all but shared_k_norm, which the weights say
     assert dataclasses.replace(read, shared_k_norm=drafter.config.shared_k_norm) == drafter.config
-    again = FAMILIES[family].load_exported(folder, model.get_input_embeddings().weight, model.lm_head.weight).eval()
+    again = FAMILIES[family].engine.load_exported(folder, model.get_input_embeddings().weight, model.lm_head.weight).eval()
     assert again.config == drafter.config  # shared_k_norm read back from the equal weights
     for prompt in heldout_prompts(tok, 2):
         a = generate(model, prompt, 32, proposer=proposer_for(drafter), k=3)
@@ -338,14 +338,14 @@ def test_a_checkpoint_that_lost_any_key_is_refused_by_name(tmp_path, target, tra
     model, _ = target
     family, drafter, _, _ = trained
     folder = tmp_path / family
-    FAMILIES[family].save_exported(drafter, folder)
+    FAMILIES[family].engine.save_exported(drafter, folder)
     weights = folder / "model.safetensors"
     state = load_file(str(weights))
     embed, head = model.get_input_embeddings().weight, model.lm_head.weight
     for key in state:
         save_file({k: v for k, v in state.items() if k != key}, str(weights))
         with pytest.raises(EaglekitError, match=f"missing key {re.escape(key)}"):
-            FAMILIES[family].load_exported(folder, embed, head)
+            FAMILIES[family].engine.load_exported(folder, embed, head)
 
 
 # ---------------------------------------------------------------------------------------------------- pre-flight
@@ -500,4 +500,4 @@ def test_kill_9_resume_of_a_block_drafter_equals_an_uninterrupted_run(tmp_path, 
     ckpts, wa, wb = kill_9_then_resume(whole, killed, ("loss", "loss_k", "acc_k", "tau", "lr", "grad_norm"))
     assert family_of_folder(ckpts / "step-7") is FAMILIES[family]
     drafter = FAMILIES[family].load_for_target(killed, ckpts / "step-7")
-    assert wa.keys() == wb.keys() == set(FAMILIES[family].expected_state(drafter.config))  # every weight, compared
+    assert wa.keys() == wb.keys() == set(FAMILIES[family].engine.expected_state(drafter.config))  # every weight, compared

@@ -86,18 +86,23 @@ class Fingerprints:
     def upstream_term(self, stage: str, reads: dict) -> str | None:
         """What the fingerprint of ``stage`` (with parameters ``reads``) takes of its upstream. Once an upstream of
         READ_BY_CONTENT is done with today's inputs: the content of its file where the stage reads it (its identity
-        is among ``reads``), else what that upstream itself was fingerprinted over (extract reads prepare's tokens,
+        is among ``reads``), looking further up past the done files it does not read (extract reads prepare's tokens,
         not the vocabulary) — so an upstream rerun whose file came out the same leaves the stages after it done.
-        Until then, and above the others, the upstream's fingerprint: the stages after a stale one are stale too."""
+        Until then, and for a stage that reads none of those files, the upstream's fingerprint: the stages after a
+        stale one are stale too."""
         up = upstream_of(self.run.cfg, stage)
         if up is None:
             return None
-        output = READ_BY_CONTENT.get(up)
-        if output is None or not RunDir(self.run.cfg.run_dir).is_done(up, self(up)):
-            return self(up)
-        if output in reads:
-            return f"{output} {content_identity(reads[output])}"
-        return self.upstream_term(up, reads)
+        walked = up
+        while walked is not None:
+            output = READ_BY_CONTENT.get(walked)
+            if output is None or not RunDir(self.run.cfg.run_dir).is_done(walked, self(walked)):
+                break
+            if output in reads:
+                return f"{output} {content_identity(reads[output])}"
+            walked = upstream_of(self.run.cfg, walked)
+        # a stage that reads none of the done files above it by content follows its upstream's fingerprint
+        return self(up)
 
 
 def fingerprint(cfg: RunConfig, stage: str) -> str:
