@@ -326,7 +326,9 @@ def test_reimported_drafter_drafts_the_same(tmp_path, target, trained):
     (folder / "eaglekit.json").unlink()  # re-import from vLLM's config.json alone
     read = READ_CONFIG[family](folder)  # all but shared_k_norm, which the weights say
     assert dataclasses.replace(read, shared_k_norm=drafter.config.shared_k_norm) == drafter.config
-    again = FAMILIES[family].engine.load_exported(folder, model.get_input_embeddings().weight, model.lm_head.weight).eval()
+    again = (
+        FAMILIES[family].engine.load_exported(folder, model.get_input_embeddings().weight, model.lm_head.weight).eval()
+    )
     assert again.config == drafter.config  # shared_k_norm read back from the equal weights
     for prompt in heldout_prompts(tok, 2):
         a = generate(model, prompt, 32, proposer=proposer_for(drafter), k=3)
@@ -500,4 +502,6 @@ def test_kill_9_resume_of_a_block_drafter_equals_an_uninterrupted_run(tmp_path, 
     ckpts, wa, wb = kill_9_then_resume(whole, killed, ("loss", "loss_k", "acc_k", "tau", "lr", "grad_norm"))
     assert family_of_folder(ckpts / "step-7") is FAMILIES[family]
     drafter = FAMILIES[family].load_for_target(killed, ckpts / "step-7")
-    assert wa.keys() == wb.keys() == set(FAMILIES[family].engine.expected_state(drafter.config))  # every weight, compared
+    assert (
+        wa.keys() == wb.keys() == set(FAMILIES[family].engine.expected_state(drafter.config))
+    )  # every weight, compared
