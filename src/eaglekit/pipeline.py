@@ -93,7 +93,7 @@ class Fingerprints:
         up = upstream_of(self.run.cfg, stage)
         if up is None:
             return None
-        walked = up
+        walked: str | None = up
         while walked is not None:
             output = READ_BY_CONTENT.get(walked)
             if output is None or not RunDir(self.run.cfg.run_dir).is_done(walked, self(walked)):
