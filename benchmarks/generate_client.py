@@ -1,6 +1,6 @@
 """Does eaglekit's chat client keep up with a bare httpx loop? Requests/s of both against one instant server.
 
-The fake vLLM server (tests/fake_vllm.py) runs in its own process and answers at once, so what is
+The fake vLLM server (tests/support/fake_vllm.py) runs in its own process and answers at once, so what is
 measured is the client side: eaglekit's ChatClient (least-outstanding scheduling, retries, record
 checks) vs the plainest asyncio + httpx loop at the same concurrency. The whole generate stage (records
 built, reasoning extracted, lines written and fsynced, progress) is measured too, for reference. Runs

@@ -16,7 +16,7 @@
 #                  loss under its compiled model (its fully eager mode runs flex attention uncompiled, which
 #                  did not finish one Kimi-shaped step in 80 s there, so it is last); summary.txt says which ran
 #   check_*        eaglekit's fused step against its reference (fp32; loss and every gradient), on unpacked
-#                  rows and on rows packed with 4 documents: the GPU half of tests/test_fused_step.py
+#                  rows and on rows packed with 4 documents: the GPU half of tests/drafters/test_fused_step.py
 #   eaglekit_h4096, memory_per_step   the smaller shape and the memory of one extra TTT step (the budget
 #                  usually skips them on a fresh machine)
 # Shapes: H=4096 L=2048 (32 x 128 heads, 8 KV heads, V=128256) and the Kimi-K2.5 drafter (H=7168, 56 x 128

@@ -6,7 +6,7 @@ marker lines.
     python scripts/config_reference.py          # rewrite the block in docs/config.md
     python scripts/config_reference.py --check  # exit 1 when the page is out of date with the models
 
-tests/test_docs.py runs the check, so a key added or changed in src/eaglekit/config/ fails the tests until this is run.
+tests/unit/test_docs.py runs the check, so a key added or changed in src/eaglekit/config/ fails the tests until this is run.
 """
 
 from __future__ import annotations

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import sys
@@ -12,15 +11,22 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
-REPO = Path(__file__).resolve().parents[1]
 # Tests use tiny models: intra-op threads only add overhead there (and contention on a 2-core runner). The
 # processes they start inherit it: an `eaglekit run` child left on torch's default takes both cores, and two of
 # them, one per test worker, took 277 s for a block drafter's 120 training steps that take 116 s on one thread.
 torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-sys.path.insert(0, str(Path(__file__).parent))  # test fixtures such as fake_vllm import by name
+sys.path.insert(0, str(Path(__file__).parent))  # the tests import their helpers as the package `support`
+# some test modules still import fixtures and builders from others by name (test_extract's prepared_run, …), as
+# they did in one flat folder; each group's folder on the path keeps those names
+sys.path[1:1] = [
+    str(group)
+    for group in sorted(Path(__file__).parent.iterdir())
+    if group.is_dir() and group.name != "support" and not group.name.startswith((".", "_"))
+]
+
+from support.helpers import FEATURE_LAYERS, subprocess_env  # noqa: E402  (after the path it is found on)
 
 
 @pytest.fixture(scope="session")
@@ -41,6 +47,12 @@ LONG_FILES = (
     "test_demo.py",  # ~510 s: the shared demo run, then the offline demo
     "test_vllm_mla.py",  # ~210 s
     "test_verify.py",  # ~260 s: three verify runs in vLLM
+    "test_peagle.py",  # `eaglekit run` of a P-EAGLE drafter, both forms served in vLLM
+    "test_watch.py",  # one vLLM start serving the demo drafter
+    "test_publish.py",  # reads the demo run
+    "test_incremental_data.py",
+    "test_checkpoint_integrity.py",
+    "test_disk_full.py",
     "test_suites_verify.py",
     "test_dflash.py",
     "test_dspark.py",
@@ -135,9 +147,6 @@ def vllm_python() -> Path:
         )
 
 
-FEATURE_LAYERS = [2, 4, 5, 8]  # the tiny target's default aux taps and its final state (8 decoder layers)
-
-
 @pytest.fixture(scope="session")
 def feature_servers(vllm_python, tiny_target, tmp_path_factory):
     """``feature_servers(n)``: (n real vLLM feature servers of the tiny target, the storage folder they share),
@@ -230,36 +239,3 @@ def cli(capsys):
         return CliResult(code, captured.out, captured.err)
 
     return run
-
-
-def write_config(path: Path, data: dict) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    return path
-
-
-def subprocess_env() -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO / "src") + os.pathsep + env.get("PYTHONPATH", "")
-    env.setdefault("OMP_NUM_THREADS", "1")
-    return env
-
-
-@contextlib.contextmanager
-def mounted_tmpfs(path: Path, size: str, inodes: int = 10_000):
-    """A real tmpfs of ``size`` mounted at ``path`` to fill a disk for real; skips, saying why, where it cannot be
-    mounted (it needs root: CI runs as root)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs to fill a disk for real needs root (CI runs as root)")
-    path.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size},nr_inodes={inodes}", "tmpfs", str(path)],
-        capture_output=True,
-        text=True,
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)

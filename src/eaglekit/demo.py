@@ -45,7 +45,7 @@ def demo_config(target: Path, offline: bool = False) -> dict[str, Any]:
         # Greedy only: the tiny target is all but deterministic on its own replies (measured on these 8 prompts:
         # the top token's probability averages 0.998, so sampling at T=1 leaves the greedy path 1.2 times in
         # 548 tokens), so its τ at T=1 equals T=0's within noise and says nothing. Sampling is measured on a
-        # target with real entropy in tests/test_speculative.py.
+        # target with real entropy in tests/drafters/test_speculative.py.
         "evaluate": {
             "num_samples": 8,
             "num_speculative_tokens": [1, 3, 5],

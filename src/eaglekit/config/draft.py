@@ -3,7 +3,7 @@
 
 A new family is its model here (a ``DraftSection`` subclass, or one of a family it extends, with its
 ``architecture`` Literal) and its line in ``DRAFT_MODELS``; ``drafters/registry.FAMILIES`` names the same families
-(config is layer 0 and cannot ask the registry; tests/test_drafter_registry.py holds the two tables to the same
+(config is layer 0 and cannot ask the registry; tests/drafters/test_drafter_registry.py holds the two tables to the same
 names)."""
 
 from __future__ import annotations
@@ -252,7 +252,7 @@ def _family_of(value: Any) -> Any:
 
 
 # train.draft's model of each drafter family, by the family's name in drafters/registry.FAMILIES (config is below the
-# families' layer and cannot ask the registry; tests/test_drafter_registry.py holds the two tables to the same names).
+# families' layer and cannot ask the registry; tests/drafters/test_drafter_registry.py holds the two tables to the same names).
 # A new family: its model above, and its line here.
 DRAFT_MODELS: dict[str, type[DraftSection]] = {
     "peagle": PEagleDraft,

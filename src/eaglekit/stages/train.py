@@ -46,7 +46,7 @@ def params(run: ResolvedRun) -> dict:
     key renamed or moved in the config leaves them as they were). The window as auto chose it: a serving context or
     training length that moves it makes the drafter stale, auto resolving to what an explicit value said does not.
     The family's shape keys as set (unset: the target's, whose identity is here). Not here: when checkpoints are
-    written, and how many ranks split each row (the step is the same either way, tests/test_context_parallel.py)."""
+    written, and how many ranks split each row (the step is the same either way, tests/drafters/test_context_parallel.py)."""
     cfg = run.cfg
     t, ttt = cfg.train, cfg.train.ttt
     p = {

@@ -30,7 +30,7 @@ every layer's context keys get layer 0's ``k_norm`` weight (the queries' own key
 whose layers have different ``k_norm`` weights then serves with slightly other drafts than it was trained and
 evaluated with (seen: +1.9 % τ on the tiny target, 4 of ~120 verify passes different). The workaround is to train
 with ``shared_k_norm`` (one weight for all layers: the kernel's reading is then exact); ``cpu_build_problem`` names
-the case, and tests/test_dflash.py pins the kernel's behaviour.
+the case, and tests/drafters/test_dflash.py pins the kernel's behaviour.
 """
 
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""What the tests share: stand-ins for servers, GPUs and the hub, and helpers (support/helpers.py)."""
