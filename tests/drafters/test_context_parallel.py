@@ -226,7 +226,7 @@ def test_preflight_names_ranks_for_a_row_too_long_for_one_gpu(tmp_path, tiny_tar
     per row that fit (the per-rank memory of the model); configured with them, it passes, per rank."""
     import sys
 
-    from fake_nvml import GB, fake_pynvml, gpu
+    from support.fake_nvml import GB, fake_pynvml, gpu
     from test_preflight_gpus import make_ctx
 
     from eaglekit.contract import Sizes

@@ -174,7 +174,7 @@ def test_verify_reads_sglang_meta_info_and_names_sglangs_aux_convention(demo_run
     """Against the SGLang stand-in (tests/support/fake_sglang.py): K from /get_server_info, τ as SGLang defines it
     (completion tokens / spec_verify_ct), acceptance per position from its histogram; then an eagle_config
     written in the other convention ([2, 4, 5] instead of [1, 3, 4]) that SGLang's llama.py shifts by one."""
-    from fake_sglang import FakeSglang
+    from support.fake_sglang import FakeSglang
 
     run_dir, _, _ = demo_run
     target = Path(load_config(run_dir / "config.yaml").target.model)

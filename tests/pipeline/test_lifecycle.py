@@ -268,7 +268,7 @@ def test_status_of_a_run_dir_compares_with_the_config_that_last_drove_it(tmp_pat
 
 RUN_WITH_A_BLOCKING_TRAIN = """
 import pathlib, sys, time
-sys.path.insert(0, sys.argv[3])
+sys.path[:0] = [sys.argv[3], sys.argv[3] + "/pipeline"]  # support/, and test_rundir beside this test
 from eaglekit import pipeline
 from test_rundir import fake_stage
 calls = []
@@ -569,7 +569,7 @@ def test_version_from_a_source_tree_without_installed_metadata(tmp_path):
     import subprocess
     import sys
 
-    from conftest import subprocess_env
+    from support.helpers import subprocess_env
 
     import eaglekit
 

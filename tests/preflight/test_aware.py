@@ -135,7 +135,7 @@ def hub_target(tmp_path, tiny_target, monkeypatch) -> Path:
     (HF_HOME) from a local hub; afterwards HF_HUB_OFFLINE is set, as on a machine without network. Returns the
     snapshot folder."""
     from huggingface_hub import snapshot_download
-    from local_hub import LocalHub
+    from support.local_hub import LocalHub
 
     repo = tmp_path / "published"
     repo.mkdir()

@@ -30,7 +30,7 @@ PAGES = [
 # Where the code cites the pages: source, tests, benchmarks, scripts, CI, and the pages themselves.
 CITING = [
     *(REPO / "src").rglob("*.py"),
-    *(REPO / "tests").glob("*.py"),
+    *(REPO / "tests").rglob("*.py"),
     *(REPO / "benchmarks").glob("*.py"),
     *(REPO / "benchmarks").glob("*.sh"),
     *(REPO / "scripts").glob("*.sh"),

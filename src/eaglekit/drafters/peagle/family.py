@@ -319,7 +319,7 @@ def write_peagle(family: PEagleFamily, ctx: StageContext, load: LoadChecked, req
         dirs,
         serve_commands(cfg, family, dirs),
         warnings,
-        title="P-EAGLE drafter (parallel EAGLE-3)",
+        title="P-EAGLE (parallel EAGLE-3) drafter",
         drafter_line=(
             f"one decoder layer ({describe_layer(family, c)}) drafting all K tokens in one pass, slot token "
             f"{c.mask_token_id}, {trained} parallel slots trained, hidden {c.hidden_size}, draft vocab "
