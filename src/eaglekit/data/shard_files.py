@@ -9,11 +9,7 @@ Bytes per token (``bytes_per_token``), Ht the target's hidden size:
     float32              16·Ht
     fp8                  4·Ht + 4      e4m3 values, and one power-of-two scale per state (an int8 exponent)
 
-fp8 scales each of a token's four states on its own (the residual stream grows by orders of magnitude
-from the early to the late layers): state ``s`` of token ``t`` is stored as ``e4m3(x / 2**e)`` with
-``e = scale_exp[t, s]``, the smallest exponent that brings the state's largest magnitude within e4m3's
-±448. A power-of-two scale costs one byte and, e4m3 being a floating-point format, rounds no worse than
-an exact float32 scale would (the largest value lands in [224, 448] instead of at 448).
+fp8's per-state power-of-two scales are ``eaglekit.data.shards``' (the encoding).
 
 Each shard ``shard-00000.safetensors`` holds ``aux`` [T, 3Ht], ``last_hidden`` [T, Ht], for fp8 also
 ``scale_exp`` int8 [T, 4] (aux states 0-2, then last_hidden), and ``offsets`` int64 [n+1]; its metadata

@@ -1,33 +1,13 @@
-"""Offline feature storage (the files' format, plan, sidecars and index: ``eaglekit.data.shard_files``): per token, the target's three aux hidden states and its final normed hidden state.
-
-Bytes per token (``bytes_per_token``), Ht the target's hidden size:
-
-    bfloat16 / float16   8·Ht          aux [3Ht] and last_hidden [Ht], 2 bytes each
-    float32              16·Ht
-    fp8                  4·Ht + 4      e4m3 values, and one power-of-two scale per state (an int8 exponent)
+"""Offline feature storage, the tensors: encoding a token's states (bf16, fp16, float32 or fp8), the shard writer and
+``FeatureStore``, which reads the index alone at start-up and memory-maps a shard when a sample of it is read. The
+files themselves — the format and bytes per token, the shard plan, the commit protocol, sidecars, digests and the
+index — are ``eaglekit.data.shard_files``, which needs no torch.
 
 fp8 scales each of a token's four states on its own (the residual stream grows by orders of magnitude
 from the early to the late layers): state ``s`` of token ``t`` is stored as ``e4m3(x / 2**e)`` with
 ``e = scale_exp[t, s]``, the smallest exponent that brings the state's largest magnitude within e4m3's
 ±448. A power-of-two scale costs one byte and, e4m3 being a floating-point format, rounds no worse than
 an exact float32 scale would (the largest value lands in [224, 448] instead of at 448).
-
-Each shard ``shard-00000.safetensors`` holds ``aux`` [T, 3Ht], ``last_hidden`` [T, Ht], for fp8 also
-``scale_exp`` int8 [T, 4] (aux states 0-2, then last_hidden), and ``offsets`` int64 [n+1]; its metadata
-holds the sample ids (JSON) in order. Which samples go into which shard is planned up front from the
-token store alone (a fixed-seed random mixture per shard, so that training can read a few shards at a
-time and still see a representative mix; by length inside a shard, so extraction batches carry little
-padding). A shard's header is therefore written first and its rows are streamed in, in any order.
-
-Commit protocol: rows go to a temp file beside the shard; it is fsynced and renamed into place, then
-its sidecar ``shard-00000.json`` (ids, lengths, bytes, sha256) is written atomically — a shard exists
-once its sidecar does. ``index.json`` lists every shard and is written last, by one process.
-``FeatureStore`` reads the index alone at start-up and memory-maps a shard when a sample of it is read.
-
-Content integrity: a shard's bytes are read back and hashed against its sidecar's sha256 before training reads
-it (pre-flight) and before extract resumes after it. What was read back is cached in ``.sha256-cache.json``
-beside the shards, keyed by each file's (size, mtime_ns, inode), so a rerun rehashes only shards written since.
-A shard whose cached digest differs from its sidecar's is not complete: extract re-extracts it, and only it.
 """
 
 from __future__ import annotations
