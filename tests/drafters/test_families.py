@@ -501,7 +501,7 @@ def test_kill_9_resume_of_a_block_drafter_equals_an_uninterrupted_run(tmp_path, 
     killed = prepared_run(tmp_path / "killed", tiny_target, n=32, train=settings)
     ckpts, wa, wb = kill_9_then_resume(whole, killed, ("loss", "loss_k", "acc_k", "tau", "lr", "grad_norm"))
     assert family_of_folder(ckpts / "step-7") is FAMILIES[family]
-    drafter = FAMILIES[family].load_for_target(killed, ckpts / "step-7")
+    drafter = FAMILIES[family].reading.load_for_target(killed, ckpts / "step-7")
     assert (
         wa.keys() == wb.keys() == set(FAMILIES[family].engine.expected_state(drafter.config))
     )  # every weight, compared

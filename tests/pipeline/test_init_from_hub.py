@@ -21,6 +21,7 @@ from eaglekit.drafters.eagle3.model import DrafterConfig, Eagle3Drafter
 from eaglekit.errors import UsageError
 from eaglekit.hub import drafter_folder
 from eaglekit.model.target import target_hf_config
+from eaglekit.resolved import ResolvedRun
 from eaglekit.rundir import RunDir
 from eaglekit.stages.train import params
 
@@ -75,7 +76,7 @@ def test_hub_drafter_is_fetched_by_preflight_resumed_and_trained_from(tmp_path, 
         },
     )
     assert cfg.train.init_from == REPO  # a hub id stays one; the fingerprint names it without fetching it
-    assert params(cfg)["init_from"] == {"hub": REPO}
+    assert params(ResolvedRun(cfg))["init_from"] == {"hub": REPO}
 
     weights = published / "model.safetensors"
     with LocalHub({REPO: published}, cut={"model.safetensors": 3 * CHUNK + 1000}, refuse_ranges=True) as hub:

@@ -140,7 +140,7 @@ def test_preflight_suggests_mla_for_an_mla_target(tmp_path, tiny_deepseek_target
     cfg.train.draft = {"architecture": "llama"}  # chosen explicitly: no warning
     assert preflight(cfg, "train")["drafter"].status == "ok"
     cfg.train.draft = {"architecture": "mla"}
-    with pytest.raises(ValueError, match=r"architecture mla does not read norm_before_fc \(llama\)"):
+    with pytest.raises(ValueError, match=r"architecture mla does not read norm_before_fc \(peagle, llama\)"):
         cfg.train.draft.norm_before_fc = True  # no MLA drafter of either engine has input_norm: refused as it is set
 
 
