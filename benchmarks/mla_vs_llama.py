@@ -114,7 +114,7 @@ def step_times(runs: dict[str, Path], repeats: int) -> dict[str, float]:
     from eaglekit.drafters.eagle3.checkpoint import load_drafter
     from eaglekit.drafters.eagle3.ttt import ttt_loss
     from eaglekit.model.target import embedding_and_head
-    from eaglekit.stages.vocab import load_vocab
+    from eaglekit.data.vocab import load_vocab
     from eaglekit.training.data import collate
     from eaglekit.training.features import Features
 
