@@ -111,10 +111,10 @@ def step_times(runs: dict[str, Path], repeats: int) -> dict[str, float]:
     """Median seconds of one TTT training step (forward, backward, AdamW) per drafter, timed interleaved on one batch."""
     from eaglekit.config import TTTConfig
     from eaglekit.data.tokens import TokenStore
+    from eaglekit.data.vocab import load_vocab
     from eaglekit.drafters.eagle3.checkpoint import load_drafter
     from eaglekit.drafters.eagle3.ttt import ttt_loss
     from eaglekit.model.target import embedding_and_head
-    from eaglekit.data.vocab import load_vocab
     from eaglekit.training.data import collate
     from eaglekit.training.features import Features
 
