@@ -453,9 +453,21 @@ def write_eagle3(family: Eagle3Family, ctx: StageContext, load: LoadChecked, req
     )
 
 
-def write_forms(ctx: StageContext, drafter, hf, tokenizer, formats: list[str], warnings: list[str]) -> dict[str, Path]:
+def write_forms(
+    ctx: StageContext,
+    drafter,
+    hf,
+    tokenizer,
+    formats: list[str],
+    warnings: list[str],
+    checkpoint: Any = eagle3_checkpoint,
+    read_back: Any = None,
+) -> dict[str, Path]:
     """Each form in its folder, swapped in whole once its keys, shapes and logits are checked; a form's warning
-    is added to ``warnings``."""
+    is added to ``warnings``. ``checkpoint`` writes the two forms (``save_legacy``, ``save_speculators``) and
+    ``read_back(drafter, folder)`` checks what it wrote (EAGLE-3's: ``same_logits``); a drafter built on EAGLE-3's
+    layer (P-EAGLE) passes its own."""
+    read_back = read_back or same_logits
     xc, verifier = ctx.cfg.export, verifier_id(ctx.cfg)
     dirs: dict[str, Path] = {}
     for form in formats:
@@ -463,9 +475,9 @@ def write_forms(ctx: StageContext, drafter, hf, tokenizer, formats: list[str], w
         with atomic.atomic_dir(dest, digests=True) as tmp:  # verify and evaluate check the bytes served
             # save_* write atomically themselves: into our (empty) temp folder, which is swapped in whole below
             if form == "eagle3":
-                eagle3_checkpoint.save_legacy(drafter, tmp, include_embeddings=xc.include_embeddings)
+                checkpoint.save_legacy(drafter, tmp, include_embeddings=xc.include_embeddings)
             else:
-                warning = eagle3_checkpoint.save_speculators(
+                warning = checkpoint.save_speculators(
                     drafter,
                     tmp,
                     verifier,
@@ -476,7 +488,7 @@ def write_forms(ctx: StageContext, drafter, hf, tokenizer, formats: list[str], w
                 if warning:
                     warnings.append(warning.replace(str(tmp), str(dest)))
             tokenizer.save_pretrained(tmp)
-            same_logits(drafter, tmp)
+            read_back(drafter, tmp)
         dirs[form] = dest
         console.print(f"export: {form} form written to {dest} (keys, shapes and logits checked)")
     return dirs

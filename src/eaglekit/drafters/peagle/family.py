@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 
-from eaglekit import atomic
 from eaglekit.config import PEagleDraft, RunConfig
 from eaglekit.contract import StageContext
 from eaglekit.data.chat import load_tokenizer
@@ -36,6 +35,7 @@ from eaglekit.drafters.eagle3.family import (
     forms_to_write,
     local_verifier_warning,
     serving_problems,
+    write_forms,
 )
 from eaglekit.drafters.eagle3.init import (
     build_drafter,
@@ -54,7 +54,6 @@ from eaglekit.errors import EaglekitError
 from eaglekit.model.checkpoint_files import CheckpointInfo
 from eaglekit.model.run_shapes import target_and_aux
 from eaglekit.model.target import embedding_and_head
-from eaglekit.progress import console
 from eaglekit.serving.engine_features import export_check
 from eaglekit.training.distributed import say
 from eaglekit.training.objective import Built
@@ -295,23 +294,7 @@ def write_peagle(family: PEagleFamily, ctx: StageContext, load: LoadChecked, req
         drafter.embed_tokens.weight.data.copy_(embed.to(drafter.embed_tokens.weight.dtype))
     drafter.eval()
     tokenizer = load_tokenizer(cfg.target.model, cfg.target.chat_template, cfg.target.trust_remote_code)
-    dirs: dict[str, Path] = {}
-    for form in formats:
-        dest = ctx.dir / form
-        with atomic.atomic_dir(dest, digests=True) as tmp:  # verify and evaluate check the bytes served
-            if form == "eagle3":
-                peagle_checkpoint.save_legacy(drafter, tmp, include_embeddings=xc.include_embeddings)
-            else:
-                warning = peagle_checkpoint.save_speculators(
-                    drafter, tmp, verifier_id(cfg), getattr(hf, "architectures", None), xc.num_speculative_tokens,
-                    include_embeddings=xc.include_embeddings,
-                )  # fmt: skip
-                if warning:
-                    warnings.append(warning.replace(str(tmp), str(dest)))
-            tokenizer.save_pretrained(tmp)
-            same_drafts(drafter, tmp)
-        dirs[form] = dest
-        console.print(f"export: {form} form written to {dest} (keys, shapes and logits checked)")
+    dirs = write_forms(ctx, drafter, hf, tokenizer, formats, warnings, peagle_checkpoint, same_drafts)
     c = drafter.config
     return Written(
         drafter,
