@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -147,7 +148,7 @@ def card_text(
     """The model card: Hub front matter, then export's card with this machine's paths as hub ids, then verify."""
     from huggingface_hub import ModelCard, ModelCardData  # lazy: heavy (huggingface_hub)
 
-    family = _exported_family(_export_dir(cfg) / form)
+    family = _family_tag(cfg)
     data = ModelCardData(
         base_model=verifier,
         library_name=LIBRARY.get(form, ENGINE_LIBRARY),
@@ -195,7 +196,8 @@ def for_the_hub(body: str, cfg: RunConfig, form: str, repo: str, verifier: str) 
         (str(cfg.run_path) + "/", ""),
     ):
         text = text.replace(local, published)
-    return text
+    # a checkpoint outside the run directory: its folder's name says which it was; its path is this machine's
+    return re.sub(r"Source checkpoint: `(/[^`]+)`", lambda m: f"Source checkpoint: `{Path(m.group(1)).name}`", text)
 
 
 def without_section(markdown: str, heading: str) -> str:
@@ -212,14 +214,13 @@ def without_section(markdown: str, heading: str) -> str:
     return "\n".join(out) + "\n"
 
 
-def _exported_family(form_dir: Path) -> str:
-    """The family tag of an exported folder, read from its config as an engine reads it."""
-    config = json.loads((form_dir / "config.json").read_text(encoding="utf-8"))
-    if "speculators_model_type" in config:
-        return str(config["speculators_model_type"])
-    if "dflash_config" in config or "block_size" in config:
-        return "dspark" if config.get("dspark_config") else "dflash"
-    return "eagle3"
+def _family_tag(cfg: RunConfig) -> str:
+    """The family's Hub tag: the trained family's name (EAGLE-3's two layer kinds share one tag). Read from the run,
+    not from the exported config: a DFlash2 config reads as DFlash to an engine without its path selector."""
+    from eaglekit.drafters.registry import family_of_run  # lazy: heavy (torch, the families' models)
+
+    name = family_of_run(cfg).name
+    return "eagle3" if name in ("llama", "mla") else name
 
 
 def assemble(

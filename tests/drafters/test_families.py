@@ -156,11 +156,9 @@ def test_a_training_checkpoint_reads_back_as_the_drafter_it_holds(tmp_path, tiny
         assert torch.equal(read[key].to(value), value), key
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_every_familys_export_has_the_model_card(tmp_path, tiny_target, family):
-    """export/README.md is the export stage's, whatever the family: the drafter, the run's inherited warnings (an
-    untrained drafter evaluated on fewer prompts than asked: evaluate warned twice), evaluate's τ table by K and
-    temperature, verify's served figures once verify has run, the serve commands and what each form's folder holds."""
+def evaluated_untrained_drafter(tmp_path: Path, target: Path, family: str, **export):
+    """The config of a run whose evaluate stage has measured the family's untrained drafter (3 prompts, K=2):
+    everything export and publish read, in seconds."""
     prompts = tmp_path / "prompts.jsonl"
     tasks = sample_tasks(3, seed=99, split="heldout")
     prompts.write_text(
@@ -169,10 +167,12 @@ def test_every_familys_export_has_the_model_card(tmp_path, tiny_target, family):
             for i, t in enumerate(tasks)
         )
     )
-    cfg = block_run_config(tmp_path, tiny_target, architecture=family)
+    cfg = block_run_config(tmp_path, target, architecture=family)
+    for key, value in export.items():
+        setattr(cfg.export, key, value)
     cfg.vocab.draft_vocab_size = 200
     hf, aux = target_and_aux(cfg)
-    embed, head = embedding_and_head(str(tiny_target))
+    embed, head = embedding_and_head(str(target))
     torch.manual_seed(0)
     d2t, t2d = build_d2t_t2d(torch.arange(200), hf.vocab_size)
     drafter = FAMILIES[family].training.build(cfg, hf, d2t, t2d, embed, head, aux).drafter
@@ -182,15 +182,29 @@ def test_every_familys_export_has_the_model_card(tmp_path, tiny_target, family):
     cfg.evaluate.max_new_tokens = cfg.export.num_speculative_tokens = 2
     with RunDir(cfg.run_dir).lock:
         evaluated = run_stage(cfg, "evaluate", skip_preflight=True)
-        assert len(evaluated["warnings"]) == 2, evaluated["warnings"]
+    assert len(evaluated["warnings"]) == 2, evaluated["warnings"]
+    return cfg
+
+
+def served_as_verify_reports_it(cfg, family: str) -> None:
+    verify = cfg.run_path / "verify"
+    verify.mkdir()
+    served = {"verdict": "pass", "runs": [{"form": FAMILIES[family].engine.forms[0], "k": 2, "passed": True,
+              "tau": {"served": 1.25, "offline": 1.25}, "largest_position_difference": 0.0,
+              "greedy": {"identical": 3, "prompts": 3}}]}  # fmt: skip
+    (verify / "report.json").write_text(json.dumps(served))  # what verify wrote, as far as the card reads it
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_familys_export_has_the_model_card(tmp_path, tiny_target, family):
+    """export/README.md is the export stage's, whatever the family: the drafter, the run's inherited warnings (an
+    untrained drafter evaluated on fewer prompts than asked: evaluate warned twice), evaluate's τ table by K and
+    temperature, verify's served figures once verify has run, the serve commands and what each form's folder holds."""
+    cfg = evaluated_untrained_drafter(tmp_path, tiny_target, family)
+    with RunDir(cfg.run_dir).lock:
         run_stage(cfg, "export", skip_preflight=True)
         card = (cfg.run_path / "export" / "README.md").read_text()
-        verify = cfg.run_path / "verify"
-        verify.mkdir()
-        served = {"verdict": "pass", "runs": [{"form": FAMILIES[family].engine.forms[0], "k": 2, "passed": True,
-                  "tau": {"served": 1.25, "offline": 1.25}, "largest_position_difference": 0.0,
-                  "greedy": {"identical": 3, "prompts": 3}}]}  # fmt: skip
-        (verify / "report.json").write_text(json.dumps(served))  # what verify wrote, as far as the card reads it
+        served_as_verify_reports_it(cfg, family)
         shutil.rmtree(cfg.run_path / "export")  # a done export is skipped: written again, now after verify
         run_stage(cfg, "export", skip_preflight=True)
         again = (cfg.run_path / "export" / "README.md").read_text()
@@ -201,6 +215,34 @@ def test_every_familys_export_has_the_model_card(tmp_path, tiny_target, family):
     assert f"- `{form}/`: " in card and "## Serve" in card
     assert "## Served" not in card  # verify had not run
     assert "## Served (eaglekit verify)" in again and f"| {form} | 2 | 1.250 | 1.250 |" in again
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_familys_publish_dry_run_writes_a_card_the_hub_parses(tmp_path, tiny_target, family, cli):
+    """`eaglekit publish --dry-run` of each family's export: the folder holds every file of the form as export wrote
+    it and a model card that huggingface_hub's own ModelCard parses, with the verifier as base_model, the family's
+    tag, evaluate's τ and no path of this machine."""
+    from huggingface_hub import ModelCard
+
+    cfg = evaluated_untrained_drafter(tmp_path, tiny_target, family, verifier="eaglekit-tests/tiny-target")
+    with RunDir(cfg.run_dir).lock:
+        run_stage(cfg, "export", skip_preflight=True)
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    result = cli("publish", config, "--repo", f"me/tiny-{family}", "--dry-run", "--json", "--license", "mit")
+    assert result.code == 0, result.err
+    doc = json.loads(result.out)
+    form, folder = doc["form"], Path(doc["folder"])
+    assert form in FAMILIES[family].engine.forms
+    for path in (cfg.run_path / "export" / form).iterdir():
+        if path.is_file() and not path.name.startswith("."):
+            assert (folder / path.name).read_bytes() == path.read_bytes(), path.name
+    card = ModelCard.load(folder / "README.md")
+    assert card.data.base_model == "eaglekit-tests/tiny-target" and card.data.license == "mit"
+    assert {"speculative-decoding", {"llama": "eagle3", "mla": "eagle3"}.get(family, family)} <= set(card.data.tags)
+    assert "| eagle | 2 |" in card.text and "## Warnings: read before serving" in card.text
+    assert str(tmp_path) not in card.text and f"me/tiny-{family}" in card.text
+    assert "Not verified in a serving engine" in card.text  # verify never ran on this export
 
 
 # ------------------------------------------------------------------------------------ trained on the tiny target
