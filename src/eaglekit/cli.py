@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.markup import escape
 from typer.core import TyperCommand
 
-from eaglekit import __version__, failures, interrupt, pipeline, preflight, status, watch
+from eaglekit import __version__, adapt, failures, interrupt, pipeline, preflight, status, watch
 from eaglekit.config import RunConfig, load_config
 from eaglekit.errors import EaglekitError, UsageError
 from eaglekit.progress import console
@@ -289,6 +289,84 @@ def watch_cmd(
     )
     if code:
         raise typer.Exit(code)
+
+
+@command("adapt")
+def adapt_cmd(
+    run_dir: Path = typer.Argument(
+        ...,
+        metavar="RUN_DIR",
+        show_default=False,
+        help="the run whose drafter is served (with --confirm: the adapt run)",
+    ),
+    traffic: Path | None = typer.Option(None, "--traffic", help="the gateway's log of the served traffic (JSONL)"),
+    server: str | None = typer.Option(None, "--server", metavar="URL", help="the vLLM serving the drafter now"),
+    out: Path | None = typer.Option(None, "--out", help="the adapt run directory (default: RUN_DIR-adapt-UTCSTAMP)"),
+    samples: int = typer.Option(adapt.SAMPLES, "--samples", help="the newest conversations of the traffic read"),
+    heldout: float = typer.Option(adapt.HELDOUT, "--heldout", help="the share of them held out for the comparison"),
+    steps: int = typer.Option(adapt.STEPS, "--steps", help="finetuning steps"),
+    lr: float = typer.Option(adapt.LR, "--lr", help="finetuning learning rate"),
+    min_gain: float = typer.Option(adapt.MIN_GAIN, "--min-gain", help="the least relative τ gain promoted"),
+    windows: int = typer.Option(adapt.CONFIRM_WINDOWS, "--windows", help="watch windows that confirm the swap"),
+    window_requests: int = typer.Option(adapt.WINDOW_REQUESTS, "--window-requests", help="finished requests a window"),
+    engine_log: Path | None = typer.Option(
+        None, "--engine-log", help="the engine's log: which drafter folder it serves"
+    ),
+    confirm: str | None = typer.Option(None, "--confirm", metavar="URL", help="after a printed switch: watch URL"),
+    previous: str | None = typer.Option(None, "--previous", metavar="URL", help="with --confirm: the previous server"),
+) -> None:
+    """Finetune the served drafter on its recent traffic, compare it offline with the served one on held-out
+    traffic, and promote it only when better beyond noise: verify, swap (the engine's live draft weight update, or
+    a second server), watch confirms, rollback when served τ falls (docs/adapt.md). Exit 1 when refused or rolled
+    back."""
+    say = functools.partial(console.print, markup=False, highlight=False)
+    if confirm:
+        switch = adapt.PrintedSwitch("", 0, previous or "the previous server", run_dir, say)
+        outcome = adapt.confirm_or_roll_back(
+            run_dir, confirm, switch, windows=windows, window_requests=window_requests, say=say
+        )
+        raise typer.Exit(outcome.code)
+    if traffic is None or server is None:
+        raise UsageError("adapt needs --traffic LOG and --server URL", "name the gateway's log and the serving vLLM")
+    client = watch.connect(server)
+    k = client.num_speculative_tokens()
+    if not k:
+        raise UsageError(f"{server} drafts nothing (no speculative counters)", "point --server at the served drafter")
+    served = watch.served_setup(client, engine_log, 0.0)
+    folder = Path(served["model"]) if served.get("model") else run_dir / "export" / "eagle3"
+    from eaglekit.serving.engine import find_vllm_python
+
+    try:
+        python = find_vllm_python(None)
+    except UsageError:
+        python = None
+    adapt_dir = out or Path(f"{run_dir}-adapt-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}")
+    why_not = adapt.LiveDraftUpdate.unsupported(server, python)
+    promotion: adapt.Promotion
+    if why_not is None and python is not None:
+        promotion = adapt.LiveDraftUpdate(server, python, folder)
+    else:
+        say(f"adapt: no live draft weight update: {why_not}; a second server instead")
+        target = str(load_config(run_dir / "config.yaml").target.model)
+        promotion = adapt.PrintedSwitch(target, k, server, adapt_dir, say)
+    outcome = adapt.adapt(
+        run_dir,
+        traffic,
+        adapt_dir,
+        folder,
+        k,
+        promotion,
+        samples=samples,
+        steps=steps,
+        lr=lr,
+        heldout=heldout,
+        min_gain=min_gain,
+        windows=windows,
+        window_requests=window_requests,
+        engine=python is not None,
+        say=say,
+    )
+    raise typer.Exit(outcome.code)
 
 
 @command("preflight")

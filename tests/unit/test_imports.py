@@ -25,7 +25,7 @@ LAYERS = [
     {"drafters"},  # the families, assembled from the generic parts below them
     {"preflight"},
     {"stages"},
-    {"planning", "status", "failures", "pipeline", "watch", "publish"},
+    {"planning", "status", "failures", "pipeline", "watch", "adapt", "publish"},
     {"cli", "demo"},
 ]
 

@@ -1,0 +1,297 @@
+"""`eaglekit adapt` against the real vLLM CPU build serving the demo's drafter behind eaglekit's own gateway.
+
+The shift: the traffic moves to another task mix of the tiny target (vowel counts and unit conversions, where the
+demo's drafter accepts least), which raises watch's alarm; adapt finetunes the served drafter on the gateway's
+log, finds it better offline on held-out traffic, verifies it in the engine, starts a second server with it,
+switches the gateway and lets watch confirm it. Served τ afterwards is compared with a drafter trained from scratch
+on the same log (more samples). Then the refusals: a worse candidate, a verify that fails, a candidate server that
+does not start, a confirmation that falls (the current drafter serving throughout). One module fixture holds the
+engine starts (the demo's drafter, verify's, the candidate's) and the trainings.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from eaglekit import adapt, watch
+
+K = 3
+MIX = ("count", "convert")  # the demo drafter's weakest kinds (offline τ at K=3 ≈ 2.5 and 2.9 against 3.5 on its mix)
+MAX_TOKENS = 200  # the demo's generate.max_tokens: the replies end their turn
+
+
+def mix_prompts(split: str, seed: int) -> list[str]:
+    from eaglekit.tiny import sample_tasks
+
+    tasks = sample_tasks(30000 if split == "train" else 8000, seed, split=split)  # type: ignore[arg-type]
+    return list(dict.fromkeys(t.prompt for t in tasks if t.kind in MIX))
+
+
+def chat(url: str, prompt: str) -> dict:
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0.0,
+    }
+    body["model"] = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+    response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300)
+    assert response.status_code == 200, response.text[:500]
+    return response.json()
+
+
+def send(url: str, prompts: list[str], workers: int = 8) -> None:
+    with ThreadPoolExecutor(workers) as pool:
+        list(pool.map(lambda p: chat(url, p), prompts))
+
+
+def served_tau(server_root: str, url: str, prompts: list[str]) -> tuple[float, dict]:
+    """Served τ over ``prompts`` sent one at a time through ``url``, from the counters of the server behind it."""
+    client = watch.connect(server_root)
+    before = client.snapshot()
+    for prompt in prompts:
+        chat(url, prompt)
+    after = client.snapshot()
+    window = watch.Window.between(1, 0.0, before, after)
+    return window.counters.tau, {"requests": window.requests, "drafts": window.counters.drafts}
+
+
+def noisy_copy(folder: Path, to: Path, scale: float = 2.0) -> Path:
+    """``folder``'s drafter with noise of ``scale`` times each weight's spread added (a worse drafter)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(folder, to)
+    weights = load_file(to / "model.safetensors")
+    generator = torch.Generator().manual_seed(0)
+    for name, t in weights.items():
+        if t.is_floating_point() and t.ndim == 2 and "embed" not in name:
+            weights[name] = t + scale * t.std() * torch.randn(t.shape, generator=generator)
+    save_file(weights, to / "model.safetensors", metadata={"format": "pt"})
+    return to
+
+
+@pytest.fixture(scope="module")
+def shifted(vllm_python, demo_run, tmp_path_factory):
+    """The demo's drafter served behind the gateway; the new mix's traffic sent through it and logged."""
+    run_dir, _, _ = demo_run
+    root = tmp_path_factory.mktemp("adapt")
+    target = json.loads((run_dir / "verify" / "report.json").read_text())["target"]
+    pool = adapt.ServerPool(vllm_python, target, K, root / "logs", traffic_log=root / "gateway.jsonl")
+    try:
+        url = pool.start(run_dir / "export" / "eagle3")
+        heldout = mix_prompts("heldout", 2)[:12]
+        # the first window of the new mix, as watch compares it with the demo's figures
+        client = watch.connect(pool.active.root)
+        start = client.snapshot()
+        train = mix_prompts("train", 11)
+        send(url, train[:8], workers=1)
+        first = watch.compare(
+            watch.Window.between(1, 0.0, start, client.snapshot()),
+            watch.references(run_dir),
+            watch.served_setup(client, None, 0.0),
+        )
+        send(url, train[8:240])
+        shifted_tau, _ = served_tau(pool.active.root, url, heldout)
+        yield {
+            "pool": pool,
+            "url": url,
+            "run_dir": run_dir,
+            "root": root,
+            "log": root / "gateway.jsonl",
+            "first_window": first,
+            "heldout": heldout,
+            "shifted_tau": shifted_tau,
+            "train": train,
+        }
+    finally:
+        pool.close()
+
+
+@pytest.fixture(scope="module")
+def adapted(shifted):
+    """adapt run in a thread while the test's clients keep sending the new mix through the gateway."""
+    pool, url = shifted["pool"], shifted["url"]
+    folder = shifted["run_dir"] / "export" / "eagle3"
+    adapt_dir = shifted["root"] / "adapt"
+    lines: list[str] = []
+    outcome: dict = {}
+
+    def work() -> None:
+        outcome["value"] = adapt.adapt(
+            shifted["run_dir"], shifted["log"], adapt_dir, folder, K, pool,
+            samples=160, steps=120, windows=2, window_requests=8, confirm_timeout_s=600, say=lines.append,
+        )  # fmt: skip
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    prompts, i = shifted["train"], 0
+    while worker.is_alive():  # the clients go on: what confirms the swap is this traffic
+        if pool.previous is not None or pool.gateway.backend != pool.servers[0].root:
+            chat(url, prompts[i % len(prompts)])
+            i += 1
+        else:
+            worker.join(2.0)
+    worker.join()
+    return outcome["value"], adapt_dir, lines
+
+
+@pytest.mark.slow
+def test_a_shift_raises_the_alarm_and_adapt_recovers_served_tau(shifted, adapted, tmp_path):
+    first = shifted["first_window"]
+    assert first["status"] == "low", first  # the new mix's first 8 requests fall below the demo drafter's band
+    outcome, adapt_dir, lines = adapted
+    assert outcome.status == "promoted", "\n".join(lines)
+    assert outcome.comparison.better and outcome.comparison.low > 0
+    steps = [e["step"] for e in adapt.steps_recorded(adapt_dir)]
+    assert steps == ["start", "finetune", "compare", "verify", "swap", "promoted"]
+    pool = shifted["pool"]
+    assert pool.gateway.backend == pool.active.root != pool.servers[0].root  # the candidate serves
+    after, _ = served_tau(pool.active.root, shifted["url"], shifted["heldout"])
+    # a drafter trained from scratch on the whole log (every sample, the demo's recipe) on the same prompts,
+    # decoded offline as vLLM counts (verify: eaglekit's offline figures equal the engine's on this target)
+    scratch = scratch_run(shifted, tmp_path / "scratch")
+    from eaglekit.config import load_config
+
+    as_messages = [(f"p{i}", [{"role": "user", "content": p}]) for i, p in enumerate(shifted["heldout"])]
+    folders = {"scratch": scratch / "export" / "eagle3"}
+    counts = adapt.decode_counts(load_config(scratch / "config.yaml"), folders, K, as_messages)["scratch"]
+    scratch_tau = 1 + sum(a for _, a in counts) / sum(d for d, _ in counts)
+    adapted_samples = rows(adapt_dir / "prepare")
+    scratch_samples = rows(scratch / "prepare")
+    print(
+        f"served τ: shifted {shifted['shifted_tau']:.3f}, adapted {after:.3f}; scratch (offline) {scratch_tau:.3f}; "
+        f"samples adapt {adapted_samples}, scratch {scratch_samples}"
+    )
+    assert after > shifted["shifted_tau"]
+    assert after >= 0.95 * scratch_tau
+    assert adapted_samples < scratch_samples
+
+
+def rows(prepare_dir: Path) -> int:
+    return int(json.loads((prepare_dir / "stats.json").read_text())["samples"])
+
+
+def scratch_run(shifted: dict, run: Path) -> Path:
+    """The demo's recipe from scratch on the whole gateway log."""
+    from eaglekit import pipeline
+    from eaglekit.config import load_config
+
+    data = yaml.safe_load((shifted["run_dir"] / "config.yaml").read_text())
+    data["run_dir"] = str(run)
+    data["target"]["model"] = str(load_config(shifted["run_dir"] / "config.yaml").target.model)
+    data["data"] = {"traffic": {"path": str(shifted["log"])}, "eval_fraction": 0.1}
+    data["evaluate"]["num_speculative_tokens"] = [K]
+    data.pop("verify", None)
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text(yaml.safe_dump(data))
+    cfg = load_config(run / "config.yaml")
+    pipeline.run_stages(cfg, pipeline.select_stages(cfg, until="export"))
+    return run
+
+
+@pytest.mark.slow
+def test_a_worse_candidate_is_refused(shifted, adapted, tmp_path):
+    _, adapt_dir, _ = adapted
+    current = shifted["run_dir"] / "export" / "eagle3"
+    worse = noisy_copy(current, tmp_path / "export" / "eagle3", scale=0.5)
+    result = adapt.compare(adapt_dir / "config.yaml", current, worse, K)
+    assert not result.better and result.high < 0, result.verdict()
+    assert result.verdict().startswith("refused (worse)")
+
+
+@pytest.mark.slow
+def test_a_failing_promotion_leaves_the_current_drafter_serving(shifted, adapted, tmp_path):
+    """The candidate's server does not start (a flag vLLM refuses), and verify fails in another copy of the run:
+    either way the gateway still sends the traffic to the server that served before, and the ledger says where."""
+    _, adapt_dir, _ = adapted
+    pool, url = shifted["pool"], shifted["url"]
+    serving = pool.gateway.backend
+    candidate = adapt_dir / "export" / "eagle3"
+    pool.args = [*pool.args, "--no-such-flag"]
+    try:
+        outcome = adapt.promote(adapt_dir, adapt_dir / "config.yaml", candidate, pool, say=print)
+    finally:
+        pool.args = pool.args[:-1]
+    assert outcome.status == "failed" and "vLLM exited" in outcome.detail
+    last = adapt.steps_recorded(adapt_dir)[-1]
+    assert (last["step"], last["at"]) == ("promotion failed", "swap")
+    assert pool.gateway.backend == serving and pool.previous is None
+    client = watch.connect(serving)
+    before = client.snapshot().requests
+    chat(url, shifted["heldout"][0])
+    assert client.snapshot().requests == before + 1  # served by the server that served before
+
+    # verify fails: the engine refuses its flags (a copy of the adapt run, verify not yet run there)
+    copy = tmp_path / "adapt-copy"
+    shutil.copytree(adapt_dir, copy, ignore=shutil.ignore_patterns("verify"))
+    data = yaml.safe_load((copy / "config.yaml").read_text())
+    data["run_dir"] = str(copy)
+    data["verify"]["engine_args"] = ["--no-such-flag"]
+    (copy / "config.yaml").write_text(yaml.safe_dump(data))
+    outcome = adapt.promote(copy, copy / "config.yaml", copy / "export" / "eagle3", pool, say=print)
+    assert outcome.status == "failed"
+    last = adapt.steps_recorded(copy)[-1]
+    assert (last["step"], last["at"]) == ("promotion failed", "verify")
+    assert pool.gateway.backend == serving
+
+
+class Switch:
+    """A promotion that records what adapt asked of it."""
+
+    name = "recorded"
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def promote(self, candidate: Path) -> str | None:
+        self.calls.append("promote")
+        return None
+
+    def rollback(self) -> None:
+        self.calls.append("rollback")
+
+    def settle(self) -> None:
+        self.calls.append("settle")
+
+
+def test_a_confirmation_that_falls_rolls_back(tmp_path):
+    """watch's windows on the candidate's server fall below its verify band: adapt switches back and says so."""
+    import random
+
+    from test_watch import HEALTHY, MetricsStandIn, draw_request, write_run
+
+    rng = random.Random(4)
+    run = write_run(tmp_path / "adapt", [draw_request(rng, HEALTHY) for _ in range(8)])
+    for healthy, expected in ((0, "rolled back"), (1000, "promoted")):
+        switch = Switch()
+        with MetricsStandIn(healthy=healthy) as engine:
+            outcome = adapt.confirm_or_roll_back(run, engine.url, switch, windows=2, window_requests=2, say=print)
+        assert outcome.status == expected
+        assert switch.calls == (["rollback"] if expected == "rolled back" else ["settle"])
+    steps = [e["step"] for e in adapt.steps_recorded(run)]
+    assert steps == ["rolled back", "promoted"]
+
+
+def test_the_paired_interval_refuses_noise_and_takes_a_real_gain():
+    import random
+
+    rng = random.Random(0)
+    base = [(30, rng.randint(45, 75)) for _ in range(40)]
+    same = [(d, max(0, a + rng.randint(-3, 3))) for d, a in base]
+    better = [(d, a + 12) for d, a in base]
+    noise = adapt.paired(base, same, K)
+    assert noise.low < 0 < noise.high and not noise.better
+    gain = adapt.paired(base, better, K)
+    assert gain.better and gain.low > 0 and gain.verdict().startswith("better")
+    assert adapt.paired(better, base, K).verdict().startswith("refused (worse)")
+    small = adapt.paired(base, [(d, a + 1) for d, a in base], K, min_gain=0.2)
+    assert not small.better and "below the 20% worth a swap" in small.verdict()
