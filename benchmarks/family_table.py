@@ -73,9 +73,9 @@ FAMILIES = ("eagle3", "peagle", "dflash", "dspark", "dflash2")
 BLOCK_FAMILIES = ("dflash", "dspark", "dflash2")
 FALLBACK = "dflash2 without selector"  # DFlash2's drafter measured as plain DFlash drafts (--dflash2-fallback)
 # the settings that make a row: a row of --out is reused only where all of these match the run asked for
-SETTINGS = ("target", "steps", "batch", "lr", "ttt", "eagle3_form", "layers", "block", "dspark_block", "markov_rank",
-            "conv_kernel", "conv_group", "selector_rank", "selector_top_k", "selector_weight", "window", "prompts",
-            "long_rows", "per_group", "new_tokens")  # fmt: skip
+SETTINGS = ("target", "steps", "batch", "lr", "ttt", "eagle3_form", "chain_layers", "layers", "block", "dspark_block",
+            "markov_rank", "conv_kernel", "conv_group", "selector_rank", "selector_top_k", "selector_weight", "window",
+            "prompts", "long_rows", "per_group", "new_tokens")  # fmt: skip
 
 
 def build(family: str, model, tok, aux: list[int], args, seed: int) -> torch.nn.Module:
@@ -118,9 +118,16 @@ def build(family: str, model, tok, aux: list[int], args, seed: int) -> torch.nn.
         return block
     chain: Eagle3Drafter
     if family == "peagle":
-        chain = PEagleDrafter(
-            PEagleConfig.from_target_config(model.config, vocab, aux, fc_norm=True, mask_token_id=mask)
+        config = PEagleConfig.from_target_config(
+            model.config,
+            vocab,
+            aux,
+            fc_norm=True,
+            mask_token_id=mask,
+            sliding_window=args.window,
+            num_layers=args.chain_layers,
         )
+        chain = PEagleDrafter(config)
     else:
         flags = args.eagle3_form == "3.1"  # EAGLE 3.1's fc_norm + norm_output: eaglekit's default
         chain = Eagle3Drafter(
@@ -131,6 +138,7 @@ def build(family: str, model, tok, aux: list[int], args, seed: int) -> torch.nn.
                 fc_norm=flags,
                 norm_output=flags,
                 sliding_window=args.window,
+                num_layers=args.chain_layers,
             )
         )
     d2t, t2d = build_d2t_t2d(torch.arange(vocab), vocab)
@@ -236,12 +244,12 @@ def measure_drafter(kind: str, drafter, model, prompts, k: int, stop: set[int]) 
     return measure(lambda: proposer_for(drafter), model, prompts, k, stop, 96)
 
 
-def layer_passes(family: str, k: int, layers: int) -> str:
+def layer_passes(family: str, k: int, layers: int, chain_layers: int = 1) -> str:
     """The drafter's layer-passes per verify round, and what each pass carries."""
     if family == "eagle3":
-        return f"{k} (one query each)"
+        return f"{k * chain_layers} ({k} passes of one query)"
     if family == "peagle":
-        return f"1 (one pass, {k - 1} slots)"
+        return f"{chain_layers} (one pass, {k - 1} slots)"
     queries = k if family == "dspark" else k + 1
     extra = {"dspark": " + Markov", "dflash2": " + selector"}.get(family, "")
     return f"{layers} (one pass, {queries} queries){extra}"
@@ -325,6 +333,7 @@ def parser(**defaults: Any) -> argparse.ArgumentParser:
     p.add_argument("--ttt", type=int, default=7, help="TTT steps (EAGLE-3) = parallel slots trained (P-EAGLE)")
     p.add_argument("--eagle3-form", choices=["3.1", "plain"], default="3.1",
                    help="EAGLE-3 with EAGLE 3.1's fc_norm + norm_output (eaglekit's default) or the plain form")  # fmt: skip
+    p.add_argument("--chain-layers", type=int, default=1, help="EAGLE-3's and P-EAGLE's layers (eaglekit's default: 1)")
     p.add_argument("--layers", type=int, default=2, help="the block families' layers (eaglekit's default: 5)")
     p.add_argument(
         "--block", type=int, default=8, help="DFlash's and DFlash2's block; DSpark's is one less (default 16)"
@@ -347,7 +356,9 @@ def parser(**defaults: Any) -> argparse.ArgumentParser:
     p.add_argument("--ks", type=int, nargs="+", default=[1, 3, 7])
     p.add_argument("--prompts", type=int, default=12)
     p.add_argument("--new-tokens", type=int, default=96)
-    p.add_argument("--label", help="names the setting in --out (default: tiny) and, with --table, the rows printed")
+    p.add_argument(
+        "--label", help="names the setting in --out (default: the target's name) and, with --table, the rows printed"
+    )
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "family_table.jsonl")
     p.add_argument("--table", action="store_true", help="print the table of --out's rows (of --label if given)")
     p.set_defaults(**defaults)
@@ -359,7 +370,7 @@ def main(argv: list[str] | None = None, **defaults: Any) -> None:
     if args.table:
         print_table(load_rows(args.out), args.label)
         return
-    args.label = args.label or "tiny"
+    args.label = args.label or args.target
 
     model, tok, rows, groups = (long_target if args.target == "long" else tiny_target)(args)
     aux = default_aux_layers(model.config.num_hidden_layers)
@@ -389,10 +400,10 @@ def main(argv: list[str] | None = None, **defaults: Any) -> None:
                         tau, positions = by_context["<1k"], []
                     else:
                         tau, positions = measure(proposer_of, model, groups["all"], k, stop, args.new_tokens)
+                    passes = layer_passes(family if name != FALLBACK else "dflash", k, args.layers, args.chain_layers)
                     row = {"label": args.label, "drafter": name, "seed": seed, "k": k, "tau": round(tau, 4),
-                           "acceptance_by_position": [round(p, 3) for p in positions],
-                           "layer_passes": layer_passes(family if name != FALLBACK else "dflash", k, args.layers), "train_s": round(seconds, 1),
-                           "commit": commit(), "settings": settings}  # fmt: skip
+                           "acceptance_by_position": [round(p, 3) for p in positions], "layer_passes": passes,
+                           "train_s": round(seconds, 1), "commit": commit(), "settings": settings}  # fmt: skip
                     if args.target == "long":
                         row["tau_by_context"] = by_context
                     with args.out.open("a") as f:
