@@ -74,6 +74,29 @@ if [ -n "$VLLM_PID" ] && ! wait "$VLLM_PID"; then
   exit 1
 fi
 BACKGROUND=(${BUILD_PID:+"$BUILD_PID"})  # the install is waited for: its pid may be another process's by now
+if [ "$WITH_VLLM" = 1 ]; then
+  # SGLang's model code, which tests/drafters/test_sglang_forms.py builds the exported drafters with in .venv-vllm:
+  # the sglang wheel alone (--no-deps, ~40 MB once), its Python files unpacked into the cache beside the tiny target
+  SGLANG_DIR="${EAGLEKIT_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/eaglekit}/sglang-0.5.23"
+  if [ ! -f "$SGLANG_DIR/.unpacked" ]; then
+    WHEELS=$(mktemp -d)
+    if ! .venv/bin/python -m pip download -q --no-deps "sglang==0.5.23" -d "$WHEELS"; then
+      echo "error: downloading the sglang 0.5.23 wheel failed (pip's message is above); \`bash scripts/setup.sh --vllm\` retries it" >&2
+      exit 1
+    fi
+    .venv/bin/python - "$WHEELS" "$SGLANG_DIR" <<'PY'
+import sys, zipfile
+from pathlib import Path
+wheels, dest = Path(sys.argv[1]), Path(sys.argv[2])
+with zipfile.ZipFile(next(wheels.glob("sglang-*.whl"))) as wheel:
+    # its Python files, and the kernel sources sglang.kernels.jit looks for when imported (never compiled here)
+    wanted = [n for n in wheel.namelist() if n.endswith(".py") or n.startswith("sglang/kernels/jit/")]
+    wheel.extractall(dest, [n for n in wanted if n.startswith("sglang/")])
+(dest / ".unpacked").touch()
+PY
+    rm -rf "$WHEELS"
+  fi
+fi
 if [ -n "$BUILD_PID" ] && ! wait "$BUILD_PID"; then
   echo "error: building the tiny target failed (its message is above); \`.venv/bin/eaglekit tiny-target\` retries it" >&2
   exit 1

@@ -1,7 +1,7 @@
 """SGLang's own model code builds exported drafters on the CPU and loads their weights; run by
 tests/drafters/test_sglang_forms.py in .venv-vllm (torch for the CPU), never imported by eaglekit.
 
-    python sglang_probe.py SGLANG_ROOT PORT FOLDER...
+    python sglang_probe.py SGLANG_ROOT PORT FOLDER...   (light:FOLDER: loaded whole, not key by key)
 
 SGLANG_ROOT is the sglang 0.5.23 wheel unpacked (scripts/setup.sh). For each folder, as SGLang's draft worker does:
 ``sglang.srt.utils.hf_transformers_utils.get_config`` reads config.json, the class named by its ``architectures``
@@ -89,6 +89,44 @@ for module in ("dflash", "dspark", "llama_eagle3", "kimi_k25_eagle3"):
         CLASSES[cls.__name__] = (module, cls)
 
 
+# the targets whose aux capture the drafters rely on: Llama/Qwen3 (the tiny target is a Llama), DeepSeek-V2/V3 and
+# Kimi-K2.5 (MLA; DFlash on Kimi-K2.5 is sglang#29218)
+TARGETS = {}
+for module, names in (
+    ("llama", ("LlamaForCausalLM",)),
+    ("qwen3", ("Qwen3ForCausalLM",)),
+    ("deepseek_v2", ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")),
+    ("kimi_k25", ("KimiK25ForConditionalGeneration",)),
+):
+    loaded = importlib.import_module(f"sglang.srt.models.{module}")
+    TARGETS |= {name: getattr(loaded, name) for name in names}
+
+
+def captured(method, layer_ids):
+    """The hidden states a target captures for a drafter: its own ``set_*_layers_to_capture`` run on a stand-in
+    holding what the method touches (SGLang captures the input of layer i, HF's hidden_states[i])."""
+    language = types.SimpleNamespace(
+        pp_group=types.SimpleNamespace(is_last_rank=True), model=types.SimpleNamespace(), config=None
+    )
+    out = {}
+    for name, cls in TARGETS.items():
+        if not hasattr(cls, method):
+            continue
+        if name.startswith("Kimi"):  # delegates to its DeepSeek-V3 language model
+            stand_in = types.SimpleNamespace(language_model=language)
+            language.set_dflash_layers_to_capture = types.MethodType(
+                TARGETS["DeepseekV3ForCausalLM"].set_dflash_layers_to_capture, language
+            )
+            language.set_eagle3_layers_to_capture = types.MethodType(
+                TARGETS["DeepseekV3ForCausalLM"].set_eagle3_layers_to_capture, language
+            )
+        else:
+            stand_in = language
+        getattr(cls, method)(stand_in, list(layer_ids))
+        out[name] = list(language.model.layers_to_capture)
+    return out
+
+
 class _ReadKeys(dict):
     """A nested config section that records the keys read from it."""
 
@@ -142,6 +180,7 @@ def built(model, cfg):
             "heads": [a.total_num_heads for a in attn],
             "kv_heads": [a.total_num_kv_heads for a in attn],
             "head_dim": [a.head_dim for a in attn],
+            "eps": [float(layer.input_layernorm.variance_epsilon) for layer in model.layers],
             "conv_taps": [c.taps for layer in model.layers for c in (layer.attention_conv, layer.mlp_conv) if c],
         }
         if model.candidate_selector is not None:
@@ -166,13 +205,15 @@ def built(model, cfg):
             "rope_base": float(getattr(attn.rotary_emb, "base", math.nan)),
             "max_position": int(getattr(attn.rotary_emb, "max_position_embeddings", -1)),
             "window_left": int(getattr(getattr(attn, "attn", None), "sliding_window_size", -1) or -1),
+            "eps": float(layer.input_layernorm.variance_epsilon),
         }
         eagle = getattr(cfg, "eagle_config", None) or {}
         out["eagle_aux_hidden_state_layer_ids"] = dict(eagle).get("eagle_aux_hidden_state_layer_ids")
     return out
 
 
-def probe(folder):
+def probe(folder, light=False):
+    """``light``: the whole checkpoint loaded once, without the key-by-key accounting (the config ablations)."""
     record = set()
     cfg = recording(get_config(folder, trust_remote_code=False), record)
     arch = (cfg.architectures or [None])[0]
@@ -196,7 +237,7 @@ def probe(folder):
         return torch.cat([params[n].detach()[mask] for n, mask in sorted(fills.items())])
 
     landed, intact, errors, alone_nothing = {}, {}, {}, []
-    for key, tensor in state.items():
+    for key, tensor in [] if light else state.items():
         try:
             fills = filled_by([key])
         except Exception as err:  # SGLang refused the key: its message names the problem
@@ -229,7 +270,10 @@ def probe(folder):
             for key in alone_nothing:
                 if key not in skipped:  # fused in SGLang's order, not the file's: compared as sorted values
                     intact[key] = torch.equal(got.sort().values, want.sort().values)
-    filled_by(list(state))  # the whole checkpoint in one call, as SGLang's loader feeds it
+    try:
+        filled_by(list(state))  # the whole checkpoint in one call, as SGLang's loader feeds it
+    except Exception as err:
+        errors["*"] = f"{type(err).__name__}: {err}"
     return {
         "module": f"models/{module}.py",
         "class": cls.__name__,
@@ -242,13 +286,26 @@ def probe(folder):
         "hot_token_id": getattr(model, "hot_token_id", None) is not None,
         "read": sorted(record),
         "built": built(model, cfg),
+        "capture": capture(cfg),
     }
 
 
+def capture(cfg):
+    """Where each target captures this drafter's aux hidden states (the layer ids its config names)."""
+    dflash = dict(getattr(cfg, "dflash_config", None) or {})
+    if "target_layer_ids" in dflash or getattr(cfg, "target_layer_ids", None) is not None:
+        return captured(
+            "set_dflash_layers_to_capture", dflash.get("target_layer_ids", getattr(cfg, "target_layer_ids", None))
+        )
+    eagle = dict(getattr(cfg, "eagle_config", None) or {}).get("eagle_aux_hidden_state_layer_ids")
+    return captured("set_eagle3_layers_to_capture", eagle) if eagle else {}
+
+
 results = {}
-for folder in FOLDERS:
+for arg in FOLDERS:
+    folder = arg.removeprefix("light:")
     try:
-        results[folder] = probe(folder)
+        results[arg] = probe(folder, light=arg != folder)
     except Exception as err:  # the folder's build failed in SGLang's code: its message is the finding
-        results[folder] = {"error": f"{type(err).__name__}: {err}"}
+        results[arg] = {"error": f"{type(err).__name__}: {err}"}
 print("SGLANG_PROBE " + json.dumps(results))

@@ -21,6 +21,7 @@ from eaglekit.data.chat import load_tokenizer
 from eaglekit.drafters.dflash import checkpoint as dflash_checkpoint
 from eaglekit.drafters.dflash import diagnosis as block_diagnosis
 from eaglekit.drafters.dflash import model as dflash
+from eaglekit.drafters.dflash import sglang_form
 from eaglekit.drafters.dflash.memory import block_step_memory
 from eaglekit.drafters.dflash.model import DFlashConfig, DFlashDrafter
 from eaglekit.drafters.dflash.objective import DEFAULT_ANCHORS, BlockObjective
@@ -37,8 +38,6 @@ from eaglekit.training.context_parallel import ContextGroup
 from eaglekit.training.data import pack_length
 from eaglekit.training.memory import StepMemory
 from eaglekit.training.objective import Built, Objective
-
-NO_SGLANG = "block drafter: no SGLang form"
 
 
 class DFlashFamily:
@@ -236,7 +235,11 @@ class DFlashFamily:
         return Verdict("ok", "block drafter: its vLLM form names no verifier (vLLM is given the target)")
 
     def sglang_check(self, cfg: RunConfig, formats: list[str]) -> Verdict:
-        return Verdict("ok", NO_SGLANG)
+        return Verdict(
+            "ok",
+            "block drafter: SGLang captures the target layers its config names plus one "
+            "(set_dflash_layers_to_capture), the layers it was trained on",
+        )
 
     def export_warnings(self, drafter: Any) -> list[str]:
         problem = dflash_checkpoint.cpu_build_problem(drafter.state_dict(), drafter.config)
@@ -260,6 +263,7 @@ class DFlashFamily:
                 raise EaglekitError(f"export: {dest} does not read back as the drafter written", "report this bug")
             tokenizer = load_tokenizer(cfg.target.model, cfg.target.chat_template, cfg.target.trust_remote_code)
             tokenizer.save_pretrained(tmp)
+            no_sglang = sglang_form.export_check(tmp, tokenizer.get_vocab())  # SGLang's reading, before the swap
         console.print(f"export: {form} form written to {dest} (keys, shapes and weights checked)")
         k = cfg.export.num_speculative_tokens
         warnings = []
@@ -270,16 +274,31 @@ class DFlashFamily:
             )
         warnings += self.export_warnings(drafter)
         method = self.vllm_method(form)  # DFlash2's form is served with DFlash's method
+        commands = [
+            (f"vLLM (method {method})", dflash_checkpoint.serve_command(verifier_id(cfg), dest, k, method=method))
+        ]
+        config = sglang_form.read_folder(dest)[0]
+        algorithm = sglang_form.ALGORITHMS[sglang_form.architecture(config)]
+        if no_sglang:
+            warnings.append(f"no SGLang command: {no_sglang}")
+        else:
+            commands.append(
+                (f"SGLang {sglang_form.SGLANG_READ} (--speculative-algorithm {algorithm})",
+                 sglang_form.serve_command(verifier_id(cfg), dest, config, k))
+            )  # fmt: skip
         c = drafter.config
         return Written(
             drafter,
             info,
             {form: dest},
-            [(f"vLLM (method {method})", dflash_checkpoint.serve_command(verifier_id(cfg), dest, k, method=method))],
+            commands,
             warnings,
             title=f"{self.title} drafter",
             drafter_line=f"{c.num_hidden_layers} layers, block {c.block_size}, aux layers {c.aux_layer_ids}",
-            holds={form: f"the form vLLM 0.32 serves (`--speculative-config` method `{self.vllm_method(form)}`)"},
+            holds={
+                form: f"the form vLLM 0.32 serves (`--speculative-config` method `{method}`)"
+                + ("" if no_sglang else f" and SGLang {sglang_form.SGLANG_READ} loads as is (`{algorithm}`)")
+            },
         )
 
     # ---- verify

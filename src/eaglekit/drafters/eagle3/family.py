@@ -24,6 +24,7 @@ from eaglekit.data.chat import load_tokenizer
 from eaglekit.drafters.diagnosis import ServedDrafter
 from eaglekit.drafters.eagle3 import checkpoint as eagle3_checkpoint
 from eaglekit.drafters.eagle3 import diagnosis as eagle3_diagnosis
+from eaglekit.drafters.eagle3 import sglang_form as eagle3_sglang
 from eaglekit.drafters.eagle3.fused import compile_drafter, step_kernels
 from eaglekit.drafters.eagle3.init import build_drafter
 from eaglekit.drafters.eagle3.memory import step_memory
@@ -430,7 +431,7 @@ def write_eagle3(family: Eagle3Family, ctx: StageContext, load: LoadChecked, req
         drafter.embed_tokens.weight.data.copy_(embed.to(drafter.embed_tokens.weight.dtype))
     drafter.eval()
     tokenizer = load_tokenizer(cfg.target.model, cfg.target.chat_template, cfg.target.trust_remote_code)
-    dirs = write_forms(ctx, drafter, hf, tokenizer, formats, warnings)
+    dirs = write_forms(ctx, drafter, hf, tokenizer, formats, warnings, sglang=not (ignored or sglang_aux))
     c = drafter.config
     return Written(
         drafter,
@@ -462,11 +463,13 @@ def write_forms(
     warnings: list[str],
     checkpoint: Any = eagle3_checkpoint,
     read_back: Any = None,
+    sglang: bool = False,
 ) -> dict[str, Path]:
     """Each form in its folder, swapped in whole once its keys, shapes and logits are checked; a form's warning
     is added to ``warnings``. ``checkpoint`` writes the two forms (``save_legacy``, ``save_speculators``) and
     ``read_back(drafter, folder)`` checks what it wrote (EAGLE-3's: ``same_logits``); a drafter built on EAGLE-3's
-    layer (P-EAGLE) passes its own."""
+    layer (P-EAGLE) passes its own. ``sglang``: the plain form is also checked as SGLang reads it
+    (``sglang_form.py``), since export prints an SGLang command for it."""
     read_back = read_back or same_logits
     xc, verifier = ctx.cfg.export, verifier_id(ctx.cfg)
     dirs: dict[str, Path] = {}
@@ -489,6 +492,8 @@ def write_forms(
                     warnings.append(warning.replace(str(tmp), str(dest)))
             tokenizer.save_pretrained(tmp)
             read_back(drafter, tmp)
+            if form == "eagle3" and sglang:
+                eagle3_sglang.check_folder(tmp)
         dirs[form] = dest
         console.print(f"export: {form} form written to {dest} (keys, shapes and logits checked)")
     return dirs
