@@ -35,6 +35,8 @@ from eaglekit import pipeline
 from eaglekit.config import RunConfig
 from eaglekit.contract import Sizes
 from eaglekit.data.shard_files import bytes_per_token
+from eaglekit.data.traffic import log_files
+from eaglekit.errors import EaglekitError
 from eaglekit.preflight.dataset import count_rows
 from eaglekit.preflight.disk import existing_ancestor, probe_write_rate
 from eaglekit.progress import format_duration, human_bytes
@@ -108,6 +110,19 @@ def _pick(flag_value: float | None, flag: str, measured: tuple[float | None, str
     return otherwise
 
 
+def traffic_samples(traffic) -> Figure:
+    """At most the traffic log's lines (each a conversation), capped by data.traffic.newest and max_samples."""
+    try:
+        rows = sum(count_rows(f)[0] or 0 for f in log_files(traffic.path))
+    except (EaglekitError, OSError):
+        return Figure(None, f"unknown: pass --samples ({traffic.path} unreadable)")
+    caps = [c for c in (traffic.newest, traffic.max_samples) if c]
+    return Figure(
+        min([rows, *caps]),
+        f"counted: at most {rows:,} lines in {traffic.path}" + (f", capped at {min(caps):,}" if caps else ""),
+    )
+
+
 def gather_inputs(
     cfg: RunConfig,
     samples: int | None = None,
@@ -126,9 +141,11 @@ def gather_inputs(
     # samples: the flag, else the config's cap on what the prompts file holds
     if samples is not None:
         inputs["samples"] = Figure(samples, "flag --samples")
+    elif cfg.data.traffic is not None:
+        inputs["samples"] = traffic_samples(cfg.data.traffic)
     else:
         try:
-            rows, how = count_rows(Path(cfg.data.prompts))
+            rows, how = count_rows(Path(cfg.data.prompts or ""))  # one of prompts and traffic is set
         except OSError:
             rows, how = None, "unreadable"
         cap = cfg.data.max_samples

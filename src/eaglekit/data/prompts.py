@@ -128,6 +128,15 @@ def peek_prompts(path: str | Path, n: int = 5, on_bad_row: Literal["fail", "skip
 # --- rows -------------------------------------------------------------------------------------------
 
 
+def parse_prompt(row: Any, source: str) -> PromptRecord:
+    """One row's prompt as load_prompts reads it (its turns up to the last user turn, normalised); raises ValueError
+    saying what is wrong with the row."""
+    try:
+        return _parse_row(row, source)
+    except _BadRow as err:
+        raise ValueError(str(err)) from None
+
+
 def _parse_row(row: Any, source: str) -> PromptRecord:
     if not isinstance(row, dict):
         raise _BadRow(f"expected a JSON object, got {_kind(row)}")

@@ -65,6 +65,8 @@ def prompts(ctx: StageContext) -> CheckResult:
     """``data.prompts`` exists, its first rows parse in a supported shape, and what the rest will be like."""
     name = "prompts"
     cfg = ctx.cfg.data
+    if cfg.prompts is None:
+        return skip(name, "the run reads data.traffic, not prompts")
     path = Path(cfg.prompts)
     if not path.exists():
         return fail(

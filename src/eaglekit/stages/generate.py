@@ -13,6 +13,12 @@ never by the file's name or place. When they change under the same generation se
 the prompts without a reply, keeps every reply whose prompt is still asked, and sets the others aside (kept in
 generate/set_aside.jsonl, not read by later stages; a prompt asked again takes its reply back from there).
 
+Served traffic (``data.traffic``, docs/traffic.md): the stage asks no server. It copies the conversations the gateway
+log holds of the run's target (data/traffic.py: checked, deduplicated, selected) into responses.jsonl, the same
+records in the same file, so every stage after it reads the run directory alone; the lines it rejects are named in
+generate/traffic_rejects.jsonl (where and why, never their content). The traffic is identified by its
+conversations as prompts are by their rows: lines appended to the log add only the new conversations.
+
 The reasoning gate: when reasoning is required (by default, when the target's chat template has think
 tags), the first ``gate_samples`` completions of every run are held back until they are checked; if
 more than ``gate_max_empty_share`` of them have no reasoning the stage stops — naming the fields the
@@ -26,10 +32,11 @@ import asyncio
 import json
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from eaglekit import atomic
 from eaglekit.config import RunConfig
 from eaglekit.contract import Estimate, Sizes, Stage, StageContext
 from eaglekit.data.chat import TEMPLATE_REMEDY, ServedPrompts
@@ -45,9 +52,11 @@ from eaglekit.data.responses import (
     stored_keys,
     summarize,
 )
+from eaglekit.data.traffic import log_files, traffic_identity, traffic_model
 from eaglekit.errors import EaglekitError
 from eaglekit.preflight import dataset, files, gpus, run_directory
 from eaglekit.preflight import servers as server_checks
+from eaglekit.preflight import traffic as traffic_checks
 from eaglekit.progress import Meter, console
 from eaglekit.resolved import ResolvedRun
 from eaglekit.rundir import content_identity
@@ -55,6 +64,7 @@ from eaglekit.serving.client import ChatClient, RequestFailed, api_key_from_env
 
 NAME = "generate"
 UPSTREAM = None
+TRAFFIC_REJECTS = "traffic_rejects.jsonl"  # the traffic lines left out: where and why, never their content
 
 
 def live_counts(stage_dir: Path) -> dict:
@@ -73,6 +83,14 @@ def params(run: ResolvedRun) -> dict:
     changing the batching must not invalidate a run."""
     cfg = run.cfg
     g = cfg.generate
+    if cfg.data.traffic is not None:
+        return {  # the conversations taken (which lines, checked against what), not the log's name or place
+            "prompts": traffic_identity(cfg),
+            "backend": "traffic",
+            "model": traffic_model(cfg),
+            "chat_template": files.chat_template_identity(cfg.target.chat_template),
+            "chat_template_kwargs": g.extra_body.get("chat_template_kwargs"),
+        }
     return {
         "prompts": prompts_identity(cfg),  # the rows read (data.max_samples, data.on_bad_row applied), not the file
         "backend": g.backend,
@@ -105,6 +123,7 @@ class Plan:
     new: int = 0  # prompts with no reply stored (added, or beyond a raised data.max_samples)
     edited: int = 0  # ids whose prompt's messages changed since their reply
     failed_before: int = 0  # prompts without a reply whose requests failed before: left out unless retried
+    traffic: bool = False  # the conversations come from a traffic log: taken, not generated
 
     def words(self) -> str:
         changes = [
@@ -127,8 +146,9 @@ class Plan:
             if self.failed_before
             else ""
         )
-        what = f"the prompts changed since it ran ({', '.join(changes)})" if changes else "the same prompts"
-        return f"{what}: generate {len(self.pending)} new of {self.asked}; {self.kept} kept{aside}{failed}"
+        items, verb = ("conversations of the traffic", "take") if self.traffic else ("prompts", "generate")
+        what = f"the {items} changed since it ran ({', '.join(changes)})" if changes else f"the same {items}"
+        return f"{what}: {verb} {len(self.pending)} new of {self.asked}; {self.kept} kept{aside}{failed}"
 
 
 def plan(records: list[PromptRecord], stored: dict[str, str], failed: set[str]) -> Plan:
@@ -162,12 +182,20 @@ def continues(ctx: StageContext) -> str | None:
     if not isinstance(recorded, dict) or _answering(recorded) != _answering(params(ctx.resolved)):
         return None
     try:
+        if ctx.cfg.data.traffic is not None:
+            samples = traffic_checks.traffic_read(ctx).samples
+            return replace(plan(traffic_prompts(samples), stored_keys(ctx.dir), set()), traffic=True).words()
         records = run_prompts(ctx.cfg).records
         stored = stored_keys(ctx.dir)
         failed = set() if ctx.options.get("retry_failed") else failed_ids(ctx.dir)
     except EaglekitError:
         return None  # the prompts check (or the run) names what is unreadable
     return plan(records, stored, failed).words()
+
+
+def traffic_prompts(samples: list[dict]) -> list[PromptRecord]:
+    """The traffic's conversations as the prompts they answer (the plan's terms)."""
+    return [PromptRecord(s["id"], s["messages"], s["source"]) for s in samples]
 
 
 def _answering(p: dict) -> Any:
@@ -178,6 +206,8 @@ def _answering(p: dict) -> Any:
 def checks(cfg: RunConfig) -> list:
     from eaglekit.preflight import environment  # lazy: heavy (torch)
 
+    if cfg.data.traffic is not None:
+        return [run_directory.target_folder, traffic_checks.traffic]
     if cfg.generate.backend == "local":
         return [
             dataset.prompts,
@@ -213,6 +243,12 @@ def estimate(ctx: StageContext, sizes: Sizes | None) -> Estimate:
     generate.return_token_ids). Pre-flight sizes the prompts as loaded with replies of generate.max_tokens."""
     cfg, g = ctx.cfg, ctx.cfg.generate
     ids = g.return_token_ids or g.backend == "local"
+    if cfg.data.traffic is not None:  # at most the log's own size: its conversations without the gateways' fields
+        try:
+            logged = sum(f.stat().st_size for f in log_files(cfg.data.traffic.path))
+        except (EaglekitError, OSError):
+            return Estimate()  # the traffic check says what is wrong
+        return Estimate(bytes=logged, how=[f"at most the traffic log's {logged:,} bytes"])
     if sizes is None:
         try:
             records = run_prompts(cfg).records
@@ -408,6 +444,8 @@ async def generate_openai(cfg: RunConfig, pending: list[PromptRecord], collector
 
 
 def run(ctx: StageContext) -> dict:
+    if ctx.cfg.data.traffic is not None:
+        return take_traffic(ctx)
     prompt_set = run_prompts(ctx.cfg)
     mode, why = target_reasoning_mode(ctx.cfg)
     with ResponseStore(ctx.dir) as store:
@@ -456,6 +494,46 @@ def run(ctx: StageContext) -> dict:
         "taken_back": back,
         "prompt_duplicates": prompt_set.duplicates,
         "bad_rows": len(prompt_set.bad_rows),
+    }
+
+
+def take_traffic(ctx: StageContext) -> dict:
+    """The traffic's conversations into responses.jsonl without a request: those no longer taken set aside, the new
+    ones appended (the kept lines stay byte for byte, so prepare tokenizes only the new); the rejected lines named."""
+    read = traffic_checks.traffic_read(ctx)
+    read.require_usable()
+    rejects = [{"source": r.source, "why": r.why} for r in read.rejects]
+    with ResponseStore(ctx.dir) as store:
+        atomic.write_text(ctx.dir / TRAFFIC_REJECTS, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rejects))
+        asked = replace(plan(traffic_prompts(read.samples), store.keys, set()), traffic=True)
+        aside = store.set_aside(asked.set_aside)
+        back = store.take_back({p.id: prompt_key(p.id, p.messages) for p in asked.pending})
+        new = sum(store.add(s) for s in read.samples if s["id"] not in store.done_ids)
+    console.print(f"generate: {read.summary()}")
+    console.print(
+        f"generate: {asked.words()}"
+        + (f"; the rejected lines are named in {ctx.dir / TRAFFIC_REJECTS}" if rejects else "")
+        + f"; no server asked ({len(read.samples)} conversations in {ctx.dir / RESPONSES})"
+    )
+    if len(read.rejects) > traffic_checks.REJECT_WARN_SHARE * read.lines:
+        ctx.warn(f"{len(read.rejects)} of {read.lines} traffic lines rejected: {read.rejects_summary()}")
+    ctx.ledger_extra["traffic"] = {
+        "path": read.path,
+        "lines": read.lines,
+        "rejected": dict(Counter(r.reason for r in read.rejects)),
+        "duplicates": read.duplicates,
+        "left_out": read.left_out,
+        "unchecked_model": read.unchecked_model,
+        "unchecked_template": read.unchecked_template,
+    }
+    return {
+        **summarize(ctx.dir),
+        "new": new + back,
+        "set_aside": aside,
+        "taken_back": back,
+        "traffic_lines": read.lines,
+        "rejected": len(read.rejects),
+        "duplicates": read.duplicates,
     }
 
 
@@ -547,7 +625,7 @@ def data_flags(counts: dict) -> list[str]:
 STAGE = Stage(
     name=NAME,
     upstream=UPSTREAM,
-    reads="data.prompts, and the target (in process) or its OpenAI-compatible servers",
+    reads="data.prompts, and the target (in process) or its OpenAI-compatible servers; or data.traffic, a gateway log",
     writes="generate/responses.jsonl, generate/errors.jsonl",
     params=params,
     checks=checks,
