@@ -15,8 +15,9 @@ block of K+1 queries, drafts along the selector's greedy path, as vLLM's V2 runn
   speculators  in its own venv: DFlash2DraftModel.from_training_args, its collate, get_trainer_kwargs (loss
                "ce", D-PACE, selector_loss_alpha 1) and Trainer (AdamW 0.9/0.999, weight decay 0.01, clip 1.0);
                dflash_vs_speculators.py's CPU adaptations.
-  matched      layers --layers, block --block, convolution taps 2 and groups of 16 channels, selector rank 256
-               and top 16 (speculators' defaults), the mask token, max anchors --anchors, D-PACE alpha 0.5, the
+  matched      layers --layers, block --block, convolution taps 2 and groups of 16 channels, selector top 16
+               (speculators' defaults) at rank --selector-rank (its default 256, twice the tiny target's width, costs
+               the CPU 5x DSpark's step on both sides), the mask token, max anchors --anchors, D-PACE alpha 0.5, the
                full vocabulary, embedding and head frozen at the target's, lr constant, the steps and rows.
   differs      the optimizer settings and clip; anchors and blocks past a document's end as in the DFlash race;
                the selector's predecessor in training: speculators conditions slot k on the row's own token before
@@ -93,6 +94,7 @@ def speculators_model(job: dict):
         draft_vocab_size=hf.vocab_size,
         block_size=job["block"],
         mask_token_id=job["mask_token_id"],
+        selector_rank=job["selector_rank"],
         draft_attn_impl="eager",  # flex attention has no CPU backward
     )
     assert not model.config.sample_from_anchor, "DFlash2's anchor slot holds the verified token (its default)"
@@ -143,6 +145,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=2, help="draft layers (speculators' default 5)")
     p.add_argument("--block", type=int, default=8, help="block size (speculators' default 16)")
     p.add_argument("--anchors", type=int, default=512, help="max anchors per step's sequence (speculators' default)")
+    p.add_argument("--selector-rank", type=int, default=256, help="the selector's rank (speculators' default)")
     args = p.parse_args()
     if args.speculators_child:
         return speculators_child(json.loads(args.speculators_child))
@@ -165,6 +168,7 @@ def main() -> None:
             num_hidden_layers=args.layers,
             block_size=args.block,
             shared_k_norm=False,  # speculators' layers each have their own k_norm
+            selector_rank=args.selector_rank,
         )
         drafter = DFlash2Drafter(config)
         drafter.take_target(race.embed, race.head)
@@ -172,7 +176,12 @@ def main() -> None:
         return {"train_s": round(seconds, 1), "tail_loss": round(loss, 4), "k": race.measured(drafter)}
 
     def speculators_side(job: dict) -> dict:
-        job |= {"layers": args.layers, "block": args.block, "anchors": args.anchors}
+        job |= {
+            "layers": args.layers,
+            "block": args.block,
+            "anchors": args.anchors,
+            "selector_rank": args.selector_rank,
+        }
         seconds = run_child(__file__, job, args)
         summary = json.loads((Path(job["out"]) / "summary.json").read_text())
         check = checked(summary)
@@ -182,7 +191,7 @@ def main() -> None:
             "k": race.measured(drafter),
         }
 
-    title = f"DFlash2 ({args.layers} layers, block {args.block}, max anchors {args.anchors})"
+    title = f"DFlash2 ({args.layers} layers, block {args.block}, max anchors {args.anchors}, rank {args.selector_rank})"
     race.run(title, eaglekit_side, speculators_side)
 
 
