@@ -3,6 +3,8 @@ tests/drafters/test_sglang_forms.py in .venv-vllm (torch for the CPU), never imp
 
     python sglang_probe.py SGLANG_ROOT PORT FOLDER...   (light:FOLDER: loaded whole, not key by key)
 
+and $EAGLEKIT_SGLANG_COMMANDS, a JSON list of printed launch commands, read by SGLang's own argument parser.
+
 SGLANG_ROOT is the sglang 0.5.23 wheel unpacked (scripts/setup.sh). For each folder, as SGLang's draft worker does:
 ``sglang.srt.utils.hf_transformers_utils.get_config`` reads config.json, the class named by its ``architectures``
 among the ``EntryClass`` lists of ``models/dflash.py``, ``models/dspark.py``, ``models/llama_eagle3.py`` and
@@ -176,6 +178,7 @@ def built(model, cfg):
             "window_left": [a.sliding_window_size for a in attn],
             "attn_type": [a.attn_type.name for a in attn],
             "rope_base": [float(a.rotary_emb.base) for a in attn],
+            "neox": [bool(a.rotary_emb.is_neox_style) for a in attn],
             "max_position": [int(a.rotary_emb.max_position_embeddings) for a in attn],
             "heads": [a.total_num_heads for a in attn],
             "kv_heads": [a.total_num_kv_heads for a in attn],
@@ -203,6 +206,7 @@ def built(model, cfg):
             "norm_before_fc": getattr(inner, "input_norm", None) is not None,
             "draft_vocab_size": int(cfg.draft_vocab_size),
             "rope_base": float(getattr(attn.rotary_emb, "base", math.nan)),
+            "neox": bool(getattr(attn.rotary_emb, "is_neox_style", True)),
             "max_position": int(getattr(attn.rotary_emb, "max_position_embeddings", -1)),
             "window_left": int(getattr(getattr(attn, "attn", None), "sliding_window_size", -1) or -1),
             "eps": float(layer.input_layernorm.variance_epsilon),
@@ -301,7 +305,21 @@ def capture(cfg):
     return captured("set_eagle3_layers_to_capture", eagle) if eagle else {}
 
 
-results = {}
+def parsed(command):
+    """A printed launch command read by SGLang's own argument parser (``ServerArgs.add_cli_args``): the values of
+    the flags a drafter's command sets (an unknown flag or a bad value exits the parser)."""
+    import argparse
+    import shlex
+
+    argv = shlex.split(command)
+    assert argv[:3] == ["python", "-m", "sglang.launch_server"], argv[:3]
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    args = vars(parser.parse_args(argv[3:]))
+    return {k: v for k, v in args.items() if k == "model_path" or (k.startswith("speculative_") and v is not None)}
+
+
+results = {"commands": [parsed(c) for c in json.loads(os.environ.get("EAGLEKIT_SGLANG_COMMANDS", "[]"))]}
 for arg in FOLDERS:
     folder = arg.removeprefix("light:")
     try:

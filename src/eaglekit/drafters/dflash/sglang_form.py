@@ -35,6 +35,7 @@ kernels need a GPU.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from eaglekit.drafters.sglang_form import (
@@ -63,7 +64,8 @@ _BACKBONE = (
     "max_position_embeddings",
     "block_size",
 )
-_WINDOW = ("layer_types", "sliding_window")
+# transformers' Qwen3Config keeps sliding_window only under use_sliding_window (SGLang reads the config it builds)
+_WINDOW = ("layer_types", "sliding_window", "use_sliding_window")
 # per architecture: the config.json keys SGLang reads whose absence builds another drafter (nested: "section.key")
 REQUIRED: dict[str, tuple[str, ...]] = {
     "DFlashDraftModel": _BACKBONE + ("dflash_config.target_layer_ids", "dflash_config.mask_token_id"),
@@ -82,10 +84,12 @@ _STACKED = {
 }
 
 
-def required_keys(config: dict) -> tuple[str, ...]:
-    """The keys ``config`` must hold for SGLang to build the drafter eaglekit wrote (its window's too)."""
+def required_keys(config: dict, trained: dict | None = None) -> tuple[str, ...]:
+    """The keys ``config`` must hold for SGLang to build the drafter eaglekit wrote; ``trained``: the folder's
+    eaglekit.json, whose window makes the window's keys required too."""
     keys = REQUIRED.get(architecture(config), _BACKBONE)
-    return keys + _WINDOW if "sliding_attention" in (config.get("layer_types") or []) else keys
+    windowed = "sliding_attention" in (config.get("layer_types") or []) or (trained or {}).get("sliding_window")
+    return keys + _WINDOW if windowed else keys
 
 
 def architecture(config: dict) -> str:
@@ -146,14 +150,17 @@ def sglang_parameter(key: str) -> str | None:
     return key
 
 
-def problems(config: dict, shapes: dict[str, tuple[int, ...]]) -> list[str]:
-    """What SGLang would read otherwise than eaglekit wrote, each naming its key (empty: it loads as written)."""
+def problems(config: dict, shapes: dict[str, tuple[int, ...]], trained: dict | None = None) -> list[str]:
+    """What SGLang would read otherwise than eaglekit wrote, each naming its key (empty: it loads as written);
+    ``trained``: the drafter config eaglekit wrote beside (eaglekit.json)."""
     arch = architecture(config)
+    if not arch:
+        return ["config.json lacks architectures"]
     if arch not in ALGORITHMS:
         return [
             f"architectures {config.get('architectures')} names no SGLang block-drafter class ({sorted(ALGORITHMS)})"
         ]
-    missing = missing_keys(config, required_keys(config))
+    missing = missing_keys(config, required_keys(config, trained))
     if missing:
         return missing  # SGLang's parameters are sized from those keys
     unfit = unservable(config)
@@ -175,7 +182,13 @@ def unservable(config: dict) -> str | None:
 
 def check_folder(folder: Path) -> None:
     """Refuse a folder SGLang would load otherwise than written, naming each key."""
-    refuse(folder, problems(*read_folder(folder)))
+    refuse(folder, problems(*read_folder(folder), trained(folder)))
+
+
+def trained(folder: Path) -> dict | None:
+    """The drafter config eaglekit wrote beside SGLang's (eaglekit.json), or None."""
+    path = folder / "eaglekit.json"
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
 
 
 def serve_command(target: str, folder: Path, config: dict, k: int) -> str:
@@ -205,5 +218,5 @@ def export_check(folder: Path, vocab: dict[str, int]) -> str | None:
                 f"the target's tokenizer has {token} as id {vocab[token]} but the drafter's mask_token_id is "
                 f"{mask_id}: SGLang refuses the mismatch (speculative/dflash_worker_v2.py: _resolve_mask_token_id)"
             )
-    refuse(folder, problems(config, shapes))
+    refuse(folder, problems(config, shapes, trained(folder)))
     return None

@@ -61,10 +61,21 @@ def architecture(config: dict) -> str:
     return ((config.get("architectures") or [None])[0]) or ""
 
 
-def required_keys(config: dict) -> tuple[str, ...]:
-    arch = architecture(config)
-    keys = REQUIRED.get(arch, _COMMON) + tuple(f for f in FLAGS_READ.get(arch, ()) if config.get(f))
-    if config.get("target_hidden_size", config.get("hidden_size")) != config.get("hidden_size"):
+def required_keys(config: dict, shapes: dict[str, tuple[int, ...]] | None = None) -> tuple[str, ...]:
+    """The keys ``config`` must hold for SGLang to build the drafter written: a flag SGLang reads is required when it
+    is on, or when the weights (``shapes``) hold the norm it adds; ``target_hidden_size`` when fc's width (three
+    target states) is not three draft widths."""
+    arch, shapes = architecture(config), shapes or {}
+    weights = {"fc_norm": ("fc_norm.", "aux_norm_"), "norm_before_fc": ("input_norm.",)}
+    flags = tuple(
+        f
+        for f in FLAGS_READ.get(arch, ())
+        if config.get(f) or any(k.startswith(weights.get(f, ("-",))) for k in shapes)
+    )
+    keys = REQUIRED.get(arch, _COMMON) + flags
+    h = config.get("hidden_size")
+    fc_in = shapes.get("fc.weight", (0, 3 * (config.get("target_hidden_size") or h or 0)))[1]
+    if fc_in != 3 * (h or 0):  # fc reads a target hidden size other than the draft's: SGLang must be told it
         keys += ("target_hidden_size",)
     return keys
 
@@ -136,9 +147,11 @@ def landing(arch: str, params: dict[str, tuple[int, ...]]):
 def problems(config: dict, shapes: dict[str, tuple[int, ...]]) -> list[str]:
     """What SGLang would read otherwise than eaglekit wrote, each naming its key (empty: it loads as written)."""
     arch = architecture(config)
+    if not arch:
+        return ["config.json lacks architectures"]
     if arch not in REQUIRED:
         return [f"architectures {config.get('architectures')} names no SGLang EAGLE-3 class ({sorted(REQUIRED)})"]
-    missing = missing_keys(config, required_keys(config))
+    missing = missing_keys(config, required_keys(config, shapes))
     if missing:
         return missing  # SGLang's parameters are sized from those keys
     out = []
