@@ -464,7 +464,7 @@ def _short(v: Any) -> str:
         return "unset"
     if isinstance(v, dict) and "path" in v:
         what = "missing" if v.get("missing") else "unreadable" if v.get("unreadable") else v.get("sha", "?")
-        counted = f"{v['prompts']} prompts, " if "prompts" in v else ""
+        counted = "".join(f"{v[n]} {n}, " for n in ("prompts", "conversations") if n in v)
         return f"{v['path']} ({counted}{what})"
     text = json.dumps(v, default=str) if not isinstance(v, str) else v
     return text if len(text) <= 60 else text[:59] + "…"

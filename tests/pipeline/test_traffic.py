@@ -223,10 +223,12 @@ def test_appended_traffic_is_all_a_rerun_takes_and_tokenizes(served, tmp_path, t
         f.write("".join(line(x) for x in exchanges[20:26]) + "not json\n")
     rows = {r["stage"]: r for r in status.stage_rows(cfg)}
     assert rows["generate"]["state"] == "stale" and rows["prepare"]["state"] == "stale"
+    assert f"generate.traffic: {log} (20 conversations, " in rows["generate"]["reason"]
+    assert f"→ {log} (26 conversations, " in rows["generate"]["reason"]
     generate_row, prepare_row = run_stages(cfg, "generate", "prepare")
     out = " ".join(capsys.readouterr().err.split())
     assert "the conversations of the traffic changed since it ran (6 added): take 6 new of 26; 20 kept" in out
-    assert f"1 malformed ({log}:27" in out
+    assert f"1 malformed ({log}:27" in out and "(6 new, 20 kept); no server asked" in out
     assert generate_row["counts"]["new"] == 6 and generate_row["counts"]["done"] == 26
     assert (Path(cfg.run_dir) / "generate" / "responses.jsonl").read_bytes().startswith(kept)
     assert "prepare: 6 new samples tokenized, 20 kept" in out
@@ -234,3 +236,44 @@ def test_appended_traffic_is_all_a_rerun_takes_and_tokenizes(served, tmp_path, t
     assert all(r["state"] == "done" for r in status.stage_rows(cfg) if r["stage"] in ("generate", "prepare"))
     # the same log again: nothing to do
     assert all(row.get("skipped") for row in run_stages(cfg, "generate", "prepare"))
+
+
+def test_the_gateways_shapes_read_as_one_conversation_and_what_cannot_be_rendered_is_named(served, tmp_path):
+    first = served["target"][0]
+    request, response = first["request"], first["response"]
+    reply = response["choices"][0]["message"]
+    shapes = [
+        {"request": request, "response": response},  # side by side
+        {"model": MODEL, "messages": request["messages"], "response": response, "startTime": 1765000000.0},  # LiteLLM
+        {"request": {"body": request}, "response": {"status": 200, "body": response}},  # Portkey's envelopes
+        {"reqPayload": json.dumps(request), "respPayload": json.dumps(response), "statusCode": 200},  # OpenPipe
+        {"messages": [*request["messages"], reply], "model": MODEL},  # plain
+    ]
+    log = tmp_path / "shapes.jsonl"
+    log.write_text("".join(line(x) for x in shapes))
+    read = read_traffic(log, model=MODEL)
+    assert len(read.samples) == 1 and read.duplicates == 4 and not read.rejects
+
+    tools = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}
+    refused = [
+        {"request": {**request, "tools": [tools]}, "response": response},
+        {"request": {**request, "chat_template_kwargs": {"enable_thinking": False}}, "response": response},
+        {"request": {"body": request}, "response": {"status": 500, "body": {"error": "overloaded"}}},
+        {"messages": request["messages"]},  # no reply logged
+    ]
+    log.write_text("".join(line(x) for x in refused))
+    read = read_traffic(log, model=MODEL)
+    assert [(r.source, r.reason) for r in read.rejects] == [
+        (f"{log}:1", "not renderable here"),
+        (f"{log}:2", "not renderable here"),
+        (f"{log}:3", "failed request"),
+        (f"{log}:4", "no reply"),
+    ]
+    assert "offers tools" in read.rejects[0].why and '{"enable_thinking": false}' in read.rejects[1].why
+    with pytest.raises(EaglekitError) as none:
+        read.require_usable()
+    assert f"no usable conversation of 4 lines: 2 not renderable here ({log}:1, {log}:2" in none.value.message
+    assert "without tools" in (none.value.remedy or "")
+    # a plain line without a `model` is taken, and said to be unchecked
+    log.write_text(line({"messages": [*request["messages"], reply]}))
+    assert "1 taken lines carry no `model` field" in read_traffic(log, model=MODEL).summary()

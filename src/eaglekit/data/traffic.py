@@ -503,7 +503,8 @@ def traffic_identity(cfg) -> dict:
         read = run_traffic(cfg)
     except EaglekitError as err:
         return {"path": str(t.path), "unreadable": err.message}
-    identity = set_identity([prompt_key(r["id"], r["messages"]) for r in read.samples], t.path)
+    prompts = set_identity([prompt_key(r["id"], r["messages"]) for r in read.samples], t.path)
+    identity = {"path": prompts["path"], "conversations": prompts["prompts"], "sha": prompts["sha"]}
     if cache.parent.is_dir():
         with contextlib.suppress(OSError, EaglekitError):  # read-only, or full: read again next time
             atomic.write_json(cache, {"key": key, "identity": identity})

@@ -85,7 +85,7 @@ def params(run: ResolvedRun) -> dict:
     g = cfg.generate
     if cfg.data.traffic is not None:
         return {  # the conversations taken (which lines, checked against what), not the log's name or place
-            "prompts": traffic_identity(cfg),
+            "traffic": traffic_identity(cfg),
             "backend": "traffic",
             "model": traffic_model(cfg),
             "chat_template": files.chat_template_identity(cfg.target.chat_template),
@@ -108,8 +108,8 @@ def params(run: ResolvedRun) -> dict:
 
 # --- changed prompts --------------------------------------------------------------------------------
 
-WHICH_PROMPTS = ("prompts", "max_samples", "on_bad_row")  # parameters that say which prompts are asked (older
-# ledgers recorded the last two beside the file); the others say how a prompt is answered
+WHICH_PROMPTS = ("prompts", "max_samples", "on_bad_row", "traffic")  # parameters that say which prompts are asked
+# (older ledgers recorded max_samples and on_bad_row beside the file); the others say how a prompt is answered
 
 
 @dataclass
@@ -511,9 +511,9 @@ def take_traffic(ctx: StageContext) -> dict:
         new = sum(store.add(s) for s in read.samples if s["id"] not in store.done_ids)
     console.print(f"generate: {read.summary()}")
     console.print(
-        f"generate: {asked.words()}"
+        f"generate: {len(read.samples)} conversations of the traffic in {ctx.dir / RESPONSES} ({new + back} new, "
+        f"{asked.kept} kept{f', {aside} no longer taken set aside' if aside else ''}); no server asked"
         + (f"; the rejected lines are named in {ctx.dir / TRAFFIC_REJECTS}" if rejects else "")
-        + f"; no server asked ({len(read.samples)} conversations in {ctx.dir / RESPONSES})"
     )
     if len(read.rejects) > traffic_checks.REJECT_WARN_SHARE * read.lines:
         ctx.warn(f"{len(read.rejects)} of {read.lines} traffic lines rejected: {read.rejects_summary()}")
