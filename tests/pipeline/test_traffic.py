@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 import urllib.request
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -194,6 +195,11 @@ def test_repeated_conversations_count_once_and_the_sample_is_seeded_and_stays_pu
     assert sample(max_samples=10) == sample(max_samples=10) and len(sample(max_samples=10)) == 10
     assert sample(max_samples=10, seed=1) != sample(max_samples=10)
     assert sample(newest=5) == [r["id"] for r in whole.samples[-5:]]  # log order, oldest first
+    assert sample(since=datetime(2000, 1, 1, tzinfo=UTC)) == sample()  # the responses' `created` times
+    late = read_traffic(log, model=MODEL, since=datetime.now(UTC) + timedelta(days=1))
+    assert late.samples == [] and late.left_out == 30
+    with pytest.raises(EaglekitError, match="30 usable ones not selected by data.traffic since/newest"):
+        late.require_usable()
     before = set(sample(max_samples=10))
     with open(log, "a") as f:
         f.write("".join(line(x) for x in exchanges[30:]))
@@ -276,4 +282,4 @@ def test_the_gateways_shapes_read_as_one_conversation_and_what_cannot_be_rendere
     assert "without tools" in (none.value.remedy or "")
     # a plain line without a `model` is taken, and said to be unchecked
     log.write_text(line({"messages": [*request["messages"], reply]}))
-    assert "1 taken lines carry no `model` field" in read_traffic(log, model=MODEL).summary()
+    assert "1 taken without a `model` field (their origin is unchecked)" in read_traffic(log, model=MODEL).summary()

@@ -117,9 +117,9 @@ class TrafficRead:
         if self.left_out:
             text += f", {self.left_out} not selected (data.traffic since/newest/max_samples)"
         if self.rejects:
-            text += f"; {len(self.rejects)} lines rejected: {self.rejects_summary()}"
+            text += f"; {len(self.rejects)} rejected: {self.rejects_summary()}"
         if self.unchecked_model:
-            text += f"; {self.unchecked_model} taken lines carry no `model` field (their origin is unchecked)"
+            text += f"; {self.unchecked_model} taken without a `model` field (their origin is unchecked)"
         if self.unchecked_template:
             text += (
                 f"; {self.unchecked_template} taken prompts could not be compared with the served rendering (no "
