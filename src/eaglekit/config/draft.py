@@ -142,6 +142,13 @@ class LlamaDraft(Eagle3Draft):
     )
     num_key_value_heads: int | None = Field(None, ge=1, description="GQA: key/value heads (default: the target's)")
     head_dim: int | None = Field(None, ge=1, description="per-head width (default: the target's)")
+    num_layers: int | None = Field(
+        None,
+        ge=1,
+        description="draft decoder layers (default 1, EAGLE-3's): the first reads the token embedding and the fused "
+        "feature, each further one the layer below's output, with its own KV cache, as vLLM's llama_eagle3.py serves "
+        "them (the peers train P-EAGLE with 4); every TTT step runs every layer",
+    )
     norm_before_fc: bool | None = Field(
         None,
         description="one RMSNorm over the concatenated aux states (input_norm, gpt-oss style); exclusive with "

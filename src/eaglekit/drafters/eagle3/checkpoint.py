@@ -10,6 +10,14 @@ Plain form ("legacy", the one SGLang and ``--speculative-config`` load): a flat 
     SGLang's ``load_weights`` stack them into their own fused parameter, named differently in each engine).
     The drafters of Kimi-K2.5/K2.6 (``kimi-k2.5-eagle3-mla``, ``eagle3.1-mla``) come in this form.
 
+Several decoder layers (``num_layers`` > 1, Llama only; ``num_hidden_layers`` in the config, in the speculators form
+``transformer_layer_config``'s): every layer's keys are ``layers.{i}.`` in both forms (vLLM maps ``midlayer.`` to
+``layers.0.``, so a one-layer plain form keeps ``midlayer.``). Layers >= 1 are plain Llama layers on H (no
+``hidden_norm``); vLLM 0.32 norms their input with ``input_layernorm`` (``llama_eagle3.py``), SGLang 0.5.23 with
+``hidden_norm`` (its ``llama_eagle3.py``: ``self.hidden_norm(hidden_states, residual)`` for layer_id > 0), so the
+plain form, the one SGLang loads, also carries ``layers.{i}.hidden_norm.weight`` equal to that layer's
+``input_layernorm.weight`` (vLLM loads it into a norm it does not use): both engines then serve the same drafter.
+
 speculators form (Llama drafter only): ``speculators_model_type: eagle3`` with the layer config nested in
 ``transformer_layer_config`` + weights with ``layers.0.`` keys; ``vllm serve DIR`` runs it. There is no MLA
 speculators form: vLLM's reader (``transformers_utils/configs/speculators/algos.py``, ``update_eagle3``) maps only
@@ -63,28 +71,68 @@ OPTIONAL_KEYS = ("embed_tokens.weight",)
 # ------------------------------------------------------------------------------------------ the contract
 
 
+def layer_prefixes(cfg: DrafterConfig, form: str) -> list[str]:
+    """Each decoder layer's key prefix on disk: a one-layer drafter's plain form keeps its layer kind's
+    (``midlayer.`` for Llama's), anything else has ``layers.{i}.``."""
+    if form == LEGACY and cfg.num_layers == 1:
+        return [cfg.layer.legacy_prefix]
+    return [f"layers.{i}." for i in range(cfg.num_layers)]
+
+
 def layer_prefix(cfg: DrafterConfig, form: str) -> str:
-    """The decoder layer's key prefix on disk: the layer kind's in the plain form (``midlayer.`` for Llama's),
-    else ``layers.0.``."""
-    return cfg.layer.legacy_prefix if form == LEGACY else "layers.0."
+    """The first decoder layer's key prefix on disk."""
+    return layer_prefixes(cfg, form)[0]
+
+
+def sglang_norm_copies(cfg: DrafterConfig, form: str) -> dict[str, str]:
+    """The plain form's copies for SGLang (module docstring): ``layers.{i}.hidden_norm.weight`` -> the key it copies."""
+    if form != LEGACY:
+        return {}
+    return {p + "hidden_norm.weight": p + "input_layernorm.weight" for p in layer_prefixes(cfg, form)[1:]}
+
+
+def to_disk_key(key: str, prefixes: list[str]) -> str:
+    """A state-dict key of ``Eagle3Drafter`` (``midlayer.``, ``upper_layers.{j}.``) under ``prefixes`` on disk."""
+    if key.startswith("midlayer."):
+        return prefixes[0] + key.removeprefix("midlayer.")
+    if key.startswith("upper_layers."):
+        j, rest = key.removeprefix("upper_layers.").split(".", 1)
+        return prefixes[int(j) + 1] + rest
+    return key
+
+
+def from_disk_key(key: str, prefixes: list[str]) -> str:
+    """``to_disk_key`` undone."""
+    for i, prefix in enumerate(prefixes):
+        if key.startswith(prefix):
+            return ("midlayer." if i == 0 else f"upper_layers.{i - 1}.") + key.removeprefix(prefix)
+    return key
 
 
 def expected_state(cfg: DrafterConfig, form: str = LEGACY) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
-    """Key -> (shape, dtype) of a drafter checkpoint on disk; dtype None means any floating type."""
+    """Key -> (shape, dtype) of the drafter's weights on disk; dtype None means any floating type. (The plain form's
+    ``sglang_norm_copies`` of a drafter with several layers come on top: not weights of their own.)"""
     h, i, ht = cfg.hidden_size, cfg.intermediate_size, cfg.target_hidden_size
+    mlp = {"mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h), "mlp.down_proj.weight": (h, i)}
+    norms = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,)}
+    attention = cfg.layer.attention_shapes(cfg)
     layer = {
         "hidden_norm.weight": (h,),
-        "input_layernorm.weight": (h,),
-        "post_attention_layernorm.weight": (h,),
-        **{f"self_attn.{name}.weight": shape for name, shape in cfg.layer.attention_shapes(cfg).items()},
-        "mlp.gate_proj.weight": (i, h),
-        "mlp.up_proj.weight": (i, h),
-        "mlp.down_proj.weight": (h, i),
+        **norms,
+        **{f"self_attn.{name}.weight": shape for name, shape in attention.items()},
+        **mlp,
     }
-    prefix = layer_prefix(cfg, form)
+    # layers >= 1 (Llama only): their q/k/v read the H-wide output below instead of the 2H-wide first input
+    upper = {
+        **norms,
+        **{f"self_attn.{n}.weight": shape if n == "o_proj" else (shape[0], h) for n, shape in attention.items()},
+        **mlp,
+    }
+    first, *above = layer_prefixes(cfg, form)
     out: dict[str, tuple[tuple[int, ...], torch.dtype | None]] = {
         "fc.weight": ((h, 3 * ht), None),
-        **{prefix + k: (shape, None) for k, shape in layer.items()},
+        **{first + k: (shape, None) for k, shape in layer.items()},
+        **{prefix + k: (shape, None) for prefix in above for k, shape in upper.items()},
         "norm.weight": ((h,), None),
         "lm_head.weight": ((cfg.draft_vocab_size, h), None),
         "d2t": ((cfg.draft_vocab_size,), torch.int64),
@@ -111,8 +159,9 @@ def validate_state_dict(
         raise ValueError(f"unknown checkpoint form {form!r}")
     if form == SPECULATORS and cfg.layer.no_speculators:
         raise EaglekitError(f"{where}: {cfg.layer.no_speculators}", "use the plain form (export.formats: [eagle3])")
-    expected = expected_state(cfg, form)
-    optional = set(OPTIONAL_KEYS) | ({"d2t", "t2d"} if cfg.draft_vocab_size == cfg.vocab_size else set())
+    copies = sglang_norm_copies(cfg, form)  # optional: a plain form written for vLLM alone goes without them
+    expected = expected_state(cfg, form) | {key: ((cfg.hidden_size,), None) for key in copies}
+    optional = set(OPTIONAL_KEYS) | set(copies) | ({"d2t", "t2d"} if cfg.draft_vocab_size == cfg.vocab_size else set())
     missing = sorted(set(expected) - set(state) - optional)
     extra = sorted(set(state) - set(expected))
     problems = [f"missing key {k}" for k in missing] + [f"unexpected key {k}" for k in extra]
@@ -148,14 +197,14 @@ def _layer_config(cfg: DrafterConfig) -> dict[str, Any]:
     # vLLM's llama.py gives draft layer i the window config.sliding_window when config.layer_types[i] (counted
     # from the drafter's first layer) is "sliding_attention"; without layer_types it serves full attention
     window = (
-        {"layer_types": ["sliding_attention"], "sliding_window": cfg.sliding_window}
+        {"layer_types": ["sliding_attention"] * cfg.num_layers, "sliding_window": cfg.sliding_window}
         if cfg.sliding_window is not None
         else {}
     )
     return {
         **shape,
         **window,
-        "num_hidden_layers": 1,
+        "num_hidden_layers": cfg.num_layers,
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
         "num_attention_heads": cfg.num_attention_heads,
@@ -262,8 +311,9 @@ def _export_state(drafter: Eagle3Drafter, form: str, include_embeddings: bool) -
         # The draft vocab is the target's: vLLM then has no draft_id_to_target_id parameter and refuses a d2t
         # ("There is no module or parameter named 'draft_id_to_target_id'"); SGLang needs no mapping either.
         state.pop("d2t"), state.pop("t2d")
-    prefix = layer_prefix(drafter.config, form)
-    state = {prefix + k.removeprefix("midlayer.") if k.startswith("midlayer.") else k: v for k, v in state.items()}
+    prefixes = layer_prefixes(drafter.config, form)
+    state = {to_disk_key(k, prefixes): v for k, v in state.items()}
+    state |= {copy: state[source].clone() for copy, source in sglang_norm_copies(drafter.config, form).items()}
     validate_state_dict(state, drafter.config, form)
     return state
 
@@ -315,11 +365,6 @@ def _config_from_layer(
             raise UsageError(f"{source}: missing '{key}'", "the drafter's config.json is incomplete")
         return layer[key]
 
-    if int(layer.get("num_hidden_layers", 1)) != 1:
-        raise UsageError(
-            f"{source}: num_hidden_layers is {layer['num_hidden_layers']}; eaglekit drafters have one decoder layer",
-            "use a one-layer EAGLE-3 drafter",
-        )
     hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
     theta, scaling = rope_from_config(text_config(layer))
     vocab = int(need("vocab_size"))
@@ -345,6 +390,7 @@ def _config_from_layer(
             norm_output=flags["norm_output"],
             norm_before_residual=flags["norm_before_residual"],
             sliding_window=layer_window(layer),
+            num_layers=int(layer.get("num_hidden_layers") or 1),
         )
     except UsageError as err:
         raise UsageError(f"{source}: {err.message}", err.remedy) from None
@@ -442,8 +488,10 @@ def load_drafter(
     state, files = read_weights(path)
     state = canonical_keys(state, cfg, form)
     validate_state_dict(state, cfg, form, where=str(path))
-    prefix = layer_prefix(cfg, form)
-    state = {"midlayer." + k.removeprefix(prefix) if k.startswith(prefix) else k: v for k, v in state.items()}
+    # SGLang's copies: eaglekit reads a layer's input norm as vLLM does, from input_layernorm
+    state = {k: v for k, v in state.items() if k not in sglang_norm_copies(cfg, form)}
+    prefixes = layer_prefixes(cfg, form)
+    state = {from_disk_key(k, prefixes): v for k, v in state.items()}
     drafter = build(cfg)
     missing = set(drafter.load_state_dict(state, strict=False).missing_keys)  # strictness: validate_state_dict
     drafter = drafter.to(dtype or state["fc.weight"].dtype)

@@ -441,7 +441,7 @@ def write_eagle3(family: Eagle3Family, ctx: StageContext, load: LoadChecked, req
         warnings,
         title="EAGLE-3 drafter",
         drafter_line=(
-            f"one decoder layer ({describe_layer(family, c)}), hidden {c.hidden_size}, draft vocab "
+            f"{decoder_layers(c)} ({describe_layer(family, c)}), hidden {c.hidden_size}, draft vocab "
             f"{c.draft_vocab_size} of {c.vocab_size}, aux hidden states "
             f"{c.aux_layer_ids or 'default [2, N//2, N-3]'} (HF hidden_states indices), max_position_embeddings "
             f"{c.max_position_embeddings}, rope_theta {c.rope_theta:g}"
@@ -497,6 +497,11 @@ def write_forms(
         dirs[form] = dest
         console.print(f"export: {form} form written to {dest} (keys, shapes and logits checked)")
     return dirs
+
+
+def decoder_layers(c) -> str:
+    """The drafter's decoder layers in words, for the model card."""
+    return "one decoder layer" if c.num_layers == 1 else f"{c.num_layers} decoder layers"
 
 
 def describe_layer(family: Eagle3Family, c) -> str:

@@ -87,7 +87,8 @@ def compile_drafter(drafter: Eagle3Drafter, backend: str = "inductor") -> Eagle3
 
     dynamic: the rows of every draft step change from batch to batch.
     """
-    layer = drafter.midlayer
-    for owner, name in ((drafter, "fuse"), (drafter, "next_feature"), (layer, "qkv"), (layer, "finish")):
+    pieces: list[tuple[torch.nn.Module, str]] = [(drafter, "fuse"), (drafter, "next_feature")]
+    pieces += [(layer, name) for layer in drafter.decoder_layers for name in ("qkv", "finish")]
+    for owner, name in pieces:
         setattr(owner, name, torch.compile(getattr(owner, name), dynamic=True, backend=backend))
     return drafter

@@ -10,7 +10,8 @@ and head widths, and every storage its ops make that is still alive when it retu
 backward (saved for autograd, or held by a checkpointed step's closure: its step-0 keys, its index tensors). Since
 every kept tensor is [rows, width] for one of the layer's widths (hidden, intermediate, target hidden, head counts,
 latent ranks), the slope per token of one drafter per width, doubled, gives the bytes per token at any width. This
-costs a fraction of a second once per shape. ``benchmarks/train_memory.py`` checks the result against the measured
+costs a fraction of a second once per shape. A drafter with several decoder layers is calibrated with as many: each
+keeps its own activations and step-0 keys, so the slope grows with them. ``benchmarks/train_memory.py`` checks the result against the measured
 peak of real steps.
 
 The peak comes in one of two phases (their temporaries are never alive together). In the forward, at the head
@@ -200,5 +201,6 @@ def step_memory(
 
 
 def key_value_elements(cfg: DrafterConfig) -> int:
-    """Elements of one position's step-0 key and value, as the layer makes them (MLA: per head, decompressed)."""
-    return cfg.layer.key_value_elements(cfg)
+    """Elements of one position's step-0 keys and values, as the layers make them (MLA: per head, decompressed),
+    every decoder layer's (each attends its own)."""
+    return cfg.layer.key_value_elements(cfg) * cfg.num_layers

@@ -1,11 +1,14 @@
-"""The EAGLE-3 draft model: one decoder layer fed by the target's fused hidden states.
+"""The EAGLE-3 draft model: a decoder layer (or several) fed by the target's fused hidden states.
 
 Parameter names are the checkpoint keys of docs/formats.md §11, so ``state_dict()`` is the export:
 
     fc_norm.{0,1,2}    [Ht]       (fc_norm) an RMSNorm per aux hidden state before fc (EAGLE 3.1)
     input_norm         [3*Ht]     (norm_before_fc) one RMSNorm over the concatenated aux states before fc
     fc                 [H, 3*Ht]  fuses the three aux hidden states of the target into one feature
-    midlayer           one decoder layer whose attention reads cat(input_layernorm(embed), hidden_norm(feature))
+    midlayer           the first decoder layer, whose attention reads cat(input_layernorm(embed), hidden_norm(feature))
+    upper_layers.{j}   with num_layers > 1, layers 1.. (``layers.{j+1}.`` on disk): plain Llama decoder layers over
+                       the previous layer's pre-norm output, H wide, no token embedding (vLLM ``llama_eagle3.py``,
+                       layer_idx >= 1); each keeps its own keys and values
     norm, lm_head      the head over the draft vocabulary [Vd, H]
     d2t, t2d           draft id -> target id offsets, and the target ids that the draft vocab covers
     embed_tokens       the target's token embedding, frozen
@@ -92,6 +95,9 @@ class DrafterConfig:
     norm_before_residual: bool = False
     # the query's position and the sliding_window - 1 before it (vLLM's convention); None: every earlier position
     sliding_window: int | None = None
+    # decoder layers (num_hidden_layers on disk): the first reads the token embedding and the feature, the others the
+    # previous layer's output, as vLLM's llama_eagle3.py serves them
+    num_layers: int = 1
 
     def __post_init__(self) -> None:
         def positive(*names: str) -> None:
@@ -111,6 +117,7 @@ class DrafterConfig:
             "vocab_size",
             "draft_vocab_size",
             "target_hidden_size",
+            "num_layers",
         )
         if self.architecture not in LAYERS:
             raise UsageError(
@@ -118,6 +125,13 @@ class DrafterConfig:
                 "set train.draft.architecture to llama or mla",
             )
         self.layer.check(self, positive)
+        if self.num_layers > 1 and self.layer is not LLAMA_LAYER:
+            raise UsageError(
+                f"drafter config: num_layers {self.num_layers}: eaglekit builds an {self.architecture} drafter with "
+                "one decoder layer (vLLM's deepseek_eagle3.py would serve several; eaglekit's MLA layer has no "
+                "H-wide upper layers yet)",
+                "use num_layers 1 for architecture mla, or architecture llama for several layers",
+            )
         for name in FLAGS:
             if not isinstance(getattr(self, name), bool):
                 raise UsageError(
@@ -273,14 +287,15 @@ class DrafterConfig:
 
 
 class Attention(AttentionProjections):
-    """Holds the projections; the attention itself is done by the caller (inference cache or TTT)."""
+    """Holds the projections; the attention itself is done by the caller (inference cache or TTT). ``width``: the
+    input's, 2H for the first layer (embedding and feature), H for the layers above it."""
 
-    def __init__(self, cfg: DrafterConfig):
+    def __init__(self, cfg: DrafterConfig, width: int):
         super().__init__()
         h, (n_kv, hd) = cfg.hidden_size, cfg.llama_heads
-        self.q_proj = nn.Linear(2 * h, cfg.num_attention_heads * hd, bias=False)
-        self.k_proj = nn.Linear(2 * h, n_kv * hd, bias=False)
-        self.v_proj = nn.Linear(2 * h, n_kv * hd, bias=False)
+        self.q_proj = nn.Linear(width, cfg.num_attention_heads * hd, bias=False)
+        self.k_proj = nn.Linear(width, n_kv * hd, bias=False)
+        self.v_proj = nn.Linear(width, n_kv * hd, bias=False)
         self.o_proj = nn.Linear(cfg.num_attention_heads * hd, h, bias=False)
 
 
@@ -289,9 +304,9 @@ class Eagle3Layer(Eagle3Block):
 
     self_attn: Attention
 
-    def __init__(self, cfg: DrafterConfig):
+    def __init__(self, cfg: DrafterConfig, width: int | None = None):
         super().__init__(cfg)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, 2 * cfg.hidden_size if width is None else width)
         self.n_heads, (self.n_kv, self.head_dim) = cfg.num_attention_heads, cfg.llama_heads
         self.v_dim = self.head_dim
         self.scale = 1.0 / math.sqrt(self.head_dim)
@@ -306,16 +321,45 @@ class Eagle3Layer(Eagle3Block):
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
+class Eagle3UpperLayer(Eagle3Layer):
+    """Layer i >= 1 of a drafter with several: a plain Llama decoder layer over the previous layer's pre-norm output
+    h (vLLM ``llama_eagle3.py``, layer_idx >= 1: ``input_layernorm(hidden_states, residual)`` adds the carried
+    residual and norms the sum, the attention reads that H-wide norm, the residual is h; no token embedding, and no
+    hidden_norm or norm_before_residual, which belong to the first layer). It takes ``qkv`` and ``finish`` with the
+    first layer's arguments, so one loop drives the stack; ``embeds`` goes unread."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__(cfg, width=cfg.hidden_size)
+        del self.hidden_norm
+
+    def attention_input(self, embeds: torch.Tensor, feature: torch.Tensor) -> torch.Tensor:
+        return self.input_layernorm(feature)
+
+    def finish(self, attn: torch.Tensor, feature: torch.Tensor) -> torch.Tensor:
+        h = feature + self.self_attn.o_proj(attn.flatten(-2))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The model
 
 
 class DraftKVCache:
-    """Keys and values of positions the drafter has seen, [B, nKV, S, d] each; all rows share one length."""
+    """Keys and values of positions the drafter has seen, [B, nKV, S, d] each; all rows share one length. This holds
+    the first layer's; ``layer(i)`` a further layer's cache, cropped with this one (every layer sees every position)."""
 
     def __init__(self) -> None:
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
+        self.upper: list[DraftKVCache] = []
+
+    def layer(self, i: int) -> DraftKVCache:
+        """Layer ``i``'s cache (0: this one)."""
+        if i == 0:
+            return self
+        while len(self.upper) < i:
+            self.upper.append(DraftKVCache())
+        return self.upper[i - 1]
 
     @property
     def length(self) -> int:
@@ -332,6 +376,8 @@ class DraftKVCache:
             raise ValueError(f"cannot crop a KV cache to {n} positions")
         if self.k is not None and self.v is not None and n < self.length:
             self.k, self.v = self.k[:, :, :n], self.v[:, :, :n]
+        for cache in self.upper:
+            cache.crop(n)
 
 
 class Eagle3LayerKind(Protocol):
@@ -480,6 +526,7 @@ LAYERS: dict[str, Eagle3LayerKind] = {"llama": LLAMA_LAYER, "mla": MLA_LAYER}  #
 
 class Eagle3Drafter(nn.Module):
     midlayer: Eagle3Layer | MLALayer
+    upper_layers: nn.ModuleList  # of Eagle3UpperLayer; empty with one layer (no keys, the state dict unchanged)
     d2t: torch.Tensor  # buffers (register_buffer), declared so that their type is known
     t2d: torch.Tensor
 
@@ -493,6 +540,7 @@ class Eagle3Drafter(nn.Module):
         self.fc_norm = nn.ModuleList([RMSNorm(ht, eps) for _ in range(3)]) if cfg.fc_norm else None
         self.fc = nn.Linear(3 * ht, cfg.hidden_size, bias=False)
         self.midlayer, self.rotary = cfg.layer.build(cfg)
+        self.upper_layers = nn.ModuleList([Eagle3UpperLayer(cfg) for _ in range(cfg.num_layers - 1)])
         self.norm = RMSNorm(cfg.hidden_size, eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
         d2t, t2d = build_d2t_t2d(torch.arange(cfg.draft_vocab_size), cfg.vocab_size)
@@ -526,6 +574,11 @@ class Eagle3Drafter(nn.Module):
             embeds = self.embed_tokens(next_ids)
         return embeds, self.next_feature(previous)
 
+    @property
+    def decoder_layers(self) -> list[Eagle3Layer | MLALayer]:
+        """Every decoder layer, first to last (each takes ``qkv(embeds, h, cos, sin)`` and ``finish(attn, h)``)."""
+        return [self.midlayer, *self.upper_layers]
+
     def next_feature(self, hidden_out: torch.Tensor) -> torch.Tensor:
         """What a next draft step takes as its feature: the layer's pre-norm output, or its norm (norm_output)."""
         return self.norm(hidden_out) if self.config.norm_output else hidden_out
@@ -543,9 +596,23 @@ class Eagle3Drafter(nn.Module):
         feature output) and ``input_ids`` the token that follows that position. With a cache, the new
         keys/values are appended and attention is causal over cache + new positions.
         """
-        layer = self.midlayer
         cos, sin = self.rotary(position_ids, hidden.dtype)
-        q, k, v = layer.qkv(self.embed_tokens(input_ids), hidden, cos, sin)
+        embeds = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.decoder_layers):
+            q, k, v = layer.qkv(embeds, hidden, cos, sin)
+            attn = self._attend(layer, q, k, v, None if cache is None else cache.layer(i))
+            hidden = layer.finish(attn.transpose(1, 2), hidden)
+        return self.lm_head(self.norm(hidden)), self.next_feature(hidden)
+
+    def _attend(
+        self,
+        layer: Eagle3Layer | MLALayer,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: DraftKVCache | None,
+    ) -> torch.Tensor:
+        """One layer's attention of q [B, T, nH, d] over its cache and the new k, v (appended): [B, nH, T, dv]."""
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, d]
         past = 0
         if cache is not None:
@@ -555,14 +622,12 @@ class Eagle3Drafter(nn.Module):
         k, v = repeat_kv(k, groups), repeat_kv(v, groups)
         window = self.config.sliding_window
         if past == 0 and window is None:
-            attn = sdpa(q, k, v, layer.scale, is_causal=True)
-        else:  # cache slot s holds position s: query past + i sees slots past + i - window < s <= past + i
-            t_new, s = q.shape[2], k.shape[2]
-            offset = torch.arange(s, device=q.device)[None, :] - (past + torch.arange(t_new, device=q.device))[:, None]
-            mask = (offset <= 0) if window is None else (offset <= 0) & (offset > -window)
-            attn = sdpa(q, k, v, layer.scale, attn_mask=mask)
-        hidden_out = layer.finish(attn.transpose(1, 2), hidden)
-        return self.lm_head(self.norm(hidden_out)), self.next_feature(hidden_out)
+            return sdpa(q, k, v, layer.scale, is_causal=True)
+        # cache slot s holds position s: query past + i sees slots past + i - window < s <= past + i
+        t_new, s = q.shape[2], k.shape[2]
+        offset = torch.arange(s, device=q.device)[None, :] - (past + torch.arange(t_new, device=q.device))[:, None]
+        mask = (offset <= 0) if window is None else (offset <= 0) & (offset > -window)
+        return sdpa(q, k, v, layer.scale, attn_mask=mask)
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]

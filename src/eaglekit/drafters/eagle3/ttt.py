@@ -343,13 +343,12 @@ def _layer_pass(kernels: StepKernels, body: Callable[..., tuple], *inputs: torch
 
 def _step0(
     drafter: Eagle3Drafter, aux_hidden: torch.Tensor, input_ids: torch.Tensor, at: _Positions, kernels: StepKernels
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Step 0 on the whole [B, L] (or a context shard's [B, n] positions of it): pre-norm outputs [B*n, H] in the
-    order of ``at.own_rows``, and the keys, values [B, L, nKV, hd] of every position (gathered from the group)."""
-    layer = drafter.midlayer
+) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """Step 0 on the whole [B, L] (or a context shard's [B, n] positions of it): the last layer's pre-norm outputs
+    [B*n, H] in the order of ``at.own_rows``, and each layer's keys, values [B, L, nKV, hd] of every position
+    (gathered from the group). Each layer attends its own keys; a layer above the first reads the one below's output."""
+    layers = drafter.decoder_layers
     b, length = input_ids.shape
-    n_heads, n_kv, hd, dv = layer.n_heads, layer.n_kv, layer.head_dim, layer.v_dim  # dv != hd for MLA
-    scale = drafter.attention_scale
     shard = at.shard
     start, end = (0, length) if shard is None else (shard.start, shard.end)
     n = end - start
@@ -361,36 +360,42 @@ def _step0(
     spans = at.packed or at.window is not None or shard is not None
     rows = at.own_rows
 
-    def body(aux_hidden: torch.Tensor, embeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        feature = drafter.fuse(aux_hidden)
-        cos, sin = drafter.rotary(positions, feature.dtype)
-        q, k0, v0 = layer.qkv(embeds, feature, cos, sin)  # [B, n, heads, hd]
-        if shard is not None:  # every position's keys, for this shard's queries and every later step's
-            k0, v0 = shard.gather(k0), shard.gather(v0)
-        if spans:  # a causal attention inside each document (and window): the fused kernel or the reference
-            span = span_attention if kernels.attention == "flex" else _prefix_attention
-            attn = span(
-                q.reshape(b * n, n_heads, hd),
-                k0.reshape(b * length, n_kv, hd),
-                v0.reshape(b * length, n_kv, dv),
-                at.first_key(rows, 0),
-                rows,
-                scale,
-            ).view(b, n, n_heads, dv)
-        elif kernels.attention != "reference":
-            attn = causal_attention(q, k0, v0, scale)
-        else:
-            attn = sdpa(
-                q.transpose(1, 2),
-                repeat_kv(k0.transpose(1, 2), n_heads // n_kv),
-                repeat_kv(v0.transpose(1, 2), n_heads // n_kv),
-                scale,
-                is_causal=True,
-            ).transpose(1, 2)
-        return layer.finish(attn, feature).flatten(0, 1), k0, v0  # [B*n, H]; n may be 0
+    def body(aux_hidden: torch.Tensor, embeds: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        hidden = drafter.fuse(aux_hidden)
+        cos, sin = drafter.rotary(positions, hidden.dtype)
+        keys, values = [], []
+        for layer in layers:
+            n_heads, n_kv, hd, dv = layer.n_heads, layer.n_kv, layer.head_dim, layer.v_dim  # dv != hd for MLA
+            q, k0, v0 = layer.qkv(embeds, hidden, cos, sin)  # [B, n, heads, hd]
+            if shard is not None:  # every position's keys, for this shard's queries and every later step's
+                k0, v0 = shard.gather(k0), shard.gather(v0)
+            if spans:  # a causal attention inside each document (and window): the fused kernel or the reference
+                span = span_attention if kernels.attention == "flex" else _prefix_attention
+                attn = span(
+                    q.reshape(b * n, n_heads, hd),
+                    k0.reshape(b * length, n_kv, hd),
+                    v0.reshape(b * length, n_kv, dv),
+                    at.first_key(rows, 0),
+                    rows,
+                    layer.scale,
+                ).view(b, n, n_heads, dv)
+            elif kernels.attention != "reference":
+                attn = causal_attention(q, k0, v0, layer.scale)
+            else:
+                attn = sdpa(
+                    q.transpose(1, 2),
+                    repeat_kv(k0.transpose(1, 2), n_heads // n_kv),
+                    repeat_kv(v0.transpose(1, 2), n_heads // n_kv),
+                    layer.scale,
+                    is_causal=True,
+                ).transpose(1, 2)
+            hidden = layer.finish(attn, hidden)  # [B, n, H]; n may be 0
+            keys.append(k0)
+            values.append(v0)
+        return hidden.flatten(0, 1), *keys, *values
 
-    h, k0, v0 = _layer_pass(kernels, body, own, embeds)
-    return h, k0, v0
+    h, *kv = _layer_pass(kernels, body, own, embeds)
+    return h, kv[: len(layers)], kv[len(layers) :]
 
 
 def _chain_attention(
@@ -422,8 +427,8 @@ def _chain_attention(
 def _draft_steps(
     drafter: Eagle3Drafter,
     h: torch.Tensor,
-    k0: torch.Tensor,
-    v0: torch.Tensor,
+    k0: list[torch.Tensor],
+    v0: list[torch.Tensor],
     input_ids: torch.Tensor,
     at: _Positions,
     slot: torch.Tensor,
@@ -431,17 +436,20 @@ def _draft_steps(
     kernels: StepKernels,
     head: _HeadRows,
 ) -> None:
-    """Steps >= 1 on the packed chains that still count, adding each step's counted rows to ``head``."""
-    layer = drafter.midlayer
+    """Steps >= 1 on the packed chains that still count, adding each step's counted rows to ``head``. Every step runs
+    every layer; layer i of chain f attends layer i's step-0 keys and its own keys of the chain's earlier steps."""
+    layers = drafter.decoder_layers
+    n_layers = len(layers)
     b, length = input_ids.shape
-    n_heads, n_kv, hd, dv = layer.n_heads, layer.n_kv, layer.head_dim, layer.v_dim
     # Chain f = b*L + t sees step-0 keys doc start .. f.
-    k0, v0 = k0.reshape(b * length, n_kv, hd), v0.reshape(b * length, n_kv, dv)
+    k0 = [k.reshape(b * length, layer.n_kv, layer.head_dim) for k, layer in zip(k0, layers, strict=True)]
+    v0 = [v.reshape(b * length, layer.n_kv, layer.v_dim) for v, layer in zip(v0, layers, strict=True)]
     ids_flat = input_ids.reshape(-1)
     pos_flat = at.positions.reshape(-1)
     rows = at.own_rows  # the chains whose step-0 outputs ``h`` holds, in its order
     # the keys and values steps 1..k made, each in the rows of its own step: a step gathers its chains' from them
-    # (chains only drop out, and rows stay sorted), so nothing grows with the step count but the steps' own keys
+    # (chains only drop out, and rows stay sorted), so nothing grows with the step count but the steps' own keys;
+    # step s's layer i at [s * n_layers + i]
     own_k: list[torch.Tensor] = []
     own_v: list[torch.Tensor] = []
     own_rows: list[torch.Tensor] = []
@@ -462,19 +470,27 @@ def _draft_steps(
             first: torch.Tensor = first_key,
             token_ids: torch.Tensor = next_ids,
             step: int = k,
-        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            keys, values = own[: len(gather)], own[len(gather) :]
-            embeds, feature = drafter.draft_step_input(h_prev[keep], token_ids)
-            cos, sin = drafter.rotary(pos_flat[chain_rows] + step, feature.dtype)
-            q, kk, vk = layer.qkv(embeds, feature, cos, sin)  # q [N, nH, hd], kk/vk [N, nKV, hd]
-            diag_k = torch.stack([key[i] for key, i in zip(keys, gather, strict=True)] + [kk])
-            diag_v = torch.stack([value[i] for value, i in zip(values, gather, strict=True)] + [vk])
-            attn = _chain_attention(q, k0, v0, first, chain_rows, diag_k, diag_v, drafter.attention_scale, kernels)
-            return layer.finish(attn.reshape(chain_rows.numel(), n_heads, dv).to(feature.dtype), feature), kk, vk
+        ) -> tuple[torch.Tensor, ...]:
+            keys, values = own[: len(own) // 2], own[len(own) // 2 :]
+            embeds, hidden = drafter.draft_step_input(h_prev[keep], token_ids)
+            cos, sin = drafter.rotary(pos_flat[chain_rows] + step, hidden.dtype)
+            made_k, made_v = [], []
+            for j, layer in enumerate(layers):
+                q, kk, vk = layer.qkv(embeds, hidden, cos, sin)  # q [N, nH, hd], kk/vk [N, nKV, hd]
+                earlier = range(j, len(keys), n_layers)  # this layer's keys of the earlier steps
+                diag_k = torch.stack([keys[e][i] for e, i in zip(earlier, gather, strict=True)] + [kk])
+                diag_v = torch.stack([values[e][i] for e, i in zip(earlier, gather, strict=True)] + [vk])
+                attn = _chain_attention(q, k0[j], v0[j], first, chain_rows, diag_k, diag_v, layer.scale, kernels)
+                hidden = layer.finish(
+                    attn.reshape(chain_rows.numel(), layer.n_heads, layer.v_dim).to(hidden.dtype), hidden
+                )
+                made_k.append(kk)
+                made_v.append(vk)
+            return hidden, *made_k, *made_v
 
-        h, kk, vk = _layer_pass(kernels, body, h, *own_k, *own_v)
-        own_k.append(kk)
-        own_v.append(vk)
+        h, *made = _layer_pass(kernels, body, h, *own_k, *own_v)
+        own_k.extend(made[:n_layers])
+        own_v.extend(made[n_layers:])
         own_rows.append(rows)
         sel = at.counted[k].reshape(-1)[rows]
         head.add(h[sel], slot[rows[sel] + 1 + k], rows[sel])

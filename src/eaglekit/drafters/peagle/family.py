@@ -31,6 +31,7 @@ from eaglekit.data.chat import load_tokenizer
 from eaglekit.drafters.dflash.model import default_mask_token_id
 from eaglekit.drafters.diagnosis import ServedDrafter
 from eaglekit.drafters.eagle3.family import (
+    decoder_layers,
     describe_layer,
     forms_to_write,
     local_verifier_warning,
@@ -304,7 +305,7 @@ def write_peagle(family: PEagleFamily, ctx: StageContext, load: LoadChecked, req
         warnings,
         title="P-EAGLE (parallel EAGLE-3) drafter",
         drafter_line=(
-            f"one decoder layer ({describe_layer(family, c)}) drafting all K tokens in one pass, slot token "
+            f"{decoder_layers(c)} ({describe_layer(family, c)}) drafting all K tokens in one pass, slot token "
             f"{c.mask_token_id}, {trained} parallel slots trained, hidden {c.hidden_size}, draft vocab "
             f"{c.draft_vocab_size} of {c.vocab_size}, aux hidden states {c.aux_layer_ids} (HF hidden_states "
             f"indices), max_position_embeddings {c.max_position_embeddings}, rope_theta {c.rope_theta:g}"
