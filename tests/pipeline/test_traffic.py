@@ -157,7 +157,9 @@ def test_a_gateway_log_trains_through_prepare_without_a_server_and_names_its_bad
     # the stages after generate ran on the run directory alone
     stats = json.loads((Path(cfg.run_dir) / "prepare" / "stats.json").read_text())
     assert stats["responses"] == 20 and stats["samples"] > 0
-    assert all(r["state"] == "done" for r in status.stage_rows(cfg) if r["stage"] in ("generate", "prepare", "train"))
+    rows_now = {r["stage"]: r for r in status.stage_rows(cfg)}
+    assert all(rows_now[s]["state"] == "done" for s in ("generate", "prepare", "vocab", "extract", "train"))
+    assert any("5 of 26 traffic lines rejected" in f for f in rows_now["generate"]["flags"]), rows_now["generate"]
     # a user's details reach the run directory, and nothing outside it
     assert any(PII in r["messages"][-1]["content"] for r in rows)
     leaked = [

@@ -619,6 +619,11 @@ def data_flags(counts: dict) -> list[str]:
         )
     if counts.get("failed"):
         flags.append(f"{counts['failed']} samples failed (`eaglekit generate CONFIG --retry-failed` retries them)")
+    if counts.get("rejected"):
+        flags.append(
+            f"{counts['rejected']} of {counts.get('traffic_lines', '?')} traffic lines rejected (generate/"
+            f"{TRAFFIC_REJECTS} names each, the run's output says why)"
+        )
     return flags
 
 
