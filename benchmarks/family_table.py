@@ -75,7 +75,7 @@ FALLBACK = "dflash2 without selector"  # DFlash2's drafter measured as plain DFl
 # the settings that make a row: a row of --out is reused only where all of these match the run asked for
 SETTINGS = ("target", "steps", "batch", "lr", "ttt", "eagle3_form", "chain_layers", "layers", "block", "dspark_block",
             "markov_rank", "conv_kernel", "conv_group", "selector_rank", "selector_top_k", "selector_weight", "window",
-            "prompts", "long_rows", "per_group", "new_tokens")  # fmt: skip
+            "prompts", "long_rows", "per_group", "groups", "new_tokens")  # fmt: skip
 
 
 def build(family: str, model, tok, aux: list[int], args, seed: int) -> torch.nn.Module:
@@ -235,7 +235,7 @@ def long_target(args) -> tuple[Any, Any, list, dict[str, list]]:
         full = tok(render(tok, task, system=bool(i % 2)), add_special_tokens=False)["input_ids"]
         rows.append((full, len(prompt_ids(tok, task, system=bool(i % 2)))))
     groups = {group: [prompt_ids(tok, task) for task in heldout_long_tasks(args.per_group, group, 900)]
-              for group in PROMPT_TOKENS}  # fmt: skip
+              for group in args.groups or PROMPT_TOKENS}  # fmt: skip
     return model, tok, rows, groups
 
 
@@ -353,6 +353,8 @@ def parser(**defaults: Any) -> argparse.ArgumentParser:
                    help="the tiny target, or the long-context one (trained short, τ per context group)")  # fmt: skip
     p.add_argument("--long-rows", type=int, default=160, help="--target long: training conversations (< 1K)")
     p.add_argument("--per-group", type=int, default=3, help="--target long: held-out prompts per context group")
+    p.add_argument("--groups", nargs="+", choices=["<1k", "1-4k", "4-16k", ">16k"],
+                   help="--target long: the context groups measured (default: all four)")  # fmt: skip
     p.add_argument("--ks", type=int, nargs="+", default=[1, 3, 7])
     p.add_argument("--prompts", type=int, default=12)
     p.add_argument("--new-tokens", type=int, default=96)
