@@ -227,8 +227,9 @@ def test_appended_traffic_is_all_a_rerun_takes_and_tokenizes(served, tmp_path, t
     kept = (Path(cfg.run_dir) / "generate" / "responses.jsonl").read_bytes()
     capsys.readouterr()
 
-    with open(log, "a") as f:
-        f.write("".join(line(x) for x in exchanges[20:26]) + "not json\n")
+    unfinished = line(exchanges[26])
+    with open(log, "a") as f:  # the gateway still writing its last line
+        f.write("".join(line(x) for x in exchanges[20:26]) + "not json\n" + unfinished[:100])
     rows = {r["stage"]: r for r in status.stage_rows(cfg)}
     assert rows["generate"]["state"] == "stale" and rows["prepare"]["state"] == "stale"
     assert f"generate.traffic: {log} (20 conversations, " in rows["generate"]["reason"]
@@ -241,6 +242,11 @@ def test_appended_traffic_is_all_a_rerun_takes_and_tokenizes(served, tmp_path, t
     assert (Path(cfg.run_dir) / "generate" / "responses.jsonl").read_bytes().startswith(kept)
     assert "prepare: 6 new samples tokenized, 20 kept" in out
     assert prepare_row["counts"]["tokenized"] == 6
+    assert f"{log}:28: an unfinished last line (still being written?), left for the next run" in out
+    with open(log, "a") as f:
+        f.write(unfinished[100:])
+    generate_row, prepare_row = run_stages(cfg, "generate", "prepare")
+    assert generate_row["counts"]["new"] == 1 and prepare_row["counts"]["tokenized"] == 1
     assert all(r["state"] == "done" for r in status.stage_rows(cfg) if r["stage"] in ("generate", "prepare"))
     # the same log again: nothing to do
     assert all(row.get("skipped") for row in run_stages(cfg, "generate", "prepare"))

@@ -90,6 +90,7 @@ class TrafficRead:
     unchecked_model: int = 0  # samples whose line carries no `model` (the plain form): their origin is unchecked
     unchecked_template: int = 0  # samples whose prompt the served-template check could not compare
     left_out: int = 0  # usable conversations that since/newest/max_samples did not select
+    unfinished: list[str] = field(default_factory=list)  # file:line of a last line still being written (no newline)
     template_remedy: str = ""
 
     def by_reason(self) -> dict[str, list[Reject]]:
@@ -118,6 +119,10 @@ class TrafficRead:
             text += f", {self.left_out} not selected (data.traffic since/newest/max_samples)"
         if self.rejects:
             text += f"; {len(self.rejects)} rejected: {self.rejects_summary()}"
+        if self.unfinished:
+            text += (
+                f"; {', '.join(self.unfinished)}: an unfinished last line (still being written?), left for the next run"
+            )
         if self.unchecked_model:
             text += f"; {self.unchecked_model} taken without a `model` field (their origin is unchecked)"
         if self.unchecked_template:
@@ -362,6 +367,10 @@ def read_traffic(
         try:
             row, record, response = _line(raw, source, model, template_kwargs)
         except _Bad as bad:
+            if not raw.endswith(b"\n") and str(bad).startswith(f"{MALFORMED}: not JSON"):
+                read.unfinished.append(source)  # the gateway is still writing it: the next run takes it
+                read.lines -= 1
+                continue
             read.rejects.append(Reject(source, str(bad)))
             continue
         if record["id"] in seen:
