@@ -93,6 +93,7 @@ def responses(cfg) -> list[dict]:
     return list(read_responses(Path(cfg.run_dir) / "generate" / "responses.jsonl"))
 
 
+@pytest.mark.slow  # trains a drafter through `eaglekit run`
 def test_a_gateway_log_trains_through_prepare_without_a_server_and_names_its_bad_lines(served, tmp_path, tiny_target):
     good = served["target"][:20]
     log = tmp_path / "gateway.jsonl"
