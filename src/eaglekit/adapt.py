@@ -40,9 +40,14 @@ from typing import Any, Protocol
 import httpx
 import yaml
 
-from eaglekit import atomic, watch
+from eaglekit import atomic, pipeline, watch
+from eaglekit.config import load_config
+from eaglekit.data.chat import end_of_turn_token_ids, load_tokenizer
 from eaglekit.errors import EaglekitError, UsageError
 from eaglekit.rundir import RunDir
+from eaglekit.serving.engine import VllmServer, is_cpu_build
+from eaglekit.serving.engine_settings import from_server
+from eaglekit.serving.speculation import root_of
 
 Z_PROMOTE = 1.96  # the paired interval's half-width in standard errors: 95 %, two-sided
 MIN_GAIN = 0.02  # the least relative τ gain worth a swap (a smaller one is not worth a restart's risk)
@@ -88,7 +93,6 @@ def write_adapt_config(
     engine: bool = True,
 ) -> Path:
     """``adapt_dir/config.yaml``: the served run's config (paths resolved) finetuning ``folder`` on ``traffic``."""
-    from eaglekit.config import load_config  # lazy: pydantic models are heavy to import for `eaglekit --help`
 
     source = served_run / "config.yaml"
     if not source.exists():
@@ -128,8 +132,6 @@ def write_adapt_config(
 
 def finetune(config: Path) -> Path:
     """Run the adapt run through export; the candidate folder (the served form of the finetuned drafter)."""
-    from eaglekit import pipeline  # lazy: the stages import torch
-    from eaglekit.config import load_config
 
     cfg = load_config(config)
     pipeline.run_stages(cfg, pipeline.select_stages(cfg, until="export"))
@@ -223,14 +225,13 @@ def decode_counts(
     """Per drafter folder, per prompt ((id, messages); default the held-out split of the run's data): (drafts,
     accepted tokens) at K, greedy, counted as vLLM counts (``engine_accounting``: what the engine's counters would
     say of the same requests)."""
-    import torch  # lazy: heavy
+    import torch  # lazy: heavy (torch)
 
-    from eaglekit.data.chat import end_of_turn_token_ids, load_tokenizer
-    from eaglekit.drafters.checked import load_checked_drafter, on_target
-    from eaglekit.drafters.registry import proposer_for
-    from eaglekit.model.target import load_target
-    from eaglekit.speculative.decode import generate
-    from eaglekit.speculative.inputs import decode_threads, heldout_prompts, tokenize_prompts
+    from eaglekit.drafters.checked import load_checked_drafter, on_target  # lazy: heavy (torch)
+    from eaglekit.drafters.registry import proposer_for  # lazy: heavy (torch)
+    from eaglekit.model.target import load_target  # lazy: heavy (torch)
+    from eaglekit.speculative.decode import generate  # lazy: heavy (torch)
+    from eaglekit.speculative.inputs import decode_threads, heldout_prompts, tokenize_prompts  # lazy: heavy (torch)
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     target = load_target(cfg.target, device if not cfg.target.device_map else None)
@@ -262,7 +263,6 @@ def decode_counts(
 
 
 def compare(config: Path, current: Path, candidate: Path, k: int, min_gain: float = MIN_GAIN) -> Comparison:
-    from eaglekit.config import load_config
 
     counts = decode_counts(load_config(config), {"current": current, "candidate": candidate}, k)
     return paired(counts["current"], counts["candidate"], k, min_gain)
@@ -270,8 +270,6 @@ def compare(config: Path, current: Path, candidate: Path, k: int, min_gain: floa
 
 def verify_candidate(config: Path) -> dict:
     """The run's verify stage (the candidate served in the engine at K); its report, refused when it failed."""
-    from eaglekit import pipeline
-    from eaglekit.config import load_config
 
     cfg = load_config(config)
     if not (cfg.verify.engine or cfg.verify.server):
@@ -381,8 +379,7 @@ class ServerPool:
 
     def serve(self, folder: Path) -> Any:
         """A server for ``folder`` started and ready (dev mode: /server_info tells watch its settings)."""
-        from eaglekit.drafters.registry import vllm_speculative_config
-        from eaglekit.serving.engine import VllmServer
+        from eaglekit.drafters.registry import vllm_speculative_config  # lazy: heavy (torch)
 
         spec = vllm_speculative_config(served_form(folder), folder, self.k)
         log = self.log_dir / f"vllm-{len(self.servers)}-{folder.parent.parent.name}.log"
@@ -473,16 +470,12 @@ class LiveDraftUpdate:
     name = "live draft weight update"
 
     def __init__(self, url: str, python: Path, current: Path, timeout: float = 600.0):
-        from eaglekit.serving.speculation import root_of
 
         self.root, self.python, self.current, self.timeout = root_of(url), python, current, timeout
 
     @staticmethod
     def unsupported(url: str, python: Path | None, timeout: float = 10.0) -> str | None:
         """Why the server at ``url`` cannot take the candidate's weights live; None when it can."""
-        from eaglekit.serving.engine import is_cpu_build
-        from eaglekit.serving.engine_settings import from_server
-        from eaglekit.serving.speculation import root_of
 
         root = root_of(url)
         try:
@@ -554,7 +547,7 @@ class PrintedSwitch:
     name: str = "second server (printed)"
 
     def promote(self, candidate: Path) -> str | None:
-        from eaglekit.drafters.registry import vllm_speculative_config
+        from eaglekit.drafters.registry import vllm_speculative_config  # lazy: heavy (torch)
 
         spec = json.dumps(vllm_speculative_config(served_form(candidate), candidate, self.k))
         self.say(

@@ -28,6 +28,7 @@ from eaglekit.config import RunConfig, load_config
 from eaglekit.errors import EaglekitError, UsageError
 from eaglekit.progress import console
 from eaglekit.rundir import RunDir
+from eaglekit.serving.engine import find_vllm_python
 
 app = typer.Typer(
     add_completion=False,
@@ -334,8 +335,6 @@ def adapt_cmd(
         raise UsageError(f"{server} drafts nothing (no speculative counters)", "point --server at the served drafter")
     served = watch.served_setup(client, engine_log, 0.0)
     folder = Path(served["model"]) if served.get("model") else run_dir / "export" / "eagle3"
-    from eaglekit.serving.engine import find_vllm_python
-
     try:
         python = find_vllm_python(None)
     except UsageError:
