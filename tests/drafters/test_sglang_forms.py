@@ -39,6 +39,7 @@ from eaglekit.drafters.eagle3 import checkpoint as eagle3_checkpoint
 from eaglekit.drafters.eagle3 import sglang_form as eagle3_form
 from eaglekit.drafters.sglang_form import SGLANG_READ, read_folder
 from eaglekit.errors import EaglekitError
+from eaglekit.model.layers import rope_inv_freq
 from eaglekit.tiny.build import cache_root
 
 pytestmark = pytest.mark.slow  # one SGLang import (~10 s of CPU) and ~100 tiny drafters built by it
@@ -51,6 +52,14 @@ BLOCK = dict(
     num_hidden_layers=2, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None, max_position_embeddings=256,
     vocab_size=100, target_hidden_size=32, aux_layer_ids=AUX, block_size=4, mask_token_id=5,
 )  # fmt: skip
+
+
+# the target's RoPE scaling, which the drafter trains with (Llama-3.1's; the YaRN of Qwen and Kimi targets)
+LLAMA3 = dict(
+    rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64
+)
+YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64)
+POSITIONS = (0, 7, 100, 255)  # the probe's rows of the rotary table
 
 
 def block_drafter(cls, cfg):
@@ -66,6 +75,11 @@ def write_forms(root: Path) -> dict[str, tuple[Path, object]]:
     forms = {
         "dflash": (save_dflash, block_drafter(DFlashDrafter, DFlashConfig(**BLOCK))),
         "dflash-window": (save_dflash, block_drafter(DFlashDrafter, DFlashConfig(**BLOCK, sliding_window=8))),
+        "dflash-llama3": (
+            save_dflash,
+            block_drafter(DFlashDrafter, DFlashConfig(**(BLOCK | {"rope_scaling": LLAMA3}))),
+        ),
+        "dflash-yarn": (save_dflash, block_drafter(DFlashDrafter, DFlashConfig(**(BLOCK | {"rope_scaling": YARN})))),
         "dflash2": (
             save_dflash2,
             block_drafter(
@@ -186,7 +200,9 @@ def eagle3_launch(folder: Path) -> str:
     return next(c for what, c in serve_commands(cfg, {"eagle3": folder}) if what.startswith("SGLang"))
 
 
-FORMS = ("dflash", "dflash-window", "dflash2", "dspark", "eagle3", "eagle3-2layers", "eagle3-mla")
+FORMS = (
+    "dflash", "dflash-window", "dflash-llama3", "dflash-yarn", "dflash2", "dspark", "eagle3", "eagle3-2layers", "eagle3-mla"
+)  # fmt: skip
 
 
 @pytest.mark.parametrize("name", FORMS)
@@ -224,6 +240,11 @@ def test_sglang_builds_the_drafter_eaglekit_trained(probed, name):
     # the targets' own capture code takes the hidden states the drafter was trained on (HF indices)
     assert {t: capture[t] for t in TARGETS} == {t: aux for t in TARGETS}
     assert capture["KimiK25ForConditionalGeneration"] == aux  # sglang#29218's target
+    if built["rope"]["rows"] is not None and getattr(cfg, "architecture", "") != "mla":  # the trained rotary table
+        inv_freq, scale = rope_inv_freq(cfg)
+        angles = torch.tensor(POSITIONS, dtype=torch.float64)[:, None] * inv_freq
+        want = torch.cat([angles.cos(), angles.sin()], dim=-1) * scale
+        torch.testing.assert_close(torch.tensor(built["rope"]["rows"], dtype=torch.float64), want, rtol=1e-5, atol=1e-5)
     if name.startswith("eagle3"):
         assert built["eagle_aux_hidden_state_layer_ids"] == [i - 1 for i in aux]
         assert (built["num_aux_hidden_states"], built["fc_in"]) == (3, 3 * cfg.target_hidden_size)
@@ -242,7 +263,8 @@ def test_sglang_builds_the_drafter_eaglekit_trained(probed, name):
     )
     assert built["head_dim"] == [cfg.head_dim] * layers and built["eps"] == [cfg.rms_norm_eps] * layers
     assert built["rope_base"] == [cfg.rope_theta] * layers
-    assert built["max_position"] == [cfg.max_position_embeddings] * layers
+    if not cfg.rope_scaling:  # a scaled table's own max_position is the original one (its rows are checked above)
+        assert built["max_position"] == [cfg.max_position_embeddings] * layers
     if cfg.sliding_window:  # SGLang keeps window - 1 keys left of the query, causally: eaglekit's window
         assert built["window_left"] == [cfg.sliding_window - 1] * layers
         assert built["attn_type"] == ["DECODER"] * layers

@@ -162,6 +162,15 @@ def recording(cfg, record):
     return cfg
 
 
+POSITIONS = (0, 7, 100, 255)  # where the rotary tables are compared
+
+
+def rope(rotary):
+    """The rotary table SGLang built: [cos | sin] rows at ``POSITIONS`` (its attention scaling folded in)."""
+    cache = getattr(rotary, "cos_sin_cache", None)
+    return {"class": type(rotary).__name__, "rows": None if cache is None else cache[list(POSITIONS)].tolist()}
+
+
 def built(model, cfg):
     """What SGLang built from the config, as far as eaglekit's drafter depends on it."""
     out = {}
@@ -179,6 +188,7 @@ def built(model, cfg):
             "attn_type": [a.attn_type.name for a in attn],
             "rope_base": [float(a.rotary_emb.base) for a in attn],
             "neox": [bool(a.rotary_emb.is_neox_style) for a in attn],
+            "rope": rope(attn[0].rotary_emb),
             "max_position": [int(a.rotary_emb.max_position_embeddings) for a in attn],
             "heads": [a.total_num_heads for a in attn],
             "kv_heads": [a.total_num_kv_heads for a in attn],
@@ -207,6 +217,7 @@ def built(model, cfg):
             "draft_vocab_size": int(cfg.draft_vocab_size),
             "rope_base": float(getattr(attn.rotary_emb, "base", math.nan)),
             "neox": bool(getattr(attn.rotary_emb, "is_neox_style", True)),
+            "rope": rope(attn.rotary_emb),
             "max_position": int(getattr(attn.rotary_emb, "max_position_embeddings", -1)),
             "window_left": int(getattr(getattr(attn, "attn", None), "sliding_window_size", -1) or -1),
             "eps": float(layer.input_layernorm.variance_epsilon),

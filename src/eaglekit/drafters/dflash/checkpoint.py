@@ -40,6 +40,7 @@ import json
 import shlex
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -49,7 +50,7 @@ from eaglekit.atomic import atomic_dir
 from eaglekit.drafters.dflash.model import DFlashConfig, DFlashDrafter
 from eaglekit.errors import EaglekitError, UsageError
 from eaglekit.model.checkpoint_files import read_weights
-from eaglekit.model.target import embedding_and_head
+from eaglekit.model.target import embedding_and_head, rope_from_config
 
 ARCHITECTURE = "DFlashDraftModel"
 FORM = "dflash"  # export/dflash/
@@ -138,8 +139,7 @@ def vllm_config(cfg: DFlashConfig, dtype: torch.dtype) -> dict[str, Any]:
         "hidden_act": "silu",
         "attention_bias": False,
         "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        **rope_config(cfg),
         "max_position_embeddings": cfg.max_position_embeddings,
         "vocab_size": cfg.vocab_size,
         "tie_word_embeddings": False,
@@ -152,6 +152,20 @@ def vllm_config(cfg: DFlashConfig, dtype: torch.dtype) -> dict[str, Any]:
         **window_config(cfg),
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
+
+
+def rope_config(cfg: DFlashConfig) -> dict[str, Any]:
+    """The drafter's RoPE as it was trained (the target's, scaling included), in both schemas: transformers 5 builds
+    the config vLLM and SGLang read from ``rope_parameters``, 4 from ``rope_theta``/``rope_scaling``."""
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    out: dict[str, Any] = {
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {**scaling, "rope_type": kind, "rope_theta": cfg.rope_theta},
+    }
+    if cfg.rope_scaling:
+        out["rope_scaling"] = {**scaling, "rope_type": kind}
+    return out
 
 
 def window_config(cfg: DFlashConfig) -> dict[str, Any]:
@@ -244,7 +258,7 @@ def read_dflash_config(path: Path) -> DFlashConfig:
 
 def backbone_config(c: dict, target_layer_ids: list[int], mask_token_id: int, where: str) -> DFlashConfig:
     """The Qwen3 draft layers of a vLLM block-drafter config.json; target_layer_ids are vLLM's (aux id - 1)."""
-    rope = c.get("rope_parameters") or {}
+    theta, scaling = rope_from_config(SimpleNamespace(**c))
     return DFlashConfig(
         hidden_size=c["hidden_size"],
         intermediate_size=c["intermediate_size"],
@@ -253,8 +267,8 @@ def backbone_config(c: dict, target_layer_ids: list[int], mask_token_id: int, wh
         head_dim=c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
         num_hidden_layers=c["num_hidden_layers"],
         rms_norm_eps=c.get("rms_norm_eps", 1e-6),
-        rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 1e6))),
-        rope_scaling=None,
+        rope_theta=theta,
+        rope_scaling=scaling,
         max_position_embeddings=c["max_position_embeddings"],
         vocab_size=c["vocab_size"],
         target_hidden_size=c.get("target_hidden_size") or c["hidden_size"],

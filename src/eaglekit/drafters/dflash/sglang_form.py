@@ -17,7 +17,8 @@ dspark_components/dspark_config.py`` (``parse_dspark_draft_config``, ``get_dspar
   trains), ``target_layer_ids`` (target layer outputs; the target's ``set_dflash_layers_to_capture`` adds 1 — the
   Llama/Qwen and the DeepSeek-V2/V3/Kimi-K2.5 targets alike, sglang#29218 — so they are eaglekit's aux ids minus
   one, as vLLM's), ``mask_token_id`` (absent: SGLang looks ``<|MASK|>`` up in the tokenizer, or adds it),
-  ``max_position_embeddings`` (absent: 32768), the window (``layer_types`` all ``sliding_attention`` with
+  ``max_position_embeddings`` (absent: 32768), ``rope_scaling`` (the target's, which the drafter trains with; until
+  eaglekit wrote it, both engines served such a drafter with plain RoPE), the window (``layer_types`` all ``sliding_attention`` with
   ``sliding_window``: SGLang keeps ``sliding_window - 1`` keys left and makes the layer causal, eaglekit's window).
 - ``fc``: SGLang builds it ``[hidden, len(target_layer_ids) * hidden]`` and never reads ``target_hidden_size``: a
   drafter whose target's hidden size differs from its own cannot load (``load_weights``: "DFLASH fc.weight shape
@@ -89,7 +90,9 @@ def required_keys(config: dict, trained: dict | None = None) -> tuple[str, ...]:
     eaglekit.json, whose window makes the window's keys required too."""
     keys = REQUIRED.get(architecture(config), _BACKBONE)
     windowed = "sliding_attention" in (config.get("layer_types") or []) or (trained or {}).get("sliding_window")
-    return keys + _WINDOW if windowed else keys
+    # the target's RoPE scaling the drafter trained with: transformers builds the config SGLang reads from it
+    scaling = (trained or {}).get("rope_scaling") or config.get("rope_scaling") or {}
+    return keys + (_WINDOW if windowed else ()) + tuple(f"rope_scaling.{k}" for k in scaling if k != "type")
 
 
 def architecture(config: dict) -> str:
