@@ -26,6 +26,7 @@ from eaglekit.config import parse_config
 from eaglekit.data.responses import read_responses
 from eaglekit.data.traffic import read_traffic
 from eaglekit.errors import EaglekitError
+from eaglekit.planning import traffic_samples
 from eaglekit.preflight import failed
 from eaglekit.rundir import RunDir
 from eaglekit.tiny import write_prompts
@@ -224,6 +225,7 @@ def test_appended_traffic_is_all_a_rerun_takes_and_tokenizes(served, tmp_path, t
     exchanges = served["target"]
     log.write_text("".join(line(x) for x in exchanges[:20]))
     cfg = parse_config(config(tmp_path, log, tiny_target), base_dir=tmp_path)
+    assert traffic_samples(cfg.data.traffic).value == 20  # `eaglekit plan` counts the log's lines
     run_stages(cfg, "generate", "prepare")
     kept = (Path(cfg.run_dir) / "generate" / "responses.jsonl").read_bytes()
     capsys.readouterr()
