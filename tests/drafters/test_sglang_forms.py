@@ -343,3 +343,38 @@ def test_a_tokenizer_whose_mask_token_is_another_id_gets_no_sglang_command(probe
     assert block_form.export_check(folder, {"<|MASK|>": cfg.mask_token_id}) is None
     problem = block_form.export_check(folder, {"<|MASK|>": cfg.mask_token_id + 1})
     assert problem and "_resolve_mask_token_id" in problem
+
+
+@pytest.mark.parametrize("family", ["dflash", "dspark", "dflash2"])
+def test_export_prints_the_sglang_command_and_for_an_mla_target_only_it(tmp_path, tiny_target, family):
+    """The family's export (``engine.write``): on a Llama target both engines' commands; on a target with
+    multi-head latent attention (DeepSeek-V3/Kimi) vLLM's is withheld by name (z-lab/dflash#62) and SGLang's, whose
+    MLA targets capture the trained layers (above), is the one printed."""
+    from transformers import DeepseekV3Config
+
+    from eaglekit.config import parse_config
+    from eaglekit.drafters.registry import FAMILIES
+    from eaglekit.model.checkpoint_files import CheckpointInfo
+    from eaglekit.model.run_shapes import target_and_aux
+    from eaglekit.model.target import embedding_and_head
+
+    draft = {"architecture": family, "num_layers": 2, "block_size": 4}
+    data = {"run_dir": "run", "target": {"model": str(tiny_target)}, "data": {"prompts": "p.jsonl"}}
+    cfg = parse_config(data | {"train": {"draft": draft}}, base_dir=tmp_path)
+    engine = FAMILIES[family].engine
+    hf, aux = target_and_aux(cfg)
+    drafter = FAMILIES[family].drafter_class(FAMILIES[family].sizing.drafter_config(cfg, hf, aux))
+    drafter.take_target(*embedding_and_head(str(tiny_target)))
+    info = CheckpointInfo(family, tmp_path, missing_embeddings=False, aux_layer_ids=aux)
+    written = {}
+    for name, target_hf in (("llama", hf), ("mla", DeepseekV3Config(kv_lora_rank=32))):
+        ctx = SimpleNamespace(cfg=cfg, dir=tmp_path / name)
+        written[name] = engine.write(ctx, lambda c, target_hf=target_hf: (drafter, info, target_hf, aux), [])
+    algorithm = "DSPARK" if family == "dspark" else "DFLASH"
+    llama, mla = written["llama"], written["mla"]
+    assert [what.split(" ")[0] for what, _ in llama.commands] == ["vLLM", "SGLang"]
+    assert f"--speculative-algorithm {algorithm}" in llama.commands[1][1]
+    assert not any(w.startswith("no SGLang command") for w in llama.warnings)
+    assert [what.split(" ")[0] for what, _ in mla.commands] == ["SGLang"]
+    assert any(w.startswith("no vLLM command") and "z-lab/dflash#62" in w for w in mla.warnings)
+    assert "SGLang" in mla.holds[engine.forms[0]] and "vLLM" not in mla.holds[engine.forms[0]]

@@ -119,10 +119,10 @@ class DFlashFamily:
         problem = mla_target_problem(hf)
         if problem:
             return Verdict(
-                "fail",
+                "warn",
                 f"{detail}: {problem}",
-                "train an EAGLE-3 drafter for this target (train.draft.architecture: mla, the shape published for "
-                "Kimi-K2.5/K2.6), or serve on an engine that runs non-causal drafts on MLA targets",
+                "serve it with SGLang (export prints its command), or train an EAGLE-3 drafter for this target "
+                "(train.draft.architecture: mla, the shape published for Kimi-K2.5/K2.6), which vLLM serves too",
             )
         notes = self.serving_notes(cfg)
         if notes:
@@ -250,7 +250,7 @@ class DFlashFamily:
     def write(self, ctx: StageContext, load: LoadChecked, requested: list[str]) -> Written:
         """The drafter in the form vLLM 0.32 serves, re-read and compared (one form, whatever is requested)."""
         cfg = ctx.cfg
-        drafter, info, _, _ = load(cfg)
+        drafter, info, hf, _ = load(cfg)
         form = self.forms[0]
         dest = ctx.dir / form
         planned = self.planned_configs(drafter.config, [form], cfg.export.num_speculative_tokens)
@@ -274,9 +274,12 @@ class DFlashFamily:
             )
         warnings += self.export_warnings(drafter)
         method = self.vllm_method(form)  # DFlash2's form is served with DFlash's method
+        no_vllm = mla_target_problem(hf)
         commands = [
             (f"vLLM (method {method})", dflash_checkpoint.serve_command(verifier_id(cfg), dest, k, method=method))
         ]
+        if no_vllm:
+            commands, warnings = [], warnings + [f"no vLLM command: {no_vllm}"]
         config = sglang_form.read_folder(dest)[0]
         algorithm = sglang_form.ALGORITHMS[sglang_form.architecture(config)]
         if no_sglang:
@@ -286,6 +289,8 @@ class DFlashFamily:
                 (f"SGLang {sglang_form.SGLANG_READ} (--speculative-algorithm {algorithm})",
                  sglang_form.serve_command(verifier_id(cfg), dest, config, k))
             )  # fmt: skip
+        served = [f"the form vLLM 0.32 serves (`--speculative-config` method `{method}`)"] * (not no_vllm)
+        served += [f"the form SGLang {sglang_form.SGLANG_READ} loads as is (`{algorithm}`)"] * (not no_sglang)
         c = drafter.config
         return Written(
             drafter,
@@ -295,10 +300,7 @@ class DFlashFamily:
             warnings,
             title=f"{self.title} drafter",
             drafter_line=f"{c.num_hidden_layers} layers, block {c.block_size}, aux layers {c.aux_layer_ids}",
-            holds={
-                form: f"the form vLLM 0.32 serves (`--speculative-config` method `{method}`)"
-                + ("" if no_sglang else f" and SGLang {sglang_form.SGLANG_READ} loads as is (`{algorithm}`)")
-            },
+            holds={form: " and ".join(served) or "the form vLLM 0.32 and SGLang load, neither for this drafter"},
         )
 
     # ---- verify
@@ -314,14 +316,16 @@ class DFlashFamily:
 
 
 def mla_target_problem(hf_config: Any) -> str | None:
-    """Why a block drafter cannot be served on this target, or None: its draft layers attend non-causally, and
+    """Why vLLM cannot serve a block drafter on this target, or None: its draft layers attend non-causally, and
     stock vLLM cannot serve a non-causal draft on a target with multi-head latent attention (z-lab/dflash#62,
-    Kimi-K2.5)."""
+    Kimi-K2.5). SGLang can (sglang#29218): its DeepSeek-V2/V3 and Kimi-K2.5 targets capture the drafter's layers
+    (``set_dflash_layers_to_capture``, pinned in tests/drafters/test_sglang_forms.py)."""
     if not getattr(text_config(hf_config), "kv_lora_rank", None):
         return None
     return (
         "the target uses multi-head latent attention (DeepSeek-V3/Kimi): stock vLLM cannot serve a non-causal "
-        "block draft (DFlash, DSpark) on an MLA target (z-lab/dflash#62, Kimi-K2.5)"
+        "block draft (DFlash, DSpark) on an MLA target (z-lab/dflash#62, Kimi-K2.5); SGLang serves it "
+        f"(sglang#29218, read in SGLang {sglang_form.SGLANG_READ})"
     )
 
 
