@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import shutil
 import subprocess
 import threading
 import time
@@ -128,6 +129,23 @@ def write_adapt_config(
         + yaml.safe_dump(data, sort_keys=False),
     )
     return path
+
+
+def snapshot(traffic: Path, into: Path) -> Path:
+    """The log as it is now, copied into the adapt run (once): the gateway goes on appending to its own, and every
+    stage after generate, verify's among them, must read the conversations the finetune read."""
+    if into.exists():
+        return into
+    if not traffic.exists():
+        raise UsageError(f"--traffic {traffic} does not exist", "name the gateway's log file or folder of *.jsonl")
+    files = [traffic] if traffic.is_file() else sorted(traffic.glob("*.jsonl"))
+    partial = into.with_name(into.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    for f in files:
+        shutil.copy2(f, partial / f.name)
+    partial.rename(into)
+    return into
 
 
 def finetune(config: Path) -> Path:
@@ -647,6 +665,7 @@ def adapt(
     say: Callable[[str], None] = print,
 ) -> Outcome:
     """Every step in order; the first that fails or refuses ends it with the current drafter serving."""
+    traffic = snapshot(traffic, adapt_dir / "traffic")
     config = write_adapt_config(served_run, adapt_dir, traffic, folder, k, samples, steps, lr, heldout, engine)
     record(adapt_dir, "start", served_run=str(served_run), drafter=str(folder), k=k, traffic=str(traffic))
     t0 = time.monotonic()

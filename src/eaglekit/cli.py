@@ -330,6 +330,10 @@ def adapt_cmd(
     if traffic is None or server is None:
         raise UsageError("adapt needs --traffic LOG and --server URL", "name the gateway's log and the serving vLLM")
     client = watch.connect(server)
+    if not isinstance(client, watch.VllmClient):
+        raise UsageError(
+            f"{server} is SGLang: adapt swaps drafters in vLLM", "point --server at the vLLM serving the drafter"
+        )
     k = client.num_speculative_tokens()
     if not k:
         raise UsageError(f"{server} drafts nothing (no speculative counters)", "point --server at the served drafter")

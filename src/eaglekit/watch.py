@@ -21,6 +21,12 @@ drafts per verify pass than K (a batch-size schedule), another drafter served (`
 ``/server_info`` in dev mode, name the drafter folder), and a shift in prompt or reply length (vLLM's
 ``vllm:request_prompt_tokens`` / ``…generation_tokens`` histograms) against verify's prompts. A reasoning-mode
 shift is not visible in vLLM's counters.
+
+SGLang (``srt/metrics/collector.py``) keeps no speculation counters: its ``/metrics`` has the gauges
+``sglang:spec_accept_length`` and ``sglang:spec_accept_rate``, the mean over the scheduler's last logged decode
+interval (``--decode-log-interval`` passes, 40 by default), and the counters ``sglang:num_requests_total``,
+``sglang:prompt_tokens_total`` and ``sglang:generation_tokens_total``. Against SGLang a window's τ is that gauge
+as the window ends (its last interval's passes, whichever requests they served) and nothing is said by position.
 """
 
 from __future__ import annotations
@@ -34,12 +40,19 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
+import httpx
+
 from eaglekit import interrupt
 from eaglekit.errors import EaglekitError, UsageError
 from eaglekit.serving import engine_settings
-from eaglekit.serving.speculation import Counters, Snapshot, VllmClient
+from eaglekit.serving.engine import metric_sum, parse_prometheus
+from eaglekit.serving.speculation import Counters, SglangClient, Snapshot, VllmClient, root_of
 
 Z = 3.0  # band half-width in standard errors: one window in ~700 falls below it by chance
+SGLANG_ACCEPT_LENGTH = "sglang:spec_accept_length"  # gauge: mean acceptance length of the last logged interval
+SGLANG_REQUESTS = "sglang:num_requests_total"
+SGLANG_PROMPT_TOKENS = "sglang:prompt_tokens_total"
+SGLANG_GENERATION_TOKENS = "sglang:generation_tokens_total"
 LENGTH_SHIFT = 2.0  # a mean reply this many times the reference's (or this fraction of it) is another kind of reply
 
 
@@ -168,6 +181,7 @@ class Window:
     requests: float
     prompt_tokens: float
     generation_tokens: float
+    tau_gauge: float | None = None  # SGLang: its mean acceptance length over its last logged interval
 
     @classmethod
     def between(cls, index: int, seconds: float, before: Snapshot, after: Snapshot) -> Window:
@@ -178,11 +192,14 @@ class Window:
             after.requests - before.requests,
             after.prompt_tokens - before.prompt_tokens,
             after.generation_tokens - before.generation_tokens,
+            getattr(after, "tau_gauge", None),
         )
 
 
 def compare(window: Window, refs: dict[int, list[Reference]], served: dict, z: float = Z) -> dict:
     """The window against the run's figures at the served K: one JSON-ready record (what ``--json`` prints)."""
+    if window.tau_gauge is not None:
+        return compare_gauge(window, refs, served, z)
     c = window.counters
     k = len(c.accepted)
     record: dict = {
@@ -238,6 +255,44 @@ def compare(window: Window, refs: dict[int, list[Reference]], served: dict, z: f
         "causes": causes,
     }
     return record
+
+
+def compare_gauge(window: Window, refs: dict[int, list[Reference]], served: dict, z: float = Z) -> dict:
+    """An SGLang window: its τ gauge against the same band, at the K the server drafts (no positions, no drafts)."""
+    k = int(served["k"])
+    record: dict = {
+        "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "window": window.index,
+        "seconds": round(window.seconds, 1),
+        "requests": int(window.requests),
+        "drafts": None,
+        "k": k,
+    }
+    if not window.requests or not window.tau_gauge:
+        return record | {"status": "idle", "causes": []}
+    record |= {"tau": round(window.tau_gauge, 4), "acceptance": [], "drafts_per_pass": None}
+    causes = served_causes(served, refs, k, None)
+    at_k = refs.get(k) or []
+    if not at_k:
+        causes.insert(0, f"the engine serves K={k}; the run measured K={sorted(refs) or 'none'}: nothing to compare")
+        return record | {"status": "no reference", "references": [], "causes": causes}
+    ref = at_k[0]
+    width = critical(z, ref.requests - 1 if ref.spread else None) * math.sqrt(1 / ref.requests + 1 / window.requests)
+    low, high = ref.tau - width * ref.accepted_spread(), ref.tau + width * ref.accepted_spread()
+    status = "low" if window.tau_gauge < low else "high" if window.tau_gauge > high else "ok"
+    if status == "low":
+        causes += length_shift(window, ref)
+    return record | {
+        "status": status,
+        "band": [round(low, 4), round(high, 4)],
+        "references": [
+            {"source": r.source, "tau": round(r.tau, 4), "requests": r.requests} for r in first_of_each_kind(at_k)
+        ],
+        "expected_acceptance": [round(r, 4) for r in ref.rates],
+        "fell": [],
+        "mean_prompt_tokens": round(window.prompt_tokens / window.requests, 1),
+        "causes": causes,
+    }
 
 
 def first_of_each_kind(refs: list[Reference]) -> list[Reference]:
@@ -296,12 +351,12 @@ def length_shift(window: Window, ref: Reference) -> list[str]:
 
 def line(record: dict) -> str:
     """One window as a terminal line."""
-    head = (
-        f"{record['time'][11:19]} window {record['window']}: {record['requests']} requests, {record['drafts']} drafts"
-    )
     if record["status"] == "idle":
-        return f"{head} — idle (no drafts)"
-    acc = " ".join(f"{r:.2f}" for r in record["acceptance"])
+        drafts = f", {record['drafts']} drafts" if record["drafts"] is not None else ""
+        return f"{record['time'][11:19]} window {record['window']}: {record['requests']} requests{drafts} — idle (no drafts)"
+    acc = " ".join(f"{r:.2f}" for r in record["acceptance"]) or "not reported (SGLang: τ of its last interval)"
+    drafts = f", {record['drafts']} drafts" if record["drafts"] is not None else ""
+    head = f"{record['time'][11:19]} window {record['window']}: {record['requests']} requests{drafts}"
     text = f"{head}, K={record['k']}: τ {record['tau']:.2f}, acceptance by position {acc}"
     if record["status"] == "no reference":
         return f"{text} — {'; '.join(record['causes'])}"
@@ -320,7 +375,7 @@ def line(record: dict) -> str:
 
 
 def windows(
-    client: VllmClient,
+    client: VllmClient | SglangMetrics,
     start: Snapshot,
     window_s: float | None,
     window_requests: int | None,
@@ -347,9 +402,51 @@ def windows(
         before, started = after, now
 
 
-def served_setup(client: VllmClient, engine_log: Path | None, temperature: float) -> dict:
+@dataclass
+class GaugeSnapshot(Snapshot):
+    tau_gauge: float | None = None
+
+
+class SglangMetrics:
+    """SGLang's side of a watch: K and the drafter from ``/get_server_info`` (a chain, topk 1), the τ gauge and the
+    request and token counters from ``/metrics`` (started with ``--enable-metrics``)."""
+
+    def __init__(self, url: str, timeout: float = 10.0):
+        self.root, self.timeout = root_of(url), timeout
+        self.server = SglangClient(url, timeout)
+        self.k = self.server.num_speculative_tokens()
+        self.model = str(self.server.info.get("model_path") or "the target")
+
+    def snapshot(self) -> GaugeSnapshot:
+        response = httpx.get(f"{self.root}/metrics", timeout=self.timeout)
+        metrics = parse_prometheus(response.text) if response.status_code == 200 else {}
+        gauges = [v for key, v in metrics.items() if key.split("{")[0] == SGLANG_ACCEPT_LENGTH]
+        if not gauges:
+            raise EaglekitError(
+                f"{self.root}/metrics has no {SGLANG_ACCEPT_LENGTH} (answered {response.status_code})",
+                "start SGLang with --enable-metrics",
+            )
+        return GaugeSnapshot(
+            Counters(0, []),
+            metric_sum(metrics, SGLANG_REQUESTS),
+            metric_sum(metrics, SGLANG_PROMPT_TOKENS),
+            metric_sum(metrics, SGLANG_GENERATION_TOKENS),
+            sum(gauges) / len(gauges),  # one series per scheduler (tp/dp rank): their mean
+        )
+
+
+def served_setup(client: VllmClient | SglangMetrics, engine_log: Path | None, temperature: float) -> dict:
     """How the engine serves, as far as it says: its speculative config from ``engine_log`` (the ``non-default
-    args`` line) or ``/server_info`` (dev mode)."""
+    args`` line) or ``/server_info`` (dev mode); SGLang's drafter and K from ``/get_server_info``."""
+    if isinstance(client, SglangMetrics):
+        model = client.server.draft_model_path
+        return {
+            "model": model,
+            "settings": {},
+            "sources": ["/get_server_info"],
+            "temperature": temperature,
+            "k": client.k,
+        }
     sources = []
     if engine_log is not None:
         try:
@@ -412,11 +509,16 @@ def run(
     return 1 if alarmed else 0
 
 
-def connect(url: str, timeout: float = 10.0) -> VllmClient:
+def connect(url: str, timeout: float = 10.0) -> VllmClient | SglangMetrics:
+    """The engine at ``url``: SGLang where it answers ``/get_model_info``, else vLLM."""
     try:
+        if httpx.get(f"{root_of(url)}/get_model_info", timeout=timeout).status_code == 200:
+            return SglangMetrics(url, timeout)
         return VllmClient(url, timeout)
+    except EaglekitError:
+        raise
     except Exception as err:  # httpx errors and HTTP status errors alike: the server is the problem
         raise EaglekitError(
-            f"no vLLM answers at {url} ({type(err).__name__}: {err})",
+            f"no vLLM or SGLang answers at {url} ({type(err).__name__}: {err})",
             "start the engine (the command `eaglekit export` printed) or fix --server",
         ) from None

@@ -211,6 +211,72 @@ class MetricsStandIn:
         self.server.server_close()
 
 
+class SglangMetricsStandIn(MetricsStandIn):
+    """SGLang's /get_model_info, /get_server_info and /metrics as its collector writes them (srt/metrics/collector.py):
+    no speculation counters, the gauge sglang:spec_accept_length of the last logged interval (here: the request
+    each scrape finishes), and the request and token counters."""
+
+    def __init__(self, healthy: int, seed: int = 3):
+        super().__init__(healthy, seed)
+        stand_in = self
+
+        class Handler(JsonHandler):
+            def do_GET(self) -> None:
+                if self.path == "/get_model_info":
+                    self.send_json(200, {"model_path": "tiny", "is_generation": True})
+                elif self.path == "/get_server_info":
+                    info = {"speculative_algorithm": "EAGLE3", "speculative_num_steps": K, "speculative_eagle_topk": 1}
+                    self.send_json(200, info | {"speculative_draft_model_path": "/drafter", "model_path": "tiny"})
+                elif self.path == "/metrics":
+                    body = stand_in.scrape().encode()
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/plain; version=0.0.4")
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                else:
+                    self.send_json(404, {"detail": "Not Found"})
+
+        self.server.server_close()
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.last = (0, [0] * K)
+
+    def scrape(self) -> str:
+        if self.scrapes:
+            self.last = draw_request(self.rng, HEALTHY if self.scrapes <= self.healthy else WEAKER)
+            self.requests += 1
+        self.scrapes += 1
+        drafts, accepted = self.last
+        labels = 'model_name="tiny",engine_type="unified",tp_rank="0",dp_rank="0"'
+        length = 1 + sum(accepted) / drafts if drafts else 0.0
+        return (
+            "\n".join(
+                [
+                    "# TYPE sglang:spec_accept_length gauge",
+                    f"sglang:spec_accept_length{{{labels}}} {length}",
+                    f"sglang:spec_accept_rate{{{labels}}} {sum(accepted) / (drafts * K) if drafts else 0.0}",
+                    f'sglang:num_requests_total{{model_name="tiny"}} {float(self.requests)}',
+                    f'sglang:prompt_tokens_total{{model_name="tiny"}} {140.0 * self.requests}',
+                    f'sglang:generation_tokens_total{{model_name="tiny"}} {96.0 * self.requests}',
+                ]
+            )
+            + "\n"
+        )
+
+
+def test_watch_reads_sglangs_gauge(reference_run, cli):
+    """Against SGLang a window's τ is its acceptance-length gauge (no positions): healthy windows stay in the band, a
+    weaker drafter's fall out of it."""
+    with SglangMetricsStandIn(healthy=3) as engine:
+        result = cli("watch", reference_run, "--server", engine.url, "--window-s", "0.05", "--windows", "5", "--json")
+    assert result.code == 1, result.err
+    records = [json.loads(line) for line in result.out.splitlines()]
+    assert [r["status"] for r in records[:3]] == ["ok"] * 3 and records[4]["status"] == "low"
+    assert all(r["k"] == K and r["acceptance"] == [] and r["drafts"] is None for r in records)
+    assert "not reported (SGLang" in watch.line(records[4]) and "ALARM" in watch.line(records[4])
+
+
 @pytest.fixture
 def reference_run(tmp_path) -> Path:
     rng = random.Random(4)
@@ -237,7 +303,9 @@ def test_watch_once_in_a_terminal_and_its_errors(reference_run, cli, tmp_path):
     empty = cli("watch", tmp_path / "nothing", "--server", "http://127.0.0.1:9", "--once")
     assert empty.code == 2 and "holds neither verify/report.json nor evaluate/report.json" in empty.err
     down = cli("watch", reference_run, "--server", "http://127.0.0.1:9", "--once")
-    assert down.code == 1 and "no vLLM answers at http://127.0.0.1:9" in down.err and "Traceback" not in down.err
+    assert (
+        down.code == 1 and "no vLLM or SGLang answers at http://127.0.0.1:9" in down.err and "Traceback" not in down.err
+    )
 
 
 @pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
