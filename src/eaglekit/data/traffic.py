@@ -201,12 +201,15 @@ def _time(response: dict | None, row: dict) -> float | None:
 
 @dataclass
 class _Exchange:
-    """A usable line before the selection: its sample and what the served-template check compares."""
+    """A usable line before the selection: where it is, and what selects it. Only the lines selected are read again
+    and kept whole, so a long log is never held in memory."""
 
     order: int
-    record: dict
-    response: dict | None
+    sample_id: str
     created: float | None
+    source: str  # file:line
+    file: int  # index into the log's files
+    offset: int  # of the line in its file
 
 
 def same_model(logged: str, expected: str) -> bool:
@@ -324,18 +327,40 @@ def log_files(path: str | os.PathLike) -> list[Path]:
     return [p]
 
 
-def _lines(files: list[Path]) -> Iterator[tuple[str, bytes]]:
-    for f in files:
-        try:
-            handle = open(f, "rb")  # noqa: SIM115 - closed below; a long log is streamed
-        except OSError as err:
-            raise UsageError(
-                f"{f}: cannot be read ({err.strerror or err})", "fix its permissions or the mount"
-            ) from None
-        with handle:
+def _open(f: Path):
+    try:
+        return open(f, "rb")  # noqa: SIM115 - the callers close it; a long log is streamed
+    except OSError as err:
+        raise UsageError(f"{f}: cannot be read ({err.strerror or err})", "fix its permissions or the mount") from None
+
+
+def _lines(files: list[Path]) -> Iterator[tuple[str, bytes, int, int]]:
+    """(file:line, the line, the file's index, the line's offset) of each line that is not blank."""
+    for index, f in enumerate(files):
+        with _open(f) as handle:
+            offset = 0
             for lineno, raw in enumerate(handle, start=1):
                 if raw.strip():
-                    yield f"{f}:{lineno}", raw
+                    yield f"{f}:{lineno}", raw, index, offset
+                offset += len(raw)
+
+
+def _read_again(exchange: _Exchange, handles: dict[int, Any], files: list[Path], model, kwargs) -> tuple[dict, Any]:
+    """The selected line's record and response body, read again from where the first pass found it."""
+    if exchange.file not in handles:
+        handles[exchange.file] = _open(files[exchange.file])
+    handle = handles[exchange.file]
+    handle.seek(exchange.offset)
+    try:
+        _, record, response = _line(handle.readline(), exchange.source, model, kwargs)
+    except _Bad:
+        record = {}
+    if record.get("id") != exchange.sample_id:
+        raise UsageError(
+            f"{exchange.source} changed while eaglekit read the log (rewritten or rotated in place)",
+            "run the same command again: it reads the log as it stands then",
+        )
+    return record, response
 
 
 # --- the log ----------------------------------------------------------------------------------------
@@ -362,7 +387,7 @@ def read_traffic(
     files = log_files(path)
     usable: list[_Exchange] = []
     seen: set[str] = set()
-    for source, raw in _lines(files):
+    for source, raw, index, offset in _lines(files):
         read.lines += 1
         try:
             row, record, response = _line(raw, source, model, template_kwargs)
@@ -377,31 +402,37 @@ def read_traffic(
             read.duplicates += 1
             continue
         seen.add(record["id"])
-        usable.append(_Exchange(len(usable), record, response, _time(response, row)))
+        usable.append(_Exchange(len(usable), record["id"], _time(response, row), source, index, offset))
     candidates = _since(usable, since, read)
     ranked = _ranked(candidates, newest, max_samples, seed)
     wanted = min(max_samples or newest or len(ranked), len(ranked))
-    taken: list[_Exchange] = []
-    for i, exchange in enumerate(ranked):
-        if len(taken) == wanted:
-            read.left_out += len(ranked) - i
-            break
-        problem = None
-        if served is not None and exchange.response is not None:
-            local = served.local_ids(exchange.record["messages"])
-            if local is None:
+    taken: list[tuple[int, dict]] = []
+    handles: dict[int, Any] = {}
+    try:
+        for i, exchange in enumerate(ranked):
+            if len(taken) == wanted:
+                read.left_out += len(ranked) - i
+                break
+            record, response = _read_again(exchange, handles, files, model, template_kwargs)
+            problem = None
+            if served is not None and response is not None:
+                local = served.local_ids(record["messages"])
+                if local is None:
+                    read.unchecked_template += 1
+                else:
+                    problem = served.mismatch(local, response)
+                    unknown = (response.get("usage") or {}).get("prompt_tokens") is None
+                    read.unchecked_template += unknown and "prompt_token_ids" not in response
+            elif served is not None:
                 read.unchecked_template += 1
-            else:
-                problem = served.mismatch(local, exchange.response)
-                unknown = (exchange.response.get("usage") or {}).get("prompt_tokens") is None
-                read.unchecked_template += unknown and "prompt_token_ids" not in exchange.response
-        elif served is not None:
-            read.unchecked_template += 1
-        if problem:
-            read.rejects.append(Reject(exchange.record["source"], f"{TEMPLATE}: {problem}"))
-            continue
-        taken.append(exchange)
-    read.samples = [x.record for x in sorted(taken, key=lambda x: x.order)]
+            if problem:
+                read.rejects.append(Reject(exchange.source, f"{TEMPLATE}: {problem}"))
+                continue
+            taken.append((exchange.order, record))
+    finally:
+        for handle in handles.values():
+            handle.close()
+    read.samples = [record for _, record in sorted(taken, key=lambda t: t[0])]
     read.unchecked_model = sum(not r["model"] for r in read.samples)
     read.rejects.sort(key=lambda r: _source_order(r.source, files))
     return read
@@ -436,7 +467,7 @@ def _ranked(candidates: list[_Exchange], newest: int | None, max_samples: int | 
         if max_samples is not None:
             ranked = ranked[:newest]  # the window of recent traffic the sample is drawn from
     if max_samples is not None:
-        ranked = sorted(ranked, key=lambda x: _rank(x.record["id"], seed))
+        ranked = sorted(ranked, key=lambda x: _rank(x.sample_id, seed))
     return ranked
 
 
