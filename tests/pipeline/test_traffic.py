@@ -178,7 +178,10 @@ def test_another_models_log_is_refused_naming_the_field_and_the_remedy(served, t
     cfg = parse_config(config(tmp_path, log, tiny_target), base_dir=tmp_path)
     bad = failed(pipeline.run_preflight(pipeline.make_context(cfg, "generate")))
     assert [r.name for r in bad] == ["traffic"]
-    assert "the responses' `model` field holds 'other/model' (3 lines)" in bad[0].detail
+    assert (
+        f"the responses' `model` field holds 'other/model' (3 lines) ({log}:1, {log}:2, {log}:3), and the run's target is served as '{MODEL}'"
+        in bad[0].detail
+    )
     assert "data.traffic.model" in bad[0].remedy
     with pytest.raises(EaglekitError) as refused, RunDir(cfg.run_dir).lock:
         pipeline.run_stage(cfg, "generate", skip_preflight=True)

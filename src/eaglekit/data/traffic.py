@@ -92,6 +92,7 @@ class TrafficRead:
     left_out: int = 0  # usable conversations that since/newest/max_samples did not select
     unfinished: list[str] = field(default_factory=list)  # file:line of a last line still being written (no newline)
     template_remedy: str = ""
+    model: str | None = None  # the id the responses were checked against
 
     def by_reason(self) -> dict[str, list[Reject]]:
         out: dict[str, list[Reject]] = {}
@@ -143,9 +144,13 @@ class TrafficRead:
         if top == OTHER_MODEL:
             seen = Counter(r.why.split("'")[1] for r in reasons[OTHER_MODEL] if r.why.count("'") >= 2)
             models = ", ".join(f"'{m}' ({n} lines)" for m, n in seen.most_common(3))
+            where = ", ".join(r.source for r in reasons[OTHER_MODEL][:SHOWN_PER_REASON])
+            others = [r for r in self.rejects if r.reason != OTHER_MODEL]
             raise UsageError(
-                f"{self.path}: no usable conversation of {self.lines} lines; the responses' `model` field holds "
-                f"{models}, not the run's target; {self.rejects_summary()}",
+                f"{self.path}: no usable conversation of {self.lines} lines: the responses' `model` field holds "
+                f"{models} ({where}{', …' if len(reasons[OTHER_MODEL]) > SHOWN_PER_REASON else ''}), and the run's "
+                f"target is served as '{self.model}'"
+                + (f"; the other lines: {TrafficRead(self.path, rejects=others).rejects_summary()}" if others else ""),
                 REMEDIES[OTHER_MODEL],
             )
         remedy = self.template_remedy if top == TEMPLATE else REMEDIES.get(top or "")
@@ -383,7 +388,7 @@ def read_traffic(
     served-template check (None: not checked). ``since``: only exchanges created at or after it. ``newest``: the N
     most recent (by ``created``, else log order). ``max_samples``: a seeded sample of N, stable under appended lines.
     """
-    read = TrafficRead(path=str(path))
+    read = TrafficRead(path=str(path), model=model)
     files = log_files(path)
     usable: list[_Exchange] = []
     seen: set[str] = set()
