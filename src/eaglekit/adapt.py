@@ -153,7 +153,7 @@ def finetune(config: Path) -> Path:
 
     cfg = load_config(config)
     pipeline.run_stages(cfg, pipeline.select_stages(cfg, until="export"))
-    return cfg.run_path / "export" / cfg.verify.formats[0]
+    return cfg.run_path / "export" / (cfg.verify.formats or ["eagle3"])[0]
 
 
 # ---------------------------------------------------------------------------------------------- the comparison

@@ -202,7 +202,7 @@ def scratch_run(shifted: dict, run: Path) -> Path:
 def test_a_worse_candidate_is_refused(shifted, adapted, tmp_path):
     _, adapt_dir, _ = adapted
     current = shifted["run_dir"] / "export" / "eagle3"
-    worse = noisy_copy(current, tmp_path / "export" / "eagle3", scale=0.5)
+    worse = noisy_copy(current, tmp_path / "export" / "eagle3", scale=2.0)
     result = adapt.compare(adapt_dir / "config.yaml", current, worse, K)
     assert not result.better and result.high < 0, result.verdict()
     assert result.verdict().startswith("refused (worse)")
