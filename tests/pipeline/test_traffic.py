@@ -280,6 +280,7 @@ def test_the_gateways_shapes_read_as_one_conversation_and_what_cannot_be_rendere
         {"request": {**request, "chat_template_kwargs": {"enable_thinking": False}}, "response": response},
         {"request": {"body": request}, "response": {"status": 500, "body": {"error": "overloaded"}}},
         {"messages": request["messages"]},  # no reply logged
+        {"messages": request["messages"], "response": response, "model_parameters": {"tools": [tools]}},  # LiteLLM
     ]
     log.write_text("".join(line(x) for x in refused))
     read = read_traffic(log, model=MODEL)
@@ -288,11 +289,12 @@ def test_the_gateways_shapes_read_as_one_conversation_and_what_cannot_be_rendere
         (f"{log}:2", "not renderable here"),
         (f"{log}:3", "failed request"),
         (f"{log}:4", "no reply"),
+        (f"{log}:5", "not renderable here"),
     ]
     assert "offers tools" in read.rejects[0].why and '{"enable_thinking": false}' in read.rejects[1].why
     with pytest.raises(EaglekitError) as none:
         read.require_usable()
-    assert f"no usable conversation of 4 lines: 2 not renderable here ({log}:1, {log}:2" in none.value.message
+    assert f"no usable conversation of 5 lines: 3 not renderable here ({log}:1, {log}:2, {log}:5" in none.value.message
     assert "without tools" in (none.value.remedy or "")
     # a plain line without a `model` is taken, and said to be unchecked
     log.write_text(line({"messages": [*request["messages"], reply]}))

@@ -273,9 +273,11 @@ def _exchange(row: Any, source: str, model: str | None, template_kwargs: dict | 
         raise _Bad(f"{OTHER_MODEL}: model '{logged_model}' (the run's target is served as '{model}')")
     if finish == "length":
         raise _Bad(f"{TRUNCATED}: finish_reason length (cut at the client's max_tokens)")
-    if request.get("tools") or request.get("functions"):
+    # LiteLLM logs the request's other parameters apart from its messages
+    sent = {**request, **(request["model_parameters"] if isinstance(request.get("model_parameters"), dict) else {})}
+    if sent.get("tools") or sent.get("functions"):
         raise _Bad(f"{NOT_RENDERABLE}: the request offers tools, which the chat template renders into the prompt")
-    asked_kwargs = request.get("chat_template_kwargs") or None
+    asked_kwargs = sent.get("chat_template_kwargs") or None
     if asked_kwargs is not None and asked_kwargs != (template_kwargs or None):
         raise _Bad(
             f"{NOT_RENDERABLE}: the request sent chat_template_kwargs {json.dumps(asked_kwargs)}, the run renders with "
