@@ -12,8 +12,9 @@ the reading refuses only a log of which no line is usable.
 Samples are identified by their content (the conversation's hash), so an exchange logged twice is one sample and a
 log that gained lines holds the old samples and some new ones. ``newest`` keeps the most recent conversations;
 ``max_samples`` takes a seeded sample that stays put when lines are appended (each conversation ranked by a
-seeded hash of its id: a new line displaces an old one only where it ranks lower). The served-template check runs
-on the conversations selected, in the order of selection, until enough pass.
+seeded hash of its id: a new line displaces an old one only where it ranks ahead of it). The served-template check
+runs on the conversations selected, in the order of selection, until enough pass; only those are read whole a second
+time, so a long log is streamed, never held.
 
 The records are generate's (``responses.make_record``), plus ``source`` (``file:line``): generate copies them into
 the run directory, and nothing of the log is kept anywhere else.
@@ -49,7 +50,7 @@ TIME_KEYS = ("startTime", "created", "timestamp")  # a line's own time where its
 SHOWN_PER_REASON = 3  # file:line named per reject reason in the summary
 IDENTITY_CACHE = ".traffic-identity.json"  # in the run directory: the selection's identity, by the log's state
 
-# Reject reasons, one word each for counting; the text after the colon says what the line held.
+# Reject reasons, a short phrase each for counting; the text after the colon says what the line held.
 MALFORMED = "malformed"
 NO_REPLY = "no reply"
 FAILED = "failed request"
