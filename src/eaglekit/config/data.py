@@ -25,7 +25,8 @@ class TrafficConfig(Section):
         "another model's replies are rejected",
     )
     since: datetime | None = Field(
-        None, description="only conversations created at or after this time (the response's `created`)"
+        None,
+        description="only conversations created at or after this time (the response's `created`; UTC unless a zone is given)",
     )
     newest: int | None = Field(None, ge=1, description="keep the newest N usable conversations (recent traffic)")
     max_samples: int | None = Field(
