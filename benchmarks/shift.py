@@ -68,7 +68,15 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=160, help="conversations adapt reads (the newest)")
     parser.add_argument("--traffic", type=int, default=200, help="new-mix requests sent before adapt")
     parser.add_argument("--steps", type=int, default=adapt.STEPS)
+    parser.add_argument(
+        "--scratch",
+        action="store_true",
+        help="after a run into OUT: a drafter from scratch on OUT's whole log, compared",
+    )
     args = parser.parse_args()
+    if args.scratch:
+        scratch(args.run.resolve(), args.out)
+        return
     torch.set_num_threads(1)  # the tiny target gains nothing from threads on a shared machine
     args.out.mkdir(parents=True, exist_ok=True)
     run = args.run.resolve()
@@ -136,6 +144,43 @@ def main() -> None:
             f"adapt {step['step']}: {json.dumps({k: v for k, v in step.items() if k not in ('ts', 'event', 'step')})}"
         )
     print(json.dumps(figures["timings_s"]))
+
+
+def scratch(run: Path, out: Path) -> None:
+    """The demo's recipe from scratch on the whole gateway log (every conversation, no init_from), then the three
+    drafters decoding the same 12 held-out prompts of the new mix offline, counted as vLLM counts."""
+    import yaml
+
+    from eaglekit import pipeline
+    from eaglekit.config import load_config
+
+    data = yaml.safe_load((run / "config.yaml").read_text())
+    data["run_dir"] = str((out / "scratch").resolve())
+    data["target"]["model"] = str(load_config(run / "config.yaml").target.model)
+    data["data"] = {"traffic": {"path": str((out / "gateway.jsonl").resolve())}, "eval_fraction": 0.1}
+    data["evaluate"]["num_speculative_tokens"] = [K]
+    data.pop("verify", None)
+    (out / "scratch").mkdir(parents=True, exist_ok=True)
+    (out / "scratch" / "config.yaml").write_text(yaml.safe_dump(data))
+    cfg = load_config(out / "scratch" / "config.yaml")
+    t0 = time.monotonic()
+    pipeline.run_stages(cfg, pipeline.select_stages(cfg, until="export"))
+    seconds = time.monotonic() - t0
+    prompts = [(f"p{i}", [{"role": "user", "content": p}]) for i, p in enumerate(mix_prompts("heldout", 2)[:12])]
+    folders = {
+        "demo": run / "export" / "eagle3",
+        "adapted": out / "adapt" / "export" / "eagle3",
+        "scratch": out / "scratch" / "export" / "eagle3",
+    }
+    counts = adapt.decode_counts(cfg, folders, K, prompts)
+    taus = {name: round(1 + sum(a for _, a in c) / sum(d for d, _ in c), 4) for name, c in counts.items()}
+    samples = {
+        name: json.loads((out / name / "prepare" / "stats.json").read_text())["samples"]
+        for name in ("adapt", "scratch")
+    }
+    result = {"offline_tau_k3": taus, "samples": samples, "scratch_seconds": round(seconds, 1)}
+    (out / "scratch.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result))
 
 
 def machine() -> str:
