@@ -103,7 +103,8 @@ def train_eaglekit(drafter, target, batches: list[dict], args) -> tuple[float, f
     final_norm = decoder_parts(target)[2]
     params = [p for p in drafter.parameters() if p.requires_grad]
     optim, clip = optimizer(params, args)
-    settings = TTTConfig(steps=args.depths)
+    weights = None if args.eaglekit_weights == "decay" else [max(0.7**d, 0.2) for d in range(args.depths)]
+    settings = TTTConfig(steps=args.depths, step_weights=weights)
     losses = []
     t0 = time.perf_counter()
     for b in batches:
@@ -254,6 +255,13 @@ def load_speculators_drafter(folder: Path, embed, head):
 def main() -> None:
     p = arguments(__doc__, "peagle_vs_speculators")
     p.add_argument("--depths", type=int, default=7, help="parallel depths trained (speculators' default 8)")
+    p.add_argument(
+        "--eaglekit-weights",
+        choices=["decay", "cod"],
+        default="decay",
+        help="eaglekit's depth weights: train.ttt's 0.8^d (the default), or speculators' COD sampling's share of "
+        "depth d, max(0.7^d, 0.2) (an ablation)",
+    )
     args = p.parse_args()
     if args.speculators_child:
         return speculators_child(json.loads(args.speculators_child))
