@@ -31,7 +31,8 @@ class Eagle3LlamaFamily(Eagle3Family):
         return settings
 
     def shape_line(self, dc: DrafterConfig) -> str:
-        return f"llama: heads {dc.num_attention_heads} / kv {dc.num_key_value_heads} x {dc.head_dim}"
+        layers = f", {dc.num_layers} layers" if dc.num_layers > 1 else ""
+        return f"llama: heads {dc.num_attention_heads} / kv {dc.num_key_value_heads} x {dc.head_dim}{layers}"
 
     def layer_line(self, dc: DrafterConfig) -> str:
         return f"Llama attention: {dc.num_attention_heads} heads, {dc.num_key_value_heads} KV heads of {dc.head_dim}"

@@ -333,9 +333,9 @@ def _prefix_attention(q, k, v, lo, hi, scale) -> torch.Tensor:
 
 
 def _layer_pass(kernels: StepKernels, body: Callable[..., tuple], *inputs: torch.Tensor) -> tuple:
-    """``body(*inputs)``: one TTT step's layer. With ``kernels.checkpoint_steps`` its activations are not kept for
+    """``body(*inputs)``: one TTT step's layers. With ``kernels.checkpoint_steps`` their activations are not kept for
     backward but recomputed there (only the inputs and outputs stay), so a step costs O(rows x H) instead of the
-    layer's full width per row."""
+    layers' full width per row."""
     if kernels.checkpoint_steps and torch.is_grad_enabled():
         return checkpoint(body, *inputs, use_reentrant=False)
     return body(*inputs)
