@@ -128,7 +128,7 @@ def adapted(shifted):
     def work() -> None:
         outcome["value"] = adapt.adapt(
             shifted["run_dir"], shifted["log"], adapt_dir, folder, K, pool,
-            samples=160, steps=120, windows=2, window_requests=8, confirm_timeout_s=600, say=lines.append,
+            samples=160, steps=40, windows=2, window_requests=8, confirm_timeout_s=600, say=lines.append,
         )  # fmt: skip
 
     worker = threading.Thread(target=work)
@@ -295,3 +295,23 @@ def test_the_paired_interval_refuses_noise_and_takes_a_real_gain():
     assert adapt.paired(better, base, K).verdict().startswith("refused (worse)")
     small = adapt.paired(base, [(d, a + 1) for d, a in base], K, min_gain=0.2)
     assert not small.better and "below the 20% worth a swap" in small.verdict()
+
+
+def test_the_command_confirms_a_printed_switch_and_names_what_it_needs(tmp_path, cli):
+    """After a printed switch, `eaglekit adapt ADAPT_DIR --confirm URL --previous URL` watches the candidate's server:
+    a fall says to switch back to the previous server (exit 1); without --traffic and --server adapt says what it
+    needs."""
+    import random
+
+    from test_watch import HEALTHY, MetricsStandIn, draw_request, write_run
+
+    run = write_run(tmp_path / "adapt", [draw_request(random.Random(4), HEALTHY) for _ in range(8)])
+    with MetricsStandIn(healthy=0) as engine:
+        result = cli(
+            "adapt", run, "--confirm", engine.url, "--previous", "http://127.0.0.1:8000", "--window-requests", "2"
+        )
+    assert result.code == 1, result.err
+    assert "switch your gateway back to http://127.0.0.1:8000" in result.err and "rolled back" in result.err
+    assert [e["step"] for e in adapt.steps_recorded(run)] == ["rolled back"]
+    missing = cli("adapt", run)
+    assert missing.code == 2 and "adapt needs --traffic LOG and --server URL" in missing.err
