@@ -74,10 +74,10 @@ def main() -> None:
         help="after a run into OUT: a drafter from scratch on OUT's whole log, compared",
     )
     args = parser.parse_args()
+    torch.set_num_threads(1)  # the tiny target gains nothing from threads on a shared machine
     if args.scratch:
         scratch(args.run.resolve(), args.out)
         return
-    torch.set_num_threads(1)  # the tiny target gains nothing from threads on a shared machine
     args.out.mkdir(parents=True, exist_ok=True)
     run = args.run.resolve()
     report = json.loads((run / "verify" / "report.json").read_text())
