@@ -24,6 +24,7 @@ from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
 from eaglekit.config import TTTConfig, parse_config
 from eaglekit.drafters.eagle3 import checkpoint as eagle3_checkpoint
 from eaglekit.drafters.eagle3.family import same_logits
+from eaglekit.drafters.eagle3.fused import StepKernels
 from eaglekit.drafters.eagle3.llama import EAGLE3_LLAMA
 from eaglekit.drafters.eagle3.memory import step_memory
 from eaglekit.drafters.eagle3.model import DrafterConfig, DraftKVCache, Eagle3Drafter
@@ -237,6 +238,30 @@ def test_ttt_trains_every_layer(family):
         optimizer.step()
         losses.append(out.loss.item())
     assert losses[-1] < 0.8 * losses[0], losses
+
+
+def test_the_step_kernels_and_recomputation_give_the_reference_with_two_layers():
+    """Unpacked step 0 through scaled_dot_product_attention, and every step's layers recomputed in backward
+    (train.ttt.activation_checkpointing): the reference loss and gradients of both layers."""
+    drafter = make_drafter(two_layers())
+    aux, ids, target_logits, loss_mask, attention_mask, in_draft = make_batch(drafter.config, b=2, length=12)
+
+    def run(kernels: StepKernels):
+        drafter.zero_grad()
+        out = ttt_loss(
+            drafter, aux, ids, target_logits, loss_mask, attention_mask, target_in_draft=in_draft,
+            settings=TTTConfig(steps=3), kernels=kernels,
+        )  # fmt: skip
+        out.loss.backward()
+        return out.loss.detach(), {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None}
+
+    want, want_grads = run(StepKernels())
+    for kernels in (StepKernels(attention="sdpa"), StepKernels(checkpoint_steps=True)):
+        loss, grads = run(kernels)
+        torch.testing.assert_close(loss, want, rtol=1e-10, atol=1e-12)
+        assert grads.keys() == want_grads.keys() and any(n.startswith("upper_layers.") for n in grads)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, want_grads[name], rtol=1e-8, atol=1e-10, msg=name)
 
 
 # ------------------------------------------------------------------------------------------ forms on disk
