@@ -27,7 +27,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from test_checkpoints import make_drafter
+from transformers import DeepseekV3Config
 
+from eaglekit.config import parse_config
 from eaglekit.drafters.dflash import sglang_form as block_form
 from eaglekit.drafters.dflash.checkpoint import save_dflash
 from eaglekit.drafters.dflash.model import DFlashConfig, DFlashDrafter
@@ -37,12 +39,18 @@ from eaglekit.drafters.dspark.checkpoint import save_dspark
 from eaglekit.drafters.dspark.model import DSparkConfig, DSparkDrafter
 from eaglekit.drafters.eagle3 import checkpoint as eagle3_checkpoint
 from eaglekit.drafters.eagle3 import sglang_form as eagle3_form
+from eaglekit.drafters.eagle3.family import serve_commands
+from eaglekit.drafters.registry import FAMILIES
 from eaglekit.drafters.sglang_form import SGLANG_READ, read_folder
 from eaglekit.errors import EaglekitError
+from eaglekit.model.checkpoint_files import CheckpointInfo
 from eaglekit.model.layers import rope_inv_freq
+from eaglekit.model.run_shapes import target_and_aux
+from eaglekit.model.target import embedding_and_head
+from eaglekit.serving.engine import cpu_environment, free_port
 from eaglekit.tiny.build import cache_root
 
-pytestmark = pytest.mark.slow  # one SGLang import (~10 s of CPU) and ~100 tiny drafters built by it
+pytestmark = pytest.mark.slow  # one SGLang import (~10 s of CPU) and ~260 tiny drafters built by it (~20 s CPU in all)
 
 AUX = [2, 3, 4]  # HF hidden_states indices the block drafters tap
 K = 3  # the speculative tokens the printed commands ask for
@@ -143,8 +151,6 @@ def sglang_root() -> Path:
 def probed(tmp_path_factory, sglang_root, vllm_python):
     """Every form, each config key's ablation, a renamed weight and a target hidden size SGLang cannot take, read by
     SGLang in one process: the folders, SGLang's results by folder and its parse of each printed command."""
-    from eaglekit.serving.engine import cpu_environment, free_port
-
     root = tmp_path_factory.mktemp("sglang-forms")
     forms = write_forms(root)
     ablations = {
@@ -197,8 +203,6 @@ def probed(tmp_path_factory, sglang_root, vllm_python):
 
 def eagle3_launch(folder: Path) -> str:
     """EAGLE-3's printed SGLang command (drafters/eagle3/family.serve_commands, its plain form)."""
-    from eaglekit.drafters.eagle3.family import serve_commands
-
     cfg = SimpleNamespace(export=SimpleNamespace(num_speculative_tokens=K, verifier="org/target"), target=None)
     return next(c for what, c in serve_commands(cfg, {"eagle3": folder}) if what.startswith("SGLang"))
 
@@ -354,14 +358,6 @@ def test_export_prints_the_sglang_command_and_for_an_mla_target_only_it(tmp_path
     """The family's export (``engine.write``): on a Llama target both engines' commands; on a target with
     multi-head latent attention (DeepSeek-V3/Kimi) vLLM's is withheld by name (z-lab/dflash#62) and SGLang's, whose
     MLA targets capture the trained layers (above), is the one printed."""
-    from transformers import DeepseekV3Config
-
-    from eaglekit.config import parse_config
-    from eaglekit.drafters.registry import FAMILIES
-    from eaglekit.model.checkpoint_files import CheckpointInfo
-    from eaglekit.model.run_shapes import target_and_aux
-    from eaglekit.model.target import embedding_and_head
-
     draft = {"architecture": family, "num_layers": 2, "block_size": 4}
     data = {"run_dir": "run", "target": {"model": str(tiny_target)}, "data": {"prompts": "p.jsonl"}}
     cfg = parse_config(data | {"train": {"draft": draft}}, base_dir=tmp_path)
