@@ -338,6 +338,21 @@ def test_a_published_multi_layer_drafter_loads_for_finetuning(tmp_path):
     assert info.form == "speculators" and not info.missing_embeddings
 
 
+def test_preflight_says_a_finetune_keeps_its_checkpoints_layers(tmp_path, tiny_target):
+    """train.init_from a two-layer drafter: its layers are what trains; a train.draft.num_layers that differs is named."""
+    hf = AutoConfig.from_pretrained(tiny_target)
+    eagle3_checkpoint.save_legacy(
+        Eagle3Drafter(DrafterConfig.from_target_config(hf, 64, None, num_layers=2)), tmp_path / "d"
+    )
+    base = {"run_dir": "run", "target": {"model": str(tiny_target)}, "data": {"prompts": "p.jsonl"}}
+    for asked, status in ((None, "ok"), (2, "ok"), (1, "warn")):
+        train = {"init_from": str(tmp_path / "d"), "draft": {"num_layers": asked}}
+        cfg = parse_config(base | {"train": train}, base_dir=tmp_path)
+        verdict = EAGLE3_LLAMA.diagnosis.finetune_check(cfg, tmp_path / "d", str(tmp_path / "d"))
+        assert verdict.level == status, verdict
+    assert "it has 2 decoder layer(s), train.draft.num_layers 1 does not apply to a finetune" in verdict.detail
+
+
 def test_an_mla_drafter_with_several_layers_is_refused_by_name(tmp_path):
     with pytest.raises(UsageError, match="num_layers 2: eaglekit builds an mla drafter with one decoder layer"):
         tiny_config(

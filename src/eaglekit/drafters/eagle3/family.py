@@ -162,11 +162,19 @@ class Eagle3Family:
             )
         vocab = "remapped onto this run's draft vocab" if cfg.train.remap_vocab else "its own draft vocab kept"
         where = f" (cached in {folder})" if str(folder) != path else ""
-        return Verdict(
-            "ok",
+        detail = (
             f"{path}{where} fits the target ({drafter.config.architecture} drafter, "
-            f"{drafter.config.draft_vocab_size} draft tokens, {vocab})",
+            f"{drafter.config.draft_vocab_size} draft tokens, {vocab})"
         )
+        asked = getattr(cfg.train.draft, "num_layers", None)
+        if asked is not None and asked != drafter.config.num_layers:  # the finetune keeps the checkpoint's layers
+            return Verdict(
+                "warn",
+                detail + f"; it has {drafter.config.num_layers} decoder layer(s), train.draft.num_layers {asked} "
+                "does not apply to a finetune",
+                "remove train.draft.num_layers, or train a new drafter with it (remove train.init_from)",
+            )
+        return Verdict("ok", detail)
 
     # ---- training
     def build(self, cfg, hf, d2t, t2d, embed, head, aux) -> Built:
