@@ -104,8 +104,7 @@ def write_forms(root: Path) -> dict[str, tuple[Path, object]]:
     for name, drafter in (
         ("eagle3", make_drafter(fc_norm=True, norm_output=True)),
         ("eagle3-2layers", make_drafter(num_layers=2)),
-        # SGLang 0.5.23's Llama drafter reads norm_before_fc (eagle3/checkpoint.sglang_ignores still counts it unread:
-        # older releases do not, so export prints no SGLang command for it)
+        # SGLang 0.5.23's Llama drafter reads norm_before_fc (sglang#32334): export prints its SGLang command
         ("eagle3-norm-before-fc", make_drafter(norm_before_fc=True)),
         ("eagle3-mla", make_drafter(architecture="mla", fc_norm=True)),
     ):

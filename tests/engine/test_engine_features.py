@@ -155,8 +155,13 @@ def test_a_version_string_alone_refuses_an_old_release_and_cannot_decide_an_unpi
     warnings = features.check_forms(sglang, {"eagle3": {"fc_norm": True, "norm_output": True}}, "verify")
     assert len(warnings) == 2 and all("sglang#24663" in w and "cannot tell" in w for w in warnings)
     dspark = {"architectures": ["Qwen3DSparkModel"]}
-    with pytest.raises(EaglekitError, match=r"sglang#30261.*speculators_model_type"):
+    # DSpark: SGLang 0.5.23 reads the anchor convention from sample_from_anchor, which vLLM's form carries; an older
+    # release is refused (its first form told the convention by speculators_model_type only)
+    with pytest.raises(EaglekitError, match=r"sglang#30261.*0\.5\.23.*speculators_model_type"):
         features.check_forms(sglang, {"dspark": dspark}, "verify")
+    assert features.check_forms(features.Engine("sglang", "0.5.23", None, "x"), {"dspark": dspark}, "verify") == []
+    dflash2 = {"architectures": ["DFlash2DraftModel"]}  # SGLang serves its path selector; old vLLM would not
+    assert features.check_forms(features.Engine("sglang", "0.5.23", None, "x"), {"dflash2": dflash2}, "verify") == []
     # P-EAGLE: no SGLang release drafts parallel slots; it would serve a chain
     peagle = {"speculators_model_type": "peagle", "transformer_layer_config": {}, "mask_token_id": 7}
     with pytest.raises(EaglekitError, match=r"sglang#23171") as refused:
@@ -253,8 +258,9 @@ def test_a_dflash_drafters_diagnosis_names_block_causes_and_the_cpu_k_norm_defec
 
 
 def test_a_dspark_drafter_on_sglang_is_diagnosed_by_its_block_slot_convention(tmp_path, tiny_target):
-    """sglang#30261 tells DSpark's block-slot convention only by speculators_model_type: vLLM's form, which eaglekit
-    exports, has none, and the diagnosis says so instead of listing EAGLE's causes."""
+    """SGLang 0.5.23 takes DSpark's block-slot convention from sample_from_anchor (dspark_config.py), as vLLM does:
+    the folder eaglekit exports carries it true (the anchor slot drafts, as trained), and a folder that says false
+    is the suspect the diagnosis names instead of EAGLE's causes."""
     from transformers import AutoConfig
 
     from eaglekit.drafters.dflash.model import DFlashConfig
@@ -275,9 +281,10 @@ def test_a_dspark_drafter_on_sglang_is_diagnosed_by_its_block_slot_convention(tm
     rows = {row["cause"]: row for row in diagnose(cfg, served, "sglang", aux, [])}
     assert "EAGLE 3.1 flags" not in rows and "aux-layer ids" not in rows
     slots = rows["DSpark block-slot convention"]
-    assert (
-        slots["status"] == "suspect"
-        and "sglang#30261" in slots["detail"]
-        and "absent in this folder" in slots["detail"]
-    )
+    assert slots["status"] == "ok" and "sample_from_anchor true" in slots["detail"], slots
+    raw = json.loads((served / "config.json").read_text())
+    (served / "config.json").write_text(json.dumps({**raw, "sample_from_anchor": False}))
+    rows = {row["cause"]: row for row in diagnose(cfg, served, "sglang", aux, [])}
+    slots = rows["DSpark block-slot convention"]
+    assert slots["status"] == "suspect" and "sample_from_anchor false" in slots["detail"]
     assert [c for c, row in rows.items() if row["status"] == "suspect"] == ["DSpark block-slot convention"]

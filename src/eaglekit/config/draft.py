@@ -152,7 +152,7 @@ class LlamaDraft(Eagle3Draft):
     norm_before_fc: bool | None = Field(
         None,
         description="one RMSNorm over the concatenated aux states (input_norm, gpt-oss style); exclusive with "
-        "fc_norm (setting it leaves fc_norm off); vLLM only: export writes no SGLang command",
+        "fc_norm (setting it leaves fc_norm off); vLLM and SGLang's Llama drafter read it (SGLang since sglang#32334)",
     )
     sliding_window: WindowSetting = Field(
         AUTO,

@@ -131,10 +131,17 @@ READINGS: tuple[Reading, ...] = (
             ("srt/server_args.py", "speculative_draft_window_size")),
     Reading("dflash", SGLANG, (DFLASH,), "sglang#22077", "2026-04", None, "",
             ("srt/server_args.py", "DFLASH"), with_form=True),
-    # sglang#30261 tells its block-slot convention from speculators_model_type only; eaglekit writes vLLM's form
-    Reading("dspark", SGLANG, (DSPARK,), "sglang#30261", "2026", never="SGLang's DSpark loader (sglang#30261) "
-            "detects the block-slot convention only by speculators_model_type == \"dspark\", which vLLM's form "
-            "eaglekit exports does not carry: it would draft from the wrong slots (acceptance about 1)"),
+    # SGLang serves DFlash2 through its DFLASH worker, the path selector included (its v2 worker walks the lattice)
+    Reading("dflash2", SGLANG, (DFLASH2,), "sglang (DFlash2DraftModel)", "", "0.5.23", "the sglang 0.5.23 wheel read",
+            ("srt/models/dflash.py", "DFlash2DraftModel"), with_form=True),
+    Reading("path_selector", SGLANG, (DFLASH2,), "sglang (DFlash2DraftModel)", "", "0.5.23",
+            "the sglang 0.5.23 wheel read", ("srt/speculative/dflash_worker_v2.py", "candidate_selector")),
+    # DSpark's anchor convention: sglang 0.5.23 reads sample_from_anchor (dspark_config.py), which vLLM's form
+    # carries; sglang#30261's first form told it by speculators_model_type only, which vLLM's form does not
+    Reading("dspark", SGLANG, (DSPARK,), "sglang#30261", "2026", "0.5.23",
+            "the sglang 0.5.23 wheel read (dspark_config.get_dspark_sample_from_anchor); releases before it not read: "
+            "the first form told the convention by speculators_model_type only",
+            ("srt/speculative/dspark_components/dspark_config.py", "sample_from_anchor")),
 )  # fmt: skip
 
 # How to do without a feature the engine cannot serve (the drafter's training setting that turns it off).

@@ -85,14 +85,13 @@ def block_rope(r: BlockReading) -> dict:
 def dspark_slots(r: BlockReading) -> dict:
     if not r.dspark:
         return cause_row(DSPARK_SLOTS, False, "DFlash: the anchor slot holds the verified token, the mask slots draft")
-    if r.engine == "sglang":
-        tagged = r.served.get("speculators_model_type") == "dspark"
-        found = "present" if tagged else "absent in this folder (vLLM's form): it drafts from the wrong slots"
+    if r.engine == "sglang":  # sglang 0.5.23 (dspark_config.get_dspark_sample_from_anchor): the flag alone
+        anchor = r.served.get("sample_from_anchor", True)
         return cause_row(
             DSPARK_SLOTS,
-            not tagged,
-            "SGLang's DSpark loader (sglang#30261) tells its block-slot convention only by speculators_model_type "
-            f"'dspark': {found}",
+            not anchor,
+            f"sample_from_anchor {str(anchor).lower()} (trained: true, the anchor slot drafts), as SGLang 0.5.23 reads "
+            "it; an SGLang release from before it told the convention by speculators_model_type (sglang#30261)",
         )
     anchor, bonus = r.served.get("sample_from_anchor", True), r.served.get("dspark_bonus_anchor", False)
     return cause_row(

@@ -33,7 +33,8 @@ What the loaders read (vLLM ``model_executor/models/llama_eagle3.py``, ``deepsee
     ``aux_norm_{low,mid,high}``), ``norm_output``, ``norm_before_residual``, ``norm_before_fc`` (vLLM also reads it
     from ``eagle_config``; weight ``input_norm.weight``). vLLM reads all four, from the top level of the plain
     config or of the speculators config; its speculators reader assumes ``norm_before_residual`` true when absent,
-    the plain-form layers false. SGLang reads ``fc_norm`` and ``norm_output`` only (``sglang_ignores``).
+    the plain-form layers false. SGLang reads ``fc_norm`` and ``norm_output``, and its Llama drafter
+    ``norm_before_fc`` (``sglang_ignores``).
   - Aux layers: vLLM reads top-level ``eagle_aux_hidden_state_layer_ids`` as HF hidden_states
     indices (and, only when that is absent, ``eagle_config``'s, verbatim); SGLang reads only
     ``eagle_config.eagle_aux_hidden_state_layer_ids`` and maps them in the target model's
@@ -294,8 +295,10 @@ def speculators_config(
 
 
 def sglang_ignores(cfg: DrafterConfig) -> list[str]:
-    """The flags SGLang's drafter classes do not read: it would serve this drafter as if they were off."""
-    return [name for name in ("norm_before_residual", "norm_before_fc") if getattr(cfg, name)]
+    """The flags SGLang's drafter classes do not read: it would serve this drafter as if they were off. Read from
+    sglang 0.5.23: neither drafter has norm_before_residual; the Llama one reads norm_before_fc (sglang#32334; an
+    older release is the engine-feature table's to name), and an MLA drafter cannot have it (``mla_layer.check``)."""
+    return ["norm_before_residual"] if cfg.norm_before_residual else []
 
 
 def serving_problems(cfg: DrafterConfig) -> list[str]:
@@ -607,8 +610,8 @@ def served_settings(path: str | Path, engine: str, target_layers: int) -> Served
       default when absent; its ``llama_eagle3.py`` has no ``norm_before_residual`` (the residual is the feature).
     * The other flags (``flags``): vLLM reads ``fc_norm`` and ``norm_output`` from the top level in both forms,
       and ``norm_before_fc`` in its Llama drafter only (``eagle_config``'s first; ``deepseek_eagle3.py`` has no
-      ``input_norm``); SGLang reads ``fc_norm`` (or ``use_aux_norm``) and ``norm_output``, nothing else
-      (``sglang_ignores``).
+      ``input_norm``); SGLang reads ``fc_norm`` (or ``use_aux_norm``) and ``norm_output``, and its Llama drafter
+      ``norm_before_fc`` (``sglang_ignores``).
     """
     raw = read_json(Path(path) / "config.json")
     speculators = "speculators_model_type" in raw
