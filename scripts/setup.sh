@@ -47,7 +47,9 @@ python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 if ! python -c "import torch" >/dev/null 2>&1; then
   python -m pip install -q "torch==2.13.0"
 fi
-python -m pip install -q -e ".[test,mooncake]"
+# trackers: train.report_to's experiment trackers, each an optional extra, for tests/pipeline/test_trackers.py
+# (~40 s and ~520 MB more the first time, MLflow most of it; none of them moves torch)
+python -m pip install -q -e ".[test,mooncake,trackers]"
 # the Mooncake wheel's libraries link the RDMA verbs library even for TCP; without it `import mooncake.store` fails
 # and the Mooncake transport's tests skip, saying so
 if ! python -c "import mooncake.store" >/dev/null 2>&1; then

@@ -20,8 +20,9 @@ from eaglekit.resolved import ResolvedRun
 from eaglekit.rundir import RunDir
 from eaglekit.stages import train
 
-# train settings that do not change the drafter: when checkpoints are written, how many ranks split each row
-NOT_THE_DRAFTERS = {"save_every_minutes", "context_parallel"}
+# train settings that do not change the drafter: when checkpoints are written, how many ranks split each row, the
+# trackers it reports to
+NOT_THE_DRAFTERS = {"save_every_minutes", "context_parallel", "report_to"}
 
 
 def write_output(ctx) -> dict:

@@ -71,6 +71,14 @@ class TrainConfig(Section):
     eval_every: int = Field(100, ge=1)
     eval_samples: int | None = Field(512, ge=1, description="held-out samples per evaluation (None: all of them)")
     log_every: int = Field(10, ge=1, description="optimizer steps per line in train/metrics.jsonl")
+    report_to: list[Literal["tensorboard", "trackio", "wandb", "mlflow"]] | None = Field(
+        None,
+        description="experiment trackers each metrics.jsonl line also goes to, with the run's config and resolved "
+        "plan, and evaluate's and verify's τ tables and plots (docs/trackers.md); each an optional extra "
+        "(pip install 'eaglekit[trackio]'). None: those installed and configured (TensorBoard; wandb with "
+        "WANDB_API_KEY or WANDB_MODE=offline; MLflow with MLFLOW_TRACKING_URI; trackio with a TRACKIO_ variable); "
+        "[]: none",
+    )
     save_every: int = Field(500, ge=1)
     save_every_minutes: float | None = Field(
         30.0, gt=0, description="also checkpoint when this much time has passed since the last one (None: steps only)"

@@ -350,6 +350,7 @@ def write_report(ctx: StageContext, report: dict) -> None:
         (out / "tau_by_context.png").unlink(missing_ok=True)
     if suites:
         plots.suite_tau(suites["rows"], out / "suites_tau.png")
+    report_to_trackers(ctx, report)
     if report["lossless"] is False:
         bad = [c["id"] for c in report["lossless_checks"] if c["differences"]]
         console.print(
@@ -359,6 +360,16 @@ def write_report(ctx: StageContext, report: dict) -> None:
     console.print(report_markdown(report, tables_only=True))
     if suites:
         console.print(suites_markdown(suites))
+
+
+def report_to_trackers(ctx: StageContext, report: dict) -> None:
+    """The τ tables and the plots into the tracker runs training logged to (train.report_to), if any."""
+    from eaglekit.training.trackers import evaluate_tables, report_results  # lazy: heavy (torch)
+
+    train, out = ctx.run.stage_dir("train"), ctx.dir
+    plots = ["acceptance_by_position", "tau_vs_k", "tau_by_context", "suites_tau"]
+    images = {f"evaluate/{name}": out / f"{name}.png" for name in plots} | {"train/curves": train / "curves.png"}
+    report_results(train, evaluate_tables(report), images, ctx.warn)
 
 
 def training_template_kwargs(ctx) -> dict | None:

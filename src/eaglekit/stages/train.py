@@ -230,7 +230,7 @@ def grown_data(ctx: StageContext) -> CheckResult:
 
 
 def checks(cfg: RunConfig) -> list:
-    from eaglekit.preflight import environment, feature_servers, shared_gpus  # lazy: heavy (torch)
+    from eaglekit.preflight import environment, feature_servers, shared_gpus, trackers  # lazy: heavy (torch)
     from eaglekit.preflight.context import serving_context  # lazy: heavy (torch)
 
     if cfg.extract.streamed:  # the servers compute the features: check them, and the spool's room
@@ -259,6 +259,7 @@ def checks(cfg: RunConfig) -> list:
         anchor,
         serving_context,
         step_memory_check,
+        trackers.trackers,
         disk.write_rate,
     ]
 

@@ -759,6 +759,10 @@ def run(ctx: StageContext) -> dict:
     from eaglekit import plots  # lazy: heavy (plots imports matplotlib)
 
     plots.served_vs_offline(report["runs"], out / "acceptance.png")
+    from eaglekit.training.trackers import report_results, verify_tables  # lazy: heavy (torch)
+
+    images = {"verify/acceptance": out / "acceptance.png"}  # into the tracker runs training logged to, if any
+    report_results(ctx.run.stage_dir("train"), verify_tables(report), images, ctx.warn)
     console.print(report_markdown(report, summary_only=True))
     counts = verdict_counts(report)
     if report["verdict"] != "PASS":

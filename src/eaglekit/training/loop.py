@@ -160,7 +160,7 @@ def set_up(cfg: RunConfig, family: Training, run: RunDir, out_dir: Path, resumin
     sched = build_scheduler(tc, optim, total_steps)
     held_out = HeldOut(model, drafter, inputs_of, batches, autocast, fsdp, positions, weights)
 
-    metrics = Metrics(out_dir / "metrics.jsonl", out_dir / "tensorboard")
+    metrics = Metrics(out_dir / "metrics.jsonl")
     progress = Progress()
     if resume_from:
         state = torch.load(Path(resume_from) / STATE, map_location="cpu", weights_only=False)
@@ -172,6 +172,7 @@ def set_up(cfg: RunConfig, family: Training, run: RunDir, out_dir: Path, resumin
         say(f"train: resumed from {resume_from} at step {progress.step} of {total_steps}")
     elif dist.is_main():
         metrics.path.unlink(missing_ok=True)
+    metrics.open_trackers(cfg, run.path.name, progress.step if resume_from else None)
     n_trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
     say(run_line(cfg, batches, n_trainable, total_steps, world))
     return TrainingRun(

@@ -1,16 +1,22 @@
-"""What training reports: token-weighted TTT figures between log lines, and ``train/metrics.jsonl`` (+ TensorBoard)."""
+"""What training reports: token-weighted TTT figures between log lines, and ``train/metrics.jsonl`` (+ the trackers
+train.report_to names)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+from rich.markup import escape
 
 from eaglekit import atomic
 from eaglekit.rundir import append_line
 from eaglekit.training import distributed as dist
 from eaglekit.training.figures import StepFigures
+
+if TYPE_CHECKING:
+    from eaglekit.training.trackers import Trackers
 
 
 class Window:
@@ -68,24 +74,54 @@ class Window:
         }
 
 
+def throughput(row: dict, before: tuple[int, float] | None) -> dict:
+    """Tokens per second since the line before (``before``: its tokens and seconds; none: since the start), and the
+    memory in use: the GPU's peak allocated by this process, else the process's resident memory."""
+    tokens, seconds = (
+        (row["tokens"] - before[0], row["seconds"] - before[1]) if before else (row["tokens"], row["seconds"])
+    )
+    if torch.cuda.is_available():
+        memory = torch.cuda.max_memory_allocated() / 2**30
+    else:
+        import psutil  # lazy: only here
+
+        memory = psutil.Process().memory_info().rss / 2**30
+    return {"tokens_per_s": round(tokens / seconds, 1) if seconds > 0 else 0.0, "memory_gib": round(memory, 3)}
+
+
+def warn(message: str) -> None:
+    dist.say(f"[yellow]warning: {escape(message)}[/]")
+
+
 def reduce_device() -> torch.device:
     # nccl reduces only CUDA tensors; gloo and the single process use the CPU
     return dist.device() if dist.active() and torch.cuda.is_available() else torch.device("cpu")
 
 
 class Metrics:
-    """train/metrics.jsonl: one JSON line per logged step and per eval, appended and fsynced (rank 0 only)."""
+    """train/metrics.jsonl: one JSON line per logged step and per eval, appended and fsynced (rank 0 only), each line
+    also handed to the run's experiment trackers (``training/trackers``: TensorBoard, trackio, wandb, MLflow). A
+    train line gets the throughput since the line before it and the memory in use."""
 
-    def __init__(self, path: Path, tensorboard_dir: Path):
+    def __init__(self, path: Path):
         self.path = path
-        self.tb = None
-        if dist.is_main():
-            try:
-                from torch.utils.tensorboard import SummaryWriter  # lazy: optional (tensorboard may be absent)
+        self.trackers: Trackers | None = None
+        self.lines = 0  # lines in the file: the index trackers know each line by
+        self.last_train: tuple[int, float] | None = None  # (tokens, seconds) of the last train line
 
-                self.tb = SummaryWriter(str(tensorboard_dir))
-            except Exception:  # tensorboard is optional
-                self.tb = None
+    def open_trackers(self, cfg, run_name: str, resume_step: int | None) -> None:
+        """The trackers train.report_to names (its default: those installed and configured), continuing the tracker
+        runs a resumed run logged to; after ``truncate_after`` on resume."""
+        from eaglekit.training.trackers import Trackers, chosen, run_params  # lazy: reads the config's plan
+
+        kept = self.rows() if resume_step is not None else None
+        self.lines = len(kept or [])
+        self.last_train = next(
+            ((r["tokens"], r["seconds"]) for r in reversed(kept or []) if r.get("kind") == "train"), None
+        )
+        names = chosen(cfg.train.report_to)
+        params = run_params(cfg) if names and dist.is_main() else {}
+        self.trackers = Trackers.for_training(self.path.parent, names, run_name, params, kept, resume_step, warn)
 
     def truncate_after(self, step: int) -> None:
         """On resume: drop lines of steps past the restored checkpoint, so no step is logged twice."""
@@ -103,19 +139,18 @@ class Metrics:
     def write(self, row: dict) -> None:
         if not dist.is_main():
             return
+        if row["kind"] == "train":
+            row = row | throughput(row, self.last_train)
+            self.last_train = (row["tokens"], row["seconds"])
         with atomic.naming_file(self.path):  # a failed append (disk full) is cut back: no torn line stays
             append_line(self.path, json.dumps(row) + "\n")
-        if self.tb is not None:
-            kind = row["kind"]
-            for key in ("loss", "lr", "tau", "grad_norm"):
-                if key in row:
-                    self.tb.add_scalar(f"{kind}/{key}", row[key], row["step"])
-            for k, acc in enumerate(row.get("acc_k", [])):
-                self.tb.add_scalar(f"{kind}/acc_{k}", acc, row["step"])
+        if self.trackers is not None:
+            self.trackers.log_row(self.lines, row)
+        self.lines += 1
 
     def close(self) -> None:
-        if self.tb is not None:
-            self.tb.close()
+        if self.trackers is not None:
+            self.trackers.close()
 
     def rows(self) -> list[dict]:
         return (
