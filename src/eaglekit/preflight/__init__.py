@@ -20,6 +20,7 @@ The checks, one family per file (docs/preflight.md: "What each check family catc
     feature_servers.py  the vLLM feature servers (extract's vllm backend, train's stream): reach, storage, a smoke
                     request with the capture self-check
     drafter.py      the trained drafter fits the target, and the evaluation prompts (evaluate, export, verify)
+    trackers.py     the experiment trackers train.report_to names: installed, reachable, credentials present
 
 Checks only one stage needs live in that stage's module; a stage lists the checks it runs in its ``checks(cfg)``.
 
