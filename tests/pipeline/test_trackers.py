@@ -24,7 +24,7 @@ from test_extract import prepared_run
 
 from eaglekit.pipeline import run_stage
 from eaglekit.rundir import RunDir
-from eaglekit.training.trackers import report_results, scalars
+from eaglekit.training.trackers import scalars
 
 pytestmark = pytest.mark.slow  # trains drafters, starts an MLflow server
 
@@ -241,22 +241,22 @@ def wandb_history(folder: Path, run_id: str) -> tuple[dict[str, list[tuple[int, 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, tiny_target, trackers_env):
     """One short run that reports to all four trackers (6 steps, a line per step, held-out evaluations at 0, 3, 6),
-    then evaluate's hook adding a τ table and a plot to the same tracker runs."""
+    then evaluate (K=1, T=0, 2 prompts), whose τ table and plots go into the same tracker runs."""
     cfg = prepared_run(
         tmp_path_factory.mktemp("run"), tiny_target, n=32,
         train={**TRAIN, "max_steps": 6, "eval_every": 3, "save_every": 6, "report_to": ALL},
+        evaluate={"num_samples": 2, "num_speculative_tokens": [1], "temperatures": [0.0], "max_new_tokens": 16},
     )  # fmt: skip
-    train(cfg)
-    train_dir = Path(cfg.run_dir) / "train"
-    warnings: list[str] = []
-    took = report_results(
-        train_dir,
-        {"evaluate/tau_by_k": [{"k": 1, "temperature": 0.0, "tau": 1.5}, {"k": 3, "temperature": 0.0, "tau": 1.9}]},
-        {"evaluate/curves": train_dir / "curves.png"},
-        warnings.append,
-    )
-    assert took == ALL and warnings == []
+    with RunDir(cfg.run_dir).lock:
+        run_stage(cfg, "train")
+        run_stage(cfg, "evaluate")
     return cfg
+
+
+def evaluated_tau(cfg) -> float:
+    """The drafter's τ at K=1, T=0 in evaluate/report.json."""
+    report = json.loads((Path(cfg.run_dir) / "evaluate" / "report.json").read_text())
+    return next(r["tau"] for r in report["results"] if r["method"] == "eagle" and r["k"] == 1)
 
 
 def test_tensorboard_event_files_hold_every_step_of_metrics_jsonl(trained):
@@ -272,7 +272,9 @@ def test_trackio_local_store_holds_every_step_and_the_run_config(trained):
     config = SQLiteStorage.get_run_config(identity["project"], identity["name"])
     assert config["config.train.lr"] == 1e-3 and config["resolved.family"] == trained.train.draft.family
     logs = SQLiteStorage.get_logs(identity["project"], identity["name"])
-    assert any("evaluate/tau_by_k" in log for log in logs)  # evaluate's table, in the same run
+    tables = [log["evaluate/tau"] for log in logs if "evaluate/tau" in log]  # evaluate's table, in the same run
+    assert len(tables) == 1 and str(evaluated_tau(trained)) in json.dumps(tables[0])
+    assert any("evaluate/tau_vs_k" in log for log in logs)  # and its plots
 
 
 def test_mlflow_server_holds_every_step_the_parameters_and_the_tables(trained):
@@ -289,17 +291,19 @@ def test_mlflow_server_holds_every_step_the_parameters_and_the_tables(trained):
     artifacts = {a.path for a in client.list_artifacts(identity["run_id"])} | {
         a.path for a in client.list_artifacts(identity["run_id"], "evaluate")
     }
-    assert {"evaluate/tau_by_k.json", "evaluate/curves.png"} <= artifacts
-    table = json.loads(Path(client.download_artifacts(identity["run_id"], "evaluate/tau_by_k.json")).read_text())
-    assert table["columns"] == ["k", "temperature", "tau"] and [r[2] for r in table["data"]] == [1.5, 1.9]
+    assert {"evaluate/tau.json", "evaluate/tau_vs_k.png", "evaluate/acceptance_by_position.png"} <= artifacts
+    table = json.loads(Path(client.download_artifacts(identity["run_id"], "evaluate/tau.json")).read_text())
+    rows = [dict(zip(table["columns"], r, strict=True)) for r in table["data"]]
+    assert [r["tau"] for r in rows if r["method"] == "eagle" and r["k"] == 1] == [evaluated_tau(trained)]
 
 
 def test_wandb_offline_run_files_hold_every_step(trained):
     identity = identities(trained)["wandb"]
     logged, tables = wandb_history(Path(identity["dir"]), identity["id"])
     assert_same(logged, metrics(trained), "wandb")
-    table = tables["evaluate/tau_by_k"]  # evaluate's table, in the same run
-    assert table["columns"] == ["k", "temperature", "tau"] and [r[2] for r in table["data"]] == [1.5, 1.9]
+    table = tables["evaluate/tau"]  # evaluate's table, in the same run
+    rows = [dict(zip(table["columns"], r, strict=True)) for r in table["data"]]
+    assert [r["tau"] for r in rows if r["method"] == "eagle" and r["k"] == 1] == [evaluated_tau(trained)]
 
 
 # ------------------------------------------------------------------------------------------- kill -9, resume

@@ -368,7 +368,7 @@ def report_to_trackers(ctx: StageContext, report: dict) -> None:
 
     train, out = ctx.run.stage_dir("train"), ctx.dir
     plots = ["acceptance_by_position", "tau_vs_k", "tau_by_context", "suites_tau"]
-    images = {f"evaluate/{name}": out / f"{name}.png" for name in plots} | {"train/curves": train / "curves.png"}
+    images = {f"evaluate/{name}": out / f"{name}.png" for name in plots} | {"curves/train": train / "curves.png"}
     report_results(train, evaluate_tables(report), images, ctx.warn)
 
 

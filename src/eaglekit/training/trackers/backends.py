@@ -180,6 +180,9 @@ class Wandb(Backend):
 
     def close(self) -> None:
         self.run.finish()
+        # wandb's own process keeps the run's debug log open after finish(): the next stage's pre-flight would find
+        # it writing into the run directory without its lock (`eaglekit run` goes on to evaluate in this process)
+        self.wandb.teardown()
 
 
 class Mlflow(Backend):
