@@ -9,6 +9,8 @@ import os
 from pathlib import Path
 from urllib.parse import urlparse
 
+import httpx
+
 from eaglekit.contract import StageContext
 from eaglekit.preflight import CheckResult, fail, ok, skip
 from eaglekit.training.trackers import chosen, installed
@@ -40,8 +42,6 @@ def trackers(ctx: StageContext) -> list[CheckResult]:
 
 def answers(url: str) -> str | None:
     """None when ``url`` answers over HTTP (any status: the server is there), else why not."""
-    import httpx
-
     try:
         httpx.get(url, timeout=TIMEOUT, follow_redirects=False)
     except httpx.HTTPError as err:
@@ -65,8 +65,6 @@ def mlflow(check: str) -> CheckResult:
             return fail(check, f"MLFLOW_TRACKING_URI is {uri} but DATABRICKS_HOST is not set and no ~/.databrickscfg",
                         "set DATABRICKS_HOST and DATABRICKS_TOKEN (or `databricks configure`)")  # fmt: skip
         return ok(check, f"MLflow store {uri}")
-    import httpx
-
     try:
         answer = httpx.get(uri.rstrip("/") + "/api/2.0/mlflow/experiments/search?max_results=1", timeout=TIMEOUT)
     except httpx.HTTPError as err:
@@ -120,7 +118,7 @@ def in_netrc(host: str) -> bool:
 def trackio(check: str) -> CheckResult:
     space, server = os.environ.get("TRACKIO_SPACE_ID"), os.environ.get("TRACKIO_SERVER_URL")
     if space:
-        from huggingface_hub import get_token
+        from huggingface_hub import get_token  # lazy: heavy (huggingface_hub)
 
         if not get_token():
             return fail(check, f"TRACKIO_SPACE_ID is {space} but no Hugging Face token (HF_TOKEN, `hf auth login`)",

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import psutil
 import torch
 from rich.markup import escape
 
@@ -14,6 +15,7 @@ from eaglekit import atomic
 from eaglekit.rundir import append_line
 from eaglekit.training import distributed as dist
 from eaglekit.training.figures import StepFigures
+from eaglekit.training.trackers import Trackers, chosen, run_params
 
 if TYPE_CHECKING:
     from eaglekit.training.trackers import Trackers
@@ -83,8 +85,6 @@ def throughput(row: dict, before: tuple[int, float] | None) -> dict:
     if torch.cuda.is_available():
         memory = torch.cuda.max_memory_allocated() / 2**30
     else:
-        import psutil  # lazy: only here
-
         memory = psutil.Process().memory_info().rss / 2**30
     return {"tokens_per_s": round(tokens / seconds, 1) if seconds > 0 else 0.0, "memory_gib": round(memory, 3)}
 
@@ -112,8 +112,6 @@ class Metrics:
     def open_trackers(self, cfg, run_name: str, resume_step: int | None) -> None:
         """The trackers train.report_to names (its default: those installed and configured), continuing the tracker
         runs a resumed run logged to; after ``truncate_after`` on resume."""
-        from eaglekit.training.trackers import Trackers, chosen, run_params  # lazy: reads the config's plan
-
         kept = self.rows() if resume_step is not None else None
         self.lines = len(kept or [])
         self.last_train = next(

@@ -18,10 +18,12 @@ import json
 import os
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import Any
 
 from eaglekit import atomic
+from eaglekit.resolved import ResolvedRun
 from eaglekit.training import distributed as dist
 
 TRACKER_NAMES = ("tensorboard", "trackio", "wandb", "mlflow")
@@ -122,7 +124,7 @@ class Backend:
 
 
 def open_backend(name: str, folder: Path, run_name: str, identity: dict | None, resume_step: int | None) -> Backend:
-    from eaglekit.training.trackers import backends  # lazy: each backend imports its library when opened
+    from eaglekit.training.trackers import backends  # lazy: cycle (backends subclass Backend, defined here)
 
     opener: Callable[..., Backend] = {
         "tensorboard": backends.TensorBoard,
@@ -268,10 +270,6 @@ class Trackers:
 def run_params(cfg: Any) -> dict:
     """The run's config and its resolved plan (``ResolvedRun``: the family, aux layers, window, served context), as
     the trackers' parameters."""
-    from dataclasses import asdict, is_dataclass
-
-    from eaglekit.resolved import ResolvedRun
-
     run = ResolvedRun(cfg)
     plan: dict[str, Any] = {"family": run.family}
     reads: tuple[tuple[str, Callable[[], Any]], ...] = (

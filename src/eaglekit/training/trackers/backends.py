@@ -69,8 +69,8 @@ class TensorBoard(Backend):
         self.writer.flush()
 
     def image(self, name: str, path: Path, step: int) -> None:
-        import numpy as np
-        from PIL import Image
+        import numpy as np  # lazy: heavy (numpy and PIL, for an image alone)
+        from PIL import Image  # lazy: heavy (numpy and PIL, for an image alone)
 
         with Image.open(path) as img:
             pixels = np.asarray(img.convert("RGB"))
@@ -102,7 +102,7 @@ class Trackio(Backend):
             embed=False,
         )
         if identity:  # the run's parameters again: trackio keeps the config of a run's latest segment
-            from trackio.sqlite_storage import SQLiteStorage
+            from trackio.sqlite_storage import SQLiteStorage  # lazy: optional (an extra)
 
             before = SQLiteStorage.get_run_config(self.project, self.run_name) or {}
             self.run.config.update({k: v for k, v in before.items() if not k.startswith("_")})
@@ -112,7 +112,7 @@ class Trackio(Backend):
 
     def held_rows(self, handed: int, kept: list[dict], closed: bool) -> int:
         # trackio writes its store from a background thread: a kill may have lost the last lines handed to it
-        from trackio.sqlite_storage import SQLiteStorage
+        from trackio.sqlite_storage import SQLiteStorage  # lazy: optional (an extra)
 
         logs = SQLiteStorage.get_logs(self.project, self.run_name)
         return min(handed, sum(1 for log in logs if any(k.startswith(("train/", "eval/")) for k in log)))
@@ -214,13 +214,13 @@ class Mlflow(Backend):
         return {"run_id": self.run_id, "tracking_uri": self.uri}
 
     def log(self, step: int, values: dict[str, float]) -> None:
-        from mlflow.entities import Metric
+        from mlflow.entities import Metric  # lazy: optional (an extra)
 
         now = int(time.time() * 1000)
         self.client.log_batch(self.run_id, metrics=[Metric(key, value, now, step) for key, value in values.items()])
 
     def params(self, params: dict) -> None:
-        from mlflow.entities import Param
+        from mlflow.entities import Param  # lazy: optional (an extra)
 
         items = [Param(key, json.dumps(value)[:6000]) for key, value in flat(params).items()]
         for start in range(0, len(items), 100):  # MLflow takes at most 100 parameters a call
