@@ -162,9 +162,10 @@ def test_a_shift_raises_the_alarm_and_adapt_raises_served_tau(shifted, adapted, 
     after, _ = served_tau(pool.active.root, shifted["url"], shifted["heldout"])
     print(f"served τ on the new mix: shifted {shifted['shifted_tau']:.3f}, adapted {after:.3f}")
     assert after > shifted["shifted_tau"]
-    # Not asserted: τ within a twentieth of a drafter trained from scratch on the new mix. Measured in
-    # benchmarks/results/after-shipping.md, the finetune on 160 conversations falls short of it (2.90 at 40 steps,
-    # 3.21 at 240, against 3.64 from scratch on 224).
+    # Not asserted here: τ within a twentieth of a drafter trained from scratch on the new mix (a scratch drafter
+    # and adapt's 240 steps would cost CI minutes; this test finetunes 40). Measured in
+    # benchmarks/results/after-shipping.md: 3.715 at 240 steps with the traffic's vocabulary against 3.643 from
+    # scratch on 224 conversations (the finetune reads 160).
 
 
 @pytest.mark.slow
