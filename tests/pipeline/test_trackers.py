@@ -452,3 +452,21 @@ def test_preflight_names_what_a_tracker_lacks_and_never_shows_a_credential(track
     assert present.status == "ok" and "WANDB_API_KEY" in present.detail
     for r in (unreachable, present):
         assert secret not in r.detail + r.remedy
+
+
+def test_verify_adds_its_served_table_to_the_demos_tensorboard_run(demo_run):
+    """The demo (report_to unset: TensorBoard, installed) trains, then verify serves its drafter in vLLM's CPU build
+    and adds its served-vs-offline table to the tracker run training logged to: the text holds verify's own τ."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir = demo_run[0]
+    report_path = run_dir / "verify" / "report.json"
+    if not report_path.exists():
+        pytest.skip("the demo ran without verify (no .venv-vllm)")
+    folder = json.loads((run_dir / "train" / "trackers.json").read_text())["tensorboard"]["dir"]
+    acc = EventAccumulator(str(folder), size_guidance={"tensors": 0})
+    acc.Reload()
+    tag = next(t for t in acc.Tags()["tensors"] if t.startswith("verify/served_vs_offline"))
+    text = acc.Tensors(tag)[-1].tensor_proto.string_val[0].decode()
+    for served in json.loads(report_path.read_text())["runs"]:
+        assert f"| {served['form']} | {served['k']} | vllm | {served['tau']['served']} |" in text, (served, text)
