@@ -49,12 +49,14 @@ def chat(url: str, prompt: str) -> None:
     response.raise_for_status()
 
 
-def window(pool: adapt.ServerPool, url: str, prompts: list[str], refs) -> dict:
-    """``prompts`` sent one at a time through the gateway; watch's comparison of that window (served τ in it)."""
+def window(pool: adapt.ServerPool, url: str, prompts: list[str], refs, logged: bool = True) -> dict:
+    """``prompts`` sent one at a time, through the gateway (``logged``: they become traffic) or straight to the
+    server behind it (the held-out prompts: adapt must not train on what measures it); watch's comparison of that
+    window (served τ in it)."""
     client = watch.connect(pool.active.root)
     before, t0 = client.snapshot(), time.monotonic()
     for prompt in prompts:
-        chat(url, prompt)
+        chat(url if logged else pool.active.root, prompt)
     span = watch.Window.between(1, time.monotonic() - t0, before, client.snapshot())
     record = watch.compare(span, refs, watch.served_setup(client, None, 0.0))
     record["line"] = watch.line(record)
@@ -102,7 +104,7 @@ def main() -> None:
         with ThreadPoolExecutor(8) as clients:
             list(clients.map(lambda p: chat(url, p), train[8 : args.traffic]))
         timings["the shifted traffic"] = time.monotonic() - t0
-        figures["after_shift"] = window(pool, url, heldout, refs)
+        figures["after_shift"] = window(pool, url, heldout, refs, logged=False)
         said: list[str] = []
         outcome: dict = {}
 
@@ -128,7 +130,7 @@ def main() -> None:
         figures["adapt"]["comparison"] = result.comparison.as_dict() if result.comparison else None
         figures["adapt"]["steps"] = adapt.steps_recorded(args.out / "adapt")
         refs_now = watch.references(args.out / "adapt") if result.status == "promoted" else refs
-        figures["after_adapt"] = window(pool, url, heldout, refs_now)
+        figures["after_adapt"] = window(pool, url, heldout, refs_now, logged=False)
         figures["after_adapt_old_mix"] = window(pool, url, old_mix, refs_now)
     finally:
         pool.close()

@@ -52,12 +52,13 @@ def send(url: str, prompts: list[str], workers: int = 8) -> None:
         list(pool.map(lambda p: chat(url, p), prompts))
 
 
-def served_tau(server_root: str, url: str, prompts: list[str]) -> tuple[float, dict]:
-    """Served τ over ``prompts`` sent one at a time through ``url``, from the counters of the server behind it."""
+def served_tau(server_root: str, prompts: list[str]) -> tuple[float, dict]:
+    """Served τ over ``prompts`` sent one at a time straight to the server, past the gateway and its log: the held-out
+    prompts that measure adapt must not become traffic it trains on."""
     client = watch.connect(server_root)
     before = client.snapshot()
     for prompt in prompts:
-        chat(url, prompt)
+        chat(server_root, prompt)
     after = client.snapshot()
     window = watch.Window.between(1, 0.0, before, after)
     return window.counters.tau, {"requests": window.requests, "drafts": window.counters.drafts}
@@ -100,7 +101,7 @@ def shifted(vllm_python, demo_run, tmp_path_factory):
             watch.served_setup(client, None, 0.0),
         )
         send(url, train[8:240])
-        shifted_tau, _ = served_tau(pool.active.root, url, heldout)
+        shifted_tau, _ = served_tau(pool.active.root, heldout)
         yield {
             "pool": pool,
             "url": url,
@@ -159,7 +160,7 @@ def test_a_shift_raises_the_alarm_and_adapt_raises_served_tau(shifted, adapted, 
     # none that runs on CPU: the live update is refused by name, the second server taken
     why = adapt.LiveDraftUpdate.unsupported(pool.active.root, vllm_python)
     assert why is not None and "without a weight-transfer backend that updates a draft model" in why
-    after, _ = served_tau(pool.active.root, shifted["url"], shifted["heldout"])
+    after, _ = served_tau(pool.active.root, shifted["heldout"])
     print(f"served τ on the new mix: shifted {shifted['shifted_tau']:.3f}, adapted {after:.3f}")
     assert after > shifted["shifted_tau"]
     # Not asserted here: τ within a twentieth of a drafter trained from scratch on the new mix (a scratch drafter
