@@ -165,12 +165,7 @@ class MetricsStandIn:
                 if self.path == "/v1/models":
                     self.send_json(200, {"data": [{"id": "tiny", "max_model_len": 1024}]})
                 elif self.path == "/metrics":
-                    body = stand_in.scrape().encode()
-                    self.send_response(200)
-                    self.send_header("Content-Type", "text/plain; version=0.0.4")
-                    self.send_header("Content-Length", str(len(body)))
-                    self.end_headers()
-                    self.wfile.write(body)
+                    self.send_body(200, stand_in.scrape().encode(), "text/plain; version=0.0.4")
                 else:
                     self.send_json(404, {"detail": "Not Found"})
 
@@ -228,12 +223,7 @@ class SglangMetricsStandIn(MetricsStandIn):
                     info = {"speculative_algorithm": "EAGLE3", "speculative_num_steps": K, "speculative_eagle_topk": 1}
                     self.send_json(200, info | {"speculative_draft_model_path": "/drafter", "model_path": "tiny"})
                 elif self.path == "/metrics":
-                    body = stand_in.scrape().encode()
-                    self.send_response(200)
-                    self.send_header("Content-Type", "text/plain; version=0.0.4")
-                    self.send_header("Content-Length", str(len(body)))
-                    self.end_headers()
-                    self.wfile.write(body)
+                    self.send_body(200, stand_in.scrape().encode(), "text/plain; version=0.0.4")
                 else:
                     self.send_json(404, {"detail": "Not Found"})
 

@@ -274,12 +274,7 @@ class _Handler(JsonHandler):
         elif fault == "429":
             self.send_json(429, {"error": {"message": "rate limited"}}, {"Retry-After": f"{fake.retry_after:g}"})
         elif fault == "malformed":
-            data = b'{"id": "chatcmpl-fake", "choices": [{"message": '
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            self.send_body(200, b'{"id": "chatcmpl-fake", "choices": [{"message": ', "application/json")
         elif fault == "reset":
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
