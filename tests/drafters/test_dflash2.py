@@ -7,10 +7,10 @@ is tested in tests/drafters/test_families.py."""
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
 import torch
+from support.helpers import run_in_vllm
 from test_families import block_run_config
 from transformers import AutoModelForCausalLM
 
@@ -147,7 +147,7 @@ print(json.dumps({
 
 
 def test_vllm_loads_the_export_and_computes_the_same_convolution_and_selector(tmp_path, tiny_target, hf, vllm_python):
-    from eaglekit.serving.engine import cpu_environment, free_port
+    from eaglekit.serving.engine import free_port
 
     torch.manual_seed(0)
     cfg = small(hf, mask_token_id=7)
@@ -173,16 +173,7 @@ def test_vllm_loads_the_export_and_computes_the_same_convolution_and_selector(tm
         {"x": x, "y": y, "candidates": candidates, "unary": unary_full.gather(-1, candidates), "hidden": hidden,
          "anchor": anchor}, tmp_path / "in.pt",
     )  # fmt: skip
-    env = {"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", **cpu_environment(vllm_python)}
-    probe = subprocess.run(
-        [str(vllm_python), "-c", PROBE, str(tiny_target), str(tmp_path / "dflash2"), str(free_port()), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-        cwd=tmp_path,
-    )
-    assert probe.returncode == 0, probe.stderr[-3000:]
+    probe = run_in_vllm(vllm_python, PROBE, tiny_target, tmp_path / "dflash2", free_port(), tmp_path, cwd=tmp_path)
     got = json.loads(probe.stdout.strip().splitlines()[-1])
     # the CPU build refuses it by name (what verify quotes), and serves it with method dflash as DFlash2DraftModel
     assert "Model Runner V1 does not support: DFlash candidate-head drafts" in got["refusal"]

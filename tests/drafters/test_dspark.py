@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
 
 import pytest
 import torch
+from support.helpers import run_in_vllm
 from test_families import block_run_config
 from transformers import AutoModelForCausalLM
 
@@ -107,7 +107,7 @@ print(json.dumps({
 
 
 def test_vllm_loads_every_exported_weight_into_its_dspark_model(tmp_path, tiny_target, vllm_python):
-    from eaglekit.serving.engine import cpu_environment, free_port
+    from eaglekit.serving.engine import free_port
 
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_pretrained(tiny_target).config
@@ -118,16 +118,7 @@ def test_vllm_loads_every_exported_weight_into_its_dspark_model(tmp_path, tiny_t
     for p in drafter.parameters():  # distinct values everywhere, so a weight loaded into the wrong slot shows
         torch.nn.init.normal_(p)
     save_dspark(drafter, tmp_path / "dspark")
-    env = {"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", **cpu_environment(vllm_python)}
-    probe = subprocess.run(
-        [str(vllm_python), "-c", LOADER_PROBE, str(tiny_target), str(tmp_path / "dspark"), str(free_port())],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-        cwd=tmp_path,
-    )
-    assert probe.returncode == 0, probe.stderr[-3000:]
+    probe = run_in_vllm(vllm_python, LOADER_PROBE, tiny_target, tmp_path / "dspark", free_port(), cwd=tmp_path)
     got = json.loads(probe.stdout.strip().splitlines()[-1])
     assert "Model Runner V1 does not support: dspark speculative decoding" in got["refusal"]
     assert got["method"] == "dspark" and got["architectures"] == ["Qwen3DSparkModel"]

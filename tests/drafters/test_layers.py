@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
+from support.helpers import run_in_vllm
 from test_drafter_ttt import make_batch, make_drafter, tiny_config
 from test_extract import prepared_run
 from test_peagle import served_logits, small_config, small_drafter
@@ -105,7 +105,7 @@ torch.save(out, io + "/out.pt")
 
 
 def test_two_layers_compute_what_vllm_computes_on_the_same_weights(tmp_path, tiny_target, vllm_python):
-    from eaglekit.serving.engine import cpu_environment, free_port
+    from eaglekit.serving.engine import free_port
 
     hf = AutoConfig.from_pretrained(tiny_target)
     cfg = DrafterConfig.from_target_config(hf, 64, None, num_layers=2, norm_before_residual=True, **EAGLE31)
@@ -124,25 +124,7 @@ def test_two_layers_compute_what_vllm_computes_on_the_same_weights(tmp_path, tin
         torch.randn(12, 3 * cfg.target_hidden_size, generator=g),
     )
     torch.save({"ids": ids, "aux": aux, "positions": torch.arange(12)}, tmp_path / "in.pt")
-    env = {"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", **cpu_environment(vllm_python)}
-    probe = subprocess.run(
-        [
-            str(vllm_python),
-            "-c",
-            VLLM_FORWARD,
-            str(tiny_target),
-            str(free_port()),
-            str(tmp_path),
-            str(plain),
-            str(spec),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-        cwd=tmp_path,
-    )
-    assert probe.returncode == 0, probe.stderr[-3000:]
+    run_in_vllm(vllm_python, VLLM_FORWARD, tiny_target, free_port(), tmp_path, plain, spec, cwd=tmp_path)
     served = torch.load(tmp_path / "out.pt")
     with torch.no_grad():
         logits, feature = drafter(ids[None], drafter.fuse(aux[None]), torch.arange(12)[None])

@@ -46,3 +46,21 @@ def mounted_tmpfs(path: Path, size: str, inodes: int = 10_000):
         yield path
     finally:
         subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def run_in_vllm(vllm_python: Path, script: str, *args: object, cwd: Path) -> subprocess.CompletedProcess:
+    """``script`` run by the vLLM venv's python (``-c``) on the CPU build's settings, offline, in ``cwd``; it must
+    exit 0 (its stderr's tail otherwise)."""
+    from eaglekit.serving.engine import cpu_environment
+
+    env = {"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", **cpu_environment(vllm_python)}
+    probe = subprocess.run(
+        [str(vllm_python), "-c", script, *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=cwd,
+    )
+    assert probe.returncode == 0, probe.stderr[-3000:]
+    return probe
