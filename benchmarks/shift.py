@@ -1,6 +1,7 @@
 """The demo's drafter served by vLLM's CPU build, the traffic moved to another task mix, and `eaglekit adapt`.
 
-    .venv/bin/python benchmarks/shift.py --run RUN_DIR --out /tmp/shift [--samples 160 --steps 60]
+    .venv/bin/python benchmarks/shift.py --run RUN_DIR --out OUT [--samples 160 --steps 240]
+    .venv/bin/python benchmarks/shift.py --run RUN_DIR --out OUT --scratch   # after it: the drafter from scratch
 
 RUN_DIR is a finished demo run (`eaglekit demo --run-dir RUN_DIR`: its drafter, verify's and evaluate's figures). The
 drafter is served behind eaglekit's own gateway (``adapt.ServerPool``, which logs the traffic as gateways do); then:
@@ -11,7 +12,9 @@ drafter is served behind eaglekit's own gateway (``adapt.ServerPool``, which log
 3. `adapt` on the gateway's log (finetune, offline comparison, verify, second server, watch confirms), the clients
    sending the new mix all along; served τ on the same 12 prompts afterwards, and on the demo's kind.
 
-Every step's wall time and watch's verdicts go to OUT/shift.json and a table on stdout.
+Every step's wall time and watch's verdicts go to OUT/shift.json and a table on stdout. ``--scratch`` then trains a
+drafter from scratch on the log adapt read (all of it) and decodes the 12 held-out prompts offline with it, adapt's
+drafter and the demo's (OUT/scratch.json).
 """
 
 from __future__ import annotations
@@ -135,9 +138,7 @@ def main() -> None:
     finally:
         pool.close()
     figures["timings_s"] = {k: round(v, 1) for k, v in timings.items()}
-    figures["commit"] = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
+    figures["commit"] = commit()
     (args.out / "shift.json").write_text(json.dumps(figures, indent=1, default=str))
     for name in ("before", "shift_first_window", "after_shift", "after_adapt", "after_adapt_old_mix"):
         print(f"{name}: {figures[name]['line']}")
@@ -149,24 +150,15 @@ def main() -> None:
 
 
 def scratch(run: Path, out: Path) -> None:
-    """The demo's recipe from scratch on the whole gateway log (every conversation, no init_from), then the three
-    drafters decoding the same 12 held-out prompts of the new mix offline, counted as vLLM counts."""
-    import yaml
-
-    from eaglekit import pipeline
+    """The demo's recipe from scratch on the whole log adapt read (``adapt.write_scratch_config``: every conversation,
+    no init_from), then the three drafters decoding the same 12 held-out prompts of the new mix offline, to the served
+    replies' length, counted as vLLM counts."""
     from eaglekit.config import load_config
+    from eaglekit.rundir import RunDir
 
-    data = yaml.safe_load((run / "config.yaml").read_text())
-    data["run_dir"] = str((out / "scratch").resolve())
-    data["target"]["model"] = str(load_config(run / "config.yaml").target.model)
-    data["data"] = {"traffic": {"path": str((out / "gateway.jsonl").resolve())}, "eval_fraction": 0.1}
-    data["evaluate"]["num_speculative_tokens"] = [K]
-    data.pop("verify", None)
-    (out / "scratch").mkdir(parents=True, exist_ok=True)
-    (out / "scratch" / "config.yaml").write_text(yaml.safe_dump(data))
-    cfg = load_config(out / "scratch" / "config.yaml")
+    config = adapt.write_scratch_config(run, out / "scratch", out / "adapt" / "traffic", K)
     t0 = time.monotonic()
-    pipeline.run_stages(cfg, pipeline.select_stages(cfg, until="export"))
+    adapt.finetune(config)
     seconds = time.monotonic() - t0
     prompts = [(f"p{i}", [{"role": "user", "content": p}]) for i, p in enumerate(mix_prompts("heldout", 2)[:12])]
     folders = {
@@ -174,15 +166,26 @@ def scratch(run: Path, out: Path) -> None:
         "adapted": out / "adapt" / "export" / "eagle3",
         "scratch": out / "scratch" / "export" / "eagle3",
     }
-    counts = adapt.decode_counts(cfg, folders, K, prompts)
-    taus = {name: round(1 + sum(a for _, a in c) / sum(d for d, _ in c), 4) for name, c in counts.items()}
-    samples = {
-        name: json.loads((out / name / "prepare" / "stats.json").read_text())["samples"]
-        for name in ("adapt", "scratch")
+    counts = adapt.decode_counts(load_config(config), folders, K, prompts, max_new_tokens=MAX_TOKENS)
+    taus = {name: round(adapt.counted_tau(rows), 4) for name, rows in counts.items()}
+    samples = {}
+    for name in ("adapt", "scratch"):
+        read = json.loads((out / name / "prepare" / "stats.json").read_text())["samples"]
+        trained = RunDir(out / name).last_events()["train"]["end"]["counts"]
+        samples[name] = {"read": read, "trained_on": trained["train_samples"], "steps": trained["steps"]}
+    result = {
+        "offline_tau_k3": taus,
+        "samples": samples,
+        "scratch_seconds": round(seconds, 1),
+        "machine": machine(),
+        "commit": commit(),
     }
-    result = {"offline_tau_k3": taus, "samples": samples, "scratch_seconds": round(seconds, 1)}
     (out / "scratch.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result))
+
+
+def commit() -> str:
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
 
 
 def machine() -> str:

@@ -81,6 +81,29 @@ def served_form(folder: Path) -> str:
     return folder.name if folder.parent.name == "export" else "eagle3"
 
 
+def traffic_run(served_run: Path, run_dir: Path, traffic: Path, k: int, newest: int | None) -> dict:
+    """The served run's config (paths resolved) as a run in ``run_dir`` reading ``traffic`` (its ``newest``
+    conversations; every one with None) instead of its prompts, evaluated at the served K."""
+    source = served_run / "config.yaml"
+    if not source.exists():
+        raise UsageError(
+            f"{served_run} holds no config.yaml: it is not an eaglekit run directory",
+            "pass the run directory whose drafter the engine serves (the one `eaglekit export` wrote it in)",
+        )
+    data = json.loads(json.dumps(load_config(source).model_dump(mode="json", exclude={"source"})))
+    data["run_dir"] = str(run_dir.resolve())
+    data["data"] |= {"prompts": None, "traffic": {"path": str(traffic.resolve()), "newest": newest}}
+    data["evaluate"] |= {"prompts": None, "num_speculative_tokens": [k], "temperatures": [0.0], "suites": []}
+    return data
+
+
+def write_run_config(run_dir: Path, data: dict, why: str) -> Path:
+    path = run_dir / "config.yaml"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic.write_text(path, f"# Written by `eaglekit adapt`: {why}.\n" + yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
 def write_adapt_config(
     served_run: Path,
     adapt_dir: Path,
@@ -95,19 +118,8 @@ def write_adapt_config(
 ) -> Path:
     """``adapt_dir/config.yaml``: the served run's config (paths resolved) finetuning ``folder`` on ``traffic``."""
 
-    source = served_run / "config.yaml"
-    if not source.exists():
-        raise UsageError(
-            f"{served_run} holds no config.yaml: it is not an eaglekit run directory",
-            "pass the run directory whose drafter the engine serves (the one `eaglekit export` wrote it in)",
-        )
-    data = json.loads(json.dumps(load_config(source).model_dump(mode="json", exclude={"source"})))
-    data["run_dir"] = str(adapt_dir.resolve())
-    data["data"] |= {
-        "prompts": None,
-        "traffic": {"path": str(traffic.resolve()), "newest": samples},
-        "eval_fraction": heldout,
-    }
+    data = traffic_run(served_run, adapt_dir, traffic, k, samples)
+    data["data"]["eval_fraction"] = heldout
     train = data["train"]
     train |= {
         "init_from": str(folder.resolve()),
@@ -121,18 +133,20 @@ def write_adapt_config(
         "eval_every": max(steps // 2, 1),
         "save_every": max(steps // 2, 1),
     }
-    data["evaluate"] |= {"prompts": None, "num_speculative_tokens": [k], "temperatures": [0.0], "suites": []}
     verify = data["verify"]
     verify |= {"server": None, "num_speculative_tokens": [k], "formats": [served_form(folder)], "suites": []}
     verify["engine"] = "vllm" if engine else None
-    path = adapt_dir / "config.yaml"
-    adapt_dir.mkdir(parents=True, exist_ok=True)
-    atomic.write_text(
-        path,
-        "# Written by `eaglekit adapt`: the served drafter finetuned on its traffic.\n"
-        + yaml.safe_dump(data, sort_keys=False),
-    )
-    return path
+    return write_run_config(adapt_dir, data, "the served drafter finetuned on its traffic")
+
+
+def write_scratch_config(served_run: Path, scratch_dir: Path, traffic: Path, k: int) -> Path:
+    """``scratch_dir/config.yaml``: what adapt is measured against, a drafter trained from scratch on the whole of
+    ``traffic`` with the served run's own recipe (its steps, learning rate and held-out share; no ``init_from``),
+    evaluated at K offline (no engine). ``finetune`` runs it."""
+    data = traffic_run(served_run, scratch_dir, traffic, k, None)
+    data["train"] |= {"init_from": None, "remap_vocab": False}
+    data["verify"] |= {"engine": None, "server": None}
+    return write_run_config(scratch_dir, data, "a drafter from scratch on the traffic, adapt's yardstick")
 
 
 def snapshot(traffic: Path, into: Path) -> Path:
@@ -153,7 +167,7 @@ def snapshot(traffic: Path, into: Path) -> Path:
 
 
 def finetune(config: Path) -> Path:
-    """Run the adapt run through export; the candidate folder (the served form of the finetuned drafter)."""
+    """Run the adapt (or scratch) run through export; the candidate folder (the served form of its drafter)."""
 
     cfg = load_config(config)
     pipeline.run_stages(cfg, pipeline.select_stages(cfg, until="export"))
@@ -242,11 +256,15 @@ def paired(
 
 
 def decode_counts(
-    cfg, folders: dict[str, Path], k: int, prompts: list[tuple[str, list[dict]]] | None = None
+    cfg,
+    folders: dict[str, Path],
+    k: int,
+    prompts: list[tuple[str, list[dict]]] | None = None,
+    max_new_tokens: int | None = None,
 ) -> dict[str, list[tuple[int, int]]]:
     """Per drafter folder, per prompt ((id, messages); default the held-out split of the run's data): (drafts,
-    accepted tokens) at K, greedy, counted as vLLM counts (``engine_accounting``: what the engine's counters would
-    say of the same requests)."""
+    accepted tokens) at K, greedy, up to ``max_new_tokens`` (default evaluate's), counted as vLLM counts
+    (``engine_accounting``: what the engine's counters would say of the same requests)."""
     import torch  # lazy: heavy (torch)
 
     from eaglekit.drafters.checked import load_checked_drafter, on_target  # lazy: heavy (torch)
@@ -259,7 +277,7 @@ def decode_counts(
     target = load_target(cfg.target, device if not cfg.target.device_map else None)
     tokenizer = load_tokenizer(cfg.target.model, cfg.target.chat_template, cfg.target.trust_remote_code)
     stop = end_of_turn_token_ids(tokenizer)
-    max_new = cfg.evaluate.max_new_tokens
+    max_new = max_new_tokens or cfg.evaluate.max_new_tokens
     out: dict[str, list[tuple[int, int]]] = {}
     with decode_threads(target):
         for name, folder in folders.items():
@@ -282,6 +300,11 @@ def decode_counts(
                 rows.append((stats.drafted[0] if stats.drafted else 0, sum(stats.accepted)))
             out[name] = rows
     return out
+
+
+def counted_tau(rows: list[tuple[int, int]]) -> float:
+    """vLLM's τ over per-prompt (drafts, accepted tokens): 1 + accepted / drafts."""
+    return 1 + sum(a for _, a in rows) / max(sum(d for d, _ in rows), 1)
 
 
 def compare(config: Path, current: Path, candidate: Path, k: int, min_gain: float = MIN_GAIN) -> Comparison:

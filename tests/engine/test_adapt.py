@@ -3,9 +3,11 @@
 The shift: the traffic moves to another task mix of the tiny target (vowel counts and unit conversions, where the
 demo's drafter accepts least), which raises watch's alarm; adapt finetunes the served drafter on the gateway's
 log, finds it better offline on held-out traffic, verifies it in the engine, starts a second server with it,
-switches the gateway and lets watch confirm it; served τ on the new mix rises. Then the refusals: a worse candidate, a verify that fails, a candidate server that
-does not start, a confirmation that falls (the current drafter serving throughout). One module fixture holds the
-engine starts (the demo's drafter, verify's, the candidate's) and the finetune.
+switches the gateway and lets watch confirm it; served τ on the new mix rises to within 5 % of a drafter trained
+from scratch on the whole log (more conversations than adapt read). Then the refusals: a worse candidate, a verify
+that fails, a candidate server that does not start, a confirmation that falls (the current drafter serving
+throughout). Module fixtures hold the engine starts (the demo's drafter, verify's, the candidate's), the finetune
+and the scratch training (offline).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import pytest
 import yaml
 
 from eaglekit import adapt, watch
+from eaglekit.config import load_config
+from eaglekit.rundir import RunDir
 
 K = 3
 MIX = ("count", "convert")  # the demo drafter's weakest kinds (offline τ at K=3 ≈ 2.5 and 2.9 against 3.5 on its mix)
@@ -119,7 +123,8 @@ def shifted(vllm_python, demo_run, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def adapted(shifted):
-    """adapt run in a thread while the test's clients keep sending the new mix through the gateway."""
+    """adapt run in a thread while the test's clients keep sending the new mix through the gateway: the newest 160
+    conversations of the log, adapt's own step budget (``adapt.STEPS``)."""
     pool, url = shifted["pool"], shifted["url"]
     folder = shifted["run_dir"] / "export" / "eagle3"
     adapt_dir = shifted["root"] / "adapt"
@@ -129,7 +134,7 @@ def adapted(shifted):
     def work() -> None:
         outcome["value"] = adapt.adapt(
             shifted["run_dir"], shifted["log"], adapt_dir, folder, K, pool,
-            samples=160, steps=40, windows=2, window_requests=8, confirm_timeout_s=600, say=lines.append,
+            samples=160, windows=2, window_requests=8, confirm_timeout_s=600, say=lines.append,
         )  # fmt: skip
 
     worker = threading.Thread(target=work)
@@ -145,8 +150,23 @@ def adapted(shifted):
     return outcome["value"], adapt_dir, lines
 
 
+@pytest.fixture(scope="module")
+def scratch(shifted, adapted):
+    """The yardstick of "adapt recovers served τ": a drafter trained from scratch with the demo's recipe on the whole
+    log adapt read (every conversation; adapt's finetune reads the newest 160), offline, no engine; its run config
+    and drafter folder."""
+    _, adapt_dir, _ = adapted
+    config = adapt.write_scratch_config(shifted["run_dir"], shifted["root"] / "scratch", adapt_dir / "traffic", K)
+    return config, adapt.finetune(config)
+
+
+def trained_on(run_dir: Path) -> int:
+    """The conversations a run's drafter trained on (its held-out share left out)."""
+    return RunDir(run_dir).last_events()["train"]["end"]["counts"]["train_samples"]
+
+
 @pytest.mark.slow
-def test_a_shift_raises_the_alarm_and_adapt_raises_served_tau(shifted, adapted, vllm_python):
+def test_a_shift_raises_the_alarm_and_adapt_recovers_served_tau(shifted, adapted, scratch, vllm_python):
     first = shifted["first_window"]
     assert first["status"] == "low", first  # the new mix's first 8 requests fall below the demo drafter's band
     outcome, adapt_dir, lines = adapted
@@ -161,12 +181,25 @@ def test_a_shift_raises_the_alarm_and_adapt_raises_served_tau(shifted, adapted, 
     why = adapt.LiveDraftUpdate.unsupported(pool.active.root, vllm_python)
     assert why is not None and "without a weight-transfer backend that updates a draft model" in why
     after, _ = served_tau(pool.active.root, shifted["heldout"])
-    print(f"served τ on the new mix: shifted {shifted['shifted_tau']:.3f}, adapted {after:.3f}")
     assert after > shifted["shifted_tau"]
-    # Not asserted here: τ within a twentieth of a drafter trained from scratch on the new mix (a scratch drafter
-    # and adapt's 240 steps would cost CI minutes; this test finetunes 40). Measured in
-    # benchmarks/results/after-shipping.md: 3.715 at 240 steps with the traffic's vocabulary against 3.643 from
-    # scratch on 224 conversations (the finetune reads 160).
+
+    # Within 5 % of a drafter trained from scratch on the new mix, with fewer conversations. The scratch drafter is
+    # not served (a third engine start would cost CI minutes): it decodes the same held-out prompts offline, to the
+    # same reply length, counted as vLLM counts. Offline and served counts agree for a drafter: adapt's own verify
+    # step above served the candidate and found it accepting what it accepts offline (and test_verify does so for
+    # the demo's drafter); the adapted drafter's offline figure is printed beside its served one.
+    config, scratch_folder = scratch
+    prompts = [(f"heldout-{i}", [{"role": "user", "content": p}]) for i, p in enumerate(shifted["heldout"])]
+    folders = {"scratch": scratch_folder, "adapted": adapt_dir / "export" / "eagle3"}
+    counts = adapt.decode_counts(load_config(config), folders, K, prompts, max_new_tokens=MAX_TOKENS)
+    offline = {name: adapt.counted_tau(rows) for name, rows in counts.items()}
+    trained = {"adapt": trained_on(adapt_dir), "scratch": trained_on(config.parent)}
+    print(
+        f"served τ on the new mix: shifted {shifted['shifted_tau']:.3f}, adapted {after:.3f} (offline "
+        f"{offline['adapted']:.3f}); from scratch {offline['scratch']:.3f} offline; trained on {trained}"
+    )
+    assert after >= 0.95 * offline["scratch"], (after, offline, trained)
+    assert trained["adapt"] < trained["scratch"], trained
 
 
 @pytest.mark.slow
