@@ -145,7 +145,12 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=2, help="draft layers (speculators' default 5)")
     p.add_argument("--block", type=int, default=8, help="block size (speculators' default 16)")
     p.add_argument("--anchors", type=int, default=512, help="max anchors per step's sequence (speculators' default)")
-    p.add_argument("--selector-rank", type=int, default=256, help="the selector's rank (speculators' default)")
+    p.add_argument(
+        "--selector-rank",
+        type=int,
+        default=64,
+        help="the selector's rank (speculators' default 256: twice the tiny target's width)",
+    )
     args = p.parse_args()
     if args.speculators_child:
         return speculators_child(json.loads(args.speculators_child))

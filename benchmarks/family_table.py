@@ -2,8 +2,9 @@
 
 data      the tiny target's task corpus (train split), rendered with its chat template, loss on the assistant
           turn; features online from the tiny target at the same taps for every family (aux layers [2, 4, 5]).
-budget    --steps AdamW steps (betas 0.9, 0.95) of --batch rows at lr --lr (constant), grad clip 0.5, per seed; the
-          same batches in the same order for every family (the order is the seed's, not the family's).
+budget    --steps AdamW steps (betas --betas, weight decay and grad clip: the train stage's defaults) of --batch rows
+          at lr --lr (constant), per seed; the same batches in the same order for every family (the order is the
+          seed's, not the family's).
 eagle3    EAGLE-3 (drafters/eagle3/): one Llama layer with EAGLE 3.1's fc_norm + norm_output (eaglekit's default;
           --eagle3-form plain without), training-time test of --ttt steps, weights 0.8^k, full vocabulary, the
           target's head frozen.
@@ -53,7 +54,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from tau_vs_speculators import bootstrap  # noqa: E402  (mean and 95 % percentile-bootstrap interval over seeds)
 
-from eaglekit.config import TTTConfig  # noqa: E402
+from eaglekit.config import TrainConfig, TTTConfig  # noqa: E402
 from eaglekit.drafters.dflash.model import DFlashConfig, DFlashDrafter, default_mask_token_id  # noqa: E402
 from eaglekit.drafters.dflash.objective import block_loss  # noqa: E402
 from eaglekit.drafters.dflash2.model import DFlash2Config, DFlash2Drafter  # noqa: E402
@@ -70,10 +71,11 @@ from eaglekit.tiny import ensure_tiny_target, sample_tasks  # noqa: E402
 from eaglekit.tiny.build import batch_tensors, encode  # noqa: E402
 
 FAMILIES = ("eagle3", "peagle", "dflash", "dspark", "dflash2")
+TRAIN_DEFAULTS = TrainConfig()  # the optimizer settings every family trains with here
 BLOCK_FAMILIES = ("dflash", "dspark", "dflash2")
 FALLBACK = "dflash2 without selector"  # DFlash2's drafter measured as plain DFlash drafts (--dflash2-fallback)
 # the settings that make a row: a row of --out is reused only where all of these match the run asked for
-SETTINGS = ("target", "steps", "batch", "lr", "ttt", "eagle3_form", "chain_layers", "layers", "block", "dspark_block",
+SETTINGS = ("target", "steps", "batch", "lr", "betas", "ttt", "eagle3_form", "chain_layers", "layers", "block", "dspark_block",
             "markov_rank", "conv_kernel", "conv_group", "selector_rank", "selector_top_k", "selector_weight", "window",
             "prompts", "long_rows", "per_group", "groups", "new_tokens")  # fmt: skip
 
@@ -154,7 +156,7 @@ def build(family: str, model, tok, aux: list[int], args, seed: int) -> torch.nn.
 def train(family: str, drafter, features: TargetFeatures, rows, head: torch.Tensor, args, seed: int) -> float:
     """--steps steps of the family's objective on the seed's batches; the seconds it took."""
     params = [p for p in drafter.parameters() if p.requires_grad]
-    optim = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95))
+    optim = torch.optim.AdamW(params, lr=args.lr, betas=tuple(args.betas), weight_decay=TRAIN_DEFAULTS.weight_decay)
     generator = torch.Generator().manual_seed(seed)  # the block objective's anchors
     order = random.Random(seed).sample(range(len(rows)), len(rows))
     every = torch.ones(head.shape[0], dtype=torch.bool)
@@ -181,7 +183,7 @@ def train(family: str, drafter, features: TargetFeatures, rows, head: torch.Tens
             loss = ttt_loss(drafter, f.aux, ids, logits, loss_mask, attention, settings=TTTConfig(steps=args.ttt)).loss
         optim.zero_grad()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 0.5)
+        torch.nn.utils.clip_grad_norm_(params, TRAIN_DEFAULTS.grad_clip)
         optim.step()
     return time.perf_counter() - t0
 
@@ -330,6 +332,9 @@ def parser(**defaults: Any) -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument(
+        "--betas", type=float, nargs=2, default=list(TRAIN_DEFAULTS.adam_betas), help="AdamW's (train.adam_betas')"
+    )
     p.add_argument("--ttt", type=int, default=7, help="TTT steps (EAGLE-3) = parallel slots trained (P-EAGLE)")
     p.add_argument("--eagle3-form", choices=["3.1", "plain"], default="3.1",
                    help="EAGLE-3 with EAGLE 3.1's fc_norm + norm_output (eaglekit's default) or the plain form")  # fmt: skip

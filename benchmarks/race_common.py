@@ -25,7 +25,12 @@ ROOT = Path(__file__).resolve().parents[1]
 SPECULATORS_PYTHON = ROOT / "benchmarks" / ".venv-speculators" / "bin" / "python"
 # AdamW betas, weight decay, gradient clip: eaglekit's train stage defaults, and speculators' Trainer's (an ablation
 # of eaglekit's side: --eaglekit-optimizer speculators)
-OPTIMIZERS = {"eaglekit": ((0.9, 0.95), 0.0, 0.5), "speculators": ((0.9, 0.999), 0.01, 1.0)}
+# eaglekit's side's AdamW settings (betas, weight decay, clip): the train stage's defaults (None), or another's
+OPTIMIZERS = {
+    "eaglekit": None,
+    "speculators": ((0.9, 0.999), 0.01, 1.0),
+    "eagle-reference": ((0.9, 0.95), 0.0, 0.5),  # eaglekit's defaults before train.adam_betas (the EAGLE repo's)
+}
 NEW_TOKENS = 96  # dflash_vs_eagle3.measure's generation length
 
 
@@ -74,7 +79,11 @@ def optimizer(params: list, args):
     """eaglekit's side's AdamW (--eaglekit-optimizer) and its gradient clip."""
     import torch
 
-    betas, decay, clip = OPTIMIZERS[args.eaglekit_optimizer]
+    from eaglekit.config import TrainConfig
+
+    defaults = TrainConfig()
+    chosen = OPTIMIZERS[args.eaglekit_optimizer]
+    betas, decay, clip = chosen or (defaults.adam_betas, defaults.weight_decay, defaults.grad_clip)
     return torch.optim.AdamW(params, lr=args.lr, betas=betas, weight_decay=decay), clip
 
 
@@ -383,6 +392,25 @@ class Race:
             out[str(k)] = {"tau": round(tau, 4), "acceptance_by_position": [round(x, 3) for x in positions]}
         return out
 
+    def speculators_seed(self, seed: int, speculators_side: Callable[[dict], dict]) -> dict:
+        """speculators' side of one seed, or its result saved by an earlier run with the same settings: its side
+        costs minutes a seed where eaglekit's costs seconds, so an ablation of eaglekit's side reruns only that."""
+        from tau_vs_speculators import isolated
+
+        from eaglekit import atomic
+
+        saved = self.args.out / f"speculators-seed{seed}.json"
+        settings = shared_settings(self.args)
+        if saved.exists():
+            record = json.loads(saved.read_text())
+            if record.get("settings") == settings and "error" not in record["result"]:
+                print(f"speculators seed {seed}: reusing {saved} (same settings)", flush=True)
+                return record["result"]
+        result = isolated("speculators", seed, lambda: speculators_side(self.job(seed)))
+        if "error" not in result:
+            atomic.write_text(saved, json.dumps({"settings": settings, "result": result}, indent=1))
+        return result
+
     def run(
         self, title: str, eaglekit_side: Callable[[list, int], dict], speculators_side: Callable[[dict], dict]
     ) -> None:
@@ -401,7 +429,7 @@ class Race:
             torch.save(batches, job["batches"])
             runs["eaglekit"][seed] = isolated("eaglekit", seed, lambda b=batches, s=seed: eaglekit_side(b, s))
             if not args.no_speculators:
-                runs["speculators"][seed] = isolated("speculators", seed, lambda s=seed: speculators_side(self.job(s)))
+                runs["speculators"][seed] = self.speculators_seed(seed, speculators_side)
             for side, by_seed in runs.items():
                 if seed in by_seed:
                     print(f"{side} seed {seed}: {json.dumps(by_seed[seed])}", flush=True)
@@ -414,6 +442,19 @@ class Race:
         (args.out / "race.json").write_text(
             json.dumps({"argv": sys.argv, "args": {k: str(v) for k, v in vars(args).items()}, "runs": runs}, indent=1)
         )
+
+
+# options that change eaglekit's side only, or where and how the race runs: not part of speculators' settings
+EAGLEKIT_ONLY = {"seeds", "first_seed", "out", "eaglekit_optimizer", "no_speculators", "threads", "speculators_child"}
+
+
+def shared_settings(args) -> dict:
+    """The options speculators' side of a seed depends on (a saved result is reused only under the same ones)."""
+    return {
+        k: str(v)
+        for k, v in sorted(vars(args).items())
+        if k not in EAGLEKIT_ONLY and not k.startswith("eaglekit_") and k != "speculators_python"
+    }
 
 
 def report(runs: dict[str, dict[int, dict]], ks: list[int]) -> str:

@@ -42,6 +42,8 @@ def type_text(annotation: Any) -> str:
         return f"list of {type_text(get_args(annotation)[0])}"
     if origin is dict:
         return "mapping"
+    if origin is tuple:
+        return "[" + ", ".join(type_text(a) for a in get_args(annotation)) + "]"
     if annotation is type(None):
         return "null"
     if get_origin(annotation) is not None:  # Annotated[...]: its type

@@ -14,6 +14,7 @@ from support.helpers import write_config
 
 from eaglekit import pipeline, status
 from eaglekit.config import ConfigDeprecation, load_config
+from eaglekit.config.train import LEGACY_ADAM_BETAS
 from eaglekit.contract import Stage, no_estimate
 from eaglekit.model import sliding_window
 from eaglekit.resolved import ResolvedRun
@@ -192,3 +193,15 @@ def test_every_training_setting_but_the_schedule_of_saves_is_in_trains_fingerpri
         object.__setattr__(cfg.train, name, other_value(cfg.train, name))
         assert train.params(ResolvedRun(cfg)) == before
         object.__setattr__(cfg.train, name, kept)
+
+
+def test_adam_betas_at_their_old_value_keep_a_drafter_finished_before_the_key(stages, config):
+    """train.adam_betas came after drafters were trained with AdamW (0.9, 0.95): a config that sets those keeps such
+    a run done (its train fingerprint is the one it had); any other betas make the drafter stale, named."""
+    legacy = config("legacy.yaml", train={"adam_betas": list(LEGACY_ADAM_BETAS)})
+    assert "adam_betas" not in train.params(ResolvedRun(legacy))  # the parameters a run recorded before the key
+    finish(legacy)
+    other = config("other.yaml", train={"adam_betas": [0.9, 0.98]})
+    found = rows(other)
+    assert found["train"]["state"] == "stale"
+    assert found["train"]["reason"] == "train.adam_betas: unset → [0.9, 0.98]"

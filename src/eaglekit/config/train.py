@@ -37,6 +37,11 @@ def move_old_train_spellings(data: Any) -> Any:
 D = TypeVar("D", bound=DraftSection)
 
 
+# AdamW's betas before train.adam_betas existed (the EAGLE reference's): a run that resolves to them keeps the train
+# fingerprint it had then, so a drafter finished before the key was added is not made stale by it
+LEGACY_ADAM_BETAS = (0.9, 0.95)
+
+
 class TrainConfig(Section):
     init_from: Annotated[str | None, PATH_OR_HUB_ID] = Field(
         None,
@@ -62,6 +67,10 @@ class TrainConfig(Section):
     lr: float = Field(1e-4, gt=0.0)
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
     warmup_steps: int = Field(50, ge=0)
+    adam_betas: tuple[Annotated[float, Field(ge=0.0, lt=1.0)], Annotated[float, Field(ge=0.0, lt=1.0)]] = Field(
+        (0.9, 0.95),
+        description="AdamW's (beta1, beta2): of every parameter (optimizer adamw), of the non-Muon group (muon)",
+    )
     weight_decay: float = Field(0.0, ge=0.0)
     grad_clip: float = Field(0.5, gt=0.0)
     batch_size: int = Field(4, ge=1, description="sequences per micro-batch per process")

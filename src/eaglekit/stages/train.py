@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from eaglekit.config import RunConfig
+from eaglekit.config.train import LEGACY_ADAM_BETAS
 from eaglekit.contract import Estimate, Sizes, Stage, StageContext
 from eaglekit.data.shard_files import bytes_per_token
 from eaglekit.data.tokens import sample_lengths
@@ -75,6 +76,7 @@ def params(run: ResolvedRun) -> dict:
         "lr": t.lr,
         "min_lr_ratio": t.min_lr_ratio,
         "warmup_steps": t.warmup_steps,
+        **({} if t.adam_betas == LEGACY_ADAM_BETAS else {"adam_betas": t.adam_betas}),
         "weight_decay": t.weight_decay,
         "grad_clip": t.grad_clip,
         "batch_size": t.batch_size,

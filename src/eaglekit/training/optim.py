@@ -15,7 +15,6 @@ from eaglekit.training import distributed as dist
 # 2-D weights that stay with AdamW under Muon: vocabulary-sized embeddings and heads (Keller Jordan's convention,
 # and speculators' list for the EAGLE-3 drafter)
 ADAMW_NAME_HINTS = ("embed_tokens", "lm_head")
-ADAMW_BETAS = (0.9, 0.95)  # the EAGLE reference's
 
 
 def build_optimizer(tc: TrainConfig, named_params: list[tuple[str, nn.Parameter]]) -> torch.optim.Optimizer:
@@ -26,7 +25,7 @@ def build_optimizer(tc: TrainConfig, named_params: list[tuple[str, nn.Parameter]
     """
     if tc.optimizer == "adamw":
         return torch.optim.AdamW(
-            [p for _, p in named_params], lr=tc.lr, betas=ADAMW_BETAS, weight_decay=tc.weight_decay
+            [p for _, p in named_params], lr=tc.lr, betas=tc.adam_betas, weight_decay=tc.weight_decay
         )
     if dist.active() and tc.distributed == "fsdp":
         raise UsageError(
@@ -50,7 +49,7 @@ def build_optimizer(tc: TrainConfig, named_params: list[tuple[str, nn.Parameter]
             )
         )
     if others:
-        parts.append(torch.optim.AdamW(others, lr=tc.lr, betas=ADAMW_BETAS, weight_decay=tc.weight_decay))
+        parts.append(torch.optim.AdamW(others, lr=tc.lr, betas=tc.adam_betas, weight_decay=tc.weight_decay))
     return Together(parts)
 
 
