@@ -12,6 +12,7 @@ and the scratch training (offline).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 import threading
@@ -21,21 +22,26 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from support.helpers import REPO
 
 from eaglekit import adapt, watch
 from eaglekit.config import load_config
 from eaglekit.rundir import RunDir
 
-K = 3
-MIX = ("count", "convert")  # the demo drafter's weakest kinds (offline τ at K=3 ≈ 2.5 and 2.9 against 3.5 on its mix)
-MAX_TOKENS = 200  # the demo's generate.max_tokens: the replies end their turn
+
+def benchmark(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def mix_prompts(split: str, seed: int) -> list[str]:
-    from eaglekit.tiny import sample_tasks
-
-    tasks = sample_tasks(30000 if split == "train" else 8000, seed, split=split)  # type: ignore[arg-type]
-    return list(dict.fromkeys(t.prompt for t in tasks if t.kind in MIX))
+# The shift benchmarks/shift.py measures (after-shipping.md), one definition: K, the new mix (the demo drafter's
+# weakest kinds, vowel counts and unit conversions), its prompts by split, and the replies' length (the demo's
+# generate.max_tokens: the replies end their turn).
+shift = benchmark("shift")
+K, MAX_TOKENS, mix_prompts = shift.K, shift.MAX_TOKENS, shift.mix_prompts
 
 
 def chat(url: str, prompt: str) -> dict:
