@@ -96,7 +96,7 @@ def test_the_installed_vllm_reads_every_feature_the_table_names(vllm_python):
     engine = features.installed_vllm(vllm_python)
     assert (engine.name, engine.cpu_build) == ("vllm", True) and engine.version
     for form in ("eagle3", "speculators", "mla", "dflash", "dspark"):
-        used = sorted({r.feature for r in features.READINGS if r.engine == "vllm" and form in r.forms})
+        used = sorted({r.feature for r in features.READINGS if r.engine == "vllm" and form in r.forms and not r.never})
         findings = features.assess(engine, form, used)
         assert findings and all(f.status == "reads" and f.evidence.startswith("probed") for f in findings), form
     config = {"architectures": ["LlamaForCausalLMEagle3"], "fc_norm": True, "norm_output": True}
@@ -167,6 +167,34 @@ def test_a_version_string_alone_refuses_an_old_release_and_cannot_decide_an_unpi
     with pytest.raises(EaglekitError, match=r"sglang#23171") as refused:
         features.check_forms(sglang, {"speculators": peagle}, "verify")
     assert "an EAGLE-3 drafter (train.draft.architecture: llama)" in (refused.value.remedy or "")
+
+
+def test_a_block_drafter_for_an_mla_target_is_refused_on_vllm_by_name(tmp_path):
+    """No vLLM serves a block drafter beside an MLA target (z-lab/dflash#62): export and verify say so with the way
+    out (SGLang, or an EAGLE-3 MLA drafter), where vLLM itself would fail to start; the same drafter for a GQA target
+    passes, and an EAGLE-3 drafter for the MLA target too."""
+    mla, gqa = tmp_path / "kimi", tmp_path / "qwen"
+    for folder, config in ((mla, {"kv_lora_rank": 512}), (gqa, {"num_key_value_heads": 8})):
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(config))
+    vllm = features.Engine("vllm", "0.32.0", None, "x")
+    for block in ({"architectures": ["DFlashDraftModel"]}, {"architectures": ["Qwen3DSparkModel"]},
+                  {"architectures": ["DFlash2DraftModel"]}):  # fmt: skip
+        with pytest.raises(EaglekitError, match=r"for an MLA target: .*z-lab/dflash#62") as refused:
+            features.check_forms(vllm, {"block": block}, "verify", mla)
+        assert "SGLang serves block drafters on MLA targets (sglang#29218)" in (refused.value.remedy or "")
+        assert "train.draft.architecture: mla" in (refused.value.remedy or "")
+        assert features.check_forms(vllm, {"block": block}, "verify", gqa) == []
+    assert features.check_forms(vllm, {"mla": {"kv_lora_rank": 64}}, "verify", mla) == []
+    assert (
+        features.check_forms(
+            features.Engine("sglang", "0.5.23", None, "x"),
+            {"b": {"architectures": ["DFlashDraftModel"]}},
+            "verify",
+            mla,
+        )
+        == []
+    )
 
 
 def published(folder: Path, card: str | None, **config) -> Path:

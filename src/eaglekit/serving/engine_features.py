@@ -26,6 +26,7 @@ A feature the engine would drop is a refusal naming the engine, the evidence, th
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ from typing import Any
 import httpx
 
 from eaglekit.errors import EaglekitError, UsageError
-from eaglekit.serving.engine import find_vllm_python
+from eaglekit.serving.engine import find_vllm_python, is_mla_model
 from eaglekit.serving.speculation import detect, root_of
 
 VLLM, SGLANG = "vllm", "sglang"
@@ -115,6 +116,10 @@ READINGS: tuple[Reading, ...] = (
     # a reader without parallel drafting serves the drafter as a chain, each draft from the one before
     Reading("parallel_drafting", VLLM, (EAGLE3, SPECULATORS), "vllm#32887, #41826", "2026", None, "",
             ("v1/spec_decode/llm_base_proposer.py", "_init_parallel_drafting_params")),
+    # a property of the target, not the drafter: a block drafter for an MLA target (Kimi, DeepSeek)
+    Reading("mla_target", VLLM, (DFLASH, DSPARK, DFLASH2), "z-lab/dflash#62 (open)", "", never="vLLM runs a block "
+            "drafter on the target's attention backend, and its MLA backends have no non-causal attention, which a "
+            "block's queries need: 'Kimi-K2.5-DFlash cannot run on vLLM' (z-lab/dflash#62, open since 2026-04-15)"),
     Reading("fc_norm", SGLANG, (EAGLE3,), "sglang#24663 (a75b79e)", "2026-05-11", None, "",
             (_SGLANG_EAGLE3, "fc_norm")),
     Reading("norm_output", SGLANG, (EAGLE3,), "sglang#24663 (a75b79e)", "2026-05-11", None, "",
@@ -156,6 +161,8 @@ WITHOUT = {
     "dflash2": "a DFlash drafter (train.draft.architecture: dflash)",
     "path_selector": "a DFlash drafter (train.draft.architecture: dflash; what this engine would serve)",
     "parallel_drafting": "an EAGLE-3 drafter (train.draft.architecture: llama)",
+    "mla_target": "an EAGLE-3 drafter for the MLA target (train.draft.architecture: mla); SGLang serves block drafters "
+    "on MLA targets (sglang#29218): export writes its form and prints its command, and verify.server can point at it",
 }
 
 # What an engine serves instead, where that has a name of its own.
@@ -315,6 +322,8 @@ def _assess_one(engine: Engine, r: Reading) -> Finding:
 
 def describe(engine: Engine, form: str, finding: Finding) -> str:
     r = finding.reading
+    if r.feature == "mla_target":
+        return f"{engine.label} does not serve the {form} form for an MLA target: {r.never}"
     if r.never:
         return f"{engine.label} would serve the {form} form wrong: {r.never}"
     served_as = SERVED_WITHOUT.get(r.feature, f"the drafter would run as if {r.feature} were off")
@@ -338,15 +347,21 @@ def remedy(engine: Engine, drops: list[Finding]) -> str:
     return f"{upgrade}, or retrain with {without}"
 
 
-def check_forms(engine: Engine | None, configs: dict[str, dict], where: str) -> list[str]:
-    """Refuse (EaglekitError) when ``engine`` drops a feature of any form in ``configs`` (form -> config.json);
-    return the warnings for features a version string cannot decide."""
+def check_forms(
+    engine: Engine | None, configs: dict[str, dict], where: str, target: str | os.PathLike | None = None
+) -> list[str]:
+    """Refuse (EaglekitError) when ``engine`` drops a feature of any form in ``configs`` (form -> config.json), or
+    cannot serve a block form for ``target`` (the target's folder: an MLA target); return the warnings for features a
+    version string cannot decide."""
     if engine is None:
         return []
     drops: list[tuple[str, Finding]] = []
     warnings = []
+    mla_target = target is not None and is_mla_model(target)
     for form_name, config in configs.items():
         form, features = exported_features(config)
+        if mla_target and form in (DFLASH, DSPARK, DFLASH2):
+            features.append("mla_target")
         for finding in assess(engine, form, features):
             if finding.status == "drops":
                 drops.append((form_name, finding))
@@ -381,8 +396,11 @@ def served_configs(folders: dict[str, Path]) -> dict[str, dict]:
 
 
 def verify_check(cfg: Any, folders: dict[str, Path]) -> list[str]:
-    """verify's hook: the served folders against the engine verify measures, before anything is sent to it."""
-    return check_forms(engine_for(cfg.verify.server, cfg.verify.python), served_configs(folders), "verify")
+    """verify's hook: the served folders against the engine verify measures, before anything is sent to it, the
+    target included (export writes a block drafter for an MLA target and prints SGLang's command only; verify against
+    vLLM is refused here, by name, where vLLM itself would fail to start)."""
+    engine = engine_for(cfg.verify.server, cfg.verify.python)
+    return check_forms(engine, served_configs(folders), "verify", cfg.target.model)
 
 
 # ------------------------------------------------------------------------------------------ published drafters
