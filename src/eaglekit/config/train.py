@@ -68,8 +68,10 @@ class TrainConfig(Section):
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
     warmup_steps: int = Field(50, ge=0)
     adam_betas: tuple[Annotated[float, Field(ge=0.0, lt=1.0)], Annotated[float, Field(ge=0.0, lt=1.0)]] = Field(
-        (0.9, 0.95),
-        description="AdamW's (beta1, beta2): of every parameter (optimizer adamw), of the non-Muon group (muon)",
+        (0.9, 0.999),
+        description="AdamW's (beta1, beta2): of every parameter (optimizer adamw), of the non-Muon group (muon). "
+        "Before this key eaglekit trained with [0.9, 0.95] (the EAGLE reference's): set that to keep a run's finished "
+        "drafter done",
     )
     weight_decay: float = Field(0.0, ge=0.0)
     grad_clip: float = Field(0.5, gt=0.0)
