@@ -11,7 +11,7 @@ block of K+1 queries, drafts along the selector's greedy path, as vLLM's V2 runn
                seeded order, the target's features of each batch computed once and given to both sides.
   eaglekit     DFlash2Drafter + the block objective (drafters/dflash/objective.py) with the selector's K-way
                cross-entropy added at weight 1 (DFlash2Drafter.extra_slot_loss, weighted over the slots as the
-               block's CE); AdamW betas 0.9/0.95, no weight decay, clip 0.5.
+               block's CE); the train stage's AdamW settings (train.adam_betas, weight decay, clip).
   speculators  in its own venv: DFlash2DraftModel.from_training_args, its collate, get_trainer_kwargs (loss
                "ce", D-PACE, selector_loss_alpha 1) and Trainer (AdamW 0.9/0.999, weight decay 0.01, clip 1.0);
                dflash_vs_speculators.py's CPU adaptations.

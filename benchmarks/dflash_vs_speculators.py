@@ -8,7 +8,7 @@ measured by eaglekit's block decoding (speculative/block.py, vLLM's DFlash propo
                features of each batch are computed once (eaglekit's TargetFeatures, aux layers [2, 4, 5]) and
                given to both sides: the same rows, features and order at every step.
   eaglekit     DFlashDrafter + training/block.py's block_loss (random anchors, per-document blocks, CE on the
-               target's argmax, D-PACE), padded rows; AdamW betas 0.9/0.95, no weight decay, clip 0.5.
+               target's argmax, D-PACE), padded rows; the train stage's AdamW settings (train.adam_betas, weight decay, clip).
   speculators  in its own venv (benchmarks/.venv-speculators): DFlashDraftModel.from_training_args, its collate
                (the batch's rows packed into one sequence with document ids), get_trainer_kwargs (loss "ce",
                D-PACE) and its Trainer (AdamW betas 0.9/0.999, weight decay 0.01, clip 1.0). Its verifier targets

@@ -10,7 +10,7 @@ vLLM's DSparkSpeculator at T=0: K queries, drafted left to right with the Markov
                seeded order, the target's features of each batch computed once and given to both sides.
   eaglekit     DSparkDrafter + the block objective (drafters/dflash/objective.py: anchors per row, per-document
                blocks, CE on the target's argmax at every slot from the anchor's, the Markov bias teacher-forced
-               from the row's tokens, D-PACE); AdamW betas 0.9/0.95, no weight decay, clip 0.5.
+               from the row's tokens, D-PACE); the train stage's AdamW settings (train.adam_betas, weight decay, clip).
   speculators  in its own venv: DSparkDraftModel.from_training_args (sample_from_anchor, its default), its
                collate, get_trainer_kwargs (loss "ce", D-PACE) and Trainer (AdamW 0.9/0.999, weight decay 0.01,
                clip 1.0); dflash_vs_speculators.py's CPU adaptations.

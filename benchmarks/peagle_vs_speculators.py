@@ -12,7 +12,7 @@ and K-1 slots, as vLLM drafts with parallel_drafting at T=0).
   eaglekit     PEagleDrafter + training-time test whose step d is parallel slot d (drafters/eagle3/ttt.py through
                PEagleDrafter.draft_step_input): every chain trained at every depth 0..--depths-1, depth d weighted
                0.8^d (train.ttt's defaults), soft cross-entropy against the target's distribution; padded rows;
-               AdamW betas 0.9/0.95, no weight decay, clip 0.5.
+               the train stage's AdamW settings (train.adam_betas, weight decay, clip).
   speculators  in its own venv: PEagleDraftModel.from_training_args, its collate with shift_batch (its CLI's
                preprocess for peagle), get_trainer_kwargs (loss kl_div, COD sampling: depth d keeps
                max(0.7^d, 0.2) of the chains, every kept element weighing the same) and its Trainer (AdamW

@@ -24,7 +24,7 @@ Both drafters are then measured by eaglekit's evaluate stage on the same held-ou
 What is the same: draft vocabulary (eaglekit's vocab stage, passed to speculators as t2d/d2t), drafter shape
 (the target's layer shape, intermediate --intermediate), norm_before_residual false, TTT steps and decay, lr,
 warmup, cosine to 0, steps, tokens per step, the training samples (eaglekit's train split). What stays each
-trainer's own: optimizer settings (eaglekit AdamW betas 0.9/0.95, no weight decay, clip 0.5; speculators AdamW
+trainer's own: optimizer settings (eaglekit the train stage's: AdamW train.adam_betas, no weight decay, clip 0.5; speculators AdamW
 betas 0.9/0.999, weight decay 0.01, clip 1.0), loss masking (eaglekit counts only positions whose target argmax
 is in the draft vocab). Both keep lm_head frozen at the target's rows (eaglekit's train.freeze_lm_head, default
 since this race: trained, it cost eaglekit 11 % of τ at K=5; --ablate trained-head measures that again).
