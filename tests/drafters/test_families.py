@@ -415,6 +415,17 @@ def test_preflight_warns_that_only_sglang_serves_a_block_drafter_on_an_mla_targe
     assert "sglang#29218" in check.detail and "SGLang" in check.remedy and "architecture: mla" in check.remedy
 
 
+@pytest.mark.parametrize("family", BLOCK_FAMILIES)
+def test_preflight_names_a_remap_vocab_a_block_drafter_would_ignore(tmp_path, tiny_target, family):
+    """train.remap_vocab maps a finetuned EAGLE-3 or P-EAGLE drafter onto this run's draft vocabulary; a block drafter
+    has none (it drafts over the target's): pre-flight says the key changes nothing rather than let it pass."""
+    cfg = block_run_config(tmp_path, tiny_target, architecture=family, mask_token_id=0)
+    assert "remap_vocab" not in family_named(family).diagnosis.shape_check(cfg).detail
+    cfg.train.remap_vocab = True
+    check = family_named(family).diagnosis.shape_check(cfg)
+    assert check.level == "warn" and "train.remap_vocab is set" in check.detail and "changes nothing" in check.detail
+
+
 # ------------------------------------------------------------------------------------------- `eaglekit run`
 
 

@@ -125,10 +125,16 @@ class DFlashFamily:
                 "(train.draft.architecture: mla, the shape published for Kimi-K2.5/K2.6), which vLLM serves too",
             )
         notes = self.serving_notes(cfg)
-        if notes:
-            return Verdict(
-                "warn", detail + "; " + "; ".join(notes), "see docs/drafters.md: 'Choosing a drafter family'"
+        if cfg.train.remap_vocab:  # the key is EAGLE-3's and P-EAGLE's: here it would be ignored without a word
+            notes.append(
+                f"train.remap_vocab is set, but a {self.title} drafter drafts over the target's whole vocabulary: "
+                "there is no draft vocabulary to remap, and the key changes nothing"
             )
+        if notes:
+            remedy = "see docs/drafters.md: 'Choosing a drafter family'"
+            if cfg.train.remap_vocab:
+                remedy = "remove train.remap_vocab; " + remedy
+            return Verdict("warn", detail + "; " + "; ".join(notes), remedy)
         return Verdict("ok", detail)
 
     def shape_extra(self, dc: Any) -> str:
