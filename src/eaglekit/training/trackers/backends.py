@@ -11,6 +11,7 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 from eaglekit.training.trackers import Backend, flat, project_name
 
@@ -81,7 +82,28 @@ class TensorBoard(Backend):
         self.writer.close()
 
 
-class Trackio(Backend):
+class WandbApi(Backend):
+    """What wandb and trackio (which copies wandb's API) share: ``run.log`` at a step, their own Table and Image
+    types, ``run.finish``. A subclass opens ``run`` and sets ``library`` to the module."""
+
+    library: Any
+    run: Any
+
+    def log(self, step: int, values: dict[str, float]) -> None:
+        self.run.log(values, step=step)
+
+    def table(self, name: str, rows: list[dict], step: int) -> None:
+        columns, data = cells(rows)
+        self.run.log({name: self.library.Table(columns=columns, data=data)}, step=step)
+
+    def image(self, name: str, path: Path, step: int) -> None:
+        self.run.log({name: self.library.Image(str(path))}, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class Trackio(WandbApi):
     """trackio: its local store (TRACKIO_DIR, default ~/.cache/huggingface/trackio), or the Space or server its
     variables name. The run is found again by its name in the project."""
 
@@ -90,7 +112,7 @@ class Trackio(Backend):
     def __init__(self, folder: Path, run_name: str, identity: dict, resume_step: int | None):
         import trackio  # lazy: optional (an extra)
 
-        self.trackio = trackio
+        self.library = trackio
         self.project = identity.get("project") or project_name("trackio")
         self.run_name = identity.get("name") or run_name
         self.run = trackio.init(
@@ -117,24 +139,11 @@ class Trackio(Backend):
         logs = SQLiteStorage.get_logs(self.project, self.run_name)
         return min(handed, sum(1 for log in logs if any(k.startswith(("train/", "eval/")) for k in log)))
 
-    def log(self, step: int, values: dict[str, float]) -> None:
-        self.run.log(values, step=step)
-
     def params(self, params: dict) -> None:
         self.run.config.update(flat(params))
 
-    def table(self, name: str, rows: list[dict], step: int) -> None:
-        columns, data = cells(rows)
-        self.run.log({name: self.trackio.Table(columns=columns, data=data)}, step=step)
 
-    def image(self, name: str, path: Path, step: int) -> None:
-        self.run.log({name: self.trackio.Image(str(path))}, step=step)
-
-    def close(self) -> None:
-        self.run.finish()
-
-
-class Wandb(Backend):
+class Wandb(WandbApi):
     """Weights & Biases: online with WANDB_API_KEY, or WANDB_MODE=offline (run files under WANDB_DIR, default the
     train folder, for `wandb sync`). The run is resumed by its id."""
 
@@ -143,7 +152,7 @@ class Wandb(Backend):
     def __init__(self, folder: Path, run_name: str, identity: dict, resume_step: int | None):
         import wandb  # lazy: optional (an extra)
 
-        self.wandb = wandb
+        self.library = wandb
         self.dir = identity.get("dir") or os.environ.get("WANDB_DIR") or str(folder)
         self.run = wandb.init(
             project=identity.get("project") or project_name("wandb"),
@@ -165,24 +174,14 @@ class Wandb(Backend):
         # restored steps again); a step it holds already it refuses rather than logs twice
         return sum(1 for row in kept if row["step"] < self.run.step)
 
-    def log(self, step: int, values: dict[str, float]) -> None:
-        self.run.log(values, step=step)
-
     def params(self, params: dict) -> None:
         self.run.config.update(params, allow_val_change=True)
 
-    def table(self, name: str, rows: list[dict], step: int) -> None:
-        columns, data = cells(rows)
-        self.run.log({name: self.wandb.Table(columns=columns, data=data)}, step=step)
-
-    def image(self, name: str, path: Path, step: int) -> None:
-        self.run.log({name: self.wandb.Image(str(path))}, step=step)
-
     def close(self) -> None:
-        self.run.finish()
+        super().close()
         # wandb's own process keeps the run's debug log open after finish(): the next stage's pre-flight would find
         # it writing into the run directory without its lock (`eaglekit run` goes on to evaluate in this process)
-        self.wandb.teardown()
+        self.library.teardown()
 
 
 class Mlflow(Backend):
