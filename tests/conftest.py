@@ -26,7 +26,7 @@ sys.path[1:1] = [
     if group.is_dir() and group.name != "support" and not group.name.startswith((".", "_"))
 ]
 
-from support.helpers import FEATURE_LAYERS, subprocess_env  # noqa: E402  (after the path it is found on)
+from support.helpers import FEATURE_LAYERS, SESSION_ENVIRON, subprocess_env  # noqa: E402  (after the path it is found on)
 
 
 @pytest.fixture(scope="session")
@@ -209,7 +209,9 @@ def demo_run(tmp_path_factory, tiny_target):
                 capture_output=True,
                 text=True,
                 timeout=2400,
-                env=subprocess_env(),
+                # the session's starting environment: the demo is shared by every test that asks for it, whichever
+                # asks first, so no module's variables (test_trackers' tracker places) may decide how it runs
+                env=subprocess_env(SESSION_ENVIRON),
             )
             assert proc.returncode == 0, proc.stderr[-5000:]
             saved.write_text(json.dumps({"stdout": proc.stdout, "stderr": proc.stderr}))

@@ -21,8 +21,14 @@ def write_config(path: Path, data: dict) -> Path:
     return path
 
 
-def subprocess_env() -> dict:
-    env = dict(os.environ)
+# the environment the test session started in, before any fixture set a variable of its own in it
+SESSION_ENVIRON = dict(os.environ)
+
+
+def subprocess_env(base: dict | None = None) -> dict:
+    """A child process's environment: ``base`` (default: this process's now) with the repository's source first
+    on its path and torch on one thread."""
+    env = dict(os.environ if base is None else base)
     env["PYTHONPATH"] = str(REPO / "src") + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("OMP_NUM_THREADS", "1")
     return env
