@@ -23,9 +23,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SPECULATORS_PYTHON = ROOT / "benchmarks" / ".venv-speculators" / "bin" / "python"
-# AdamW betas, weight decay, gradient clip: eaglekit's train stage defaults, and speculators' Trainer's (an ablation
-# of eaglekit's side: --eaglekit-optimizer speculators)
-# eaglekit's side's AdamW settings (betas, weight decay, clip): the train stage's defaults (None), or another's
+# eaglekit's side's AdamW betas, weight decay and gradient clip (--eaglekit-optimizer): the train stage's defaults
+# (None), or an ablation's: speculators' Trainer's, or eaglekit's before train.adam_betas
 OPTIMIZERS = {
     "eaglekit": None,
     "speculators": ((0.9, 0.999), 0.01, 1.0),
@@ -445,15 +444,13 @@ class Race:
 
 
 # options that change eaglekit's side only, or where and how the race runs: not part of speculators' settings
-EAGLEKIT_ONLY = {"seeds", "first_seed", "out", "eaglekit_optimizer", "no_speculators", "threads", "speculators_child"}
+EAGLEKIT_ONLY = {"seeds", "first_seed", "out", "no_speculators", "threads", "speculators_python", "speculators_child"}
 
 
 def shared_settings(args) -> dict:
     """The options speculators' side of a seed depends on (a saved result is reused only under the same ones)."""
     return {
-        k: str(v)
-        for k, v in sorted(vars(args).items())
-        if k not in EAGLEKIT_ONLY and not k.startswith("eaglekit_") and k != "speculators_python"
+        k: str(v) for k, v in sorted(vars(args).items()) if k not in EAGLEKIT_ONLY and not k.startswith("eaglekit_")
     }
 
 

@@ -360,7 +360,7 @@ def check_forms(
     mla_target = target is not None and is_mla_model(target)
     for form_name, config in configs.items():
         form, features = exported_features(config)
-        if mla_target and form in (DFLASH, DSPARK, DFLASH2):
+        if mla_target:  # the row names the forms it concerns (the block forms)
             features.append("mla_target")
         for finding in assess(engine, form, features):
             if finding.status == "drops":
