@@ -125,8 +125,9 @@ def write_adapt_config(
         "init_from": str(folder.resolve()),
         # the traffic's draft vocabulary, the served drafter's rows carried over: a shifted mix drafts tokens the
         # served vocabulary lacks (kept, 240 steps on the demo's shift reached 3.18; remapped, 3.61, against 3.41
-        # from scratch on more conversations: benchmarks/results/after-shipping.md)
-        "remap_vocab": True,
+        # from scratch on more conversations: benchmarks/results/after-shipping.md); a block drafter drafts over
+        # the target's whole vocabulary and has none to remap
+        "remap_vocab": load_config(served_run / "config.yaml").train.draft.has_draft_vocab,
         "max_steps": steps,
         "lr": lr,
         "warmup_steps": min(train.get("warmup_steps") or 0, max(steps // 10, 1)),

@@ -27,6 +27,7 @@ from test_extract import prepared_run
 from test_train import kill_9_then_resume
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from eaglekit import adapt
 from eaglekit.config import parse_config
 from eaglekit.drafters.dflash.checkpoint import read_dflash_config
 from eaglekit.drafters.dflash.model import DFlashDrafter
@@ -424,6 +425,21 @@ def test_preflight_names_a_remap_vocab_a_block_drafter_would_ignore(tmp_path, ti
     cfg.train.remap_vocab = True
     check = family_named(family).diagnosis.shape_check(cfg)
     assert check.level == "warn" and "train.remap_vocab is set" in check.detail and "changes nothing" in check.detail
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_adapt_remaps_the_draft_vocabulary_only_of_a_family_that_has_one(tmp_path, tiny_target, family):
+    """adapt finetunes the served drafter on its traffic with the traffic's draft vocabulary (train.remap_vocab),
+    which only EAGLE-3 and P-EAGLE have: for a block drafter it leaves the key off, so its run's pre-flight does not
+    warn about a key adapt itself set."""
+    served = tmp_path / "served"
+    served.mkdir()
+    data = {"run_dir": str(served), "target": {"model": str(tiny_target)}, "data": {"prompts": "p.jsonl"}}
+    (served / "config.yaml").write_text(yaml.safe_dump(data | {"train": {"draft": {"architecture": family}}}))
+    path = adapt.write_adapt_config(served, tmp_path / "adapt", tmp_path / "traffic", served / "export" / family, 3)
+    train = yaml.safe_load(path.read_text())["train"]
+    assert train["remap_vocab"] is (family in ("llama", "mla", "peagle")), train
+    assert train["init_from"] == str((served / "export" / family).resolve())
 
 
 # ------------------------------------------------------------------------------------------- `eaglekit run`

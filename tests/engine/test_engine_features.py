@@ -180,7 +180,9 @@ def test_a_block_drafter_for_an_mla_target_is_refused_on_vllm_by_name(tmp_path):
     vllm = features.Engine("vllm", "0.32.0", None, "x")
     for block in ({"architectures": ["DFlashDraftModel"]}, {"architectures": ["Qwen3DSparkModel"]},
                   {"architectures": ["DFlash2DraftModel"]}):  # fmt: skip
-        with pytest.raises(EaglekitError, match=r"for an MLA target: .*z-lab/dflash#62") as refused:
+        with pytest.raises(
+            EaglekitError, match=r"for an MLA target \(multi-head latent attention.*\): .*z-lab/dflash#62"
+        ) as refused:
             features.check_forms(vllm, {"block": block}, "verify", mla)
         assert "SGLang serves block drafters on MLA targets (sglang#29218)" in (refused.value.remedy or "")
         assert "train.draft.architecture: mla" in (refused.value.remedy or "")

@@ -60,6 +60,9 @@ class DraftSection(Section):
     # The objective it trains instead of EAGLE-3's training-time test, which then reads none of train.ttt's
     # settings (None: it trains TTT).
     objective_without_ttt: ClassVar[str | None] = None
+    # Whether it drafts over a draft vocabulary of its own (the vocab stage's d2t/t2d, train.remap_vocab's mapping)
+    # rather than the target's whole one.
+    has_draft_vocab: ClassVar[bool] = True
 
     @property
     def family(self) -> str:
@@ -197,6 +200,7 @@ class DFlashDraft(DraftSection):
     loss, noise, step weights and anchor pull are refused for it."""
 
     architecture: Literal["dflash"] = "dflash"
+    has_draft_vocab: ClassVar[bool] = False
     num_key_value_heads: int | None = Field(None, ge=1, description="GQA: key/value heads (default: the target's)")
     head_dim: int | None = Field(None, ge=1, description="per-head width (default: the target's)")
     block_size: int | None = Field(

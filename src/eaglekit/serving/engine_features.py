@@ -58,6 +58,7 @@ class Reading:
     probe: tuple[str, str] | None = None  # (file under the engine's package, text the file must contain)
     never: str = ""  # no release reads it: why (then every version drops it)
     with_form: bool = False  # read by every release that serves the form at all (a version needs no check)
+    of_target: str = ""  # a property of the target, not the drafter, in words ("an MLA target"; TARGET_TESTS)
 
 
 _LLAMA_EAGLE3 = "model_executor/models/llama_eagle3.py"
@@ -119,7 +120,8 @@ READINGS: tuple[Reading, ...] = (
     # a property of the target, not the drafter: a block drafter for an MLA target (Kimi, DeepSeek)
     Reading("mla_target", VLLM, (DFLASH, DSPARK, DFLASH2), "z-lab/dflash#62 (open)", "", never="vLLM runs a block "
             "drafter on the target's attention backend, and its MLA backends have no non-causal attention, which a "
-            "block's queries need: 'Kimi-K2.5-DFlash cannot run on vLLM' (z-lab/dflash#62, open since 2026-04-15)"),
+            "block's queries need: 'Kimi-K2.5-DFlash cannot run on vLLM' (z-lab/dflash#62, open since 2026-04-15)",
+            of_target="an MLA target (multi-head latent attention: DeepSeek-V3, Kimi)"),
     Reading("fc_norm", SGLANG, (EAGLE3,), "sglang#24663 (a75b79e)", "2026-05-11", None, "",
             (_SGLANG_EAGLE3, "fc_norm")),
     Reading("norm_output", SGLANG, (EAGLE3,), "sglang#24663 (a75b79e)", "2026-05-11", None, "",
@@ -164,6 +166,18 @@ WITHOUT = {
     "mla_target": "an EAGLE-3 drafter for the MLA target (train.draft.architecture: mla); SGLang serves block drafters "
     "on MLA targets (sglang#29218): export writes its form and prints its command, and verify.server can point at it",
 }
+
+# The rows whose feature is the target's (``Reading.of_target``): whether a target's folder has it.
+TARGET_TESTS: dict[str, Callable[[str | os.PathLike], bool]] = {"mla_target": is_mla_model}
+
+
+def target_refusal(feature: str, engine: str, form: str) -> str | None:
+    """Why ``engine`` cannot serve ``form`` for a target with ``feature`` (the row's ``never``), or None."""
+    for r in READINGS:
+        if r.feature == feature and r.engine == engine and form in r.forms and r.never:
+            return r.never
+    return None
+
 
 # What an engine serves instead, where that has a name of its own.
 SERVED_WITHOUT = {
@@ -322,8 +336,8 @@ def _assess_one(engine: Engine, r: Reading) -> Finding:
 
 def describe(engine: Engine, form: str, finding: Finding) -> str:
     r = finding.reading
-    if r.feature == "mla_target":
-        return f"{engine.label} does not serve the {form} form for an MLA target: {r.never}"
+    if r.of_target:
+        return f"{engine.label} does not serve the {form} form for {r.of_target}: {r.never}"
     if r.never:
         return f"{engine.label} would serve the {form} form wrong: {r.never}"
     served_as = SERVED_WITHOUT.get(r.feature, f"the drafter would run as if {r.feature} were off")
@@ -357,11 +371,11 @@ def check_forms(
         return []
     drops: list[tuple[str, Finding]] = []
     warnings = []
-    mla_target = target is not None and is_mla_model(target)
+    # the target's own features (each row names the forms it concerns)
+    of_target = [] if target is None else [feature for feature, holds in TARGET_TESTS.items() if holds(target)]
     for form_name, config in configs.items():
         form, features = exported_features(config)
-        if mla_target:  # the row names the forms it concerns (the block forms)
-            features.append("mla_target")
+        features += of_target
         for finding in assess(engine, form, features):
             if finding.status == "drops":
                 drops.append((form_name, finding))

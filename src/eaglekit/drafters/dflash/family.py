@@ -33,6 +33,7 @@ from eaglekit.model.checkpoint_files import CheckpointInfo
 from eaglekit.model.run_shapes import target_and_aux
 from eaglekit.model.target import text_config
 from eaglekit.progress import console
+from eaglekit.serving import engine_features
 from eaglekit.serving.engine_features import export_check
 from eaglekit.training.context_parallel import ContextGroup
 from eaglekit.training.data import pack_length
@@ -322,16 +323,14 @@ class DFlashFamily:
 
 
 def mla_target_problem(hf_config: Any) -> str | None:
-    """Why vLLM cannot serve a block drafter on this target, or None: its draft layers attend non-causally, and
-    stock vLLM cannot serve a non-causal draft on a target with multi-head latent attention (z-lab/dflash#62,
-    Kimi-K2.5). SGLang can (sglang#29218): its DeepSeek-V2/V3 and Kimi-K2.5 targets capture the drafter's layers
+    """Why vLLM cannot serve a block drafter on this target, or None: the engine-feature table's ``mla_target`` row.
+    SGLang can (sglang#29218): its DeepSeek-V2/V3 and Kimi-K2.5 targets capture the drafter's layers
     (``set_dflash_layers_to_capture``, pinned in tests/drafters/test_sglang_forms.py)."""
     if not getattr(text_config(hf_config), "kv_lora_rank", None):
         return None
     return (
-        "the target uses multi-head latent attention (DeepSeek-V3/Kimi): stock vLLM cannot serve a non-causal "
-        "block draft (DFlash, DSpark) on an MLA target (z-lab/dflash#62, Kimi-K2.5); SGLang serves it "
-        f"(sglang#29218, read in SGLang {sglang_form.SGLANG_READ})"
+        f"the target uses multi-head latent attention (DeepSeek-V3/Kimi): {engine_features.target_refusal('mla_target', engine_features.VLLM, engine_features.DFLASH)}; "
+        f"SGLang serves it (sglang#29218, read in SGLang {sglang_form.SGLANG_READ})"
     )
 
 
