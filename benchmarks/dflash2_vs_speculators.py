@@ -177,7 +177,6 @@ def main() -> None:
         )
         drafter = DFlash2Drafter(config)
         drafter.take_target(race.embed, race.head)
-        race.start_norm(drafter)
         seconds, loss = train_block_eaglekit(drafter, batches, args, seed, DEFAULT_SELECTOR_LOSS_WEIGHT)
         return {"train_s": round(seconds, 1), "tail_loss": round(loss, 4), "k": race.measured(drafter)}
 

@@ -166,7 +166,6 @@ def main() -> None:
         torch.manual_seed(seed)
         drafter = DFlashDrafter(dflash_config(race.target.config, race.aux, race.mask_token_id, args))
         drafter.take_target(race.embed, race.head)
-        race.start_norm(drafter)
         seconds, loss = train_block_eaglekit(drafter, batches, args, seed)
         return {"train_s": round(seconds, 1), "tail_loss": round(loss, 4), "k": race.measured(drafter)}
 

@@ -4,7 +4,7 @@ data      the tiny target's task corpus (train split), rendered with its chat te
           turn; features online from the tiny target at the same taps for every family (aux layers [2, 4, 5]).
 budget    --steps AdamW steps (betas --betas, weight decay and grad clip: the train stage's defaults) of --batch rows
           at lr --lr (constant), per seed; the same batches in the same order for every family (the order is the
-          seed's, not the family's). Every drafter's final norm starts at the target's (--norm: train.init_norm_from_target).
+          seed's, not the family's).
 eagle3    EAGLE-3 (drafters/eagle3/): one Llama layer with EAGLE 3.1's fc_norm + norm_output (eaglekit's default;
           --eagle3-form plain without), training-time test of --ttt steps, weights 0.8^k, full vocabulary, the
           target's head frozen.
@@ -65,13 +65,7 @@ from eaglekit.drafters.eagle3.ttt import ttt_loss  # noqa: E402
 from eaglekit.drafters.peagle.model import PEagleConfig, PEagleDrafter  # noqa: E402
 from eaglekit.drafters.registry import proposer_for  # noqa: E402
 from eaglekit.model.draft_vocab import build_d2t_t2d  # noqa: E402
-from eaglekit.model.target import (  # noqa: E402
-    TargetFeatures,
-    decoder_parts,
-    default_aux_layers,
-    draft_logits,
-    target_argmax,
-)
+from eaglekit.model.target import TargetFeatures, default_aux_layers, draft_logits, target_argmax  # noqa: E402
 from eaglekit.speculative.decode import generate  # noqa: E402
 from eaglekit.tiny import ensure_tiny_target, sample_tasks  # noqa: E402
 from eaglekit.tiny.build import batch_tensors, encode  # noqa: E402
@@ -81,7 +75,7 @@ TRAIN_DEFAULTS = TrainConfig()  # the optimizer settings every family trains wit
 BLOCK_FAMILIES = ("dflash", "dspark", "dflash2")
 FALLBACK = "dflash2 without selector"  # DFlash2's drafter measured as plain DFlash drafts (--dflash2-fallback)
 # the settings that make a row: a row of --out is reused only where all of these match the run asked for
-SETTINGS = ("target", "steps", "batch", "lr", "betas", "norm", "ttt", "eagle3_form", "chain_layers", "layers", "block", "dspark_block",
+SETTINGS = ("target", "steps", "batch", "lr", "betas", "ttt", "eagle3_form", "chain_layers", "layers", "block", "dspark_block",
             "markov_rank", "conv_kernel", "conv_group", "selector_rank", "selector_top_k", "selector_weight", "window",
             "prompts", "long_rows", "per_group", "groups", "new_tokens")  # fmt: skip
 
@@ -123,7 +117,7 @@ def build(family: str, model, tok, aux: list[int], args, seed: int) -> torch.nn.
                 DFlashConfig.from_target_config(model.config, aux, mask, block_size=args.block, **shape)
             )
         block.take_target(embed, head)
-        return start_norm(block, model, args)
+        return block
     chain: Eagle3Drafter
     if family == "peagle":
         config = PEagleConfig.from_target_config(
@@ -156,15 +150,7 @@ def build(family: str, model, tok, aux: list[int], args, seed: int) -> torch.nn.
         chain.embed_tokens.weight.copy_(embed)
         chain.lm_head.weight.copy_(head)
     chain.lm_head.weight.requires_grad_(False)  # the target's head, frozen (train.freeze_lm_head's default)
-    return start_norm(chain, model, args)
-
-
-def start_norm(drafter, model, args):
-    """The drafter's final norm where --norm says (train.init_norm_from_target's default: the target's final norm)."""
-    if args.norm == "target":
-        with torch.no_grad():
-            drafter.norm.weight.copy_(decoder_parts(model)[2].weight)
-    return drafter
+    return chain
 
 
 def train(family: str, drafter, features: TargetFeatures, rows, head: torch.Tensor, args, seed: int) -> float:
@@ -348,12 +334,6 @@ def parser(**defaults: Any) -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument(
         "--betas", type=float, nargs=2, default=list(TRAIN_DEFAULTS.adam_betas), help="AdamW's (train.adam_betas')"
-    )
-    p.add_argument(
-        "--norm",
-        choices=["target", "ones"],
-        default="target" if TRAIN_DEFAULTS.init_norm_from_target else "ones",
-        help="where each drafter's final norm starts (train.init_norm_from_target's; ones: eaglekit's before the key)",
     )
     p.add_argument("--ttt", type=int, default=7, help="TTT steps (EAGLE-3) = parallel slots trained (P-EAGLE)")
     p.add_argument("--eagle3-form", choices=["3.1", "plain"], default="3.1",

@@ -275,7 +275,6 @@ def main() -> None:
     def eaglekit_side(batches: list[dict], seed: int) -> dict:
         torch.manual_seed(seed)
         drafter = eaglekit_drafter(race.target, race.aux, race.mask_token_id)
-        race.start_norm(drafter)
         seconds, loss = train_eaglekit(drafter, race.target, batches, args)
         return {"train_s": round(seconds, 1), "tail_loss": round(loss, 4), "k": race.measured(drafter)}
 

@@ -330,13 +330,6 @@ def arguments(doc: str, out: str, **defaults) -> argparse.ArgumentParser:
     p.add_argument("--prompts", type=int, default=12, help="held-out prompts to decode")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / out)
     p.add_argument("--eaglekit-optimizer", choices=sorted(OPTIMIZERS), default="eaglekit", help="eaglekit's side")
-    p.add_argument(
-        "--eaglekit-norm",
-        choices=("target", "ones"),
-        default=None,
-        help="where eaglekit's drafter's final norm starts (default: train.init_norm_from_target's default; ones: "
-        "eaglekit's before the key, and speculators')",
-    )
     p.add_argument("--no-speculators", action="store_true", help="train eaglekit's side only (an ablation)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--speculators-python", type=Path, default=SPECULATORS_PYTHON)
@@ -352,9 +345,8 @@ class Race:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from eaglekit.config import TargetConfig
         from eaglekit.drafters.dflash.model import default_mask_token_id
-        from eaglekit.model.target import default_aux_layers, read_final_norm
+        from eaglekit.model.target import default_aux_layers
         from eaglekit.tiny import ensure_tiny_target, sample_tasks
         from eaglekit.tiny.build import encode
 
@@ -374,19 +366,6 @@ class Race:
         self.stop = {self.tok.eos_token_id}
         self.embed = self.target.get_input_embeddings().weight.detach()
         self.head = self.target.lm_head.weight.detach()
-        self.final_norm = read_final_norm(TargetConfig(model=str(self.path))).gain
-
-    def start_norm(self, drafter) -> None:
-        """eaglekit's drafter's final norm where the train stage starts it (train.init_norm_from_target, or
-        --eaglekit-norm): the target's final norm, or ones as built."""
-        import torch
-
-        from eaglekit.config import TrainConfig
-
-        chosen = self.args.eaglekit_norm or ("target" if TrainConfig().init_norm_from_target else "ones")
-        if chosen == "target":
-            with torch.no_grad():
-                drafter.norm.weight.copy_(self.final_norm)
 
     def job(self, seed: int, **own) -> dict:
         """The child's job: where the batches and its output are, the target, aux layers, seed and lr."""

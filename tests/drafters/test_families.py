@@ -133,29 +133,6 @@ def block_run_config(tmp_path: Path, target: Path, **draft):
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_a_fresh_drafter_starts_its_final_norm_at_the_targets(tmp_path, tiny_target, family):
-    """Its head is the target's, trained on the target's final norm: a fresh drafter's norm before the head starts
-    there (train.init_norm_from_target), and at ones with the key off; the build's notes say which."""
-    hf = AutoModelForCausalLM.from_pretrained(tiny_target)
-    gain = hf.model.norm.weight.detach()
-    assert not torch.allclose(gain, torch.ones_like(gain))  # the tiny target's norm is trained: the test can fail
-    embed, head = embedding_and_head(str(tiny_target))
-    for on in (True, False):
-        cfg = block_run_config(tmp_path, tiny_target, architecture=family)
-        cfg.vocab.draft_vocab_size = 200
-        cfg.train.init_norm_from_target = on
-        _, aux = target_and_aux(cfg)
-        torch.manual_seed(0)
-        vocab = build_d2t_t2d(torch.arange(200), hf.config.vocab_size)
-        built = FAMILIES[family].training.build(cfg, hf.config, *vocab, embed, head, aux)
-        norm = built.drafter.norm.weight.detach()
-        assert torch.equal(norm, gain if on else torch.ones_like(gain)), (family, on)
-        assert built.notes["final_norm"] == (
-            "the target's final norm" if on else "ones (train.init_norm_from_target: false)"
-        )
-
-
-@pytest.mark.parametrize("family", list(FAMILIES))
 def test_a_training_checkpoint_reads_back_as_the_drafter_it_holds(tmp_path, tiny_target, family):
     """The drafter a fresh run builds, written as the family's training checkpoint, is recognised by the registry
     as the family's and loads back for the target with every weight and its config."""

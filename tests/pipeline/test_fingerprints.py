@@ -205,15 +205,3 @@ def test_adam_betas_at_their_old_value_keep_a_drafter_finished_before_the_key(st
     found = rows(other)
     assert found["train"]["state"] == "stale"
     assert found["train"]["reason"] == "train.adam_betas: unset → [0.9, 0.98]"
-
-
-def test_a_final_norm_started_at_ones_keeps_a_drafter_finished_before_the_key(stages, config):
-    """train.init_norm_from_target came after drafters were trained with their final norm starting at ones: a config
-    that sets it false keeps such a run done; the default (the target's norm) makes the drafter stale, named."""
-    legacy = config("legacy.yaml", train={"init_norm_from_target": False, "adam_betas": list(LEGACY_ADAM_BETAS)})
-    assert "init_norm_from_target" not in train.params(ResolvedRun(legacy))
-    finish(legacy)
-    default = config("default.yaml", train={"adam_betas": list(LEGACY_ADAM_BETAS)})
-    found = rows(default)
-    assert found["train"]["state"] == "stale"
-    assert found["train"]["reason"] == "train.init_norm_from_target: unset → true"

@@ -107,13 +107,6 @@ class TrainConfig(Section):
     dtype: Annotated[Literal["auto", "float32", "bfloat16"], DtypeAlias] = "auto"
     distributed: Literal["ddp", "fsdp"] = "ddp"
     init_lm_head_from_target: bool = True
-    init_norm_from_target: bool = Field(
-        True,
-        description="a fresh drafter's final norm (the one before its head) starts at the target's final norm, where "
-        "the widths match: the head is the target's and was trained on that norm's scale (EAGLE-1 drafted through "
-        "the target's own norm and head). false: it starts at ones, as eaglekit did before this key and speculators "
-        "does (benchmarks/results/races.md: what it moved)",
-    )
     freeze_lm_head: bool = Field(
         True,
         description="keep the draft head at the rows it starts from (the target's lm_head rows, or the init_from "

@@ -11,17 +11,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-import torch
 from torch import nn
 
 from eaglekit.config import DraftSection, RunConfig
 from eaglekit.contract import StageContext
 from eaglekit.drafters.diagnosis import ServedDrafter
-from eaglekit.errors import EaglekitError
 from eaglekit.model.checkpoint_files import CheckpointInfo
-from eaglekit.model.layers import RMSNorm
-from eaglekit.model.target import read_final_norm
-from eaglekit.training.distributed import say
 from eaglekit.training.memory import StepMemory
 from eaglekit.training.objective import Training
 
@@ -201,23 +196,3 @@ def verifier_id(cfg: RunConfig) -> str:
     """What an export names as verifier: export.verifier, else the target itself (its hub id, or its local folder,
     which is only valid on this machine)."""
     return cfg.export.verifier or cfg.target.model
-
-
-def start_from_target_norm(cfg: RunConfig, norm: RMSNorm) -> str:
-    """``train.init_norm_from_target``: a fresh drafter's final norm (``norm``, before its head) takes the target's
-    final norm's gain, where the widths match. Its head is the target's, trained on that norm's scale, so the drafter
-    starts speaking the head's language instead of learning the scale first. Returns where it started (the ledger's
-    note)."""
-    if not cfg.train.init_norm_from_target:
-        return "ones (train.init_norm_from_target: false)"
-    try:
-        gain = read_final_norm(cfg.target).gain
-    except EaglekitError as err:  # a layout without model.norm.weight: the norm starts as it always could
-        say(f"[yellow]train: the drafter's final norm starts at ones: {err.message}[/]")
-        return "ones (the target's final norm could not be read)"
-    weight = norm.weight
-    if tuple(gain.shape) != tuple(weight.shape):
-        return f"ones (the target's final norm is {gain.numel()} wide, the drafter's {weight.numel()})"
-    with torch.no_grad():
-        weight.copy_(gain.to(weight))
-    return "the target's final norm"

@@ -313,11 +313,6 @@ class FinalNorm:
     def __init__(self, weight: torch.Tensor, eps: float, offset: bool = False):
         self.weight, self.eps, self.offset = weight, eps, offset
 
-    @property
-    def gain(self) -> torch.Tensor:
-        """Its scale per channel, fp32: ``w``, or ``1 + w`` (Gemma); a plain RMSNorm with this weight is this norm."""
-        return 1.0 + self.weight.float() if self.offset else self.weight.float()
-
     @torch.no_grad()
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()

@@ -95,8 +95,6 @@ def params(run: ResolvedRun) -> dict:
         "dtype": t.dtype,
         "distributed": t.distributed,
         "init_lm_head_from_target": t.init_lm_head_from_target,
-        # off is what every drafter trained before the key started from: their fingerprint stays as it was
-        **({"init_norm_from_target": True} if t.init_norm_from_target else {}),
         "freeze_lm_head": t.freeze_lm_head,
         **files.read_identities(cfg, "target", "tokens", "vocab"),
         "eval_fraction": cfg.data.eval_fraction,

@@ -27,14 +27,7 @@ from eaglekit.drafters.dflash.model import DFlashConfig, DFlashDrafter
 from eaglekit.drafters.dflash.objective import DEFAULT_ANCHORS, BlockObjective
 from eaglekit.drafters.dflash.proposer import BlockProposer
 from eaglekit.drafters.diagnosis import ServedDrafter
-from eaglekit.drafters.family import (
-    LoadChecked,
-    Verdict,
-    Written,
-    one_object,
-    start_from_target_norm,
-    verifier_id,
-)
+from eaglekit.drafters.family import LoadChecked, Verdict, Written, one_object, verifier_id
 from eaglekit.errors import EaglekitError, UsageError
 from eaglekit.model.checkpoint_files import CheckpointInfo
 from eaglekit.model.run_shapes import target_and_aux
@@ -188,11 +181,7 @@ class DFlashFamily:
         else:
             drafter = self.drafter_class(self.drafter_config(cfg, hf, aux))
             drafter.take_target(embed, head)
-            notes = {
-                "draft_vocab": f"the target's ({self.name})",
-                "mask_token_id": drafter.config.mask_token_id,
-                "final_norm": start_from_target_norm(cfg, drafter.norm),
-            }
+            notes = {"draft_vocab": f"the target's ({self.name})", "mask_token_id": drafter.config.mask_token_id}
         return Built(drafter, torch.ones(head.shape[0], dtype=torch.bool), notes)
 
     def objective(

@@ -1,7 +1,7 @@
 """The drafter a run starts from: fresh from the target's config, or a published drafter (``train.init_from``).
 
 A fresh drafter takes the target's shapes (``train.draft`` overrides), its frozen embedding and — when the widths
-match — the target's lm_head rows of the draft vocabulary and its final norm (``train.init_norm_from_target``). A finetuned one keeps its own vocabulary unless
+match — the target's lm_head rows of the draft vocabulary. A finetuned one keeps its own vocabulary unless
 ``train.remap_vocab`` maps it onto this run's. ``train.freeze_lm_head`` then decides whether the head trains.
 """
 
@@ -13,7 +13,6 @@ import torch
 
 from eaglekit.drafters.eagle3 import checkpoint as eagle3_checkpoint
 from eaglekit.drafters.eagle3.model import DrafterConfig, Eagle3Drafter
-from eaglekit.drafters.family import start_from_target_norm
 from eaglekit.hub import drafter_folder
 from eaglekit.serving.engine_features import check_published
 from eaglekit.training.distributed import say
@@ -96,11 +95,7 @@ def build_drafter(cfg, hf_config, d2t, t2d, embed, head, aux_ids, settings: dict
     if not cfg.train.init_from:
         drafter = new_drafter(cfg, hf_config, d2t, t2d, embed, head, aux_ids, settings)
         has_rows = cfg.train.init_lm_head_from_target and head.shape[1] == drafter.config.hidden_size
-        return drafter, {
-            "draft_vocab": "vocab stage",
-            "lm_head": freeze_head(drafter, cfg, has_rows),
-            "final_norm": start_from_target_norm(cfg, drafter.norm),
-        }
+        return drafter, {"draft_vocab": "vocab stage", "lm_head": freeze_head(drafter, cfg, has_rows)}
     check_published(drafter_folder(cfg.train.init_from), say, cfg.verify.python)  # SpecForge#879, engine drops
     drafter, _info = eagle3_checkpoint.load_drafter(
         drafter_folder(cfg.train.init_from)
