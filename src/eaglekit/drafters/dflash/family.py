@@ -328,8 +328,9 @@ def mla_target_problem(hf_config: Any) -> str | None:
     (``set_dflash_layers_to_capture``, pinned in tests/drafters/test_sglang_forms.py)."""
     if not getattr(text_config(hf_config), "kv_lora_rank", None):
         return None
+    why = engine_features.target_refusal("mla_target", engine_features.VLLM, engine_features.DFLASH)
     return (
-        f"the target uses multi-head latent attention (DeepSeek-V3/Kimi): {engine_features.target_refusal('mla_target', engine_features.VLLM, engine_features.DFLASH)}; "
+        f"the target uses multi-head latent attention (DeepSeek-V3/Kimi): {why}; "
         f"SGLang serves it (sglang#29218, read in SGLang {sglang_form.SGLANG_READ})"
     )
 
