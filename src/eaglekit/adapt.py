@@ -42,7 +42,7 @@ import httpx
 import yaml
 
 from eaglekit import atomic, pipeline, watch
-from eaglekit.config import load_config
+from eaglekit.config import RunConfig, load_config
 from eaglekit.data.chat import end_of_turn_token_ids, load_tokenizer
 from eaglekit.errors import EaglekitError, UsageError
 from eaglekit.rundir import RunDir
@@ -81,16 +81,21 @@ def served_form(folder: Path) -> str:
     return folder.name if folder.parent.name == "export" else "eagle3"
 
 
-def traffic_run(served_run: Path, run_dir: Path, traffic: Path, k: int, newest: int | None) -> dict:
-    """The served run's config (paths resolved) as a run in ``run_dir`` reading ``traffic`` (its ``newest``
-    conversations; every one with None) instead of its prompts, evaluated at the served K."""
+def served_config(served_run: Path) -> RunConfig:
+    """The config of the run whose drafter the engine serves."""
     source = served_run / "config.yaml"
     if not source.exists():
         raise UsageError(
             f"{served_run} holds no config.yaml: it is not an eaglekit run directory",
             "pass the run directory whose drafter the engine serves (the one `eaglekit export` wrote it in)",
         )
-    data = json.loads(json.dumps(load_config(source).model_dump(mode="json", exclude={"source"})))
+    return load_config(source)
+
+
+def traffic_run(served: RunConfig, run_dir: Path, traffic: Path, k: int, newest: int | None) -> dict:
+    """The served run's config (paths resolved) as a run in ``run_dir`` reading ``traffic`` (its ``newest``
+    conversations; every one with None) instead of its prompts, evaluated at the served K."""
+    data = json.loads(json.dumps(served.model_dump(mode="json", exclude={"source"})))
     data["run_dir"] = str(run_dir.resolve())
     data["data"] |= {"prompts": None, "traffic": {"path": str(traffic.resolve()), "newest": newest}}
     data["evaluate"] |= {"prompts": None, "num_speculative_tokens": [k], "temperatures": [0.0], "suites": []}
@@ -118,7 +123,8 @@ def write_adapt_config(
 ) -> Path:
     """``adapt_dir/config.yaml``: the served run's config (paths resolved) finetuning ``folder`` on ``traffic``."""
 
-    data = traffic_run(served_run, adapt_dir, traffic, k, samples)
+    served = served_config(served_run)
+    data = traffic_run(served, adapt_dir, traffic, k, samples)
     data["data"]["eval_fraction"] = heldout
     train = data["train"]
     train |= {
@@ -127,7 +133,7 @@ def write_adapt_config(
         # served vocabulary lacks (kept, 240 steps on the demo's shift reached 3.18; remapped, 3.61, against 3.41
         # from scratch on more conversations: benchmarks/results/after-shipping.md); a block drafter drafts over
         # the target's whole vocabulary and has none to remap
-        "remap_vocab": load_config(served_run / "config.yaml").train.draft.has_draft_vocab,
+        "remap_vocab": served.train.draft.has_draft_vocab,
         "max_steps": steps,
         "lr": lr,
         "warmup_steps": min(train.get("warmup_steps") or 0, max(steps // 10, 1)),
@@ -144,7 +150,7 @@ def write_scratch_config(served_run: Path, scratch_dir: Path, traffic: Path, k: 
     """``scratch_dir/config.yaml``: what adapt is measured against, a drafter trained from scratch on the whole of
     ``traffic`` with the served run's own recipe (its steps, learning rate and held-out share; no ``init_from``),
     evaluated at K offline (no engine). ``finetune`` runs it."""
-    data = traffic_run(served_run, scratch_dir, traffic, k, None)
+    data = traffic_run(served_config(served_run), scratch_dir, traffic, k, None)
     data["train"] |= {"init_from": None, "remap_vocab": False}
     data["verify"] |= {"engine": None, "server": None}
     return write_run_config(scratch_dir, data, "a drafter from scratch on the traffic, adapt's yardstick")
