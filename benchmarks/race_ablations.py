@@ -16,6 +16,8 @@ eaglekit's side only: run the race itself first for the seeds you ask for.
   final-norm      the final norm (before the frozen head, the target's) starts at the target's final norm; also for
                   peagle
   dpace-alpha=A   D-PACE's smoothing α (the race's, speculators' default: 0.5)
+  init-std=S      every trainable matrix of the drafter starts at normal(0, S) (the race's and speculators' 0.02)
+  ema=D           the drafter measured is the exponential average of its weights over the steps (decay D)
   muon            torch.optim.Muon on the 2-D weights, AdamW on the rest (eaglekit's train.optimizer muon, weight
                   decay 0.1; speculators' CLI default optimizer)
 """
@@ -45,7 +47,10 @@ ABLATIONS = {
     "final-norm": (*BLOCK, "peagle"),
     "dpace-alpha": BLOCK,
     "muon": BLOCK,
+    "init-std": BLOCK,
+    "ema": BLOCK,
 }
+VALUED = ("dpace-alpha", "init-std", "ema")
 
 
 class Ablation:
@@ -59,6 +64,10 @@ class Ablation:
         with torch.no_grad():
             if self.name in ("final-norm", "target-layers"):
                 drafter.norm.weight.copy_(target.norm.weight)
+            if self.name == "init-std":
+                for name, weight in drafter.named_parameters():
+                    if weight.requires_grad and weight.dim() == 2 and "markov" not in name:
+                        weight.normal_(0.0, self.value)
             if self.name == "zero-residual":
                 for layer in drafter.layers:
                     layer.self_attn.o_proj.weight.zero_()
@@ -91,6 +100,7 @@ class Ablation:
         generator = torch.Generator().manual_seed(seed)
         alpha = self.value if self.name == "dpace-alpha" else 0.5
         losses = []
+        average = [p.detach().clone() for p in params] if self.name == "ema" else None
         t0 = time.perf_counter()
         for b in batches:
             inputs = (drafter, b["aux"], b["argmax"], b["input_ids"], b["loss_mask"], b["attention_mask"])
@@ -103,7 +113,14 @@ class Ablation:
             out.loss.backward()
             torch.nn.utils.clip_grad_norm_(params, clip)
             optim.step()
+            if average is not None:
+                with torch.no_grad():
+                    torch._foreach_lerp_(average, [p.detach() for p in params], 1.0 - self.value)
             losses.append(float(out.loss.detach()))
+        if average is not None:
+            with torch.no_grad():
+                for p, a in zip(params, average, strict=True):
+                    p.copy_(a)
         return time.perf_counter() - t0, race_common.tail_mean(losses)
 
     def soft_block_loss(self, inputs: tuple, batch: dict, generator: torch.Generator, options: dict):
@@ -141,8 +158,10 @@ def main() -> None:
     p.add_argument("race_args", nargs=argparse.REMAINDER, help="after --: the race script's own options")
     args = p.parse_args()
     name, _, value = args.ablation.partition("=")
-    if name not in ABLATIONS or args.family not in ABLATIONS[name] or (name == "dpace-alpha") != bool(value):
-        sys.exit(f"{args.ablation} does not apply to {args.family} (ablations: {ABLATIONS}; dpace-alpha=A)")
+    if name not in ABLATIONS or args.family not in ABLATIONS[name] or (name in VALUED) != bool(value):
+        sys.exit(
+            f"{args.ablation} does not apply to {args.family} (ablations: {ABLATIONS}; {', '.join(VALUED)} take =value)"
+        )
     ablation = Ablation(name, float(value) if value else None)
     race_args = [a for a in args.race_args if a != "--"]
 

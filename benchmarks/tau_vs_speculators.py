@@ -506,7 +506,8 @@ def speculators_child(job: dict) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", type=Path, default=Path("/tmp/eaglekit-tau-race"))
+    # absolute: the run configs written under it name their files relative to themselves
+    p.add_argument("--out", type=lambda s: Path(s).resolve(), default=Path("/tmp/eaglekit-tau-race"))
     p.add_argument(
         "--target",
         choices=["tasks", "chatty"],
