@@ -52,23 +52,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "benchmarks")]  # also when loaded from a file (the bridge test)
 
-from race_common import (  # noqa: E402, F401  (batch_features: the bridge test's, and the child's)
+from race_common import (  # noqa: E402, F401  (batch_features: the bridge test's)
     Race,
     arguments,
     batch_features,
     block_context,
     checked,
-    child_batches,
-    child_loader,
-    child_samples,
-    child_train,
     eaglekit_block_hidden,
     load_block_drafter,
     logit_check,
     run_child,
+    speculators_block_child,
     speculators_block_layer,
     train_block_eaglekit,
-    write_summary,
 )
 
 
@@ -85,22 +81,7 @@ def dflash_config(target_config, aux: list[int], mask_token_id: int, args):
 
 def speculators_child(job: dict) -> None:
     """Runs in benchmarks/.venv-speculators: speculators' own DFlash model, collate, loss and Trainer."""
-    from speculators.models.dflash import DFlashDraftModel
-
-    batches = child_batches(job)
-    samples, rows, packed = child_samples(batches)
-    model = speculators_model(job)
-    hidden = model.config.transformer_layer_config.hidden_size
-    loader = child_loader(samples, rows, packed, len(batches), hidden, len(job["aux"]))
-    train_kwargs, val_kwargs = DFlashDraftModel.get_trainer_kwargs(
-        loss_fn="ce",
-        loss_implementation="eager",
-        per_position_loss_weight="dpace",
-        dpace_alpha=0.5,
-        max_anchors=job["anchors"],
-    )
-    summary = child_train(model, loader, train_kwargs, val_kwargs, job, len(batches))
-    write_summary(job, summary | {"forward_check": forward_check(model, batches[0], job)})
+    speculators_block_child(job, speculators_model(job), forward_check)
 
 
 def speculators_model(job: dict):

@@ -47,38 +47,19 @@ from race_common import (  # noqa: E402
     arguments,
     block_context,
     checked,
-    child_batches,
-    child_loader,
-    child_samples,
-    child_train,
     eaglekit_block_hidden,
     load_block_drafter,
     logit_check,
     run_child,
+    speculators_block_child,
     speculators_block_layer,
     train_block_eaglekit,
-    write_summary,
 )
 
 
 def speculators_child(job: dict) -> None:
     """Runs in benchmarks/.venv-speculators: speculators' own DSpark model, collate, loss and Trainer."""
-    from speculators.models.dspark import DSparkDraftModel
-
-    batches = child_batches(job)
-    samples, rows, packed = child_samples(batches)
-    model = speculators_model(job)
-    hidden = model.config.transformer_layer_config.hidden_size
-    loader = child_loader(samples, rows, packed, len(batches), hidden, len(job["aux"]))
-    train_kwargs, val_kwargs = DSparkDraftModel.get_trainer_kwargs(
-        loss_fn="ce",
-        loss_implementation="eager",
-        per_position_loss_weight="dpace",
-        dpace_alpha=0.5,
-        max_anchors=job["anchors"],
-    )
-    summary = child_train(model, loader, train_kwargs, val_kwargs, job, len(batches))
-    write_summary(job, summary | {"forward_check": forward_check(model, batches[0], job)})
+    speculators_block_child(job, speculators_model(job), forward_check)
 
 
 def speculators_model(job: dict):

@@ -177,6 +177,27 @@ def child_train(model, loader, train_kwargs: dict, val_kwargs: dict, job: dict, 
     return {"steps": trainer.global_step, "tail_loss": tail_mean(losses)}
 
 
+def speculators_block_child(job: dict, model, forward_check, **family_loss) -> None:
+    """speculators' own trainer of a block family (DFlash, DSpark, DFlash2) on the race's packed batches, with the
+    loss every block race matches: cross-entropy against the target's argmax per slot, D-PACE weights at α 0.5
+    (eaglekit's), at most --anchors anchors a packed step; ``family_loss`` adds the family's own terms. Then the
+    family's ``forward_check`` of the saved drafter against eaglekit's model of it."""
+    batches = child_batches(job)
+    samples, rows, packed = child_samples(batches)
+    hidden = model.config.transformer_layer_config.hidden_size
+    loader = child_loader(samples, rows, packed, len(batches), hidden, len(job["aux"]))
+    train_kwargs, val_kwargs = type(model).get_trainer_kwargs(
+        loss_fn="ce",
+        loss_implementation="eager",
+        per_position_loss_weight="dpace",
+        dpace_alpha=0.5,
+        max_anchors=job["anchors"],
+        **family_loss,
+    )
+    summary = child_train(model, loader, train_kwargs, val_kwargs, job, len(batches))
+    write_summary(job, summary | {"forward_check": forward_check(model, batches[0], job)})
+
+
 def write_summary(job: dict, summary: dict) -> None:
     (Path(job["out"]) / "summary.json").write_text(json.dumps(summary, indent=1))
     print(f"speculators child: {json.dumps(summary)}", flush=True)
