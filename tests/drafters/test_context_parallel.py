@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from test_train_ddp import CFG, free_port, torchrun_env
+from test_train_ddp import CFG, end_ranks, free_port, torchrun_env
 
 from eaglekit.config import TTTConfig
 from eaglekit.drafters.eagle3.fused import StepKernels
@@ -94,8 +94,7 @@ def cases_worker(rank: int, world: int, port: int, out: str) -> None:
         results[name] = {"loss": result.loss.detach(), "count_k": result.count_k, "grads": grads,
                          "piece": (shard.start, shard.end, shard.stop)}  # fmt: skip
     torch.save(results, Path(out) / f"rank{rank}.pt")
-    dist.barrier()
-    torch.distributed.destroy_process_group()
+    end_ranks()
 
 
 def test_two_ranks_splitting_each_row_equal_one_process(tmp_path):
@@ -145,8 +144,8 @@ def ddp_worker(rank: int, world: int, port: int, out: str, mode: str, normalizat
             g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
             grads[name.removeprefix("module.").removeprefix("drafter.")] = g.detach().clone()
     torch.save({"loss": loss.detach(), "grads": grads}, Path(out) / f"rank{rank}.pt")
-    dist.barrier()
-    torch.distributed.destroy_process_group()
+    del model
+    end_ranks()
 
 
 def four_rows():
@@ -295,8 +294,7 @@ def short_rows_worker(rank: int, world: int, port: int, out: str) -> None:
         result, grads = step(drafter({}), inputs, "token", StepKernels(context=context))
         results[length] = {"loss": result.loss.detach(), "grads": grads, "piece": (shard.start, shard.end)}
     torch.save(results, Path(out) / f"rank{rank}.pt")
-    dist.barrier()
-    torch.distributed.destroy_process_group()
+    end_ranks()
 
 
 SHORT = (1, 2, 4, 5)
@@ -413,8 +411,8 @@ def block_worker(rank: int, world: int, port: int, out: str) -> None:
              if p.grad is not None}  # fmt: skip
     results["ddp"] = {"loss": loss.detach(), "grads": grads}
     torch.save(results, Path(out) / f"rank{rank}.pt")
-    dist.barrier()
-    torch.distributed.destroy_process_group()
+    del objective
+    end_ranks()
 
 
 def test_block_drafters_split_rows_two_and_three_ways_equal_one_process(tmp_path):

@@ -156,7 +156,7 @@ def test_sequence_normalization_is_the_mean_of_each_sequences_mean():
 
 
 def sequence_halves_worker(rank: int, world: int, port: int, out: str) -> None:
-    from test_train_ddp import torchrun_env, unequal_batch
+    from test_train_ddp import end_ranks, torchrun_env, unequal_batch
 
     from eaglekit.training import distributed as dist
     from eaglekit.training.data import rank_share
@@ -175,8 +175,8 @@ def sequence_halves_worker(rank: int, world: int, port: int, out: str) -> None:
         n.removeprefix("module.drafter."): p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
     }
     torch.save({"loss": loss.detach(), "grads": grads}, f"{out}/rank{rank}.pt")
-    dist.barrier()
-    torch.distributed.destroy_process_group()
+    del model
+    end_ranks()
 
 
 def test_sequence_normalization_under_ddp_equals_one_process(tmp_path):

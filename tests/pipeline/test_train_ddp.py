@@ -47,6 +47,15 @@ def torchrun_env(rank: int, world: int, port: int) -> None:
     )
 
 
+def end_ranks() -> None:
+    """A worker's last step: a barrier, so neither rank tears gloo down while the other still works in it (an abort
+    at exit, seen once in CI), then the process group destroyed. A worker deletes its DDP model first: DDP's reducer
+    holds the group, and a group freed through the reducer is destroyed with the GIL held while gloo's thread needs
+    the GIL to free the barrier's work, a deadlock (a rank hung in ~ProcessGroupGloo in CI, torch 2.x)."""
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
 def drafter() -> Eagle3Drafter:
     torch.manual_seed(0)
     return Eagle3Drafter(DrafterConfig(**CFG)).double()
@@ -101,8 +110,8 @@ def halves_worker(rank: int, world: int, port: int, out: str, mode: str, which: 
             g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
             grads[name.removeprefix("module.").removeprefix("drafter.")] = g.detach().clone()
     torch.save({"loss": loss.detach(), "grads": grads}, Path(out) / f"rank{rank}.pt")
-    dist.barrier()  # neither rank tears gloo down while the other still works in it (an abort at exit, seen once in CI)
-    torch.distributed.destroy_process_group()
+    del model
+    end_ranks()
 
 
 @pytest.mark.parametrize("mode, which", [("ddp", "equal"), ("fsdp", "equal"), ("ddp", "unequal"), ("fsdp", "unequal")])
