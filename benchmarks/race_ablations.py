@@ -16,7 +16,8 @@ eaglekit's side only: run the race itself first for the seeds you ask for.
   final-norm      the final norm (before the frozen head, the target's) starts at the target's final norm; also for
                   peagle
   dpace-alpha=A   D-PACE's smoothing α (the race's, speculators' default: 0.5)
-  init-std=S      every trainable matrix of the drafter starts at normal(0, S) (the race's and speculators' 0.02)
+  init-std=S      every trainable matrix of the drafter but DSpark's Markov head (its own 0.01, speculators')
+                  starts at normal(0, S) (the race's and speculators' 0.02)
   ema=D           the drafter measured is the exponential average of its weights over the steps (decay D)
   muon            torch.optim.Muon on the 2-D weights, AdamW on the rest (eaglekit's train.optimizer muon, weight
                   decay 0.1; speculators' CLI default optimizer)
